@@ -1,0 +1,132 @@
+"""`python -m loadgen {replay,sweep,convert,stats}`: argument parsing; the work is in `commands`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from loadgen import commands
+from loadgen.arrivals import ARRIVAL_MODES, parse_scale
+
+
+def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("schedule")
+    group.add_argument("--trace", required=True, help="Azure CSV or Mooncake JSONL trace")
+    group.add_argument(
+        "--arrival",
+        choices=ARRIVAL_MODES,
+        default=None,
+        help="trace timestamps, or poisson/gamma at --rate (default: trace for "
+        "replay, poisson for sweep)",
+    )
+    group.add_argument(
+        "--time-scale",
+        type=parse_scale,
+        default=1.0,
+        help="multiply trace inter-arrival gaps (2 = half speed)",
+    )
+    group.add_argument("--rate", type=float, help="requests/s for poisson/gamma arrivals")
+    group.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier"
+    )
+    group.add_argument("--start", type=float, default=0.0, help="skip arrivals before (s)")
+    group.add_argument("--duration", type=float, help="keep arrivals in [start, start+duration)")
+    group.add_argument("--num-requests", type=int, help="send at most this many requests")
+    group.add_argument(
+        "--token-scale",
+        type=parse_scale,
+        default=1.0,
+        help="scale prompt (and output) lengths, e.g. 1/8",
+    )
+    group.add_argument(
+        "--output-token-scale",
+        type=parse_scale,
+        default=None,
+        help="scale output lengths separately (default: --token-scale)",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seeds arrival gaps and prompt ids")
+
+
+def _add_target_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("target")
+    group.add_argument("--url", "--base-url", dest="url", help="server base URL, http://host:port")
+    group.add_argument(
+        "--target",
+        default="http",
+        help="'http' (default, needs --url) or 'sim:CONFIG' for the simulator",
+    )
+    group.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    group.add_argument("--endpoint", default="/v1/completions")
+    group.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    group.add_argument("--vocab-size", type=int, default=32000, help="range of prompt token ids")
+    group.add_argument(
+        "--no-min-tokens",
+        action="store_true",
+        help="do not send min_tokens (for servers that reject it)",
+    )
+    group.add_argument("--connect-timeout", type=float, default=10.0, help="seconds")
+    group.add_argument(
+        "--read-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a byte before a request fails",
+    )
+    group.add_argument("--max-connections", type=int, default=None)
+
+
+def _add_report_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("report")
+    group.add_argument(
+        "--slo",
+        action="append",
+        default=[],
+        help="METRIC[:pPCT]:LIMIT[ms|s|x], comma-separated or repeated; "
+        "'splitwise' = Table VI slowdowns",
+    )
+    group.add_argument(
+        "--baseline",
+        default=None,
+        help="unloaded run (its folder or requests.jsonl) for slowdown SLOs",
+    )
+    group.add_argument("--baseline-ttft", type=float, default=None, help="ms, instead of a run")
+    group.add_argument("--baseline-tbt", type=float, default=None, help="ms, instead of a run")
+    group.add_argument("--out", default=None, help="folder for results.json, requests.jsonl, PNGs")
+    group.add_argument("--no-plots", action="store_true")
+    group.add_argument("--disable-tqdm", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `python -m loadgen` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen", description="Replay LLM request traces against a server."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    replay = sub.add_parser("replay", help="replay a trace and report latency, SLOs, goodput")
+    for add in (_add_schedule_args, _add_target_args, _add_report_args):
+        add(replay)
+    replay.set_defaults(func=commands.cmd_replay)
+    sweep = sub.add_parser("sweep", help="replay at several rates: a latency-vs-load curve")
+    for add in (_add_schedule_args, _add_target_args, _add_report_args):
+        add(sweep)
+    sweep.add_argument("--rates", required=True, help="comma-separated requests/s, e.g. 1,2,4")
+    sweep.set_defaults(func=commands.cmd_sweep)
+    convert = sub.add_parser("convert", help="write a trace (e.g. Azure CSV) as Mooncake JSONL")
+    convert.add_argument("--trace", required=True)
+    convert.add_argument("--out", required=True, help="output .jsonl path")
+    convert.set_defaults(func=commands.cmd_convert)
+    stats = sub.add_parser("stats", help="request count, span, rate and token statistics")
+    stats.add_argument("--trace", required=True)
+    stats.add_argument("--json", action="store_true", help="last line: one JSON object")
+    stats.set_defaults(func=commands.cmd_stats)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` and run the subcommand; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, OSError) as exc:
+        # Bad input (a malformed trace row names its file:line) is a message, not a traceback.
+        parser.exit(2, f"error: {exc}\n")
