@@ -1,0 +1,201 @@
+"""The spans of one request, named as in the design, one trace across every process.
+
+    router.request (SERVER, root)       router: the whole request
+    ├── prompt.queue                    prompt engine: arrival to batch start
+    ├── prompt.prefill                  prompt engine: the prefill batch holding the request
+    ├── kv.transfer                     prompt engine: KV pages to shards / token engine
+    ├── token.queue                     token engine: KV landed to first decode step
+    └── token.decode                    token engine: one event per generated token
+
+Every phase is a child of `router.request`, never of another phase: a decode nested under a
+prefill hides where TTFT and TBT go (peer-systems.md, pain point 8). A service that received a
+message passes its `trace_context` string as `parent`. Attribute names follow the OpenTelemetry
+GenAI conventions where one exists (`gen_ai.*`); PhaseMesh's own are under `phasemesh.`.
+Timestamps are `time.time_ns()` (wall clock, comparable across processes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.util.types import Attributes
+
+from common.telemetry.context import extract_context
+
+TRACER_NAME = "phasemesh"
+PROVIDER_NAME = "phasemesh"
+TOKEN_EVENT = "token"
+
+# Attribute names, GenAI semantic conventions first.
+OPERATION = "gen_ai.operation.name"
+PROVIDER = "gen_ai.provider.name"
+REQUEST_MODEL = "gen_ai.request.model"
+REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+INPUT_TOKENS = "gen_ai.usage.input_tokens"
+OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+FINISH_REASONS = "gen_ai.response.finish_reasons"
+ERROR_TYPE = "error.type"
+REQUEST_ID = "phasemesh.request_id"
+PROMPT_ENGINE = "phasemesh.prompt_engine"
+TOKEN_ENGINE = "phasemesh.token_engine"
+SHARDS = "phasemesh.shards"
+BATCH_SIZE = "phasemesh.batch_size"
+BATCH_TOKENS = "phasemesh.batch_tokens"
+KV_BYTES = "phasemesh.kv.bytes"
+KV_LAYERS = "phasemesh.kv.num_layers"
+KV_OVERLAP_RATIO = "phasemesh.kv.overlap_ratio"
+
+Parent = str | Context | None
+
+
+def tracer() -> trace.Tracer:
+    """PhaseMesh's tracer from the installed provider (a no-op one before configuration)."""
+    return trace.get_tracer(TRACER_NAME)
+
+
+def parent_context(parent: Parent) -> Context | None:
+    """A carried `trace_context` string, a `Context`, or None for the current context."""
+    return extract_context(parent) if isinstance(parent, str) else parent
+
+
+@contextmanager
+def request_span(
+    req_id: str,
+    *,
+    model: str,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    operation: str = "text_completion",
+    parent: Parent = None,
+) -> Iterator[Span]:
+    """`router.request`: the root SERVER span of one request, current while the block runs.
+
+    `operation` is the GenAI operation name: `text_completion` or `chat`. Pass `parent` only to
+    continue a caller's trace (an incoming `traceparent` header).
+    """
+    attributes: Attributes = {
+        OPERATION: operation,
+        PROVIDER: PROVIDER_NAME,
+        REQUEST_MODEL: model,
+        REQUEST_ID: req_id,
+        INPUT_TOKENS: num_prompt_tokens,
+        REQUEST_MAX_TOKENS: max_tokens,
+    }
+    with _span("router.request", parent, attributes, kind=SpanKind.SERVER) as span:
+        yield span
+
+
+def set_route(
+    span: Span, *, prompt_engine: str, token_engine: str, shards: Sequence[str] = ()
+) -> None:
+    """Record the engines and shard group the router chose for this request."""
+    span.set_attributes({PROMPT_ENGINE: prompt_engine, TOKEN_ENGINE: token_engine})
+    if shards:
+        span.set_attribute(SHARDS, list(shards))
+
+
+def set_usage(span: Span, *, num_output_tokens: int, finish_reason: str) -> None:
+    """Record how the request ended: generated token count and OpenAI finish reason."""
+    span.set_attributes({OUTPUT_TOKENS: num_output_tokens, FINISH_REASONS: [finish_reason]})
+
+
+@contextmanager
+def prefill_span(
+    parent: Parent, *, num_prompt_tokens: int, batch_size: int, batch_tokens: int
+) -> Iterator[Span]:
+    """`prompt.prefill`: this request's part of a prefill batch (one span per request)."""
+    attributes: Attributes = {
+        INPUT_TOKENS: num_prompt_tokens,
+        BATCH_SIZE: batch_size,
+        BATCH_TOKENS: batch_tokens,
+    }
+    with _span("prompt.prefill", parent, attributes) as span:
+        yield span
+
+
+@contextmanager
+def kv_transfer_span(parent: Parent, *, num_layers: int) -> Iterator[Span]:
+    """`kv.transfer`: KV pages leaving the prompt engine; finish with `set_kv_transfer`."""
+    with _span("kv.transfer", parent, {KV_LAYERS: num_layers}) as span:
+        yield span
+
+
+def set_kv_transfer(span: Span, *, num_bytes: int, overlap_ratio: float) -> None:
+    """Bytes moved, and the fraction of the transfer hidden behind prefill compute (0..1)."""
+    span.set_attributes({KV_BYTES: num_bytes, KV_OVERLAP_RATIO: overlap_ratio})
+
+
+def queue_span(name: str, parent: Parent, enqueued_ns: int, end_ns: int | None = None) -> None:
+    """Record a finished queue wait (`prompt.queue` or `token.queue`) after the fact.
+
+    Queue time starts and ends in different places of an engine loop, so it is recorded as a
+    whole once the request leaves the queue: `enqueued_ns` is `time.time_ns()` at arrival.
+    """
+    span = tracer().start_span(name, context=parent_context(parent), start_time=enqueued_ns)
+    span.end(end_time=end_ns if end_ns is not None else time.time_ns())
+
+
+class DecodeSpan:
+    """`token.decode`: from the request's first decode step to its end, one event per token.
+
+    The span is not made current: an engine loop decodes many requests at once. `token()` is
+    the per-token hot path and adds exactly one span event (its timestamp gives the TBT).
+    """
+
+    __slots__ = ("_span", "num_tokens")
+
+    def __init__(self, parent: Parent, *, token_engine: str = "", shards: Sequence[str] = ()):
+        attributes: dict[str, str | list[str]] = {TOKEN_ENGINE: token_engine}
+        if shards:
+            attributes[SHARDS] = list(shards)
+        self._span = tracer().start_span(
+            "token.decode", context=parent_context(parent), attributes=attributes
+        )
+        self.num_tokens = 0
+
+    def token(self) -> None:
+        """One token emitted for this request."""
+        self.num_tokens += 1
+        self._span.add_event(TOKEN_EVENT)
+
+    def finish(self, finish_reason: str) -> None:
+        """End the span with the token count and the OpenAI finish reason."""
+        set_usage(self._span, num_output_tokens=self.num_tokens, finish_reason=finish_reason)
+        self._span.end()
+
+    def fail(self, error: BaseException) -> None:
+        """End the span as failed (engine error, abort, lost shard)."""
+        _mark_failed(self._span, error)
+        self._span.set_attribute(OUTPUT_TOKENS, self.num_tokens)
+        self._span.end()
+
+
+@contextmanager
+def _span(
+    name: str, parent: Parent, attributes: Attributes, kind: SpanKind = SpanKind.INTERNAL
+) -> Iterator[Span]:
+    """A span current for the block; an escaping exception marks it failed with `error.type`."""
+    with tracer().start_as_current_span(
+        name,
+        context=parent_context(parent),
+        kind=kind,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except BaseException as error:
+            _mark_failed(span, error)
+            raise
+
+
+def _mark_failed(span: Span, error: BaseException) -> None:
+    span.record_exception(error)
+    span.set_status(Status(StatusCode.ERROR, str(error)))
+    span.set_attribute(ERROR_TYPE, type(error).__qualname__)
