@@ -1,0 +1,137 @@
+"""One simulated machine: a `MixedBatchPolicy`, a performance model, and its current iteration.
+
+Decode-only stretches run as one *run* of many iterations (one event instead of one per token):
+the run lasts until the first running request would finish, or memory would run out, and is cut
+short at the next iteration boundary when new work arrives (`interrupt`). This keeps the event count
+proportional to requests, not tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from common.perf_model import PerfModel
+from common.scheduling.cluster import MachineLoad, Pool
+from common.scheduling.mixed import MixedBatchPolicy, MixedPlan
+
+
+@dataclass
+class Run:
+    """The iteration (or run of decode-only iterations) in progress."""
+
+    plan: MixedPlan
+    start_s: float
+    step_s: float
+    num_steps: int
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.step_s * self.num_steps
+
+
+class SimMachine:
+    """A machine's state in the simulator; the `Simulator` drives it through events."""
+
+    def __init__(
+        self, machine_id: int, home: Pool, policy: MixedBatchPolicy, perf: PerfModel
+    ) -> None:
+        self.machine_id = machine_id
+        self.home = home
+        self.policy = policy
+        self.perf = perf
+        self.run: Run | None = None
+        self.version = 0  # bumps whenever the pending end-of-run event is superseded
+        self.inbound_kv_tokens = 0  # KV in flight towards this machine
+        self.busy_s = 0.0
+        self._finish_heap: list[tuple[int, int]] = []  # (policy step when done, req_id)
+        self._tracked: dict[int, int] = {}  # req_id -> join_step already in the heap
+
+    def load(self) -> MachineLoad:
+        policy = self.policy
+        return MachineLoad(
+            self.machine_id,
+            pending_prompt_tokens=policy.pending_prompt_tokens,
+            decode_tokens=policy.kv_used + self.inbound_kv_tokens,
+            free_kv_tokens=policy.kv_free - self.inbound_kv_tokens,
+        )
+
+    def start(self, now: float, output_len: dict[int, int]) -> Run | None:
+        """Plan and start the next iteration or decode run; None when there is nothing to do."""
+        plan = self.policy.schedule(now)
+        if plan.is_empty:
+            self.run = None
+            return None
+        self._track(plan, output_len)
+        if plan.prefill_ids:
+            step_s = self.perf.iteration_s(plan.num_prefill_tokens, len(plan.decode_ids))
+            self.run = Run(plan, now, step_s, 1)
+        else:
+            self.run = Run(plan, now, self.perf.decode_s(len(plan.decode_ids)), self._run_len())
+        self.version += 1
+        return self.run
+
+    def interrupt(self, now: float) -> float | None:
+        """Cut a decode run at the first iteration boundary after `now`; the new end time, or
+        None if there is no run to cut."""
+        run = self.run
+        if run is None or run.num_steps == 1:
+            return None
+        done = max(1, math.ceil((now - run.start_s) / run.step_s))
+        if done >= run.num_steps:
+            return None
+        run.num_steps = done
+        self.version += 1
+        return run.end_s
+
+    def complete(self) -> tuple[MixedPlan, list[int]]:
+        """Apply the finished run to the policy; its plan and the requests that are done."""
+        run = self.run
+        assert run is not None
+        self.policy.advance(run.num_steps - 1)
+        self.busy_s += run.step_s * run.num_steps
+        self.run = None
+        return run.plan, self._pop_finished()
+
+    def _run_len(self) -> int:
+        """Decode iterations until the first finish, memory exhaustion or waiting work."""
+        if self.policy.has_waiting or not self._finish_heap:
+            return 1
+        until_finish = self._finish_heap[0][0] - self.policy.step + 1
+        return max(1, min(until_finish, self.policy.max_decode_steps() + 1))
+
+    def _track(self, plan: MixedPlan, output_len: dict[int, int]) -> None:
+        """Put newly (re)joined requests on the finish heap, keyed by the policy step at which
+        they will have generated all their tokens."""
+        running, tracked = self.policy.running, self._tracked
+        for req_id in plan.prefill_ids + plan.decode_ids:
+            seq = running.get(req_id)
+            if seq is None:
+                continue
+            finish_step = seq.join_step + output_len[req_id] - seq.gen_base
+            if tracked.get(req_id) != finish_step:
+                tracked[req_id] = finish_step
+                heapq.heappush(self._finish_heap, (finish_step, req_id))
+        heap = self._finish_heap
+        while heap and not self._is_current(*heap[0]):
+            heapq.heappop(heap)
+
+    def _is_current(self, finish_step: int, req_id: int) -> bool:
+        """False for entries of requests that left, or of an earlier stay (before a preemption)."""
+        return req_id in self.policy.running and self._tracked.get(req_id) == finish_step
+
+    def _pop_finished(self) -> list[int]:
+        done: list[int] = []
+        heap, step = self._finish_heap, self.policy.step
+        while heap and heap[0][0] <= step:
+            finish_step, req_id = heapq.heappop(heap)
+            if self._is_current(finish_step, req_id):
+                done.append(req_id)
+                self.forget(req_id)
+        return done
+
+    def forget(self, req_id: int) -> None:
+        """The request's KV left this machine (for its token machine)."""
+        self.policy.finish(req_id)
+        self._tracked.pop(req_id, None)

@@ -1,0 +1,209 @@
+"""The discrete-event cluster simulator: a heap of events, plain Python.
+
+Three events: a request arrives (the cluster policy routes it to a prompt and a token machine), a
+machine's iteration or decode run ends (its machine-level policy plans the next), and a request's
+KV lands on its token machine. Machines are `SimMachine`s running `common.scheduling.mixed`'s
+`MixedBatchPolicy`; routing is `common.scheduling.cluster`'s policy, fed the machines' exact loads.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from common.scheduling.cluster import JSQPoolPolicy, PoolThresholds, RouteRequest
+from common.scheduling.mixed import MixedBatchPolicy, MixedPolicyConfig
+from loadgen.sim.config import ClusterSpec, perf_model_for
+from loadgen.sim.machine import SimMachine
+
+log = structlog.get_logger(__name__)
+
+ARRIVAL, RUN_END, KV_LANDED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request to simulate: arrival time (s), prompt and output lengths (tokens)."""
+
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class RequestRecord:
+    """Per-request outcome; times are seconds of simulated time, NaN until they happen."""
+
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    prompt_machine: int = -1
+    token_machine: int = -1
+    first_token_s: float = float("nan")
+    done_s: float = float("nan")
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.done_s - self.arrival_s
+
+    @property
+    def tbt_s(self) -> float:
+        """Mean time between tokens after the first (NaN for single-token outputs)."""
+        if self.output_len <= 1:
+            return float("nan")
+        return (self.done_s - self.first_token_s) / (self.output_len - 1)
+
+
+@dataclass
+class SimResult:
+    """What a simulation produced: request records and cluster counters."""
+
+    cluster: ClusterSpec
+    records: list[RequestRecord]
+    end_s: float
+    num_events: int
+    num_pool_moves: int = 0
+    busy_s_by_machine: list[float] = field(default_factory=list)
+
+    @property
+    def num_completed(self) -> int:
+        return sum(1 for r in self.records if r.done_s == r.done_s)
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Scheduler knobs of a run (defaults follow Splitwise §IV)."""
+
+    prompt_token_cap: int = 2048
+    max_preemptions: int = 2
+    starvation_s: float = 1.0
+    thresholds: PoolThresholds = PoolThresholds()
+
+
+class Simulator:
+    """Replays requests through a cluster; `run` returns a `SimResult`."""
+
+    def __init__(self, cluster: ClusterSpec, options: SimOptions | None = None) -> None:
+        self.cluster = cluster
+        self.options = options = options or SimOptions()
+        self.transfer = cluster.transfer_model()
+        types = cluster.machine_types()
+        self.machines = [
+            SimMachine(i, home, self._policy_for(t), perf_model_for(t, cluster.model))
+            for i, (t, home) in enumerate(types)
+        ]
+        self.router = JSQPoolPolicy({i: home for i, (_, home) in enumerate(types)}, options.thresholds)
+        self.records: list[RequestRecord] = []
+        self.output_len: dict[int, int] = {}
+        self._events: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self._num_moves = 0
+
+    def _policy_for(self, machine_type) -> MixedBatchPolicy:  # type: ignore[no-untyped-def]
+        config = MixedPolicyConfig(
+            kv_capacity_tokens=machine_type.kv_capacity_tokens(self.cluster.model),
+            prompt_token_cap=self.options.prompt_token_cap,
+            max_preemptions=self.options.max_preemptions,
+            starvation_s=self.options.starvation_s,
+        )
+        return MixedBatchPolicy(config)
+
+    def _push(self, time_s: float, kind: int, a: int, b: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (time_s, self._seq, kind, a, b))
+
+    def run(self, requests: Iterable[SimRequest]) -> SimResult:
+        """Simulate until every request has finished."""
+        for req in requests:
+            req_id = len(self.records)
+            self.records.append(RequestRecord(req.arrival_s, req.prompt_len, req.output_len))
+            self.output_len[req_id] = req.output_len
+            self._push(req.arrival_s, ARRIVAL, req_id)
+        num_events, now = 0, 0.0
+        handlers = (self._on_arrival, self._on_run_end, self._on_kv_landed)
+        while self._events:
+            now, _, kind, a, b = heapq.heappop(self._events)
+            handlers[kind](now, a, b)
+            num_events += 1
+        busy = [m.busy_s for m in self.machines]
+        return SimResult(self.cluster, self.records, now, num_events, self._num_moves, busy)
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _on_arrival(self, now: float, req_id: int, _: int) -> None:
+        record = self.records[req_id]
+        if record.output_len <= 0 or record.prompt_len <= 0:
+            record.first_token_s = record.done_s = now  # nothing to compute
+            return
+        loads = {m.machine_id: m.load() for m in self.machines}
+        self._num_moves += len(self.router.rebalance(loads, now))
+        decision = self.router.route(RouteRequest(req_id, record.prompt_len), loads, now)
+        self._num_moves += len(decision.moves)
+        record.prompt_machine = decision.prompt_machine_id
+        record.token_machine = decision.token_machine_id
+        machine = self.machines[decision.prompt_machine_id]
+        machine.policy.add_prompt(req_id, record.prompt_len, record.arrival_s)
+        if record.token_machine != record.prompt_machine:
+            self.machines[record.token_machine].inbound_kv_tokens += record.prompt_len
+        self._kick(machine, now)
+
+    def _on_run_end(self, now: float, machine_id: int, version: int) -> None:
+        machine = self.machines[machine_id]
+        if version != machine.version or machine.run is None:
+            return  # superseded by an interrupt
+        plan, finished = machine.complete()
+        for req_id in finished:
+            self.records[req_id].done_s = now
+        for req_id in plan.prefill_ids:
+            self._after_prefill(machine, req_id, now, finished)
+        self._kick(machine, now)
+
+    def _after_prefill(
+        self, machine: SimMachine, req_id: int, now: float, finished: Sequence[int]
+    ) -> None:
+        record = self.records[req_id]
+        if record.first_token_s == record.first_token_s:
+            return  # a recompute after preemption, not a first token
+        record.first_token_s = now
+        if record.token_machine == machine.machine_id:
+            return
+        if req_id in finished:  # a one-token output: no KV to send after all
+            self.machines[record.token_machine].inbound_kv_tokens -= record.prompt_len
+            return
+        machine.forget(req_id)  # the KV leaves for the token machine
+        delay = self.transfer.visible_s(record.prompt_len)
+        self._push(now + delay, KV_LANDED, req_id, record.token_machine)
+
+    def _on_kv_landed(self, now: float, req_id: int, machine_id: int) -> None:
+        record = self.records[req_id]
+        machine = self.machines[machine_id]
+        machine.inbound_kv_tokens -= record.prompt_len
+        machine.policy.add_decode(req_id, record.prompt_len, record.arrival_s, now)
+        self._kick(machine, now)
+
+    def _kick(self, machine: SimMachine, now: float) -> None:
+        """New work for `machine`: start it if idle, else end its decode run early."""
+        if machine.run is None:
+            run = machine.start(now, self.output_len)
+            if run is not None:
+                self._push(run.end_s, RUN_END, machine.machine_id, machine.version)
+            return
+        new_end = machine.interrupt(now)
+        if new_end is not None:
+            self._push(new_end, RUN_END, machine.machine_id, machine.version)
+
+
+def simulate(
+    cluster: ClusterSpec, requests: Iterable[SimRequest], options: SimOptions | None = None
+) -> SimResult:
+    """Run one simulation of `requests` on `cluster`."""
+    result = Simulator(cluster, options).run(requests)
+    log.debug("simulated", cluster=cluster.label, events=result.num_events, end_s=result.end_s)
+    return result
