@@ -49,10 +49,13 @@ class SimMachine:
         self._tracked: dict[int, int] = {}  # req_id -> join_step already in the heap
 
     def load(self) -> MachineLoad:
-        policy = self.policy
+        policy, run = self.policy, self.run
+        # NOTE: a prefill in progress is still pending work for JSQ; without it every busy
+        # machine would look idle between batches.
+        running_prefill = run.plan.num_prefill_tokens if run is not None else 0
         return MachineLoad(
             self.machine_id,
-            pending_prompt_tokens=policy.pending_prompt_tokens,
+            pending_prompt_tokens=policy.pending_prompt_tokens + running_prefill,
             decode_tokens=policy.kv_used + self.inbound_kv_tokens,
             free_kv_tokens=policy.kv_free - self.inbound_kv_tokens,
         )

@@ -1,0 +1,166 @@
+"""Performance model: how long a prefill, a decode step or a KV transfer takes on a machine type.
+
+Built the way Splitwise built its simulator's model (§V-B): piecewise-linear interpolation through
+profiled points. Prefill time is a function of the batch's total prompt tokens (median over the
+repeats of each `prompt_size * batch_size`); decode-step time is a function of the batch size
+(profiled at 512-token contexts). Both extrapolate linearly past the last profiled point. A mixed
+iteration (prompts and decodes in one batch) costs the prefill of all its tokens times a small
+interference factor, as in the Splitwise simulator.
+
+The profile table is `/work/shared/perf/splitwise_perf_model.csv` (columns `model, hardware,
+prompt_size, batch_size, token_size, ..., prompt_time, token_time, ..., tensor_parallel`, times in
+milliseconds); `bench/profile.py` writes the same table for PhaseMesh's own engine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import os
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import StrEnum
+
+# The profiled context length of the batch-size sweep in the Splitwise table.
+PROFILED_DECODE_CONTEXT = 512
+
+
+@dataclass(frozen=True)
+class PiecewiseLinear:
+    """y(x) through sorted knots; linear extrapolation from the end segments, never below 0."""
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.xs) != len(self.ys) or len(self.xs) < 2:
+            raise ValueError("piecewise-linear: need at least two knots and equal-length xs, ys")
+        if any(b <= a for a, b in zip(self.xs, self.xs[1:], strict=False)):
+            raise ValueError("piecewise-linear: xs must be strictly increasing")
+
+    def __call__(self, x: float) -> float:
+        i = bisect.bisect_right(self.xs, x) - 1
+        i = min(max(i, 0), len(self.xs) - 2)
+        x0, x1 = self.xs[i], self.xs[i + 1]
+        y0, y1 = self.ys[i], self.ys[i + 1]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+    @classmethod
+    def fit(cls, points: dict[float, list[float]]) -> PiecewiseLinear:
+        """Knots at the median of each x's samples, made non-decreasing (more work is never
+        faster; the profile's small dips are measurement noise)."""
+        xs = sorted(points)
+        ys: list[float] = []
+        for x in xs:
+            y = statistics.median(points[x])
+            ys.append(max(y, ys[-1]) if ys else y)
+        return cls(tuple(float(x) for x in xs), tuple(ys))
+
+
+@dataclass(frozen=True)
+class PerfModel:
+    """Iteration times (seconds) of one machine type running one model."""
+
+    prefill_s_by_tokens: PiecewiseLinear
+    decode_s_by_batch: PiecewiseLinear
+    mixed_interference: float = 1.1
+
+    def prefill_s(self, num_batch_tokens: int) -> float:
+        """One prompt-only iteration over `num_batch_tokens` prompt tokens."""
+        return self.prefill_s_by_tokens(num_batch_tokens)
+
+    def decode_s(self, batch_size: int) -> float:
+        """One decode-only iteration generating one token for each of `batch_size` requests."""
+        return self.decode_s_by_batch(batch_size)
+
+    def iteration_s(self, num_prefill_tokens: int, num_decodes: int) -> float:
+        """Any iteration: decode-only, prompt-only, or mixed (each decode adds one batch token)."""
+        if num_prefill_tokens == 0:
+            return self.decode_s(num_decodes)
+        if num_decodes == 0:
+            return self.prefill_s(num_prefill_tokens)
+        return self.prefill_s(num_prefill_tokens + num_decodes) * self.mixed_interference
+
+
+def read_profile_points(
+    path: str | os.PathLike[str], model: str, hardware: str, tensor_parallel: int
+) -> tuple[dict[float, list[float]], dict[float, list[float]]]:
+    """(prefill ms by batch tokens, decode ms by batch size) from a Splitwise-format profile."""
+    prefill: dict[float, list[float]] = defaultdict(list)
+    decode: dict[float, list[float]] = defaultdict(list)
+    with open(path, encoding="utf-8", newline="") as rows:
+        for row in csv.DictReader(rows):
+            if (row["model"], row["hardware"]) != (model, hardware):
+                continue
+            if int(row["tensor_parallel"]) != tensor_parallel:
+                continue
+            prompt_size, batch_size = int(row["prompt_size"]), int(row["batch_size"])
+            prefill[prompt_size * batch_size].append(float(row["prompt_time"]))
+            # NOTE: only the batch sweep (fixed context) feeds the decode curve; the prompt-size
+            # sweep at batch 1 would put several contexts on one x.
+            if prompt_size == PROFILED_DECODE_CONTEXT:
+                decode[batch_size].append(float(row["token_time"]))
+    if not prefill or len(decode) < 2:
+        raise ValueError(
+            f"{path}: no profile rows for {model} on {hardware} with TP={tensor_parallel}"
+        )
+    return prefill, decode
+
+
+def load_perf_model(
+    path: str | os.PathLike[str],
+    model: str,
+    hardware: str,
+    tensor_parallel: int,
+    mixed_interference: float = 1.1,
+) -> PerfModel:
+    """Fit a `PerfModel` for one (model, hardware, tensor parallelism) from a profile CSV."""
+    prefill_ms, decode_ms = read_profile_points(path, model, hardware, tensor_parallel)
+    to_s = {x: [v / 1000.0 for v in vs] for x, vs in prefill_ms.items()}
+    decode_s = {x: [v / 1000.0 for v in vs] for x, vs in decode_ms.items()}
+    return PerfModel(PiecewiseLinear.fit(to_s), PiecewiseLinear.fit(decode_s), mixed_interference)
+
+
+class TransferMode(StrEnum):
+    """How KV moves from a prompt machine to a token machine (Splitwise §IV-C)."""
+
+    SERIALIZED = "serialized"  # after the prefill, all at once: grows with prompt size
+    LAYERWISE = "layerwise"  # overlapped with the prefill, one layer at a time: constant residual
+    AUTO = "auto"  # whichever is shorter for this prompt, as Splitwise picks per batch
+
+
+@dataclass(frozen=True)
+class KVTransferModel:
+    """Visible (non-overlapped) KV-transfer time between a prompt and a token machine."""
+
+    bandwidth_bytes_s: float
+    kv_bytes_per_token: int
+    layerwise_residual_s: float
+    mode: TransferMode = TransferMode.AUTO
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_bytes_s <= 0 or self.kv_bytes_per_token <= 0:
+            raise ValueError("kv transfer: bandwidth and bytes per token must be positive")
+
+    def serialized_s(self, num_tokens: int) -> float:
+        return num_tokens * self.kv_bytes_per_token / self.bandwidth_bytes_s
+
+    def visible_s(self, num_tokens: int) -> float:
+        """Time after the prefill ends until the token machine holds the request's KV."""
+        if self.mode is TransferMode.SERIALIZED:
+            return self.serialized_s(num_tokens)
+        if self.mode is TransferMode.LAYERWISE:
+            return self.layerwise_residual_s
+        return min(self.serialized_s(num_tokens), self.layerwise_residual_s)
+
+
+def mean_abs_pct_error(
+    model: PerfModel, path: str | os.PathLike[str], key: tuple[str, str, int]
+) -> float:
+    """MAPE of the fitted prefill curve against every profile row (a fit sanity check)."""
+    prefill_ms, _ = read_profile_points(path, *key)
+    errors = [
+        abs(model.prefill_s(int(x)) * 1000.0 - v) / v for x, vs in prefill_ms.items() for v in vs
+    ]
+    return sum(errors) / len(errors)

@@ -1,0 +1,276 @@
+"""Cluster-level scheduling (Splitwise §IV-A): machine pools and request routing.
+
+Pure: the input is plain per-machine load (what engines publish in their load reports), the output a
+plain decision. The live router and the simulator call the same classes.
+
+Pools. Every machine has a *home* pool (prompt, token, or mixed for non-split baselines) and a
+current pool. `JSQPoolPolicy` routes each request to a prompt machine and a token machine at once,
+by Join-the-Shortest-Queue on pending tokens. When the best machine's queue would pass a threshold
+it looks in the mixed pool; when that is full too, it borrows the least-loaded machine of the
+opposite pool and moves it into mixed. `rebalance` sends a mixed machine home once no work of the
+opposite kind is pending on it, and re-purposes (changes the home of) a machine that has stayed
+mixed for long. `RoundRobinPolicy` and `PowerOfTwoPolicy` route within home pools, for comparison.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Pool(StrEnum):
+    """Machine pools. A split design's machines have home PROMPT or TOKEN; a baseline's, MIXED."""
+
+    PROMPT = "prompt"
+    TOKEN = "token"
+    MIXED = "mixed"
+
+
+OPPOSITE = {Pool.PROMPT: Pool.TOKEN, Pool.TOKEN: Pool.PROMPT}
+
+
+@dataclass(frozen=True)
+class MachineLoad:
+    """One machine's latest load report.
+
+    `pending_prompt_tokens`: prompt tokens queued or being prefilled. `decode_tokens`: KV tokens of
+    the requests it is decoding or holding for decode (its "running decode tokens").
+    `free_kv_tokens`: KV capacity left.
+    """
+
+    machine_id: int
+    pending_prompt_tokens: int = 0
+    decode_tokens: int = 0
+    free_kv_tokens: int = 1 << 62
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the router knows about a request at admission."""
+
+    req_id: int
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class PoolMove:
+    """Move `machine_id` into `to_pool`; `repurposed` when its home pool changes too."""
+
+    machine_id: int
+    to_pool: Pool
+    repurposed: bool = False
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Where a request runs. Same id twice means no KV transfer. `moves` apply before it runs."""
+
+    prompt_machine_id: int
+    token_machine_id: int
+    moves: tuple[PoolMove, ...] = ()
+
+
+@dataclass(frozen=True)
+class PoolThresholds:
+    """When JSQ's best target counts as full, and how long a mixed stint is 'long'."""
+
+    prompt_tokens: int = 8192
+    decode_tokens: int = 1 << 62
+    min_free_kv_tokens: int = 0
+    repurpose_after_s: float = 600.0
+    min_mixed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens <= 0 or self.repurpose_after_s <= 0:
+            raise ValueError(
+                "pool thresholds: prompt_tokens and repurpose_after_s must be positive"
+            )
+
+
+class PoolTable:
+    """Home and current pool of every machine, and when each entered the mixed pool."""
+
+    def __init__(self, homes: Mapping[int, Pool]) -> None:
+        if not homes:
+            raise ValueError("pool table: no machines")
+        self.home: dict[int, Pool] = dict(homes)
+        self.current: dict[int, Pool] = dict(homes)
+        self.mixed_since: dict[int, float] = {}
+
+    def members(self, pool: Pool) -> list[int]:
+        return [m for m, p in self.current.items() if p is pool]
+
+    def home_members(self, pool: Pool) -> list[int]:
+        return [m for m, p in self.home.items() if p is pool]
+
+    def apply(self, move: PoolMove, now: float) -> None:
+        if move.repurposed:
+            self.home[move.machine_id] = move.to_pool
+        if move.to_pool is Pool.MIXED and self.home[move.machine_id] is not Pool.MIXED:
+            self.mixed_since[move.machine_id] = now
+        else:
+            self.mixed_since.pop(move.machine_id, None)
+        self.current[move.machine_id] = move.to_pool
+
+    @property
+    def is_split(self) -> bool:
+        return any(p is not Pool.MIXED for p in self.home.values())
+
+
+LoadKey = Callable[[MachineLoad], int]
+
+
+def prompt_load(load: MachineLoad) -> int:
+    return load.pending_prompt_tokens
+
+
+def decode_load(load: MachineLoad) -> int:
+    return load.decode_tokens
+
+
+def total_load(load: MachineLoad) -> int:
+    return load.pending_prompt_tokens + load.decode_tokens
+
+
+def shortest(ids: Iterable[int], loads: Mapping[int, MachineLoad], key: LoadKey) -> int | None:
+    """The id with the least `key(load)`, lowest id on ties; None for no ids."""
+    best = min(ids, key=lambda m: (key(loads[m]), m), default=None)
+    return best
+
+
+class JSQPoolPolicy:
+    """Splitwise's cluster-level scheduler: JSQ on pending tokens with a mixed pool."""
+
+    def __init__(self, homes: Mapping[int, Pool], thresholds: PoolThresholds | None = None) -> None:
+        self.pools = PoolTable(homes)
+        self.thresholds = thresholds or PoolThresholds()
+
+    def route(
+        self, request: RouteRequest, loads: Mapping[int, MachineLoad], now: float
+    ) -> RouteDecision:
+        """Pick the prompt and token machine together; borrow machines into mixed if needed."""
+        if not self.pools.is_split:
+            target = shortest(self.pools.members(Pool.MIXED), loads, total_load)
+            assert target is not None
+            return RouteDecision(target, target)
+        moves: list[PoolMove] = []
+        prompt_id = self._pick(Pool.PROMPT, request, loads, now, moves)
+        token_id = self._pick(Pool.TOKEN, request, loads, now, moves)
+        return RouteDecision(prompt_id, token_id, tuple(moves))
+
+    def _pick(
+        self,
+        kind: Pool,
+        request: RouteRequest,
+        loads: Mapping[int, MachineLoad],
+        now: float,
+        moves: list[PoolMove],
+    ) -> int:
+        key = prompt_load if kind is Pool.PROMPT else decode_load
+        own = shortest(self.pools.members(kind), loads, key)
+        if own is not None and not self._full(kind, loads[own], request):
+            return own
+        mixed = shortest(self.pools.members(Pool.MIXED), loads, key)
+        if mixed is not None and not self._full(kind, loads[mixed], request):
+            return mixed
+        # Both full: borrow from the opposite pool, keeping at least one machine there.
+        donors = self.pools.members(OPPOSITE[kind])
+        borrowed = shortest(donors, loads, key) if len(donors) > 1 else None
+        if borrowed is not None:
+            move = PoolMove(borrowed, Pool.MIXED)
+            self.pools.apply(move, now)
+            moves.append(move)
+            return borrowed
+        fallback = shortest(
+            [m for m in (own, mixed) if m is not None] or list(self.pools.current), loads, key
+        )
+        assert fallback is not None
+        return fallback
+
+    def _full(self, kind: Pool, load: MachineLoad, request: RouteRequest) -> bool:
+        if kind is Pool.PROMPT:
+            return load.pending_prompt_tokens + request.prompt_len > self.thresholds.prompt_tokens
+        need = request.prompt_len + self.thresholds.min_free_kv_tokens
+        return load.decode_tokens > self.thresholds.decode_tokens or load.free_kv_tokens < need
+
+    def rebalance(self, loads: Mapping[int, MachineLoad], now: float) -> list[PoolMove]:
+        """Send drained mixed machines home; re-purpose machines mixed for too long."""
+        moves: list[PoolMove] = []
+        for machine_id in self.pools.members(Pool.MIXED):
+            move = self._release(machine_id, loads[machine_id], now)
+            if move is not None:
+                self.pools.apply(move, now)
+                moves.append(move)
+        return moves
+
+    def _release(self, machine_id: int, load: MachineLoad, now: float) -> PoolMove | None:
+        home = self.pools.home[machine_id]
+        if home is Pool.MIXED:
+            return None
+        since = self.pools.mixed_since.get(machine_id, now)
+        if now - since < self.thresholds.min_mixed_s:
+            return None
+        # "Opposite work" of a prompt machine is decoding, and of a token machine prefilling.
+        opposite_pending = load.decode_tokens if home is Pool.PROMPT else load.pending_prompt_tokens
+        if opposite_pending == 0:
+            return PoolMove(machine_id, home)
+        if (
+            now - since >= self.thresholds.repurpose_after_s
+            and len(self.pools.home_members(home)) > 1
+        ):
+            return PoolMove(machine_id, OPPOSITE[home], repurposed=True)
+        return None
+
+
+class RoundRobinPolicy:
+    """Cycle through each home pool independently (no mixed pool, no load)."""
+
+    def __init__(self, homes: Mapping[int, Pool]) -> None:
+        self.pools = PoolTable(homes)
+        self._next = {pool: 0 for pool in Pool}
+
+    def route(
+        self, request: RouteRequest, loads: Mapping[int, MachineLoad], now: float
+    ) -> RouteDecision:
+        if not self.pools.is_split:
+            target = self._cycle(Pool.MIXED)
+            return RouteDecision(target, target)
+        return RouteDecision(self._cycle(Pool.PROMPT), self._cycle(Pool.TOKEN))
+
+    def _cycle(self, pool: Pool) -> int:
+        members = sorted(self.pools.home_members(pool))
+        chosen = members[self._next[pool] % len(members)]
+        self._next[pool] += 1
+        return chosen
+
+    def rebalance(self, loads: Mapping[int, MachineLoad], now: float) -> list[PoolMove]:
+        return []
+
+
+class PowerOfTwoPolicy:
+    """Sample two machines of each home pool; take the one with fewer pending tokens."""
+
+    def __init__(self, homes: Mapping[int, Pool], seed: int = 0) -> None:
+        self.pools = PoolTable(homes)
+        self._rng = random.Random(seed)
+
+    def route(
+        self, request: RouteRequest, loads: Mapping[int, MachineLoad], now: float
+    ) -> RouteDecision:
+        if not self.pools.is_split:
+            target = self._two_choices(Pool.MIXED, loads, total_load)
+            return RouteDecision(target, target)
+        prompt_id = self._two_choices(Pool.PROMPT, loads, prompt_load)
+        return RouteDecision(prompt_id, self._two_choices(Pool.TOKEN, loads, decode_load))
+
+    def _two_choices(self, pool: Pool, loads: Mapping[int, MachineLoad], key: LoadKey) -> int:
+        members = sorted(self.pools.home_members(pool))
+        sample = self._rng.sample(members, min(2, len(members)))
+        best = shortest(sample, loads, key)
+        assert best is not None
+        return best
+
+    def rebalance(self, loads: Mapping[int, MachineLoad], now: float) -> list[PoolMove]:
+        return []

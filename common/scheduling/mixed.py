@@ -1,0 +1,251 @@
+"""Machine-level scheduling for a mixed-pool machine (Splitwise §IV-B): mixed continuous batching.
+
+Rules, in the order `schedule` applies them:
+
+1. Prompts first. Waiting prompts are admitted FCFS into this iteration up to `prompt_token_cap`
+   batch tokens (a single longer prompt runs alone), so TTFT stays low.
+2. If a prompt does not fit in KV memory, running decodes are preempted to make room: the youngest
+   first (a decode's priority grows with its age), and never one that has already been preempted
+   `max_preemptions` times. A preempted request loses its KV and waits to be recomputed.
+3. A preempted request's priority keeps growing while it waits: once it has waited
+   `starvation_s` it goes ahead of new prompts.
+4. Decodes whose KV arrived from another machine join FCFS while memory lasts (token-machine rule).
+5. Every running decode generates one token per iteration; if their growth would overflow memory,
+   the youngest preemptable decodes are preempted.
+
+A prompt-only or token-only machine is the degenerate case (no decodes / no prompts), so the
+simulator runs every role through this one class.
+
+Time is counted in iterations (`step`), so that many decode-only iterations can be applied at once
+(`advance`) in O(1): a sequence's generated count is `gen_base + step - join_step`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+
+
+@dataclass(frozen=True)
+class MixedPolicyConfig:
+    """Knobs of mixed continuous batching."""
+
+    kv_capacity_tokens: int
+    prompt_token_cap: int = 2048
+    max_preemptions: int = 2
+    starvation_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kv_capacity_tokens <= 0 or self.prompt_token_cap <= 0:
+            raise ValueError("mixed policy: kv_capacity_tokens and prompt_token_cap must be > 0")
+        if self.max_preemptions < 0 or self.starvation_s < 0:
+            raise ValueError("mixed policy: max_preemptions and starvation_s must be >= 0")
+
+
+@dataclass(eq=False)
+class SeqState:
+    """One request on this machine. Its KV holds `prompt_len + generated` tokens; a prefill here
+    computes `prompt_len + gen_base` (the prompt, plus the generated tokens after a preemption)."""
+
+    req_id: int
+    prompt_len: int
+    arrival_s: float
+    num_preemptions: int = 0
+    gen_base: int = 0
+    join_step: int = 0
+    waiting_since_s: float = 0.0
+    is_resume: bool = field(default=False)
+
+    @property
+    def prefill_len(self) -> int:
+        return self.prompt_len + self.gen_base
+
+
+@dataclass(frozen=True)
+class MixedPlan:
+    """One iteration: prompts to prefill, decodes to step, and requests preempted to make room."""
+
+    prefill_ids: tuple[int, ...] = ()
+    num_prefill_tokens: int = 0
+    decode_ids: tuple[int, ...] = ()
+    preempted_ids: tuple[int, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill_ids and not self.decode_ids
+
+
+class MixedBatchPolicy:
+    """Mixed continuous batching with prompt priority, aging and a preemption cap (see module)."""
+
+    def __init__(self, config: MixedPolicyConfig) -> None:
+        self.config = config
+        self.step = 0
+        self.prompts: deque[SeqState] = deque()  # new prompts, FCFS
+        self.resumes: list[SeqState] = []  # preempted, oldest arrival first
+        self.arrived_decodes: deque[SeqState] = deque()  # KV landed from elsewhere, FCFS
+        self.running: dict[int, SeqState] = {}
+        self.pending_prompt_tokens = 0  # prefill tokens waiting (prompts and resumes)
+        self._kv_offset = 0  # sum over running of (prompt_len + gen_base - join_step)
+        self._prefilling: set[int] = set()
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def add_prompt(self, req_id: int, prompt_len: int, arrival_s: float) -> None:
+        self.prompts.append(SeqState(req_id, prompt_len, arrival_s, waiting_since_s=arrival_s))
+        self.pending_prompt_tokens += prompt_len
+
+    def add_decode(self, req_id: int, prompt_len: int, arrival_s: float, now: float) -> None:
+        """A request prefilled elsewhere (first token generated there): its KV has landed."""
+        seq = SeqState(req_id, prompt_len, arrival_s, gen_base=1, waiting_since_s=now)
+        self.arrived_decodes.append(seq)
+
+    def advance(self, num_steps: int) -> None:
+        """`num_steps` more decode-only iterations ran over the current running set."""
+        self.step += num_steps
+
+    def finish(self, req_id: int) -> None:
+        """The request is done here (finished, or its KV left for its token machine)."""
+        seq = self.running.pop(req_id)
+        self._kv_offset -= seq.prompt_len + seq.gen_base - seq.join_step
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def num_generated(self, req_id: int) -> int:
+        seq = self.running[req_id]
+        return seq.gen_base + self.step - seq.join_step
+
+    @property
+    def kv_used(self) -> int:
+        return self._kv_offset + len(self.running) * self.step
+
+    @property
+    def kv_free(self) -> int:
+        return self.config.kv_capacity_tokens - self.kv_used
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self.prompts or self.resumes or self.arrived_decodes)
+
+    def max_decode_steps(self) -> int:
+        """How many decode-only iterations the running set can take before memory runs out."""
+        return self.kv_free // len(self.running) if self.running else 0
+
+    # -- the plan -------------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> MixedPlan:
+        """Plan the next iteration (rules 1-5 of the module docstring) and commit it.
+
+        Prefilled sequences join `running` at once (their KV is reserved) and decode from the next
+        iteration; the iteration itself counts as one step.
+        """
+        preempted: list[int] = []
+        self._prefilling = set()
+        prefill = self._admit_prefills(now, preempted)  # (req_id, prefill tokens)
+        self._admit_arrived_decodes()
+        self._fit_growth(now, preempted)
+        decode_ids = tuple(r for r in self.running if r not in self._prefilling)
+        if prefill or decode_ids:
+            self.step += 1  # an empty plan is not an iteration
+        return MixedPlan(
+            prefill_ids=tuple(req_id for req_id, _ in prefill),
+            num_prefill_tokens=sum(num_tokens for _, num_tokens in prefill),
+            decode_ids=decode_ids,
+            preempted_ids=tuple(preempted),
+        )
+
+    def _waiting_order(self, now: float) -> Iterator[SeqState]:
+        starvation = self.config.starvation_s
+        starved = [s for s in self.resumes if now - s.waiting_since_s >= starvation]
+        fresh = [s for s in self.resumes if now - s.waiting_since_s < starvation]
+        return chain(starved, self.prompts, fresh)
+
+    def _admit_prefills(self, now: float, preempted: list[int]) -> list[tuple[int, int]]:
+        admitted: list[SeqState] = []
+        lengths: list[tuple[int, int]] = []
+        budget = self.config.prompt_token_cap
+        for seq in self._waiting_order(now):
+            if admitted and seq.prefill_len > budget:
+                break  # FCFS: nothing skips ahead of a prompt that does not fit
+            if self.kv_free < seq.prefill_len + 1 and not self._preempt_for(
+                seq.prefill_len + 1, now, preempted
+            ):
+                break
+            admitted.append(seq)
+            lengths.append((seq.req_id, seq.prefill_len))
+            budget -= seq.prefill_len
+            # Reserve its KV now so later admissions see it.
+            self._join(seq, gen_base=seq.gen_base + 1, join_step=self.step + 1)
+            self._prefilling.add(seq.req_id)
+        for seq, (_, prefill_len) in zip(admitted, lengths, strict=True):
+            self._unqueue(seq, prefill_len)
+        return lengths
+
+    def _admit_arrived_decodes(self) -> None:
+        while self.arrived_decodes and self.kv_free >= self.arrived_decodes[0].prompt_len + 2:
+            seq = self.arrived_decodes.popleft()
+            self._join(seq, gen_base=seq.gen_base, join_step=self.step)
+
+    def _fit_growth(self, now: float, preempted: list[int]) -> None:
+        """Make room for one more token per running decode."""
+        while self.running and self.kv_free < len(self.running) - len(self._prefilling):
+            victims = self._victims(ignore_cap=False) or self._victims(ignore_cap=True)
+            if not victims:
+                return
+            self._preempt(victims[0], now, preempted)
+
+    def _victims(self, ignore_cap: bool) -> list[SeqState]:
+        """Running decodes in preemption order: youngest (lowest age priority) first."""
+        cap = self.config.max_preemptions
+        eligible = [
+            s
+            for s in self.running.values()
+            if s.req_id not in self._prefilling and (ignore_cap or s.num_preemptions < cap)
+        ]
+        return sorted(eligible, key=lambda s: (-s.arrival_s, -s.req_id))
+
+    def _preempt_for(self, need: int, now: float, preempted: list[int]) -> bool:
+        """Preempt youngest eligible decodes until `need` KV tokens are free; False (and no
+        preemption at all) if even all eligible decodes would not free enough."""
+        victims = self._victims(ignore_cap=False)
+        freeable = sum(s.prompt_len + self.num_generated(s.req_id) for s in victims)
+        if self.kv_free + freeable < need:
+            return False
+        for seq in victims:
+            if self.kv_free >= need:
+                break
+            self._preempt(seq, now, preempted)
+        return True
+
+    def _preempt(self, seq: SeqState, now: float, preempted: list[int]) -> None:
+        generated = self.num_generated(seq.req_id)
+        self.finish(seq.req_id)
+        resumed = SeqState(
+            seq.req_id,
+            seq.prompt_len,
+            seq.arrival_s,
+            num_preemptions=seq.num_preemptions + 1,
+            gen_base=generated,
+            waiting_since_s=now,
+            is_resume=True,
+        )
+        self.resumes.append(resumed)
+        self.resumes.sort(key=lambda s: (s.arrival_s, s.req_id))
+        self.pending_prompt_tokens += resumed.prefill_len
+        preempted.append(seq.req_id)
+
+    def _unqueue(self, seq: SeqState, prefill_len: int) -> None:
+        self.pending_prompt_tokens -= prefill_len
+        if seq.is_resume:
+            self.resumes.remove(seq)
+        else:
+            # Admitted prompts are always the head of the FCFS deque: admission stops at the
+            # first prompt that does not fit.
+            self.prompts.popleft()
+
+    def _join(self, seq: SeqState, gen_base: int, join_step: int) -> None:
+        seq.gen_base, seq.join_step = gen_base, join_step
+        self.running[seq.req_id] = seq
+        self._kv_offset += seq.prompt_len + gen_base - join_step
