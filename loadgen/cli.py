@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from collections.abc import Sequence
+
+import structlog
 
 from loadgen import commands
 from loadgen.arrivals import ARRIVAL_MODES, parse_scale
@@ -100,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadgen", description="Replay LLM request traces against a server."
     )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log each failed request")
     sub = parser.add_subparsers(dest="command", required=True)
     replay = sub.add_parser("replay", help="replay a trace and report latency, SLOs, goodput")
     for add in (_add_schedule_args, _add_target_args, _add_report_args):
@@ -125,6 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` and run the subcommand; returns the process exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Logs go to stderr so that stdout's last line stays the machine-readable JSON.
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.DEBUG if args.verbose else logging.WARNING
+        ),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
     try:
         return int(args.func(args))
     except (ValueError, OSError) as exc:

@@ -17,8 +17,8 @@ from pathlib import Path
 from common.perf_model import KVTransferModel, PerfModel, TransferMode, load_perf_model
 from common.scheduling.cluster import Pool
 
-DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / ".." / "shared" / "perf" / (
-    "splitwise_perf_model.csv"
+DEFAULT_PROFILE = (
+    Path(__file__).resolve().parents[2] / ".." / "shared" / "perf" / ("splitwise_perf_model.csv")
 )
 
 

@@ -84,7 +84,9 @@ class SimOptions:
     prompt_token_cap: int = 2048
     max_preemptions: int = 2
     starvation_s: float = 1.0
-    thresholds: PoolThresholds = PoolThresholds()
+    # A token machine holding ~40k KV tokens (~35 conversation requests) is "full": past that
+    # batch size its TBT passes 1.2x, so the router looks to the mixed pool.
+    thresholds: PoolThresholds = PoolThresholds(decode_tokens=40_000)
 
 
 class Simulator:
@@ -99,7 +101,9 @@ class Simulator:
             SimMachine(i, home, self._policy_for(t), perf_model_for(t, cluster.model))
             for i, (t, home) in enumerate(types)
         ]
-        self.router = JSQPoolPolicy({i: home for i, (_, home) in enumerate(types)}, options.thresholds)
+        self.router = JSQPoolPolicy(
+            {i: home for i, (_, home) in enumerate(types)}, options.thresholds
+        )
         self.records: list[RequestRecord] = []
         self.output_len: dict[int, int] = {}
         self._events: list[tuple[float, int, int, int, int]] = []
