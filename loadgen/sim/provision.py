@@ -100,6 +100,7 @@ def best_under_budget(
     by: str = "power",
     step: int = 5,
     settings: SearchSettings | None = None,
+    min_each: int = 1,
 ) -> tuple[Candidate, list[Candidate]]:
     """Throughput-optimized mix under a power or cost budget: (best, all evaluated)."""
     candidates = [
@@ -134,9 +135,8 @@ def format_table(candidates: list[Candidate]) -> str:
     lines = [f"{'cluster':<34} {'cost':>7} {'power':>7} {'max RPS':>8} {'RPS/cost':>9}"]
     for c in candidates:
         k = c.cluster
-        lines.append(
-            f"{k.label:<34} {k.cost:>7.2f} {k.power:>7.2f} {c.max_rate:>8.1f} {c.rate_per_cost:>9.2f}"
-        )
+        numbers = f"{k.cost:>7.2f} {k.power:>7.2f} {c.max_rate:>8.1f} {c.rate_per_cost:>9.2f}"
+        lines.append(f"{k.label:<34} {numbers}")
     return "\n".join(lines)
 
 
