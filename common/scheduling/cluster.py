@@ -177,7 +177,8 @@ class JSQPoolPolicy:
             return mixed
         # Both full: borrow from the opposite pool, keeping at least one machine there.
         donors = self.pools.members(OPPOSITE[kind])
-        borrowed = shortest(donors, loads, key) if len(donors) > 1 else None
+        # The donor is the machine least busy with anything (its own work included).
+        borrowed = shortest(donors, loads, total_load) if len(donors) > 1 else None
         if borrowed is not None:
             move = PoolMove(borrowed, Pool.MIXED)
             self.pools.apply(move, now)
