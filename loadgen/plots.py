@@ -78,7 +78,9 @@ def _plot_load_over_time(records: Sequence[RequestRecord], duration_s: float, pa
     finish = [r.send_s + r.e2e_s for r in records if r.ok and r.e2e_s is not None]
     completions = np.histogram(finish, bins=edges)[0] / bin_s
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.step(edges[:-1], arrivals, where="post", label="offered (arrivals/s)")
+    ax.step(
+        edges[:-1], arrivals, where="post", linewidth=3, alpha=0.5, label="offered (arrivals/s)"
+    )
     ax.step(edges[:-1], completions, where="post", label="achieved (completions/s)")
     ax.set_xlabel("time (s)")
     ax.set_ylabel("requests/s")

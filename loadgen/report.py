@@ -77,6 +77,9 @@ def summarize(
     summary |= latency_summary("tpot", [t for r in done if (t := r.tpot_s) is not None])
     summary |= latency_summary("itl", [gap for r in done for gap in r.itl_s])
     summary |= latency_summary("e2el", [r.e2e_s for r in done if r.e2e_s is not None])
+    # How late the generator sent each request against its schedule: if this grows, the client
+    # (not the server) is the bottleneck and the offered load was not what was asked for.
+    summary |= latency_summary("send_lag", [r.send_s - r.scheduled_s for r in records])
     if slos:
         summary |= evaluate_slos(slos, records, duration, baseline)
     if baseline is not None:
@@ -130,6 +133,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"p{pct} {summary[f'p{pct}_{name}_ms']:.1f}" for pct in REPORT_PERCENTILES
         )
         lines.append(f"{title + ' (ms):':<40}mean {summary[f'mean_{name}_ms']:.1f}  {cells}")
+    lag = f"mean {summary['mean_send_lag_ms']:.1f}  p99 {summary['p99_send_lag_ms']:.1f}"
+    lines.append(f"{'Client send lag (ms):':<40}{lag}")
     for kind, count in summary["errors"].items():
         lines.append(f"{'Errors ' + kind + ':':<40}{count}")
     for slo in summary.get("slos", []):

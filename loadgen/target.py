@@ -5,7 +5,9 @@ a time, at the spec's arrival time, and iterates what `generate` yields. Two imp
 
 - `loadgen.http_target.OpenAIStreamingTarget`: streams `POST /v1/completions` from a real
   OpenAI-compatible server (PhaseMesh's router, vLLM, SGLang, ...).
-- the simulator (`loadgen/sim/`, `--target sim:CONFIG`): answers from a performance model.
+- the simulator (`loadgen/sim/`, `--target sim:CONFIG`): answers from a performance model. The
+  CLI imports `loadgen.sim` and calls `build_target(config: str, args: argparse.Namespace)`,
+  which returns a `Target`; nothing else in loadgen knows about the simulator.
 
 Contract of `Target.generate(spec)`:
 
@@ -77,7 +79,8 @@ class Clock(Protocol):
 class Target(Protocol):
     """Anything that serves `RequestSpec`s as a stream of `StreamEvent`s (see module docstring)."""
 
-    clock: Clock
+    @property
+    def clock(self) -> Clock: ...
 
     def generate(self, spec: RequestSpec) -> AsyncIterator[StreamEvent]: ...
 

@@ -197,3 +197,26 @@ def test_cli_replay_writes_results_and_plots(tmp_path: Path) -> None:
     assert json.loads((out / "results.json").read_text())["completed"] == 6
     for name in ("ttft_cdf.png", "tbt_cdf.png", "latency_over_time.png", "load.png"):
         assert (out / name).stat().st_size > 1000
+
+
+def test_cli_sweep_writes_one_point_per_rate(tmp_path: Path) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(f"2023-11-16 18:15:{10 + i:02d}.5000000,{64 + i},{3 + i}\n" for i in range(10))
+    )
+    out = tmp_path / "sweep"
+    with sse_stub_server() as (_, url):
+        proc = subprocess.run(
+            [sys.executable, "-m", "loadgen", "sweep", "--trace", str(trace), "--url", url,
+             "--rates", "20,40", "--num-requests", "5", "--seed", "1", "--out", str(out),
+             "--disable-tqdm"],
+            capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120,
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    table = json.loads(proc.stdout.strip().splitlines()[-1])["sweep"]
+    assert [point["rate"] for point in table] == [20.0, 40.0]
+    assert [point["completed"] for point in table] == [5, 5]
+    assert json.loads((out / "sweep.json").read_text()) == table
+    assert (out / "sweep.png").stat().st_size > 1000
+    assert (out / "rate_40" / "results.json").exists()
