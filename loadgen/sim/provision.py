@@ -104,7 +104,8 @@ def best_under_budget(
 ) -> tuple[Candidate, list[Candidate]]:
     """Throughput-optimized mix under a power or cost budget: (best, all evaluated)."""
     candidates = [
-        Candidate(c, max_rate(c, rows, settings)) for c in mixes_within(design, budget, by, step)
+        Candidate(c, max_rate(c, rows, settings))
+        for c in mixes_within(design, budget, by, step, min_each)
     ]
     return max(candidates, key=lambda c: c.max_rate), candidates
 

@@ -1,0 +1,81 @@
+"""The simulator: unloaded latencies from the performance model, conservation, load response."""
+
+import math
+
+import pytest
+
+from loadgen.sim.config import DESIGNS, ClusterSpec, parse_cluster, perf_model_for
+from loadgen.sim.provision import mixes_within
+from loadgen.sim.simulator import SimRequest, simulate
+from loadgen.sim.slo import check_slos
+from loadgen.sim.workload import as_recorded, poisson, read_trace
+from loadgen.traces import shared_dir
+
+TRACE = shared_dir() / "traces" / "AzureLLMInferenceTrace_conv.csv"
+
+
+def test_one_request_on_a_split_cluster_costs_prefill_transfer_and_decodes():
+    cluster = parse_cluster("Splitwise-HH:2P2T")
+    record = simulate(cluster, [SimRequest(1.0, 1500, 50)]).records[0]
+    prompt = perf_model_for(cluster.design.prompt_type, cluster.model)
+    token = perf_model_for(cluster.design.token_type, cluster.model)
+    transfer = cluster.transfer_model().visible_s(1500)
+    assert record.prompt_machine < 2 <= record.token_machine
+    assert record.ttft_s == pytest.approx(prompt.prefill_s(1500))
+    assert record.e2e_s == pytest.approx(prompt.prefill_s(1500) + transfer + 49 * token.decode_s(1))
+
+
+def test_one_request_on_a_baseline_has_no_transfer():
+    cluster = parse_cluster("Baseline-A100:3")
+    record = simulate(cluster, [SimRequest(0.0, 700, 20)]).records[0]
+    perf = perf_model_for(cluster.design.prompt_type, cluster.model)
+    assert record.prompt_machine == record.token_machine
+    assert record.e2e_s == pytest.approx(perf.prefill_s(700) + 19 * perf.decode_s(1))
+
+
+def test_single_token_outputs_finish_at_first_token():
+    result = simulate(parse_cluster("Splitwise-AA:1P1T"), [SimRequest(0.0, 300, 1)])
+    record = result.records[0]
+    assert record.done_s == record.first_token_s and math.isnan(record.tbt_s)
+
+
+def test_every_trace_request_completes_with_ordered_timestamps():
+    rows = read_trace(TRACE)[:1500]
+    result = simulate(parse_cluster("Splitwise-HA:3P3T"), list(as_recorded(rows, time_scale=0.2)))
+    assert result.num_completed == len(rows)
+    for r, row in zip(result.records, rows, strict=True):
+        assert r.output_len == row.output_len
+        assert r.arrival_s < r.first_token_s <= r.done_s
+
+
+def test_latency_grows_with_load_and_slos_break_when_overloaded():
+    rows = read_trace(TRACE)[:3000]
+    cluster = parse_cluster("Splitwise-HH:2P3T")
+    light = check_slos(simulate(cluster, poisson(rows, 1.0, 120.0, seed=1)))
+    heavy = check_slos(simulate(cluster, poisson(rows, 30.0, 60.0, seed=1)))
+    assert light.met
+    assert not heavy.met
+    assert heavy.slowdowns["e2e_p50"] > light.slowdowns["e2e_p50"]
+
+
+def test_overload_pulls_machines_into_the_mixed_pool():
+    rows = read_trace(TRACE)[:3000]
+    result = simulate(parse_cluster("Splitwise-HH:4P2T"), poisson(rows, 25.0, 60.0, seed=2))
+    assert result.num_pool_moves > 0
+    assert result.num_completed == len(result.records)
+
+
+def test_iso_power_mixes_fit_the_budget():
+    h100 = ClusterSpec(DESIGNS["Baseline-H100"], 40)
+    mixes = list(mixes_within(DESIGNS["Splitwise-HH"], h100.power, "power", step=5))
+    assert mixes and all(m.power <= h100.power + 1e-9 for m in mixes)
+    assert all(m.num_machines == 40 for m in mixes)
+    (baseline,) = mixes_within(DESIGNS["Baseline-A100"], h100.power, "power")
+    assert baseline.num_prompt == 70  # Splitwise §VI-B: 70 DGX-A100 in 40 DGX-H100's power
+
+
+def test_parse_cluster_errors_are_clear():
+    with pytest.raises(ValueError, match="unknown design"):
+        parse_cluster("Splitwise-XY:1P1T")
+    with pytest.raises(ValueError, match="prompt and token counts"):
+        parse_cluster("Splitwise-HH:4")
