@@ -97,6 +97,8 @@ async def build_target(args: argparse.Namespace) -> Target:
             sim = importlib.import_module("loadgen.sim")
         except ImportError as exc:
             raise ValueError(f"the simulator target is not available: {exc}") from None
+        if not hasattr(sim, "build_target"):
+            raise ValueError("loadgen.sim has no build_target(config, args) yet")
         target: Target = sim.build_target(args.target[len("sim:") :], args)
         return target
     if args.target != "http":
