@@ -109,6 +109,8 @@ class Simulator:
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self._num_moves = 0
+        self.now = 0.0
+        self.num_events = 0
 
     def _policy_for(self, machine_type) -> MixedBatchPolicy:  # type: ignore[no-untyped-def]
         config = MixedPolicyConfig(
@@ -123,21 +125,36 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._events, (time_s, self._seq, kind, a, b))
 
+    def submit(self, req: SimRequest) -> int:
+        """Queue one request's arrival; its id indexes `records`."""
+        req_id = len(self.records)
+        self.records.append(RequestRecord(req.arrival_s, req.prompt_len, req.output_len))
+        self.output_len[req_id] = req.output_len
+        self._push(req.arrival_s, ARRIVAL, req_id)
+        return req_id
+
+    def advance_until(self, time_s: float) -> float:
+        """Process every event up to `time_s`; the time of the last one processed."""
+        handlers = (self._on_arrival, self._on_run_end, self._on_kv_landed)
+        events = self._events
+        while events and events[0][0] <= time_s:
+            self.now, _, kind, a, b = heapq.heappop(events)
+            handlers[kind](self.now, a, b)
+            self.num_events += 1
+        return self.now
+
     def run(self, requests: Iterable[SimRequest]) -> SimResult:
         """Simulate until every request has finished."""
         for req in requests:
-            req_id = len(self.records)
-            self.records.append(RequestRecord(req.arrival_s, req.prompt_len, req.output_len))
-            self.output_len[req_id] = req.output_len
-            self._push(req.arrival_s, ARRIVAL, req_id)
-        num_events, now = 0, 0.0
-        handlers = (self._on_arrival, self._on_run_end, self._on_kv_landed)
-        while self._events:
-            now, _, kind, a, b = heapq.heappop(self._events)
-            handlers[kind](now, a, b)
-            num_events += 1
+            self.submit(req)
+        self.advance_until(float("inf"))
+        return self.result()
+
+    def result(self) -> SimResult:
         busy = [m.busy_s for m in self.machines]
-        return SimResult(self.cluster, self.records, now, num_events, self._num_moves, busy)
+        return SimResult(
+            self.cluster, self.records, self.now, self.num_events, self._num_moves, busy
+        )
 
     # -- events ---------------------------------------------------------------------------------
 

@@ -79,3 +79,24 @@ def test_parse_cluster_errors_are_clear():
         parse_cluster("Splitwise-XY:1P1T")
     with pytest.raises(ValueError, match="prompt and token counts"):
         parse_cluster("Splitwise-HH:4")
+
+
+def test_replay_driver_runs_against_the_simulator_target():
+    import asyncio
+
+    from loadgen.replay import replay
+    from loadgen.sim.target import make_target
+    from loadgen.target import RequestSpec
+
+    rows = read_trace(TRACE)[:40]
+    specs = [RequestSpec(i, r.arrival_s, r.input_len, r.output_len) for i, r in enumerate(rows)]
+    target = make_target("Splitwise-HH:2P2T")
+    result = asyncio.run(replay(specs, target, progress=False))
+    sim_records = target.sim.records
+    assert all(r.ok for r in result.records) and len(sim_records) == len(rows)
+    for got, sim in zip(
+        sorted(result.records, key=lambda r: r.req_index), sim_records, strict=True
+    ):
+        assert got.ttft_s == pytest.approx(sim.ttft_s)
+        assert got.e2e_s == pytest.approx(sim.e2e_s)
+        assert got.output_tokens == sim.output_len
