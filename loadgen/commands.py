@@ -91,15 +91,13 @@ async def discover_model(url: str, api_key: str | None) -> str:
 
 
 async def build_target(args: argparse.Namespace) -> Target:
-    """The HTTP client, or the simulator for `--target sim:CONFIG` (`loadgen.sim.build_target`)."""
+    """The HTTP client, or the simulator for `--target sim:CONFIG` (`loadgen.sim.target`)."""
     if args.target.startswith("sim:"):
         try:
-            sim = importlib.import_module("loadgen.sim")
+            sim_target = importlib.import_module("loadgen.sim.target")
         except ImportError as exc:
             raise ValueError(f"the simulator target is not available: {exc}") from None
-        if not hasattr(sim, "build_target"):
-            raise ValueError("loadgen.sim has no build_target(config, args) yet")
-        target: Target = sim.build_target(args.target[len("sim:") :], args)
+        target: Target = sim_target.make_target(args.target[len("sim:") :])
         return target
     if args.target != "http":
         raise ValueError(f"unknown target {args.target!r}: use 'http' or 'sim:CONFIG'")

@@ -59,10 +59,12 @@ class ReplayResult:
     duration_s: float
 
 
-async def run_one(target: Target, spec: RequestSpec, run_start_s: float) -> RequestRecord:
-    """Send one request through `target` and measure it; never raises on a failed request."""
+async def run_one(
+    target: Target, spec: RequestSpec, run_start_s: float, sent: float
+) -> RequestRecord:
+    """Send one request through `target` and measure it from `sent` (the dispatch time on the
+    target's clock); never raises on a failed request."""
     record = RequestRecord(spec.req_index, spec.arrival_s, spec.input_len, spec.output_len)
-    sent = target.clock.now()
     record.send_s = sent - run_start_s
     last_token_s: float | None = None
     chunk_tokens = 0
@@ -113,7 +115,10 @@ async def replay(
     try:
         for spec in specs:
             await clock.sleep_until(run_start_s + spec.arrival_s)
-            task = asyncio.create_task(run_one(target, spec, run_start_s))
+            # NOTE: stamp the send time here, not inside the task: with a virtual clock the
+            # driver may advance time to the next arrival before the new task first runs.
+            sent = clock.now()
+            task = asyncio.create_task(run_one(target, spec, run_start_s, sent))
             task.add_done_callback(on_done)
             tasks.append(task)
         records = list(await asyncio.gather(*tasks))

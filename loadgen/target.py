@@ -6,8 +6,8 @@ a time, at the spec's arrival time, and iterates what `generate` yields. Two imp
 - `loadgen.http_target.OpenAIStreamingTarget`: streams `POST /v1/completions` from a real
   OpenAI-compatible server (PhaseMesh's router, vLLM, SGLang, ...).
 - the simulator (`loadgen/sim/`, `--target sim:CONFIG`): answers from a performance model. The
-  CLI imports `loadgen.sim` and calls `build_target(config: str, args: argparse.Namespace)`,
-  which returns a `Target`; nothing else in loadgen knows about the simulator.
+  CLI imports `loadgen.sim.target` and calls `make_target(config: str)`, which returns a
+  `Target`; nothing else in loadgen knows about the simulator.
 
 Contract of `Target.generate(spec)`:
 
