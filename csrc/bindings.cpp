@@ -1,0 +1,112 @@
+// Python bindings: a torch-free nanobind module taking DLPack tensors (torch tensors pass straight
+// in, zero-copy). Shapes and dtypes are checked here so the kernel can trust its pointers.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "paged_attention.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using AnyArray = nb::ndarray<nb::device::cpu, nb::c_contig>;
+using Int32Array = nb::ndarray<const int32_t, nb::device::cpu, nb::c_contig>;
+using Float32Array = nb::ndarray<float, nb::device::cpu, nb::c_contig>;
+
+const nb::dlpack::dtype kBfloat16{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+
+template <typename Array>
+void expect_shape(const char* name, const Array& a, std::vector<int64_t> shape) {
+  bool ok = a.ndim() == shape.size();
+  for (size_t i = 0; ok && i < shape.size(); ++i) ok = a.shape(i) == static_cast<size_t>(shape[i]);
+  if (ok) return;
+  std::string want = "[", got = "[";
+  for (int64_t n : shape) want += std::to_string(n) + ",";
+  for (size_t i = 0; i < a.ndim(); ++i) got += std::to_string(a.shape(i)) + ",";
+  throw std::invalid_argument(std::string(name) + " has shape " + got + "] but must be " + want +
+                              "]");
+}
+
+bool is_bf16(const AnyArray& a, const char* name) {
+  if (a.dtype() == kBfloat16) return true;
+  if (a.dtype() == nb::dtype<float>()) return false;
+  throw std::invalid_argument(std::string(name) + " must be float32 or bfloat16");
+}
+
+// Reads the cache geometry and checks every tensor against it.
+pm::DecodeProblem describe(const AnyArray& q, const AnyArray& key_cache,
+                           const AnyArray& value_cache, const Int32Array& block_tables,
+                           const Int32Array& context_lens) {
+  if (q.ndim() != 3 || key_cache.ndim() != 4 || block_tables.ndim() != 2)
+    throw std::invalid_argument("q must be 3-D, key_cache 4-D and block_tables 2-D");
+  pm::DecodeProblem p{};
+  p.num_seqs = q.shape(0), p.num_q_heads = q.shape(1), p.head_dim = q.shape(2);
+  p.num_blocks = key_cache.shape(0), p.num_kv_heads = key_cache.shape(1);
+  p.block_size = key_cache.shape(3), p.max_blocks = block_tables.shape(1);
+  expect_shape("key_cache", key_cache, {p.num_blocks, p.num_kv_heads, p.head_dim, p.block_size});
+  expect_shape("value_cache", value_cache,
+               {p.num_blocks, p.num_kv_heads, p.block_size, p.head_dim});
+  expect_shape("block_tables", block_tables, {p.num_seqs, p.max_blocks});
+  expect_shape("context_lens", context_lens, {p.num_seqs});
+  if (p.num_kv_heads == 0 || p.num_q_heads % p.num_kv_heads != 0)
+    throw std::invalid_argument("num_q_heads must be a multiple of num_kv_heads");
+  const bool kv_bf16 = is_bf16(key_cache, "key_cache");
+  if (is_bf16(value_cache, "value_cache") != kv_bf16)
+    throw std::invalid_argument("key_cache and value_cache must have the same dtype");
+  p.q_is_bf16 = is_bf16(q, "q");
+  p.kv_dtype = kv_bf16 ? pm::KvDtype::kBfloat16 : pm::KvDtype::kFloat32;
+  p.q = q.data(), p.key_cache = key_cache.data(), p.value_cache = value_cache.data();
+  p.block_tables = block_tables.data(), p.context_lens = context_lens.data();
+  return p;
+}
+
+void decode(pm::Workspace& ws, const AnyArray& q, const AnyArray& key_cache,
+            const AnyArray& value_cache, const Int32Array& block_tables,
+            const Int32Array& context_lens, const std::optional<Int32Array>& token_starts,
+            const Float32Array& out, const Float32Array& lse, float scale, int64_t kv_head_start,
+            int64_t kv_head_end, int num_threads, const std::string& isa) {
+  pm::DecodeProblem p = describe(q, key_cache, value_cache, block_tables, context_lens);
+  expect_shape("out", out, {p.num_seqs, p.num_q_heads, p.head_dim});
+  expect_shape("lse", lse, {p.num_seqs, p.num_q_heads});
+  if (token_starts) {
+    expect_shape("token_starts", *token_starts, {p.num_seqs});
+    p.token_starts = token_starts->data();
+  }
+  if (kv_head_end < 0) kv_head_end = p.num_kv_heads;
+  if (kv_head_start < 0 || kv_head_start > kv_head_end || kv_head_end > p.num_kv_heads)
+    throw std::invalid_argument("need 0 <= kv_head_start <= kv_head_end <= num_kv_heads");
+  if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
+  p.out = out.data(), p.lse = lse.data(), p.scale = scale;
+  p.kv_head_start = kv_head_start, p.kv_head_end = kv_head_end;
+  const pm::IsaKernels& kernels = pm::select_isa(isa, p.head_dim, p.block_size);
+  nb::gil_scoped_release no_gil;  // long-running and touches no Python object
+  std::lock_guard<std::mutex> lock(ws.mutex);
+  pm::run_decode(p, kernels, num_threads, ws);
+}
+
+}  // namespace
+
+NB_MODULE(phasemesh_attention_kernel, m) {
+  m.doc() = "CPU paged decode attention (see common/attention/cpu_kernel.py)";
+  nb::class_<pm::Workspace>(m, "PagedDecodeKernel",
+                            "Decode attention with scratch kept across calls; thread-safe.")
+      .def(nb::init<>())
+      .def("decode", &decode, nb::arg("q").noconvert(), nb::arg("key_cache").noconvert(),
+           nb::arg("value_cache").noconvert(), nb::arg("block_tables").noconvert(),
+           nb::arg("context_lens").noconvert(), nb::arg("token_starts").noconvert().none(),
+           nb::arg("out").noconvert(), nb::arg("lse").noconvert(), nb::arg("scale"),
+           nb::arg("kv_head_start") = 0, nb::arg("kv_head_end") = -1,
+           nb::arg("num_threads") = 1, nb::arg("isa") = "auto",
+           "Writes out [S, Hq, D] and lse [S, Hq] (float32) for the query rows of KV heads "
+           "[kv_head_start, kv_head_end); tokens [token_starts[i], context_lens[i]).");
+  m.def("supported_isas", &pm::supported_isas,
+        "Kernel ISAs this CPU can run, best first (the first is what 'auto' prefers).");
+}

@@ -1,0 +1,53 @@
+// What an ISA translation unit sees: one fragment of decode attention and its running state.
+//
+// NOTE: the ISA units are compiled with -mavx512f / -mavx2, so they include nothing but this
+// header and <cstdint>/<cstring>: an inline std:: template instantiated there could be picked by the
+// linker for the portable code too and fault on a CPU without those instructions.
+#pragma once
+
+#include <cstdint>
+
+namespace pm {
+
+constexpr int kMaxLanes = 16;  // widest SIMD vector in floats (AVX-512)
+
+enum class KvDtype { kFloat32, kBfloat16 };
+
+// One fragment: one query group (the group_size query heads that share a KV head) against the
+// blocks [block_begin, block_end) of one sequence, restricted to tokens [token_lo, token_hi).
+struct FragmentArgs {
+  const float* q;               // [group_size, head_dim], already multiplied by the scale
+  const void* key_cache;        // base of the whole cache
+  const void* value_cache;
+  const int32_t* block_table;   // this sequence's row
+  int64_t head_tile_offset;     // elements from a block's start to this KV head's tile
+  int64_t block_stride;         // elements per block (num_kv_heads * head_dim * block_size)
+  int64_t block_begin, block_end;
+  int64_t token_lo, token_hi;
+  int group_size, head_dim, block_size;
+};
+
+// Running flash-attention state of one fragment: unnormalized output, running max and sum.
+struct FragmentState {
+  float* acc;      // [group_size, head_dim]
+  float* row_max;  // [group_size]
+  float* row_sum;  // [group_size]
+  float* scratch;  // group_size * (block_size + 1 + kMaxLanes) floats
+};
+
+using FragmentFn = void (*)(const FragmentArgs&, const FragmentState&);
+
+// The two entry points every ISA translation unit provides.
+struct IsaKernels {
+  const char* name;
+  int lanes;  // SIMD width in floats: block_size and head_dim must be multiples of it
+  FragmentFn attend_f32;
+  FragmentFn attend_bf16;
+};
+
+namespace isa_generic { extern const IsaKernels kernels; }
+namespace isa_avx2 { extern const IsaKernels kernels; }
+namespace isa_avx2_w16 { extern const IsaKernels kernels; }
+namespace isa_avx512 { extern const IsaKernels kernels; }
+
+}  // namespace pm

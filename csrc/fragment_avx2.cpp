@@ -1,0 +1,12 @@
+// AVX2 + FMA kernels (8 floats per ymm, 16 registers). Built with -mavx2 -mfma.
+#include <cstdint>
+
+#include "fragment.h"
+
+#define PM_LANES 8
+#define PM_ACC_BUDGET 8
+#define PM_ISA_NAME "avx2"
+
+namespace pm::isa_avx2 {
+#include "fragment_kernel.h"
+}  // namespace pm::isa_avx2

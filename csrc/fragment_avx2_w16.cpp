@@ -1,0 +1,13 @@
+// The 16-lane kernels lowered to AVX2 (each vector is two ymm): lets a machine without AVX-512
+// run and test the exact code path the AVX-512 build takes (one vector per 16-slot block row).
+#include <cstdint>
+
+#include "fragment.h"
+
+#define PM_LANES 16
+#define PM_ACC_BUDGET 8
+#define PM_ISA_NAME "avx2_w16"
+
+namespace pm::isa_avx2_w16 {
+#include "fragment_kernel.h"
+}  // namespace pm::isa_avx2_w16

@@ -1,0 +1,12 @@
+// AVX-512 kernels (16 floats per zmm, 32 registers). Built with -mavx512f; run only where the CPU has it.
+#include <cstdint>
+
+#include "fragment.h"
+
+#define PM_LANES 16
+#define PM_ACC_BUDGET 16
+#define PM_ISA_NAME "avx512"
+
+namespace pm::isa_avx512 {
+#include "fragment_kernel.h"
+}  // namespace pm::isa_avx512

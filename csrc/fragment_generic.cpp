@@ -1,0 +1,12 @@
+// Portable kernels (4 floats per vector): SSE2 on any x86-64, NEON or scalar code elsewhere.
+#include <cstdint>
+
+#include "fragment.h"
+
+#define PM_LANES 4
+#define PM_ACC_BUDGET 8
+#define PM_ISA_NAME "generic"
+
+namespace pm::isa_generic {
+#include "fragment_kernel.h"
+}  // namespace pm::isa_generic

@@ -1,0 +1,57 @@
+// Run-time choice of the kernel ISA from the CPU's features (the wheel carries all of them).
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "paged_attention.h"
+
+namespace pm {
+namespace {
+
+bool cpu_has(const std::string& isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  if (isa == "avx2" || isa == "avx2_w16")
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return isa == "generic";
+}
+
+const IsaKernels* kernels_named(const std::string& isa) {
+  if (isa == "avx512") return &isa_avx512::kernels;
+  if (isa == "avx2") return &isa_avx2::kernels;
+  if (isa == "avx2_w16") return &isa_avx2_w16::kernels;
+  if (isa == "generic") return &isa_generic::kernels;
+  return nullptr;
+}
+
+bool fits(const IsaKernels& k, int64_t head_dim, int64_t block_size) {
+  return head_dim % k.lanes == 0 && block_size % k.lanes == 0;
+}
+
+}  // namespace
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (const char* isa : {"avx512", "avx2", "avx2_w16", "generic"})
+    if (cpu_has(isa)) names.emplace_back(isa);
+  return names;
+}
+
+const IsaKernels& select_isa(const std::string& isa, int64_t head_dim, int64_t block_size) {
+  if (isa == "auto") {
+    for (const char* name : {"avx512", "avx2", "generic"})
+      if (cpu_has(name) && fits(*kernels_named(name), head_dim, block_size))
+        return *kernels_named(name);
+    throw std::invalid_argument("head_dim and block_size must be multiples of 4");
+  }
+  const IsaKernels* k = kernels_named(isa);
+  if (k == nullptr) throw std::invalid_argument("unknown isa '" + isa + "'");
+  if (!cpu_has(isa)) throw std::invalid_argument("this CPU cannot run isa '" + isa + "'");
+  if (!fits(*k, head_dim, block_size))
+    throw std::invalid_argument("isa '" + isa + "' needs head_dim and block_size multiples of " +
+                                std::to_string(k->lanes));
+  return *k;
+}
+
+}  // namespace pm
