@@ -8,7 +8,7 @@ concatenate.
 KV cache memory layout (one tensor pair per layer; the C++ kernel in csrc/ and the attention shards
 read exactly this):
 
-    key_cache[layer]   : [num_blocks, num_kv_heads, head_dim, block_size]   # K transposed in a block
+    key_cache[layer]   : [num_blocks, num_kv_heads, head_dim, block_size]  # K transposed
     value_cache[layer] : [num_blocks, num_kv_heads, block_size, head_dim]
 
 Token `t` of a sequence lives in block `block_table[t // block_size]` at slot `t % block_size`.

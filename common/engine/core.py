@@ -1,0 +1,146 @@
+"""The single-process engine: scheduler + model runner + sampler, stepped in a loop.
+
+Every service reuses these parts; this class is also the reference the disaggregated mesh is
+compared against token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import structlog
+import torch
+
+from common.attention import select_backend
+from common.block_manager import BlockManager
+from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common.engine.request import FinishReason, Request, RequestOutput
+from common.engine.runner import ModelRunner
+from common.kv_cache import KVCache
+from common.model.loader import load_model
+from common.sampling import Sampler, SamplingParams
+from common.scheduling.batching import BatchScheduler, Sequence
+from common.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+class LLMEngine:
+    """Continuous batching on one process: `add_request`, then `step` until nothing is left."""
+
+    def __init__(self, config: EngineConfig, with_tokenizer: bool = True) -> None:
+        self.config = config
+        self.model = load_model(config.model_path, config.dtype)
+        self.model_config: ModelConfig = self.model.config
+        folder = Path(config.model_path)
+        self.tokenizer = Tokenizer(folder) if with_tokenizer else None
+        c = config.cache
+        self.blocks = BlockManager(c.num_blocks, c.block_size)
+        mc = self.model_config
+        kv = KVCache(
+            mc.num_hidden_layers,
+            c.num_blocks,
+            c.block_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            getattr(torch, mc.dtype),
+        )
+        backend = select_backend(config.attention_backend)
+        self.runner = ModelRunner(self.model, kv, self.blocks, backend)
+        self.scheduler = BatchScheduler(self.blocks, config.scheduler)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        log.info("engine ready", attention=backend.name, kv_blocks=c.num_blocks)
+
+    @classmethod
+    def from_path(
+        cls,
+        model_path: str | Path,
+        num_blocks: int = 1024,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        attention_backend: str = "auto",
+    ) -> LLMEngine:
+        return cls(
+            EngineConfig(
+                model_path=str(model_path),
+                cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+                attention_backend=attention_backend,
+            )
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request. Raises ValueError for an empty or over-long prompt or a reused id."""
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the model's context is "
+                f"{self.max_model_len}"
+            )
+        vocab = self.model_config.vocab_size
+        if not all(0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.requests[req_id] = Request(
+            req_id,
+            list(prompt_token_ids),
+            params or SamplingParams(),
+            self.model_config.eos_token_ids,
+            self.max_model_len,
+        )
+        self.scheduler.add(Sequence(req_id, len(prompt_token_ids)))
+
+    def abort(self, req_id: str) -> bool:
+        """Drop a request and free its KV; False if it was unknown or already finished."""
+        self.sampler.forget(req_id)
+        self.scheduler.remove(req_id)
+        return self.requests.pop(req_id, None) is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one prefill or decode batch; return one output per scheduled request."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        token_ids = {s.req_id: self.requests[s.req_id].all_token_ids for s in batch.seqs}
+        logits = self.runner.run(self.runner.prepare(batch, token_ids))
+        reqs = [self.requests[s.req_id] for s in batch.seqs]
+        sampled = self.sampler.sample(logits, [r.req_id for r in reqs], [r.params for r in reqs])
+        outputs = [r.append(t, self.tokenizer) for r, t in zip(reqs, sampled, strict=True)]
+        finished = {o.req_id for o in outputs if o.finished}
+        self.scheduler.update(batch, finished)
+        for req_id in finished:
+            self.sampler.forget(req_id)
+            del self.requests[req_id]
+        return outputs
+
+    def generate(
+        self, prompts: Iterable[list[int]], params: SamplingParams | None = None
+    ) -> list[list[int]]:
+        """Run prompts to completion together; return each one's output token ids, in order."""
+        results: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            req_id = f"generate-{id(results)}-{i}"
+            self.add_request(req_id, prompt, params)
+            results[req_id] = []
+        while any(r in self.requests for r in results):
+            for out in self.step():
+                if out.req_id in results:
+                    results[out.req_id].extend(out.new_token_ids)
+        return list(results.values())
+
+
+__all__ = ["FinishReason", "LLMEngine", "RequestOutput"]

@@ -1,0 +1,113 @@
+"""The model runner: turns a scheduled batch into logits, one layer's three stages at a time.
+
+Attention is the one pluggable stage (`attend`): local paged attention here; the token engine
+swaps in a shard round trip (services/engine.py) without touching the rest of the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.attention import AttentionBackend
+from common.block_manager import BlockManager
+from common.kv_cache import KVCache
+from common.model.llama import LlamaForCausalLM, causal_attention
+from common.scheduling.batching import Batch, Phase
+
+
+@dataclass
+class StepInputs:
+    """Tensors for one forward step, built once and read by every layer."""
+
+    phase: Phase
+    req_ids: list[str]
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] flat KV slots the new k/v go to
+    seq_lens: list[int]  # prefill: tokens per sequence
+    block_tables: torch.Tensor  # decode: [N, max_blocks] int32
+    context_lens: torch.Tensor  # decode: [N] int32, including the input token
+    last_token_index: torch.Tensor  # [N] row of each sequence's last token in [T]
+
+
+class ModelRunner:
+    """Owns the model, the local KV cache and the attention backend of one engine."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        blocks: BlockManager,
+        backend: AttentionBackend,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.blocks = blocks
+        self.backend = backend
+
+    def prepare(self, batch: Batch, token_ids: dict[str, list[int]]) -> StepInputs:
+        """Gather the inputs of every scheduled sequence (token_ids: all tokens so far)."""
+        req_ids = [s.req_id for s in batch.seqs]
+        if batch.phase is Phase.PREFILL:
+            spans = [(s.num_computed, s.num_tokens) for s in batch.seqs]
+        else:
+            spans = [(s.num_tokens - 1, s.num_tokens) for s in batch.seqs]
+        ids = [t for r, (a, b) in zip(req_ids, spans, strict=True) for t in token_ids[r][a:b]]
+        positions = torch.cat([torch.arange(a, b) for a, b in spans])
+        seq_lens = [b - a for a, b in spans]
+        tables = [self.blocks.block_table(r) for r in req_ids]
+        block_tables = _pad_tables(tables)
+        context_lens = torch.tensor([b for _, b in spans], dtype=torch.int32)
+        seq_index = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor(seq_lens))
+        block_size = self.blocks.block_size
+        blocks = block_tables[seq_index, positions // block_size].long()
+        return StepInputs(
+            phase=batch.phase,
+            req_ids=req_ids,
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=positions,
+            slot_mapping=blocks * block_size + positions % block_size,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            last_token_index=torch.tensor(seq_lens).cumsum(0) - 1,
+        )
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Forward one step; return float32 logits [N, vocab] for each sequence's last token."""
+        x = self.model.embed(inputs.input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.pre_attention(x, inputs.positions)
+            attn = self.attend(i, q, k, v, inputs)  # [T, Hq, D]
+            x = layer.post_attention(x, attn)
+        return self.model.compute_logits(x[inputs.last_token_index])
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs
+    ) -> torch.Tensor:
+        """Store this step's k/v in the local cache and attend over it."""
+        self.kv_cache.write(layer, k, v, inputs.slot_mapping)
+        if inputs.phase is Phase.PREFILL:
+            # Fresh prompts (or recomputes) only: their whole context is in q/k/v already.
+            return causal_attention(q, k, v, inputs.seq_lens, self.model.scale)
+        out, _ = self.backend.decode(
+            q,
+            self.kv_cache.key[layer],
+            self.kv_cache.value[layer],
+            inputs.block_tables,
+            inputs.context_lens,
+            self.model.scale,
+        )
+        return out
+
+
+def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one [N, max_blocks] int32 tensor, padded with block 0 (never read)."""
+    width = max((len(t) for t in tables), default=0)
+    padded = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
+    for row, table in enumerate(tables):
+        padded[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return padded

@@ -1,0 +1,56 @@
+"""The paged KV cache tensors of one process (an engine's local KV, or a shard's heads).
+
+The layout is defined once, in `common/attention/base.py`: per layer,
+key_cache [num_blocks, num_kv_heads, head_dim, block_size] and
+value_cache [num_blocks, num_kv_heads, block_size, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Preallocated, pre-touched K/V pools for every layer, written through slot mappings."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.block_size = block_size
+        # NOTE: torch.zeros touches every page now; a first touch mid-decode costs ~3 s per GiB.
+        self.key = torch.zeros(
+            num_layers, num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype
+        )
+        self.value = torch.zeros(
+            num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype
+        )
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.key.numel() * self.key.element_size()
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store k/v [T, num_kv_heads, head_dim] at flat slots [T] of `layer`."""
+        blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
+        # Advanced indices around a slice put the token dim first: [T, num_kv_heads, head_dim].
+        self.key[layer, blocks, :, :, offsets] = k.to(self.key.dtype)
+        self.value[layer, blocks, :, offsets, :] = v.to(self.value.dtype)
+
+    def gather(
+        self, layer: int, block_table: list[int], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read one request's k/v back as [num_tokens, num_kv_heads, head_dim] (for KV transfer)."""
+        ids = torch.tensor(block_table, dtype=torch.long)
+        num_kv_heads, head_dim = self.key.shape[2], self.key.shape[3]
+        k = self.key[layer, ids].permute(0, 3, 1, 2)  # [n, block_size, Hkv, D]
+        v = self.value[layer, ids].permute(0, 2, 1, 3)  # [n, block_size, Hkv, D]
+        k = k.reshape(-1, num_kv_heads, head_dim)[:num_tokens]
+        return k, v.reshape(-1, num_kv_heads, head_dim)[:num_tokens]

@@ -1,0 +1,199 @@
+"""The Llama decoder as small layer classes named like Hugging Face's modules.
+
+Each decoder layer is split into three stages so that disaggregation is explicit, not patched in:
+
+    q, k, v = layer.pre_attention(x, positions)      # norm, fused QKV projection, RoPE
+    attn    = <attention, local or on shards>        # the only stage that reads the KV cache
+    x       = layer.post_attention(x, attn)          # O projection, residual, norm, SwiGLU MLP
+
+Projections are fused at load time (q/k/v -> qkv_proj, gate/up -> gate_up_proj, see loader.py);
+module names otherwise match `transformers`' LlamaForCausalLM so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers (normalize in float32, cast back, then scale) for parity.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama-3's frequency-dependent scaling when configured."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables, indexed by absolute position."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Only the projections: the attention itself runs wherever the KV cache lives."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+        self.rotary = rotary  # shared, not owned: one table for every layer
+
+    def pre_attention(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]."""
+        attn = self.self_attn
+        qkv = attn.qkv_proj(self.input_layernorm(x))  # [T, (Hq + 2 Hkv) * D]
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, attn.num_heads, attn.head_dim)
+        k = k.view(-1, attn.num_kv_heads, attn.head_dim)
+        v = v.view(-1, attn.num_kv_heads, attn.head_dim)
+        q, k = self.rotary(q, k, positions)
+        return q, k, v
+
+    def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], attn_out [T, num_heads, head_dim] -> the next layer's x [T, hidden]."""
+        x = x + self.self_attn.o_proj(attn_out.reshape(x.shape[0], -1).to(x.dtype))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float
+) -> torch.Tensor:
+    """Prefill attention over fresh prompts packed back to back.
+
+    q [T, Hq, D], k/v [T, Hkv, D] with T = sum(seq_lens) -> out [T, Hq, D]. Each sequence attends
+    causally to itself only.
+    """
+    out = torch.empty_like(q)
+    start = 0
+    for seq_len in seq_lens:
+        end = start + seq_len
+        qs = q[start:end].transpose(0, 1)  # [Hq, L, D]
+        ks, vs = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, L, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+        start = end
+    return out
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embeddings, the decoder layers' three stages, and the LM head; no attention state."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.scale = config.head_dim**-0.5
+
+    @property
+    def layers(self) -> list[LlamaDecoderLayer]:
+        return cast(list[LlamaDecoderLayer], list(self.model.layers))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # [T, hidden]
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] (one row per sequence) -> float32 logits [N, vocab]."""
+        return self.lm_head(self.model.norm(x)).float()
+
+    def forward_prefill(self, input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """Full-sequence logits [T, vocab] for packed fresh prompts; for tests and scoring."""
+        positions = torch.cat([torch.arange(n) for n in seq_lens])
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            q, k, v = layer.pre_attention(x, positions)
+            x = layer.post_attention(x, causal_attention(q, k, v, seq_lens, self.scale))
+        return self.compute_logits(x)

@@ -1,0 +1,141 @@
+"""Load a Hugging Face Llama folder (`config.json`, `*.safetensors`, `tokenizer.json`).
+
+Tensors are read by their Hugging Face names, checked against the shapes the config implies, and
+fused on the way in (gpt-fast's load hook): q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`.
+Errors name the folder and the missing or mismatched tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors import safe_open
+
+from common.config import ModelConfig
+from common.model.llama import LlamaForCausalLM
+
+log = structlog.get_logger(__name__)
+
+# Present in some checkpoints, derived rather than learned: safe to skip.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A model folder whose tensors do not match its config."""
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensor names and shapes a Llama checkpoint with this config holds."""
+    h, d = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_out, h),
+            p + "self_attn.k_proj.weight": (kv_out, h),
+            p + "self_attn.v_proj.weight": (kv_out, h),
+            p + "self_attn.o_proj.weight": (h, q_out),
+            p + "mlp.gate_proj.weight": (config.intermediate_size, h),
+            p + "mlp.up_proj.weight": (config.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, config.intermediate_size),
+        }
+    return shapes
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file that holds it (one file or a sharded index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    files = [single] if single.is_file() else sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model folder {folder}")
+    names: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            names |= {name: path for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    return names
+
+
+def _read_tensors(folder: Path, files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for name, path in files.items():
+            if not path.is_file():
+                raise CheckpointError(f"{folder}: tensor {name} points to missing file {path.name}")
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
+            yield name, handles[path].get_tensor(name)
+
+
+def load_hf_state(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Read and check every tensor; return them by Hugging Face name, in the config's dtype."""
+    expected = expected_shapes(config)
+    dtype = getattr(torch, config.dtype)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in _read_tensors(folder, _weight_files(folder)):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # some tied checkpoints still store the head; the embedding wins
+        if name not in expected:
+            raise CheckpointError(f"{folder}: unexpected tensor {name} for this config.json")
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(
+                f"{folder}: tensor {name} has shape {tuple(tensor.shape)}, "
+                f"config.json implies {expected[name]}"
+            )
+        tensors[name] = tensor.to(dtype)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CheckpointError(f"{folder}: missing tensor {', '.join(missing[:3])}{more}")
+    return tensors
+
+
+def fuse_projections(hf: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Rename Hugging Face tensors to PhaseMesh's fused modules."""
+    fused = dict(hf)
+    for i in range(num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        parts = [fused.pop(a + f"{p}_proj.weight") for p in "qkv"]
+        fused[a + "qkv_proj.weight"] = torch.cat(parts, dim=0)
+        gate, up = fused.pop(m + "gate_proj.weight"), fused.pop(m + "up_proj.weight")
+        fused[m + "gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
+    return fused
+
+
+def load_model(folder: str | Path, dtype: str | None = None) -> LlamaForCausalLM:
+    """Build a `LlamaForCausalLM` from a Hugging Face folder, ready for inference."""
+    folder = Path(folder)
+    config = ModelConfig.from_folder(folder, dtype)
+    state = fuse_projections(load_hf_state(folder, config), config.num_hidden_layers)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    # Tied heads share the embedding's storage; load_state_dict(assign=True) keeps that tie.
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.model.rotary = type(model.model.rotary)(config)
+    for layer in model.layers:
+        layer.rotary = model.model.rotary
+    log.info(
+        "model loaded", folder=str(folder), layers=config.num_hidden_layers, dtype=config.dtype
+    )
+    return model.eval().requires_grad_(False)

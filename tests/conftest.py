@@ -1,0 +1,44 @@
+"""Shared fixtures: the default tiny model, a second random config, and the HF reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.model.default import default_model_path, hf_config, write_random_llama
+
+# A second architecture: other head counts (GQA 2:1, head_dim 32), Llama-3 rope scaling with a
+# short original context so the scaling is exercised, a large rope_theta, tied embeddings.
+SECOND_CONFIG = dict(
+    vocab_size=1024, hidden_size=192, intermediate_size=512, num_hidden_layers=3,
+    num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=1024,
+    rope_theta=500000.0, tie_word_embeddings=True,
+    rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    },
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    return default_model_path("tiny")
+
+
+@pytest.fixture(scope="session")
+def second_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("models") / "second"
+    return write_random_llama(folder, hf_config(SECOND_CONFIG, seed=7), seed=7)
+
+
+@pytest.fixture(scope="session", params=["tiny", "second"])
+def model_path(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(f"{request.param}_model_path")
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Skip the first few ids: they are special tokens (BOS, EOS, chat headers).
+    return [torch.randint(8, vocab, (n,), generator=gen).tolist() for n in lengths]
