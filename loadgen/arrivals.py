@@ -85,9 +85,10 @@ def arrival_gaps(rate: float, burstiness: float, seed: int) -> Iterator[float]:
 def _timed_rows(
     rows: Iterable[TraceRow], config: ArrivalConfig
 ) -> Iterator[tuple[float, TraceRow]]:
+    """(time the window is checked against, row): trace time for `trace`, else replay time."""
     if config.mode == "trace":
         for row in rows:
-            yield row.arrival_s * config.time_scale, row
+            yield row.arrival_s, row
         return
     assert config.rate is not None  # checked in __post_init__
     arrival_s = 0.0
@@ -103,11 +104,14 @@ def plan_requests(rows: Iterable[TraceRow], config: ArrivalConfig) -> Iterator[R
     """Yield the requests to send, lazily, with arrival times relative to the replay start.
 
     Only arrivals in `[start_s, start_s + duration_s)` are kept and shifted to start at 0; at most
-    `num_requests` are yielded. The window applies to replay time (after `time_scale`).
+    `num_requests` are yielded. In `trace` mode the window is in the trace's own time, so the same
+    requests are replayed whatever the `time_scale` (their gaps then scaled); in the rate-driven
+    modes it is in replay time.
     """
     end_s = None if config.duration_s is None else config.start_s + config.duration_s
     block_len = scale_tokens(MOONCAKE_BLOCK_LEN, config.token_scale)
     limit = config.num_requests
+    scale = config.time_scale if config.mode == "trace" else 1.0
     count = 0
     for arrival_s, row in _timed_rows(rows, config):
         if limit is not None and count >= limit:
@@ -120,7 +124,7 @@ def plan_requests(rows: Iterable[TraceRow], config: ArrivalConfig) -> Iterator[R
             continue
         yield RequestSpec(
             req_index=count,
-            arrival_s=arrival_s - config.start_s,
+            arrival_s=(arrival_s - config.start_s) * scale,
             input_len=scale_tokens(row.input_len, config.token_scale),
             output_len=scale_tokens(row.output_len, config.effective_output_scale),
             hash_ids=row.hash_ids,
