@@ -34,10 +34,12 @@ class VirtualClock:
         return self.horizon_s
 
     async def sleep_until(self, deadline_s: float) -> None:
+        # NOTE: yield before moving time: requests the driver dispatched at the previous
+        # deadline must submit their arrival at that time, before the simulation passes it.
+        await asyncio.sleep(0)
         self.horizon_s = max(self.horizon_s, deadline_s)
         self.deadline_calls += 1
         self.sim.advance_until(self.horizon_s)
-        await asyncio.sleep(0)
 
 
 class SimTarget:
