@@ -42,6 +42,7 @@ class Request:
     max_model_len: int = 1 << 30
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    num_emitted_chars: int = 0
     finish_reason: FinishReason | None = None
 
     @property
@@ -52,9 +53,7 @@ class Request:
         """Add one sampled token, update the text, and decide whether the request is done."""
         self.output_token_ids.append(token_id)
         self.finish_reason = self._finish_by_token(token_id) or self._finish_by_length()
-        new_text = self._extend_text(tokenizer) if tokenizer else ""
-        if tokenizer and self.params.stop and self.finish_reason is not FinishReason.STOP:
-            new_text = self._apply_stop_strings(new_text)
+        new_text = self._update_text(tokenizer) if tokenizer else ""
         return RequestOutput(
             self.req_id,
             [token_id],
@@ -80,22 +79,27 @@ class Request:
             return FinishReason.LENGTH
         return None
 
-    def _extend_text(self, tokenizer: Tokenizer) -> str:
+    def _update_text(self, tokenizer: Tokenizer) -> str:
+        """Decode, cut at a stop string, and return the part that is safe to stream now."""
         full = tokenizer.decode(self.output_token_ids)
-        # NOTE: a multi-byte character split across tokens decodes to U+FFFD until complete.
-        if full.endswith("\ufffd") and not self.finish_reason:
-            return ""
-        delta, self.text = full[len(self.text) :], full
+        stop_at = self._find_stop_string(full)
+        if stop_at is not None:
+            full, self.finish_reason = full[:stop_at], FinishReason.STOP
+        self.text = full
+        end = len(full)
+        if not self.finish_reason:
+            # NOTE: hold back what could still become a stop string (vLLM does the same), and a
+            # multi-byte character split across tokens, which decodes to U+FFFD until complete.
+            end -= max(map(len, self.params.stop), default=1) - 1
+            end = min(end, len(full.rstrip("\ufffd")))
+        delta = full[self.num_emitted_chars : max(end, self.num_emitted_chars)]
+        self.num_emitted_chars += len(delta)
         return delta
 
-    def _apply_stop_strings(self, delta: str) -> str:
-        """Cut the text before the first stop string (OpenAI drops the stop string itself)."""
-        search_from = max(0, len(self.text) - len(delta) - max(map(len, self.params.stop)))
-        hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
-        if not hits:
-            return delta
-        cut = min(hits)
-        emitted_before = len(self.text) - len(delta)
-        self.text = self.text[:cut]
-        self.finish_reason = FinishReason.STOP
-        return self.text[emitted_before:] if cut > emitted_before else ""
+    def _find_stop_string(self, text: str) -> int | None:
+        if not self.params.stop:
+            return None
+        # Only new text can hold a new match: start one stop-length before what was emitted.
+        start = max(0, self.num_emitted_chars - max(map(len, self.params.stop)))
+        hits = [i for s in self.params.stop if (i := text.find(s, start)) >= 0]
+        return min(hits) if hits else None

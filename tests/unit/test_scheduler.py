@@ -1,0 +1,85 @@
+"""Machine-level batching decisions on fabricated states (pure: no model)."""
+
+from __future__ import annotations
+
+from common.block_manager import BlockManager
+from common.config import SchedulerConfig
+from common.scheduling.batching import BatchScheduler, Phase, Sequence
+
+
+def make(num_blocks=64, block_size=16, budget=2048, max_seqs=64, **kw) -> BatchScheduler:
+    return BatchScheduler(
+        BlockManager(num_blocks, block_size), SchedulerConfig(budget, max_seqs), **kw
+    )
+
+
+def test_prefill_batches_are_fcfs_and_capped_at_the_token_budget():
+    s = make(num_blocks=1000, budget=2048)
+    for i, n in enumerate([1000, 900, 300, 10]):
+        s.add(Sequence(f"r{i}", n))
+    batch = s.schedule()
+    assert batch and batch.phase is Phase.PREFILL
+    # 1000 + 900 fit; 300 would pass 2048 and FCFS forbids the 10-token prompt skipping ahead.
+    assert [q.req_id for q in batch.seqs] == ["r0", "r1"]
+    assert batch.num_tokens == 1900
+
+
+def test_a_prompt_longer_than_the_budget_runs_alone():
+    s = make(num_blocks=1000, budget=2048)
+    s.add(Sequence("long", 3000))
+    s.add(Sequence("short", 5))
+    batch = s.schedule()
+    assert batch and [q.req_id for q in batch.seqs] == ["long"]
+
+
+def test_prompts_go_first_on_a_mixed_machine_then_everyone_decodes():
+    s = make()
+    s.add(Sequence("a", 10))
+    first = s.schedule()
+    assert first and first.phase is Phase.PREFILL
+    s.update(first, finished=set())
+    s.add(Sequence("b", 10))
+    second = s.schedule()
+    assert second and second.phase is Phase.PREFILL and second.seqs[0].req_id == "b"
+    s.update(second, finished=set())
+    third = s.schedule()
+    assert third and third.phase is Phase.DECODE
+    assert [q.req_id for q in third.seqs] == ["a", "b"]
+
+
+def test_out_of_blocks_preempts_the_youngest_and_requeues_it_first():
+    s = make(num_blocks=5, block_size=4)
+    for name in ("old", "young"):
+        s.add(Sequence(name, 4))
+    prefill = s.schedule()
+    assert prefill and [q.req_id for q in prefill.seqs] == ["old", "young"]
+    s.update(prefill, set())
+    # Both decode until 8 tokens (2 blocks each, 1 free); the 9th token needs 2 more blocks.
+    for _ in range(4):
+        step = s.schedule()
+        assert step and step.phase is Phase.DECODE and not step.preempted
+        s.update(step, set())
+    step = s.schedule()
+    assert step and [q.req_id for q in step.preempted] == ["young"]
+    assert [q.req_id for q in step.seqs] == ["old"]
+    assert s.waiting[0].req_id == "young" and s.waiting[0].num_computed == 0
+    assert s.num_preemptions == 1 and s.blocks.num_free_blocks == 2
+
+
+def test_token_machine_decodes_only_admitted_sequences():
+    s = make(prefill=False)
+    s.add(Sequence("queued", 10))
+    assert s.schedule() is None  # a token machine never prefills
+    s.blocks.allocate("ready", 11)
+    s.add_running(Sequence("ready", 11))
+    batch = s.schedule()
+    assert batch and batch.phase is Phase.DECODE and [q.req_id for q in batch.seqs] == ["ready"]
+
+
+def test_remove_frees_blocks_of_waiting_and_running():
+    s = make(num_blocks=8, block_size=4)
+    s.add(Sequence("a", 5))
+    s.add(Sequence("b", 5))
+    s.update(s.schedule(), set())  # type: ignore[arg-type]
+    assert s.remove("a") and s.remove("b") and not s.remove("c")
+    assert s.blocks.num_free_blocks == 8 and s.num_unfinished == 0

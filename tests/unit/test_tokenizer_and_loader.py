@@ -1,0 +1,85 @@
+"""The default tokenizer round-trips text; the loader names what is wrong with a folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from common.model.loader import CheckpointError, load_model
+from common.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    return Tokenizer(tiny_model_path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_any_utf8_text_round_trips(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+
+
+def test_encode_adds_bos_and_chat_template_renders(tokenizer):
+    assert tokenizer.encode("hi")[0] == tokenizer.token_to_id("<|begin_of_text|>")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}])
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>")
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+@pytest.fixture
+def model_copy(tiny_model_path, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path, folder)
+    return folder
+
+
+def _edit_weights(folder, edit) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors")
+
+
+def test_missing_tensor_is_named(model_copy):
+    _edit_weights(model_copy, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.2\.mlp\.up_proj"):
+        load_model(model_copy)
+
+
+def test_mismatched_tensor_is_named(model_copy):
+    def shrink(t):
+        t["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3, 256)
+
+    _edit_weights(model_copy, shrink)
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight has shape \(3, 256\)"):
+        load_model(model_copy)
+
+
+def test_sharded_checkpoint_loads(model_copy):
+    tensors = load_file(model_copy / "model.safetensors")
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, model_copy / file)
+    (model_copy / "model.safetensors").unlink()
+    index = {"weight_map": {n: f for f, part in shards.items() for n in part}}
+    (model_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_model(model_copy)
+    assert torch.equal(model.model.norm.weight, tensors["model.norm.weight"])
+
+
+def test_missing_config_is_a_clear_error(model_copy):
+    (model_copy / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(model_copy)
