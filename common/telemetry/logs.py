@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
@@ -23,9 +23,16 @@ from common.telemetry.context import current_trace_ids, trace_id_of
 LOG_FORMATS = ("json", "console")
 
 
-def configure_logging(log_format: str | None = None, level: str | None = None) -> None:
-    """Configure structlog for this process; safe to call again (the last call wins)."""
-    chosen = (log_format or env("LOG_FORMAT") or _default_format()).lower()
+def configure_logging(
+    log_format: str | None = None, level: str | None = None, stream: TextIO | None = None
+) -> None:
+    """Configure structlog for this process; safe to call again (the last call wins).
+
+    Arguments override `PHASEMESH_LOG_FORMAT` and `PHASEMESH_LOG_LEVEL`; `stream` defaults to
+    stderr.
+    """
+    stream = stream or sys.stderr
+    chosen = (log_format or env("LOG_FORMAT") or _default_format(stream)).lower()
     if chosen not in LOG_FORMATS:
         raise ValueError(f"PHASEMESH_LOG_FORMAT must be json or console, got {chosen!r}")
     level_name = (level or env("LOG_LEVEL") or "info").upper()
@@ -34,7 +41,7 @@ def configure_logging(log_format: str | None = None, level: str | None = None) -
     renderer: Processor = (
         structlog.processors.JSONRenderer()
         if chosen == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     )
     structlog.configure(
         processors=[
@@ -47,13 +54,13 @@ def configure_logging(log_format: str | None = None, level: str | None = None) -
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level_name)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
 
 
-def _default_format() -> str:
-    return "console" if sys.stderr.isatty() else "json"
+def _default_format(stream: TextIO) -> str:
+    return "console" if stream.isatty() else "json"
 
 
 def add_trace_ids(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:

@@ -167,7 +167,6 @@ def _install(service_name: str, spec: ExporterSpec) -> Telemetry:
         assert isinstance(span_exporter, InMemorySpanExporter)
         assert isinstance(metric_reader, InMemoryMetricReader)
         telemetry.span_exporter, telemetry.metric_reader = span_exporter, metric_reader
-    log.debug("telemetry configured", service=service_name, exporter=spec.kind)
     return telemetry
 
 
