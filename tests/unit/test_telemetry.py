@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 import structlog
+import yaml
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -502,3 +504,33 @@ def test_otlp_http_exporter_posts_to_the_standard_endpoint() -> None:
     assert span.name == "router.request"
     attributes = {kv.key: kv.value.string_value for kv in span.attributes}
     assert attributes["phasemesh.request_id"] == "r-otlp"
+
+
+# Deploy configs.
+
+
+def test_dashboard_queries_only_metrics_that_exist() -> None:
+    dashboard = json.loads((REPO_ROOT / "deploy/grafana-dashboard.json").read_text())
+    exported = {spec.exported_name.removeprefix("phasemesh_") for spec in METRIC_SPECS}
+    queried = set()
+    for panel in dashboard["panels"]:
+        for query in panel.get("targets", []):
+            for name in re.findall(r"\$\{prefix\}_(\w+)", query["expr"]):
+                queried.add(re.sub(r"_(bucket|count|sum)$", "", name))
+    assert queried == exported  # every query resolves, every metric is on the dashboard
+
+
+def test_collector_and_prometheus_configs_wire_the_documented_ports() -> None:
+    collector = yaml.safe_load((REPO_ROOT / "deploy/otel-collector.yaml").read_text())
+    metrics_pipeline = collector["service"]["pipelines"]["metrics"]
+    assert metrics_pipeline["receivers"] == ["otlp"]
+    assert {"prometheus", "debug"} <= set(metrics_pipeline["exporters"])
+    prometheus_port = collector["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1]
+    scrape = yaml.safe_load((REPO_ROOT / "deploy/prometheus.yml").read_text())
+    targets = {
+        job["job_name"]: job["static_configs"][0]["targets"] for job in scrape["scrape_configs"]
+    }
+    assert targets == {
+        "ray": ["localhost:8080"],
+        "otel-collector": [f"localhost:{prometheus_port}"],
+    }
