@@ -58,7 +58,7 @@ class ModelRunner:
         positions = torch.cat([torch.arange(a, b) for a, b in spans])
         seq_lens = [b - a for a, b in spans]
         tables = [self.blocks.block_table(r) for r in req_ids]
-        block_tables = _pad_tables(tables)
+        block_tables = pad_block_tables(tables)
         context_lens = torch.tensor([b for _, b in spans], dtype=torch.int32)
         seq_index = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor(seq_lens))
         block_size = self.blocks.block_size
@@ -104,7 +104,7 @@ class ModelRunner:
         return out
 
 
-def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
     """Block tables as one [N, max_blocks] int32 tensor, padded with block 0 (never read)."""
     width = max((len(t) for t in tables), default=0)
     padded = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)

@@ -1,0 +1,185 @@
+"""Every control message of PhaseMesh, as msgspec Structs: one tagged union per socket direction.
+
+Conventions (STYLE.md): `tag_field="kind"`, `array_like=True`, `omit_defaults=True`; new fields
+get defaults and go at the end; `gc=False` only on leaves that hold no containers of objects.
+Tensor messages (KV pages, per-layer attention) travel as one of these headers plus raw buffers
+(`common/transport/tensor_frames.py`): the header says what the buffers are.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# -- shared pieces ---------------------------------------------------------------------------------
+
+
+class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """`common.sampling.SamplingParams` on the wire (validated again on arrival)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class ShardAddress(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Where one attention shard of a group receives KV pages, and which KV heads it holds."""
+
+    kv_endpoint: str
+    head_start: int
+    head_end: int
+
+
+class _Msg(msgspec.Struct, tag_field="kind", array_like=True, omit_defaults=True):
+    pass
+
+
+# -- router -> prompt engine (commands) ------------------------------------------------------------
+
+
+class GenerateRequest(_Msg, tag="generate"):
+    """Prefill this prompt, stream the first token to `reply_to`, hand decode to `token_engine`.
+
+    KV goes to `shards` (split by KV head) or, when there are none, to the token engine's
+    `token_kv_endpoint`. The router picks every destination at admission (Splitwise §IV-A).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    reply_to: str
+    token_engine: str  # the token engine's command endpoint
+    token_kv_endpoint: str  # its local-KV ingress
+    shards: list[ShardAddress] = []
+    traceparent: str = ""
+
+
+class AbortRequest(_Msg, tag="abort"):
+    req_id: str
+
+
+class StatsRequest(_Msg, tag="stats"):
+    pass
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    pass
+
+
+# -- prompt engine -> token engine (commands) ------------------------------------------------------
+
+
+class DecodeHandoff(_Msg, tag="handoff"):
+    """A prefilled request: its tokens so far (prompt + first token) and where its KV went."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingSpec
+    reply_to: str
+    num_kv_layers: int  # layers of KV the token engine must see before decoding locally
+    shards: list[ShardAddress] = []  # empty: the KV went to the token engine itself
+    traceparent: str = ""
+
+
+EngineCommand = GenerateRequest | DecodeHandoff | AbortRequest | StatsRequest | Shutdown
+
+
+# -- engines -> router (token stream) --------------------------------------------------------------
+
+
+class TokenOutput(_Msg, tag="tokens"):
+    """New tokens of one request; `finish_reason` set on the last message ('' while running)."""
+
+    req_id: str
+    token_ids: list[int]
+    finish_reason: str = ""
+    num_prompt_tokens: int = 0
+    error: str = ""
+
+
+class EngineStats(_Msg, tag="engine_stats"):
+    """Reply to StatsRequest: what a service holds right now (tests use it to prove no leaks)."""
+
+    service_id: str
+    role: str
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_requests: int
+
+
+ServiceReply = TokenOutput | EngineStats
+
+
+# -- engines -> routers (load reports, PUB/SUB) ----------------------------------------------------
+
+
+class LoadReport(_Msg, tag="load"):
+    """What JSQ needs (Splitwise §IV-A): pending prompt tokens, decode tokens, free KV blocks."""
+
+    engine_id: str
+    role: str
+    pending_prompt_tokens: int
+    running_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    free_kv_blocks: int
+    time: float = 0.0
+
+
+# -- prompt engine -> shard or token engine (KV pages; header of a tensor message) -----------------
+
+
+class KvPages(_Msg, tag="kv"):
+    """K/V of `num_tokens` tokens for layers [layer_start, layer_start + num_layers), heads
+    [head_start, head_end). Buffers: k, v, each [num_layers, num_tokens, num_heads, head_dim].
+    `total_layers` tells the receiver when the request's KV is complete."""
+
+    req_id: str
+    layer_start: int
+    num_layers: int
+    num_tokens: int
+    head_start: int
+    head_end: int
+    total_layers: int
+    sent_at: float = 0.0
+
+
+class FreeRequest(_Msg, tag="free"):
+    """Drop a request's KV (finished or aborted); idempotent, and arrives-before-KV safe."""
+
+    req_id: str
+
+
+ShardIngress = KvPages | FreeRequest | StatsRequest | Shutdown
+
+
+# -- token engine <-> shard (per-layer decode attention; headers of tensor messages) ---------------
+
+
+class AttendBatch(_Msg, tag="attend"):
+    """One layer of one decode step. Buffers: q [N, Hq_shard, D], k and v [N, Hkv_shard, D].
+
+    `req_ids` and `context_lens` are sent on layer 0 only: the batch is the same for every layer of
+    a step, so the shard builds its block tables once per step.
+    """
+
+    step: int
+    layer: int
+    req_ids: list[str] = []
+    context_lens: list[int] = []
+
+
+class AttendResult(_Msg, tag="attend_result"):
+    """Buffers: out [N, Hq_shard, D] float32 and lse [N, Hq_shard] float32."""
+
+    step: int
+    layer: int
+    error: str = ""
+
+
+ShardLinkMessage = AttendBatch | AttendResult

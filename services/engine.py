@@ -1,0 +1,374 @@
+"""The engine service: one class, three roles (Splitwise's prompt, token and mixed machines).
+
+- prompt: FCFS prefill batches (2048-token cap), the first token back to the router, the KV to the
+  request's shard group or to its token engine (layer-wise for long prompts, serialized for short
+  ones), then a `DecodeHandoff` to the token engine.
+- token: continuous batching of handed-off requests; per layer, local attention for requests whose
+  KV is local and one round trip per shard for the rest (`MeshModelRunner`).
+- mixed: both; a request whose token engine is this engine and has no shards never leaves it.
+
+`Engine` owns no sockets: inputs arrive through its `on_*` methods, and `step()` returns the
+messages to send as `(endpoint, message)` pairs. `services/worker.py` wires it to ZeroMQ and UCX.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from common.attention import select_backend
+from common.block_manager import BlockManager
+from common.config import EngineConfig
+from common.engine.request import Request
+from common.kv_cache import KVCache
+from common.model.loader import load_model
+from common.protocol import (
+    DecodeHandoff,
+    EngineStats,
+    FreeRequest,
+    GenerateRequest,
+    KvPages,
+    LoadReport,
+    SamplingSpec,
+    ShardAddress,
+    TokenOutput,
+)
+from common.sampling import Sampler, SamplingParams
+from common.scheduling.batching import Batch, BatchScheduler, Phase, Sequence
+from services.engine_runner import KvRoute, KvSend, KvShipper, MeshModelRunner, ShardLink
+
+log = structlog.get_logger(__name__)
+
+Outgoing = list[tuple[str, object]]  # (endpoint, control message)
+_TOMBSTONES = 4096
+
+
+@dataclass(frozen=True)
+class EngineRole:
+    """Role plus the knobs that differ between roles."""
+
+    name: str  # prompt | token | mixed
+    command_endpoint: str  # how others address this engine (handoffs, self-detection)
+    layer_wise_min_tokens: int = 256  # prompts this long ship KV layer by layer (§IV-C)
+    shard_num_blocks: int = 0  # KV capacity of the shard group this engine decodes against
+
+    def __post_init__(self) -> None:
+        if self.name not in ("prompt", "token", "mixed"):
+            raise ValueError(f"engine role must be prompt, token or mixed, got {self.name!r}")
+
+
+@dataclass
+class _Routing:
+    """Where a request's tokens, KV and decode go (from GenerateRequest or DecodeHandoff)."""
+
+    reply_to: str
+    token_engine: str = ""
+    token_kv_endpoint: str = ""
+    shards: tuple[ShardAddress, ...] = ()
+    num_prompt_tokens: int = 0
+
+
+def to_params(spec: SamplingSpec) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        seed=spec.seed,
+        stop_token_ids=spec.stop_token_ids,
+        ignore_eos=spec.ignore_eos,
+        min_tokens=spec.min_tokens,
+    )
+
+
+class Engine:
+    """Prefill and/or decode for the mesh; see the module docstring."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        role: EngineRole,
+        config: EngineConfig,
+        kv_send: KvSend,
+        shard_links: list[ShardLink] | None = None,
+        head_ranges: list[tuple[int, int]] | None = None,
+    ) -> None:
+        self.engine_id, self.role = engine_id, role
+        self.model = load_model(config.model_path, config.dtype)
+        mc = self.model.config
+        c = config.cache
+        self.blocks = BlockManager(c.num_blocks, c.block_size)
+        kv = KVCache(
+            mc.num_hidden_layers, c.num_blocks, c.block_size, mc.num_key_value_heads,
+            mc.head_dim, getattr(torch, mc.dtype),
+        )  # fmt: skip
+        self.runner = MeshModelRunner(
+            self.model, kv, self.blocks, select_backend(config.attention_backend),
+            shard_links=shard_links or [], head_ranges=head_ranges or [],
+        )  # fmt: skip
+        self.kv_send = kv_send
+        # Prompts whose decode happens elsewhere, and requests decoding here with local KV
+        # (which may be preempted and recomputed here). Both share this engine's KV blocks.
+        self.ship_queue = BatchScheduler(self.blocks, config.scheduler, prefill=True, decode=False)
+        self.local = BatchScheduler(self.blocks, config.scheduler, prefill=True, decode=True)
+        # Requests decoding against the shard group; blocks mirror every shard's accounting.
+        self.shard_blocks = BlockManager(max(role.shard_num_blocks, 1), c.block_size)
+        self.sharded: list[Sequence] = []
+        self.waiting_handoffs: list[DecodeHandoff] = []
+        self.kv_layers: dict[str, int] = {}  # local KV arriving from a prompt engine
+        self.requests: dict[str, Request] = {}
+        self.routing: dict[str, _Routing] = {}
+        self.sampler = Sampler()
+        self.steps = itertools.count()
+        self.max_model_len = mc.max_position_embeddings
+        # Aborted ids, so that a handoff or KV arriving after the abort is dropped, not leaked.
+        self.aborted: OrderedDict[str, None] = OrderedDict()
+
+    # -- inputs -----------------------------------------------------------------------------------
+
+    def on_generate(self, msg: GenerateRequest) -> Outgoing:
+        """A new prompt. Invalid requests are answered with an error, never raised."""
+        try:
+            params = to_params(msg.sampling)
+            self._check_prompt(msg.prompt_token_ids)
+        except ValueError as exc:
+            return [(msg.reply_to, TokenOutput(msg.req_id, [], "error", error=str(exc)))]
+        self.requests[msg.req_id] = Request(
+            msg.req_id, list(msg.prompt_token_ids), params, self.model.config.eos_token_ids,
+            self.max_model_len,
+        )  # fmt: skip
+        self.routing[msg.req_id] = _Routing(
+            msg.reply_to, msg.token_engine, msg.token_kv_endpoint, tuple(msg.shards),
+            len(msg.prompt_token_ids),
+        )  # fmt: skip
+        seq = Sequence(msg.req_id, len(msg.prompt_token_ids))
+        decode_here = msg.token_engine == self.role.command_endpoint and not msg.shards
+        (self.local if decode_here else self.ship_queue).add(seq)
+        return []
+
+    def on_handoff(self, msg: DecodeHandoff) -> Outgoing:
+        """A prefilled request to decode; it joins once its KV is in place."""
+        if msg.req_id in self.aborted:
+            return [(s.kv_endpoint, FreeRequest(msg.req_id)) for s in msg.shards]
+        self.requests[msg.req_id] = Request(
+            msg.req_id, msg.token_ids[: msg.num_prompt_tokens], to_params(msg.sampling),
+            self.model.config.eos_token_ids, self.max_model_len,
+            output_token_ids=msg.token_ids[msg.num_prompt_tokens :],
+        )  # fmt: skip
+        self.routing[msg.req_id] = _Routing(
+            msg.reply_to, shards=tuple(msg.shards), num_prompt_tokens=msg.num_prompt_tokens
+        )
+        self.waiting_handoffs.append(msg)
+        self._admit_handoffs()
+        return []
+
+    def on_kv(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Local KV for a request this engine will decode (no shard group)."""
+        if pages.req_id in self.aborted:
+            return  # an abort raced the transfer: keep nothing
+        if not self.blocks.has(pages.req_id):
+            self.blocks.allocate(pages.req_id, pages.num_tokens)
+        table = torch.tensor(self.blocks.block_table(pages.req_id), dtype=torch.long)
+        positions = torch.arange(pages.num_tokens)
+        bs = self.blocks.block_size
+        slots = table[positions // bs] * bs + positions % bs
+        for i in range(pages.num_layers):
+            self.runner.kv_cache.write(pages.layer_start + i, k[i], v[i], slots)
+        self.kv_layers[pages.req_id] = self.kv_layers.get(pages.req_id, 0) + pages.num_layers
+        self._admit_handoffs()
+
+    def on_abort(self, req_id: str) -> Outgoing:
+        """Forget a request wherever it is; the router frees its shards itself."""
+        self.aborted[req_id] = None
+        while len(self.aborted) > _TOMBSTONES:
+            self.aborted.popitem(last=False)
+        self.ship_queue.remove(req_id)
+        self.local.remove(req_id)
+        self.sharded = [s for s in self.sharded if s.req_id != req_id]
+        self.shard_blocks.free(req_id)
+        self.waiting_handoffs = [h for h in self.waiting_handoffs if h.req_id != req_id]
+        self.kv_layers.pop(req_id, None)
+        self.blocks.free(req_id)
+        self.sampler.forget(req_id)
+        self.requests.pop(req_id, None)
+        self.routing.pop(req_id, None)
+        return []
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.ship_queue.num_unfinished or self.local.num_unfinished or self.sharded)
+
+    @torch.inference_mode()
+    def step(self) -> Outgoing:
+        """One prefill batch (prompts first, as Splitwise's mixed machines do) or decode step."""
+        batch = self.ship_queue.schedule()
+        if batch is not None:
+            return self._prefill_and_ship(batch)
+        batch = self.local.schedule()
+        if batch is not None and batch.phase is Phase.PREFILL:
+            return self._run_local(batch)
+        local = batch.seqs if batch else []
+        if not local and not self.sharded:
+            return []
+        return self._decode(batch, local)
+
+    def _prefill_and_ship(self, batch: Batch) -> Outgoing:
+        routes = []
+        for seq in batch.seqs:
+            r = self.routing[seq.req_id]
+            dests = list(r.shards) or [ShardAddress(r.token_kv_endpoint, 0, self._num_kv_heads)]
+            layer_wise = seq.num_tokens >= self.role.layer_wise_min_tokens
+            routes.append(KvRoute(seq.req_id, dests, layer_wise))
+        shipper = KvShipper(routes, len(self.runner.model.layers), self.kv_send)
+        self.runner.kv_shipper = shipper
+        try:
+            sampled = self._forward(batch, self.runner.prepare(batch, self._token_ids(batch)))
+        finally:
+            self.runner.kv_shipper = None
+        shipper.finish()
+        out: Outgoing = []
+        for seq, token in zip(batch.seqs, sampled, strict=True):
+            route = self.routing[seq.req_id]
+            out += self._emit(seq.req_id, token)
+            if seq.req_id in self.requests:
+                out += self._hand_off(seq.req_id)
+            else:  # finished at its first token: free the KV it just shipped
+                endpoints = [s.kv_endpoint for s in route.shards] or [route.token_kv_endpoint]
+                out += [(e, FreeRequest(seq.req_id)) for e in endpoints]
+            self.ship_queue.remove(seq.req_id)
+        return out
+
+    def _run_local(self, batch: Batch) -> Outgoing:
+        sampled = self._forward(batch, self.runner.prepare(batch, self._token_ids(batch)))
+        return self._finish_step(batch, sampled)
+
+    def _decode(self, batch: Batch | None, local: list[Sequence]) -> Outgoing:
+        token_ids = {s.req_id: self.requests[s.req_id].all_token_ids for s in local + self.sharded}
+        for seq in self.sharded:
+            self.shard_blocks.grow(seq.req_id, seq.num_tokens)
+        inputs = self.runner.prepare_decode(local, self.sharded, token_ids, next(self.steps))
+        everyone = Batch(Phase.DECODE, local + self.sharded)
+        sampled = self._forward(everyone, inputs)
+        out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
+        for seq, token in zip(list(self.sharded), sampled[len(local) :], strict=True):
+            seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1
+            out += self._emit(seq.req_id, token)
+        return out
+
+    def _forward(self, batch: Batch, inputs: object) -> list[int]:
+        logits = self.runner.run(inputs)  # type: ignore[arg-type]
+        reqs = [self.requests[s.req_id] for s in batch.seqs]
+        return self.sampler.sample(logits, [r.req_id for r in reqs], [r.params for r in reqs])
+
+    def _finish_step(self, batch: Batch, sampled: list[int]) -> Outgoing:
+        out: Outgoing = []
+        for seq, token in zip(batch.seqs, sampled, strict=True):
+            out += self._emit(seq.req_id, token)
+        finished = {s.req_id for s in batch.seqs if s.req_id not in self.requests}
+        self.local.update(batch, finished)
+        return out
+
+    # -- per-request bookkeeping ------------------------------------------------------------------
+
+    def _emit(self, req_id: str, token: int) -> Outgoing:
+        """Record a token, stream it, and release everything if the request is done."""
+        req, route = self.requests[req_id], self.routing[req_id]
+        result = req.append(token, tokenizer=None)
+        reason = result.finish_reason.value if result.finish_reason else ""
+        out: Outgoing = [
+            (route.reply_to, TokenOutput(req_id, [token], reason, route.num_prompt_tokens))
+        ]
+        if reason:
+            out += self._release(req_id)
+        return out
+
+    def _release(self, req_id: str) -> Outgoing:
+        route = self.routing.pop(req_id)
+        self.requests.pop(req_id)
+        self.sampler.forget(req_id)
+        if any(s.req_id == req_id for s in self.sharded):
+            self.sharded = [s for s in self.sharded if s.req_id != req_id]
+            self.shard_blocks.free(req_id)
+        return [(shard.kv_endpoint, FreeRequest(req_id)) for shard in route.shards]
+
+    def _hand_off(self, req_id: str) -> Outgoing:
+        req, route = self.requests.pop(req_id), self.routing.pop(req_id)
+        self.sampler.forget(req_id)
+        handoff = DecodeHandoff(
+            req_id=req_id,
+            token_ids=req.all_token_ids,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            sampling=_to_spec(req.params),
+            reply_to=route.reply_to,
+            num_kv_layers=len(self.runner.model.layers),
+            shards=list(route.shards),
+        )
+        return [(route.token_engine, handoff)]
+
+    def _admit_handoffs(self) -> None:
+        """FCFS: a handoff joins the batch once its KV is in place and its memory is there."""
+        while self.waiting_handoffs:
+            h = self.waiting_handoffs[0]
+            seq = Sequence(h.req_id, len(h.token_ids))
+            if h.shards:
+                # NOTE: sharded requests reserve their whole length: the shards cannot preempt.
+                reserve = len(h.token_ids) + h.sampling.max_tokens
+                if not self.shard_blocks.can_grow(h.req_id, reserve):
+                    return
+                self.shard_blocks.allocate(h.req_id, reserve)
+                seq.num_computed = seq.num_tokens - 1
+                self.sharded.append(seq)
+            elif self.kv_layers.get(h.req_id, 0) >= h.num_kv_layers:
+                self.kv_layers.pop(h.req_id)
+                self.local.add_running(seq)
+            else:
+                return
+            self.waiting_handoffs.pop(0)
+
+    def _token_ids(self, batch: Batch) -> dict[str, list[int]]:
+        return {s.req_id: self.requests[s.req_id].all_token_ids for s in batch.seqs}
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        vocab = self.model.config.vocab_size
+        if not prompt or not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt must be 1 or more token ids in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens exceeds {self.max_model_len}")
+
+    @property
+    def _num_kv_heads(self) -> int:
+        return self.model.config.num_key_value_heads
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        used = self.blocks.num_used_blocks + self.shard_blocks.num_used_blocks
+        return EngineStats(
+            self.engine_id, self.role.name, used, self.blocks.num_blocks, len(self.requests)
+        )
+
+    def load_report(self, now: float) -> LoadReport:
+        return LoadReport(
+            engine_id=self.engine_id,
+            role=self.role.name,
+            pending_prompt_tokens=self.ship_queue.pending_prompt_tokens()
+            + self.local.pending_prompt_tokens(),
+            running_decode_tokens=sum(s.num_tokens for s in self.local.running + self.sharded),
+            num_running=len(self.local.running) + len(self.sharded),
+            num_waiting=self.ship_queue.num_unfinished + len(self.waiting_handoffs),
+            free_kv_blocks=self.blocks.num_free_blocks,
+            time=now,
+        )
+
+
+def _to_spec(p: SamplingParams) -> SamplingSpec:
+    return SamplingSpec(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        seed=p.seed, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+    )  # fmt: skip

@@ -1,0 +1,209 @@
+"""The model runner of a disaggregated engine: ships prefill KV, and sends decode attention to
+attention shards.
+
+Prefill (prompt role): after each layer's k/v are computed, `KvShipper.on_layer` sends them to the
+request's destination at once for long prompts (layer-wise, so the transfer overlaps the next
+layers, Splitwise §IV-C) or keeps them until the batch ends for short ones (serialized).
+
+Decode (token role): a batch is `[local rows | sharded rows]`. Per layer the sharded rows' q/k/v go
+to every shard of the group first (one message per shard, that shard's heads, the whole batch);
+local attention runs while the shards work; then the shards' outputs are collected (Lamina).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
+from common.protocol import AttendBatch, AttendResult, KvPages, ShardAddress
+from common.scheduling.batching import Phase, Sequence
+
+
+class ShardLink(Protocol):
+    """A token engine's connection to one attention shard (UCX or ZeroMQ underneath)."""
+
+    def send_async(self, header: AttendBatch, tensors: Seq[torch.Tensor]) -> Any: ...
+    def wait(self, handle: Any) -> None: ...
+    def recv(self) -> tuple[AttendResult, list[torch.Tensor]]: ...
+
+
+KvSend = Callable[[str, KvPages, torch.Tensor, torch.Tensor], None]  # (endpoint, header, k, v)
+
+
+@dataclass
+class KvRoute:
+    """Where one request's KV goes: one address per shard (heads split), or the token engine."""
+
+    req_id: str
+    destinations: list[ShardAddress]
+    layer_wise: bool
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
+class KvShipper:
+    """Sends one prefill batch's KV to its destinations, layer-wise or serialized."""
+
+    def __init__(self, routes: list[KvRoute], num_layers: int, send: KvSend) -> None:
+        self.routes = routes
+        self.num_layers = num_layers
+        self.send = send
+        self.last_layer_done_at = 0.0
+
+    def on_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs) -> None:
+        start = 0
+        for route, seq_len in zip(self.routes, inputs.seq_lens, strict=True):
+            ks, vs = k[start : start + seq_len], v[start : start + seq_len]  # [L, Hkv, D]
+            start += seq_len
+            if route.layer_wise:
+                self._ship(route, layer, ks.unsqueeze(0), vs.unsqueeze(0))
+            else:
+                route.pending.append((ks, vs))
+        if layer == self.num_layers - 1:
+            self.last_layer_done_at = time.monotonic()
+
+    def finish(self) -> None:
+        """End of the batch: ship the serialized requests, all layers in one message each."""
+        for route in self.routes:
+            if not route.layer_wise:
+                k = torch.stack([kv[0] for kv in route.pending])  # [layers, L, Hkv, D]
+                v = torch.stack([kv[1] for kv in route.pending])
+                route.pending.clear()
+                self._ship(route, 0, k, v)
+
+    def _ship(self, route: KvRoute, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for dest in route.destinations:
+            header = KvPages(
+                req_id=route.req_id,
+                layer_start=layer,
+                num_layers=k.shape[0],
+                num_tokens=k.shape[1],
+                head_start=dest.head_start,
+                head_end=dest.head_end,
+                total_layers=self.num_layers,
+                sent_at=time.monotonic(),
+            )
+            heads = slice(dest.head_start, dest.head_end)
+            self.send(
+                dest.kv_endpoint, header, k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
+            )
+
+
+@dataclass
+class ShardedRows:
+    """The decode rows whose KV lives on the shard group, at the end of the batch."""
+
+    step: int
+    req_ids: list[str]
+    context_lens: list[int]
+
+
+class MeshModelRunner(ModelRunner):
+    """`ModelRunner` whose attention stage ships KV (prefill) or visits shards (decode)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        shard_links: Seq[ShardLink] = (),
+        head_ranges: Seq[tuple[int, int]] = (),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.shard_links = list(shard_links)
+        self.head_ranges = list(head_ranges)
+        self.kv_shipper: KvShipper | None = None
+        self.sharded: ShardedRows | None = None
+        self.num_local = 0
+
+    def prepare_decode(
+        self,
+        local: list[Sequence],
+        sharded: list[Sequence],
+        token_ids: dict[str, list[int]],
+        step: int,
+    ) -> StepInputs:
+        """Inputs for `[local rows | sharded rows]`; only local rows get slots and block tables."""
+        seqs = local + sharded
+        req_ids = [s.req_id for s in seqs]
+        positions = [s.num_tokens - 1 for s in seqs]
+        slots = [self.blocks.slot(s.req_id, s.num_tokens - 1) for s in local]
+        self.num_local = len(local)
+        self.sharded = ShardedRows(step, req_ids[len(local) :], [s.num_tokens for s in sharded])
+        if not sharded:
+            self.sharded = None
+        return StepInputs(
+            phase=Phase.DECODE,
+            req_ids=req_ids,
+            input_ids=torch.tensor(
+                [token_ids[r][p] for r, p in zip(req_ids, positions, strict=True)]
+            ),
+            positions=torch.tensor(positions),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            seq_lens=[1] * len(seqs),
+            block_tables=pad_block_tables([self.blocks.block_table(s.req_id) for s in local]),
+            context_lens=torch.tensor([s.num_tokens for s in local], dtype=torch.int32),
+            last_token_index=torch.arange(len(seqs)),
+        )
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs
+    ) -> torch.Tensor:
+        if inputs.phase is Phase.PREFILL:
+            out = super().attend(layer, q, k, v, inputs)
+            if self.kv_shipper is not None:
+                self.kv_shipper.on_layer(layer, k, v, inputs)
+            return out
+        if self.sharded is None:
+            return super().attend(layer, q, k, v, inputs)
+        return self._attend_split(layer, q, k, v, inputs)
+
+    def _attend_split(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs
+    ) -> torch.Tensor:
+        assert self.sharded is not None
+        n = self.num_local
+        group = q.shape[1] // k.shape[1]
+        handles = []
+        for link, (h0, h1) in zip(self.shard_links, self.head_ranges, strict=True):
+            header = AttendBatch(self.sharded.step, layer)
+            if layer == 0:
+                header.req_ids, header.context_lens = (
+                    self.sharded.req_ids,
+                    self.sharded.context_lens,
+                )
+            tensors = [
+                q[n:, h0 * group : h1 * group].contiguous(),
+                k[n:, h0:h1].contiguous(),
+                v[n:, h0:h1].contiguous(),
+            ]
+            handles.append((link, link.send_async(header, tensors), tensors))
+        out = torch.empty(q.shape, dtype=torch.float32)
+        if n:
+            out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
+        for (link, handle, _), (h0, h1) in zip(handles, self.head_ranges, strict=True):
+            link.wait(handle)
+            result, (shard_out, _lse) = link.recv()
+            if result.error:
+                raise RuntimeError(f"attention shard failed: {result.error}")
+            out[n:, h0 * group : h1 * group] = shard_out
+        return out
+
+    def _attend_local(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs
+    ) -> torch.Tensor:
+        n = self.num_local
+        self.kv_cache.write(layer, k, v, inputs.slot_mapping[:n])
+        out, _ = self.backend.decode(
+            q,
+            self.kv_cache.key[layer],
+            self.kv_cache.value[layer],
+            inputs.block_tables[:n],
+            inputs.context_lens[:n],
+            self.model.scale,
+        )
+        return out
