@@ -89,8 +89,21 @@ decode.finish("length")
 """
 
 
+# Telemetry settings of the calling shell must not leak into the children.
+OTEL_SETTINGS = [
+    "PHASEMESH_OTEL_EXPORTER",
+    "PHASEMESH_LOG_FORMAT",
+    "PHASEMESH_LOG_LEVEL",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+]
+
+
 def run_child(script: str, env: dict[str, str], stdin: bytes = b"") -> subprocess.CompletedProcess:
-    child_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **env}
+    child_env = {k: v for k, v in os.environ.items() if k not in OTEL_SETTINGS}
+    child_env.update(PYTHONPATH=str(REPO_ROOT), **env)
     return subprocess.run(
         [sys.executable, "-c", script, str(REPO_ROOT)],
         input=stdin,
