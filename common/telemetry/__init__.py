@@ -5,7 +5,7 @@
     metrics = Metrics(model_name=model, engine=replica_id)
     with request_span(req_id, model=..., num_prompt_tokens=..., max_tokens=...) as span:
         with bind_request(req_id):
-            message.trace_context = inject_context()    # carried to the next process
+            message.traceparent = inject_context()    # carried to the next process
             ...
 
 Module map: `setup` (providers and exporters), `context` (W3C trace context in messages),

@@ -1,8 +1,9 @@
 """W3C trace context carried inside msgspec messages as one string field.
 
-A message between services holds `trace_context: str`, filled by `inject_context()` on the
-sender and turned back into an OpenTelemetry `Context` by `extract_context()` on the receiver, so
-one request is one trace across the router, engines and shards.
+A message between services holds `traceparent: str = ""` (common/protocol.py), filled by
+`inject_context()` on the sender and turned back into an OpenTelemetry `Context` by
+`extract_context()` on the receiver, so one request is one trace across the router, engines and
+shards.
 
 The string is the W3C `traceparent` header, followed by `;` and the `tracestate` header when there
 is one. `traceparent` is hex and dashes only, so the first `;` always splits the two.
@@ -29,18 +30,18 @@ def inject_context(context: Context | None = None) -> str:
     return traceparent
 
 
-def extract_context(trace_context: str) -> Context:
+def extract_context(traceparent: str) -> Context:
     """The `Context` to parent spans on; an empty context (a new root) for "" or a bad string."""
-    traceparent, _, tracestate = trace_context.partition(_SEPARATOR)
-    carrier = {"traceparent": traceparent.strip()}
+    header, _, tracestate = traceparent.partition(_SEPARATOR)
+    carrier = {"traceparent": header.strip()}
     if tracestate:
         carrier["tracestate"] = tracestate
     return _PROPAGATOR.extract(carrier, context=Context())
 
 
-def trace_id_of(trace_context: str) -> str:
+def trace_id_of(traceparent: str) -> str:
     """The 32-hex-digit trace id inside a carried context string; "" when there is none."""
-    span_context = trace.get_current_span(extract_context(trace_context)).get_span_context()
+    span_context = trace.get_current_span(extract_context(traceparent)).get_span_context()
     return format_trace_id(span_context.trace_id) if span_context.is_valid else ""
 
 

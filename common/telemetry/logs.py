@@ -73,15 +73,15 @@ def add_trace_ids(logger: WrappedLogger, method_name: str, event_dict: EventDict
 
 
 @contextmanager
-def bind_request(req_id: str, *, trace_context: str = "", **extra: Any) -> Iterator[None]:
+def bind_request(req_id: str, *, traceparent: str = "", **extra: Any) -> Iterator[None]:
     """Put `req_id` and its trace id on every log line written inside the block.
 
     The trace id is the current span's; a service with no span open yet (it just decoded a
-    message) passes the message's `trace_context` string instead. Bound through contextvars, so
+    message) passes the message's `traceparent` string instead. Bound through contextvars, so
     it follows asyncio tasks but not other threads.
     """
     trace_id, _ = current_trace_ids()
-    trace_id = trace_id or trace_id_of(trace_context)
+    trace_id = trace_id or trace_id_of(traceparent)
     fields: dict[str, Any] = {"req_id": req_id, **extra}
     if trace_id:
         fields["trace_id"] = trace_id

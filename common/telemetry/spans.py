@@ -9,7 +9,7 @@
 
 Every phase is a child of `router.request`, never of another phase: a decode nested under a
 prefill hides where TTFT and TBT go (peer-systems.md, pain point 8). A service that received a
-message passes its `trace_context` string as `parent`. Attribute names follow the OpenTelemetry
+message passes its `traceparent` string as `parent`. Attribute names follow the OpenTelemetry
 GenAI conventions where one exists (`gen_ai.*`); PhaseMesh's own are under `phasemesh.`.
 Timestamps are `time.time_ns()` (wall clock, comparable across processes).
 """
@@ -59,7 +59,7 @@ def tracer() -> trace.Tracer:
 
 
 def parent_context(parent: Parent) -> Context | None:
-    """A carried `trace_context` string, a `Context`, or None for the current context."""
+    """A carried `traceparent` string, a `Context`, or None for the current context."""
     return extract_context(parent) if isinstance(parent, str) else parent
 
 

@@ -1,7 +1,8 @@
 """Telemetry: one trace across real processes, metrics with counts, ids on log lines, exporters.
 
-Child processes are real Python interpreters fed a msgspec-encoded message on stdin; the OTLP test
-posts to a real HTTP server and decodes the protobuf with the OpenTelemetry proto package.
+Child processes are real Python interpreters fed a real `common.protocol` message on stdin; the
+OTLP test posts to a real HTTP server and decodes the protobuf with the OpenTelemetry proto
+package.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from common.protocol import GenerateRequest, SamplingSpec
 from common.telemetry import (
     METRIC_SPECS,
     DecodeSpan,
@@ -56,33 +58,26 @@ from common.telemetry.metrics import TBT_BUCKETS, _ray_recorder
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class PrefillRequest(msgspec.Struct, tag_field="kind", array_like=True, omit_defaults=True):
-    """Stands in for a `common/protocol.py` message: the trace context is one string field."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    trace_context: str = ""
-
-
 # The child: an engine-like process that decodes the message and continues the trace.
 CHILD_ENGINE = """
 import sys, time, msgspec, structlog
 sys.path.insert(0, sys.argv[1])
-from tests.unit.test_telemetry import PrefillRequest
+from common.protocol import EngineCommand
+from common.protocol import GenerateRequest, SamplingSpec
 from common.telemetry import (DecodeSpan, bind_request, configure_logging, configure_telemetry,
                               prefill_span, queue_span)
 configure_telemetry("engine")  # exporter from PHASEMESH_OTEL_EXPORTER
 configure_logging()  # stderr is a pipe: JSON
-message = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=PrefillRequest)
+message = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=EngineCommand)
 arrived_ns = time.time_ns()
-with bind_request(message.req_id, trace_context=message.trace_context):
+with bind_request(message.req_id, traceparent=message.traceparent):
     structlog.get_logger().info("prefill request received")
-queue_span("prompt.queue", message.trace_context, arrived_ns)
-with prefill_span(message.trace_context, num_prompt_tokens=len(message.prompt_token_ids),
+queue_span("prompt.queue", message.traceparent, arrived_ns)
+with prefill_span(message.traceparent, num_prompt_tokens=len(message.prompt_token_ids),
                   batch_size=1, batch_tokens=len(message.prompt_token_ids)):
     with bind_request(message.req_id):
         structlog.get_logger().info("prefill done")
-decode = DecodeSpan(message.trace_context, token_engine="t0")
+decode = DecodeSpan(message.traceparent, token_engine="t0")
 for _ in range(3):
     decode.token()
 decode.finish("length")
@@ -191,7 +186,15 @@ def test_missing_or_bad_context_starts_a_new_trace(
 def test_one_trace_spans_two_processes(spans: InMemorySpanExporter, tmp_path: Path) -> None:
     path = tmp_path / "engine.jsonl"
     with request_span("req-7", model="tiny", num_prompt_tokens=3, max_tokens=3) as root:
-        message = PrefillRequest("req-7", [1, 2, 3], trace_context=inject_context())
+        message = GenerateRequest(
+            req_id="req-7",
+            prompt_token_ids=[1, 2, 3],
+            sampling=SamplingSpec(max_tokens=3),
+            reply_to="ipc:///unused",
+            token_engine="ipc:///unused",
+            token_kv_endpoint="ipc:///unused",
+            traceparent=inject_context(),
+        )
         child = run_child(
             CHILD_ENGINE,
             {"PHASEMESH_OTEL_EXPORTER": f"jsonl:{path}"},
@@ -374,7 +377,7 @@ def test_bind_request_takes_the_trace_id_from_a_carried_context(
     json_logs: io.StringIO,
 ) -> None:
     carried = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    with bind_request("r5", trace_context=carried, engine="t0"):
+    with bind_request("r5", traceparent=carried, engine="t0"):
         structlog.get_logger().info("decoded")
     (line,) = read_log_lines(json_logs)
     assert line["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
