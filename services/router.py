@@ -1,0 +1,391 @@
+"""The router: OpenAI-compatible HTTP endpoints over a `GenerationBackend`.
+
+A plain class that builds a FastAPI app; `services/app.py` wraps it as the Ray Serve ingress and
+tests serve it directly. Every request is validated, tokenized and admitted *before* a response
+starts, so bad input gets a real 4xx status with an OpenAI error body; an error after the first
+streamed byte is sent in-band (`data: {"error": ...}`) followed by `data: [DONE]`.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`
+(200 when the backend is ready, else 503) and `GET /stats` (the backend's `BackendStats`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from common.config import ModelConfig
+from common.engine.request import RequestOutput
+from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
+from services.backend import GenerationBackend, Overloaded
+from services.openai_api import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    UsageInfo,
+    error_body,
+)
+
+log = structlog.get_logger(__name__)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_VALIDATION_ERRORS = 5  # per response: bounded bodies, no echo of large inputs
+RETRY_AFTER_S = 1
+
+
+@dataclasses.dataclass
+class _Job:
+    """One admitted request: its ids, its params, and the first output (already received)."""
+
+    req_id: str
+    num_prompt_tokens: int
+    include_usage: bool
+    outputs: AsyncGenerator[RequestOutput, None]
+
+
+class Router:
+    """OpenAI front end for one model; `app` is the FastAPI application to serve."""
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        model_path: str | Path,
+        served_model_name: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.model_path = Path(model_path)
+        self.tokenizer = Tokenizer(self.model_path)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.model_name = served_model_name or self.model_path.name
+        self.app = self._build_app()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None)
+        app.add_exception_handler(APIError, _api_error_response)  # type: ignore[arg-type]
+        app.add_exception_handler(RequestValidationError, _validation_error_response)  # type: ignore[arg-type]
+        app.add_exception_handler(HTTPException, _http_error_response)  # type: ignore[arg-type]
+        app.add_exception_handler(Exception, _internal_error_response)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/stats", self.stats, methods=["GET"])
+        return app
+
+    # ---- endpoints ----
+
+    async def completions(self, request: CompletionRequest) -> Response:
+        self._check_request(request)
+        _reject_completion_extras(request)
+        prompt_ids = self._completion_prompt_ids(request.prompt)
+        max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
+        job = await self._start("cmpl", prompt_ids, request, max_tokens)
+        if request.stream:
+            return _sse_response(self._completion_chunks(job))
+        text, last = await _collect(job.outputs)
+        choice = CompletionChoice(text=text, finish_reason=last.finish_reason)
+        return JSONResponse(
+            CompletionResponse(
+                id=job.req_id, model=self.model_name, choices=[choice], usage=_usage(last)
+            ).model_dump()
+        )
+
+    async def chat_completions(self, request: ChatCompletionRequest) -> Response:
+        self._check_request(request)
+        _reject_chat_extras(request)
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        prompt_ids = self.tokenizer.apply_chat_template(messages)
+        requested = request.max_completion_tokens or request.max_tokens
+        max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", default=None)
+        job = await self._start("chatcmpl", prompt_ids, request, max_tokens)
+        if request.stream:
+            return _sse_response(self._chat_chunks(job))
+        text, last = await _collect(job.outputs)
+        choice = ChatChoice(
+            message=AssistantMessage(content=text), finish_reason=last.finish_reason
+        )
+        return JSONResponse(
+            ChatCompletionResponse(
+                id=job.req_id, model=self.model_name, choices=[choice], usage=_usage(last)
+            ).model_dump()
+        )
+
+    async def models(self) -> dict[str, Any]:
+        card = ModelCard(
+            id=self.model_name, root=str(self.model_path), max_model_len=self.max_model_len
+        )
+        return ModelList(data=[card]).model_dump()
+
+    async def health(self) -> Response:
+        if not self.backend.ready():
+            return JSONResponse(error_body(503, "the engines are not ready"), status_code=503)
+        return Response(status_code=200)
+
+    async def stats(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.backend.stats())
+
+    # ---- validation and admission ----
+
+    def _check_request(self, request: SamplingFields) -> None:
+        if request.model is not None and request.model != self.model_name:
+            raise APIError(404, f"The model `{request.model}` does not exist.", "model")
+        if request.n != 1:
+            raise APIError(400, "only n=1 is supported", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(request, name):
+                raise APIError(400, f"{name} is not supported", name)
+        if request.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+
+    def _completion_prompt_ids(self, prompt: str | list[Any]) -> list[int]:
+        """Text or token ids, alone or as a list of one prompt."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if len(prompt) == 1 and isinstance(prompt[0], str | list):
+            return self._completion_prompt_ids(prompt[0])
+        if prompt and all(isinstance(t, int) for t in prompt):
+            vocab = self.model_config.vocab_size
+            if max(prompt) >= vocab:
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+            return list(prompt)
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        raise APIError(
+            400, "batched prompts are not supported: send one prompt per request", "prompt"
+        )
+
+    def _max_tokens(
+        self,
+        requested: int | None,
+        num_prompt_tokens: int,
+        prompt_param: str,
+        default: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ) -> int:
+        """The output budget; a request that cannot fit the context is a 400, never clamped."""
+        room = self.max_model_len - num_prompt_tokens
+        if room <= 0:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt contains {num_prompt_tokens} tokens, which leaves no room for "
+                "output. Please reduce the length of the prompt.",
+                prompt_param,
+            )
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in "
+                f"the prompt, {requested} in the completion). Please reduce the length of the "
+                "prompt or completion.",
+                "max_tokens",
+            )
+        return requested
+
+    async def _start(
+        self, prefix: str, prompt_ids: list[int], request: SamplingFields, max_tokens: int
+    ) -> _Job:
+        """Admit the request and wait for its first output, so refusals get a real status."""
+        params = _sampling_params(request, max_tokens)
+        req_id = f"{prefix}-{uuid.uuid4().hex}"
+        stream = self.backend.generate(req_id, prompt_ids, params)
+        try:
+            first = await anext(stream)
+        except Overloaded as exc:
+            raise APIError(429, str(exc), None, retry_after_s=RETRY_AFTER_S) from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from exc
+        return _Job(req_id, len(prompt_ids), request.include_usage, _prepend(first, stream))
+
+    # ---- streamed chunks ----
+
+    async def _completion_chunks(self, job: _Job) -> AsyncGenerator[BaseModel, None]:
+        last: RequestOutput | None = None
+        async with aclosing(job.outputs) as outputs:
+            async for out in outputs:
+                last = out
+                choice = CompletionChoice(text=out.new_text, finish_reason=out.finish_reason)
+                yield CompletionResponse(id=job.req_id, model=self.model_name, choices=[choice])
+        if job.include_usage and last is not None:
+            yield CompletionResponse(
+                id=job.req_id, model=self.model_name, choices=[], usage=_usage(last)
+            )
+
+    async def _chat_chunks(self, job: _Job) -> AsyncGenerator[BaseModel, None]:
+        def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> ChatCompletionChunk:
+            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+            return ChatCompletionChunk(id=job.req_id, model=self.model_name, choices=[choice])
+
+        yield chunk(DeltaMessage(role="assistant", content=""))
+        last: RequestOutput | None = None
+        async with aclosing(job.outputs) as outputs:
+            async for out in outputs:
+                last = out
+                yield chunk(DeltaMessage(content=out.new_text), out.finish_reason)
+        if job.include_usage and last is not None:
+            yield ChatCompletionChunk(
+                id=job.req_id, model=self.model_name, choices=[], usage=_usage(last)
+            )
+
+
+# ---- helpers: sampling, collection, SSE ----
+
+
+def _sampling_params(request: SamplingFields, max_tokens: int) -> SamplingParams:
+    stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if not request.top_k else request.top_k,  # 0 and -1 both mean off
+            seed=request.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+        )
+    except ValueError as exc:
+        match = re.search(r"parameter (\w+)", str(exc))
+        raise APIError(400, str(exc), match.group(1) if match else None) from exc
+
+
+def _reject_completion_extras(request: CompletionRequest) -> None:
+    if request.echo:
+        raise APIError(400, "echo is not supported", "echo")
+    if request.logprobs is not None:
+        raise APIError(400, "logprobs are not supported", "logprobs")
+    if request.best_of not in (None, 1):
+        raise APIError(400, "best_of is not supported", "best_of")
+    if request.suffix:
+        raise APIError(400, "suffix is not supported", "suffix")
+
+
+def _reject_chat_extras(request: ChatCompletionRequest) -> None:
+    if request.logprobs:
+        raise APIError(400, "logprobs are not supported", "logprobs")
+    if request.tools:
+        raise APIError(400, "tools are not supported", "tools")
+
+
+async def _prepend(
+    first: RequestOutput, rest: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """`first` then `rest`; closing this closes `rest` (which aborts an unfinished request)."""
+    async with aclosing(rest):
+        yield first
+        if not first.finished:
+            async for out in rest:
+                yield out
+
+
+async def _collect(outputs: AsyncGenerator[RequestOutput, None]) -> tuple[str, RequestOutput]:
+    parts: list[str] = []
+    last: RequestOutput | None = None
+    async with aclosing(outputs):
+        async for out in outputs:
+            parts.append(out.new_text)
+            last = out
+    assert last is not None, "a started request has at least one output"
+    return "".join(parts), last
+
+
+def _usage(out: RequestOutput) -> UsageInfo:
+    return UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens)
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its event generator, so a client that goes away
+    aborts its request at once (Starlette leaves the iterator to the garbage collector)."""
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+def _sse_response(events: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
+    return _SSEResponse(_sse(events))
+
+
+async def _sse(events: AsyncGenerator[BaseModel, None]) -> AsyncGenerator[str, None]:
+    """`data: <json>` per event, an in-band error if generation fails, then `data: [DONE]`."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield f"data: {event.model_dump_json()}\n\n"
+    except Exception as exc:  # after the first byte the status is sent: report in-band
+        log.exception("stream failed")
+        yield f"data: {json.dumps(error_body(500, f'generation failed: {exc}'))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+# ---- exception handlers: every error is an OpenAI error body ----
+
+
+def _json_error(status: int, message: str, param: str | None = None, **headers: str) -> Response:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+async def _api_error_response(_: Request, exc: APIError) -> Response:
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else {}
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _validation_error_response(_: Request, exc: RequestValidationError) -> Response:
+    """FastAPI's 422 becomes OpenAI's 400, naming the first bad field without echoing input."""
+    errors = exc.errors()[:MAX_VALIDATION_ERRORS]
+    if errors and errors[0].get("type") == "json_invalid":
+        return _json_error(400, f"malformed JSON body: {errors[0].get('ctx', {}).get('error')}")
+    locs = [".".join(str(p) for p in e.get("loc", ()) if p != "body") for e in errors]
+    message = "; ".join(
+        f"{loc or 'body'}: {e.get('msg', 'invalid')}" for loc, e in zip(locs, errors, strict=True)
+    )
+    return _json_error(400, message or "invalid request", locs[0] if locs and locs[0] else None)
+
+
+async def _http_error_response(_: Request, exc: HTTPException) -> Response:
+    return _json_error(exc.status_code, str(exc.detail))
+
+
+async def _internal_error_response(_: Request, exc: Exception) -> Response:
+    log.exception("request failed", exc_info=exc)
+    return _json_error(500, "internal server error")
