@@ -1,0 +1,106 @@
+"""How a tensor message looks on the wire, shared by the UCX and the ZeroMQ tensor channels.
+
+A tensor message is one small msgpack envelope followed by one raw buffer per tensor:
+
+    envelope = (specs, header)       # msgspec-encoded: list[TensorSpec] and the caller's header
+    frame i  = the bytes of tensor i # C-contiguous, no serialization, sent from the tensor's memory
+
+The envelope carries dtype and shape so that the receiver can size (or check) its buffers before the
+payload lands; the caller's header (request ids, layer, ...) is any msgspec type, typically a tagged
+union from `common.protocol`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import numpy as np
+import torch
+
+HeaderT = TypeVar("HeaderT")
+
+# Names on the wire (stable strings, not torch reprs) and the torch dtype each one means.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class TensorSpec(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """dtype name and shape of one tensor frame."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * DTYPES[self.dtype].itemsize
+
+
+def spec_of(tensor: torch.Tensor) -> TensorSpec:
+    """The wire spec of `tensor`; raises on dtypes the wire does not carry."""
+    name = DTYPE_NAMES.get(tensor.dtype)
+    if name is None:
+        raise TypeError(f"tensor dtype {tensor.dtype} cannot travel; supported: {list(DTYPES)}")
+    return TensorSpec(name, tuple(tensor.shape))
+
+
+def byte_view(tensor: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a CPU tensor's memory (no copy when it is contiguous).
+
+    The result shares memory with `tensor` (writing to it writes the tensor) and keeps it alive
+    through numpy's base reference. numpy has no bfloat16, so bfloat16 goes through int16. Built
+    with numpy, not torch, ops: each torch view op costs microseconds of dispatch.
+    """
+    if tensor.device.type != "cpu":
+        raise ValueError(f"only CPU tensors travel here, got {tensor.device}")
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    array = tensor.numpy()
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array.reshape(-1).view(np.uint8)  # [nbytes]
+
+
+def empty_like_spec(spec: TensorSpec) -> torch.Tensor:
+    """A fresh tensor to receive a frame described by `spec`."""
+    return torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+
+
+def check_out(spec: TensorSpec, out: torch.Tensor) -> torch.Tensor:
+    """Check that a caller-provided receive buffer matches the incoming frame exactly."""
+    if spec_of(out) != spec or not out.is_contiguous():
+        raise ValueError(f"receive buffer {out.dtype}{tuple(out.shape)} does not match {spec}")
+    return out
+
+
+class EnvelopeCodec(Generic[HeaderT]):
+    """One encoder and one typed decoder for `(specs, header)`, built once per channel."""
+
+    def __init__(self, header_type: Any) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(tuple[list[TensorSpec], header_type])
+
+    def encode(self, header: HeaderT, tensors: Sequence[torch.Tensor]) -> bytes:
+        return self._encoder.encode(([spec_of(t) for t in tensors], header))
+
+    def decode(self, data: bytes | memoryview) -> tuple[list[TensorSpec], HeaderT]:
+        """Decode an envelope; raises msgspec.DecodeError on malformed or unknown input."""
+        specs, header = self._decoder.decode(data)
+        return specs, header
