@@ -102,6 +102,16 @@ class TokenOutput(_Msg, tag="tokens"):
     error: str = ""
 
 
+class KvEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """When KV of a request moved: `received` (layer_start landed) or `prefilled` (its last
+    layer was computed). Services keep the most recent ones, for tests and benchmarks."""
+
+    what: str
+    req_id: str
+    layer_start: int
+    time: float  # time.monotonic(), comparable across processes of one host
+
+
 class EngineStats(_Msg, tag="engine_stats"):
     """Reply to StatsRequest: what a service holds right now (tests use it to prove no leaks)."""
 
@@ -110,6 +120,7 @@ class EngineStats(_Msg, tag="engine_stats"):
     kv_blocks_used: int
     kv_blocks_total: int
     num_requests: int
+    kv_events: list[KvEvent] = []
 
 
 ServiceReply = TokenOutput | EngineStats

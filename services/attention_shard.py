@@ -10,7 +10,8 @@ lands while decode runs.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import structlog
@@ -19,7 +20,7 @@ import torch
 from common.attention import AttentionBackend
 from common.block_manager import BlockManager, NoFreeBlocksError
 from common.kv_cache import KVCache
-from common.protocol import AttendBatch, EngineStats, KvPages
+from common.protocol import AttendBatch, EngineStats, KvEvent, KvPages
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +78,7 @@ class AttentionShard:
         self._complete: set[str] = set()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._step: _StepTables | None = None
+        self.kv_events: deque[KvEvent] = deque(maxlen=256)
 
     # -- KV ingress ----------------------------------------------------------------------------
 
@@ -90,6 +92,9 @@ class AttentionShard:
         with self._lock:
             if pages.req_id in self._tombstones:
                 return
+            self.kv_events.append(
+                KvEvent("received", pages.req_id, pages.layer_start, time.monotonic())
+            )
             if not self.blocks.has(pages.req_id):
                 self.blocks.allocate(pages.req_id, pages.num_tokens)
             slots = self._slots(pages.req_id, 0, pages.num_tokens)
@@ -175,6 +180,7 @@ class AttentionShard:
                 self.blocks.num_used_blocks,
                 self.blocks.num_blocks,
                 len(self.blocks.req_ids()),
+                list(self.kv_events),
             )
 
 

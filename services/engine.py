@@ -14,7 +14,9 @@ messages to send as `(endpoint, message)` pairs. `services/worker.py` wires it t
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import structlog
@@ -31,6 +33,7 @@ from common.protocol import (
     EngineStats,
     FreeRequest,
     GenerateRequest,
+    KvEvent,
     KvPages,
     LoadReport,
     SamplingSpec,
@@ -94,7 +97,7 @@ class Engine:
         role: EngineRole,
         config: EngineConfig,
         kv_send: KvSend,
-        shard_links: list[ShardLink] | None = None,
+        shard_links: Seq[ShardLink] = (),
         head_ranges: list[tuple[int, int]] | None = None,
     ) -> None:
         self.engine_id, self.role = engine_id, role
@@ -108,7 +111,7 @@ class Engine:
         )  # fmt: skip
         self.runner = MeshModelRunner(
             self.model, kv, self.blocks, select_backend(config.attention_backend),
-            shard_links=shard_links or [], head_ranges=head_ranges or [],
+            shard_links=shard_links, head_ranges=head_ranges or [],
         )  # fmt: skip
         self.kv_send = kv_send
         # Prompts whose decode happens elsewhere, and requests decoding here with local KV
@@ -127,6 +130,7 @@ class Engine:
         self.max_model_len = mc.max_position_embeddings
         # Aborted ids, so that a handoff or KV arriving after the abort is dropped, not leaked.
         self.aborted: OrderedDict[str, None] = OrderedDict()
+        self.kv_events: deque[KvEvent] = deque(maxlen=256)
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -170,6 +174,9 @@ class Engine:
         """Local KV for a request this engine will decode (no shard group)."""
         if pages.req_id in self.aborted:
             return  # an abort raced the transfer: keep nothing
+        self.kv_events.append(
+            KvEvent("received", pages.req_id, pages.layer_start, time.monotonic())
+        )
         if not self.blocks.has(pages.req_id):
             self.blocks.allocate(pages.req_id, pages.num_tokens)
         table = torch.tensor(self.blocks.block_table(pages.req_id), dtype=torch.long)
@@ -231,6 +238,11 @@ class Engine:
         finally:
             self.runner.kv_shipper = None
         shipper.finish()
+        for seq in batch.seqs:
+            last = len(self.runner.model.layers) - 1
+            self.kv_events.append(
+                KvEvent("prefilled", seq.req_id, last, shipper.last_layer_done_at)
+            )
         out: Outgoing = []
         for seq, token in zip(batch.seqs, sampled, strict=True):
             route = self.routing[seq.req_id]
@@ -349,8 +361,9 @@ class Engine:
     def stats(self) -> EngineStats:
         used = self.blocks.num_used_blocks + self.shard_blocks.num_used_blocks
         return EngineStats(
-            self.engine_id, self.role.name, used, self.blocks.num_blocks, len(self.requests)
-        )
+            self.engine_id, self.role.name, used, self.blocks.num_blocks, len(self.requests),
+            list(self.kv_events),
+        )  # fmt: skip
 
     def load_report(self, now: float) -> LoadReport:
         return LoadReport(

@@ -21,16 +21,16 @@ from typing import Any, Protocol
 import torch
 
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
-from common.protocol import AttendBatch, AttendResult, KvPages, ShardAddress
+from common.protocol import AttendBatch, KvPages, ShardAddress
 from common.scheduling.batching import Phase, Sequence
 
 
 class ShardLink(Protocol):
     """A token engine's connection to one attention shard (UCX or ZeroMQ underneath)."""
 
-    def send_async(self, header: AttendBatch, tensors: Seq[torch.Tensor]) -> Any: ...
-    def wait(self, handle: Any) -> None: ...
-    def recv(self) -> tuple[AttendResult, list[torch.Tensor]]: ...
+    def send_async(self, header: Any, tensors: Seq[torch.Tensor]) -> Any: ...
+    def wait(self, handle: Any) -> Any: ...
+    def recv(self) -> tuple[Any, list[torch.Tensor]]: ...
 
 
 KvSend = Callable[[str, KvPages, torch.Tensor, torch.Tensor], None]  # (endpoint, header, k, v)

@@ -1,0 +1,115 @@
+"""Typed ZeroMQ sockets: each owns one msgspec encoder and one decoder for its message union.
+
+- `TypedSocket`: any socket type (PULL for commands and KV ingress, PUB/SUB for load reports,
+  ROUTER/DEALER for request/response). `recv_nowait` decodes straight into the union; a malformed
+  or unknown message is logged and dropped, and the socket keeps working.
+- Tensor messages are `[envelope, frame, frame, ...]`: the envelope is the msgspec header plus
+  tensor specs (`tensor_frames`), each frame a tensor's raw bytes, sent zero-copy (pyzmq keeps a
+  reference to each buffer until libzmq has sent it).
+- `PushPool`: one PUSH socket per destination endpoint, connected on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Generic
+
+import msgspec
+import structlog
+import torch
+import zmq
+
+from common.transport.tensor_frames import DTYPES, EnvelopeCodec, HeaderT, byte_view
+
+log = structlog.get_logger(__name__)
+
+
+class TypedSocket(Generic[HeaderT]):
+    """A ZeroMQ socket that sends and receives one msgspec union type (optionally + tensors)."""
+
+    def __init__(self, sock: zmq.Socket, message_type: Any) -> None:
+        self.sock = sock
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(message_type)
+        self._codec: EnvelopeCodec[HeaderT] = EnvelopeCodec(message_type)
+
+    def send(self, msg: HeaderT, prefix: Sequence[bytes] = ()) -> None:
+        """Send one message (ROUTER replies put the peer identity in `prefix`)."""
+        self.sock.send_multipart([*prefix, self._encoder.encode(msg)])
+
+    def send_tensors(self, header: HeaderT, tensors: Sequence[torch.Tensor]) -> None:
+        frames: list[Any] = [self._codec.encode(header, tensors)]
+        frames += [byte_view(t.contiguous()) for t in tensors]
+        self.sock.send_multipart(frames, copy=False)
+
+    def recv_nowait(self) -> tuple[list[bytes], HeaderT] | None:
+        """The next message and its routing prefix, or None if none is queued. Malformed
+        messages are logged and dropped."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                return frames[:-1], self._decoder.decode(frames[-1])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("dropped malformed message", socket=self.sock.type, error=str(exc))
+
+    def recv_tensors_nowait(self) -> tuple[HeaderT, list[torch.Tensor]] | None:
+        """The next tensor message (header, tensors), or None. Malformed ones are dropped."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            try:
+                specs, header = self._codec.decode(frames[0].buffer)
+                if len(specs) != len(frames) - 1:
+                    raise ValueError(f"{len(specs)} tensor specs, {len(frames) - 1} frames")
+                pairs = zip(specs, frames[1:], strict=True)
+                return header, [_tensor(spec.dtype, spec.shape, f) for spec, f in pairs]
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RuntimeError) as exc:
+                log.warning("dropped malformed tensor message", error=str(exc))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _tensor(dtype: str, shape: tuple[int, ...], frame: zmq.Frame) -> torch.Tensor:
+    """A tensor over the frame's own memory (no copy); raises ValueError on an unknown dtype."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown tensor dtype {dtype!r}")
+    if not len(frame.buffer):
+        return torch.empty(shape, dtype=DTYPES[dtype])
+    return torch.frombuffer(frame.buffer, dtype=torch.uint8).view(DTYPES[dtype]).view(shape)
+
+
+class PushPool(Generic[HeaderT]):
+    """PUSH sockets to many endpoints, one per endpoint, created on first use."""
+
+    def __init__(self, ctx: zmq.Context, message_type: Any) -> None:
+        self._ctx = ctx
+        self._type = message_type
+        self._sockets: dict[str, TypedSocket[HeaderT]] = {}
+
+    def get(self, endpoint: str) -> TypedSocket[HeaderT]:
+        sock = self._sockets.get(endpoint)
+        if sock is None:
+            raw = self._ctx.socket(zmq.PUSH)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(endpoint)
+            sock = self._sockets[endpoint] = TypedSocket(raw, self._type)
+        return sock
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()
+
+
+def bind_random(ctx: zmq.Context, kind: int, host: str = "127.0.0.1") -> tuple[zmq.Socket, str]:
+    """A socket bound to a free TCP port on `host`, and its endpoint string."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    return sock, f"tcp://{host}:{port}"

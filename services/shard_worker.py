@@ -1,0 +1,131 @@
+"""Run an `AttentionShard` as a process: UCX for per-layer attention, ZeroMQ for KV ingress.
+
+Two threads, each owning its sockets: the ingress thread drains KV pages, frees and stats
+requests from ZeroMQ; the main thread answers the token engine's per-layer round trips on the
+UCX channel, blocking on its event fd (no busy-polling: this machine has 2 vCPUs).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import structlog
+import torch
+import zmq
+
+from common.attention import select_backend
+from common.config import ModelConfig
+from common.protocol import (
+    AttendBatch,
+    AttendResult,
+    FreeRequest,
+    KvPages,
+    ServiceReply,
+    ShardIngress,
+    ShardLinkMessage,
+    Shutdown,
+    StatsRequest,
+)
+from common.transport.ucx_channel import UcxListener, UcxTensorChannel
+from common.transport.zmq_sockets import TypedSocket, bind_random
+from services.attention_shard import AttentionShard, ShardSpec
+from services.worker_config import WorkerConfig, WorkerReady
+
+log = structlog.get_logger(__name__)
+
+POLL_S = 0.2  # idle wake-up to notice shutdown
+
+
+class ShardWorker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        mc = ModelConfig.from_folder(cfg.model_path)
+        spec = ShardSpec(
+            num_layers=mc.num_hidden_layers,
+            head_start=cfg.head_start,
+            head_end=cfg.head_end,
+            num_queries_per_kv=mc.num_queries_per_kv,
+            head_dim=mc.head_dim,
+            num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size,
+            dtype=getattr(torch, mc.dtype),
+            scale=mc.head_dim**-0.5,
+        )
+        self.shard = AttentionShard(cfg.service_id, spec, select_backend(cfg.attention_backend))
+        self.ctx = zmq.Context()
+        kv, self.kv_endpoint = bind_random(self.ctx, zmq.PULL, cfg.host)
+        ctl, self.control_endpoint = bind_random(self.ctx, zmq.ROUTER, cfg.host)
+        self.kv_in: TypedSocket[ShardIngress] = TypedSocket(kv, ShardIngress)
+        self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
+        self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
+        self.listener = UcxListener(ShardLinkMessage, host=cfg.host)
+        self.running = True
+
+    def ready(self) -> WorkerReady:
+        return WorkerReady(
+            self.cfg.service_id, "shard", kv_endpoint=self.kv_endpoint,
+            control_endpoint=self.control_endpoint, link_address=self.listener.address,
+        )  # fmt: skip
+
+    def run(self) -> None:
+        ingress = threading.Thread(target=self._ingress_loop, name="kv-ingress", daemon=True)
+        ingress.start()
+        link = self._accept()
+        while self.running and link is not None:
+            try:
+                header, tensors = link.recv(timeout=POLL_S)
+            except TimeoutError:
+                continue
+            if isinstance(header, AttendBatch) and len(tensors) == 3:
+                self._answer(link, header, tensors)
+            else:
+                log.warning("dropped unexpected link message", kind=type(header).__name__)
+        ingress.join(timeout=2)
+
+    def _accept(self) -> UcxTensorChannel[ShardLinkMessage] | None:
+        while self.running:
+            try:
+                return self.listener.accept(timeout=POLL_S)
+            except TimeoutError:
+                continue
+        return None
+
+    def _answer(
+        self, link: UcxTensorChannel[ShardLinkMessage], batch: AttendBatch, qkv: list[torch.Tensor]
+    ) -> None:
+        try:
+            out, lse = self.shard.attend(batch, *qkv)
+            link.send(AttendResult(batch.step, batch.layer), [out, lse])
+        except Exception as exc:  # noqa: BLE001 - the engine must get an answer, not a hang
+            log.exception("attention failed", step=batch.step, layer=batch.layer)
+            n, hq, d = qkv[0].shape
+            empty = [torch.zeros(n, hq, d), torch.zeros(n, hq)]
+            link.send(AttendResult(batch.step, batch.layer, error=repr(exc)), empty)
+
+    def _ingress_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.kv_in.sock, zmq.POLLIN)
+        poller.register(self.control.sock, zmq.POLLIN)
+        while self.running:
+            poller.poll(int(POLL_S * 1000))
+            while (item := self.kv_in.recv_tensors_nowait()) is not None:
+                self._on_ingress(*item)
+            while (req := self.control.recv_nowait()) is not None:
+                self.replies.send(self.shard.stats(), prefix=req[0])
+        self.ctx.destroy(linger=0)
+
+    def _on_ingress(self, header: ShardIngress, tensors: list[torch.Tensor]) -> None:
+        try:
+            if isinstance(header, KvPages) and len(tensors) == 2:
+                self.shard.receive_kv(header, *tensors)
+            elif isinstance(header, FreeRequest):
+                self.shard.free(header.req_id)
+            elif isinstance(header, Shutdown):
+                self.running = False
+            else:
+                log.warning("dropped unexpected ingress message", kind=type(header).__name__)
+        except Exception:  # noqa: BLE001 - one bad message must not stop the shard
+            log.exception("ingress message failed", kind=type(header).__name__)
+
+
+__all__ = ["ShardWorker"]

@@ -1,0 +1,45 @@
+"""What the launcher tells a worker process, and what the worker reports back when ready."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ShardLinkSpec(msgspec.Struct, frozen=True):
+    """One shard of a token engine's group: its UCX link address and KV heads."""
+
+    link_address: str
+    kv_endpoint: str
+    head_start: int
+    head_end: int
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    service: str  # engine | shard
+    service_id: str
+    role: str = "mixed"  # engines: prompt | token | mixed
+    model_path: str
+    ready_endpoint: str
+    parent_pid: int
+    host: str = "127.0.0.1"
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    layer_wise_min_tokens: int = 256
+    attention_backend: str = "auto"
+    num_threads: int = 1
+    shards: list[ShardLinkSpec] = []  # token engines: their shard group
+    shard_num_blocks: int = 0
+    head_start: int = 0  # shards: the KV heads they hold
+    head_end: int = 0
+
+
+class WorkerReady(msgspec.Struct, frozen=True):
+    service_id: str
+    role: str
+    command_endpoint: str = ""
+    kv_endpoint: str = ""
+    control_endpoint: str = ""
+    load_endpoint: str = ""
+    link_address: str = ""  # shards: where token engines connect over UCX
