@@ -107,6 +107,14 @@ NB_MODULE(phasemesh_attention_kernel, m) {
            nb::arg("num_threads") = 1, nb::arg("isa") = "auto",
            "Writes out [S, Hq, D] and lse [S, Hq] (float32) for the query rows of KV heads "
            "[kv_head_start, kv_head_end); tokens [token_starts[i], context_lens[i]).");
+  m.def(
+      "read_sum",
+      [](const nb::ndarray<const float, nb::device::cpu, nb::c_contig>& a, int num_threads) {
+        nb::gil_scoped_release no_gil;
+        return pm::read_sum(a.data(), static_cast<int64_t>(a.size()), num_threads);
+      },
+      nb::arg("data").noconvert(), nb::arg("num_threads") = 1,
+      "Sum of a float32 array, read once at streaming speed (a bandwidth probe).");
   m.def("supported_isas", &pm::supported_isas,
         "Kernel ISAs this CPU can run, best first (the first is what 'auto' prefers).");
 }

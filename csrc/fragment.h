@@ -10,6 +10,9 @@
 namespace pm {
 
 constexpr int kMaxLanes = 16;  // widest SIMD vector in floats (AVX-512)
+// Tokens per online-softmax step: a few blocks share one max/rescale and one pass over V.
+constexpr int kStepSlots = 64;
+constexpr int kMaxStepBlocks = kStepSlots / 4;  // block_size is a multiple of 4 (the narrowest ISA)
 
 enum class KvDtype { kFloat32, kBfloat16 };
 
@@ -32,7 +35,7 @@ struct FragmentState {
   float* acc;      // [group_size, head_dim]
   float* row_max;  // [group_size]
   float* row_sum;  // [group_size]
-  float* scratch;  // group_size * (block_size + 1 + kMaxLanes) floats
+  float* scratch;  // group_size * (max(kStepSlots, block_size) + 1 + kMaxLanes) floats
 };
 
 using FragmentFn = void (*)(const FragmentArgs&, const FragmentState&);

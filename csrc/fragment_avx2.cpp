@@ -1,4 +1,6 @@
 // AVX2 + FMA kernels (8 floats per ymm, 16 registers). Built with -mavx2 -mfma.
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "fragment.h"

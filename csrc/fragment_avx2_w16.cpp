@@ -1,5 +1,7 @@
 // The 16-lane kernels lowered to AVX2 (each vector is two ymm): lets a machine without AVX-512
 // run and test the exact code path the AVX-512 build takes (one vector per 16-slot block row).
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "fragment.h"

@@ -1,4 +1,6 @@
 // AVX-512 kernels (16 floats per zmm, 32 registers). Built with -mavx512f; run only where the CPU has it.
+#include <immintrin.h>
+
 #include <cstdint>
 
 #include "fragment.h"

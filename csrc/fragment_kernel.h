@@ -8,12 +8,14 @@
 // written lane-explicitly (no reliance on the auto-vectorizer), and `objdump -d` on the built module
 // shows vfmadd231ps on zmm/ymm registers in the hot loops. Exp is a Cephes polynomial (~2e-7 rel).
 //
-// Per block the kernel (1) scores the query group against the K tile [head_dim][block_size], a
-// sequence of contiguous vector FMAs with one broadcast q element per row and no horizontal sums;
-// (2) updates the running max and sum (online softmax); (3) folds the rescale into the value pass,
-// which streams V rows [block_size][head_dim] into register-tiled accumulators. The next block's
-// tiles are prefetched while the current one is computed: block tables scatter blocks, so the
-// hardware prefetcher cannot guess the next address.
+// The kernel walks a fragment in steps of about kStepSlots tokens (a few blocks). Per step it
+// (1) scores the query group against each K tile [head_dim][block_size]: contiguous vector FMAs,
+// one broadcast q element per row, no horizontal sums; (2) updates the running max and sum once
+// for the whole step (online softmax); (3) streams the V rows [block_size][head_dim] of all the
+// step's blocks into register-tiled accumulators, folding in the rescale. Block tables scatter
+// blocks, so the hardware prefetcher cannot guess the next tile: while scoring K the kernel
+// prefetches the step's V tiles, and while accumulating V it prefetches the next step's K tiles,
+// one line per load, spread over the loops rather than in a burst that would stall on fill buffers.
 
 typedef float VecF __attribute__((vector_size(PM_LANES * 4)));
 typedef int32_t VecI __attribute__((vector_size(PM_LANES * 4)));
@@ -33,11 +35,20 @@ inline VecF load(const float* p) {
   return v;
 }
 
-// bfloat16 is the high half of a float32: widen and shift, no rounding involved.
+// bfloat16 is the high half of a float32: widen and shift, no rounding involved. The x86 forms
+// fold the load into vpmovzxwd (GCC lowers the generic form to split 128-bit steps).
 inline VecF load(const uint16_t* p) {
+#if PM_LANES == 16 && defined(__AVX512F__)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (VecF)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif PM_LANES == 8 && defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (VecF)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
   VecH h;
   __builtin_memcpy(&h, p, sizeof h);
   return (VecF)(__builtin_convertvector(h, VecU) << 16);
+#endif
 }
 
 inline void store(float* p, VecF v) { __builtin_memcpy(p, &v, sizeof v); }
@@ -79,67 +90,104 @@ inline VecF vexp(VecF x) {
 
 inline float scalar_exp(float x) { return vexp(splat(x))[0]; }
 
+// Prefetches the line holding `p` if a vector load at lane offset `lanes` starts a new line.
 template <typename KV>
-inline void prefetch_tile(const KV* tile, int64_t elements) {
-  const char* p = reinterpret_cast<const char*>(tile);
-  const int64_t bytes = elements * static_cast<int64_t>(sizeof(KV));
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+inline void prefetch_line(const KV* p, int lanes) {
+  if ((lanes * sizeof(KV)) % 64 == 0) __builtin_prefetch(p, 0, 3);
 }
 
-// scores[g][slot] = q[g] . K[:, slot] for GT query rows; K tile is [head_dim][block_size].
-// With few rows, U independent partial sums over d keep the FMA pipes busy (no long chain).
-template <int GT, typename KV>
-inline void score_rows(const float* q, const KV* k_tile, int head_dim, int block_size,
-                       float* scores) {
-  constexpr int U = GT >= 4 ? 1 : 4 / GT;
-  for (int c = 0; c < block_size; c += kLanes) {
-    VecF acc[GT][U] = {};
-    const KV* k_col = k_tile + c;
+// The blocks of one step: their tiles, the next step's K tiles (to prefetch), and the slots in
+// [lo, hi) (step coordinates, slot = block index * block_size + slot in block) that hold tokens.
+template <typename KV>
+struct Step {
+  const KV* keys[kMaxStepBlocks];
+  const KV* values[kMaxStepBlocks];
+  const KV* next_keys[kMaxStepBlocks];  // nullptr where there is no next block
+  int num_blocks, lo, hi;
+};
+
+// scores[g][c..] = q[g] . K[:, c..] for GT query rows over NC vectors of slots at a time. Each
+// broadcast q element feeds NC FMAs; with few rows, U independent partial sums over d keep the
+// FMA pipes busy instead of one long dependency chain. Prefetches `prefetch` at the same offsets.
+template <int GT, int NC, typename KV>
+inline void score_rows(const float* q, const KV* k_tile, const KV* prefetch, int head_dim,
+                       int block_size, float* scores, int stride) {
+  constexpr int U = GT * NC >= 4 ? 1 : 4 / (GT * NC);
+  for (int c = 0; c < block_size; c += NC * kLanes) {
+    VecF acc[U][GT][NC] = {};
     for (int d = 0; d < head_dim; d += U) {
       for (int u = 0; u < U; ++u) {
-        const VecF k = load(k_col + static_cast<int64_t>(d + u) * block_size);
-        for (int g = 0; g < GT; ++g) acc[g][u] += k * q[g * head_dim + d + u];
+        const int64_t row = static_cast<int64_t>(d + u) * block_size + c;
+        VecF k[NC];
+        for (int n = 0; n < NC; ++n) {
+          k[n] = load(k_tile + row + n * kLanes);
+          if (prefetch != nullptr) prefetch_line(prefetch + row + n * kLanes, n * kLanes);
+        }
+        for (int g = 0; g < GT; ++g) {
+          const float qd = q[g * head_dim + d + u];
+          for (int n = 0; n < NC; ++n) acc[u][g][n] += k[n] * qd;
+        }
       }
     }
-    for (int g = 0; g < GT; ++g) {
-      for (int u = 1; u < U; ++u) acc[g][0] += acc[g][u];
-      store(scores + g * block_size + c, acc[g][0]);
-    }
+    for (int g = 0; g < GT; ++g)
+      for (int n = 0; n < NC; ++n) {
+        for (int u = 1; u < U; ++u) acc[0][g][n] += acc[u][g][n];
+        store(scores + g * stride + c + n * kLanes, acc[0][g][n]);
+      }
   }
 }
 
-template <typename KV>
-void score_block(const float* q, const KV* k_tile, int group_size, int head_dim, int block_size,
-                 float* scores) {
+// One K tile for all rows: tiles as wide as the accumulator budget allows, then narrower ones.
+template <int NC, typename KV>
+void score_tile(const float* q, const KV* k_tile, const KV* prefetch, int group_size,
+                int head_dim, int block_size, float* scores, int stride) {
+  constexpr int kTile = PM_ACC_BUDGET / NC >= 8 ? 8 : 4;
   int g = 0;
-  for (; g + 8 <= group_size; g += 8)
-    score_rows<8>(q + g * head_dim, k_tile, head_dim, block_size, scores + g * block_size);
-  if (g + 4 <= group_size) {
-    score_rows<4>(q + g * head_dim, k_tile, head_dim, block_size, scores + g * block_size);
+  for (; g + kTile <= group_size; g += kTile)
+    score_rows<kTile, NC>(q + g * head_dim, k_tile, g == 0 ? prefetch : nullptr, head_dim,
+                          block_size, scores + g * stride, stride);
+  if (kTile > 4 && g + 4 <= group_size) {
+    score_rows<4, NC>(q + g * head_dim, k_tile, g == 0 ? prefetch : nullptr, head_dim,
+                      block_size, scores + g * stride, stride);
     g += 4;
   }
   if (g + 2 <= group_size) {
-    score_rows<2>(q + g * head_dim, k_tile, head_dim, block_size, scores + g * block_size);
+    score_rows<2, NC>(q + g * head_dim, k_tile, g == 0 ? prefetch : nullptr, head_dim,
+                      block_size, scores + g * stride, stride);
     g += 2;
   }
   if (g < group_size)
-    score_rows<1>(q + g * head_dim, k_tile, head_dim, block_size, scores + g * block_size);
+    score_rows<1, NC>(q + g * head_dim, k_tile, g == 0 ? prefetch : nullptr, head_dim,
+                      block_size, scores + g * stride, stride);
 }
 
-// Online-softmax step for one row: scores become probabilities relative to the new max;
-// returns the factor that rescales everything accumulated so far.
-inline float softmax_row(float* scores, int block_size, int lo, int hi, float* row_max,
+template <typename KV>
+void score_step(const float* q, const Step<KV>& step, int group_size, int head_dim,
+                int block_size, float* scores, int stride) {
+  for (int j = 0; j < step.num_blocks; ++j) {
+    if (block_size % (2 * kLanes) == 0)
+      score_tile<2>(q, step.keys[j], step.values[j], group_size, head_dim, block_size,
+                    scores + j * block_size, stride);
+    else
+      score_tile<1>(q, step.keys[j], step.values[j], group_size, head_dim, block_size,
+                    scores + j * block_size, stride);
+  }
+}
+
+// Online-softmax step for one row of `stride` scores: they become probabilities relative to the
+// new running max; returns the factor that rescales everything accumulated so far.
+inline float softmax_row(float* scores, int stride, int lo, int hi, float* row_max,
                          float* lane_sum) {
   for (int i = 0; i < lo; ++i) scores[i] = kMinusInf;  // slots outside the token range
-  for (int i = hi; i < block_size; ++i) scores[i] = kMinusInf;
+  for (int i = hi; i < stride; ++i) scores[i] = kMinusInf;
   VecF m = load(scores);
-  for (int c = kLanes; c < block_size; c += kLanes) m = vmax(m, load(scores + c));
-  const float block_max = hmax(m);
-  const float new_max = block_max > *row_max ? block_max : *row_max;
+  for (int c = kLanes; c < stride; c += kLanes) m = vmax(m, load(scores + c));
+  const float step_max = hmax(m);
+  const float new_max = step_max > *row_max ? step_max : *row_max;
   const float alpha = scalar_exp(*row_max - new_max);
   *row_max = new_max;
   VecF sum = load(lane_sum) * alpha;
-  for (int c = 0; c < block_size; c += kLanes) {
+  for (int c = 0; c < stride; c += kLanes) {
     const VecF p = vexp(load(scores + c) - new_max);
     store(scores + c, p);
     sum += p;
@@ -148,88 +196,114 @@ inline float softmax_row(float* scores, int block_size, int lo, int hi, float* r
   return alpha;
 }
 
-// acc[g][dv : dv + VT*lanes] = acc * alpha[g] + sum over slots p[g][slot] * V[slot][...].
+// acc[g][dv : dv + VT*lanes] = acc * alpha[g] + sum over the step's slots p[g][slot] * V[slot].
+// With `prefetch`, the next step's K tiles are prefetched at the same offsets.
 template <int GT, int VT, typename KV>
-inline void accumulate_rows(float* acc, const float* probs, const float* alpha, const KV* v_tile,
-                            int head_dim, int block_size, int lo, int hi, int dv) {
+inline void accumulate_rows(float* acc, const float* probs, int stride, const float* alpha,
+                            const Step<KV>& step, bool prefetch, int head_dim, int block_size,
+                            int dv) {
   VecF a[GT][VT];
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < VT; ++j) a[g][j] = load(acc + g * head_dim + dv + j * kLanes) * alpha[g];
-  for (int slot = lo; slot < hi; ++slot) {
-    const KV* v_row = v_tile + static_cast<int64_t>(slot) * head_dim + dv;
-    VecF v[VT];
-    for (int j = 0; j < VT; ++j) v[j] = load(v_row + j * kLanes);
-    for (int g = 0; g < GT; ++g) {
-      const float p = probs[g * block_size + slot];
-      for (int j = 0; j < VT; ++j) a[g][j] += v[j] * p;
+  for (int blk = step.lo / block_size; blk * block_size < step.hi; ++blk) {
+    const KV* v_tile = step.values[blk];
+    const KV* next = prefetch ? step.next_keys[blk] : nullptr;
+    const int first = blk * block_size;
+    const int end = step.hi < first + block_size ? step.hi : first + block_size;
+    for (int slot = step.lo > first ? step.lo : first; slot < end; ++slot) {
+      const int64_t row = static_cast<int64_t>(slot - first) * head_dim + dv;
+      VecF v[VT];
+      for (int j = 0; j < VT; ++j) {
+        v[j] = load(v_tile + row + j * kLanes);
+        if (next != nullptr) prefetch_line(next + row + j * kLanes, j * kLanes);
+      }
+      for (int g = 0; g < GT; ++g) {
+        const float p = probs[g * stride + slot];
+        for (int j = 0; j < VT; ++j) a[g][j] += v[j] * p;
+      }
     }
   }
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < VT; ++j) store(acc + g * head_dim + dv + j * kLanes, a[g][j]);
 }
 
-// Register tile for GT rows: the widest VT (vectors of head_dim per row) that fits the
-// accumulator budget, then narrower ones for what is left of head_dim.
+// GT rows: the widest VT (vectors of head_dim per row) that fits the accumulator budget, then
+// narrower ones for what is left of head_dim.
 template <int GT, typename KV>
-inline void accumulate_group(float* acc, const float* probs, const float* alpha, const KV* v_tile,
-                             int head_dim, int block_size, int lo, int hi) {
+inline void accumulate_group(float* acc, const float* probs, int stride, const float* alpha,
+                             const Step<KV>& step, bool prefetch, int head_dim, int block_size) {
   constexpr int kFit = PM_ACC_BUDGET / GT;
   int dv = 0;
   if constexpr (kFit >= 8)
     for (; dv + 8 * kLanes <= head_dim; dv += 8 * kLanes)
-      accumulate_rows<GT, 8>(acc, probs, alpha, v_tile, head_dim, block_size, lo, hi, dv);
+      accumulate_rows<GT, 8>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
   if constexpr (kFit >= 4)
     for (; dv + 4 * kLanes <= head_dim; dv += 4 * kLanes)
-      accumulate_rows<GT, 4>(acc, probs, alpha, v_tile, head_dim, block_size, lo, hi, dv);
+      accumulate_rows<GT, 4>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
   if constexpr (kFit >= 2)
     for (; dv + 2 * kLanes <= head_dim; dv += 2 * kLanes)
-      accumulate_rows<GT, 2>(acc, probs, alpha, v_tile, head_dim, block_size, lo, hi, dv);
+      accumulate_rows<GT, 2>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
   for (; dv < head_dim; dv += kLanes)
-    accumulate_rows<GT, 1>(acc, probs, alpha, v_tile, head_dim, block_size, lo, hi, dv);
+    accumulate_rows<GT, 1>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
 }
 
 template <typename KV>
-void accumulate_block(float* acc, const float* probs, const float* alpha, const KV* v_tile,
-                      int group_size, int head_dim, int block_size, int lo, int hi) {
+void accumulate_step(float* acc, const float* probs, int stride, const float* alpha,
+                     const Step<KV>& step, int group_size, int head_dim, int block_size) {
   int g = 0;
   for (; g + 4 <= group_size; g += 4)
-    accumulate_group<4>(acc + g * head_dim, probs + g * block_size, alpha + g, v_tile, head_dim,
-                        block_size, lo, hi);
+    accumulate_group<4>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step, g == 0,
+                        head_dim, block_size);
   if (g + 2 <= group_size) {
-    accumulate_group<2>(acc + g * head_dim, probs + g * block_size, alpha + g, v_tile, head_dim,
-                        block_size, lo, hi);
+    accumulate_group<2>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step, g == 0,
+                        head_dim, block_size);
     g += 2;
   }
   if (g < group_size)
-    accumulate_group<1>(acc + g * head_dim, probs + g * block_size, alpha + g, v_tile, head_dim,
-                        block_size, lo, hi);
+    accumulate_group<1>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step, g == 0,
+                        head_dim, block_size);
+}
+
+// The step starting at block b: tile pointers and the token slots it holds.
+template <typename KV>
+Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int64_t b,
+                   int blocks_per_step) {
+  Step<KV> step;
+  const int64_t left = a.block_end - b;
+  step.num_blocks = left < blocks_per_step ? static_cast<int>(left) : blocks_per_step;
+  for (int j = 0; j < step.num_blocks; ++j) {
+    const int64_t offset = a.block_table[b + j] * a.block_stride;
+    step.keys[j] = keys + offset;
+    step.values[j] = values + offset;
+    const int64_t next = b + j + step.num_blocks;
+    step.next_keys[j] = next < a.block_end ? keys + a.block_table[next] * a.block_stride : nullptr;
+  }
+  const int64_t first_token = b * a.block_size, end_token = first_token + step.num_blocks * a.block_size;
+  step.lo = a.token_lo > first_token ? static_cast<int>(a.token_lo - first_token) : 0;
+  step.hi = static_cast<int>((a.token_hi < end_token ? a.token_hi : end_token) - first_token);
+  return step;
 }
 
 template <typename KV>
 void attend(const FragmentArgs& a, const FragmentState& st) {
   const int G = a.group_size, D = a.head_dim, B = a.block_size;
-  float* alpha = st.scratch + G * B;    // [G]
-  float* lane_sums = alpha + G;         // [G][kLanes]
+  const int blocks_per_step = B >= kStepSlots ? 1 : kStepSlots / B;
+  const int max_stride = blocks_per_step * B;
+  float* alpha = st.scratch + G * max_stride;  // [G]
+  float* lane_sums = alpha + G;                // [G][kLanes]
   for (int i = 0; i < G * D; ++i) st.acc[i] = 0.0f;
   for (int g = 0; g < G; ++g) st.row_max[g] = kMinusInf;
   for (int i = 0; i < G * kLanes; ++i) lane_sums[i] = 0.0f;
   const KV* keys = static_cast<const KV*>(a.key_cache) + a.head_tile_offset;
   const KV* values = static_cast<const KV*>(a.value_cache) + a.head_tile_offset;
-  const int64_t tile = static_cast<int64_t>(D) * B;
-  for (int64_t b = a.block_begin; b < a.block_end; ++b) {
-    const int64_t block_offset = a.block_table[b] * a.block_stride;
-    if (b + 1 < a.block_end) {
-      const int64_t next_offset = a.block_table[b + 1] * a.block_stride;
-      prefetch_tile(keys + next_offset, tile);
-      prefetch_tile(values + next_offset, tile);
-    }
-    const int64_t first_token = b * B;
-    const int lo = a.token_lo > first_token ? static_cast<int>(a.token_lo - first_token) : 0;
-    const int hi = a.token_hi < first_token + B ? static_cast<int>(a.token_hi - first_token) : B;
-    score_block(a.q, keys + block_offset, G, D, B, st.scratch);
+  for (int64_t b = a.block_begin; b < a.block_end; b += blocks_per_step) {
+    const Step<KV> step = make_step(a, keys, values, b, blocks_per_step);
+    const int stride = step.num_blocks * B;
+    score_step(a.q, step, G, D, B, st.scratch, stride);
     for (int g = 0; g < G; ++g)
-      alpha[g] = softmax_row(st.scratch + g * B, B, lo, hi, st.row_max + g, lane_sums + g * kLanes);
-    accumulate_block(st.acc, st.scratch, alpha, values + block_offset, G, D, B, lo, hi);
+      alpha[g] = softmax_row(st.scratch + g * stride, stride, step.lo, step.hi, st.row_max + g,
+                             lane_sums + g * kLanes);
+    accumulate_step(st.acc, st.scratch, stride, alpha, step, G, D, B);
   }
   for (int g = 0; g < G; ++g) st.row_sum[g] = hsum(load(lane_sums + g * kLanes));
 }

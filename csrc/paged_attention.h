@@ -47,6 +47,9 @@ struct Workspace {
 const IsaKernels& select_isa(const std::string& isa, int64_t head_dim, int64_t block_size);
 std::vector<std::string> supported_isas();
 
+// Sums n floats with num_threads threads: a memory read-bandwidth probe for the benchmark.
+double read_sum(const float* data, int64_t n, int num_threads);
+
 // Validates block ids and lengths (throws std::invalid_argument), then runs the decode.
 void run_decode(const DecodeProblem& p, const IsaKernels& isa, int num_threads, Workspace& ws);
 

@@ -1,0 +1,231 @@
+"""Decode-attention bandwidth: the csrc kernel against this run's memory ceiling and torch.
+
+Measures, in one run (the machine is shared, so only same-run ratios mean anything):
+- memory bandwidth: a large copy (bytes read + written / s) and a large read (C read-sum probe);
+- the kernel's effective bandwidth (K/V bytes it must read / time) at 1 and 2 threads, for
+  batch 32 x context 2048 and batch 1 x context 32768, GQA 4:1 and MHA, float32 and bfloat16,
+  on a shuffled block table (paged) and on one block table in order (contiguous);
+- torch's best path on the same data gathered contiguously: the faster of
+  scaled_dot_product_attention and matmul -> softmax(float32) -> matmul with GQA by reshaping q.
+Each figure is the median of >= 5 timed calls that rotate over KV sets (so no set sits in cache).
+The last line is one JSON object with the figures and the ratios kernel/read-bandwidth,
+kernel/torch-best and paged/contiguous.
+
+    PYTHONPATH=. .venv/bin/python bench/attention.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.attention.cpu_kernel import CpuKernelAttention, kernel_available, supported_isas
+
+BLOCK_SIZE = 16
+TARGETS = {"kernel_over_read_2t": 0.70, "over_torch_gqa": 2.0, "over_torch_mha": 1.5}
+TARGETS["paged_over_contig"] = 0.85
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One decode-attention problem size."""
+
+    name: str
+    batch: int
+    context: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class KvSet:
+    """The same K/V in torch's layout and in the paged layout (shuffled and in-order tables)."""
+
+    k: torch.Tensor  # [B, Hkv, T, D]
+    v: torch.Tensor  # [B, Hkv, T, D]
+    key_cache: torch.Tensor  # [num_blocks, Hkv, D, block_size], blocks shuffled
+    value_cache: torch.Tensor  # [num_blocks, Hkv, block_size, D]
+    block_tables: torch.Tensor  # [B, T / block_size] int32
+    contig_key_cache: torch.Tensor  # same blocks, in order
+    contig_value_cache: torch.Tensor
+    contig_block_tables: torch.Tensor
+
+
+def median_seconds(fn: Callable[[int], object], repeats: int) -> float:
+    """Median wall time of fn(i) over `repeats` calls after two warm-up calls."""
+    fn(0), fn(1)
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_bandwidth(num_bytes: int, threads: list[int], repeats: int) -> dict[str, float]:
+    """GB/s of a large copy (read + write) and of a large read at each thread count."""
+    from phasemesh_attention_kernel import read_sum  # the kernel module's C read probe
+
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch is ~0.35 GB/s here: keep it out of the timing
+    figures = {}
+    for n in threads:
+        torch.set_num_threads(n)
+        copy_s = median_seconds(lambda _: dst.copy_(src), repeats)
+        read_s = median_seconds(lambda _, n=n: read_sum(src, n), repeats)
+        figures[f"copy_gbps_{n}t"] = 2 * num_bytes / copy_s / 1e9
+        figures[f"read_gbps_{n}t"] = num_bytes / read_s / 1e9
+    return figures
+
+
+def to_paged(x: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """[B, Hkv, T, D] -> in-order blocks [B * T/bs, Hkv, bs, D] (or [.., D, bs] for K)."""
+    batch, heads, context, dim = x.shape
+    blocks = x.view(batch, heads, context // BLOCK_SIZE, BLOCK_SIZE, dim).transpose(1, 2)
+    if transpose:
+        blocks = blocks.transpose(3, 4)
+    return blocks.reshape(-1, heads, *blocks.shape[3:]).contiguous()
+
+
+def make_kv_set(shape: Shape, dtype: torch.dtype, gen: torch.Generator) -> KvSet:
+    kv_shape = (shape.batch, shape.num_kv_heads, shape.context, shape.head_dim)
+    k = torch.randn(kv_shape, generator=gen).to(dtype)
+    v = torch.randn(kv_shape, generator=gen).to(dtype)
+    contig_k, contig_v = to_paged(k, transpose=True), to_paged(v, transpose=False)
+    num_blocks = contig_k.shape[0]
+    order = torch.arange(num_blocks, dtype=torch.int32).view(shape.batch, -1)
+    perm = torch.randperm(num_blocks, generator=gen)
+    key_cache, value_cache = torch.empty_like(contig_k), torch.empty_like(contig_v)
+    key_cache[perm], value_cache[perm] = contig_k, contig_v  # block i now lives at perm[i]
+    return KvSet(
+        k, v, key_cache, value_cache, perm.to(torch.int32)[order.long()], contig_k, contig_v, order
+    )
+
+
+def torch_sdpa(q: torch.Tensor, kv: KvSet) -> torch.Tensor:
+    gqa = q.shape[1] != kv.k.shape[1]
+    return F.scaled_dot_product_attention(q.unsqueeze(2), kv.k, kv.v, enable_gqa=gqa)
+
+
+def torch_matmul(q: torch.Tensor, kv: KvSet) -> torch.Tensor:
+    batch, num_q_heads, dim = q.shape
+    q_grouped = q.view(batch, kv.k.shape[1], -1, dim)  # [B, Hkv, G, D]
+    scores = torch.matmul(q_grouped, kv.k.transpose(-1, -2)) * (1.0 / math.sqrt(dim))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [B, Hkv, G, T]
+    return torch.matmul(probs, kv.v).view(batch, num_q_heads, dim)
+
+
+def time_case(shape: Shape, dtype: torch.dtype, threads: int, sets: list[KvSet], repeats: int):
+    """Seconds per call for kernel (paged, contiguous) and the two torch paths."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(threads)
+    q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, generator=gen).to(dtype)
+    lens = torch.full((shape.batch,), shape.context, dtype=torch.int32)
+    out = torch.empty(shape.batch, shape.num_q_heads, shape.head_dim)
+    lse = torch.empty(shape.batch, shape.num_q_heads)
+    kernel = CpuKernelAttention(num_threads=threads)
+    scale = 1.0 / math.sqrt(shape.head_dim)
+
+    def paged(i: int) -> None:
+        s = sets[i % len(sets)]
+        kernel.decode(
+            q, s.key_cache, s.value_cache, s.block_tables, lens, scale, out=out, lse=lse
+        )
+
+    def contiguous(i: int) -> None:
+        s = sets[i % len(sets)]
+        kernel.decode(
+            q, s.contig_key_cache, s.contig_value_cache, s.contig_block_tables, lens, scale,
+            out=out, lse=lse,
+        )  # fmt: skip
+
+    with torch.inference_mode():
+        return {
+            "kernel": median_seconds(paged, repeats),
+            "contig": median_seconds(contiguous, repeats),
+            "sdpa": median_seconds(lambda i: torch_sdpa(q, sets[i % len(sets)]), repeats),
+            "matmul": median_seconds(lambda i: torch_matmul(q, sets[i % len(sets)]), repeats),
+        }
+
+
+def case_figures(shape: Shape, dtype: torch.dtype, threads: int, seconds: dict, read: float):
+    kv_bytes = 2 * shape.batch * shape.num_kv_heads * shape.context * shape.head_dim
+    kv_bytes *= torch.finfo(dtype).bits // 8
+    gbps = {name: kv_bytes / s / 1e9 for name, s in seconds.items()}
+    torch_best = max(gbps["sdpa"], gbps["matmul"])
+    return {
+        "shape": shape.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": threads,
+        "kv_mb": round(kv_bytes / 1e6, 1),
+        **{f"{name}_gbps": round(v, 2) for name, v in gbps.items()},
+        "kernel_ms": round(seconds["kernel"] * 1e3, 3),
+        "kernel_over_read": round(gbps["kernel"] / read, 3),
+        "kernel_over_torch_best": round(gbps["kernel"] / torch_best, 2),
+        "paged_over_contig": round(gbps["kernel"] / gbps["contig"], 3),
+    }
+
+
+def summarize(cases: list[dict]) -> dict[str, float]:
+    """Worst ratio per target, over the cases each target applies to."""
+    long_2t = [c for c in cases if c["threads"] == 2]
+
+    def worst(rows: list[dict], key: str) -> float:
+        return min((c[key] for c in rows), default=math.nan)
+
+    return {
+        "min_kernel_over_read_2t": worst(long_2t, "kernel_over_read"),
+        "min_over_torch_gqa": worst([c for c in cases if "gqa" in c["shape"]], "kernel_over_torch_best"),
+        "min_over_torch_mha": worst([c for c in cases if "mha" in c["shape"]], "kernel_over_torch_best"),
+        "min_paged_over_contig": worst(cases, "paged_over_contig"),
+    }  # fmt: skip
+
+
+def shapes_for(quick: bool) -> list[Shape]:
+    shapes = [
+        Shape("gqa4_b32_ctx2048", 32, 2048, 8, 2, 128),
+        Shape("mha_b32_ctx2048", 32, 2048, 4, 4, 128),
+        Shape("gqa4_b1_ctx32768", 1, 32768, 8, 2, 128),
+        Shape("mha_b1_ctx32768", 1, 32768, 4, 4, 128),
+    ]
+    return shapes[:2] if quick else shapes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="batch-32 shapes only, 256 MiB probe")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per figure (>= 5)")
+    args = parser.parse_args()
+    if not kernel_available():
+        raise SystemExit("csrc kernel not built: pip install --no-build-isolation ./csrc")
+    thread_counts = [1, 2]
+    memory = memory_bandwidth((256 if args.quick else 1024) << 20, thread_counts, args.repeats)
+    print("memory:", {k: round(v, 1) for k, v in memory.items()})
+    cases = []
+    for shape in shapes_for(args.quick):
+        for dtype in (torch.float32, torch.bfloat16):
+            gen = torch.Generator().manual_seed(0)
+            sets = [make_kv_set(shape, dtype, gen) for _ in range(2)]
+            for threads in thread_counts:
+                seconds = time_case(shape, dtype, threads, sets, args.repeats)
+                row = case_figures(shape, dtype, threads, seconds, memory[f"read_gbps_{threads}t"])
+                print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                cases.append(row)
+            del sets
+    summary = summarize(cases)
+    print(json.dumps({"isa": supported_isas()[0], "repeats": args.repeats, "memory": memory,
+                      "summary": summary, "targets": TARGETS, "cases": cases}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
