@@ -15,7 +15,7 @@ import dataclasses
 import json
 import re
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -375,11 +375,26 @@ async def _validation_error_response(_: Request, exc: RequestValidationError) ->
     errors = exc.errors()[:MAX_VALIDATION_ERRORS]
     if errors and errors[0].get("type") == "json_invalid":
         return _json_error(400, f"malformed JSON body: {errors[0].get('ctx', {}).get('error')}")
-    locs = [".".join(str(p) for p in e.get("loc", ()) if p != "body") for e in errors]
+    params = [_param_path(e.get("loc", ())) for e in errors]
     message = "; ".join(
-        f"{loc or 'body'}: {e.get('msg', 'invalid')}" for loc, e in zip(locs, errors, strict=True)
+        f"{param or 'body'}: {e.get('msg', 'invalid')}"
+        for param, e in zip(params, errors, strict=True)
     )
-    return _json_error(400, message or "invalid request", locs[0] if locs and locs[0] else None)
+    return _json_error(400, message or "invalid request", params[0] if params else None)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param_path(loc: Sequence[Any]) -> str | None:
+    """`("body", "prompt", "list[int]", 0)` -> `"prompt.0"`: the field path without the union
+    branch names pydantic puts in it."""
+    parts = [
+        str(p)
+        for p in loc[1:]
+        if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or p.startswith("function")))
+    ]
+    return ".".join(parts) or None
 
 
 async def _http_error_response(_: Request, exc: HTTPException) -> Response:

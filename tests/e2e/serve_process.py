@@ -1,0 +1,91 @@
+"""`serve run <config>` as a child process, exactly as `make run` starts PhaseMesh.
+
+The config is a copy of a `deploy/` YAML with only the HTTP port changed (a free one, so tests
+never collide with a server someone else is running). `--address local` makes `serve run` start
+its own Ray even if a `ray start` cluster exists on the machine; SIGINT (Ctrl-C) makes it shut
+Serve and that Ray down, so no Ray process outlives the test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SERVE_CLI = Path(sys.executable).with_name("serve")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def config_on_port(source: Path, target: Path, port: int) -> dict[str, Any]:
+    """Copy a serve config, moving its HTTP port; return the parsed copy."""
+    config = yaml.safe_load(source.read_text())
+    config["http_options"]["port"] = port
+    target.write_text(yaml.safe_dump(config, sort_keys=False))
+    return config
+
+
+class ServeRun:
+    """One `serve run` child process and its log file."""
+
+    def __init__(self, source_config: Path, workdir: Path) -> None:
+        self.port = free_port()
+        self.config_path = workdir / source_config.name
+        self.config = config_on_port(source_config, self.config_path, self.port)
+        self.log_path = workdir / "serve-run.log"
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 240.0) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        # NOTE: Ray 2.60 turns token auth on for the clusters it starts; say so explicitly.
+        env.setdefault("RAY_AUTH_MODE", "token")
+        command = [str(SERVE_CLI), "run", "--address", "local", str(self.config_path)]
+        with self.log_path.open("wb") as log:
+            self._proc = subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        self._wait_healthy(timeout_s)
+        return self.base_url
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"serve run exited early:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # proxy not listening yet
+            time.sleep(1)  # waiting on another process's start-up: nothing to block on
+        raise TimeoutError(f"no healthy server after {timeout_s}s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Ctrl-C, as a user would; kill only if it does not exit."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._proc.send_signal(signal.SIGINT)
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(10)
+
+    def log_tail(self, num_chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]

@@ -1,0 +1,164 @@
+"""End to end: `serve run deploy/local.yaml` (real Ray Serve, real HTTP) and the official client.
+
+One application for the whole module (Ray start-up is the slow part). Greedy outputs are checked
+against `LLMEngine` run in this process on the same model and prompt.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from common.engine.core import LLMEngine
+from common.model.default import default_model_path
+from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
+from tests.e2e.serve_process import REPO, ServeRun
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "tiny"  # served_model_name in deploy/local.yaml
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
+    run = ServeRun(REPO / "deploy" / "local.yaml", tmp_path_factory.mktemp("serve"))
+    try:
+        run.start()
+        yield run
+    finally:
+        run.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeRun) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[LLMEngine, Tokenizer]:
+    path = default_model_path("tiny")
+    return LLMEngine.from_path(path, num_blocks=256), Tokenizer(path)
+
+
+def greedy(reference: tuple[LLMEngine, Tokenizer], prompt_ids: list[int], n: int) -> str:
+    engine, tokenizer = reference
+    [output_ids] = engine.generate([prompt_ids], SamplingParams(max_tokens=n, temperature=0.0))
+    assert len(output_ids) == n  # EOS would end it early; these prompts are chosen to avoid it
+    return tokenizer.decode(output_ids)
+
+
+def test_models_and_health(server: ServeRun, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_completion_matches_engine(client: openai.OpenAI, reference: tuple) -> None:
+    prompt = "The quick brown fox"
+    expected = greedy(reference, reference[1].encode(prompt), 12)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert response.choices[0].text == expected
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage is not None and response.usage.completion_tokens == 12
+
+
+def test_streamed_token_id_prompt_matches_engine(client: openai.OpenAI, reference: tuple) -> None:
+    prompt_ids = list(range(40, 72))
+    expected = greedy(reference, prompt_ids, 10)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt_ids,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == 32 and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_matches_engine_streamed_and_not(client: openai.OpenAI, reference: tuple) -> None:
+    messages = [{"role": "user", "content": "Say something."}]
+    expected = greedy(reference, reference[1].apply_chat_template(messages), 8)
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0
+    )
+    assert response.choices[0].message.content == expected
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_ignore_eos_and_min_tokens_force_the_length(client: openai.OpenAI) -> None:
+    response = client.completions.create(
+        model=MODEL,
+        prompt=[5, 6, 7],
+        max_tokens=40,
+        extra_body={"ignore_eos": True, "min_tokens": 40, "top_k": 20, "seed": 3},
+    )
+    assert response.usage is not None and response.usage.completion_tokens == 40
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "param"),
+    [
+        ({"max_tokens": -1}, openai.BadRequestError, "max_tokens"),
+        ({"model": "no-such-model"}, openai.NotFoundError, "model"),
+        ({"prompt": [7] * 4090, "max_tokens": 100}, openai.BadRequestError, "max_tokens"),
+        ({"prompt": [7] * 5000}, openai.BadRequestError, "prompt"),
+        ({"temperature": "hot"}, openai.BadRequestError, "temperature"),
+    ],
+)
+def test_bad_input_gets_openai_error(
+    client: openai.OpenAI, kwargs: dict, error: type, param: str
+) -> None:
+    request = {"model": MODEL, "prompt": "hi", "max_tokens": 4} | kwargs
+    with pytest.raises(error) as info:
+        client.completions.create(**request)
+    assert info.value.body["param"] == param
+    assert info.value.body["code"] == info.value.status_code
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b'{"model": "tiny", "prompt": ', b'{"model": "tiny", "prompt": "x", "stream": "yes"}', b"[]"],
+)
+def test_malformed_body_is_400(server: ServeRun, content: bytes) -> None:
+    response = httpx.post(
+        server.base_url + "/v1/completions",
+        content=content,
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 400
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def stats(server: ServeRun) -> dict:
+    return httpx.get(server.base_url + "/stats").json()
+
+
+def test_client_disconnect_frees_kv(server: ServeRun) -> None:
+    body = {"model": MODEL, "prompt": [9] * 100, "max_tokens": 3000, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+            first_lines = list(itertools.islice(response.iter_lines(), 20))
+            assert sum(line.startswith("data:") for line in first_lines) >= 5
+            assert stats(server)["kv_blocks_used"] > 0  # the request is still generating
+    # The stream is closed: the proxy cancels the replica's handler, which aborts the request.
+    deadline = time.monotonic() + 20
+    while (current := stats(server))["kv_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert current["kv_blocks_used"] == 0 and current["num_engine_requests"] == 0

@@ -1,0 +1,348 @@
+"""The router's HTTP surface without Ray: the real FastAPI app and a real `LocalEngineBackend`.
+
+Requests go through httpx's ASGI transport (and the official `openai` client on top of it);
+the disconnect test serves the app with uvicorn on a real socket. Greedy outputs are checked
+against a separate `LLMEngine` on the same model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from common.engine.core import LLMEngine
+from common.sampling import SamplingParams
+from services.backend import AdmissionLimits, LocalEngineBackend
+from services.router import Router
+
+MODEL = "tiny"
+T = TypeVar("T")
+Call = Callable[[openai.AsyncOpenAI, httpx.AsyncClient], Awaitable[T]]
+
+
+def make_router(model_path: Path, limits: AdmissionLimits | None = None) -> Router:
+    engine = LLMEngine.from_path(model_path, num_blocks=512)
+    return Router(LocalEngineBackend(engine, limits), model_path, MODEL)
+
+
+@pytest.fixture(scope="module")
+def router(tiny_model_path: Path) -> Iterator[Router]:
+    router = make_router(tiny_model_path)
+    yield router
+    router.backend.shutdown()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path: Path) -> LLMEngine:
+    return LLMEngine.from_path(tiny_model_path, num_blocks=256)
+
+
+def call(router: Router, fn: Call[T]) -> T:
+    """Run `fn` with an openai client and a raw httpx client, both wired to the app in-process."""
+
+    async def main() -> T:
+        transport = httpx.ASGITransport(app=router.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            client = openai.AsyncOpenAI(
+                base_url="http://router/v1", api_key="unused", max_retries=0, http_client=http
+            )
+            return await fn(client, http)
+
+    return asyncio.run(main())
+
+
+def post(router: Router, path: str, body: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    return call(router, lambda _, http: http.post(path, content=content, headers=headers))
+
+
+def greedy_text(reference: LLMEngine, prompt_ids: list[int], n: int) -> str:
+    [ids] = reference.generate([prompt_ids], SamplingParams(max_tokens=n, temperature=0.0))
+    assert reference.tokenizer is not None
+    return reference.tokenizer.decode(ids)
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an SSE body, checking the framing on the way."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    blocks = response.text.split("\n\n")
+    assert blocks[-1] == "", "every event ends with a blank line"
+    assert all(b.startswith("data: ") for b in blocks[:-1])
+    return [b[len("data: ") :] for b in blocks[:-1]]
+
+
+# ---- outputs ----
+
+
+@pytest.mark.parametrize("form", ["text", "ids", "list_of_text", "list_of_ids"])
+def test_every_prompt_form_gives_the_engine_output(
+    router: Router, reference: LLMEngine, form: str
+) -> None:
+    text = "Hello there, general"
+    ids = router.tokenizer.encode(text)
+    prompt = {"text": text, "ids": ids, "list_of_text": [text], "list_of_ids": [ids]}[form]
+    expected = greedy_text(reference, ids, 10)
+    response = call(
+        router,
+        lambda c, _: c.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0),
+    )
+    assert response.choices[0].text == expected
+    assert response.usage is not None
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(ids), 10)
+
+
+def test_chat_uses_the_chat_template(router: Router, reference: LLMEngine) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    expected = greedy_text(reference, router.tokenizer.apply_chat_template(messages), 6)
+    response = call(
+        router,
+        lambda c, _: c.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=6, temperature=0
+        ),
+    )
+    assert response.choices[0].message.content == expected
+    assert response.usage is not None and response.usage.completion_tokens == 6
+
+
+# ---- SSE ----
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_completion_stream_format(router: Router, include_usage: bool) -> None:
+    body: dict[str, Any] = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 7}
+    body |= {"temperature": 0, "ignore_eos": True}
+    whole = post(router, "/v1/completions", body).json()
+    stream_body = body | {"stream": True, "stream_options": {"include_usage": include_usage}}
+    events = sse_events(post(router, "/v1/completions", stream_body))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    token_chunks = [c for c in chunks if c["choices"]]
+    assert len(token_chunks) == 7  # one chunk per generated token
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in token_chunks) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in token_chunks][-2:] == [None, "length"]
+    usage_chunks = [c for c in chunks if c["usage"]]
+    if include_usage:
+        assert usage_chunks == [chunks[-1]] and chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"] == whole["usage"]
+    else:
+        assert usage_chunks == []
+
+
+def test_chat_stream_format(router: Router) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
+    body |= {"temperature": 0, "stream": True}
+    events = sse_events(post(router, "/v1/chat/completions", body))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["delta"]["role"] is None for c in chunks[1:])
+
+
+# ---- sampling extras ----
+
+
+def test_stop_string_ends_the_text_before_it(router: Router) -> None:
+    body: dict[str, Any] = {"model": MODEL, "prompt": [20, 21, 22], "max_tokens": 30}
+    body |= {"temperature": 0, "ignore_eos": True}
+    full = post(router, "/v1/completions", body).json()["choices"][0]["text"]
+    stop = next(full[i : i + 3] for i in range(5, 20) if "\ufffd" not in full[i : i + 3])
+    for stream in (False, True):
+        response = post(router, "/v1/completions", body | {"stop": [stop], "stream": stream})
+        if stream:
+            chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            reason = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            choice = response.json()["choices"][0]
+            text, reason = choice["text"], choice["finish_reason"]
+        assert (text, reason) == (full[: full.index(stop)], "stop")
+
+
+def test_seed_makes_sampling_reproducible(router: Router) -> None:
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    texts = [post(router, "/v1/completions", body).json()["choices"][0]["text"] for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
+def test_min_tokens_and_ignore_eos_force_the_length(router: Router) -> None:
+    body = {"model": MODEL, "prompt": [3], "max_tokens": 25, "min_tokens": 25, "top_k": 5}
+    usage = post(router, "/v1/completions", body | {"ignore_eos": True}).json()["usage"]
+    assert usage["completion_tokens"] == 25
+
+
+# ---- errors ----
+
+COMPLETION_ERRORS = [
+    ({"max_tokens": -1}, 400, "max_tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": "5"}, 400, "max_tokens"),
+    ({"max_tokens": 4.5}, 400, "max_tokens"),
+    ({"temperature": -0.5}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"top_k": -2}, 400, "top_k"),
+    ({"seed": -1}, 400, "seed"),
+    ({"min_tokens": 10, "max_tokens": 5}, 400, "min_tokens"),
+    ({"stop": [""]}, 400, "stop"),
+    ({"stream": "yes"}, 400, "stream"),
+    ({"ignore_eos": 1}, 400, "ignore_eos"),
+    ({"stream_options": {"include_usage": "no"}}, 400, "stream_options.include_usage"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [2048]}, 400, "prompt"),
+    ({"prompt": [-1]}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": None}, 400, "prompt"),
+    ({"prompt": [5] * 4096}, 400, "prompt"),
+    ({"prompt": [5] * 4000, "max_tokens": 97}, 400, "max_tokens"),
+    ({"n": 2}, 400, "n"),
+    ({"echo": True}, 400, "echo"),
+    ({"logprobs": 1}, 400, "logprobs"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("change", "status", "param"), COMPLETION_ERRORS)
+def test_bad_completion_requests(router: Router, change: dict, status: int, param: str) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4} | change
+    response = post(router, "/v1/completions", body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, status)
+    assert error["type"] in ("BadRequestError", "NotFoundError") and error["message"]
+
+
+CHAT_ERRORS = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"max_tokens": 5000}, "max_tokens"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), CHAT_ERRORS)
+def test_bad_chat_requests(router: Router, change: dict, param: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]} | change
+    response = post(router, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"", b'"a string"', b"[1, 2]"])
+def test_malformed_bodies_are_400(router: Router, content: bytes) -> None:
+    response = post(router, "/v1/completions", content)
+    assert response.status_code == 400
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_openai_client_sees_typed_errors(router: Router) -> None:
+    async def bad(client: openai.AsyncOpenAI, _: httpx.AsyncClient) -> list[Exception]:
+        errors: list[Exception] = []
+        for kwargs in ({"model": "nope"}, {"max_tokens": -1}):
+            try:
+                await client.completions.create(**({"model": MODEL, "prompt": "x"} | kwargs))
+            except openai.APIStatusError as exc:
+                errors.append(exc)
+        return errors
+
+    not_found, bad_request = call(router, bad)
+    assert isinstance(not_found, openai.NotFoundError)
+    assert isinstance(bad_request, openai.BadRequestError)
+    assert bad_request.body["param"] == "max_tokens"  # type: ignore[index]
+
+
+def test_unknown_route_and_method_get_error_bodies(router: Router) -> None:
+    assert call(router, lambda _, h: h.get("/v1/nothing")).json()["error"]["code"] == 404
+    assert call(router, lambda _, h: h.get("/v1/completions")).json()["error"]["code"] == 405
+
+
+# ---- admission, health, stats ----
+
+
+def test_overload_is_429_and_clears(tiny_model_path: Path) -> None:
+    router = make_router(tiny_model_path, AdmissionLimits(max_num_requests=1))
+    long_body = {"model": MODEL, "prompt": [7], "max_tokens": 300, "ignore_eos": True}
+
+    async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> None:
+        first = asyncio.create_task(http.post("/v1/completions", json=long_body))
+        while router.backend.stats().num_requests == 0:
+            await asyncio.sleep(0.01)  # until the long request is admitted
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert info.value.response.headers["retry-after"] == "1"
+        assert info.value.body["code"] == 429  # type: ignore[index]
+        assert (await first).json()["usage"]["completion_tokens"] == 300
+        again = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert again.usage is not None and again.usage.completion_tokens == 2
+
+    try:
+        call(router, scenario)
+    finally:
+        router.backend.shutdown()  # type: ignore[attr-defined]
+
+
+def test_health_models_and_idle_stats(router: Router) -> None:
+    assert call(router, lambda _, h: h.get("/health")).status_code == 200
+    models = call(router, lambda c, _: c.models.list())
+    assert [(m.id, m.max_model_len) for m in models.data] == [(MODEL, 4096)]  # type: ignore[attr-defined]
+    stats = call(router, lambda _, h: h.get("/stats")).json()
+    assert stats["kv_blocks_used"] == 0 and stats["num_requests"] == 0
+
+
+@pytest.fixture
+def live_server(router: Router) -> Iterator[str]:
+    """The app on a real socket (uvicorn in a thread): the only way to see a real disconnect."""
+    server = uvicorn.Server(
+        uvicorn.Config(router.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_client_disconnect_aborts_and_frees_kv(router: Router, live_server: str) -> None:
+    body = {"model": MODEL, "prompt": [9] * 50, "max_tokens": 3000, "ignore_eos": True}
+    with httpx.Client(base_url=live_server, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+            data_lines = (line for line in response.iter_lines() if line.startswith("data:"))
+            for _ in range(5):
+                next(data_lines)
+            assert router.backend.stats().kv_blocks_used > 0
+    deadline = time.monotonic() + 10
+    while router.backend.stats().num_engine_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = router.backend.stats()
+    assert (stats.num_engine_requests, stats.kv_blocks_used, stats.num_requests) == (0, 0, 0)
+
+
+def test_generate_closed_early_aborts_in_the_engine(router: Router) -> None:
+    async def scenario() -> None:
+        outputs = router.backend.generate("early-close", [4, 5, 6], SamplingParams(max_tokens=500))
+        await anext(outputs)
+        await outputs.aclose()
+
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 10
+    while router.backend.stats().num_engine_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert router.backend.stats().kv_blocks_used == 0
