@@ -31,6 +31,9 @@ from services.router import Router
 
 log = structlog.get_logger(__name__)
 
+# Every deployment name a serve config may override; the mesh ones are bound by `topology: mesh`.
+DEPLOYMENT_NAMES = ("Router", "PromptEngine", "TokenEngine", "AttentionShard")
+
 
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid")

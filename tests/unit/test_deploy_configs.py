@@ -1,0 +1,97 @@
+"""Every serve config in deploy/ parses with the installed Ray's `ServeDeploySchema`, and says
+what PhaseMesh needs: explicit HTTP host, explicit CPU requests, args the builder accepts.
+
+A YAML is a serve config if it has `applications`; a KubeRay RayService is checked through its
+embedded `serveConfigV2`. Other YAMLs in deploy/ (Prometheus, OTel collector) are not ours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from services.app import DEPLOYMENT_NAMES, AppArgs
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+EXPECTED = {"local.yaml", "cluster.yaml", "rayservice.yaml"}
+
+
+def serve_configs() -> dict[str, dict[str, Any]]:
+    """name -> serve config dict, for every serve config (plain or embedded) in deploy/."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted([*DEPLOY.glob("*.yaml"), *DEPLOY.glob("*.yml")]):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and "applications" in doc:
+                found[path.name] = doc
+            elif isinstance(doc, dict) and doc.get("kind") == "RayService":
+                found[path.name] = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    return found
+
+
+CONFIGS = serve_configs()
+
+
+def test_the_expected_configs_exist() -> None:
+    assert set(CONFIGS) >= EXPECTED
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_config_validates_against_ray_schema(name: str) -> None:
+    schema = ServeDeploySchema.model_validate(CONFIGS[name])
+    assert schema.applications, "a serve config with no application deploys nothing"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_config_states_what_ray_would_default(name: str) -> None:
+    config = CONFIGS[name]
+    # NOTE: Ray 2.60's default host is all interfaces; every file must choose.
+    assert "host" in config["http_options"]
+    for app in config["applications"]:
+        assert app["import_path"] == "services.app:build_app"
+        AppArgs.model_validate(app["args"])  # the builder accepts these args
+        for deployment in app["deployments"]:
+            assert deployment["name"] in DEPLOYMENT_NAMES
+            # A replica takes a whole CPU unless told otherwise.
+            assert "num_cpus" in deployment["ray_actor_options"]
+
+
+def test_local_config_fits_two_cores_on_loopback() -> None:
+    config = CONFIGS["local.yaml"]
+    assert config["http_options"]["host"] == "127.0.0.1"
+    [app] = config["applications"]
+    cpus = sum(
+        d["ray_actor_options"]["num_cpus"] * d.get("num_replicas", 1) for d in app["deployments"]
+    )
+    assert cpus <= 1.5  # leaves room on a 2-core machine for the controller, proxy and tests
+    assert app["args"]["topology"] == "local"
+
+
+def test_cluster_config_places_engines_and_shards_by_custom_resource() -> None:
+    [app] = CONFIGS["cluster.yaml"]["applications"]
+    by_name = {d["name"]: d for d in app["deployments"]}
+    assert set(by_name) == set(DEPLOYMENT_NAMES)
+    for name, resource in [
+        ("PromptEngine", "compute_node"),
+        ("TokenEngine", "compute_node"),
+        ("AttentionShard", "memory_node"),
+    ]:
+        assert resource in by_name[name]["ray_actor_options"]["resources"]
+    assert all("autoscaling_config" in d for d in by_name.values())
+
+
+def test_rayservice_embeds_the_cluster_config() -> None:
+    assert CONFIGS["rayservice.yaml"] == CONFIGS["cluster.yaml"]
+    [service] = yaml.safe_load_all((DEPLOY / "rayservice.yaml").read_text())
+    cluster = service["spec"]["rayClusterConfig"]
+    groups = {g["groupName"]: g["rayStartParams"]["resources"] for g in cluster["workerGroupSpecs"]}
+    # KubeRay's quoting: a JSON object inside a quoted string.
+    assert {k: yaml.safe_load(yaml.safe_load(v)) for k, v in groups.items()} == {
+        "compute": {"compute_node": 1},
+        "memory": {"memory_node": 1},
+    }
+    assert cluster["rayVersion"] == ray.__version__  # the Ray the schema test ran against
