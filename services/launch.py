@@ -205,7 +205,7 @@ class Mesh:
         for r in self.prompt + [t.ready for t in self.token]:
             pool.get(r.command_endpoint).send(Shutdown())
         for s in self.shards:
-            pool.get(s.kv_endpoint).send(Shutdown())
+            pool.get(s.kv_endpoint).send_tensors(Shutdown(), [])
         time.sleep(0.2)  # NOTE: let the shutdown messages leave before the sockets close
         pool.close()
         for proc in self.procs:
@@ -250,8 +250,8 @@ class MeshClient:
         pe, te = self.placement[req_id]
         self.push.get(pe.command_endpoint).send(AbortRequest(req_id))
         self.push.get(te.ready.command_endpoint).send(AbortRequest(req_id))
-        for shard in te.shards:
-            self.push.get(shard.kv_endpoint).send(FreeRequest(req_id))
+        for shard in te.shards:  # KV ingress carries tensor messages only
+            self.push.get(shard.kv_endpoint).send_tensors(FreeRequest(req_id), [])
 
     def recv(self, timeout: float = 30.0) -> TokenOutput:
         """The next token message from any request."""

@@ -115,8 +115,8 @@ class EngineWorker:
 
     def _send(self, outgoing: list[tuple[str, object]]) -> None:
         for endpoint, msg in outgoing:
-            if isinstance(msg, FreeRequest):
-                self.kv_push.get(endpoint).send(msg)
+            if isinstance(msg, FreeRequest):  # KV ingress carries tensor messages only
+                self.kv_push.get(endpoint).send_tensors(msg, [])
             else:
                 self.push.get(endpoint).send(msg)
 

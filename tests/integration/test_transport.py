@@ -1,0 +1,305 @@
+"""Transport across real OS processes (spawn) over tcp://127.0.0.1 and UCX (tcp).
+
+Each test starts one peer process running the other end with the real wrappers; messages are a
+sample tagged union defined here (the project's own protocol is tested with the services).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from common.transport.zmq_channels import (
+    CommandDealer,
+    CommandRouter,
+    LoadPublisher,
+    LoadSubscriber,
+    StreamPull,
+    StreamPush,
+)
+from common.transport.zmq_tensor import ZmqTensorChannel
+
+pytestmark = pytest.mark.timeout(60)
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+class Ping(msgspec.Struct, tag="ping", tag_field="kind", array_like=True, gc=False):
+    seq: int
+    note: str = ""
+
+
+class Load(msgspec.Struct, tag="load", tag_field="kind", array_like=True, gc=False):
+    seq: int
+    free_blocks: int = 0
+
+
+class Stop(msgspec.Struct, tag="stop", tag_field="kind", array_like=True, gc=False):
+    pass
+
+
+Message = Ping | Load | Stop
+
+
+class Unknown(msgspec.Struct, tag="unknown", tag_field="kind", array_like=True):
+    seq: int
+
+
+GARBAGE = b"\xc1 not msgpack"
+UNKNOWN = msgspec.msgpack.encode(Unknown(7))
+
+
+# ---- peer processes (module-level so that spawn can import them) ----
+
+
+def router_echo(queue: Any) -> None:
+    """ROUTER: answer every Ping with Load(seq); stop on Stop."""
+    router: CommandRouter[Message] = CommandRouter("tcp://127.0.0.1:*", Message)
+    queue.put(router.endpoint)
+    while True:
+        identity, msg = router.get(timeout=30)
+        if isinstance(msg, Stop):
+            break
+        router.put(identity, Load(msg.seq, free_blocks=msg.seq * 2))
+    router.close()
+
+
+def pusher(endpoint: str, count: int) -> None:
+    """PUSH `count` Pings with a malformed and an unknown message in the middle."""
+    push = StreamPush(endpoint)
+    for seq in range(count):
+        if seq == count // 2:
+            push.sock.send(GARBAGE)
+            push.sock.send(UNKNOWN)
+        push.put(Ping(seq))
+    push.put(Stop())
+    push.close()
+
+
+def publisher(ack_endpoint: str, count: int, queue: Any) -> None:
+    """PUB: say hello until the subscriber acks (slow joiner), then `count` reports + junk."""
+    pub = LoadPublisher("tcp://127.0.0.1:*")
+    queue.put(pub.endpoint)
+    ack: StreamPull[Message] = StreamPull(ack_endpoint, Message, bind=False)
+    while not ack.poll(timeout=0.02):  # blocks in zmq poll; hellos until the SUB is live
+        pub.put(Load(-1))
+    for seq in range(count):
+        if seq == 1:
+            pub.sock.send(GARBAGE)
+        pub.put(Load(seq, free_blocks=100 - seq))
+    ack.get(timeout=30)  # the subscriber's "done"
+    pub.close()
+    ack.close()
+
+
+def tensor_echo(transport: str, queue: Any) -> None:
+    """Tensor channel server: send every (header, tensors) back; stop on Stop."""
+    if transport == "ucx":
+        from common.transport.ucx_channel import UcxListener
+
+        listener = UcxListener(Message)
+        queue.put(listener.address)
+        channel: Any = listener.accept(timeout=30)
+    else:
+        channel = ZmqTensorChannel("tcp://127.0.0.1:*", Message, bind=True)
+        queue.put(channel.endpoint)
+    while True:
+        header, tensors = channel.recv(timeout=30)
+        channel.send(header, tensors)
+        if isinstance(header, Stop):
+            break
+    channel.close()
+
+
+# ---- helpers ----
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Any]]:
+    """Start peer processes; on teardown they must have exited 0 (killed if still alive)."""
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+
+    def start(target: Callable[..., None], *args: Any) -> Any:
+        proc = ctx.Process(target=target, args=args, daemon=True)
+        proc.start()
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
+        assert proc.exitcode == 0, f"{proc.name} exited with {proc.exitcode}"
+
+
+def started_endpoint(spawn: Callable[..., Any], target: Callable[..., None], *args: Any) -> str:
+    queue = mp.get_context("spawn").Queue()
+    spawn(target, *args, queue)
+    return str(queue.get(timeout=30))
+
+
+def sample_tensors(seed: int) -> list[torch.Tensor]:
+    """float32 and bfloat16 of several shapes: empty, tiny, per-layer sized, and 1 MiB (which
+    takes the UCX zero-copy path)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(32, 2, 64, generator=gen),
+        torch.randn(32, 2, generator=gen).to(torch.bfloat16),
+        torch.randn(3, generator=gen),
+        torch.empty(0, 4),
+        torch.randn(512, 8, 64, generator=gen).to(torch.bfloat16),
+        torch.randn(256, 1024, generator=gen),
+    ]
+
+
+def assert_bit_exact(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))  # bit-exact, NaN-safe
+
+
+# ---- control-plane sockets ----
+
+
+def test_router_dealer_round_trips_in_order(spawn: Callable[..., Any]) -> None:
+    dealer: CommandDealer[Message] = CommandDealer(started_endpoint(spawn, router_echo), Message)
+    for seq in range(50):
+        dealer.put(Ping(seq))
+        assert dealer.get(timeout=20) == Load(seq, free_blocks=2 * seq)
+    dealer.put(Stop())
+    dealer.close()
+
+
+def test_router_drops_malformed_and_unknown_then_serves(spawn: Callable[..., Any]) -> None:
+    dealer: CommandDealer[Message] = CommandDealer(started_endpoint(spawn, router_echo), Message)
+    dealer.sock.send(GARBAGE)
+    dealer.sock.send(UNKNOWN)
+    dealer.put(Ping(41))
+    assert dealer.get(timeout=20) == Load(41, free_blocks=82)
+    assert dealer.get_nowait() is None  # nothing answered the junk
+    dealer.put(Stop())
+    dealer.close()
+
+
+def test_push_pull_many_messages_drops_junk(spawn: Callable[..., Any]) -> None:
+    pull: StreamPull[Message] = StreamPull("tcp://127.0.0.1:*", Message)
+    spawn(pusher, pull.endpoint, 500)
+    received = []
+    while not isinstance(msg := pull.get(timeout=20), Stop):
+        received.append(msg)
+    assert received == [Ping(seq) for seq in range(500)]
+    pull.close()
+
+
+def test_pub_sub_load_reports(spawn: Callable[..., Any]) -> None:
+    ack = StreamPush("tcp://127.0.0.1:*", bind=True)
+    sub: LoadSubscriber[Message] = LoadSubscriber(started_endpoint(spawn, publisher, ack.endpoint,
+                                                                   20), Message)  # fmt: skip
+    assert sub.get(timeout=20) == Load(-1)
+    ack.put(Stop())  # "subscribed": the publisher stops saying hello
+    reports = []
+    while len(reports) < 20:
+        msg = sub.get(timeout=20)
+        if msg != Load(-1):
+            reports.append(msg)
+    assert reports == [Load(seq, free_blocks=100 - seq) for seq in range(20)]
+    ack.put(Stop())
+    sub.close()
+    ack.close()
+
+
+def test_get_times_out_without_busy_waiting() -> None:
+    pull: StreamPull[Message] = StreamPull("tcp://127.0.0.1:*", Message)
+    with pytest.raises(TimeoutError):
+        pull.get(timeout=0.05)
+    assert pull.get_nowait() is None
+    assert not pull.poll(timeout=0)
+    pull.close()
+
+
+# ---- tensor channels ----
+
+
+def connect_tensor_channel(transport: str, address: str) -> Any:
+    if transport == "ucx":
+        from common.transport.ucx_channel import UcxTensorChannel
+
+        return UcxTensorChannel.connect(address, Message)
+    return ZmqTensorChannel(address, Message, bind=False)
+
+
+@pytest.mark.parametrize("transport", ["ucx", "zmq"])
+def test_tensor_channel_bit_exact_many_in_a_row(transport: str, spawn: Callable[..., Any]) -> None:
+    channel = connect_tensor_channel(transport, started_endpoint(spawn, tensor_echo, transport))
+    for seq in range(30):
+        sent = sample_tensors(seq)[: 1 + seq % 6]
+        channel.send(Ping(seq, note="x" * seq), sent)
+        header, got = channel.recv(timeout=20)
+        assert header == Ping(seq, note="x" * seq)
+        assert_bit_exact(got, sent)
+    sent = sample_tensors(99)
+    out = [torch.empty_like(t) for t in sent]
+    channel.send(Load(99), sent)
+    header, got = channel.recv(out=lambda header, specs: out, timeout=20)
+    assert header == Load(99) and all(g is o for g, o in zip(got, out, strict=True))
+    assert_bit_exact(out, sent)
+    channel.send(Stop())
+    assert channel.recv(timeout=20)[0] == Stop()
+    channel.close()
+
+
+@pytest.mark.parametrize("transport", ["ucx", "zmq"])
+def test_tensor_channel_timeout_then_still_works(transport: str, spawn: Callable[..., Any]) -> None:
+    channel = connect_tensor_channel(transport, started_endpoint(spawn, tensor_echo, transport))
+    with pytest.raises(TimeoutError):
+        channel.recv(timeout=0.05)
+    channel.send(Ping(1), [torch.arange(10, dtype=torch.float32)])
+    header, (got,) = channel.recv(timeout=20)
+    assert header == Ping(1) and torch.equal(got, torch.arange(10, dtype=torch.float32))
+    channel.send(Stop())
+    channel.recv(timeout=20)
+    channel.close()
+
+
+def test_zmq_tensor_channel_drops_malformed(spawn: Callable[..., Any]) -> None:
+    channel = connect_tensor_channel("zmq", started_endpoint(spawn, tensor_echo, "zmq"))
+    channel.sock.send_multipart([GARBAGE, b"1234"])
+    channel.sock.send_multipart([UNKNOWN])
+    bad_sizes = msgspec.msgpack.encode(([["float32", [4]]], Ping(5)))
+    channel.sock.send_multipart([bad_sizes, b"12"])  # 2 bytes where the spec says 16
+    channel.send(Ping(6), [torch.ones(4)])
+    header, (got,) = channel.recv(timeout=20)
+    assert header == Ping(6) and torch.equal(got, torch.ones(4))
+    channel.send(Stop())
+    channel.recv(timeout=20)
+    channel.close()
+
+
+def test_ucx_rejects_wrong_receive_buffer(spawn: Callable[..., Any]) -> None:
+    channel = connect_tensor_channel("ucx", started_endpoint(spawn, tensor_echo, "ucx"))
+    channel.send(Ping(1), [torch.ones(4)])
+    with pytest.raises(ValueError, match="does not match"):
+        channel.recv(out=[torch.empty(5)], timeout=20)
+    channel.send(Stop())
+    channel.recv(timeout=20)
+    channel.close()
+
+
+def test_zmq_socket_closes_cleanly() -> None:
+    ctx = zmq.Context()
+    pull: StreamPull[Message] = StreamPull("tcp://127.0.0.1:*", Message, context=ctx)
+    push = StreamPush(pull.endpoint, context=ctx)
+    push.put(Ping(1))
+    assert pull.get(timeout=5) == Ping(1)
+    push.close()
+    pull.close()
+    ctx.term()  # returns only when every socket is closed
