@@ -7,14 +7,23 @@ servers do, so newer clients keep working; fields we cannot honour are rejected 
 
 Errors use OpenAI's nested envelope with vLLM's conventions for `type` and `code` (an exception
 name and the HTTP status): `{"error": {"message", "type", "param", "code"}}`.
+`install_error_handlers` makes a FastAPI app answer every error that way.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+log = structlog.get_logger(__name__)
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -213,3 +222,59 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---- FastAPI exception handlers: every error leaves as an OpenAI error body ----
+
+MAX_VALIDATION_ERRORS = 5  # per response: bounded bodies, no echo of large inputs
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """400 for schema errors (not FastAPI's 422), OpenAI bodies for 404/405 and for 500s."""
+    app.add_exception_handler(APIError, _api_error_response)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error_response)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error_response)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _internal_error_response)
+
+
+def _json_error(status: int, message: str, param: str | None = None) -> Response:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+async def _api_error_response(_: Request, exc: APIError) -> Response:
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else {}
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _validation_error_response(_: Request, exc: RequestValidationError) -> Response:
+    """Name the first bad field (`param`) and list a few errors, without echoing the input."""
+    errors = exc.errors()[:MAX_VALIDATION_ERRORS]
+    if errors and errors[0].get("type") == "json_invalid":
+        return _json_error(400, f"malformed JSON body: {errors[0].get('ctx', {}).get('error')}")
+    params = [_param_path(e.get("loc", ())) for e in errors]
+    message = "; ".join(
+        f"{param or 'body'}: {e.get('msg', 'invalid')}"
+        for param, e in zip(params, errors, strict=True)
+    )
+    return _json_error(400, message or "invalid request", params[0] if params else None)
+
+
+def _param_path(loc: Sequence[Any]) -> str | None:
+    """`("body", "prompt", "list[int]", 0)` -> `"prompt.0"`: the field path without the union
+    branch names pydantic puts in it."""
+    parts = [
+        str(p)
+        for p in loc[1:]
+        if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or p.startswith("function")))
+    ]
+    return ".".join(parts) or None
+
+
+async def _http_error_response(_: Request, exc: HTTPException) -> Response:
+    return _json_error(exc.status_code, str(exc.detail))
+
+
+async def _internal_error_response(_: Request, exc: Exception) -> Response:
+    log.exception("request failed", exc_info=exc)
+    return _json_error(500, "internal server error")

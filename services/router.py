@@ -15,17 +15,15 @@ import dataclasses
 import json
 import re
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
 import structlog
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from common.config import ModelConfig
@@ -50,12 +48,12 @@ from services.openai_api import (
     SamplingFields,
     UsageInfo,
     error_body,
+    install_error_handlers,
 )
 
 log = structlog.get_logger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_VALIDATION_ERRORS = 5  # per response: bounded bodies, no echo of large inputs
 RETRY_AFTER_S = 1
 
 
@@ -91,10 +89,7 @@ class Router:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None)
-        app.add_exception_handler(APIError, _api_error_response)  # type: ignore[arg-type]
-        app.add_exception_handler(RequestValidationError, _validation_error_response)  # type: ignore[arg-type]
-        app.add_exception_handler(HTTPException, _http_error_response)  # type: ignore[arg-type]
-        app.add_exception_handler(Exception, _internal_error_response)
+        install_error_handlers(app)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
@@ -356,51 +351,3 @@ async def _sse(events: AsyncGenerator[BaseModel, None]) -> AsyncGenerator[str, N
         log.exception("stream failed")
         yield f"data: {json.dumps(error_body(500, f'generation failed: {exc}'))}\n\n"
     yield "data: [DONE]\n\n"
-
-
-# ---- exception handlers: every error is an OpenAI error body ----
-
-
-def _json_error(status: int, message: str, param: str | None = None, **headers: str) -> Response:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
-
-
-async def _api_error_response(_: Request, exc: APIError) -> Response:
-    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else {}
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-
-async def _validation_error_response(_: Request, exc: RequestValidationError) -> Response:
-    """FastAPI's 422 becomes OpenAI's 400, naming the first bad field without echoing input."""
-    errors = exc.errors()[:MAX_VALIDATION_ERRORS]
-    if errors and errors[0].get("type") == "json_invalid":
-        return _json_error(400, f"malformed JSON body: {errors[0].get('ctx', {}).get('error')}")
-    params = [_param_path(e.get("loc", ())) for e in errors]
-    message = "; ".join(
-        f"{param or 'body'}: {e.get('msg', 'invalid')}"
-        for param, e in zip(params, errors, strict=True)
-    )
-    return _json_error(400, message or "invalid request", params[0] if params else None)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _param_path(loc: Sequence[Any]) -> str | None:
-    """`("body", "prompt", "list[int]", 0)` -> `"prompt.0"`: the field path without the union
-    branch names pydantic puts in it."""
-    parts = [
-        str(p)
-        for p in loc[1:]
-        if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or p.startswith("function")))
-    ]
-    return ".".join(parts) or None
-
-
-async def _http_error_response(_: Request, exc: HTTPException) -> Response:
-    return _json_error(exc.status_code, str(exc.detail))
-
-
-async def _internal_error_response(_: Request, exc: Exception) -> Response:
-    log.exception("request failed", exc_info=exc)
-    return _json_error(500, "internal server error")

@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import ray
 import yaml
+from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
-from services.app import DEPLOYMENT_NAMES, AppArgs
+from services.app import DEPLOYMENT_NAMES, AppArgs, build_app
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 EXPECTED = {"local.yaml", "cluster.yaml", "rayservice.yaml"}
@@ -95,3 +96,13 @@ def test_rayservice_embeds_the_cluster_config() -> None:
         "memory": {"memory_node": 1},
     }
     assert cluster["rayVersion"] == ray.__version__  # the Ray the schema test ran against
+
+
+def test_builder_binds_the_local_app_and_refuses_an_unfinished_topology() -> None:
+    [local] = CONFIGS["local.yaml"]["applications"]
+    app = build_app(local["args"])
+    assert isinstance(app, Application)
+    with pytest.raises(ValueError, match="mesh"):
+        build_app(CONFIGS["cluster.yaml"]["applications"][0]["args"])
+    with pytest.raises(ValueError):
+        build_app(local["args"] | {"no_such_arg": 1})
