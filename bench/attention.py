@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -81,8 +82,12 @@ def memory_bandwidth(num_bytes: int, threads: list[int], repeats: int) -> dict[s
     figures = {}
     for n in threads:
         torch.set_num_threads(n)
+
+        def read(_: int, n: int = n) -> float:
+            return float(read_sum(src, n))
+
         copy_s = median_seconds(lambda _: dst.copy_(src), repeats)
-        read_s = median_seconds(lambda _, n=n: read_sum(src, n), repeats)
+        read_s = median_seconds(read, repeats)
         figures[f"copy_gbps_{n}t"] = 2 * num_bytes / copy_s / 1e9
         figures[f"read_gbps_{n}t"] = num_bytes / read_s / 1e9
     return figures
@@ -138,9 +143,7 @@ def time_case(shape: Shape, dtype: torch.dtype, threads: int, sets: list[KvSet],
 
     def paged(i: int) -> None:
         s = sets[i % len(sets)]
-        kernel.decode(
-            q, s.key_cache, s.value_cache, s.block_tables, lens, scale, out=out, lse=lse
-        )
+        kernel.decode(q, s.key_cache, s.value_cache, s.block_tables, lens, scale, out=out, lse=lse)
 
     def contiguous(i: int) -> None:
         s = sets[i % len(sets)]
@@ -178,17 +181,19 @@ def case_figures(shape: Shape, dtype: torch.dtype, threads: int, seconds: dict, 
 
 def summarize(cases: list[dict]) -> dict[str, float]:
     """Worst ratio per target, over the cases each target applies to."""
-    long_2t = [c for c in cases if c["threads"] == 2]
+    two_threads = [c for c in cases if c["threads"] == 2]
+    gqa = [c for c in cases if c["shape"].startswith("gqa")]
+    mha = [c for c in cases if c["shape"].startswith("mha")]
 
     def worst(rows: list[dict], key: str) -> float:
         return min((c[key] for c in rows), default=math.nan)
 
     return {
-        "min_kernel_over_read_2t": worst(long_2t, "kernel_over_read"),
-        "min_over_torch_gqa": worst([c for c in cases if "gqa" in c["shape"]], "kernel_over_torch_best"),
-        "min_over_torch_mha": worst([c for c in cases if "mha" in c["shape"]], "kernel_over_torch_best"),
+        "min_kernel_over_read_2t": worst(two_threads, "kernel_over_read"),
+        "min_over_torch_gqa": worst(gqa, "kernel_over_torch_best"),
+        "min_over_torch_mha": worst(mha, "kernel_over_torch_best"),
         "min_paged_over_contig": worst(cases, "paged_over_contig"),
-    }  # fmt: skip
+    }
 
 
 def shapes_for(quick: bool) -> list[Shape]:
@@ -223,8 +228,10 @@ def main() -> None:
                 cases.append(row)
             del sets
     summary = summarize(cases)
-    print(json.dumps({"isa": supported_isas()[0], "repeats": args.repeats, "memory": memory,
-                      "summary": summary, "targets": TARGETS, "cases": cases}))  # fmt: skip
+    setup = {"isa": supported_isas()[0], "repeats": args.repeats, "block_size": BLOCK_SIZE}
+    setup["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "default")
+    print(json.dumps({**setup, "memory": memory, "summary": summary, "targets": TARGETS,
+                      "cases": cases}))  # fmt: skip
 
 
 if __name__ == "__main__":

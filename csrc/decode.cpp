@@ -7,7 +7,10 @@
 // unnormalized partials, and after a barrier each split segment is merged exactly with its LSE.
 //
 // NOTE: threads are OpenMP. torch ships libgomp.so.1 with the same soname, so inside a process
-// that imported torch this module shares torch's thread pool instead of adding a second one.
+// that imported torch this module shares torch's thread pool instead of adding a second one: the
+// workers torch just used pick the kernel's ranges up at once, and no third thread competes for
+// the cores. Their idle policy is the process's (OMP_WAIT_POLICY): libgomp spins by default, which
+// costs a lot when other processes oversubscribe the cores; `passive` is the setting for that.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -24,7 +27,7 @@ namespace pm {
 namespace {
 
 constexpr int64_t kMinUnitsPerRange = 8;  // smaller ranges cost more in merging than they save
-constexpr int64_t kRangesPerThread = 4;   // dynamic hand-out absorbs a busy neighbour's core
+constexpr int64_t kRangesPerThread = 16;  // fine hand-out: a preempted thread holds up little
 
 // The geometry of one call, shared read-only by all threads.
 struct Plan {
@@ -262,7 +265,7 @@ void run_decode(const DecodeProblem& p, const IsaKernels& isa, int num_threads, 
     const int tid = thread_id();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < num_ranges; ++r) process_range(plan, r, tid);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait  // the region's closing barrier follows anyway
     for (int64_t seg = 0; seg < num_segments; ++seg) finish_segment(plan, seg, tid);
   }
 }
