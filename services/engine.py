@@ -189,10 +189,18 @@ class Engine:
         self._admit_handoffs()
 
     def on_abort(self, req_id: str) -> Outgoing:
-        """Forget a request wherever it is; the router frees its shards itself."""
+        """Forget a request wherever it is. The token engine decoding it frees its shards: only
+        it knows when no decode step of the request can reach a shard any more."""
         self.aborted[req_id] = None
         while len(self.aborted) > _TOMBSTONES:
             self.aborted.popitem(last=False)
+        decoding_here = any(s.req_id == req_id for s in self.sharded) or any(
+            h.req_id == req_id for h in self.waiting_handoffs
+        )
+        route = self.routing.get(req_id)
+        frees: Outgoing = []
+        if decoding_here and route is not None:
+            frees = [(s.kv_endpoint, FreeRequest(req_id)) for s in route.shards]
         self.ship_queue.remove(req_id)
         self.local.remove(req_id)
         self.sharded = [s for s in self.sharded if s.req_id != req_id]
@@ -203,7 +211,15 @@ class Engine:
         self.sampler.forget(req_id)
         self.requests.pop(req_id, None)
         self.routing.pop(req_id, None)
-        return []
+        return frees
+
+    def fail_all(self, error: str) -> Outgoing:
+        """A step failed (a shard died, say): end every request here with the error, free all."""
+        out: Outgoing = []
+        for req_id, route in list(self.routing.items()):
+            out.append((route.reply_to, TokenOutput(req_id, [], "error", error=error)))
+            out += self.on_abort(req_id)
+        return out
 
     # -- the loop ---------------------------------------------------------------------------------
 

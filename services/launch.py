@@ -25,7 +25,6 @@ import zmq
 from common.protocol import (
     AbortRequest,
     EngineStats,
-    FreeRequest,
     GenerateRequest,
     SamplingSpec,
     ServiceReply,
@@ -246,12 +245,10 @@ class MeshClient:
         self.push.get(pe.command_endpoint).send(msg)
 
     def abort(self, req_id: str) -> None:
-        """Abort everywhere the request may be: its prompt engine, token engine and shards."""
+        """Abort at the prompt engine and the token engine; the token engine frees the shards."""
         pe, te = self.placement[req_id]
         self.push.get(pe.command_endpoint).send(AbortRequest(req_id))
         self.push.get(te.ready.command_endpoint).send(AbortRequest(req_id))
-        for shard in te.shards:  # KV ingress carries tensor messages only
-            self.push.get(shard.kv_endpoint).send_tensors(FreeRequest(req_id), [])
 
     def recv(self, timeout: float = 30.0) -> TokenOutput:
         """The next token message from any request."""

@@ -87,9 +87,16 @@ class EngineWorker:
             poller.poll(0 if self.engine.has_work() else IDLE_POLL_MS)
             self._drain()
             if self.engine.has_work():
-                self._send(self.engine.step())
+                self._step()
             self._report_load()
         self.ctx.destroy(linger=0)
+
+    def _step(self) -> None:
+        try:
+            self._send(self.engine.step())
+        except Exception as exc:  # noqa: BLE001 - fail the requests, keep the service alive
+            log.exception("engine step failed; failing its requests")
+            self._send(self.engine.fail_all(f"engine {self.cfg.service_id}: {exc!r}"))
 
     def _drain(self) -> None:
         while (item := self.commands.recv_nowait()) is not None:
