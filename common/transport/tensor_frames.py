@@ -12,8 +12,8 @@ union from `common.protocol`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import msgspec
 import numpy as np
@@ -81,6 +81,23 @@ def byte_view(tensor: torch.Tensor) -> np.ndarray:
 def empty_like_spec(spec: TensorSpec) -> torch.Tensor:
     """A fresh tensor to receive a frame described by `spec`."""
     return torch.empty(spec.shape, dtype=DTYPES[spec.dtype])
+
+
+# Where received tensors land: fresh tensors (None), these tensors, or the tensors a function picks
+# once the header is known (e.g. the KV slots of the request and layer it names).
+ReceiveInto: TypeAlias = (
+    Sequence[torch.Tensor] | Callable[[Any, list["TensorSpec"]], Sequence[torch.Tensor]] | None
+)
+
+
+def receive_targets(specs: list[TensorSpec], header: Any, out: ReceiveInto) -> list[torch.Tensor]:
+    """The tensors a message described by `specs` is received into (checked against the specs)."""
+    if out is None:
+        return [empty_like_spec(s) for s in specs]
+    targets = out(header, specs) if callable(out) else out
+    if len(specs) != len(targets):
+        raise ValueError(f"message has {len(specs)} tensors, {len(targets)} receive buffers given")
+    return [check_out(spec, t) for spec, t in zip(specs, targets, strict=True)]
 
 
 def check_out(spec: TensorSpec, out: torch.Tensor) -> torch.Tensor:

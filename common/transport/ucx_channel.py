@@ -18,8 +18,10 @@ progresses the worker and, when nothing is left, sleeps in `epoll_wait` on the w
 one wake-up per message, as with a blocking socket, and no busy-polling. The alternatives cost more
 hops: ucxx's progress thread hands completions to Python only through asyncio futures (progress
 thread -> notifier thread -> event loop -> caller; >10 us per asyncio task, ucxx issue #305) or by
-spinning on `request.completed` (ucxx-core's default thread mode measured ~4 ms RTT here); the ucxx
-asyncio API on a background loop adds two thread hand-offs per call. The price: a large send moves
+spinning on `request.completed` (ucxx-core's default thread mode measured ~2.4-4 ms RTT here); the
+ucxx asyncio API adds tasks, and on a background loop two thread hand-offs per call. Measured with
+ucxx's own send_recv bench (16 KiB, tuned tcp, this VM under load): core + blocking progress 44-51
+us per half round trip vs 121-133 us for ucxx-async. The price: a large send moves
 only while some channel of the same worker is inside `send`/`recv`/`wait`, which is what a
 synchronous engine loop does anyway.
 
@@ -42,25 +44,31 @@ from typing import Any, Generic
 import numpy as np
 import structlog
 import torch
-import ucxx._lib.libucxx as ucx_api
-from ucxx._lib.arr import Array
 
-from common.transport.tensor_frames import (
+DEFAULT_UCX_TLS = "tcp"
+# UCX's tcp defaults (8 KiB segments; rendezvous from 8 KiB, which ucxx sets) turn a 16 KiB message
+# into several wake-ups per direction; measured here, one 256 KiB eager segment cut a 16 KiB RTT
+# from ~250-430 us to ~90-150 us. Larger messages still go zero-copy by rendezvous.
+# NOTE: set in os.environ, before ucxx is imported: `import ucxx` writes its own UCX_RNDV_THRESH,
+# and transport options passed in UCXContext's config_dict did not take effect (measured). A value
+# the user already set wins.
+DEFAULT_UCX_TUNING = {"TCP_TX_SEG_SIZE": "256k", "TCP_RX_SEG_SIZE": "256k", "RNDV_THRESH": "256k"}
+for _name, _value in DEFAULT_UCX_TUNING.items():
+    os.environ.setdefault(f"UCX_{_name}", _value)
+import ucxx._lib.libucxx as ucx_api  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
+
+from common.transport.tensor_frames import (  # noqa: E402
     EnvelopeCodec,
     HeaderT,
-    TensorSpec,
+    ReceiveInto,
     byte_view,
-    check_out,
     empty_like_spec,
+    receive_targets,
 )
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_UCX_TLS = "tcp"
-# UCX's tcp defaults (8 KiB segments, rendezvous from a few KiB) turn a 16 KiB message into several
-# wake-ups per direction; measured here, one 256 KiB eager segment cut a 16 KiB RTT from ~250-430 us
-# to ~90 us. Larger messages still go zero-copy by rendezvous. `UCX_<NAME>` in the environment wins.
-DEFAULT_UCX_TUNING = {"TCP_TX_SEG_SIZE": "256k", "TCP_RX_SEG_SIZE": "256k", "RNDV_THRESH": "256k"}
 INLINE_LIMIT = 192 * 1024
 MAX_ENVELOPE_BYTES = 64 * 1024
 _PREFIX = struct.Struct("<II")  # envelope length, 1 if the tensors are inline
@@ -72,11 +80,16 @@ _MAX_EPOLL_MS = 100
 
 
 def ucx_config() -> dict[str, str]:
-    """The UCX options this process sets (environment `UCX_*` variables take precedence)."""
-    config = {k: v for k, v in DEFAULT_UCX_TUNING.items() if f"UCX_{k}" not in os.environ}
-    if "UCX_TLS" not in os.environ:
-        config["TLS"] = os.environ.get("PHASEMESH_UCX_TLS", DEFAULT_UCX_TLS)
-    return config
+    """UCX options this process passes to each context: the transports (`UCX_TLS` wins)."""
+    if "UCX_TLS" in os.environ:
+        return {}
+    return {"TLS": os.environ.get("PHASEMESH_UCX_TLS", DEFAULT_UCX_TLS)}
+
+
+def ucx_settings() -> dict[str, str]:
+    """The UCX settings in effect for new workers (for logs and bench reports)."""
+    tuning = {k: os.environ[f"UCX_{k}"] for k in DEFAULT_UCX_TUNING}
+    return {"TLS": os.environ.get("UCX_TLS", ucx_config().get("TLS", "")), **tuning}
 
 
 class UcxWorker:
@@ -177,38 +190,54 @@ class UcxTensorChannel(Generic[HeaderT]):
         self._worker.wait(handle.requests, timeout)
         handle.buffers.clear()
 
-    def recv(self, out: Sequence[torch.Tensor] | None = None,
+    def recv(self, out: ReceiveInto = None,
              timeout: float | None = None) -> tuple[HeaderT, list[torch.Tensor]]:  # fmt: skip
-        """Receive one message into `out` (exact dtypes and shapes) or into fresh tensors.
+        """Receive one message into `out` (tensors, or a function of (header, specs) returning
+        them; exact dtypes and shapes) or into fresh tensors.
 
-        Raises TimeoutError if no message arrives within `timeout` (the channel stays usable), or
-        msgspec.DecodeError on a malformed envelope (the channel is then unusable).
+        Raises TimeoutError if no message arrives within `timeout`, or ValueError if `out` does not
+        match (the message is then consumed and dropped); the channel stays usable after both.
+        A malformed envelope raises msgspec.DecodeError; a zero-copy message's payload is then
+        left in flight and the channel is unusable.
         """
         self._worker.wait([self._inbox_request], timeout)
-        env_len, inline = _PREFIX.unpack_from(self._inbox.data, 0)
-        specs, header = self._codec.decode(self._inbox.data[_PREFIX.size :][:env_len])
-        targets = [empty_like_spec(s) for s in specs] if out is None else _match_out(specs, out)
-        if inline:
-            _unpack_inline(self._inbox, _PREFIX.size + env_len, targets)
+        try:
+            env_len, inline = _PREFIX.unpack_from(self._inbox.data, 0)
+            specs, header = self._codec.decode(self._inbox.data[_PREFIX.size :][:env_len])
+            if inline:
+                targets = receive_targets(specs, header, out)
+                _unpack_inline(self._inbox, _PREFIX.size + env_len, targets)
+                return header, targets
+        finally:
             self._inbox_request = self._post_inbox()
-            return header, targets
-        self._inbox_request = self._post_inbox()
+        try:
+            targets = receive_targets(specs, header, out)
+        except ValueError:
+            self._receive_payload([empty_like_spec(s) for s in specs])  # keep the stream aligned
+            raise
+        self._receive_payload(targets)
+        return header, targets
+
+    def _receive_payload(self, targets: Sequence[torch.Tensor]) -> None:
         views = [byte_view(t) for t in targets]
         requests = [self._endpoint.tag_recv(Array(v), self._recv_tags[1]) for v in views if v.size]
-        self._worker.wait(requests, timeout=max(30.0, timeout or 0.0))
-        return header, targets
+        self._worker.wait(requests, timeout=30.0)
 
     def _post_inbox(self) -> Any:
         # Always posted, so an incoming small message lands here without UCX's unexpected queue.
         return self._endpoint.tag_recv(Array(self._inbox), self._recv_tags[0])
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Close the endpoint (best effort: the peer may already be gone)."""
+    def close(self) -> None:
+        """Close the endpoint and cancel this channel's posted receives (the peer may be gone).
+
+        NOTE: `close_blocking`, not `close()`: the latter returns a null request (which crashes
+        when touched) once the peer has already closed the endpoint.
+        """
         if self._closed:
             return
         self._closed = True
         try:
-            self._worker.wait([self._endpoint.close()], timeout)
+            self._endpoint.close_blocking()
         except Exception as exc:  # noqa: BLE001 - closing must never raise
             log.debug("ucx_close_failed", error=str(exc))
 
@@ -281,12 +310,6 @@ def _unpack_inline(inbox: np.ndarray, offset: int, targets: Sequence[torch.Tenso
         view = byte_view(target)
         view[:] = inbox[offset : offset + view.size]
         offset += view.size
-
-
-def _match_out(specs: list[TensorSpec], out: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if len(specs) != len(out):
-        raise ValueError(f"message has {len(specs)} tensors, {len(out)} receive buffers given")
-    return [check_out(spec, t) for spec, t in zip(specs, out, strict=True)]
 
 
 def parse_address(address: str) -> tuple[str, int]:

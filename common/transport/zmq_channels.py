@@ -91,9 +91,9 @@ class MessageSocket(Generic[RecvT]):
             if msg is not None:
                 return frames[:-1], msg
 
-    def close(self) -> None:
-        """Close the socket now (LINGER 0: unsent messages are discarded)."""
-        self.sock.close(linger=0)
+    def close(self, linger: float = 1.0) -> None:
+        """Close the socket, giving queued outgoing messages up to `linger` seconds to leave."""
+        self.sock.close(linger=int(linger * 1000))
 
 
 class _Receiver(MessageSocket[RecvT]):

@@ -24,9 +24,10 @@ from common.transport.tensor_frames import (
     DTYPES,
     EnvelopeCodec,
     HeaderT,
+    ReceiveInto,
     TensorSpec,
     byte_view,
-    check_out,
+    receive_targets,
 )
 from common.transport.zmq_channels import shared_context
 
@@ -69,9 +70,10 @@ class ZmqTensorChannel(Generic[HeaderT]):
         if not tracker.done:
             tracker.wait(-1 if timeout is None else timeout)
 
-    def recv(self, out: Sequence[torch.Tensor] | None = None,
+    def recv(self, out: ReceiveInto = None,
              timeout: float | None = None) -> tuple[HeaderT, list[torch.Tensor]]:  # fmt: skip
-        """Receive one message into `out` (exact dtypes and shapes) or zero-copy tensors over the
+        """Receive one message into `out` (tensors, or a function of (header, specs) returning
+        them; exact dtypes and shapes) or into zero-copy tensors over the
         received frames. A malformed message is logged and dropped, and the next one is read."""
         while True:
             timeout_ms = None if timeout is None else max(0, int(timeout * 1000))
@@ -81,7 +83,7 @@ class ZmqTensorChannel(Generic[HeaderT]):
             decoded = self._decode(frames)
             if decoded is not None:
                 specs, header = decoded
-                return header, _tensors_from_frames(specs, frames[1:], out)
+                return header, _tensors_from_frames(specs, header, frames[1:], out)
 
     def _decode(self, frames: list[zmq.Frame]) -> tuple[list[TensorSpec], HeaderT] | None:
         try:
@@ -96,19 +98,20 @@ class ZmqTensorChannel(Generic[HeaderT]):
             return None
         return specs, header
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger: float = 1.0) -> None:
+        """Close the socket, giving queued outgoing messages up to `linger` seconds to leave."""
+        self.sock.close(linger=int(linger * 1000))
 
 
-def _tensors_from_frames(specs: list[TensorSpec], frames: Sequence[zmq.Frame],
-                         out: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:  # fmt: skip
-    if out is None:
+def _tensors_from_frames(
+    specs: list[TensorSpec], header: Any, frames: Sequence[zmq.Frame], out: ReceiveInto
+) -> list[torch.Tensor]:
+    if out is None:  # zero-copy: each tensor keeps its frame alive
         return [_frame_tensor(spec, frame) for spec, frame in zip(specs, frames, strict=True)]
-    if len(out) != len(specs):
-        raise ValueError(f"message has {len(specs)} tensors, {len(out)} receive buffers given")
-    for spec, frame, target in zip(specs, frames, out, strict=True):
-        byte_view(check_out(spec, target))[:] = memoryview(frame.buffer).cast("B")
-    return list(out)
+    targets = receive_targets(specs, header, out)
+    for frame, target in zip(frames, targets, strict=True):
+        byte_view(target)[:] = memoryview(frame.buffer).cast("B")
+    return targets
 
 
 def _frame_tensor(spec: TensorSpec, frame: zmq.Frame) -> torch.Tensor:

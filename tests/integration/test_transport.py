@@ -89,6 +89,7 @@ def publisher(ack_endpoint: str, count: int, queue: Any) -> None:
     ack: StreamPull[Message] = StreamPull(ack_endpoint, Message, bind=False)
     while not ack.poll(timeout=0.02):  # blocks in zmq poll; hellos until the SUB is live
         pub.put(Load(-1))
+    ack.get(timeout=1)  # the subscriber's "subscribed"
     for seq in range(count):
         if seq == 1:
             pub.sock.send(GARBAGE)

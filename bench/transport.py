@@ -1,0 +1,237 @@
+"""Transport bench: UCX tensor channel vs ZeroMQ, side by side in one run (two processes each).
+
+(a) per-layer shard round trip: q [32, 2, 64] fp32 out, attention output [32, 2, 64] + lse [32, 2]
+    back, over `UcxTensorChannel`, over `ZmqTensorChannel`, and over a plain zmq DEALER/ROUTER pair
+    with the same bytes (the floor the wrappers are judged against: ratio row 4 of
+    shared/reference/performance-limits.md).
+(b) bulk: 1 MiB and 16 MiB tensors one way plus a small ack, into preallocated receive buffers, over
+    the same three; with an in-process memcpy of the same bytes as the same-run ceiling.
+
+Transports are interleaved repeat by repeat so that noise from other work hits all of them alike.
+Prints a table; the last line is one JSON object with medians (over repeats) and ratios.
+Usage: PYTHONPATH=. .venv/bin/python bench/transport.py [--repeats 5] [--ucx-tls tcp,sm ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.transport.tensor_frames import TensorSpec  # noqa: E402
+from common.transport.zmq_tensor import ZmqTensorChannel  # noqa: E402
+
+NUM_SEQS, NUM_HEADS, HEAD_DIM = 32, 2, 64
+BULK_SIZES = {"1MiB": 1 << 20, "16MiB": 16 << 20}
+
+
+class Probe(msgspec.Struct, array_like=True, gc=False):
+    """The bench header: what the server should do with this message."""
+
+    phase: str  # "rtt" | bulk size name | "stop"
+    seq: int = 0
+
+
+def server_buffers() -> dict[str, list[torch.Tensor]]:
+    buffers = {"rtt": [torch.empty(NUM_SEQS, NUM_HEADS, HEAD_DIM)]}
+    buffers |= {name: [torch.zeros(n // 4)] for name, n in BULK_SIZES.items()}  # pre-touched
+    return buffers
+
+
+def serve_channel(channel: Any, preallocated: bool) -> None:
+    """Echo server for the tensor channels: reply out+lse to "rtt", an empty ack to bulk.
+
+    UCX receives into preallocated buffers (its zero-copy path); zmq into tensors over the received
+    frames (its zero-copy path; copying into preallocated buffers would add a memcpy)."""
+    buffers = server_buffers()
+    reply = [torch.randn(NUM_SEQS, NUM_HEADS, HEAD_DIM), torch.randn(NUM_SEQS, NUM_HEADS)]
+
+    def pick(header: Probe, specs: list[TensorSpec]) -> list[torch.Tensor]:
+        return buffers.get(header.phase, [])
+
+    while True:
+        header, _ = channel.recv(out=pick if preallocated else None, timeout=120)
+        if header.phase == "stop":
+            break
+        channel.send(header, reply if header.phase == "rtt" else [])
+    channel.close()
+
+
+def ucx_server(tls: str, address_queue: Any) -> None:
+    os.environ["PHASEMESH_UCX_TLS"] = tls
+    from common.transport.ucx_channel import UcxListener
+
+    listener = UcxListener(Probe)
+    address_queue.put(listener.address)
+    serve_channel(listener.accept(timeout=60), preallocated=True)
+
+
+def zmq_channel_server(address_queue: Any) -> None:
+    channel = ZmqTensorChannel("tcp://127.0.0.1:*", Probe, bind=True)
+    address_queue.put(channel.endpoint)
+    serve_channel(channel, preallocated=False)
+
+
+def plain_zmq_server(address_queue: Any) -> None:
+    """ROUTER echo with raw frames: the same bytes, no wrapper, no msgspec envelope decoding."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    address_queue.put(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+    reply = [torch.randn(NUM_SEQS, NUM_HEADS, HEAD_DIM), torch.randn(NUM_SEQS, NUM_HEADS)]
+    reply_frames = [t.numpy() for t in reply]
+    while True:
+        identity, phase, *_ = sock.recv_multipart(copy=False)
+        if phase.bytes == b"stop":
+            break
+        frames = reply_frames if phase.bytes == b"rtt" else []
+        sock.send_multipart([identity, phase, *frames], copy=False)
+    sock.close(linger=0)
+
+
+def start_server(target: Callable[..., None], *args: Any) -> tuple[Any, str]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue), daemon=True)
+    proc.start()
+    return proc, queue.get(timeout=60)
+
+
+class PlainZmqClient:
+    """The client half of the plain zmq baseline, with the `send`/`recv` shape of the channels."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.connect(endpoint)
+
+    def send(self, header: Probe, tensors: list[torch.Tensor]) -> None:
+        frames = [header.phase.encode(), *(t.numpy() for t in tensors)]
+        self.sock.send_multipart(frames, copy=False)
+
+    def recv(self, out: Any = None, timeout: float = 60) -> tuple[Any, list[Any]]:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError("plain zmq server did not answer")
+        return None, self.sock.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def time_round_trips(client: Any, phase: str, tensors: list[torch.Tensor], n: int) -> float:
+    """Median seconds of `n` send + reply round trips."""
+    samples = []
+    for i in range(n):
+        start = time.perf_counter()
+        client.send(Probe(phase, i), tensors)
+        client.recv(timeout=60)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def memcpy_seconds(nbytes: int, n: int = 20) -> float:
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        dst.copy_(src)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def run_repeats(clients: dict[str, Any], repeats: int, n_rtt: int) -> dict[str, list[float]]:
+    """Per transport and probe, one median per repeat; transports interleaved in every repeat."""
+    q = torch.randn(NUM_SEQS, NUM_HEADS, HEAD_DIM)
+    bulk = {name: torch.randn(n // 4) for name, n in BULK_SIZES.items()}
+    results: dict[str, list[float]] = {}
+    for _ in range(repeats + 1):  # the first repeat warms up connections and pages
+        for transport, client in clients.items():
+            sample = {"rtt": time_round_trips(client, "rtt", [q], n_rtt)}
+            for name, tensor in bulk.items():
+                n_bulk = 20 if name == "1MiB" else 6
+                sample[name] = time_round_trips(client, name, [tensor], n_bulk)
+            for probe, seconds in sample.items():
+                results.setdefault(f"{transport}:{probe}", []).append(seconds)
+    return {key: values[1:] for key, values in results.items()}
+
+
+def summarize(results: dict[str, list[float]], tls_list: list[str]) -> dict[str, Any]:
+    med = {key: statistics.median(v) for key, v in results.items()}
+    summary: dict[str, Any] = {"rtt_us": {}, "bulk_GBps": {}, "ratios": {}}
+    for key, seconds in med.items():
+        transport, probe = key.split(":")
+        if probe == "rtt":
+            summary["rtt_us"][transport] = round(seconds * 1e6, 1)
+        else:
+            rate = BULK_SIZES[probe] / seconds / 1e9
+            summary["bulk_GBps"][f"{transport}:{probe}"] = round(rate, 3)
+    ratios = summary["ratios"]
+    for transport in [f"ucx[{tls}]" for tls in tls_list] + ["zmq_channel"]:
+        ratios[f"{transport}_rtt_vs_plain_zmq"] = round(
+            med[f"{transport}:rtt"] / med["plain_zmq:rtt"], 3
+        )
+        for probe in BULK_SIZES:
+            ratios[f"{transport}_{probe}_rate_vs_plain_zmq"] = round(
+                med[f"plain_zmq:{probe}"] / med[f"{transport}:{probe}"], 3
+            )
+    for probe, nbytes in BULK_SIZES.items():
+        summary["bulk_GBps"][f"memcpy:{probe}"] = round(nbytes / memcpy_seconds(nbytes) / 1e9, 2)
+    return summary
+
+
+def print_table(results: dict[str, list[float]]) -> None:
+    print(f"{'transport:probe':34} {'median':>12} {'min':>12} {'max':>12}  (per repeat)")
+    for key, values in results.items():
+        unit, scale = ("us", 1e6) if key.endswith(":rtt") else ("ms", 1e3)
+        stats = [statistics.median(values), min(values), max(values)]
+        print(f"{key:34} " + " ".join(f"{v * scale:10.1f}{unit}" for v in stats))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--round-trips", type=int, default=300)
+    parser.add_argument("--ucx-tls", nargs="+", default=["tcp"])
+    args = parser.parse_args()
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    torch.set_num_threads(1)
+    from common.transport.ucx_channel import UcxTensorChannel, ucx_settings
+
+    servers, clients = [], {}
+    for tls in args.ucx_tls:
+        proc, address = start_server(ucx_server, tls)
+        os.environ["PHASEMESH_UCX_TLS"] = tls  # read when this process's worker is built
+        servers.append(proc)
+        clients[f"ucx[{tls}]"] = UcxTensorChannel.connect(address, Probe)
+    proc, endpoint = start_server(zmq_channel_server)
+    servers.append(proc)
+    clients["zmq_channel"] = ZmqTensorChannel(endpoint, Probe, bind=False)
+    proc, endpoint = start_server(plain_zmq_server)
+    servers.append(proc)
+    clients["plain_zmq"] = PlainZmqClient(endpoint)
+
+    results = run_repeats(clients, args.repeats, args.round_trips)
+    for client in clients.values():
+        client.send(Probe("stop"), [])
+        client.close()
+    for proc in servers:
+        proc.join(timeout=10)
+    print_table(results)
+    summary = summarize(results, args.ucx_tls)
+    summary["ucx_settings"] = ucx_settings()
+    summary["load_avg_1m"] = os.getloadavg()[0]
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
