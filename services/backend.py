@@ -132,6 +132,7 @@ class LocalEngineBackend:
                 yield item
         finally:
             if not finished:
+                log.info("request aborted before it finished", req_id=req_id)
                 self.abort(req_id)
             self._release(req_id)
 

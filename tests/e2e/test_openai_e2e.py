@@ -154,9 +154,14 @@ def test_client_disconnect_frees_kv(server: ServeRun) -> None:
     body = {"model": MODEL, "prompt": [9] * 100, "max_tokens": 3000, "ignore_eos": True}
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
-            first_lines = list(itertools.islice(response.iter_lines(), 20))
-            assert sum(line.startswith("data:") for line in first_lines) >= 5
-            assert stats(server)["kv_blocks_used"] > 0  # the request is still generating
+            # NOTE: keep the line iterator referenced: dropping it closes the connection early.
+            lines = response.iter_lines()
+            assert sum(line.startswith("data:") for line in itertools.islice(lines, 20)) >= 5
+            running = stats(server)
+            # The request is still generating (a 3000-token request cannot be done yet).
+            assert running["num_requests"] == 1 and running["kv_blocks_used"] > 0, (
+                f"{running}\n{server.log_tail()}"
+            )
     # The stream is closed: the proxy cancels the replica's handler, which aborts the request.
     deadline = time.monotonic() + 20
     while (current := stats(server))["kv_blocks_used"] and time.monotonic() < deadline:
