@@ -4,7 +4,8 @@ Same API and wire layout as `UcxTensorChannel`: a message is `[envelope, frame, 
 the msgspec envelope `(specs, header)` and one raw frame per tensor. Frames are sent with
 `copy=False` from the tensor's memory: pyzmq holds a reference to each buffer until libzmq has
 sent it, and `track=True` returns a `zmq.MessageTracker` that says when the memory may change again
-(frames under `zmq.COPY_THRESHOLD`, 64 KiB, are copied by pyzmq and done at once). Received frames
+(messages whose frames are all under `zmq.COPY_THRESHOLD`, 64 KiB, are copied and done at
+once). Received frames
 become tensors without a copy (`torch.frombuffer` keeps the frame alive), or are copied into `out`.
 
 Both ends are DEALER sockets (one binds, one connects): a point-to-point pipe that reconnects.
@@ -32,6 +33,7 @@ from common.transport.tensor_frames import (
 from common.transport.zmq_channels import shared_context
 
 log = structlog.get_logger(__name__)
+_SENT = zmq.MessageTracker()  # a tracker with nothing to wait for
 
 
 class ZmqTensorChannel(Generic[HeaderT]):
@@ -60,6 +62,11 @@ class ZmqTensorChannel(Generic[HeaderT]):
         """Queue a send; the tensors must not change until `wait(tracker)` returns."""
         frames: list[Any] = [self._codec.encode(header, tensors)]
         frames += [byte_view(t) for t in tensors]
+        if all(f.nbytes < zmq.COPY_THRESHOLD for f in frames[1:]):
+            # Small frames are copied by pyzmq anyway; tracking them would only add a hand-off
+            # through pyzmq's garbage-collector thread on every wait.
+            self.sock.send_multipart(frames, copy=True)
+            return _SENT
         tracker = self.sock.send_multipart(frames, copy=False, track=True)
         assert isinstance(tracker, zmq.MessageTracker)
         return tracker
