@@ -26,8 +26,10 @@ kernel:
 model: install
 	$(BIN)/python -m common.model.default
 
+# Serves the OpenAI API at http://127.0.0.1:8000/v1 (Ctrl-C stops Serve and its Ray).
 run: model
-	$(BIN)/python -m common.engine.demo
+	@echo "PhaseMesh: starting Ray Serve; the API will be at http://127.0.0.1:8000/v1"
+	$(BIN)/serve run deploy/local.yaml
 
 lint: install
 	$(BIN)/ruff check .
