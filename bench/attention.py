@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from common.attention.cpu_kernel import CpuKernelAttention, kernel_available, supported_isas
 
 BLOCK_SIZE = 16
+PROBE_BYTES = 256 << 20
 TARGETS = {"kernel_over_read_2t": 0.70, "over_torch_gqa": 2.0, "over_torch_mha": 1.5}
 TARGETS["paged_over_contig"] = 0.85
 
@@ -59,6 +60,19 @@ class KvSet:
     contig_key_cache: torch.Tensor  # same blocks, in order
     contig_value_cache: torch.Tensor
     contig_block_tables: torch.Tensor
+
+
+def interleaved_medians(fns: dict[str, Callable[[int], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each fn(i), timed round-robin (fn1, fn2, ... then again) so that the
+    shared machine's slow and fast moments fall on every path alike; two warm-up rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(repeats + 2):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn(i)
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def median_seconds(fn: Callable[[int], object], repeats: int) -> float:
@@ -130,8 +144,14 @@ def torch_matmul(q: torch.Tensor, kv: KvSet) -> torch.Tensor:
     return torch.matmul(probs, kv.v).view(batch, num_q_heads, dim)
 
 
-def time_case(shape: Shape, dtype: torch.dtype, threads: int, sets: list[KvSet], repeats: int):
-    """Seconds per call for kernel (paged, contiguous) and the two torch paths."""
+def time_case(
+    shape: Shape, dtype: torch.dtype, threads: int, sets: list[KvSet], probe: torch.Tensor,
+    repeats: int,
+) -> dict[str, float]:  # fmt: skip
+    """Seconds per call: kernel (paged, contiguous), the two torch paths, and the read probe
+    over `probe` (interleaved with them, so the ceiling is measured under the same load)."""
+    from phasemesh_attention_kernel import read_sum
+
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(threads)
     q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, generator=gen).to(dtype)
@@ -153,18 +173,26 @@ def time_case(shape: Shape, dtype: torch.dtype, threads: int, sets: list[KvSet],
         )  # fmt: skip
 
     with torch.inference_mode():
-        return {
-            "kernel": median_seconds(paged, repeats),
-            "contig": median_seconds(contiguous, repeats),
-            "sdpa": median_seconds(lambda i: torch_sdpa(q, sets[i % len(sets)]), repeats),
-            "matmul": median_seconds(lambda i: torch_matmul(q, sets[i % len(sets)]), repeats),
-        }
+        return interleaved_medians(
+            {
+                "kernel": paged,
+                "contig": contiguous,
+                "sdpa": lambda i: torch_sdpa(q, sets[i % len(sets)]),
+                "matmul": lambda i: torch_matmul(q, sets[i % len(sets)]),
+                "read": lambda _: read_sum(probe, threads),
+            },
+            repeats,
+        )
 
 
-def case_figures(shape: Shape, dtype: torch.dtype, threads: int, seconds: dict, read: float):
+def case_figures(
+    shape: Shape, dtype: torch.dtype, threads: int, seconds: dict[str, float], probe_bytes: int
+) -> dict:
     kv_bytes = 2 * shape.batch * shape.num_kv_heads * shape.context * shape.head_dim
     kv_bytes *= torch.finfo(dtype).bits // 8
-    gbps = {name: kv_bytes / s / 1e9 for name, s in seconds.items()}
+    gbps = {name: kv_bytes / s / 1e9 for name, s in seconds.items() if name != "read"}
+    read = probe_bytes / seconds["read"] / 1e9
+    gbps["read"] = read
     torch_best = max(gbps["sdpa"], gbps["matmul"])
     return {
         "shape": shape.name,
@@ -216,14 +244,15 @@ def main() -> None:
     thread_counts = [1, 2]
     memory = memory_bandwidth((256 if args.quick else 1024) << 20, thread_counts, args.repeats)
     print("memory:", {k: round(v, 1) for k, v in memory.items()})
+    probe = torch.ones(PROBE_BYTES // 4)  # 8x the L3: the per-case read ceiling
     cases = []
     for shape in shapes_for(args.quick):
         for dtype in (torch.float32, torch.bfloat16):
             gen = torch.Generator().manual_seed(0)
             sets = [make_kv_set(shape, dtype, gen) for _ in range(2)]
             for threads in thread_counts:
-                seconds = time_case(shape, dtype, threads, sets, args.repeats)
-                row = case_figures(shape, dtype, threads, seconds, memory[f"read_gbps_{threads}t"])
+                seconds = time_case(shape, dtype, threads, sets, probe, args.repeats)
+                row = case_figures(shape, dtype, threads, seconds, PROBE_BYTES)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                 cases.append(row)
             del sets

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -248,3 +249,12 @@ def test_rejects_mismatched_shapes_and_isas() -> None:
         run_kernel(CpuKernelAttention(), case)
     with pytest.raises(ValueError, match="isa must be one of"):
         CpuKernelAttention(isa="sse9")
+
+
+def test_concurrent_calls_share_one_backend() -> None:
+    case = make_case([300, 1200], head_dim=64, group=4, block_size=16, dtype=torch.float32)
+    backend = CpuKernelAttention(num_threads=2)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda _: run_kernel(backend, case), range(8)))
+    for got in results:
+        assert_close(case, got, 1e-5)
