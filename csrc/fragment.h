@@ -1,8 +1,9 @@
 // What an ISA translation unit sees: one fragment of decode attention and its running state.
 //
 // NOTE: the ISA units are compiled with -mavx512f / -mavx2, so they include nothing but this
-// header and <cstdint>/<cstring>: an inline std:: template instantiated there could be picked by the
-// linker for the portable code too and fault on a CPU without those instructions.
+// header, <cstdint> and <immintrin.h>: an inline std:: function instantiated there could be picked
+// by the linker for the portable code too and fault on a CPU without those instructions
+// (`nm` on each fragment_*.o shows one exported symbol, its kernel table, and no weak ones).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,5 @@
-// AVX-512 kernels (16 floats per zmm, 32 registers). Built with -mavx512f; run only where the CPU has it.
+// AVX-512 kernels (16 floats per zmm, 32 registers). Built with -mavx512f; isa_select.cpp runs
+// them only where the CPU has it.
 #include <immintrin.h>
 
 #include <cstdint>

@@ -1,12 +1,13 @@
-// NOTE: no include guard on purpose: each fragment_<isa>.cpp includes this inside its own namespace.
+// NOTE: no include guard on purpose: each fragment_<isa>.cpp includes it inside its own namespace.
 // The inner loops of paged decode attention, written once with GNU vector extensions and compiled
 // once per ISA: each fragment_<isa>.cpp defines PM_LANES (floats per vector) and PM_ACC_BUDGET
 // (vector accumulators that fit in registers) and includes this file inside its own namespace.
 //
 // NOTE: why vector extensions instead of raw intrinsics: the same source lowers to zmm (AVX-512),
 // ymm (AVX2) or xmm/NEON/scalar code, so every path runs the one tested algorithm; the loops are
-// written lane-explicitly (no reliance on the auto-vectorizer), and `objdump -d` on the built module
-// shows vfmadd231ps on zmm/ymm registers in the hot loops. Exp is a Cephes polynomial (~2e-7 rel).
+// written lane-explicitly (no reliance on the auto-vectorizer), and `objdump -d` on the built
+// module shows vfmadd231ps on zmm/ymm registers in the hot loops. Exp is a Cephes polynomial
+// (~2e-7 relative error). Where GCC lowers a generic form poorly (bf16 widening), intrinsics do it.
 //
 // The kernel walks a fragment in steps of about kStepSlots tokens (a few blocks). Per step it
 // (1) scores the query group against each K tile [head_dim][block_size]: contiguous vector FMAs,
@@ -278,7 +279,8 @@ Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int6
     const int64_t next = b + j + step.num_blocks;
     step.next_keys[j] = next < a.block_end ? keys + a.block_table[next] * a.block_stride : nullptr;
   }
-  const int64_t first_token = b * a.block_size, end_token = first_token + step.num_blocks * a.block_size;
+  const int64_t first_token = b * a.block_size;
+  const int64_t end_token = first_token + step.num_blocks * a.block_size;
   step.lo = a.token_lo > first_token ? static_cast<int>(a.token_lo - first_token) : 0;
   step.hi = static_cast<int>((a.token_hi < end_token ? a.token_hi : end_token) - first_token);
   return step;
