@@ -6,9 +6,11 @@ The only module that imports `ray.serve`. `build_app(args)` is the application b
 Topologies (`args.topology`):
 - `local`: the `Router` deployment holds a `LocalEngineBackend` (one mixed engine, in-process).
   Complete and testable on one machine.
-- `mesh`: `Router` plus `PromptEngine`, `TokenEngine` and `AttentionShard` deployments; the router
-  reaches the engines over ZeroMQ. Lands with the mesh services (issue 4): add the three
-  deployments below and a branch in `_make_backend`.
+- `mesh`: `Router` plus `PromptEngine`, `TokenEngine` and `AttentionShard` deployments, each
+  replica running its worker on a thread (`services.mesh_replica`) and registering its sockets in
+  the application's registry actor (`services.registry`). The router's `MeshBackend` reaches the
+  engines over ZeroMQ; the data path never goes through Ray. Scaling a deployment (`num_replicas`
+  in a `serve deploy`) adds or removes replicas from routing without restarting the others.
 
 Admission bounds are `user_config` on the Router deployment (`max_num_requests`,
 `max_pending_prompt_tokens`), so `serve deploy` of an edited value applies without a restart.
@@ -19,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import ray
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
@@ -27,7 +30,11 @@ from ray.serve import Application
 from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
 from services.backend import AdmissionLimits, GenerationBackend, LocalEngineBackend
+from services.mesh_backend import MeshBackend
+from services.mesh_replica import MeshReplica, base_worker_config, start_engine, start_shard
+from services.registry import registry_handle
 from services.router import Router
+from services.worker_config import WorkerConfig
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +56,23 @@ class EngineArgs(_Args):
     attention_backend: str = "auto"
 
 
+class MeshArgs(_Args):
+    """The mesh deployments (`topology: mesh`): KV sizes, batching, shard groups, sockets."""
+
+    shards_per_group: int = Field(default=2, ge=0)  # shards per token engine; 0: local attention
+    num_blocks: int = Field(default=512, ge=1)  # each engine's own KV
+    shard_num_blocks: int = Field(default=1024, ge=1)  # each shard's KV (its heads only)
+    block_size: int = Field(default=16, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    layer_wise_min_tokens: int = Field(default=256, ge=1)
+    attention_backend: str = "auto"
+    num_threads: int = Field(default=1, ge=1)  # torch threads per replica
+    host: str | None = None  # where sockets bind; None: this node's IP as Ray knows it
+    shard_wait_s: float = Field(default=60.0, ge=0)  # a token engine waits this long for shards
+    drain_s: float = Field(default=20.0, ge=0)  # an engine finishes its requests this long
+
+
 class AppArgs(_Args):
     """The `args:` of a PhaseMesh application in a serve config."""
 
@@ -56,6 +80,7 @@ class AppArgs(_Args):
     served_model_name: str | None = None  # the `model` clients send; default: `model`'s name
     topology: Literal["local", "mesh"] = "local"
     engine: EngineArgs = Field(default_factory=EngineArgs)
+    mesh: MeshArgs = Field(default_factory=MeshArgs)
 
     def model_path(self) -> Path:
         return default_model_path(self.model) if self.model in PRESETS else Path(self.model)
@@ -76,7 +101,31 @@ def _make_backend(args: AppArgs) -> GenerationBackend:
             attention_backend=e.attention_backend,
         )
         return LocalEngineBackend(engine)
-    raise ValueError("topology 'mesh' needs the mesh deployments (issue 4); use 'local'")
+    registry = registry_handle(serve.get_replica_context().app_name)
+    return MeshBackend(
+        args.model_path(),
+        lambda: ray.get(registry.live.remote(), timeout=5),
+        host=_bind_host(args.mesh),
+        block_size=args.mesh.block_size,
+    )
+
+
+def _bind_host(mesh: MeshArgs) -> str:
+    return mesh.host or ray.util.get_node_ip_address()
+
+
+def _worker_config(args: AppArgs) -> WorkerConfig:
+    m = args.mesh
+    return base_worker_config(
+        str(args.model_path()), _bind_host(m), block_size=m.block_size, num_blocks=m.num_blocks,
+        max_num_batched_tokens=m.max_num_batched_tokens, max_num_seqs=m.max_num_seqs,
+        layer_wise_min_tokens=m.layer_wise_min_tokens, attention_backend=m.attention_backend,
+        num_threads=m.num_threads, shard_num_blocks=m.shard_num_blocks,
+    )  # fmt: skip
+
+
+def _service_id(kind: str) -> str:
+    return f"{kind}-{serve.get_replica_context().replica_id.unique_id}"
 
 
 @serve.deployment(name="Router", max_ongoing_requests=512, health_check_period_s=5)
@@ -84,7 +133,9 @@ def _make_backend(args: AppArgs) -> GenerationBackend:
 class RouterDeployment:
     """HTTP ingress: the OpenAI API of `services.router.Router` over the configured backend."""
 
-    def __init__(self, args: dict[str, Any]) -> None:
+    def __init__(self, args: dict[str, Any], *mesh_services: Any) -> None:
+        # `mesh_services`: handles of the mesh deployments, bound only so that they belong to this
+        # application; the router finds their replicas through the registry, not through Serve.
         self.args = AppArgs.model_validate(args)
         self.backend = _make_backend(self.args)
         self.router = Router(self.backend, self.args.model_path(), self.args.model_name())
@@ -96,22 +147,89 @@ class RouterDeployment:
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply `user_config` (admission bounds) in place, without restarting the replica."""
         limits = AdmissionLimits(**user_config)
-        if isinstance(self.backend, LocalEngineBackend):
+        if isinstance(self.backend, LocalEngineBackend | MeshBackend):
             self.backend.limits = limits
         log.info("admission limits", **user_config)
 
     def check_health(self) -> None:
-        if not self.backend.ready():
+        # NOTE: the mesh router's own threads, not the engines': engines that are still starting
+        # make /health say 503, but must not get the router restarted.
+        ok = self.backend.alive() if isinstance(self.backend, MeshBackend) else self.backend.ready()
+        if not ok:
             raise RuntimeError("the generation backend is not ready")
 
     def __del__(self) -> None:
-        if isinstance(self.backend, LocalEngineBackend):
+        if isinstance(self.backend, LocalEngineBackend | MeshBackend):
             self.backend.shutdown()
+
+
+class _MeshService:
+    """A mesh replica (engine or shard) under Serve: start, health, drain on shutdown."""
+
+    kind = ""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        parsed = AppArgs.model_validate(args)
+        self.drain_s = parsed.mesh.drain_s
+        registry = registry_handle(serve.get_replica_context().app_name)
+        base, mesh = _worker_config(parsed), parsed.mesh
+        if self.kind == "shard":
+            self.replica: MeshReplica = start_shard(
+                _service_id(self.kind), registry, base, mesh.shards_per_group
+            )
+        else:
+            self.replica = start_engine(
+                self.kind, _service_id(self.kind), registry, base, mesh.shards_per_group,
+                mesh.shard_wait_s,
+            )  # fmt: skip
+
+    def check_health(self) -> None:
+        self.replica.check_health()
+
+    def __del__(self) -> None:
+        replica = getattr(self, "replica", None)  # absent if the constructor failed
+        if replica is not None:
+            replica.shutdown(self.drain_s)
+
+
+# Work reaches these over ZeroMQ, not through Serve: Serve's graceful shutdown sees them idle, so
+# they drain their own requests in `__del__` within `graceful_shutdown_timeout_s`.
+_MESH_OPTIONS: dict[str, Any] = dict(
+    health_check_period_s=2, health_check_timeout_s=10, graceful_shutdown_timeout_s=30
+)
+
+
+@serve.deployment(name="PromptEngine", ray_actor_options={"num_cpus": 0.5}, **_MESH_OPTIONS)
+class PromptEngineDeployment(_MeshService):
+    """Prefill (Splitwise's prompt machine)."""
+
+    kind = "prompt"
+
+
+@serve.deployment(name="TokenEngine", ray_actor_options={"num_cpus": 0.5}, **_MESH_OPTIONS)
+class TokenEngineDeployment(_MeshService):
+    """Decode against a claimed shard group, or with local attention when none is free."""
+
+    kind = "token"
+
+
+@serve.deployment(name="AttentionShard", ray_actor_options={"num_cpus": 0.25}, **_MESH_OPTIONS)
+class AttentionShardDeployment(_MeshService):
+    """Paged KV and decode attention for a slice of KV heads (Lamina's memory devices)."""
+
+    kind = "shard"
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """The application builder: `import_path: services.app:build_app` in a serve config."""
     parsed = AppArgs.model_validate(args)  # fail at deploy time, before any replica starts
-    if parsed.topology != "local":
-        raise ValueError("topology 'mesh' needs the mesh deployments (issue 4); use 'local'")
-    return RouterDeployment.bind(parsed.model_dump())  # type: ignore[attr-defined]
+    bound = parsed.model_dump()
+    if parsed.topology == "local":
+        return RouterDeployment.bind(bound)  # type: ignore[attr-defined]
+    deployments: list[Any] = [
+        PromptEngineDeployment,
+        TokenEngineDeployment,
+        AttentionShardDeployment,
+    ]
+    mesh = [d.bind(bound) for d in deployments]
+    return RouterDeployment.bind(bound, *mesh)  # type: ignore[attr-defined]

@@ -3,8 +3,8 @@
 `LocalEngineBackend` runs one `LLMEngine` (a mixed prompt+token engine) on a background thread.
 The asyncio side only touches a command queue and per-request asyncio queues; the engine thread
 owns the engine. Admission is bounded (requests in flight, prompt tokens not yet prefilled) and
-refused with `Overloaded`, which the router turns into a 429. The mesh backend (prompt and token
-engines over ZeroMQ) implements the same protocol.
+refused with `Overloaded`, which the router turns into a 429. `services.mesh_backend.MeshBackend`
+(prompt and token engines over ZeroMQ) implements the same protocol and shares `check_admission`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -42,6 +42,10 @@ class BackendStats:
     num_engine_requests: int = 0  # inside the engine (waiting or running)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    # The mesh: requests placed on each engine (by service id) since the router started, and
+    # what each live service holds now ({service id: {role, kv_blocks_used, num_requests}}).
+    requests_by_engine: dict[str, int] = field(default_factory=dict)
+    services: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class GenerationBackend(Protocol):
@@ -75,6 +79,26 @@ class AdmissionLimits:
     def __post_init__(self) -> None:
         if self.max_num_requests < 1 or self.max_pending_prompt_tokens < 1:
             raise ValueError("admission limits must be >= 1")
+
+
+def check_admission(
+    limits: AdmissionLimits, num_requests: int, num_pending_prompt_tokens: int, num_tokens: int
+) -> None:
+    """Raise `Overloaded` if admitting a prompt of `num_tokens` would pass a bound."""
+    if num_requests >= limits.max_num_requests:
+        raise Overloaded(
+            "max_num_requests",
+            f"The server is busy: {num_requests} requests in flight "
+            f"(limit {limits.max_num_requests}). Please retry later.",
+        )
+    pending = num_pending_prompt_tokens
+    # A prompt larger than the whole bound is still admitted when nothing else is pending.
+    if pending and pending + num_tokens > limits.max_pending_prompt_tokens:
+        raise Overloaded(
+            "max_pending_prompt_tokens",
+            f"The server is busy: {pending} prompt tokens queued "
+            f"(limit {limits.max_pending_prompt_tokens}). Please retry later.",
+        )
 
 
 @dataclass
@@ -163,7 +187,9 @@ class LocalEngineBackend:
     def _admit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> _Stream:
         num_tokens = len(prompt_token_ids)
         with self._lock:
-            self._check_limits(num_tokens)
+            check_admission(
+                self.limits, len(self._streams), self._num_pending_prompt_tokens, num_tokens
+            )
             if req_id in self._streams:
                 raise ValueError(f"request id {req_id} is already in use")
             stream = _Stream(asyncio.get_running_loop(), num_prompt_tokens=num_tokens)
@@ -171,23 +197,6 @@ class LocalEngineBackend:
             self._num_pending_prompt_tokens += num_tokens
         self._commands.put(_Add(req_id, list(prompt_token_ids), params))
         return stream
-
-    def _check_limits(self, num_tokens: int) -> None:
-        limits = self.limits
-        if len(self._streams) >= limits.max_num_requests:
-            raise Overloaded(
-                "max_num_requests",
-                f"The server is busy: {len(self._streams)} requests in flight "
-                f"(limit {limits.max_num_requests}). Please retry later.",
-            )
-        pending = self._num_pending_prompt_tokens
-        # A prompt larger than the whole bound is still admitted when nothing else is pending.
-        if pending and pending + num_tokens > limits.max_pending_prompt_tokens:
-            raise Overloaded(
-                "max_pending_prompt_tokens",
-                f"The server is busy: {pending} prompt tokens queued "
-                f"(limit {limits.max_pending_prompt_tokens}). Please retry later.",
-            )
 
     def _release(self, req_id: str) -> bool:
         with self._lock:

@@ -1,0 +1,357 @@
+"""The router's backend for the disaggregated mesh: prompt and token engines over ZeroMQ.
+
+`MeshBackend` implements `GenerationBackend`. Per request it admits (bounds -> `Overloaded`, a
+429), places (JSQ: prompt and token engine together, `services.mesh_placement`), sends one
+`GenerateRequest` to the prompt engine with `reply_to` = this router's PULL socket, and turns the
+`TokenOutput`s that come back into `RequestOutput`s: text, hold-back and stop strings are done here
+with `common.engine.request.Request` (the engines know token ids only). A stop-string hit, or a
+client that goes away, aborts the request at its prompt and token engine (the token engine frees
+the shards).
+
+Threads: an IO thread owns the PULL socket (token streams) and the SUB socket (every engine's load
+reports) and hands outputs to each request's asyncio queue with `call_soon_threadsafe`; a watch
+thread reads the registry every `refresh_s`, updates placement and the SUB connections, and fails
+the requests of an engine that left it (stopped heartbeating) with a clear error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import structlog
+import zmq
+
+from common.config import ModelConfig
+from common.engine.request import FinishReason, Request, RequestOutput
+from common.protocol import (
+    AbortRequest,
+    EngineCommand,
+    EngineStats,
+    GenerateRequest,
+    LoadReport,
+    SamplingSpec,
+    ServiceReply,
+    ShardAddress,
+    StatsRequest,
+    TokenOutput,
+)
+from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
+from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
+from services.backend import AdmissionLimits, BackendStats, Overloaded, check_admission
+from services.mesh_placement import NoEngines, Placement
+from services.registry import ServiceEntry
+
+log = structlog.get_logger(__name__)
+
+IO_POLL_MS = 100  # the IO thread wakes this often to apply subscription changes and notice close
+REFRESH_S = 0.5
+
+
+@dataclass
+class _Stream:
+    """One admitted request: where its outputs go and where it runs."""
+
+    loop: asyncio.AbstractEventLoop
+    num_prompt_tokens: int
+    outputs: asyncio.Queue[TokenOutput | Exception] = field(default_factory=asyncio.Queue)
+    prompt_engine: ServiceEntry | None = None
+    token_engine: ServiceEntry | None = None
+    first_token_out: bool = False
+
+
+class MeshBackend:
+    """`GenerationBackend` over the mesh; `list_services` returns the registry's live entries."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        list_services: Callable[[], list[ServiceEntry]],
+        host: str = "127.0.0.1",
+        block_size: int = 16,
+        limits: AdmissionLimits | None = None,
+        refresh_s: float = REFRESH_S,
+    ) -> None:
+        self.tokenizer = Tokenizer(model_path)
+        self.model_config = ModelConfig.from_folder(model_path)
+        self.list_services = list_services
+        self.limits = limits or AdmissionLimits()
+        self.refresh_s = refresh_s
+        self.placement = Placement(block_size)
+        self._lock = threading.Lock()  # guards _streams, the counters and _services
+        self._streams: dict[str, _Stream] = {}
+        self._num_pending_prompt_tokens = 0
+        self._requests_by_engine: Counter[str] = Counter()
+        self._services: list[ServiceEntry] = []
+        self._wanted_loads: frozenset[str] = frozenset()
+        self._closed = threading.Event()
+        self.ctx = zmq.Context()
+        pull, self.reply_endpoint = bind_random(self.ctx, zmq.PULL, host)
+        self._replies: TypedSocket[ServiceReply] = TypedSocket(pull, ServiceReply)
+        self._push: PushPool[EngineCommand] = PushPool(self.ctx, EngineCommand)
+        self._push_lock = threading.Lock()
+        self._refresh()
+        self._threads = [
+            threading.Thread(target=self._io_loop, name="mesh-io", daemon=True),
+            threading.Thread(target=self._watch_loop, name="mesh-watch", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- asyncio side ----
+
+    async def generate(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncGenerator[RequestOutput, None]:
+        stream = self._admit(req_id, prompt_token_ids, params)
+        request = Request(
+            req_id, list(prompt_token_ids), params, self.model_config.eos_token_ids,
+            self.model_config.max_position_embeddings,
+        )  # fmt: skip
+        engine_done = finished = False
+        try:
+            while not finished:
+                item = await stream.outputs.get()
+                if isinstance(item, Exception):
+                    engine_done = True  # its engine is gone or failed it: nothing to abort
+                    raise item
+                engine_done = bool(item.finish_reason)
+                for out in self._to_outputs(request, item):
+                    finished = out.finished
+                    yield out
+                    if finished:
+                        break
+        finally:
+            if not engine_done:
+                log.info("aborting request in the mesh", req_id=req_id, finished=finished)
+                self._send_aborts(stream, req_id)
+            self._release(req_id)
+
+    def abort(self, req_id: str) -> None:
+        """Stop a request at its prompt and token engine; outputs in flight are dropped."""
+        with self._lock:
+            stream = self._streams.get(req_id)
+        if stream is not None and self._release(req_id):
+            self._send_aborts(stream, req_id)
+
+    def stats(self) -> BackendStats:
+        """Router counters plus what every live service holds (KV blocks used anywhere)."""
+        with self._lock:
+            services = list(self._services)
+            num_requests, pending = len(self._streams), self._num_pending_prompt_tokens
+            by_engine = dict(self._requests_by_engine)
+        replies = query_stats([s.control_endpoint for s in services if s.control_endpoint])
+        return BackendStats(
+            num_requests=num_requests,
+            num_pending_prompt_tokens=pending,
+            num_engine_requests=sum(r.num_requests for r in replies),
+            kv_blocks_used=sum(r.kv_blocks_used for r in replies),
+            kv_blocks_total=sum(r.kv_blocks_total for r in replies),
+            requests_by_engine=by_engine,
+            services={
+                r.service_id: {
+                    "role": r.role,
+                    "kv_blocks_used": r.kv_blocks_used,
+                    "num_requests": r.num_requests,
+                }
+                for r in replies
+            },  # fmt: skip
+        )
+
+    def ready(self) -> bool:
+        """The router's threads run and there is a ready prompt and token engine."""
+        return self.alive() and self.placement.can_place()
+
+    def alive(self) -> bool:
+        """The router's own threads run (engines may still be starting)."""
+        return all(t.is_alive() for t in self._threads)
+
+    def shutdown(self) -> None:
+        self._closed.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        with self._push_lock:
+            self._push.close()
+        self.ctx.destroy(linger=0)
+
+    def _admit(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> _Stream:
+        num_tokens = len(prompt_ids)
+        with self._lock:
+            check_admission(self.limits, len(self._streams), self._num_pending_prompt_tokens,
+                            num_tokens)  # fmt: skip
+            if req_id in self._streams:
+                raise ValueError(f"request id {req_id} is already in use")
+            try:
+                prompt, token = self.placement.choose(num_tokens)
+            except NoEngines as exc:
+                raise Overloaded("no_engines", "No engine is ready. Please retry later.") from exc
+            stream = _Stream(asyncio.get_running_loop(), num_tokens, prompt_engine=prompt,
+                             token_engine=token)  # fmt: skip
+            self._streams[req_id] = stream
+            self._num_pending_prompt_tokens += num_tokens
+            self._requests_by_engine[prompt.service_id] += 1
+            self._requests_by_engine[token.service_id] += 1
+        msg = GenerateRequest(
+            req_id=req_id, prompt_token_ids=list(prompt_ids), sampling=to_spec(params),
+            reply_to=self.reply_endpoint, token_engine=token.command_endpoint,
+            token_kv_endpoint=token.kv_endpoint,
+            shards=[ShardAddress(kv, start, end) for kv, start, end in token.shards],
+        )  # fmt: skip
+        self._send(prompt.command_endpoint, msg)
+        return stream
+
+    def _to_outputs(self, request: Request, msg: TokenOutput) -> list[RequestOutput]:
+        """Detokenize an engine message; the engine's finish reason wins if ours differs."""
+        if msg.error or msg.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {msg.error or 'engine error'}")
+        outs: list[RequestOutput] = []
+        for token_id in msg.token_ids:
+            outs.append(request.append(token_id, self.tokenizer))
+            if outs[-1].finished:
+                return outs  # ours ended it (a stop string): later tokens are not sent
+        if msg.finish_reason:
+            outs.append(self._flush(request, msg.finish_reason))
+        return outs
+
+    def _flush(self, request: Request, reason: str) -> RequestOutput:
+        """The engine ended a request we did not: send the held-back text, end with its reason."""
+        text = self.tokenizer.decode(request.output_token_ids)
+        delta = text[request.num_emitted_chars :]
+        request.num_emitted_chars = len(text)
+        finish = FinishReason(reason) if reason in set(FinishReason) else FinishReason.ABORT
+        return RequestOutput(
+            request.req_id, [], delta, finish, len(request.prompt_token_ids),
+            len(request.output_token_ids),
+        )  # fmt: skip
+
+    def _send_aborts(self, stream: _Stream, req_id: str) -> None:
+        for engine in (stream.prompt_engine, stream.token_engine):
+            if engine is not None:
+                self._send(engine.command_endpoint, AbortRequest(req_id))
+
+    def _send(self, endpoint: str, msg: EngineCommand) -> None:
+        with self._push_lock:
+            self._push.get(endpoint).send(msg)
+
+    def _release(self, req_id: str) -> bool:
+        with self._lock:
+            stream = self._streams.pop(req_id, None)
+            if stream is not None and not stream.first_token_out:
+                self._num_pending_prompt_tokens -= stream.num_prompt_tokens
+        return stream is not None
+
+    # ---- IO thread: token streams and load reports ----
+
+    def _io_loop(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        loads: TypedSocket[LoadReport] = TypedSocket(sub, LoadReport)
+        connected: set[str] = set()
+        poller = zmq.Poller()
+        poller.register(self._replies.sock, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
+        while not self._closed.is_set():
+            connected = _resubscribe(sub, connected, self._wanted_loads)
+            poller.poll(IO_POLL_MS)
+            while (reply := self._replies.recv_nowait()) is not None:
+                if isinstance(reply[1], TokenOutput):
+                    self._deliver(reply[1].req_id, reply[1])
+            while (report := loads.recv_nowait()) is not None:
+                self.placement.on_load(report[1])
+        sub.close(linger=0)
+        self._replies.close()
+
+    def _deliver(self, req_id: str, item: TokenOutput | Exception) -> None:
+        with self._lock:
+            stream = self._streams.get(req_id)
+            if stream is None:
+                return  # finished or aborted: the client is gone
+            if isinstance(item, TokenOutput) and item.token_ids and not stream.first_token_out:
+                stream.first_token_out = True
+                self._num_pending_prompt_tokens -= stream.num_prompt_tokens
+        try:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+        except RuntimeError:
+            pass  # the request's event loop is closed: nobody is listening
+
+    # ---- watch thread: membership ----
+
+    def _watch_loop(self) -> None:
+        # NOTE: a timer (Event.wait), reading another process's state: the registry actor.
+        while not self._closed.wait(self.refresh_s):
+            self._refresh()
+
+    def _refresh(self) -> None:
+        try:
+            entries = self.list_services()
+        except Exception as exc:  # noqa: BLE001 - keep the last view; the registry may restart
+            log.warning("registry read failed", error=repr(exc))
+            return
+        self.placement.set_engines([e for e in entries if e.is_engine and e.state == "ready"])
+        self._wanted_loads = frozenset(e.load_endpoint for e in entries if e.load_endpoint)
+        with self._lock:
+            self._services = entries
+        self._fail_orphans({e.service_id for e in entries})
+
+    def _fail_orphans(self, live_ids: set[str]) -> None:
+        """Fail requests whose token engine, or whose prompt engine before its first token, left."""
+        with self._lock:
+            orphans = [
+                (req_id, dead.service_id)
+                for req_id, s in self._streams.items()
+                for dead in (s.token_engine, None if s.first_token_out else s.prompt_engine)
+                if dead is not None and dead.service_id not in live_ids
+            ]
+        for req_id, engine_id in orphans:
+            log.error("engine left mid-request", req_id=req_id, engine=engine_id)
+            self._deliver(req_id, RuntimeError(f"engine {engine_id} stopped responding"))
+
+
+def _resubscribe(sub: zmq.Socket, connected: set[str], wanted: frozenset[str]) -> set[str]:
+    """Connect the SUB socket to new engines' load endpoints and drop those that left."""
+    for endpoint in wanted - connected:
+        sub.connect(endpoint)
+    for endpoint in connected - wanted:
+        sub.disconnect(endpoint)
+    return set(wanted)
+
+
+def query_stats(endpoints: list[str], timeout_s: float = 2.0) -> list[EngineStats]:
+    """Ask every control endpoint at once for its `EngineStats`; silent ones are left out."""
+    ctx: zmq.Context = zmq.Context.instance()
+    sockets: list[TypedSocket[ServiceReply]] = []
+    for endpoint in endpoints:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        typed: TypedSocket[ServiceReply] = TypedSocket(sock, ServiceReply)
+        sock.send(msgspec.msgpack.encode(StatsRequest()))
+        sockets.append(typed)
+    deadline = time.monotonic() + timeout_s
+    replies: list[EngineStats] = []
+    for endpoint, typed in zip(endpoints, sockets, strict=True):
+        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        item = typed.recv_nowait() if typed.sock.poll(left_ms) else None
+        if item is not None and isinstance(item[1], EngineStats):
+            replies.append(item[1])
+        else:
+            log.warning("no stats from a service", endpoint=endpoint)
+        typed.close()
+    return replies
+
+
+def to_spec(p: SamplingParams) -> SamplingSpec:
+    """The engine's part of the sampling parameters (stop strings stay at the router)."""
+    return SamplingSpec(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        seed=p.seed, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+    )  # fmt: skip

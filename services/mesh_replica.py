@@ -1,0 +1,213 @@
+"""A mesh service inside a Ray Serve replica: its worker on a thread, its registry entry alive.
+
+`services/app.py` wraps these in deployments; nothing here imports `ray.serve`. A worker
+(`EngineWorker` or `ShardWorker`) is built *and* run on one background thread, because a UCX worker
+and ZeroMQ sockets must stay on the thread that made them. The replica then registers the
+worker's endpoints (`services.registry`) and heartbeats; `check_health` fails when the worker
+thread died or the heartbeat went stale, so Serve replaces the replica.
+
+Token engines claim a shard group from the registry before their worker starts (its UCX links are
+made in the constructor), waiting a bounded time for shards still starting. When every live shard
+is already claimed (say, the second token engine after scaling 1 -> 2 with 2 shards), the engine
+runs with local attention and says so in its log.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+import ray
+import structlog
+import torch
+
+from common.config import ModelConfig
+from services.registry import Membership, ServiceEntry
+from services.shard_worker import ShardWorker
+from services.worker import EngineWorker
+from services.worker_config import ShardLinkSpec, WorkerConfig
+
+log = structlog.get_logger(__name__)
+
+ALL_CLAIMED_SETTLE_S = 3.0  # every live shard claimed for this long: stop waiting for a group
+CLAIM_RETRY_S = 0.5
+DRAIN_POLL_S = 0.1
+
+Worker = EngineWorker | ShardWorker
+
+
+class WorkerThread:
+    """Builds a worker on its own thread and runs it there; the constructor waits for the build."""
+
+    def __init__(self, build: Callable[[], Worker], name: str, timeout_s: float = 600.0) -> None:
+        self._build = build
+        self._built = threading.Event()
+        self._error: BaseException | None = None
+        self.worker: Worker | None = None
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+        if not self._built.wait(timeout_s):
+            raise TimeoutError(f"{name}: worker not built in {timeout_s} s")
+        if self._error is not None:
+            raise RuntimeError(f"{name}: worker failed to start") from self._error
+
+    def _main(self) -> None:
+        try:
+            self.worker = self._build()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the constructor's thread
+            self._error = exc
+            return
+        finally:
+            self._built.set()
+        try:
+            self.worker.run()
+        except BaseException:
+            log.exception("worker loop died", thread=self.thread.name)
+            raise
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.worker is not None:
+            # NOTE: both loops check `running` at least every idle poll (0.2 s), then close.
+            self.worker.running = False
+        self.thread.join(timeout_s)
+
+
+class MeshReplica:
+    """One running mesh service (worker thread + registry membership)."""
+
+    def __init__(self, worker: WorkerThread, membership: Membership) -> None:
+        self.worker = worker
+        self.membership = membership
+
+    def check_health(self) -> None:
+        """Raise if the worker thread died or the registry has not heard from us lately."""
+        if not self.worker.alive():
+            raise RuntimeError(f"{self.membership.entry.service_id}: the worker thread died")
+        if not self.membership.healthy():
+            raise RuntimeError(f"{self.membership.entry.service_id}: registry heartbeat is stale")
+
+    def shutdown(self, drain_s: float = 20.0) -> None:
+        """Take no new requests, let engines finish theirs (bounded), then stop."""
+        worker = self.worker.worker
+        if isinstance(worker, EngineWorker):
+            try:
+                self.membership.update(state="draining")
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway
+                log.warning("could not mark draining", error=repr(exc))
+            deadline = time.monotonic() + drain_s
+            # NOTE: bounded wait at shutdown; the engine loop owns the state, we only read a size.
+            while worker.engine.requests and time.monotonic() < deadline:
+                time.sleep(DRAIN_POLL_S)
+        self.membership.stop()
+        self.worker.stop()
+        log.info("mesh replica stopped", service_id=self.membership.entry.service_id)
+
+
+def start_engine(
+    kind: str,
+    service_id: str,
+    registry: Any,
+    base: WorkerConfig,
+    shards_per_group: int,
+    shard_wait_s: float,
+) -> MeshReplica:
+    """A prompt or token engine: claim shards (token), start the worker, register as ready."""
+    torch.set_num_threads(base.num_threads)
+    group: list[ServiceEntry] = []
+    if kind == "token":
+        group = claim_shard_group(registry, service_id, shards_per_group, shard_wait_s)
+    if kind == "token" and not group:
+        log.warning("no free shard group: this token engine decodes with local attention",
+                    service_id=service_id)  # fmt: skip
+    links = [ShardLinkSpec(s.link_address, s.kv_endpoint, s.head_start, s.head_end) for s in group]
+    cfg = replace_cfg(base, service="engine", service_id=service_id, role=kind, shards=links)
+    thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
+    assert isinstance(thread.worker, EngineWorker)
+    ready = thread.worker.ready()
+    entry = ServiceEntry(
+        kind=kind, service_id=service_id, role=kind, state="ready",
+        command_endpoint=ready.command_endpoint, kv_endpoint=ready.kv_endpoint,
+        control_endpoint=ready.control_endpoint, load_endpoint=ready.load_endpoint,
+        shards=tuple((s.kv_endpoint, s.head_start, s.head_end) for s in group),
+    )  # fmt: skip
+    membership = Membership(registry, entry, alive=thread.alive)
+    membership.update()
+    membership.start()
+    log.info("engine replica ready", service_id=service_id, role=kind, num_shards=len(group))
+    return MeshReplica(thread, membership)
+
+
+def start_shard(
+    service_id: str, registry: Any, base: WorkerConfig, shards_per_group: int
+) -> MeshReplica:
+    """An attention shard: take a head-range slot, start the worker, register as ready."""
+    torch.set_num_threads(base.num_threads)
+    num_slots = max(shards_per_group, 1)
+    num_kv_heads = ModelConfig.from_folder(base.model_path).num_key_value_heads
+    if num_kv_heads % num_slots:
+        raise ValueError(f"{num_kv_heads} KV heads do not split over {num_slots} shards")
+    entry = ServiceEntry(kind="shard", service_id=service_id, role="shard")
+    slot = int(ray.get(registry.take_shard_slot.remote(entry, num_slots), timeout=30))
+    membership = Membership(registry, replace(entry, slot=slot))
+    membership.start()  # holds the slot while the shard allocates its KV
+    width = num_kv_heads // num_slots
+    head_start, head_end = slot * width, (slot + 1) * width
+    cfg = replace_cfg(
+        base, service="shard", service_id=service_id, role="shard",
+        num_blocks=base.shard_num_blocks, head_start=head_start, head_end=head_end,
+    )  # fmt: skip
+    thread = WorkerThread(lambda: ShardWorker(cfg), name=f"{service_id}-loop")
+    assert isinstance(thread.worker, ShardWorker)
+    ready = thread.worker.ready()
+    membership.alive = thread.alive
+    membership.update(
+        state="ready", kv_endpoint=ready.kv_endpoint, control_endpoint=ready.control_endpoint,
+        link_address=ready.link_address, head_start=head_start, head_end=head_end,
+    )  # fmt: skip
+    log.info("shard replica ready", service_id=service_id, heads=(head_start, head_end))
+    return MeshReplica(thread, membership)
+
+
+def claim_shard_group(
+    registry: Any, token_id: str, num_slots: int, wait_s: float
+) -> list[ServiceEntry]:
+    """A full shard group for `token_id`, or [] (local attention) if none frees up in time."""
+    if num_slots == 0:
+        return []
+    deadline = time.monotonic() + wait_s
+    all_claimed_since: float | None = None
+    while time.monotonic() < deadline:
+        group = ray.get(registry.claim_group.remote(token_id, num_slots), timeout=30)
+        if group:
+            return list(group)
+        num_live, num_unclaimed = ray.get(registry.shard_census.remote(), timeout=30)
+        now = time.monotonic()
+        if num_live and not num_unclaimed:
+            all_claimed_since = all_claimed_since or now
+            if now - all_claimed_since >= ALL_CLAIMED_SETTLE_S:
+                break
+        else:
+            all_claimed_since = None
+        # NOTE: waiting on other replicas' start-up (bounded by wait_s); nothing to block on.
+        time.sleep(CLAIM_RETRY_S)
+    return []
+
+
+def replace_cfg(base: WorkerConfig, **changes: object) -> WorkerConfig:
+    return msgspec.structs.replace(base, **changes)
+
+
+def base_worker_config(model_path: str, host: str, **knobs: object) -> WorkerConfig:
+    """The settings every mesh worker of an application shares."""
+    return WorkerConfig(
+        service="engine", service_id="", model_path=model_path, ready_endpoint="",
+        parent_pid=os.getpid(), host=host, **knobs,  # type: ignore[arg-type]
+    )  # fmt: skip

@@ -1,0 +1,211 @@
+"""Discovery for the mesh on Ray: who is up, where its sockets are, and which shards are whose.
+
+Each engine and shard replica registers a `ServiceEntry` (its ZeroMQ endpoints, UCX link address,
+KV heads) in a `Registry` and heartbeats about once a second; an entry that misses heartbeats for
+`max_age_s` is gone. Routers read `live()` and route only to `ready` entries, so replicas added by
+scaling join routing and dead ones leave it, with nothing restarted.
+
+Shard groups. A shard takes a head-range *slot* when it starts (the slot with the fewest live
+shards, so 2 shards of a 2-slot group take slots 0 and 1). A token engine claims one ready,
+unclaimed shard per slot, atomically; claims last as long as the shard, because a `ShardWorker`
+serves one token engine for its whole life.
+
+`Registry` is a plain class (unit-testable, injected clock); on Ray it runs as a named detached
+actor, one per Serve application (`registry_handle`), created by whichever replica comes first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+import structlog
+
+log = structlog.get_logger(__name__)
+
+REGISTRY_NAMESPACE = "phasemesh"
+HEARTBEAT_INTERVAL_S = 1.0
+MAX_HEARTBEAT_AGE_S = 5.0
+
+
+@dataclass(frozen=True)
+class ServiceEntry:
+    """One replica as the registry knows it. `kind`: prompt | token | shard (its deployment).
+
+    `state`: starting (not routable; a shard holding its slot), ready, or draining (finishes what
+    it has, takes nothing new). Token engines list their shard group in `shards` as
+    `(kv_endpoint, head_start, head_end)`; empty means local attention.
+    """
+
+    kind: str
+    service_id: str
+    role: str = ""
+    state: str = "starting"
+    command_endpoint: str = ""
+    kv_endpoint: str = ""
+    control_endpoint: str = ""
+    load_endpoint: str = ""
+    link_address: str = ""
+    head_start: int = 0
+    head_end: int = 0
+    slot: int = -1  # shards: which head range of a group
+    shards: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def is_engine(self) -> bool:
+        return self.kind in ("prompt", "token")
+
+
+class Registry:
+    """Entries with heartbeat times, head-range slots and shard claims; see the module docstring."""
+
+    def __init__(
+        self, max_age_s: float = MAX_HEARTBEAT_AGE_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self.entries: dict[str, ServiceEntry] = {}
+        self.last_seen: dict[str, float] = {}
+        self.claimed_by: dict[str, str] = {}  # shard id -> token engine id
+
+    def register(self, entry: ServiceEntry) -> None:
+        """Add or replace an entry (a replica re-registers when its state changes)."""
+        self.entries[entry.service_id] = entry
+        self.last_seen[entry.service_id] = self.clock()
+
+    def heartbeat(self, service_id: str) -> bool:
+        """Refresh an entry; False if the registry does not know it (expired, or a new registry)."""
+        self._expire()
+        if service_id not in self.entries:
+            return False
+        self.last_seen[service_id] = self.clock()
+        return True
+
+    def unregister(self, service_id: str) -> None:
+        self.entries.pop(service_id, None)
+        self.last_seen.pop(service_id, None)
+        self.claimed_by.pop(service_id, None)
+
+    def live(self) -> list[ServiceEntry]:
+        """Every entry heard from within `max_age_s`, in registration order."""
+        self._expire()
+        return list(self.entries.values())
+
+    def take_shard_slot(self, entry: ServiceEntry, num_slots: int) -> int:
+        """Register a starting shard in the slot with the fewest live shards; return the slot."""
+        self._expire()
+        counts = [0] * num_slots
+        for other in self.entries.values():
+            if other.kind == "shard" and 0 <= other.slot < num_slots:
+                counts[other.slot] += 1
+        slot = min(range(num_slots), key=lambda s: (counts[s], s))
+        self.register(replace(entry, slot=slot))
+        return slot
+
+    def claim_group(self, token_id: str, num_slots: int) -> list[ServiceEntry] | None:
+        """One ready unclaimed shard per slot, claimed for `token_id`; None if no full group."""
+        self._expire()
+        group: list[ServiceEntry] = []
+        for slot in range(num_slots):
+            free = [e for e in self._shards() if e.slot == slot and self._claimable(e)]
+            if not free:
+                return None
+            group.append(free[0])
+        for shard in group:
+            self.claimed_by[shard.service_id] = token_id
+        return group
+
+    def shard_census(self) -> tuple[int, int]:
+        """(live shards, live shards no token engine has claimed), starting ones included."""
+        self._expire()
+        shards = self._shards()
+        return len(shards), sum(e.service_id not in self.claimed_by for e in shards)
+
+    def _shards(self) -> list[ServiceEntry]:
+        return [e for e in self.entries.values() if e.kind == "shard"]
+
+    def _claimable(self, shard: ServiceEntry) -> bool:
+        return shard.state == "ready" and shard.service_id not in self.claimed_by
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for service_id, seen in list(self.last_seen.items()):
+            if now - seen > self.max_age_s:
+                log.warning("replica stopped heartbeating", service_id=service_id)
+                self.unregister(service_id)
+
+
+def registry_handle(app_name: str) -> Any:
+    """This application's registry actor, created on first use (no CPU: it only keeps a dict)."""
+    actor = ray.remote(num_cpus=0, max_restarts=-1)(Registry)
+    return actor.options(  # type: ignore[attr-defined]
+        name=f"registry-{app_name}",
+        namespace=REGISTRY_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+    ).remote()
+
+
+class Membership:
+    """This replica's registry entry, kept fresh by a heartbeat thread.
+
+    The thread re-registers if the registry forgot the entry (a restarted registry actor), and
+    stops heartbeating once `alive()` turns False, so routers drop a replica whose worker died.
+    """
+
+    def __init__(
+        self,
+        registry: Any,
+        entry: ServiceEntry,
+        alive: Callable[[], bool] = lambda: True,
+        interval_s: float = HEARTBEAT_INTERVAL_S,
+    ) -> None:
+        self.registry = registry
+        self.entry = entry
+        self.alive = alive
+        self.interval_s = interval_s
+        self.last_ok = time.monotonic()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def update(self, **changes: Any) -> None:
+        """Change this replica's entry (state, endpoints) and publish it now."""
+        self.entry = replace(self.entry, **changes)
+        ray.get(self.registry.register.remote(self.entry), timeout=30)
+        self.last_ok = time.monotonic()
+
+    def healthy(self) -> bool:
+        return time.monotonic() - self.last_ok < MAX_HEARTBEAT_AGE_S
+
+    def stop(self, unregister: bool = True) -> None:
+        self._stopped.set()
+        if unregister:
+            try:
+                ray.get(self.registry.unregister.remote(self.entry.service_id), timeout=5)
+            except Exception as exc:  # noqa: BLE001 - shutting down; the entry expires anyway
+                log.warning("unregister failed", error=repr(exc))
+
+    def _beat(self) -> None:
+        # NOTE: a timer thread (Event.wait), not a poll of shared state: it only talks to Ray.
+        while not self._stopped.wait(self.interval_s):
+            if not self.alive():
+                log.error("worker is dead; leaving the registry", service_id=self.entry.service_id)
+                self.stop()
+                return
+            try:
+                self._beat_once()
+            except Exception as exc:  # noqa: BLE001 - keep trying; health checks see staleness
+                log.warning("heartbeat failed", error=repr(exc))
+
+    def _beat_once(self) -> None:
+        known = ray.get(self.registry.heartbeat.remote(self.entry.service_id), timeout=5)
+        if not known:
+            ray.get(self.registry.register.remote(self.entry), timeout=5)
+        self.last_ok = time.monotonic()
