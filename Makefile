@@ -21,7 +21,9 @@ install: $(STAMP)
 # Builds the C++ paged decode-attention kernel (csrc/). The engine falls back to the pure-torch
 # reference, and says so once, when the build is unavailable.
 kernel:
-	@true
+	$(BIN)/pip install -q nanobind scikit-build-core
+	# NOTE: no build isolation: the kernel needs no torch, and an isolated build would fetch one.
+	$(BIN)/pip install -q --no-build-isolation ./csrc
 
 model: install
 	$(BIN)/python -m common.model.default

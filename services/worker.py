@@ -7,6 +7,7 @@ block in `zmq.Poller.poll` / UCX's event fd while idle and never sleep-poll.
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 import threading
 import time
@@ -144,6 +145,7 @@ def _engine_config(cfg: WorkerConfig) -> EngineConfig:
 
 
 def main() -> None:
+    faulthandler.enable()  # a crash in native code (UCX, the kernel) still leaves a stack
     cfg = msgspec.json.decode(sys.argv[1], type=WorkerConfig)
     torch.set_num_threads(cfg.num_threads)
     if cfg.service == "shard":

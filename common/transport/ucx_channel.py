@@ -74,6 +74,7 @@ MAX_ENVELOPE_BYTES = 64 * 1024
 _PREFIX = struct.Struct("<II")  # envelope length, 1 if the tensors are inline
 _ALIGN = 64
 _HELLO_BYTES = 8
+_HELLO_TIMEOUT_S = 30.0
 _KIND_ENVELOPE, _KIND_DATA = 0, 1
 # Upper bound on one epoll sleep, so that a deadline is noticed even if no event comes.
 _MAX_EPOLL_MS = 100
@@ -266,8 +267,9 @@ class UcxListener:
         conn_request = self._conn_requests.pop(0)
         endpoint = self._listener.create_endpoint_from_conn_request(conn_request, True)
         hello = np.empty(_HELLO_BYTES, dtype=np.uint8)
-        left = None if deadline is None else deadline - time.monotonic()
-        self._worker.wait([endpoint.stream_recv(Array(hello))], left)
+        # NOTE: once a peer is connecting, finish the handshake whatever `timeout` was: giving up
+        # here would drop the endpoint and reset the peer's connection under its feet.
+        self._worker.wait([endpoint.stream_recv(Array(hello))], _HELLO_TIMEOUT_S)
         channel_id = int.from_bytes(hello.tobytes(), "little")
         return UcxTensorChannel(self._worker, endpoint, channel_id, is_server=True,
                                 header_type=self._header_type)  # fmt: skip

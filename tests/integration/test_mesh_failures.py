@@ -13,9 +13,7 @@ from tests.integration.mesh_helpers import assert_no_kv_held
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model_path):
-    mesh = Mesh.start(
-        Topology(str(tiny_model_path), num_shards=2, layer_wise_min_tokens=64, attention_backend="torch")
-    )
+    mesh = Mesh.start(Topology(str(tiny_model_path), num_shards=2, layer_wise_min_tokens=64))
     yield mesh
     mesh.close()
 
