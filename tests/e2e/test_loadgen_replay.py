@@ -1,0 +1,331 @@
+"""The load generator against the real server: `python -m loadgen replay` on `serve run`.
+
+One `serve run deploy/local.yaml` for the module (Ray start-up is the slow part), started the way
+`tests/e2e/serve_process.py` starts it, so whatever topology local.yaml names is what is tested.
+The first test replays the first 60 s of the Azure conversation trace, scaled to the tiny model;
+the last one SIGKILLs that same server halfway through a replay, so it must stay last.
+
+The expected requests come from this file's own reader of the trace (the `csv` module and exact
+decimal timestamps), not from `loadgen.traces`, so the report is checked against the trace itself.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loadgen.traces import shared_dir
+from tests.e2e import serve_process
+from tests.e2e.serve_process import REPO, ServeRun
+
+pytestmark = pytest.mark.timeout(600)
+
+TRACE = shared_dir() / "traces" / "AzureLLMInferenceTrace_conv.csv"
+WINDOW_S = 60
+TOKEN_SCALE = Fraction(1, 16)  # prompts up to ~4.1 K tokens become <= 257: fits a 4096 context
+TIME_SCALE = Fraction(1, 4)  # the 60 s window arrives in 15 s: a few seconds of queueing on 2 CPUs
+READ_TIMEOUT_S = 20  # a stalled stream fails after this long instead of hanging the replay
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One row of the trace window, lengths already scaled as the replay should send them."""
+
+    arrival_s: Fraction  # from the trace's first row, in trace time (exact)
+    input_len: int
+    output_len: int
+
+
+def stamp_seconds(stamp: str) -> Fraction:
+    """`2023-11-16 18:15:46.6805900` as exact epoch seconds (all 7 fractional digits kept)."""
+    whole, _, fraction = stamp.strip().partition(".")
+    moment = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
+    return int(moment.timestamp()) + Fraction("0." + (fraction or "0"))
+
+
+def scaled(num_tokens: int) -> int:
+    """The documented `--token-scale` rule: rounded to nearest, never below 1."""
+    return max(1, round(num_tokens * TOKEN_SCALE))
+
+
+def read_window(path: Path, window_s: int) -> list[TraceRequest]:
+    """Rows of an Azure CSV whose arrival is in `[0, window_s)` of the first row, in file order."""
+    requests = []
+    with open(path, newline="") as f:
+        rows = csv.DictReader(f)
+        origin: Fraction | None = None
+        for row in rows:
+            stamp = stamp_seconds(row["TIMESTAMP"])
+            origin = stamp if origin is None else origin
+            if 0 <= stamp - origin < window_s:
+                inputs, outputs = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+                requests.append(TraceRequest(stamp - origin, scaled(inputs), scaled(outputs)))
+    return requests
+
+
+@pytest.fixture(scope="module")
+def window() -> list[TraceRequest]:
+    if not TRACE.exists():
+        pytest.skip(f"trace not found: {TRACE} (set PHASEMESH_SHARED)")
+    return read_window(TRACE, WINDOW_S)
+
+
+# ---- the server, in a process group of its own so that it can be SIGKILLed as a whole ----
+
+
+class _RecordingPopen:
+    """`subprocess.Popen` that puts the child in a new session (its own process group) and keeps
+    it, so the test can kill `serve run` and everything it started without killing pytest."""
+
+    def __init__(self) -> None:
+        self.real_popen = subprocess.Popen
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        proc = self.real_popen(*args, start_new_session=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+
+@dataclass
+class Server:
+    """The module's `serve run`, its process, and what its model accepts."""
+
+    run: ServeRun
+    proc: subprocess.Popen[bytes]
+    vocab_size: int
+    max_model_len: int
+
+
+def model_limits(config: dict[str, Any]) -> tuple[int, int]:
+    """(vocab size, context length) of the model the serve config names (a preset or a folder)."""
+    from common.model.default import PRESETS, default_model_path
+
+    model = config["applications"][0]["args"].get("model", "tiny")
+    folder = default_model_path(model) if model in PRESETS else Path(model)
+    hf = json.loads((folder / "config.json").read_text())
+    return int(hf["vocab_size"]), int(hf["max_position_embeddings"])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    run = ServeRun(REPO / "deploy" / "local.yaml", tmp_path_factory.mktemp("serve"))
+    popen = _RecordingPopen()
+    try:
+        # NOTE: ServeRun starts `serve run` in pytest's own process group; a new session is the
+        # only way to SIGKILL its group. Patched for the start call only.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(serve_process.subprocess, "Popen", popen)
+            run.start()
+        [proc] = popen.procs
+        yield Server(run, proc, *model_limits(run.config))
+    finally:
+        run.stop()
+
+
+def kill_process_tree(root: subprocess.Popen[bytes]) -> None:
+    """SIGKILL `root`'s process group, then any descendant that moved to a group of its own (Ray
+    puts each worker, the HTTP proxy and the replicas included, in its own group)."""
+    descendants = descendant_pids(root.pid)
+    os.killpg(root.pid, signal.SIGKILL)
+    for pid in descendants:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it was in the group, or exited on its own
+    root.wait(30)
+
+
+def descendant_pids(root_pid: int) -> list[int]:
+    """Every process below `root_pid`, read from /proc (parent pid is field 4 of /proc/PID/stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue  # /proc/self, /proc/meminfo, ...
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it exited while we looked
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name may hold spaces
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root_pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def require_healthy(server: Server) -> None:
+    response = httpx.get(server.run.base_url + "/health", timeout=10)
+    assert response.status_code == 200, "the server is down (the kill test must run last)"
+
+
+# ---- running the load generator ----
+
+
+def replay_command(server: Server, out_dir: Path) -> list[str]:
+    """`python -m loadgen replay` of the scaled 60 s window against `server`, results in out_dir."""
+    return [
+        sys.executable, "-m", "loadgen", "replay",
+        "--trace", str(TRACE), "--url", server.run.base_url,
+        "--duration", str(WINDOW_S), "--time-scale", str(TIME_SCALE),
+        "--token-scale", str(TOKEN_SCALE), "--vocab-size", str(server.vocab_size),
+        "--read-timeout", str(READ_TIMEOUT_S), "--out", str(out_dir),
+        "--no-plots", "--disable-tqdm",
+    ]  # fmt: skip
+
+
+def loadgen_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+@dataclass
+class ReplayOutput:
+    """What one `loadgen replay` process left: its output, results.json and requests.jsonl."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+
+    @classmethod
+    def of(
+        cls, proc: subprocess.Popen[str], stdout: str, stderr: str, out_dir: Path
+    ) -> ReplayOutput:
+        assert proc.returncode == 0, f"loadgen exited {proc.returncode}:\n{stdout}\n{stderr}"
+        summary = json.loads((out_dir / "results.json").read_text())
+        assert json.loads(stdout.strip().splitlines()[-1]) == summary  # the last line is the JSON
+        lines = (out_dir / "requests.jsonl").read_text().splitlines()
+        records = sorted((json.loads(line) for line in lines), key=lambda r: r["req_index"])
+        return cls(proc.returncode, stdout, stderr, summary, records)
+
+
+def run_replay(
+    command: list[str], out_dir: Path, timeout_s: float, during: Callable[[], None] | None = None
+) -> ReplayOutput:
+    """Run the replay to its end (at most `timeout_s`), calling `during()` while it runs."""
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=loadgen_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        if during is not None:
+            during()
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"loadgen replay still running after {timeout_s}s:\n{stdout}\n{stderr}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(stdout)  # the terminal summary, for `pytest -rP`
+    return ReplayOutput.of(proc, stdout, stderr, out_dir)
+
+
+def schedule_span_s(window: list[TraceRequest]) -> float:
+    return float(max(r.arrival_s for r in window) * TIME_SCALE)
+
+
+def check_completed_records(records: list[dict[str, Any]], window: list[TraceRequest]) -> None:
+    """Each request was sent as the trace says, and each completed one streamed exactly its
+    requested output: by the server's usage and by the token chunks it sent (one per token)."""
+    assert [r["req_index"] for r in records] == list(range(len(window)))
+    for record, expected in zip(records, window, strict=True):
+        assert (record["input_len"], record["output_len"]) == (
+            expected.input_len,
+            expected.output_len,
+        )
+        assert record["scheduled_s"] == pytest.approx(float(expected.arrival_s * TIME_SCALE))
+        if record["error"] is None:
+            assert record["prompt_tokens"] == expected.input_len, record
+            assert record["output_tokens"] == expected.output_len, record
+            assert len(record["itl_s"]) + 1 == expected.output_len, record
+
+
+# ---- the tests ----
+
+
+def test_replay_60s_of_azure_conversations(
+    window: list[TraceRequest], server: Server, tmp_path: Path
+) -> None:
+    require_healthy(server)
+    assert max(r.input_len + r.output_len for r in window) <= server.max_model_len
+    timeout_s = schedule_span_s(window) + 120  # open loop: the schedule, then the queue drains
+    result = run_replay(replay_command(server, tmp_path), tmp_path, timeout_s)
+
+    summary = result.summary
+    assert summary["num_requests"] == len(window) > 0
+    assert (summary["completed"], summary["failed"], summary["errors"]) == (len(window), 0, {})
+    assert summary["total_input_tokens"] == sum(r.input_len for r in window)
+    assert summary["total_output_tokens"] == sum(r.output_len for r in window)
+    check_completed_records(result.records, window)
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def summary_value(stdout: str, label: str) -> str:
+    """The value printed after `label` in the terminal summary."""
+    [line] = [line for line in stdout.splitlines() if line.startswith(label)]
+    return line[len(label) :].strip()
+
+
+def wait_for_requests_in_flight(base_url: str, timeout_s: float) -> None:
+    """Until the server's `/stats` shows the replay's requests arriving."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(base_url + "/stats", timeout=5).json()["num_requests"] > 0:
+            return
+        time.sleep(0.05)  # polling another process's counters: nothing to block on
+    pytest.fail(f"no request reached the server within {timeout_s}s")
+
+
+def test_server_killed_mid_replay_ends_with_an_error_report(
+    window: list[TraceRequest], server: Server, tmp_path: Path
+) -> None:
+    """Runs last: it kills the module's server."""
+    require_healthy(server)
+    span_s = schedule_span_s(window)
+
+    def kill_halfway() -> None:
+        wait_for_requests_in_flight(server.run.base_url, timeout_s=span_s)
+        # Open loop: the second half of the schedule is sent after the kill whatever the server's
+        # speed, so some requests must fail; those in flight are cut mid-stream.
+        time.sleep(span_s / 2)
+        kill_process_tree(server.proc)
+
+    # Bounded: the rest of the schedule, then at most one read timeout for a stalled stream.
+    timeout_s = span_s + READ_TIMEOUT_S + 60
+    result = run_replay(replay_command(server, tmp_path), tmp_path, timeout_s, kill_halfway)
+
+    assert "Traceback" not in result.stdout + result.stderr
+    summary = result.summary
+    assert summary["num_requests"] == len(window)  # every request of the schedule was sent
+    assert summary["failed"] > 0
+    assert summary["completed"] + summary["failed"] == len(window)
+    assert sum(summary["errors"].values()) == summary["failed"]
+    failed_records = [r for r in result.records if r["error"] is not None]
+    assert len(failed_records) == summary["failed"]
+    check_completed_records(result.records, window)
+    completed_failed = f"{summary['completed']} / {summary['failed']}"
+    assert summary_value(result.stdout, "Requests (completed / failed):") == completed_failed
+    for kind, count in summary["errors"].items():
+        assert summary_value(result.stdout, f"Errors {kind}:") == str(count)
