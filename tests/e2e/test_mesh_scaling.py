@@ -1,0 +1,198 @@
+"""Scaling the mesh on a running application: TokenEngine 1 -> 2 replicas with `serve deploy`.
+
+A Ray cluster with the dashboard is started in this process (`serve deploy` talks to the dashboard's
+REST API), `deploy/local.yaml` is deployed on a free port, and client threads stream requests the
+whole time. Re-deploying the YAML with `TokenEngine.num_replicas: 2` must bring a second token
+engine into routing (it receives requests: the router's per-engine counter in `/stats`) without a
+single failed request: every stream answers 200, the exact number of tokens, usage and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.serve_process import REPO, SERVE_CLI, free_port
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # pydantic v1-style fields in Ray
+]
+
+NUM_TOKENS = 8
+NUM_CLIENTS = 2
+
+
+class Cluster:
+    """A local Ray with its dashboard, owned by this test process."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.dashboard_port = free_port()
+        self.http_port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+
+    def start(self) -> None:
+        # Workers (replicas) inherit this environment from the raylet ray.init starts.
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+        )
+        # NOTE: Ray 2.60's default for clusters it starts, said explicitly; Ray reads it when it is
+        # imported, so this module imports Ray only here.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        import ray
+
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
+            dashboard_port=self.dashboard_port, log_to_driver=False,
+        )  # fmt: skip
+
+    def deploy(self, num_token_engines: int) -> None:
+        """`serve deploy` deploy/local.yaml on our port with this many token engines."""
+        config = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
+        config["http_options"]["port"] = self.http_port
+        [app] = config["applications"]
+        for deployment in app["deployments"]:
+            if deployment["name"] == "TokenEngine":
+                deployment["num_replicas"] = num_token_engines
+        path = self.workdir / f"local-{num_token_engines}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        address = f"http://127.0.0.1:{self.dashboard_port}"
+        subprocess.run(
+            [str(SERVE_CLI), "deploy", str(path), "-a", address], check=True, cwd=REPO,
+            env=os.environ | {"RAY_ADDRESS": ""}, timeout=120,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def token_engine_replicas() -> dict[str, int]:
+    from ray import serve
+
+    app = serve.status().applications.get("phasemesh")
+    if app is None or "TokenEngine" not in app.deployments:
+        return {}
+    return dict(app.deployments["TokenEngine"].replica_states)
+
+
+def wait_for(what: str, check: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(0.5)  # NOTE: waiting on other processes' start-up; nothing to block on
+    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(base_url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stats(base_url: str) -> dict[str, Any]:
+    return httpx.get(base_url + "/stats", timeout=10).json()
+
+
+def stream_once(http: httpx.Client, prompt: list[int]) -> None:
+    """One streamed completion; raises AssertionError unless it is complete and exact."""
+    body = {
+        "model": "tiny", "prompt": prompt, "max_tokens": NUM_TOKENS, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+    }  # fmt: skip
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        events = [line[len("data: ") :] for line in response.iter_lines() if line]
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), chunks
+    token_chunks = [c for c in chunks if c["choices"]]
+    assert len(token_chunks) == NUM_TOKENS, len(token_chunks)
+    assert token_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == NUM_TOKENS
+
+
+class Load:
+    """Client threads streaming requests back to back until stopped; counts what happened."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.stop = threading.Event()
+        self.num_ok = 0
+        self.failures: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(NUM_CLIENTS)]
+
+    def _run(self, client: int) -> None:
+        with httpx.Client(base_url=self.base_url, timeout=60) as http:
+            i = 0
+            while not self.stop.is_set():
+                try:
+                    stream_once(http, [10 + client, 20 + i % 50, 30, 40 + i % 7])
+                    self.num_ok += 1
+                except Exception as exc:  # noqa: BLE001 - every failure is reported
+                    self.failures.append(repr(exc))
+                i += 1
+
+    def __enter__(self) -> Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("scaling"))
+    cluster.start()
+    try:
+        cluster.deploy(num_token_engines=1)
+        wait_for("a healthy application", lambda: healthy(cluster.base_url), 240)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_scaling_token_engines_adds_a_replica_to_routing_without_failures(
+    cluster: Cluster,
+) -> None:
+    with Load(cluster.base_url) as load:
+        wait_for("requests flowing", lambda: load.num_ok >= 4 or load.failures, 60)
+        before = {e for e in stats(cluster.base_url)["requests_by_engine"] if e.startswith("token")}
+        assert len(before) == 1, before
+        cluster.deploy(num_token_engines=2)
+        wait_for("2 running token engines", lambda: token_engine_replicas() == {"RUNNING": 2}, 240)
+
+        def new_engine_served() -> bool:
+            counts = stats(cluster.base_url)["requests_by_engine"]
+            return any(
+                e.startswith("token") and e not in before and n >= 3 for e, n in counts.items()
+            )
+
+        wait_for("the new token engine to serve requests", new_engine_served, 60)
+    assert not load.failures, load.failures[:5]
+    assert load.num_ok >= 10
+    services = stats(cluster.base_url)["services"]
+    assert [s["role"] for s in services.values()].count("token") == 2
+    assert all(s["kv_blocks_used"] == 0 for s in services.values()), services
