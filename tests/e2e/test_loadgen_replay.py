@@ -38,6 +38,7 @@ TRACE = shared_dir() / "traces" / "AzureLLMInferenceTrace_conv.csv"
 WINDOW_S = 60
 TOKEN_SCALE = Fraction(1, 16)  # prompts up to ~4.1 K tokens become <= 257: fits a 4096 context
 TIME_SCALE = Fraction(1, 4)  # the 60 s window arrives in 15 s: a few seconds of queueing on 2 CPUs
+KILL_TIME_SCALE = Fraction(1, 8)  # the replay the server dies in: shorter, and more in flight
 READ_TIMEOUT_S = 20  # a stalled stream fails after this long instead of hanging the replay
 
 
@@ -178,12 +179,12 @@ def require_healthy(server: Server) -> None:
 # ---- running the load generator ----
 
 
-def replay_command(server: Server, out_dir: Path) -> list[str]:
+def replay_command(server: Server, out_dir: Path, time_scale: Fraction) -> list[str]:
     """`python -m loadgen replay` of the scaled 60 s window against `server`, results in out_dir."""
     return [
         sys.executable, "-m", "loadgen", "replay",
         "--trace", str(TRACE), "--url", server.run.base_url,
-        "--duration", str(WINDOW_S), "--time-scale", str(TIME_SCALE),
+        "--duration", str(WINDOW_S), "--time-scale", str(time_scale),
         "--token-scale", str(TOKEN_SCALE), "--vocab-size", str(server.vocab_size),
         "--read-timeout", str(READ_TIMEOUT_S), "--out", str(out_dir),
         "--no-plots", "--disable-tqdm",
@@ -238,15 +239,17 @@ def run_replay(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    print(stdout)  # the terminal summary, for `pytest -rP`
+    print(stdout, f"stderr:\n{stderr}", sep="\n")  # the terminal summary, for `pytest -rP`
     return ReplayOutput.of(proc, stdout, stderr, out_dir)
 
 
-def schedule_span_s(window: list[TraceRequest]) -> float:
-    return float(max(r.arrival_s for r in window) * TIME_SCALE)
+def schedule_span_s(window: list[TraceRequest], time_scale: Fraction) -> float:
+    return float(max(r.arrival_s for r in window) * time_scale)
 
 
-def check_completed_records(records: list[dict[str, Any]], window: list[TraceRequest]) -> None:
+def check_completed_records(
+    records: list[dict[str, Any]], window: list[TraceRequest], time_scale: Fraction
+) -> None:
     """Each request was sent as the trace says, and each completed one streamed exactly its
     requested output: by the server's usage and by the token chunks it sent (one per token)."""
     assert [r["req_index"] for r in records] == list(range(len(window)))
@@ -255,7 +258,7 @@ def check_completed_records(records: list[dict[str, Any]], window: list[TraceReq
             expected.input_len,
             expected.output_len,
         )
-        assert record["scheduled_s"] == pytest.approx(float(expected.arrival_s * TIME_SCALE))
+        assert record["scheduled_s"] == pytest.approx(float(expected.arrival_s * time_scale))
         if record["error"] is None:
             assert record["prompt_tokens"] == expected.input_len, record
             assert record["output_tokens"] == expected.output_len, record
@@ -270,15 +273,15 @@ def test_replay_60s_of_azure_conversations(
 ) -> None:
     require_healthy(server)
     assert max(r.input_len + r.output_len for r in window) <= server.max_model_len
-    timeout_s = schedule_span_s(window) + 120  # open loop: the schedule, then the queue drains
-    result = run_replay(replay_command(server, tmp_path), tmp_path, timeout_s)
+    timeout_s = schedule_span_s(window, TIME_SCALE) + 120  # the schedule, then the queue drains
+    result = run_replay(replay_command(server, tmp_path, TIME_SCALE), tmp_path, timeout_s)
 
     summary = result.summary
     assert summary["num_requests"] == len(window) > 0
     assert (summary["completed"], summary["failed"], summary["errors"]) == (len(window), 0, {})
     assert summary["total_input_tokens"] == sum(r.input_len for r in window)
     assert summary["total_output_tokens"] == sum(r.output_len for r in window)
-    check_completed_records(result.records, window)
+    check_completed_records(result.records, window, TIME_SCALE)
     assert "Traceback" not in result.stdout + result.stderr
 
 
@@ -303,10 +306,10 @@ def test_server_killed_mid_replay_ends_with_an_error_report(
 ) -> None:
     """Runs last: it kills the module's server."""
     require_healthy(server)
-    span_s = schedule_span_s(window)
+    span_s = schedule_span_s(window, KILL_TIME_SCALE)
 
     def kill_halfway() -> None:
-        wait_for_requests_in_flight(server.run.base_url, timeout_s=span_s)
+        wait_for_requests_in_flight(server.run.base_url, timeout_s=span_s + 60)
         # Open loop: the second half of the schedule is sent after the kill whatever the server's
         # speed, so some requests must fail; those in flight are cut mid-stream.
         time.sleep(span_s / 2)
@@ -314,7 +317,8 @@ def test_server_killed_mid_replay_ends_with_an_error_report(
 
     # Bounded: the rest of the schedule, then at most one read timeout for a stalled stream.
     timeout_s = span_s + READ_TIMEOUT_S + 60
-    result = run_replay(replay_command(server, tmp_path), tmp_path, timeout_s, kill_halfway)
+    command = replay_command(server, tmp_path, KILL_TIME_SCALE)
+    result = run_replay(command, tmp_path, timeout_s, kill_halfway)
 
     assert "Traceback" not in result.stdout + result.stderr
     summary = result.summary
@@ -324,7 +328,7 @@ def test_server_killed_mid_replay_ends_with_an_error_report(
     assert sum(summary["errors"].values()) == summary["failed"]
     failed_records = [r for r in result.records if r["error"] is not None]
     assert len(failed_records) == summary["failed"]
-    check_completed_records(result.records, window)
+    check_completed_records(result.records, window, KILL_TIME_SCALE)
     completed_failed = f"{summary['completed']} / {summary['failed']}"
     assert summary_value(result.stdout, "Requests (completed / failed):") == completed_failed
     for kind, count in summary["errors"].items():
