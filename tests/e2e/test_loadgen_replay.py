@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
+from common.model.default import PRESETS, default_model_path
 from loadgen.traces import shared_dir
 from tests.e2e import serve_process
 from tests.e2e.serve_process import REPO, ServeRun
@@ -114,8 +115,6 @@ class Server:
 
 def model_limits(config: dict[str, Any]) -> tuple[int, int]:
     """(vocab size, context length) of the model the serve config names (a preset or a folder)."""
-    from common.model.default import PRESETS, default_model_path
-
     model = config["applications"][0]["args"].get("model", "tiny")
     folder = default_model_path(model) if model in PRESETS else Path(model)
     hf = json.loads((folder / "config.json").read_text())
@@ -136,38 +135,42 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield Server(run, proc, *model_limits(run.config))
     finally:
         run.stop()
+        if popen.procs:
+            kill_session(popen.procs[0].pid)  # what a Ctrl-C left running, if anything
 
 
-def kill_process_tree(root: subprocess.Popen[bytes]) -> None:
-    """SIGKILL `root`'s process group, then any descendant that moved to a group of its own (Ray
-    puts each worker, the HTTP proxy and the replicas included, in its own group)."""
-    descendants = descendant_pids(root.pid)
-    os.killpg(root.pid, signal.SIGKILL)
-    for pid in descendants:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # it was in the group, or exited on its own
-    root.wait(30)
+def kill_session(session_id: int) -> None:
+    """SIGKILL the process group `session_id` leads, then every other process of its session:
+    Ray moves each worker (the HTTP proxy and the replicas among them) to a group of its own."""
+    try:
+        os.killpg(session_id, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is gone; members of other groups may remain
+    for _ in range(50):  # again until none is left: one may have forked while we killed
+        survivors = session_pids(session_id)
+        if not survivors:
+            break
+        for pid in survivors:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # exited on its own meanwhile
+        time.sleep(0.1)  # SIGKILLed processes take a moment to leave /proc
 
 
-def descendant_pids(root_pid: int) -> list[int]:
-    """Every process below `root_pid`, read from /proc (parent pid is field 4 of /proc/PID/stat)."""
-    children: dict[int, list[int]] = {}
+def session_pids(session_id: int) -> list[int]:
+    """Live processes of a session, from /proc/PID/stat (state, ppid, pgrp, session follow the
+    command name, which may hold spaces and parentheses)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue  # /proc/self, /proc/meminfo, ...
         try:
-            stat = (entry / "stat").read_text()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # it exited while we looked
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name may hold spaces
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root_pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
+        if int(fields[3]) == session_id and fields[0] != "Z":
+            found.append(int(entry.name))
     return found
 
 
@@ -313,7 +316,8 @@ def test_server_killed_mid_replay_ends_with_an_error_report(
         # Open loop: the second half of the schedule is sent after the kill whatever the server's
         # speed, so some requests must fail; those in flight are cut mid-stream.
         time.sleep(span_s / 2)
-        kill_process_tree(server.proc)
+        kill_session(server.proc.pid)  # `serve run` leads its session (start_new_session)
+        server.proc.wait(30)
 
     # Bounded: the rest of the schedule, then at most one read timeout for a stalled stream.
     timeout_s = span_s + READ_TIMEOUT_S + 60
