@@ -62,6 +62,11 @@ class ServeRun:
         self._wait_healthy(timeout_s)
         return self.base_url
 
+    @property
+    def pid(self) -> int | None:
+        """The `serve run` process: the Ray it starts (and every replica) runs below it."""
+        return None if self._proc is None else self._proc.pid
+
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

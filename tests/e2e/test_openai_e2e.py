@@ -1,14 +1,21 @@
 """End to end: `serve run deploy/local.yaml` (real Ray Serve, real HTTP) and the official client.
 
-One application for the whole module (Ray start-up is the slow part). Greedy outputs are checked
-against `LLMEngine` run in this process on the same model and prompt.
+`deploy/local.yaml` is the disaggregated mesh: Router, PromptEngine, TokenEngine and 2
+AttentionShards, each a Serve replica, talking over ZeroMQ and UCX. One application for the whole
+module (Ray start-up is the slow part). Greedy outputs are checked against `LLMEngine` run in this
+process on the same model and prompt (near-ties allowed: `tests/e2e/greedy_check.py`), and leaks
+against the services' own stats (`/stats` aggregates every engine and shard).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -18,6 +25,7 @@ from common.engine.core import LLMEngine
 from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
+from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.serve_process import REPO, ServeRun
 
 pytestmark = pytest.mark.timeout(600)
@@ -47,11 +55,15 @@ def reference() -> tuple[LLMEngine, Tokenizer]:
     return LLMEngine.from_path(path, num_blocks=256), Tokenizer(path)
 
 
-def greedy(reference: tuple[LLMEngine, Tokenizer], prompt_ids: list[int], n: int) -> str:
-    engine, tokenizer = reference
+def greedy(reference: tuple[LLMEngine, Tokenizer], prompt_ids: list[int], n: int) -> list[int]:
+    engine, _ = reference
     [output_ids] = engine.generate([prompt_ids], SamplingParams(max_tokens=n, temperature=0.0))
     assert len(output_ids) == n  # EOS would end it early; these prompts are chosen to avoid it
-    return tokenizer.decode(output_ids)
+    return output_ids
+
+
+def assert_matches(reference: tuple, text: str, prompt_ids: list[int], ref_ids: list[int]) -> None:
+    assert_text_greedy_close(text, prompt_ids, ref_ids, reference[1], default_model_path("tiny"))
 
 
 def test_models_and_health(server: ServeRun, client: openai.OpenAI) -> None:
@@ -61,9 +73,10 @@ def test_models_and_health(server: ServeRun, client: openai.OpenAI) -> None:
 
 def test_completion_matches_engine(client: openai.OpenAI, reference: tuple) -> None:
     prompt = "The quick brown fox"
-    expected = greedy(reference, reference[1].encode(prompt), 12)
+    prompt_ids = reference[1].encode(prompt)
+    expected = greedy(reference, prompt_ids, 12)
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-    assert response.choices[0].text == expected
+    assert_matches(reference, response.choices[0].text, prompt_ids, expected)
     assert response.choices[0].finish_reason == "length"
     assert response.usage is not None and response.usage.completion_tokens == 12
 
@@ -81,24 +94,26 @@ def test_streamed_token_id_prompt_matches_engine(client: openai.OpenAI, referenc
     )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == expected
+    assert_matches(reference, text, prompt_ids, expected)
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.prompt_tokens == 32 and chunks[-1].usage.completion_tokens == 10
 
 
 def test_chat_matches_engine_streamed_and_not(client: openai.OpenAI, reference: tuple) -> None:
     messages = [{"role": "user", "content": "Say something."}]
-    expected = greedy(reference, reference[1].apply_chat_template(messages), 8)
+    prompt_ids = reference[1].apply_chat_template(messages)
+    expected = greedy(reference, prompt_ids, 8)
     response = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=8, temperature=0
     )
-    assert response.choices[0].message.content == expected
+    assert_matches(reference, response.choices[0].message.content or "", prompt_ids, expected)
     stream = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert_matches(reference, streamed, prompt_ids, expected)
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
@@ -158,12 +173,83 @@ def test_client_disconnect_frees_kv(server: ServeRun) -> None:
             lines = response.iter_lines()
             assert sum(line.startswith("data:") for line in itertools.islice(lines, 20)) >= 5
             running = stats(server)
-            # The request is still generating (a 3000-token request cannot be done yet).
+            # The request is still generating (a 3000-token request cannot be done yet), with
+            # its KV on the attention shards.
             assert running["num_requests"] == 1 and running["kv_blocks_used"] > 0, (
                 f"{running}\n{server.log_tail()}"
             )
+            shards = [s for s in running["services"].values() if s["role"] == "shard"]
+            assert len(shards) == 2 and all(s["kv_blocks_used"] > 0 for s in shards), running
     # The stream is closed: the proxy cancels the replica's handler, which aborts the request.
     deadline = time.monotonic() + 20
     while (current := stats(server))["kv_blocks_used"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert current["kv_blocks_used"] == 0 and current["num_engine_requests"] == 0
+    assert all(s["kv_blocks_used"] == 0 for s in current["services"].values()), current
+
+
+def wait_until_no_kv(server: ServeRun, timeout_s: float = 20) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (current := stats(server))["kv_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.2)  # NOTE: the abort travels router -> engines -> shards asynchronously
+    return current
+
+
+def test_stop_string_ends_the_request_and_frees_the_mesh(
+    server: ServeRun, client: openai.OpenAI, reference: tuple
+) -> None:
+    prompt_ids = list(range(300, 330))
+    text = reference[1].decode(greedy(reference, prompt_ids, 40))
+    stop = text[12:15]
+    expected = text[: text.find(stop)]
+    response = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=2000, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert response.choices[0].text == expected
+    assert response.choices[0].finish_reason == "stop"
+    # The engines would go on to 2000 tokens: the router's abort is what frees the KV.
+    current = wait_until_no_kv(server)
+    assert current["kv_blocks_used"] == 0 and current["num_engine_requests"] == 0, current
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), so a test touches only the Ray it started."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def replica_pid(server: ServeRun, deployment: str) -> int:
+    assert server.pid is not None
+    for pid in descendants(server.pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        if f"ServeReplica:phasemesh:{deployment}" in cmdline:
+            return pid
+    raise LookupError(f"no {deployment} replica under serve run {server.pid}")
+
+
+def test_token_engine_death_fails_its_stream_with_a_clear_error(server: ServeRun) -> None:
+    """Last in the module: kills the TokenEngine replica (Serve then starts a new one)."""
+    body = {"model": MODEL, "prompt": [11] * 50, "max_tokens": 3000, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+            lines = response.iter_lines()
+            assert sum(line.startswith("data:") for line in itertools.islice(lines, 10)) >= 5
+            os.kill(replica_pid(server, "TokenEngine"), signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data:")]
+    # The router noticed the missing heartbeats and ended the stream in-band, no hang.
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][len("data: ") :])["error"]
+    assert "stopped responding" in error["message"] and error["code"] == 500, error
