@@ -57,7 +57,7 @@ class ServiceEntry:
 
     @property
     def is_engine(self) -> bool:
-        return self.kind in ("prompt", "token")
+        return self.kind in ("prompt", "token", "mixed")
 
 
 class Registry:

@@ -1,0 +1,60 @@
+"""`services.registry.Registry` (the plain class the registry actor runs): liveness by heartbeat,
+head-range slots for shards, atomic shard-group claims. A fake clock stands in for time."""
+
+from __future__ import annotations
+
+from services.registry import Registry, ServiceEntry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def shard(service_id: str) -> ServiceEntry:
+    return ServiceEntry(kind="shard", service_id=service_id, role="shard")
+
+
+def test_entries_live_while_they_heartbeat() -> None:
+    clock = Clock()
+    registry = Registry(max_age_s=5, clock=clock)
+    registry.register(ServiceEntry(kind="token", service_id="t0", state="ready"))
+    registry.register(ServiceEntry(kind="token", service_id="t1", state="ready"))
+    clock.now = 4
+    assert registry.heartbeat("t0")
+    clock.now = 6
+    assert [e.service_id for e in registry.live()] == ["t0"]
+    assert not registry.heartbeat("t1")  # expired: the replica must register again
+
+
+def test_shards_take_balanced_slots_and_groups_need_every_slot() -> None:
+    registry = Registry(clock=Clock())
+    assert [registry.take_shard_slot(shard(f"s{i}"), 2) for i in range(4)] == [0, 1, 0, 1]
+    assert registry.claim_group("t0", 2) is None  # all still starting
+    for i in range(4):
+        entry = next(e for e in registry.live() if e.service_id == f"s{i}")
+        registry.register(type(entry)(**{**entry.__dict__, "state": "ready"}))
+    first = registry.claim_group("t0", 2)
+    second = registry.claim_group("t1", 2)
+    assert first is not None and second is not None
+    assert [e.slot for e in first] == [0, 1] and [e.slot for e in second] == [0, 1]
+    assert {e.service_id for e in first}.isdisjoint(e.service_id for e in second)
+    assert registry.claim_group("t2", 2) is None
+    assert registry.shard_census() == (4, 0)
+
+
+def test_a_claim_ends_with_its_shard() -> None:
+    clock = Clock()
+    registry = Registry(max_age_s=5, clock=clock)
+    registry.take_shard_slot(shard("s0"), 1)
+    registry.register(ServiceEntry(kind="shard", service_id="s0", state="ready", slot=0))
+    assert registry.claim_group("t0", 1) is not None
+    clock.now = 10  # s0 died; its replacement registers fresh and is claimable
+    registry.take_shard_slot(shard("s1"), 1)
+    registry.register(ServiceEntry(kind="shard", service_id="s1", state="ready", slot=0))
+    assert registry.shard_census() == (1, 1)
+    group = registry.claim_group("t1", 1)
+    assert group is not None and group[0].service_id == "s1"
