@@ -95,9 +95,9 @@ class _RecordingPopen:
 
     def __init__(self) -> None:
         self.real_popen = subprocess.Popen
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[Any]] = []
 
-    def __call__(self, *args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+    def __call__(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
         proc = self.real_popen(*args, start_new_session=True, **kwargs)
         self.procs.append(proc)
         return proc
@@ -108,7 +108,7 @@ class Server:
     """The module's `serve run`, its process, and what its model accepts."""
 
     run: ServeRun
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[Any]
     vocab_size: int
     max_model_len: int
 
