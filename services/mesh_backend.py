@@ -298,8 +298,13 @@ class MeshBackend:
         self.placement.set_engines([e for e in entries if e.is_engine and e.state == "ready"])
         self._wanted_loads = frozenset(e.load_endpoint for e in entries if e.load_endpoint)
         with self._lock:
+            before = {e.service_id for e in self._services}
             self._services = entries
-        self._fail_orphans({e.service_id for e in entries})
+        now = {e.service_id for e in entries}
+        if now != before:
+            log.info("mesh membership", joined=sorted(now - before), left=sorted(before - now),
+                     ready=self.placement.can_place())  # fmt: skip
+        self._fail_orphans(now)
 
     def _fail_orphans(self, live_ids: set[str]) -> None:
         """Fail requests whose token engine, or whose prompt engine before its first token, left."""
