@@ -120,8 +120,7 @@ class MeshBackend:
             while not finished:
                 item = await stream.outputs.get()
                 if isinstance(item, Exception):
-                    engine_done = True  # its engine is gone or failed it: nothing to abort
-                    raise item
+                    raise item  # its token engine is gone; the abort below stops its prefill
                 engine_done = bool(item.finish_reason)
                 for out in self._to_outputs(request, item):
                     finished = out.finished

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -47,9 +48,11 @@ class Cluster:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
         )
-        # NOTE: Ray 2.60's default for clusters it starts, said explicitly; Ray reads it when it is
-        # imported, so this module imports Ray only here.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # NOTE: token auth, Ray 2.60's default for clusters it starts, said explicitly. Ray caches
+        # the mode when it is imported: if another module imported it first with the variable
+        # unset, ray.init() turns token auth on itself (and exports it to `serve deploy`).
+        if "RAY_AUTH_MODE" not in os.environ and "ray" not in sys.modules:
+            os.environ["RAY_AUTH_MODE"] = "token"
         import ray
 
         ray.init(
