@@ -93,13 +93,19 @@ EngineCommand = GenerateRequest | DecodeHandoff | AbortRequest | StatsRequest | 
 
 
 class TokenOutput(_Msg, tag="tokens"):
-    """New tokens of one request; `finish_reason` set on the last message ('' while running)."""
+    """New tokens of one request; `finish_reason` set on the last message ('' while running).
+
+    NOTE: the first token comes from the prompt engine and the rest from the token engine, on
+    different connections, so they can arrive out of order: `index` (the position of
+    `token_ids[0]` in the output) lets the receiver restore the order (`TokenStreamOrderer`).
+    """
 
     req_id: str
     token_ids: list[int]
     finish_reason: str = ""
     num_prompt_tokens: int = 0
     error: str = ""
+    index: int = 0
 
 
 class KvEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):

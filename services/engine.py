@@ -309,7 +309,16 @@ class Engine:
         result = req.append(token, tokenizer=None)
         reason = result.finish_reason.value if result.finish_reason else ""
         out: Outgoing = [
-            (route.reply_to, TokenOutput(req_id, [token], reason, route.num_prompt_tokens))
+            (
+                route.reply_to,
+                TokenOutput(
+                    req_id,
+                    [token],
+                    reason,
+                    route.num_prompt_tokens,
+                    index=len(req.output_token_ids) - 1,
+                ),  # fmt: skip
+            )
         ]
         if reason:
             out += self._release(req_id)

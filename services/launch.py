@@ -34,6 +34,7 @@ from common.protocol import (
     TokenOutput,
 )
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
+from services.token_stream import TokenStreamOrderer
 from services.worker_config import ShardLinkSpec, WorkerConfig, WorkerReady
 
 log = structlog.get_logger(__name__)
@@ -233,6 +234,7 @@ class MeshClient:
         self._prompt_rr = itertools.cycle(mesh.prompt)
         self._token_rr = itertools.cycle(mesh.token)
         self.placement: dict[str, tuple[WorkerReady, TokenEngineInfo]] = {}
+        self.orderer = TokenStreamOrderer()
 
     def submit(self, req_id: str, prompt: list[int], sampling: SamplingSpec) -> None:
         pe, te = next(self._prompt_rr), next(self._token_rr)
@@ -251,15 +253,17 @@ class MeshClient:
         self.push.get(te.ready.command_endpoint).send(AbortRequest(req_id))
 
     def recv(self, timeout: float = 30.0) -> TokenOutput:
-        """The next token message from any request."""
+        """The next token message from any request, in each request's token order."""
         deadline = time.monotonic() + timeout
-        while True:
+        while not self.orderer.ready:
             item = self.replies.recv_nowait()
             if item is not None and isinstance(item[1], TokenOutput):
-                return item[1]
+                self.orderer.push(item[1])
+                continue
             left = deadline - time.monotonic()
             if left <= 0 or not self.replies.sock.poll(int(left * 1000)):
                 raise TimeoutError(f"no tokens from the mesh in {timeout} s")
+        return self.orderer.ready.popleft()
 
     def close(self) -> None:
         self.replies.close()

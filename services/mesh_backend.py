@@ -48,6 +48,7 @@ from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from services.backend import AdmissionLimits, BackendStats, Overloaded, check_admission
 from services.mesh_placement import NoEngines, Placement
 from services.registry import ServiceEntry
+from services.token_stream import TokenStreamOrderer
 
 log = structlog.get_logger(__name__)
 
@@ -257,12 +258,16 @@ class MeshBackend:
         poller = zmq.Poller()
         poller.register(self._replies.sock, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
+        orderer = TokenStreamOrderer()  # first and later tokens come on different connections
         while not self._closed.is_set():
             connected = _resubscribe(sub, connected, self._wanted_loads)
             poller.poll(IO_POLL_MS)
             while (reply := self._replies.recv_nowait()) is not None:
                 if isinstance(reply[1], TokenOutput):
-                    self._deliver(reply[1].req_id, reply[1])
+                    orderer.push(reply[1])
+            while orderer.ready:
+                out = orderer.ready.popleft()
+                self._deliver(out.req_id, out)
             while (report := loads.recv_nowait()) is not None:
                 self.placement.on_load(report[1])
         sub.close(linger=0)

@@ -69,7 +69,8 @@ def test_local_config_fits_two_cores_on_loopback() -> None:
         d["ray_actor_options"]["num_cpus"] * d.get("num_replicas", 1) for d in app["deployments"]
     )
     assert cpus <= 1.5  # leaves room on a 2-core machine for the controller, proxy and tests
-    assert app["args"]["topology"] == "local"
+    assert app["args"]["topology"] == "mesh"
+    assert {d["name"] for d in app["deployments"]} == set(DEPLOYMENT_NAMES)
 
 
 def test_cluster_config_places_engines_and_shards_by_custom_resource() -> None:
@@ -98,11 +99,10 @@ def test_rayservice_embeds_the_cluster_config() -> None:
     assert cluster["rayVersion"] == ray.__version__  # the Ray the schema test ran against
 
 
-def test_builder_binds_the_local_app_and_refuses_an_unfinished_topology() -> None:
+def test_builder_binds_both_topologies_and_refuses_unknown_args() -> None:
     [local] = CONFIGS["local.yaml"]["applications"]
-    app = build_app(local["args"])
-    assert isinstance(app, Application)
-    with pytest.raises(ValueError, match="mesh"):
-        build_app(CONFIGS["cluster.yaml"]["applications"][0]["args"])
+    for args in (local["args"], local["args"] | {"topology": "local"}):
+        assert isinstance(build_app(args), Application)
+    assert isinstance(build_app(CONFIGS["cluster.yaml"]["applications"][0]["args"]), Application)
     with pytest.raises(ValueError):
         build_app(local["args"] | {"no_such_arg": 1})
