@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+UV_INSTALL := $(BIN)/uv pip install --python $(BIN)/python
 # Re-install only when the dependency list or the kernel sources change.
 STAMP := $(VENV)/.phasemesh-installed
 KERNEL_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.txt csrc/*.toml csrc/*.py)
@@ -10,9 +11,11 @@ KERNEL_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.txt csrc/*.toml csrc/*.p
 
 $(STAMP): pyproject.toml $(KERNEL_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# NOTE: torch first, pinned: anything that depends on torch would otherwise pull CUDA wheels.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	# NOTE: torch first, pinned, through pip: pip's configuration points at the CPU build on disk;
+	# anything that depends on torch would otherwise pull CUDA wheels.
+	$(BIN)/pip install -q torch==2.13.0 uv
+	# uv resolves and installs the rest in seconds where pip takes minutes; it keeps the torch above.
+	$(UV_INSTALL) -q -e '.[test]'
 	$(MAKE) kernel
 	touch $(STAMP)
 
@@ -21,9 +24,9 @@ install: $(STAMP)
 # Builds the C++ paged decode-attention kernel (csrc/). The engine falls back to the pure-torch
 # reference, and says so once, when the build is unavailable.
 kernel:
-	$(BIN)/pip install -q nanobind scikit-build-core
+	$(UV_INSTALL) -q nanobind scikit-build-core
 	# NOTE: no build isolation: the kernel needs no torch, and an isolated build would fetch one.
-	$(BIN)/pip install -q --no-build-isolation ./csrc
+	$(UV_INSTALL) -q --no-build-isolation --reinstall-package phasemesh-attention-kernel ./csrc
 
 model: install
 	$(BIN)/python -m common.model.default
