@@ -78,6 +78,7 @@ class AttentionShard:
         self._complete: set[str] = set()
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._step: _StepTables | None = None
+        self._decoded: set[str] = set()  # requests some decode step has named since their KV came
         self.kv_events: deque[KvEvent] = deque(maxlen=256)
 
     # -- KV ingress ----------------------------------------------------------------------------
@@ -109,12 +110,23 @@ class AttentionShard:
 
     def free(self, req_id: str) -> None:
         with self._lock:
+            self._decoded.discard(req_id)
             self.blocks.free(req_id)
             self._layers_received.pop(req_id, None)
             self._complete.discard(req_id)
             self._tombstones[req_id] = None
             while len(self._tombstones) > _TOMBSTONES:
                 self._tombstones.popitem(last=False)
+
+    def free_decoded(self) -> int:
+        """Free every request that decode steps have named and nobody has freed yet (its token
+        engine is gone, so no FreeRequest will come); returns how many were freed."""
+        with self._lock:
+            decoded = list(self._decoded)
+        for req_id in decoded:
+            self.free(req_id)
+        self._step = None
+        return len(decoded)
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -142,6 +154,7 @@ class AttentionShard:
         with self._lock:
             for req_id in batch.req_ids:
                 self._wait_for_kv(req_id)
+            self._decoded.update(batch.req_ids)
             for req_id, ctx in zip(batch.req_ids, batch.context_lens, strict=True):
                 self.blocks.grow(req_id, ctx)
             tables = [self.blocks.block_table(r) for r in batch.req_ids]

@@ -183,21 +183,7 @@ class Mesh:
 
     def stats(self, timeout: float = 10.0) -> list[EngineStats]:
         """Ask every service what it holds (KV blocks in use, live requests)."""
-        ctx: zmq.Context = zmq.Context.instance()
-        out = []
-        for endpoint in self.control_endpoints():
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
-            typed: TypedSocket[ServiceReply] = TypedSocket(sock, ServiceReply)
-            sock.send(msgspec.msgpack.encode(StatsRequest()))
-            if not sock.poll(int(timeout * 1000)):
-                raise TimeoutError(f"no stats from {endpoint}")
-            item = typed.recv_nowait()
-            sock.close()
-            if item is not None and isinstance(item[1], EngineStats):
-                out.append(item[1])
-        return out
+        return [service_stats(endpoint, timeout) for endpoint in self.control_endpoints()]
 
     def close(self) -> None:
         ctx: zmq.Context = zmq.Context.instance()
@@ -214,6 +200,24 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def service_stats(control_endpoint: str, timeout: float = 10.0) -> EngineStats:
+    """One service's `EngineStats`, asked on its control endpoint."""
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(control_endpoint)
+    try:
+        typed: TypedSocket[ServiceReply] = TypedSocket(sock, ServiceReply)
+        sock.send(msgspec.msgpack.encode(StatsRequest()))
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no stats from {control_endpoint}")
+        item = typed.recv_nowait()
+        if item is None or not isinstance(item[1], EngineStats):
+            raise RuntimeError(f"unexpected stats reply from {control_endpoint}: {item!r}")
+        return item[1]
+    finally:
+        sock.close()
 
 
 def _num_kv_heads(model_path: str) -> int:

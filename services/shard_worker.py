@@ -26,7 +26,7 @@ from common.protocol import (
     Shutdown,
     StatsRequest,
 )
-from common.transport.ucx_channel import UcxListener, UcxTensorChannel
+from common.transport.ucx_channel import ChannelClosed, UcxListener, UcxTensorChannel
 from common.transport.zmq_sockets import TypedSocket, bind_random
 from services.attention_shard import AttentionShard, ShardSpec
 from services.worker_config import WorkerConfig, WorkerReady
@@ -70,17 +70,30 @@ class ShardWorker:
     def run(self) -> None:
         ingress = threading.Thread(target=self._ingress_loop, name="kv-ingress", daemon=True)
         ingress.start()
-        link = self._accept()
-        while self.running and link is not None:
+        while self.running and (link := self._accept()) is not None:
+            self._serve(link)
+        ingress.join(timeout=2)
+
+    def _serve(self, link: UcxTensorChannel[ShardLinkMessage]) -> None:
+        """Answer one token engine's round trips until shutdown or until that engine is gone.
+
+        A token engine that dies leaves its requests' KV here: free it, and wait for the next
+        token engine (a restarted replica) to connect.
+        """
+        while self.running:
             try:
                 header, tensors = link.recv(timeout=POLL_S)
             except TimeoutError:
                 continue
+            except ChannelClosed:
+                freed = self.shard.free_decoded()
+                log.warning("token engine link closed; its requests freed", freed=freed)
+                break
             if isinstance(header, AttendBatch) and len(tensors) == 3:
                 self._answer(link, header, tensors)
             else:
                 log.warning("dropped unexpected link message", kind=type(header).__name__)
-        ingress.join(timeout=2)
+        link.close()
 
     def _accept(self) -> UcxTensorChannel[ShardLinkMessage] | None:
         while self.running:

@@ -69,6 +69,21 @@ from common.transport.tensor_frames import (  # noqa: E402
 
 log = structlog.get_logger(__name__)
 
+# UCX errors that mean the peer is gone (closed, crashed, unreachable), not a bad message.
+_PEER_GONE = (
+    ucx_api.UCXCanceledError,
+    ucx_api.UCXConnectionResetError,
+    ucx_api.UCXEndpointTimeoutError,
+    ucx_api.UCXNotConnectedError,
+    ucx_api.UCXUnreachableError,
+    ucx_api.UCXIOError,
+)
+
+
+class ChannelClosed(ConnectionError):
+    """The peer of a UCX channel went away (closed its end, or died); the channel is unusable."""
+
+
 INLINE_LIMIT = 192 * 1024
 MAX_ENVELOPE_BYTES = 64 * 1024
 _PREFIX = struct.Struct("<II")  # envelope length, 1 if the tensors are inline
@@ -111,7 +126,10 @@ class UcxWorker:
         while not all(r.completed for r in requests):
             self.progress_until(deadline)
         for request in requests:
-            request.check_error()
+            try:
+                request.check_error()
+            except _PEER_GONE as exc:
+                raise ChannelClosed(f"UCX peer gone: {exc}") from exc
 
     def progress_until(self, deadline: float | None) -> None:
         """Progress once, sleeping in epoll until an event or the deadline (TimeoutError)."""
@@ -198,6 +216,7 @@ class UcxTensorChannel(Generic[HeaderT]):
 
         Raises TimeoutError if no message arrives within `timeout`, or ValueError if `out` does not
         match (the message is then consumed and dropped); the channel stays usable after both.
+        Raises ChannelClosed once the peer has gone.
         A malformed envelope raises msgspec.DecodeError; a zero-copy message's payload is then
         left in flight and the channel is unusable.
         """

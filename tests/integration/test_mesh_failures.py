@@ -6,7 +6,7 @@ import pytest
 import zmq
 
 from common.protocol import SamplingSpec
-from services.launch import Mesh, MeshClient, Topology
+from services.launch import Mesh, MeshClient, Topology, service_stats
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
 
@@ -85,3 +85,35 @@ def test_malformed_and_unknown_messages_are_dropped(mesh):
     )
     assert _finish_all(client, {"after"}) == {"after": "length"}
     _drain_until_idle(mesh)
+
+
+def test_shard_outlives_its_token_engine_and_frees_its_requests(tiny_model_path):
+    """A token engine killed mid-decode leaves its requests' KV on the shards: the shards free it
+    when the UCX link drops, and keep serving (a restarted token engine can connect again)."""
+    import time
+
+    mesh = Mesh.start(Topology(str(tiny_model_path), num_shards=1))
+    try:
+        client = MeshClient(mesh)
+        client.submit("dies", random_prompts([90], 2048, seed=33)[0],
+                      SamplingSpec(max_tokens=400, temperature=0.0, ignore_eos=True))  # fmt: skip
+        tokens = 0
+        while tokens < 5:  # decoding through the shard: it holds this request's KV now
+            tokens += len(client.recv(timeout=120).token_ids)
+        shard = mesh.shards[0]
+        shard_stats = next(s for s in mesh.stats() if s.service_id == shard.service_id)
+        assert shard_stats.kv_blocks_used > 0
+        token_proc = mesh.procs[mesh.topology.num_shards]  # shards start first, then token engines
+        token_proc.kill()
+        token_proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            shard_stats = service_stats(shard.control_endpoint)
+            if shard_stats.kv_blocks_used == 0:
+                break
+            time.sleep(0.2)
+        assert shard_stats.kv_blocks_used == 0 and shard_stats.num_requests == 0
+        assert mesh.procs[0].poll() is None, "the shard process must outlive its token engine"
+        client.close()
+    finally:
+        mesh.close()
