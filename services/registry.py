@@ -7,8 +7,8 @@ scaling join routing and dead ones leave it, with nothing restarted.
 
 Shard groups. A shard takes a head-range *slot* when it starts (the slot with the fewest live
 shards, so 2 shards of a 2-slot group take slots 0 and 1). A token engine claims one ready,
-unclaimed shard per slot, atomically; claims last as long as the shard, because a `ShardWorker`
-serves one token engine for its whole life.
+unclaimed shard per slot, atomically; a claim ends with its shard or with its token engine (a
+`ShardWorker` frees a departed engine's requests and accepts the next engine's link).
 
 `Registry` is a plain class (unit-testable, injected clock); on Ray it runs as a named detached
 actor, one per Serve application (`registry_handle`), created by whichever replica comes first.
@@ -89,6 +89,9 @@ class Registry:
         self.entries.pop(service_id, None)
         self.last_seen.pop(service_id, None)
         self.claimed_by.pop(service_id, None)
+        for shard_id, owner in list(self.claimed_by.items()):
+            if owner == service_id:  # a token engine left: its shards serve the next one
+                del self.claimed_by[shard_id]
 
     def live(self) -> list[ServiceEntry]:
         """Every entry heard from within `max_age_s`, in registration order."""

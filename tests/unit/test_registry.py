@@ -58,3 +58,19 @@ def test_a_claim_ends_with_its_shard() -> None:
     assert registry.shard_census() == (1, 1)
     group = registry.claim_group("t1", 1)
     assert group is not None and group[0].service_id == "s1"
+
+
+def test_a_claim_ends_with_its_token_engine() -> None:
+    clock = Clock()
+    registry = Registry(max_age_s=5, clock=clock)
+    registry.take_shard_slot(shard("s0"), 1)
+    registry.register(ServiceEntry(kind="shard", service_id="s0", state="ready", slot=0))
+    registry.register(ServiceEntry(kind="token", service_id="t0", state="ready"))
+    assert registry.claim_group("t0", 1) is not None
+    assert registry.claim_group("t1", 1) is None
+    clock.now = 4
+    registry.heartbeat("s0")
+    clock.now = 8  # t0 stopped heartbeating; the shard lives on and serves the next engine
+    assert [e.service_id for e in registry.live()] == ["s0"]
+    group = registry.claim_group("t1", 1)
+    assert group is not None and group[0].service_id == "s0"
