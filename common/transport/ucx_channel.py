@@ -55,6 +55,9 @@ DEFAULT_UCX_TLS = "tcp"
 DEFAULT_UCX_TUNING = {"TCP_TX_SEG_SIZE": "256k", "TCP_RX_SEG_SIZE": "256k", "RNDV_THRESH": "256k"}
 for _name, _value in DEFAULT_UCX_TUNING.items():
     os.environ.setdefault(f"UCX_{_name}", _value)
+# `import ucxx` sets UCX_MEMTYPE_CACHE, which this UCX build no longer reads: without this, every
+# process prints two "unused environment variable" warnings at start.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
