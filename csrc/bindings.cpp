@@ -115,6 +115,17 @@ NB_MODULE(phasemesh_attention_kernel, m) {
       },
       nb::arg("data").noconvert(), nb::arg("num_threads") = 1,
       "Sum of a float32 array, read once at streaming speed (a bandwidth probe).");
+  m.def(
+      "copy",
+      [](const nb::ndarray<float, nb::device::cpu, nb::c_contig>& dst,
+         const nb::ndarray<const float, nb::device::cpu, nb::c_contig>& src, int num_threads) {
+        if (dst.size() != src.size()) throw std::invalid_argument("copy: sizes differ");
+        if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
+        nb::gil_scoped_release no_gil;
+        pm::copy_bytes(dst.data(), src.data(), static_cast<int64_t>(src.size()) * 4, num_threads);
+      },
+      nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::arg("num_threads") = 1,
+      "dst[:] = src (float32, same size) with memcpy per thread (a copy-bandwidth probe).");
   m.def("supported_isas", &pm::supported_isas,
         "Kernel ISAs this CPU can run, best first (the first is what 'auto' prefers).");
 }

@@ -1,7 +1,12 @@
-// A streaming read probe: bench/attention.py measures the machine's read bandwidth with it in the
-// same run as the kernel, so the kernel's bandwidth fraction is judged against a C-speed ceiling
-// (torch.sum is itself compute-bound at ~0.8 of it on this machine).
+// Streaming memory probes: bench/attention.py measures the machine's memory bandwidth with them in
+// the same run as the kernel, so the kernel's bandwidth fraction is judged against a C-speed
+// ceiling measured under the same load (torch.sum is itself compute-bound at ~0.8 of it here).
 #include <cstdint>
+#include <cstring>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "paged_attention.h"
 
@@ -31,6 +36,25 @@ double read_sum(const float* data, int64_t n, int num_threads) {
     total += sum;
   }
   return total;
+}
+
+// NOTE: each thread copies one contiguous share with glibc's memcpy, which is what a large copy
+// in C does: above its size threshold memcpy streams with non-temporal stores, so the bytes moved
+// are the bytes counted (read + written, no read-for-ownership of the destination).
+void copy_bytes(void* dst, const void* src, int64_t n, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+  {
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+#else
+    const int64_t t = 0, threads = 1;
+#endif
+    const int64_t share = (n / threads + 63) / 64 * 64;  // whole cache lines per thread
+    const int64_t begin = t * share < n ? t * share : n;
+    const int64_t end = begin + share < n ? begin + share : n;
+    std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin,
+                end - begin);
+  }
 }
 
 }  // namespace pm

@@ -49,6 +49,8 @@ std::vector<std::string> supported_isas();
 
 // Sums n floats with num_threads threads: a memory read-bandwidth probe for the benchmark.
 double read_sum(const float* data, int64_t n, int num_threads);
+// Copies n bytes with num_threads threads: a copy-bandwidth probe for the benchmark.
+void copy_bytes(void* dst, const void* src, int64_t n, int num_threads);
 
 // Validates block ids and lengths (throws std::invalid_argument), then runs the decode.
 void run_decode(const DecodeProblem& p, const IsaKernels& isa, int num_threads, Workspace& ws);
