@@ -37,7 +37,12 @@ class Tokenizer:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in model folder {folder}")
+        # Two views of one tokenizer.json: text from users is plain text, so a prompt that
+        # contains "<|eot_id|>" can neither inject a control token nor lose it on decode; the chat
+        # template's own scaffolding is rendered text whose special-token strings must be parsed.
         self._tok = HFTokenizer.from_file(str(path))
+        self._template_tok = HFTokenizer.from_file(str(path))
+        self._tok.encode_special_tokens = True
         config_path = folder / "tokenizer_config.json"
         config: dict[str, Any] = (
             json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -51,6 +56,7 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` as plain text (special-token strings in it are not parsed)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -66,7 +72,7 @@ class Tokenizer:
         text = self._template.render(
             messages=messages, bos_token=self.bos_token, add_generation_prompt=add_generation_prompt
         )
-        return self.encode(text, add_special_tokens=False)
+        return self._template_tok.encode(text, add_special_tokens=False).ids
 
 
 def _token_text(token: Any) -> str | None:

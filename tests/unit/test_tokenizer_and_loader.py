@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
@@ -22,6 +22,7 @@ def tokenizer(tiny_model_path):
 
 @settings(max_examples=200, deadline=None)
 @given(st.text())
+@example("<|eot_id|> user text that spells a special token")
 def test_any_utf8_text_round_trips(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(ids) == text
