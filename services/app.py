@@ -14,6 +14,9 @@ Topologies (`args.topology`):
 
 Admission bounds are `user_config` on the Router deployment (`max_num_requests`,
 `max_pending_prompt_tokens`), so `serve deploy` of an edited value applies without a restart.
+
+Every replica configures telemetry for its process (exporter from `PHASEMESH_OTEL_EXPORTER`,
+default none) and structlog; its metrics also go to Ray's metrics agent (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ray.serve import Application
 
 from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
+from common.telemetry import configure_logging, configure_telemetry
 from services.backend import AdmissionLimits, GenerationBackend, LocalEngineBackend
 from services.mesh_backend import MeshBackend
 from services.mesh_replica import MeshReplica, base_worker_config, start_engine, start_shard
@@ -121,11 +125,18 @@ def _worker_config(args: AppArgs) -> WorkerConfig:
         max_num_batched_tokens=m.max_num_batched_tokens, max_num_seqs=m.max_num_seqs,
         layer_wise_min_tokens=m.layer_wise_min_tokens, attention_backend=m.attention_backend,
         num_threads=m.num_threads, shard_num_blocks=m.shard_num_blocks,
+        served_model_name=args.model_name(),
     )  # fmt: skip
 
 
 def _service_id(kind: str) -> str:
     return f"{kind}-{serve.get_replica_context().replica_id.unique_id}"
+
+
+def _configure_observability(service_name: str, service_id: str) -> None:
+    """Once per replica process: OpenTelemetry (exporter from the environment) and structlog."""
+    configure_telemetry(service_name, instance_id=service_id)
+    configure_logging()
 
 
 @serve.deployment(name="Router", max_ongoing_requests=512, health_check_period_s=5)
@@ -137,8 +148,12 @@ class RouterDeployment:
         # `mesh_services`: handles of the mesh deployments, bound only so that they belong to this
         # application; the router finds their replicas through the registry, not through Serve.
         self.args = AppArgs.model_validate(args)
+        replica_id = _service_id("router")
+        _configure_observability("router", replica_id)
         self.backend = _make_backend(self.args)
-        self.router = Router(self.backend, self.args.model_path(), self.args.model_name())
+        self.router = Router(
+            self.backend, self.args.model_path(), self.args.model_name(), replica_id
+        )
         log.info("router ready", model=self.router.model_name, topology=self.args.topology)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -173,15 +188,18 @@ class _MeshService:
         self.drain_s = parsed.mesh.drain_s
         registry = registry_handle(serve.get_replica_context().app_name)
         base, mesh = _worker_config(parsed), parsed.mesh
+        service_id = _service_id(self.kind)
+        _configure_observability(
+            "attention-shard" if self.kind == "shard" else f"{self.kind}-engine", service_id
+        )
         if self.kind == "shard":
             self.replica: MeshReplica = start_shard(
-                _service_id(self.kind), registry, base, mesh.shards_per_group
+                service_id, registry, base, mesh.shards_per_group
             )
         else:
             self.replica = start_engine(
-                self.kind, _service_id(self.kind), registry, base, mesh.shards_per_group,
-                mesh.shard_wait_s,
-            )  # fmt: skip
+                self.kind, service_id, registry, base, mesh.shards_per_group, mesh.shard_wait_s
+            )
 
     def check_health(self) -> None:
         self.replica.check_health()

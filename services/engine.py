@@ -9,6 +9,7 @@
 
 `Engine` owns no sockets: inputs arrive through its `on_*` methods, and `step()` returns the
 messages to send as `(endpoint, message)` pairs. `services/worker.py` wires it to ZeroMQ and UCX.
+Spans and metrics of its requests go through `self.telemetry` (`services/engine_telemetry.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
@@ -43,6 +45,7 @@ from common.protocol import (
 from common.sampling import Sampler, SamplingParams
 from common.scheduling.batching import Batch, BatchScheduler, Phase, Sequence
 from services.engine_runner import KvRoute, KvSend, KvShipper, MeshModelRunner, ShardLink
+from services.engine_telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
 
@@ -99,8 +102,10 @@ class Engine:
         kv_send: KvSend,
         shard_links: Seq[ShardLink] = (),
         head_ranges: list[tuple[int, int]] | None = None,
+        telemetry: EngineTelemetry | None = None,
     ) -> None:
         self.engine_id, self.role = engine_id, role
+        self.telemetry = telemetry or EngineTelemetry(engine_id, Path(config.model_path).name)
         self.model = load_model(config.model_path, config.dtype)
         mc = self.model.config
         c = config.cache
@@ -149,6 +154,7 @@ class Engine:
             msg.reply_to, msg.token_engine, msg.token_kv_endpoint, tuple(msg.shards),
             len(msg.prompt_token_ids),
         )  # fmt: skip
+        self.telemetry.on_prompt(msg.req_id, msg.traceparent)
         seq = Sequence(msg.req_id, len(msg.prompt_token_ids))
         decode_here = msg.token_engine == self.role.command_endpoint and not msg.shards
         (self.local if decode_here else self.ship_queue).add(seq)
@@ -166,6 +172,7 @@ class Engine:
         self.routing[msg.req_id] = _Routing(
             msg.reply_to, shards=tuple(msg.shards), num_prompt_tokens=msg.num_prompt_tokens
         )
+        self.telemetry.on_handoff(msg.req_id, msg.traceparent)
         self.waiting_handoffs.append(msg)
         self._admit_handoffs()
         return []
@@ -192,6 +199,7 @@ class Engine:
         """Forget a request wherever it is. The token engine decoding it frees its shards: only
         it knows when no decode step of the request can reach a shard any more."""
         self.aborted[req_id] = None
+        self.telemetry.aborted(req_id)
         while len(self.aborted) > _TOMBSTONES:
             self.aborted.popitem(last=False)
         decoding_here = any(s.req_id == req_id for s in self.sharded) or any(
@@ -218,6 +226,7 @@ class Engine:
         out: Outgoing = []
         for req_id, route in list(self.routing.items()):
             out.append((route.reply_to, TokenOutput(req_id, [], "error", error=error)))
+            self.telemetry.aborted(req_id, RuntimeError(error))
             out += self.on_abort(req_id)
         return out
 
@@ -249,11 +258,15 @@ class Engine:
             routes.append(KvRoute(seq.req_id, dests, layer_wise))
         shipper = KvShipper(routes, len(self.runner.model.layers), self.kv_send)
         self.runner.kv_shipper = shipper
+        start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
         try:
             sampled = self._forward(batch, self.runner.prepare(batch, self._token_ids(batch)))
         finally:
             self.runner.kv_shipper = None
+        end_ns = time.time_ns()
         shipper.finish()
+        self.telemetry.prefill_done(batch.seqs, start_ns, end_ns)
+        self.telemetry.kv_shipped(routes, shipper.num_layers, end_ns)
         for seq in batch.seqs:
             last = len(self.runner.model.layers) - 1
             self.kv_events.append(
@@ -272,8 +285,13 @@ class Engine:
         return out
 
     def _run_local(self, batch: Batch) -> Outgoing:
+        start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
         sampled = self._forward(batch, self.runner.prepare(batch, self._token_ids(batch)))
-        return self._finish_step(batch, sampled)
+        self.telemetry.prefill_done(batch.seqs, start_ns, time.time_ns())
+        out = self._finish_step(batch, sampled)
+        for seq in batch.seqs:  # new prompts decode here next (mixed role)
+            self.telemetry.decode_started(seq.req_id)
+        return out
 
     def _decode(self, batch: Batch | None, local: list[Sequence]) -> Outgoing:
         token_ids = {s.req_id: self.requests[s.req_id].all_token_ids for s in local + self.sharded}
@@ -281,6 +299,7 @@ class Engine:
             self.shard_blocks.grow(seq.req_id, seq.num_tokens)
         inputs = self.runner.prepare_decode(local, self.sharded, token_ids, next(self.steps))
         everyone = Batch(Phase.DECODE, local + self.sharded)
+        self.telemetry.decode_step(len(everyone.seqs))
         sampled = self._forward(everyone, inputs)
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
         for seq, token in zip(list(self.sharded), sampled[len(local) :], strict=True):
@@ -308,6 +327,7 @@ class Engine:
         req, route = self.requests[req_id], self.routing[req_id]
         result = req.append(token, tokenizer=None)
         reason = result.finish_reason.value if result.finish_reason else ""
+        self.telemetry.token(req_id)
         out: Outgoing = [
             (
                 route.reply_to,
@@ -321,6 +341,7 @@ class Engine:
             )
         ]
         if reason:
+            self.telemetry.finished(req_id, reason)
             out += self._release(req_id)
         return out
 
@@ -344,6 +365,7 @@ class Engine:
             reply_to=route.reply_to,
             num_kv_layers=len(self.runner.model.layers),
             shards=list(route.shards),
+            traceparent=self.telemetry.handed_off(req_id),
         )
         return [(route.token_engine, handoff)]
 
@@ -366,6 +388,7 @@ class Engine:
             else:
                 return
             self.waiting_handoffs.pop(0)
+            self.telemetry.decode_started(h.req_id)
 
     def _token_ids(self, batch: Batch) -> dict[str, list[int]]:
         return {s.req_id: self.requests[s.req_id].all_token_ids for s in batch.seqs}

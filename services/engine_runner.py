@@ -38,12 +38,18 @@ KvSend = Callable[[str, KvPages, torch.Tensor, torch.Tensor], None]  # (endpoint
 
 @dataclass
 class KvRoute:
-    """Where one request's KV goes: one address per shard (heads split), or the token engine."""
+    """Where one request's KV goes: one address per shard (heads split), or the token engine.
+
+    The shipper also notes what it sent and when (`time.time_ns()`), for the `kv.transfer` span:
+    the first send started, the last one handed to the socket, and the bytes."""
 
     req_id: str
     destinations: list[ShardAddress]
     layer_wise: bool
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    num_bytes: int = 0
+    first_sent_ns: int = 0
+    last_sent_ns: int = 0
 
 
 class KvShipper:
@@ -77,6 +83,7 @@ class KvShipper:
                 self._ship(route, 0, k, v)
 
     def _ship(self, route: KvRoute, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        route.first_sent_ns = route.first_sent_ns or time.time_ns()
         for dest in route.destinations:
             header = KvPages(
                 req_id=route.req_id,
@@ -89,9 +96,10 @@ class KvShipper:
                 sent_at=time.monotonic(),
             )
             heads = slice(dest.head_start, dest.head_end)
-            self.send(
-                dest.kv_endpoint, header, k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
-            )
+            k_dest, v_dest = k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
+            self.send(dest.kv_endpoint, header, k_dest, v_dest)
+            route.num_bytes += k_dest.nbytes + v_dest.nbytes
+        route.last_sent_ns = time.time_ns()
 
 
 @dataclass

@@ -54,6 +54,9 @@ class Topology:
     layer_wise_min_tokens: int = 256
     attention_backend: str = "auto"
     num_threads: int = 1
+    # PHASEMESH_OTEL_EXPORTER for every service ("" keeps this process's environment);
+    # `{service_id}` is replaced, so `jsonl:/tmp/t/{service_id}.jsonl` gives each its own file.
+    otel_exporter: str = ""
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
@@ -133,7 +136,7 @@ class Mesh:
         ]
         self.shards = self._spawn(cfgs, ready_sock, timeout)
         links = [
-            ShardLinkSpec(r.link_address, r.kv_endpoint, c.head_start, c.head_end)
+            ShardLinkSpec(r.link_address, r.kv_endpoint, c.head_start, c.head_end, r.service_id)
             for c, r in zip(cfgs, self.shards, strict=True)
         ]
         return [links[e * per_group : (e + 1) * per_group] for e in range(t.num_token)]
@@ -162,10 +165,9 @@ class Mesh:
     def _spawn(
         self, cfgs: list[WorkerConfig], ready_sock: zmq.Socket, timeout: float
     ) -> list[WorkerReady]:
-        env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}
         for cfg in cfgs:
             cmd = [sys.executable, "-m", "services.worker", msgspec.json.encode(cfg).decode()]
-            self.procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env))
+            self.procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=self._env(cfg)))
         readies: dict[str, WorkerReady] = {}
         deadline = time.monotonic() + timeout
         while len(readies) < len(cfgs):
@@ -174,6 +176,13 @@ class Mesh:
             ready = msgspec.msgpack.decode(ready_sock.recv(), type=WorkerReady)
             readies[ready.service_id] = ready
         return [readies[c.service_id] for c in cfgs]
+
+    def _env(self, cfg: WorkerConfig) -> dict[str, str]:
+        env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}
+        if self.topology.otel_exporter:
+            exporter = self.topology.otel_exporter.replace("{service_id}", cfg.service_id)
+            env["PHASEMESH_OTEL_EXPORTER"] = exporter
+        return env
 
     def control_endpoints(self) -> list[str]:
         engines = [r.control_endpoint for r in self.prompt] + [

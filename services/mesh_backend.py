@@ -27,6 +27,7 @@ from pathlib import Path
 import msgspec
 import structlog
 import zmq
+from opentelemetry import trace
 
 from common.config import ModelConfig
 from common.engine.request import FinishReason, Request, RequestOutput
@@ -43,6 +44,7 @@ from common.protocol import (
     TokenOutput,
 )
 from common.sampling import SamplingParams
+from common.telemetry import bind_request, inject_context, set_route
 from common.tokenizer import Tokenizer
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from services.backend import AdmissionLimits, BackendStats, Overloaded, check_admission
@@ -66,6 +68,7 @@ class _Stream:
     prompt_engine: ServiceEntry | None = None
     token_engine: ServiceEntry | None = None
     first_token_out: bool = False
+    traceparent: str = ""  # the request's trace, carried to the engines
 
 
 class MeshBackend:
@@ -130,7 +133,8 @@ class MeshBackend:
                         break
         finally:
             if not engine_done:
-                log.info("aborting request in the mesh", req_id=req_id, finished=finished)
+                with bind_request(req_id, traceparent=stream.traceparent):
+                    log.info("aborting request in the mesh", finished=finished)
                 self._send_aborts(stream, req_id)
             self._release(req_id)
 
@@ -192,20 +196,32 @@ class MeshBackend:
                 prompt, token = self.placement.choose(num_tokens)
             except NoEngines as exc:
                 raise Overloaded("no_engines", "No engine is ready. Please retry later.") from exc
+            # The caller's current span is the request's (`RequestTrace.admission`).
             stream = _Stream(asyncio.get_running_loop(), num_tokens, prompt_engine=prompt,
-                             token_engine=token)  # fmt: skip
+                             token_engine=token, traceparent=inject_context())  # fmt: skip
             self._streams[req_id] = stream
             self._num_pending_prompt_tokens += num_tokens
             self._requests_by_engine[prompt.service_id] += 1
             self._requests_by_engine[token.service_id] += 1
+            shard_ids = self._shard_ids(token)
+        set_route(trace.get_current_span(), prompt_engine=prompt.service_id,
+                  token_engine=token.service_id, shards=shard_ids)  # fmt: skip
         msg = GenerateRequest(
             req_id=req_id, prompt_token_ids=list(prompt_ids), sampling=to_spec(params),
             reply_to=self.reply_endpoint, token_engine=token.command_endpoint,
             token_kv_endpoint=token.kv_endpoint,
             shards=[ShardAddress(kv, start, end) for kv, start, end in token.shards],
+            traceparent=stream.traceparent,
         )  # fmt: skip
         self._send(prompt.command_endpoint, msg)
         return stream
+
+    def _shard_ids(self, token: ServiceEntry) -> list[str]:
+        """The service ids of a token engine's shard group (its entry lists their KV endpoints).
+
+        Called with `_lock` held."""
+        by_endpoint = {e.kv_endpoint: e.service_id for e in self._services if e.kind == "shard"}
+        return [by_endpoint.get(kv, kv) for kv, _, _ in token.shards]
 
     def _to_outputs(self, request: Request, msg: TokenOutput) -> list[RequestOutput]:
         """Detokenize an engine message; the engine's finish reason wins if ours differs."""
@@ -314,13 +330,14 @@ class MeshBackend:
         """Fail requests whose token engine, or whose prompt engine before its first token, left."""
         with self._lock:
             orphans = [
-                (req_id, dead.service_id)
+                (req_id, dead.service_id, s.traceparent)
                 for req_id, s in self._streams.items()
                 for dead in (s.token_engine, None if s.first_token_out else s.prompt_engine)
                 if dead is not None and dead.service_id not in live_ids
             ]
-        for req_id, engine_id in orphans:
-            log.error("engine left mid-request", req_id=req_id, engine=engine_id)
+        for req_id, engine_id, traceparent in orphans:
+            with bind_request(req_id, traceparent=traceparent):
+                log.error("engine left mid-request", engine=engine_id)
             self._deliver(req_id, RuntimeError(f"engine {engine_id} stopped responding"))
 
 

@@ -127,7 +127,10 @@ def start_engine(
     if kind == "token" and not group:
         log.warning("no free shard group: this token engine decodes with local attention",
                     service_id=service_id)  # fmt: skip
-    links = [ShardLinkSpec(s.link_address, s.kv_endpoint, s.head_start, s.head_end) for s in group]
+    links = [
+        ShardLinkSpec(s.link_address, s.kv_endpoint, s.head_start, s.head_end, s.service_id)
+        for s in group
+    ]
     cfg = replace_cfg(base, service="engine", service_id=service_id, role=kind, shards=links)
     thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
     assert isinstance(thread.worker, EngineWorker)

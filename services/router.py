@@ -7,13 +7,19 @@ streamed byte is sent in-band (`data: {"error": ...}`) followed by `data: [DONE]
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`
 (200 when the backend is ready, else 503) and `GET /stats` (the backend's `BackendStats`).
+
+Each generation request is one `router.request` span (continuing the caller's trace when it sends
+a W3C `traceparent` header) and the TTFT, TBT and E2E metrics, recorded by
+`services.router_telemetry` as the router hands each output on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import re
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -21,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import ModelConfig
 from common.engine.request import RequestOutput
@@ -50,11 +56,48 @@ from services.openai_api import (
     error_body,
     install_error_handlers,
 )
+from services.router_telemetry import RouterTelemetry
 
 log = structlog.get_logger(__name__)
 
+# NOTE: recent FastAPI traces every request natively (an HTTP SERVER span, plus endpoint and
+# dependency spans) with the global tracer. `router.request` is this service's SERVER span and
+# the root of the request's trace, so FastAPI's spans are turned off where it has them.
+_NO_HTTP_SPANS: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "operation_spans": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arrival:
+    """How a generation request came in: its GenAI operation, when, and the caller's trace."""
+
+    operation: str  # text_completion | chat
+    start_ns: int  # time.time_ns() as the request reached the app (`_ArrivalStamp`)
+    traceparent: str = ""  # the caller's W3C header, if it sent one
+
+    @classmethod
+    def of(cls, http: Request, operation: str) -> _Arrival:
+        arrived_ns = getattr(http.state, "arrived_ns", 0) or time.time_ns()
+        return cls(operation, arrived_ns, http.headers.get("traceparent", ""))
+
+
+class _ArrivalStamp:
+    """ASGI middleware: when a request reached the router, before its body is read and
+    validated (`request.state.arrived_ns`); `router.request` and TTFT start there."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrived_ns"] = time.time_ns()
+        await self.app(scope, receive, send)
 
 
 @dataclasses.dataclass
@@ -75,12 +118,14 @@ class Router:
         backend: GenerationBackend,
         model_path: str | Path,
         served_model_name: str | None = None,
+        replica_id: str = "router",
     ) -> None:
         self.backend = backend
         self.model_path = Path(model_path)
         self.tokenizer = Tokenizer(self.model_path)
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.model_name = served_model_name or self.model_path.name
+        self.telemetry = RouterTelemetry(self.model_name, replica_id)
         self.app = self._build_app()
 
     @property
@@ -88,7 +133,8 @@ class Router:
         return self.model_config.max_position_embeddings
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None)
+        app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None, **_NO_HTTP_SPANS)
+        app.add_middleware(_ArrivalStamp)
         install_error_handlers(app)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
@@ -99,12 +145,13 @@ class Router:
 
     # ---- endpoints ----
 
-    async def completions(self, request: CompletionRequest) -> Response:
+    async def completions(self, request: CompletionRequest, http: Request) -> Response:
         self._check_request(request)
         _reject_completion_extras(request)
         prompt_ids = self._completion_prompt_ids(request.prompt)
         max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
-        job = await self._start("cmpl", prompt_ids, request, max_tokens)
+        arrival = _Arrival.of(http, "text_completion")
+        job = await self._start("cmpl", prompt_ids, request, max_tokens, arrival)
         if request.stream:
             return _sse_response(self._completion_chunks(job))
         text, last = await _collect(job.outputs)
@@ -115,14 +162,16 @@ class Router:
             ).model_dump()
         )
 
-    async def chat_completions(self, request: ChatCompletionRequest) -> Response:
+    async def chat_completions(self, request: ChatCompletionRequest, http: Request) -> Response:
         self._check_request(request)
         _reject_chat_extras(request)
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         prompt_ids = self.tokenizer.apply_chat_template(messages)
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", default=None)
-        job = await self._start("chatcmpl", prompt_ids, request, max_tokens)
+        job = await self._start(
+            "chatcmpl", prompt_ids, request, max_tokens, _Arrival.of(http, "chat")
+        )
         if request.stream:
             return _sse_response(self._chat_chunks(job))
         text, last = await _collect(job.outputs)
@@ -210,19 +259,36 @@ class Router:
         return requested
 
     async def _start(
-        self, prefix: str, prompt_ids: list[int], request: SamplingFields, max_tokens: int
+        self,
+        prefix: str,
+        prompt_ids: list[int],
+        request: SamplingFields,
+        max_tokens: int,
+        arrival: _Arrival,
     ) -> _Job:
         """Admit the request and wait for its first output, so refusals get a real status."""
         params = _sampling_params(request, max_tokens)
         req_id = f"{prefix}-{uuid.uuid4().hex}"
+        trace = self.telemetry.start(
+            req_id, operation=arrival.operation, num_prompt_tokens=len(prompt_ids),
+            max_tokens=max_tokens, start_ns=arrival.start_ns, traceparent=arrival.traceparent,
+        )  # fmt: skip
         stream = self.backend.generate(req_id, prompt_ids, params)
         try:
-            first = await anext(stream)
+            with trace.admission():  # the backend routes under the request's span
+                first = await anext(stream)
         except Overloaded as exc:
+            trace.fail(exc, exc.reason)
             raise APIError(429, str(exc), None, retry_after_s=RETRY_AFTER_S) from exc
         except ValueError as exc:
+            trace.fail(exc, "invalid_prompt")
             raise APIError(400, str(exc), "prompt") from exc
-        return _Job(req_id, len(prompt_ids), request.include_usage, _prepend(first, stream))
+        except BaseException as exc:
+            trace.fail(exc, "generation")
+            raise
+        # Outputs are recorded as they leave for the client (the first one included).
+        outputs = trace.observe(_prepend(first, stream))
+        return _Job(req_id, len(prompt_ids), request.include_usage, outputs)
 
     # ---- streamed chunks ----
 

@@ -8,6 +8,7 @@ UCX channel, blocking on its event fd (no busy-polling: this machine has 2 vCPUs
 from __future__ import annotations
 
 import threading
+import time
 
 import structlog
 import torch
@@ -26,6 +27,7 @@ from common.protocol import (
     Shutdown,
     StatsRequest,
 )
+from common.telemetry import Metrics
 from common.transport.ucx_channel import ChannelClosed, UcxListener, UcxTensorChannel
 from common.transport.zmq_sockets import TypedSocket, bind_random
 from services.attention_shard import AttentionShard, ShardSpec
@@ -34,6 +36,7 @@ from services.worker_config import WorkerConfig, WorkerReady
 log = structlog.get_logger(__name__)
 
 POLL_S = 0.2  # idle wake-up to notice shutdown
+GAUGE_INTERVAL_S = 0.5  # KV blocks in use, set at most this often
 
 
 class ShardWorker:
@@ -59,6 +62,8 @@ class ShardWorker:
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
         self.listener = UcxListener(ShardLinkMessage, host=cfg.host)
+        self.metrics = Metrics(model_name=cfg.model_name, engine=cfg.service_id)
+        self._last_gauge = 0.0
         self.running = True
 
     def ready(self) -> WorkerReady:
@@ -125,7 +130,15 @@ class ShardWorker:
                 self._on_ingress(*item)
             while (req := self.control.recv_nowait()) is not None:
                 self.replies.send(self.shard.stats(), prefix=req[0])
+            self._set_gauges()
         self.ctx.destroy(linger=0)
+
+    def _set_gauges(self) -> None:
+        now = time.monotonic()
+        if now - self._last_gauge >= GAUGE_INTERVAL_S:
+            self._last_gauge = now
+            used = self.shard.blocks.num_used_blocks  # NOTE: a racy read of an int, for a gauge
+            self.metrics.set_kv_blocks_used(used, shard=self.cfg.service_id)
 
     def _on_ingress(self, header: ShardIngress, tensors: list[torch.Tensor]) -> None:
         try:

@@ -32,9 +32,11 @@ from common.protocol import (
     Shutdown,
     StatsRequest,
 )
+from common.telemetry import configure_logging, configure_telemetry
 from common.transport.ucx_channel import UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from services.engine import Engine, EngineRole
+from services.engine_telemetry import EngineTelemetry
 from services.worker_config import WorkerConfig, WorkerReady
 
 log = structlog.get_logger(__name__)
@@ -64,9 +66,12 @@ class EngineWorker:
         role = EngineRole(
             cfg.role, self.command_endpoint, cfg.layer_wise_min_tokens, cfg.shard_num_blocks
         )
+        telemetry = EngineTelemetry(
+            cfg.service_id, cfg.model_name, shards=[s.service_id for s in cfg.shards]
+        )
         self.engine = Engine(
             cfg.service_id, role, _engine_config(cfg), self._send_kv, links,
-            [(s.head_start, s.head_end) for s in cfg.shards],
+            [(s.head_start, s.head_end) for s in cfg.shards], telemetry,
         )  # fmt: skip
         self.running = True
         self._last_report = 0.0
@@ -132,7 +137,9 @@ class EngineWorker:
         now = time.monotonic()
         if now - self._last_report >= LOAD_REPORT_INTERVAL_S:
             self._last_report = now
-            self.load_pub.send(self.engine.load_report(time.time()))
+            report = self.engine.load_report(time.time())
+            self.load_pub.send(report)
+            self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)
 
 
 def _engine_config(cfg: WorkerConfig) -> EngineConfig:
@@ -147,6 +154,8 @@ def _engine_config(cfg: WorkerConfig) -> EngineConfig:
 def main() -> None:
     faulthandler.enable()  # a crash in native code (UCX, the kernel) still leaves a stack
     cfg = msgspec.json.decode(sys.argv[1], type=WorkerConfig)
+    configure_telemetry(cfg.telemetry_name, instance_id=cfg.service_id)  # PHASEMESH_OTEL_EXPORTER
+    configure_logging()
     torch.set_num_threads(cfg.num_threads)
     if cfg.service == "shard":
         from services.shard_worker import ShardWorker

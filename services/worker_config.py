@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 
 
@@ -12,6 +14,7 @@ class ShardLinkSpec(msgspec.Struct, frozen=True):
     kv_endpoint: str
     head_start: int
     head_end: int
+    service_id: str = ""  # the shard's, for span attributes
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,6 +36,16 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     shard_num_blocks: int = 0
     head_start: int = 0  # shards: the KV heads they hold
     head_end: int = 0
+    served_model_name: str = ""  # the `model_name` label of metrics; default: the folder's name
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).name
+
+    @property
+    def telemetry_name(self) -> str:
+        """`service.name` of this worker's telemetry: prompt-engine, token-engine, ..."""
+        return "attention-shard" if self.service == "shard" else f"{self.role}-engine"
 
 
 class WorkerReady(msgspec.Struct, frozen=True):

@@ -22,6 +22,7 @@ from typing import Any
 from opentelemetry import metrics
 from opentelemetry.metrics import Meter
 
+from common.telemetry.setup import telemetry_is_off
 from common.telemetry.spans import OPERATION, PROVIDER, PROVIDER_NAME, REQUEST_MODEL
 
 # Seconds. TTFT and queue/prefill: 1 ms to 40 min (vLLM's TTFT buckets).
@@ -162,7 +163,8 @@ class Metrics:
     """The serving metrics of one service replica, labelled `model_name` and `engine`.
 
     Record methods take seconds, counts or bytes. `use_ray=None` records to Ray's metrics when
-    Ray is running in this process. Build it after `configure_telemetry` (or pass a `meter`).
+    Ray is running in this process (and telemetry is not `off`). Build it after
+    `configure_telemetry` (or pass a `meter`).
     """
 
     def __init__(
@@ -174,7 +176,7 @@ class Metrics:
         use_ray: bool | None = None,
     ):
         meter = meter or metrics.get_meter("phasemesh")
-        use_ray = ray_is_running() if use_ray is None else use_ray
+        use_ray = ray_is_running() and not telemetry_is_off() if use_ray is None else use_ray
         self.labels = {"model_name": model_name, "engine": engine}
         self._sinks = {spec.name: _Sink(spec, meter, use_ray) for spec in METRIC_SPECS}
         self._genai = _GenAiMetrics(meter, model_name)

@@ -10,6 +10,7 @@ The exporter is chosen by argument or by `PHASEMESH_OTEL_EXPORTER`, never hard-w
 | `jsonl:PATH` | PATH, one JSON object per line (spans, then metric snapshots)         |
 | `memory`     | in-memory exporter and reader, for tests (`Telemetry.span_exporter`)  |
 | `none`       | nowhere; spans still get ids so logs and messages carry trace ids     |
+| `off`        | nothing installed: the no-op API, no ids, no Ray metrics (benchmarks) |
 
 Unset, it is `otlp-http` (or `otlp-grpc` when `OTEL_EXPORTER_OTLP_PROTOCOL=grpc`) if
 `OTEL_EXPORTER_OTLP_ENDPOINT` is set, else `none`. The standard `OTEL_*` variables (endpoint,
@@ -49,7 +50,7 @@ from common.config import env
 
 log = structlog.get_logger(__name__)
 
-EXPORTER_KINDS = ("otlp-http", "otlp-grpc", "console", "jsonl", "memory", "none")
+EXPORTER_KINDS = ("otlp-http", "otlp-grpc", "console", "jsonl", "memory", "none", "off")
 # A decode span holds one event per token; the SDK's default cap (128) would drop all but the
 # last 128. OTEL_SPAN_EVENT_COUNT_LIMIT still overrides this.
 DEFAULT_MAX_SPAN_EVENTS = 8192
@@ -127,18 +128,19 @@ class _Installed:
 
 
 def configure_telemetry(
-    service_name: str, *, exporter: str | ExporterSpec | None = None
+    service_name: str, *, exporter: str | ExporterSpec | None = None, instance_id: str = ""
 ) -> Telemetry:
     """Install tracing and metrics for this process, once; later calls return the same `Telemetry`.
 
     `exporter` overrides the environment (see the module docstring). A later call that asks for a
     different exporter gets the first one and a warning: the global providers cannot be replaced.
+    `instance_id` (a replica's service id) becomes the resource's `service.instance.id`.
     """
     spec = ExporterSpec.parse(exporter) if isinstance(exporter, str) else exporter
     with _Installed.lock:
         installed = _Installed.telemetry
         if installed is None:
-            installed = _install(service_name, spec or ExporterSpec.from_env())
+            installed = _install(service_name, spec or ExporterSpec.from_env(), instance_id)
             _Installed.telemetry = installed
         elif spec is not None and spec != installed.exporter:
             log.warning(
@@ -149,8 +151,22 @@ def configure_telemetry(
         return installed
 
 
-def _install(service_name: str, spec: ExporterSpec) -> Telemetry:
-    resource = Resource.create({"service.name": service_name, "service.namespace": "phasemesh"})
+def telemetry_is_off() -> bool:
+    """True when this process configured the `off` exporter (`Metrics` then skips Ray too)."""
+    installed = _Installed.telemetry
+    return installed is not None and installed.exporter.kind == "off"
+
+
+def _install(service_name: str, spec: ExporterSpec, instance_id: str = "") -> Telemetry:
+    attributes = {"service.name": service_name, "service.namespace": "phasemesh"}
+    if instance_id:
+        attributes["service.instance.id"] = instance_id
+    resource = Resource.create(attributes)
+    if spec.kind == "off":
+        # NOTE: the providers are made but never installed: OpenTelemetry's API stays a no-op
+        # (non-recording spans, no ids, instruments that drop values), the cost baseline.
+        unused = TracerProvider(resource=resource), MeterProvider(resource=resource)
+        return Telemetry(service_name, spec, *unused)
     span_exporter, metric_reader = _exporters_for(spec)
     limits = SpanLimits(
         max_events=None if "OTEL_SPAN_EVENT_COUNT_LIMIT" in os.environ else DEFAULT_MAX_SPAN_EVENTS

@@ -12,6 +12,11 @@ prefill hides where TTFT and TBT go (peer-systems.md, pain point 8). A service t
 message passes its `traceparent` string as `parent`. Attribute names follow the OpenTelemetry
 GenAI conventions where one exists (`gen_ai.*`); PhaseMesh's own are under `phasemesh.`.
 Timestamps are `time.time_ns()` (wall clock, comparable across processes).
+
+Two ways to make a span: context managers (`request_span`, `prefill_span`, ...) around code that
+runs in one block, and functions that start or record a span without making it current
+(`start_request_span`, `record_prefill`, ...) for what a block cannot hold: a streamed request
+that outlives its handler, or a batch step that times many requests at once.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from common.telemetry.context import extract_context
 TRACER_NAME = "phasemesh"
 PROVIDER_NAME = "phasemesh"
 TOKEN_EVENT = "token"
+FIRST_TOKEN_EVENT = "first_token"  # on router.request: the first token reached the router
 
 # Attribute names, GenAI semantic conventions first.
 OPERATION = "gen_ai.operation.name"
@@ -78,7 +84,49 @@ def request_span(
     `operation` is the GenAI operation name: `text_completion` or `chat`. Pass `parent` only to
     continue a caller's trace (an incoming `traceparent` header).
     """
-    attributes: Attributes = {
+    attributes = _request_attributes(req_id, model, num_prompt_tokens, max_tokens, operation)
+    with _span("router.request", parent, attributes, kind=SpanKind.SERVER) as span:
+        yield span
+
+
+def start_request_span(
+    req_id: str,
+    *,
+    model: str,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    operation: str = "text_completion",
+    parent: Parent = None,
+    start_ns: int | None = None,
+) -> Span:
+    """`router.request` started but not made current: the caller ends it (`end_request_span`).
+
+    For a streamed response, which outlives the handler that admitted it. `start_ns` is when the
+    HTTP request arrived (`time.time_ns()`), before validation and tokenization.
+    """
+    return tracer().start_span(
+        "router.request",
+        context=parent_context(parent),
+        kind=SpanKind.SERVER,
+        attributes=_request_attributes(req_id, model, num_prompt_tokens, max_tokens, operation),
+        start_time=start_ns,
+    )
+
+
+def end_request_span(
+    span: Span, *, num_output_tokens: int, finish_reason: str, error: BaseException | None = None
+) -> None:
+    """End `router.request` with its usage; a failed request gets status ERROR and `error.type`."""
+    set_usage(span, num_output_tokens=num_output_tokens, finish_reason=finish_reason)
+    if error is not None:
+        mark_failed(span, error)
+    span.end()
+
+
+def _request_attributes(
+    req_id: str, model: str, num_prompt_tokens: int, max_tokens: int, operation: str
+) -> Attributes:
+    return {
         OPERATION: operation,
         PROVIDER: PROVIDER_NAME,
         REQUEST_MODEL: model,
@@ -86,8 +134,6 @@ def request_span(
         INPUT_TOKENS: num_prompt_tokens,
         REQUEST_MAX_TOKENS: max_tokens,
     }
-    with _span("router.request", parent, attributes, kind=SpanKind.SERVER) as span:
-        yield span
 
 
 def set_route(
@@ -136,8 +182,53 @@ def queue_span(name: str, parent: Parent, enqueued_ns: int, end_ns: int | None =
     Queue time starts and ends in different places of an engine loop, so it is recorded as a
     whole once the request leaves the queue: `enqueued_ns` is `time.time_ns()` at arrival.
     """
-    span = tracer().start_span(name, context=parent_context(parent), start_time=enqueued_ns)
-    span.end(end_time=end_ns if end_ns is not None else time.time_ns())
+    record_span(name, parent, enqueued_ns, end_ns if end_ns is not None else time.time_ns())
+
+
+def record_prefill(
+    parent: Parent,
+    start_ns: int,
+    end_ns: int,
+    *,
+    num_prompt_tokens: int,
+    batch_size: int,
+    batch_tokens: int,
+) -> None:
+    """`prompt.prefill` after the fact: the batch's forward timed once, one span per request."""
+    attributes: Attributes = {
+        INPUT_TOKENS: num_prompt_tokens,
+        BATCH_SIZE: batch_size,
+        BATCH_TOKENS: batch_tokens,
+    }
+    record_span("prompt.prefill", parent, start_ns, end_ns, attributes)
+
+
+def record_kv_transfer(
+    parent: Parent,
+    start_ns: int,
+    end_ns: int,
+    *,
+    num_layers: int,
+    num_bytes: int,
+    overlap_ratio: float,
+) -> None:
+    """`kv.transfer` after the fact: first KV page sent to last, with `set_kv_transfer`'s fields."""
+    attributes: Attributes = {
+        KV_LAYERS: num_layers,
+        KV_BYTES: num_bytes,
+        KV_OVERLAP_RATIO: overlap_ratio,
+    }
+    record_span("kv.transfer", parent, start_ns, end_ns, attributes)
+
+
+def record_span(
+    name: str, parent: Parent, start_ns: int, end_ns: int, attributes: Attributes = None
+) -> None:
+    """A finished child span with known start and end times (`time.time_ns()`)."""
+    span = tracer().start_span(
+        name, context=parent_context(parent), attributes=attributes, start_time=start_ns
+    )
+    span.end(end_time=end_ns)
 
 
 class DecodeSpan:
@@ -149,12 +240,22 @@ class DecodeSpan:
 
     __slots__ = ("_span", "num_tokens")
 
-    def __init__(self, parent: Parent, *, token_engine: str = "", shards: Sequence[str] = ()):
+    def __init__(
+        self,
+        parent: Parent,
+        *,
+        token_engine: str = "",
+        shards: Sequence[str] = (),
+        start_ns: int | None = None,
+    ):
         attributes: dict[str, str | list[str]] = {TOKEN_ENGINE: token_engine}
         if shards:
             attributes[SHARDS] = list(shards)
         self._span = tracer().start_span(
-            "token.decode", context=parent_context(parent), attributes=attributes
+            "token.decode",
+            context=parent_context(parent),
+            attributes=attributes,
+            start_time=start_ns,
         )
         self.num_tokens = 0
 
@@ -170,7 +271,7 @@ class DecodeSpan:
 
     def fail(self, error: BaseException) -> None:
         """End the span as failed (engine error, abort, lost shard)."""
-        _mark_failed(self._span, error)
+        mark_failed(self._span, error)
         self._span.set_attribute(OUTPUT_TOKENS, self.num_tokens)
         self._span.end()
 
@@ -191,11 +292,12 @@ def _span(
         try:
             yield span
         except BaseException as error:
-            _mark_failed(span, error)
+            mark_failed(span, error)
             raise
 
 
-def _mark_failed(span: Span, error: BaseException) -> None:
+def mark_failed(span: Span, error: BaseException) -> None:
+    """Status ERROR, `error.type` (the exception class) and an exception event."""
     span.record_exception(error)
     span.set_status(Status(StatusCode.ERROR, str(error)))
     span.set_attribute(ERROR_TYPE, type(error).__qualname__)

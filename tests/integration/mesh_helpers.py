@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from common.protocol import SamplingSpec
 from services.launch import Mesh, MeshClient
+from services.registry import ServiceEntry
 
 
 def run_staggered(
@@ -35,3 +36,47 @@ def assert_no_kv_held(mesh: Mesh) -> None:
     for stats in mesh.stats():
         assert stats.kv_blocks_used == 0, f"{stats.service_id} still holds {stats.kv_blocks_used}"
         assert stats.num_requests == 0, f"{stats.service_id} still tracks {stats.num_requests}"
+
+
+def registry_entries(mesh: Mesh) -> list[ServiceEntry]:
+    """What the registry would list for a launched mesh (every service ready), for `MeshBackend`."""
+    entries = [
+        ServiceEntry(
+            kind="prompt",
+            service_id=r.service_id,
+            role="prompt",
+            state="ready",
+            command_endpoint=r.command_endpoint,
+            kv_endpoint=r.kv_endpoint,
+            control_endpoint=r.control_endpoint,
+            load_endpoint=r.load_endpoint,
+        )
+        for r in mesh.prompt
+    ]
+    entries += [
+        ServiceEntry(
+            kind="token",
+            service_id=t.ready.service_id,
+            role="token",
+            state="ready",
+            command_endpoint=t.ready.command_endpoint,
+            kv_endpoint=t.ready.kv_endpoint,
+            control_endpoint=t.ready.control_endpoint,
+            load_endpoint=t.ready.load_endpoint,
+            shards=tuple((s.kv_endpoint, s.head_start, s.head_end) for s in t.shards),
+        )
+        for t in mesh.token
+    ]
+    entries += [
+        ServiceEntry(
+            kind="shard",
+            service_id=s.service_id,
+            role="shard",
+            state="ready",
+            kv_endpoint=s.kv_endpoint,
+            control_endpoint=s.control_endpoint,
+            link_address=s.link_address,
+        )
+        for s in mesh.shards
+    ]
+    return entries

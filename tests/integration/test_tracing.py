@@ -1,0 +1,276 @@
+"""One trace per request across the real mesh, and span timings that agree with the client.
+
+The mesh is real OS processes (prompt engine, token engine, attention shards) on ZeroMQ and UCX;
+each exports its spans to its own JSON-lines file (`PHASEMESH_OTEL_EXPORTER=jsonl:...`). The
+router runs in this process, served by uvicorn on a real socket, over a `MeshBackend`, with an
+in-memory span exporter. A plain HTTP client streams completions and times every SSE chunk.
+
+Checked against things outside the telemetry code: the client's own clock (TTFT and mean/median
+TBT within 10% or 5 ms), the model's geometry (KV bytes moved), the request's parameters (token
+counts, finish reason) and the topology (engines and shards chosen).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from common.config import ModelConfig
+from common.telemetry import Metrics, configure_telemetry
+from services.launch import Mesh, Topology
+from services.mesh_backend import MeshBackend
+from services.router import Router
+from tests.integration.mesh_helpers import registry_entries
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_TOKENS = 24
+LAYER_WISE_MIN = 384
+# (prompt length, layer-wise KV?): short prompts ship KV serialized, long ones layer by layer.
+# The first request also opens the client's connection: its timings are not compared. The
+# others are long enough that 10% of TTFT covers the HTTP hops the router cannot see (the
+# client's send to the router's first byte, and its last byte to the client: 1-4 ms each on a
+# busy 2-core machine).
+PROMPTS = [(40, False), (300, False), (500, True), (320, False), (450, True), (280, False)]
+PHASES = {"prompt.queue", "prompt.prefill", "kv.transfer", "token.queue", "token.decode"}
+
+
+@dataclass(frozen=True)
+class Latencies:
+    """Seconds: time to first token, and mean time between tokens (TBT) after it."""
+
+    ttft: float
+    tbt: float
+
+
+@dataclass
+class ClientTiming:
+    """What the client saw of one streamed request (perf_counter seconds)."""
+
+    sent: float
+    chunks: list[float]
+
+    @property
+    def latencies(self) -> Latencies:
+        tbt = (self.chunks[-1] - self.chunks[0]) / (len(self.chunks) - 1)
+        return Latencies(self.chunks[0] - self.sent, tbt)
+
+
+@pytest.fixture(scope="module")
+def router_spans() -> Iterator[InMemorySpanExporter]:
+    telemetry = configure_telemetry("router", exporter="memory")
+    exporter = telemetry.span_exporter
+    if exporter is None:  # another test configured this process first: listen on its provider
+        exporter = InMemorySpanExporter()
+        telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    exporter.clear()
+    yield exporter
+    exporter.clear()
+
+
+def serve(router: Router) -> tuple[uvicorn.Server, threading.Thread, str]:
+    server = uvicorn.Server(
+        uvicorn.Config(router.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)  # NOTE: uvicorn offers no start event; bounded by the test timeout
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def stream_completion(http: httpx.Client, prompt: list[int]) -> ClientTiming:
+    body = {"prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True}
+    sent = time.perf_counter()
+    chunks: list[float] = []
+    with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                chunks.append(time.perf_counter())
+                assert "error" not in json.loads(line[len("data:") :]), line
+    return ClientTiming(sent, chunks)
+
+
+def read_jsonl_spans(folder: Path) -> list[dict[str, Any]]:
+    """Every span the mesh's processes exported (metric snapshots share the files)."""
+    return [
+        record
+        for path in sorted(folder.glob("*.jsonl"))
+        for record in map(json.loads, path.read_text().splitlines())
+        if "context" in record
+    ]
+
+
+def ns(iso: str) -> int:
+    """A JSON span's timestamp (ISO 8601, microseconds, UTC) as ns since the epoch."""
+    return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() * 1e6) * 1000
+
+
+def hex_id(value: int, digits: int) -> str:
+    return f"0x{value:0{digits}x}"
+
+
+def histogram(reader: InMemoryMetricReader, name: str) -> tuple[int, float]:
+    data = reader.get_metrics_data()
+    assert data is not None
+    for resource_metrics in data.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == name:
+                    points = list(metric.data.data_points)
+                    return sum(p.count for p in points), sum(p.sum for p in points)
+    return 0, 0.0
+
+
+@pytest.mark.parametrize("num_shards", [2, 0], ids=["two-shards", "local-attention"])
+def test_one_connected_trace_per_request_matching_the_client(
+    tiny_model_path: Path, tmp_path: Path, router_spans: InMemorySpanExporter, num_shards: int
+) -> None:
+    exporter = f"jsonl:{tmp_path}/{{service_id}}.jsonl"  # one file per service
+    topology = Topology(
+        str(tiny_model_path), num_prompt=1, num_token=1, num_shards=num_shards,
+        layer_wise_min_tokens=LAYER_WISE_MIN, otel_exporter=exporter,
+    )  # fmt: skip
+    reader = InMemoryMetricReader()
+    router_spans.clear()
+    mesh = Mesh.start(topology)
+    try:
+        entries = registry_entries(mesh)
+        backend = MeshBackend(tiny_model_path, lambda: entries, refresh_s=60)
+        router = Router(backend, tiny_model_path)
+        meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+        router.telemetry.metrics = Metrics(model_name="tiny", meter=meter, use_ray=False)
+        server, thread, url = serve(router)
+        try:
+            with httpx.Client(base_url=url, timeout=60) as http:
+                timings = [stream_completion(http, list(range(7, 7 + n))) for n, _ in PROMPTS]
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            backend.shutdown()
+    finally:
+        mesh.close()  # the workers flush their spans as they exit
+
+    requests = sorted(
+        (s for s in router_spans.get_finished_spans() if s.name == "router.request"),
+        key=lambda s: s.start_time or 0,
+    )
+    assert len(requests) == len(PROMPTS)
+    by_trace: dict[str, list[dict[str, Any]]] = {}
+    for record in read_jsonl_spans(tmp_path):
+        by_trace.setdefault(record["context"]["trace_id"], []).append(record)
+    assert len(by_trace) == len(PROMPTS), "every mesh span belongs to one request's trace"
+    geometry = ModelConfig.from_folder(tiny_model_path)
+    shard_ids = tuple(s.service_id for s in mesh.shards)
+    compared: list[tuple[Latencies, Latencies]] = []
+    for i, (request, timing) in enumerate(zip(requests, timings, strict=True)):
+        assert len(timing.chunks) == NUM_TOKENS
+        phases = check_trace(request, by_trace, shard_ids)
+        check_kv_transfer(phases["kv.transfer"], geometry, *PROMPTS[i])
+        if i:
+            compared.append((span_latencies(request, phases["token.decode"]), timing.latencies))
+    check_latencies(compared)
+    check_router_metrics(reader, requests)
+
+
+def check_trace(
+    request: ReadableSpan, by_trace: dict[str, list[dict[str, Any]]], shard_ids: tuple[str, ...]
+) -> dict[str, dict[str, Any]]:
+    """The request's phases: one each, all children of `router.request`, inside its time."""
+    context = request.context
+    assert context is not None and request.parent is None, "router.request is the root"
+    assert request.attributes is not None
+    assert request.attributes["phasemesh.prompt_engine"] == "prompt-0"
+    assert request.attributes["phasemesh.token_engine"] == "token-0"
+    assert tuple(request.attributes.get("phasemesh.shards", ())) == shard_ids
+    assert request.attributes["gen_ai.usage.output_tokens"] == NUM_TOKENS
+    assert request.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    records = by_trace[hex_id(context.trace_id, 32)]
+    assert sorted(r["name"] for r in records) == sorted(PHASES)
+    phases = {r["name"]: r for r in records}
+    assert request.start_time is not None and request.end_time is not None
+    for record in records:
+        assert record["parent_id"] == hex_id(context.span_id, 16), record["name"]
+        assert request.start_time <= ns(record["start_time"]) <= ns(record["end_time"])
+        assert ns(record["end_time"]) <= request.end_time + 1000  # jsonl keeps microseconds
+    order = ["prompt.queue", "prompt.prefill", "token.queue", "token.decode"]
+    for before, after in zip(order, order[1:], strict=False):
+        assert ns(phases[before]["end_time"]) <= ns(phases[after]["start_time"]) + 1000
+    decode = phases["token.decode"]
+    assert decode["attributes"]["phasemesh.token_engine"] == "token-0"
+    assert tuple(decode["attributes"].get("phasemesh.shards", ())) == shard_ids
+    assert decode["attributes"]["gen_ai.response.finish_reasons"] == ["length"]
+    # The first token comes from the prompt engine: one event per token after it.
+    assert [e["name"] for e in decode["events"]] == ["token"] * (NUM_TOKENS - 1)
+    return phases
+
+
+def check_kv_transfer(
+    transfer: dict[str, Any], geometry: ModelConfig, prompt_len: int, layer_wise: bool
+) -> None:
+    # K and V, every layer, every KV head, float32: what the model's shape says must move.
+    expected = (
+        2 * geometry.num_hidden_layers * prompt_len * geometry.num_key_value_heads
+        * geometry.head_dim * 4
+    )  # fmt: skip
+    attributes = transfer["attributes"]
+    assert attributes["phasemesh.kv.bytes"] == expected
+    assert attributes["phasemesh.kv.num_layers"] == geometry.num_hidden_layers
+    assert attributes["phasemesh.kv.overlap_ratio"] == (1.0 if layer_wise else 0.0)
+
+
+def span_latencies(request: ReadableSpan, decode: dict[str, Any]) -> Latencies:
+    """TTFT: `router.request` start to its `first_token` event. TBT: from that event to the last
+    `token` event of `token.decode`, per token (the token engine's clock for the later tokens)."""
+    assert request.start_time is not None
+    (first_token,) = [e for e in request.events if e.name == "first_token"]
+    last_token_ns = ns(decode["events"][-1]["timestamp"])
+    tbt = (last_token_ns - first_token.timestamp) / 1e9 / len(decode["events"])
+    return Latencies((first_token.timestamp - request.start_time) / 1e9, tbt)
+
+
+def check_latencies(compared: list[tuple[Latencies, Latencies]]) -> None:
+    """Span-derived against client-measured, within 10% or 5 ms.
+
+    NOTE: the client and the router are scheduled independently on a shared 2-core machine: a
+    descheduled client adds milliseconds to one request, while a span that measures the wrong
+    thing is off for every request. So the typical (median) request must be within the issue's
+    tolerance, and every request within a looser one."""
+    for name in ("ttft", "tbt"):
+        pairs = [(getattr(span, name), getattr(client, name)) for span, client in compared]
+        errors = sorted(abs(s - c) / max(0.1 * c, 0.005) for s, c in pairs)
+        assert statistics.median(errors) <= 1.0, (name, pairs)
+        assert all(abs(s - c) <= max(0.25 * c, 0.02) for s, c in pairs), (name, pairs)
+
+
+def check_router_metrics(reader: InMemoryMetricReader, requests: list[ReadableSpan]) -> None:
+    """The router's histograms hold what its spans show: one TTFT per request, its value."""
+    ttft_count, ttft_sum = histogram(reader, "phasemesh_time_to_first_token_seconds")
+    assert ttft_count == len(requests)
+    span_ttfts = [
+        (next(e for e in r.events if e.name == "first_token").timestamp - (r.start_time or 0)) / 1e9
+        for r in requests
+    ]
+    assert ttft_sum == pytest.approx(sum(span_ttfts), rel=1e-6)
+    assert histogram(reader, "phasemesh_inter_token_latency_seconds")[0] == len(requests) * (
+        NUM_TOKENS - 1
+    )
+    assert histogram(reader, "phasemesh_e2e_request_latency_seconds")[0] == len(requests)
