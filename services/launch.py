@@ -249,13 +249,16 @@ class MeshClient:
         self.placement: dict[str, tuple[WorkerReady, TokenEngineInfo]] = {}
         self.orderer = TokenStreamOrderer()
 
-    def submit(self, req_id: str, prompt: list[int], sampling: SamplingSpec) -> None:
+    def submit(
+        self, req_id: str, prompt: list[int], sampling: SamplingSpec, traceparent: str = ""
+    ) -> None:
+        """`traceparent`: the request's trace context (`inject_context()`), as a router sends it."""
         pe, te = next(self._prompt_rr), next(self._token_rr)
         self.placement[req_id] = (pe, te)
         msg = GenerateRequest(
             req_id=req_id, prompt_token_ids=prompt, sampling=sampling,
             reply_to=self.reply_endpoint, token_engine=te.ready.command_endpoint,
-            token_kv_endpoint=te.ready.kv_endpoint, shards=te.shards,
+            token_kv_endpoint=te.ready.kv_endpoint, shards=te.shards, traceparent=traceparent,
         )  # fmt: skip
         self.push.get(pe.command_endpoint).send(msg)
 
