@@ -44,6 +44,12 @@ class Request:
     text: str = ""
     num_emitted_chars: int = 0
     finish_reason: FinishReason | None = None
+    # Incremental detokenization (vLLM's scheme): the text of output tokens [0, _read_offset) is
+    # `_committed`; tokens [_prefix_offset, _read_offset) are decoded again only as context for
+    # the ones after them, so a step costs a few tokens' decode, not the whole output's.
+    _committed: str = ""
+    _prefix_offset: int = 0
+    _read_offset: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -81,7 +87,8 @@ class Request:
 
     def _update_text(self, tokenizer: Tokenizer) -> str:
         """Decode, cut at a stop string, and return the part that is safe to stream now."""
-        full = tokenizer.decode(self.output_token_ids)
+        pending = self._decode_new(tokenizer)  # first: it may commit text
+        full = self._committed + pending
         stop_at = self._find_stop_string(full)
         if stop_at is not None:
             full, self.finish_reason = full[:stop_at], FinishReason.STOP
@@ -95,6 +102,24 @@ class Request:
         delta = full[self.num_emitted_chars : max(end, self.num_emitted_chars)]
         self.num_emitted_chars += len(delta)
         return delta
+
+    def _decode_new(self, tokenizer: Tokenizer) -> str:
+        """Text of the tokens not yet committed; complete characters are committed.
+
+        A multi-byte character split across tokens decodes to U+FFFD until it is complete: such
+        text is returned (the caller holds it back) but not committed.
+        """
+        tokens = self.output_token_ids
+        context = tokenizer.decode(tokens[self._prefix_offset : self._read_offset])
+        window = tokenizer.decode(tokens[self._prefix_offset :])
+        # Decoding with the context, then cutting it off, keeps tokenizers that treat a leading
+        # space specially (SentencePiece) right at the window's start.
+        new = window[len(context) :]
+        if new and not new.endswith("\ufffd"):
+            self._committed += new
+            self._prefix_offset, self._read_offset = self._read_offset, len(tokens)
+            return ""
+        return new
 
     def _find_stop_string(self, text: str) -> int | None:
         if not self.params.stop:

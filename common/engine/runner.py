@@ -54,24 +54,27 @@ class ModelRunner:
             spans = [(s.num_computed, s.num_tokens) for s in batch.seqs]
         else:
             spans = [(s.num_tokens - 1, s.num_tokens) for s in batch.seqs]
-        ids = [t for r, (a, b) in zip(req_ids, spans, strict=True) for t in token_ids[r][a:b]]
-        positions = torch.cat([torch.arange(a, b) for a, b in spans])
-        seq_lens = [b - a for a, b in spans]
-        tables = [self.blocks.block_table(r) for r in req_ids]
-        block_tables = pad_block_tables(tables)
-        context_lens = torch.tensor([b for _, b in spans], dtype=torch.int32)
-        seq_index = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor(seq_lens))
+        # NOTE: built as Python lists and turned into tensors once each: a decode step's inputs
+        # are a few dozen numbers, and every small torch op costs microseconds.
         block_size = self.blocks.block_size
-        blocks = block_tables[seq_index, positions // block_size].long()
+        tables = [self.blocks.block_table(r) for r in req_ids]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for r, table, (a, b) in zip(req_ids, tables, spans, strict=True):
+            ids += token_ids[r][a:b]
+            positions += range(a, b)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(a, b)]
+        seq_lens = [b - a for a, b in spans]
         return StepInputs(
             phase=batch.phase,
             req_ids=req_ids,
             input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=positions,
-            slot_mapping=blocks * block_size + positions % block_size,
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
             seq_lens=seq_lens,
-            block_tables=block_tables,
-            context_lens=context_lens,
+            block_tables=pad_block_tables(tables),
+            context_lens=torch.tensor([b for _, b in spans], dtype=torch.int32),
             last_token_index=torch.tensor(seq_lens).cumsum(0) - 1,
         )
 
@@ -79,8 +82,9 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Forward one step; return float32 logits [N, vocab] for each sequence's last token."""
         x = self.model.embed(inputs.input_ids)  # [T, hidden]
+        rope = self.model.rotary_at(inputs.positions)
         for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.pre_attention(x, inputs.positions)
+            q, k, v = layer.pre_attention(x, rope)
             attn = self.attend(i, q, k, v, inputs)  # [T, Hq, D]
             x = layer.post_attention(x, attn)
         return self.model.compute_logits(x[inputs.last_token_index])
@@ -106,8 +110,7 @@ class ModelRunner:
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
     """Block tables as one [N, max_blocks] int32 tensor, padded with block 0 (never read)."""
-    width = max((len(t) for t in tables), default=0)
-    padded = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
-    for row, table in enumerate(tables):
-        padded[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    return padded
+    width = max(max((len(t) for t in tables), default=0), 1)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(
+        len(tables), width
+    )

@@ -132,9 +132,7 @@ def load_model(folder: str | Path, dtype: str | None = None) -> LlamaForCausalLM
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    model.model.rotary = type(model.model.rotary)(config)
-    for layer in model.layers:
-        layer.rotary = model.model.rotary
+    model.model.rotary = type(model.model.rotary)(config)  # its tables are not in the checkpoint
     log.info(
         "model loaded", folder=str(folder), layers=config.num_hidden_layers, dtype=config.dtype
     )
