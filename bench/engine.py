@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -52,21 +55,28 @@ def hf_seconds(model, prompts: list[list[int]], new_tokens: int) -> float:  # ty
     return time.perf_counter() - start
 
 
-def decode_tokens_per_s(run, prompts: list[list[int]], repeats: int) -> float:  # type: ignore[no-untyped-def]
-    """Median over repeats of batch / per-step time, per-step time from two lengths."""
-    rates = []
+def decode_tokens_per_s(runs: dict[str, Callable], prompts: list[list[int]], repeats: int) -> dict:
+    """Median over repeats of batch / per-step time for each side; per-step time comes from two
+    lengths. The sides alternate within every repeat, so a busy spell on a shared machine hits
+    both rather than one."""
+    rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        step = (run(prompts, LONG) - run(prompts, SHORT)) / (LONG - SHORT)
-        rates.append(len(prompts) / step)
-    return statistics.median(rates)
+        for name, run in runs.items():
+            step = (run(prompts, LONG) - run(prompts, SHORT)) / (LONG - SHORT)
+            rates[name].append(len(prompts) / step)
+    return {name: statistics.median(r) for name, r in rates.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    # NOTE: run as a script, Python puts bench/ first on sys.path, where bench/profile.py would
+    # shadow the standard library's `profile` (which cProfile, imported by transformers, needs).
+    if sys.path[0] == str(Path(__file__).resolve().parent):
+        sys.path[0] = str(Path(__file__).resolve().parents[1])
     from transformers import LlamaForCausalLM
 
     path = args.model or str(default_model_path())
@@ -76,8 +86,12 @@ def main() -> None:
     results = {"model": path, "threads": torch.get_num_threads(), "batches": {}}
     for batch in args.batches:
         prompts = prompts_for(batch, vocab)
-        ours = decode_tokens_per_s(lambda p, n: engine_seconds(engine, p, n), prompts, args.repeats)
-        theirs = decode_tokens_per_s(lambda p, n: hf_seconds(hf, p, n), prompts, args.repeats)
+        runs = {
+            "engine": lambda p, n: engine_seconds(engine, p, n),
+            "transformers": lambda p, n: hf_seconds(hf, p, n),
+        }
+        rates = decode_tokens_per_s(runs, prompts, args.repeats)
+        ours, theirs = rates["engine"], rates["transformers"]
         results["batches"][str(batch)] = {
             "engine_tok_s": round(ours, 1),
             "transformers_tok_s": round(theirs, 1),
