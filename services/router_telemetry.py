@@ -86,7 +86,11 @@ class RequestTrace:
     @contextmanager
     def admission(self) -> Iterator[None]:
         """The span is current, and the request id on log lines, while the backend admits."""
-        with trace.use_span(self.span, end_on_exit=False), bind_request(self.req_id):
+        # NOTE: failures are recorded by `fail`, once; use_span would add its own.
+        current = trace.use_span(
+            self.span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+        )
+        with current, bind_request(self.req_id):
             yield
 
     def on_output(self, out: RequestOutput) -> None:

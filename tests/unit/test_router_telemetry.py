@@ -1,0 +1,173 @@
+"""The router's `router.request` span and metrics at the edges: refusals, a caller's trace, a client
+that leaves. The real FastAPI app over fake backends (httpx's ASGI transport), read back through
+OpenTelemetry's in-memory exporter and reader."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from common.engine.request import FinishReason, RequestOutput
+from common.sampling import SamplingParams
+from common.telemetry import Metrics, configure_telemetry
+from services.backend import BackendStats, Overloaded
+from services.router import Router
+
+CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER_SPAN = "00f067aa0ba902b7"
+
+
+class FakeBackend:
+    """Refuses every request, or streams `num_tokens` one-token outputs."""
+
+    def __init__(self, refuse: bool = False, num_tokens: int = 3) -> None:
+        self.refuse, self.num_tokens = refuse, num_tokens
+
+    async def generate(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncGenerator[RequestOutput, None]:
+        if self.refuse:
+            raise Overloaded("max_num_requests", "The server is busy.")
+        for i in range(1, self.num_tokens + 1):
+            await asyncio.sleep(0.001)
+            finish = FinishReason.LENGTH if i == self.num_tokens else None
+            yield RequestOutput(req_id, [7], "x", finish, len(prompt_token_ids), i)
+
+    def abort(self, req_id: str) -> None:
+        pass
+
+    def stats(self) -> BackendStats:
+        return BackendStats()
+
+    def ready(self) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def span_exporter() -> InMemorySpanExporter:
+    telemetry = configure_telemetry("test-router", exporter="memory")
+    if telemetry.span_exporter is not None:
+        return telemetry.span_exporter
+    exporter = InMemorySpanExporter()  # configured first by another test: listen on its provider
+    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+@pytest.fixture
+def spans(span_exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
+    span_exporter.clear()
+    yield span_exporter
+    span_exporter.clear()
+
+
+@pytest.fixture
+def reader() -> InMemoryMetricReader:
+    return InMemoryMetricReader()
+
+
+def make_router(model_path: Path, backend: Any, reader: InMemoryMetricReader) -> Router:
+    router = Router(backend, model_path, "tiny")
+    meter = MeterProvider(metric_readers=[reader]).get_meter("test")
+    router.telemetry.metrics = Metrics(model_name="tiny", meter=meter, use_ray=False)
+    return router
+
+
+def post(router: Router, body: dict[str, Any], headers: dict[str, str] | None = None) -> int:
+    async def main() -> int:
+        transport = httpx.ASGITransport(app=router.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            response = await http.post("/v1/completions", json=body, headers=headers)
+            return response.status_code
+
+    return asyncio.run(main())
+
+
+def the_request(spans: InMemorySpanExporter) -> ReadableSpan:
+    (span,) = [s for s in spans.get_finished_spans() if s.name == "router.request"]
+    return span
+
+
+def counts(reader: InMemoryMetricReader, name: str) -> dict[tuple, float]:
+    """{sorted label items: value} of a counter, or of a histogram's counts."""
+    data = reader.get_metrics_data()
+    found: dict[tuple, float] = {}
+    for resource_metrics in data.resource_metrics if data else []:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if metric.name == name:
+                    for point in metric.data.data_points:
+                        value = getattr(point, "count", None) or getattr(point, "value", 0)
+                        found[tuple(sorted((point.attributes or {}).items()))] = value
+    return found
+
+
+def test_a_refused_request_is_a_failed_span_and_an_error_by_kind(
+    tiny_model_path: Path, spans: InMemorySpanExporter, reader: InMemoryMetricReader
+) -> None:
+    router = make_router(tiny_model_path, FakeBackend(refuse=True), reader)
+    assert post(router, {"prompt": [5, 6, 7], "max_tokens": 4}) == 429
+    span = the_request(spans)
+    assert span.status.status_code == StatusCode.ERROR
+    assert span.attributes is not None and span.attributes["error.type"] == "Overloaded"
+    assert [e.name for e in span.events] == ["exception"]  # no first token, one exception
+    errors = counts(reader, "phasemesh_request_errors_total")
+    assert list(errors.values()) == [1]
+    assert ("kind", "max_num_requests") in next(iter(errors))
+    assert counts(reader, "phasemesh_time_to_first_token_seconds") == {}
+    assert counts(reader, "phasemesh_prompt_tokens_total") == {}
+
+
+def test_a_callers_traceparent_makes_the_request_its_child(
+    tiny_model_path: Path, spans: InMemorySpanExporter, reader: InMemoryMetricReader
+) -> None:
+    router = make_router(tiny_model_path, FakeBackend(num_tokens=3), reader)
+    header = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
+    assert post(router, {"prompt": [5, 6, 7], "max_tokens": 3}, header) == 200
+    span = the_request(spans)
+    assert span.parent is not None and span.context is not None
+    assert (f"{span.context.trace_id:032x}", f"{span.parent.span_id:016x}") == (
+        CALLER_TRACE,
+        CALLER_SPAN,
+    )
+    assert span.attributes is not None
+    assert span.attributes["gen_ai.usage.output_tokens"] == 3
+    assert [e.name for e in span.events] == ["first_token"]
+    assert list(counts(reader, "phasemesh_inter_token_latency_seconds").values()) == [2]
+    success = counts(reader, "phasemesh_request_success_total")
+    assert list(success.values()) == [1] and ("finished_reason", "length") in next(iter(success))
+
+
+def test_a_client_that_leaves_ends_the_request_as_abort(
+    tiny_model_path: Path, spans: InMemorySpanExporter, reader: InMemoryMetricReader
+) -> None:
+    router = make_router(tiny_model_path, FakeBackend(num_tokens=1000), reader)
+    backend = router.backend
+    trace = router.telemetry.start(
+        "r-left", operation="text_completion", num_prompt_tokens=3, max_tokens=1000, start_ns=0
+    )
+
+    async def read_two_then_leave() -> None:
+        outputs = trace.observe(backend.generate("r-left", [5, 6, 7], SamplingParams()))
+        for _ in range(2):
+            await anext(outputs)
+        await outputs.aclose()
+
+    asyncio.run(read_two_then_leave())
+    span = the_request(spans)
+    assert span.status.status_code != StatusCode.ERROR
+    assert span.attributes is not None
+    assert span.attributes["gen_ai.response.finish_reasons"] == ("abort",)
+    assert span.attributes["gen_ai.usage.output_tokens"] == 2
+    success = counts(reader, "phasemesh_request_success_total")
+    assert ("finished_reason", "abort") in next(iter(success))
