@@ -96,6 +96,9 @@ void decode(pm::Workspace& ws, const AnyArray& q, const AnyArray& key_cache,
 
 NB_MODULE(phasemesh_attention_kernel, m) {
   m.doc() = "CPU paged decode attention (see common/attention/cpu_kernel.py)";
+  // NOTE: engines and benches keep kernels in module-level objects that Python may not collect
+  // before nanobind's exit-time leak check runs; the report would be noise at every exit.
+  nb::set_leak_warnings(false);
   nb::class_<pm::Workspace>(m, "PagedDecodeKernel",
                             "Decode attention with scratch kept across calls; thread-safe.")
       .def(nb::init<>())
