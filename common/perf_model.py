@@ -2,10 +2,11 @@
 
 Built the way Splitwise built its simulator's model (§V-B): piecewise-linear interpolation through
 profiled points. Prefill time is a function of the batch's total prompt tokens (median over the
-repeats of each `prompt_size * batch_size`); decode-step time is a function of the batch size
-(profiled at 512-token contexts). Both extrapolate linearly past the last profiled point. A mixed
-iteration (prompts and decodes in one batch) costs the prefill of all its tokens times a small
-interference factor, as in the Splitwise simulator.
+repeats of each `prompt_size * batch_size`); decode-step time is a function of the batch size,
+from the batch sweep at one context (`decode_context`: 512 tokens in the Splitwise table). Both
+extrapolate linearly past the last profiled point. A mixed iteration (prompts and decodes in one
+batch) costs the prefill of all its tokens times a small interference factor, as in the Splitwise
+simulator.
 
 The profile table is `/work/shared/perf/splitwise_perf_model.csv` (columns `model, hardware,
 prompt_size, batch_size, token_size, ..., prompt_time, token_time, ..., tensor_parallel`, times in
@@ -84,9 +85,14 @@ class PerfModel:
 
 
 def read_profile_points(
-    path: str | os.PathLike[str], model: str, hardware: str, tensor_parallel: int
+    path: str | os.PathLike[str],
+    model: str,
+    hardware: str,
+    tensor_parallel: int,
+    decode_context: int = PROFILED_DECODE_CONTEXT,
 ) -> tuple[dict[float, list[float]], dict[float, list[float]]]:
-    """(prefill ms by batch tokens, decode ms by batch size) from a Splitwise-format profile."""
+    """(prefill ms by batch tokens, decode ms by batch size) from a Splitwise-format profile; the
+    decode points are the rows whose `prompt_size` is `decode_context`."""
     prefill: dict[float, list[float]] = defaultdict(list)
     decode: dict[float, list[float]] = defaultdict(list)
     with open(path, encoding="utf-8", newline="") as rows:
@@ -99,11 +105,12 @@ def read_profile_points(
             prefill[prompt_size * batch_size].append(float(row["prompt_time"]))
             # NOTE: only the batch sweep (fixed context) feeds the decode curve; the prompt-size
             # sweep at batch 1 would put several contexts on one x.
-            if prompt_size == PROFILED_DECODE_CONTEXT:
+            if prompt_size == decode_context:
                 decode[batch_size].append(float(row["token_time"]))
     if not prefill or len(decode) < 2:
         raise ValueError(
-            f"{path}: no profile rows for {model} on {hardware} with TP={tensor_parallel}"
+            f"{path}: no profile rows for {model} on {hardware} with TP={tensor_parallel} "
+            f"(and a batch sweep at prompt size {decode_context})"
         )
     return prefill, decode
 
@@ -114,9 +121,12 @@ def load_perf_model(
     hardware: str,
     tensor_parallel: int,
     mixed_interference: float = 1.1,
+    decode_context: int = PROFILED_DECODE_CONTEXT,
 ) -> PerfModel:
     """Fit a `PerfModel` for one (model, hardware, tensor parallelism) from a profile CSV."""
-    prefill_ms, decode_ms = read_profile_points(path, model, hardware, tensor_parallel)
+    prefill_ms, decode_ms = read_profile_points(
+        path, model, hardware, tensor_parallel, decode_context
+    )
     to_s = {x: [v / 1000.0 for v in vs] for x, vs in prefill_ms.items()}
     decode_s = {x: [v / 1000.0 for v in vs] for x, vs in decode_ms.items()}
     return PerfModel(PiecewiseLinear.fit(to_s), PiecewiseLinear.fit(decode_s), mixed_interference)

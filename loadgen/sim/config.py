@@ -5,6 +5,12 @@ cost of 2.5x against 2.35x for an H100 prompt machine; we keep both as printed. 
 not in Table V; it uses the prompt-machine H100 figures. Bandwidths are the InfiniBand links of
 §VI-A (200 Gbps A100, 400 Gbps H100) and the non-overlapped layer-wise residuals measured there
 (8 ms A100, 5 ms H100).
+
+`PhaseMesh-CPU` is PhaseMesh's own local mesh (`deploy/local.yaml`: a prompt engine, and a token
+engine with a 2-shard attention group) serving the tiny default model on one CPU machine, for
+checking the simulator against the real mesh (`bench/sim_validation.py`). Its profile comes from
+`bench/profile.py --hardware cpu-local-mesh` (`$PHASEMESH_PERF_PROFILE`); its KV pools are the
+engines' block pools; its link is loopback ZeroMQ (about 1.3 GB/s in `bench/transport.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,13 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
-from common.perf_model import KVTransferModel, PerfModel, TransferMode, load_perf_model
+from common.perf_model import (
+    PROFILED_DECODE_CONTEXT,
+    KVTransferModel,
+    PerfModel,
+    TransferMode,
+    load_perf_model,
+)
 from common.scheduling.cluster import Pool
 
 DEFAULT_PROFILE = (
@@ -29,13 +41,24 @@ def profile_path() -> Path:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the simulator needs of the served model: its profile key and KV size."""
+    """What the simulator needs of the served model: its profile key and KV size.
+
+    `decode_context`: the prompt size of the profile's batch sweep that gives the decode curve
+    (about the contexts the simulated workload decodes at)."""
 
     name: str = "llama2-70b"
     tensor_parallel: int = 8
     weight_bytes: int = 140 * 10**9  # 70B parameters in fp16
     # 80 layers x 8 KV heads x 128 dims x (K and V) x 2 bytes.
     kv_bytes_per_token: int = 80 * 8 * 128 * 2 * 2
+    decode_context: int = PROFILED_DECODE_CONTEXT
+
+
+LLAMA2_70B = ModelSpec()
+# The tiny default model (common/model/default.py) in float32: 3.4 M parameters; 4 layers x 2 KV
+# heads x 32 dims x (K and V) x 4 bytes per token. Its replays scale the Azure conversation trace's
+# tokens by 1/16 (mean prompt 58 tokens), so decode runs at contexts near 64.
+TINY = ModelSpec("tiny", 1, 4 * 3_400_000, 4 * 2 * 32 * 2 * 4, decode_context=64)
 
 
 @dataclass(frozen=True)
@@ -50,8 +73,11 @@ class MachineType:
     layerwise_residual_s: float
     hbm_bytes: int = 8 * 80 * 10**9
     memory_utilization: float = 0.9
+    kv_pool_tokens: int = 0  # a KV pool sized in blocks (PhaseMesh engines) instead of by HBM
 
     def kv_capacity_tokens(self, model: ModelSpec) -> int:
+        if self.kv_pool_tokens:
+            return self.kv_pool_tokens
         free = self.hbm_bytes * self.memory_utilization - model.weight_bytes
         return int(free // model.kv_bytes_per_token)
 
@@ -60,6 +86,12 @@ DGX_A100 = MachineType("DGX-A100", "a100-80gb", 1.0, 1.0, 200.0, 0.008)
 DGX_H100 = MachineType("DGX-H100", "h100-80gb", 2.35, 1.75, 400.0, 0.005)
 DGX_H100_TOKEN = replace(DGX_H100, cost=2.5)
 DGX_H100_CAP = MachineType("DGX-H100-cap", "h100-80gb-pcap", 2.5, 1.23, 400.0, 0.005)
+# deploy/local.yaml: the prompt engine's 512 blocks and the shard group's 1024 blocks of 16 tokens.
+# The layer-wise residual is the last layer's KV of a 256-token prompt (128 KiB) over the link.
+CPU_MESH_PROMPT = MachineType(
+    "CPU-mesh-prompt", "cpu-local-mesh", 1.0, 1.0, 10.0, 1e-4, kv_pool_tokens=512 * 16
+)
+CPU_MESH_TOKEN = replace(CPU_MESH_PROMPT, name="CPU-mesh-token", kv_pool_tokens=1024 * 16)
 
 
 @dataclass(frozen=True)
@@ -70,6 +102,7 @@ class Design:
     prompt_type: MachineType
     token_type: MachineType
     split: bool = True
+    model: ModelSpec = LLAMA2_70B
 
 
 DESIGNS: dict[str, Design] = {
@@ -81,21 +114,25 @@ DESIGNS: dict[str, Design] = {
         Design("Splitwise-HH", DGX_H100, DGX_H100_TOKEN),
         Design("Splitwise-HA", DGX_H100, DGX_A100),
         Design("Splitwise-HHcap", DGX_H100, DGX_H100_CAP),
+        Design("PhaseMesh-CPU", CPU_MESH_PROMPT, CPU_MESH_TOKEN, model=TINY),
     )
 }
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """A design with machine counts. A baseline's machines are all counted in `num_prompt`."""
+    """A design with machine counts. A baseline's machines are all counted in `num_prompt`.
+    `model` defaults to the design's."""
 
     design: Design
     num_prompt: int
     num_token: int = 0
-    model: ModelSpec = ModelSpec()
+    model: ModelSpec = None  # type: ignore[assignment]
     transfer_mode: TransferMode = TransferMode.AUTO
 
     def __post_init__(self) -> None:
+        if self.model is None:
+            object.__setattr__(self, "model", self.design.model)
         if self.num_prompt <= 0 or self.num_token < 0:
             raise ValueError("cluster: need at least one prompt (or baseline) machine")
         if self.design.split and self.num_token <= 0:
@@ -143,7 +180,11 @@ class ClusterSpec:
 def perf_model_for(machine: MachineType, model: ModelSpec, path: str = "") -> PerfModel:
     """The fitted performance model of `machine` running `model` (cached per process)."""
     return load_perf_model(
-        path or profile_path(), model.name, machine.hardware, model.tensor_parallel
+        path or profile_path(),
+        model.name,
+        machine.hardware,
+        model.tensor_parallel,
+        decode_context=model.decode_context,
     )
 
 

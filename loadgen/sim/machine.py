@@ -45,6 +45,7 @@ class SimMachine:
         self.version = 0  # bumps whenever the pending end-of-run event is superseded
         self.inbound_kv_tokens = 0  # KV in flight towards this machine
         self.busy_s = 0.0
+        self.max_run_steps = 0  # > 0: decode runs end after this many iterations
         self._finish_heap: list[tuple[int, int]] = []  # (policy step when done, req_id)
         self._tracked: dict[int, int] = {}  # req_id -> join_step already in the heap
 
@@ -102,7 +103,8 @@ class SimMachine:
         if self.policy.has_waiting or not self._finish_heap:
             return 1
         until_finish = self._finish_heap[0][0] - self.policy.step + 1
-        return max(1, min(until_finish, self.policy.max_decode_steps() + 1))
+        steps = max(1, min(until_finish, self.policy.max_decode_steps() + 1))
+        return min(steps, self.max_run_steps) if self.max_run_steps else steps
 
     def _track(self, plan: MixedPlan, output_len: dict[int, int]) -> None:
         """Put newly (re)joined requests on the finish heap, keyed by the policy step at which

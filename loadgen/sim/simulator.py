@@ -2,8 +2,10 @@
 
 Three events: a request arrives (the cluster policy routes it to a prompt and a token machine), a
 machine's iteration or decode run ends (its machine-level policy plans the next), and a request's
-KV lands on its token machine. Machines are `SimMachine`s running `common.scheduling.mixed`'s
-`MixedBatchPolicy`; routing is `common.scheduling.cluster`'s policy, fed the machines' exact loads.
+KV lands on its token machine. A fourth, a request entering the front end, exists only when the
+machines share one host's CPU (`SimOptions.shared_cpu`, `loadgen/sim/shared_cpu.py`).
+Machines are `SimMachine`s running `common.scheduling.mixed`'s `MixedBatchPolicy`; routing is
+`common.scheduling.cluster`'s policy, fed the machines' exact loads.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from common.scheduling.cluster import JSQPoolPolicy, PoolThresholds, RouteReques
 from common.scheduling.mixed import MixedBatchPolicy, MixedPolicyConfig
 from loadgen.sim.config import ClusterSpec, perf_model_for
 from loadgen.sim.machine import SimMachine
+from loadgen.sim.shared_cpu import FrontEnd, HostModel
 
 log = structlog.get_logger(__name__)
 
-ARRIVAL, RUN_END, KV_LANDED = 0, 1, 2
+ARRIVAL, RUN_END, KV_LANDED, FRONTEND = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,13 @@ class SimOptions:
     # A token machine holding ~40k KV tokens (~35 conversation requests) is "full": past that
     # batch size its TBT passes 1.2x, so the router looks to the mixed pool.
     thresholds: PoolThresholds = PoolThresholds(decode_tokens=40_000)
+    # The front end's latency per request (HTTP, router, and the first token's way back), outside
+    # every machine: a request reaches its prompt machine this long after it arrives. Zero at
+    # Splitwise's scale (milliseconds against seconds); measured for PhaseMesh's CPU mesh.
+    frontend_s: float = 0.0
+    # Machines and front end on one host's cores (PhaseMesh's CPU mesh): the shared CPU and the
+    # front end's loops as queues; `frontend_s` is then the host's. None: independent GPUs.
+    host: HostModel | None = None
 
 
 class Simulator:
@@ -101,6 +111,13 @@ class Simulator:
             SimMachine(i, home, self._policy_for(t), perf_model_for(t, cluster.model))
             for i, (t, home) in enumerate(types)
         ]
+        self.cpu = options.host.cpu if options.host else None
+        self.frontend: FrontEnd | None = options.host.frontend() if options.host else None
+        if self.cpu is not None:
+            # NOTE: contention changes between iterations; a multi-step run would freeze it.
+            for machine in self.machines:
+                machine.max_run_steps = 1
+        self._in_frontend = 0
         self.router = JSQPoolPolicy(
             {i: home for i, (_, home) in enumerate(types)}, options.thresholds
         )
@@ -130,12 +147,15 @@ class Simulator:
         req_id = len(self.records)
         self.records.append(RequestRecord(req.arrival_s, req.prompt_len, req.output_len))
         self.output_len[req_id] = req.output_len
-        self._push(req.arrival_s, ARRIVAL, req_id)
+        if self.cpu is not None:
+            self._push(req.arrival_s, FRONTEND, req_id)
+        else:
+            self._push(req.arrival_s + self.options.frontend_s, ARRIVAL, req_id)
         return req_id
 
     def advance_until(self, time_s: float) -> float:
         """Process every event up to `time_s`; the time of the last one processed."""
-        handlers = (self._on_arrival, self._on_run_end, self._on_kv_landed)
+        handlers = (self._on_arrival, self._on_run_end, self._on_kv_landed, self._on_frontend)
         events = self._events
         while events and events[0][0] <= time_s:
             self.now, _, kind, a, b = heapq.heappop(events)
@@ -158,7 +178,26 @@ class Simulator:
 
     # -- events ---------------------------------------------------------------------------------
 
+    def _on_frontend(self, now: float, req_id: int, _: int) -> None:
+        """A request enters the front end; it reaches the router's decision when it leaves."""
+        assert self.frontend is not None
+        self._in_frontend += 1
+        self._push(self.frontend.request_in(now, self._loop_stretch()), ARRIVAL, req_id)
+
+    def _loop_stretch(self) -> float:
+        """Wall seconds per CPU second of a front-end loop now (1.0 on an idle host)."""
+        assert self.cpu is not None
+        return self.cpu.slowdown(self._demand())
+
+    def _client_time(self, now: float, num_tokens: int) -> float:
+        """When tokens emitted now reach the client (now, without a modelled front end)."""
+        if self.frontend is None or num_tokens == 0:
+            return now
+        return self.frontend.tokens_out(now, num_tokens, self._loop_stretch())
+
     def _on_arrival(self, now: float, req_id: int, _: int) -> None:
+        if self.cpu is not None:
+            self._in_frontend -= 1
         record = self.records[req_id]
         if record.output_len <= 0 or record.prompt_len <= 0:
             record.first_token_s = record.done_s = now  # nothing to compute
@@ -180,27 +219,35 @@ class Simulator:
         if version != machine.version or machine.run is None:
             return  # superseded by an interrupt
         plan, finished = machine.complete()
+        first = [r for r in plan.prefill_ids if self._after_prefill(machine, r, now, finished)]
+        decoded_s = self._client_time(now, len(plan.decode_ids))
         for req_id in finished:
-            self.records[req_id].done_s = now
-        for req_id in plan.prefill_ids:
-            self._after_prefill(machine, req_id, now, finished)
+            record = self.records[req_id]
+            if req_id in first:  # done at its first token
+                record.done_s = record.first_token_s
+            elif req_id in plan.prefill_ids:  # a recompute that generated its last token
+                record.done_s = self._client_time(now, 1)
+            else:
+                record.done_s = decoded_s
         self._kick(machine, now)
 
     def _after_prefill(
         self, machine: SimMachine, req_id: int, now: float, finished: Sequence[int]
-    ) -> None:
+    ) -> bool:
+        """A prefill of `req_id` ended: its first token (True), or a recompute (False)."""
         record = self.records[req_id]
         if record.first_token_s == record.first_token_s:
-            return  # a recompute after preemption, not a first token
-        record.first_token_s = now
+            return False  # a recompute after preemption, not a first token
+        record.first_token_s = self._client_time(now, 1)
         if record.token_machine == machine.machine_id:
-            return
+            return True
         if req_id in finished:  # a one-token output: no KV to send after all
             self.machines[record.token_machine].inbound_kv_tokens -= record.prompt_len
-            return
+            return True
         machine.forget(req_id)  # the KV leaves for the token machine
         delay = self.transfer.visible_s(record.prompt_len)
         self._push(now + delay, KV_LANDED, req_id, record.token_machine)
+        return True
 
     def _on_kv_landed(self, now: float, req_id: int, machine_id: int) -> None:
         record = self.records[req_id]
@@ -214,11 +261,30 @@ class Simulator:
         if machine.run is None:
             run = machine.start(now, self.output_len)
             if run is not None:
+                if self.cpu is not None:
+                    run.step_s *= self.cpu.stretch(self._run_cores(machine), self._demand())
                 self._push(run.end_s, RUN_END, machine.machine_id, machine.version)
             return
         new_end = machine.interrupt(now)
         if new_end is not None:
             self._push(new_end, RUN_END, machine.machine_id, machine.version)
+
+    def _run_cores(self, machine: SimMachine) -> float:
+        """Cores `machine`'s current run wants at full speed (0 when idle)."""
+        cpu, run = self.cpu, machine.run
+        if cpu is None or run is None:
+            return 0.0
+        if run.plan.prefill_ids:
+            return cpu.prompt_cores
+        return cpu.decode_cores(len(run.plan.decode_ids))
+
+    def _demand(self) -> float:
+        """Cores every activity on the shared host wants now: runs and front-end requests. The
+        front end's loops are one thread each: requests queued behind others want no CPU."""
+        assert self.cpu is not None and self.frontend is not None
+        busy = sum(self._run_cores(machine) for machine in self.machines)
+        requests = self._in_frontend * self.cpu.frontend_cores
+        return busy + min(requests, float(len(self.frontend.stations)))
 
 
 def simulate(

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from loadgen.sim.config import parse_cluster
+from loadgen.sim.shared_cpu import HostModel
 from loadgen.sim.simulator import SimOptions, SimRequest, Simulator
 from loadgen.target import RequestSpec, StreamEvent, Usage
 
@@ -75,5 +77,24 @@ class SimTarget:
 
 
 def make_target(config: str, options: SimOptions | None = None) -> SimTarget:
-    """A simulator target for `config`, e.g. `Splitwise-HH:25P15T` or `Baseline-H100:40`."""
-    return SimTarget(Simulator(parse_cluster(config), options))
+    """A simulator target for `config`: a cluster, e.g. `Splitwise-HH:25P15T` or
+    `Baseline-H100:40`, optionally followed by `@` and options (`parse_options`)."""
+    cluster, _, extra = config.partition("@")
+    return SimTarget(Simulator(parse_cluster(cluster), parse_options(extra, options)))
+
+
+def parse_options(text: str, base: SimOptions | None = None) -> SimOptions:
+    """Comma-separated `key=value`s on top of `base`: `frontend_ms=N` (a front-end latency per
+    request), `host=FILE` (a `HostModel` JSON: front end and shared CPU, as measured by
+    `bench/sim_validation.py`)."""
+    options = base or SimOptions()
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        if key == "frontend_ms" and value:
+            options = replace(options, frontend_s=float(value) / 1000.0)
+        elif key == "host" and value:
+            host = HostModel.load(value)
+            options = replace(options, frontend_s=host.frontend_s, host=host)
+        else:
+            raise ValueError(f"unknown simulator option {item!r}; known: frontend_ms=N, host=FILE")
+    return options

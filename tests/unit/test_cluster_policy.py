@@ -116,3 +116,29 @@ def test_power_of_two_spreads_over_a_large_pool():
     state = loads(*[(0, 0, 10**6)] * 10)
     chosen = {policy.route(RouteRequest(i, 10), state, 0.0).prompt_machine_id for i in range(200)}
     assert len(chosen) >= 6 and chosen <= set(range(8))
+
+
+def test_full_token_pool_uses_an_already_mixed_machine_before_borrowing():
+    policy = split_policy(decode_tokens=5000)
+    policy.pools.apply(PoolMove(1, M), now=0.0)  # prompt machine 1 already mixed
+    state = loads((0, 0, 10**6), (100, 200, 10**6), (0, 6000, 10**6), (0, 7000, 10**6))
+    decision = policy.route(RouteRequest(1, 100), state, now=1.0)
+    assert decision.token_machine_id == 1
+    assert decision.moves == ()  # nothing borrowed: the mixed pool had room
+
+
+def test_best_token_machine_without_kv_room_counts_as_full():
+    policy = split_policy()
+    # Machine 3 has the shorter decode queue but no KV room for a 500-token prompt: the best
+    # target is full, so (no mixed machine yet) the idlest prompt machine is borrowed.
+    state = loads((0, 0, 10**6), (50, 0, 10**6), (0, 900, 10**6), (0, 100, 400))
+    decision = policy.route(RouteRequest(1, 500), state, now=0.0)
+    assert decision.token_machine_id == 0 and PoolMove(0, M) in decision.moves
+
+
+def test_repurposing_never_takes_the_last_machine_of_its_home_pool():
+    policy = JSQPoolPolicy({0: P, 1: T, 2: T}, PoolThresholds(repurpose_after_s=10.0))
+    policy.pools.apply(PoolMove(0, M), now=0.0)  # the only prompt machine, lent to decoding
+    still_decoding = loads((0, 500, 10**6), (0, 0, 10**6), (0, 0, 10**6))
+    assert policy.rebalance(still_decoding, now=100.0) == []
+    assert policy.pools.home[0] is P and policy.pools.current[0] is M

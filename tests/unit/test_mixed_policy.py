@@ -145,3 +145,33 @@ def test_decode_growth_preempts_youngest_when_memory_runs_out():
     plan = p.schedule(1.2)  # needs 2 more, 1 free: the younger goes
     assert plan.preempted_ids == (1,) and plan.decode_ids == (0,)
     assert p.max_decode_steps() == p.kv_free
+
+
+def test_default_prompt_batch_cap_is_2048_tokens():
+    p = MixedBatchPolicy(MixedPolicyConfig(kv_capacity_tokens=100_000))
+    for req_id in range(5):
+        p.add_prompt(req_id, 600, arrival_s=float(req_id))
+    plan = p.schedule(now=5.0)
+    assert plan.prefill_ids == (0, 1, 2) and plan.num_prefill_tokens == 1800
+
+
+def test_prompts_get_memory_before_waiting_decodes():
+    p = policy(kv=1000)
+    p.add_decode(0, 500, arrival_s=0.0, now=0.5)  # KV landed first
+    p.add_prompt(1, 600, arrival_s=1.0)
+    plan = p.schedule(1.0)
+    # Only one fits: the prompt is admitted, the landed decode waits for memory.
+    assert plan.prefill_ids == (1,) and plan.decode_ids == ()
+    assert p.has_waiting and 0 not in p.running
+    p.finish(1)
+    assert p.schedule(1.1).decode_ids == (0,)
+
+
+def test_older_decode_survives_and_younger_is_preempted_whatever_the_join_order():
+    p = policy(kv=1000)
+    p.add_decode(5, 300, arrival_s=3.0, now=3.0)  # joined first, but arrived later (younger)
+    p.add_decode(6, 300, arrival_s=1.0, now=3.1)  # joined second, older request
+    p.schedule(3.2)
+    p.add_prompt(7, 500, arrival_s=4.0)
+    plan = p.schedule(4.0)
+    assert plan.preempted_ids == (5,) and set(plan.decode_ids) == {6}

@@ -1,0 +1,357 @@
+"""Profile PhaseMesh's own engine into the Splitwise table (the `../shared/perf/*.csv` format).
+
+    python bench/profile.py [--model tiny] [--decode engine|mesh|http://HOST:PORT] [--out FILE]
+
+One row per (prompt size P, batch size B, repeat), with the GPU profiles' columns:
+
+- `prompt_time`: one prefill forward over B prompts of P tokens (a prompt engine's batch), run in
+  this process with the engines' model runner (ms).
+- `token_time`: one decode iteration at batch B, contexts from P to P + token_size (ms), measured
+  where `--decode` says:
+    engine  in this process, local paged attention (a mixed engine's decode step);
+    mesh    a launched mesh (`services.launch`: one prompt engine, one token engine and `--shards`
+            attention shards): the steady gap between the tokens of B concurrent requests, shard
+            round trips included, as the mesh's own client sees it;
+    URL     a running server's OpenAI API (`serve run deploy/local.yaml`, say): the same gap as
+            its HTTP clients see it, streaming through the router and Serve's proxy on the same
+            cores as the engines (loadgen's HTTP client sends the requests).
+- `e2e_time`: prompt_time + token_size x token_time. Powers are 0 (not recorded), tensor_parallel 1.
+
+`PHASEMESH_PERF_PROFILE=FILE` points the simulator at the table (`loadgen/sim/config.py`);
+`--hardware` names the machine in it. The last line is one JSON object: the file, its row count,
+and the median prefill and decode times by batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+# NOTE: this file's name shadows the stdlib `profile` (cProfile imports it, and torch imports
+# cProfile): keep bench/ off the import path; the repository root goes on it instead.
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _BENCH]
+sys.path.insert(0, os.path.dirname(_BENCH))
+
+from common.engine.core import LLMEngine  # noqa: E402
+from common.model.default import PRESETS, default_model_path  # noqa: E402
+from common.scheduling.batching import Batch, Phase, Sequence  # noqa: E402
+
+COLUMNS = (
+    "model", "hardware", "prompt_size", "batch_size", "token_size", "peak_power",
+    "average_power", "prompt_time", "token_time", "e2e_time", "tensor_parallel",
+)  # fmt: skip
+FIRST_ID = 8  # prompt ids start past the special tokens
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One profiled configuration: B prompts of P tokens, then decode at batch B."""
+
+    prompt_size: int
+    batch_size: int
+
+
+def cells(prompt_sizes: list[int], batch_sizes: list[int], max_batch_tokens: int) -> list[Cell]:
+    return [Cell(p, b) for p in prompt_sizes for b in batch_sizes if p * b <= max_batch_tokens]
+
+
+def kv_blocks(grid: list[Cell], extra_tokens: int, block_size: int = 16) -> int:
+    """KV blocks for the largest batch of the grid, each request `extra_tokens` past its prompt."""
+    per_request = [-(-(c.prompt_size + extra_tokens) // block_size) for c in grid]
+    return max(c.batch_size * n for c, n in zip(grid, per_request, strict=True))
+
+
+def prompt_ids(cell: Cell, vocab: int, salt: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(cell.prompt_size * 7919 + cell.batch_size * 31 + salt)
+    shape = (cell.batch_size, cell.prompt_size)
+    return torch.randint(FIRST_ID, vocab, shape, generator=gen).tolist()
+
+
+class LocalRunner:
+    """The engines' `ModelRunner` in this process: timed prefill batches and decode steps."""
+
+    def __init__(self, model_path: str, num_blocks: int) -> None:
+        self.engine = LLMEngine.from_path(model_path, num_blocks=num_blocks)
+        self.vocab = self.engine.model_config.vocab_size
+
+    def run(self, cell: Cell, decode_steps: int, salt: int) -> tuple[float, list[float]]:
+        """(prefill ms, per-step decode ms) of one batch; `decode_steps` may be 0."""
+        blocks = self.engine.blocks
+        prompts = prompt_ids(cell, self.vocab, salt)
+        seqs = [Sequence(f"p{i}", cell.prompt_size) for i in range(cell.batch_size)]
+        token_ids = {s.req_id: list(p) for s, p in zip(seqs, prompts, strict=True)}
+        for seq in seqs:
+            blocks.allocate(seq.req_id, cell.prompt_size + decode_steps + 1)
+        try:
+            prefill_ms = self._timed_step(Batch(Phase.PREFILL, seqs), token_ids)
+            steps = [self._timed_step(Batch(Phase.DECODE, seqs), token_ids)
+                     for _ in range(decode_steps)]  # fmt: skip
+            return prefill_ms, steps
+        finally:
+            for seq in seqs:
+                blocks.free(seq.req_id)
+
+    @torch.inference_mode()
+    def _timed_step(self, batch: Batch, token_ids: dict[str, list[int]]) -> float:
+        runner = self.engine.runner
+        start = time.perf_counter()
+        logits = runner.run(runner.prepare(batch, token_ids))
+        sampled = logits.argmax(dim=-1).tolist()  # greedy, as the replays sample
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        for seq, token in zip(batch.seqs, sampled, strict=True):
+            token_ids[seq.req_id].append(token)
+            seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1
+        return elapsed_ms
+
+
+def steady_gaps(token_times: list[list[float]]) -> list[float]:
+    """Gaps between consecutive tokens while every request of the batch was decoding: after the
+    last request's second token (its first from the token engine) and up to the first finish."""
+    start = max(times[1] for times in token_times)
+    end = min(times[-1] for times in token_times)
+    pairs = ((a, b) for times in token_times for a, b in zip(times, times[1:], strict=False))
+    return [b - a for a, b in pairs if start <= a < b <= end]
+
+
+class MeshDecode:
+    """Decode through a launched mesh (`services.launch`), timed at the mesh's own client."""
+
+    def __init__(self, model_path: str, num_shards: int, num_blocks: int) -> None:
+        from services.launch import Mesh, MeshClient, Topology
+
+        topology = Topology(model_path, 1, 1, num_shards, num_blocks=num_blocks)
+        self.mesh = Mesh.start(topology)
+        self.client = MeshClient(self.mesh)
+        self._num_batches = 0
+
+    def token_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
+        from common.protocol import SamplingSpec
+
+        sampling = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self._num_batches += 1
+        times: dict[str, list[float]] = {}
+        for i, prompt in enumerate(prompts):
+            req_id = f"profile-{self._num_batches}-{i}"
+            times[req_id] = []
+            self.client.submit(req_id, prompt, sampling)
+        live = len(prompts)
+        while live:
+            out = self.client.recv(timeout=300)
+            if out.error:
+                raise RuntimeError(f"mesh request {out.req_id} failed: {out.error}")
+            now = time.monotonic()
+            times[out.req_id] += [now] * len(out.token_ids)
+            live -= bool(out.finish_reason)
+        return list(times.values())
+
+    def close(self) -> None:
+        self.client.close()
+        self.mesh.close()
+
+
+class HttpDecode:
+    """Decode through a server's OpenAI API, timed by loadgen's streaming HTTP client."""
+
+    def __init__(self, url: str, vocab: int) -> None:
+        from loadgen.commands import discover_model
+
+        self.url, self.vocab = url, vocab
+        self.model = asyncio.run(discover_model(url, None))
+        self._num_batches = 0
+
+    def token_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
+        """Each request's token arrival times (`time.monotonic`), B concurrent requests."""
+        self._num_batches += 1
+        return asyncio.run(self._replay(len(prompts), len(prompts[0]), max_tokens))
+
+    async def _replay(
+        self, batch_size: int, prompt_size: int, max_tokens: int
+    ) -> list[list[float]]:
+        from loadgen.http_target import OpenAIStreamingTarget
+        from loadgen.prompts import PromptBuilder
+        from loadgen.replay import replay
+        from loadgen.target import RequestSpec
+
+        prompts = PromptBuilder(vocab_size=self.vocab, seed=self._num_batches)
+        target = OpenAIStreamingTarget(self.url, self.model, prompts=prompts)
+        specs = [RequestSpec(i, 0.0, prompt_size, max_tokens) for i in range(batch_size)]
+        origin = time.monotonic()  # the replay's start, within microseconds
+        try:
+            result = await replay(specs, target, progress=False)
+        finally:
+            await target.aclose()
+        failed = [r.error for r in result.records if not r.ok]
+        if failed:
+            raise RuntimeError(f"{len(failed)} profile requests failed, first: {failed[0]}")
+        return [
+            _arrival_times(origin + r.send_s + (r.ttft_s or 0.0), r.itl_s) for r in result.records
+        ]
+
+    def close(self) -> None:
+        return None
+
+
+def _arrival_times(first_s: float, gaps_s: list[float]) -> list[float]:
+    times = [first_s]
+    for gap in gaps_s:
+        times.append(times[-1] + gap)
+    return times
+
+
+RemoteDecode = MeshDecode | HttpDecode
+
+
+def steady_token_times(
+    probe: RemoteDecode, prompts: list[list[int]], token_size: int, allowance: int
+) -> tuple[list[list[float]], int]:
+    """(token times of a batch with a steady window, the join allowance that gave it).
+
+    Requests join the batch one prefill batch (and, over HTTP, one request hand-off) after
+    another, so each runs `token_size + allowance` tokens; the allowance doubles until every
+    request has at least half of `token_size` gaps while the whole batch decodes."""
+    while True:
+        times = probe.token_times(prompts, token_size + allowance)
+        gaps = steady_gaps(times)
+        if len(gaps) >= len(prompts) * max(token_size // 2, 1) or allowance >= 1024:
+            if not gaps:
+                raise RuntimeError("no steady decode window: raise --token-size")
+            return times, allowance
+        allowance *= 2
+
+
+def remote_decode_ms(
+    probe: RemoteDecode, prompts: list[list[int]], token_size: int, allowance: int
+) -> tuple[float, int]:
+    """(median steady decode gap in ms, the join allowance used); see `steady_token_times`."""
+    times, allowance = steady_token_times(probe, prompts, token_size, allowance)
+    return 1e3 * statistics.median(steady_gaps(times)), allowance
+
+
+def profile_rows(
+    args: argparse.Namespace, local: LocalRunner, remote: RemoteDecode | None
+) -> Iterator[dict[str, object]]:
+    """Profile every cell `--repeats` times (repeats outermost, so slow drift hits all cells)."""
+    grid = cells(args.prompt_sizes, args.batch_sizes, args.max_batch_tokens)
+    local.run(Cell(16, 2), 4, salt=-1)  # warm-up: first-call allocations, kernel dispatch
+    allowance = 8
+    bar = tqdm(total=args.repeats * len(grid), unit="cell", dynamic_ncols=True)
+    for repeat in range(args.repeats):
+        for cell in grid:
+            steps = args.token_size if remote is None else 0
+            prompt_ms, step_ms = local.run(cell, steps, salt=repeat)
+            if remote is None:
+                token_ms = statistics.median(step_ms)
+            else:
+                prompts = prompt_ids(cell, local.vocab, salt=repeat)
+                token_ms, allowance = remote_decode_ms(remote, prompts, args.token_size, allowance)
+            bar.update(1)
+            bar.set_postfix(P=cell.prompt_size, B=cell.batch_size, decode_ms=f"{token_ms:.1f}")
+            yield row(args, cell, prompt_ms, token_ms)
+    bar.close()
+
+
+def row(
+    args: argparse.Namespace, cell: Cell, prompt_ms: float, token_ms: float
+) -> dict[str, object]:
+    return {
+        "model": args.model_name, "hardware": args.hardware, "prompt_size": cell.prompt_size,
+        "batch_size": cell.batch_size, "token_size": args.token_size, "peak_power": 0.0,
+        "average_power": 0.0, "prompt_time": round(prompt_ms, 4), "token_time": round(token_ms, 4),
+        "e2e_time": round(prompt_ms + args.token_size * token_ms, 4), "tensor_parallel": 1,
+    }  # fmt: skip
+
+
+def write_table(path: Path, rows: list[dict[str, object]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="", encoding="utf-8") as out:
+        writer = csv.DictWriter(out, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def summary(path: Path, rows: list[dict[str, object]]) -> dict[str, object]:
+    """Medians over repeats: prefill ms by batch tokens, decode ms by prompt size and batch."""
+    prefill: dict[int, list[float]] = {}
+    decode: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        p, b = int(r["prompt_size"]), int(r["batch_size"])  # type: ignore[call-overload]
+        prefill.setdefault(p * b, []).append(float(r["prompt_time"]))  # type: ignore[arg-type]
+        by_batch = decode.setdefault(str(p), {})
+        by_batch.setdefault(str(b), []).append(float(r["token_time"]))  # type: ignore[arg-type]
+    med: Callable[[list[float]], float] = lambda v: round(statistics.median(v), 3)  # noqa: E731
+    return {
+        "out": str(path),
+        "model": rows[0]["model"] if rows else "",
+        "hardware": rows[0]["hardware"] if rows else "",
+        "rows": len(rows),
+        "prefill_ms_by_tokens": {str(x): med(v) for x, v in sorted(prefill.items())},
+        "decode_ms_by_prompt_and_batch": {
+            p: {b: med(v) for b, v in by_batch.items()} for p, by_batch in decode.items()
+        },
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", help="a default-model preset or a folder")
+    parser.add_argument("--model-name", default=None, help="the table's `model` (default: --model)")
+    parser.add_argument("--decode", default="engine", help="engine, mesh, or a server URL")
+    parser.add_argument("--shards", type=int, default=2, help="attention shards with --decode mesh")
+    parser.add_argument("--hardware", default=None, help="the table's `hardware` column")
+    parser.add_argument("--prompt-sizes", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--max-batch-tokens", type=int, default=8192, help="skip larger P x B")
+    parser.add_argument("--token-size", type=int, default=32, help="decode steps per cell")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (engines use 1)")
+    parser.add_argument("--out", default=None, help="CSV path (default: results/profile/...)")
+    args = parser.parse_args(argv)
+    args.model_name = args.model_name or Path(args.model).name
+    if args.hardware is None:
+        mode = args.decode if args.decode in ("engine", "mesh") else "http"
+        args.hardware = f"cpu-{mode}" + (f"-{args.shards}shards" if mode == "mesh" else "")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_path = str(default_model_path(args.model) if args.model in PRESETS else args.model)
+    grid = cells(args.prompt_sizes, args.batch_sizes, args.max_batch_tokens)
+    local = LocalRunner(model_path, num_blocks=kv_blocks(grid, args.token_size + 2))
+    remote: RemoteDecode | None = None
+    if args.decode == "mesh":
+        # Shards reserve each request's whole length; the join allowance may reach 1024 tokens.
+        blocks = kv_blocks(grid, args.token_size + 1024)
+        remote = MeshDecode(model_path, args.shards, num_blocks=blocks)
+    elif args.decode != "engine":
+        remote = HttpDecode(args.decode, local.vocab)
+    try:
+        rows = list(profile_rows(args, local, remote))
+    finally:
+        if remote is not None:
+            remote.close()
+    default = Path("results/profile") / f"{args.model_name}-{args.hardware}.csv"
+    path = Path(args.out) if args.out else default
+    write_table(path, rows)
+    result = summary(path, rows)
+    print(f"wrote {len(rows)} rows to {path} ({args.model_name} on {args.hardware})")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

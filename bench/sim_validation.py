@@ -1,0 +1,474 @@
+"""The simulator against the real mesh: the same Azure slice, simulated and replayed, side by side.
+
+    python bench/sim_validation.py [--time-scales 1/4] [--duration 120] [--url URL]
+
+1. Starts `serve run deploy/local.yaml` (the tiny model; a prompt engine, a token engine with a
+   2-shard group, the router, Serve's HTTP proxy), unless `--url` names a running one.
+2. Profiles it with `bench/profile.py --decode URL`: prefill batches in this process, decode steps
+   through the server's HTTP API (shard round trips and token streaming included), written as a
+   Splitwise-format table (`profile.csv`, hardware `cpu-local-mesh`).
+3. Measures the host (`host.json`, `loadgen/sim/shared_cpu.py`): the front end's latency alone
+   (unloaded TTFT minus the profiled prefill), and the cores each activity takes alone, from
+   per-process CPU time in /proc: a request crossing the front end, a prefill, a decode step at
+   several batch sizes, and the background (Ray's own processes, anything else on the box).
+4. For each time scale, simulates the slice with `python -m loadgen replay --target
+   sim:PhaseMesh-CPU:1P1T@host=host.json`, then replays it on the server with `python -m loadgen
+   replay --url`: same trace, window, token scale and time scale.
+5. Prints p50/p90 TTFT and TBT of both and their ratios. TBT is a request's mean gap after its
+   first token (TPOT; what the simulator models, as Splitwise's does); the gap-by-gap ITL is
+   printed too. Each check passes within `--tolerance` (25%). The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from fractions import Fraction
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.perf_model import load_perf_model  # noqa: E402
+from loadgen.arrivals import ArrivalConfig, plan_requests  # noqa: E402
+from loadgen.sim.config import TINY  # noqa: E402
+from loadgen.sim.shared_cpu import HostModel, SharedCPU, Station  # noqa: E402
+from loadgen.traces import read_trace, shared_dir  # noqa: E402
+
+HARDWARE = "cpu-local-mesh"
+ROLES = {  # Ray process titles of the mesh's processes
+    "router": "ServeReplica:phasemesh:Router",
+    "proxy": "ProxyActor",
+    "prompt": "ServeReplica:phasemesh:PromptEngine",
+    "token": "ServeReplica:phasemesh:TokenEngine",
+    "shard": "ServeReplica:phasemesh:AttentionShard",
+}
+FRONTEND = ("client", "proxy", "router")  # the way in
+DECODE = ("token", "shard", "router", "proxy", "client")
+CHECKS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p90_tpot_ms")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def load_profile_bench() -> ModuleType:
+    """`bench/profile.py`, imported under another name (`profile` is a stdlib module)."""
+    spec = importlib.util.spec_from_file_location("bench_profile", REPO / "bench" / "profile.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def vocab_size() -> int:
+    from common.model.default import default_model_path
+
+    return int(json.loads((default_model_path("tiny") / "config.json").read_text())["vocab_size"])
+
+
+# ---- CPU time per process role, sampled on a thread ----
+
+
+def role_pids() -> dict[int, str]:
+    """The mesh's processes on this host, by role (a role may have several, like the shards)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        for role, marker in ROLES.items():
+            if title.startswith("ray::") and marker in title:
+                found[int(entry.name)] = role
+    missing = set(ROLES) - set(found.values())
+    if missing:
+        raise RuntimeError(f"mesh processes not found on this host: {sorted(missing)}")
+    return found
+
+
+def process_cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0  # it exited
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def box_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all cores)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / CLK_TCK
+
+
+class CpuSampler:
+    """Cumulative CPU seconds per role, this process ('client'), a client subprocess and the whole
+    box, every `interval_s` on a thread; `cores(t0, t1)` averages them over a window."""
+
+    def __init__(self, pids: dict[int, str], interval_s: float = 0.05) -> None:
+        self.pids, self.interval_s = pids, interval_s
+        self.extra_client_pid: int | None = None
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> tuple[float, dict[str, float]]:
+        values = dict.fromkeys(ROLES, 0.0) | {"client": time.process_time(), "box": box_busy_s()}
+        for pid, role in self.pids.items():
+            values[role] += process_cpu_s(pid)
+        if self.extra_client_pid is not None:
+            values["client"] += process_cpu_s(self.extra_client_pid)
+        return time.monotonic(), values
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self.sample())
+            self._stop.wait(self.interval_s)  # NOTE: a sampling clock, not a poll for work
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cores(self, t0: float, t1: float) -> dict[str, float]:
+        """Average cores per role over [t0, t1] (nearest samples inside), plus 'background':
+        the box's busy cores that no role and no client accounts for."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1] or self.samples[-2:]
+        (a_t, a), (b_t, b) = inside[0], inside[-1]
+        span = max(b_t - a_t, 1e-9)
+        out = {k: (b[k] - a[k]) / span for k in a}
+        out["background"] = out.pop("box") - sum(out[k] for k in (*ROLES, "client"))
+        return out
+
+
+def minus(busy: dict[str, float], idle: dict[str, float], roles: tuple[str, ...]) -> float:
+    """Cores `roles` took beyond their idle use (health checks, idle polls: the background)."""
+    return sum(max(busy[r] - idle[r], 0.0) for r in roles)
+
+
+# ---- host measurements ----
+
+
+def measure_idle(pids: dict[int, str], seconds: float) -> dict[str, float]:
+    with CpuSampler(pids) as sampler:
+        start = time.monotonic()
+        time.sleep(seconds)  # NOTE: measuring an idle window
+    return sampler.cores(start, time.monotonic())
+
+
+def sequential_requests(url: str, sizes: list[int], gap_s: float) -> tuple[list[Any], float, float]:
+    """Requests one at a time (2 output tokens each, `gap_s` apart): (records, start, end)."""
+    from loadgen.http_target import OpenAIStreamingTarget
+    from loadgen.prompts import PromptBuilder
+    from loadgen.replay import replay
+    from loadgen.target import RequestSpec
+
+    async def run() -> Any:
+        prompts = PromptBuilder(vocab_size=vocab_size(), seed=99)
+        target = OpenAIStreamingTarget(url, "tiny", prompts=prompts)
+        try:
+            specs = [RequestSpec(i, i * gap_s, p, 2) for i, p in enumerate(sizes)]
+            return await replay(specs, target, progress=False)
+        finally:
+            await target.aclose()
+
+    start = time.monotonic()
+    result = asyncio.run(run())
+    return [r for r in result.records if r.ok and r.ttft_s], start, time.monotonic()
+
+
+def measure_frontend(
+    url: str, pids: dict[int, str], idle: dict[str, float], profile_csv: Path, sizes: list[int]
+) -> tuple[float, dict[str, float], float]:
+    """From requests sent one at a time: (the front end's latency alone, each front-end loop's
+    CPU seconds per request, the cores a prefill takes). Latency = TTFT minus the profiled
+    prefill of the prompt."""
+    perf = load_perf_model(profile_csv, TINY.name, HARDWARE, 1, decode_context=TINY.decode_context)
+    with CpuSampler(pids) as sampler:
+        records, start, end = sequential_requests(url, sizes, gap_s=0.4)
+    cores, span = sampler.cores(start, end), end - start
+    frontend_s = statistics.median(r.ttft_s - perf.prefill_s(r.input_len) for r in records)
+    per_request = {r: minus(cores, idle, (r,)) * span / len(records) for r in FRONTEND}
+    prefill_s = sum(perf.prefill_s(r.input_len) for r in records)
+    prompt_cores = minus(cores, idle, ("prompt",)) * span / prefill_s
+    return frontend_s, per_request, prompt_cores
+
+
+def measure_decode(
+    bench_profile: ModuleType,
+    url: str,
+    pids: dict[int, str],
+    idle: dict[str, float],
+    batch_sizes: list[int],
+) -> tuple[list[tuple[int, float]], dict[str, float]]:
+    """Served decode steps alone at each batch size, over the window where the whole batch
+    decodes: (the cores they take: token engine, shards, and the front end streaming; each
+    front-end loop's CPU seconds per token, pooled over the batch sizes)."""
+    probe = bench_profile.HttpDecode(url, vocab_size())
+    points, allowance = [], 8
+    loop_cpu, num_tokens = dict.fromkeys(FRONTEND, 0.0), 0
+    for batch_size in batch_sizes:
+        cell = bench_profile.Cell(TINY.decode_context, batch_size)
+        prompts = bench_profile.prompt_ids(cell, vocab_size(), 7)
+        with CpuSampler(pids) as sampler:
+            times, allowance = bench_profile.steady_token_times(probe, prompts, 32, allowance)
+        start, end = max(t[1] for t in times), min(t[-1] for t in times)
+        cores = sampler.cores(start, end)
+        points.append((batch_size, round(minus(cores, idle, DECODE), 3)))
+        num_tokens += sum(start < x <= end for t in times for x in t)
+        for role in FRONTEND:
+            loop_cpu[role] += minus(cores, idle, (role,)) * (end - start)
+    return points, {role: cpu / max(num_tokens, 1) for role, cpu in loop_cpu.items()}
+
+
+def measure_host(
+    args: argparse.Namespace, url: str, profile_csv: Path, sizes: list[int]
+) -> tuple[HostModel, float]:
+    """The host model, and the cores the mesh's processes take while idle (health checks, idle
+    polls: part of the background)."""
+    bench_profile = load_profile_bench()
+    pids = role_pids()
+    idle = measure_idle(pids, args.idle_s)
+    # Everything the model does not know by name: Ray's own processes, the mesh's idle loops,
+    # other work on the box.
+    idle_mesh = sum(idle[r] for r in ROLES)
+    background = idle["background"] + idle_mesh
+    frontend_s, per_request, prompt_cores = measure_frontend(url, pids, idle, profile_csv, sizes)
+    decode, per_token = measure_decode(bench_profile, url, pids, idle, args.decode_batches)
+    stations = tuple(
+        Station(role, round(per_request[role], 6), round(per_token[role], 6)) for role in FRONTEND
+    )
+    cpu = SharedCPU(
+        cores=float(len(os.sched_getaffinity(0))),
+        background_cores=round(background, 3),
+        prompt_cores=round(prompt_cores, 3),
+        frontend_cores=round(sum(per_request.values()) / frontend_s, 3),
+        decode_cores_by_batch=tuple(decode),
+    )
+    return HostModel(round(frontend_s, 5), cpu, stations), idle_mesh
+
+
+# ---- the two replays ----
+
+
+def replay_command(args: argparse.Namespace, time_scale: str, out_dir: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "loadgen", "replay", "--trace", args.trace,
+        "--start", str(args.start), "--duration", str(args.duration),
+        "--time-scale", time_scale, "--token-scale", args.token_scale,
+        "--out", str(out_dir), "--no-plots", "--disable-tqdm",
+    ]  # fmt: skip
+
+
+def run_loadgen(
+    command: list[str], env: dict[str, str] | None = None, sampler: CpuSampler | None = None
+) -> dict[str, Any]:
+    """Run `python -m loadgen replay ...`; its last stdout line (the results JSON)."""
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    if sampler is not None:
+        sampler.extra_client_pid = proc.pid
+    stdout, stderr = proc.communicate(timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[2:5])} exited {proc.returncode}:\n{stderr[-3000:]}")
+    return dict(json.loads(stdout.strip().splitlines()[-1]))
+
+
+def simulate(
+    args: argparse.Namespace, scale: str, profile_csv: Path, host: Path, tag: str
+) -> dict[str, Any]:
+    env = dict(os.environ, PHASEMESH_PERF_PROFILE=str(profile_csv))
+    target = f"sim:PhaseMesh-CPU:1P1T@host={host}"
+    command = replay_command(args, scale, args.out / f"sim-{tag}-{scale.replace('/', '_')}")
+    return run_loadgen(command + ["--target", target], env)
+
+
+def replay_real(args: argparse.Namespace, scale: str, url: str) -> tuple[dict[str, Any], dict]:
+    command = replay_command(args, scale, args.out / f"real-{scale.replace('/', '_')}")
+    command += ["--url", url, "--vocab-size", str(vocab_size())]
+    with CpuSampler(role_pids(), interval_s=0.5) as sampler:
+        start = time.monotonic()
+        summary = run_loadgen(command, sampler=sampler)
+    cores = sampler.cores(start, time.monotonic())
+    return summary, {k: round(v, 3) for k, v in cores.items()}
+
+
+# ---- comparison ----
+
+
+def compare(sim: dict[str, Any], real: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    keys = CHECKS + ("p50_itl_ms", "p90_itl_ms")
+    ratio = {k: round(sim[k] / real[k], 3) for k in keys}
+    ok = {k: abs(ratio[k] - 1.0) <= tolerance for k in CHECKS}
+    return {
+        "sim": {k: round(sim[k], 2) for k in keys},
+        "real": {k: round(real[k], 2) for k in keys},
+        "ratio": ratio,
+        "ok": ok,
+        "pass": all(ok.values()),
+        "completed": {"sim": sim["completed"], "real": real["completed"]},
+    }
+
+
+LABELS = {
+    "p50_ttft_ms": "TTFT p50", "p90_ttft_ms": "TTFT p90", "p50_tpot_ms": "TBT p50 (mean gap)",
+    "p90_tpot_ms": "TBT p90 (mean gap)", "p50_itl_ms": "ITL p50 (each gap)",
+    "p90_itl_ms": "ITL p90 (each gap)",
+}  # fmt: skip
+
+
+def print_comparison(scale: str, result: dict[str, Any], tolerance: float) -> None:
+    bg = result["background_cores"]
+    print(
+        f"time scale {scale}: {result['completed']['real']} requests; background "
+        f"{bg['during']:.2f} cores during the replay ({bg['before']:.2f} measured before)"
+    )
+    print(f"  {'ms':<20}{'sim':>9}{'real':>9}{'sim/real':>10}{'sim, bg before':>16}")
+    for key, label in LABELS.items():
+        mark = ("ok" if result["ok"][key] else "FAIL") if key in result["ok"] else "(info)"
+        sim, real, ratio = result["sim"][key], result["real"][key], result["ratio"][key]
+        before = result["sim_background_before"][key]
+        print(f"  {label:<20}{sim:9.1f}{real:9.1f}{ratio:10.2f}{before:16.1f}  {mark}")
+    verdict = "PASS" if result["pass"] else "FAIL"
+    print(f"  {verdict}: every check within {tolerance:.0%}")
+
+
+# ---- main ----
+
+
+def slice_sizes(args: argparse.Namespace, count: int) -> list[int]:
+    """`count` prompt sizes spread over the slice, for the front-end probe."""
+    config = ArrivalConfig(
+        start_s=args.start, duration_s=args.duration, token_scale=float(Fraction(args.token_scale))
+    )
+    sizes = [spec.input_len for spec in plan_requests(read_trace(args.trace), config)]
+    return sizes[:: max(len(sizes) // count, 1)][:count]
+
+
+def measure(args: argparse.Namespace, url: str) -> tuple[Path, Path, float]:
+    profile_csv, host_json = args.out / "profile.csv", args.out / "host.json"
+    sequential_requests(url, [16, 64, 128, 256], gap_s=0.2)  # warm-up: first-call costs
+    if args.profile:
+        profile_csv = args.profile
+    else:
+        load_profile_bench().main(
+            ["--decode", url, "--hardware", HARDWARE, "--repeats", str(args.repeats),
+             "--prompt-sizes", "16", "64", "256", "--out", str(profile_csv)]
+        )  # fmt: skip
+    host, idle_mesh = measure_host(args, url, profile_csv, slice_sizes(args, 24))
+    host.save(host_json)
+    print("host:", json.dumps(host.to_dict()))
+    return profile_csv, host_json, idle_mesh
+
+
+def with_background(host_json: Path, background_cores: float, out: Path) -> Path:
+    """A copy of the host model with another background load."""
+    host = HostModel.load(host_json)
+    profiled = host.cpu.profiled_background_cores
+    if profiled is None:
+        profiled = host.cpu.background_cores
+    cpu = replace(
+        host.cpu, background_cores=round(background_cores, 3), profiled_background_cores=profiled
+    )
+    replace(host, cpu=cpu).save(out)
+    return out
+
+
+def validate_scale(
+    args: argparse.Namespace, scale: str, url: str, measured: tuple[Path, Path, float]
+) -> dict[str, Any]:
+    """Simulate the slice with the background measured before the replay (a prediction), replay
+    it, and simulate it again with the background the replay saw (other engineers' jobs on a
+    shared box come and go): the second is the one compared."""
+    profile_csv, host_json, idle_mesh = measured
+    predicted = simulate(args, scale, profile_csv, host_json, "before")
+    real, cores = replay_real(args, scale, url)
+    background = cores["background"] + idle_mesh
+    during = with_background(
+        host_json, background, args.out / f"host-{scale.replace('/', '_')}.json"
+    )
+    sim = simulate(args, scale, profile_csv, during, "during")
+    result = compare(sim, real, args.tolerance)
+    result["background_cores"] = {
+        "before": HostModel.load(host_json).cpu.background_cores,
+        "during": round(background, 3),
+    }
+    result["sim_background_before"] = {k: round(predicted[k], 2) for k in result["sim"]}
+    result["cores_during_replay"] = cores
+    return result
+
+
+def validate(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    measured = measure(args, url)
+    profile_csv, host_json, _ = measured
+    results: dict[str, Any] = {}
+    for scale in args.time_scales:
+        results[scale] = validate_scale(args, scale, url, measured)
+        print_comparison(scale, results[scale], args.tolerance)
+    return {
+        "trace": Path(args.trace).name,
+        "window_s": [args.start, args.start + args.duration],
+        "token_scale": args.token_scale,
+        "tolerance": args.tolerance,
+        "profile": str(profile_csv),
+        "host": HostModel.load(host_json).to_dict(),
+        "time_scales": results,
+        "pass": all(r["pass"] for r in results.values()),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    trace = shared_dir() / "traces" / "AzureLLMInferenceTrace_conv.csv"
+    parser.add_argument("--trace", default=str(trace))
+    parser.add_argument("--start", type=float, default=0.0, help="window start (trace s)")
+    parser.add_argument("--duration", type=float, default=120.0, help="window length (trace s)")
+    parser.add_argument("--token-scale", default="1/16", help="as tests/e2e/test_loadgen_replay")
+    parser.add_argument("--time-scales", nargs="+", default=["1/4"], help="replay speeds")
+    parser.add_argument("--tolerance", type=float, default=0.25)
+    parser.add_argument("--repeats", type=int, default=2, help="profile repeats")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 4, 16, 48])
+    parser.add_argument("--idle-s", type=float, default=5.0, help="background measurement")
+    parser.add_argument("--url", default=None, help="a running server (default: serve run)")
+    parser.add_argument("--profile", type=Path, default=None, help="reuse this profile table")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "sim_validation")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.url:
+        result = validate(args, args.url)
+    else:
+        from tests.e2e.serve_process import ServeRun
+
+        run = ServeRun(REPO / "deploy" / "local.yaml", args.out)
+        started = time.monotonic()
+        run.start()
+        print(f"serve run deploy/local.yaml: up in {time.monotonic() - started:.0f} s")
+        try:
+            result = validate(args, run.base_url)
+        finally:
+            run.stop()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The shared-host model (PhaseMesh's CPU mesh): processor sharing, front-end loops as queues."""
+
+import csv
+
+import pytest
+
+from loadgen.sim.config import parse_cluster, perf_model_for
+from loadgen.sim.shared_cpu import FrontEnd, HostModel, SharedCPU, Station
+from loadgen.sim.simulator import SimOptions, SimRequest, simulate
+from loadgen.sim.target import parse_options
+
+PREFILL_MS = {16: 10.0, 64: 20.0, 256: 60.0}  # by batch tokens (batch size 1)
+DECODE_MS = {1: 15.0, 4: 24.0, 16: 40.0}  # at the tiny model's decode context (64)
+
+
+@pytest.fixture
+def cpu_mesh_profile(tmp_path, monkeypatch):
+    """A fabricated `bench/profile.py` table for the CPU mesh."""
+    path = tmp_path / "profile.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model", "hardware", "prompt_size", "batch_size", "token_size",
+                         "peak_power", "average_power", "prompt_time", "token_time",
+                         "e2e_time", "tensor_parallel"])  # fmt: skip
+        for prompt, prefill in PREFILL_MS.items():
+            writer.writerow(["tiny", "cpu-local-mesh", prompt, 1, 32, 0, 0, prefill, 15.0, 0, 1])
+        for batch, decode in DECODE_MS.items():
+            writer.writerow(["tiny", "cpu-local-mesh", 64, batch, 32, 0, 0, 20.0, decode, 0, 1])
+    monkeypatch.setenv("PHASEMESH_PERF_PROFILE", str(path))
+    perf_model_for.cache_clear()
+    yield path
+    perf_model_for.cache_clear()
+
+
+def host(background: float = 0.0, delay_work: tuple[float, float] = (0.005, 0.001)) -> HostModel:
+    """Measured on an otherwise idle host; `background` cores of other work now."""
+    cpu = SharedCPU(
+        cores=2.0, background_cores=background, prompt_cores=1.0, frontend_cores=1.0,
+        decode_cores_by_batch=((1, 1.0), (16, 1.6)), profiled_background_cores=0.0,
+    )  # fmt: skip
+    request_s, token_s = delay_work
+    stations = tuple(Station(n, request_s, token_s) for n in ("client", "proxy", "router"))
+    return HostModel(0.030, cpu, stations)
+
+
+def test_stretch_is_one_alone_and_the_sharing_ratio_with_others():
+    cpu = SharedCPU(cores=2.0, background_cores=0.5)
+    assert cpu.stretch(1.0, 1.0) == 1.0  # 1.5 cores wanted of 2: no slowdown
+    assert cpu.stretch(1.0, 2.5) == pytest.approx(1.5)  # 3 cores wanted of 2
+    busy = SharedCPU(cores=2.0, background_cores=2.0)
+    # Profiled alone at (2 + 1) / 2 = 1.5x already: only the extra counts.
+    assert busy.stretch(1.0, 2.0) == pytest.approx((4.0 / 2) / 1.5)
+    # Profiled on a quiet host, running now beside 2 cores of other work.
+    later = SharedCPU(cores=2.0, background_cores=2.0, profiled_background_cores=0.0)
+    assert later.stretch(1.0, 1.0) == pytest.approx(1.5)
+
+
+def test_decode_cores_interpolate_and_hold_past_the_ends():
+    cpu = SharedCPU(cores=2.0, decode_cores_by_batch=((1, 1.0), (9, 2.0)))
+    assert cpu.decode_cores(5) == pytest.approx(1.5)
+    assert cpu.decode_cores(64) == pytest.approx(2.0) and cpu.decode_cores(0) == 1.0
+
+
+def test_front_end_loops_are_fifo_a_request_waits_behind_queued_tokens():
+    loop = Station("router", request_cpu_s=0.010, token_cpu_s=0.001)
+    frontend = FrontEnd((loop,), delay_s=0.002)
+    assert frontend.request_in(0.0, stretch=1.0) == pytest.approx(0.012)
+    # 50 tokens emitted at t=1 keep the loop busy until 1.05; a request at 1.01 waits for them.
+    assert frontend.tokens_out(1.0, 50, stretch=1.0) == pytest.approx(1.05)
+    assert frontend.request_in(1.01, stretch=1.0) == pytest.approx(1.06)
+    # A stretched loop takes longer for the same CPU work.
+    assert frontend.tokens_out(2.0, 10, stretch=2.0) == pytest.approx(2.02)
+
+
+def test_host_model_round_trips_and_its_delay_excludes_loop_work(tmp_path):
+    model = host(delay_work=(0.006, 0.001))
+    model.save(tmp_path / "host.json")
+    assert HostModel.load(tmp_path / "host.json") == model
+    # 30 ms alone, of which the three loops' request and first-token work are 21 ms.
+    assert model.frontend_delay_s == pytest.approx(0.030 - 3 * 0.007)
+
+
+def test_front_end_latency_alone_is_the_measured_one(cpu_mesh_profile):
+    record = simulate(
+        parse_cluster("PhaseMesh-CPU:1P1T"), [SimRequest(0.0, 64, 1)], SimOptions(host=host())
+    ).records[0]
+    # TTFT alone = front end (in, and the first token out) + the profiled prefill.
+    assert record.ttft_s == pytest.approx(0.030 + 0.020)
+
+
+def test_a_request_alone_costs_its_measured_front_end_prefill_and_decode(cpu_mesh_profile):
+    options = parse_options("", SimOptions(host=host()))
+    record = simulate(parse_cluster("PhaseMesh-CPU:1P1T"), [SimRequest(0.0, 64, 3)], options)
+    record = record.records[0]
+    # The front end alone (30 ms, its way in and the first token's way out), the prefill.
+    assert record.ttft_s == pytest.approx(0.030 + 0.020)
+    # Two decode steps at batch 1, each token out through the loops; the KV hop is ~0.1 ms.
+    assert record.tbt_s == pytest.approx(0.015, rel=0.05)
+
+
+def test_concurrent_work_on_a_busy_host_stretches_latency(cpu_mesh_profile):
+    requests = [SimRequest(0.001 * i, 64, 20) for i in range(12)]
+    cluster = parse_cluster("PhaseMesh-CPU:1P1T")
+    quiet = simulate(cluster, requests, SimOptions(host=host(background=0.0)))
+    busy = simulate(cluster, requests, SimOptions(host=host(background=1.5)))
+    for metric in ("ttft_s", "tbt_s"):
+        mean = [sum(getattr(r, metric) for r in res.records) / 12 for res in (quiet, busy)]
+        assert mean[1] > mean[0] * 1.1
+    alone = simulate(cluster, requests[:1], SimOptions(host=host())).records[0]
+    assert max(r.ttft_s for r in quiet.records) > 2 * alone.ttft_s  # the burst queues
