@@ -1,23 +1,33 @@
 """What telemetry costs on the decode path, measured side by side in one run on this machine.
 
-    python bench/telemetry.py [--rounds 6] [--batch 8] [--tokens 48] [--shards 2]
+    python bench/telemetry.py [--rounds 16] [--batch 8] [--tokens 32] [--exporter jsonl]
 
 Two meshes of the same topology run at once as OS processes (1 prompt engine, 1 token engine,
 `--shards` attention shards):
 
 - on: every service exports its spans and metrics to its own JSON-lines file (`jsonl:`, a real
-  exporter that serializes and writes every span, token events included); this process plays the
-  router: a `router.request` span per request, its context in the `GenerateRequest`, and
-  `RequestTrace.on_output` (TTFT/TBT histograms) on every token it receives;
+  exporter that serializes and writes every span, token events included; `--exporter none` keeps
+  the spans but exports nothing, `--exporter off` makes both arms off, an A/A check of the
+  method); this process plays the router: a `router.request` span per request, its context in
+  the `GenerateRequest`, and `RequestTrace.on_output` (TTFT/TBT histograms) on every token;
 - off: `PHASEMESH_OTEL_EXPORTER=off` in the services (OpenTelemetry's no-op API: no spans, no
   ids, no metrics) and no router-side telemetry.
 
 Rounds alternate on, off, off, on, ... so drift in the machine's load lands on both. A round sends
 `--batch` concurrent requests; TBT is the gap between consecutive tokens of a request as this
 client receives them, skipping each request's first two (the first token and the handoff hop).
-Also printed: `DecodeSpan.token()` and `RequestTrace.on_output()` timed alone, against the TBT.
+Each round's median TBT is divided by its partner round's; the median of those ratios is
+`tbt_ratio_on_off` (target < 1.05).
 
-The last line is one JSON object; `tbt_ratio_on_off` is median TBT on / off (target < 1.05).
+NOTE: on a shared 2-core machine other people's work moves single rounds by tens of percent
+(`--exporter off`, an A/A run, shows how much today). So the bench also measures the work itself:
+the CPU time (`/proc/<pid>/task/*/schedstat`, every thread, nanoseconds) that the decode path (the
+token engine and its shards) spends per decoded token, which being descheduled does not change.
+`decode_cpu_ratio_on_off` is that, on / off, the median of paired rounds again; on an idle
+machine TBT is that work plus the transport, so it bounds the TBT change. Also printed:
+`DecodeSpan.token()` and `RequestTrace.on_output()` timed alone, against the TBT.
+
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from opentelemetry import trace as otel_trace
@@ -117,55 +128,96 @@ def hot_path_costs() -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--rounds", type=int, default=6, help="rounds per arm")
+    parser.add_argument("--rounds", type=int, default=16, help="rounds per arm")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--exporter", choices=["jsonl", "none", "off"], default="jsonl")
     args = parser.parse_args()
     model = args.model or str(default_model_path())
     folder = Path(tempfile.mkdtemp(prefix="phasemesh-telemetry-bench-"))
-    configure_telemetry("bench-router", exporter=f"jsonl:{folder}/router.jsonl")
-    meshes = {
-        "on": start_mesh(model, args.shards, f"jsonl:{folder}/{{service_id}}.jsonl"),
-        "off": start_mesh(model, args.shards, "off"),
+    on = args.exporter != "off"
+    exporter = f"jsonl:{folder}/{{service_id}}.jsonl" if args.exporter == "jsonl" else args.exporter
+    configure_telemetry("bench-router", exporter=exporter.replace("{service_id}", "router"))
+    arms = {
+        "on": Arm(start_mesh(model, args.shards, exporter), router_telemetry() if on else None),
+        "off": Arm(start_mesh(model, args.shards, "off"), None),
     }
     try:
-        clients = {arm: MeshClient(mesh) for arm, mesh in meshes.items()}
-        routers = {"on": router_telemetry(), "off": None}
-        for arm, client in clients.items():
-            decode_gaps(client, 2, 8, f"warmup-{arm}", routers[arm])
-        gaps: dict[str, list[float]] = {"on": [], "off": []}
-        round_medians: dict[str, list[float]] = {"on": [], "off": []}
-        for r in range(args.rounds):
-            for arm in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                got = decode_gaps(clients[arm], args.batch, args.tokens, f"{arm}{r}", routers[arm])
-                gaps[arm] += got
-                round_medians[arm].append(statistics.median(got))
-                print(f"round {r} {arm:3s}: TBT p50 {1e3 * round_medians[arm][-1]:.3f} ms")
-        for client in clients.values():
-            client.close()
+        run_rounds(arms, args)
     finally:
-        for mesh in meshes.values():
-            mesh.close()
-    result = summarize(gaps, round_medians, hot_path_costs(), args)
+        for arm in arms.values():
+            arm.mesh.close()
+    result = summarize(arms, hot_path_costs(), args)
     result["exported_to"] = str(folder)
     print(json.dumps(result))
 
 
-def summarize(
-    gaps: dict[str, list[float]],
-    round_medians: dict[str, list[float]],
-    costs: dict[str, float],
-    args: argparse.Namespace,
-) -> dict:
-    p50 = {arm: statistics.median(g) for arm, g in gaps.items()}
-    mean = {arm: statistics.mean(g) for arm, g in gaps.items()}
-    paired = [a / b for a, b in zip(round_medians["on"], round_medians["off"], strict=True)]
-    ratio = p50["on"] / p50["off"]
+@dataclass
+class Arm:
+    """One mesh and what its rounds measured."""
+
+    mesh: Mesh
+    router: RouterTelemetry | None
+    gaps: list[float] = field(default_factory=list)
+    round_medians: list[float] = field(default_factory=list)
+    round_cpu_us: list[float] = field(default_factory=list)  # decode-path CPU per token
+
+    def decode_pids(self) -> list[int]:
+        """The token engine and its shards (`Mesh` starts shards, token engines, prompt)."""
+        t = self.mesh.topology
+        return [p.pid for p in self.mesh.procs[: t.num_shards + t.num_token]]
+
+
+def cpu_ns(pids: list[int]) -> int:
+    """On-CPU time of every thread of `pids` so far (the scheduler's own count, in ns)."""
+    total = 0
+    for pid in pids:
+        for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+            try:
+                total += int(stat.read_text().split()[0])
+            except (OSError, ValueError):
+                continue  # a thread that just exited
+    return total
+
+
+def run_rounds(arms: dict[str, Arm], args: argparse.Namespace) -> None:
+    """Alternating rounds: every gap of each arm, each round's median, decode-path CPU time."""
+    clients = {name: MeshClient(arm.mesh) for name, arm in arms.items()}
+    for name, client in clients.items():
+        decode_gaps(client, 2, 8, f"warmup-{name}", arms[name].router)
+    for r in range(args.rounds):
+        for name in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            arm = arms[name]
+            before = cpu_ns(arm.decode_pids())
+            got = decode_gaps(clients[name], args.batch, args.tokens, f"{name}{r}", arm.router)
+            num_tokens = args.batch * (args.tokens - 1)
+            arm.round_cpu_us.append((cpu_ns(arm.decode_pids()) - before) / num_tokens / 1e3)
+            arm.gaps += got
+            arm.round_medians.append(statistics.median(got))
+        on, off = arms["on"], arms["off"]
+        print(f"round {r}: TBT p50 on {1e3 * on.round_medians[-1]:.3f} ms, "
+              f"off {1e3 * off.round_medians[-1]:.3f} ms; decode-path CPU per token "
+              f"on {on.round_cpu_us[-1]:.0f} us, off {off.round_cpu_us[-1]:.0f} us")  # fmt: skip
+    for client in clients.values():
+        client.close()
+
+
+def summarize(arms: dict[str, Arm], costs: dict[str, float], args: argparse.Namespace) -> dict:
+    p50 = {name: statistics.median(arm.gaps) for name, arm in arms.items()}
+    mean = {name: statistics.mean(arm.gaps) for name, arm in arms.items()}
+    on, off = arms["on"], arms["off"]
+    paired = [a / b for a, b in zip(on.round_medians, off.round_medians, strict=True)]
+    ratio = statistics.median(paired)
+    cpu_us = {name: statistics.median(arm.round_cpu_us) for name, arm in arms.items()}
+    cpu_ratios = [a / b for a, b in zip(on.round_cpu_us, off.round_cpu_us, strict=True)]
+    cpu_ratio = statistics.median(cpu_ratios)
     per_token_us = costs["span_event_us"] + costs["router_on_output_us"]
-    print(f"decode TBT p50: on {1e3 * p50['on']:.3f} ms, off {1e3 * p50['off']:.3f} ms, "
-          f"ratio {ratio:.3f} (target < 1.05); mean ratio {mean['on'] / mean['off']:.3f}; "
-          f"per-round ratios {[round(x, 3) for x in paired]}")  # fmt: skip
+    print(f"decode TBT on/off, median of {len(paired)} paired rounds: {ratio:.3f} (target < 1.05); "
+          f"pooled p50 on {1e3 * p50['on']:.3f} ms, off {1e3 * p50['off']:.3f} ms "
+          f"({p50['on'] / p50['off']:.3f}), mean ratio {mean['on'] / mean['off']:.3f}")  # fmt: skip
+    print(f"decode-path CPU per token, median of paired rounds: {cpu_ratio:.3f} (target < 1.05); "
+          f"median on {cpu_us['on']:.1f} us, off {cpu_us['off']:.1f} us")  # fmt: skip
     print(
         f"per token: span event {costs['span_event_us']} us + router record "
         f"{costs['router_on_output_us']} us = {per_token_us / (1e4 * p50['off']):.2f}% of TBT"
@@ -175,11 +227,16 @@ def summarize(
         "tokens": args.tokens,
         "shards": args.shards,
         "rounds": args.rounds,
+        "exporter": args.exporter,
         "tbt_p50_ms": {arm: round(1e3 * v, 3) for arm, v in p50.items()},
         "tbt_mean_ms": {arm: round(1e3 * v, 3) for arm, v in mean.items()},
         "tbt_ratio_on_off": round(ratio, 4),
+        "tbt_pooled_p50_ratio_on_off": round(p50["on"] / p50["off"], 4),
         "tbt_mean_ratio_on_off": round(mean["on"] / mean["off"], 4),
-        "round_ratio_median": round(statistics.median(paired), 4),
+        "round_ratios": [round(x, 4) for x in paired],
+        "decode_cpu_us_per_token": {name: round(v, 2) for name, v in cpu_us.items()},
+        "decode_cpu_ratio_on_off": round(cpu_ratio, 4),
+        "decode_cpu_round_ratios": [round(x, 4) for x in cpu_ratios],
         **costs,
         "per_token_cost_fraction_of_tbt": round(per_token_us / (1e6 * p50["off"]), 5),
     }
