@@ -26,6 +26,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,7 +56,8 @@ ROLES = {  # Ray process titles of the mesh's processes
     "shard": "ServeReplica:phasemesh:AttentionShard",
 }
 FRONTEND = ("client", "proxy", "router")  # the way in
-DECODE = ("token", "shard", "router", "proxy", "client")
+CHAIN = ("token", "shard")  # a decode step's own processes
+DECODE = CHAIN + FRONTEND  # ... and the front end streaming its tokens
 CHECKS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p90_tpot_ms")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -79,22 +81,48 @@ def vocab_size() -> int:
 # ---- CPU time per process role, sampled on a thread ----
 
 
-def role_pids() -> dict[int, str]:
-    """The mesh's processes on this host, by role (a role may have several, like the shards)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+def process_tree(root: int) -> set[int]:
+    """`root` and every process below it (from /proc/PID/stat's parent field)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue  # exited meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def stop_survivors(pids: set[int]) -> None:
+    """SIGKILL what is left of the server this bench started (a Ray that outlived Ctrl-C)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it exited, as it should have
+
+
+def role_pids(root: int | None) -> dict[int, str]:
+    """The mesh's processes by role (the shards are two): those below `root` (the `serve run`
+    this bench started), else any on this host, which must then be one mesh only."""
+    found = {}
+    candidates = process_tree(root) if root else {int(p.name) for p in Path("/proc").glob("[0-9]*")}
+    for pid in candidates:
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
         for role, marker in ROLES.items():
             if title.startswith("ray::") and marker in title:
-                found[int(entry.name)] = role
-    missing = set(ROLES) - set(found.values())
-    if missing:
-        raise RuntimeError(f"mesh processes not found on this host: {sorted(missing)}")
+                found[pid] = role
+    counts = {role: list(found.values()).count(role) for role in ROLES}
+    if any(counts[r] != 1 for r in ("router", "proxy", "prompt", "token")):
+        raise RuntimeError(f"need exactly one local mesh; its processes by role: {counts}")
     return found
 
 
@@ -197,7 +225,7 @@ def measure_frontend(
 ) -> tuple[float, dict[str, float], float]:
     """From requests sent one at a time: (the front end's latency alone, each front-end loop's
     CPU seconds per request, the cores a prefill takes). Latency = TTFT minus the profiled
-    prefill of the prompt."""
+    prefill of the prompt; a request's CPU includes its two tokens' way out."""
     perf = load_perf_model(profile_csv, TINY.name, HARDWARE, 1, decode_context=TINY.decode_context)
     with CpuSampler(pids) as sampler:
         records, start, end = sequential_requests(url, sizes, gap_s=0.4)
@@ -215,12 +243,12 @@ def measure_decode(
     pids: dict[int, str],
     idle: dict[str, float],
     batch_sizes: list[int],
-) -> tuple[list[tuple[int, float]], dict[str, float]]:
+) -> tuple[list[tuple[int, float]], list[tuple[int, float]], dict[str, float]]:
     """Served decode steps alone at each batch size, over the window where the whole batch
-    decodes: (the cores they take: token engine, shards, and the front end streaming; each
-    front-end loop's CPU seconds per token, pooled over the batch sizes)."""
+    decodes: (the cores they take with the front end streaming, the cores of the token engine
+    and its shards alone, each front-end loop's CPU seconds per token, pooled)."""
     probe = bench_profile.HttpDecode(url, vocab_size())
-    points, allowance = [], 8
+    points, chain, allowance = [], [], 8
     loop_cpu, num_tokens = dict.fromkeys(FRONTEND, 0.0), 0
     for batch_size in batch_sizes:
         cell = bench_profile.Cell(TINY.decode_context, batch_size)
@@ -230,10 +258,11 @@ def measure_decode(
         start, end = max(t[1] for t in times), min(t[-1] for t in times)
         cores = sampler.cores(start, end)
         points.append((batch_size, round(minus(cores, idle, DECODE), 3)))
+        chain.append((batch_size, round(minus(cores, idle, CHAIN), 3)))
         num_tokens += sum(start < x <= end for t in times for x in t)
         for role in FRONTEND:
             loop_cpu[role] += minus(cores, idle, (role,)) * (end - start)
-    return points, {role: cpu / max(num_tokens, 1) for role, cpu in loop_cpu.items()}
+    return points, chain, {role: cpu / max(num_tokens, 1) for role, cpu in loop_cpu.items()}
 
 
 def measure_host(
@@ -242,14 +271,15 @@ def measure_host(
     """The host model, and the cores the mesh's processes take while idle (health checks, idle
     polls: part of the background)."""
     bench_profile = load_profile_bench()
-    pids = role_pids()
+    pids = role_pids(args.server_pid)
     idle = measure_idle(pids, args.idle_s)
     # Everything the model does not know by name: Ray's own processes, the mesh's idle loops,
     # other work on the box.
     idle_mesh = sum(idle[r] for r in ROLES)
     background = idle["background"] + idle_mesh
     frontend_s, per_request, prompt_cores = measure_frontend(url, pids, idle, profile_csv, sizes)
-    decode, per_token = measure_decode(bench_profile, url, pids, idle, args.decode_batches)
+    measured = measure_decode(bench_profile, url, pids, idle, args.decode_batches)
+    decode, chain, per_token = measured
     stations = tuple(
         Station(role, round(per_request[role], 6), round(per_token[role], 6)) for role in FRONTEND
     )
@@ -257,8 +287,8 @@ def measure_host(
         cores=float(len(os.sched_getaffinity(0))),
         background_cores=round(background, 3),
         prompt_cores=round(prompt_cores, 3),
-        frontend_cores=round(sum(per_request.values()) / frontend_s, 3),
         decode_cores_by_batch=tuple(decode),
+        chain_cores_by_batch=tuple(chain),
     )
     return HostModel(round(frontend_s, 5), cpu, stations), idle_mesh
 
@@ -302,7 +332,7 @@ def simulate(
 def replay_real(args: argparse.Namespace, scale: str, url: str) -> tuple[dict[str, Any], dict]:
     command = replay_command(args, scale, args.out / f"real-{scale.replace('/', '_')}")
     command += ["--url", url, "--vocab-size", str(vocab_size())]
-    with CpuSampler(role_pids(), interval_s=0.5) as sampler:
+    with CpuSampler(role_pids(args.server_pid), interval_s=0.5) as sampler:
         start = time.monotonic()
         summary = run_loadgen(command, sampler=sampler)
     cores = sampler.cores(start, time.monotonic())
@@ -454,6 +484,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.server_pid = None
     if args.url:
         result = validate(args, args.url)
     else:
@@ -462,11 +493,14 @@ def main() -> None:
         run = ServeRun(REPO / "deploy" / "local.yaml", args.out)
         started = time.monotonic()
         run.start()
+        args.server_pid = run.pid
         print(f"serve run deploy/local.yaml: up in {time.monotonic() - started:.0f} s")
         try:
             result = validate(args, run.base_url)
         finally:
+            tree = process_tree(run.pid) if run.pid else set()
             run.stop()
+            stop_survivors(tree)
     print(json.dumps(result))
 
 

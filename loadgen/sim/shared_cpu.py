@@ -14,13 +14,14 @@ moment, stretches it by
 
     slowdown(background + own + others) / slowdown(profiled background + own).
 
-The activities and what each wants while it runs (cores, measured by `bench/sim_validation.py`
-as CPU seconds over wall seconds, per process):
+What each activity wants while it runs (cores; measured by `bench/sim_validation.py` as CPU
+seconds over wall seconds, per process, with the activity alone on the host):
 - a prefill iteration: `prompt_cores` (the prompt engine runs one torch thread);
-- a decode iteration at batch B: `decode_cores(B)`, the token engine, its shards, and the front
-  end streaming its B tokens (the decode profile is measured through the HTTP front end too);
-- a request crossing the front end (HTTP, Serve's proxy, the router; the way in and the first
-  token's way out): `frontend_cores`, for `frontend_s` when alone.
+- a decode iteration at batch B: `chain_cores(B)`, the token engine and its shards. Alone, with
+  the front end streaming its tokens, it took `decode_cores(B)`: the decode profile is measured
+  through the HTTP front end, so that is the demand its profiled time already holds;
+- a front-end loop with work queued: one core (one thread), for the part of the coming interval
+  its queue lasts.
 
 The front end is also a queue. Each of its processes (the load generator's client, Serve's HTTP
 proxy, the router) is one event loop, a first-come-first-served server that handles every request
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from common.perf_model import PiecewiseLinear
@@ -48,28 +50,27 @@ class SharedCPU:
     cores: float
     background_cores: float = 0.0  # other work on the host now
     prompt_cores: float = 1.0
-    frontend_cores: float = 0.0
-    # (batch size, cores) points, interpolated linearly (constant past the ends).
-    decode_cores_by_batch: tuple[tuple[int, float], ...] = ((1, 1.0), (2, 1.0))
+    # (batch size, cores) points, interpolated linearly (constant past the ends): a decode alone
+    # with its streaming, and the token engine with its shards only.
+    decode_cores_by_batch: tuple[tuple[int, float], ...] = ((1, 1.0),)
+    chain_cores_by_batch: tuple[tuple[int, float], ...] = ((1, 1.0),)
     # The background while the profile and the demands were measured (None: the same as now).
     profiled_background_cores: float | None = None
-    _decode: PiecewiseLinear = field(init=False, repr=False, compare=False)
+    _curves: tuple[PiecewiseLinear, PiecewiseLinear] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        demands = [self.background_cores, self.prompt_cores, self.frontend_cores]
-        demands += [c for _, c in self.decode_cores_by_batch]
+        demands = [self.background_cores, self.prompt_cores]
+        demands += [c for _, c in self.decode_cores_by_batch + self.chain_cores_by_batch]
         if self.cores <= 0 or min(demands) < 0:
             raise ValueError("shared cpu: cores must be positive and every demand >= 0")
-        points = sorted(self.decode_cores_by_batch)
-        if len(points) == 1:
-            points.append((points[0][0] + 1, points[0][1]))
-        xs = tuple(float(b) for b, _ in points)
-        ys = tuple(float(c) for _, c in points)
-        object.__setattr__(self, "_decode", PiecewiseLinear(xs, ys))
+        curves = (_curve(self.decode_cores_by_batch), _curve(self.chain_cores_by_batch))
+        object.__setattr__(self, "_curves", curves)
 
     def decode_cores(self, batch_size: int) -> float:
-        xs = self._decode.xs
-        return self._decode(min(max(float(batch_size), xs[0]), xs[-1]))
+        return _clamped(self._curves[0], batch_size)
+
+    def chain_cores(self, batch_size: int) -> float:
+        return _clamped(self._curves[1], batch_size)
 
     def slowdown(self, demand_cores: float) -> float:
         """How much slower everything runs now when `demand_cores` want the host."""
@@ -88,6 +89,19 @@ class SharedCPU:
         return self.slowdown(total_cores) / self.profiled_slowdown(own_cores)
 
 
+def _curve(points: tuple[tuple[int, float], ...]) -> PiecewiseLinear:
+    if not points:
+        raise ValueError("shared cpu: a cores-by-batch curve needs at least one point")
+    ordered = sorted(points)
+    if len(ordered) == 1:
+        ordered.append((ordered[0][0] + 1, ordered[0][1]))
+    return PiecewiseLinear(tuple(float(b) for b, _ in ordered), tuple(c for _, c in ordered))
+
+
+def _clamped(curve: PiecewiseLinear, batch_size: int) -> float:
+    return curve(min(max(float(batch_size), curve.xs[0]), curve.xs[-1]))
+
+
 @dataclass(frozen=True)
 class Station:
     """One front-end event loop: CPU seconds it spends per request and per streamed token."""
@@ -104,12 +118,45 @@ class FrontEnd:
     def __init__(self, stations: tuple[Station, ...], delay_s: float) -> None:
         self.stations = stations
         self.delay_s = delay_s
-        self._free_at = [0.0] * len(stations)
+        # Each loop's scheduled work, (start, end) in time order: a loop waiting for the one
+        # before it in the pipeline is idle, not runnable.
+        self._work: list[deque[tuple[float, float]]] = [deque() for _ in stations]
+
+    def busy_cores(self, now: float, horizon_s: float) -> float:
+        """Cores the loops want over [now, now + horizon_s]: each, the part of it it works."""
+        horizon_s = max(horizon_s, 1e-6)
+        end, total = now + horizon_s, 0.0
+        for work in self._work:
+            while work and work[0][1] <= now:
+                work.popleft()
+            for start, done in work:
+                if start >= end:
+                    break
+                total += min(done, end) - max(start, now)
+        return total / horizon_s
+
+    def work_s(self, num_requests: int, num_tokens: int) -> float:
+        """CPU seconds of all loops for that many requests and tokens."""
+        return sum(
+            num_requests * s.request_cpu_s + num_tokens * s.token_cpu_s for s in self.stations
+        )
 
     def _serve(self, index: int, ready_s: float, work_s: float) -> float:
-        done = max(ready_s, self._free_at[index]) + work_s
-        self._free_at[index] = done
-        return done
+        """Schedule `work_s` on loop `index` in its first idle gap from `ready_s` on: work is
+        placed as it becomes ready downstream, so a loop never idles while work waits (the
+        queue is first come, first served by readiness, not by when it was scheduled)."""
+        work = self._work[index]
+        start, position = ready_s, 0
+        while position < len(work):
+            busy_start, busy_end = work[position]
+            if busy_end > start:
+                if busy_start >= start + work_s:
+                    break  # it fits in the gap before this interval
+                start = busy_end
+            position += 1
+        if work_s > 0:
+            work.insert(position, (start, start + work_s))
+        return start + work_s
 
     def request_in(self, now: float, stretch: float) -> float:
         """When a request arriving now reaches the router's decision."""
@@ -139,8 +186,8 @@ class HostModel:
         """The front end's latency alone that is not loop work (wake-ups, sockets); the loops'
         work ran at the host's slowdown with a request alone in the front end."""
         work = sum(s.request_cpu_s + s.token_cpu_s for s in self.stations)
-        slowdown = self.cpu.profiled_slowdown(self.cpu.frontend_cores)
-        return max(self.frontend_s - work * slowdown, 0.0)
+        # Measured one request at a time: one loop runnable at a time.
+        return max(self.frontend_s - work * self.cpu.profiled_slowdown(1.0), 0.0)
 
     def frontend(self) -> FrontEnd:
         return FrontEnd(self.stations, self.frontend_delay_s)
@@ -150,9 +197,13 @@ class HostModel:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         frontend_s = float(data.pop("frontend_s"))
-        decode = tuple((int(b), float(c)) for b, c in data.pop("decode_cores_by_batch"))
+        decode, chain = (
+            tuple((int(b), float(c)) for b, c in data.pop(key))
+            for key in ("decode_cores_by_batch", "chain_cores_by_batch")
+        )
         stations = tuple(Station(**s) for s in data.pop("stations", ()))
-        return cls(frontend_s, SharedCPU(decode_cores_by_batch=decode, **data), stations)
+        cpu = SharedCPU(decode_cores_by_batch=decode, chain_cores_by_batch=chain, **data)
+        return cls(frontend_s, cpu, stations)
 
     def to_dict(self) -> dict[str, object]:
         c = self.cpu
@@ -162,8 +213,8 @@ class HostModel:
             "background_cores": c.background_cores,
             "profiled_background_cores": c.profiled_background_cores,
             "prompt_cores": c.prompt_cores,
-            "frontend_cores": c.frontend_cores,
             "decode_cores_by_batch": [list(p) for p in c.decode_cores_by_batch],
+            "chain_cores_by_batch": [list(p) for p in c.chain_cores_by_batch],
             "stations": [asdict(s) for s in self.stations],
         }
 

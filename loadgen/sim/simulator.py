@@ -117,7 +117,6 @@ class Simulator:
             # NOTE: contention changes between iterations; a multi-step run would freeze it.
             for machine in self.machines:
                 machine.max_run_steps = 1
-        self._in_frontend = 0
         self.router = JSQPoolPolicy(
             {i: home for i, (_, home) in enumerate(types)}, options.thresholds
         )
@@ -181,23 +180,22 @@ class Simulator:
     def _on_frontend(self, now: float, req_id: int, _: int) -> None:
         """A request enters the front end; it reaches the router's decision when it leaves."""
         assert self.frontend is not None
-        self._in_frontend += 1
-        self._push(self.frontend.request_in(now, self._loop_stretch()), ARRIVAL, req_id)
+        stretch = self._loop_stretch(now, self.frontend.work_s(1, 0))
+        self._push(self.frontend.request_in(now, stretch), ARRIVAL, req_id)
 
-    def _loop_stretch(self) -> float:
-        """Wall seconds per CPU second of a front-end loop now (1.0 on an idle host)."""
+    def _loop_stretch(self, now: float, work_s: float) -> float:
+        """Wall seconds per CPU second of front-end loop work (`work_s` of it) starting now."""
         assert self.cpu is not None
-        return self.cpu.slowdown(self._demand())
+        return self.cpu.slowdown(self._demand(now, work_s))
 
     def _client_time(self, now: float, num_tokens: int) -> float:
         """When tokens emitted now reach the client (now, without a modelled front end)."""
         if self.frontend is None or num_tokens == 0:
             return now
-        return self.frontend.tokens_out(now, num_tokens, self._loop_stretch())
+        stretch = self._loop_stretch(now, self.frontend.work_s(0, num_tokens))
+        return self.frontend.tokens_out(now, num_tokens, stretch)
 
     def _on_arrival(self, now: float, req_id: int, _: int) -> None:
-        if self.cpu is not None:
-            self._in_frontend -= 1
         record = self.records[req_id]
         if record.output_len <= 0 or record.prompt_len <= 0:
             record.first_token_s = record.done_s = now  # nothing to compute
@@ -262,29 +260,36 @@ class Simulator:
             run = machine.start(now, self.output_len)
             if run is not None:
                 if self.cpu is not None:
-                    run.step_s *= self.cpu.stretch(self._run_cores(machine), self._demand())
+                    run.step_s *= self._run_stretch(machine, now)
                 self._push(run.end_s, RUN_END, machine.machine_id, machine.version)
             return
         new_end = machine.interrupt(now)
         if new_end is not None:
             self._push(new_end, RUN_END, machine.machine_id, machine.version)
 
-    def _run_cores(self, machine: SimMachine) -> float:
-        """Cores `machine`'s current run wants at full speed (0 when idle)."""
+    def _run_cores(self, machine: SimMachine, alone: bool = False) -> float:
+        """Cores `machine`'s current run wants (0 when idle); `alone`: the demand its profiled
+        time holds (a decode's own streaming included)."""
         cpu, run = self.cpu, machine.run
         if cpu is None or run is None:
             return 0.0
         if run.plan.prefill_ids:
             return cpu.prompt_cores
-        return cpu.decode_cores(len(run.plan.decode_ids))
+        batch_size = len(run.plan.decode_ids)
+        return cpu.decode_cores(batch_size) if alone else cpu.chain_cores(batch_size)
 
-    def _demand(self) -> float:
-        """Cores every activity on the shared host wants now: runs and front-end requests. The
-        front end's loops are one thread each: requests queued behind others want no CPU."""
-        assert self.cpu is not None and self.frontend is not None
+    def _run_stretch(self, machine: SimMachine, now: float) -> float:
+        """Factor on the profiled time of the run `machine` starts now, beside everything else."""
+        assert self.cpu is not None and machine.run is not None
+        demand = self._demand(now, machine.run.step_s)
+        return self.cpu.stretch(self._run_cores(machine, alone=True), demand)
+
+    def _demand(self, now: float, horizon_s: float) -> float:
+        """Cores the host's activities want over the coming `horizon_s`: the machines' runs and
+        the front-end loops, each for the part of it its queue lasts."""
+        assert self.frontend is not None
         busy = sum(self._run_cores(machine) for machine in self.machines)
-        requests = self._in_frontend * self.cpu.frontend_cores
-        return busy + min(requests, float(len(self.frontend.stations)))
+        return busy + self.frontend.busy_cores(now, horizon_s)
 
 
 def simulate(

@@ -35,8 +35,9 @@ def cpu_mesh_profile(tmp_path, monkeypatch):
 def host(background: float = 0.0, delay_work: tuple[float, float] = (0.005, 0.001)) -> HostModel:
     """Measured on an otherwise idle host; `background` cores of other work now."""
     cpu = SharedCPU(
-        cores=2.0, background_cores=background, prompt_cores=1.0, frontend_cores=1.0,
-        decode_cores_by_batch=((1, 1.0), (16, 1.6)), profiled_background_cores=0.0,
+        cores=2.0, background_cores=background, prompt_cores=1.0,
+        decode_cores_by_batch=((1, 1.1), (16, 1.6)), chain_cores_by_batch=((1, 1.0), (16, 1.2)),
+        profiled_background_cores=0.0,
     )  # fmt: skip
     request_s, token_s = delay_work
     stations = tuple(Station(n, request_s, token_s) for n in ("client", "proxy", "router"))
@@ -59,6 +60,7 @@ def test_decode_cores_interpolate_and_hold_past_the_ends():
     cpu = SharedCPU(cores=2.0, decode_cores_by_batch=((1, 1.0), (9, 2.0)))
     assert cpu.decode_cores(5) == pytest.approx(1.5)
     assert cpu.decode_cores(64) == pytest.approx(2.0) and cpu.decode_cores(0) == 1.0
+    assert cpu.chain_cores(7) == 1.0  # one point: constant
 
 
 def test_front_end_loops_are_fifo_a_request_waits_behind_queued_tokens():
@@ -70,6 +72,21 @@ def test_front_end_loops_are_fifo_a_request_waits_behind_queued_tokens():
     assert frontend.request_in(1.01, stretch=1.0) == pytest.approx(1.06)
     # A stretched loop takes longer for the same CPU work.
     assert frontend.tokens_out(2.0, 10, stretch=2.0) == pytest.approx(2.02)
+    # Its queue lasts 10 of the next 40 ms: a quarter of a core over that horizon.
+    assert frontend.busy_cores(2.01, horizon_s=0.04) == pytest.approx(0.25)
+
+
+def test_a_loop_never_idles_while_work_waits_for_it():
+    client = Station("client", request_cpu_s=0.001, token_cpu_s=0.001)
+    router = Station("router", request_cpu_s=0.002, token_cpu_s=0.001)
+    frontend = FrontEnd((client, router), delay_s=0.0)
+    # 100 tokens at t=0: the router is busy until 0.1, then the client until 0.2.
+    assert frontend.tokens_out(0.0, 100, stretch=1.0) == pytest.approx(0.2)
+    # A request at t=0.01 is not stuck behind the tokens' future turn at the client: the client
+    # is idle until 0.1, so it goes first; the router is busy with tokens until 0.1.
+    assert frontend.request_in(0.01, stretch=1.0) == pytest.approx(0.102)
+    # Work counts as busy cores only while it runs: the client idles over [0, 0.1).
+    assert frontend.busy_cores(0.0, horizon_s=0.1) == pytest.approx(1.0 + 0.01)
 
 
 def test_host_model_round_trips_and_its_delay_excludes_loop_work(tmp_path):
