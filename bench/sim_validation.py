@@ -1,22 +1,24 @@
 """The simulator against the real mesh: the same Azure slice, simulated and replayed, side by side.
 
-    python bench/sim_validation.py [--time-scales 1/4] [--duration 120] [--url URL]
+    python bench/sim_validation.py [--time-scales 1 1/4] [--duration 120] [--url URL]
 
 1. Starts `serve run deploy/local.yaml` (the tiny model; a prompt engine, a token engine with a
    2-shard group, the router, Serve's HTTP proxy), unless `--url` names a running one.
 2. Profiles it with `bench/profile.py --decode URL`: prefill batches in this process, decode steps
    through the server's HTTP API (shard round trips and token streaming included), written as a
    Splitwise-format table (`profile.csv`, hardware `cpu-local-mesh`).
-3. Measures the host (`host.json`, `loadgen/sim/shared_cpu.py`): the front end's latency alone
-   (unloaded TTFT minus the profiled prefill), and the cores each activity takes alone, from
-   per-process CPU time in /proc: a request crossing the front end, a prefill, a decode step at
-   several batch sizes, and the background (Ray's own processes, anything else on the box).
-4. For each time scale, simulates the slice with `python -m loadgen replay --target
-   sim:PhaseMesh-CPU:1P1T@host=host.json`, then replays it on the server with `python -m loadgen
-   replay --url`: same trace, window, token scale and time scale.
-5. Prints p50/p90 TTFT and TBT of both and their ratios. TBT is a request's mean gap after its
-   first token (TPOT; what the simulator models, as Splitwise's does); the gap-by-gap ITL is
-   printed too. Each check passes within `--tolerance` (25%). The last line is one JSON object.
+3. Measures the host (`host.json`, `loadgen/sim/shared_cpu.py`) from /proc (`bench/host_cpu.py`):
+   the front end's latency alone (unloaded TTFT minus the profiled prefill); each front-end loop's
+   CPU per request and per token; the cores a prefill and a decode step at several batch sizes
+   take alone; the background (threads of other processes holding or waiting for a core).
+4. For each time scale: simulates the slice (`python -m loadgen replay --target
+   sim:PhaseMesh-CPU:1P1T@host=host.json`), replays it on the server (`python -m loadgen replay
+   --url`; same trace, window, token and time scales), and simulates it again with the background
+   measured during the replay (other engineers' jobs come and go on a shared box).
+5. Prints p50/p90 TTFT and TBT of the replay and the second simulation, their ratios, and the
+   first simulation. TBT is a request's mean gap after its first token (TPOT; what the simulator
+   models, as Splitwise's does); the gap-by-gap ITL is printed for information. Each check passes
+   within `--tolerance` (25%). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -26,11 +28,9 @@ import asyncio
 import importlib.util
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
 from fractions import Fraction
@@ -41,6 +41,17 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+# NOTE: bench/ is on the path as this script's folder; bench/profile.py takes it off when loaded
+# (its name is a stdlib module's), so everything from bench/ is imported here, first.
+from host_cpu import (  # noqa: E402
+    ROLES,
+    CpuSampler,
+    minus,
+    process_tree,
+    role_pids,
+    stop_survivors,
+)
+
 from common.perf_model import load_perf_model  # noqa: E402
 from loadgen.arrivals import ArrivalConfig, plan_requests  # noqa: E402
 from loadgen.sim.config import TINY  # noqa: E402
@@ -48,18 +59,10 @@ from loadgen.sim.shared_cpu import HostModel, SharedCPU, Station  # noqa: E402
 from loadgen.traces import read_trace, shared_dir  # noqa: E402
 
 HARDWARE = "cpu-local-mesh"
-ROLES = {  # Ray process titles of the mesh's processes
-    "router": "ServeReplica:phasemesh:Router",
-    "proxy": "ProxyActor",
-    "prompt": "ServeReplica:phasemesh:PromptEngine",
-    "token": "ServeReplica:phasemesh:TokenEngine",
-    "shard": "ServeReplica:phasemesh:AttentionShard",
-}
 FRONTEND = ("client", "proxy", "router")  # the way in
 CHAIN = ("token", "shard")  # a decode step's own processes
 DECODE = CHAIN + FRONTEND  # ... and the front end streaming its tokens
 CHECKS = ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p90_tpot_ms")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def load_profile_bench() -> ModuleType:
@@ -78,125 +81,18 @@ def vocab_size() -> int:
     return int(json.loads((default_model_path("tiny") / "config.json").read_text())["vocab_size"])
 
 
-# ---- CPU time per process role, sampled on a thread ----
-
-
-def process_tree(root: int) -> set[int]:
-    """`root` and every process below it (from /proc/PID/stat's parent field)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue  # exited meanwhile
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        found.add(pid)
-        todo += children.get(pid, [])
-    return found
-
-
-def stop_survivors(pids: set[int]) -> None:
-    """SIGKILL what is left of the server this bench started (a Ray that outlived Ctrl-C)."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # it exited, as it should have
-
-
-def role_pids(root: int | None) -> dict[int, str]:
-    """The mesh's processes by role (the shards are two): those below `root` (the `serve run`
-    this bench started), else any on this host, which must then be one mesh only."""
-    found = {}
-    candidates = process_tree(root) if root else {int(p.name) for p in Path("/proc").glob("[0-9]*")}
-    for pid in candidates:
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        for role, marker in ROLES.items():
-            if title.startswith("ray::") and marker in title:
-                found[pid] = role
-    counts = {role: list(found.values()).count(role) for role in ROLES}
-    if any(counts[r] != 1 for r in ("router", "proxy", "prompt", "token")):
-        raise RuntimeError(f"need exactly one local mesh; its processes by role: {counts}")
-    return found
-
-
-def process_cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0  # it exited
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def box_busy_s() -> float:
-    """CPU seconds the whole machine has been busy (all cores)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / CLK_TCK
-
-
-class CpuSampler:
-    """Cumulative CPU seconds per role, this process ('client'), a client subprocess and the whole
-    box, every `interval_s` on a thread; `cores(t0, t1)` averages them over a window."""
-
-    def __init__(self, pids: dict[int, str], interval_s: float = 0.05) -> None:
-        self.pids, self.interval_s = pids, interval_s
-        self.extra_client_pid: int | None = None
-        self.samples: list[tuple[float, dict[str, float]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def sample(self) -> tuple[float, dict[str, float]]:
-        values = dict.fromkeys(ROLES, 0.0) | {"client": time.process_time(), "box": box_busy_s()}
-        for pid, role in self.pids.items():
-            values[role] += process_cpu_s(pid)
-        if self.extra_client_pid is not None:
-            values["client"] += process_cpu_s(self.extra_client_pid)
-        return time.monotonic(), values
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(self.sample())
-            self._stop.wait(self.interval_s)  # NOTE: a sampling clock, not a poll for work
-
-    def __enter__(self) -> CpuSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def cores(self, t0: float, t1: float) -> dict[str, float]:
-        """Average cores per role over [t0, t1] (nearest samples inside), plus 'background':
-        the box's busy cores that no role and no client accounts for."""
-        inside = [s for s in self.samples if t0 <= s[0] <= t1] or self.samples[-2:]
-        (a_t, a), (b_t, b) = inside[0], inside[-1]
-        span = max(b_t - a_t, 1e-9)
-        out = {k: (b[k] - a[k]) / span for k in a}
-        out["background"] = out.pop("box") - sum(out[k] for k in (*ROLES, "client"))
-        return out
-
-
-def minus(busy: dict[str, float], idle: dict[str, float], roles: tuple[str, ...]) -> float:
-    """Cores `roles` took beyond their idle use (health checks, idle polls: the background)."""
-    return sum(max(busy[r] - idle[r], 0.0) for r in roles)
-
-
 # ---- host measurements ----
 
 
 def measure_idle(pids: dict[int, str], seconds: float) -> dict[str, float]:
+    """Cores per role while the mesh is idle, and 'background_threads' (see `CpuSampler`)."""
     with CpuSampler(pids) as sampler:
         start = time.monotonic()
         time.sleep(seconds)  # NOTE: measuring an idle window
-    return sampler.cores(start, time.monotonic())
+    end = time.monotonic()
+    return sampler.cores(start, end) | {
+        "background_threads": sampler.background_threads(start, end)
+    }
 
 
 def sequential_requests(url: str, sizes: list[int], gap_s: float) -> tuple[list[Any], float, float]:
@@ -273,10 +169,10 @@ def measure_host(
     bench_profile = load_profile_bench()
     pids = role_pids(args.server_pid)
     idle = measure_idle(pids, args.idle_s)
-    # Everything the model does not know by name: Ray's own processes, the mesh's idle loops,
-    # other work on the box.
+    # Everything the model does not know by name: Ray's own processes and other work on the box
+    # (threads competing for a core), the mesh's idle loops (cores).
     idle_mesh = sum(idle[r] for r in ROLES)
-    background = idle["background"] + idle_mesh
+    background = idle["background_threads"] + idle_mesh
     frontend_s, per_request, prompt_cores = measure_frontend(url, pids, idle, profile_csv, sizes)
     measured = measure_decode(bench_profile, url, pids, idle, args.decode_batches)
     decode, chain, per_token = measured
@@ -332,10 +228,13 @@ def simulate(
 def replay_real(args: argparse.Namespace, scale: str, url: str) -> tuple[dict[str, Any], dict]:
     command = replay_command(args, scale, args.out / f"real-{scale.replace('/', '_')}")
     command += ["--url", url, "--vocab-size", str(vocab_size())]
-    with CpuSampler(role_pids(args.server_pid), interval_s=0.5) as sampler:
+    with CpuSampler(role_pids(args.server_pid), interval_s=0.1) as sampler:
         start = time.monotonic()
         summary = run_loadgen(command, sampler=sampler)
-    cores = sampler.cores(start, time.monotonic())
+    end = time.monotonic()
+    cores = sampler.cores(start, end) | {
+        "background_threads": sampler.background_threads(start, end)
+    }
     return summary, {k: round(v, 3) for k, v in cores.items()}
 
 
@@ -429,7 +328,7 @@ def validate_scale(
     profile_csv, host_json, idle_mesh = measured
     predicted = simulate(args, scale, profile_csv, host_json, "before")
     real, cores = replay_real(args, scale, url)
-    background = cores["background"] + idle_mesh
+    background = cores["background_threads"] + idle_mesh
     during = with_background(
         host_json, background, args.out / f"host-{scale.replace('/', '_')}.json"
     )
@@ -470,7 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start", type=float, default=0.0, help="window start (trace s)")
     parser.add_argument("--duration", type=float, default=120.0, help="window length (trace s)")
     parser.add_argument("--token-scale", default="1/16", help="as tests/e2e/test_loadgen_replay")
-    parser.add_argument("--time-scales", nargs="+", default=["1/4"], help="replay speeds")
+    parser.add_argument("--time-scales", nargs="+", default=["1"], help="replay speeds")
     parser.add_argument("--tolerance", type=float, default=0.25)
     parser.add_argument("--repeats", type=int, default=2, help="profile repeats")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 4, 16, 48])
