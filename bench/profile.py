@@ -173,7 +173,8 @@ class HttpDecode:
         self._num_batches = 0
 
     def token_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
-        """Each request's token arrival times (`time.monotonic`), B concurrent requests."""
+        """Each request's token arrival times (`time.monotonic`), B concurrent requests of the
+        prompts' count and length (loadgen's prompt builder makes the ids)."""
         self._num_batches += 1
         return asyncio.run(self._replay(len(prompts), len(prompts[0]), max_tokens))
 
