@@ -21,11 +21,14 @@ request as this client receives them, skipping each request's first two (the fir
 handoff hop). Each round's median TBT is divided by its partners'; the medians of those ratios are
 the results (target < 1.05):
 
-- `tbt_ratio_tracing`: traced / untraced, tracing on and off in the same processes;
-- `tbt_ratio_on_off`: traced / off, everything on against everything off;
-- `tbt_ratio_mesh_bias`: untraced / off, what two meshes differ by without tracing (the metrics
-  SDK and gauges, and whatever else makes one set of processes faster than the other: on a shared
-  2-core machine, a few percent either way).
+- `tbt_ratio_tracing`: traced / untraced, in the same processes: every per-token thing telemetry
+  does (the span event, the router's TBT record, the exporter's thread) on against off. This is
+  the number that answers "what does telemetry cost decode TBT" (metrics at the engines are per
+  request or periodic, never per token, and run in both arms);
+- `tbt_ratio_on_off`: traced / off, everything on against everything off, across two meshes;
+- `tbt_ratio_mesh_bias`: untraced / off, what the two meshes differ by without tracing. On a
+  shared 2-core machine two identical meshes differ by several percent either way (run twice and
+  it moves), so `on_off` carries that bias; `tracing` does not.
 
 NOTE: other people's work on a shared machine moves single rounds by tens of percent, hence many
 short rounds and medians of paired ratios. The bench also measures the work itself: the CPU time
