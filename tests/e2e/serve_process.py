@@ -94,3 +94,39 @@ class ServeRun:
 
     def log_tail(self, num_chars: int = 6000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def ray_metrics_url(self) -> str:
+        """Ray's metrics agent (Prometheus text) of the Ray this `serve run` started.
+
+        `--address local` lets Ray pick the export port; its agent keeps it in the session folder
+        as `metrics_export_port_<node id>`, and Ray's own processes name that folder."""
+        assert self.pid is not None
+        for pid in descendants(self.pid):
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue  # exited meanwhile
+            for arg in args.split("\0"):
+                name, _, value = arg.partition("=")
+                if name in ("--session-dir", "--session_dir"):
+                    for port_file in Path(value).glob("metrics_export_port_*"):
+                        return f"http://127.0.0.1:{int(port_file.read_text())}/metrics"
+        raise LookupError(f"no Ray metrics export port under serve run {self.pid}")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), so a test touches only the Ray it started."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

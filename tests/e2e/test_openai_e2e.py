@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
-from tests.e2e.serve_process import REPO, ServeRun
+from tests.e2e.serve_process import REPO, ServeRun, descendants
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -213,22 +214,41 @@ def test_stop_string_ends_the_request_and_frees_the_mesh(
     assert current["kv_blocks_used"] == 0 and current["num_engine_requests"] == 0, current
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc), so a test touches only the Ray it started."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+def sample_values(exposition: str, name: str) -> list[float]:
+    """Every sample of `name` in Prometheus text format (one per label set)."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
+    return [float(value) for value in pattern.findall(exposition)]
+
+
+# Histograms recorded by the Router replica (client-facing) and the PromptEngine (its phases).
+RAY_HISTOGRAMS = (
+    "ray_phasemesh_time_to_first_token_seconds",
+    "ray_phasemesh_inter_token_latency_seconds",
+    "ray_phasemesh_e2e_request_latency_seconds",
+    "ray_phasemesh_request_prefill_time_seconds",
+)
+
+
+def test_ray_metrics_endpoint_has_the_latency_histograms(
+    server: ServeRun, client: openai.OpenAI
+) -> None:
+    stream = client.completions.create(
+        model=MODEL, prompt=[21] * 40, max_tokens=8, extra_body={"ignore_eos": True}, stream=True
+    )
+    assert len([chunk for chunk in stream if chunk.choices]) == 8
+    url = server.ray_metrics_url()
+    # Ray's workers report to its metrics agent every few seconds: poll, bounded.
+    deadline = time.monotonic() + 90
+    while True:
+        exposition = httpx.get(url, timeout=10).text
+        counts = {name: sum(sample_values(exposition, name + "_count")) for name in RAY_HISTOGRAMS}
+        if all(counts.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(2)  # NOTE: waiting on Ray's report interval; nothing to block on
+    assert all(counts.values()), counts
+    assert sum(sample_values(exposition, "ray_phasemesh_inter_token_latency_seconds_count")) >= 7
+    blocks = sample_values(exposition, "ray_phasemesh_kv_blocks_used")
+    assert len(blocks) >= 3, "the engines and both shards set the KV blocks gauge"
 
 
 def replica_pid(server: ServeRun, deployment: str) -> int:
