@@ -77,6 +77,11 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def process_nice(pid: int) -> int:
+    """The nice value of `pid` (Ray starts its workers at 15)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 def runnable_threads(pid: int) -> int:
     """Threads of `pid` running or waiting for a core (state R)."""
     count = 0

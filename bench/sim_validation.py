@@ -10,7 +10,8 @@
 3. Measures the host (`host.json`, `loadgen/sim/shared_cpu.py`) from /proc (`bench/host_cpu.py`):
    the front end's latency alone (unloaded TTFT minus the profiled prefill); each front-end loop's
    CPU per request and per token; the cores a prefill and a decode step at several batch sizes
-   take alone; the background (threads of other processes holding or waiting for a core).
+   take alone; the background (CPU of other processes: at nice 0 they take it before Ray's
+   nice-15 workers); which front-end loops run above the mesh's priority (the client).
 4. For each time scale: simulates the slice (`python -m loadgen replay --target
    sim:PhaseMesh-CPU:1P1T@host=host.json`), replays it on the server (`python -m loadgen replay
    --url`; same trace, window, token and time scales), and simulates it again with the background
@@ -47,6 +48,7 @@ from host_cpu import (  # noqa: E402
     ROLES,
     CpuSampler,
     minus,
+    process_nice,
     process_tree,
     role_pids,
     stop_survivors,
@@ -169,16 +171,22 @@ def measure_host(
     bench_profile = load_profile_bench()
     pids = role_pids(args.server_pid)
     idle = measure_idle(pids, args.idle_s)
-    # Everything the model does not know by name: Ray's own processes and other work on the box
-    # (threads competing for a core), the mesh's idle loops (cores).
+    # Everything the model does not know by name: Ray's own processes, the mesh's idle loops,
+    # other users' work (at nice 0, above Ray's nice-15 workers: it gets what it wants, so the
+    # CPU it used is what it took from the mesh).
     idle_mesh = sum(idle[r] for r in ROLES)
-    background = idle["background_threads"] + idle_mesh
+    background = idle["background"] + idle_mesh
     frontend_s, per_request, prompt_cores = measure_frontend(url, pids, idle, profile_csv, sizes)
     measured = measure_decode(bench_profile, url, pids, idle, args.decode_batches)
     decode, chain, per_token = measured
+    mesh_nice = min(process_nice(pid) for pid in pids)
     stations = tuple(
-        Station(role, round(per_request[role], 6), round(per_token[role], 6)) for role in FRONTEND
-    )
+        Station(
+            role, round(per_request[role], 6), round(per_token[role], 6),
+            priority=role == "client" and os.getpriority(os.PRIO_PROCESS, 0) < mesh_nice,
+        )
+        for role in FRONTEND
+    )  # fmt: skip
     cpu = SharedCPU(
         cores=float(len(os.sched_getaffinity(0))),
         background_cores=round(background, 3),
@@ -328,7 +336,7 @@ def validate_scale(
     profile_csv, host_json, idle_mesh = measured
     predicted = simulate(args, scale, profile_csv, host_json, "before")
     real, cores = replay_real(args, scale, url)
-    background = cores["background_threads"] + idle_mesh
+    background = cores["background"] + idle_mesh
     during = with_background(
         host_json, background, args.out / f"host-{scale.replace('/', '_')}.json"
     )

@@ -42,13 +42,17 @@ from dataclasses import asdict, dataclass, field
 
 from common.perf_model import PiecewiseLinear
 
+NICE15_SHARE = 36 / 1024  # CFS weights of nice 15 and nice 0
+
 
 @dataclass(frozen=True)
 class SharedCPU:
     """The host's cores, its background load, and each activity's demand; see the module."""
 
     cores: float
-    background_cores: float = 0.0  # other work on the host now
+    # Cores taken now by work at a higher priority than the mesh's processes (other users'
+    # jobs at nice 0, over Ray's nice-15 workers): the mesh shares what is left.
+    background_cores: float = 0.0
     prompt_cores: float = 1.0
     # (batch size, cores) points, interpolated linearly (constant past the ends): a decode alone
     # with its streaming, and the token engine with its shards only.
@@ -72,21 +76,29 @@ class SharedCPU:
     def chain_cores(self, batch_size: int) -> float:
         return _clamped(self._curves[1], batch_size)
 
-    def slowdown(self, demand_cores: float) -> float:
-        """How much slower everything runs now when `demand_cores` want the host."""
-        return max(1.0, (self.background_cores + demand_cores) / self.cores)
+    def slowdown(self, demand_cores: float, priority_cores: float = 0.0) -> float:
+        """How much slower the mesh's processes run now when they want `demand_cores` and
+        higher-priority work (the background, a client) takes `priority_cores` besides."""
+        return _shared(demand_cores, self.cores - self.background_cores - priority_cores, self)
 
     def profiled_slowdown(self, demand_cores: float) -> float:
         """The slowdown `demand_cores` alone had when measured."""
         background = self.profiled_background_cores
         if background is None:
             background = self.background_cores
-        return max(1.0, (background + demand_cores) / self.cores)
+        return _shared(demand_cores, self.cores - background, self)
 
-    def stretch(self, own_cores: float, total_cores: float) -> float:
-        """Factor on the alone-measured time of an activity wanting `own_cores` while all
-        activities together (it included) want `total_cores`."""
-        return self.slowdown(total_cores) / self.profiled_slowdown(own_cores)
+    def stretch(self, own_cores: float, total_cores: float, priority_cores: float = 0.0) -> float:
+        """Factor on the alone-measured time of an activity wanting `own_cores` while all the
+        mesh's activities together (it included) want `total_cores`."""
+        return self.slowdown(total_cores, priority_cores) / self.profiled_slowdown(own_cores)
+
+
+def _shared(demand_cores: float, left_cores: float, cpu: SharedCPU) -> float:
+    # NOTE: Ray runs its workers at nice 15: CFS gives such a thread 36/1024 of a nice-0 one's
+    # share, so higher-priority work leaves the mesh at least that much of the cores, no more.
+    left = max(left_cores, cpu.cores * NICE15_SHARE)
+    return max(1.0, demand_cores / left)
 
 
 def _curve(points: tuple[tuple[int, float], ...]) -> PiecewiseLinear:
@@ -104,11 +116,14 @@ def _clamped(curve: PiecewiseLinear, batch_size: int) -> float:
 
 @dataclass(frozen=True)
 class Station:
-    """One front-end event loop: CPU seconds it spends per request and per streamed token."""
+    """One front-end event loop: CPU seconds it spends per request and per streamed token.
+    `priority`: it runs above the mesh's processes (the load generator, at nice 0), so they
+    never slow it down; it takes its cores from theirs."""
 
     name: str
     request_cpu_s: float
     token_cpu_s: float
+    priority: bool = False
 
 
 class FrontEnd:
@@ -122,11 +137,14 @@ class FrontEnd:
         # before it in the pipeline is idle, not runnable.
         self._work: list[deque[tuple[float, float]]] = [deque() for _ in stations]
 
-    def busy_cores(self, now: float, horizon_s: float) -> float:
-        """Cores the loops want over [now, now + horizon_s]: each, the part of it it works."""
+    def busy_cores(self, now: float, horizon_s: float, priority: bool = False) -> float:
+        """Cores the loops (those of `priority`) want over [now, now + horizon_s]: each, the
+        part of it it works."""
         horizon_s = max(horizon_s, 1e-6)
         end, total = now + horizon_s, 0.0
-        for work in self._work:
+        for station, work in zip(self.stations, self._work, strict=True):
+            if station.priority != priority:
+                continue
             while work and work[0][1] <= now:
                 work.popleft()
             for start, done in work:
@@ -162,14 +180,16 @@ class FrontEnd:
         """When a request arriving now reaches the router's decision."""
         t = now + self.delay_s
         for i, station in enumerate(self.stations):
-            t = self._serve(i, t, station.request_cpu_s * stretch)
+            t = self._serve(i, t, station.request_cpu_s * (1.0 if station.priority else stretch))
         return t
 
     def tokens_out(self, now: float, num_tokens: int, stretch: float) -> float:
         """When the last of `num_tokens` tokens emitted now reaches the client."""
         t = now
         for i in reversed(range(len(self.stations))):
-            t = self._serve(i, t, self.stations[i].token_cpu_s * num_tokens * stretch)
+            station = self.stations[i]
+            factor = 1.0 if station.priority else stretch
+            t = self._serve(i, t, station.token_cpu_s * num_tokens * factor)
         return t
 
 
@@ -185,9 +205,12 @@ class HostModel:
     def frontend_delay_s(self) -> float:
         """The front end's latency alone that is not loop work (wake-ups, sockets); the loops'
         work ran at the host's slowdown with a request alone in the front end."""
-        work = sum(s.request_cpu_s + s.token_cpu_s for s in self.stations)
-        # Measured one request at a time: one loop runnable at a time.
-        return max(self.frontend_s - work * self.cpu.profiled_slowdown(1.0), 0.0)
+        slowdown = self.cpu.profiled_slowdown(1.0)  # alone: one loop runnable at a time
+        work = sum(
+            (s.request_cpu_s + s.token_cpu_s) * (1.0 if s.priority else slowdown)
+            for s in self.stations
+        )
+        return max(self.frontend_s - work, 0.0)
 
     def frontend(self) -> FrontEnd:
         return FrontEnd(self.stations, self.frontend_delay_s)

@@ -184,9 +184,9 @@ class Simulator:
         self._push(self.frontend.request_in(now, stretch), ARRIVAL, req_id)
 
     def _loop_stretch(self, now: float, work_s: float) -> float:
-        """Wall seconds per CPU second of front-end loop work (`work_s` of it) starting now."""
+        """Wall seconds per CPU second of the mesh's front-end loops' work (`work_s`) now."""
         assert self.cpu is not None
-        return self.cpu.slowdown(self._demand(now, work_s))
+        return self.cpu.slowdown(*self._demand(now, work_s))
 
     def _client_time(self, now: float, num_tokens: int) -> float:
         """When tokens emitted now reach the client (now, without a modelled front end)."""
@@ -281,15 +281,17 @@ class Simulator:
     def _run_stretch(self, machine: SimMachine, now: float) -> float:
         """Factor on the profiled time of the run `machine` starts now, beside everything else."""
         assert self.cpu is not None and machine.run is not None
-        demand = self._demand(now, machine.run.step_s)
-        return self.cpu.stretch(self._run_cores(machine, alone=True), demand)
+        demand, priority = self._demand(now, machine.run.step_s)
+        return self.cpu.stretch(self._run_cores(machine, alone=True), demand, priority)
 
-    def _demand(self, now: float, horizon_s: float) -> float:
-        """Cores the host's activities want over the coming `horizon_s`: the machines' runs and
-        the front-end loops, each for the part of it its queue lasts."""
+    def _demand(self, now: float, horizon_s: float) -> tuple[float, float]:
+        """Cores wanted over the coming `horizon_s` by the mesh's processes (the machines' runs
+        and its front-end loops) and by higher-priority loops (the client), each loop for the
+        part of it its queue lasts."""
         assert self.frontend is not None
         busy = sum(self._run_cores(machine) for machine in self.machines)
-        return busy + self.frontend.busy_cores(now, horizon_s)
+        loops = self.frontend.busy_cores(now, horizon_s)
+        return busy + loops, self.frontend.busy_cores(now, horizon_s, priority=True)
 
 
 def simulate(

@@ -40,20 +40,23 @@ def host(background: float = 0.0, delay_work: tuple[float, float] = (0.005, 0.00
         profiled_background_cores=0.0,
     )  # fmt: skip
     request_s, token_s = delay_work
-    stations = tuple(Station(n, request_s, token_s) for n in ("client", "proxy", "router"))
+    stations = (Station("client", request_s, token_s, priority=True),) + tuple(
+        Station(n, request_s, token_s) for n in ("proxy", "router")
+    )
     return HostModel(0.030, cpu, stations)
 
 
-def test_stretch_is_one_alone_and_the_sharing_ratio_with_others():
-    cpu = SharedCPU(cores=2.0, background_cores=0.5)
-    assert cpu.stretch(1.0, 1.0) == 1.0  # 1.5 cores wanted of 2: no slowdown
-    assert cpu.stretch(1.0, 2.5) == pytest.approx(1.5)  # 3 cores wanted of 2
-    busy = SharedCPU(cores=2.0, background_cores=2.0)
-    # Profiled alone at (2 + 1) / 2 = 1.5x already: only the extra counts.
-    assert busy.stretch(1.0, 2.0) == pytest.approx((4.0 / 2) / 1.5)
-    # Profiled on a quiet host, running now beside 2 cores of other work.
-    later = SharedCPU(cores=2.0, background_cores=2.0, profiled_background_cores=0.0)
-    assert later.stretch(1.0, 1.0) == pytest.approx(1.5)
+def test_the_mesh_shares_what_higher_priority_work_leaves():
+    cpu = SharedCPU(cores=2.0, background_cores=0.5)  # 0.5 cores of nice-0 work
+    assert cpu.stretch(1.0, 1.0) == 1.0  # 1 core wanted of the 1.5 left: no slowdown
+    assert cpu.stretch(1.0, 3.0) == pytest.approx(2.0)  # 3 cores wanted of 1.5
+    assert cpu.slowdown(1.5, priority_cores=0.5) == pytest.approx(1.5)  # a client takes 0.5
+    # Profiled beside 1 core of background, running now beside 1.5.
+    later = SharedCPU(cores=2.0, background_cores=1.5, profiled_background_cores=1.0)
+    assert later.stretch(1.0, 1.0) == pytest.approx(2.0)
+    # Saturated by nice-0 work, Ray's nice-15 workers still get their CFS share, no more.
+    starved = SharedCPU(cores=2.0, background_cores=2.0)
+    assert starved.slowdown(0.5) == pytest.approx(0.5 / (2.0 * 36 / 1024))
 
 
 def test_decode_cores_interpolate_and_hold_past_the_ends():
@@ -77,7 +80,7 @@ def test_front_end_loops_are_fifo_a_request_waits_behind_queued_tokens():
 
 
 def test_a_loop_never_idles_while_work_waits_for_it():
-    client = Station("client", request_cpu_s=0.001, token_cpu_s=0.001)
+    client = Station("client", request_cpu_s=0.001, token_cpu_s=0.001, priority=True)
     router = Station("router", request_cpu_s=0.002, token_cpu_s=0.001)
     frontend = FrontEnd((client, router), delay_s=0.0)
     # 100 tokens at t=0: the router is busy until 0.1, then the client until 0.2.
@@ -86,7 +89,10 @@ def test_a_loop_never_idles_while_work_waits_for_it():
     # is idle until 0.1, so it goes first; the router is busy with tokens until 0.1.
     assert frontend.request_in(0.01, stretch=1.0) == pytest.approx(0.102)
     # Work counts as busy cores only while it runs: the client idles over [0, 0.1).
-    assert frontend.busy_cores(0.0, horizon_s=0.1) == pytest.approx(1.0 + 0.01)
+    assert frontend.busy_cores(0.0, horizon_s=0.1) == pytest.approx(1.0)
+    assert frontend.busy_cores(0.0, horizon_s=0.1, priority=True) == pytest.approx(0.01)
+    # The client is above the mesh: a stretch never slows it.
+    assert frontend.tokens_out(1.0, 10, stretch=3.0) == pytest.approx(1.0 + 0.03 + 0.01)
 
 
 def test_host_model_round_trips_and_its_delay_excludes_loop_work(tmp_path):
