@@ -1,15 +1,15 @@
 """CPU accounting of the local mesh's processes on this host, for `bench/sim_validation.py`.
 
 The mesh's processes are found by their Ray titles (below the `serve run` the bench started);
-`CpuSampler` reads their CPU time, their runnable threads, and the whole machine's, from /proc on
-a thread, so that a window's cores per role and its background can be read afterwards.
+`CpuSampler` reads their CPU time and the whole machine's from /proc on a thread, so that a
+window's cores per role can be read afterwards; `snapshot` and `foreign_cores` split the other
+processes' CPU by priority against the mesh's (Ray starts its workers at nice 15).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -82,25 +82,6 @@ def process_nice(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 
-def runnable_threads(pid: int) -> int:
-    """Threads of `pid` running or waiting for a core (state R)."""
-    count = 0
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            count += stat.read_text().rsplit(")", 1)[1].split()[0] == "R"
-        except OSError:
-            continue  # exited meanwhile
-    return count
-
-
-def box_runnable() -> int:
-    """Threads running or waiting for a core on the whole machine (`procs_running`)."""
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith("procs_running"):
-            return int(line.split()[1])
-    return 0
-
-
 def box_busy_s() -> float:
     """CPU seconds the whole machine has been busy (all cores)."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -110,8 +91,7 @@ def box_busy_s() -> float:
 
 class CpuSampler:
     """Every `interval_s` on a thread: cumulative CPU seconds per role, this process ('client'),
-    a client subprocess and the whole box (`cores` averages them over a window), and how many
-    threads wait for or hold a core on the box and in those processes (`background_threads`)."""
+    a client subprocess and the whole box; `cores` averages them over a window."""
 
     def __init__(self, pids: dict[int, str], interval_s: float = 0.05) -> None:
         self.pids, self.interval_s = pids, interval_s
@@ -124,12 +104,8 @@ class CpuSampler:
         values = dict.fromkeys(ROLES, 0.0) | {"client": time.process_time(), "box": box_busy_s()}
         for pid, role in self.pids.items():
             values[role] += process_cpu_s(pid)
-        ours = [*self.pids, os.getpid()]
         if self.extra_client_pid is not None:
             values["client"] += process_cpu_s(self.extra_client_pid)
-            ours.append(self.extra_client_pid)
-        # NOTE: minus this sampling thread, which is running while it counts.
-        values["foreign_threads"] = box_runnable() - sum(map(runnable_threads, ours))
         return time.monotonic(), values
 
     def _run(self) -> None:
@@ -151,22 +127,47 @@ class CpuSampler:
         inside = [s for s in self.samples if t0 <= s[0] <= t1] or self.samples[-2:]
         (a_t, a), (b_t, b) = inside[0], inside[-1]
         span = max(b_t - a_t, 1e-9)
-        out = {k: (b[k] - a[k]) / span for k in a if k != "foreign_threads"}
+        out = {k: (b[k] - a[k]) / span for k in a}
         out["background"] = out.pop("box") - sum(out[k] for k in (*ROLES, "client"))
         return out
-
-    def window(self, t0: float, t1: float) -> dict[str, float]:
-        """`cores`, plus `background_threads` as 'background_threads'."""
-        return self.cores(t0, t1) | {"background_threads": self.background_threads(t0, t1)}
-
-    def background_threads(self, t0: float, t1: float) -> float:
-        """Mean number of threads outside the mesh and the client that held or waited for a
-        core over [t0, t1]: the competition they are, which CPU time alone understates on a
-        saturated box."""
-        inside = [s for s in self.samples if t0 <= s[0] <= t1] or self.samples[-2:]
-        return max(statistics.fmean(v["foreign_threads"] for _, v in inside), 0.0)
 
 
 def minus(busy: dict[str, float], idle: dict[str, float], roles: tuple[str, ...]) -> float:
     """Cores `roles` took beyond their idle use (health checks, idle polls: the background)."""
     return sum(max(busy[r] - idle[r], 0.0) for r in roles)
+
+
+def snapshot() -> dict[int, tuple[int, float]]:
+    """Every process on the box: pid -> (nice, CPU seconds so far)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        found[int(stat.parent.name)] = (
+            int(fields[16]),
+            (int(fields[11]) + int(fields[12])) / CLK_TCK,
+        )
+    return found
+
+
+def foreign_cores(
+    before: dict[int, tuple[int, float]],
+    after: dict[int, tuple[int, float]],
+    span_s: float,
+    ours: set[int],
+    mesh_nice: int,
+) -> tuple[float, float]:
+    """Cores other processes used between two snapshots: (those above the mesh's priority,
+    which CFS serves first; those at or below it, which share with the mesh)."""
+    above = shared = 0.0
+    for pid, (nice, cpu_s) in after.items():
+        if pid in ours:
+            continue
+        used = (cpu_s - before.get(pid, (nice, 0.0))[1]) / max(span_s, 1e-9)
+        if nice < mesh_nice:
+            above += used
+        else:
+            shared += used
+    return above, shared

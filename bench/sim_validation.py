@@ -10,8 +10,9 @@
 3. Measures the host (`host.json`, `loadgen/sim/shared_cpu.py`) from /proc (`bench/host_cpu.py`):
    the front end's latency alone (unloaded TTFT minus the profiled prefill); each front-end loop's
    CPU per request and per token; the cores a prefill and a decode step at several batch sizes
-   take alone; the background (CPU of other processes: at nice 0 they take it before Ray's
-   nice-15 workers); which front-end loops run above the mesh's priority (the client).
+   take alone; the background: other processes' CPU, above the mesh's priority (nice 0 against
+   Ray's nice 15: served first) or at it (shared); which front-end loops run above the mesh's
+   priority (the client).
 4. For each time scale: simulates the slice (`python -m loadgen replay --target
    sim:PhaseMesh-CPU:1P1T@host=host.json`), replays it on the server (`python -m loadgen replay
    --url`; same trace, window, token and time scales), and simulates it again with the background
@@ -47,10 +48,12 @@ sys.path.insert(0, str(REPO))
 from host_cpu import (  # noqa: E402
     ROLES,
     CpuSampler,
+    foreign_cores,
     minus,
     process_nice,
     process_tree,
     role_pids,
+    snapshot,
     stop_survivors,
 )
 
@@ -86,15 +89,24 @@ def vocab_size() -> int:
 # ---- host measurements ----
 
 
+def background(
+    before: dict[int, tuple[int, float]], pids: dict[int, str], span_s: float, *client: int
+) -> dict[str, float]:
+    """Other processes' cores since `before`, by priority against the mesh's (`foreign_cores`)."""
+    ours = {*pids, os.getpid(), *client}
+    mesh_nice = min(process_nice(pid) for pid in pids)
+    above, shared = foreign_cores(before, snapshot(), span_s, ours, mesh_nice)
+    return {"background_above": above, "background_shared": shared}
+
+
 def measure_idle(pids: dict[int, str], seconds: float) -> dict[str, float]:
-    """Cores per role while the mesh is idle, and 'background_threads' (see `CpuSampler`)."""
+    """Cores per role while the mesh is idle, and the background's (`background`)."""
+    before = snapshot()
     with CpuSampler(pids) as sampler:
         start = time.monotonic()
         time.sleep(seconds)  # NOTE: measuring an idle window
     end = time.monotonic()
-    return sampler.cores(start, end) | {
-        "background_threads": sampler.background_threads(start, end)
-    }
+    return sampler.cores(start, end) | background(before, pids, end - start)
 
 
 def sequential_requests(url: str, sizes: list[int], gap_s: float) -> tuple[list[Any], float, float]:
@@ -171,11 +183,9 @@ def measure_host(
     bench_profile = load_profile_bench()
     pids = role_pids(args.server_pid)
     idle = measure_idle(pids, args.idle_s)
-    # Everything the model does not know by name: Ray's own processes, the mesh's idle loops,
-    # other users' work (at nice 0, above Ray's nice-15 workers: it gets what it wants, so the
-    # CPU it used is what it took from the mesh).
+    # Everything the model does not know by name: other processes (other users' jobs, Ray's own)
+    # by priority against the mesh's, and the mesh's idle loops (at its own priority).
     idle_mesh = sum(idle[r] for r in ROLES)
-    background = idle["background"] + idle_mesh
     frontend_s, per_request, prompt_cores = measure_frontend(url, pids, idle, profile_csv, sizes)
     measured = measure_decode(bench_profile, url, pids, idle, args.decode_batches)
     decode, chain, per_token = measured
@@ -189,7 +199,8 @@ def measure_host(
     )  # fmt: skip
     cpu = SharedCPU(
         cores=float(len(os.sched_getaffinity(0))),
-        background_cores=round(background, 3),
+        background_cores=round(idle["background_above"], 3),
+        shared_background_cores=round(idle["background_shared"] + idle_mesh, 3),
         prompt_cores=round(prompt_cores, 3),
         decode_cores_by_batch=tuple(decode),
         chain_cores_by_batch=tuple(chain),
@@ -236,13 +247,14 @@ def simulate(
 def replay_real(args: argparse.Namespace, scale: str, url: str) -> tuple[dict[str, Any], dict]:
     command = replay_command(args, scale, args.out / f"real-{scale.replace('/', '_')}")
     command += ["--url", url, "--vocab-size", str(vocab_size())]
-    with CpuSampler(role_pids(args.server_pid), interval_s=0.1) as sampler:
+    pids = role_pids(args.server_pid)
+    before = snapshot()
+    with CpuSampler(pids, interval_s=0.1) as sampler:
         start = time.monotonic()
         summary = run_loadgen(command, sampler=sampler)
     end = time.monotonic()
-    cores = sampler.cores(start, end) | {
-        "background_threads": sampler.background_threads(start, end)
-    }
+    client = sampler.extra_client_pid or 0
+    cores = sampler.cores(start, end) | background(before, pids, end - start, client)
     return summary, {k: round(v, 3) for k, v in cores.items()}
 
 
@@ -271,10 +283,14 @@ LABELS = {
 
 
 def print_comparison(scale: str, result: dict[str, Any], tolerance: float) -> None:
-    bg = result["background_cores"]
+    (above, shared), (above0, shared0) = (
+        result["background_cores"]["during"],
+        result["background_cores"]["before"],
+    )
     print(
-        f"time scale {scale}: {result['completed']['real']} requests; background "
-        f"{bg['during']:.2f} cores during the replay ({bg['before']:.2f} measured before)"
+        f"time scale {scale}: {result['completed']['real']} requests; background cores above / "
+        f"at the mesh's priority {above:.2f} / {shared:.2f} during the replay "
+        f"({above0:.2f} / {shared0:.2f} measured before)"
     )
     print(f"  {'ms':<20}{'sim':>9}{'real':>9}{'sim/real':>10}{'sim, bg before':>16}")
     for key, label in LABELS.items():
@@ -314,14 +330,15 @@ def measure(args: argparse.Namespace, url: str) -> tuple[Path, Path, float]:
     return profile_csv, host_json, idle_mesh
 
 
-def with_background(host_json: Path, background_cores: float, out: Path) -> Path:
-    """A copy of the host model with another background load."""
+def with_background(host_json: Path, above: float, shared: float, out: Path) -> Path:
+    """A copy of the host model with another background load (profiled under the first)."""
     host = HostModel.load(host_json)
-    profiled = host.cpu.profiled_background_cores
-    if profiled is None:
-        profiled = host.cpu.background_cores
     cpu = replace(
-        host.cpu, background_cores=round(background_cores, 3), profiled_background_cores=profiled
+        host.cpu,
+        background_cores=round(above, 3),
+        shared_background_cores=round(shared, 3),
+        profiled_background_cores=host.cpu.background_cores,
+        profiled_shared_background_cores=host.cpu.shared_background_cores,
     )
     replace(host, cpu=cpu).save(out)
     return out
@@ -336,15 +353,16 @@ def validate_scale(
     profile_csv, host_json, idle_mesh = measured
     predicted = simulate(args, scale, profile_csv, host_json, "before")
     real, cores = replay_real(args, scale, url)
-    background = cores["background"] + idle_mesh
+    above, shared = cores["background_above"], cores["background_shared"] + idle_mesh
     during = with_background(
-        host_json, background, args.out / f"host-{scale.replace('/', '_')}.json"
+        host_json, above, shared, args.out / f"host-{scale.replace('/', '_')}.json"
     )
     sim = simulate(args, scale, profile_csv, during, "during")
     result = compare(sim, real, args.tolerance)
+    cpu = HostModel.load(host_json).cpu
     result["background_cores"] = {
-        "before": HostModel.load(host_json).cpu.background_cores,
-        "during": round(background, 3),
+        "before": [cpu.background_cores, cpu.shared_background_cores],
+        "during": [round(above, 3), round(shared, 3)],
     }
     result["sim_background_before"] = {k: round(predicted[k], 2) for k in result["sim"]}
     result["cores_during_replay"] = cores

@@ -51,19 +51,22 @@ class SharedCPU:
 
     cores: float
     # Cores taken now by work at a higher priority than the mesh's processes (other users'
-    # jobs at nice 0, over Ray's nice-15 workers): the mesh shares what is left.
+    # jobs at nice 0, over Ray's nice-15 workers): the mesh shares what is left ...
     background_cores: float = 0.0
+    # ... with the work at its own priority or below (other Ray workers, say).
+    shared_background_cores: float = 0.0
     prompt_cores: float = 1.0
     # (batch size, cores) points, interpolated linearly (constant past the ends): a decode alone
     # with its streaming, and the token engine with its shards only.
     decode_cores_by_batch: tuple[tuple[int, float], ...] = ((1, 1.0),)
     chain_cores_by_batch: tuple[tuple[int, float], ...] = ((1, 1.0),)
-    # The background while the profile and the demands were measured (None: the same as now).
+    # Both backgrounds while the profile and the demands were measured (None: as now).
     profiled_background_cores: float | None = None
+    profiled_shared_background_cores: float | None = None
     _curves: tuple[PiecewiseLinear, PiecewiseLinear] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        demands = [self.background_cores, self.prompt_cores]
+        demands = [self.background_cores, self.shared_background_cores, self.prompt_cores]
         demands += [c for _, c in self.decode_cores_by_batch + self.chain_cores_by_batch]
         if self.cores <= 0 or min(demands) < 0:
             raise ValueError("shared cpu: cores must be positive and every demand >= 0")
@@ -79,14 +82,15 @@ class SharedCPU:
     def slowdown(self, demand_cores: float, priority_cores: float = 0.0) -> float:
         """How much slower the mesh's processes run now when they want `demand_cores` and
         higher-priority work (the background, a client) takes `priority_cores` besides."""
-        return _shared(demand_cores, self.cores - self.background_cores - priority_cores, self)
+        left = self.cores - self.background_cores - priority_cores
+        return _shared(demand_cores + self.shared_background_cores, left, self)
 
     def profiled_slowdown(self, demand_cores: float) -> float:
         """The slowdown `demand_cores` alone had when measured."""
-        background = self.profiled_background_cores
-        if background is None:
-            background = self.background_cores
-        return _shared(demand_cores, self.cores - background, self)
+        above, shared = self.profiled_background_cores, self.profiled_shared_background_cores
+        above = self.background_cores if above is None else above
+        shared = self.shared_background_cores if shared is None else shared
+        return _shared(demand_cores + shared, self.cores - above, self)
 
     def stretch(self, own_cores: float, total_cores: float, priority_cores: float = 0.0) -> float:
         """Factor on the alone-measured time of an activity wanting `own_cores` while all the
@@ -234,7 +238,9 @@ class HostModel:
             "frontend_s": self.frontend_s,
             "cores": c.cores,
             "background_cores": c.background_cores,
+            "shared_background_cores": c.shared_background_cores,
             "profiled_background_cores": c.profiled_background_cores,
+            "profiled_shared_background_cores": c.profiled_shared_background_cores,
             "prompt_cores": c.prompt_cores,
             "decode_cores_by_batch": [list(p) for p in c.decode_cores_by_batch],
             "chain_cores_by_batch": [list(p) for p in c.chain_cores_by_batch],

@@ -54,6 +54,9 @@ def test_the_mesh_shares_what_higher_priority_work_leaves():
     # Profiled beside 1 core of background, running now beside 1.5.
     later = SharedCPU(cores=2.0, background_cores=1.5, profiled_background_cores=1.0)
     assert later.stretch(1.0, 1.0) == pytest.approx(2.0)
+    # Work at the mesh's own priority shares with it instead of going first.
+    peers = SharedCPU(cores=2.0, shared_background_cores=1.0)
+    assert peers.slowdown(2.0) == pytest.approx(1.5)
     # Saturated by nice-0 work, Ray's nice-15 workers still get their CFS share, no more.
     starved = SharedCPU(cores=2.0, background_cores=2.0)
     assert starved.slowdown(0.5) == pytest.approx(0.5 / (2.0 * 36 / 1024))
