@@ -152,22 +152,26 @@ def snapshot() -> dict[int, tuple[int, float]]:
     return found
 
 
-def foreign_cores(
-    before: dict[int, tuple[int, float]],
-    after: dict[int, tuple[int, float]],
-    span_s: float,
-    ours: set[int],
-    mesh_nice: int,
-) -> tuple[float, float]:
-    """Cores other processes used between two snapshots: (those above the mesh's priority,
-    which CFS serves first; those at or below it, which share with the mesh)."""
-    above = shared = 0.0
-    for pid, (nice, cpu_s) in after.items():
-        if pid in ours:
-            continue
-        used = (cpu_s - before.get(pid, (nice, 0.0))[1]) / max(span_s, 1e-9)
-        if nice < mesh_nice:
-            above += used
-        else:
-            shared += used
-    return above, shared
+class BackgroundMeter:
+    """The other processes' cores over a window, by priority against the mesh's: those at its
+    nice or below share the cores with it; everything else the box did (processes above its
+    priority, short-lived ones no snapshot saw, the kernel) is served before it."""
+
+    def __init__(self) -> None:
+        self.start_s = time.monotonic()
+        self.busy_s = box_busy_s()
+        self.before = snapshot()
+
+    def stop(self, ours: set[int], mesh_nice: int) -> tuple[float, float]:
+        """(cores above the mesh's priority, cores at it or below) since the start."""
+        after, busy_s = snapshot(), box_busy_s()
+        span = max(time.monotonic() - self.start_s, 1e-9)
+        ours_s = shared_s = 0.0
+        for pid, (nice, cpu_s) in after.items():
+            used = cpu_s - self.before.get(pid, (nice, 0.0))[1]
+            if pid in ours:
+                ours_s += used
+            elif nice >= mesh_nice:
+                shared_s += used
+        above_s = busy_s - self.busy_s - ours_s - shared_s
+        return max(above_s, 0.0) / span, shared_s / span

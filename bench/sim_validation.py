@@ -10,9 +10,9 @@
 3. Measures the host (`host.json`, `loadgen/sim/shared_cpu.py`) from /proc (`bench/host_cpu.py`):
    the front end's latency alone (unloaded TTFT minus the profiled prefill); each front-end loop's
    CPU per request and per token; the cores a prefill and a decode step at several batch sizes
-   take alone; the background: other processes' CPU, above the mesh's priority (nice 0 against
-   Ray's nice 15: served first) or at it (shared); which front-end loops run above the mesh's
-   priority (the client).
+   take alone; the background over the profile and these measurements: other processes' CPU,
+   above the mesh's priority (nice 0 against Ray's nice 15: served first) or at it (shared);
+   which front-end loops run above the mesh's priority (the client).
 4. For each time scale: simulates the slice (`python -m loadgen replay --target
    sim:PhaseMesh-CPU:1P1T@host=host.json`), replays it on the server (`python -m loadgen replay
    --url`; same trace, window, token and time scales), and simulates it again with the background
@@ -47,13 +47,12 @@ sys.path.insert(0, str(REPO))
 # (its name is a stdlib module's), so everything from bench/ is imported here, first.
 from host_cpu import (  # noqa: E402
     ROLES,
+    BackgroundMeter,
     CpuSampler,
-    foreign_cores,
     minus,
     process_nice,
     process_tree,
     role_pids,
-    snapshot,
     stop_survivors,
 )
 
@@ -89,24 +88,18 @@ def vocab_size() -> int:
 # ---- host measurements ----
 
 
-def background(
-    before: dict[int, tuple[int, float]], pids: dict[int, str], span_s: float, *client: int
-) -> dict[str, float]:
-    """Other processes' cores since `before`, by priority against the mesh's (`foreign_cores`)."""
-    ours = {*pids, os.getpid(), *client}
+def background(meter: BackgroundMeter, pids: dict[int, str], *client: int) -> tuple[float, float]:
+    """The other processes' cores since `meter` started: (above, at) the mesh's priority."""
     mesh_nice = min(process_nice(pid) for pid in pids)
-    above, shared = foreign_cores(before, snapshot(), span_s, ours, mesh_nice)
-    return {"background_above": above, "background_shared": shared}
+    return meter.stop({*pids, os.getpid(), *client}, mesh_nice)
 
 
 def measure_idle(pids: dict[int, str], seconds: float) -> dict[str, float]:
-    """Cores per role while the mesh is idle, and the background's (`background`)."""
-    before = snapshot()
+    """Cores per role while the mesh is idle."""
     with CpuSampler(pids) as sampler:
         start = time.monotonic()
         time.sleep(seconds)  # NOTE: measuring an idle window
-    end = time.monotonic()
-    return sampler.cores(start, end) | background(before, pids, end - start)
+    return sampler.cores(start, time.monotonic())
 
 
 def sequential_requests(url: str, sizes: list[int], gap_s: float) -> tuple[list[Any], float, float]:
@@ -176,10 +169,15 @@ def measure_decode(
 
 
 def measure_host(
-    args: argparse.Namespace, url: str, profile_csv: Path, sizes: list[int]
+    args: argparse.Namespace,
+    url: str,
+    profile_csv: Path,
+    sizes: list[int],
+    meter: BackgroundMeter,
 ) -> tuple[HostModel, float]:
-    """The host model, and the cores the mesh's processes take while idle (health checks, idle
-    polls: part of the background)."""
+    """The host model (its background: the other processes' over the profile and these
+    measurements, since `meter` started), and the cores the mesh's processes take while idle
+    (health checks, idle polls: part of the background)."""
     bench_profile = load_profile_bench()
     pids = role_pids(args.server_pid)
     idle = measure_idle(pids, args.idle_s)
@@ -189,6 +187,7 @@ def measure_host(
     frontend_s, per_request, prompt_cores = measure_frontend(url, pids, idle, profile_csv, sizes)
     measured = measure_decode(bench_profile, url, pids, idle, args.decode_batches)
     decode, chain, per_token = measured
+    above, shared = background(meter, pids)
     mesh_nice = min(process_nice(pid) for pid in pids)
     stations = tuple(
         Station(
@@ -199,8 +198,8 @@ def measure_host(
     )  # fmt: skip
     cpu = SharedCPU(
         cores=float(len(os.sched_getaffinity(0))),
-        background_cores=round(idle["background_above"], 3),
-        shared_background_cores=round(idle["background_shared"] + idle_mesh, 3),
+        background_cores=round(above, 3),
+        shared_background_cores=round(shared + idle_mesh, 3),
         prompt_cores=round(prompt_cores, 3),
         decode_cores_by_batch=tuple(decode),
         chain_cores_by_batch=tuple(chain),
@@ -248,13 +247,13 @@ def replay_real(args: argparse.Namespace, scale: str, url: str) -> tuple[dict[st
     command = replay_command(args, scale, args.out / f"real-{scale.replace('/', '_')}")
     command += ["--url", url, "--vocab-size", str(vocab_size())]
     pids = role_pids(args.server_pid)
-    before = snapshot()
+    meter = BackgroundMeter()
     with CpuSampler(pids, interval_s=0.1) as sampler:
         start = time.monotonic()
         summary = run_loadgen(command, sampler=sampler)
-    end = time.monotonic()
-    client = sampler.extra_client_pid or 0
-    cores = sampler.cores(start, end) | background(before, pids, end - start, client)
+    cores = sampler.cores(start, time.monotonic())
+    above, shared = background(meter, pids, sampler.extra_client_pid or 0)
+    cores |= {"background_above": above, "background_shared": shared}
     return summary, {k: round(v, 3) for k, v in cores.items()}
 
 
@@ -317,6 +316,7 @@ def slice_sizes(args: argparse.Namespace, count: int) -> list[int]:
 def measure(args: argparse.Namespace, url: str) -> tuple[Path, Path, float]:
     profile_csv, host_json = args.out / "profile.csv", args.out / "host.json"
     sequential_requests(url, [16, 64, 128, 256], gap_s=0.2)  # warm-up: first-call costs
+    meter = BackgroundMeter()
     if args.profile:
         profile_csv = args.profile
     else:
@@ -324,7 +324,7 @@ def measure(args: argparse.Namespace, url: str) -> tuple[Path, Path, float]:
             ["--decode", url, "--hardware", HARDWARE, "--repeats", str(args.repeats),
              "--prompt-sizes", "16", "64", "256", "--out", str(profile_csv)]
         )  # fmt: skip
-    host, idle_mesh = measure_host(args, url, profile_csv, slice_sizes(args, 24))
+    host, idle_mesh = measure_host(args, url, profile_csv, slice_sizes(args, 24), meter)
     host.save(host_json)
     print("host:", json.dumps(host.to_dict()))
     return profile_csv, host_json, idle_mesh
