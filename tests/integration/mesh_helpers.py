@@ -5,6 +5,7 @@ from __future__ import annotations
 from common.protocol import SamplingSpec
 from services.launch import Mesh, MeshClient
 from services.registry import ServiceEntry
+from services.worker_config import WorkerReady
 
 
 def run_staggered(
@@ -40,29 +41,19 @@ def assert_no_kv_held(mesh: Mesh) -> None:
 
 def registry_entries(mesh: Mesh) -> list[ServiceEntry]:
     """What the registry would list for a launched mesh (every service ready), for `MeshBackend`."""
-    entries = [
-        ServiceEntry(
-            kind="prompt",
-            service_id=r.service_id,
-            role="prompt",
-            state="ready",
-            command_endpoint=r.command_endpoint,
-            kv_endpoint=r.kv_endpoint,
-            control_endpoint=r.control_endpoint,
-            load_endpoint=r.load_endpoint,
-        )
-        for r in mesh.prompt
-    ]
+
+    def engine_entry(kind: str, r: WorkerReady, **extra: object) -> ServiceEntry:
+        return ServiceEntry(
+            kind=kind, service_id=r.service_id, role=kind, state="ready",
+            command_endpoint=r.command_endpoint, kv_endpoint=r.kv_endpoint,
+            control_endpoint=r.control_endpoint, load_endpoint=r.load_endpoint, **extra,
+        )  # fmt: skip
+
+    entries = [engine_entry("prompt", r) for r in mesh.prompt]
     entries += [
-        ServiceEntry(
-            kind="token",
-            service_id=t.ready.service_id,
-            role="token",
-            state="ready",
-            command_endpoint=t.ready.command_endpoint,
-            kv_endpoint=t.ready.kv_endpoint,
-            control_endpoint=t.ready.control_endpoint,
-            load_endpoint=t.ready.load_endpoint,
+        engine_entry(
+            "token",
+            t.ready,
             shards=tuple((s.kv_endpoint, s.head_start, s.head_end) for s in t.shards),
         )
         for t in mesh.token
