@@ -33,7 +33,10 @@ def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine_seconds(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    # Token ids only, like transformers' generate: no text (a server's text is the router's job).
+    params = SamplingParams(
+        max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+    )
     start = time.perf_counter()
     engine.generate(prompts, params)
     return time.perf_counter() - start

@@ -13,6 +13,8 @@ class SamplingParams:
 
     `temperature == 0` is greedy. `seed` makes sampling reproducible regardless of what else is in
     the batch. `ignore_eos` keeps generating past EOS (trace replay forces output lengths).
+    `detokenize=False` (vLLM's option) skips the text for callers that want token ids only; stop
+    strings need the text, so they require it.
     """
 
     max_tokens: int = 16
@@ -24,6 +26,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", ">= 1")
@@ -33,6 +36,7 @@ class SamplingParams:
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative ids")
+        _check(self.detokenize or not self.stop, "detokenize", "True when stop strings are given")
         if self.seed is not None:
             _check(isinstance(self.seed, int) and self.seed >= 0, "seed", "a non-negative int")
 

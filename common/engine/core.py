@@ -119,7 +119,10 @@ class LLMEngine:
         logits = self.runner.run(self.runner.prepare(batch, token_ids))
         reqs = [self.requests[s.req_id] for s in batch.seqs]
         sampled = self.sampler.sample(logits, [r.req_id for r in reqs], [r.params for r in reqs])
-        outputs = [r.append(t, self.tokenizer) for r, t in zip(reqs, sampled, strict=True)]
+        outputs = [
+            r.append(t, self.tokenizer if r.params.detokenize else None)
+            for r, t in zip(reqs, sampled, strict=True)
+        ]
         finished = {o.req_id for o in outputs if o.finished}
         self.scheduler.update(batch, finished)
         for req_id in finished:

@@ -2,7 +2,8 @@
 
 Tensors are read by their Hugging Face names, checked against the shapes the config implies, and
 fused on the way in (gpt-fast's load hook): q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`.
-Errors name the folder and the missing or mismatched tensor.
+Projection weights are then stored column-major (see `column_major`). Errors name the folder and
+the missing or mismatched tensor.
 """
 
 from __future__ import annotations
@@ -121,6 +122,17 @@ def fuse_projections(hf: dict[str, torch.Tensor], num_layers: int) -> dict[str, 
     return fused
 
 
+def column_major(weight: torch.Tensor) -> torch.Tensor:
+    """The same [out, in] matrix, its storage laid out as [in, out] (so `weight.t()` is contiguous).
+
+    NOTE: `F.linear(x, w)` computes x @ w.T. With w row-major, MKL runs a transposed-B GEMM, which
+    at decode shapes (a few dozen rows) is 2.5-3x slower on 2 threads here than the plain GEMM it
+    runs when w.T is contiguous (measured: [32, 256] x [256, 1536] 430-470 us vs 160-190 us;
+    1 thread about even). Same values, same memory, same state_dict names: only the strides move.
+    """
+    return weight.t().contiguous().t()
+
+
 def load_model(folder: str | Path, dtype: str | None = None) -> LlamaForCausalLM:
     """Build a `LlamaForCausalLM` from a Hugging Face folder, ready for inference."""
     folder = Path(folder)
@@ -131,6 +143,9 @@ def load_model(folder: str | Path, dtype: str | None = None) -> LlamaForCausalLM
     # Tied heads share the embedding's storage; load_state_dict(assign=True) keeps that tie.
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    for name in [n for n in state if n.endswith("_proj.weight") or n == "lm_head.weight"]:
+        if name != "lm_head.weight" or not config.tie_word_embeddings:  # the embedding gathers rows
+            state[name] = column_major(state[name])
     model.load_state_dict(state, strict=True, assign=True)
     model.model.rotary = type(model.model.rotary)(config)  # its tables are not in the checkpoint
     log.info(

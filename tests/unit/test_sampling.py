@@ -28,6 +28,7 @@ def engine(tiny_model_path):
         ({"stop": ("",)}, "stop"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"stop": ("END",), "detokenize": False}, "detokenize"),
     ],
 )
 def test_invalid_parameters_name_the_parameter(kwargs, name):
@@ -102,3 +103,21 @@ def test_bad_prompts_are_refused(engine):
     with pytest.raises(ValueError, match="context"):
         engine.add_request("l", [5] * engine.max_model_len, SamplingParams())
     assert not engine.has_unfinished()
+
+
+def test_detokenize_off_gives_the_same_tokens_and_no_text(engine):
+    prompt = [5, 17, 300, 42, 9]
+    outputs = {}
+    for detokenize in (True, False):
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                detokenize=detokenize)  # fmt: skip
+        engine.add_request(f"detok-{detokenize}", prompt, params)
+        ids, text = [], ""
+        while engine.has_unfinished():
+            for out in engine.step():
+                ids += out.new_token_ids
+                text += out.new_text
+        outputs[detokenize] = (ids, text)
+    assert outputs[False][0] == outputs[True][0]
+    assert outputs[False][1] == ""
+    assert outputs[True][1] == engine.tokenizer.decode(outputs[True][0])

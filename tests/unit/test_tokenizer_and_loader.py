@@ -84,3 +84,19 @@ def test_missing_config_is_a_clear_error(model_copy):
     (model_copy / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(model_copy)
+
+
+def test_projections_load_column_major_with_their_values(tiny_model_path):
+    tensors = load_file(tiny_model_path / "model.safetensors")
+    model = load_model(tiny_model_path)
+    layer = model.layers[1]
+    qkv = layer.self_attn.qkv_proj.weight
+    down = layer.mlp.down_proj.weight
+    assert (
+        qkv.t().is_contiguous()
+        and down.t().is_contiguous()
+        and model.lm_head.weight.t().is_contiguous()
+    )
+    q = tensors["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(qkv[: q.shape[0]], q)
+    assert torch.equal(down, tensors["model.layers.1.mlp.down_proj.weight"])
