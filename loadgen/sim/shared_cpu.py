@@ -132,11 +132,26 @@ class Station:
 
 class FrontEnd:
     """The front end's loops as FIFO servers, inbound order (client, proxy, router); tokens go
-    through them in reverse. Times are simulated seconds."""
+    through them in reverse. Times are simulated seconds.
 
-    def __init__(self, stations: tuple[Station, ...], delay_s: float) -> None:
+    `on_path`: the part of each loop's request CPU spent before the first token (the rest runs
+    after the last). `chunk_cpu_s`: the loops' CPU for the tokens one step emits, by their count
+    (None: each station's `token_cpu_s` per token); each station takes its share of
+    `token_cpu_s`."""
+
+    def __init__(
+        self,
+        stations: tuple[Station, ...],
+        delay_s: float,
+        on_path: float = 1.0,
+        chunk_cpu_s: PiecewiseLinear | None = None,
+    ) -> None:
         self.stations = stations
         self.delay_s = delay_s
+        self.on_path = on_path
+        self.chunk_cpu_s = chunk_cpu_s
+        total = sum(s.token_cpu_s for s in stations)
+        self._shares = [s.token_cpu_s / total if total else 0.0 for s in stations]
         # Each loop's scheduled work, (start, end) in time order: a loop waiting for the one
         # before it in the pipeline is idle, not runnable.
         self._work: list[deque[tuple[float, float]]] = [deque() for _ in stations]
@@ -158,10 +173,19 @@ class FrontEnd:
         return total / horizon_s
 
     def work_s(self, num_requests: int, num_tokens: int) -> float:
-        """CPU seconds of all loops for that many requests and tokens."""
+        """CPU seconds of all loops for that many requests and one step's `num_tokens`."""
         return sum(
-            num_requests * s.request_cpu_s + num_tokens * s.token_cpu_s for s in self.stations
+            num_requests * s.request_cpu_s + self._token_work_s(i, num_tokens)
+            for i, s in enumerate(self.stations)
         )
+
+    def _token_work_s(self, index: int, num_tokens: int) -> float:
+        """Loop `index`'s CPU for the `num_tokens` tokens one step emits."""
+        if num_tokens <= 0:
+            return 0.0
+        if self.chunk_cpu_s is None:
+            return num_tokens * self.stations[index].token_cpu_s
+        return self._shares[index] * self.chunk_cpu_s(float(num_tokens))
 
     def _serve(self, index: int, ready_s: float, work_s: float) -> float:
         """Schedule `work_s` on loop `index` in its first idle gap from `ready_s` on: work is
@@ -184,16 +208,24 @@ class FrontEnd:
         """When a request arriving now reaches the router's decision."""
         t = now + self.delay_s
         for i, station in enumerate(self.stations):
-            t = self._serve(i, t, station.request_cpu_s * (1.0 if station.priority else stretch))
+            work_s = station.request_cpu_s * self.on_path
+            t = self._serve(i, t, work_s * (1.0 if station.priority else stretch))
         return t
+
+    def request_out(self, now: float, stretch: float) -> None:
+        """A request's last token left its loops at `now`: the rest of its request CPU (closing
+        the stream, bookkeeping) runs then, off its latency but in the loops' queues."""
+        for i in reversed(range(len(self.stations))):
+            station = self.stations[i]
+            work_s = station.request_cpu_s * (1.0 - self.on_path)
+            self._serve(i, now, work_s * (1.0 if station.priority else stretch))
 
     def tokens_out(self, now: float, num_tokens: int, stretch: float) -> float:
         """When the last of `num_tokens` tokens emitted now reaches the client."""
         t = now
         for i in reversed(range(len(self.stations))):
-            station = self.stations[i]
-            factor = 1.0 if station.priority else stretch
-            t = self._serve(i, t, station.token_cpu_s * num_tokens * factor)
+            factor = 1.0 if self.stations[i].priority else stretch
+            t = self._serve(i, t, self._token_work_s(i, num_tokens) * factor)
         return t
 
 
@@ -205,19 +237,47 @@ class HostModel:
     cpu: SharedCPU
     stations: tuple[Station, ...] = ()
 
+    def _alone_work_s(self, chunk_cpu_s: PiecewiseLinear | None) -> tuple[float, float]:
+        """(request CPU, first-token CPU) of the loops for a request alone, as wall seconds at
+        the host's slowdown then (one loop runnable at a time)."""
+        frontend = FrontEnd(self.stations, 0.0, chunk_cpu_s=chunk_cpu_s)
+        slowdown = self.cpu.profiled_slowdown(1.0)
+        factors = [1.0 if s.priority else slowdown for s in self.stations]
+        request = sum(s.request_cpu_s * f for s, f in zip(self.stations, factors, strict=True))
+        token = sum(frontend._token_work_s(i, 1) * f for i, f in enumerate(factors))
+        return request, token
+
     @property
     def frontend_delay_s(self) -> float:
         """The front end's latency alone that is not loop work (wake-ups, sockets); the loops'
         work ran at the host's slowdown with a request alone in the front end."""
-        slowdown = self.cpu.profiled_slowdown(1.0)  # alone: one loop runnable at a time
-        work = sum(
-            (s.request_cpu_s + s.token_cpu_s) * (1.0 if s.priority else slowdown)
-            for s in self.stations
-        )
-        return max(self.frontend_s - work, 0.0)
+        return self.frontend().delay_s
 
-    def frontend(self) -> FrontEnd:
-        return FrontEnd(self.stations, self.frontend_delay_s)
+    def frontend(self, step_s: PiecewiseLinear | None = None) -> FrontEnd:
+        """The loops as queues. `step_s`: the profiled decode step by batch size, which with the
+        decode and chain demands gives the loops' CPU per step (see `chunk_cpu_s`)."""
+        chunk = self.chunk_cpu_s(step_s) if step_s is not None else None
+        request, token = self._alone_work_s(chunk)
+        # NOTE: the loops' request CPU was measured over whole requests; when it exceeds the
+        # latency alone, only part of it can lie before the first token: the rest comes after.
+        on_path = min(1.0, max(self.frontend_s - token, 0.0) / request) if request > 0 else 1.0
+        delay = max(self.frontend_s - on_path * request - token, 0.0)
+        return FrontEnd(self.stations, delay, on_path, chunk)
+
+    def chunk_cpu_s(self, step_s: PiecewiseLinear) -> PiecewiseLinear | None:
+        """The loops' CPU for the tokens of one decode step, by batch size: what they took while
+        the profiled decode streamed at each measured batch (decode minus chain cores, times the
+        step). Each loop wakes once per step, so a token alone costs more than one of a large
+        batch; a per-token mean pooled over the sweep is the large batches'. None without
+        stations or with one batch point."""
+        cpu = self.cpu
+        points = sorted({b for b, _ in cpu.decode_cores_by_batch + cpu.chain_cores_by_batch})
+        if not self.stations or len(points) < 2:
+            return None
+        work = [
+            max(cpu.decode_cores(b) - cpu.chain_cores(b), 0.0) * step_s(float(b)) for b in points
+        ]
+        return PiecewiseLinear(tuple(float(b) for b in points), tuple(work))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> HostModel:

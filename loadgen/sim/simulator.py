@@ -112,7 +112,11 @@ class Simulator:
             for i, (t, home) in enumerate(types)
         ]
         self.cpu = options.host.cpu if options.host else None
-        self.frontend: FrontEnd | None = options.host.frontend() if options.host else None
+        self.frontend: FrontEnd | None = None
+        if options.host is not None:
+            # The decode profile and the demands measured beside it give the loops' CPU per step.
+            step_s = self.machines[-1].perf.decode_s_by_batch
+            self.frontend = options.host.frontend(step_s)
         if self.cpu is not None:
             # NOTE: contention changes between iterations; a multi-step run would freeze it.
             for machine in self.machines:
@@ -227,7 +231,14 @@ class Simulator:
                 record.done_s = self._client_time(now, 1)
             else:
                 record.done_s = decoded_s
+            self._request_out(record.done_s)
         self._kick(machine, now)
+
+    def _request_out(self, done_s: float) -> None:
+        """A request's last token reached the client: its loops' closing work is queued."""
+        if self.frontend is not None and self.frontend.on_path < 1.0:
+            stretch = self._loop_stretch(done_s, self.frontend.work_s(1, 0))
+            self.frontend.request_out(done_s, stretch)
 
     def _after_prefill(
         self, machine: SimMachine, req_id: int, now: float, finished: Sequence[int]

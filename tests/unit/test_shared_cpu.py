@@ -4,6 +4,7 @@ import csv
 
 import pytest
 
+from common.perf_model import PiecewiseLinear
 from loadgen.sim.config import parse_cluster, perf_model_for
 from loadgen.sim.shared_cpu import FrontEnd, HostModel, SharedCPU, Station
 from loadgen.sim.simulator import SimOptions, SimRequest, simulate
@@ -134,3 +135,25 @@ def test_concurrent_work_on_a_busy_host_stretches_latency(cpu_mesh_profile):
         assert mean[1] > mean[0] * 1.1
     alone = simulate(cluster, requests[:1], SimOptions(host=host())).records[0]
     assert max(r.ttft_s for r in quiet.records) > 2 * alone.ttft_s  # the burst queues
+
+
+def test_request_cpu_beyond_the_latency_alone_runs_after_the_first_token(cpu_mesh_profile):
+    # 3 loops x 15 ms of request CPU, but the front end alone took only 30 ms: the first token
+    # still comes 30 ms + the prefill after arrival, as measured.
+    model = host(delay_work=(0.015, 0.001))
+    record = simulate(
+        parse_cluster("PhaseMesh-CPU:1P1T"), [SimRequest(0.0, 64, 1)], SimOptions(host=model)
+    ).records[0]
+    assert record.ttft_s == pytest.approx(0.030 + 0.020)
+    assert model.frontend_delay_s == 0.0
+
+
+def test_loop_cpu_per_step_is_what_the_profiled_decode_streamed():
+    # Decode minus chain cores, times the profiled step: 0.1 x 15 ms at B=1, 0.4 x 40 at B=16.
+    step_s = PiecewiseLinear((1.0, 16.0), (0.015, 0.040))
+    chunk = host().chunk_cpu_s(step_s)
+    assert chunk is not None
+    assert chunk(1.0) == pytest.approx(0.0015) and chunk(16.0) == pytest.approx(0.016)
+    # Each loop takes its share of the per-token costs (equal here).
+    frontend = host().frontend(step_s)
+    assert frontend.tokens_out(0.0, 1, stretch=1.0) == pytest.approx(0.0015)
