@@ -426,6 +426,8 @@ def main() -> None:
             tree = process_tree(run.pid) if run.pid else set()
             run.stop()
             stop_survivors(tree)
+    # NOTE: kept with the run: the per-role cores during the replay are what a model check needs.
+    (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
 
 
