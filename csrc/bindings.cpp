@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "layer_ops.h"
 #include "paged_attention.h"
 
 namespace nb = nanobind;
@@ -92,6 +93,53 @@ void decode(pm::Workspace& ws, const AnyArray& q, const AnyArray& key_cache,
   pm::run_decode(p, kernels, num_threads, ws);
 }
 
+using RowsIn = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+using RowsOut = nb::ndarray<float, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+using VectorIn = nb::ndarray<const float, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+
+void expect_rows(const char* name, size_t rows, size_t cols, size_t want_rows, size_t want_cols) {
+  if (rows != want_rows || cols != want_cols)
+    throw std::invalid_argument(std::string(name) + " has shape [" + std::to_string(rows) + "," +
+                                std::to_string(cols) + "] but must be [" +
+                                std::to_string(want_rows) + "," + std::to_string(want_cols) + "]");
+}
+
+void rms_norm(const RowsIn& x, const VectorIn& weight, const RowsOut& out, float eps) {
+  const size_t rows = x.shape(0), hidden = x.shape(1);
+  expect_rows("weight", 1, weight.shape(0), 1, hidden);
+  expect_rows("out", out.shape(0), out.shape(1), rows, hidden);
+  pm::rms_norm(x.data(), weight.data(), out.data(), rows, hidden, eps);
+}
+
+void add_rms_norm(const RowsIn& x, const RowsIn& y, const VectorIn& weight, const RowsOut& sum,
+                  const RowsOut& normed, float eps) {
+  const size_t rows = x.shape(0), hidden = x.shape(1);
+  expect_rows("y", y.shape(0), y.shape(1), rows, hidden);
+  expect_rows("weight", 1, weight.shape(0), 1, hidden);
+  expect_rows("sum", sum.shape(0), sum.shape(1), rows, hidden);
+  expect_rows("normed", normed.shape(0), normed.shape(1), rows, hidden);
+  pm::add_rms_norm(x.data(), y.data(), weight.data(), sum.data(), normed.data(), rows, hidden,
+                   eps);
+}
+
+void rotary(const RowsOut& rows, int64_t num_heads, int64_t head_dim,
+            const nb::ndarray<const int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>& positions,
+            const RowsIn& cos_table, const RowsIn& sin_table) {
+  if (head_dim <= 0 || head_dim % 2 != 0 || num_heads < 0 ||
+      num_heads * head_dim > static_cast<int64_t>(rows.shape(1)))
+    throw std::invalid_argument("rotary: num_heads * head_dim must fit a row, head_dim even");
+  expect_rows("positions", 1, positions.shape(0), 1, rows.shape(0));
+  expect_rows("cos_table", cos_table.shape(0), cos_table.shape(1), cos_table.shape(0), head_dim);
+  expect_rows("sin_table", sin_table.shape(0), sin_table.shape(1), cos_table.shape(0), head_dim);
+  const int64_t max_pos = cos_table.shape(0);
+  for (size_t r = 0; r < positions.shape(0); ++r)
+    if (positions.data()[r] < 0 || positions.data()[r] >= max_pos)
+      throw std::invalid_argument("rotary: position " + std::to_string(positions.data()[r]) +
+                                  " outside the tables' " + std::to_string(max_pos) + " rows");
+  pm::rotary_inplace(rows.data(), rows.shape(0), rows.shape(1), num_heads, head_dim,
+                     positions.data(), cos_table.data(), sin_table.data());
+}
+
 }  // namespace
 
 NB_MODULE(phasemesh_attention_kernel, m) {
@@ -129,6 +177,16 @@ NB_MODULE(phasemesh_attention_kernel, m) {
       },
       nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::arg("num_threads") = 1,
       "dst[:] = src (float32, same size) with memcpy per thread (a copy-bandwidth probe).");
+  m.def("rms_norm", &rms_norm, nb::arg("x").noconvert(), nb::arg("weight").noconvert(),
+        nb::arg("out").noconvert(), nb::arg("eps"),
+        "out = x / rms(x) * weight per row (float32 [T, H]).");
+  m.def("add_rms_norm", &add_rms_norm, nb::arg("x").noconvert(), nb::arg("y").noconvert(),
+        nb::arg("weight").noconvert(), nb::arg("sum").noconvert(), nb::arg("normed").noconvert(),
+        nb::arg("eps"), "sum = x + y; normed = sum / rms(sum) * weight, in one pass.");
+  m.def("rotary", &rotary, nb::arg("rows").noconvert(), nb::arg("num_heads"),
+        nb::arg("head_dim"), nb::arg("positions").noconvert(), nb::arg("cos_table").noconvert(),
+        nb::arg("sin_table").noconvert(),
+        "Rotates the first num_heads heads of each row in place by its position (RoPE).");
   m.def("supported_isas", &pm::supported_isas,
         "Kernel ISAs this CPU can run, best first (the first is what 'auto' prefers).");
 }

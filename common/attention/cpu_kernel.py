@@ -38,6 +38,11 @@ def _load_extension() -> ModuleType | None:
 _EXTENSION = _load_extension()
 
 
+def extension() -> Any:
+    """The compiled module (it also holds the fused layer ops), or None when it is not built."""
+    return _EXTENSION
+
+
 def kernel_available() -> bool:
     """True when the compiled kernel can be imported."""
     return _EXTENSION is not None

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig, RopeScaling
+from common.model import layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -29,10 +30,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32, cast back, then scale, as transformers does. torch's fused
-        # rms_norm is one op instead of six (on a small model, decode time is op count).
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # Normalize in float32, cast back, then scale, as transformers does; one fused pass where
+        # the extension is built (on a small model, decode time is op count).
+        return layer_ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -68,28 +68,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
-        """The cos/sin rows of `positions` [T]; built once per step and shared by every layer."""
-        return RopeAt(
-            self.cos[positions].unsqueeze(1).to(dtype),  # [T, 1, head_dim]
-            self.sin[positions].unsqueeze(1).to(dtype),
-        )
+    def at(self, positions: torch.Tensor) -> RopeAt:
+        """RoPE at one step's `positions` [T]; built once per step and shared by every layer."""
+        return RopeAt(positions.long(), self.cos, self.sin)
 
 
 class RopeAt(NamedTuple):
-    """RoPE tables gathered at one step's positions: cos and sin, each [T, 1, head_dim]."""
+    """One step's positions [T] and the float32 cos/sin tables [max_pos, head_dim]."""
 
+    positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] -> x rotated by its position (any number of heads at once)."""
-        return x * self.cos + _rotate_half(x) * self.sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    def rotate_heads_(self, rows: torch.Tensor, num_heads: int, head_dim: int) -> None:
+        """Rotate, in place, the first `num_heads` heads of each row of rows [T, W]."""
+        layer_ops.rotate_heads_(rows, num_heads, head_dim, self.positions, self.cos, self.sin)
 
 
 class LlamaAttention(nn.Module):
@@ -136,19 +129,20 @@ class LlamaDecoderLayer(nn.Module):
         # NOTE: functional calls, not module calls: each nn.Module call costs several us of hooks
         # bookkeeping, which a small model's decode step pays dozens of times.
         qkv = F.linear(self.input_layernorm.forward(x), attn.qkv_proj.weight)
-        num_qk_heads = attn.num_heads + attn.num_kv_heads
-        qk_size = num_qk_heads * attn.head_dim
-        # q and k sit side by side in qkv: rotate both heads' groups in one pass.
-        qk = rope.rotate(qkv[:, :qk_size].view(-1, num_qk_heads, attn.head_dim))
-        q, k = qk.split([attn.num_heads, attn.num_kv_heads], dim=1)
-        v = qkv[:, qk_size:].view(-1, attn.num_kv_heads, attn.head_dim)
+        # q and k sit side by side at the start of each qkv row: rotate both in one pass.
+        rope.rotate_heads_(qkv, attn.num_heads + attn.num_kv_heads, attn.head_dim)
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        q = qkv[:, :q_size].view(-1, attn.num_heads, attn.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(-1, attn.num_kv_heads, attn.head_dim)
+        v = qkv[:, q_size + kv_size :].view(-1, attn.num_kv_heads, attn.head_dim)
         return q, k, v
 
     def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], attn_out [T, num_heads, head_dim] -> the next layer's x [T, hidden]."""
         o = F.linear(attn_out.reshape(x.shape[0], -1).to(x.dtype), self.self_attn.o_proj.weight)
-        x = x + o
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        norm = self.post_attention_layernorm
+        x, h = layer_ops.add_rms_norm(x, o, norm.weight, norm.eps)  # x + o, and its norm
+        return x + self.mlp.forward(h)
 
 
 def causal_attention(
@@ -202,8 +196,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)  # [T, hidden]
 
     def rotary_at(self, positions: torch.Tensor) -> RopeAt:
-        """RoPE tables for one step's positions [T], in the model's dtype (for `pre_attention`)."""
-        return self.model.rotary.at(positions, self.model.embed_tokens.weight.dtype)
+        """RoPE at one step's positions [T] (for `pre_attention`)."""
+        return self.model.rotary.at(positions)
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] (one row per sequence) -> float32 logits [N, vocab]."""
