@@ -11,8 +11,9 @@
 namespace pm {
 
 constexpr int kMaxLanes = 16;  // widest SIMD vector in floats (AVX-512)
-// Tokens per online-softmax step: a few blocks share one max/rescale and one pass over V.
-constexpr int kStepSlots = 64;
+// Tokens per online-softmax step: a few blocks share one max/rescale and one pass over V, and
+// their tiles are read side by side (8 blocks of 16: eight streams of lines in flight).
+constexpr int kStepSlots = 128;
 constexpr int kMaxStepBlocks = kStepSlots / 4;  // block_size is a multiple of 4 (the narrowest ISA)
 
 enum class KvDtype { kFloat32, kBfloat16 };
