@@ -8,6 +8,11 @@ value_cache [num_blocks, num_kv_heads, block_size, head_dim].
 from __future__ import annotations
 
 import torch
+from torch.utils.dlpack import to_dlpack
+
+from common.attention.cpu_kernel import extension
+
+_EXT = extension()
 
 
 class KVCache:
@@ -39,6 +44,18 @@ class KVCache:
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """Store k/v [T, num_kv_heads, head_dim] at flat slots [T] of `layer`."""
+        key, value = self.key[layer], self.value[layer]
+        if (
+            _EXT is not None
+            and key.dtype == k.dtype == v.dtype == torch.float32
+            and slot_mapping.dtype == torch.int64
+        ):
+            # One C++ pass (csrc/kv_write.cpp) instead of two advanced-index assignments.
+            _EXT.write_kv(
+                to_dlpack(key), to_dlpack(value), to_dlpack(k), to_dlpack(v),
+                to_dlpack(slot_mapping.contiguous()),
+            )  # fmt: skip
+            return
         blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
         # Advanced indices around a slice put the token dim first: [T, num_kv_heads, head_dim].
         self.key[layer, blocks, :, :, offsets] = k.to(self.key.dtype)

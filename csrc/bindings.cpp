@@ -140,6 +140,37 @@ void rotary(const RowsOut& rows, int64_t num_heads, int64_t head_dim,
                      positions.data(), cos_table.data(), sin_table.data());
 }
 
+void silu_and_mul(const RowsIn& x, const RowsOut& out) {
+  const size_t rows = x.shape(0), inter = x.shape(1) / 2;
+  if (x.shape(1) % 2 != 0) throw std::invalid_argument("silu_and_mul: x needs an even width");
+  expect_rows("out", out.shape(0), out.shape(1), rows, inter);
+  pm::best_isa().silu_and_mul(x.data(), out.data(), rows, inter);
+}
+
+using StridedKv = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu>;
+using CacheLayer = nb::ndarray<float, nb::ndim<4>, nb::device::cpu, nb::c_contig>;
+
+void write_kv(const CacheLayer& key_cache, const CacheLayer& value_cache, const StridedKv& k,
+              const StridedKv& v,
+              const nb::ndarray<const int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>& slots) {
+  const int64_t num_blocks = key_cache.shape(0), heads = key_cache.shape(1);
+  const int64_t dim = key_cache.shape(2), block_size = key_cache.shape(3);
+  expect_shape("value_cache", value_cache, {num_blocks, heads, block_size, dim});
+  const int64_t tokens = slots.shape(0);
+  expect_shape("k", k, {tokens, heads, dim});
+  expect_shape("v", v, {tokens, heads, dim});
+  if (k.stride(2) != 1 || v.stride(2) != 1)
+    throw std::invalid_argument("write_kv: k and v need contiguous head_dim");
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots.data()[t] < 0 || slots.data()[t] >= num_blocks * block_size)
+      throw std::invalid_argument("write_kv: slot " + std::to_string(slots.data()[t]) +
+                                  " outside the cache's " +
+                                  std::to_string(num_blocks * block_size) + " slots");
+  const pm::KvRowStrides strides{k.stride(0), k.stride(1), v.stride(0), v.stride(1)};
+  pm::write_kv(key_cache.data(), value_cache.data(), k.data(), v.data(), slots.data(), tokens,
+               heads, dim, block_size, strides);
+}
+
 }  // namespace
 
 NB_MODULE(phasemesh_attention_kernel, m) {
@@ -187,6 +218,12 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         nb::arg("head_dim"), nb::arg("positions").noconvert(), nb::arg("cos_table").noconvert(),
         nb::arg("sin_table").noconvert(),
         "Rotates the first num_heads heads of each row in place by its position (RoPE).");
+  m.def("silu_and_mul", &silu_and_mul, nb::arg("x").noconvert(), nb::arg("out").noconvert(),
+        "out = silu(x[:, :I]) * x[:, I:] (float32, x [T, 2I]).");
+  m.def("write_kv", &write_kv, nb::arg("key_cache").noconvert(),
+        nb::arg("value_cache").noconvert(), nb::arg("k").noconvert(), nb::arg("v").noconvert(),
+        nb::arg("slots").noconvert(),
+        "Writes k/v [T, H, D] (float32) into one layer's paged caches at flat slots [T] (int64).");
   m.def("supported_isas", &pm::supported_isas,
         "Kernel ISAs this CPU can run, best first (the first is what 'auto' prefers).");
 }

@@ -41,6 +41,8 @@ struct FragmentState {
 };
 
 using FragmentFn = void (*)(const FragmentArgs&, const FragmentState&);
+// out[r] = silu(x[r, :inter]) * x[r, inter:] for rows r (x [rows, 2 * inter], out [rows, inter]).
+using SiluAndMulFn = void (*)(const float* x, float* out, int64_t rows, int64_t inter);
 
 // The two entry points every ISA translation unit provides.
 struct IsaKernels {
@@ -48,6 +50,7 @@ struct IsaKernels {
   int lanes;  // SIMD width in floats: block_size and head_dim must be multiples of it
   FragmentFn attend_f32;
   FragmentFn attend_bf16;
+  SiluAndMulFn silu_and_mul;  // the MLP's activation, with this ISA's vector exp
 };
 
 namespace isa_generic { extern const IsaKernels kernels; }

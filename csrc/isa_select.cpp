@@ -38,6 +38,11 @@ std::vector<std::string> supported_isas() {
   return names;
 }
 
+const IsaKernels& best_isa() {
+  static const IsaKernels& best = *kernels_named(supported_isas().front());
+  return best;
+}
+
 const IsaKernels& select_isa(const std::string& isa, int64_t head_dim, int64_t block_size) {
   if (isa == "auto") {
     for (const char* name : {"avx512", "avx2", "generic"})

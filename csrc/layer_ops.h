@@ -1,4 +1,5 @@
-// Fused elementwise steps of a decoder layer (see layer_ops.cpp); float32, row-major rows.
+// Fused elementwise steps of a decoder layer (layer_ops.cpp) and the paged KV write
+// (kv_write.cpp); float32.
 #pragma once
 
 #include <cstdint>
@@ -18,5 +19,17 @@ void add_rms_norm(const float* x, const float* y, const float* weight, float* su
 void rotary_inplace(float* rows, int64_t num_rows, int64_t row_stride, int64_t num_heads,
                     int64_t head_dim, const int64_t* positions, const float* cos_table,
                     const float* sin_table);
+
+// Element strides of the k/v inputs [T, H, D] (the head_dim stride must be 1).
+struct KvRowStrides {
+  int64_t k_token, k_head, v_token, v_head;
+};
+
+// key_cache [num_blocks, H, D, block_size] and value_cache [num_blocks, H, block_size, D] of one
+// layer receive token t's k/v [H, D] at flat slot slots[t] (kv_write.cpp; slots are checked by
+// the caller).
+void write_kv(float* key_cache, float* value_cache, const float* k, const float* v,
+              const int64_t* slots, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+              int64_t block_size, const KvRowStrides& strides);
 
 }  // namespace pm

@@ -46,6 +46,8 @@ struct Workspace {
 // std::invalid_argument if that ISA is unknown or this CPU lacks it.
 const IsaKernels& select_isa(const std::string& isa, int64_t head_dim, int64_t block_size);
 std::vector<std::string> supported_isas();
+// The best ISA this CPU runs (for the layer ops, which have no shape constraint).
+const IsaKernels& best_isa();
 
 // Sums n floats with num_threads threads: a memory read-bandwidth probe for the benchmark.
 double read_sum(const float* data, int64_t n, int num_threads);

@@ -1,9 +1,9 @@
 """A decoder layer's small elementwise steps, fused in C++ where the csrc extension is built.
 
-At decode shapes every torch op costs several microseconds here, and RMSNorm and RoPE are several
-ops each, paid per layer per step (csrc/layer_ops.cpp says what was measured). These functions take
-the extension's one-pass versions for contiguous float32 tensors and fall back to the torch
-formulas, which are the reference, for anything else (bfloat16 models, an unbuilt extension).
+At decode shapes every torch op costs several microseconds here, and RMSNorm, RoPE and SwiGLU are
+several ops each, paid per layer per step (csrc/layer_ops.cpp says what was measured). These
+functions take the extension's one-pass versions for contiguous float32 tensors and fall back to
+the torch formulas, which are the reference, for anything else (bfloat16, an unbuilt extension).
 """
 
 from __future__ import annotations
@@ -42,6 +42,16 @@ def add_rms_norm(
         return total, normed
     total = x + y
     return total, rms_norm(total, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] (gate | up) -> silu(gate) * up [T, I]: the SwiGLU activation in one pass."""
+    if x.dim() == 2 and _fused(x):
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+        _EXT.silu_and_mul(to_dlpack(x), to_dlpack(out))
+        return out
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rotate_heads_(

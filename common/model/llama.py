@@ -106,8 +106,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate_up = F.linear(x, self.gate_up_proj.weight)  # [T, 2 * intermediate]: gate | up
+        return F.linear(layer_ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class LlamaDecoderLayer(nn.Module):

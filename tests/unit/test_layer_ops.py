@@ -48,3 +48,31 @@ def test_rotary_refuses_a_position_outside_the_tables():
     rows, table = torch.zeros(2, 64), torch.zeros(8, 32)
     with pytest.raises(ValueError, match="position 8 outside"):
         layer_ops.rotate_heads_(rows, 2, 32, torch.tensor([0, 8]), table, table)
+
+
+def test_kv_write_of_strided_views_lands_in_the_paged_layout():
+    from common.kv_cache import KVCache
+
+    layers, blocks, block_size, heads, dim, tokens = 2, 9, 4, 2, 8, 7
+    cache = KVCache(layers, blocks, block_size, heads, dim, torch.float32)
+    qkv = torch.randn(tokens, (3 + 2 * heads) * dim)  # k and v as views of a fused row
+    k = qkv[:, 3 * dim : (3 + heads) * dim].view(tokens, heads, dim)
+    v = qkv[:, (3 + heads) * dim :].view(tokens, heads, dim)
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    cache.write(1, k, v, slots)
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, block_size)
+        assert torch.equal(cache.key[1, block, :, :, offset], k[t])
+        assert torch.equal(cache.value[1, block, :, offset, :], v[t])
+    assert cache.key[0].abs().sum() == 0 and cache.value[0].abs().sum() == 0
+    with pytest.raises(ValueError, match="slot 36 outside"):
+        cache.write(0, k[:1], v[:1], torch.tensor([36]))
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 16), (32, 768), (3, 37)])
+def test_silu_and_mul_matches_float64(rows, inter):
+    x = torch.randn(rows, 2 * inter) * 4
+    x[0, 0], x[0, 1] = -100.0, 100.0  # exp's saturation on both sides
+    gate, up = x.double().chunk(2, dim=-1)
+    expected = gate * torch.sigmoid(gate) * up
+    torch.testing.assert_close(layer_ops.silu_and_mul(x).double(), expected, rtol=1e-5, atol=1e-6)
