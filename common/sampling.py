@@ -63,7 +63,9 @@ class Sampler:
         self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]
     ) -> list[int]:
         """logits [N, vocab] float32 -> N token ids."""
-        token_ids = logits.argmax(dim=-1).tolist()
+        # NOTE: numpy's argmax, not torch's: on [32, 2048] float32 logits here torch's takes
+        # 77-130 us and numpy's 8 us; both return the first maximal index (and a NaN's first).
+        token_ids = logits.detach().cpu().numpy().argmax(axis=-1).tolist()
         for row, (req_id, p) in enumerate(zip(req_ids, params, strict=True)):
             if not p.greedy:
                 token_ids[row] = self._sample_row(logits[row], p, self._generator(req_id, p))

@@ -87,7 +87,9 @@ class ModelRunner:
             q, k, v = layer.pre_attention(x, rope)
             attn = self.attend(i, q, k, v, inputs)  # [T, Hq, D]
             x = layer.post_attention(x, attn)
-        return self.model.compute_logits(x[inputs.last_token_index])
+        # One row per sequence already when every sequence has one token (decode): no gather.
+        last = x if x.shape[0] == len(inputs.last_token_index) else x[inputs.last_token_index]
+        return self.model.compute_logits(last)
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs
