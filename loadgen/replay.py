@@ -67,11 +67,13 @@ async def run_one(
     record = RequestRecord(spec.req_index, spec.arrival_s, spec.input_len, spec.output_len)
     record.send_s = sent - run_start_s
     last_token_s: float | None = None
+    last_event_s: float | None = None
     chunk_tokens = 0
     usage: Usage | None = None
     try:
         async for event in target.generate(spec):
             usage = event.usage or usage
+            last_event_s = event.time_s
             if event.num_tokens <= 0:
                 continue
             if last_token_s is None:
@@ -81,7 +83,12 @@ async def run_one(
             last_token_s = event.time_s
             chunk_tokens += event.num_tokens
         if last_token_s is None:
-            raise RuntimeError("stream finished without any token")
+            if usage is None or usage.completion_tokens < 1 or last_event_s is None:
+                raise RuntimeError("stream finished without any token")
+            # Tokens whose text is empty (a special token) stream no text: usage says they came,
+            # and the client learned it with the last chunk.
+            record.ttft_s = last_event_s - sent
+            last_token_s = last_event_s
     except Exception as exc:  # any failure belongs to this request, not to the run
         record.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
         log.debug("request_failed", req_index=spec.req_index, error=record.error)

@@ -23,9 +23,9 @@ import pytest
 
 from loadgen.http_target import OpenAIStreamingTarget, chunk_token_count, error_message
 from loadgen.prompts import PromptBuilder
-from loadgen.replay import ReplayResult, replay
+from loadgen.replay import ReplayResult, replay, run_one
 from loadgen.report import summarize
-from loadgen.target import RequestSpec
+from loadgen.target import RequestSpec, StreamEvent, Usage
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
@@ -220,3 +220,23 @@ def test_cli_sweep_writes_one_point_per_rate(tmp_path: Path) -> None:
     assert json.loads((out / "sweep.json").read_text()) == table
     assert (out / "sweep.png").stat().st_size > 1000
     assert (out / "rate_40" / "results.json").exists()
+
+
+class TextlessTokenTarget:
+    """A target whose one token streams no text (a special token): the closing chunk carries
+    only the finish and usage saying `completion_tokens`. No transport: only the accounting."""
+
+    def __init__(self, completion_tokens: int) -> None:
+        self.completion_tokens = completion_tokens
+
+    async def generate(self, spec: RequestSpec):  # type: ignore[no-untyped-def]
+        yield StreamEvent(10.25, 0, Usage(spec.input_len, self.completion_tokens))
+
+
+def test_a_token_without_text_still_counts_when_usage_says_so() -> None:
+    spec = RequestSpec(0, 0.0, 9, 1)
+    record = asyncio.run(run_one(TextlessTokenTarget(1), spec, run_start_s=10.0, sent=10.0))  # type: ignore[arg-type]
+    assert record.ok and record.output_tokens == 1
+    assert record.ttft_s == pytest.approx(0.25) and record.e2e_s == pytest.approx(0.25)
+    none = asyncio.run(run_one(TextlessTokenTarget(0), spec, run_start_s=10.0, sent=10.0))  # type: ignore[arg-type]
+    assert not none.ok and "without any token" in (none.error or "")
