@@ -8,9 +8,10 @@
    through the server's HTTP API (shard round trips and token streaming included), written as a
    Splitwise-format table (`profile.csv`, hardware `cpu-local-mesh`).
 3. Measures the host (`host.json`, `loadgen/sim/shared_cpu.py`) from /proc (`bench/host_cpu.py`):
-   the front end's latency alone (unloaded TTFT minus the profiled prefill); each front-end loop's
-   CPU per request and per token; the cores a prefill and a decode step at several batch sizes
-   take alone; the background over the profile and these measurements: other processes' CPU,
+   the front end's latency alone (unloaded TTFT minus the profiled prefill); the hand-off's stall
+   of the token engine (unloaded gap to the second token minus a profiled step); each front-end
+   loop's CPU per request and per token; the cores a prefill and a decode step at several batch
+   sizes take alone; the background over the profile and these measurements: other processes' CPU,
    above the mesh's priority (nice 0 against Ray's nice 15: served first) or at it (shared);
    which front-end loops run above the mesh's priority (the client).
 4. For each time scale: simulates the slice (`python -m loadgen replay --target
@@ -34,7 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
@@ -58,7 +59,7 @@ from host_cpu import (  # noqa: E402
 
 from common.perf_model import load_perf_model  # noqa: E402
 from loadgen.arrivals import ArrivalConfig, plan_requests  # noqa: E402
-from loadgen.sim.config import TINY  # noqa: E402
+from loadgen.sim.config import TINY, parse_cluster  # noqa: E402
 from loadgen.sim.shared_cpu import HostModel, SharedCPU, Station  # noqa: E402
 from loadgen.traces import read_trace, shared_dir  # noqa: E402
 
@@ -123,21 +124,37 @@ def sequential_requests(url: str, sizes: list[int], gap_s: float) -> tuple[list[
     return [r for r in result.records if r.ok and r.ttft_s], start, time.monotonic()
 
 
-def measure_frontend(
+@dataclass(frozen=True)
+class Alone:
+    """What requests sent one at a time show (see `measure_alone`)."""
+
+    frontend_s: float
+    handoff_s: float
+    per_request: dict[str, float]
+    prompt_cores: float
+
+
+def measure_alone(
     url: str, pids: dict[int, str], idle: dict[str, float], profile_csv: Path, sizes: list[int]
-) -> tuple[float, dict[str, float], float]:
-    """From requests sent one at a time: (the front end's latency alone, each front-end loop's
-    CPU seconds per request, the cores a prefill takes). Latency = TTFT minus the profiled
-    prefill of the prompt; a request's CPU includes its two tokens' way out."""
+) -> Alone:
+    """From requests sent one at a time, two tokens each: the front end's latency alone (TTFT
+    minus the profiled prefill of the prompt); the hand-off's stall (the gap to the second token,
+    the first from the token engine, minus a profiled batch-1 step and the KV transfer); each
+    front-end loop's CPU seconds per request (its two tokens' way out included); the cores a
+    prefill takes."""
     perf = load_perf_model(profile_csv, TINY.name, HARDWARE, 1, decode_context=TINY.decode_context)
+    transfer = parse_cluster("PhaseMesh-CPU:1P1T").transfer_model()
     with CpuSampler(pids) as sampler:
         records, start, end = sequential_requests(url, sizes, gap_s=0.4)
     cores, span = sampler.cores(start, end), end - start
     frontend_s = statistics.median(r.ttft_s - perf.prefill_s(r.input_len) for r in records)
+    handoff_s = statistics.median(
+        r.itl_s[0] - perf.decode_s(1) - transfer.visible_s(r.input_len) for r in records if r.itl_s
+    )
     per_request = {r: minus(cores, idle, (r,)) * span / len(records) for r in FRONTEND}
     prefill_s = sum(perf.prefill_s(r.input_len) for r in records)
     prompt_cores = minus(cores, idle, ("prompt",)) * span / prefill_s
-    return frontend_s, per_request, prompt_cores
+    return Alone(frontend_s, max(handoff_s, 0.0), per_request, prompt_cores)
 
 
 def measure_decode(
@@ -184,14 +201,14 @@ def measure_host(
     # Everything the model does not know by name: other processes (other users' jobs, Ray's own)
     # by priority against the mesh's, and the mesh's idle loops (at its own priority).
     idle_mesh = sum(idle[r] for r in ROLES)
-    frontend_s, per_request, prompt_cores = measure_frontend(url, pids, idle, profile_csv, sizes)
+    alone = measure_alone(url, pids, idle, profile_csv, sizes)
     measured = measure_decode(bench_profile, url, pids, idle, args.decode_batches)
     decode, chain, per_token = measured
     above, shared = background(meter, pids)
     mesh_nice = min(process_nice(pid) for pid in pids)
     stations = tuple(
         Station(
-            role, round(per_request[role], 6), round(per_token[role], 6),
+            role, round(alone.per_request[role], 6), round(per_token[role], 6),
             priority=role == "client" and os.getpriority(os.PRIO_PROCESS, 0) < mesh_nice,
         )
         for role in FRONTEND
@@ -200,11 +217,12 @@ def measure_host(
         cores=float(len(os.sched_getaffinity(0))),
         background_cores=round(above, 3),
         shared_background_cores=round(shared + idle_mesh, 3),
-        prompt_cores=round(prompt_cores, 3),
+        prompt_cores=round(alone.prompt_cores, 3),
         decode_cores_by_batch=tuple(decode),
         chain_cores_by_batch=tuple(chain),
     )
-    return HostModel(round(frontend_s, 5), cpu, stations), idle_mesh
+    host = HostModel(round(alone.frontend_s, 5), cpu, stations, round(alone.handoff_s, 5))
+    return host, idle_mesh
 
 
 # ---- the two replays ----

@@ -25,10 +25,11 @@ class Run:
     start_s: float
     step_s: float
     num_steps: int
+    stall_s: float = 0.0  # before the first iteration: hand-offs being admitted (shared_cpu.py)
 
     @property
     def end_s(self) -> float:
-        return self.start_s + self.step_s * self.num_steps
+        return self.start_s + self.stall_s + self.step_s * self.num_steps
 
 
 class SimMachine:
@@ -46,6 +47,7 @@ class SimMachine:
         self.inbound_kv_tokens = 0  # KV in flight towards this machine
         self.busy_s = 0.0
         self.max_run_steps = 0  # > 0: decode runs end after this many iterations
+        self.pending_stall_s = 0.0  # the next run waits this long first (hand-offs landed)
         self._finish_heap: list[tuple[int, int]] = []  # (policy step when done, req_id)
         self._tracked: dict[int, int] = {}  # req_id -> join_step already in the heap
 
@@ -68,11 +70,13 @@ class SimMachine:
             self.run = None
             return None
         self._track(plan, output_len)
+        stall_s, self.pending_stall_s = self.pending_stall_s, 0.0
         if plan.prefill_ids:
             step_s = self.perf.iteration_s(plan.num_prefill_tokens, len(plan.decode_ids))
-            self.run = Run(plan, now, step_s, 1)
+            self.run = Run(plan, now, step_s, 1, stall_s)
         else:
-            self.run = Run(plan, now, self.perf.decode_s(len(plan.decode_ids)), self._run_len())
+            step_s = self.perf.decode_s(len(plan.decode_ids))
+            self.run = Run(plan, now, step_s, self._run_len(), stall_s)
         self.version += 1
         return self.run
 
@@ -82,7 +86,7 @@ class SimMachine:
         run = self.run
         if run is None or run.num_steps == 1:
             return None
-        done = max(1, math.ceil((now - run.start_s) / run.step_s))
+        done = max(1, math.ceil((now - run.start_s - run.stall_s) / run.step_s))
         if done >= run.num_steps:
             return None
         run.num_steps = done
@@ -94,7 +98,7 @@ class SimMachine:
         run = self.run
         assert run is not None
         self.policy.advance(run.num_steps - 1)
-        self.busy_s += run.step_s * run.num_steps
+        self.busy_s += run.stall_s + run.step_s * run.num_steps
         self.run = None
         return run.plan, self._pop_finished()
 

@@ -29,8 +29,14 @@ on its way in and every token of every stream on its way out. A `FrontEnd` keeps
 next free: a request waits behind the token chunks already queued there, and the first and last
 tokens of a request reach the client behind the chunks ahead of them. A loop's work is its
 measured CPU seconds per request and per token, stretched by the shared CPU; the rest of the
-front end's latency alone (wake-ups, sockets) is a fixed delay. None of these figures is fitted to
-the latencies the simulator then predicts.
+front end's latency alone (wake-ups, sockets) is a fixed delay.
+
+The hand-off from the prompt engine to the token engine is a stall of the token machine. The
+engine sends the KV pages to the shards and the hand-off to the token engine, which admits the
+request into its next step; the shards hold that step's first layer until the newcomer's KV has
+landed, so the whole batch waits, not only the newcomer. `HostModel.handoff_s` is that stall:
+the first decode gap of a request alone minus a profiled batch-1 step and the KV transfer. None of
+these figures is fitted to the latencies the simulator then predicts.
 """
 
 from __future__ import annotations
@@ -231,11 +237,13 @@ class FrontEnd:
 
 @dataclass(frozen=True)
 class HostModel:
-    """A host measurement file: the front end's latency alone, its loops, and the shared CPU."""
+    """A host measurement file: the front end's latency alone, its loops, the shared CPU, and
+    the hand-off's stall of the token machine (see the module)."""
 
     frontend_s: float
     cpu: SharedCPU
     stations: tuple[Station, ...] = ()
+    handoff_s: float = 0.0
 
     def _alone_work_s(self, chunk_cpu_s: PiecewiseLinear | None) -> tuple[float, float]:
         """(request CPU, first-token CPU) of the loops for a request alone, as wall seconds at
@@ -284,18 +292,20 @@ class HostModel:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         frontend_s = float(data.pop("frontend_s"))
+        handoff_s = float(data.pop("handoff_s", 0.0))  # host files before the hand-off stall
         decode, chain = (
             tuple((int(b), float(c)) for b, c in data.pop(key))
             for key in ("decode_cores_by_batch", "chain_cores_by_batch")
         )
         stations = tuple(Station(**s) for s in data.pop("stations", ()))
         cpu = SharedCPU(decode_cores_by_batch=decode, chain_cores_by_batch=chain, **data)
-        return cls(frontend_s, cpu, stations)
+        return cls(frontend_s, cpu, stations, handoff_s)
 
     def to_dict(self) -> dict[str, object]:
         c = self.cpu
         return {
             "frontend_s": self.frontend_s,
+            "handoff_s": self.handoff_s,
             "cores": c.cores,
             "background_cores": c.background_cores,
             "shared_background_cores": c.shared_background_cores,

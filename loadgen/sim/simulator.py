@@ -263,6 +263,9 @@ class Simulator:
         machine = self.machines[machine_id]
         machine.inbound_kv_tokens -= record.prompt_len
         machine.policy.add_decode(req_id, record.prompt_len, record.arrival_s, now)
+        if self.options.host is not None:
+            # The step that admits it waits for its KV on the shards: the whole batch stalls.
+            machine.pending_stall_s += self.options.host.handoff_s
         self._kick(machine, now)
 
     def _kick(self, machine: SimMachine, now: float) -> None:

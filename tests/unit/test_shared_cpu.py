@@ -1,6 +1,8 @@
 """The shared-host model (PhaseMesh's CPU mesh): processor sharing, front-end loops as queues."""
 
 import csv
+import json
+from dataclasses import replace
 
 import pytest
 
@@ -157,3 +159,35 @@ def test_loop_cpu_per_step_is_what_the_profiled_decode_streamed():
     # Each loop takes its share of the per-token costs (equal here).
     frontend = host().frontend(step_s)
     assert frontend.tokens_out(0.0, 1, stretch=1.0) == pytest.approx(0.0015)
+
+
+def test_a_hand_off_stalls_the_token_machine_step_that_admits_it(cpu_mesh_profile):
+    cluster = parse_cluster("PhaseMesh-CPU:1P1T")
+    stalled = replace(host(), handoff_s=0.004)
+    # Alone: the first decode gap is the profiled step plus the stall; the next is a plain step.
+    alone = [
+        simulate(cluster, [SimRequest(0.0, 64, 3)], SimOptions(host=h)).records[0]
+        for h in (host(), stalled)
+    ]
+    assert alone[1].tbt_s - alone[0].tbt_s == pytest.approx(0.004 / 2, abs=2e-4)
+
+    # A request already decoding waits too: the step that admits a newcomer is the whole batch's.
+    # Its own admission stalls it once; a newcomer's, once more.
+    def stall_cost(requests: list[SimRequest]) -> float:
+        e2e = [simulate(cluster, requests, SimOptions(host=h)).records[0].e2e_s
+               for h in (host(), stalled)]  # fmt: skip
+        return e2e[1] - e2e[0]
+
+    long = SimRequest(0.0, 64, 40)
+    assert stall_cost([long]) == pytest.approx(0.004, abs=1e-4)
+    assert stall_cost([long, SimRequest(0.2, 64, 2)]) - 0.004 == pytest.approx(0.004, abs=1.5e-3)
+
+
+def test_host_files_without_a_hand_off_stall_still_load(tmp_path):
+    model = replace(host(), handoff_s=0.003)
+    model.save(tmp_path / "host.json")
+    assert HostModel.load(tmp_path / "host.json").handoff_s == 0.003
+    data = json.loads((tmp_path / "host.json").read_text())
+    del data["handoff_s"]
+    (tmp_path / "host.json").write_text(json.dumps(data))
+    assert HostModel.load(tmp_path / "host.json").handoff_s == 0.0
