@@ -3,11 +3,11 @@
 Measures, in one run (the machine is shared, so only same-run ratios mean anything):
 - memory bandwidth as issue 3 defines it: a large copy, bytes read plus bytes written per second.
   Two ordinary large copies are timed and the faster one is the ceiling: torch's `copy_` and a
-  C copy (memcpy per thread, which streams with non-temporal stores, so the bytes
-  moved are the bytes counted). A C read probe (8 interleaved streams per thread with software
-  prefetch, the fastest read-only pattern measured here) is reported beside it, with the
-  kernel's ratio to it: on this VM a copy with non-temporal stores moves ~1.4x the bytes per
-  second that any read-only stream reaches, so the copy is the stricter ceiling;
+  C copy (streaming stores per thread, so the bytes moved are the bytes counted). A C read probe
+  (8 interleaved streams per thread with software prefetch, the fastest read-only pattern
+  measured here) is reported beside it, with the kernel's ratio to it: on these VMs a copy with
+  streaming stores moves ~1.3-1.45x the bytes per second that any read-only stream reaches, so
+  the copy is the stricter ceiling;
 - the kernel's effective bandwidth (K/V bytes it must read / time) at 1 and 2 threads, for
   batch 32 x context 2048 and batch 1 x context 32768, GQA 4:1 and MHA, float32 and bfloat16,
   on a shuffled block table (paged) and on one block table in order (contiguous);
@@ -16,8 +16,10 @@ Measures, in one run (the machine is shared, so only same-run ratios mean anythi
 Every buffer is allocated and touched before timing and reused (first touch runs at ~0.35 GB/s
 here, and allocations over 32 MiB fault again on every call). Each figure is the median of
 `--repeats` calls after two warm-up rounds, timed round-robin with the copy probes at the same
-thread count, so each case's ceiling is measured under the same load as the kernel; the calls
-rotate over two KV sets (each larger than the L3), so no set sits in cache.
+thread count, so each case's ceiling is measured under the same load as the kernel. Nothing is
+timed from cache: the calls rotate over as many KV sets as it takes to cover twice the last-level
+cache, and the probes' buffers are twice its size too (machines here have reported 32 MiB and
+480 MiB of L3; with two 34 MB sets on the latter the kernel read 27-31 GB/s, with 24 sets 20.5).
 The last line is one JSON object with the figures and the ratios kernel/memory-bandwidth (the
 copy ceiling above), kernel/torch-best and paged/contiguous.
 
@@ -34,6 +36,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +44,27 @@ import torch.nn.functional as F
 from common.attention.cpu_kernel import CpuKernelAttention, kernel_available, supported_isas
 
 BLOCK_SIZE = 16
-PROBE_BYTES = 256 << 20  # per-case copy source (and read-sum) size: 8x the L3
+MIN_PROBE_BYTES = 256 << 20
 TARGETS = {"kernel_over_mem_2t": 0.70, "over_torch_gqa": 2.0, "over_torch_mha": 1.5}
 TARGETS["paged_over_contig"] = 0.85
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this process's core reports in sysfs (64 MiB if none says)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text.rstrip("KMG")) * units.get(text[-1], 1))
+    return max(sizes, default=64 << 20)
+
+
+def uncached_bytes() -> int:
+    """Bytes a rotation must cover so that no call finds its data in cache: twice the LLC."""
+    return max(MIN_PROBE_BYTES, 2 * last_level_cache_bytes())
 
 
 @dataclass(frozen=True)
@@ -125,6 +146,12 @@ def memory_bandwidth(num_bytes: int, threads: list[int], repeats: int) -> dict[s
     return figures
 
 
+def shape_kv_bytes(shape: Shape, dtype: torch.dtype) -> int:
+    """Bytes of K and V one decode call must read."""
+    elements = 2 * shape.batch * shape.num_kv_heads * shape.context * shape.head_dim
+    return elements * torch.finfo(dtype).bits // 8
+
+
 def to_paged(x: torch.Tensor, transpose: bool) -> torch.Tensor:
     """[B, Hkv, T, D] -> in-order blocks [B * T/bs, Hkv, bs, D] (or [.., D, bs] for K)."""
     batch, heads, context, dim = x.shape
@@ -204,8 +231,7 @@ def time_case(
 def case_figures(
     shape: Shape, dtype: torch.dtype, threads: int, seconds: dict[str, float], probes: MemoryProbes
 ) -> dict:
-    kv_bytes = 2 * shape.batch * shape.num_kv_heads * shape.context * shape.head_dim
-    kv_bytes *= torch.finfo(dtype).bits // 8
+    kv_bytes = shape_kv_bytes(shape, dtype)
     paths = ("kernel", "contig", "sdpa", "matmul")
     gbps = {name: kv_bytes / seconds[name] / 1e9 for name in paths}
     memory = probes.gbps(seconds)
@@ -262,12 +288,13 @@ def main() -> None:
     thread_counts = [1, 2]
     memory = memory_bandwidth((256 if args.quick else 1024) << 20, thread_counts, args.repeats)
     print("memory:", {k: round(v, 1) for k, v in memory.items()})
-    probes = MemoryProbes(PROBE_BYTES)  # the per-case ceiling, timed beside the kernel
+    probes = MemoryProbes(uncached_bytes())  # the per-case ceiling, timed beside the kernel
     cases = []
     for shape in shapes_for(args.quick):
         for dtype in (torch.float32, torch.bfloat16):
             gen = torch.Generator().manual_seed(0)
-            sets = [make_kv_set(shape, dtype, gen) for _ in range(2)]
+            num_sets = max(2, math.ceil(uncached_bytes() / shape_kv_bytes(shape, dtype)))
+            sets = [make_kv_set(shape, dtype, gen) for _ in range(num_sets)]
             for threads in thread_counts:
                 seconds = time_case(shape, dtype, threads, sets, probes, args.repeats)
                 row = case_figures(shape, dtype, threads, seconds, probes)
@@ -276,6 +303,7 @@ def main() -> None:
             del sets
     summary = summarize(cases)
     setup = {"isa": supported_isas()[0], "repeats": args.repeats, "block_size": BLOCK_SIZE}
+    setup["llc_mib"] = last_level_cache_bytes() >> 20
     setup["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "default")
     print(json.dumps({**setup, "memory": memory, "summary": summary, "targets": TARGETS,
                       "cases": cases}))  # fmt: skip

@@ -207,7 +207,7 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         pm::copy_bytes(dst.data(), src.data(), static_cast<int64_t>(src.size()) * 4, num_threads);
       },
       nb::arg("dst").noconvert(), nb::arg("src").noconvert(), nb::arg("num_threads") = 1,
-      "dst[:] = src (float32, same size) with memcpy per thread (a copy-bandwidth probe).");
+      "dst[:] = src (float32, same size) with streaming stores per thread (a copy-bandwidth probe).");
   m.def("rms_norm", &rms_norm, nb::arg("x").noconvert(), nb::arg("weight").noconvert(),
         nb::arg("out").noconvert(), nb::arg("eps"),
         "out = x / rms(x) * weight per row (float32 [T, H]).");
