@@ -43,7 +43,7 @@ def main() -> None:
     )
 
     settings = SearchSettings(
-        duration_s=args.duration, min_rate=5.0, max_rate=200.0, num_bisections=6
+        duration_s=args.duration, min_rate=5.0, max_rate=200.0, rate_step=10.0, num_bisections=4
     )
     started = time.perf_counter()
     baseline = ClusterSpec(DESIGNS["Baseline-H100"], 40)

@@ -4,8 +4,9 @@ import math
 
 import pytest
 
+from loadgen.sim import provision
 from loadgen.sim.config import DESIGNS, ClusterSpec, parse_cluster, perf_model_for
-from loadgen.sim.provision import mixes_within
+from loadgen.sim.provision import SearchSettings, mixes_within
 from loadgen.sim.simulator import SimRequest, simulate
 from loadgen.sim.slo import check_slos
 from loadgen.sim.workload import as_recorded, poisson, read_trace
@@ -100,3 +101,22 @@ def test_replay_driver_runs_against_the_simulator_target():
         assert got.ttft_s == pytest.approx(sim.ttft_s)
         assert got.e2e_s == pytest.approx(sim.e2e_s)
         assert got.output_tokens == sim.output_len
+
+
+def test_max_rate_stops_below_a_valley_a_bisection_would_jump(monkeypatch):
+    # SLOs met at 5-15 and 50-80 RPS only: a mix whose token machines saturate before the router
+    # borrows, at moderate load. Bisecting [5, 200] would report ~80.
+    def valley(_cluster, _rows, rate, _settings, _options=None):
+        return rate <= 15 or 50 <= rate <= 80
+
+    monkeypatch.setattr(provision, "meets_slos", valley)
+    settings = SearchSettings(min_rate=5.0, max_rate=200.0, rate_step=10.0, num_bisections=6)
+    rate = provision.max_rate(None, [], settings)  # type: ignore[arg-type]
+    assert 15 <= rate < 25  # below the first miss at 25, within the bisection's resolution
+    always = SearchSettings(min_rate=5.0, max_rate=42.0, rate_step=10.0)
+    monkeypatch.setattr(provision, "meets_slos", lambda *a, **k: True)
+    assert provision.max_rate(None, [], always) == 42.0  # type: ignore[arg-type]
+    monkeypatch.setattr(provision, "meets_slos", lambda *a, **k: False)
+    assert provision.max_rate(None, [], always) == 0.0  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        SearchSettings(min_rate=0.0)
