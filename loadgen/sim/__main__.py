@@ -65,7 +65,9 @@ def _provision(args: argparse.Namespace) -> int:
     print(f"best: {best.cluster.label} at {best.max_rate:.1f} RPS")
     if args.plot:
         evaluated = [(c.cluster, c.max_rate > 0) for c in candidates]
-        plot_design_space(evaluated, best, args.plot, f"{design.name}, iso-{by} {budget:g}")
+        rates = {c.cluster: c.max_rate for c in candidates}
+        title = f"{design.name}, iso-{by} {budget:g}: max RPS within SLOs"
+        plot_design_space(evaluated, best, args.plot, title, rates)
     return 0
 
 

@@ -162,10 +162,14 @@ def format_table(candidates: list[Candidate]) -> str:
 
 
 def plot_design_space(
-    evaluated: list[tuple[ClusterSpec, bool]], best: Candidate | None, path: str, title: str
+    evaluated: list[tuple[ClusterSpec, bool]],
+    best: Candidate | None,
+    path: str,
+    title: str,
+    rates: dict[ClusterSpec, float] | None = None,
 ) -> None:
-    """Fig. 12-style scatter: prompt vs token machines, feasible mixes colored by cost, the
-    optimum starred."""
+    """Fig. 12-style scatter: prompt vs token machines, feasible mixes colored by cost and
+    labelled with the rate each sustains (`rates`, RPS), the optimum starred."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,10 +187,14 @@ def plot_design_space(
     )
     if ok:
         fig.colorbar(points, ax=ax, label="cost (DGX-A100 = 1)")
+    for c in ok if rates else ():
+        ax.annotate(f"{rates[c]:.0f} RPS", (c.num_prompt, c.num_token), textcoords="offset points",
+                    xytext=(6, 4), fontsize=7)  # fmt: skip
     if best is not None:
         k = best.cluster
         ax.scatter([k.num_prompt], [k.num_token], marker="*", s=300, c="red", label=k.label)
         ax.legend(loc="upper right", fontsize=8)
+    ax.margins(x=0.15, y=0.1)  # room for the labels at the edges
     ax.set_xlabel("prompt machines")
     ax.set_ylabel("token machines")
     ax.set_title(title, fontsize=9)
