@@ -300,7 +300,11 @@ class Engine:
         inputs = self.runner.prepare_decode(local, self.sharded, token_ids, next(self.steps))
         everyone = Batch(Phase.DECODE, local + self.sharded)
         self.telemetry.decode_step(len(everyone.seqs))
+        sample = bool(self.sharded) and self.telemetry.samples_round_trips()
+        self.runner.round_trips = [] if sample else None
         sampled = self._forward(everyone, inputs)
+        if self.runner.round_trips:
+            self.telemetry.record_round_trips(self.runner.round_trips)
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
         for seq, token in zip(list(self.sharded), sampled[len(local) :], strict=True):
             seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1

@@ -127,6 +127,9 @@ class MeshModelRunner(ModelRunner):
         self.kv_shipper: KvShipper | None = None
         self.sharded: ShardedRows | None = None
         self.num_local = 0
+        # A list while the engine samples this step's shard round trips: (shard index, seconds
+        # from its send to its reply), one per shard and layer.
+        self.round_trips: list[tuple[int, float]] | None = None
 
     def prepare_decode(
         self,
@@ -189,13 +192,18 @@ class MeshModelRunner(ModelRunner):
                 k[n:, h0:h1].contiguous(),
                 v[n:, h0:h1].contiguous(),
             ]
-            handles.append((link, link.send_async(header, tensors), tensors))
+            sent_at = time.perf_counter()
+            handles.append((link, link.send_async(header, tensors), tensors, sent_at))
         out = torch.empty(q.shape, dtype=torch.float32)
         if n:
             out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
-        for (link, handle, _), (h0, h1) in zip(handles, self.head_ranges, strict=True):
+        for i, ((link, handle, _, sent_at), (h0, h1)) in enumerate(
+            zip(handles, self.head_ranges, strict=True)
+        ):
             link.wait(handle)
             result, (shard_out, _lse) = link.recv()
+            if self.round_trips is not None:
+                self.round_trips.append((i, time.perf_counter() - sent_at))
             if result.error:
                 raise RuntimeError(f"attention shard failed: {result.error}")
             out[n:, h0 * group : h1 * group] = shard_out

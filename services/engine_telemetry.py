@@ -30,6 +30,7 @@ from common.telemetry.spans import record_kv_transfer, record_prefill
 from services.engine_runner import KvRoute
 
 GAUGE_INTERVAL_S = 0.5
+ROUND_TRIP_INTERVAL_S = 0.1  # shard round trips: one decode step at most this often
 
 # Where a request is, as far as telemetry cares.
 QUEUED = "queued"  # a prompt waiting for its prefill
@@ -63,6 +64,7 @@ class EngineTelemetry:
         self.decoding: dict[str, DecodeSpan] = {}
         self.batch_sizes = {"prefill": 0, "decode": 0}
         self._last_gauges = 0.0
+        self._last_round_trips = float("-inf")
 
     # -- arrivals ---------------------------------------------------------------------------------
 
@@ -149,6 +151,21 @@ class EngineTelemetry:
 
     def decode_step(self, batch_size: int) -> None:
         self.batch_sizes["decode"] = batch_size
+
+    def samples_round_trips(self) -> bool:
+        """Whether this decode step's shard round trips go to the histogram: one step at most
+        every `ROUND_TRIP_INTERVAL_S` (a record costs ~20 us, a round trip a few hundred)."""
+        now = time.monotonic()
+        if now - self._last_round_trips < ROUND_TRIP_INTERVAL_S:
+            return False
+        self._last_round_trips = now
+        return True
+
+    def record_round_trips(self, round_trips: Sequence[tuple[int, float]]) -> None:
+        """(shard index in the group, seconds from its send to its reply), per shard and layer."""
+        for index, seconds in round_trips:
+            shard = self.shards[index] if index < len(self.shards) else str(index)
+            self.metrics.record_shard_rtt(seconds, shard)
 
     def finished(self, req_id: str, finish_reason: str) -> None:
         traced = self.requests.pop(req_id, None)

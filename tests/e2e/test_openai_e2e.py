@@ -220,12 +220,14 @@ def sample_values(exposition: str, name: str) -> list[float]:
     return [float(value) for value in pattern.findall(exposition)]
 
 
-# Histograms recorded by the Router replica (client-facing) and the PromptEngine (its phases).
+# Histograms recorded by the Router replica (client-facing), the PromptEngine (its phases) and
+# the TokenEngine (its shard round trips, sampled).
 RAY_HISTOGRAMS = (
     "ray_phasemesh_time_to_first_token_seconds",
     "ray_phasemesh_inter_token_latency_seconds",
     "ray_phasemesh_e2e_request_latency_seconds",
     "ray_phasemesh_request_prefill_time_seconds",
+    "ray_phasemesh_shard_round_trip_seconds",
 )
 
 
@@ -249,6 +251,8 @@ def test_ray_metrics_endpoint_has_the_latency_histograms(
     assert sum(sample_values(exposition, "ray_phasemesh_inter_token_latency_seconds_count")) >= 7
     blocks = sample_values(exposition, "ray_phasemesh_kv_blocks_used")
     assert len(blocks) >= 3, "the engines and both shards set the KV blocks gauge"
+    trips = sample_values(exposition, "ray_phasemesh_shard_round_trip_seconds_count")
+    assert len(trips) == 2, "one round-trip histogram per shard of the group"
 
 
 def replica_pid(server: ServeRun, deployment: str) -> int:

@@ -550,3 +550,20 @@ def test_collector_and_prometheus_configs_wire_the_documented_ports() -> None:
         "ray": ["localhost:8080"],
         "otel-collector": [f"localhost:{prometheus_port}"],
     }
+
+
+def test_token_engine_samples_shard_round_trips_per_shard(
+    metrics: Metrics, metric_reader: InMemoryMetricReader
+) -> None:
+    from services.engine_telemetry import EngineTelemetry
+
+    telemetry = EngineTelemetry("token-0", "tiny", shards=("shard-0", "shard-1"), metrics=metrics)
+    assert telemetry.samples_round_trips()  # the first step is sampled ...
+    assert not telemetry.samples_round_trips()  # ... the next one, right after, is not
+    # Two layers, two shards: shard 0's reply came first in each layer.
+    telemetry.record_round_trips([(0, 0.0003), (1, 0.0005), (0, 0.0004), (1, 0.0006)])
+    trips = {
+        dict(p.attributes)["shard"]: (p.count, round(p.sum, 6))
+        for p in points(metric_reader)["phasemesh_shard_round_trip_seconds"]
+    }
+    assert trips == {"shard-0": (2, 0.0007), "shard-1": (2, 0.0011)}
