@@ -8,7 +8,8 @@
    through the server's HTTP API (shard round trips and token streaming included), written as a
    Splitwise-format table (`profile.csv`, hardware `cpu-local-mesh`).
 3. Measures the host (`host.json`, `loadgen/sim/shared_cpu.py`) from /proc (`bench/host_cpu.py`):
-   the front end's latency alone (unloaded TTFT minus the profiled prefill); the hand-off's stall
+   the front end's latency alone (unloaded TTFT minus the profiled prefill: its low decile and
+   each request's excess over it, which the simulator draws from); the hand-off's stall
    of the token engine (unloaded gap to the second token minus a profiled step); each front-end
    loop's CPU per request and per token; the cores a prefill and a decode step at several batch
    sizes take alone; the background over the profile and these measurements: other processes' CPU,
@@ -129,6 +130,7 @@ class Alone:
     """What requests sent one at a time show (see `measure_alone`)."""
 
     frontend_s: float
+    frontend_jitter_s: tuple[float, ...]
     handoff_s: float
     per_request: dict[str, float]
     prompt_cores: float
@@ -147,14 +149,18 @@ def measure_alone(
     with CpuSampler(pids) as sampler:
         records, start, end = sequential_requests(url, sizes, gap_s=0.4)
     cores, span = sampler.cores(start, end), end - start
-    frontend_s = statistics.median(r.ttft_s - perf.prefill_s(r.input_len) for r in records)
+    # The front end's latency alone: its low decile, and each request's excess over it.
+    alone = sorted(r.ttft_s - perf.prefill_s(r.input_len) for r in records)
+    frontend_s = alone[int(0.1 * (len(alone) - 1))]
+    jitter = tuple(round(x - frontend_s, 5) for x in alone if x > frontend_s)
+    jitter += (0.0,) * (len(alone) - len(jitter))
     handoff_s = statistics.median(
         r.itl_s[0] - perf.decode_s(1) - transfer.visible_s(r.input_len) for r in records if r.itl_s
     )
     per_request = {r: minus(cores, idle, (r,)) * span / len(records) for r in FRONTEND}
     prefill_s = sum(perf.prefill_s(r.input_len) for r in records)
     prompt_cores = minus(cores, idle, ("prompt",)) * span / prefill_s
-    return Alone(frontend_s, max(handoff_s, 0.0), per_request, prompt_cores)
+    return Alone(frontend_s, tuple(sorted(jitter)), max(handoff_s, 0.0), per_request, prompt_cores)
 
 
 def measure_decode(
@@ -221,7 +227,10 @@ def measure_host(
         decode_cores_by_batch=tuple(decode),
         chain_cores_by_batch=tuple(chain),
     )
-    host = HostModel(round(alone.frontend_s, 5), cpu, stations, round(alone.handoff_s, 5))
+    host = HostModel(
+        round(alone.frontend_s, 5), cpu, stations, round(alone.handoff_s, 5),
+        alone.frontend_jitter_s,
+    )  # fmt: skip
     return host, idle_mesh
 
 

@@ -29,7 +29,10 @@ on its way in and every token of every stream on its way out. A `FrontEnd` keeps
 next free: a request waits behind the token chunks already queued there, and the first and last
 tokens of a request reach the client behind the chunks ahead of them. A loop's work is its
 measured CPU seconds per request and per token, stretched by the shared CPU; the rest of the
-front end's latency alone (wake-ups, sockets) is a fixed delay.
+front end's latency alone (wake-ups, sockets) is a delay. The latency alone varies from request to
+request (scheduling, wake-ups, the event loops' other work): `frontend_s` is its low decile, and
+each request draws an extra delay from `frontend_jitter_s`, the measured latencies above it, so a
+request alone sees the measured distribution.
 
 The hand-off from the prompt engine to the token engine is a stall of the token machine. The
 engine sends the KV pages to the shards and the hand-off to the token engine, which admits the
@@ -210,9 +213,10 @@ class FrontEnd:
             work.insert(position, (start, start + work_s))
         return start + work_s
 
-    def request_in(self, now: float, stretch: float) -> float:
-        """When a request arriving now reaches the router's decision."""
-        t = now + self.delay_s
+    def request_in(self, now: float, stretch: float, extra_s: float = 0.0) -> float:
+        """When a request arriving now reaches the router's decision; `extra_s`: its own share
+        of the front end's variation (a draw from `HostModel.frontend_jitter_s`)."""
+        t = now + self.delay_s + extra_s
         for i, station in enumerate(self.stations):
             work_s = station.request_cpu_s * self.on_path
             t = self._serve(i, t, work_s * (1.0 if station.priority else stretch))
@@ -244,6 +248,7 @@ class HostModel:
     cpu: SharedCPU
     stations: tuple[Station, ...] = ()
     handoff_s: float = 0.0
+    frontend_jitter_s: tuple[float, ...] = ()  # each >= 0; a request draws one (see the module)
 
     def _alone_work_s(self, chunk_cpu_s: PiecewiseLinear | None) -> tuple[float, float]:
         """(request CPU, first-token CPU) of the loops for a request alone, as wall seconds at
@@ -293,19 +298,21 @@ class HostModel:
             data = json.load(f)
         frontend_s = float(data.pop("frontend_s"))
         handoff_s = float(data.pop("handoff_s", 0.0))  # host files before the hand-off stall
+        jitter = tuple(float(x) for x in data.pop("frontend_jitter_s", ()))
         decode, chain = (
             tuple((int(b), float(c)) for b, c in data.pop(key))
             for key in ("decode_cores_by_batch", "chain_cores_by_batch")
         )
         stations = tuple(Station(**s) for s in data.pop("stations", ()))
         cpu = SharedCPU(decode_cores_by_batch=decode, chain_cores_by_batch=chain, **data)
-        return cls(frontend_s, cpu, stations, handoff_s)
+        return cls(frontend_s, cpu, stations, handoff_s, jitter)
 
     def to_dict(self) -> dict[str, object]:
         c = self.cpu
         return {
             "frontend_s": self.frontend_s,
             "handoff_s": self.handoff_s,
+            "frontend_jitter_s": list(self.frontend_jitter_s),
             "cores": c.cores,
             "background_cores": c.background_cores,
             "shared_background_cores": c.shared_background_cores,

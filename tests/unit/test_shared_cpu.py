@@ -191,3 +191,17 @@ def test_host_files_without_a_hand_off_stall_still_load(tmp_path):
     del data["handoff_s"]
     (tmp_path / "host.json").write_text(json.dumps(data))
     assert HostModel.load(tmp_path / "host.json").handoff_s == 0.0
+
+
+def test_each_request_draws_its_front_end_excess_from_the_measured_ones(cpu_mesh_profile, tmp_path):
+    # The front end alone took 30 ms at its low decile, and up to 10 ms more for some requests.
+    jittery = replace(host(), frontend_jitter_s=(0.0, 0.0, 0.004, 0.010))
+    jittery.save(tmp_path / "host.json")
+    assert HostModel.load(tmp_path / "host.json") == jittery
+    requests = [SimRequest(1.0 * i, 64, 1) for i in range(40)]  # far apart: each one alone
+    cluster = parse_cluster("PhaseMesh-CPU:1P1T")
+    ttfts = [r.ttft_s for r in simulate(cluster, requests, SimOptions(host=jittery)).records]
+    excess = {round(t - (0.030 + 0.020), 4) for t in ttfts}
+    assert excess == {0.0, 0.004, 0.010}  # every measured value is drawn, nothing else
+    again = [r.ttft_s for r in simulate(cluster, requests, SimOptions(host=jittery)).records]
+    assert again == ttfts  # seeded: the same input simulates the same way
