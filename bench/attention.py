@@ -29,6 +29,7 @@ copy ceiling above), kernel/torch-best and paged/contiguous.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -49,6 +50,10 @@ TARGETS = {"kernel_over_mem_2t": 0.70, "over_torch_gqa": 2.0, "over_torch_mha": 
 TARGETS["paged_over_contig"] = 0.85
 
 
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs cache sizes: "491520K"
+
+
+@functools.cache
 def last_level_cache_bytes() -> int:
     """The largest CPU cache this process's core reports in sysfs (64 MiB if none says)."""
     sizes = []
@@ -57,8 +62,7 @@ def last_level_cache_bytes() -> int:
             text = (index / "size").read_text().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        sizes.append(int(text.rstrip("KMG")) * units.get(text[-1], 1))
+        sizes.append(int(text.rstrip("KMG")) * SIZE_UNITS.get(text[-1], 1))
     return max(sizes, default=64 << 20)
 
 

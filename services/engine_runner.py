@@ -197,9 +197,8 @@ class MeshModelRunner(ModelRunner):
         out = torch.empty(q.shape, dtype=torch.float32)
         if n:
             out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
-        for i, ((link, handle, _, sent_at), (h0, h1)) in enumerate(
-            zip(handles, self.head_ranges, strict=True)
-        ):
+        for i, (link, handle, _, sent_at) in enumerate(handles):
+            h0, h1 = self.head_ranges[i]
             link.wait(handle)
             result, (shard_out, _lse) = link.recv()
             if self.round_trips is not None:

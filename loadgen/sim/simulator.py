@@ -113,7 +113,9 @@ class Simulator:
             for i, (t, home) in enumerate(types)
         ]
         self.cpu = options.host.cpu if options.host else None
-        self._rng = random.Random(0)  # the front end's draws: the same run for the same input
+        # The front end's per-request excess (measured), drawn seeded: the same input, the same run.
+        self._frontend_jitter = options.host.frontend_jitter_s if options.host else ()
+        self._rng = random.Random(0)
         self.frontend: FrontEnd | None = None
         if options.host is not None:
             # The decode profile and the demands measured beside it give the loops' CPU per step.
@@ -185,10 +187,9 @@ class Simulator:
 
     def _on_frontend(self, now: float, req_id: int, _: int) -> None:
         """A request enters the front end; it reaches the router's decision when it leaves."""
-        assert self.frontend is not None and self.options.host is not None
+        assert self.frontend is not None
         stretch = self._loop_stretch(now, self.frontend.work_s(1, 0))
-        jitter = self.options.host.frontend_jitter_s
-        extra_s = self._rng.choice(jitter) if jitter else 0.0
+        extra_s = self._rng.choice(self._frontend_jitter) if self._frontend_jitter else 0.0
         self._push(self.frontend.request_in(now, stretch, extra_s), ARRIVAL, req_id)
 
     def _loop_stretch(self, now: float, work_s: float) -> float:
