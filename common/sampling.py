@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import torch
+
+from common.protocol import SamplingSpec
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def from_spec(cls, spec: SamplingSpec) -> SamplingParams:
+        """From the wire: every field the spec carries, validated again here."""
+        return cls(**msgspec.structs.asdict(spec))
+
+    def to_spec(self) -> SamplingSpec:
+        """The engines' part, for the wire (stop strings stay with the router)."""
+        return SamplingSpec(
+            **{name: getattr(self, name) for name in SamplingSpec.__struct_fields__}
+        )
 
 
 def _check(ok: bool, name: str, expected: str) -> None:

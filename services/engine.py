@@ -38,7 +38,6 @@ from common.protocol import (
     KvEvent,
     KvPages,
     LoadReport,
-    SamplingSpec,
     ShardAddress,
     TokenOutput,
 )
@@ -76,19 +75,6 @@ class _Routing:
     token_kv_endpoint: str = ""
     shards: tuple[ShardAddress, ...] = ()
     num_prompt_tokens: int = 0
-
-
-def to_params(spec: SamplingSpec) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=spec.max_tokens,
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
-        seed=spec.seed,
-        stop_token_ids=spec.stop_token_ids,
-        ignore_eos=spec.ignore_eos,
-        min_tokens=spec.min_tokens,
-    )
 
 
 class Engine:
@@ -142,7 +128,7 @@ class Engine:
     def on_generate(self, msg: GenerateRequest) -> Outgoing:
         """A new prompt. Invalid requests are answered with an error, never raised."""
         try:
-            params = to_params(msg.sampling)
+            params = SamplingParams.from_spec(msg.sampling)
             self._check_prompt(msg.prompt_token_ids)
         except ValueError as exc:
             return [(msg.reply_to, TokenOutput(msg.req_id, [], "error", error=str(exc)))]
@@ -165,8 +151,9 @@ class Engine:
         if msg.req_id in self.aborted:
             return [(s.kv_endpoint, FreeRequest(msg.req_id)) for s in msg.shards]
         self.requests[msg.req_id] = Request(
-            msg.req_id, msg.token_ids[: msg.num_prompt_tokens], to_params(msg.sampling),
-            self.model.config.eos_token_ids, self.max_model_len,
+            msg.req_id, msg.token_ids[: msg.num_prompt_tokens],
+            SamplingParams.from_spec(msg.sampling), self.model.config.eos_token_ids,
+            self.max_model_len,
             output_token_ids=msg.token_ids[msg.num_prompt_tokens :],
         )  # fmt: skip
         self.routing[msg.req_id] = _Routing(
@@ -300,11 +287,9 @@ class Engine:
         inputs = self.runner.prepare_decode(local, self.sharded, token_ids, next(self.steps))
         everyone = Batch(Phase.DECODE, local + self.sharded)
         self.telemetry.decode_step(len(everyone.seqs))
-        sample = bool(self.sharded) and self.telemetry.samples_round_trips()
-        self.runner.round_trips = [] if sample else None
+        self.runner.round_trips = [] if self.telemetry.samples_round_trips() else None
         sampled = self._forward(everyone, inputs)
-        if self.runner.round_trips:
-            self.telemetry.record_round_trips(self.runner.round_trips)
+        self.telemetry.record_round_trips(self.runner.round_trips or ())
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
         for seq, token in zip(list(self.sharded), sampled[len(local) :], strict=True):
             seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1
@@ -365,7 +350,7 @@ class Engine:
             req_id=req_id,
             token_ids=req.all_token_ids,
             num_prompt_tokens=len(req.prompt_token_ids),
-            sampling=_to_spec(req.params),
+            sampling=req.params.to_spec(),
             reply_to=route.reply_to,
             num_kv_layers=len(self.runner.model.layers),
             shards=list(route.shards),
@@ -429,11 +414,3 @@ class Engine:
             free_kv_blocks=self.blocks.num_free_blocks,
             time=now,
         )
-
-
-def _to_spec(p: SamplingParams) -> SamplingSpec:
-    return SamplingSpec(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-        seed=p.seed, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-        min_tokens=p.min_tokens,
-    )  # fmt: skip

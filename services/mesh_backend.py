@@ -37,7 +37,6 @@ from common.protocol import (
     EngineStats,
     GenerateRequest,
     LoadReport,
-    SamplingSpec,
     ServiceReply,
     ShardAddress,
     StatsRequest,
@@ -207,7 +206,7 @@ class MeshBackend:
         set_route(trace.get_current_span(), prompt_engine=prompt.service_id,
                   token_engine=token.service_id, shards=shard_ids)  # fmt: skip
         msg = GenerateRequest(
-            req_id=req_id, prompt_token_ids=list(prompt_ids), sampling=to_spec(params),
+            req_id=req_id, prompt_token_ids=list(prompt_ids), sampling=params.to_spec(),
             reply_to=self.reply_endpoint, token_engine=token.command_endpoint,
             token_kv_endpoint=token.kv_endpoint,
             shards=[ShardAddress(kv, start, end) for kv, start, end in token.shards],
@@ -372,12 +371,3 @@ def query_stats(endpoints: list[str], timeout_s: float = 2.0) -> list[EngineStat
             log.warning("no stats from a service", endpoint=endpoint)
         typed.close()
     return replies
-
-
-def to_spec(p: SamplingParams) -> SamplingSpec:
-    """The engine's part of the sampling parameters (stop strings stay at the router)."""
-    return SamplingSpec(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-        seed=p.seed, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-        min_tokens=p.min_tokens,
-    )  # fmt: skip

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from common.engine.core import LLMEngine
 from common.engine.request import FinishReason
+from common.protocol import SamplingSpec
 from common.sampling import SamplingParams
 from tests.conftest import random_prompts
 
@@ -121,3 +124,15 @@ def test_detokenize_off_gives_the_same_tokens_and_no_text(engine):
     assert outputs[False][0] == outputs[True][0]
     assert outputs[False][1] == ""
     assert outputs[True][1] == engine.tokenizer.decode(outputs[True][0])
+
+
+def test_params_cross_the_wire_with_every_spec_field_and_leave_stop_strings_behind():
+    params = SamplingParams(
+        max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=("x",),
+        stop_token_ids=(2, 4), ignore_eos=True, min_tokens=2,
+    )  # fmt: skip
+    spec = params.to_spec()
+    assert spec == SamplingSpec(9, 0.7, 0.9, 5, 3, (2, 4), True, 2)
+    assert SamplingParams.from_spec(spec) == replace(params, stop=())  # stops stay at the router
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.from_spec(SamplingSpec(top_p=0.0))  # validated again on arrival
