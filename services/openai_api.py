@@ -3,7 +3,9 @@
 The only pydantic in the serving path; everything behind the router takes plain dataclasses
 (`SamplingParams`). Requests are strict (`"5"` is not an int, `1` is not a bool) because a
 silently coerced parameter is worse than a 400. Unknown fields are ignored, as OpenAI-compatible
-servers do, so newer clients keep working; fields we cannot honour are rejected by the router.
+servers do, so newer clients keep working; fields we cannot honour are rejected
+(`reject_unsupported`, which the router calls), and `sampling_params` turns a request into the
+engines' `SamplingParams` (a 400 naming an invalid value).
 
 Errors use OpenAI's nested envelope with vLLM's conventions for `type` and `code` (an exception
 name and the HTTP status): `{"error": {"message", "type", "param", "code"}}`.
@@ -12,6 +14,7 @@ name and the HTTP status): `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
@@ -22,6 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
+
+from common.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -97,6 +102,25 @@ class SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters; an invalid value is a 400 naming it."""
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if not self.top_k else self.top_k,  # 0 and -1 both mean off
+                seed=self.seed,
+                stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+            )
+        except ValueError as exc:
+            match = re.search(r"parameter (\w+)", str(exc))
+            raise APIError(400, str(exc), match.group(1) if match else None) from exc
+
 
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`. The prompt is text or token ids, alone or in a list of one."""
@@ -106,6 +130,17 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    def reject_unsupported(self) -> None:
+        """A 400 for fields we cannot honour (rather than silently ignoring them)."""
+        if self.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported", "best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
 
 
 class ChatContentPart(_Request):
@@ -130,6 +165,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     tools: list[Any] | None = None
+
+    def reject_unsupported(self) -> None:
+        """A 400 for fields we cannot honour (rather than silently ignoring them)."""
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.tools:
+            raise APIError(400, "tools are not supported", "tools")
 
 
 class UsageInfo(BaseModel):

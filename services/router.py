@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -34,7 +33,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import ModelConfig
 from common.engine.request import RequestOutput
-from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from services.backend import GenerationBackend, Overloaded
 from services.openai_api import (
@@ -147,7 +145,7 @@ class Router:
 
     async def completions(self, request: CompletionRequest, http: Request) -> Response:
         self._check_request(request)
-        _reject_completion_extras(request)
+        request.reject_unsupported()
         prompt_ids = self._completion_prompt_ids(request.prompt)
         max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
         arrival = _Arrival.of(http, "text_completion")
@@ -164,7 +162,7 @@ class Router:
 
     async def chat_completions(self, request: ChatCompletionRequest, http: Request) -> Response:
         self._check_request(request)
-        _reject_chat_extras(request)
+        request.reject_unsupported()
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         prompt_ids = self.tokenizer.apply_chat_template(messages)
         requested = request.max_completion_tokens or request.max_tokens
@@ -267,7 +265,7 @@ class Router:
         arrival: _Arrival,
     ) -> _Job:
         """Admit the request and wait for its first output, so refusals get a real status."""
-        params = _sampling_params(request, max_tokens)
+        params = request.sampling_params(max_tokens)
         req_id = f"{prefix}-{uuid.uuid4().hex}"
         trace = self.telemetry.start(
             req_id, operation=arrival.operation, num_prompt_tokens=len(prompt_ids),
@@ -321,44 +319,7 @@ class Router:
             )
 
 
-# ---- helpers: sampling, collection, SSE ----
-
-
-def _sampling_params(request: SamplingFields, max_tokens: int) -> SamplingParams:
-    stop = [request.stop] if isinstance(request.stop, str) else (request.stop or [])
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=-1 if not request.top_k else request.top_k,  # 0 and -1 both mean off
-            seed=request.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            ignore_eos=request.ignore_eos,
-            min_tokens=request.min_tokens,
-        )
-    except ValueError as exc:
-        match = re.search(r"parameter (\w+)", str(exc))
-        raise APIError(400, str(exc), match.group(1) if match else None) from exc
-
-
-def _reject_completion_extras(request: CompletionRequest) -> None:
-    if request.echo:
-        raise APIError(400, "echo is not supported", "echo")
-    if request.logprobs is not None:
-        raise APIError(400, "logprobs are not supported", "logprobs")
-    if request.best_of not in (None, 1):
-        raise APIError(400, "best_of is not supported", "best_of")
-    if request.suffix:
-        raise APIError(400, "suffix is not supported", "suffix")
-
-
-def _reject_chat_extras(request: ChatCompletionRequest) -> None:
-    if request.logprobs:
-        raise APIError(400, "logprobs are not supported", "logprobs")
-    if request.tools:
-        raise APIError(400, "tools are not supported", "tools")
+# ---- helpers: collection, SSE ----
 
 
 async def _prepend(
