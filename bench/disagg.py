@@ -58,24 +58,41 @@ def decode_gaps(client: MeshClient, batch: int, tokens: int, tag: str) -> list[f
     return gaps
 
 
-def measure_tbt(model: str, shards: int, batches: list[int], tokens: int) -> dict[str, dict]:
-    mesh = Mesh.start(Topology(model, num_prompt=1, num_token=1, num_shards=shards))
+def measure_tbt(
+    model: str, batches: list[int], tokens: int, rounds: int, pin: bool
+) -> dict[str, dict[str, dict]]:
+    """TBT per topology and batch size. Both meshes stay up and take turns, batch by batch and
+    round by round, so that drift on the machine hits both alike; each figure pools its rounds."""
+    meshes = {}
     try:
-        client = MeshClient(mesh)
-        decode_gaps(client, 2, 8, "warmup")
-        out = {}
-        for batch in batches:
-            gaps = sorted(decode_gaps(client, batch, tokens, f"b{batch}"))
-            out[str(batch)] = {
-                "tbt_p50_ms": round(1e3 * statistics.median(gaps), 3),
-                "tbt_p90_ms": round(1e3 * gaps[int(0.9 * (len(gaps) - 1))], 3),
-            }
-            print(f"shards={shards} batch={batch:3d}: TBT p50 {out[str(batch)]['tbt_p50_ms']} ms"
-                  f"  p90 {out[str(batch)]['tbt_p90_ms']} ms")  # fmt: skip
-        client.close()
-        return out
+        for name, shards in (("local", 0), ("2_shards", 2)):
+            topology = Topology(model, num_prompt=1, num_token=1, num_shards=shards,
+                                pin_decode_groups=pin)  # fmt: skip
+            meshes[name] = Mesh.start(topology)
+        clients = {name: MeshClient(mesh) for name, mesh in meshes.items()}
+        for name, client in clients.items():
+            decode_gaps(client, 2, 8, f"warmup-{name}")
+        gaps: dict[tuple[str, int], list[float]] = {}
+        for r in range(rounds):
+            for batch in batches:
+                for name, client in clients.items():
+                    sample = decode_gaps(client, batch, tokens, f"r{r}-b{batch}")
+                    gaps.setdefault((name, batch), []).extend(sample)
+                    print(f"round {r} {name:8s} batch {batch:3d}: TBT p50 "
+                          f"{1e3 * statistics.median(sample):.2f} ms")  # fmt: skip
+        for client in clients.values():
+            client.close()
     finally:
-        mesh.close()
+        for mesh in meshes.values():
+            mesh.close()
+    out: dict[str, dict[str, dict]] = {name: {} for name in meshes}
+    for (name, batch), values in gaps.items():
+        values.sort()
+        out[name][str(batch)] = {
+            "tbt_p50_ms": round(1e3 * statistics.median(values), 3),
+            "tbt_p90_ms": round(1e3 * values[int(0.9 * (len(values) - 1))], 3),
+        }
+    return out
 
 
 def transport_figures() -> dict:
@@ -91,13 +108,16 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="a preset (tiny, small) or a model folder")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-pin", action="store_true", help="let the OS place every process")
     parser.add_argument("--skip-transport", action="store_true")
     args = parser.parse_args()
     model = str(default_model_path(args.model)) if args.model in PRESETS else args.model
-    local = measure_tbt(model, 0, args.batches, args.tokens)
-    sharded = measure_tbt(model, 2, args.batches, args.tokens)
+    tbt = measure_tbt(model, args.batches, args.tokens, args.rounds, pin=not args.no_pin)
+    local, sharded = tbt["local"], tbt["2_shards"]
     ratios = {b: round(sharded[b]["tbt_p50_ms"] / local[b]["tbt_p50_ms"], 3) for b in local}
-    result: dict = {"tbt_local": local, "tbt_2_shards": sharded, "tbt_ratio_shards_local": ratios}
+    result: dict = {"tbt_local": local, "tbt_2_shards": sharded, "tbt_ratio_shards_local": ratios,
+                    "pinned": not args.no_pin}  # fmt: skip
     for b, r in ratios.items():
         step, extra = local[b]["tbt_p50_ms"], sharded[b]["tbt_p50_ms"] - local[b]["tbt_p50_ms"]
         print(f"batch {b}: shards/local TBT {r} (budget 1.2); the shard round trips add "

@@ -34,6 +34,7 @@ from common.protocol import (
     TokenOutput,
 )
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
+from services.cpu_placement import GroupPlacement, place_decode_groups
 from services.token_stream import TokenStreamOrderer
 from services.worker_config import ShardLinkSpec, WorkerConfig, WorkerReady
 
@@ -54,6 +55,9 @@ class Topology:
     layer_wise_min_tokens: int = 256
     attention_backend: str = "auto"
     num_threads: int = 1
+    # Pin each token engine and its shards to cores (services/cpu_placement.py); prompt engines
+    # float.
+    pin_decode_groups: bool = True
     # PHASEMESH_OTEL_EXPORTER for every service ("" keeps this process's environment);
     # `{service_id}` is replaced, so `jsonl:/tmp/t/{service_id}.jsonl` gives each its own file.
     otel_exporter: str = ""
@@ -102,8 +106,11 @@ class Mesh:
                 block_size=t.block_size, attention_backend=t.attention_backend,
                 num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
             )  # fmt: skip
-            groups = self._start_shards(base, ready_sock, timeout)
-            self._start_token_engines(base, groups, ready_sock, timeout)
+            placements = None
+            if t.pin_decode_groups:
+                placements = place_decode_groups(t.num_token, t.num_shards // t.num_token)
+            groups = self._start_shards(base, placements, ready_sock, timeout)
+            self._start_token_engines(base, groups, placements, ready_sock, timeout)
             prompt = [
                 msgspec.structs.replace(base, service_id=f"prompt-{i}", role="prompt")
                 for i in range(t.num_prompt)
@@ -113,7 +120,11 @@ class Mesh:
             ready_sock.close(linger=0)
 
     def _start_shards(
-        self, base: WorkerConfig, ready_sock: zmq.Socket, timeout: float
+        self,
+        base: WorkerConfig,
+        placements: list[GroupPlacement] | None,
+        ready_sock: zmq.Socket,
+        timeout: float,
     ) -> list[list[ShardLinkSpec]]:
         """Start every shard; return each token engine's group (heads split evenly)."""
         t = self.topology
@@ -131,6 +142,7 @@ class Mesh:
                 service_id=f"shard-{i}",
                 head_start=(i % per_group) * width,
                 head_end=(i % per_group + 1) * width,
+                cpus=list(placements[i // per_group].shards[i % per_group]) if placements else [],
             )  # fmt: skip
             for i in range(t.num_shards)
         ]
@@ -145,6 +157,7 @@ class Mesh:
         self,
         base: WorkerConfig,
         groups: list[list[ShardLinkSpec]],
+        placements: list[GroupPlacement] | None,
         ready_sock: zmq.Socket,
         timeout: float,
     ) -> None:
@@ -155,6 +168,7 @@ class Mesh:
                 role="token",
                 shards=group,
                 shard_num_blocks=self.topology.num_blocks,
+                cpus=list(placements[e].engine) if placements else [],
             )  # fmt: skip
             for e, group in enumerate(groups)
         ]
@@ -294,10 +308,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1)
     parser.add_argument("--token", type=int, default=1)
     parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--no-pin", action="store_true", help="let the OS place every process")
     args = parser.parse_args()
     topology = Topology(
-        str(args.model or default_model_path()), args.prompt, args.token, args.shards
-    )
+        str(args.model or default_model_path()), args.prompt, args.token, args.shards,
+        pin_decode_groups=not args.no_pin,
+    )  # fmt: skip
     mesh = Mesh.start(topology)
     try:
         client = MeshClient(mesh)

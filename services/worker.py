@@ -8,6 +8,7 @@ block in `zmq.Poller.poll` / UCX's event fd while idle and never sleep-poll.
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 import threading
 import time
@@ -35,6 +36,7 @@ from common.protocol import (
 from common.telemetry import configure_logging, configure_telemetry
 from common.transport.ucx_channel import UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
+from services.cpu_placement import pin_this_process
 from services.engine import Engine, EngineRole
 from services.engine_telemetry import EngineTelemetry
 from services.worker_config import WorkerConfig, WorkerReady
@@ -154,6 +156,8 @@ def _engine_config(cfg: WorkerConfig) -> EngineConfig:
 def main() -> None:
     faulthandler.enable()  # a crash in native code (UCX, the kernel) still leaves a stack
     cfg = msgspec.json.decode(sys.argv[1], type=WorkerConfig)
+    if cfg.cpus:  # before the worker starts threads: they inherit the mask
+        pin_this_process(cfg.cpus)
     configure_telemetry(cfg.telemetry_name, instance_id=cfg.service_id)  # PHASEMESH_OTEL_EXPORTER
     configure_logging()
     torch.set_num_threads(cfg.num_threads)
@@ -174,7 +178,6 @@ def main() -> None:
 
 def _exit_with_parent(parent_pid: int) -> None:
     """A worker whose launcher died must not linger (tests kill launchers)."""
-    import os
 
     def watch() -> None:
         while True:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 from common.protocol import SamplingSpec
+from services.cpu_placement import place_decode_groups
 from services.launch import Mesh, MeshClient
 from services.registry import ServiceEntry
 from services.worker_config import WorkerReady
@@ -37,6 +40,27 @@ def assert_no_kv_held(mesh: Mesh) -> None:
     for stats in mesh.stats():
         assert stats.kv_blocks_used == 0, f"{stats.service_id} still holds {stats.kv_blocks_used}"
         assert stats.num_requests == 0, f"{stats.service_id} still tracks {stats.num_requests}"
+
+
+def assert_decode_groups_pinned(mesh: Mesh) -> None:
+    """Every thread of each shard and token engine runs on the cores its placement gave it;
+    prompt engines are free. `Mesh.procs` holds the shards first, then token engines, then prompt
+    engines."""
+    t = mesh.topology
+    per_group = t.num_shards // t.num_token
+    placements = place_decode_groups(t.num_token, per_group)
+    everywhere = os.sched_getaffinity(0)
+    expected = [
+        set(placements[i // per_group].shards[i % per_group]) if placements else everywhere
+        for i in range(t.num_shards)
+    ]
+    expected += [
+        set(p.engine) if placements else everywhere for p in placements or [None] * t.num_token
+    ]
+    expected += [everywhere] * t.num_prompt
+    for proc, cores in zip(mesh.procs, expected, strict=True):
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            assert os.sched_getaffinity(int(tid)) == cores, (proc.args[-1][:80], tid)
 
 
 def registry_entries(mesh: Mesh) -> list[ServiceEntry]:

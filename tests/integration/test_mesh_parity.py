@@ -10,7 +10,11 @@ from common.protocol import SamplingSpec
 from common.sampling import SamplingParams
 from services.launch import Mesh, MeshClient, Topology
 from tests.conftest import random_prompts
-from tests.integration.mesh_helpers import assert_no_kv_held, run_staggered
+from tests.integration.mesh_helpers import (
+    assert_decode_groups_pinned,
+    assert_no_kv_held,
+    run_staggered,
+)
 from tests.parity import assert_greedy_close, load_hf
 
 NUM_TOKENS = 48
@@ -49,6 +53,7 @@ def test_mesh_matches_single_process_engine(
     )  # fmt: skip
     mesh = Mesh.start(topology)
     try:
+        assert_decode_groups_pinned(mesh)
         client = MeshClient(mesh)
         outputs = run_staggered(client, prompts, GREEDY)
         for i, prompt in enumerate(prompts):
