@@ -23,6 +23,7 @@ import torch
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
 from common.protocol import AttendBatch, KvPages, ShardAddress
 from common.scheduling.batching import Phase, Sequence
+from common.transport.tensor_frames import ReceiveInto
 
 
 class ShardLink(Protocol):
@@ -30,7 +31,7 @@ class ShardLink(Protocol):
 
     def send_async(self, header: Any, tensors: Seq[torch.Tensor]) -> Any: ...
     def wait(self, handle: Any) -> Any: ...
-    def recv(self) -> tuple[Any, list[torch.Tensor]]: ...
+    def recv(self, out: ReceiveInto = None) -> tuple[Any, list[torch.Tensor]]: ...
 
 
 KvSend = Callable[[str, KvPages, torch.Tensor, torch.Tensor], None]  # (endpoint, header, k, v)
@@ -187,25 +188,24 @@ class MeshModelRunner(ModelRunner):
                     self.sharded.req_ids,
                     self.sharded.context_lens,
                 )
-            tensors = [
-                q[n:, h0 * group : h1 * group].contiguous(),
-                k[n:, h0:h1].contiguous(),
-                v[n:, h0:h1].contiguous(),
-            ]
+            # Strided slices: the channel copies each straight into the message, once.
+            tensors = [q[n:, h0 * group : h1 * group], k[n:, h0:h1], v[n:, h0:h1]]
             sent_at = time.perf_counter()
-            handles.append((link, link.send_async(header, tensors), tensors, sent_at))
+            handles.append((link.send_async(header, tensors), sent_at))
         out = torch.empty(q.shape, dtype=torch.float32)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)  # the engine has no use for it
         if n:
             out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
-        for i, (link, handle, _, sent_at) in enumerate(handles):
+        for i, (link, (handle, sent_at)) in enumerate(zip(self.shard_links, handles, strict=True)):
             h0, h1 = self.head_ranges[i]
             link.wait(handle)
-            result, (shard_out, _lse) = link.recv()
+            # Each shard's heads land in place in `out`, without a staging tensor.
+            heads = slice(h0 * group, h1 * group)
+            result, _ = link.recv(out=[out[n:, heads], lse[n:, heads]])
             if self.round_trips is not None:
                 self.round_trips.append((i, time.perf_counter() - sent_at))
             if result.error:
                 raise RuntimeError(f"attention shard failed: {result.error}")
-            out[n:, h0 * group : h1 * group] = shard_out
         return out
 
     def _attend_local(

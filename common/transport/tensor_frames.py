@@ -59,12 +59,12 @@ def spec_of(tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, tuple(tensor.shape))
 
 
-def byte_view(tensor: torch.Tensor) -> np.ndarray:
-    """A flat uint8 numpy view of a CPU tensor's memory (no copy when it is contiguous).
+def array_view(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor with its shape and strides (never a copy).
 
-    The result shares memory with `tensor` (writing to it writes the tensor) and keeps it alive
-    through numpy's base reference. numpy has no bfloat16, so bfloat16 goes through int16. Built
-    with numpy, not torch, ops: each torch view op costs microseconds of dispatch.
+    Writing to it writes the tensor. numpy has no bfloat16, so bfloat16 is viewed as int16 (the
+    wire moves bytes). Built with numpy, not torch, ops: each torch view op costs microseconds of
+    dispatch.
     """
     if tensor.device.type != "cpu":
         raise ValueError(f"only CPU tensors travel here, got {tensor.device}")
@@ -72,10 +72,31 @@ def byte_view(tensor: torch.Tensor) -> np.ndarray:
         tensor = tensor.detach()
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
-    array = tensor.numpy()
+    return tensor.numpy()
+
+
+def byte_view(tensor: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a CPU tensor's memory; a contiguous copy if it is strided.
+
+    The result keeps the tensor alive through numpy's base reference.
+    """
+    array = array_view(tensor)
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
     return array.reshape(-1).view(np.uint8)  # [nbytes]
+
+
+def copy_bytes_into(target: torch.Tensor, data: np.ndarray | memoryview) -> None:
+    """Copy a frame's raw bytes into `target`, which may be strided (a slice of a larger tensor):
+    one pass, no staging copy."""
+    view = array_view(target)
+    view[...] = np.frombuffer(data, dtype=view.dtype).reshape(view.shape)
+
+
+def copy_tensor_into(buffer: np.ndarray, tensor: torch.Tensor) -> None:
+    """Copy `tensor` (possibly strided) into the uint8 `buffer` of exactly its size, C order."""
+    source = array_view(tensor)
+    buffer.view(source.dtype).reshape(source.shape)[...] = source
 
 
 def empty_like_spec(spec: TensorSpec) -> torch.Tensor:
@@ -84,7 +105,8 @@ def empty_like_spec(spec: TensorSpec) -> torch.Tensor:
 
 
 # Where received tensors land: fresh tensors (None), these tensors, or the tensors a function picks
-# once the header is known (e.g. the KV slots of the request and layer it names).
+# once the header is known (e.g. the KV slots of the request and layer it names). Targets may be
+# strided (slices of a larger tensor): the bytes land in place, without a staging copy.
 ReceiveInto: TypeAlias = (
     Sequence[torch.Tensor] | Callable[[Any, list["TensorSpec"]], Sequence[torch.Tensor]] | None
 )
@@ -101,8 +123,9 @@ def receive_targets(specs: list[TensorSpec], header: Any, out: ReceiveInto) -> l
 
 
 def check_out(spec: TensorSpec, out: torch.Tensor) -> torch.Tensor:
-    """Check that a caller-provided receive buffer matches the incoming frame exactly."""
-    if spec_of(out) != spec or not out.is_contiguous():
+    """Check that a caller-provided receive buffer matches the incoming frame's dtype and shape
+    (it may be strided: a slice of a larger tensor)."""
+    if spec_of(out) != spec:
         raise ValueError(f"receive buffer {out.dtype}{tuple(out.shape)} does not match {spec}")
     return out
 

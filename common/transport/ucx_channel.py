@@ -66,6 +66,8 @@ from common.transport.tensor_frames import (  # noqa: E402
     HeaderT,
     ReceiveInto,
     byte_view,
+    copy_bytes_into,
+    copy_tensor_into,
     empty_like_spec,
     receive_targets,
 )
@@ -197,11 +199,11 @@ class UcxTensorChannel(Generic[HeaderT]):
         envelope = self._codec.encode(header, tensors)
         if len(envelope) > MAX_ENVELOPE_BYTES - _PREFIX.size:
             raise ValueError(f"envelope of {len(envelope)} B exceeds {MAX_ENVELOPE_BYTES} B")
-        views = [byte_view(t) for t in tensors]
-        if sum(v.size + _ALIGN for v in views) <= INLINE_LIMIT:  # with worst-case padding
-            message = _pack_inline(envelope, views)
+        if sum(_nbytes(t) + _ALIGN for t in tensors) <= INLINE_LIMIT:  # with worst-case padding
+            message = _pack_inline(envelope, tensors)
             return SendHandle([self._endpoint.tag_send(Array(message), self._send_tags[0])],
                               [message])  # fmt: skip
+        views = [byte_view(t) for t in tensors]  # strided tensors: a contiguous copy, kept alive
         message = _pack_inline(envelope, [], inline=False)
         requests = [self._endpoint.tag_send(Array(message), self._send_tags[0])]
         requests += [self._endpoint.tag_send(Array(v), self._send_tags[1]) for v in views if v.size]
@@ -242,9 +244,14 @@ class UcxTensorChannel(Generic[HeaderT]):
         return header, targets
 
     def _receive_payload(self, targets: Sequence[torch.Tensor]) -> None:
-        views = [byte_view(t) for t in targets]
+        # Straight into each target's memory; a strided target through a contiguous staging copy.
+        staging = [t if t.is_contiguous() else torch.empty_like(t) for t in targets]
+        views = [byte_view(t) for t in staging]
         requests = [self._endpoint.tag_recv(Array(v), self._recv_tags[1]) for v in views if v.size]
         self._worker.wait(requests, timeout=30.0)
+        for target, staged in zip(targets, staging, strict=True):
+            if staged is not target:
+                target.copy_(staged)
 
     def _post_inbox(self) -> Any:
         # Always posted, so an incoming small message lands here without UCX's unexpected queue.
@@ -311,19 +318,26 @@ def _aligned(offset: int) -> int:
     return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _pack_inline(envelope: bytes, views: Sequence[np.ndarray], inline: bool = True) -> np.ndarray:
-    """`[prefix | envelope | tensor bytes, each 64-byte aligned]` in one fresh buffer."""
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _pack_inline(
+    envelope: bytes, tensors: Sequence[torch.Tensor], inline: bool = True
+) -> np.ndarray:
+    """`[prefix | envelope | tensor bytes, each 64-byte aligned]` in one fresh buffer; strided
+    tensors (slices of a larger one) are copied in place, in one pass each."""
     offset = _PREFIX.size + len(envelope)
     offsets = []
-    for view in views:
+    for tensor in tensors:
         offset = _aligned(offset)
         offsets.append(offset)
-        offset += view.size
+        offset += _nbytes(tensor)
     message = np.empty(offset, dtype=np.uint8)
     _PREFIX.pack_into(message.data, 0, len(envelope), int(inline))
     message[_PREFIX.size : _PREFIX.size + len(envelope)] = np.frombuffer(envelope, np.uint8)
-    for start, view in zip(offsets, views, strict=True):
-        message[start : start + view.size] = view
+    for start, tensor in zip(offsets, tensors, strict=True):
+        copy_tensor_into(message[start : start + _nbytes(tensor)], tensor)
     return message
 
 
@@ -331,9 +345,9 @@ def _unpack_inline(inbox: np.ndarray, offset: int, targets: Sequence[torch.Tenso
     """Copy each inline tensor out of `inbox` into its target (the inbox is reused at once)."""
     for target in targets:
         offset = _aligned(offset)
-        view = byte_view(target)
-        view[:] = inbox[offset : offset + view.size]
-        offset += view.size
+        size = _nbytes(target)
+        copy_bytes_into(target, inbox[offset : offset + size])
+        offset += size
 
 
 def parse_address(address: str) -> tuple[str, int]:

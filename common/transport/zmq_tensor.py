@@ -28,6 +28,7 @@ from common.transport.tensor_frames import (
     ReceiveInto,
     TensorSpec,
     byte_view,
+    copy_bytes_into,
     receive_targets,
 )
 from common.transport.zmq_channels import shared_context
@@ -117,7 +118,7 @@ def _tensors_from_frames(
         return [_frame_tensor(spec, frame) for spec, frame in zip(specs, frames, strict=True)]
     targets = receive_targets(specs, header, out)
     for frame, target in zip(frames, targets, strict=True):
-        byte_view(target)[:] = memoryview(frame.buffer).cast("B")
+        copy_bytes_into(target, frame.buffer)
     return targets
 
 

@@ -259,6 +259,35 @@ def test_tensor_channel_bit_exact_many_in_a_row(transport: str, spawn: Callable[
 
 
 @pytest.mark.parametrize("transport", ["ucx", "zmq"])
+def test_tensor_channel_sends_and_receives_strided_slices(
+    transport: str, spawn: Callable[..., Any]
+) -> None:
+    """Slices of larger tensors travel without `.contiguous()` and land in place in slices of a
+    larger tensor (how a token engine sends a shard its heads and takes its output back), on the
+    inline path and the zero-copy path (1 MiB) alike; the rest of the target stays untouched."""
+    channel = connect_tensor_channel(transport, started_endpoint(spawn, tensor_echo, transport))
+    gen = torch.Generator().manual_seed(7)
+    for rows, dtype in ((8, torch.float32), (8, torch.bfloat16), (4096, torch.float32)):
+        full = torch.randn(rows, 12, 64, generator=gen).to(dtype)
+        sent = [full[1:, 3:9], full[:, 6:8].transpose(0, 1)]  # neither is contiguous
+        assert not any(t.is_contiguous() for t in sent)
+        channel.send(Ping(rows), sent)
+        target = torch.full((rows, 12, 64), -1.0, dtype=dtype)
+        lse_target = torch.full((2, rows + 3, 64), -1.0, dtype=dtype)
+        out = [target[1:, 3:9], lse_target[:, 3:]]
+        header, got = channel.recv(out=out, timeout=20)
+        assert header == Ping(rows) and all(g is o for g, o in zip(got, out, strict=True))
+        assert_bit_exact([g.contiguous() for g in got], [t.contiguous() for t in sent])
+        assert (
+            (target[0] == -1).all() and (target[:, :3] == -1).all() and (target[:, 9:] == -1).all()
+        )
+        assert (lse_target[:, :3] == -1).all()
+    channel.send(Stop())
+    channel.recv(timeout=20)
+    channel.close()
+
+
+@pytest.mark.parametrize("transport", ["ucx", "zmq"])
 def test_tensor_channel_timeout_then_still_works(transport: str, spawn: Callable[..., Any]) -> None:
     channel = connect_tensor_channel(transport, started_endpoint(spawn, tensor_echo, transport))
     with pytest.raises(TimeoutError):
