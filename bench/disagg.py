@@ -1,24 +1,27 @@
 """Disaggregation overhead, measured side by side in one run on this machine.
 
-    python bench/disagg.py [--model tiny|small|PATH] [--batches 1 8 32] [--tokens 48]
-                           [--skip-transport]
+    python bench/disagg.py [--model small|tiny|PATH] [--batches 1 8 32] [--tokens 48]
+                           [--rounds 2] [--no-pin] [--skip-transport]
 
 1. Decode TBT (median, p90) at each batch size with local attention (1 prompt engine, 1 token
    engine, 0 shards) and with a 2-shard group (Lamina), as separate OS processes; TBT is the gap
-   between consecutive tokens of a request as the client receives them.
+   between consecutive tokens of a request as the client receives them. Both meshes stay up and
+   take turns, batch by batch, for `--rounds` rounds; each figure pools its rounds. Decode groups
+   are pinned to cores as `services.launch` does by default (services/cpu_placement.py);
+   `--no-pin` leaves placement to the OS.
 2. `bench/transport.py` in a subprocess: the per-layer shard round trip over UCX and over our zmq
    channel against a plain ZeroMQ round trip with the same payload, and bulk (KV-sized) transfer
    rates over UCX and ZeroMQ.
 
 The last line is one JSON object: TBT figures, the shards/local ratio per batch (Lamina's budget is
 1.2, α = 0.2) and the transport ratios. The breakdown line says what dominates: the per-step cost
-of the shard round trips (layers x RTT) against the local step time.
+of the shard round trips against the local step time.
 
 Which model decides the ratio: Lamina's budget assumes a layer's dense compute dwarfs a network
-round trip. The default `tiny` preset (4 layers, hidden 256) computes a layer in ~0.4 ms at batch
-8 on the session-13 VM, against a bare 0.13-0.18 ms round trip per layer, so its ratio stays
-above 1.4 even with zero software cost; `--model small` (12 layers, hidden 768, ~100 M
-parameters) is the preset where the budget can be judged.
+round trip. The default `small` preset (12 layers, hidden 768, ~100 M parameters; written on first
+use) computes a layer in ~4.5 ms at batch 8 on the session-14 VM, against 0.6-0.8 ms for a
+layer's visit to two shards. `--model tiny` (4 layers, hidden 256) computes a layer in ~0.4 ms, so
+its ratio stays above 1.4 even with zero software cost: a model for tests, not for this budget.
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def transport_figures() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny", help="a preset (tiny, small) or a model folder")
+    parser.add_argument("--model", default="small", help="a preset (tiny, small) or a model folder")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
