@@ -19,6 +19,7 @@ import torch
 
 from common.attention import AttentionBackend
 from common.block_manager import BlockManager, NoFreeBlocksError
+from common.engine.runner import pad_block_tables
 from common.kv_cache import KVCache
 from common.protocol import AttendBatch, EngineStats, KvEvent, KvPages
 
@@ -160,13 +161,9 @@ class AttentionShard:
             tables = [self.blocks.block_table(r) for r in batch.req_ids]
             pairs = zip(batch.req_ids, batch.context_lens, strict=True)
             slots = [self.blocks.slot(r, ctx - 1) for r, ctx in pairs]
-        width = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
-        for row, table in enumerate(tables):
-            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
         return _StepTables(
             batch.step,
-            block_tables,
+            pad_block_tables(tables),  # one tensor op, not one per row: this is on the step's path
             torch.tensor(batch.context_lens, dtype=torch.int32),
             torch.tensor(slots, dtype=torch.long),
         )
