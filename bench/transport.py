@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.transport.tensor_frames import TensorSpec  # noqa: E402
 from common.transport.zmq_tensor import ZmqTensorChannel  # noqa: E402
+from services.cpu_placement import pin_this_process  # noqa: E402
 
 NUM_SEQS, NUM_HEADS, HEAD_DIM = 32, 2, 64
 BULK_SIZES = {"1MiB": 1 << 20, "16MiB": 16 << 20}
@@ -99,10 +100,16 @@ def plain_zmq_server(address_queue: Any) -> None:
     sock.close(linger=0)
 
 
-def start_server(target: Callable[..., None], *args: Any) -> tuple[Any, str]:
+def run_pinned(cores: list[int], target: Callable[..., None], *args: Any) -> None:
+    if cores:
+        pin_this_process(cores)
+    target(*args)
+
+
+def start_server(cores: list[int], target: Callable[..., None], *args: Any) -> tuple[Any, str]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, queue), daemon=True)
+    proc = ctx.Process(target=run_pinned, args=(cores, target, *args, queue), daemon=True)
     proc.start()
     return proc, queue.get(timeout=60)
 
@@ -202,21 +209,34 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--round-trips", type=int, default=300)
     parser.add_argument("--ucx-tls", nargs="+", default=["tcp"])
+    parser.add_argument(
+        "--cores", type=int, nargs=2, metavar=("CLIENT", "SERVER"),
+        help="pin the client and every server (default: two different cores, as a token engine "
+        "and its first shard are placed; the same core twice measures a same-core hand-off)",
+    )  # fmt: skip
     args = parser.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # Where the two ends run decides the round trip more than the transport does (on the
+    # session-14 VM a cross-core hand-off costs ~50 us more each way than a same-core one); left
+    # to the OS, each transport would draw its own placement.
+    available = sorted(os.sched_getaffinity(0))
+    client_core, server_core = args.cores or (available[-1], available[0])
+    if len(available) > 1 or args.cores:
+        pin_this_process([client_core])
+    server_cores = [server_core] if len(available) > 1 or args.cores else []
     torch.set_num_threads(1)
     from common.transport.ucx_channel import UcxTensorChannel, ucx_settings
 
     servers, clients = [], {}
     for tls in args.ucx_tls:
-        proc, address = start_server(ucx_server, tls)
+        proc, address = start_server(server_cores, ucx_server, tls)
         os.environ["PHASEMESH_UCX_TLS"] = tls  # read when this process's worker is built
         servers.append(proc)
         clients[f"ucx[{tls}]"] = UcxTensorChannel.connect(address, Probe)
-    proc, endpoint = start_server(zmq_channel_server)
+    proc, endpoint = start_server(server_cores, zmq_channel_server)
     servers.append(proc)
     clients["zmq_channel"] = ZmqTensorChannel(endpoint, Probe, bind=False)
-    proc, endpoint = start_server(plain_zmq_server)
+    proc, endpoint = start_server(server_cores, plain_zmq_server)
     servers.append(proc)
     clients["plain_zmq"] = PlainZmqClient(endpoint)
 
@@ -229,6 +249,7 @@ def main() -> None:
     print_table(results)
     summary = summarize(results, args.ucx_tls)
     summary["ucx_settings"] = ucx_settings()
+    summary["cores"] = {"client": client_core, "server": server_core}
     summary["load_avg_1m"] = os.getloadavg()[0]
     print(json.dumps(summary))
 

@@ -4,7 +4,9 @@ A message is a msgspec envelope `(specs, header)` plus the tensors' raw bytes (`
 Two wire forms, chosen per message by size:
 
 - inline (tensors <= `INLINE_LIMIT` bytes in all): one UCX tag message
-  `[prefix | envelope | tensor bytes ...]`, received into a buffer that is always pre-posted.
+  `[prefix | envelope | tensor bytes ...]`, packed into a send buffer the channel reuses once its
+  last send is done, and received into a buffer that is always pre-posted. Tensors may be strided
+  (a token engine's head slices): each is copied into or out of the message in one pass.
   Per-layer q / attention-output messages take this form: one message per direction is the
   cheapest round trip here (each extra UCX message costs a wake-up on 2 vCPUs: two messages per
   direction measured 3-5x slower than one), and the two memcpys of <= 192 KiB cost microseconds.
@@ -96,6 +98,7 @@ _ALIGN = 64
 _HELLO_BYTES = 8
 _HELLO_TIMEOUT_S = 30.0
 _KIND_ENVELOPE, _KIND_DATA = 0, 1
+_MAX_OUTBOX_ARRAYS = 64
 # Upper bound on one epoll sleep, so that a deadline is noticed even if no event comes.
 _MAX_EPOLL_MS = 100
 
@@ -127,9 +130,10 @@ class UcxWorker:
 
     def wait(self, requests: Sequence[Any], timeout: float | None) -> None:
         """Block (in epoll, not spinning) until every request completes; raise its error if any."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not all(r.completed for r in requests):
-            self.progress_until(deadline)
+        if not all(r.completed for r in requests):
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not all(r.completed for r in requests):
+                self.progress_until(deadline)
         for request in requests:
             try:
                 request.check_error()
@@ -172,8 +176,16 @@ class UcxTensorChannel(Generic[HeaderT]):
         self._send_tags = [ucx_api.UCXXTag(_tag(channel_id, send_dir, k)) for k in (0, 1)]
         self._recv_tags = [ucx_api.UCXXTag(_tag(channel_id, recv_dir, k)) for k in (0, 1)]
         self._inbox = np.empty(MAX_ENVELOPE_BYTES + INLINE_LIMIT, dtype=np.uint8)
+        self._inbox_array = Array(self._inbox)
+        self._inbox_bytes = self._inbox.data
         worker.posted_buffers.append(self._inbox)
         self._inbox_request = self._post_inbox()
+        # Inline messages are packed into this one buffer while its last send is done (an eager
+        # send usually completes before tag_send returns), else into a fresh one. Its Arrays are
+        # kept per message length: per-layer messages repeat a handful of lengths.
+        self._outbox = np.empty(MAX_ENVELOPE_BYTES + INLINE_LIMIT, dtype=np.uint8)
+        self._outbox_arrays: dict[int, Any] = {}
+        self._outbox_request: Any = None
         self._closed = False
 
     @classmethod
@@ -200,14 +212,27 @@ class UcxTensorChannel(Generic[HeaderT]):
         if len(envelope) > MAX_ENVELOPE_BYTES - _PREFIX.size:
             raise ValueError(f"envelope of {len(envelope)} B exceeds {MAX_ENVELOPE_BYTES} B")
         if sum(_nbytes(t) + _ALIGN for t in tensors) <= INLINE_LIMIT:  # with worst-case padding
-            message = _pack_inline(envelope, tensors)
-            return SendHandle([self._endpoint.tag_send(Array(message), self._send_tags[0])],
-                              [message])  # fmt: skip
+            return self._send_inline(envelope, tensors)
         views = [byte_view(t) for t in tensors]  # strided tensors: a contiguous copy, kept alive
-        message = _pack_inline(envelope, [], inline=False)
+        message = _pack_inline(np.empty(MAX_ENVELOPE_BYTES, np.uint8), envelope, [], inline=False)
         requests = [self._endpoint.tag_send(Array(message), self._send_tags[0])]
         requests += [self._endpoint.tag_send(Array(v), self._send_tags[1]) for v in views if v.size]
         return SendHandle(requests, [message, *views, *tensors])
+
+    def _send_inline(self, envelope: bytes, tensors: Sequence[torch.Tensor]) -> SendHandle:
+        outbox_free = self._outbox_request is None or self._outbox_request.completed
+        if not outbox_free:
+            message = _pack_inline(np.empty_like(self._outbox), envelope, tensors)
+            request = self._endpoint.tag_send(Array(message), self._send_tags[0])
+            return SendHandle([request], [message])
+        length = _pack_inline(self._outbox, envelope, tensors).size
+        array = self._outbox_arrays.get(length)
+        if array is None:
+            if len(self._outbox_arrays) >= _MAX_OUTBOX_ARRAYS:
+                self._outbox_arrays.clear()
+            array = self._outbox_arrays[length] = Array(self._outbox[:length])
+        self._outbox_request = self._endpoint.tag_send(array, self._send_tags[0])
+        return SendHandle([self._outbox_request])
 
     def wait(self, handle: SendHandle, timeout: float | None = 30.0) -> None:
         """Progress until a `send_async` completes; then its buffers are released."""
@@ -227,8 +252,10 @@ class UcxTensorChannel(Generic[HeaderT]):
         """
         self._worker.wait([self._inbox_request], timeout)
         try:
-            env_len, inline = _PREFIX.unpack_from(self._inbox.data, 0)
-            specs, header = self._codec.decode(self._inbox.data[_PREFIX.size :][:env_len])
+            env_len, inline = _PREFIX.unpack_from(self._inbox_bytes, 0)
+            specs, header = self._codec.decode(
+                self._inbox_bytes[_PREFIX.size : _PREFIX.size + env_len]
+            )
             if inline:
                 targets = receive_targets(specs, header, out)
                 _unpack_inline(self._inbox, _PREFIX.size + env_len, targets)
@@ -255,7 +282,7 @@ class UcxTensorChannel(Generic[HeaderT]):
 
     def _post_inbox(self) -> Any:
         # Always posted, so an incoming small message lands here without UCX's unexpected queue.
-        return self._endpoint.tag_recv(Array(self._inbox), self._recv_tags[0])
+        return self._endpoint.tag_recv(self._inbox_array, self._recv_tags[0])
 
     def close(self) -> None:
         """Close the endpoint and cancel this channel's posted receives (the peer may be gone).
@@ -323,17 +350,18 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _pack_inline(
-    envelope: bytes, tensors: Sequence[torch.Tensor], inline: bool = True
+    buffer: np.ndarray, envelope: bytes, tensors: Sequence[torch.Tensor], inline: bool = True
 ) -> np.ndarray:
-    """`[prefix | envelope | tensor bytes, each 64-byte aligned]` in one fresh buffer; strided
-    tensors (slices of a larger one) are copied in place, in one pass each."""
+    """Write `[prefix | envelope | tensor bytes, each 64-byte aligned]` at the start of `buffer`
+    and return that part of it; strided tensors (slices of a larger one) are copied in place, in
+    one pass each."""
     offset = _PREFIX.size + len(envelope)
     offsets = []
     for tensor in tensors:
         offset = _aligned(offset)
         offsets.append(offset)
         offset += _nbytes(tensor)
-    message = np.empty(offset, dtype=np.uint8)
+    message = buffer[:offset]
     _PREFIX.pack_into(message.data, 0, len(envelope), int(inline))
     message[_PREFIX.size : _PREFIX.size + len(envelope)] = np.frombuffer(envelope, np.uint8)
     for start, tensor in zip(offsets, tensors, strict=True):

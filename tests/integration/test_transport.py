@@ -287,6 +287,24 @@ def test_tensor_channel_sends_and_receives_strided_slices(
     channel.close()
 
 
+def test_ucx_sends_in_flight_back_to_back_keep_their_bytes(spawn: Callable[..., Any]) -> None:
+    """Inline messages reuse one send buffer only once its last send is done: a burst of sends
+    that the peer is slow to drain keeps every message's bytes intact and in order."""
+    channel = connect_tensor_channel("ucx", started_endpoint(spawn, tensor_echo, "ucx"))
+    sent = [torch.full((150 * 1024 // 4,), float(i)) for i in range(60)]  # inline, ~9 MiB in all
+    handles = [channel.send_async(Ping(i), [t]) for i, t in enumerate(sent)]
+    assert any(h.buffers for h in handles), "no send was still in flight: the burst is too small"
+    for handle in handles:
+        channel.wait(handle)
+    for i, tensor in enumerate(sent):
+        header, got = channel.recv(timeout=20)
+        assert header == Ping(i)
+        assert_bit_exact(got, [tensor])
+    channel.send(Stop())
+    channel.recv(timeout=20)
+    channel.close()
+
+
 @pytest.mark.parametrize("transport", ["ucx", "zmq"])
 def test_tensor_channel_timeout_then_still_works(transport: str, spawn: Callable[..., Any]) -> None:
     channel = connect_tensor_channel(transport, started_endpoint(spawn, tensor_echo, transport))
