@@ -3,13 +3,18 @@
 (a) per-layer shard round trip: q [32, 2, 64] fp32 out, attention output [32, 2, 64] + lse [32, 2]
     back, over `UcxTensorChannel`, over `ZmqTensorChannel`, and over a plain zmq DEALER/ROUTER pair
     with the same bytes (the floor the wrappers are judged against: ratio row 4 of
-    shared/reference/performance-limits.md).
+    shared/reference/performance-limits.md). The reply lands in preallocated tensors, as a token
+    engine receives a shard's output in place.
 (b) bulk: 1 MiB and 16 MiB tensors one way plus a small ack, into preallocated receive buffers, over
     the same three; with an in-process memcpy of the same bytes as the same-run ceiling.
 
 Transports are interleaved repeat by repeat so that noise from other work hits all of them alike.
+The client and every server are pinned to two different cores (`--cores CLIENT SERVER`), as the
+launcher places a token engine and its first shard: where the two ends run moves a round trip
+more than the transport does (docs/mesh.md).
 Prints a table; the last line is one JSON object with medians (over repeats) and ratios.
 Usage: PYTHONPATH=. .venv/bin/python bench/transport.py [--repeats 5] [--ucx-tls tcp,sm ...]
+                                                         [--cores CLIENT SERVER]
 """
 
 from __future__ import annotations
@@ -134,13 +139,15 @@ class PlainZmqClient:
         self.sock.close(linger=0)
 
 
-def time_round_trips(client: Any, phase: str, tensors: list[torch.Tensor], n: int) -> float:
-    """Median seconds of `n` send + reply round trips."""
+def time_round_trips(
+    client: Any, phase: str, tensors: list[torch.Tensor], n: int, out: Any = None
+) -> float:
+    """Median seconds of `n` send + reply round trips; replies land in `out` if given."""
     samples = []
     for i in range(n):
         start = time.perf_counter()
         client.send(Probe(phase, i), tensors)
-        client.recv(timeout=60)
+        client.recv(out=out, timeout=60)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
@@ -159,11 +166,13 @@ def memcpy_seconds(nbytes: int, n: int = 20) -> float:
 def run_repeats(clients: dict[str, Any], repeats: int, n_rtt: int) -> dict[str, list[float]]:
     """Per transport and probe, one median per repeat; transports interleaved in every repeat."""
     q = torch.randn(NUM_SEQS, NUM_HEADS, HEAD_DIM)
+    reply_buffers = [torch.empty(NUM_SEQS, NUM_HEADS, HEAD_DIM), torch.empty(NUM_SEQS, NUM_HEADS)]
     bulk = {name: torch.randn(n // 4) for name, n in BULK_SIZES.items()}
     results: dict[str, list[float]] = {}
     for _ in range(repeats + 1):  # the first repeat warms up connections and pages
         for transport, client in clients.items():
-            sample = {"rtt": time_round_trips(client, "rtt", [q], n_rtt)}
+            # Like a token engine, which receives each shard's output in place.
+            sample = {"rtt": time_round_trips(client, "rtt", [q], n_rtt, out=reply_buffers)}
             for name, tensor in bulk.items():
                 n_bulk = 20 if name == "1MiB" else 6
                 sample[name] = time_round_trips(client, name, [tensor], n_bulk)
