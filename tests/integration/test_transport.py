@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -287,22 +288,41 @@ def test_tensor_channel_sends_and_receives_strided_slices(
     channel.close()
 
 
+class InFlightSendStandIn:
+    """Stands in for a UCX send request that has not completed yet (which a real one does only
+    when the socket is full, and not on demand)."""
+
+    completed = False
+
+
 def test_ucx_sends_in_flight_back_to_back_keep_their_bytes(spawn: Callable[..., Any]) -> None:
-    """Inline messages reuse one send buffer only once its last send is done: a burst of sends
-    that the peer is slow to drain keeps every message's bytes intact and in order."""
+    """Inline messages reuse one send buffer only once its last send is done: while that send is
+    in flight a message gets a buffer of its own, and a burst of sends keeps every message's bytes
+    intact and in order."""
     channel = connect_tensor_channel("ucx", started_endpoint(spawn, tensor_echo, "ucx"))
-    sent = [torch.full((150 * 1024 // 4,), float(i)) for i in range(60)]  # inline, ~9 MiB in all
-    handles = [channel.send_async(Ping(i), [t]) for i, t in enumerate(sent)]
-    assert any(h.buffers for h in handles), "no send was still in flight: the burst is too small"
-    for handle in handles:
+    try:
+        sent = [torch.full((150 * 1024 // 4,), float(i)) for i in range(60)]  # inline, ~9 MiB
+        handles = [channel.send_async(Ping(i), [t]) for i, t in enumerate(sent)]
+        for handle in handles:
+            channel.wait(handle)
+        for i, tensor in enumerate(sent):
+            header, got = channel.recv(timeout=20)
+            assert header == Ping(i)
+            assert_bit_exact(got, [tensor])
+
+        outbox = channel._outbox.copy()
+        channel._outbox_request = InFlightSendStandIn()
+        handle = channel.send_async(Ping(99), [torch.ones(8)])
+        assert handle.buffers, "a send while the shared buffer is in flight must own its buffer"
+        assert np.array_equal(channel._outbox, outbox), "the in-flight buffer was overwritten"
         channel.wait(handle)
-    for i, tensor in enumerate(sent):
         header, got = channel.recv(timeout=20)
-        assert header == Ping(i)
-        assert_bit_exact(got, [tensor])
-    channel.send(Stop())
-    channel.recv(timeout=20)
-    channel.close()
+        assert header == Ping(99)
+        assert_bit_exact(got, [torch.ones(8)])
+    finally:
+        channel.send(Stop())
+        channel.recv(timeout=20)
+        channel.close()
 
 
 @pytest.mark.parametrize("transport", ["ucx", "zmq"])
