@@ -43,6 +43,7 @@ from common.protocol import (
 )
 from common.sampling import Sampler, SamplingParams
 from common.scheduling.batching import Batch, BatchScheduler, Phase, Sequence
+from services.decode_admission import DecodeAdmission
 from services.engine_runner import KvRoute, KvSend, KvShipper, MeshModelRunner, ShardLink
 from services.engine_telemetry import EngineTelemetry
 
@@ -109,11 +110,8 @@ class Engine:
         # (which may be preempted and recomputed here). Both share this engine's KV blocks.
         self.ship_queue = BatchScheduler(self.blocks, config.scheduler, prefill=True, decode=False)
         self.local = BatchScheduler(self.blocks, config.scheduler, prefill=True, decode=True)
-        # Requests decoding against the shard group; blocks mirror every shard's accounting.
-        self.shard_blocks = BlockManager(max(role.shard_num_blocks, 1), c.block_size)
-        self.sharded: list[Sequence] = []
-        self.waiting_handoffs: list[DecodeHandoff] = []
-        self.kv_layers: dict[str, int] = {}  # local KV arriving from a prompt engine
+        # Handoffs waiting for their KV, and the requests decoding against the shard group.
+        self.admission = DecodeAdmission(role.shard_num_blocks, c.block_size)
         self.requests: dict[str, Request] = {}
         self.routing: dict[str, _Routing] = {}
         self.sampler = Sampler()
@@ -160,7 +158,7 @@ class Engine:
             msg.reply_to, shards=tuple(msg.shards), num_prompt_tokens=msg.num_prompt_tokens
         )
         self.telemetry.on_handoff(msg.req_id, msg.traceparent)
-        self.waiting_handoffs.append(msg)
+        self.admission.add(msg)
         self._admit_handoffs()
         return []
 
@@ -179,7 +177,7 @@ class Engine:
         slots = table[positions // bs] * bs + positions % bs
         for i in range(pages.num_layers):
             self.runner.kv_cache.write(pages.layer_start + i, k[i], v[i], slots)
-        self.kv_layers[pages.req_id] = self.kv_layers.get(pages.req_id, 0) + pages.num_layers
+        self.admission.kv_landed(pages.req_id, pages.num_layers)
         self._admit_handoffs()
 
     def on_abort(self, req_id: str) -> Outgoing:
@@ -189,19 +187,13 @@ class Engine:
         self.telemetry.aborted(req_id)
         while len(self.aborted) > _TOMBSTONES:
             self.aborted.popitem(last=False)
-        decoding_here = any(s.req_id == req_id for s in self.sharded) or any(
-            h.req_id == req_id for h in self.waiting_handoffs
-        )
         route = self.routing.get(req_id)
         frees: Outgoing = []
-        if decoding_here and route is not None:
+        if self.admission.is_decoding_here(req_id) and route is not None:
             frees = [(s.kv_endpoint, FreeRequest(req_id)) for s in route.shards]
         self.ship_queue.remove(req_id)
         self.local.remove(req_id)
-        self.sharded = [s for s in self.sharded if s.req_id != req_id]
-        self.shard_blocks.free(req_id)
-        self.waiting_handoffs = [h for h in self.waiting_handoffs if h.req_id != req_id]
-        self.kv_layers.pop(req_id, None)
+        self.admission.remove(req_id)
         self.blocks.free(req_id)
         self.sampler.forget(req_id)
         self.requests.pop(req_id, None)
@@ -220,7 +212,9 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.ship_queue.num_unfinished or self.local.num_unfinished or self.sharded)
+        return bool(
+            self.ship_queue.num_unfinished or self.local.num_unfinished or self.admission.sharded
+        )
 
     @torch.inference_mode()
     def step(self) -> Outgoing:
@@ -232,7 +226,7 @@ class Engine:
         if batch is not None and batch.phase is Phase.PREFILL:
             return self._run_local(batch)
         local = batch.seqs if batch else []
-        if not local and not self.sharded:
+        if not local and not self.admission.sharded:
             return []
         return self._decode(batch, local)
 
@@ -281,17 +275,17 @@ class Engine:
         return out
 
     def _decode(self, batch: Batch | None, local: list[Sequence]) -> Outgoing:
-        token_ids = {s.req_id: self.requests[s.req_id].all_token_ids for s in local + self.sharded}
-        for seq in self.sharded:
-            self.shard_blocks.grow(seq.req_id, seq.num_tokens)
-        inputs = self.runner.prepare_decode(local, self.sharded, token_ids, next(self.steps))
-        everyone = Batch(Phase.DECODE, local + self.sharded)
+        sharded = list(self.admission.sharded)
+        token_ids = {s.req_id: self.requests[s.req_id].all_token_ids for s in local + sharded}
+        self.admission.grow_sharded()
+        inputs = self.runner.prepare_decode(local, sharded, token_ids, next(self.steps))
+        everyone = Batch(Phase.DECODE, local + sharded)
         self.telemetry.decode_step(len(everyone.seqs))
         self.runner.round_trips = [] if self.telemetry.samples_round_trips() else None
         sampled = self._forward(everyone, inputs)
         self.telemetry.record_round_trips(self.runner.round_trips or ())
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
-        for seq, token in zip(list(self.sharded), sampled[len(local) :], strict=True):
+        for seq, token in zip(sharded, sampled[len(local) :], strict=True):
             seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1
             out += self._emit(seq.req_id, token)
         return out
@@ -338,9 +332,7 @@ class Engine:
         route = self.routing.pop(req_id)
         self.requests.pop(req_id)
         self.sampler.forget(req_id)
-        if any(s.req_id == req_id for s in self.sharded):
-            self.sharded = [s for s in self.sharded if s.req_id != req_id]
-            self.shard_blocks.free(req_id)
+        self.admission.finish(req_id)
         return [(shard.kv_endpoint, FreeRequest(req_id)) for shard in route.shards]
 
     def _hand_off(self, req_id: str) -> Outgoing:
@@ -359,25 +351,8 @@ class Engine:
         return [(route.token_engine, handoff)]
 
     def _admit_handoffs(self) -> None:
-        """FCFS: a handoff joins the batch once its KV is in place and its memory is there."""
-        while self.waiting_handoffs:
-            h = self.waiting_handoffs[0]
-            seq = Sequence(h.req_id, len(h.token_ids))
-            if h.shards:
-                # NOTE: sharded requests reserve their whole length: the shards cannot preempt.
-                reserve = len(h.token_ids) + h.sampling.max_tokens
-                if not self.shard_blocks.can_grow(h.req_id, reserve):
-                    return
-                self.shard_blocks.allocate(h.req_id, reserve)
-                seq.num_computed = seq.num_tokens - 1
-                self.sharded.append(seq)
-            elif self.kv_layers.get(h.req_id, 0) >= h.num_kv_layers:
-                self.kv_layers.pop(h.req_id)
-                self.local.add_running(seq)
-            else:
-                return
-            self.waiting_handoffs.pop(0)
-            self.telemetry.decode_started(h.req_id)
+        for req_id in self.admission.admit(self.local):
+            self.telemetry.decode_started(req_id)
 
     def _token_ids(self, batch: Batch) -> dict[str, list[int]]:
         return {s.req_id: self.requests[s.req_id].all_token_ids for s in batch.seqs}
@@ -396,7 +371,7 @@ class Engine:
     # -- reporting --------------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        used = self.blocks.num_used_blocks + self.shard_blocks.num_used_blocks
+        used = self.blocks.num_used_blocks + self.admission.shard_blocks.num_used_blocks
         return EngineStats(
             self.engine_id, self.role.name, used, self.blocks.num_blocks, len(self.requests),
             list(self.kv_events),
@@ -408,9 +383,11 @@ class Engine:
             role=self.role.name,
             pending_prompt_tokens=self.ship_queue.pending_prompt_tokens()
             + self.local.pending_prompt_tokens(),
-            running_decode_tokens=sum(s.num_tokens for s in self.local.running + self.sharded),
-            num_running=len(self.local.running) + len(self.sharded),
-            num_waiting=self.ship_queue.num_unfinished + len(self.waiting_handoffs),
+            running_decode_tokens=sum(
+                s.num_tokens for s in self.local.running + self.admission.sharded
+            ),
+            num_running=len(self.local.running) + len(self.admission.sharded),
+            num_waiting=self.ship_queue.num_unfinished + len(self.admission.waiting),
             free_kv_blocks=self.blocks.num_free_blocks,
             time=now,
         )

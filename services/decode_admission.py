@@ -1,0 +1,82 @@
+"""When a handed-off request may start decoding on a token engine, and the sharded ones decoding.
+
+A `DecodeHandoff` waits, first come first served, until its KV is in place:
+
+- with a shard group: until the group has room for the request's whole length. Shards cannot
+  preempt, so the engine reserves `prompt + max_tokens` up front in its mirror of the shards'
+  block accounting (`shard_blocks`), and the request decodes against the shards from then on;
+- without: until every layer of its KV has landed in this engine's own cache (`kv_landed`); it
+  then joins the engine's local scheduler, which may preempt it like any local request.
+"""
+
+from __future__ import annotations
+
+from common.block_manager import BlockManager
+from common.protocol import DecodeHandoff
+from common.scheduling.batching import BatchScheduler, Sequence
+
+
+class DecodeAdmission:
+    """The waiting handoffs, the KV layers landed for local ones, and the sharded requests."""
+
+    def __init__(self, shard_num_blocks: int, block_size: int) -> None:
+        self.shard_blocks = BlockManager(max(shard_num_blocks, 1), block_size)
+        self.sharded: list[Sequence] = []  # decoding against the shard group
+        self.waiting: list[DecodeHandoff] = []
+        self._kv_layers: dict[str, int] = {}  # local KV landed from a prompt engine, per request
+
+    def add(self, handoff: DecodeHandoff) -> None:
+        self.waiting.append(handoff)
+
+    def kv_landed(self, req_id: str, num_layers: int) -> None:
+        self._kv_layers[req_id] = self._kv_layers.get(req_id, 0) + num_layers
+
+    def admit(self, local: BatchScheduler) -> list[str]:
+        """Start every handoff at the head of the queue whose KV is in place; returns their ids.
+        Local ones join `local` as running sequences."""
+        admitted = []
+        while self.waiting:
+            h = self.waiting[0]
+            seq = Sequence(h.req_id, len(h.token_ids))
+            if h.shards:
+                reserve = len(h.token_ids) + h.sampling.max_tokens
+                if not self.shard_blocks.can_grow(h.req_id, reserve):
+                    break
+                self.shard_blocks.allocate(h.req_id, reserve)
+                seq.num_computed = seq.num_tokens - 1
+                self.sharded.append(seq)
+            elif self._kv_layers.get(h.req_id, 0) >= h.num_kv_layers:
+                self._kv_layers.pop(h.req_id)
+                local.add_running(seq)
+            else:
+                break
+            self.waiting.pop(0)
+            admitted.append(h.req_id)
+        return admitted
+
+    def grow_sharded(self) -> None:
+        """Account this step's new token of every sharded request (within its reservation)."""
+        for seq in self.sharded:
+            self.shard_blocks.grow(seq.req_id, seq.num_tokens)
+
+    def is_decoding_here(self, req_id: str) -> bool:
+        """Sharded here or waiting to be: this engine then owns freeing the request's shards."""
+        return any(s.req_id == req_id for s in self.sharded) or any(
+            h.req_id == req_id for h in self.waiting
+        )
+
+    def finish(self, req_id: str) -> None:
+        """A sharded request is done: stop decoding it and give its reservation back."""
+        if any(s.req_id == req_id for s in self.sharded):
+            self.sharded = [s for s in self.sharded if s.req_id != req_id]
+            self.shard_blocks.free(req_id)
+
+    def remove(self, req_id: str) -> None:
+        """Forget a request wherever it is here (an abort)."""
+        self.sharded = [s for s in self.sharded if s.req_id != req_id]
+        self.shard_blocks.free(req_id)
+        self.waiting = [h for h in self.waiting if h.req_id != req_id]
+        self._kv_layers.pop(req_id, None)
+
+
+__all__ = ["DecodeAdmission"]

@@ -1,0 +1,76 @@
+"""When a handed-off request may start decoding on a token engine (FCFS, KV in place first)."""
+
+from __future__ import annotations
+
+from common.block_manager import BlockManager
+from common.config import SchedulerConfig
+from common.protocol import DecodeHandoff, SamplingSpec, ShardAddress
+from common.scheduling.batching import BatchScheduler
+from services.decode_admission import DecodeAdmission
+
+BLOCK = 16
+SHARDS = [ShardAddress("tcp://shard-0", 0, 1), ShardAddress("tcp://shard-1", 1, 2)]
+
+
+def handoff(req_id: str, tokens: int, max_tokens: int, sharded: bool) -> DecodeHandoff:
+    return DecodeHandoff(
+        req_id, list(range(tokens)), tokens - 1, SamplingSpec(max_tokens=max_tokens),
+        "tcp://router", num_kv_layers=4, shards=SHARDS if sharded else [],
+    )  # fmt: skip
+
+
+def local_scheduler(num_blocks: int = 64) -> BatchScheduler:
+    return BatchScheduler(BlockManager(num_blocks, BLOCK), SchedulerConfig(), prefill=False)
+
+
+def test_sharded_requests_reserve_their_whole_length_and_wait_in_order():
+    admission = DecodeAdmission(shard_num_blocks=4, block_size=BLOCK)  # 64 tokens
+    admission.add(handoff("a", tokens=20, max_tokens=20, sharded=True))  # 40 -> 3 blocks
+    admission.add(handoff("b", tokens=10, max_tokens=10, sharded=True))  # 20 -> 2 blocks
+    admission.add(handoff("c", tokens=1, max_tokens=1, sharded=True))  # fits, but comes after b
+    assert admission.admit(local_scheduler()) == ["a"]
+    assert [h.req_id for h in admission.waiting] == ["b", "c"]
+    assert admission.shard_blocks.num_used_blocks == 3
+    seq = admission.sharded[0]
+    assert (seq.num_tokens, seq.num_computed) == (20, 19)  # its last token is decoded next
+    admission.finish("a")
+    assert admission.admit(local_scheduler()) == ["b", "c"]
+    assert admission.shard_blocks.num_used_blocks == 3
+
+
+def test_local_requests_wait_for_every_layer_of_their_kv():
+    admission = DecodeAdmission(shard_num_blocks=0, block_size=BLOCK)
+    local = local_scheduler()
+    local.blocks.allocate("a", 30)  # the engine writes landed KV into its own blocks
+    admission.add(handoff("a", tokens=30, max_tokens=8, sharded=False))
+    admission.kv_landed("a", 3)
+    assert admission.admit(local) == [] and not local.running
+    admission.kv_landed("a", 1)
+    assert admission.admit(local) == ["a"]
+    assert [s.req_id for s in local.running] == ["a"] and not admission.sharded
+
+
+def test_remove_forgets_a_request_wherever_it_is():
+    admission = DecodeAdmission(shard_num_blocks=8, block_size=BLOCK)
+    admission.add(handoff("s", tokens=16, max_tokens=16, sharded=True))
+    admission.admit(local_scheduler())
+    admission.add(handoff("w", tokens=4, max_tokens=4, sharded=False))
+    admission.kv_landed("w", 2)
+    assert admission.is_decoding_here("s") and admission.is_decoding_here("w")
+    assert not admission.is_decoding_here("x")
+    admission.remove("s")
+    admission.remove("w")
+    assert not admission.sharded and not admission.waiting
+    assert admission.shard_blocks.num_used_blocks == 0
+    admission.add(handoff("w", tokens=4, max_tokens=4, sharded=False))  # KV counted from zero
+    assert admission.admit(local_scheduler()) == []
+
+
+def test_growing_stays_within_the_reservation():
+    admission = DecodeAdmission(shard_num_blocks=2, block_size=BLOCK)
+    admission.add(handoff("a", tokens=16, max_tokens=16, sharded=True))
+    admission.admit(local_scheduler())
+    for _ in range(15):
+        admission.sharded[0].num_tokens += 1
+        admission.grow_sharded()
+    assert admission.shard_blocks.num_used_blocks == 2
