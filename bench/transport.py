@@ -230,9 +230,10 @@ def main() -> None:
     # to the OS, each transport would draw its own placement.
     available = sorted(os.sched_getaffinity(0))
     client_core, server_core = args.cores or (available[-1], available[0])
-    if len(available) > 1 or args.cores:
+    pin = len(available) > 1 or args.cores is not None
+    if pin:
         pin_this_process([client_core])
-    server_cores = [server_core] if len(available) > 1 or args.cores else []
+    server_cores = [server_core] if pin else []
     torch.set_num_threads(1)
     from common.transport.ucx_channel import UcxTensorChannel, ucx_settings
 

@@ -11,7 +11,7 @@ model, 2 shards): decode TBT 61-64 ms pinned against 67-69 ms unpinned at batch 
 
 Cores are handed out round-robin, so groups beyond the core count share cores. Prompt engines are
 not pinned: they are idle while decode runs and take whichever core is free when a prompt comes.
-With a single core there is nothing to place and nothing is pinned.
+With fewer than two cores there is nothing to place: every process gets no cores (runs anywhere).
 """
 
 from __future__ import annotations
@@ -22,23 +22,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GroupPlacement:
-    """The cores of one decode group: its token engine's, and each of its shards'."""
+    """The cores of one decode group: its token engine's, and each of its shards' (empty: any)."""
 
     engine: tuple[int, ...]
     shards: tuple[tuple[int, ...], ...]
 
 
 def place_decode_groups(
-    num_groups: int, shards_per_group: int, cores: list[int] | None = None
-) -> list[GroupPlacement] | None:
-    """One placement per token engine, or None when there is nothing to place (one core).
-
-    `cores` defaults to the cores this process may run on.
-    """
-    if cores is None:
-        cores = sorted(os.sched_getaffinity(0))
+    num_groups: int, shards_per_group: int, cores: list[int]
+) -> list[GroupPlacement]:
+    """One placement per token engine over `cores` (e.g. `sorted(os.sched_getaffinity(0))`)."""
     if len(cores) < 2:
-        return None
+        return [GroupPlacement((), ((),) * shards_per_group)] * num_groups
     next_core = 0
     placements = []
     for _ in range(num_groups):

@@ -65,14 +65,9 @@ class DecodeAdmission:
             h.req_id == req_id for h in self.waiting
         )
 
-    def finish(self, req_id: str) -> None:
-        """A sharded request is done: stop decoding it and give its reservation back."""
-        if any(s.req_id == req_id for s in self.sharded):
-            self.sharded = [s for s in self.sharded if s.req_id != req_id]
-            self.shard_blocks.free(req_id)
-
     def remove(self, req_id: str) -> None:
-        """Forget a request wherever it is here (an abort)."""
+        """Forget a request wherever it is here (finished or aborted): its shard reservation goes
+        back."""
         self.sharded = [s for s in self.sharded if s.req_id != req_id]
         self.shard_blocks.free(req_id)
         self.waiting = [h for h in self.waiting if h.req_id != req_id]

@@ -332,7 +332,7 @@ class Engine:
         route = self.routing.pop(req_id)
         self.requests.pop(req_id)
         self.sampler.forget(req_id)
-        self.admission.finish(req_id)
+        self.admission.remove(req_id)
         return [(shard.kv_endpoint, FreeRequest(req_id)) for shard in route.shards]
 
     def _hand_off(self, req_id: str) -> Outgoing:

@@ -180,8 +180,8 @@ class MeshModelRunner(ModelRunner):
         assert self.sharded is not None
         n = self.num_local
         group = q.shape[1] // k.shape[1]
-        handles = []
-        for link, (h0, h1) in zip(self.shard_links, self.head_ranges, strict=True):
+        in_flight = []
+        for i, (link, (h0, h1)) in enumerate(zip(self.shard_links, self.head_ranges, strict=True)):
             header = AttendBatch(self.sharded.step, layer)
             if layer == 0:
                 header.req_ids, header.context_lens = (
@@ -189,18 +189,17 @@ class MeshModelRunner(ModelRunner):
                     self.sharded.context_lens,
                 )
             # Strided slices: the channel copies each straight into the message, once.
-            tensors = [q[n:, h0 * group : h1 * group], k[n:, h0:h1], v[n:, h0:h1]]
+            heads = slice(h0 * group, h1 * group)
+            tensors = [q[n:, heads], k[n:, h0:h1], v[n:, h0:h1]]
             sent_at = time.perf_counter()
-            handles.append((link.send_async(header, tensors), sent_at))
+            in_flight.append((i, link, heads, link.send_async(header, tensors), sent_at))
         out = torch.empty(q.shape, dtype=torch.float32)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)  # the engine has no use for it
         if n:
             out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
-        for i, (link, (handle, sent_at)) in enumerate(zip(self.shard_links, handles, strict=True)):
-            h0, h1 = self.head_ranges[i]
+        for i, link, heads, handle, sent_at in in_flight:
             link.wait(handle)
             # Each shard's heads land in place in `out`, without a staging tensor.
-            heads = slice(h0 * group, h1 * group)
             result, _ = link.recv(out=[out[n:, heads], lse[n:, heads]])
             if self.round_trips is not None:
                 self.round_trips.append((i, time.perf_counter() - sent_at))

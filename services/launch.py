@@ -106,9 +106,8 @@ class Mesh:
                 block_size=t.block_size, attention_backend=t.attention_backend,
                 num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
             )  # fmt: skip
-            placements = None
-            if t.pin_decode_groups:
-                placements = place_decode_groups(t.num_token, t.num_shards // t.num_token)
+            cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
+            placements = place_decode_groups(t.num_token, t.num_shards // t.num_token, cores)
             groups = self._start_shards(base, placements, ready_sock, timeout)
             self._start_token_engines(base, groups, placements, ready_sock, timeout)
             prompt = [
@@ -122,7 +121,7 @@ class Mesh:
     def _start_shards(
         self,
         base: WorkerConfig,
-        placements: list[GroupPlacement] | None,
+        placements: list[GroupPlacement],
         ready_sock: zmq.Socket,
         timeout: float,
     ) -> list[list[ShardLinkSpec]]:
@@ -142,7 +141,7 @@ class Mesh:
                 service_id=f"shard-{i}",
                 head_start=(i % per_group) * width,
                 head_end=(i % per_group + 1) * width,
-                cpus=list(placements[i // per_group].shards[i % per_group]) if placements else [],
+                cpus=list(placements[i // per_group].shards[i % per_group]),
             )  # fmt: skip
             for i in range(t.num_shards)
         ]
@@ -157,7 +156,7 @@ class Mesh:
         self,
         base: WorkerConfig,
         groups: list[list[ShardLinkSpec]],
-        placements: list[GroupPlacement] | None,
+        placements: list[GroupPlacement],
         ready_sock: zmq.Socket,
         timeout: float,
     ) -> None:
@@ -168,7 +167,7 @@ class Mesh:
                 role="token",
                 shards=group,
                 shard_num_blocks=self.topology.num_blocks,
-                cpus=list(placements[e].engine) if placements else [],
+                cpus=list(placements[e].engine),
             )  # fmt: skip
             for e, group in enumerate(groups)
         ]

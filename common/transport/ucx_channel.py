@@ -130,10 +130,9 @@ class UcxWorker:
 
     def wait(self, requests: Sequence[Any], timeout: float | None) -> None:
         """Block (in epoll, not spinning) until every request completes; raise its error if any."""
-        if not all(r.completed for r in requests):
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while not all(r.completed for r in requests):
-                self.progress_until(deadline)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(r.completed for r in requests):
+            self.progress_until(deadline)
         for request in requests:
             try:
                 request.check_error()
@@ -356,16 +355,16 @@ def _pack_inline(
     and return that part of it; strided tensors (slices of a larger one) are copied in place, in
     one pass each."""
     offset = _PREFIX.size + len(envelope)
-    offsets = []
+    spans = []
     for tensor in tensors:
-        offset = _aligned(offset)
-        offsets.append(offset)
-        offset += _nbytes(tensor)
+        start = _aligned(offset)
+        offset = start + _nbytes(tensor)
+        spans.append((start, offset))
     message = buffer[:offset]
     _PREFIX.pack_into(message.data, 0, len(envelope), int(inline))
     message[_PREFIX.size : _PREFIX.size + len(envelope)] = np.frombuffer(envelope, np.uint8)
-    for start, tensor in zip(offsets, tensors, strict=True):
-        copy_tensor_into(message[start : start + _nbytes(tensor)], tensor)
+    for (start, end), tensor in zip(spans, tensors, strict=True):
+        copy_tensor_into(message[start:end], tensor)
     return message
 
 

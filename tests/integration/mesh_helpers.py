@@ -47,16 +47,10 @@ def assert_decode_groups_pinned(mesh: Mesh) -> None:
     prompt engines are free. `Mesh.procs` holds the shards first, then token engines, then prompt
     engines."""
     t = mesh.topology
-    per_group = t.num_shards // t.num_token
-    placements = place_decode_groups(t.num_token, per_group)
     everywhere = os.sched_getaffinity(0)
-    expected = [
-        set(placements[i // per_group].shards[i % per_group]) if placements else everywhere
-        for i in range(t.num_shards)
-    ]
-    expected += [
-        set(p.engine) if placements else everywhere for p in placements or [None] * t.num_token
-    ]
+    placements = place_decode_groups(t.num_token, t.num_shards // t.num_token, sorted(everywhere))
+    expected = [set(c) or everywhere for p in placements for c in p.shards]
+    expected += [set(p.engine) or everywhere for p in placements]
     expected += [everywhere] * t.num_prompt
     for proc, cores in zip(mesh.procs, expected, strict=True):
         for tid in os.listdir(f"/proc/{proc.pid}/task"):

@@ -32,4 +32,5 @@ def test_local_attention_engines_get_their_own_cores():
 
 
 def test_one_core_places_nothing():
-    assert place_decode_groups(1, 2, cores=[3]) is None
+    assert place_decode_groups(1, 2, cores=[3]) == [GroupPlacement((), ((), ()))]
+    assert place_decode_groups(2, 0, cores=[]) == [GroupPlacement((), ())] * 2

@@ -33,7 +33,7 @@ def test_sharded_requests_reserve_their_whole_length_and_wait_in_order():
     assert admission.shard_blocks.num_used_blocks == 3
     seq = admission.sharded[0]
     assert (seq.num_tokens, seq.num_computed) == (20, 19)  # its last token is decoded next
-    admission.finish("a")
+    admission.remove("a")  # finished
     assert admission.admit(local_scheduler()) == ["b", "c"]
     assert admission.shard_blocks.num_used_blocks == 3
 
