@@ -7,7 +7,7 @@
    engine, 0 shards) and with a 2-shard group (Lamina), as separate OS processes; TBT is the gap
    between consecutive tokens of a request as the client receives them. Both meshes stay up and
    take turns, batch by batch, for `--rounds` rounds; each figure pools its rounds. Decode groups
-   are pinned to cores as `services.launch` does by default (services/cpu_placement.py);
+   are pinned to cores as `services.launch` does by default (services/launch/core_pinning.py);
    `--no-pin` leaves placement to the OS.
 2. `bench/transport.py` in a subprocess: the per-layer shard round trip over UCX and over our zmq
    channel against a plain ZeroMQ round trip with the same payload, and bulk (KV-sized) transfer
@@ -36,12 +36,13 @@ from pathlib import Path
 
 from common.model.default import PRESETS, default_model_path
 from common.protocol import SamplingSpec
-from services.launch import Mesh, MeshClient, Topology
+from services.launch.direct_client import DirectMeshClient
+from services.launch.local_mesh import LocalMesh, Topology
 
 PROMPT_LEN = 64
 
 
-def decode_gaps(client: MeshClient, batch: int, tokens: int, tag: str) -> list[float]:
+def decode_gaps(client: DirectMeshClient, batch: int, tokens: int, tag: str) -> list[float]:
     """Inter-token gaps (s) of `batch` concurrent requests, skipping each one's first two tokens
     (first token and the prefill/handoff hop)."""
     sampling = SamplingSpec(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -71,8 +72,8 @@ def measure_tbt(
         for name, shards in (("local", 0), ("2_shards", 2)):
             topology = Topology(model, num_prompt=1, num_token=1, num_shards=shards,
                                 pin_decode_groups=pin)  # fmt: skip
-            meshes[name] = Mesh.start(topology)
-        clients = {name: MeshClient(mesh) for name, mesh in meshes.items()}
+            meshes[name] = LocalMesh.start(topology)
+        clients = {name: DirectMeshClient(mesh) for name, mesh in meshes.items()}
         for name, client in clients.items():
             decode_gaps(client, 2, 8, f"warmup-{name}")
         gaps: dict[tuple[str, int], list[float]] = {}

@@ -59,8 +59,9 @@ from common.engine.request import FinishReason, RequestOutput
 from common.model.default import default_model_path
 from common.protocol import SamplingSpec
 from common.telemetry import DecodeSpan, Metrics, configure_telemetry, inject_context
-from services.launch import Mesh, MeshClient, Topology
-from services.router_telemetry import RequestTrace, RouterTelemetry
+from services.launch.direct_client import DirectMeshClient
+from services.launch.local_mesh import LocalMesh, Topology
+from services.router.telemetry import RequestTrace, RouterTelemetry
 
 PROMPT_LEN = 64
 ARMS = ("traced", "untraced", "off")
@@ -72,8 +73,8 @@ RATIOS = {"tracing": ("traced", "untraced"), "on_off": ("traced", "off"),
 class Arm:
     """A way to send requests, and what its rounds measured."""
 
-    mesh: Mesh
-    client: MeshClient
+    mesh: LocalMesh
+    client: DirectMeshClient
     router: RouterTelemetry | None  # traced: the router's spans and records
     sampled: bool = True
     round_tbt: list[float] = field(default_factory=list)  # each round's median TBT
@@ -81,7 +82,7 @@ class Arm:
     gaps: list[float] = field(default_factory=list)
 
     def decode_pids(self) -> list[int]:
-        """The token engine and its shards (`Mesh` starts shards, token engines, prompt)."""
+        """The token engine and its shards (`LocalMesh` starts shards, token engines, prompt)."""
         t = self.mesh.topology
         return [p.pid for p in self.mesh.procs[: t.num_shards + t.num_token]]
 
@@ -236,10 +237,10 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="phasemesh-telemetry-bench-"))
     exporter = f"jsonl:{folder}/{{service_id}}.jsonl" if args.exporter == "jsonl" else "none"
     configure_telemetry("bench-router", exporter=exporter.replace("{service_id}", "router"))
-    meshes = [Mesh.start(Topology(model, num_shards=args.shards, otel_exporter=e))
+    meshes = [LocalMesh.start(Topology(model, num_shards=args.shards, otel_exporter=e))
               for e in (exporter, "off")]  # fmt: skip
     try:
-        on, off = MeshClient(meshes[0]), MeshClient(meshes[1])
+        on, off = DirectMeshClient(meshes[0]), DirectMeshClient(meshes[1])
         arms = {
             "traced": Arm(meshes[0], on, router_telemetry()),
             "untraced": Arm(meshes[0], on, None, sampled=False),

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.transport.tensor_frames import TensorSpec  # noqa: E402
 from common.transport.zmq_tensor import ZmqTensorChannel  # noqa: E402
-from services.cpu_placement import pin_this_process  # noqa: E402
+from services.launch.core_pinning import pin_this_process  # noqa: E402
 
 NUM_SEQS, NUM_HEADS, HEAD_DIM = 32, 2, 64
 BULK_SIZES = {"1MiB": 1 << 20, "16MiB": 16 << 20}

@@ -1,7 +1,7 @@
 """Configuration: frozen dataclasses checked in `__post_init__`, and the `PHASEMESH_` environment.
 
-Pydantic lives only at the YAML/HTTP edge (services/app.py, services/router.py); everything inside
-the engine takes these plain dataclasses.
+Pydantic lives only at the YAML/HTTP edge (services/app.py, services/router/openai_api.py);
+everything inside the engine takes these plain dataclasses.
 """
 
 from __future__ import annotations

@@ -4,13 +4,14 @@ The only module that imports `ray.serve`. `build_app(args)` is the application b
 `import_path: services.app:build_app` in `deploy/*.yaml`; `args` is validated by `AppArgs`.
 
 Topologies (`args.topology`):
-- `local`: the `Router` deployment holds a `LocalEngineBackend` (one mixed engine, in-process).
+- `local`: the `Router` deployment holds an `InProcessEngineClient` (one mixed engine, in-process).
   Complete and testable on one machine.
 - `mesh`: `Router` plus `PromptEngine`, `TokenEngine` and `AttentionShard` deployments, each
-  replica running its worker on a thread (`services.mesh_replica`) and registering its sockets in
-  the application's registry actor (`services.registry`). The router's `MeshBackend` reaches the
-  engines over ZeroMQ; the data path never goes through Ray. Scaling a deployment (`num_replicas`
-  in a `serve deploy`) adds or removes replicas from routing without restarting the others.
+  replica running its worker on a thread (`services.mesh.replica`) and registering its sockets in
+  the application's registry actor (`services.mesh.registry`). The router's `MeshEngineClient`
+  reaches the engines over ZeroMQ; the data path never goes through Ray. Scaling a deployment
+  (`num_replicas` in a `serve deploy`) adds or removes replicas from routing without
+  restarting the others.
 
 Admission bounds are `user_config` on the Router deployment (`max_num_requests`,
 `max_pending_prompt_tokens`), so `serve deploy` of an edited value applies without a restart.
@@ -33,12 +34,12 @@ from ray.serve import Application
 from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
 from common.telemetry import configure_logging, configure_telemetry
-from services.backend import AdmissionLimits, GenerationBackend, LocalEngineBackend
-from services.mesh_backend import MeshBackend
-from services.mesh_replica import MeshReplica, base_worker_config, start_engine, start_shard
-from services.registry import registry_handle
-from services.router import Router
-from services.worker_config import WorkerConfig
+from common.worker_config import WorkerConfig
+from services.mesh.registry import registry_handle
+from services.mesh.replica import MeshReplica, base_worker_config, start_engine, start_shard
+from services.router.engine_client import AdmissionLimits, EngineClient, InProcessEngineClient
+from services.router.mesh_client import MeshEngineClient
+from services.router.server import Router
 
 log = structlog.get_logger(__name__)
 
@@ -93,7 +94,7 @@ class AppArgs(_Args):
         return self.served_model_name or Path(self.model).name
 
 
-def _make_backend(args: AppArgs) -> GenerationBackend:
+def _make_client(args: AppArgs) -> EngineClient:
     if args.topology == "local":
         e = args.engine
         engine = LLMEngine.from_path(
@@ -104,9 +105,9 @@ def _make_backend(args: AppArgs) -> GenerationBackend:
             max_num_seqs=e.max_num_seqs,
             attention_backend=e.attention_backend,
         )
-        return LocalEngineBackend(engine)
+        return InProcessEngineClient(engine)
     registry = registry_handle(serve.get_replica_context().app_name)
-    return MeshBackend(
+    return MeshEngineClient(
         args.model_path(),
         lambda: ray.get(registry.live.remote(), timeout=5),
         host=_bind_host(args.mesh),
@@ -142,7 +143,7 @@ def _configure_observability(service_name: str, service_id: str) -> None:
 @serve.deployment(name="Router", max_ongoing_requests=512, health_check_period_s=5)
 @serve.ingress()
 class RouterDeployment:
-    """HTTP ingress: the OpenAI API of `services.router.Router` over the configured backend."""
+    """HTTP ingress: `services.router.server.Router` over the configured engine client."""
 
     def __init__(self, args: dict[str, Any], *mesh_services: Any) -> None:
         # `mesh_services`: handles of the mesh deployments, bound only so that they belong to this
@@ -150,9 +151,9 @@ class RouterDeployment:
         self.args = AppArgs.model_validate(args)
         replica_id = _service_id("router")
         _configure_observability("router", replica_id)
-        self.backend = _make_backend(self.args)
+        self.client = _make_client(self.args)
         self.router = Router(
-            self.backend, self.args.model_path(), self.args.model_name(), replica_id
+            self.client, self.args.model_path(), self.args.model_name(), replica_id
         )
         log.info("router ready", model=self.router.model_name, topology=self.args.topology)
 
@@ -161,21 +162,19 @@ class RouterDeployment:
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply `user_config` (admission bounds) in place, without restarting the replica."""
-        limits = AdmissionLimits(**user_config)
-        if isinstance(self.backend, LocalEngineBackend | MeshBackend):
-            self.backend.limits = limits
+        self.client.limits = AdmissionLimits(**user_config)
         log.info("admission limits", **user_config)
 
     def check_health(self) -> None:
         # NOTE: the mesh router's own threads, not the engines': engines that are still starting
         # make /health say 503, but must not get the router restarted.
-        ok = self.backend.alive() if isinstance(self.backend, MeshBackend) else self.backend.ready()
-        if not ok:
-            raise RuntimeError("the generation backend is not ready")
+        if not self.client.alive():
+            raise RuntimeError("the router's engine client stopped")
 
     def __del__(self) -> None:
-        if isinstance(self.backend, LocalEngineBackend | MeshBackend):
-            self.backend.shutdown()
+        client = getattr(self, "client", None)  # absent if the constructor failed
+        if client is not None:
+            client.shutdown()
 
 
 class _MeshService:

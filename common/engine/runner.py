@@ -1,7 +1,7 @@
 """The model runner: turns a scheduled batch into logits, one layer's three stages at a time.
 
 Attention is the one pluggable stage (`attend`): local paged attention here; the token engine
-swaps in a shard round trip (services/engine.py) without touching the rest of the loop.
+swaps in a shard round trip (services/engine/engine.py) without touching the rest of the loop.
 """
 
 from __future__ import annotations

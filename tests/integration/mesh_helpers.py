@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 
 from common.protocol import SamplingSpec
-from services.cpu_placement import place_decode_groups
-from services.launch import Mesh, MeshClient
-from services.registry import ServiceEntry
-from services.worker_config import WorkerReady
+from common.worker_config import WorkerReady
+from services.launch.core_pinning import place_decode_groups
+from services.launch.direct_client import DirectMeshClient
+from services.launch.local_mesh import LocalMesh
+from services.mesh.registry import ServiceEntry
 
 
 def run_staggered(
-    client: MeshClient, prompts: list[list[int]], sampling: SamplingSpec, wave: int = 4
+    client: DirectMeshClient, prompts: list[list[int]], sampling: SamplingSpec, wave: int = 4
 ) -> dict[str, list[int]]:
     """Submit `wave` requests, wait for a few tokens, submit the next wave, ... until all finish.
 
@@ -36,16 +37,16 @@ def run_staggered(
     return outputs
 
 
-def assert_no_kv_held(mesh: Mesh) -> None:
+def assert_no_kv_held(mesh: LocalMesh) -> None:
     for stats in mesh.stats():
         assert stats.kv_blocks_used == 0, f"{stats.service_id} still holds {stats.kv_blocks_used}"
         assert stats.num_requests == 0, f"{stats.service_id} still tracks {stats.num_requests}"
 
 
-def assert_decode_groups_pinned(mesh: Mesh) -> None:
+def assert_decode_groups_pinned(mesh: LocalMesh) -> None:
     """Every thread of each shard and token engine runs on the cores its placement gave it;
-    prompt engines are free. `Mesh.procs` holds the shards first, then token engines, then prompt
-    engines."""
+    prompt engines are free. `LocalMesh.procs` holds the shards first, then token engines, then
+    prompt engines."""
     t = mesh.topology
     everywhere = os.sched_getaffinity(0)
     placements = place_decode_groups(t.num_token, t.num_shards // t.num_token, sorted(everywhere))
@@ -57,8 +58,9 @@ def assert_decode_groups_pinned(mesh: Mesh) -> None:
             assert os.sched_getaffinity(int(tid)) == cores, (proc.args[-1][:80], tid)
 
 
-def registry_entries(mesh: Mesh) -> list[ServiceEntry]:
-    """What the registry would list for a launched mesh (every service ready), for `MeshBackend`."""
+def registry_entries(mesh: LocalMesh) -> list[ServiceEntry]:
+    """What the registry would list for a launched mesh (every service ready), for a
+    `MeshEngineClient`."""
 
     def engine_entry(kind: str, r: WorkerReady, **extra: object) -> ServiceEntry:
         return ServiceEntry(

@@ -6,19 +6,20 @@ import pytest
 import zmq
 
 from common.protocol import SamplingSpec
-from services.launch import Mesh, MeshClient, Topology, service_stats
+from services.launch.direct_client import DirectMeshClient
+from services.launch.local_mesh import LocalMesh, Topology, service_stats
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
 
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model_path):
-    mesh = Mesh.start(Topology(str(tiny_model_path), num_shards=2, layer_wise_min_tokens=64))
+    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2, layer_wise_min_tokens=64))
     yield mesh
     mesh.close()
 
 
-def _finish_all(client: MeshClient, live: set[str]) -> dict[str, str]:
+def _finish_all(client: DirectMeshClient, live: set[str]) -> dict[str, str]:
     reasons = {}
     while live:
         out = client.recv(timeout=120)
@@ -29,7 +30,7 @@ def _finish_all(client: MeshClient, live: set[str]) -> dict[str, str]:
 
 
 def test_aborts_mid_stream_leave_no_kv_anywhere(mesh):
-    client = MeshClient(mesh)
+    client = DirectMeshClient(mesh)
     prompts = random_prompts([20, 150, 40, 90, 10, 200], 2048, seed=31)
     sampling = SamplingSpec(max_tokens=200, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -49,7 +50,7 @@ def test_aborts_mid_stream_leave_no_kv_anywhere(mesh):
     _drain_until_idle(mesh)
 
 
-def _drain_until_idle(mesh: Mesh) -> None:
+def _drain_until_idle(mesh: LocalMesh) -> None:
     # Frees and aborts are asynchronous messages: give them a moment to land, then insist.
     import time
 
@@ -79,7 +80,7 @@ def test_malformed_and_unknown_messages_are_dropped(mesh):
         sock.send(b"\xc1 not msgpack")
         sock.close(linger=1000)
     # Every service still serves: a request completes end to end, and stats still answer.
-    client = MeshClient(mesh)
+    client = DirectMeshClient(mesh)
     client.submit(
         "after", random_prompts([70], 2048, seed=32)[0], SamplingSpec(max_tokens=8, temperature=0)
     )
@@ -92,9 +93,9 @@ def test_shard_outlives_its_token_engine_and_frees_its_requests(tiny_model_path)
     when the UCX link drops, and keep serving (a restarted token engine can connect again)."""
     import time
 
-    mesh = Mesh.start(Topology(str(tiny_model_path), num_shards=1))
+    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=1))
     try:
-        client = MeshClient(mesh)
+        client = DirectMeshClient(mesh)
         client.submit("dies", random_prompts([90], 2048, seed=33)[0],
                       SamplingSpec(max_tokens=400, temperature=0.0, ignore_eos=True))  # fmt: skip
         tokens = 0

@@ -8,7 +8,8 @@ import pytest
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
 from common.sampling import SamplingParams
-from services.launch import Mesh, MeshClient, Topology
+from services.launch.direct_client import DirectMeshClient
+from services.launch.local_mesh import LocalMesh, Topology
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import (
     assert_decode_groups_pinned,
@@ -51,10 +52,10 @@ def test_mesh_matches_single_process_engine(
         str(tiny_model_path), num_prompt=1, num_token=num_token, num_shards=num_shards,
         layer_wise_min_tokens=LAYER_WISE_MIN,
     )  # fmt: skip
-    mesh = Mesh.start(topology)
+    mesh = LocalMesh.start(topology)
     try:
         assert_decode_groups_pinned(mesh)
-        client = MeshClient(mesh)
+        client = DirectMeshClient(mesh)
         outputs = run_staggered(client, prompts, GREEDY)
         for i, prompt in enumerate(prompts):
             ours = outputs[f"req-{i}"]

@@ -2,7 +2,7 @@
 
 The mesh is real OS processes (prompt engine, token engine, attention shards) on ZeroMQ and UCX;
 each exports its spans to its own JSON-lines file (`PHASEMESH_OTEL_EXPORTER=jsonl:...`). The
-router runs in this process, served by uvicorn on a real socket, over a `MeshBackend`, with an
+router runs in this process, served by uvicorn on a real socket, over a `MeshEngineClient`, with an
 in-memory span exporter. A plain HTTP client streams completions and times every SSE chunk.
 
 Checked against things outside the telemetry code: the client's own clock (TTFT and mean/median
@@ -33,9 +33,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from common.config import ModelConfig
 from common.telemetry import Metrics, configure_telemetry
-from services.launch import Mesh, Topology
-from services.mesh_backend import MeshBackend
-from services.router import Router
+from services.launch.local_mesh import LocalMesh, Topology
+from services.router.mesh_client import MeshEngineClient
+from services.router.server import Router
 from tests.integration.mesh_helpers import registry_entries
 
 pytestmark = pytest.mark.timeout(300)
@@ -151,10 +151,10 @@ def test_one_connected_trace_per_request_matching_the_client(
     )  # fmt: skip
     reader = InMemoryMetricReader()
     router_spans.clear()
-    mesh = Mesh.start(topology)
+    mesh = LocalMesh.start(topology)
     try:
         entries = registry_entries(mesh)
-        backend = MeshBackend(tiny_model_path, lambda: entries, refresh_s=60)
+        backend = MeshEngineClient(tiny_model_path, lambda: entries, refresh_s=60)
         router = Router(backend, tiny_model_path)
         meter = MeterProvider(metric_readers=[reader]).get_meter("test")
         router.telemetry.metrics = Metrics(model_name="tiny", meter=meter, use_ray=False)

@@ -1,4 +1,4 @@
-"""The router's HTTP surface without Ray: the real FastAPI app and a real `LocalEngineBackend`.
+"""The router's HTTP surface without Ray: the real FastAPI app and a real `InProcessEngineClient`.
 
 Requests go through httpx's ASGI transport (and the official `openai` client on top of it);
 the disconnect test serves the app with uvicorn on a real socket. Greedy outputs are checked
@@ -22,8 +22,8 @@ import uvicorn
 
 from common.engine.core import LLMEngine
 from common.sampling import SamplingParams
-from services.backend import AdmissionLimits, LocalEngineBackend
-from services.router import Router
+from services.router.engine_client import AdmissionLimits, InProcessEngineClient
+from services.router.server import Router
 
 MODEL = "tiny"
 T = TypeVar("T")
@@ -32,14 +32,14 @@ Call = Callable[[openai.AsyncOpenAI, httpx.AsyncClient], Awaitable[T]]
 
 def make_router(model_path: Path, limits: AdmissionLimits | None = None) -> Router:
     engine = LLMEngine.from_path(model_path, num_blocks=512)
-    return Router(LocalEngineBackend(engine, limits), model_path, MODEL)
+    return Router(InProcessEngineClient(engine, limits), model_path, MODEL)
 
 
 @pytest.fixture(scope="module")
 def router(tiny_model_path: Path) -> Iterator[Router]:
     router = make_router(tiny_model_path)
     yield router
-    router.backend.shutdown()  # type: ignore[attr-defined]
+    router.client.shutdown()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,7 @@ def test_overload_is_429_and_clears(tiny_model_path: Path) -> None:
 
     async def scenario(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> None:
         first = asyncio.create_task(http.post("/v1/completions", json=long_body))
-        while router.backend.stats().num_requests == 0:
+        while router.client.stats().num_requests == 0:
             await asyncio.sleep(0.01)  # until the long request is admitted
         with pytest.raises(openai.RateLimitError) as info:
             await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
@@ -293,7 +293,7 @@ def test_overload_is_429_and_clears(tiny_model_path: Path) -> None:
     try:
         call(router, scenario)
     finally:
-        router.backend.shutdown()  # type: ignore[attr-defined]
+        router.client.shutdown()  # type: ignore[attr-defined]
 
 
 def test_health_models_and_idle_stats(router: Router) -> None:
@@ -327,22 +327,22 @@ def test_client_disconnect_aborts_and_frees_kv(router: Router, live_server: str)
             data_lines = (line for line in response.iter_lines() if line.startswith("data:"))
             for _ in range(5):
                 next(data_lines)
-            assert router.backend.stats().kv_blocks_used > 0
+            assert router.client.stats().kv_blocks_used > 0
     deadline = time.monotonic() + 10
-    while router.backend.stats().num_engine_requests and time.monotonic() < deadline:
+    while router.client.stats().num_engine_requests and time.monotonic() < deadline:
         time.sleep(0.05)
-    stats = router.backend.stats()
+    stats = router.client.stats()
     assert (stats.num_engine_requests, stats.kv_blocks_used, stats.num_requests) == (0, 0, 0)
 
 
 def test_generate_closed_early_aborts_in_the_engine(router: Router) -> None:
     async def scenario() -> None:
-        outputs = router.backend.generate("early-close", [4, 5, 6], SamplingParams(max_tokens=500))
+        outputs = router.client.generate("early-close", [4, 5, 6], SamplingParams(max_tokens=500))
         await anext(outputs)
         await outputs.aclose()
 
     asyncio.run(scenario())
     deadline = time.monotonic() + 10
-    while router.backend.stats().num_engine_requests and time.monotonic() < deadline:
+    while router.client.stats().num_engine_requests and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert router.backend.stats().kv_blocks_used == 0
+    assert router.client.stats().kv_blocks_used == 0

@@ -1,9 +1,10 @@
-"""`services.registry.Registry` (the plain class the registry actor runs): liveness by heartbeat,
-head-range slots for shards, atomic shard-group claims. A fake clock stands in for time."""
+"""`services.mesh.registry.Registry` (the plain class the registry actor runs): liveness by
+heartbeat, head-range slots for shards, atomic shard-group claims. A fake clock stands in for
+time."""
 
 from __future__ import annotations
 
-from services.registry import Registry, ServiceEntry
+from services.mesh.registry import Registry, ServiceEntry
 
 
 class Clock:

@@ -21,8 +21,8 @@ from opentelemetry.trace import StatusCode
 from common.engine.request import FinishReason, RequestOutput
 from common.sampling import SamplingParams
 from common.telemetry import Metrics, configure_telemetry
-from services.backend import BackendStats, Overloaded
-from services.router import Router
+from services.router.engine_client import EngineClientStats, Overloaded
+from services.router.server import Router
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
@@ -47,8 +47,8 @@ class FakeBackend:
     def abort(self, req_id: str) -> None:
         pass
 
-    def stats(self) -> BackendStats:
-        return BackendStats()
+    def stats(self) -> EngineClientStats:
+        return EngineClientStats()
 
     def ready(self) -> bool:
         return True
@@ -152,7 +152,7 @@ def test_a_client_that_leaves_ends_the_request_as_abort(
     tiny_model_path: Path, spans: InMemorySpanExporter, reader: InMemoryMetricReader
 ) -> None:
     router = make_router(tiny_model_path, FakeBackend(num_tokens=1000), reader)
-    backend = router.backend
+    backend = router.client
     trace = router.telemetry.start(
         "r-left", operation="text_completion", num_prompt_tokens=3, max_tokens=1000, start_ns=0
     )

@@ -555,7 +555,7 @@ def test_collector_and_prometheus_configs_wire_the_documented_ports() -> None:
 def test_token_engine_samples_shard_round_trips_per_shard(
     metrics: Metrics, metric_reader: InMemoryMetricReader
 ) -> None:
-    from services.engine_telemetry import EngineTelemetry
+    from services.engine.telemetry import EngineTelemetry
 
     telemetry = EngineTelemetry("token-0", "tiny", shards=("shard-0", "shard-1"), metrics=metrics)
     assert telemetry.samples_round_trips()  # the first step is sampled ...

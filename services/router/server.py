@@ -1,4 +1,4 @@
-"""The router: OpenAI-compatible HTTP endpoints over a `GenerationBackend`.
+"""The router: OpenAI-compatible HTTP endpoints over a `EngineClient`.
 
 A plain class that builds a FastAPI app; `services/app.py` wraps it as the Ray Serve ingress and
 tests serve it directly. Every request is validated, tokenized and admitted *before* a response
@@ -6,11 +6,11 @@ starts, so bad input gets a real 4xx status with an OpenAI error body; an error 
 streamed byte is sent in-band (`data: {"error": ...}`) followed by `data: [DONE]`.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`
-(200 when the backend is ready, else 503) and `GET /stats` (the backend's `BackendStats`).
+(200 when the backend is ready, else 503) and `GET /stats` (the backend's `EngineClientStats`).
 
 Each generation request is one `router.request` span (continuing the caller's trace when it sends
 a W3C `traceparent` header) and the TTFT, TBT and E2E metrics, recorded by
-`services.router_telemetry` as the router hands each output on.
+`services.router.telemetry` as the router hands each output on.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from common.config import ModelConfig
 from common.engine.request import RequestOutput
 from common.tokenizer import Tokenizer
-from services.backend import GenerationBackend, Overloaded
-from services.openai_api import (
+from services.router.engine_client import EngineClient, Overloaded
+from services.router.openai_api import (
     APIError,
     AssistantMessage,
     ChatChoice,
@@ -54,7 +54,7 @@ from services.openai_api import (
     error_body,
     install_error_handlers,
 )
-from services.router_telemetry import RouterTelemetry
+from services.router.telemetry import RouterTelemetry
 
 log = structlog.get_logger(__name__)
 
@@ -113,12 +113,12 @@ class Router:
 
     def __init__(
         self,
-        backend: GenerationBackend,
+        client: EngineClient,
         model_path: str | Path,
         served_model_name: str | None = None,
         replica_id: str = "router",
     ) -> None:
-        self.backend = backend
+        self.client = client
         self.model_path = Path(model_path)
         self.tokenizer = Tokenizer(self.model_path)
         self.model_config = ModelConfig.from_folder(self.model_path)
@@ -189,12 +189,12 @@ class Router:
         return ModelList(data=[card]).model_dump()
 
     async def health(self) -> Response:
-        if not self.backend.ready():
+        if not self.client.ready():
             return JSONResponse(error_body(503, "the engines are not ready"), status_code=503)
         return Response(status_code=200)
 
     async def stats(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.backend.stats())
+        return dataclasses.asdict(self.client.stats())
 
     # ---- validation and admission ----
 
@@ -271,7 +271,7 @@ class Router:
             req_id, operation=arrival.operation, num_prompt_tokens=len(prompt_ids),
             max_tokens=max_tokens, start_ns=arrival.start_ns, traceparent=arrival.traceparent,
         )  # fmt: skip
-        stream = self.backend.generate(req_id, prompt_ids, params)
+        stream = self.client.generate(req_id, prompt_ids, params)
         try:
             with trace.admission():  # the backend routes under the request's span
                 first = await anext(stream)

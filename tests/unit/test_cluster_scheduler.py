@@ -1,4 +1,5 @@
-"""`services.mesh_placement.Placement`: JSQ over live engines, on fabricated load reports.
+"""`ClusterScheduler` (services/router/cluster_scheduler.py): JSQ over live engines, on fabricated
+load reports.
 
 Decisions are checked against what Splitwise's JSQ must do: the prompt engine with the fewest
 pending prompt tokens and the token engine with the fewest decode tokens, chosen together; what
@@ -11,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from common.protocol import LoadReport
-from services.mesh_placement import NoEngines, Placement
-from services.registry import ServiceEntry
+from services.mesh.registry import ServiceEntry
+from services.router.cluster_scheduler import ClusterScheduler, NoEngines
 
 
 def engine(service_id: str, role: str) -> ServiceEntry:
@@ -30,19 +31,19 @@ PROMPTS = [engine("p0", "prompt"), engine("p1", "prompt")]
 TOKENS = [engine("t0", "token"), engine("t1", "token")]
 
 
-def placement(*entries: ServiceEntry) -> Placement:
-    p = Placement(block_size=16)
+def scheduler(*entries: ServiceEntry) -> ClusterScheduler:
+    p = ClusterScheduler(block_size=16)
     p.set_engines(list(entries))
     return p
 
 
-def chosen(p: Placement, prompt_len: int = 10) -> tuple[str, str]:
+def chosen(p: ClusterScheduler, prompt_len: int = 10) -> tuple[str, str]:
     prompt, token = p.choose(prompt_len)
     return prompt.service_id, token.service_id
 
 
 def test_picks_the_shortest_prompt_and_token_queues_together() -> None:
-    p = placement(*PROMPTS, *TOKENS)
+    p = scheduler(*PROMPTS, *TOKENS)
     p.on_load(report("p0", pending=500))
     p.on_load(report("p1", pending=100))
     p.on_load(report("t0", decode=50))
@@ -51,7 +52,7 @@ def test_picks_the_shortest_prompt_and_token_queues_together() -> None:
 
 
 def test_placements_count_until_the_next_report() -> None:
-    p = placement(*PROMPTS, *TOKENS)
+    p = scheduler(*PROMPTS, *TOKENS)
     for r in (report("p0", 100), report("p1", 120), report("t0", 0, 40), report("t1", 0, 60)):
         p.on_load(r)
     assert chosen(p, prompt_len=50) == ("p0", "t0")  # now p0: 150 pending, t0: 90 decode
@@ -61,7 +62,7 @@ def test_placements_count_until_the_next_report() -> None:
 
 
 def test_a_new_engine_joins_at_once_and_a_gone_one_leaves() -> None:
-    p = placement(PROMPTS[0], TOKENS[0])
+    p = scheduler(PROMPTS[0], TOKENS[0])
     p.on_load(report("t0", decode=300))
     assert chosen(p) == ("p0", "t0")
     p.set_engines([PROMPTS[0], *TOKENS])  # t1 scaled in, no report yet: counts as idle
@@ -72,17 +73,17 @@ def test_a_new_engine_joins_at_once_and_a_gone_one_leaves() -> None:
     assert chosen(p)[1] == "t1"
 
 
-def test_no_placement_without_a_prompt_and_a_token_engine() -> None:
-    assert not placement(*PROMPTS).can_place()
+def test_no_choice_without_a_prompt_and_a_token_engine() -> None:
+    assert not scheduler(*PROMPTS).can_place()
     with pytest.raises(NoEngines):
-        placement(*TOKENS).choose(10)
-    assert placement(engine("m0", "mixed")).can_place()
-    assert chosen(placement(engine("m0", "mixed"))) == ("m0", "m0")
+        scheduler(*TOKENS).choose(10)
+    assert scheduler(engine("m0", "mixed")).can_place()
+    assert chosen(scheduler(engine("m0", "mixed"))) == ("m0", "m0")
 
 
 def test_a_full_prompt_pool_borrows_a_token_engine() -> None:
     """Past the prompt-token threshold JSQ moves the least-loaded token engine into mixed."""
-    p = placement(PROMPTS[0], *TOKENS)
+    p = scheduler(PROMPTS[0], *TOKENS)
     p.on_load(report("p0", pending=9000))  # over the 8192-token default threshold
     p.on_load(report("t0", decode=10))
     p.on_load(report("t1", decode=500))
@@ -92,6 +93,6 @@ def test_a_full_prompt_pool_borrows_a_token_engine() -> None:
 
 
 def test_free_kv_is_reported_in_tokens() -> None:
-    p = placement(*PROMPTS, *TOKENS)
+    p = scheduler(*PROMPTS, *TOKENS)
     p.on_load(report("t0", free_blocks=3))
     assert p.loads()["t0"].free_kv_tokens == 48

@@ -3,7 +3,7 @@
 `services/app.py` wraps these in deployments; nothing here imports `ray.serve`. A worker
 (`EngineWorker` or `ShardWorker`) is built *and* run on one background thread, because a UCX worker
 and ZeroMQ sockets must stay on the thread that made them. The replica then registers the
-worker's endpoints (`services.registry`) and heartbeats; `check_health` fails when the worker
+worker's endpoints (`services.mesh.registry`) and heartbeats; `check_health` fails when the worker
 thread died or the heartbeat went stale, so Serve replaces the replica.
 
 Token engines claim a shard group from the registry before their worker starts (its UCX links are
@@ -27,10 +27,10 @@ import structlog
 import torch
 
 from common.config import ModelConfig
-from services.registry import Membership, ServiceEntry
-from services.shard_worker import ShardWorker
-from services.worker import EngineWorker
-from services.worker_config import ShardLinkSpec, WorkerConfig
+from common.worker_config import ShardLinkSpec, WorkerConfig
+from services.engine.worker import EngineWorker
+from services.mesh.registry import Membership, ServiceEntry
+from services.shard.worker import ShardWorker
 
 log = structlog.get_logger(__name__)
 

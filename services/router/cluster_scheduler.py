@@ -1,9 +1,10 @@
 """Where the router sends a request in the mesh: JSQ over the live engines' load reports.
 
-`Placement` adapts the pure cluster policy (`common.scheduling.cluster.JSQPoolPolicy`, Splitwise
-§IV-A) to a membership that changes at run time: engines are keyed by service id, given stable
-integer machine ids, and the policy is rebuilt when the set of ready engines changes. The prompt
-engine and the token engine are chosen together; the shard group is the token engine's own.
+`ClusterScheduler` adapts the pure cluster policy (`common.scheduling.cluster.JSQPoolPolicy`,
+Splitwise §IV-A) to a membership that changes at run time: engines are keyed by service id,
+given stable integer machine ids, and the policy is rebuilt when the set of ready engines
+changes. The prompt engine and the token engine are chosen together; the shard group is the token
+engine's own.
 
 Load reports arrive every 50 ms per engine; between two reports the router adds what it just
 placed to its copy of the chosen engines' load, so a burst of admissions does not all land on the
@@ -25,14 +26,14 @@ from common.scheduling.cluster import (
     PoolThresholds,
     RouteRequest,
 )
-from services.registry import ServiceEntry
+from services.mesh.registry import ServiceEntry
 
 
 class NoEngines(LookupError):
     """No ready prompt engine or no ready token engine to place a request on."""
 
 
-class Placement:
+class ClusterScheduler:
     """JSQ placement over the ready engines; thread-safe (reports arrive on the IO thread)."""
 
     def __init__(self, block_size: int, thresholds: PoolThresholds | None = None) -> None:

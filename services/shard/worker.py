@@ -30,8 +30,8 @@ from common.protocol import (
 from common.telemetry import Metrics
 from common.transport.ucx_channel import ChannelClosed, UcxListener, UcxTensorChannel
 from common.transport.zmq_sockets import TypedSocket, bind_random
-from services.attention_shard import AttentionShard, ShardSpec
-from services.worker_config import WorkerConfig, WorkerReady
+from common.worker_config import WorkerConfig, WorkerReady
+from services.shard.shard import AttentionShard, ShardSpec
 
 log = structlog.get_logger(__name__)
 

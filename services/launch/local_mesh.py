@@ -1,16 +1,14 @@
-"""Start a mesh topology as local OS processes, and talk to it.
+"""A mesh topology as local OS processes, without Ray: `LocalMesh.start(Topology(...))`.
 
-    python -m services.launch --prompt 1 --token 1 --shards 2 [--model PATH]
-
-starts N prompt engines, M token engines and S attention shards (S/M shards per token engine,
-split by KV heads; S = 0 is local attention), prints their endpoints and runs a short demo.
-Tests and benchmarks use `Mesh.start(...)` and `MeshClient` directly.
+Starts N prompt engines, M token engines and S attention shards (S/M shards per token engine,
+split by KV heads; S = 0 is local attention), each a `services.launch.worker_process` child that
+reports its endpoints when ready. Decode groups are pinned to cores (`core_pinning`). Tests,
+benches and `python -m services.launch` (the demo) use it; Ray Serve replicas are wired by
+`services.mesh` instead.
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import os
 import subprocess
 import sys
@@ -23,20 +21,15 @@ import structlog
 import zmq
 
 from common.protocol import (
-    AbortRequest,
     EngineStats,
-    GenerateRequest,
-    SamplingSpec,
     ServiceReply,
     ShardAddress,
     Shutdown,
     StatsRequest,
-    TokenOutput,
 )
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
-from services.cpu_placement import GroupPlacement, place_decode_groups
-from services.token_stream import TokenStreamOrderer
-from services.worker_config import ShardLinkSpec, WorkerConfig, WorkerReady
+from common.worker_config import ShardLinkSpec, WorkerConfig, WorkerReady
+from services.launch.core_pinning import GroupPlacement, place_decode_groups
 
 log = structlog.get_logger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +48,7 @@ class Topology:
     layer_wise_min_tokens: int = 256
     attention_backend: str = "auto"
     num_threads: int = 1
-    # Pin each token engine and its shards to cores (services/cpu_placement.py); prompt engines
-    # float.
+    # Pin each token engine and its shards to cores (core_pinning.py); prompt engines float.
     pin_decode_groups: bool = True
     # PHASEMESH_OTEL_EXPORTER for every service ("" keeps this process's environment);
     # `{service_id}` is replaced, so `jsonl:/tmp/t/{service_id}.jsonl` gives each its own file.
@@ -76,7 +68,7 @@ class TokenEngineInfo:
 
 
 @dataclass
-class Mesh:
+class LocalMesh:
     """The running processes of a topology and their endpoints."""
 
     topology: Topology
@@ -86,7 +78,7 @@ class Mesh:
     shards: list[WorkerReady] = field(default_factory=list)
 
     @classmethod
-    def start(cls, topology: Topology, timeout: float = 120.0) -> Mesh:
+    def start(cls, topology: Topology, timeout: float = 120.0) -> LocalMesh:
         mesh = cls(topology)
         try:
             mesh._start_all(timeout)
@@ -179,7 +171,12 @@ class Mesh:
         self, cfgs: list[WorkerConfig], ready_sock: zmq.Socket, timeout: float
     ) -> list[WorkerReady]:
         for cfg in cfgs:
-            cmd = [sys.executable, "-m", "services.worker", msgspec.json.encode(cfg).decode()]
+            cmd = [
+                sys.executable,
+                "-m",
+                "services.launch.worker_process",
+                msgspec.json.encode(cfg).decode(),
+            ]
             self.procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=self._env(cfg)))
         readies: dict[str, WorkerReady] = {}
         deadline = time.monotonic() + timeout
@@ -246,89 +243,3 @@ def _num_kv_heads(model_path: str) -> int:
     from common.config import ModelConfig
 
     return ModelConfig.from_folder(model_path).num_key_value_heads
-
-
-class MeshClient:
-    """Submits requests to a mesh and collects their token streams (round-robin placement)."""
-
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
-        ctx: zmq.Context = zmq.Context.instance()
-        sock, self.reply_endpoint = bind_random(ctx, zmq.PULL)
-        self.replies: TypedSocket[ServiceReply] = TypedSocket(sock, ServiceReply)
-        self.push: PushPool[object] = PushPool(ctx, object)
-        self._prompt_rr = itertools.cycle(mesh.prompt)
-        self._token_rr = itertools.cycle(mesh.token)
-        self.placement: dict[str, tuple[WorkerReady, TokenEngineInfo]] = {}
-        self.orderer = TokenStreamOrderer()
-
-    def submit(
-        self, req_id: str, prompt: list[int], sampling: SamplingSpec, traceparent: str = ""
-    ) -> None:
-        """`traceparent`: the request's trace context (`inject_context()`), as a router sends it."""
-        pe, te = next(self._prompt_rr), next(self._token_rr)
-        self.placement[req_id] = (pe, te)
-        msg = GenerateRequest(
-            req_id=req_id, prompt_token_ids=prompt, sampling=sampling,
-            reply_to=self.reply_endpoint, token_engine=te.ready.command_endpoint,
-            token_kv_endpoint=te.ready.kv_endpoint, shards=te.shards, traceparent=traceparent,
-        )  # fmt: skip
-        self.push.get(pe.command_endpoint).send(msg)
-
-    def abort(self, req_id: str) -> None:
-        """Abort at the prompt engine and the token engine; the token engine frees the shards."""
-        pe, te = self.placement[req_id]
-        self.push.get(pe.command_endpoint).send(AbortRequest(req_id))
-        self.push.get(te.ready.command_endpoint).send(AbortRequest(req_id))
-
-    def recv(self, timeout: float = 30.0) -> TokenOutput:
-        """The next token message from any request, in each request's token order."""
-        deadline = time.monotonic() + timeout
-        while not self.orderer.ready:
-            item = self.replies.recv_nowait()
-            if item is not None and isinstance(item[1], TokenOutput):
-                self.orderer.push(item[1])
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.replies.sock.poll(int(left * 1000)):
-                raise TimeoutError(f"no tokens from the mesh in {timeout} s")
-        return self.orderer.ready.popleft()
-
-    def close(self) -> None:
-        self.replies.close()
-        self.push.close()
-
-
-def main() -> None:
-    from common.model.default import default_model_path
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--prompt", type=int, default=1)
-    parser.add_argument("--token", type=int, default=1)
-    parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--no-pin", action="store_true", help="let the OS place every process")
-    args = parser.parse_args()
-    topology = Topology(
-        str(args.model or default_model_path()), args.prompt, args.token, args.shards,
-        pin_decode_groups=not args.no_pin,
-    )  # fmt: skip
-    mesh = Mesh.start(topology)
-    try:
-        client = MeshClient(mesh)
-        client.submit("demo", list(range(10, 60)), SamplingSpec(max_tokens=16, temperature=0))
-        tokens: list[int] = []
-        while True:
-            out = client.recv()
-            tokens += out.token_ids
-            if out.finish_reason:
-                break
-        print(f"demo request: {len(tokens)} tokens {tokens}, finish: {out.finish_reason}")
-        for stats in mesh.stats():
-            print(stats)
-    finally:
-        mesh.close()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,19 +1,14 @@
-"""Run one mesh service (engine or attention shard) as an OS process on ZeroMQ and UCX.
+"""An `Engine` on its sockets: `EngineWorker` binds ZeroMQ, links to its shards over UCX, and loops.
 
-`python -m services.worker CONFIG_JSON` starts the service described by a `WorkerConfig`, binds
-its sockets on free ports, and reports them with a `WorkerReady` on `ready_endpoint`. The loops
-block in `zmq.Poller.poll` / UCX's event fd while idle and never sleep-poll.
+The loop blocks in `zmq.Poller.poll` while idle and never sleep-polls; between steps it drains
+commands, KV pages and stats requests, and publishes a load report every 50 ms. It runs as an OS
+process (`services.launch.worker_process`) or on a Ray Serve replica's thread (`services.mesh`).
 """
 
 from __future__ import annotations
 
-import faulthandler
-import os
-import sys
-import threading
 import time
 
-import msgspec
 import structlog
 import torch
 import zmq
@@ -33,13 +28,11 @@ from common.protocol import (
     Shutdown,
     StatsRequest,
 )
-from common.telemetry import configure_logging, configure_telemetry
 from common.transport.ucx_channel import UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
-from services.cpu_placement import pin_this_process
-from services.engine import Engine, EngineRole
-from services.engine_telemetry import EngineTelemetry
-from services.worker_config import WorkerConfig, WorkerReady
+from common.worker_config import WorkerConfig, WorkerReady
+from services.engine.engine import Engine, EngineRole
+from services.engine.telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
 
@@ -151,42 +144,3 @@ def _engine_config(cfg: WorkerConfig) -> EngineConfig:
         scheduler=SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs),
         attention_backend=cfg.attention_backend,
     )
-
-
-def main() -> None:
-    faulthandler.enable()  # a crash in native code (UCX, the kernel) still leaves a stack
-    cfg = msgspec.json.decode(sys.argv[1], type=WorkerConfig)
-    if cfg.cpus:  # before the worker starts threads: they inherit the mask
-        pin_this_process(cfg.cpus)
-    configure_telemetry(cfg.telemetry_name, instance_id=cfg.service_id)  # PHASEMESH_OTEL_EXPORTER
-    configure_logging()
-    torch.set_num_threads(cfg.num_threads)
-    if cfg.service == "shard":
-        from services.shard_worker import ShardWorker
-
-        worker: EngineWorker | ShardWorker = ShardWorker(cfg)
-    else:
-        worker = EngineWorker(cfg)
-    ctx: zmq.Context = zmq.Context.instance()
-    ready = ctx.socket(zmq.PUSH)
-    ready.connect(cfg.ready_endpoint)
-    ready.send(msgspec.msgpack.encode(worker.ready()))
-    ready.close(linger=1000)
-    _exit_with_parent(cfg.parent_pid)
-    worker.run()
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """A worker whose launcher died must not linger (tests kill launchers)."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)  # NOTE: a watchdog thread, off the hot path
-            if os.getppid() != parent_pid:
-                os._exit(0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-if __name__ == "__main__":
-    main()

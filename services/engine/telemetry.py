@@ -27,7 +27,7 @@ from common.protocol import LoadReport
 from common.scheduling.batching import Sequence as Seq
 from common.telemetry import DecodeSpan, Metrics, queue_span
 from common.telemetry.spans import record_kv_transfer, record_prefill
-from services.engine_runner import KvRoute
+from services.engine.runner import KvRoute
 
 GAUGE_INTERVAL_S = 0.5
 ROUND_TRIP_INTERVAL_S = 0.1  # shard round trips: one decode step at most this often

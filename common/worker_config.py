@@ -32,7 +32,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     layer_wise_min_tokens: int = 256
     attention_backend: str = "auto"
     num_threads: int = 1
-    cpus: list[int] = []  # the cores to run on (services/cpu_placement.py); empty: any
+    cpus: list[int] = []  # the cores to run on (services/launch/core_pinning.py); empty: any
     shards: list[ShardLinkSpec] = []  # token engines: their shard group
     shard_num_blocks: int = 0
     head_start: int = 0  # shards: the KV heads they hold

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.cpu_placement import GroupPlacement, place_decode_groups
+from services.launch.core_pinning import GroupPlacement, place_decode_groups
 
 
 def test_each_shard_gets_a_core_and_the_engine_shares_the_last_shards():

@@ -3,8 +3,9 @@
 `RouterTelemetry.start` opens `router.request` when the HTTP request arrives. The `RequestTrace` it
 returns follows that request:
 
-- `admission()` makes the span current while the backend admits and places the request, so
-  `MeshBackend` records the chosen engines on it and injects its context into `GenerateRequest`;
+- `admission()` makes the span current while the engine client admits and places the request,
+  so `MeshEngineClient` records the chosen engines on it and injects its context into
+  `GenerateRequest`;
 - `on_output()` sees every output as the response takes it (the SSE stream, or the collector of
   a plain response): the first token becomes a `first_token` event and a TTFT sample, each later
   one a TBT sample (one histogram record, no span event: the token engine's `token.decode` holds

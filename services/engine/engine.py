@@ -8,8 +8,8 @@
 - mixed: both; a request whose token engine is this engine and has no shards never leaves it.
 
 `Engine` owns no sockets: inputs arrive through its `on_*` methods, and `step()` returns the
-messages to send as `(endpoint, message)` pairs. `services/worker.py` wires it to ZeroMQ and UCX.
-Spans and metrics of its requests go through `self.telemetry` (`services/engine_telemetry.py`).
+messages to send as `(endpoint, message)` pairs. `worker.py` wires it to ZeroMQ
+and UCX. Spans and metrics of its requests go through `self.telemetry` (`telemetry.py`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from common.protocol import (
 )
 from common.sampling import Sampler, SamplingParams
 from common.scheduling.batching import Batch, BatchScheduler, Phase, Sequence
-from services.decode_admission import DecodeAdmission
-from services.engine_runner import KvRoute, KvSend, KvShipper, MeshModelRunner, ShardLink
-from services.engine_telemetry import EngineTelemetry
+from services.engine.admission import DecodeAdmission
+from services.engine.runner import KvRoute, KvSend, KvShipper, MeshModelRunner, ShardLink
+from services.engine.telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
 

@@ -6,7 +6,7 @@ from common.block_manager import BlockManager
 from common.config import SchedulerConfig
 from common.protocol import DecodeHandoff, SamplingSpec, ShardAddress
 from common.scheduling.batching import BatchScheduler
-from services.decode_admission import DecodeAdmission
+from services.engine.admission import DecodeAdmission
 
 BLOCK = 16
 SHARDS = [ShardAddress("tcp://shard-0", 0, 1), ShardAddress("tcp://shard-1", 1, 2)]

@@ -1,10 +1,13 @@
-"""What the router generates with: the `GenerationBackend` protocol and an in-process engine.
+"""What the router generates with: the `EngineClient` protocol and the in-process client.
 
-`LocalEngineBackend` runs one `LLMEngine` (a mixed prompt+token engine) on a background thread.
-The asyncio side only touches a command queue and per-request asyncio queues; the engine thread
-owns the engine. Admission is bounded (requests in flight, prompt tokens not yet prefilled) and
-refused with `Overloaded`, which the router turns into a 429. `services.mesh_backend.MeshBackend`
-(prompt and token engines over ZeroMQ) implements the same protocol and shares `check_admission`.
+Two clients implement the protocol, named for where generation runs:
+- `InProcessEngineClient` (here) runs one `LLMEngine` (a mixed prompt+token engine) on a
+  background thread. The asyncio side only touches a command queue and per-request asyncio
+  queues; the engine thread owns the engine.
+- `MeshEngineClient` (`mesh_client.py`) sends each request to prompt and token engines over
+  ZeroMQ.
+Both bound admission (requests in flight, prompt tokens not yet prefilled) with `check_admission`
+and refuse with `Overloaded`, which the router turns into a 429.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class Overloaded(Exception):
 
 
 @dataclass(frozen=True)
-class BackendStats:
+class EngineClientStats:
     """A snapshot for `/stats`, tests and load reports."""
 
     num_requests: int = 0  # admitted and not finished
@@ -48,7 +51,7 @@ class BackendStats:
     services: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-class GenerationBackend(Protocol):
+class EngineClient(Protocol):
     """The router's view of the engines.
 
     `generate` admits the request (or raises `Overloaded` / `ValueError` on the first
@@ -62,11 +65,20 @@ class GenerationBackend(Protocol):
 
     def abort(self, req_id: str) -> None: ...
 
-    def stats(self) -> BackendStats: ...
+    def stats(self) -> EngineClientStats: ...
+
+    limits: AdmissionLimits  # replaced in place by the deployment's `reconfigure`
 
     def ready(self) -> bool:
         """True when a request sent now can be served (engines up): `/health` says 200."""
         ...
+
+    def alive(self) -> bool:
+        """True while the client's own threads run (engines may still be starting): a false
+        answer gets the router replica restarted."""
+        ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -126,8 +138,8 @@ class _Stream:
     first_token_out: bool = False
 
 
-class LocalEngineBackend:
-    """An `LLMEngine` stepped on its own thread, behind the `GenerationBackend` protocol."""
+class InProcessEngineClient:
+    """An `LLMEngine` stepped on its own thread, behind the `EngineClient` protocol."""
 
     def __init__(self, engine: LLMEngine, limits: AdmissionLimits | None = None) -> None:
         self.engine = engine
@@ -165,10 +177,10 @@ class LocalEngineBackend:
         if self._release(req_id):
             self._commands.put(_Abort(req_id))
 
-    def stats(self) -> BackendStats:
+    def stats(self) -> EngineClientStats:
         engine = self._engine_stats
         with self._lock:
-            return BackendStats(
+            return EngineClientStats(
                 len(self._streams),
                 self._num_pending_prompt_tokens,
                 engine.num_engine_requests,
@@ -177,6 +189,9 @@ class LocalEngineBackend:
             )
 
     def ready(self) -> bool:
+        return self._thread.is_alive()
+
+    def alive(self) -> bool:
         return self._thread.is_alive()
 
     def shutdown(self) -> None:
@@ -273,9 +288,9 @@ class LocalEngineBackend:
         except RuntimeError:
             pass  # the request's event loop is closed: nobody is listening
 
-    def _snapshot_engine(self) -> BackendStats:
+    def _snapshot_engine(self) -> EngineClientStats:
         blocks = self.engine.blocks
-        return BackendStats(
+        return EngineClientStats(
             num_engine_requests=len(self.engine.requests),
             kv_blocks_used=blocks.num_used_blocks,
             kv_blocks_total=blocks.num_blocks,

@@ -1,7 +1,7 @@
-"""The router's backend for the disaggregated mesh: prompt and token engines over ZeroMQ.
+"""The router's client for the disaggregated mesh: prompt and token engines over ZeroMQ.
 
-`MeshBackend` implements `GenerationBackend`. Per request it admits (bounds -> `Overloaded`, a
-429), places (JSQ: prompt and token engine together, `services.mesh_placement`), sends one
+`MeshEngineClient` implements `EngineClient`. Per request it admits (bounds -> `Overloaded`, a
+429), places (JSQ: prompt and token engine together, `services.router.cluster_scheduler`), sends one
 `GenerateRequest` to the prompt engine with `reply_to` = this router's PULL socket, and turns the
 `TokenOutput`s that come back into `RequestOutput`s: text, hold-back and stop strings are done here
 with `common.engine.request.Request` (the engines know token ids only). A stop-string hit, or a
@@ -44,12 +44,17 @@ from common.protocol import (
 )
 from common.sampling import SamplingParams
 from common.telemetry import bind_request, inject_context, set_route
+from common.token_stream import TokenStreamOrderer
 from common.tokenizer import Tokenizer
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
-from services.backend import AdmissionLimits, BackendStats, Overloaded, check_admission
-from services.mesh_placement import NoEngines, Placement
-from services.registry import ServiceEntry
-from services.token_stream import TokenStreamOrderer
+from services.mesh.registry import ServiceEntry
+from services.router.cluster_scheduler import ClusterScheduler, NoEngines
+from services.router.engine_client import (
+    AdmissionLimits,
+    EngineClientStats,
+    Overloaded,
+    check_admission,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -70,8 +75,8 @@ class _Stream:
     traceparent: str = ""  # the request's trace, carried to the engines
 
 
-class MeshBackend:
-    """`GenerationBackend` over the mesh; `list_services` returns the registry's live entries."""
+class MeshEngineClient:
+    """`EngineClient` over the mesh; `list_services` returns the registry's live entries."""
 
     def __init__(
         self,
@@ -87,7 +92,7 @@ class MeshBackend:
         self.list_services = list_services
         self.limits = limits or AdmissionLimits()
         self.refresh_s = refresh_s
-        self.placement = Placement(block_size)
+        self.scheduler = ClusterScheduler(block_size)
         self._lock = threading.Lock()  # guards _streams, the counters and _services
         self._streams: dict[str, _Stream] = {}
         self._num_pending_prompt_tokens = 0
@@ -144,14 +149,14 @@ class MeshBackend:
         if stream is not None and self._release(req_id):
             self._send_aborts(stream, req_id)
 
-    def stats(self) -> BackendStats:
+    def stats(self) -> EngineClientStats:
         """Router counters plus what every live service holds (KV blocks used anywhere)."""
         with self._lock:
             services = list(self._services)
             num_requests, pending = len(self._streams), self._num_pending_prompt_tokens
             by_engine = dict(self._requests_by_engine)
         replies = query_stats([s.control_endpoint for s in services if s.control_endpoint])
-        return BackendStats(
+        return EngineClientStats(
             num_requests=num_requests,
             num_pending_prompt_tokens=pending,
             num_engine_requests=sum(r.num_requests for r in replies),
@@ -170,7 +175,7 @@ class MeshBackend:
 
     def ready(self) -> bool:
         """The router's threads run and there is a ready prompt and token engine."""
-        return self.alive() and self.placement.can_place()
+        return self.alive() and self.scheduler.can_place()
 
     def alive(self) -> bool:
         """The router's own threads run (engines may still be starting)."""
@@ -192,7 +197,7 @@ class MeshBackend:
             if req_id in self._streams:
                 raise ValueError(f"request id {req_id} is already in use")
             try:
-                prompt, token = self.placement.choose(num_tokens)
+                prompt, token = self.scheduler.choose(num_tokens)
             except NoEngines as exc:
                 raise Overloaded("no_engines", "No engine is ready. Please retry later.") from exc
             # The caller's current span is the request's (`RequestTrace.admission`).
@@ -284,7 +289,7 @@ class MeshBackend:
                 out = orderer.ready.popleft()
                 self._deliver(out.req_id, out)
             while (report := loads.recv_nowait()) is not None:
-                self.placement.on_load(report[1])
+                self.scheduler.on_load(report[1])
         sub.close(linger=0)
         self._replies.close()
 
@@ -314,7 +319,7 @@ class MeshBackend:
         except Exception as exc:  # noqa: BLE001 - keep the last view; the registry may restart
             log.warning("registry read failed", error=repr(exc))
             return
-        self.placement.set_engines([e for e in entries if e.is_engine and e.state == "ready"])
+        self.scheduler.set_engines([e for e in entries if e.is_engine and e.state == "ready"])
         self._wanted_loads = frozenset(e.load_endpoint for e in entries if e.load_endpoint)
         with self._lock:
             before = {e.service_id for e in self._services}
@@ -322,7 +327,7 @@ class MeshBackend:
         now = {e.service_id for e in entries}
         if now != before:
             log.info("mesh membership", joined=sorted(now - before), left=sorted(before - now),
-                     ready=self.placement.can_place())  # fmt: skip
+                     ready=self.scheduler.can_place())  # fmt: skip
         self._fail_orphans(now)
 
     def _fail_orphans(self, live_ids: set[str]) -> None:
