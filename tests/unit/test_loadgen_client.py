@@ -1,6 +1,6 @@
 """The streaming client and replay driver against a real HTTP server in a subprocess.
 
-`loadgen.sse_stub_server` is a stand-in for the HTTP transport only (PhaseMesh's router does not
+`tests.sse_stub_server` is a stand-in for the HTTP transport only (PhaseMesh's router does not
 exist yet): it streams OpenAI-style SSE chunks and can fail on demand. The tests kill it
 mid-stream, make it stall, answer errors, and check that every failure becomes a counted
 per-request error and that the run returns.
@@ -34,9 +34,9 @@ pytestmark = pytest.mark.timeout(120)
 
 @contextmanager
 def sse_stub_server(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Start `loadgen.sse_stub_server` on a free port; yield (process, base URL); kill it after."""
+    """Start `tests.sse_stub_server` on a free port; yield (process, base URL); kill it after."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loadgen.sse_stub_server", "--port", "0", *flags],
+        [sys.executable, "-m", "tests.sse_stub_server", "--port", "0", *flags],
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,

@@ -1,4 +1,4 @@
-"""A stand-in for the HTTP transport only: a tiny OpenAI-style SSE server for testing the client.
+"""For tests only: a tiny OpenAI-style SSE server standing in for the HTTP transport of the client.
 
 It is NOT a model server: it answers `POST /v1/completions` with `max_tokens` chunks of the text
 "tok", paced by `--token-delay-s`, then a usage chunk and `data: [DONE]`, over HTTP/1.1 chunked
@@ -7,7 +7,7 @@ truncated chunked body, exactly as a dying real server would. Flags inject the o
 client must survive: an HTTP error status with an OpenAI error body, an in-band error event, a
 stall (for read timeouts), and no usage chunk.
 
-Run: `python -m loadgen.sse_stub_server --port 0`; it prints `LISTENING <port>` once ready, and
+Run: `python -m tests.sse_stub_server --port 0`; it prints `LISTENING <port>` once ready, and
 with `--announce-tokens` one `TOKEN <req_index> <n>` line per chunk sent, so a test can kill it
 at a known point.
 """
