@@ -35,7 +35,7 @@ from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
 from common.telemetry import configure_logging, configure_telemetry
 from common.worker_config import WorkerConfig
-from services.mesh.registry import registry_handle
+from services.mesh.registry import RayRegistry
 from services.mesh.replica import MeshReplica, base_worker_config, start_engine, start_shard
 from services.router.engine_client import AdmissionLimits, EngineClient, InProcessEngineClient
 from services.router.mesh_client import MeshEngineClient
@@ -106,10 +106,10 @@ def _make_client(args: AppArgs) -> EngineClient:
             attention_backend=e.attention_backend,
         )
         return InProcessEngineClient(engine)
-    registry = registry_handle(serve.get_replica_context().app_name)
+    registry = RayRegistry.for_app(serve.get_replica_context().app_name)
     return MeshEngineClient(
         args.model_path(),
-        lambda: ray.get(registry.live.remote(), timeout=5),
+        registry.live,
         host=_bind_host(args.mesh),
         block_size=args.mesh.block_size,
     )
@@ -185,7 +185,7 @@ class _MeshService:
     def __init__(self, args: dict[str, Any]) -> None:
         parsed = AppArgs.model_validate(args)
         self.drain_s = parsed.mesh.drain_s
-        registry = registry_handle(serve.get_replica_context().app_name)
+        registry = RayRegistry.for_app(serve.get_replica_context().app_name)
         base, mesh = _worker_config(parsed), parsed.mesh
         service_id = _service_id(self.kind)
         _configure_observability(

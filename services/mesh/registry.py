@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 import structlog
@@ -110,13 +110,18 @@ class Registry:
         return slot
 
     def claim_group(self, token_id: str, num_slots: int) -> list[ServiceEntry] | None:
-        """One ready unclaimed shard per slot, claimed for `token_id`; None if no full group."""
+        """One ready shard per slot for `token_id`, atomically; None if no full group.
+
+        A shard `token_id` already holds keeps its slot (a group that lost one shard is made
+        whole again with a replacement, not rebuilt); other slots take an unclaimed shard.
+        """
         self._expire()
         group: list[ServiceEntry] = []
         for slot in range(num_slots):
-            free = [e for e in self._shards() if e.slot == slot and self._claimable(e)]
+            free = [e for e in self._shards() if e.slot == slot and self._claimable(e, token_id)]
             if not free:
                 return None
+            free.sort(key=lambda e: self.claimed_by.get(e.service_id) != token_id)
             group.append(free[0])
         for shard in group:
             self.claimed_by[shard.service_id] = token_id
@@ -131,8 +136,9 @@ class Registry:
     def _shards(self) -> list[ServiceEntry]:
         return [e for e in self.entries.values() if e.kind == "shard"]
 
-    def _claimable(self, shard: ServiceEntry) -> bool:
-        return shard.state == "ready" and shard.service_id not in self.claimed_by
+    def _claimable(self, shard: ServiceEntry, token_id: str) -> bool:
+        owner = self.claimed_by.get(shard.service_id, token_id)
+        return shard.state == "ready" and owner == token_id
 
     def _expire(self) -> None:
         now = self.clock()
@@ -142,15 +148,69 @@ class Registry:
                 self.unregister(service_id)
 
 
-def registry_handle(app_name: str) -> Any:
-    """This application's registry actor, created on first use (no CPU: it only keeps a dict)."""
-    actor = ray.remote(num_cpus=0, max_restarts=-1)(Registry)
-    return actor.options(  # type: ignore[attr-defined]
-        name=f"registry-{app_name}",
-        namespace=REGISTRY_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-    ).remote()
+class RegistryClient(Protocol):
+    """What replicas and launchers call on a registry: the plain `Registry` in-process (the local
+    launcher), or `RayRegistry` for the application's actor."""
+
+    def register(self, entry: ServiceEntry) -> None: ...
+
+    def heartbeat(self, service_id: str) -> bool: ...
+
+    def unregister(self, service_id: str) -> None: ...
+
+    def live(self) -> list[ServiceEntry]: ...
+
+    def take_shard_slot(self, entry: ServiceEntry, num_slots: int) -> int: ...
+
+    def claim_group(self, token_id: str, num_slots: int) -> list[ServiceEntry] | None: ...
+
+    def shard_census(self) -> tuple[int, int]: ...
+
+
+class RayRegistry:
+    """The registry actor behind `Registry`'s method names; every call waits at most `timeout_s`."""
+
+    def __init__(self, handle: Any, timeout_s: float = 10.0) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def for_app(cls, app_name: str) -> RayRegistry:
+        """This application's registry actor, created on first use (no CPU: it keeps a dict)."""
+        actor = ray.remote(num_cpus=0, max_restarts=-1)(Registry)
+        handle = actor.options(  # type: ignore[attr-defined]
+            name=f"registry-{app_name}",
+            namespace=REGISTRY_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+        ).remote()
+        return cls(handle)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return ray.get(getattr(self.handle, method).remote(*args), timeout=self.timeout_s)
+
+    def register(self, entry: ServiceEntry) -> None:
+        self._call("register", entry)
+
+    def heartbeat(self, service_id: str) -> bool:
+        return bool(self._call("heartbeat", service_id))
+
+    def unregister(self, service_id: str) -> None:
+        self._call("unregister", service_id)
+
+    def live(self) -> list[ServiceEntry]:
+        return list(self._call("live"))
+
+    def take_shard_slot(self, entry: ServiceEntry, num_slots: int) -> int:
+        return int(self._call("take_shard_slot", entry, num_slots))
+
+    def claim_group(self, token_id: str, num_slots: int) -> list[ServiceEntry] | None:
+        group = self._call("claim_group", token_id, num_slots)
+        return None if group is None else list(group)
+
+    def shard_census(self) -> tuple[int, int]:
+        num_live, num_unclaimed = self._call("shard_census")
+        return int(num_live), int(num_unclaimed)
 
 
 class Membership:
@@ -162,7 +222,7 @@ class Membership:
 
     def __init__(
         self,
-        registry: Any,
+        registry: RegistryClient,
         entry: ServiceEntry,
         alive: Callable[[], bool] = lambda: True,
         interval_s: float = HEARTBEAT_INTERVAL_S,
@@ -181,7 +241,7 @@ class Membership:
     def update(self, **changes: Any) -> None:
         """Change this replica's entry (state, endpoints) and publish it now."""
         self.entry = replace(self.entry, **changes)
-        ray.get(self.registry.register.remote(self.entry), timeout=30)
+        self.registry.register(self.entry)
         self.last_ok = time.monotonic()
 
     def healthy(self) -> bool:
@@ -191,7 +251,7 @@ class Membership:
         self._stopped.set()
         if unregister:
             try:
-                ray.get(self.registry.unregister.remote(self.entry.service_id), timeout=5)
+                self.registry.unregister(self.entry.service_id)
             except Exception as exc:  # noqa: BLE001 - shutting down; the entry expires anyway
                 log.warning("unregister failed", error=repr(exc))
 
@@ -208,7 +268,6 @@ class Membership:
                 log.warning("heartbeat failed", error=repr(exc))
 
     def _beat_once(self) -> None:
-        known = ray.get(self.registry.heartbeat.remote(self.entry.service_id), timeout=5)
-        if not known:
-            ray.get(self.registry.register.remote(self.entry), timeout=5)
+        if not self.registry.heartbeat(self.entry.service_id):
+            self.registry.register(self.entry)
         self.last_ok = time.monotonic()

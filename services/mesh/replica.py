@@ -19,17 +19,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import msgspec
-import ray
 import structlog
 import torch
 
 from common.config import ModelConfig
 from common.worker_config import ShardLinkSpec, WorkerConfig
 from services.engine.worker import EngineWorker
-from services.mesh.registry import Membership, ServiceEntry
+from services.mesh.registry import Membership, RegistryClient, ServiceEntry
 from services.shard.worker import ShardWorker
 
 log = structlog.get_logger(__name__)
@@ -114,7 +112,7 @@ class MeshReplica:
 def start_engine(
     kind: str,
     service_id: str,
-    registry: Any,
+    registry: RegistryClient,
     base: WorkerConfig,
     shards_per_group: int,
     shard_wait_s: float,
@@ -149,7 +147,7 @@ def start_engine(
 
 
 def start_shard(
-    service_id: str, registry: Any, base: WorkerConfig, shards_per_group: int
+    service_id: str, registry: RegistryClient, base: WorkerConfig, shards_per_group: int
 ) -> MeshReplica:
     """An attention shard: take a head-range slot, start the worker, register as ready."""
     torch.set_num_threads(base.num_threads)
@@ -158,7 +156,7 @@ def start_shard(
     if num_kv_heads % num_slots:
         raise ValueError(f"{num_kv_heads} KV heads do not split over {num_slots} shards")
     entry = ServiceEntry(kind="shard", service_id=service_id, role="shard")
-    slot = int(ray.get(registry.take_shard_slot.remote(entry, num_slots), timeout=30))
+    slot = registry.take_shard_slot(entry, num_slots)
     membership = Membership(registry, replace(entry, slot=slot))
     membership.start()  # holds the slot while the shard allocates its KV
     width = num_kv_heads // num_slots
@@ -180,7 +178,7 @@ def start_shard(
 
 
 def claim_shard_group(
-    registry: Any, token_id: str, num_slots: int, wait_s: float
+    registry: RegistryClient, token_id: str, num_slots: int, wait_s: float
 ) -> list[ServiceEntry]:
     """A full shard group for `token_id`, or [] (local attention) if none frees up in time."""
     if num_slots == 0:
@@ -188,10 +186,10 @@ def claim_shard_group(
     deadline = time.monotonic() + wait_s
     all_claimed_since: float | None = None
     while time.monotonic() < deadline:
-        group = ray.get(registry.claim_group.remote(token_id, num_slots), timeout=30)
+        group = registry.claim_group(token_id, num_slots)
         if group:
             return list(group)
-        num_live, num_unclaimed = ray.get(registry.shard_census.remote(), timeout=30)
+        num_live, num_unclaimed = registry.shard_census()
         now = time.monotonic()
         if num_live and not num_unclaimed:
             all_claimed_since = all_claimed_since or now

@@ -75,3 +75,38 @@ def test_a_claim_ends_with_its_token_engine() -> None:
     assert [e.service_id for e in registry.live()] == ["s0"]
     group = registry.claim_group("t1", 1)
     assert group is not None and group[0].service_id == "s0"
+
+
+def ready_shard(service_id: str, slot: int) -> ServiceEntry:
+    return ServiceEntry(kind="shard", service_id=service_id, role="shard", state="ready", slot=slot)
+
+
+def test_a_group_that_lost_a_shard_is_made_whole_with_its_replacement() -> None:
+    clock = Clock()
+    registry = Registry(max_age_s=5, clock=clock)
+    for i in range(2):
+        registry.take_shard_slot(shard(f"s{i}"), 2)
+        registry.register(ready_shard(f"s{i}", i))
+    first = registry.claim_group("t0", 2)
+    assert first is not None and [e.service_id for e in first] == ["s0", "s1"]
+    clock.now = 4
+    registry.heartbeat("s0")
+    clock.now = 8  # s1 died (SIGKILL: no unregister); s0 lives on, still t0's
+    assert registry.take_shard_slot(shard("s1b"), 2) == 1  # the replacement takes the free slot
+    assert registry.claim_group("t0", 2) is None  # still starting
+    registry.register(ready_shard("s1b", 1))
+    assert registry.claim_group("t1", 2) is None  # s0 is t0's: no other engine gets half of it
+    regrouped = registry.claim_group("t0", 2)
+    assert regrouped is not None and [e.service_id for e in regrouped] == ["s0", "s1b"]
+    assert registry.shard_census() == (2, 0)
+
+
+def test_a_reclaim_prefers_the_shards_the_engine_already_holds() -> None:
+    registry = Registry(clock=Clock())
+    for i, slot in enumerate([0, 1, 0]):
+        registry.take_shard_slot(shard(f"s{i}"), 2)
+        registry.register(ready_shard(f"s{i}", slot))
+    registry.claim_group("t0", 2)  # s0, s1
+    again = registry.claim_group("t0", 2)
+    assert again is not None and [e.service_id for e in again] == ["s0", "s1"]
+    assert registry.shard_census() == (3, 1)  # s2 stays free for another engine

@@ -1,0 +1,60 @@
+"""Keeping a token engine's shard group whole while shards die and restart (Lamina §5).
+
+A token engine decodes against one shard per head-range slot. When a shard leaves the registry
+(it stopped heartbeating: killed, or its worker died), the group is broken: the engine must stop
+using that link and the requests decoding against it move elsewhere (the router re-runs them from
+their tokens). Ray Serve restarts the shard; the replacement registers in the same slot, and the
+keeper claims it, so the engine links to it and is whole again, with nothing else restarted.
+
+`ShardGroupKeeper.check()` is called periodically by whoever runs the engine (the Ray replica's
+watch thread, or the local launcher's supervisor) and says what changed; it never touches links.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.mesh.registry import RegistryClient, ServiceEntry
+
+
+@dataclass(frozen=True)
+class GroupChange:
+    """What a check found: shards that left, and the group to link to now (empty: none yet)."""
+
+    lost: tuple[str, ...]
+    group: tuple[ServiceEntry, ...]
+
+
+class ShardGroupKeeper:
+    """One token engine's view of its shard group in the registry."""
+
+    def __init__(
+        self,
+        registry: RegistryClient,
+        token_id: str,
+        num_slots: int,
+        group: Sequence[ServiceEntry] = (),
+    ) -> None:
+        self.registry = registry
+        self.token_id = token_id
+        self.num_slots = num_slots
+        self.group: tuple[ServiceEntry, ...] = tuple(group)
+
+    def check(self) -> GroupChange | None:
+        """None while nothing changed; else the lost shards and the group claimed in their place.
+
+        A broken group is reported at once with `group=()` when no replacement is ready yet; a
+        later check reports the whole group when the replacement has registered.
+        """
+        if self.num_slots == 0:
+            return None
+        ready = {e.service_id for e in self.registry.live() if e.state == "ready"}
+        lost = tuple(s.service_id for s in self.group if s.service_id not in ready)
+        if self.group and not lost:
+            return None
+        claimed = tuple(self.registry.claim_group(self.token_id, self.num_slots) or ())
+        if not lost and not claimed:
+            return None  # no group before, none now
+        self.group = claimed
+        return GroupChange(lost, claimed)
