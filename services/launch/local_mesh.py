@@ -32,7 +32,7 @@ from common.worker_config import ShardLinkSpec, WorkerConfig, WorkerReady
 from services.launch.core_pinning import GroupPlacement, place_decode_groups
 
 log = structlog.get_logger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
