@@ -27,11 +27,14 @@ class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
 
 
 class ShardAddress(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """Where one attention shard of a group receives KV pages, and which KV heads it holds."""
+    """One attention shard of a token engine's group: where it receives KV pages, which KV heads
+    it holds, and (for the token engine) its UCX link address and service id."""
 
     kv_endpoint: str
     head_start: int
     head_end: int
+    link_address: str = ""
+    service_id: str = ""
 
 
 class _Msg(msgspec.Struct, tag_field="kind", array_like=True, omit_defaults=True):
@@ -56,6 +59,9 @@ class GenerateRequest(_Msg, tag="generate"):
     token_kv_endpoint: str  # its local-KV ingress
     shards: list[ShardAddress] = []
     traceparent: str = ""
+    # A migrated request (its engines died): the tokens it already streamed. The prompt engine
+    # prefills prompt + these and samples the next one, so the stream continues where it was.
+    output_token_ids: list[int] = []
 
 
 class AbortRequest(_Msg, tag="abort"):
@@ -86,7 +92,20 @@ class DecodeHandoff(_Msg, tag="handoff"):
     traceparent: str = ""
 
 
-EngineCommand = GenerateRequest | DecodeHandoff | AbortRequest | StatsRequest | Shutdown
+class LinkShards(_Msg, tag="link_shards"):
+    """The token engine's shard group from now on (empty: local attention until a new one).
+
+    Sent by whoever keeps the group whole (`services.mesh.shard_group`): the engine drops links
+    to shards not in it, links to the new ones, and requests decoding against a lost shard end
+    with a retryable error so the router re-runs them elsewhere.
+    """
+
+    shards: list[ShardAddress]
+
+
+EngineCommand = (
+    GenerateRequest | DecodeHandoff | AbortRequest | StatsRequest | Shutdown | LinkShards
+)
 
 
 # -- engines -> router (token stream) --------------------------------------------------------------
@@ -106,6 +125,9 @@ class TokenOutput(_Msg, tag="tokens"):
     num_prompt_tokens: int = 0
     error: str = ""
     index: int = 0
+    # The error is the service's, not the request's (a shard link broke): the router may re-run
+    # the request elsewhere from its tokens instead of failing it.
+    retryable: bool = False
 
 
 class KvEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
