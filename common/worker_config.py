@@ -6,15 +6,7 @@ from pathlib import Path
 
 import msgspec
 
-
-class ShardLinkSpec(msgspec.Struct, frozen=True):
-    """One shard of a token engine's group: its UCX link address and KV heads."""
-
-    link_address: str
-    kv_endpoint: str
-    head_start: int
-    head_end: int
-    service_id: str = ""  # the shard's, for span attributes
+from common.protocol import ShardAddress
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,7 +25,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     attention_backend: str = "auto"
     num_threads: int = 1
     cpus: list[int] = []  # the cores to run on (services/launch/core_pinning.py); empty: any
-    shards: list[ShardLinkSpec] = []  # token engines: their shard group
+    shards: list[ShardAddress] = []  # token engines: their shard group
     shard_num_blocks: int = 0
     head_start: int = 0  # shards: the KV heads they hold
     head_end: int = 0

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -28,8 +28,10 @@ from common.protocol import (
     StatsRequest,
 )
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
-from common.worker_config import ShardLinkSpec, WorkerConfig, WorkerReady
+from common.worker_config import WorkerConfig, WorkerReady
 from services.launch.core_pinning import GroupPlacement, place_decode_groups
+from services.launch.supervisor import Supervisor
+from services.mesh.registry import Registry, ServiceEntry
 
 log = structlog.get_logger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -68,124 +70,158 @@ class TokenEngineInfo:
 
 
 @dataclass
-class LocalMesh:
-    """The running processes of a topology and their endpoints."""
+class LocalWorker:
+    """One worker process: the config it was started with, the process, what it reported."""
 
-    topology: Topology
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    prompt: list[WorkerReady] = field(default_factory=list)
-    token: list[TokenEngineInfo] = field(default_factory=list)
-    shards: list[WorkerReady] = field(default_factory=list)
+    cfg: WorkerConfig
+    proc: subprocess.Popen[bytes]
+    ready: WorkerReady
+
+    @property
+    def service_id(self) -> str:
+        return self.cfg.service_id
+
+
+class LocalMesh:
+    """The running processes of a topology, registered in an in-process `Registry`.
+
+    The registry holds what a router needs (`registry.live`, as on Ray), and the `Supervisor`
+    (`supervisor.py`) restarts a worker that dies and keeps token engines' shard groups whole.
+    """
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        # NOTE: entries are heartbeated by the supervisor and removed the moment a process exits;
+        # the age bound only matters if the supervisor itself stalls.
+        self.registry = Registry(max_age_s=60.0)
+        self.workers: dict[str, LocalWorker] = {}  # shards, token engines, prompt engines
+        self.supervisor: Supervisor | None = None
+        self._ctx: zmq.Context = zmq.Context.instance()
+        self._ready_sock, self._ready_endpoint = bind_random(self._ctx, zmq.PULL)
 
     @classmethod
-    def start(cls, topology: Topology, timeout: float = 120.0) -> LocalMesh:
+    def start(cls, topology: Topology, timeout: float = 120.0, supervise: bool = True) -> LocalMesh:
         mesh = cls(topology)
         try:
             mesh._start_all(timeout)
         except BaseException:
             mesh.close()
             raise
+        if supervise:
+            mesh.supervisor = Supervisor(mesh)
         return mesh
 
     def _start_all(self, timeout: float) -> None:
-        ctx: zmq.Context = zmq.Context.instance()
-        ready_sock, ready_endpoint = bind_random(ctx, zmq.PULL)
-        try:
-            t = self.topology
-            base = WorkerConfig(
-                service="engine", service_id="", model_path=t.model_path,
-                ready_endpoint=ready_endpoint, parent_pid=os.getpid(), num_blocks=t.num_blocks,
-                block_size=t.block_size, attention_backend=t.attention_backend,
-                num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
-            )  # fmt: skip
-            cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
-            placements = place_decode_groups(t.num_token, t.num_shards // t.num_token, cores)
-            groups = self._start_shards(base, placements, ready_sock, timeout)
-            self._start_token_engines(base, groups, placements, ready_sock, timeout)
-            prompt = [
-                msgspec.structs.replace(base, service_id=f"prompt-{i}", role="prompt")
-                for i in range(t.num_prompt)
-            ]
-            self.prompt = self._spawn(prompt, ready_sock, timeout)
-        finally:
-            ready_sock.close(linger=0)
-
-    def _start_shards(
-        self,
-        base: WorkerConfig,
-        placements: list[GroupPlacement],
-        ready_sock: zmq.Socket,
-        timeout: float,
-    ) -> list[list[ShardLinkSpec]]:
-        """Start every shard; return each token engine's group (heads split evenly)."""
         t = self.topology
-        per_group = t.num_shards // t.num_token
+        base = WorkerConfig(
+            service="engine", service_id="", model_path=t.model_path,
+            ready_endpoint=self._ready_endpoint, parent_pid=os.getpid(), num_blocks=t.num_blocks,
+            block_size=t.block_size, attention_backend=t.attention_backend,
+            num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
+        )  # fmt: skip
+        cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
+        placements = place_decode_groups(t.num_token, self.shards_per_group, cores)
+        for worker in self.spawn(self._shard_configs(base, placements), timeout):
+            self.registry.register(entry_of(worker))
+        token = [
+            msgspec.structs.replace(
+                base,
+                service_id=f"token-{e}",
+                role="token",
+                shard_num_blocks=t.num_blocks,
+                cpus=list(placements[e].engine),
+            )  # fmt: skip
+            for e in range(t.num_token)
+        ]
+        for worker in self.spawn([self.with_group(cfg) for cfg in token], timeout):
+            self.registry.register(entry_of(worker))
+        prompt = [
+            msgspec.structs.replace(base, service_id=f"prompt-{i}", role="prompt")
+            for i in range(t.num_prompt)
+        ]
+        for worker in self.spawn(prompt, timeout):
+            self.registry.register(entry_of(worker))
+
+    @property
+    def shards_per_group(self) -> int:
+        return self.topology.num_shards // self.topology.num_token
+
+    def _shard_configs(
+        self, base: WorkerConfig, placements: list[GroupPlacement]
+    ) -> list[WorkerConfig]:
+        """One config per shard; shard i holds head range i % shards_per_group."""
+        t, per_group = self.topology, self.shards_per_group
         if not per_group:
-            return [[] for _ in range(t.num_token)]
+            return []
         num_kv_heads = _num_kv_heads(t.model_path)
         if num_kv_heads % per_group:
             raise ValueError(f"{num_kv_heads} KV heads do not split over {per_group} shards")
         width = num_kv_heads // per_group
-        cfgs = [
+        return [
             msgspec.structs.replace(
                 base,
                 service="shard",
                 service_id=f"shard-{i}",
+                role="shard",
                 head_start=(i % per_group) * width,
                 head_end=(i % per_group + 1) * width,
                 cpus=list(placements[i // per_group].shards[i % per_group]),
             )  # fmt: skip
             for i in range(t.num_shards)
         ]
-        self.shards = self._spawn(cfgs, ready_sock, timeout)
-        links = [
-            ShardLinkSpec(r.link_address, r.kv_endpoint, c.head_start, c.head_end, r.service_id)
-            for c, r in zip(cfgs, self.shards, strict=True)
-        ]
-        return [links[e * per_group : (e + 1) * per_group] for e in range(t.num_token)]
 
-    def _start_token_engines(
-        self,
-        base: WorkerConfig,
-        groups: list[list[ShardLinkSpec]],
-        placements: list[GroupPlacement],
-        ready_sock: zmq.Socket,
-        timeout: float,
-    ) -> None:
-        cfgs = [
-            msgspec.structs.replace(
-                base,
-                service_id=f"token-{e}",
-                role="token",
-                shards=group,
-                shard_num_blocks=self.topology.num_blocks,
-                cpus=list(placements[e].engine),
+    def with_group(self, cfg: WorkerConfig) -> WorkerConfig:
+        """A token engine's config with a shard group claimed for it (none if none is free)."""
+        group = self.registry.claim_group(cfg.service_id, self.shards_per_group) or []
+        return msgspec.structs.replace(cfg, shards=[e.shard_address() for e in group])
+
+    def spawn(self, cfgs: list[WorkerConfig], timeout: float) -> list[LocalWorker]:
+        """Start workers and wait until each has reported its endpoints."""
+        procs = {
+            cfg.service_id: subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "services.launch.worker_process",
+                    msgspec.json.encode(cfg).decode(),
+                ],
+                cwd=REPO_ROOT,
+                env=self._env(cfg),
             )  # fmt: skip
-            for e, group in enumerate(groups)
-        ]
-        for group, ready in zip(groups, self._spawn(cfgs, ready_sock, timeout), strict=True):
-            addrs = [ShardAddress(s.kv_endpoint, s.head_start, s.head_end) for s in group]
-            self.token.append(TokenEngineInfo(ready, addrs))
-
-    def _spawn(
-        self, cfgs: list[WorkerConfig], ready_sock: zmq.Socket, timeout: float
-    ) -> list[WorkerReady]:
-        for cfg in cfgs:
-            cmd = [
-                sys.executable,
-                "-m",
-                "services.launch.worker_process",
-                msgspec.json.encode(cfg).decode(),
-            ]
-            self.procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=self._env(cfg)))
+            for cfg in cfgs
+        }
         readies: dict[str, WorkerReady] = {}
         deadline = time.monotonic() + timeout
         while len(readies) < len(cfgs):
-            if ready_sock.poll(max(0, int((deadline - time.monotonic()) * 1000))) == 0:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if self._ready_sock.poll(left_ms) == 0:
                 raise TimeoutError(f"services not ready in {timeout} s: {len(readies)}/{len(cfgs)}")
-            ready = msgspec.msgpack.decode(ready_sock.recv(), type=WorkerReady)
-            readies[ready.service_id] = ready
-        return [readies[c.service_id] for c in cfgs]
+            ready = msgspec.msgpack.decode(self._ready_sock.recv(), type=WorkerReady)
+            if ready.service_id in procs:  # NOTE: a late report of an earlier, dead start is not
+                readies[ready.service_id] = ready
+        workers = [LocalWorker(c, procs[c.service_id], readies[c.service_id]) for c in cfgs]
+        self.workers.update((w.service_id, w) for w in workers)
+        return workers
+
+    def restart(self, dead: LocalWorker, timeout: float = 120.0) -> LocalWorker:
+        """Replace a worker whose process exited, as Serve replaces a replica: a new service id
+        (`token-0.1`, ...), so routers see one service leave and another join; a token engine
+        claims a group again. The replacement keeps the dead one's place in `workers`."""
+        self.registry.unregister(dead.service_id)
+        base_id, _, generation = dead.service_id.partition(".")
+        cfg = msgspec.structs.replace(dead.cfg, service_id=f"{base_id}.{int(generation or 0) + 1}")
+        if cfg.role == "token":
+            cfg = self.with_group(cfg)
+        [worker] = self.spawn([cfg], timeout)
+        self.workers = {
+            (worker.service_id if key == dead.service_id else key): (
+                worker if key == dead.service_id else w
+            )
+            for key, w in self.workers.items()
+            if key != worker.service_id
+        }
+        self.registry.register(entry_of(worker))
+        return worker
 
     def _env(self, cfg: WorkerConfig) -> dict[str, str]:
         env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}
@@ -194,21 +230,46 @@ class LocalMesh:
             env["PHASEMESH_OTEL_EXPORTER"] = exporter
         return env
 
+    # -- views for tests, benches and the direct client ---------------------------------------
+
+    def _of(self, service: str, role: str = "") -> list[LocalWorker]:
+        return [
+            w for w in self.workers.values()
+            if w.cfg.service == service and (not role or w.cfg.role == role)
+        ]  # fmt: skip
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        """Every process, shards first, then token engines, then prompt engines."""
+        return [w.proc for w in self.workers.values()]
+
+    @property
+    def prompt(self) -> list[WorkerReady]:
+        return [w.ready for w in self._of("engine", "prompt")]
+
+    @property
+    def token(self) -> list[TokenEngineInfo]:
+        return [TokenEngineInfo(w.ready, list(w.cfg.shards)) for w in self._of("engine", "token")]
+
+    @property
+    def shards(self) -> list[WorkerReady]:
+        return [w.ready for w in self._of("shard")]
+
     def control_endpoints(self) -> list[str]:
-        engines = [r.control_endpoint for r in self.prompt] + [
-            t.ready.control_endpoint for t in self.token
+        return [w.ready.control_endpoint for w in self._of("engine")] + [
+            s.control_endpoint for s in self.shards
         ]
-        return engines + [s.control_endpoint for s in self.shards]
 
     def stats(self, timeout: float = 10.0) -> list[EngineStats]:
         """Ask every service what it holds (KV blocks in use, live requests)."""
         return [service_stats(endpoint, timeout) for endpoint in self.control_endpoints()]
 
     def close(self) -> None:
-        ctx: zmq.Context = zmq.Context.instance()
-        pool: PushPool[object] = PushPool(ctx, object)
-        for r in self.prompt + [t.ready for t in self.token]:
-            pool.get(r.command_endpoint).send(Shutdown())
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        pool: PushPool[object] = PushPool(self._ctx, object)
+        for w in self._of("engine"):
+            pool.get(w.ready.command_endpoint).send(Shutdown())
         for s in self.shards:
             pool.get(s.kv_endpoint).send_tensors(Shutdown(), [])
         time.sleep(0.2)  # NOTE: let the shutdown messages leave before the sockets close
@@ -219,6 +280,21 @@ class LocalMesh:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._ready_sock.close(linger=0)
+
+
+def entry_of(worker: LocalWorker) -> ServiceEntry:
+    """The registry entry of a started worker, as a Ray replica registers itself."""
+    cfg, r = worker.cfg, worker.ready
+    kind = "shard" if cfg.service == "shard" else cfg.role
+    slot = cfg.head_start // (cfg.head_end - cfg.head_start) if kind == "shard" else -1
+    return ServiceEntry(
+        kind=kind, service_id=cfg.service_id, role=kind, state="ready",
+        command_endpoint=r.command_endpoint, kv_endpoint=r.kv_endpoint,
+        control_endpoint=r.control_endpoint, load_endpoint=r.load_endpoint,
+        link_address=r.link_address, head_start=cfg.head_start, head_end=cfg.head_end,
+        slot=slot, shards=tuple(cfg.shards),
+    )  # fmt: skip
 
 
 def service_stats(control_endpoint: str, timeout: float = 10.0) -> EngineStats:

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 import ray
 import structlog
 
+from common.protocol import ShardAddress
+
 log = structlog.get_logger(__name__)
 
 REGISTRY_NAMESPACE = "phasemesh"
@@ -38,7 +40,7 @@ class ServiceEntry:
 
     `state`: starting (not routable; a shard holding its slot), ready, or draining (finishes what
     it has, takes nothing new). Token engines list their shard group in `shards` as
-    `(kv_endpoint, head_start, head_end)`; empty means local attention.
+    `ShardAddress`es; empty means local attention.
     """
 
     kind: str
@@ -53,11 +55,17 @@ class ServiceEntry:
     head_start: int = 0
     head_end: int = 0
     slot: int = -1  # shards: which head range of a group
-    shards: tuple[tuple[str, int, int], ...] = ()
+    shards: tuple[ShardAddress, ...] = ()
 
     @property
     def is_engine(self) -> bool:
         return self.kind in ("prompt", "token", "mixed")
+
+    def shard_address(self) -> ShardAddress:
+        """How a token engine and prompt engines reach this shard."""
+        return ShardAddress(
+            self.kv_endpoint, self.head_start, self.head_end, self.link_address, self.service_id
+        )
 
 
 class Registry:

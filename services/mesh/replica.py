@@ -25,7 +25,7 @@ import structlog
 import torch
 
 from common.config import ModelConfig
-from common.worker_config import ShardLinkSpec, WorkerConfig
+from common.worker_config import WorkerConfig
 from services.engine.worker import EngineWorker
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
 from services.shard.worker import ShardWorker
@@ -125,10 +125,7 @@ def start_engine(
     if kind == "token" and not group:
         log.warning("no free shard group: this token engine decodes with local attention",
                     service_id=service_id)  # fmt: skip
-    links = [
-        ShardLinkSpec(s.link_address, s.kv_endpoint, s.head_start, s.head_end, s.service_id)
-        for s in group
-    ]
+    links = [s.shard_address() for s in group]
     cfg = replace_cfg(base, service="engine", service_id=service_id, role=kind, shards=links)
     thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
     assert isinstance(thread.worker, EngineWorker)
@@ -137,7 +134,7 @@ def start_engine(
         kind=kind, service_id=service_id, role=kind, state="ready",
         command_endpoint=ready.command_endpoint, kv_endpoint=ready.kv_endpoint,
         control_endpoint=ready.control_endpoint, load_endpoint=ready.load_endpoint,
-        shards=tuple((s.kv_endpoint, s.head_start, s.head_end) for s in group),
+        shards=tuple(links),
     )  # fmt: skip
     membership = Membership(registry, entry, alive=thread.alive)
     membership.update()

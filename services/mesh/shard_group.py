@@ -51,10 +51,14 @@ class ShardGroupKeeper:
             return None
         ready = {e.service_id for e in self.registry.live() if e.state == "ready"}
         lost = tuple(s.service_id for s in self.group if s.service_id not in ready)
-        if self.group and not lost:
+        if not lost and len(self.group) == self.num_slots:
             return None
         claimed = tuple(self.registry.claim_group(self.token_id, self.num_slots) or ())
-        if not lost and not claimed:
-            return None  # no group before, none now
+        if not lost and _ids(claimed) == _ids(self.group):
+            return None  # still no (whole) group, nothing new
         self.group = claimed
         return GroupChange(lost, claimed)
+
+
+def _ids(group: Sequence[ServiceEntry]) -> list[str]:
+    return [e.service_id for e in group]

@@ -38,7 +38,6 @@ from common.protocol import (
     GenerateRequest,
     LoadReport,
     ServiceReply,
-    ShardAddress,
     StatsRequest,
     TokenOutput,
 )
@@ -214,7 +213,7 @@ class MeshEngineClient:
             req_id=req_id, prompt_token_ids=list(prompt_ids), sampling=params.to_spec(),
             reply_to=self.reply_endpoint, token_engine=token.command_endpoint,
             token_kv_endpoint=token.kv_endpoint,
-            shards=[ShardAddress(kv, start, end) for kv, start, end in token.shards],
+            shards=list(token.shards),
             traceparent=stream.traceparent,
         )  # fmt: skip
         self._send(prompt.command_endpoint, msg)
@@ -224,8 +223,7 @@ class MeshEngineClient:
         """The service ids of a token engine's shard group (its entry lists their KV endpoints).
 
         Called with `_lock` held."""
-        by_endpoint = {e.kv_endpoint: e.service_id for e in self._services if e.kind == "shard"}
-        return [by_endpoint.get(kv, kv) for kv, _, _ in token.shards]
+        return [s.service_id or s.kv_endpoint for s in token.shards]
 
     def _to_outputs(self, request: Request, msg: TokenOutput) -> list[RequestOutput]:
         """Detokenize an engine message; the engine's finish reason wins if ours differs."""

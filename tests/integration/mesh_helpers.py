@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 
 from common.protocol import SamplingSpec
-from common.worker_config import WorkerReady
 from services.launch.core_pinning import place_decode_groups
 from services.launch.direct_client import DirectMeshClient
 from services.launch.local_mesh import LocalMesh
-from services.mesh.registry import ServiceEntry
 
 
 def run_staggered(
@@ -56,38 +54,3 @@ def assert_decode_groups_pinned(mesh: LocalMesh) -> None:
     for proc, cores in zip(mesh.procs, expected, strict=True):
         for tid in os.listdir(f"/proc/{proc.pid}/task"):
             assert os.sched_getaffinity(int(tid)) == cores, (proc.args[-1][:80], tid)
-
-
-def registry_entries(mesh: LocalMesh) -> list[ServiceEntry]:
-    """What the registry would list for a launched mesh (every service ready), for a
-    `MeshEngineClient`."""
-
-    def engine_entry(kind: str, r: WorkerReady, **extra: object) -> ServiceEntry:
-        return ServiceEntry(
-            kind=kind, service_id=r.service_id, role=kind, state="ready",
-            command_endpoint=r.command_endpoint, kv_endpoint=r.kv_endpoint,
-            control_endpoint=r.control_endpoint, load_endpoint=r.load_endpoint, **extra,
-        )  # fmt: skip
-
-    entries = [engine_entry("prompt", r) for r in mesh.prompt]
-    entries += [
-        engine_entry(
-            "token",
-            t.ready,
-            shards=tuple((s.kv_endpoint, s.head_start, s.head_end) for s in t.shards),
-        )
-        for t in mesh.token
-    ]
-    entries += [
-        ServiceEntry(
-            kind="shard",
-            service_id=s.service_id,
-            role="shard",
-            state="ready",
-            kv_endpoint=s.kv_endpoint,
-            control_endpoint=s.control_endpoint,
-            link_address=s.link_address,
-        )
-        for s in mesh.shards
-    ]
-    return entries

@@ -36,7 +36,6 @@ from common.telemetry import Metrics, configure_telemetry
 from services.launch.local_mesh import LocalMesh, Topology
 from services.router.mesh_client import MeshEngineClient
 from services.router.server import Router
-from tests.integration.mesh_helpers import registry_entries
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -153,8 +152,7 @@ def test_one_connected_trace_per_request_matching_the_client(
     router_spans.clear()
     mesh = LocalMesh.start(topology)
     try:
-        entries = registry_entries(mesh)
-        backend = MeshEngineClient(tiny_model_path, lambda: entries, refresh_s=60)
+        backend = MeshEngineClient(tiny_model_path, mesh.registry.live, refresh_s=60)
         router = Router(backend, tiny_model_path)
         meter = MeterProvider(metric_readers=[reader]).get_meter("test")
         router.telemetry.metrics = Metrics(model_name="tiny", meter=meter, use_ray=False)

@@ -67,3 +67,19 @@ def test_local_attention_engines_never_claim() -> None:
     start_shard(registry, "s0", 1)
     assert ShardGroupKeeper(registry, "t0", 0).check() is None
     assert registry.shard_census() == (1, 1)
+
+
+def test_a_keeper_started_on_a_partial_group_makes_it_whole() -> None:
+    # The engine's shard died before anyone watched: the keeper starts with half a group.
+    registry = Registry(clock=Clock())
+    start_shard(registry, "s0", 2)
+    start_shard(registry, "s1", 2)
+    [s0, _] = registry.claim_group("t0", 2) or []
+    registry.unregister("s1")
+    keeper = ShardGroupKeeper(registry, "t0", 2, [s0])
+    change = keeper.check()
+    assert change is not None and change.group == ()  # no whole group yet: local attention
+    assert keeper.check() is None
+    start_shard(registry, "s1b", 2)
+    change = keeper.check()
+    assert change is not None and ids(change.group) == ["s0", "s1b"]

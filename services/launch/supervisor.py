@@ -1,0 +1,96 @@
+"""For a `LocalMesh`, what Ray Serve and the registry do for replicas: restarts and shard groups.
+
+Every `interval_s` the supervisor thread
+- drops a worker whose process exited from the registry and starts a replacement
+  (`LocalMesh.restart`), so routers reading the registry see it leave and its successor join;
+- heartbeats the live workers' registry entries (the processes are its children: it knows);
+- keeps every token engine's shard group whole (`ShardGroupKeeper`): a lost shard is reported to
+  the engine at once as a `LinkShards` without it, the replacement as a `LinkShards` with it.
+
+A dead launcher takes its workers with it (`worker_process` exits with its parent), so nothing
+here outlives the mesh. A restart blocks the loop while the new worker loads (seconds).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+import zmq
+
+from common.protocol import LinkShards
+from common.transport.zmq_sockets import PushPool
+from services.mesh.shard_group import GroupChange, ShardGroupKeeper
+
+if TYPE_CHECKING:
+    from services.launch.local_mesh import LocalMesh, LocalWorker
+
+log = structlog.get_logger(__name__)
+
+
+class Supervisor:
+    """The thread that keeps a `LocalMesh` whole; see the module docstring."""
+
+    def __init__(self, mesh: LocalMesh, interval_s: float = 0.1) -> None:
+        self.mesh = mesh
+        self.interval_s = interval_s
+        self.num_restarts = 0
+        self.keepers: dict[str, ShardGroupKeeper] = {}
+        self._push: PushPool[LinkShards] = PushPool(zmq.Context.instance(), LinkShards)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="local-mesh-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=150)
+        self._push.close()
+
+    def _run(self) -> None:
+        # NOTE: a timer loop (Event.wait): child processes have no event to block on here.
+        while not self._stopped.wait(self.interval_s):
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - keep supervising; the next tick tries again
+                log.exception("supervisor tick failed")
+
+    def _tick(self) -> None:
+        for worker in list(self.mesh.workers.values()):
+            if self._stopped.is_set():
+                return
+            if worker.proc.poll() is None:
+                self.mesh.registry.heartbeat(worker.service_id)
+                continue
+            log.warning("worker exited; restarting it", service_id=worker.service_id,
+                        returncode=worker.proc.returncode)  # fmt: skip
+            self.keepers.pop(worker.service_id, None)
+            self.mesh.restart(worker)
+            self.num_restarts += 1
+        for worker in list(self.mesh.workers.values()):
+            if worker.cfg.role == "token":
+                change = self._keeper(worker).check()
+                if change is not None:
+                    self._relink(worker, change)
+
+    def _keeper(self, worker: LocalWorker) -> ShardGroupKeeper:
+        keeper = self.keepers.get(worker.service_id)
+        if keeper is None:
+            held = {s.service_id for s in worker.cfg.shards}
+            group = [e for e in self.mesh.registry.live() if e.service_id in held]
+            keeper = ShardGroupKeeper(
+                self.mesh.registry, worker.service_id, self.mesh.shards_per_group, group
+            )
+            self.keepers[worker.service_id] = keeper
+        return keeper
+
+    def _relink(self, worker: LocalWorker, change: GroupChange) -> None:
+        shards = [e.shard_address() for e in change.group]
+        log.info("shard group changed", token_engine=worker.service_id, lost=change.lost,
+                 group=[s.service_id for s in shards])  # fmt: skip
+        self._push.get(worker.ready.command_endpoint).send(LinkShards(shards))
+        worker.cfg = msgspec.structs.replace(worker.cfg, shards=shards)
+        entry = next(e for e in self.mesh.registry.live() if e.service_id == worker.service_id)
+        self.mesh.registry.register(replace(entry, shards=tuple(shards)))

@@ -1,0 +1,52 @@
+"""A local mesh heals itself: a killed worker is replaced and registered under a new id, and the
+token engine's shard group is made whole with the replacement shard (real processes, SIGKILL)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from services.launch.local_mesh import LocalMesh, Topology
+from services.mesh.registry import ServiceEntry
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model_path: Path) -> Iterator[LocalMesh]:
+    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2))
+    yield mesh
+    mesh.close()
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "the mesh did not heal in time"
+        time.sleep(0.1)  # waiting on other processes' start-up: nothing to block on
+
+
+def live(mesh: LocalMesh) -> dict[str, ServiceEntry]:
+    return {e.service_id: e for e in mesh.registry.live()}
+
+
+def test_a_killed_shard_is_replaced_and_rejoins_its_group(mesh: LocalMesh) -> None:
+    shard = mesh.workers["shard-1"]
+    shard.proc.kill()
+    wait_for(lambda: "shard-1.1" in live(mesh))
+    assert "shard-1" not in live(mesh)
+    replacement = live(mesh)["shard-1.1"]
+    assert (replacement.slot, replacement.head_start) == (1, shard.cfg.head_start)
+    wait_for(
+        lambda: [s.service_id for s in live(mesh)["token-0"].shards] == ["shard-0", "shard-1.1"]
+    )
+    assert mesh.token[0].shards[1].link_address == replacement.link_address
+    assert mesh.supervisor is not None and mesh.supervisor.num_restarts == 1
+
+
+def test_a_killed_engine_is_replaced_under_a_new_id(mesh: LocalMesh) -> None:
+    mesh.workers["prompt-0"].proc.kill()
+    wait_for(lambda: "prompt-0.1" in live(mesh))
+    assert "prompt-0" not in live(mesh) and live(mesh)["prompt-0.1"].state == "ready"
+    assert all(s.num_requests == 0 for s in mesh.stats())  # every service answers
