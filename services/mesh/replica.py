@@ -23,11 +23,15 @@ from dataclasses import replace
 import msgspec
 import structlog
 import torch
+import zmq
 
 from common.config import ModelConfig
+from common.protocol import LinkShards
+from common.transport.zmq_sockets import PushPool
 from common.worker_config import WorkerConfig
 from services.engine.worker import EngineWorker
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
+from services.mesh.shard_group import ShardGroupKeeper
 from services.shard.worker import ShardWorker
 
 log = structlog.get_logger(__name__)
@@ -35,6 +39,7 @@ log = structlog.get_logger(__name__)
 ALL_CLAIMED_SETTLE_S = 3.0  # every live shard claimed for this long: stop waiting for a group
 CLAIM_RETRY_S = 0.5
 DRAIN_POLL_S = 0.1
+GROUP_CHECK_INTERVAL_S = 0.5  # how often a token engine replica looks for lost or new shards
 
 Worker = EngineWorker | ShardWorker
 
@@ -78,12 +83,58 @@ class WorkerThread:
         self.thread.join(timeout_s)
 
 
+class GroupWatch:
+    """A token engine replica's shard group kept whole: a thread checks the registry every
+    `interval_s` (`ShardGroupKeeper`) and tells the engine of a change with a `LinkShards` on its
+    own command socket (the engine loop owns the UCX links), then republishes its entry."""
+
+    def __init__(
+        self, keeper: ShardGroupKeeper, membership: Membership, command_endpoint: str,
+        interval_s: float = GROUP_CHECK_INTERVAL_S,
+    ) -> None:  # fmt: skip
+        self.keeper = keeper
+        self.membership = membership
+        self.command_endpoint = command_endpoint
+        self.interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shard-group-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        push: PushPool[LinkShards] = PushPool(zmq.Context.instance(), LinkShards)
+        try:
+            # NOTE: a timer thread (Event.wait): registry changes arrive by asking, not by event.
+            while not self._stopped.wait(self.interval_s):
+                try:
+                    self._check(push)
+                except Exception as exc:  # noqa: BLE001 - the registry may be restarting
+                    log.warning("shard group check failed", error=repr(exc))
+        finally:
+            push.close()
+
+    def _check(self, push: PushPool[LinkShards]) -> None:
+        change = self.keeper.check()
+        if change is None:
+            return
+        shards = [e.shard_address() for e in change.group]
+        log.warning("shard group changed", lost=change.lost, group=[s.service_id for s in shards])
+        push.get(self.command_endpoint).send(LinkShards(shards))
+        self.membership.update(shards=tuple(shards))
+
+
 class MeshReplica:
     """One running mesh service (worker thread + registry membership)."""
 
-    def __init__(self, worker: WorkerThread, membership: Membership) -> None:
+    def __init__(
+        self, worker: WorkerThread, membership: Membership, group_watch: GroupWatch | None = None
+    ) -> None:
         self.worker = worker
         self.membership = membership
+        self.group_watch = group_watch
 
     def check_health(self) -> None:
         """Raise if the worker thread died or the registry has not heard from us lately."""
@@ -104,6 +155,8 @@ class MeshReplica:
             # NOTE: bounded wait at shutdown; the engine loop owns the state, we only read a size.
             while worker.engine.requests and time.monotonic() < deadline:
                 time.sleep(DRAIN_POLL_S)
+        if self.group_watch is not None:
+            self.group_watch.stop()
         self.membership.stop()
         self.worker.stop()
         log.info("mesh replica stopped", service_id=self.membership.entry.service_id)
@@ -140,7 +193,11 @@ def start_engine(
     membership.update()
     membership.start()
     log.info("engine replica ready", service_id=service_id, role=kind, num_shards=len(group))
-    return MeshReplica(thread, membership)
+    watch = None
+    if kind == "token" and shards_per_group:
+        keeper = ShardGroupKeeper(registry, service_id, shards_per_group, group)
+        watch = GroupWatch(keeper, membership, ready.command_endpoint)
+    return MeshReplica(thread, membership, watch)
 
 
 def start_shard(
