@@ -18,6 +18,8 @@ import pytest
 import torch
 import zmq
 
+from common.protocol import EngineStats, ServiceReply, StatsRequest, TokenOutput
+from common.transport.service_stats import request_stats
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.transport.zmq_tensor import ZmqTensorChannel
 
@@ -115,6 +117,24 @@ def publisher(ack_endpoint: str, count: int, queue: Any) -> None:
     received(ack, 30)  # the subscriber's "done"
     pub.close(linger_s=1.0)
     ack.close()
+
+
+STATS = EngineStats("stand-in", "shard", kv_blocks_used=3, kv_blocks_total=8, num_requests=1)
+
+
+def stats_service(queue: Any) -> None:
+    """Two control sockets, typed as engine/worker.py types its own: the first answers a
+    StatsRequest with EngineStats, the second with a message that is not stats; one request each.
+    """
+    answers: list[ServiceReply] = [STATS, TokenOutput("not-stats", [1])]
+    sockets = [bound(zmq.ROUTER, StatsRequest) for _ in answers]
+    queue.put([endpoint for _, endpoint in sockets])
+    for (requests, _), answer in zip(sockets, answers, strict=True):
+        identity, request = received(requests, 30)
+        assert request == StatsRequest()
+        replies: TypedSocket[ServiceReply] = TypedSocket(requests.sock, ServiceReply)
+        replies.send(answer, prefix=identity)
+        replies.close(linger_s=1.0)
 
 
 def tensor_echo(transport: str, queue: Any) -> None:
@@ -245,6 +265,22 @@ def test_recv_times_out_without_busy_waiting() -> None:
     assert pull.recv_nowait() is None
     assert not pull.sock.poll(0)
     pull.close()
+
+
+def test_request_stats_asks_every_endpoint_at_once(spawn: Callable[..., Any]) -> None:
+    """Stats from the endpoint that answers with them; the one answering something else and two
+    silent ones are left out, and the silent ones share one timeout instead of one each."""
+    queue = mp.get_context("spawn").Queue()
+    spawn(stats_service, queue)
+    answers, not_stats = queue.get(timeout=30)
+    silent = [bound(zmq.ROUTER) for _ in range(2)]  # bound, never read
+    start = time.monotonic()
+    replies = request_stats([answers, not_stats, *(e for _, e in silent)], timeout_s=3.0)
+    assert time.monotonic() - start < 5.0  # one 3 s wait for both, not two
+    assert replies == {answers: STATS}
+    assert request_stats([], timeout_s=3.0) == {}
+    for sock, _ in silent:
+        sock.close()
 
 
 # ---- tensor channels ----
