@@ -1,36 +1,28 @@
 """Transport: typed ZeroMQ sockets (control plane) and tensor channels (tensor plane).
 
-- `zmq_channels`: ROUTER/DEALER commands, PUSH/PULL token streams, PUB/SUB load reports; one msgspec
+- `zmq_sockets`: `TypedSocket` (any socket type: ROUTER/DEALER commands and replies, PUSH/PULL
+  commands and token streams, PUB/SUB load reports), `PushPool`, `bind_random`; one msgspec
   encoder and typed decoder per socket; malformed messages are logged and dropped.
+- `service_stats`: `request_stats`, what each service holds, asked on its control endpoint.
 - `tensor_frames`: the wire form of a tensor message (msgspec envelope + raw buffers).
 - `ucx_channel`: `UcxListener` / `UcxTensorChannel`, the UCX (ucxx) tensor channel. Not imported
   here: importing ucxx costs time and is only needed by tensor-plane processes.
 - `zmq_tensor`: `ZmqTensorChannel`, the same API over ZeroMQ frames (fallback and yardstick).
 """
 
+from common.transport.service_stats import request_stats
 from common.transport.tensor_frames import DTYPES, EnvelopeCodec, TensorSpec, byte_view
-from common.transport.zmq_channels import (
-    CommandDealer,
-    CommandRouter,
-    LoadPublisher,
-    LoadSubscriber,
-    MessageSocket,
-    StreamPull,
-    StreamPush,
-)
+from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.transport.zmq_tensor import ZmqTensorChannel
 
 __all__ = [
     "DTYPES",
-    "CommandDealer",
-    "CommandRouter",
     "EnvelopeCodec",
-    "LoadPublisher",
-    "LoadSubscriber",
-    "MessageSocket",
-    "StreamPull",
-    "StreamPush",
+    "PushPool",
     "TensorSpec",
+    "TypedSocket",
     "ZmqTensorChannel",
+    "bind_random",
     "byte_view",
+    "request_stats",
 ]

@@ -1,8 +1,13 @@
 """Typed ZeroMQ sockets: each owns one msgspec encoder and one decoder for its message union.
 
+The one ZeroMQ wrapper set of the control plane (the tensor plane has `zmq_tensor` and
+`ucx_channel`):
+
 - `TypedSocket`: any socket type (PULL for commands and KV ingress, PUB/SUB for load reports,
-  ROUTER/DEALER for request/response). `recv_nowait` decodes straight into the union; a malformed
-  or unknown message is logged and dropped, and the socket keeps working.
+  ROUTER/DEALER for request/response). `recv_nowait` decodes straight into the union, for poll
+  loops that drain their sockets; `recv` waits (in zmq poll, never a sleep) up to a timeout. A
+  malformed or unknown message is logged and dropped, and the socket keeps working.
+  NOTE: a zmq socket is not thread safe: each one belongs to one thread.
 - Tensor messages are `[envelope, frame, frame, ...]`: the envelope is the msgspec header plus
   tensor specs (`tensor_frames`), each frame a tensor's raw bytes, sent zero-copy (pyzmq keeps a
   reference to each buffer until libzmq has sent it).
@@ -11,6 +16,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Generic
 
@@ -55,6 +61,18 @@ class TypedSocket(Generic[HeaderT]):
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.warning("dropped malformed message", socket=self.sock.type, error=str(exc))
 
+    def recv(self, timeout_s: float) -> tuple[list[bytes], HeaderT] | None:
+        """The next well-formed message and its routing prefix, waiting up to `timeout_s`
+        seconds in zmq poll; None if none came. Malformed messages are logged and dropped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.sock.poll(left_ms):
+                return None
+            item = self.recv_nowait()  # None: what woke the poll was dropped
+            if item is not None:
+                return item
+
     def recv_tensors_nowait(self) -> tuple[HeaderT, list[torch.Tensor]] | None:
         """The next tensor message (header, tensors), or None. Malformed ones are dropped."""
         while True:
@@ -71,8 +89,9 @@ class TypedSocket(Generic[HeaderT]):
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RuntimeError) as exc:
                 log.warning("dropped malformed tensor message", error=str(exc))
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket; messages not yet sent get `linger_s` seconds to leave (0: dropped)."""
+        self.sock.close(linger=int(linger_s * 1000))
 
 
 def _tensor(dtype: str, shape: tuple[int, ...], frame: zmq.Frame) -> torch.Tensor:
@@ -101,9 +120,9 @@ class PushPool(Generic[HeaderT]):
             sock = self._sockets[endpoint] = TypedSocket(raw, self._type)
         return sock
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
         for sock in self._sockets.values():
-            sock.close()
+            sock.close(linger_s)
         self._sockets.clear()
 
 

@@ -31,7 +31,6 @@ from common.transport.tensor_frames import (
     copy_bytes_into,
     receive_targets,
 )
-from common.transport.zmq_channels import shared_context
 
 log = structlog.get_logger(__name__)
 _SENT = zmq.MessageTracker()  # a tracker with nothing to wait for
@@ -42,7 +41,7 @@ class ZmqTensorChannel(Generic[HeaderT]):
 
     def __init__(self, endpoint: str, header_type: Any, *, bind: bool,
                  context: zmq.Context[Any] | None = None) -> None:  # fmt: skip
-        self.sock = (context or shared_context()).socket(zmq.DEALER)
+        self.sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self._codec: EnvelopeCodec[HeaderT] = EnvelopeCodec(header_type)
         if bind:

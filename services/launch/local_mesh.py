@@ -20,14 +20,9 @@ import msgspec
 import structlog
 import zmq
 
-from common.protocol import (
-    EngineStats,
-    ServiceReply,
-    ShardAddress,
-    Shutdown,
-    StatsRequest,
-)
-from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
+from common.protocol import EngineStats, ShardAddress, Shutdown
+from common.transport.service_stats import request_stats
+from common.transport.zmq_sockets import PushPool, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.launch.core_pinning import GroupPlacement, place_decode_groups
 from services.launch.supervisor import Supervisor
@@ -261,8 +256,13 @@ class LocalMesh:
         ]
 
     def stats(self, timeout: float = 10.0) -> list[EngineStats]:
-        """Ask every service what it holds (KV blocks in use, live requests)."""
-        return [service_stats(endpoint, timeout) for endpoint in self.control_endpoints()]
+        """What every service holds (KV blocks in use, live requests), in `control_endpoints`
+        order; raises TimeoutError if one does not answer within `timeout` seconds."""
+        endpoints = self.control_endpoints()
+        replies = request_stats(endpoints, timeout)
+        if missing := [endpoint for endpoint in endpoints if endpoint not in replies]:
+            raise TimeoutError(f"no stats in {timeout} s from {missing}")
+        return [replies[endpoint] for endpoint in endpoints]
 
     def close(self) -> None:
         if self.supervisor is not None:
@@ -295,24 +295,6 @@ def entry_of(worker: LocalWorker) -> ServiceEntry:
         link_address=r.link_address, head_start=cfg.head_start, head_end=cfg.head_end,
         slot=slot, shards=tuple(cfg.shards),
     )  # fmt: skip
-
-
-def service_stats(control_endpoint: str, timeout: float = 10.0) -> EngineStats:
-    """One service's `EngineStats`, asked on its control endpoint."""
-    sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(control_endpoint)
-    try:
-        typed: TypedSocket[ServiceReply] = TypedSocket(sock, ServiceReply)
-        sock.send(msgspec.msgpack.encode(StatsRequest()))
-        if not sock.poll(int(timeout * 1000)):
-            raise TimeoutError(f"no stats from {control_endpoint}")
-        item = typed.recv_nowait()
-        if item is None or not isinstance(item[1], EngineStats):
-            raise RuntimeError(f"unexpected stats reply from {control_endpoint}: {item!r}")
-        return item[1]
-    finally:
-        sock.close()
 
 
 def _num_kv_heads(model_path: str) -> int:

@@ -6,8 +6,9 @@ import pytest
 import zmq
 
 from common.protocol import SamplingSpec
+from common.transport.service_stats import request_stats
 from services.launch.direct_client import DirectMeshClient
-from services.launch.local_mesh import LocalMesh, Topology, service_stats
+from services.launch.local_mesh import LocalMesh, Topology
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
 
@@ -109,7 +110,7 @@ def test_shard_outlives_its_token_engine_and_frees_its_requests(tiny_model_path)
         token_proc.wait(timeout=10)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            shard_stats = service_stats(shard.control_endpoint)
+            shard_stats = request_stats([shard.control_endpoint], 10.0)[shard.control_endpoint]
             if shard_stats.kv_blocks_used == 0:
                 break
             time.sleep(0.2)

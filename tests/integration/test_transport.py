@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -17,17 +18,13 @@ import pytest
 import torch
 import zmq
 
-from common.transport.zmq_channels import (
-    CommandDealer,
-    CommandRouter,
-    LoadPublisher,
-    LoadSubscriber,
-    StreamPull,
-    StreamPush,
-)
+from common.protocol import EngineStats, ServiceReply, StatsRequest, TokenOutput
+from common.transport.service_stats import request_stats
+from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.transport.zmq_tensor import ZmqTensorChannel
 
 pytestmark = pytest.mark.timeout(60)
+T = TypeVar("T")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 
@@ -59,45 +56,85 @@ UNKNOWN = msgspec.msgpack.encode(Unknown(7))
 # ---- peer processes (module-level so that spawn can import them) ----
 
 
+def bound(kind: int, message_type: Any = Message) -> tuple[TypedSocket[Any], str]:
+    """A typed socket bound to a free port (as the services bind theirs), and its endpoint."""
+    sock, endpoint = bind_random(zmq.Context.instance(), kind)
+    return TypedSocket(sock, message_type), endpoint
+
+
+def connected(kind: int, endpoint: str) -> TypedSocket[Message]:
+    """A typed socket connected to `endpoint` (a SUB subscribes to everything)."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return TypedSocket(sock, Message)
+
+
+def received(sock: TypedSocket[T], timeout_s: float) -> tuple[list[bytes], T]:
+    item = sock.recv(timeout_s)
+    assert item is not None, f"no message in {timeout_s} s"
+    return item
+
+
 def router_echo(queue: Any) -> None:
     """ROUTER: answer every Ping with Load(seq); stop on Stop."""
-    router: CommandRouter[Message] = CommandRouter("tcp://127.0.0.1:*", Message)
-    queue.put(router.endpoint)
+    router, endpoint = bound(zmq.ROUTER)
+    queue.put(endpoint)
     while True:
-        identity, msg = router.get(timeout=30)
+        identity, msg = received(router, 30)
         if isinstance(msg, Stop):
             break
-        router.put(identity, Load(msg.seq, free_blocks=msg.seq * 2))
+        router.send(Load(msg.seq, free_blocks=msg.seq * 2), prefix=identity)
     router.close()
 
 
 def pusher(endpoint: str, count: int) -> None:
     """PUSH `count` Pings with a malformed and an unknown message in the middle."""
-    push = StreamPush(endpoint)
+    pool: PushPool[Message] = PushPool(zmq.Context.instance(), Message)
+    push = pool.get(endpoint)
     for seq in range(count):
         if seq == count // 2:
             push.sock.send(GARBAGE)
             push.sock.send(UNKNOWN)
-        push.put(Ping(seq))
-    push.put(Stop())
-    push.close()
+        push.send(Ping(seq))
+    push.send(Stop())
+    pool.close(linger_s=1.0)
 
 
 def publisher(ack_endpoint: str, count: int, queue: Any) -> None:
     """PUB: say hello until the subscriber acks (slow joiner), then `count` reports + junk."""
-    pub = LoadPublisher("tcp://127.0.0.1:*")
-    queue.put(pub.endpoint)
-    ack: StreamPull[Message] = StreamPull(ack_endpoint, Message, bind=False)
-    while not ack.poll(timeout=0.02):  # blocks in zmq poll; hellos until the SUB is live
-        pub.put(Load(-1))
-    ack.get(timeout=1)  # the subscriber's "subscribed"
-    for seq in range(count):
+    pub, endpoint = bound(zmq.PUB)
+    queue.put(endpoint)
+    ack = connected(zmq.PULL, ack_endpoint)
+    while ack.recv(0.02) is None:  # blocks in zmq poll; hellos until the SUB is live
+        pub.send(Load(-1))
+    for seq in range(count):  # the subscriber said "subscribed"
         if seq == 1:
             pub.sock.send(GARBAGE)
-        pub.put(Load(seq, free_blocks=100 - seq))
-    ack.get(timeout=30)  # the subscriber's "done"
-    pub.close()
+        pub.send(Load(seq, free_blocks=100 - seq))
+    received(ack, 30)  # the subscriber's "done"
+    pub.close(linger_s=1.0)
     ack.close()
+
+
+STATS = EngineStats("stand-in", "shard", kv_blocks_used=3, kv_blocks_total=8, num_requests=1)
+
+
+def stats_service(queue: Any) -> None:
+    """Two control sockets, typed as engine/worker.py types its own: the first answers a
+    StatsRequest with EngineStats, the second with a message that is not stats; one request each.
+    """
+    answers: list[ServiceReply] = [STATS, TokenOutput("not-stats", [1])]
+    sockets = [bound(zmq.ROUTER, StatsRequest) for _ in answers]
+    queue.put([endpoint for _, endpoint in sockets])
+    for (requests, _), answer in zip(sockets, answers, strict=True):
+        identity, request = received(requests, 30)
+        assert request == StatsRequest()
+        replies: TypedSocket[ServiceReply] = TypedSocket(requests.sock, ServiceReply)
+        replies.send(answer, prefix=identity)
+        replies.close(linger_s=1.0)
 
 
 def tensor_echo(transport: str, queue: Any) -> None:
@@ -173,59 +210,77 @@ def assert_bit_exact(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 
 def test_router_dealer_round_trips_in_order(spawn: Callable[..., Any]) -> None:
-    dealer: CommandDealer[Message] = CommandDealer(started_endpoint(spawn, router_echo), Message)
+    dealer = connected(zmq.DEALER, started_endpoint(spawn, router_echo))
     for seq in range(50):
-        dealer.put(Ping(seq))
-        assert dealer.get(timeout=20) == Load(seq, free_blocks=2 * seq)
-    dealer.put(Stop())
-    dealer.close()
+        dealer.send(Ping(seq))
+        assert received(dealer, 20) == ([], Load(seq, free_blocks=2 * seq))
+    dealer.send(Stop())
+    dealer.close(linger_s=1.0)
 
 
 def test_router_drops_malformed_and_unknown_then_serves(spawn: Callable[..., Any]) -> None:
-    dealer: CommandDealer[Message] = CommandDealer(started_endpoint(spawn, router_echo), Message)
+    dealer = connected(zmq.DEALER, started_endpoint(spawn, router_echo))
     dealer.sock.send(GARBAGE)
     dealer.sock.send(UNKNOWN)
-    dealer.put(Ping(41))
-    assert dealer.get(timeout=20) == Load(41, free_blocks=82)
-    assert dealer.get_nowait() is None  # nothing answered the junk
-    dealer.put(Stop())
-    dealer.close()
+    dealer.send(Ping(41))
+    assert received(dealer, 20)[1] == Load(41, free_blocks=82)
+    assert dealer.recv_nowait() is None  # nothing answered the junk
+    dealer.send(Stop())
+    dealer.close(linger_s=1.0)
 
 
 def test_push_pull_many_messages_drops_junk(spawn: Callable[..., Any]) -> None:
-    pull: StreamPull[Message] = StreamPull("tcp://127.0.0.1:*", Message)
-    spawn(pusher, pull.endpoint, 500)
-    received = []
-    while not isinstance(msg := pull.get(timeout=20), Stop):
-        received.append(msg)
-    assert received == [Ping(seq) for seq in range(500)]
+    pull, endpoint = bound(zmq.PULL)
+    spawn(pusher, endpoint, 500)
+    pings = []
+    while not isinstance(msg := received(pull, 20)[1], Stop):
+        pings.append(msg)
+    assert pings == [Ping(seq) for seq in range(500)]
     pull.close()
 
 
 def test_pub_sub_load_reports(spawn: Callable[..., Any]) -> None:
-    ack = StreamPush("tcp://127.0.0.1:*", bind=True)
-    sub: LoadSubscriber[Message] = LoadSubscriber(started_endpoint(spawn, publisher, ack.endpoint,
-                                                                   20), Message)  # fmt: skip
-    assert sub.get(timeout=20) == Load(-1)
-    ack.put(Stop())  # "subscribed": the publisher stops saying hello
+    ack, ack_endpoint = bound(zmq.PUSH)
+    sub = connected(zmq.SUB, started_endpoint(spawn, publisher, ack_endpoint, 20))
+    assert received(sub, 20)[1] == Load(-1)
+    ack.send(Stop())  # "subscribed": the publisher stops saying hello
     reports = []
     while len(reports) < 20:
-        msg = sub.get(timeout=20)
+        msg = received(sub, 20)[1]
         if msg != Load(-1):
             reports.append(msg)
     assert reports == [Load(seq, free_blocks=100 - seq) for seq in range(20)]
-    ack.put(Stop())
+    ack.send(Stop())
     sub.close()
-    ack.close()
+    ack.close(linger_s=1.0)
 
 
-def test_get_times_out_without_busy_waiting() -> None:
-    pull: StreamPull[Message] = StreamPull("tcp://127.0.0.1:*", Message)
-    with pytest.raises(TimeoutError):
-        pull.get(timeout=0.05)
-    assert pull.get_nowait() is None
-    assert not pull.poll(timeout=0)
+def test_recv_times_out_without_busy_waiting() -> None:
+    pull, _ = bound(zmq.PULL)
+    cpu_start = time.process_time()
+    assert pull.recv(0.3) is None
+    # NOTE: CPU time, not wall time: a busy loop would burn most of the 0.3 s however loaded
+    # the machine is, a wait in zmq poll next to nothing.
+    assert time.process_time() - cpu_start < 0.1
+    assert pull.recv_nowait() is None
+    assert not pull.sock.poll(0)
     pull.close()
+
+
+def test_request_stats_asks_every_endpoint_at_once(spawn: Callable[..., Any]) -> None:
+    """Stats from the endpoint that answers with them; the one answering something else and two
+    silent ones are left out, and the silent ones share one timeout instead of one each."""
+    queue = mp.get_context("spawn").Queue()
+    spawn(stats_service, queue)
+    answers, not_stats = queue.get(timeout=30)
+    silent = [bound(zmq.ROUTER) for _ in range(2)]  # bound, never read
+    start = time.monotonic()
+    replies = request_stats([answers, not_stats, *(e for _, e in silent)], timeout_s=3.0)
+    assert time.monotonic() - start < 5.0  # one 3 s wait for both, not two
+    assert replies == {answers: STATS}
+    assert request_stats([], timeout_s=3.0) == {}
+    for sock, _ in silent:
+        sock.close()
 
 
 # ---- tensor channels ----
@@ -364,10 +419,11 @@ def test_ucx_rejects_wrong_receive_buffer(spawn: Callable[..., Any]) -> None:
 
 def test_zmq_socket_closes_cleanly() -> None:
     ctx = zmq.Context()
-    pull: StreamPull[Message] = StreamPull("tcp://127.0.0.1:*", Message, context=ctx)
-    push = StreamPush(pull.endpoint, context=ctx)
-    push.put(Ping(1))
-    assert pull.get(timeout=5) == Ping(1)
-    push.close()
+    sock, endpoint = bind_random(ctx, zmq.PULL)
+    pull: TypedSocket[Message] = TypedSocket(sock, Message)
+    pool: PushPool[Message] = PushPool(ctx, Message)
+    pool.get(endpoint).send(Ping(1))
+    assert received(pull, 5)[1] == Ping(1)
+    pool.close()
     pull.close()
     ctx.term()  # returns only when every socket is closed
