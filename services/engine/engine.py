@@ -88,7 +88,7 @@ class Engine:
         config: EngineConfig,
         kv_send: KvSend,
         shard_links: Seq[ShardLink] = (),
-        head_ranges: list[tuple[int, int]] | None = None,
+        shards: Seq[ShardAddress] = (),
         telemetry: EngineTelemetry | None = None,
     ) -> None:
         self.engine_id, self.role = engine_id, role
@@ -103,8 +103,9 @@ class Engine:
         )  # fmt: skip
         self.runner = MeshModelRunner(
             self.model, kv, self.blocks, select_backend(config.attention_backend),
-            shard_links=shard_links, head_ranges=head_ranges or [],
+            shard_links=shard_links, head_ranges=[(s.head_start, s.head_end) for s in shards],
         )  # fmt: skip
+        self.shards = tuple(shards)  # the group the runner's links reach, in head order
         self.kv_send = kv_send
         # Prompts whose decode happens elsewhere, and requests decoding here with local KV
         # (which may be preempted and recomputed here). Both share this engine's KV blocks.
@@ -127,19 +128,21 @@ class Engine:
         """A new prompt. Invalid requests are answered with an error, never raised."""
         try:
             params = SamplingParams.from_spec(msg.sampling)
-            self._check_prompt(msg.prompt_token_ids)
+            self._check_prompt(msg.prompt_token_ids + msg.output_token_ids)
         except ValueError as exc:
             return [(msg.reply_to, TokenOutput(msg.req_id, [], "error", error=str(exc)))]
+        # A migrated request brings the tokens it already streamed: they are output (finish
+        # rules count them) and the prefill covers them, so the next token continues the stream.
         self.requests[msg.req_id] = Request(
             msg.req_id, list(msg.prompt_token_ids), params, self.model.config.eos_token_ids,
-            self.max_model_len,
+            self.max_model_len, output_token_ids=list(msg.output_token_ids),
         )  # fmt: skip
         self.routing[msg.req_id] = _Routing(
             msg.reply_to, msg.token_engine, msg.token_kv_endpoint, tuple(msg.shards),
             len(msg.prompt_token_ids),
         )  # fmt: skip
         self.telemetry.on_prompt(msg.req_id, msg.traceparent)
-        seq = Sequence(msg.req_id, len(msg.prompt_token_ids))
+        seq = Sequence(msg.req_id, len(msg.prompt_token_ids) + len(msg.output_token_ids))
         decode_here = msg.token_engine == self.role.command_endpoint and not msg.shards
         (self.local if decode_here else self.ship_queue).add(seq)
         return []
@@ -148,6 +151,13 @@ class Engine:
         """A prefilled request to decode; it joins once its KV is in place."""
         if msg.req_id in self.aborted:
             return [(s.kv_endpoint, FreeRequest(msg.req_id)) for s in msg.shards]
+        if msg.shards and _endpoints(msg.shards) != _endpoints(self.shards):
+            # Placed while this engine's group was whole; a shard has left since.
+            stale = TokenOutput(msg.req_id, [], "error", error=f"engine {self.engine_id}: its "
+                                "shard group changed", retryable=True)  # fmt: skip
+            mine = _endpoints(self.shards)
+            frees = [(s.kv_endpoint, FreeRequest(msg.req_id)) for s in msg.shards]
+            return [(msg.reply_to, stale)] + [f for f in frees if f[0] in mine]
         self.requests[msg.req_id] = Request(
             msg.req_id, msg.token_ids[: msg.num_prompt_tokens],
             SamplingParams.from_spec(msg.sampling), self.model.config.eos_token_ids,
@@ -207,6 +217,31 @@ class Engine:
             out.append((route.reply_to, TokenOutput(req_id, [], "error", error=error)))
             self.telemetry.aborted(req_id, RuntimeError(error))
             out += self.on_abort(req_id)
+        return out
+
+    def relink(self, links: Seq[ShardLink], shards: Seq[ShardAddress], reason: str) -> Outgoing:
+        """Decode against `shards` from now on (empty: local attention only).
+
+        Every request tied to the old group (decoding against it, or waiting to) ends with a
+        retryable error: the router re-runs it from its tokens on a whole group. Its KV is freed
+        on the shards that stay; the ones that left took theirs with them.
+        """
+        stays = _endpoints(shards)
+        tied = [s.req_id for s in self.admission.sharded]
+        tied += [h.req_id for h in self.admission.waiting if h.shards]
+        out: Outgoing = []
+        for req_id in tied:
+            route = self.routing[req_id]
+            error = f"engine {self.engine_id}: {reason}"
+            out.append((route.reply_to, TokenOutput(req_id, [], "error", error=error,
+                                                    retryable=True)))  # fmt: skip
+            self.telemetry.aborted(req_id, RuntimeError(error))
+            out += [f for f in self.on_abort(req_id) if f[0] in stays]
+        self.shards = tuple(shards)
+        self.runner.shard_links = list(links)
+        self.runner.head_ranges = [(s.head_start, s.head_end) for s in shards]
+        log.warning("shard group relinked", engine=self.engine_id, reason=reason,
+                    num_failed=len(tied), shards=[s.service_id for s in shards])  # fmt: skip
         return out
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -391,3 +426,7 @@ class Engine:
             free_kv_blocks=self.blocks.num_free_blocks,
             time=now,
         )
+
+
+def _endpoints(shards: Seq[ShardAddress]) -> list[str]:
+    return [s.kv_endpoint for s in shards]

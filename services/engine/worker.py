@@ -21,14 +21,16 @@ from common.protocol import (
     FreeRequest,
     GenerateRequest,
     KvPages,
+    LinkShards,
     LoadReport,
     ServiceReply,
+    ShardAddress,
     ShardIngress,
     ShardLinkMessage,
     Shutdown,
     StatsRequest,
 )
-from common.transport.ucx_channel import UcxTensorChannel
+from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.engine.engine import Engine, EngineRole
@@ -57,7 +59,7 @@ class EngineWorker:
         self.load_pub: TypedSocket[LoadReport] = TypedSocket(pub, LoadReport)
         self.push: PushPool[object] = PushPool(self.ctx, object)
         self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress)
-        links = [UcxTensorChannel.connect(s.link_address, ShardLinkMessage) for s in cfg.shards]
+        self.links = {s.link_address: _connect(s) for s in cfg.shards}
         role = EngineRole(
             cfg.role, self.command_endpoint, cfg.layer_wise_min_tokens, cfg.shard_num_blocks
         )
@@ -65,8 +67,8 @@ class EngineWorker:
             cfg.service_id, cfg.model_name, shards=[s.service_id for s in cfg.shards]
         )
         self.engine = Engine(
-            cfg.service_id, role, _engine_config(cfg), self._send_kv, links,
-            [(s.head_start, s.head_end) for s in cfg.shards], telemetry,
+            cfg.service_id, role, _engine_config(cfg), self._send_kv,
+            list(self.links.values()), cfg.shards, telemetry,
         )  # fmt: skip
         self.running = True
         self._last_report = 0.0
@@ -95,9 +97,30 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             self._send(self.engine.step())
+        except ChannelClosed as exc:
+            # A shard died mid-step: the group is broken. Its requests are re-run elsewhere by
+            # the router; this engine decodes locally until it is told of a whole group again.
+            log.error("shard link lost; dropping the shard group", error=repr(exc))
+            self._relink([], "a shard of its group stopped answering")
         except Exception as exc:  # noqa: BLE001 - fail the requests, keep the service alive
             log.exception("engine step failed; failing its requests")
             self._send(self.engine.fail_all(f"engine {self.cfg.service_id}: {exc!r}"))
+
+    def _relink(self, shards: list[ShardAddress], reason: str) -> None:
+        """Link to exactly `shards`: keep the links that stay, close the rest, connect the new."""
+        keep = {s.link_address for s in shards}
+        for address in [a for a in self.links if a not in keep]:
+            self.links.pop(address).close()
+        try:
+            for shard in shards:
+                if shard.link_address not in self.links:
+                    self.links[shard.link_address] = _connect(shard)
+        except Exception as exc:  # noqa: BLE001 - a shard gone again: stay local, say why
+            log.error("could not link to the new shard group", error=repr(exc))
+            self._relink([], "its new shard group could not be reached")
+            return
+        links = [self.links[s.link_address] for s in shards]
+        self._send(self.engine.relink(links, shards, reason))
 
     def _drain(self) -> None:
         while (item := self.commands.recv_nowait()) is not None:
@@ -118,6 +141,8 @@ class EngineWorker:
             self._send(self.engine.on_handoff(msg))
         elif isinstance(msg, AbortRequest):
             self._send(self.engine.on_abort(msg.req_id))
+        elif isinstance(msg, LinkShards):
+            self._relink(list(msg.shards), "its shard group changed")
         elif isinstance(msg, Shutdown):
             self.running = False
 
@@ -135,6 +160,10 @@ class EngineWorker:
             report = self.engine.load_report(time.time())
             self.load_pub.send(report)
             self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)
+
+
+def _connect(shard: ShardAddress) -> UcxTensorChannel[ShardLinkMessage]:
+    return UcxTensorChannel.connect(shard.link_address, ShardLinkMessage)
 
 
 def _engine_config(cfg: WorkerConfig) -> EngineConfig:

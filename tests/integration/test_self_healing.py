@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from common.engine.core import LLMEngine
+from common.protocol import SamplingSpec
+from common.sampling import SamplingParams
+from services.launch.direct_client import DirectMeshClient
 from services.launch.local_mesh import LocalMesh, Topology
 from services.mesh.registry import ServiceEntry
+from tests.conftest import random_prompts
+
+LONG = SamplingSpec(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +38,21 @@ def live(mesh: LocalMesh) -> dict[str, ServiceEntry]:
     return {e.service_id: e for e in mesh.registry.live()}
 
 
-def test_a_killed_shard_is_replaced_and_rejoins_its_group(mesh: LocalMesh) -> None:
+def test_a_killed_shard_is_replaced_and_rejoins_its_group(
+    mesh: LocalMesh, tiny_model_path: Path
+) -> None:
+    client = DirectMeshClient(mesh)
+    client.submit("long", random_prompts([60], 2048, seed=41)[0], LONG)
+    num_tokens = 0
+    while num_tokens < 5:  # decoding against both shards now
+        num_tokens += len(client.recv(timeout=120).token_ids)
     shard = mesh.workers["shard-1"]
     shard.proc.kill()
+    # The in-flight request ends with an error the router may act on: re-run it elsewhere.
+    while not (out := client.recv(timeout=120)).finish_reason:
+        pass
+    assert out.finish_reason == "error" and out.retryable, out
+    client.close()
     wait_for(lambda: "shard-1.1" in live(mesh))
     assert "shard-1" not in live(mesh)
     replacement = live(mesh)["shard-1.1"]
@@ -43,6 +62,19 @@ def test_a_killed_shard_is_replaced_and_rejoins_its_group(mesh: LocalMesh) -> No
     )
     assert mesh.token[0].shards[1].link_address == replacement.link_address
     assert mesh.supervisor is not None and mesh.supervisor.num_restarts == 1
+    # The token engine decodes against the new group: greedy tokens equal the reference engine's.
+    prompt = random_prompts([70], 2048, seed=42)[0]
+    reference = LLMEngine.from_path(tiny_model_path, num_blocks=128).generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )[0]
+    client = DirectMeshClient(mesh)
+    client.submit("after", prompt, SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
+    while not (out := client.recv(timeout=120)).finish_reason:
+        tokens += out.token_ids
+    assert tokens + out.token_ids == reference and out.finish_reason == "length"
+    client.close()
+    wait_for(lambda: all(s.kv_blocks_used == 0 for s in mesh.stats()))
 
 
 def test_a_killed_engine_is_replaced_under_a_new_id(mesh: LocalMesh) -> None:
