@@ -168,6 +168,9 @@ class LoadReport(_Msg, tag="load"):
     num_waiting: int
     free_kv_blocks: int
     time: float = 0.0
+    # A token engine's linked shard group (KV endpoints): it knows of a lost shard before the
+    # registry does, and the router places on it with local attention until it is whole again.
+    shard_endpoints: list[str] = []
 
 
 # -- prompt engine -> shard or token engine (KV pages; header of a tensor message) -----------------

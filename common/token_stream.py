@@ -20,6 +20,11 @@ class TokenStreamOrderer:
         self._held: dict[str, dict[int, TokenOutput]] = {}
         self.ready: deque[TokenOutput] = deque()
 
+    def expect(self, req_id: str, index: int) -> None:
+        """The stream of `req_id` starts at output position `index` (a migrated request goes on
+        from the tokens it already streamed)."""
+        self._next[req_id] = index
+
     def push(self, out: TokenOutput) -> None:
         if out.error:
             self.forget(out.req_id)

@@ -155,9 +155,8 @@ class Engine:
             # Placed while this engine's group was whole; a shard has left since.
             stale = TokenOutput(msg.req_id, [], "error", error=f"engine {self.engine_id}: its "
                                 "shard group changed", retryable=True)  # fmt: skip
-            mine = _endpoints(self.shards)
             frees = [(s.kv_endpoint, FreeRequest(msg.req_id)) for s in msg.shards]
-            return [(msg.reply_to, stale)] + [f for f in frees if f[0] in mine]
+            return [(msg.reply_to, stale), *frees]
         self.requests[msg.req_id] = Request(
             msg.req_id, msg.token_ids[: msg.num_prompt_tokens],
             SamplingParams.from_spec(msg.sampling), self.model.config.eos_token_ids,
@@ -224,9 +223,10 @@ class Engine:
 
         Every request tied to the old group (decoding against it, or waiting to) ends with a
         retryable error: the router re-runs it from its tokens on a whole group. Its KV is freed
-        on the shards that stay; the ones that left took theirs with them.
+        on every shard of the old group: this engine cannot tell which one died (a free sent to
+        a dead shard is dropped with its socket), and the live ones may hold it without ever
+        having decoded it (a handoff still waiting), so no other free would come.
         """
-        stays = _endpoints(shards)
         tied = [s.req_id for s in self.admission.sharded]
         tied += [h.req_id for h in self.admission.waiting if h.shards]
         out: Outgoing = []
@@ -236,7 +236,7 @@ class Engine:
             out.append((route.reply_to, TokenOutput(req_id, [], "error", error=error,
                                                     retryable=True)))  # fmt: skip
             self.telemetry.aborted(req_id, RuntimeError(error))
-            out += [f for f in self.on_abort(req_id) if f[0] in stays]
+            out += self.on_abort(req_id)
         self.shards = tuple(shards)
         self.runner.shard_links = list(links)
         self.runner.head_ranges = [(s.head_start, s.head_end) for s in shards]
@@ -425,6 +425,7 @@ class Engine:
             num_waiting=self.ship_queue.num_unfinished + len(self.admission.waiting),
             free_kv_blocks=self.blocks.num_free_blocks,
             time=now,
+            shard_endpoints=_endpoints(self.shards),
         )
 
 

@@ -58,19 +58,29 @@ class Supervisor:
                 log.exception("supervisor tick failed")
 
     def _tick(self) -> None:
+        dead = []
         for worker in list(self.mesh.workers.values()):
-            if self._stopped.is_set():
-                return
             if worker.proc.poll() is None:
                 self.mesh.registry.heartbeat(worker.service_id)
-                continue
+            else:
+                dead.append(worker)
+        for worker in dead:
             log.warning("worker exited; restarting it", service_id=worker.service_id,
                         returncode=worker.proc.returncode)  # fmt: skip
+            self.mesh.registry.unregister(worker.service_id)
             self.keepers.pop(worker.service_id, None)
+        if dead:
+            self._keep_groups()  # token engines learn of a lost shard before its restart
+        for worker in dead:
+            if self._stopped.is_set():
+                return
             self.mesh.restart(worker)
             self.num_restarts += 1
+        self._keep_groups()
+
+    def _keep_groups(self) -> None:
         for worker in list(self.mesh.workers.values()):
-            if worker.cfg.role == "token":
+            if worker.cfg.role == "token" and worker.proc.poll() is None:
                 change = self._keeper(worker).check()
                 if change is not None:
                     self._relink(worker, change)

@@ -46,6 +46,7 @@ class ClusterScheduler:
         self._loads: dict[int, MachineLoad] = {}
         self._policy: JSQPoolPolicy | None = None
         self._req_ids = itertools.count()
+        self._linked: dict[int, list[str]] = {}  # each token engine's group, as it last reported
 
     def set_engines(self, entries: list[ServiceEntry]) -> None:
         """The ready engines now (from the registry); rebuilds the policy if the set changed."""
@@ -70,6 +71,7 @@ class ClusterScheduler:
                 decode_tokens=report.running_decode_tokens,
                 free_kv_tokens=report.free_kv_blocks * self.block_size,
             )
+            self._linked[machine_id] = report.shard_endpoints
 
     def can_place(self) -> bool:
         with self._lock:
@@ -85,7 +87,7 @@ class ClusterScheduler:
             decision = self._policy.route(request, self._loads, time.monotonic())
             prompt_id, token_id = decision.prompt_machine_id, decision.token_machine_id
             self._account(prompt_id, token_id, prompt_len)
-            return self._engines[prompt_id], self._engines[token_id]
+            return self._engines[prompt_id], self._linked_group(token_id)
 
     def loads(self) -> dict[str, MachineLoad]:
         """The current estimate per engine service id (for stats and tests)."""
@@ -99,6 +101,16 @@ class ClusterScheduler:
         self._loads[prompt_id] = replace(p, pending_prompt_tokens=pending)
         t = self._loads[token_id]
         self._loads[token_id] = replace(t, decode_tokens=t.decode_tokens + prompt_len)
+
+    def _linked_group(self, machine_id: int) -> ServiceEntry:
+        """The token engine's entry with the shard group it has linked: its registry entry lags
+        behind a lost shard (heartbeat age), its load report does not. A group that differs from
+        the entry's is not used: the request decodes with the engine's local attention."""
+        entry = self._engines[machine_id]
+        linked = self._linked.get(machine_id)
+        if linked is None or linked == [s.kv_endpoint for s in entry.shards]:
+            return entry
+        return replace(entry, shards=())
 
     def _machine_id(self, service_id: str) -> int:
         if service_id not in self._machine_ids:

@@ -24,27 +24,26 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 import structlog
 import zmq
 from opentelemetry import trace
+from opentelemetry.trace import Span
 
 from common.config import ModelConfig
 from common.engine.request import FinishReason, Request, RequestOutput
 from common.protocol import (
     AbortRequest,
     EngineCommand,
-    EngineStats,
     GenerateRequest,
     LoadReport,
     ServiceReply,
-    StatsRequest,
     TokenOutput,
 )
 from common.sampling import SamplingParams
-from common.telemetry import bind_request, inject_context, set_route
+from common.telemetry import Metrics, bind_request, inject_context, set_route
 from common.token_stream import TokenStreamOrderer
 from common.tokenizer import Tokenizer
+from common.transport.service_stats import request_stats
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler, NoEngines
@@ -54,16 +53,26 @@ from services.router.engine_client import (
     Overloaded,
     check_admission,
 )
+from services.router.migration import MigrationBook
 
 log = structlog.get_logger(__name__)
 
 IO_POLL_MS = 100  # the IO thread wakes this often to apply subscription changes and notice close
 REFRESH_S = 0.5
+MAX_MIGRATIONS = 3  # re-runs of one request on other engines before it fails
+# A migrated request waits this long at most for a prompt and a token engine (a replica Serve is
+# restarting loads its model first), retrying every PLACE_RETRY_S.
+MIGRATION_WAIT_S = 60.0
+PLACE_RETRY_S = 0.25
+
+
+class EngineLost(RuntimeError):
+    """An engine of the request left the registry: the request may be re-run elsewhere."""
 
 
 @dataclass
 class _Stream:
-    """One admitted request: where its outputs go and where it runs."""
+    """One admitted request: where its outputs go and where its current attempt runs."""
 
     loop: asyncio.AbstractEventLoop
     num_prompt_tokens: int
@@ -72,6 +81,9 @@ class _Stream:
     token_engine: ServiceEntry | None = None
     first_token_out: bool = False
     traceparent: str = ""  # the request's trace, carried to the engines
+    span: Span | None = None  # the request's `router.request` span, for migration events
+    num_attempt_tokens: int = 0  # tokens of the current attempt (> 1: the token engine has it)
+    lost: bool = False  # an EngineLost is on its way for the current attempt
 
 
 class MeshEngineClient:
@@ -85,6 +97,8 @@ class MeshEngineClient:
         block_size: int = 16,
         limits: AdmissionLimits | None = None,
         refresh_s: float = REFRESH_S,
+        max_migrations: int = MAX_MIGRATIONS,
+        metrics: Metrics | None = None,
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
         self.model_config = ModelConfig.from_folder(model_path)
@@ -92,7 +106,10 @@ class MeshEngineClient:
         self.limits = limits or AdmissionLimits()
         self.refresh_s = refresh_s
         self.scheduler = ClusterScheduler(block_size)
-        self._lock = threading.Lock()  # guards _streams, the counters and _services
+        self.metrics = metrics
+        self.book = MigrationBook(max_migrations)  # under _lock
+        self._orderer = TokenStreamOrderer()  # first and later tokens come on different sockets
+        self._lock = threading.Lock()  # guards _streams, the counters, _services and book
         self._streams: dict[str, _Stream] = {}
         self._num_pending_prompt_tokens = 0
         self._requests_by_engine: Counter[str] = Counter()
@@ -126,8 +143,14 @@ class MeshEngineClient:
         try:
             while not finished:
                 item = await stream.outputs.get()
+                if isinstance(item, EngineLost) or (
+                    isinstance(item, TokenOutput) and item.error and item.retryable
+                ):
+                    reason = item.error if isinstance(item, TokenOutput) else str(item)
+                    await self._migrate(req_id, stream, request, reason)
+                    continue
                 if isinstance(item, Exception):
-                    raise item  # its token engine is gone; the abort below stops its prefill
+                    raise item
                 engine_done = bool(item.finish_reason)
                 for out in self._to_outputs(request, item):
                     finished = out.finished
@@ -138,15 +161,16 @@ class MeshEngineClient:
             if not engine_done:
                 with bind_request(req_id, traceparent=stream.traceparent):
                     log.info("aborting request in the mesh", finished=finished)
-                self._send_aborts(stream, req_id)
+                self._send_aborts(stream, self._wire_id(req_id))
             self._release(req_id)
 
     def abort(self, req_id: str) -> None:
         """Stop a request at its prompt and token engine; outputs in flight are dropped."""
         with self._lock:
             stream = self._streams.get(req_id)
+        wire_id = self._wire_id(req_id)
         if stream is not None and self._release(req_id):
-            self._send_aborts(stream, req_id)
+            self._send_aborts(stream, wire_id)
 
     def stats(self) -> EngineClientStats:
         """Router counters plus what every live service holds (KV blocks used anywhere)."""
@@ -154,7 +178,8 @@ class MeshEngineClient:
             services = list(self._services)
             num_requests, pending = len(self._streams), self._num_pending_prompt_tokens
             by_engine = dict(self._requests_by_engine)
-        replies = query_stats([s.control_endpoint for s in services if s.control_endpoint])
+        endpoints = [s.control_endpoint for s in services if s.control_endpoint]
+        replies = list(request_stats(endpoints, 2.0).values())
         return EngineClientStats(
             num_requests=num_requests,
             num_pending_prompt_tokens=pending,
@@ -201,8 +226,10 @@ class MeshEngineClient:
                 raise Overloaded("no_engines", "No engine is ready. Please retry later.") from exc
             # The caller's current span is the request's (`RequestTrace.admission`).
             stream = _Stream(asyncio.get_running_loop(), num_tokens, prompt_engine=prompt,
-                             token_engine=token, traceparent=inject_context())  # fmt: skip
+                             token_engine=token, traceparent=inject_context(),
+                             span=trace.get_current_span())  # fmt: skip
             self._streams[req_id] = stream
+            self.book.open(req_id, list(prompt_ids), params.to_spec())
             self._num_pending_prompt_tokens += num_tokens
             self._requests_by_engine[prompt.service_id] += 1
             self._requests_by_engine[token.service_id] += 1
@@ -218,6 +245,64 @@ class MeshEngineClient:
         )  # fmt: skip
         self._send(prompt.command_endpoint, msg)
         return stream
+
+    async def _migrate(self, req_id: str, stream: _Stream, request: Request, reason: str) -> None:
+        """Re-run a request whose engines or shards were lost, from the tokens it has so far."""
+        with self._lock:
+            old_wire_id = self.book.ledgers[req_id].wire_id
+            replay = self.book.migrate(req_id, request.output_token_ids)
+        self._send_aborts(stream, old_wire_id)
+        self._orderer.forget(old_wire_id)
+        if replay is None:
+            raise RuntimeError(
+                f"generation failed: {reason} (after {self.book.max_migrations} migrations)"
+            )
+        with bind_request(req_id, traceparent=stream.traceparent):
+            log.warning("migrating request", reason=reason, attempt=replay.wire_id,
+                        num_output_tokens=len(replay.output_token_ids))  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.count_migration("engine_lost")
+        if stream.span is not None:
+            stream.span.add_event("migration", {"phasemesh.reason": reason,
+                                                "phasemesh.attempt": replay.wire_id})  # fmt: skip
+        num_tokens = len(replay.prompt_token_ids) + len(replay.output_token_ids)
+        prompt, token = await self._place_when_ready(num_tokens, reason)
+        with self._lock:
+            stream.prompt_engine, stream.token_engine = prompt, token
+            stream.num_attempt_tokens, stream.lost = 0, False
+        # NOTE: set before the request leaves: no message of this attempt can arrive earlier.
+        self._orderer.expect(replay.wire_id, len(replay.output_token_ids))
+        msg = GenerateRequest(
+            req_id=replay.wire_id, prompt_token_ids=replay.prompt_token_ids,
+            sampling=replay.sampling, reply_to=self.reply_endpoint,
+            token_engine=token.command_endpoint, token_kv_endpoint=token.kv_endpoint,
+            shards=list(token.shards), traceparent=stream.traceparent,
+            output_token_ids=replay.output_token_ids,
+        )  # fmt: skip
+        self._send(prompt.command_endpoint, msg)
+
+    async def _place_when_ready(
+        self, num_tokens: int, reason: str
+    ) -> tuple[ServiceEntry, ServiceEntry]:
+        """A prompt and a token engine, waiting (bounded) while replacements start."""
+        deadline = time.monotonic() + MIGRATION_WAIT_S
+        while True:
+            try:
+                with self._lock:
+                    return self.scheduler.choose(num_tokens)
+            except NoEngines:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"generation failed: {reason}; no engine ready in {MIGRATION_WAIT_S} s"
+                    ) from None
+            # NOTE: membership changes arrive by the watch thread's registry reads; a short
+            # asyncio sleep keeps this request's coroutine off the event loop meanwhile.
+            await asyncio.sleep(PLACE_RETRY_S)
+
+    def _wire_id(self, req_id: str) -> str:
+        with self._lock:
+            ledger = self.book.ledgers.get(req_id)
+        return req_id if ledger is None else ledger.wire_id
 
     def _shard_ids(self, token: ServiceEntry) -> list[str]:
         """The service ids of a token engine's shard group (its entry lists their KV endpoints).
@@ -249,10 +334,14 @@ class MeshEngineClient:
             len(request.output_token_ids),
         )  # fmt: skip
 
-    def _send_aborts(self, stream: _Stream, req_id: str) -> None:
+    def _send_aborts(self, stream: _Stream, wire_id: str) -> None:
+        """Abort an attempt at its engines that are still members (a dead one's socket would
+        only queue the message)."""
+        with self._lock:
+            live = {e.service_id for e in self._services}
         for engine in (stream.prompt_engine, stream.token_engine):
-            if engine is not None:
-                self._send(engine.command_endpoint, AbortRequest(req_id))
+            if engine is not None and engine.service_id in live:
+                self._send(engine.command_endpoint, AbortRequest(wire_id))
 
     def _send(self, endpoint: str, msg: EngineCommand) -> None:
         with self._push_lock:
@@ -263,6 +352,10 @@ class MeshEngineClient:
             stream = self._streams.pop(req_id, None)
             if stream is not None and not stream.first_token_out:
                 self._num_pending_prompt_tokens -= stream.num_prompt_tokens
+            ledger = self.book.ledgers.get(req_id)
+            self.book.close(req_id)
+        if ledger is not None:
+            self._orderer.forget(ledger.wire_id)
         return stream is not None
 
     # ---- IO thread: token streams and load reports ----
@@ -276,7 +369,7 @@ class MeshEngineClient:
         poller = zmq.Poller()
         poller.register(self._replies.sock, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
-        orderer = TokenStreamOrderer()  # first and later tokens come on different connections
+        orderer = self._orderer
         while not self._closed.is_set():
             connected = _resubscribe(sub, connected, self._wanted_loads)
             poller.poll(IO_POLL_MS)
@@ -291,11 +384,15 @@ class MeshEngineClient:
         sub.close(linger=0)
         self._replies.close()
 
-    def _deliver(self, req_id: str, item: TokenOutput | Exception) -> None:
+    def _deliver(self, wire_id: str, item: TokenOutput | Exception) -> None:
+        """Hand an output to its request's stream; outputs of a superseded attempt are dropped."""
         with self._lock:
-            stream = self._streams.get(req_id)
+            ledger = self.book.owner(wire_id)
+            stream = None if ledger is None else self._streams.get(ledger.req_id)
             if stream is None:
-                return  # finished or aborted: the client is gone
+                return  # finished, aborted (the client is gone) or an earlier attempt's
+            if isinstance(item, TokenOutput):
+                stream.num_attempt_tokens += len(item.token_ids)
             if isinstance(item, TokenOutput) and item.token_ids and not stream.first_token_out:
                 stream.first_token_out = True
                 self._num_pending_prompt_tokens -= stream.num_prompt_tokens
@@ -329,18 +426,22 @@ class MeshEngineClient:
         self._fail_orphans(now)
 
     def _fail_orphans(self, live_ids: set[str]) -> None:
-        """Fail requests whose token engine, or whose prompt engine before its first token, left."""
+        """Tell requests whose token engine left, or whose prompt engine left before the token
+        engine took over, that their attempt is lost (they migrate); once per attempt."""
+        orphans = []
         with self._lock:
-            orphans = [
-                (req_id, dead.service_id, s.traceparent)
-                for req_id, s in self._streams.items()
-                for dead in (s.token_engine, None if s.first_token_out else s.prompt_engine)
-                if dead is not None and dead.service_id not in live_ids
-            ]
+            for req_id, s in self._streams.items():
+                handed_off = s.num_attempt_tokens > 1
+                for dead in (s.token_engine, None if handed_off else s.prompt_engine):
+                    if dead is not None and dead.service_id not in live_ids and not s.lost:
+                        s.lost = True
+                        orphans.append((req_id, dead.service_id, s.traceparent))
         for req_id, engine_id, traceparent in orphans:
             with bind_request(req_id, traceparent=traceparent):
                 log.error("engine left mid-request", engine=engine_id)
-            self._deliver(req_id, RuntimeError(f"engine {engine_id} stopped responding"))
+            self._deliver(
+                self._wire_id(req_id), EngineLost(f"engine {engine_id} stopped responding")
+            )
 
 
 def _resubscribe(sub: zmq.Socket, connected: set[str], wanted: frozenset[str]) -> set[str]:
@@ -350,27 +451,3 @@ def _resubscribe(sub: zmq.Socket, connected: set[str], wanted: frozenset[str]) -
     for endpoint in connected - wanted:
         sub.disconnect(endpoint)
     return set(wanted)
-
-
-def query_stats(endpoints: list[str], timeout_s: float = 2.0) -> list[EngineStats]:
-    """Ask every control endpoint at once for its `EngineStats`; silent ones are left out."""
-    ctx: zmq.Context = zmq.Context.instance()
-    sockets: list[TypedSocket[ServiceReply]] = []
-    for endpoint in endpoints:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        typed: TypedSocket[ServiceReply] = TypedSocket(sock, ServiceReply)
-        sock.send(msgspec.msgpack.encode(StatsRequest()))
-        sockets.append(typed)
-    deadline = time.monotonic() + timeout_s
-    replies: list[EngineStats] = []
-    for endpoint, typed in zip(endpoints, sockets, strict=True):
-        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        item = typed.recv_nowait() if typed.sock.poll(left_ms) else None
-        if item is not None and isinstance(item[1], EngineStats):
-            replies.append(item[1])
-        else:
-            log.warning("no stats from a service", endpoint=endpoint)
-        typed.close()
-    return replies

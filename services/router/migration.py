@@ -13,7 +13,7 @@ seeded request samples its next token from the same generator position (`common.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common.protocol import SamplingSpec
 
@@ -27,7 +27,6 @@ class Ledger:
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
-    delivered: list[int] = field(default_factory=list)  # token ids the client has been sent
     attempt: int = 0  # 0: the first run; n: the n-th migration
 
     @property
@@ -69,12 +68,10 @@ class MigrationBook:
         ledger = None if req_id is None else self.ledgers.get(req_id)
         return ledger if ledger is not None and ledger.wire_id == wire_id else None
 
-    def delivered(self, req_id: str, token_ids: list[int]) -> None:
-        """Tokens the client has been sent, in order."""
-        self.ledgers[req_id].delivered.extend(token_ids)
-
-    def migrate(self, req_id: str) -> Replay | None:
-        """The next attempt of a request, or None once it has used its migrations."""
+    def migrate(self, req_id: str, output_token_ids: list[int]) -> Replay | None:
+        """The next attempt of a request whose engines have produced `output_token_ids` so far
+        (every token the router took in, streamed or held back); None once it has used its
+        migrations."""
         ledger = self.ledgers[req_id]
         if ledger.attempt >= self.max_migrations:
             return None
@@ -82,7 +79,7 @@ class MigrationBook:
         ledger.attempt += 1
         self._by_wire_id[ledger.wire_id] = req_id
         return Replay(
-            ledger.wire_id, ledger.prompt_token_ids, list(ledger.delivered), ledger.sampling
+            ledger.wire_id, ledger.prompt_token_ids, list(output_token_ids), ledger.sampling
         )
 
     def close(self, req_id: str) -> None:

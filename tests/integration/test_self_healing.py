@@ -3,6 +3,7 @@ token engine's shard group is made whole with the replacement shard (real proces
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from common.sampling import SamplingParams
 from services.launch.direct_client import DirectMeshClient
 from services.launch.local_mesh import LocalMesh, Topology
 from services.mesh.registry import ServiceEntry
+from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
 
 LONG = SamplingSpec(max_tokens=2000, temperature=0.0, ignore_eos=True)
@@ -82,3 +84,56 @@ def test_a_killed_engine_is_replaced_under_a_new_id(mesh: LocalMesh) -> None:
     wait_for(lambda: "prompt-0.1" in live(mesh))
     assert "prompt-0" not in live(mesh) and live(mesh)["prompt-0.1"].state == "ready"
     assert all(s.num_requests == 0 for s in mesh.stats())  # every service answers
+
+
+def migrating_streams(
+    mesh: LocalMesh, prompts: list[list[int]], num_tokens: int, kill: Callable[[], None]
+) -> list[list[int]]:
+    """Stream every prompt through the router's `MeshEngineClient`; call `kill` once each has
+    a few tokens; return each stream's token ids."""
+    model_path = mesh.topology.model_path
+    client = MeshEngineClient(model_path, mesh.registry.live, refresh_s=0.1)
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[list[int]]:
+        started = asyncio.Event()
+        counts = [0] * len(prompts)
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            tokens: list[int] = []
+            async for out in client.generate(f"m{i}", prompt, params):
+                tokens += out.new_token_ids
+                counts[i] = len(tokens)
+                if min(counts) >= 5:
+                    started.set()
+            return tokens
+
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        await asyncio.wait_for(started.wait(), 120)
+        kill()
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), 300))
+
+    try:
+        return asyncio.run(run())
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.parametrize("victim", ["shard-1", "token-0", "prompt-0"])
+def test_streams_continue_through_a_killed_worker(tiny_model_path: Path, victim: str) -> None:
+    """Six greedy streams; one worker SIGKILLed mid-stream: every stream finishes with exactly
+    the single-process engine's tokens (migrated from the tokens it had), and no KV is left."""
+    prompts = random_prompts([20, 45, 70, 95, 120, 33], 2048, seed=50)
+    reference = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(
+        prompts, SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    )
+    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2))
+    try:
+        outputs = migrating_streams(mesh, prompts, 120, lambda: mesh.workers[victim].proc.kill())
+        assert outputs == reference
+        supervisor = mesh.supervisor
+        assert supervisor is not None
+        wait_for(lambda: supervisor.num_restarts == 1)  # the streams need not wait for it
+        wait_for(lambda: all(s.kv_blocks_used == 0 and s.num_requests == 0 for s in mesh.stats()))
+    finally:
+        mesh.close()

@@ -9,9 +9,11 @@ engines that leave never are.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from common.protocol import LoadReport
+from common.protocol import LoadReport, ShardAddress
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler, NoEngines
 
@@ -96,3 +98,21 @@ def test_free_kv_is_reported_in_tokens() -> None:
     p = scheduler(*PROMPTS, *TOKENS)
     p.on_load(report("t0", free_blocks=3))
     assert p.loads()["t0"].free_kv_tokens == 48
+
+
+def test_a_token_engine_that_reports_a_broken_group_decodes_locally() -> None:
+    # The registry still lists both shards (their entries age out in seconds); the engine's own
+    # load report already says it lost them: place with local attention, not on a dead group.
+    group = (ShardAddress("tcp://s0", 0, 1), ShardAddress("tcp://s1", 1, 2))
+    token = replace(TOKENS[0], shards=group)
+    p = scheduler(PROMPTS[0], token)
+    assert p.choose(10)[1].shards == group  # no report yet: the registry's word
+    whole = report("t0")
+    whole.shard_endpoints = ["tcp://s0", "tcp://s1"]
+    p.on_load(whole)
+    assert p.choose(10)[1].shards == group
+    broken = report("t0")
+    broken.shard_endpoints = []
+    p.on_load(broken)
+    assert p.choose(10)[1].shards == ()
+    assert token.shards == group  # the registry's entry itself is untouched

@@ -14,22 +14,19 @@ SAMPLING = SamplingSpec(max_tokens=50, temperature=0.0)
 def test_a_replay_prefills_the_prompt_and_every_delivered_token() -> None:
     book = MigrationBook(max_migrations=2)
     assert book.open("r1", [5, 6, 7], SAMPLING) == "r1"
-    book.delivered("r1", [10])
-    book.delivered("r1", [11, 12])
-    replay = book.migrate("r1")
+    replay = book.migrate("r1", [10, 11, 12])
     assert replay is not None
     assert replay.wire_id == "r1~1"
     assert (replay.prompt_token_ids, replay.output_token_ids) == ([5, 6, 7], [10, 11, 12])
     assert replay.sampling == SAMPLING  # max_tokens counts the delivered ones: unchanged
-    book.delivered("r1", [13])
-    second = book.migrate("r1")
+    second = book.migrate("r1", [10, 11, 12, 13])
     assert second is not None and second.output_token_ids == [10, 11, 12, 13]
 
 
 def test_late_messages_of_a_dead_attempt_have_no_owner() -> None:
     book = MigrationBook()
     book.open("r1", [1], SAMPLING)
-    book.migrate("r1")
+    book.migrate("r1", [])
     assert book.owner("r1") is None  # the first attempt's engines may still send: ignored
     ledger = book.owner("r1~1")
     assert ledger is not None and ledger.req_id == "r1"
@@ -40,19 +37,19 @@ def test_late_messages_of_a_dead_attempt_have_no_owner() -> None:
 def test_migrations_are_bounded() -> None:
     book = MigrationBook(max_migrations=1)
     book.open("r1", [1], SAMPLING)
-    assert book.migrate("r1") is not None
-    assert book.migrate("r1") is None
+    assert book.migrate("r1", [2]) is not None
+    assert book.migrate("r1", [2, 3]) is None
     never = MigrationBook(max_migrations=0)
     never.open("r2", [1], SAMPLING)
-    assert never.migrate("r2") is None
+    assert never.migrate("r2", []) is None
     with pytest.raises(ValueError):
         MigrationBook(max_migrations=-1)
 
 
-def test_a_replay_does_not_alias_the_ledger() -> None:
+def test_a_replay_does_not_alias_the_callers_tokens() -> None:
     book = MigrationBook()
     book.open("r1", [1], SAMPLING)
-    book.delivered("r1", [2])
-    replay = book.migrate("r1")
-    book.delivered("r1", [3])
+    output = [2]
+    replay = book.migrate("r1", output)
+    output.append(3)
     assert replay is not None and replay.output_token_ids == [2]
