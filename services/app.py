@@ -33,12 +33,12 @@ from ray.serve import Application
 
 from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
-from common.telemetry import configure_logging, configure_telemetry
+from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.worker_config import WorkerConfig
 from services.mesh.registry import RayRegistry
 from services.mesh.replica import MeshReplica, base_worker_config, start_engine, start_shard
 from services.router.engine_client import AdmissionLimits, EngineClient, InProcessEngineClient
-from services.router.mesh_client import MeshEngineClient
+from services.router.mesh_client import MAX_MIGRATIONS, MeshEngineClient
 from services.router.server import Router
 
 log = structlog.get_logger(__name__)
@@ -76,6 +76,8 @@ class MeshArgs(_Args):
     host: str | None = None  # where sockets bind; None: this node's IP as Ray knows it
     shard_wait_s: float = Field(default=60.0, ge=0)  # a token engine waits this long for shards
     drain_s: float = Field(default=20.0, ge=0)  # an engine finishes its requests this long
+    # Re-runs of one request on other replicas when its engines or shards die (token replay).
+    max_migrations: int = Field(default=MAX_MIGRATIONS, ge=0)
 
 
 class AppArgs(_Args):
@@ -94,7 +96,7 @@ class AppArgs(_Args):
         return self.served_model_name or Path(self.model).name
 
 
-def _make_client(args: AppArgs) -> EngineClient:
+def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
     if args.topology == "local":
         e = args.engine
         engine = LLMEngine.from_path(
@@ -112,6 +114,8 @@ def _make_client(args: AppArgs) -> EngineClient:
         registry.live,
         host=_bind_host(args.mesh),
         block_size=args.mesh.block_size,
+        max_migrations=args.mesh.max_migrations,
+        metrics=Metrics(model_name=args.model_name(), engine=replica_id),
     )
 
 
@@ -151,7 +155,7 @@ class RouterDeployment:
         self.args = AppArgs.model_validate(args)
         replica_id = _service_id("router")
         _configure_observability("router", replica_id)
-        self.client = _make_client(self.args)
+        self.client = _make_client(self.args, replica_id)
         self.router = Router(
             self.client, self.args.model_path(), self.args.model_name(), replica_id
         )

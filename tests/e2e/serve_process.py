@@ -130,3 +130,12 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def replica_pid(server: ServeRun, deployment: str) -> int:
+    assert server.pid is not None
+    for pid in descendants(server.pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        if f"ServeReplica:phasemesh:{deployment}" in cmdline:
+            return pid
+    raise LookupError(f"no {deployment} replica under serve run {server.pid}")
