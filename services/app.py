@@ -37,9 +37,10 @@ from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.worker_config import WorkerConfig
 from services.mesh.registry import RayRegistry
 from services.mesh.replica import MeshReplica, base_worker_config, start_engine, start_shard
-from services.router.engine_client import AdmissionLimits, EngineClient, InProcessEngineClient
+from services.router.engine_client import EngineClient, InProcessEngineClient
 from services.router.mesh_client import MAX_MIGRATIONS, MeshEngineClient
 from services.router.server import Router
+from services.router.streams import AdmissionLimits
 
 log = structlog.get_logger(__name__)
 

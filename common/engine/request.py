@@ -32,6 +32,72 @@ class RequestOutput:
 
 
 @dataclass(eq=False)
+class OutputText:
+    """A request's output text: incremental detokenization, stop strings and hold-back.
+
+    The one finish it decides is a stop string (it needs text); the token-level finishes (EOS,
+    stop token ids, lengths) are `Request`'s alone. The engine's `Request` owns one when it has a
+    tokenizer (the single-process engine); the mesh's router owns one per request, for the text
+    of the token ids the engines stream, and takes their finish reason as it comes.
+    """
+
+    stop: list[str]
+    text: str = ""
+    num_emitted_chars: int = 0
+    stopped: bool = False  # a stop string matched: `text` ends before it
+    # Incremental detokenization (vLLM's scheme): the text of output tokens [0, _read_offset) is
+    # `_committed`; tokens [_prefix_offset, _read_offset) are decoded again only as context for
+    # the ones after them, so a step costs a few tokens' decode, not the whole output's.
+    _committed: str = ""
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def update(self, token_ids: list[int], tokenizer: Tokenizer, finished: bool) -> str:
+        """The output is now `token_ids`: decode, cut at a stop string, and return the new text
+        that is safe to stream (all of it once `finished` or stopped)."""
+        pending = self._decode_new(token_ids, tokenizer)  # first: it may commit text
+        full = self._committed + pending
+        stop_at = self._find_stop_string(full)
+        if stop_at is not None:
+            full, self.stopped = full[:stop_at], True
+        self.text = full
+        end = len(full)
+        if not (finished or self.stopped):
+            # NOTE: hold back what could still become a stop string (vLLM does the same), and a
+            # multi-byte character split across tokens, which decodes to U+FFFD until complete.
+            end -= max(map(len, self.stop), default=1) - 1
+            end = min(end, len(full.rstrip("\ufffd")))
+        delta = full[self.num_emitted_chars : max(end, self.num_emitted_chars)]
+        self.num_emitted_chars += len(delta)
+        return delta
+
+    def _decode_new(self, tokens: list[int], tokenizer: Tokenizer) -> str:
+        """Text of the tokens not yet committed; complete characters are committed.
+
+        A multi-byte character split across tokens decodes to U+FFFD until it is complete: such
+        text is returned (the caller holds it back) but not committed.
+        """
+        context = tokenizer.decode(tokens[self._prefix_offset : self._read_offset])
+        window = tokenizer.decode(tokens[self._prefix_offset :])
+        # Decoding with the context, then cutting it off, keeps tokenizers that treat a leading
+        # space specially (SentencePiece) right at the window's start.
+        new = window[len(context) :]
+        if new and not new.endswith("\ufffd"):
+            self._committed += new
+            self._prefix_offset, self._read_offset = self._read_offset, len(tokens)
+            return ""
+        return new
+
+    def _find_stop_string(self, text: str) -> int | None:
+        if not self.stop:
+            return None
+        # Only new text can hold a new match: start one stop-length before what was emitted.
+        start = max(0, self.num_emitted_chars - max(map(len, self.stop)))
+        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
+        return min(hits) if hits else None
+
+
+@dataclass(eq=False)
 class Request:
     """Tokens and finish rules of one request. Text is tracked only when a tokenizer is given."""
 
@@ -41,25 +107,28 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 1 << 30
     output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    num_emitted_chars: int = 0
     finish_reason: FinishReason | None = None
-    # Incremental detokenization (vLLM's scheme): the text of output tokens [0, _read_offset) is
-    # `_committed`; tokens [_prefix_offset, _read_offset) are decoded again only as context for
-    # the ones after them, so a step costs a few tokens' decode, not the whole output's.
-    _committed: str = ""
-    _prefix_offset: int = 0
-    _read_offset: int = 0
+    output_text: OutputText | None = None  # made on the first append with a tokenizer
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def text(self) -> str:
+        return self.output_text.text if self.output_text else ""
+
     def append(self, token_id: int, tokenizer: Tokenizer | None) -> RequestOutput:
         """Add one sampled token, update the text, and decide whether the request is done."""
         self.output_token_ids.append(token_id)
         self.finish_reason = self._finish_by_token(token_id) or self._finish_by_length()
-        new_text = self._update_text(tokenizer) if tokenizer else ""
+        new_text = ""
+        if tokenizer is not None:
+            self.output_text = self.output_text or OutputText(list(self.params.stop))
+            finished = self.finish_reason is not None
+            new_text = self.output_text.update(self.output_token_ids, tokenizer, finished)
+            if self.output_text.stopped:
+                self.finish_reason = FinishReason.STOP
         return RequestOutput(
             self.req_id,
             [token_id],
@@ -84,47 +153,3 @@ class Request:
         if len(self.prompt_token_ids) + len(self.output_token_ids) >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-    def _update_text(self, tokenizer: Tokenizer) -> str:
-        """Decode, cut at a stop string, and return the part that is safe to stream now."""
-        pending = self._decode_new(tokenizer)  # first: it may commit text
-        full = self._committed + pending
-        stop_at = self._find_stop_string(full)
-        if stop_at is not None:
-            full, self.finish_reason = full[:stop_at], FinishReason.STOP
-        self.text = full
-        end = len(full)
-        if not self.finish_reason:
-            # NOTE: hold back what could still become a stop string (vLLM does the same), and a
-            # multi-byte character split across tokens, which decodes to U+FFFD until complete.
-            end -= max(map(len, self.params.stop), default=1) - 1
-            end = min(end, len(full.rstrip("\ufffd")))
-        delta = full[self.num_emitted_chars : max(end, self.num_emitted_chars)]
-        self.num_emitted_chars += len(delta)
-        return delta
-
-    def _decode_new(self, tokenizer: Tokenizer) -> str:
-        """Text of the tokens not yet committed; complete characters are committed.
-
-        A multi-byte character split across tokens decodes to U+FFFD until it is complete: such
-        text is returned (the caller holds it back) but not committed.
-        """
-        tokens = self.output_token_ids
-        context = tokenizer.decode(tokens[self._prefix_offset : self._read_offset])
-        window = tokenizer.decode(tokens[self._prefix_offset :])
-        # Decoding with the context, then cutting it off, keeps tokenizers that treat a leading
-        # space specially (SentencePiece) right at the window's start.
-        new = window[len(context) :]
-        if new and not new.endswith("\ufffd"):
-            self._committed += new
-            self._prefix_offset, self._read_offset = self._read_offset, len(tokens)
-            return ""
-        return new
-
-    def _find_stop_string(self, text: str) -> int | None:
-        if not self.params.stop:
-            return None
-        # Only new text can hold a new match: start one stop-length before what was emitted.
-        start = max(0, self.num_emitted_chars - max(map(len, self.params.stop)))
-        hits = [i for s in self.params.stop if (i := text.find(s, start)) >= 0]
-        return min(hits) if hits else None

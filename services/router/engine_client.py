@@ -12,7 +12,6 @@ and refuse with `Overloaded`, which the router turns into a 429.
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 from collections.abc import AsyncGenerator
@@ -24,16 +23,9 @@ import structlog
 from common.engine.core import LLMEngine
 from common.engine.request import RequestOutput
 from common.sampling import SamplingParams
+from services.router.streams import AdmissionLimits, Stream, StreamTable
 
 log = structlog.get_logger(__name__)
-
-
-class Overloaded(Exception):
-    """Admission refused: a bound on queued work would be passed. `reason` names the bound."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -81,38 +73,6 @@ class EngineClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class AdmissionLimits:
-    """Bounds past which new requests get `Overloaded` (429) instead of queueing forever."""
-
-    max_num_requests: int = 256
-    max_pending_prompt_tokens: int = 65536
-
-    def __post_init__(self) -> None:
-        if self.max_num_requests < 1 or self.max_pending_prompt_tokens < 1:
-            raise ValueError("admission limits must be >= 1")
-
-
-def check_admission(
-    limits: AdmissionLimits, num_requests: int, num_pending_prompt_tokens: int, num_tokens: int
-) -> None:
-    """Raise `Overloaded` if admitting a prompt of `num_tokens` would pass a bound."""
-    if num_requests >= limits.max_num_requests:
-        raise Overloaded(
-            "max_num_requests",
-            f"The server is busy: {num_requests} requests in flight "
-            f"(limit {limits.max_num_requests}). Please retry later.",
-        )
-    pending = num_pending_prompt_tokens
-    # A prompt larger than the whole bound is still admitted when nothing else is pending.
-    if pending and pending + num_tokens > limits.max_pending_prompt_tokens:
-        raise Overloaded(
-            "max_pending_prompt_tokens",
-            f"The server is busy: {pending} prompt tokens queued "
-            f"(limit {limits.max_pending_prompt_tokens}). Please retry later.",
-        )
-
-
 @dataclass
 class _Add:
     req_id: str
@@ -128,36 +88,35 @@ class _Abort:
 _STOP = object()  # the command that ends the engine thread
 
 
-@dataclass
-class _Stream:
-    """Where one request's outputs go: an asyncio queue fed from the engine thread."""
-
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue[RequestOutput | Exception] = field(default_factory=asyncio.Queue)
-    num_prompt_tokens: int = 0
-    first_token_out: bool = False
-
-
 class InProcessEngineClient:
     """An `LLMEngine` stepped on its own thread, behind the `EngineClient` protocol."""
 
     def __init__(self, engine: LLMEngine, limits: AdmissionLimits | None = None) -> None:
         self.engine = engine
-        self.limits = limits or AdmissionLimits()
+        self.streams: StreamTable[Stream] = StreamTable(limits)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams and the admission counters
-        self._num_pending_prompt_tokens = 0
         self._engine_stats = self._snapshot_engine()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+
+    @property
+    def limits(self) -> AdmissionLimits:
+        return self.streams.limits
+
+    @limits.setter
+    def limits(self, limits: AdmissionLimits) -> None:
+        self.streams.limits = limits
 
     # ---- asyncio side ----
 
     async def generate(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncGenerator[RequestOutput, None]:
-        stream = self._admit(req_id, prompt_token_ids, params)
+        stream = self.streams.admit(
+            req_id, len(prompt_token_ids), lambda: Stream(req_id=req_id,
+                                                          num_prompt_tokens=len(prompt_token_ids))
+        )  # fmt: skip
+        self._commands.put(_Add(req_id, list(prompt_token_ids), params))
         finished = False
         try:
             while not finished:
@@ -170,23 +129,22 @@ class InProcessEngineClient:
             if not finished:
                 log.info("request aborted before it finished", req_id=req_id)
                 self.abort(req_id)
-            self._release(req_id)
+            self.streams.release(req_id)
 
     def abort(self, req_id: str) -> None:
         """Stop a request and free its KV; outputs already in flight are dropped."""
-        if self._release(req_id):
+        if self.streams.release(req_id) is not None:
             self._commands.put(_Abort(req_id))
 
     def stats(self) -> EngineClientStats:
         engine = self._engine_stats
-        with self._lock:
-            return EngineClientStats(
-                len(self._streams),
-                self._num_pending_prompt_tokens,
-                engine.num_engine_requests,
-                engine.kv_blocks_used,
-                engine.kv_blocks_total,
-            )
+        return EngineClientStats(
+            len(self.streams),
+            self.streams.num_pending_prompt_tokens,
+            engine.num_engine_requests,
+            engine.kv_blocks_used,
+            engine.kv_blocks_total,
+        )
 
     def ready(self) -> bool:
         return self._thread.is_alive()
@@ -198,27 +156,6 @@ class InProcessEngineClient:
         """Stop the engine thread (requests still running get no more outputs)."""
         self._commands.put(_STOP)
         self._thread.join(timeout=10)
-
-    def _admit(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> _Stream:
-        num_tokens = len(prompt_token_ids)
-        with self._lock:
-            check_admission(
-                self.limits, len(self._streams), self._num_pending_prompt_tokens, num_tokens
-            )
-            if req_id in self._streams:
-                raise ValueError(f"request id {req_id} is already in use")
-            stream = _Stream(asyncio.get_running_loop(), num_prompt_tokens=num_tokens)
-            self._streams[req_id] = stream
-            self._num_pending_prompt_tokens += num_tokens
-        self._commands.put(_Add(req_id, list(prompt_token_ids), params))
-        return stream
-
-    def _release(self, req_id: str) -> bool:
-        with self._lock:
-            stream = self._streams.pop(req_id, None)
-            if stream is not None and not stream.first_token_out:
-                self._num_pending_prompt_tokens -= stream.num_prompt_tokens
-        return stream is not None
 
     # ---- engine thread ----
 
@@ -276,17 +213,7 @@ class InProcessEngineClient:
             self._deliver(req_id, RuntimeError(f"engine step failed: {exc}"))
 
     def _deliver(self, req_id: str, item: RequestOutput | Exception) -> None:
-        with self._lock:
-            stream = self._streams.get(req_id)
-            if stream is None:
-                return  # aborted: the client is gone
-            if isinstance(item, RequestOutput) and not stream.first_token_out:
-                stream.first_token_out = True
-                self._num_pending_prompt_tokens -= stream.num_prompt_tokens
-        try:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
-        except RuntimeError:
-            pass  # the request's event loop is closed: nobody is listening
+        self.streams.deliver(req_id, item, isinstance(item, RequestOutput))
 
     def _snapshot_engine(self) -> EngineClientStats:
         blocks = self.engine.blocks

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -29,8 +29,7 @@ import zmq
 from opentelemetry import trace
 from opentelemetry.trace import Span
 
-from common.config import ModelConfig
-from common.engine.request import FinishReason, Request, RequestOutput
+from common.engine.request import RequestOutput
 from common.protocol import (
     AbortRequest,
     EngineCommand,
@@ -47,13 +46,10 @@ from common.transport.service_stats import request_stats
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler, NoEngines
-from services.router.engine_client import (
-    AdmissionLimits,
-    EngineClientStats,
-    Overloaded,
-    check_admission,
-)
+from services.router.engine_client import EngineClientStats
 from services.router.migration import MigrationBook
+from services.router.streams import AdmissionLimits, Overloaded, Stream, StreamTable
+from services.router.token_text import StreamedText
 
 log = structlog.get_logger(__name__)
 
@@ -70,16 +66,12 @@ class EngineLost(RuntimeError):
     """An engine of the request left the registry: the request may be re-run elsewhere."""
 
 
-@dataclass
-class _Stream:
-    """One admitted request: where its outputs go and where its current attempt runs."""
+@dataclass(kw_only=True)
+class _MeshStream(Stream):
+    """A request in the mesh: where its current attempt runs, and its trace."""
 
-    loop: asyncio.AbstractEventLoop
-    num_prompt_tokens: int
-    outputs: asyncio.Queue[TokenOutput | Exception] = field(default_factory=asyncio.Queue)
-    prompt_engine: ServiceEntry | None = None
-    token_engine: ServiceEntry | None = None
-    first_token_out: bool = False
+    prompt_engine: ServiceEntry
+    token_engine: ServiceEntry
     traceparent: str = ""  # the request's trace, carried to the engines
     span: Span | None = None  # the request's `router.request` span, for migration events
     num_attempt_tokens: int = 0  # tokens of the current attempt (> 1: the token engine has it)
@@ -101,18 +93,16 @@ class MeshEngineClient:
         metrics: Metrics | None = None,
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
-        self.model_config = ModelConfig.from_folder(model_path)
         self.list_services = list_services
-        self.limits = limits or AdmissionLimits()
         self.refresh_s = refresh_s
         self.scheduler = ClusterScheduler(block_size)
         self.metrics = metrics
-        self.book = MigrationBook(max_migrations)  # under _lock
-        self._orderer = TokenStreamOrderer()  # first and later tokens come on different sockets
-        self._lock = threading.Lock()  # guards _streams, the counters, _services and book
-        self._streams: dict[str, _Stream] = {}
-        self._num_pending_prompt_tokens = 0
+        self.streams: StreamTable[_MeshStream] = StreamTable(limits)
+        # Under `streams.lock`, with the streams: the ledgers, the counts and the membership.
+        self._lock = self.streams.lock
+        self.book = MigrationBook(max_migrations)
         self._requests_by_engine: Counter[str] = Counter()
+        self._orderer = TokenStreamOrderer()  # first and later tokens come on different sockets
         self._services: list[ServiceEntry] = []
         self._wanted_loads: frozenset[str] = frozenset()
         self._closed = threading.Event()
@@ -135,10 +125,7 @@ class MeshEngineClient:
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncGenerator[RequestOutput, None]:
         stream = self._admit(req_id, prompt_token_ids, params)
-        request = Request(
-            req_id, list(prompt_token_ids), params, self.model_config.eos_token_ids,
-            self.model_config.max_position_embeddings,
-        )  # fmt: skip
+        text = StreamedText(req_id, len(prompt_token_ids), list(params.stop), self.tokenizer)
         engine_done = finished = False
         try:
             while not finished:
@@ -147,12 +134,12 @@ class MeshEngineClient:
                     isinstance(item, TokenOutput) and item.error and item.retryable
                 ):
                     reason = item.error if isinstance(item, TokenOutput) else str(item)
-                    await self._migrate(req_id, stream, request, reason)
+                    await self._migrate(req_id, stream, text.output_token_ids, reason)
                     continue
                 if isinstance(item, Exception):
                     raise item
                 engine_done = bool(item.finish_reason)
-                for out in self._to_outputs(request, item):
+                for out in text.on_tokens(item):
                     finished = out.finished
                     yield out
                     if finished:
@@ -164,19 +151,26 @@ class MeshEngineClient:
                 self._send_aborts(stream, self._wire_id(req_id))
             self._release(req_id)
 
+    @property
+    def limits(self) -> AdmissionLimits:
+        return self.streams.limits
+
+    @limits.setter
+    def limits(self, limits: AdmissionLimits) -> None:
+        self.streams.limits = limits
+
     def abort(self, req_id: str) -> None:
         """Stop a request at its prompt and token engine; outputs in flight are dropped."""
-        with self._lock:
-            stream = self._streams.get(req_id)
         wire_id = self._wire_id(req_id)
-        if stream is not None and self._release(req_id):
+        stream = self._release(req_id)
+        if stream is not None:
             self._send_aborts(stream, wire_id)
 
     def stats(self) -> EngineClientStats:
         """Router counters plus what every live service holds (KV blocks used anywhere)."""
         with self._lock:
             services = list(self._services)
-            num_requests, pending = len(self._streams), self._num_pending_prompt_tokens
+            num_requests, pending = len(self.streams), self.streams.num_pending_prompt_tokens
             by_engine = dict(self._requests_by_engine)
         endpoints = [s.control_endpoint for s in services if s.control_endpoint]
         replies = list(request_stats(endpoints, 2.0).values())
@@ -213,44 +207,43 @@ class MeshEngineClient:
             self._push.close()
         self.ctx.destroy(linger=0)
 
-    def _admit(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> _Stream:
+    def _admit(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> _MeshStream:
         num_tokens = len(prompt_ids)
-        with self._lock:
-            check_admission(self.limits, len(self._streams), self._num_pending_prompt_tokens,
-                            num_tokens)  # fmt: skip
-            if req_id in self._streams:
-                raise ValueError(f"request id {req_id} is already in use")
+
+        def place() -> _MeshStream:  # under the table's lock, once admission allows it
             try:
                 prompt, token = self.scheduler.choose(num_tokens)
             except NoEngines as exc:
                 raise Overloaded("no_engines", "No engine is ready. Please retry later.") from exc
-            # The caller's current span is the request's (`RequestTrace.admission`).
-            stream = _Stream(asyncio.get_running_loop(), num_tokens, prompt_engine=prompt,
-                             token_engine=token, traceparent=inject_context(),
-                             span=trace.get_current_span())  # fmt: skip
-            self._streams[req_id] = stream
             self.book.open(req_id, list(prompt_ids), params.to_spec())
-            self._num_pending_prompt_tokens += num_tokens
             self._requests_by_engine[prompt.service_id] += 1
             self._requests_by_engine[token.service_id] += 1
-            shard_ids = self._shard_ids(token)
+            # The caller's current span is the request's (`RequestTrace.admission`).
+            return _MeshStream(
+                req_id=req_id, num_prompt_tokens=num_tokens, prompt_engine=prompt,
+                token_engine=token, traceparent=inject_context(), span=trace.get_current_span(),
+            )  # fmt: skip
+
+        stream = self.streams.admit(req_id, num_tokens, place)
+        prompt, token = stream.prompt_engine, stream.token_engine
         set_route(trace.get_current_span(), prompt_engine=prompt.service_id,
-                  token_engine=token.service_id, shards=shard_ids)  # fmt: skip
+                  token_engine=token.service_id, shards=self._shard_ids(token))  # fmt: skip
         msg = GenerateRequest(
             req_id=req_id, prompt_token_ids=list(prompt_ids), sampling=params.to_spec(),
             reply_to=self.reply_endpoint, token_engine=token.command_endpoint,
-            token_kv_endpoint=token.kv_endpoint,
-            shards=list(token.shards),
+            token_kv_endpoint=token.kv_endpoint, shards=list(token.shards),
             traceparent=stream.traceparent,
         )  # fmt: skip
         self._send(prompt.command_endpoint, msg)
         return stream
 
-    async def _migrate(self, req_id: str, stream: _Stream, request: Request, reason: str) -> None:
+    async def _migrate(
+        self, req_id: str, stream: _MeshStream, output_token_ids: list[int], reason: str
+    ) -> None:
         """Re-run a request whose engines or shards were lost, from the tokens it has so far."""
         with self._lock:
             old_wire_id = self.book.ledgers[req_id].wire_id
-            replay = self.book.migrate(req_id, request.output_token_ids)
+            replay = self.book.migrate(req_id, output_token_ids)
         self._send_aborts(stream, old_wire_id)
         self._orderer.forget(old_wire_id)
         if replay is None:
@@ -305,36 +298,10 @@ class MeshEngineClient:
         return req_id if ledger is None else ledger.wire_id
 
     def _shard_ids(self, token: ServiceEntry) -> list[str]:
-        """The service ids of a token engine's shard group (its entry lists their KV endpoints).
-
-        Called with `_lock` held."""
+        """The service ids of a token engine's shard group."""
         return [s.service_id or s.kv_endpoint for s in token.shards]
 
-    def _to_outputs(self, request: Request, msg: TokenOutput) -> list[RequestOutput]:
-        """Detokenize an engine message; the engine's finish reason wins if ours differs."""
-        if msg.error or msg.finish_reason == "error":
-            raise RuntimeError(f"generation failed: {msg.error or 'engine error'}")
-        outs: list[RequestOutput] = []
-        for token_id in msg.token_ids:
-            outs.append(request.append(token_id, self.tokenizer))
-            if outs[-1].finished:
-                return outs  # ours ended it (a stop string): later tokens are not sent
-        if msg.finish_reason:
-            outs.append(self._flush(request, msg.finish_reason))
-        return outs
-
-    def _flush(self, request: Request, reason: str) -> RequestOutput:
-        """The engine ended a request we did not: send the held-back text, end with its reason."""
-        text = self.tokenizer.decode(request.output_token_ids)
-        delta = text[request.num_emitted_chars :]
-        request.num_emitted_chars = len(text)
-        finish = FinishReason(reason) if reason in set(FinishReason) else FinishReason.ABORT
-        return RequestOutput(
-            request.req_id, [], delta, finish, len(request.prompt_token_ids),
-            len(request.output_token_ids),
-        )  # fmt: skip
-
-    def _send_aborts(self, stream: _Stream, wire_id: str) -> None:
+    def _send_aborts(self, stream: _MeshStream, wire_id: str) -> None:
         """Abort an attempt at its engines that are still members (a dead one's socket would
         only queue the message)."""
         with self._lock:
@@ -347,16 +314,14 @@ class MeshEngineClient:
         with self._push_lock:
             self._push.get(endpoint).send(msg)
 
-    def _release(self, req_id: str) -> bool:
+    def _release(self, req_id: str) -> _MeshStream | None:
         with self._lock:
-            stream = self._streams.pop(req_id, None)
-            if stream is not None and not stream.first_token_out:
-                self._num_pending_prompt_tokens -= stream.num_prompt_tokens
+            stream = self.streams.release(req_id)
             ledger = self.book.ledgers.get(req_id)
             self.book.close(req_id)
         if ledger is not None:
             self._orderer.forget(ledger.wire_id)
-        return stream is not None
+        return stream
 
     # ---- IO thread: token streams and load reports ----
 
@@ -386,20 +351,13 @@ class MeshEngineClient:
 
     def _deliver(self, wire_id: str, item: TokenOutput | Exception) -> None:
         """Hand an output to its request's stream; outputs of a superseded attempt are dropped."""
-        with self._lock:
+        has_tokens = isinstance(item, TokenOutput) and bool(item.token_ids)
+        with self._lock:  # the attempt cannot change between the check and the delivery
             ledger = self.book.owner(wire_id)
-            stream = None if ledger is None else self._streams.get(ledger.req_id)
-            if stream is None:
-                return  # finished, aborted (the client is gone) or an earlier attempt's
-            if isinstance(item, TokenOutput):
+            stream = None if ledger is None else self.streams.deliver(ledger.req_id, item,
+                                                                      has_tokens)  # fmt: skip
+            if stream is not None and isinstance(item, TokenOutput):
                 stream.num_attempt_tokens += len(item.token_ids)
-            if isinstance(item, TokenOutput) and item.token_ids and not stream.first_token_out:
-                stream.first_token_out = True
-                self._num_pending_prompt_tokens -= stream.num_prompt_tokens
-        try:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
-        except RuntimeError:
-            pass  # the request's event loop is closed: nobody is listening
 
     # ---- watch thread: membership ----
 
@@ -430,7 +388,8 @@ class MeshEngineClient:
         engine took over, that their attempt is lost (they migrate); once per attempt."""
         orphans = []
         with self._lock:
-            for req_id, s in self._streams.items():
+            for s in self.streams.snapshot():
+                req_id = s.req_id
                 handed_off = s.num_attempt_tokens > 1
                 for dead in (s.token_engine, None if handed_off else s.prompt_engine):
                     if dead is not None and dead.service_id not in live_ids and not s.lost:

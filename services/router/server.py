@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from common.config import ModelConfig
 from common.engine.request import RequestOutput
 from common.tokenizer import Tokenizer
-from services.router.engine_client import EngineClient, Overloaded
+from services.router.engine_client import EngineClient
 from services.router.openai_api import (
     APIError,
     AssistantMessage,
@@ -54,6 +54,7 @@ from services.router.openai_api import (
     error_body,
     install_error_handlers,
 )
+from services.router.streams import Overloaded
 from services.router.telemetry import RouterTelemetry
 
 log = structlog.get_logger(__name__)

@@ -22,8 +22,9 @@ import uvicorn
 
 from common.engine.core import LLMEngine
 from common.sampling import SamplingParams
-from services.router.engine_client import AdmissionLimits, InProcessEngineClient
+from services.router.engine_client import InProcessEngineClient
 from services.router.server import Router
+from services.router.streams import AdmissionLimits
 
 MODEL = "tiny"
 T = TypeVar("T")

@@ -21,8 +21,9 @@ from opentelemetry.trace import StatusCode
 from common.engine.request import FinishReason, RequestOutput
 from common.sampling import SamplingParams
 from common.telemetry import Metrics, configure_telemetry
-from services.router.engine_client import EngineClientStats, Overloaded
+from services.router.engine_client import EngineClientStats
 from services.router.server import Router
+from services.router.streams import Overloaded
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"

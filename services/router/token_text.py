@@ -1,0 +1,60 @@
+"""The router's side of a mesh request's output: the token ids its engines stream, as text.
+
+Engines know token ids only and decide every token-level finish (EOS, stop token ids, lengths;
+`common.engine.request.Request`). The router turns their `TokenOutput`s into `RequestOutput`s:
+incremental detokenization, hold-back and stop strings (`OutputText`). A stop string is the one
+finish decided here, because only text can show it; the caller then aborts the engines.
+"""
+
+from __future__ import annotations
+
+from common.engine.request import FinishReason, OutputText, RequestOutput
+from common.protocol import TokenOutput
+from common.tokenizer import Tokenizer
+
+
+class StreamedText:
+    """One request's streamed token ids and their text."""
+
+    def __init__(
+        self, req_id: str, num_prompt_tokens: int, stop: list[str], tokenizer: Tokenizer
+    ) -> None:
+        self.req_id = req_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.tokenizer = tokenizer
+        self.output_token_ids: list[int] = []
+        self.text = OutputText(stop)
+
+    def on_tokens(self, msg: TokenOutput) -> list[RequestOutput]:
+        """The outputs for one engine message, in order; the last one is finished if either the
+        engine finished the request or a stop string did (later tokens are then dropped)."""
+        if msg.error or msg.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {msg.error or 'engine error'}")
+        outs: list[RequestOutput] = []
+        for i, token_id in enumerate(msg.token_ids):
+            self.output_token_ids.append(token_id)
+            last = i == len(msg.token_ids) - 1
+            engine_done = bool(msg.finish_reason) and last
+            delta = self.text.update(self.output_token_ids, self.tokenizer, engine_done)
+            reason = FinishReason.STOP if self.text.stopped else None
+            if engine_done and reason is None:
+                reason = _reason(msg.finish_reason)
+            outs.append(self._output([token_id], delta, reason))
+            if reason is not None:
+                return outs
+        if msg.finish_reason:  # an end with no token (an engine that stopped on its own)
+            delta = self.text.update(self.output_token_ids, self.tokenizer, finished=True)
+            outs.append(self._output([], delta, _reason(msg.finish_reason)))
+        return outs
+
+    def _output(
+        self, token_ids: list[int], delta: str, reason: FinishReason | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            self.req_id, token_ids, delta, reason, self.num_prompt_tokens,
+            len(self.output_token_ids),
+        )  # fmt: skip
+
+
+def _reason(engine_reason: str) -> FinishReason:
+    return FinishReason(engine_reason) if engine_reason in set(FinishReason) else FinishReason.ABORT
