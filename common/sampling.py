@@ -64,44 +64,62 @@ def _check(ok: bool, name: str, expected: str) -> None:
         raise ValueError(f"invalid sampling parameter {name}: must be {expected}")
 
 
+# Below this temperature a softmax over float32 logits overflows: sample greedily instead.
+MIN_TEMPERATURE = 1e-4
+
+
 class Sampler:
-    """Samples one token per row of logits; greedy rows take one batched argmax."""
+    """Samples one token per row of logits; greedy rows take one batched argmax.
 
-    def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
+    Per-row: a row that fails to sample is reported (`failures`) and the other rows keep their
+    tokens, so one request's parameters never fail its batch-mates. For parameters that pass
+    validation and finite logits it always returns a token: a near-zero temperature samples
+    greedily, and a top-p/top-k cut that leaves nothing keeps the top token (vLLM does the same).
 
-    def forget(self, req_id: str) -> None:
-        self._generators.pop(req_id, None)
+    Seeded rows draw from a generator seeded by (seed, output index): the same request samples the
+    same tokens whatever its batch, and a request re-run elsewhere from its tokens (token-replay
+    migration) continues with exactly the draws it would have made.
+    """
 
     def sample(
-        self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]
-    ) -> list[int]:
-        """logits [N, vocab] float32 -> N token ids."""
+        self, logits: torch.Tensor, params: list[SamplingParams], output_lens: list[int]
+    ) -> tuple[list[int], dict[int, Exception]]:
+        """logits [N, vocab] float32 -> (N token ids, {row: why it failed}); a failed row's id is
+        meaningless. `output_lens`: how many tokens each request has produced before this one."""
         # NOTE: numpy's argmax, not torch's: on [32, 2048] float32 logits here torch's takes
         # 77-130 us and numpy's 8 us; both return the first maximal index (and a NaN's first).
         token_ids = logits.detach().cpu().numpy().argmax(axis=-1).tolist()
-        for row, (req_id, p) in enumerate(zip(req_ids, params, strict=True)):
-            if not p.greedy:
-                token_ids[row] = self._sample_row(logits[row], p, self._generator(req_id, p))
-        return token_ids
+        failures: dict[int, Exception] = {}
+        for row, (p, index) in enumerate(zip(params, output_lens, strict=True)):
+            if p.greedy or p.temperature < MIN_TEMPERATURE:
+                continue
+            try:
+                gen = None if p.seed is None else _generator(p.seed, index)
+                token_ids[row] = _sample_row(logits[row], p, gen, token_ids[row])
+            except Exception as exc:  # noqa: BLE001 - that row's request alone fails
+                failures[row] = exc
+        return token_ids, failures
 
-    def _generator(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
-        if params.seed is None:
-            return None
-        if req_id not in self._generators:
-            self._generators[req_id] = torch.Generator().manual_seed(params.seed)
-        return self._generators[req_id]
 
-    @staticmethod
-    def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-        logits = logits / p.temperature  # [vocab]
-        if p.top_k > 0:
-            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+def _generator(seed: int, index: int) -> torch.Generator:
+    # A counter-based stream: one generator per (seed, position), mixed so nearby seeds and
+    # positions do not share draws.
+    return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + index) % (1 << 63))
+
+
+def _sample_row(
+    logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None, top: int
+) -> int:
+    logits = logits / p.temperature  # [vocab]
+    if p.top_k > 0:
+        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return top  # nothing left to draw from: the most likely token
+    return int(torch.multinomial(probs, 1, generator=gen).item())

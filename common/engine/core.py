@@ -103,7 +103,6 @@ class LLMEngine:
 
     def abort(self, req_id: str) -> bool:
         """Drop a request and free its KV; False if it was unknown or already finished."""
-        self.sampler.forget(req_id)
         self.scheduler.remove(req_id)
         return self.requests.pop(req_id, None) is not None
 
@@ -118,17 +117,31 @@ class LLMEngine:
         token_ids = {s.req_id: self.requests[s.req_id].all_token_ids for s in batch.seqs}
         logits = self.runner.run(self.runner.prepare(batch, token_ids))
         reqs = [self.requests[s.req_id] for s in batch.seqs]
-        sampled = self.sampler.sample(logits, [r.req_id for r in reqs], [r.params for r in reqs])
+        sampled, failures = self.sampler.sample(
+            logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs]
+        )
         outputs = [
-            r.append(t, self.tokenizer if r.params.detokenize else None)
-            for r, t in zip(reqs, sampled, strict=True)
+            self._append(req, token, failures.get(row))
+            for row, (req, token) in enumerate(zip(reqs, sampled, strict=True))
         ]
         finished = {o.req_id for o in outputs if o.finished}
         self.scheduler.update(batch, finished)
         for req_id in finished:
-            self.sampler.forget(req_id)
             del self.requests[req_id]
         return outputs
+
+    def _append(self, req: Request, token: int, failure: Exception | None) -> RequestOutput:
+        """One request's token, or its end if anything about it failed (its batch-mates go on)."""
+        try:
+            if failure is not None:
+                raise failure
+            return req.append(token, self.tokenizer if req.params.detokenize else None)
+        except Exception as exc:  # noqa: BLE001 - this request's fault, not the step's
+            log.warning("request failed", req_id=req.req_id, error=repr(exc))
+            return RequestOutput(
+                req.req_id, [], "", FinishReason.ABORT, len(req.prompt_token_ids),
+                len(req.output_token_ids), error=f"request failed: {exc!r}",
+            )  # fmt: skip
 
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | None = None

@@ -25,6 +25,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: str = ""  # the request failed (its finish reason is `abort`): why
 
     @property
     def finished(self) -> bool:

@@ -204,7 +204,6 @@ class Engine:
         self.local.remove(req_id)
         self.admission.remove(req_id)
         self.blocks.free(req_id)
-        self.sampler.forget(req_id)
         self.requests.pop(req_id, None)
         self.routing.pop(req_id, None)
         return frees
@@ -325,12 +324,16 @@ class Engine:
             out += self._emit(seq.req_id, token)
         return out
 
-    def _forward(self, batch: Batch, inputs: object) -> list[int]:
+    def _forward(self, batch: Batch, inputs: object) -> list[int | Exception]:
+        """The batch's next tokens; a row whose sampling failed carries the exception instead."""
         logits = self.runner.run(inputs)  # type: ignore[arg-type]
         reqs = [self.requests[s.req_id] for s in batch.seqs]
-        return self.sampler.sample(logits, [r.req_id for r in reqs], [r.params for r in reqs])
+        sampled, failures = self.sampler.sample(
+            logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs]
+        )
+        return [failures.get(row, token) for row, token in enumerate(sampled)]
 
-    def _finish_step(self, batch: Batch, sampled: list[int]) -> Outgoing:
+    def _finish_step(self, batch: Batch, sampled: list[int | Exception]) -> Outgoing:
         out: Outgoing = []
         for seq, token in zip(batch.seqs, sampled, strict=True):
             out += self._emit(seq.req_id, token)
@@ -340,10 +343,20 @@ class Engine:
 
     # -- per-request bookkeeping ------------------------------------------------------------------
 
-    def _emit(self, req_id: str, token: int) -> Outgoing:
-        """Record a token, stream it, and release everything if the request is done."""
+    def _emit(self, req_id: str, token: int | Exception) -> Outgoing:
+        """Record a token, stream it, and release everything if the request is done. A request
+        whose token failed (sampling, finish rules) ends alone, with its error."""
         req, route = self.requests[req_id], self.routing[req_id]
-        result = req.append(token, tokenizer=None)
+        try:
+            if isinstance(token, Exception):
+                raise token
+            result = req.append(token, tokenizer=None)
+        except Exception as exc:  # noqa: BLE001 - this request's fault: its batch-mates go on
+            log.warning("request failed", req_id=req_id, error=repr(exc))
+            error = TokenOutput(req_id, [], "error", route.num_prompt_tokens,
+                                error=f"request failed: {exc!r}")  # fmt: skip
+            self.telemetry.aborted(req_id, exc)
+            return [(route.reply_to, error), *self._release(req_id)]
         reason = result.finish_reason.value if result.finish_reason else ""
         self.telemetry.token(req_id)
         out: Outgoing = [
@@ -366,13 +379,11 @@ class Engine:
     def _release(self, req_id: str) -> Outgoing:
         route = self.routing.pop(req_id)
         self.requests.pop(req_id)
-        self.sampler.forget(req_id)
         self.admission.remove(req_id)
         return [(shard.kv_endpoint, FreeRequest(req_id)) for shard in route.shards]
 
     def _hand_off(self, req_id: str) -> Outgoing:
         req, route = self.requests.pop(req_id), self.routing.pop(req_id)
-        self.sampler.forget(req_id)
         handoff = DecodeHandoff(
             req_id=req_id,
             token_ids=req.all_token_ids,

@@ -204,7 +204,7 @@ class InProcessEngineClient:
             self._fail_all(exc)
             return True
         for out in outputs:
-            self._deliver(out.req_id, out)
+            self._deliver(out.req_id, RuntimeError(out.error) if out.error else out)
         return bool(outputs)
 
     def _fail_all(self, exc: Exception) -> None:

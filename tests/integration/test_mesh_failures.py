@@ -119,3 +119,33 @@ def test_shard_outlives_its_token_engine_and_frees_its_requests(tiny_model_path)
         client.close()
     finally:
         mesh.close()
+
+
+def test_an_edge_value_request_does_not_harm_its_batch_mates(mesh, tiny_model_path):
+    """A subnormal temperature passes validation and, before the sampler was made total, made the
+    token engine's whole step raise (NaN probabilities), failing every batch-mate. Now the
+    eight greedy requests batched with it produce exactly the reference tokens, and it finishes."""
+    from common.engine.core import LLMEngine
+    from common.sampling import SamplingParams
+
+    prompts = random_prompts([12, 40, 25, 70, 9, 33, 50, 18, 27], 2048, seed=71)
+    reference = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(
+        prompts[:8], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
+    client = DirectMeshClient(mesh)
+    greedy = SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True)
+    edge = SamplingSpec(max_tokens=24, temperature=5e-324, seed=3, ignore_eos=True)
+    for i, prompt in enumerate(prompts[:8]):
+        client.submit(f"g{i}", prompt, greedy)
+    client.submit("edge", prompts[8], edge)
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    while len(reasons) < 9:
+        out = client.recv(timeout=120)
+        tokens.setdefault(out.req_id, []).extend(out.token_ids)
+        if out.finish_reason:
+            reasons[out.req_id] = out.finish_reason
+    assert set(reasons.values()) == {"length"}, reasons
+    assert [tokens[f"g{i}"] for i in range(8)] == reference
+    client.close()
+    _drain_until_idle(mesh)

@@ -1,0 +1,83 @@
+"""One request's failure is that request's alone (ARCHITECTURE.md, failure semantics): the sampler
+is total for every parameter set validation accepts, and a request whose sampling raises ends
+alone while its batch-mates produce exactly the tokens they would have without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import common.sampling
+from common.engine.core import LLMEngine
+from common.sampling import Sampler, SamplingParams
+from tests.conftest import random_prompts
+
+valid_params = st.builds(
+    SamplingParams,
+    max_tokens=st.integers(1, 64),
+    temperature=st.one_of(st.just(0.0), st.floats(5e-324, 1e-3), st.floats(0.0, 100.0)),
+    top_p=st.floats(5e-324, 1.0, exclude_min=False).filter(lambda x: x > 0),
+    top_k=st.one_of(st.just(-1), st.integers(1, 5000)),
+    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    params=valid_params,
+    logits=st.lists(st.floats(-1e30, 1e30), min_size=1, max_size=64),
+    index=st.integers(0, 10_000),
+)
+def test_the_sampler_always_returns_a_token(
+    params: SamplingParams, logits: list[float], index: int
+) -> None:
+    row = torch.tensor([logits], dtype=torch.float32)
+    tokens, failures = Sampler().sample(row, [params], [index])
+    assert failures == {}
+    assert 0 <= tokens[0] < len(logits)
+
+
+def test_seeded_draws_depend_on_seed_and_position_only() -> None:
+    # What a migrated request relies on: its next draw depends on nothing but these.
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(0)).repeat(3, 1)
+    p = SamplingParams(temperature=1.0, seed=7)
+    together, _ = Sampler().sample(logits, [SamplingParams(temperature=1.0), p, p], [0, 5, 5])
+    alone, _ = Sampler().sample(logits[:1], [p], [5])
+    assert together[1] == together[2] == alone[0]
+    draws = {Sampler().sample(logits[:1], [p], [i])[0][0] for i in range(20)}
+    assert len(draws) > 1  # the position moves the stream on
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path) -> LLMEngine:
+    return LLMEngine.from_path(tiny_model_path, num_blocks=512)
+
+
+def test_a_request_whose_sampling_raises_ends_alone(engine: LLMEngine, monkeypatch) -> None:
+    prompts = random_prompts([9, 17, 30, 12, 44, 8, 25, 60, 14], 2048, seed=70)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    reference = engine.generate(prompts[:8], greedy)
+    real = common.sampling._sample_row
+
+    def poisoned(logits, p, gen, top):  # a stand-in for any per-request sampling fault
+        if p.seed == 666:
+            raise FloatingPointError("poisoned row")
+        return real(logits, p, gen, top)
+
+    monkeypatch.setattr(common.sampling, "_sample_row", poisoned)
+    for i, prompt in enumerate(prompts[:8]):
+        engine.add_request(f"g{i}", prompt, greedy)
+    engine.add_request("poison", prompts[8], SamplingParams(max_tokens=20, seed=666))
+    outputs: dict[str, list[int]] = {f"g{i}": [] for i in range(8)}
+    errors: dict[str, str] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error:
+                errors[out.req_id] = out.error
+            else:
+                outputs[out.req_id] += out.new_token_ids
+    assert list(errors) == ["poison"] and "poisoned row" in errors["poison"]
+    assert [outputs[f"g{i}"] for i in range(8)] == reference
+    assert engine.blocks.num_used_blocks == 0
