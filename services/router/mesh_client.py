@@ -48,7 +48,7 @@ from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler, NoEngines
 from services.router.engine_client import EngineClientStats
 from services.router.migration import MigrationBook
-from services.router.streams import AdmissionLimits, Overloaded, Stream, StreamTable
+from services.router.streams import AdmissionLimits, Stream, StreamTable, Unavailable
 from services.router.token_text import StreamedText
 
 log = structlog.get_logger(__name__)
@@ -214,7 +214,7 @@ class MeshEngineClient:
             try:
                 prompt, token = self.scheduler.choose(num_tokens)
             except NoEngines as exc:
-                raise Overloaded("no_engines", "No engine is ready. Please retry later.") from exc
+                raise Unavailable("no_engines", "No engine is ready. Please retry later.") from exc
             self.book.open(req_id, list(prompt_ids), params.to_spec())
             self._requests_by_engine[prompt.service_id] += 1
             self._requests_by_engine[token.service_id] += 1

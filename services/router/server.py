@@ -278,7 +278,7 @@ class Router:
                 first = await anext(stream)
         except Overloaded as exc:
             trace.fail(exc, exc.reason)
-            raise APIError(429, str(exc), None, retry_after_s=RETRY_AFTER_S) from exc
+            raise APIError(exc.status, str(exc), None, retry_after_s=RETRY_AFTER_S) from exc
         except ValueError as exc:
             trace.fail(exc, "invalid_prompt")
             raise APIError(400, str(exc), "prompt") from exc

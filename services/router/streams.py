@@ -18,11 +18,21 @@ from typing import Any, Generic, TypeVar
 
 
 class Overloaded(Exception):
-    """Admission refused: a bound on queued work would be passed. `reason` names the bound."""
+    """Admission refused: a bound on queued work would be passed. `reason` names the bound.
+    The router answers 429 with Retry-After."""
+
+    status = 429
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class Unavailable(Overloaded):
+    """Admission refused because no healthy replica can serve the request now (one may be
+    restarting): 503 with Retry-After, which clients retry, never a 500."""
+
+    status = 503
 
 
 @dataclass(frozen=True)

@@ -347,3 +347,20 @@ def test_generate_closed_early_aborts_in_the_engine(router: Router) -> None:
     while router.client.stats().num_engine_requests and time.monotonic() < deadline:
         time.sleep(0.05)
     assert router.client.stats().kv_blocks_used == 0
+
+
+def test_no_ready_engine_is_503_with_retry_after(tiny_model_path: Path) -> None:
+    # A mesh whose registry lists nothing ready (engines restarting): a client can act on it.
+    from services.router.mesh_client import MeshEngineClient
+
+    client = MeshEngineClient(tiny_model_path, lambda: [], refresh_s=60)
+    try:
+        router = Router(client, tiny_model_path, MODEL)
+        response = post(router, "/v1/completions", {"model": MODEL, "prompt": "hi"})
+        assert response.status_code == 503
+        assert int(response.headers["Retry-After"]) >= 1
+        error = response.json()["error"]
+        assert error["code"] == 503 and "No engine is ready" in error["message"]
+        assert call(router, lambda _, http: http.get("/health")).status_code == 503
+    finally:
+        client.shutdown()
