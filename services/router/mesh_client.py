@@ -1,17 +1,17 @@
 """The router's client for the disaggregated mesh: prompt and token engines over ZeroMQ.
 
-`MeshEngineClient` implements `EngineClient`. Per request it admits (bounds -> `Overloaded`, a
-429), places (JSQ: prompt and token engine together, `services.router.cluster_scheduler`), sends one
-`GenerateRequest` to the prompt engine with `reply_to` = this router's PULL socket, and turns the
-`TokenOutput`s that come back into `RequestOutput`s: text, hold-back and stop strings are done here
-with `common.engine.request.Request` (the engines know token ids only). A stop-string hit, or a
-client that goes away, aborts the request at its prompt and token engine (the token engine frees
-the shards).
+`MeshEngineClient` implements `EngineClient`. Per request it admits (`StreamTable`: bounds ->
+`Overloaded`, a 429; no ready engine -> `Unavailable`, a 503), places (JSQ: prompt and token
+engine together, `cluster_scheduler`), sends one `GenerateRequest` to the prompt engine with
+`reply_to` = this router's inbox (`mesh_inbox`), and turns the `TokenOutput`s that come back into
+`RequestOutput`s (`token_text`: the engines' finish reasons, the router's text and stop strings).
+A stop-string hit, or a client that goes away, aborts the request at its prompt and token engine
+(the token engine frees the shards).
 
-Threads: an IO thread owns the PULL socket (token streams) and the SUB socket (every engine's load
-reports) and hands outputs to each request's asyncio queue with `call_soon_threadsafe`; a watch
-thread reads the registry every `refresh_s`, updates placement and the SUB connections, and fails
-the requests of an engine that left it (stopped heartbeating) with a clear error instead of a hang.
+A request whose engines are lost is re-run elsewhere from its tokens (`migration`): its token
+engine or a shard of its group answers with a retryable error, or the watch thread, reading the
+registry every `refresh_s`, finds its token engine (or its prompt engine, before the hand-off)
+gone. docs/failures.md has the whole model.
 """
 
 from __future__ import annotations
@@ -34,26 +34,23 @@ from common.protocol import (
     AbortRequest,
     EngineCommand,
     GenerateRequest,
-    LoadReport,
-    ServiceReply,
     TokenOutput,
 )
 from common.sampling import SamplingParams
 from common.telemetry import Metrics, bind_request, inject_context, set_route
-from common.token_stream import TokenStreamOrderer
 from common.tokenizer import Tokenizer
 from common.transport.service_stats import request_stats
-from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
+from common.transport.zmq_sockets import PushPool
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler, NoEngines
 from services.router.engine_client import EngineClientStats
+from services.router.mesh_inbox import MeshInbox
 from services.router.migration import MigrationBook
 from services.router.streams import AdmissionLimits, Stream, StreamTable, Unavailable
 from services.router.token_text import StreamedText
 
 log = structlog.get_logger(__name__)
 
-IO_POLL_MS = 100  # the IO thread wakes this often to apply subscription changes and notice close
 REFRESH_S = 0.5
 MAX_MIGRATIONS = 3  # re-runs of one request on other engines before it fails
 # A migrated request waits this long at most for a prompt and a token engine (a replica Serve is
@@ -102,18 +99,19 @@ class MeshEngineClient:
         self._lock = self.streams.lock
         self.book = MigrationBook(max_migrations)
         self._requests_by_engine: Counter[str] = Counter()
-        self._orderer = TokenStreamOrderer()  # first and later tokens come on different sockets
         self._services: list[ServiceEntry] = []
-        self._wanted_loads: frozenset[str] = frozenset()
         self._closed = threading.Event()
         self.ctx = zmq.Context()
-        pull, self.reply_endpoint = bind_random(self.ctx, zmq.PULL, host)
-        self._replies: TypedSocket[ServiceReply] = TypedSocket(pull, ServiceReply)
+        self.inbox = MeshInbox(
+            self.ctx, host, lambda out: self._deliver(out.req_id, out), self.scheduler.on_load
+        )
+        self.reply_endpoint = self.inbox.reply_endpoint
+        self._orderer = self.inbox.orderer
         self._push: PushPool[EngineCommand] = PushPool(self.ctx, EngineCommand)
         self._push_lock = threading.Lock()
         self._refresh()
         self._threads = [
-            threading.Thread(target=self._io_loop, name="mesh-io", daemon=True),
+            self.inbox.thread,
             threading.Thread(target=self._watch_loop, name="mesh-watch", daemon=True),
         ]
         for thread in self._threads:
@@ -201,6 +199,7 @@ class MeshEngineClient:
 
     def shutdown(self) -> None:
         self._closed.set()
+        self.inbox.close()
         for thread in self._threads:
             thread.join(timeout=5)
         with self._push_lock:
@@ -323,31 +322,7 @@ class MeshEngineClient:
             self._orderer.forget(ledger.wire_id)
         return stream
 
-    # ---- IO thread: token streams and load reports ----
-
-    def _io_loop(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        loads: TypedSocket[LoadReport] = TypedSocket(sub, LoadReport)
-        connected: set[str] = set()
-        poller = zmq.Poller()
-        poller.register(self._replies.sock, zmq.POLLIN)
-        poller.register(sub, zmq.POLLIN)
-        orderer = self._orderer
-        while not self._closed.is_set():
-            connected = _resubscribe(sub, connected, self._wanted_loads)
-            poller.poll(IO_POLL_MS)
-            while (reply := self._replies.recv_nowait()) is not None:
-                if isinstance(reply[1], TokenOutput):
-                    orderer.push(reply[1])
-            while orderer.ready:
-                out = orderer.ready.popleft()
-                self._deliver(out.req_id, out)
-            while (report := loads.recv_nowait()) is not None:
-                self.scheduler.on_load(report[1])
-        sub.close(linger=0)
-        self._replies.close()
+    # ---- from the inbox thread ----
 
     def _deliver(self, wire_id: str, item: TokenOutput | Exception) -> None:
         """Hand an output to its request's stream; outputs of a superseded attempt are dropped."""
@@ -373,7 +348,7 @@ class MeshEngineClient:
             log.warning("registry read failed", error=repr(exc))
             return
         self.scheduler.set_engines([e for e in entries if e.is_engine and e.state == "ready"])
-        self._wanted_loads = frozenset(e.load_endpoint for e in entries if e.load_endpoint)
+        self.inbox.load_endpoints = frozenset(e.load_endpoint for e in entries if e.load_endpoint)
         with self._lock:
             before = {e.service_id for e in self._services}
             self._services = entries
@@ -401,12 +376,3 @@ class MeshEngineClient:
             self._deliver(
                 self._wire_id(req_id), EngineLost(f"engine {engine_id} stopped responding")
             )
-
-
-def _resubscribe(sub: zmq.Socket, connected: set[str], wanted: frozenset[str]) -> set[str]:
-    """Connect the SUB socket to new engines' load endpoints and drop those that left."""
-    for endpoint in wanted - connected:
-        sub.connect(endpoint)
-    for endpoint in connected - wanted:
-        sub.disconnect(endpoint)
-    return set(wanted)
