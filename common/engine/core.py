@@ -15,7 +15,7 @@ import torch
 from common.attention import select_backend
 from common.block_manager import BlockManager
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from common.engine.request import FinishReason, Request, RequestOutput
+from common.engine.request import FinishReason, Request, RequestOutput, check_prompt
 from common.engine.runner import ModelRunner
 from common.kv_cache import KVCache
 from common.model.loader import load_model
@@ -82,16 +82,7 @@ class LLMEngine:
         """Queue a request. Raises ValueError for an empty or over-long prompt or a reused id."""
         if req_id in self.requests:
             raise ValueError(f"request id {req_id} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; the model's context is "
-                f"{self.max_model_len}"
-            )
-        vocab = self.model_config.vocab_size
-        if not all(0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        check_prompt(list(prompt_token_ids), self.model_config.vocab_size, self.max_model_len)
         self.requests[req_id] = Request(
             req_id,
             list(prompt_token_ids),

@@ -32,6 +32,19 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """The one check of a prompt's token ids (router, mesh engines, `LLMEngine`): `ValueError`
+    naming what the model cannot take."""
+    if not prompt_token_ids:
+        raise ValueError("prompt must contain at least one token")
+    if not all(0 <= t < vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(prompt_token_ids)} tokens; the model's context is {max_model_len}"
+        )
+
+
 @dataclass(eq=False)
 class OutputText:
     """A request's output text: incremental detokenization, stop strings and hold-back.

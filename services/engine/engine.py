@@ -27,7 +27,7 @@ import torch
 from common.attention import select_backend
 from common.block_manager import BlockManager
 from common.config import EngineConfig
-from common.engine.request import Request
+from common.engine.request import Request, check_prompt
 from common.kv_cache import KVCache
 from common.model.loader import load_model
 from common.protocol import (
@@ -128,7 +128,8 @@ class Engine:
         """A new prompt. Invalid requests are answered with an error, never raised."""
         try:
             params = SamplingParams.from_spec(msg.sampling)
-            self._check_prompt(msg.prompt_token_ids + msg.output_token_ids)
+            tokens = msg.prompt_token_ids + msg.output_token_ids
+            check_prompt(tokens, self.model.config.vocab_size, self.max_model_len)
         except ValueError as exc:
             return [(msg.reply_to, TokenOutput(msg.req_id, [], "error", error=str(exc)))]
         # A migrated request brings the tokens it already streamed: they are output (finish
@@ -402,13 +403,6 @@ class Engine:
 
     def _token_ids(self, batch: Batch) -> dict[str, list[int]]:
         return {s.req_id: self.requests[s.req_id].all_token_ids for s in batch.seqs}
-
-    def _check_prompt(self, prompt: list[int]) -> None:
-        vocab = self.model.config.vocab_size
-        if not prompt or not all(0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt must be 1 or more token ids in [0, {vocab})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens exceeds {self.max_model_len}")
 
     @property
     def _num_kv_heads(self) -> int:

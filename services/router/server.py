@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import ModelConfig
-from common.engine.request import RequestOutput
+from common.engine.request import RequestOutput, check_prompt
 from common.tokenizer import Tokenizer
 from services.router.engine_client import EngineClient
 from services.router.openai_api import (
@@ -217,9 +217,10 @@ class Router:
         if len(prompt) == 1 and isinstance(prompt[0], str | list):
             return self._completion_prompt_ids(prompt[0])
         if prompt and all(isinstance(t, int) for t in prompt):
-            vocab = self.model_config.vocab_size
-            if max(prompt) >= vocab:
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+            try:
+                check_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "prompt") from exc
             return list(prompt)
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
