@@ -18,7 +18,6 @@ import itertools
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -44,6 +43,7 @@ from common.protocol import (
 from common.sampling import Sampler, SamplingParams
 from common.scheduling.batching import Batch, BatchScheduler, Phase, Sequence
 from services.engine.admission import DecodeAdmission
+from services.engine.routing import EngineRole, RequestRoute, kv_endpoints
 from services.engine.runner import KvRoute, KvSend, KvShipper, MeshModelRunner, ShardLink
 from services.engine.telemetry import EngineTelemetry
 
@@ -51,31 +51,6 @@ log = structlog.get_logger(__name__)
 
 Outgoing = list[tuple[str, object]]  # (endpoint, control message)
 _TOMBSTONES = 4096
-
-
-@dataclass(frozen=True)
-class EngineRole:
-    """Role plus the knobs that differ between roles."""
-
-    name: str  # prompt | token | mixed
-    command_endpoint: str  # how others address this engine (handoffs, self-detection)
-    layer_wise_min_tokens: int = 256  # prompts this long ship KV layer by layer (§IV-C)
-    shard_num_blocks: int = 0  # KV capacity of the shard group this engine decodes against
-
-    def __post_init__(self) -> None:
-        if self.name not in ("prompt", "token", "mixed"):
-            raise ValueError(f"engine role must be prompt, token or mixed, got {self.name!r}")
-
-
-@dataclass
-class _Routing:
-    """Where a request's tokens, KV and decode go (from GenerateRequest or DecodeHandoff)."""
-
-    reply_to: str
-    token_engine: str = ""
-    token_kv_endpoint: str = ""
-    shards: tuple[ShardAddress, ...] = ()
-    num_prompt_tokens: int = 0
 
 
 class Engine:
@@ -114,7 +89,7 @@ class Engine:
         # Handoffs waiting for their KV, and the requests decoding against the shard group.
         self.admission = DecodeAdmission(role.shard_num_blocks, c.block_size)
         self.requests: dict[str, Request] = {}
-        self.routing: dict[str, _Routing] = {}
+        self.routing: dict[str, RequestRoute] = {}
         self.sampler = Sampler()
         self.steps = itertools.count()
         self.max_model_len = mc.max_position_embeddings
@@ -138,7 +113,7 @@ class Engine:
             msg.req_id, list(msg.prompt_token_ids), params, self.model.config.eos_token_ids,
             self.max_model_len, output_token_ids=list(msg.output_token_ids),
         )  # fmt: skip
-        self.routing[msg.req_id] = _Routing(
+        self.routing[msg.req_id] = RequestRoute(
             msg.reply_to, msg.token_engine, msg.token_kv_endpoint, tuple(msg.shards),
             len(msg.prompt_token_ids),
         )  # fmt: skip
@@ -152,7 +127,7 @@ class Engine:
         """A prefilled request to decode; it joins once its KV is in place."""
         if msg.req_id in self.aborted:
             return [(s.kv_endpoint, FreeRequest(msg.req_id)) for s in msg.shards]
-        if msg.shards and _endpoints(msg.shards) != _endpoints(self.shards):
+        if msg.shards and kv_endpoints(msg.shards) != kv_endpoints(self.shards):
             # Placed while this engine's group was whole; a shard has left since.
             stale = TokenOutput(msg.req_id, [], "error", error=f"engine {self.engine_id}: its "
                                 "shard group changed", retryable=True)  # fmt: skip
@@ -164,7 +139,7 @@ class Engine:
             self.max_model_len,
             output_token_ids=msg.token_ids[msg.num_prompt_tokens :],
         )  # fmt: skip
-        self.routing[msg.req_id] = _Routing(
+        self.routing[msg.req_id] = RequestRoute(
             msg.reply_to, shards=tuple(msg.shards), num_prompt_tokens=msg.num_prompt_tokens
         )
         self.telemetry.on_handoff(msg.req_id, msg.traceparent)
@@ -211,12 +186,15 @@ class Engine:
 
     def fail_all(self, error: str) -> Outgoing:
         """A step failed (a shard died, say): end every request here with the error, free all."""
-        out: Outgoing = []
-        for req_id, route in list(self.routing.items()):
-            out.append((route.reply_to, TokenOutput(req_id, [], "error", error=error)))
-            self.telemetry.aborted(req_id, RuntimeError(error))
-            out += self.on_abort(req_id)
-        return out
+        return [m for req_id in list(self.routing) for m in self._end(req_id, error)]
+
+    def _end(self, req_id: str, error: str, retryable: bool = False) -> Outgoing:
+        """End one request with an error to its client, and forget it here (frees included)."""
+        route = self.routing[req_id]
+        self.telemetry.aborted(req_id, RuntimeError(error))
+        message = TokenOutput(req_id, [], "error", route.num_prompt_tokens, error=error,
+                              retryable=retryable)  # fmt: skip
+        return [(route.reply_to, message), *self.on_abort(req_id)]
 
     def relink(self, links: Seq[ShardLink], shards: Seq[ShardAddress], reason: str) -> Outgoing:
         """Decode against `shards` from now on (empty: local attention only).
@@ -229,14 +207,8 @@ class Engine:
         """
         tied = [s.req_id for s in self.admission.sharded]
         tied += [h.req_id for h in self.admission.waiting if h.shards]
-        out: Outgoing = []
-        for req_id in tied:
-            route = self.routing[req_id]
-            error = f"engine {self.engine_id}: {reason}"
-            out.append((route.reply_to, TokenOutput(req_id, [], "error", error=error,
-                                                    retryable=True)))  # fmt: skip
-            self.telemetry.aborted(req_id, RuntimeError(error))
-            out += self.on_abort(req_id)
+        error = f"engine {self.engine_id}: {reason}"
+        out = [m for req_id in tied for m in self._end(req_id, error, retryable=True)]
         self.shards = tuple(shards)
         self.runner.shard_links = list(links)
         self.runner.head_ranges = [(s.head_start, s.head_end) for s in shards]
@@ -354,10 +326,7 @@ class Engine:
             result = req.append(token, tokenizer=None)
         except Exception as exc:  # noqa: BLE001 - this request's fault: its batch-mates go on
             log.warning("request failed", req_id=req_id, error=repr(exc))
-            error = TokenOutput(req_id, [], "error", route.num_prompt_tokens,
-                                error=f"request failed: {exc!r}")  # fmt: skip
-            self.telemetry.aborted(req_id, exc)
-            return [(route.reply_to, error), *self._release(req_id)]
+            return self._end(req_id, f"request failed: {exc!r}")
         reason = result.finish_reason.value if result.finish_reason else ""
         self.telemetry.token(req_id)
         out: Outgoing = [
@@ -430,9 +399,5 @@ class Engine:
             num_waiting=self.ship_queue.num_unfinished + len(self.admission.waiting),
             free_kv_blocks=self.blocks.num_free_blocks,
             time=now,
-            shard_endpoints=_endpoints(self.shards),
+            shard_endpoints=kv_endpoints(self.shards),
         )
-
-
-def _endpoints(shards: Seq[ShardAddress]) -> list[str]:
-    return [s.kv_endpoint for s in shards]
