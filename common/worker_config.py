@@ -7,12 +7,12 @@ from pathlib import Path
 import msgspec
 
 from common.protocol import ShardAddress
+from common.roles import Role
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    service: str  # engine | shard
     service_id: str
-    role: str = "mixed"  # engines: prompt | token | mixed
+    role: Role = Role.MIXED  # what the worker runs: an engine in this role, or a shard
     model_path: str
     ready_endpoint: str
     parent_pid: int
@@ -38,7 +38,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def telemetry_name(self) -> str:
         """`service.name` of this worker's telemetry: prompt-engine, token-engine, ..."""
-        return "attention-shard" if self.service == "shard" else f"{self.role}-engine"
+        return "attention-shard" if self.role == Role.SHARD else f"{self.role}-engine"
 
 
 class WorkerReady(msgspec.Struct, frozen=True):

@@ -33,6 +33,7 @@ from ray.serve import Application
 
 from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
+from common.roles import Role
 from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.worker_config import WorkerConfig
 from services.mesh.registry import RayRegistry
@@ -135,8 +136,8 @@ def _worker_config(args: AppArgs) -> WorkerConfig:
     )  # fmt: skip
 
 
-def _service_id(kind: str) -> str:
-    return f"{kind}-{serve.get_replica_context().replica_id.unique_id}"
+def _service_id(role: str) -> str:
+    return f"{role}-{serve.get_replica_context().replica_id.unique_id}"
 
 
 def _configure_observability(service_name: str, service_id: str) -> None:
@@ -185,24 +186,24 @@ class RouterDeployment:
 class _MeshService:
     """A mesh replica (engine or shard) under Serve: start, health, drain on shutdown."""
 
-    kind = ""
+    role = Role.MIXED  # set by each deployment
 
     def __init__(self, args: dict[str, Any]) -> None:
         parsed = AppArgs.model_validate(args)
         self.drain_s = parsed.mesh.drain_s
         registry = RayRegistry.for_app(serve.get_replica_context().app_name)
         base, mesh = _worker_config(parsed), parsed.mesh
-        service_id = _service_id(self.kind)
+        service_id = _service_id(self.role)
         _configure_observability(
-            "attention-shard" if self.kind == "shard" else f"{self.kind}-engine", service_id
+            "attention-shard" if self.role == Role.SHARD else f"{self.role}-engine", service_id
         )
-        if self.kind == "shard":
+        if self.role == Role.SHARD:
             self.replica: MeshReplica = start_shard(
                 service_id, registry, base, mesh.shards_per_group
             )
         else:
             self.replica = start_engine(
-                self.kind, service_id, registry, base, mesh.shards_per_group, mesh.shard_wait_s
+                self.role, service_id, registry, base, mesh.shards_per_group, mesh.shard_wait_s
             )
 
     def check_health(self) -> None:
@@ -225,21 +226,21 @@ _MESH_OPTIONS: dict[str, Any] = dict(
 class PromptEngineDeployment(_MeshService):
     """Prefill (Splitwise's prompt machine)."""
 
-    kind = "prompt"
+    role = Role.PROMPT
 
 
 @serve.deployment(name="TokenEngine", ray_actor_options={"num_cpus": 0.5}, **_MESH_OPTIONS)
 class TokenEngineDeployment(_MeshService):
     """Decode against a claimed shard group, or with local attention when none is free."""
 
-    kind = "token"
+    role = Role.TOKEN
 
 
 @serve.deployment(name="AttentionShard", ray_actor_options={"num_cpus": 0.25}, **_MESH_OPTIONS)
 class AttentionShardDeployment(_MeshService):
     """Paged KV and decode attention for a slice of KV heads (Lamina's memory devices)."""
 
-    kind = "shard"
+    role = Role.SHARD
 
 
 def build_app(args: dict[str, Any]) -> Application:

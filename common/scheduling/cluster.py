@@ -17,18 +17,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 
+from common.roles import Role
 
-class Pool(StrEnum):
-    """Machine pools. A split design's machines have home PROMPT or TOKEN; a baseline's, MIXED."""
-
-    PROMPT = "prompt"
-    TOKEN = "token"
-    MIXED = "mixed"
-
-
-OPPOSITE = {Pool.PROMPT: Pool.TOKEN, Pool.TOKEN: Pool.PROMPT}
+# Machine pools are engine roles: a split design's machines have home PROMPT or TOKEN; a
+# baseline's, MIXED.
+OPPOSITE = {Role.PROMPT: Role.TOKEN, Role.TOKEN: Role.PROMPT}
 
 
 @dataclass(frozen=True)
@@ -59,7 +53,7 @@ class PoolMove:
     """Move `machine_id` into `to_pool`; `repurposed` when its home pool changes too."""
 
     machine_id: int
-    to_pool: Pool
+    to_pool: Role
     repurposed: bool = False
 
 
@@ -92,23 +86,23 @@ class PoolThresholds:
 class PoolTable:
     """Home and current pool of every machine, and when each entered the mixed pool."""
 
-    def __init__(self, homes: Mapping[int, Pool]) -> None:
+    def __init__(self, homes: Mapping[int, Role]) -> None:
         if not homes:
             raise ValueError("pool table: no machines")
-        self.home: dict[int, Pool] = dict(homes)
-        self.current: dict[int, Pool] = dict(homes)
+        self.home: dict[int, Role] = dict(homes)
+        self.current: dict[int, Role] = dict(homes)
         self.mixed_since: dict[int, float] = {}
 
-    def members(self, pool: Pool) -> list[int]:
+    def members(self, pool: Role) -> list[int]:
         return [m for m, p in self.current.items() if p is pool]
 
-    def home_members(self, pool: Pool) -> list[int]:
+    def home_members(self, pool: Role) -> list[int]:
         return [m for m, p in self.home.items() if p is pool]
 
     def apply(self, move: PoolMove, now: float) -> None:
         if move.repurposed:
             self.home[move.machine_id] = move.to_pool
-        if move.to_pool is Pool.MIXED and self.home[move.machine_id] is not Pool.MIXED:
+        if move.to_pool == Role.MIXED and self.home[move.machine_id] != Role.MIXED:
             self.mixed_since[move.machine_id] = now
         else:
             self.mixed_since.pop(move.machine_id, None)
@@ -116,7 +110,7 @@ class PoolTable:
 
     @property
     def is_split(self) -> bool:
-        return any(p is not Pool.MIXED for p in self.home.values())
+        return any(p != Role.MIXED for p in self.home.values())
 
 
 LoadKey = Callable[[MachineLoad], int]
@@ -143,7 +137,7 @@ def shortest(ids: Iterable[int], loads: Mapping[int, MachineLoad], key: LoadKey)
 class JSQPoolPolicy:
     """Splitwise's cluster-level scheduler: JSQ on pending tokens with a mixed pool."""
 
-    def __init__(self, homes: Mapping[int, Pool], thresholds: PoolThresholds | None = None) -> None:
+    def __init__(self, homes: Mapping[int, Role], thresholds: PoolThresholds | None = None) -> None:
         self.pools = PoolTable(homes)
         self.thresholds = thresholds or PoolThresholds()
 
@@ -152,27 +146,27 @@ class JSQPoolPolicy:
     ) -> RouteDecision:
         """Pick the prompt and token machine together; borrow machines into mixed if needed."""
         if not self.pools.is_split:
-            target = shortest(self.pools.members(Pool.MIXED), loads, total_load)
+            target = shortest(self.pools.members(Role.MIXED), loads, total_load)
             assert target is not None
             return RouteDecision(target, target)
         moves: list[PoolMove] = []
-        prompt_id = self._pick(Pool.PROMPT, request, loads, now, moves)
-        token_id = self._pick(Pool.TOKEN, request, loads, now, moves)
+        prompt_id = self._pick(Role.PROMPT, request, loads, now, moves)
+        token_id = self._pick(Role.TOKEN, request, loads, now, moves)
         return RouteDecision(prompt_id, token_id, tuple(moves))
 
     def _pick(
         self,
-        kind: Pool,
+        kind: Role,
         request: RouteRequest,
         loads: Mapping[int, MachineLoad],
         now: float,
         moves: list[PoolMove],
     ) -> int:
-        key = prompt_load if kind is Pool.PROMPT else decode_load
+        key = prompt_load if kind == Role.PROMPT else decode_load
         own = shortest(self.pools.members(kind), loads, key)
         if own is not None and not self._full(kind, loads[own], request):
             return own
-        mixed = shortest(self.pools.members(Pool.MIXED), loads, key)
+        mixed = shortest(self.pools.members(Role.MIXED), loads, key)
         if mixed is not None and not self._full(kind, loads[mixed], request):
             return mixed
         # Both full: borrow from the opposite pool, keeping at least one machine there.
@@ -180,7 +174,7 @@ class JSQPoolPolicy:
         # The donor is the machine least busy with anything (its own work included).
         borrowed = shortest(donors, loads, total_load) if len(donors) > 1 else None
         if borrowed is not None:
-            move = PoolMove(borrowed, Pool.MIXED)
+            move = PoolMove(borrowed, Role.MIXED)
             self.pools.apply(move, now)
             moves.append(move)
             return borrowed
@@ -190,8 +184,8 @@ class JSQPoolPolicy:
         assert fallback is not None
         return fallback
 
-    def _full(self, kind: Pool, load: MachineLoad, request: RouteRequest) -> bool:
-        if kind is Pool.PROMPT:
+    def _full(self, kind: Role, load: MachineLoad, request: RouteRequest) -> bool:
+        if kind == Role.PROMPT:
             return load.pending_prompt_tokens + request.prompt_len > self.thresholds.prompt_tokens
         need = request.prompt_len + self.thresholds.min_free_kv_tokens
         return load.decode_tokens > self.thresholds.decode_tokens or load.free_kv_tokens < need
@@ -199,7 +193,7 @@ class JSQPoolPolicy:
     def rebalance(self, loads: Mapping[int, MachineLoad], now: float) -> list[PoolMove]:
         """Send drained mixed machines home; re-purpose machines mixed for too long."""
         moves: list[PoolMove] = []
-        for machine_id in self.pools.members(Pool.MIXED):
+        for machine_id in self.pools.members(Role.MIXED):
             move = self._release(machine_id, loads[machine_id], now)
             if move is not None:
                 self.pools.apply(move, now)
@@ -208,13 +202,13 @@ class JSQPoolPolicy:
 
     def _release(self, machine_id: int, load: MachineLoad, now: float) -> PoolMove | None:
         home = self.pools.home[machine_id]
-        if home is Pool.MIXED:
+        if home == Role.MIXED:
             return None
         since = self.pools.mixed_since.get(machine_id, now)
         if now - since < self.thresholds.min_mixed_s:
             return None
         # "Opposite work" of a prompt machine is decoding, and of a token machine prefilling.
-        opposite_pending = load.decode_tokens if home is Pool.PROMPT else load.pending_prompt_tokens
+        opposite_pending = load.decode_tokens if home == Role.PROMPT else load.pending_prompt_tokens
         if opposite_pending == 0:
             return PoolMove(machine_id, home)
         if (
@@ -228,19 +222,19 @@ class JSQPoolPolicy:
 class RoundRobinPolicy:
     """Cycle through each home pool independently (no mixed pool, no load)."""
 
-    def __init__(self, homes: Mapping[int, Pool]) -> None:
+    def __init__(self, homes: Mapping[int, Role]) -> None:
         self.pools = PoolTable(homes)
-        self._next = {pool: 0 for pool in Pool}
+        self._next = {pool: 0 for pool in Role}
 
     def route(
         self, request: RouteRequest, loads: Mapping[int, MachineLoad], now: float
     ) -> RouteDecision:
         if not self.pools.is_split:
-            target = self._cycle(Pool.MIXED)
+            target = self._cycle(Role.MIXED)
             return RouteDecision(target, target)
-        return RouteDecision(self._cycle(Pool.PROMPT), self._cycle(Pool.TOKEN))
+        return RouteDecision(self._cycle(Role.PROMPT), self._cycle(Role.TOKEN))
 
-    def _cycle(self, pool: Pool) -> int:
+    def _cycle(self, pool: Role) -> int:
         members = sorted(self.pools.home_members(pool))
         chosen = members[self._next[pool] % len(members)]
         self._next[pool] += 1
@@ -253,7 +247,7 @@ class RoundRobinPolicy:
 class PowerOfTwoPolicy:
     """Sample two machines of each home pool; take the one with fewer pending tokens."""
 
-    def __init__(self, homes: Mapping[int, Pool], seed: int = 0) -> None:
+    def __init__(self, homes: Mapping[int, Role], seed: int = 0) -> None:
         self.pools = PoolTable(homes)
         self._rng = random.Random(seed)
 
@@ -261,12 +255,12 @@ class PowerOfTwoPolicy:
         self, request: RouteRequest, loads: Mapping[int, MachineLoad], now: float
     ) -> RouteDecision:
         if not self.pools.is_split:
-            target = self._two_choices(Pool.MIXED, loads, total_load)
+            target = self._two_choices(Role.MIXED, loads, total_load)
             return RouteDecision(target, target)
-        prompt_id = self._two_choices(Pool.PROMPT, loads, prompt_load)
-        return RouteDecision(prompt_id, self._two_choices(Pool.TOKEN, loads, decode_load))
+        prompt_id = self._two_choices(Role.PROMPT, loads, prompt_load)
+        return RouteDecision(prompt_id, self._two_choices(Role.TOKEN, loads, decode_load))
 
-    def _two_choices(self, pool: Pool, loads: Mapping[int, MachineLoad], key: LoadKey) -> int:
+    def _two_choices(self, pool: Role, loads: Mapping[int, MachineLoad], key: LoadKey) -> int:
         members = sorted(self.pools.home_members(pool))
         sample = self._rng.sample(members, min(2, len(members)))
         best = shortest(sample, loads, key)

@@ -27,7 +27,7 @@ from common.perf_model import (
     TransferMode,
     load_perf_model,
 )
-from common.scheduling.cluster import Pool
+from common.roles import Role
 
 DEFAULT_PROFILE = (
     Path(__file__).resolve().parents[2] / ".." / "shared" / "perf" / ("splitwise_perf_model.csv")
@@ -152,12 +152,12 @@ class ClusterSpec:
         d = self.design
         return self.num_prompt * d.prompt_type.power + self.num_token * d.token_type.power
 
-    def machine_types(self) -> list[tuple[MachineType, Pool]]:
+    def machine_types(self) -> list[tuple[MachineType, Role]]:
         """Each machine's type and home pool, machine id = list index."""
         if not self.design.split:
-            return [(self.design.prompt_type, Pool.MIXED)] * self.num_prompt
-        prompts = [(self.design.prompt_type, Pool.PROMPT)] * self.num_prompt
-        return prompts + [(self.design.token_type, Pool.TOKEN)] * self.num_token
+            return [(self.design.prompt_type, Role.MIXED)] * self.num_prompt
+        prompts = [(self.design.prompt_type, Role.PROMPT)] * self.num_prompt
+        return prompts + [(self.design.token_type, Role.TOKEN)] * self.num_token
 
     def transfer_model(self) -> KVTransferModel:
         """Prompt-to-token link: the slower end's bandwidth and the larger residual."""

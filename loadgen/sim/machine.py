@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 
 from common.perf_model import PerfModel
-from common.scheduling.cluster import MachineLoad, Pool
+from common.roles import Role
+from common.scheduling.cluster import MachineLoad
 from common.scheduling.mixed import MixedBatchPolicy, MixedPlan
 
 
@@ -36,7 +37,7 @@ class SimMachine:
     """A machine's state in the simulator; the `Simulator` drives it through events."""
 
     def __init__(
-        self, machine_id: int, home: Pool, policy: MixedBatchPolicy, perf: PerfModel
+        self, machine_id: int, home: Role, policy: MixedBatchPolicy, perf: PerfModel
     ) -> None:
         self.machine_id = machine_id
         self.home = home

@@ -21,6 +21,7 @@ import structlog
 import zmq
 
 from common.protocol import EngineStats, ShardAddress, Shutdown
+from common.roles import Role
 from common.transport.service_stats import request_stats
 from common.transport.zmq_sockets import PushPool, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
@@ -109,7 +110,7 @@ class LocalMesh:
     def _start_all(self, timeout: float) -> None:
         t = self.topology
         base = WorkerConfig(
-            service="engine", service_id="", model_path=t.model_path,
+            service_id="", model_path=t.model_path,
             ready_endpoint=self._ready_endpoint, parent_pid=os.getpid(), num_blocks=t.num_blocks,
             block_size=t.block_size, attention_backend=t.attention_backend,
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
@@ -122,7 +123,7 @@ class LocalMesh:
             msgspec.structs.replace(
                 base,
                 service_id=f"token-{e}",
-                role="token",
+                role=Role.TOKEN,
                 shard_num_blocks=t.num_blocks,
                 cpus=list(placements[e].engine),
             )  # fmt: skip
@@ -131,7 +132,7 @@ class LocalMesh:
         for worker in self.spawn([self.with_group(cfg) for cfg in token], timeout):
             self.registry.register(entry_of(worker))
         prompt = [
-            msgspec.structs.replace(base, service_id=f"prompt-{i}", role="prompt")
+            msgspec.structs.replace(base, service_id=f"prompt-{i}", role=Role.PROMPT)
             for i in range(t.num_prompt)
         ]
         for worker in self.spawn(prompt, timeout):
@@ -155,9 +156,8 @@ class LocalMesh:
         return [
             msgspec.structs.replace(
                 base,
-                service="shard",
                 service_id=f"shard-{i}",
-                role="shard",
+                role=Role.SHARD,
                 head_start=(i % per_group) * width,
                 head_end=(i % per_group + 1) * width,
                 cpus=list(placements[i // per_group].shards[i % per_group]),
@@ -205,7 +205,7 @@ class LocalMesh:
         self.registry.unregister(dead.service_id)
         base_id, _, generation = dead.service_id.partition(".")
         cfg = msgspec.structs.replace(dead.cfg, service_id=f"{base_id}.{int(generation or 0) + 1}")
-        if cfg.role == "token":
+        if cfg.role == Role.TOKEN:
             cfg = self.with_group(cfg)
         [worker] = self.spawn([cfg], timeout)
         self.workers = {
@@ -227,10 +227,10 @@ class LocalMesh:
 
     # -- views for tests, benches and the direct client ---------------------------------------
 
-    def _of(self, service: str, role: str = "") -> list[LocalWorker]:
+    def _of(self, *roles: Role) -> list[LocalWorker]:
         return [
             w for w in self.workers.values()
-            if w.cfg.service == service and (not role or w.cfg.role == role)
+            if w.cfg.role in roles
         ]  # fmt: skip
 
     @property
@@ -240,18 +240,18 @@ class LocalMesh:
 
     @property
     def prompt(self) -> list[WorkerReady]:
-        return [w.ready for w in self._of("engine", "prompt")]
+        return [w.ready for w in self._of(Role.PROMPT)]
 
     @property
     def token(self) -> list[TokenEngineInfo]:
-        return [TokenEngineInfo(w.ready, list(w.cfg.shards)) for w in self._of("engine", "token")]
+        return [TokenEngineInfo(w.ready, list(w.cfg.shards)) for w in self._of(Role.TOKEN)]
 
     @property
     def shards(self) -> list[WorkerReady]:
-        return [w.ready for w in self._of("shard")]
+        return [w.ready for w in self._of(Role.SHARD)]
 
     def control_endpoints(self) -> list[str]:
-        return [w.ready.control_endpoint for w in self._of("engine")] + [
+        return [w.ready.control_endpoint for w in self._of(Role.PROMPT, Role.TOKEN, Role.MIXED)] + [
             s.control_endpoint for s in self.shards
         ]
 
@@ -268,7 +268,7 @@ class LocalMesh:
         if self.supervisor is not None:
             self.supervisor.stop()
         pool: PushPool[object] = PushPool(self._ctx, object)
-        for w in self._of("engine"):
+        for w in self._of(Role.PROMPT, Role.TOKEN, Role.MIXED):
             pool.get(w.ready.command_endpoint).send(Shutdown())
         for s in self.shards:
             pool.get(s.kv_endpoint).send_tensors(Shutdown(), [])
@@ -286,10 +286,10 @@ class LocalMesh:
 def entry_of(worker: LocalWorker) -> ServiceEntry:
     """The registry entry of a started worker, as a Ray replica registers itself."""
     cfg, r = worker.cfg, worker.ready
-    kind = "shard" if cfg.service == "shard" else cfg.role
-    slot = cfg.head_start // (cfg.head_end - cfg.head_start) if kind == "shard" else -1
+    role = cfg.role
+    slot = cfg.head_start // (cfg.head_end - cfg.head_start) if role == Role.SHARD else -1
     return ServiceEntry(
-        kind=kind, service_id=cfg.service_id, role=kind, state="ready",
+        role=role, service_id=cfg.service_id, state="ready",
         command_endpoint=r.command_endpoint, kv_endpoint=r.kv_endpoint,
         control_endpoint=r.control_endpoint, load_endpoint=r.load_endpoint,
         link_address=r.link_address, head_start=cfg.head_start, head_end=cfg.head_end,

@@ -22,6 +22,7 @@ import structlog
 import zmq
 
 from common.protocol import LinkShards
+from common.roles import Role
 from common.transport.zmq_sockets import PushPool
 from services.mesh.shard_group import GroupChange, ShardGroupKeeper
 
@@ -80,7 +81,7 @@ class Supervisor:
 
     def _keep_groups(self) -> None:
         for worker in list(self.mesh.workers.values()):
-            if worker.cfg.role == "token" and worker.proc.poll() is None:
+            if worker.cfg.role == Role.TOKEN and worker.proc.poll() is None:
                 change = self._keeper(worker).check()
                 if change is not None:
                     self._relink(worker, change)

@@ -17,6 +17,7 @@ import msgspec
 import torch
 import zmq
 
+from common.roles import Role
 from common.telemetry import configure_logging, configure_telemetry
 from common.worker_config import WorkerConfig
 from services.engine.worker import EngineWorker
@@ -33,7 +34,7 @@ def main() -> None:
     configure_logging()
     torch.set_num_threads(cfg.num_threads)
     worker: EngineWorker | ShardWorker
-    worker = ShardWorker(cfg) if cfg.service == "shard" else EngineWorker(cfg)
+    worker = ShardWorker(cfg) if cfg.role == Role.SHARD else EngineWorker(cfg)
     ctx: zmq.Context = zmq.Context.instance()
     ready = ctx.socket(zmq.PUSH)
     ready.connect(cfg.ready_endpoint)

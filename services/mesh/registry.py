@@ -26,6 +26,7 @@ import ray
 import structlog
 
 from common.protocol import ShardAddress
+from common.roles import Role
 
 log = structlog.get_logger(__name__)
 
@@ -36,16 +37,15 @@ MAX_HEARTBEAT_AGE_S = 5.0
 
 @dataclass(frozen=True)
 class ServiceEntry:
-    """One replica as the registry knows it. `kind`: prompt | token | shard (its deployment).
+    """One replica as the registry knows it, by its role (its deployment's).
 
     `state`: starting (not routable; a shard holding its slot), ready, or draining (finishes what
     it has, takes nothing new). Token engines list their shard group in `shards` as
     `ShardAddress`es; empty means local attention.
     """
 
-    kind: str
+    role: Role
     service_id: str
-    role: str = ""
     state: str = "starting"
     command_endpoint: str = ""
     kv_endpoint: str = ""
@@ -59,7 +59,7 @@ class ServiceEntry:
 
     @property
     def is_engine(self) -> bool:
-        return self.kind in ("prompt", "token", "mixed")
+        return Role(self.role).is_engine
 
     def shard_address(self) -> ShardAddress:
         """How a token engine and prompt engines reach this shard."""
@@ -111,7 +111,7 @@ class Registry:
         self._expire()
         counts = [0] * num_slots
         for other in self.entries.values():
-            if other.kind == "shard" and 0 <= other.slot < num_slots:
+            if other.role == Role.SHARD and 0 <= other.slot < num_slots:
                 counts[other.slot] += 1
         slot = min(range(num_slots), key=lambda s: (counts[s], s))
         self.register(replace(entry, slot=slot))
@@ -142,7 +142,7 @@ class Registry:
         return len(shards), sum(e.service_id not in self.claimed_by for e in shards)
 
     def _shards(self) -> list[ServiceEntry]:
-        return [e for e in self.entries.values() if e.kind == "shard"]
+        return [e for e in self.entries.values() if e.role == Role.SHARD]
 
     def _claimable(self, shard: ServiceEntry, token_id: str) -> bool:
         owner = self.claimed_by.get(shard.service_id, token_id)

@@ -27,6 +27,7 @@ import zmq
 
 from common.config import ModelConfig
 from common.protocol import LinkShards
+from common.roles import Role
 from common.transport.zmq_sockets import PushPool
 from common.worker_config import WorkerConfig
 from services.engine.worker import EngineWorker
@@ -163,7 +164,7 @@ class MeshReplica:
 
 
 def start_engine(
-    kind: str,
+    role: Role,
     service_id: str,
     registry: RegistryClient,
     base: WorkerConfig,
@@ -173,18 +174,18 @@ def start_engine(
     """A prompt or token engine: claim shards (token), start the worker, register as ready."""
     torch.set_num_threads(base.num_threads)
     group: list[ServiceEntry] = []
-    if kind == "token":
+    if role == Role.TOKEN:
         group = claim_shard_group(registry, service_id, shards_per_group, shard_wait_s)
-    if kind == "token" and not group:
+    if role == Role.TOKEN and not group:
         log.warning("no free shard group: this token engine decodes with local attention",
                     service_id=service_id)  # fmt: skip
     links = [s.shard_address() for s in group]
-    cfg = replace_cfg(base, service="engine", service_id=service_id, role=kind, shards=links)
+    cfg = replace_cfg(base, service_id=service_id, role=role, shards=links)
     thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
     assert isinstance(thread.worker, EngineWorker)
     ready = thread.worker.ready()
     entry = ServiceEntry(
-        kind=kind, service_id=service_id, role=kind, state="ready",
+        role=role, service_id=service_id, state="ready",
         command_endpoint=ready.command_endpoint, kv_endpoint=ready.kv_endpoint,
         control_endpoint=ready.control_endpoint, load_endpoint=ready.load_endpoint,
         shards=tuple(links),
@@ -192,9 +193,9 @@ def start_engine(
     membership = Membership(registry, entry, alive=thread.alive)
     membership.update()
     membership.start()
-    log.info("engine replica ready", service_id=service_id, role=kind, num_shards=len(group))
+    log.info("engine replica ready", service_id=service_id, role=role, num_shards=len(group))
     watch = None
-    if kind == "token" and shards_per_group:
+    if role == Role.TOKEN and shards_per_group:
         keeper = ShardGroupKeeper(registry, service_id, shards_per_group, group)
         watch = GroupWatch(keeper, membership, ready.command_endpoint)
     return MeshReplica(thread, membership, watch)
@@ -209,14 +210,14 @@ def start_shard(
     num_kv_heads = ModelConfig.from_folder(base.model_path).num_key_value_heads
     if num_kv_heads % num_slots:
         raise ValueError(f"{num_kv_heads} KV heads do not split over {num_slots} shards")
-    entry = ServiceEntry(kind="shard", service_id=service_id, role="shard")
+    entry = ServiceEntry(role=Role.SHARD, service_id=service_id)
     slot = registry.take_shard_slot(entry, num_slots)
     membership = Membership(registry, replace(entry, slot=slot))
     membership.start()  # holds the slot while the shard allocates its KV
     width = num_kv_heads // num_slots
     head_start, head_end = slot * width, (slot + 1) * width
     cfg = replace_cfg(
-        base, service="shard", service_id=service_id, role="shard",
+        base, service_id=service_id, role=Role.SHARD,
         num_blocks=base.shard_num_blocks, head_start=head_start, head_end=head_end,
     )  # fmt: skip
     thread = WorkerThread(lambda: ShardWorker(cfg), name=f"{service_id}-loop")
@@ -263,6 +264,6 @@ def replace_cfg(base: WorkerConfig, **changes: object) -> WorkerConfig:
 def base_worker_config(model_path: str, host: str, **knobs: object) -> WorkerConfig:
     """The settings every mesh worker of an application shares."""
     return WorkerConfig(
-        service="engine", service_id="", model_path=model_path, ready_endpoint="",
+        service_id="", model_path=model_path, ready_endpoint="",
         parent_pid=os.getpid(), host=host, **knobs,  # type: ignore[arg-type]
     )  # fmt: skip

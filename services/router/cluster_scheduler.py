@@ -19,10 +19,10 @@ import time
 from dataclasses import replace
 
 from common.protocol import LoadReport
+from common.roles import Role
 from common.scheduling.cluster import (
     JSQPoolPolicy,
     MachineLoad,
-    Pool,
     PoolThresholds,
     RouteRequest,
 )
@@ -56,7 +56,7 @@ class ClusterScheduler:
             self._engines = engines
             self._loads = {m: self._loads.get(m, MachineLoad(m)) for m in engines}
             if changed:
-                homes = {m: Pool(e.role) for m, e in engines.items()}
+                homes = {m: Role(e.role) for m, e in engines.items()}
                 self._policy = JSQPoolPolicy(homes, self.thresholds) if self._can_split() else None
 
     def on_load(self, report: LoadReport) -> None:

@@ -1,9 +1,9 @@
 """Cluster-level policy rules (Splitwise §IV-A) on fabricated load reports."""
 
+from common.roles import Role
 from common.scheduling.cluster import (
     JSQPoolPolicy,
     MachineLoad,
-    Pool,
     PoolMove,
     PoolThresholds,
     PowerOfTwoPolicy,
@@ -11,7 +11,7 @@ from common.scheduling.cluster import (
     RouteRequest,
 )
 
-P, T, M = Pool.PROMPT, Pool.TOKEN, Pool.MIXED
+P, T, M = Role.PROMPT, Role.TOKEN, Role.MIXED
 
 
 def loads(*rows: tuple[int, int, int]) -> dict[int, MachineLoad]:

@@ -14,12 +14,13 @@ from dataclasses import replace
 import pytest
 
 from common.protocol import LoadReport, ShardAddress
+from common.roles import Role
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler, NoEngines
 
 
 def engine(service_id: str, role: str) -> ServiceEntry:
-    return ServiceEntry(kind=role, service_id=service_id, role=role, state="ready",
+    return ServiceEntry(role=Role(role), service_id=service_id, state="ready",
                         command_endpoint=f"tcp://{service_id}")  # fmt: skip
 
 

@@ -4,6 +4,7 @@ time."""
 
 from __future__ import annotations
 
+from common.roles import Role
 from services.mesh.registry import Registry, ServiceEntry
 
 
@@ -16,14 +17,14 @@ class Clock:
 
 
 def shard(service_id: str) -> ServiceEntry:
-    return ServiceEntry(kind="shard", service_id=service_id, role="shard")
+    return ServiceEntry(role=Role.SHARD, service_id=service_id)
 
 
 def test_entries_live_while_they_heartbeat() -> None:
     clock = Clock()
     registry = Registry(max_age_s=5, clock=clock)
-    registry.register(ServiceEntry(kind="token", service_id="t0", state="ready"))
-    registry.register(ServiceEntry(kind="token", service_id="t1", state="ready"))
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t0", state="ready"))
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t1", state="ready"))
     clock.now = 4
     assert registry.heartbeat("t0")
     clock.now = 6
@@ -51,11 +52,11 @@ def test_a_claim_ends_with_its_shard() -> None:
     clock = Clock()
     registry = Registry(max_age_s=5, clock=clock)
     registry.take_shard_slot(shard("s0"), 1)
-    registry.register(ServiceEntry(kind="shard", service_id="s0", state="ready", slot=0))
+    registry.register(ServiceEntry(role=Role.SHARD, service_id="s0", state="ready", slot=0))
     assert registry.claim_group("t0", 1) is not None
     clock.now = 10  # s0 died; its replacement registers fresh and is claimable
     registry.take_shard_slot(shard("s1"), 1)
-    registry.register(ServiceEntry(kind="shard", service_id="s1", state="ready", slot=0))
+    registry.register(ServiceEntry(role=Role.SHARD, service_id="s1", state="ready", slot=0))
     assert registry.shard_census() == (1, 1)
     group = registry.claim_group("t1", 1)
     assert group is not None and group[0].service_id == "s1"
@@ -65,8 +66,8 @@ def test_a_claim_ends_with_its_token_engine() -> None:
     clock = Clock()
     registry = Registry(max_age_s=5, clock=clock)
     registry.take_shard_slot(shard("s0"), 1)
-    registry.register(ServiceEntry(kind="shard", service_id="s0", state="ready", slot=0))
-    registry.register(ServiceEntry(kind="token", service_id="t0", state="ready"))
+    registry.register(ServiceEntry(role=Role.SHARD, service_id="s0", state="ready", slot=0))
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t0", state="ready"))
     assert registry.claim_group("t0", 1) is not None
     assert registry.claim_group("t1", 1) is None
     clock.now = 4
@@ -78,7 +79,7 @@ def test_a_claim_ends_with_its_token_engine() -> None:
 
 
 def ready_shard(service_id: str, slot: int) -> ServiceEntry:
-    return ServiceEntry(kind="shard", service_id=service_id, role="shard", state="ready", slot=slot)
+    return ServiceEntry(role=Role.SHARD, service_id=service_id, state="ready", slot=slot)
 
 
 def test_a_group_that_lost_a_shard_is_made_whole_with_its_replacement() -> None:

@@ -3,6 +3,7 @@ broken the moment a shard stops heartbeating, and whole again once its replaceme
 
 from __future__ import annotations
 
+from common.roles import Role
 from services.mesh.registry import Registry, ServiceEntry
 from services.mesh.shard_group import ShardGroupKeeper
 
@@ -16,8 +17,10 @@ class Clock:
 
 
 def start_shard(registry: Registry, service_id: str, num_slots: int) -> int:
-    slot = registry.take_shard_slot(ServiceEntry(kind="shard", service_id=service_id), num_slots)
-    registry.register(ServiceEntry(kind="shard", service_id=service_id, state="ready", slot=slot))
+    slot = registry.take_shard_slot(ServiceEntry(role=Role.SHARD, service_id=service_id), num_slots)
+    registry.register(
+        ServiceEntry(role=Role.SHARD, service_id=service_id, state="ready", slot=slot)
+    )
     return slot
 
 

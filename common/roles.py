@@ -1,0 +1,21 @@
+"""What a mesh service does: one name for it everywhere.
+
+Splitwise's machine pools (prompt, token, mixed) are the engines' roles; an attention shard
+(Lamina) is the fourth. Deployment names, registry entries, worker configs, load reports and the
+cluster policy's pools all use this enum; it encodes as its string value on the wire.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    PROMPT = "prompt"  # prefill (Splitwise's prompt machine)
+    TOKEN = "token"  # decode (Splitwise's token machine), with or without a shard group
+    MIXED = "mixed"  # both (Splitwise's mixed pool; the in-process engine)
+    SHARD = "shard"  # an attention shard: KV and decode attention for a range of KV heads
+
+    @property
+    def is_engine(self) -> bool:
+        return self != Role.SHARD
