@@ -36,13 +36,13 @@ from pathlib import Path
 
 from common.model.default import PRESETS, default_model_path
 from common.protocol import SamplingSpec
-from services.launch.direct_client import DirectMeshClient
 from services.launch.local_mesh import LocalMesh, Topology
+from services.launch.test_client import MeshTestClient
 
 PROMPT_LEN = 64
 
 
-def decode_gaps(client: DirectMeshClient, batch: int, tokens: int, tag: str) -> list[float]:
+def decode_gaps(client: MeshTestClient, batch: int, tokens: int, tag: str) -> list[float]:
     """Inter-token gaps (s) of `batch` concurrent requests, skipping each one's first two tokens
     (first token and the prefill/handoff hop)."""
     sampling = SamplingSpec(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -73,7 +73,7 @@ def measure_tbt(
             topology = Topology(model, num_prompt=1, num_token=1, num_shards=shards,
                                 pin_decode_groups=pin)  # fmt: skip
             meshes[name] = LocalMesh.start(topology)
-        clients = {name: DirectMeshClient(mesh) for name, mesh in meshes.items()}
+        clients = {name: MeshTestClient(mesh) for name, mesh in meshes.items()}
         for name, client in clients.items():
             decode_gaps(client, 2, 8, f"warmup-{name}")
         gaps: dict[tuple[str, int], list[float]] = {}

@@ -130,12 +130,12 @@ class MeshDecode:
     """Decode through a launched mesh (`services.launch`), timed at the mesh's own client."""
 
     def __init__(self, model_path: str, num_shards: int, num_blocks: int) -> None:
-        from services.launch.direct_client import DirectMeshClient
         from services.launch.local_mesh import LocalMesh, Topology
+        from services.launch.test_client import MeshTestClient
 
         topology = Topology(model_path, 1, 1, num_shards, num_blocks=num_blocks)
         self.mesh = LocalMesh.start(topology)
-        self.client = DirectMeshClient(self.mesh)
+        self.client = MeshTestClient(self.mesh)
         self._num_batches = 0
 
     def token_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:

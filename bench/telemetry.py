@@ -59,8 +59,8 @@ from common.engine.request import FinishReason, RequestOutput
 from common.model.default import default_model_path
 from common.protocol import SamplingSpec
 from common.telemetry import DecodeSpan, Metrics, configure_telemetry, inject_context
-from services.launch.direct_client import DirectMeshClient
 from services.launch.local_mesh import LocalMesh, Topology
+from services.launch.test_client import MeshTestClient
 from services.router.telemetry import RequestTrace, RouterTelemetry
 
 PROMPT_LEN = 64
@@ -74,7 +74,7 @@ class Arm:
     """A way to send requests, and what its rounds measured."""
 
     mesh: LocalMesh
-    client: DirectMeshClient
+    client: MeshTestClient
     router: RouterTelemetry | None  # traced: the router's spans and records
     sampled: bool = True
     round_tbt: list[float] = field(default_factory=list)  # each round's median TBT
@@ -240,7 +240,7 @@ def main() -> None:
     meshes = [LocalMesh.start(Topology(model, num_shards=args.shards, otel_exporter=e))
               for e in (exporter, "off")]  # fmt: skip
     try:
-        on, off = DirectMeshClient(meshes[0]), DirectMeshClient(meshes[1])
+        on, off = MeshTestClient(meshes[0]), MeshTestClient(meshes[1])
         arms = {
             "traced": Arm(meshes[0], on, router_telemetry()),
             "untraced": Arm(meshes[0], on, None, sampled=False),

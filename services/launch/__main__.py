@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 
 from common.protocol import SamplingSpec
-from services.launch.direct_client import DirectMeshClient
 from services.launch.local_mesh import LocalMesh, Topology
+from services.launch.test_client import MeshTestClient
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:
-        client = DirectMeshClient(mesh)
+        client = MeshTestClient(mesh)
         client.submit("demo", list(range(10, 60)), SamplingSpec(max_tokens=16, temperature=0))
         tokens: list[int] = []
         while True:

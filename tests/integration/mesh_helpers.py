@@ -6,12 +6,12 @@ import os
 
 from common.protocol import SamplingSpec
 from services.launch.core_pinning import place_decode_groups
-from services.launch.direct_client import DirectMeshClient
 from services.launch.local_mesh import LocalMesh
+from services.launch.test_client import MeshTestClient
 
 
 def run_staggered(
-    client: DirectMeshClient, prompts: list[list[int]], sampling: SamplingSpec, wave: int = 4
+    client: MeshTestClient, prompts: list[list[int]], sampling: SamplingSpec, wave: int = 4
 ) -> dict[str, list[int]]:
     """Submit `wave` requests, wait for a few tokens, submit the next wave, ... until all finish.
 

@@ -7,8 +7,8 @@ import zmq
 
 from common.protocol import SamplingSpec
 from common.transport.service_stats import request_stats
-from services.launch.direct_client import DirectMeshClient
 from services.launch.local_mesh import LocalMesh, Topology
+from services.launch.test_client import MeshTestClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
 
@@ -20,7 +20,7 @@ def mesh(tiny_model_path):
     mesh.close()
 
 
-def _finish_all(client: DirectMeshClient, live: set[str]) -> dict[str, str]:
+def _finish_all(client: MeshTestClient, live: set[str]) -> dict[str, str]:
     reasons = {}
     while live:
         out = client.recv(timeout=120)
@@ -31,7 +31,7 @@ def _finish_all(client: DirectMeshClient, live: set[str]) -> dict[str, str]:
 
 
 def test_aborts_mid_stream_leave_no_kv_anywhere(mesh):
-    client = DirectMeshClient(mesh)
+    client = MeshTestClient(mesh)
     prompts = random_prompts([20, 150, 40, 90, 10, 200], 2048, seed=31)
     sampling = SamplingSpec(max_tokens=200, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -81,7 +81,7 @@ def test_malformed_and_unknown_messages_are_dropped(mesh):
         sock.send(b"\xc1 not msgpack")
         sock.close(linger=1000)
     # Every service still serves: a request completes end to end, and stats still answer.
-    client = DirectMeshClient(mesh)
+    client = MeshTestClient(mesh)
     client.submit(
         "after", random_prompts([70], 2048, seed=32)[0], SamplingSpec(max_tokens=8, temperature=0)
     )
@@ -96,7 +96,7 @@ def test_shard_outlives_its_token_engine_and_frees_its_requests(tiny_model_path)
 
     mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=1))
     try:
-        client = DirectMeshClient(mesh)
+        client = MeshTestClient(mesh)
         client.submit("dies", random_prompts([90], 2048, seed=33)[0],
                       SamplingSpec(max_tokens=400, temperature=0.0, ignore_eos=True))  # fmt: skip
         tokens = 0
@@ -132,7 +132,7 @@ def test_an_edge_value_request_does_not_harm_its_batch_mates(mesh, tiny_model_pa
     reference = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(
         prompts[:8], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     )
-    client = DirectMeshClient(mesh)
+    client = MeshTestClient(mesh)
     greedy = SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True)
     edge = SamplingSpec(max_tokens=24, temperature=5e-324, seed=3, ignore_eos=True)
     for i, prompt in enumerate(prompts[:8]):

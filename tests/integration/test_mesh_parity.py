@@ -8,8 +8,8 @@ import pytest
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
 from common.sampling import SamplingParams
-from services.launch.direct_client import DirectMeshClient
 from services.launch.local_mesh import LocalMesh, Topology
+from services.launch.test_client import MeshTestClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import (
     assert_decode_groups_pinned,
@@ -55,7 +55,7 @@ def test_mesh_matches_single_process_engine(
     mesh = LocalMesh.start(topology)
     try:
         assert_decode_groups_pinned(mesh)
-        client = DirectMeshClient(mesh)
+        client = MeshTestClient(mesh)
         outputs = run_staggered(client, prompts, GREEDY)
         for i, prompt in enumerate(prompts):
             ours = outputs[f"req-{i}"]

@@ -13,8 +13,8 @@ import pytest
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
 from common.sampling import SamplingParams
-from services.launch.direct_client import DirectMeshClient
 from services.launch.local_mesh import LocalMesh, Topology
+from services.launch.test_client import MeshTestClient
 from services.mesh.registry import ServiceEntry
 from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
@@ -43,7 +43,7 @@ def live(mesh: LocalMesh) -> dict[str, ServiceEntry]:
 def test_a_killed_shard_is_replaced_and_rejoins_its_group(
     mesh: LocalMesh, tiny_model_path: Path
 ) -> None:
-    client = DirectMeshClient(mesh)
+    client = MeshTestClient(mesh)
     client.submit("long", random_prompts([60], 2048, seed=41)[0], LONG)
     num_tokens = 0
     while num_tokens < 5:  # decoding against both shards now
@@ -69,7 +69,7 @@ def test_a_killed_shard_is_replaced_and_rejoins_its_group(
     reference = LLMEngine.from_path(tiny_model_path, num_blocks=128).generate(
         [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     )[0]
-    client = DirectMeshClient(mesh)
+    client = MeshTestClient(mesh)
     client.submit("after", prompt, SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True))
     tokens: list[int] = []
     while not (out := client.recv(timeout=120)).finish_reason:

@@ -18,7 +18,7 @@ from common.worker_config import WorkerReady
 from services.launch.local_mesh import LocalMesh, TokenEngineInfo
 
 
-class DirectMeshClient:
+class MeshTestClient:
     """Submits requests to a mesh and collects their token streams (round-robin placement)."""
 
     def __init__(self, mesh: LocalMesh) -> None:
