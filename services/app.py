@@ -168,7 +168,7 @@ class RouterDeployment:
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply `user_config` (admission bounds) in place, without restarting the replica."""
-        self.client.limits = AdmissionLimits(**user_config)
+        self.client.streams.limits = AdmissionLimits(**user_config)
         log.info("admission limits", **user_config)
 
     def check_health(self) -> None:

@@ -59,7 +59,9 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineClientStats: ...
 
-    limits: AdmissionLimits  # replaced in place by the deployment's `reconfigure`
+    # Requests in flight and admission (`limits` replaced in place by the deployment's
+    # `reconfigure`).
+    streams: StreamTable[Any]
 
     def ready(self) -> bool:
         """True when a request sent now can be served (engines up): `/health` says 200."""
@@ -98,14 +100,6 @@ class InProcessEngineClient:
         self._engine_stats = self._snapshot_engine()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
-
-    @property
-    def limits(self) -> AdmissionLimits:
-        return self.streams.limits
-
-    @limits.setter
-    def limits(self, limits: AdmissionLimits) -> None:
-        self.streams.limits = limits
 
     # ---- asyncio side ----
 

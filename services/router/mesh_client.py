@@ -149,14 +149,6 @@ class MeshEngineClient:
                 self._send_aborts(stream, self._wire_id(req_id))
             self._release(req_id)
 
-    @property
-    def limits(self) -> AdmissionLimits:
-        return self.streams.limits
-
-    @limits.setter
-    def limits(self, limits: AdmissionLimits) -> None:
-        self.streams.limits = limits
-
     def abort(self, req_id: str) -> None:
         """Stop a request at its prompt and token engine; outputs in flight are dropped."""
         wire_id = self._wire_id(req_id)
