@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -28,6 +29,12 @@ log = structlog.get_logger(__name__)
 # How many finished/aborted request ids to remember, so that KV pages arriving after a request
 # was freed (an abort racing a transfer) are dropped instead of leaking blocks.
 _TOMBSTONES = 4096
+
+
+# KV that lands here but that no decode step names within this bound is freed (a lease): long
+# enough for a hand-off queued behind a full shard group, short enough that a lost one's KV comes
+# back. See docs/failures.md.
+KV_LEASE_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,18 @@ class AttentionShard:
     """Owns KV blocks for its heads and answers per-layer decode attention. Thread-safe for one
     ingress thread (`receive_kv`, `free`) plus one decode thread (`attend`)."""
 
-    def __init__(self, shard_id: str, spec: ShardSpec, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        shard_id: str,
+        spec: ShardSpec,
+        backend: AttentionBackend,
+        lease_s: float = KV_LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.shard_id = shard_id
+        self.lease_s = lease_s
+        self.clock = clock
+        self._leased: dict[str, float] = {}  # KV no decode step has claimed yet: when it came
         self.spec = spec
         self.backend = backend
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
@@ -99,6 +116,8 @@ class AttentionShard:
             )
             if not self.blocks.has(pages.req_id):
                 self.blocks.allocate(pages.req_id, pages.num_tokens)
+                if pages.req_id not in self._decoded:
+                    self._leased[pages.req_id] = self.clock()
             slots = self._slots(pages.req_id, 0, pages.num_tokens)
         for i in range(pages.num_layers):
             self.kv.write(pages.layer_start + i, k[i], v[i], slots)
@@ -111,6 +130,7 @@ class AttentionShard:
 
     def free(self, req_id: str) -> None:
         with self._lock:
+            self._leased.pop(req_id, None)
             self._decoded.discard(req_id)
             self.blocks.free(req_id)
             self._layers_received.pop(req_id, None)
@@ -128,6 +148,17 @@ class AttentionShard:
             self.free(req_id)
         self._step = None
         return len(decoded)
+
+    def expire_leases(self) -> list[str]:
+        """Free KV that no decode step has claimed within `lease_s` of its arrival: its hand-off
+        never came (its prompt engine died, or its token engine refused or lost it), so no
+        FreeRequest will either. Returns the freed request ids."""
+        with self._lock:
+            deadline = self.clock() - self.lease_s
+            expired = [r for r, since in self._leased.items() if since < deadline]
+        for req_id in expired:
+            self.free(req_id)
+        return expired
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -156,6 +187,8 @@ class AttentionShard:
             for req_id in batch.req_ids:
                 self._wait_for_kv(req_id)
             self._decoded.update(batch.req_ids)
+            for req_id in batch.req_ids:  # claimed: the token engine frees it from now on
+                self._leased.pop(req_id, None)
             for req_id, ctx in zip(batch.req_ids, batch.context_lens, strict=True):
                 self.blocks.grow(req_id, ctx)
             tables = [self.blocks.block_table(r) for r in batch.req_ids]

@@ -130,6 +130,9 @@ class ShardWorker:
                 self._on_ingress(*item)
             while (req := self.control.recv_nowait()) is not None:
                 self.replies.send(self.shard.stats(), prefix=req[0])
+            if expired := self.shard.expire_leases():
+                log.warning("unclaimed KV freed after its lease", req_ids=expired[:8],
+                            num_freed=len(expired))  # fmt: skip
             self._set_gauges()
         self.ctx.destroy(linger=0)
 
