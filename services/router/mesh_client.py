@@ -60,7 +60,11 @@ PLACE_RETRY_S = 0.25
 
 
 class EngineLost(RuntimeError):
-    """An engine of the request left the registry: the request may be re-run elsewhere."""
+    """An engine of the request's attempt `wire_id` left the registry: re-run it elsewhere."""
+
+    def __init__(self, message: str, wire_id: str) -> None:
+        super().__init__(message)
+        self.wire_id = wire_id
 
 
 @dataclass(kw_only=True)
@@ -131,8 +135,12 @@ class MeshEngineClient:
                 if isinstance(item, EngineLost) or (
                     isinstance(item, TokenOutput) and item.error and item.retryable
                 ):
-                    reason = item.error if isinstance(item, TokenOutput) else str(item)
-                    await self._migrate(req_id, stream, text.output_token_ids, reason)
+                    # One loss can be told twice (the engine's error, then its registry entry
+                    # leaving): only a loss of the current attempt migrates.
+                    lost_id = item.wire_id if isinstance(item, EngineLost) else item.req_id
+                    if lost_id == self._wire_id(req_id):
+                        reason = item.error if isinstance(item, TokenOutput) else str(item)
+                        await self._migrate(req_id, stream, text.output_token_ids, reason)
                     continue
                 if isinstance(item, Exception):
                     raise item
@@ -365,6 +373,5 @@ class MeshEngineClient:
         for req_id, engine_id, traceparent in orphans:
             with bind_request(req_id, traceparent=traceparent):
                 log.error("engine left mid-request", engine=engine_id)
-            self._deliver(
-                self._wire_id(req_id), EngineLost(f"engine {engine_id} stopped responding")
-            )
+            wire_id = self._wire_id(req_id)
+            self._deliver(wire_id, EngineLost(f"engine {engine_id} stopped responding", wire_id))
