@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import msgspec
 import torch
 
 from common.protocol import SamplingSpec
+
+MAX_INT = 1 << 31  # counts and token ids
+MAX_SEED = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -32,16 +36,23 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", ">= 1")
-        _check(self.temperature >= 0.0, "temperature", ">= 0")
+        # NOTE: integers are bounded so that every value crosses the wire (msgpack carries at most
+        # 64 bits): an unbounded one would fail after admission instead of as a 400.
+        _check(isinstance(self.max_tokens, int) and 1 <= self.max_tokens < MAX_INT,
+               "max_tokens", f"in [1, {MAX_INT})")  # fmt: skip
+        _check(math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature",
+               "a finite number >= 0")  # fmt: skip
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 (off) or >= 1")
+        top_k_ok = self.top_k == -1 or 1 <= self.top_k < MAX_INT
+        _check(top_k_ok, "top_k", f"-1 (off) or in [1, {MAX_INT})")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative ids")
+        _check(all(0 <= t < MAX_INT for t in self.stop_token_ids), "stop_token_ids",
+               f"ids in [0, {MAX_INT})")  # fmt: skip
         _check(self.detokenize or not self.stop, "detokenize", "True when stop strings are given")
         if self.seed is not None:
-            _check(isinstance(self.seed, int) and self.seed >= 0, "seed", "a non-negative int")
+            _check(isinstance(self.seed, int) and 0 <= self.seed < MAX_SEED, "seed",
+                   f"an int in [0, {MAX_SEED})")  # fmt: skip
 
     @property
     def greedy(self) -> bool:

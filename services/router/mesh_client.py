@@ -233,7 +233,11 @@ class MeshEngineClient:
             token_kv_endpoint=token.kv_endpoint, shards=list(token.shards),
             traceparent=stream.traceparent,
         )  # fmt: skip
-        self._send(prompt.command_endpoint, msg)
+        try:
+            self._send(prompt.command_endpoint, msg)
+        except BaseException:
+            self._release(req_id)  # admitted but never sent: its slot must not leak
+            raise
         return stream
 
     async def _migrate(

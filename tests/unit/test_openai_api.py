@@ -196,6 +196,10 @@ COMPLETION_ERRORS = [
     ({"top_p": 0}, 400, "top_p"),
     ({"top_k": -2}, 400, "top_k"),
     ({"seed": -1}, 400, "seed"),
+    # Integers msgpack cannot carry to the engines are refused at the edge, not after admission.
+    ({"seed": 2**64}, 400, "seed"),
+    ({"top_k": 2**64}, 400, "top_k"),
+    ({"stop_token_ids": [2**64]}, 400, "stop_token_ids"),
     ({"min_tokens": 10, "max_tokens": 5}, 400, "min_tokens"),
     ({"stop": [""]}, 400, "stop"),
     ({"stream": "yes"}, 400, "stream"),

@@ -66,3 +66,36 @@ def test_delivery_after_release_is_dropped() -> None:
         assert a.outputs.empty() and table.num_pending_prompt_tokens == 0
 
     asyncio.run(run())
+
+
+def test_a_request_admitted_but_never_sent_gives_its_slot_back(tiny_model_path) -> None:
+    # The mesh client admits, then sends the GenerateRequest: if the send fails, the admission
+    # slot and the pending prompt tokens must come back, or the router fills up with ghosts.
+    from common.roles import Role
+    from common.sampling import SamplingParams
+    from services.mesh.registry import ServiceEntry
+    from services.router.mesh_client import MeshEngineClient
+
+    entries = [
+        ServiceEntry(role=Role.PROMPT, service_id="p0", state="ready",
+                     command_endpoint="tcp://127.0.0.1:9"),
+        ServiceEntry(role=Role.TOKEN, service_id="t0", state="ready",
+                     command_endpoint="tcp://127.0.0.1:9"),
+    ]  # fmt: skip
+    client = MeshEngineClient(tiny_model_path, lambda: entries, refresh_s=60)
+
+    def broken_send(endpoint: str, msg: object) -> None:
+        raise OverflowError("cannot be encoded")
+
+    client._send = broken_send  # type: ignore[method-assign]
+
+    async def run() -> None:
+        with pytest.raises(OverflowError):
+            await anext(client.generate("r1", [5, 6, 7], SamplingParams(max_tokens=4)))
+
+    try:
+        asyncio.run(run())
+        assert len(client.streams) == 0 and client.streams.num_pending_prompt_tokens == 0
+        assert not client.book.ledgers
+    finally:
+        client.shutdown()
