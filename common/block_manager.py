@@ -95,3 +95,8 @@ class BlockManager:
         """Flat slot index (block * block_size + offset) of token `position` of `req_id`."""
         block = self._tables[req_id][position // self.block_size]
         return block * self.block_size + position % self.block_size
+
+    def slots(self, req_id: str, start: int, end: int) -> list[int]:
+        """Flat slot indices of tokens [start, end) of `req_id`: where their k/v are written."""
+        table, size = self._tables[req_id], self.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]

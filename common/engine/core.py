@@ -16,7 +16,7 @@ from common.attention import select_backend
 from common.block_manager import BlockManager
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from common.engine.request import FinishReason, Request, RequestOutput, check_prompt
-from common.engine.runner import ModelRunner
+from common.engine.runner import ModelRunner, StepInputs
 from common.kv_cache import KVCache
 from common.model.loader import load_model
 from common.sampling import Sampler, SamplingParams
@@ -47,7 +47,7 @@ class LLMEngine:
             getattr(torch, mc.dtype),
         )
         backend = select_backend(config.attention_backend)
-        self.runner = ModelRunner(self.model, kv, self.blocks, backend)
+        self.runner: ModelRunner[StepInputs] = ModelRunner(self.model, kv, self.blocks, backend)
         self.scheduler = BatchScheduler(self.blocks, config.scheduler)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}

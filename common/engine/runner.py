@@ -6,7 +6,8 @@ swaps in a shard round trip (services/engine/engine.py) without touching the res
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -31,9 +32,19 @@ class StepInputs:
     context_lens: torch.Tensor  # decode: [N] int32, including the input token
     last_token_index: torch.Tensor  # [N] row of each sequence's last token in [T]
 
+    def fields(self) -> dict[str, Any]:
+        """This step's fields by name, to build a richer plan from them (`StepPlan`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-class ModelRunner:
-    """Owns the model, the local KV cache and the attention backend of one engine."""
+
+Inputs = TypeVar("Inputs", bound=StepInputs)
+
+
+class ModelRunner(Generic[Inputs]):
+    """Owns the model, the local KV cache and the attention backend of one engine.
+
+    `Inputs` is what one step carries: `StepInputs` here; a runner whose attention goes elsewhere
+    (services/engine/runner.py) passes a plan that also says where."""
 
     def __init__(
         self,
@@ -56,15 +67,13 @@ class ModelRunner:
             spans = [(s.num_tokens - 1, s.num_tokens) for s in batch.seqs]
         # NOTE: built as Python lists and turned into tensors once each: a decode step's inputs
         # are a few dozen numbers, and every small torch op costs microseconds.
-        block_size = self.blocks.block_size
-        tables = [self.blocks.block_table(r) for r in req_ids]
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for r, table, (a, b) in zip(req_ids, tables, spans, strict=True):
+        for r, (a, b) in zip(req_ids, spans, strict=True):
             ids += token_ids[r][a:b]
             positions += range(a, b)
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(a, b)]
+            slots += self.blocks.slots(r, a, b)
         seq_lens = [b - a for a, b in spans]
         return StepInputs(
             phase=batch.phase,
@@ -73,13 +82,13 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long),
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             seq_lens=seq_lens,
-            block_tables=pad_block_tables(tables),
+            block_tables=pad_block_tables([self.blocks.block_table(r) for r in req_ids]),
             context_lens=torch.tensor([b for _, b in spans], dtype=torch.int32),
             last_token_index=torch.tensor(seq_lens).cumsum(0) - 1,
         )
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: Inputs) -> torch.Tensor:
         """Forward one step; return float32 logits [N, vocab] for each sequence's last token."""
         x = self.model.embed(inputs.input_ids)  # [T, hidden]
         rope = self.model.rotary_at(inputs.positions)
@@ -92,7 +101,7 @@ class ModelRunner:
         return self.model.compute_logits(last)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: Inputs
     ) -> torch.Tensor:
         """Store this step's k/v in the local cache and attend over it."""
         self.kv_cache.write(layer, k, v, inputs.slot_mapping)

@@ -5,11 +5,13 @@ A `DecodeHandoff` waits, first come first served, until its KV is in place:
 - with a shard group: until the group has room for the request's whole length. Shards cannot
   preempt, so the engine reserves `prompt + max_tokens` up front in its mirror of the shards'
   block accounting (`shard_blocks`), and the request decodes against the shards from then on;
-- without: until every layer of its KV has landed in this engine's own cache (`kv_landed`); it
-  then joins the engine's local scheduler, which may preempt it like any local request.
+- without: until every layer of its KV has landed in this engine's own cache (its `KvIngress`
+  says so); it then joins the engine's local scheduler, which may preempt it like any local request.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from common.block_manager import BlockManager
 from common.protocol import DecodeHandoff
@@ -17,23 +19,20 @@ from common.scheduling.batching import BatchScheduler, Sequence
 
 
 class DecodeAdmission:
-    """The waiting handoffs, the KV layers landed for local ones, and the sharded requests."""
+    """The waiting handoffs and the sharded requests."""
 
     def __init__(self, shard_num_blocks: int, block_size: int) -> None:
         self.shard_blocks = BlockManager(max(shard_num_blocks, 1), block_size)
         self.sharded: list[Sequence] = []  # decoding against the shard group
         self.waiting: list[DecodeHandoff] = []
-        self._kv_layers: dict[str, int] = {}  # local KV landed from a prompt engine, per request
 
     def add(self, handoff: DecodeHandoff) -> None:
         self.waiting.append(handoff)
 
-    def kv_landed(self, req_id: str, num_layers: int) -> None:
-        self._kv_layers[req_id] = self._kv_layers.get(req_id, 0) + num_layers
-
-    def admit(self, local: BatchScheduler) -> list[str]:
+    def admit(self, local: BatchScheduler, kv_complete: Callable[[str], bool]) -> list[str]:
         """Start every handoff at the head of the queue whose KV is in place; returns their ids.
-        Local ones join `local` as running sequences."""
+        Local ones (`kv_complete` says when all their KV landed) join `local` as running
+        sequences."""
         admitted = []
         while self.waiting:
             h = self.waiting[0]
@@ -45,8 +44,7 @@ class DecodeAdmission:
                 self.shard_blocks.allocate(h.req_id, reserve)
                 seq.num_computed = seq.num_tokens - 1
                 self.sharded.append(seq)
-            elif self._kv_layers.get(h.req_id, 0) >= h.num_kv_layers:
-                self._kv_layers.pop(h.req_id)
+            elif kv_complete(h.req_id):
                 local.add_running(seq)
             else:
                 break
@@ -71,7 +69,9 @@ class DecodeAdmission:
         self.sharded = [s for s in self.sharded if s.req_id != req_id]
         self.shard_blocks.free(req_id)
         self.waiting = [h for h in self.waiting if h.req_id != req_id]
-        self._kv_layers.pop(req_id, None)
+
+    def waiting_for(self, req_id: str) -> DecodeHandoff | None:
+        return next((h for h in self.waiting if h.req_id == req_id), None)
 
 
 __all__ = ["DecodeAdmission"]

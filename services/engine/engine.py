@@ -8,7 +8,7 @@
 - mixed: both; a request whose token engine is this engine and has no shards never leaves it.
 
 `Engine` owns no sockets: inputs arrive through its `on_*` methods, and `step()` returns the
-messages to send as `(endpoint, message)` pairs. `worker.py` wires it to ZeroMQ
+messages to send as an `Outbox` (outbox.py). `worker.py` wires it to ZeroMQ
 and UCX. Spans and metrics of its requests go through `self.telemetry` (`telemetry.py`).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -28,11 +28,11 @@ from common.block_manager import BlockManager
 from common.config import EngineConfig
 from common.engine.request import Request, check_prompt
 from common.kv_cache import KVCache
+from common.kv_ingress import KvIngress, Landed
 from common.model.loader import load_model
 from common.protocol import (
     DecodeHandoff,
     EngineStats,
-    FreeRequest,
     GenerateRequest,
     KvEvent,
     KvPages,
@@ -43,14 +43,19 @@ from common.protocol import (
 from common.sampling import Sampler, SamplingParams
 from common.scheduling.batching import Batch, BatchScheduler, Phase, Sequence
 from services.engine.admission import DecodeAdmission
+from services.engine.outbox import Outbox
 from services.engine.routing import EngineRole, RequestRoute, kv_endpoints
-from services.engine.runner import KvRoute, KvSend, KvShipper, MeshModelRunner, ShardLink
+from services.engine.runner import (
+    KvRoute,
+    KvSend,
+    KvShipper,
+    MeshModelRunner,
+    ShardLink,
+    StepPlan,
+)
 from services.engine.telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
-
-Outgoing = list[tuple[str, object]]  # (endpoint, control message)
-_TOMBSTONES = 4096
 
 
 class Engine:
@@ -76,6 +81,9 @@ class Engine:
             mc.num_hidden_layers, c.num_blocks, c.block_size, mc.num_key_value_heads,
             mc.head_dim, getattr(torch, mc.dtype),
         )  # fmt: skip
+        # KV shipped here by prompt engines (no shard group); its tombstones are this engine's
+        # memory of ended requests, so a hand-off or KV arriving after an abort is dropped.
+        self.kv_ingress = KvIngress(self.blocks, kv)
         self.runner = MeshModelRunner(
             self.model, kv, self.blocks, select_backend(config.attention_backend),
             shard_links=shard_links, head_ranges=[(s.head_start, s.head_end) for s in shards],
@@ -93,20 +101,18 @@ class Engine:
         self.sampler = Sampler()
         self.steps = itertools.count()
         self.max_model_len = mc.max_position_embeddings
-        # Aborted ids, so that a handoff or KV arriving after the abort is dropped, not leaked.
-        self.aborted: OrderedDict[str, None] = OrderedDict()
         self.kv_events: deque[KvEvent] = deque(maxlen=256)
 
     # -- inputs -----------------------------------------------------------------------------------
 
-    def on_generate(self, msg: GenerateRequest) -> Outgoing:
+    def on_generate(self, msg: GenerateRequest) -> Outbox:
         """A new prompt. Invalid requests are answered with an error, never raised."""
         try:
             params = SamplingParams.from_spec(msg.sampling)
             tokens = msg.prompt_token_ids + msg.output_token_ids
             check_prompt(tokens, self.model.config.vocab_size, self.max_model_len)
         except ValueError as exc:
-            return [(msg.reply_to, TokenOutput(msg.req_id, [], "error", error=str(exc)))]
+            return Outbox.output(msg.reply_to, TokenOutput(msg.req_id, [], "error", error=str(exc)))
         # A migrated request brings the tokens it already streamed: they are output (finish
         # rules count them) and the prefill covers them, so the next token continues the stream.
         self.requests[msg.req_id] = Request(
@@ -121,18 +127,23 @@ class Engine:
         seq = Sequence(msg.req_id, len(msg.prompt_token_ids) + len(msg.output_token_ids))
         decode_here = msg.token_engine == self.role.command_endpoint and not msg.shards
         (self.local if decode_here else self.ship_queue).add(seq)
-        return []
+        return Outbox()
 
-    def on_handoff(self, msg: DecodeHandoff) -> Outgoing:
+    def on_handoff(self, msg: DecodeHandoff) -> Outbox:
         """A prefilled request to decode; it joins once its KV is in place."""
-        if msg.req_id in self.aborted:
-            return [(s.kv_endpoint, FreeRequest(msg.req_id)) for s in msg.shards]
+        if self.kv_ingress.has_ended(msg.req_id):  # aborted, or its KV refused or expired here
+            gone = TokenOutput(msg.req_id, [], "error", error=f"engine {self.engine_id}: no "
+                               "KV for the request", retryable=True)  # fmt: skip
+            return Outbox.output(msg.reply_to, gone) + Outbox.free(
+                msg.req_id, kv_endpoints(msg.shards)
+            )
         if msg.shards and kv_endpoints(msg.shards) != kv_endpoints(self.shards):
             # Placed while this engine's group was whole; a shard has left since.
             stale = TokenOutput(msg.req_id, [], "error", error=f"engine {self.engine_id}: its "
                                 "shard group changed", retryable=True)  # fmt: skip
-            frees = [(s.kv_endpoint, FreeRequest(msg.req_id)) for s in msg.shards]
-            return [(msg.reply_to, stale), *frees]
+            return Outbox.output(msg.reply_to, stale) + Outbox.free(
+                msg.req_id, kv_endpoints(msg.shards)
+            )
         self.requests[msg.req_id] = Request(
             msg.req_id, msg.token_ids[: msg.num_prompt_tokens],
             SamplingParams.from_spec(msg.sampling), self.model.config.eos_token_ids,
@@ -143,60 +154,63 @@ class Engine:
             msg.reply_to, shards=tuple(msg.shards), num_prompt_tokens=msg.num_prompt_tokens
         )
         self.telemetry.on_handoff(msg.req_id, msg.traceparent)
+        if not msg.shards:
+            self.kv_ingress.claim(msg.req_id)  # this engine frees its KV from now on
         self.admission.add(msg)
         self._admit_handoffs()
-        return []
+        return Outbox()
 
-    def on_kv(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Local KV for a request this engine will decode (no shard group)."""
-        if pages.req_id in self.aborted:
-            return  # an abort raced the transfer: keep nothing
-        self.kv_events.append(
-            KvEvent("received", pages.req_id, pages.layer_start, time.monotonic())
-        )
-        if not self.blocks.has(pages.req_id):
-            self.blocks.allocate(pages.req_id, pages.num_tokens)
-        table = torch.tensor(self.blocks.block_table(pages.req_id), dtype=torch.long)
-        positions = torch.arange(pages.num_tokens)
-        bs = self.blocks.block_size
-        slots = table[positions // bs] * bs + positions % bs
-        for i in range(pages.num_layers):
-            self.runner.kv_cache.write(pages.layer_start + i, k[i], v[i], slots)
-        self.admission.kv_landed(pages.req_id, pages.num_layers)
-        self._admit_handoffs()
+    def on_kv(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> Outbox:
+        """Local KV for a request this engine will decode (no shard group). KV that does not fit
+        is refused: its request ends alone, retryable, and the engine goes on."""
+        landed = self.kv_ingress.receive(pages, k, v)
+        if landed is Landed.COMPLETE:
+            self._admit_handoffs()
+        if landed is Landed.REFUSED and self.admission.waiting_for(pages.req_id) is not None:
+            out = self._end(pages.req_id, f"engine {self.engine_id}: no room for the "
+                            "request's KV", retryable=True)  # fmt: skip
+            self._admit_handoffs()  # it may have been the head of the queue
+            return out
+        return Outbox()
 
-    def on_abort(self, req_id: str) -> Outgoing:
+    def expire_kv_leases(self) -> None:
+        """Free local KV whose hand-off never came (`KvIngress.expire_leases`)."""
+        if expired := self.kv_ingress.expire_leases():
+            log.warning("unclaimed KV freed after its lease", engine=self.engine_id,
+                        req_ids=expired[:8], num_freed=len(expired))  # fmt: skip
+
+    def on_abort(self, req_id: str) -> Outbox:
         """Forget a request wherever it is. The token engine decoding it frees its shards: only
         it knows when no decode step of the request can reach a shard any more."""
-        self.aborted[req_id] = None
         self.telemetry.aborted(req_id)
-        while len(self.aborted) > _TOMBSTONES:
-            self.aborted.popitem(last=False)
         route = self.routing.get(req_id)
-        frees: Outgoing = []
+        frees = Outbox()
         if self.admission.is_decoding_here(req_id) and route is not None:
-            frees = [(s.kv_endpoint, FreeRequest(req_id)) for s in route.shards]
+            frees = Outbox.free(req_id, kv_endpoints(route.shards))
         self.ship_queue.remove(req_id)
         self.local.remove(req_id)
         self.admission.remove(req_id)
-        self.blocks.free(req_id)
+        self.kv_ingress.free(req_id)  # its blocks, and a tombstone for anything still in flight
         self.requests.pop(req_id, None)
         self.routing.pop(req_id, None)
         return frees
 
-    def fail_all(self, error: str) -> Outgoing:
+    def fail_all(self, error: str) -> Outbox:
         """A step failed (a shard died, say): end every request here with the error, free all."""
-        return [m for req_id in list(self.routing) for m in self._end(req_id, error)]
+        out = Outbox()
+        for req_id in list(self.routing):
+            out += self._end(req_id, error)
+        return out
 
-    def _end(self, req_id: str, error: str, retryable: bool = False) -> Outgoing:
+    def _end(self, req_id: str, error: str, retryable: bool = False) -> Outbox:
         """End one request with an error to its client, and forget it here (frees included)."""
         route = self.routing[req_id]
         self.telemetry.aborted(req_id, RuntimeError(error))
         message = TokenOutput(req_id, [], "error", route.num_prompt_tokens, error=error,
                               retryable=retryable)  # fmt: skip
-        return [(route.reply_to, message), *self.on_abort(req_id)]
+        return Outbox.output(route.reply_to, message) + self.on_abort(req_id)
 
-    def relink(self, links: Seq[ShardLink], shards: Seq[ShardAddress], reason: str) -> Outgoing:
+    def relink(self, links: Seq[ShardLink], shards: Seq[ShardAddress], reason: str) -> Outbox:
         """Decode against `shards` from now on (empty: local attention only).
 
         Every request tied to the old group (decoding against it, or waiting to) ends with a
@@ -208,7 +222,9 @@ class Engine:
         tied = [s.req_id for s in self.admission.sharded]
         tied += [h.req_id for h in self.admission.waiting if h.shards]
         error = f"engine {self.engine_id}: {reason}"
-        out = [m for req_id in tied for m in self._end(req_id, error, retryable=True)]
+        out = Outbox()
+        for req_id in tied:
+            out += self._end(req_id, error, retryable=True)
         self.shards = tuple(shards)
         self.runner.shard_links = list(links)
         self.runner.head_ranges = [(s.head_start, s.head_end) for s in shards]
@@ -224,7 +240,7 @@ class Engine:
         )
 
     @torch.inference_mode()
-    def step(self) -> Outgoing:
+    def step(self) -> Outbox:
         """One prefill batch (prompts first, as Splitwise's mixed machines do) or decode step."""
         batch = self.ship_queue.schedule()
         if batch is not None:
@@ -234,10 +250,10 @@ class Engine:
             return self._run_local(batch)
         local = batch.seqs if batch else []
         if not local and not self.admission.sharded:
-            return []
+            return Outbox()
         return self._decode(batch, local)
 
-    def _prefill_and_ship(self, batch: Batch) -> Outgoing:
+    def _prefill_and_ship(self, batch: Batch) -> Outbox:
         routes = []
         for seq in batch.seqs:
             r = self.routing[seq.req_id]
@@ -245,12 +261,10 @@ class Engine:
             layer_wise = seq.num_tokens >= self.role.layer_wise_min_tokens
             routes.append(KvRoute(seq.req_id, dests, layer_wise))
         shipper = KvShipper(routes, len(self.runner.model.layers), self.kv_send)
-        self.runner.kv_shipper = shipper
         start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
-        try:
-            sampled = self._forward(batch, self.runner.prepare(batch, self._token_ids(batch)))
-        finally:
-            self.runner.kv_shipper = None
+        sampled = self._forward(
+            batch, self.runner.plan_prefill(batch, self._token_ids(batch), shipper)
+        )
         end_ns = time.time_ns()
         shipper.finish()
         self.telemetry.prefill_done(batch.seqs, start_ns, end_ns)
@@ -260,7 +274,7 @@ class Engine:
             self.kv_events.append(
                 KvEvent("prefilled", seq.req_id, last, shipper.last_layer_done_at)
             )
-        out: Outgoing = []
+        out = Outbox()
         for seq, token in zip(batch.seqs, sampled, strict=True):
             route = self.routing[seq.req_id]
             out += self._emit(seq.req_id, token)
@@ -268,46 +282,48 @@ class Engine:
                 out += self._hand_off(seq.req_id)
             else:  # finished at its first token: free the KV it just shipped
                 endpoints = [s.kv_endpoint for s in route.shards] or [route.token_kv_endpoint]
-                out += [(e, FreeRequest(seq.req_id)) for e in endpoints]
+                out += Outbox.free(seq.req_id, endpoints)
             self.ship_queue.remove(seq.req_id)
         return out
 
-    def _run_local(self, batch: Batch) -> Outgoing:
+    def _run_local(self, batch: Batch) -> Outbox:
         start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
-        sampled = self._forward(batch, self.runner.prepare(batch, self._token_ids(batch)))
+        sampled = self._forward(batch, self.runner.plan_prefill(batch, self._token_ids(batch)))
         self.telemetry.prefill_done(batch.seqs, start_ns, time.time_ns())
         out = self._finish_step(batch, sampled)
         for seq in batch.seqs:  # new prompts decode here next (mixed role)
             self.telemetry.decode_started(seq.req_id)
         return out
 
-    def _decode(self, batch: Batch | None, local: list[Sequence]) -> Outgoing:
+    def _decode(self, batch: Batch | None, local: list[Sequence]) -> Outbox:
         sharded = list(self.admission.sharded)
         token_ids = {s.req_id: self.requests[s.req_id].all_token_ids for s in local + sharded}
         self.admission.grow_sharded()
-        inputs = self.runner.prepare_decode(local, sharded, token_ids, next(self.steps))
+        round_trips: list[tuple[int, float]] | None = (
+            [] if self.telemetry.samples_round_trips() else None
+        )
+        plan = self.runner.plan_decode(local, sharded, token_ids, next(self.steps), round_trips)
         everyone = Batch(Phase.DECODE, local + sharded)
         self.telemetry.decode_step(len(everyone.seqs))
-        self.runner.round_trips = [] if self.telemetry.samples_round_trips() else None
-        sampled = self._forward(everyone, inputs)
-        self.telemetry.record_round_trips(self.runner.round_trips or ())
+        sampled = self._forward(everyone, plan)
+        self.telemetry.record_round_trips(plan.round_trips or ())
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
         for seq, token in zip(sharded, sampled[len(local) :], strict=True):
             seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1
             out += self._emit(seq.req_id, token)
         return out
 
-    def _forward(self, batch: Batch, inputs: object) -> list[int | Exception]:
+    def _forward(self, batch: Batch, plan: StepPlan) -> list[int | Exception]:
         """The batch's next tokens; a row whose sampling failed carries the exception instead."""
-        logits = self.runner.run(inputs)  # type: ignore[arg-type]
+        logits = self.runner.run(plan)
         reqs = [self.requests[s.req_id] for s in batch.seqs]
         sampled, failures = self.sampler.sample(
             logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs]
         )
         return [failures.get(row, token) for row, token in enumerate(sampled)]
 
-    def _finish_step(self, batch: Batch, sampled: list[int | Exception]) -> Outgoing:
-        out: Outgoing = []
+    def _finish_step(self, batch: Batch, sampled: list[int | Exception]) -> Outbox:
+        out = Outbox()
         for seq, token in zip(batch.seqs, sampled, strict=True):
             out += self._emit(seq.req_id, token)
         finished = {s.req_id for s in batch.seqs if s.req_id not in self.requests}
@@ -316,7 +332,7 @@ class Engine:
 
     # -- per-request bookkeeping ------------------------------------------------------------------
 
-    def _emit(self, req_id: str, token: int | Exception) -> Outgoing:
+    def _emit(self, req_id: str, token: int | Exception) -> Outbox:
         """Record a token, stream it, and release everything if the request is done. A request
         whose token failed (sampling, finish rules) ends alone, with its error."""
         req, route = self.requests[req_id], self.routing[req_id]
@@ -329,30 +345,21 @@ class Engine:
             return self._end(req_id, f"request failed: {exc!r}")
         reason = result.finish_reason.value if result.finish_reason else ""
         self.telemetry.token(req_id)
-        out: Outgoing = [
-            (
-                route.reply_to,
-                TokenOutput(
-                    req_id,
-                    [token],
-                    reason,
-                    route.num_prompt_tokens,
-                    index=len(req.output_token_ids) - 1,
-                ),  # fmt: skip
-            )
-        ]
+        index = len(req.output_token_ids) - 1
+        output = TokenOutput(req_id, [token], reason, route.num_prompt_tokens, index=index)
+        out = Outbox.output(route.reply_to, output)
         if reason:
             self.telemetry.finished(req_id, reason)
             out += self._release(req_id)
         return out
 
-    def _release(self, req_id: str) -> Outgoing:
+    def _release(self, req_id: str) -> Outbox:
         route = self.routing.pop(req_id)
         self.requests.pop(req_id)
         self.admission.remove(req_id)
-        return [(shard.kv_endpoint, FreeRequest(req_id)) for shard in route.shards]
+        return Outbox.free(req_id, kv_endpoints(route.shards))
 
-    def _hand_off(self, req_id: str) -> Outgoing:
+    def _hand_off(self, req_id: str) -> Outbox:
         req, route = self.requests.pop(req_id), self.routing.pop(req_id)
         handoff = DecodeHandoff(
             req_id=req_id,
@@ -364,10 +371,11 @@ class Engine:
             shards=list(route.shards),
             traceparent=self.telemetry.handed_off(req_id),
         )
-        return [(route.token_engine, handoff)]
+        return Outbox(handoffs=[(route.token_engine, handoff)])
 
     def _admit_handoffs(self) -> None:
-        for req_id in self.admission.admit(self.local):
+        for req_id in self.admission.admit(self.local, self.kv_ingress.is_complete):
+            self.kv_ingress.forget(req_id)  # its blocks are the local scheduler's now
             self.telemetry.decode_started(req_id)
 
     def _token_ids(self, batch: Batch) -> dict[str, list[int]]:
@@ -383,7 +391,7 @@ class Engine:
         used = self.blocks.num_used_blocks + self.admission.shard_blocks.num_used_blocks
         return EngineStats(
             self.engine_id, self.role.name, used, self.blocks.num_blocks, len(self.requests),
-            list(self.kv_events),
+            [*self.kv_ingress.events, *self.kv_events],
         )  # fmt: skip
 
     def load_report(self, now: float) -> LoadReport:

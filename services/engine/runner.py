@@ -8,6 +8,9 @@ layers, Splitwise §IV-C) or keeps them until the batch ends for short ones (ser
 Decode (token role): a batch is `[local rows | sharded rows]`. Per layer the sharded rows' q/k/v go
 to every shard of the group first (one message per shard, that shard's heads, the whole batch);
 local attention runs while the shards work; then the shards' outputs are collected (Lamina).
+
+Everything a step needs beyond its tensors travels in its `StepPlan` (the engine plans, the runner
+runs, the engine updates): the runner keeps no per-step state.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
 from common.protocol import AttendBatch, KvPages, ShardAddress
-from common.scheduling.batching import Phase, Sequence
+from common.scheduling.batching import Batch, Phase, Sequence
 from common.transport.tensor_frames import ReceiveInto
 
 
@@ -112,7 +115,22 @@ class ShardedRows:
     context_lens: list[int]
 
 
-class MeshModelRunner(ModelRunner):
+@dataclass
+class StepPlan(StepInputs):
+    """One step's inputs and where its attention goes.
+
+    Prefill: `kv_shipper` (if any) sends each layer's k/v on. Decode: rows `[0, num_local)` attend
+    over this engine's cache, `sharded` (if any) on the shard group; `round_trips`, when a list,
+    collects (shard index, seconds from send to reply) per shard and layer, for telemetry.
+    """
+
+    num_local: int = 0
+    sharded: ShardedRows | None = None
+    kv_shipper: KvShipper | None = None
+    round_trips: list[tuple[int, float]] | None = None
+
+
+class MeshModelRunner(ModelRunner[StepPlan]):
     """`ModelRunner` whose attention stage ships KV (prefill) or visits shards (decode)."""
 
     def __init__(
@@ -125,30 +143,29 @@ class MeshModelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.shard_links = list(shard_links)
         self.head_ranges = list(head_ranges)
-        self.kv_shipper: KvShipper | None = None
-        self.sharded: ShardedRows | None = None
-        self.num_local = 0
-        # A list while the engine samples this step's shard round trips: (shard index, seconds
-        # from its send to its reply), one per shard and layer.
-        self.round_trips: list[tuple[int, float]] | None = None
 
-    def prepare_decode(
+    def plan_prefill(
+        self, batch: Batch, token_ids: dict[str, list[int]], kv_shipper: KvShipper | None = None
+    ) -> StepPlan:
+        """A prefill step; its KV also goes to `kv_shipper` when the request decodes elsewhere."""
+        return StepPlan(**self.prepare(batch, token_ids).fields(), kv_shipper=kv_shipper)
+
+    def plan_decode(
         self,
         local: list[Sequence],
         sharded: list[Sequence],
         token_ids: dict[str, list[int]],
         step: int,
-    ) -> StepInputs:
-        """Inputs for `[local rows | sharded rows]`; only local rows get slots and block tables."""
+        round_trips: list[tuple[int, float]] | None = None,
+    ) -> StepPlan:
+        """A decode step over `[local rows | sharded rows]`; only local rows get slots and block
+        tables."""
         seqs = local + sharded
         req_ids = [s.req_id for s in seqs]
         positions = [s.num_tokens - 1 for s in seqs]
         slots = [self.blocks.slot(s.req_id, s.num_tokens - 1) for s in local]
-        self.num_local = len(local)
-        self.sharded = ShardedRows(step, req_ids[len(local) :], [s.num_tokens for s in sharded])
-        if not sharded:
-            self.sharded = None
-        return StepInputs(
+        rows = ShardedRows(step, req_ids[len(local) :], [s.num_tokens for s in sharded])
+        return StepPlan(
             phase=Phase.DECODE,
             req_ids=req_ids,
             input_ids=torch.tensor(
@@ -160,34 +177,39 @@ class MeshModelRunner(ModelRunner):
             block_tables=pad_block_tables([self.blocks.block_table(s.req_id) for s in local]),
             context_lens=torch.tensor([s.num_tokens for s in local], dtype=torch.int32),
             last_token_index=torch.arange(len(seqs)),
+            num_local=len(local),
+            sharded=rows if sharded else None,
+            round_trips=round_trips,
         )
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepPlan
     ) -> torch.Tensor:
         if inputs.phase is Phase.PREFILL:
             out = super().attend(layer, q, k, v, inputs)
-            if self.kv_shipper is not None:
-                self.kv_shipper.on_layer(layer, k, v, inputs)
+            if inputs.kv_shipper is not None:
+                inputs.kv_shipper.on_layer(layer, k, v, inputs)
             return out
-        if self.sharded is None:
+        if inputs.sharded is None:
             return super().attend(layer, q, k, v, inputs)
-        return self._attend_split(layer, q, k, v, inputs)
+        return self._attend_split(layer, q, k, v, inputs, inputs.sharded)
 
     def _attend_split(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        inputs: StepPlan,
+        sharded: ShardedRows,
     ) -> torch.Tensor:
-        assert self.sharded is not None
-        n = self.num_local
+        n = inputs.num_local
         group = q.shape[1] // k.shape[1]
         in_flight = []
         for i, (link, (h0, h1)) in enumerate(zip(self.shard_links, self.head_ranges, strict=True)):
-            header = AttendBatch(self.sharded.step, layer)
+            header = AttendBatch(sharded.step, layer)
             if layer == 0:
-                header.req_ids, header.context_lens = (
-                    self.sharded.req_ids,
-                    self.sharded.context_lens,
-                )
+                header.req_ids, header.context_lens = sharded.req_ids, sharded.context_lens
             # Strided slices: the channel copies each straight into the message, once.
             heads = slice(h0 * group, h1 * group)
             tensors = [q[n:, heads], k[n:, h0:h1], v[n:, h0:h1]]
@@ -201,16 +223,16 @@ class MeshModelRunner(ModelRunner):
             link.wait(handle)
             # Each shard's heads land in place in `out`, without a staging tensor.
             result, _ = link.recv(out=[out[n:, heads], lse[n:, heads]])
-            if self.round_trips is not None:
-                self.round_trips.append((i, time.perf_counter() - sent_at))
+            if inputs.round_trips is not None:
+                inputs.round_trips.append((i, time.perf_counter() - sent_at))
             if result.error:
                 raise RuntimeError(f"attention shard failed: {result.error}")
         return out
 
     def _attend_local(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepPlan
     ) -> torch.Tensor:
-        n = self.num_local
+        n = inputs.num_local
         self.kv_cache.write(layer, k, v, inputs.slot_mapping[:n])
         out, _ = self.backend.decode(
             q,

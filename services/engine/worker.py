@@ -1,7 +1,8 @@
 """An `Engine` on its sockets: `EngineWorker` binds ZeroMQ, links to its shards over UCX, and loops.
 
 The loop blocks in `zmq.Poller.poll` while idle and never sleep-polls; between steps it drains
-commands, KV pages and stats requests, and publishes a load report every 50 ms. It runs as an OS
+commands, KV pages and stats requests, and every 50 ms publishes a load report and frees KV whose
+hand-off never came (its lease ran out). It runs as an OS
 process (`services.launch.worker_process`) or on a Ray Serve replica's thread (`services.mesh`).
 """
 
@@ -34,6 +35,7 @@ from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.engine.engine import Engine, EngineRole
+from services.engine.outbox import Outbox
 from services.engine.telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
@@ -91,7 +93,7 @@ class EngineWorker:
             self._drain()
             if self.engine.has_work():
                 self._step()
-            self._report_load()
+            self._tick()
         self.ctx.destroy(linger=0)
 
     def _step(self) -> None:
@@ -128,7 +130,7 @@ class EngineWorker:
         while (kv := self.kv_in.recv_tensors_nowait()) is not None:
             header, tensors = kv
             if isinstance(header, KvPages) and len(tensors) == 2:
-                self.engine.on_kv(header, *tensors)
+                self._send(self.engine.on_kv(header, *tensors))
             elif isinstance(header, FreeRequest):
                 self._send(self.engine.on_abort(header.req_id))
         while (req := self.control.recv_nowait()) is not None:
@@ -146,17 +148,19 @@ class EngineWorker:
         elif isinstance(msg, Shutdown):
             self.running = False
 
-    def _send(self, outgoing: list[tuple[str, object]]) -> None:
-        for endpoint, msg in outgoing:
-            if isinstance(msg, FreeRequest):  # KV ingress carries tensor messages only
-                self.kv_push.get(endpoint).send_tensors(msg, [])
-            else:
-                self.push.get(endpoint).send(msg)
+    def _send(self, outbox: Outbox) -> None:
+        for endpoint, output in outbox.outputs:
+            self.push.get(endpoint).send(output)
+        for endpoint, handoff in outbox.handoffs:
+            self.push.get(endpoint).send(handoff)
+        for endpoint, free in outbox.frees:  # KV-ingress sockets take tensor messages only
+            self.kv_push.get(endpoint).send_tensors(free, [])
 
-    def _report_load(self) -> None:
+    def _tick(self) -> None:
         now = time.monotonic()
         if now - self._last_report >= LOAD_REPORT_INTERVAL_S:
             self._last_report = now
+            self.engine.expire_kv_leases()
             report = self.engine.load_report(time.time())
             self.load_pub.send(report)
             self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)

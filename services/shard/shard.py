@@ -2,16 +2,15 @@
 
 `AttentionShard` is the plain in-process class: KV pages arrive from prompt engines (layer by
 layer or all at once), per-layer decode batches arrive from its token engine, finished or aborted
-requests are freed. `serve_shard` runs it as a process: a thread drains the KV-ingress socket
+requests are freed (`common/kv_ingress.py` lands the KV). `ShardWorker` (worker.py) runs it as a
+process: a thread drains the KV-ingress socket
 while the main thread answers the token engine's per-layer round trips, so KV for new requests
 lands while decode runs.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,19 +21,12 @@ from common.attention import AttentionBackend
 from common.block_manager import BlockManager, NoFreeBlocksError
 from common.engine.runner import pad_block_tables
 from common.kv_cache import KVCache
-from common.protocol import AttendBatch, EngineStats, KvEvent, KvPages
+from common.kv_ingress import KV_LEASE_S, KvIngress, Landed
+from common.protocol import AttendBatch, EngineStats, KvPages
 
 log = structlog.get_logger(__name__)
 
-# How many finished/aborted request ids to remember, so that KV pages arriving after a request
-# was freed (an abort racing a transfer) are dropped instead of leaking blocks.
-_TOMBSTONES = 4096
-
-
-# KV that lands here but that no decode step names within this bound is freed (a lease): long
-# enough for a hand-off queued behind a full shard group, short enough that a lost one's KV comes
-# back. See docs/failures.md.
-KV_LEASE_S = 120.0
+KV_WAIT_S = 30.0  # how long a decode step waits for KV still in flight before failing
 
 
 @dataclass(frozen=True)
@@ -77,9 +69,6 @@ class AttentionShard:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.shard_id = shard_id
-        self.lease_s = lease_s
-        self.clock = clock
-        self._leased: dict[str, float] = {}  # KV no decode step has claimed yet: when it came
         self.spec = spec
         self.backend = backend
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
@@ -91,74 +80,40 @@ class AttentionShard:
             spec.head_dim,
             spec.dtype,
         )
-        self._lock = threading.Condition()
-        self._layers_received: dict[str, int] = {}  # req_id -> layers of KV landed so far
-        self._complete: set[str] = set()
-        self._tombstones: OrderedDict[str, None] = OrderedDict()
+        # A request's KV is claimed (off its lease) when a decode step first names it: its token
+        # engine frees it from then on.
+        self.ingress = KvIngress(self.blocks, self.kv, lease_s, clock)
         self._step: _StepTables | None = None
-        self._decoded: set[str] = set()  # requests some decode step has named since their KV came
-        self.kv_events: deque[KvEvent] = deque(maxlen=256)
 
     # -- KV ingress ----------------------------------------------------------------------------
 
-    def receive_kv(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
+    def receive_kv(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> Landed:
         """Store `pages` (k/v [num_layers, num_tokens, heads, head_dim]) for its request."""
         if (pages.head_start, pages.head_end) != (self.spec.head_start, self.spec.head_end):
             raise ValueError(
                 f"KV for heads [{pages.head_start}, {pages.head_end}) sent to a shard holding "
                 f"[{self.spec.head_start}, {self.spec.head_end})"
             )
-        with self._lock:
-            if pages.req_id in self._tombstones:
-                return
-            self.kv_events.append(
-                KvEvent("received", pages.req_id, pages.layer_start, time.monotonic())
-            )
-            if not self.blocks.has(pages.req_id):
-                self.blocks.allocate(pages.req_id, pages.num_tokens)
-                if pages.req_id not in self._decoded:
-                    self._leased[pages.req_id] = self.clock()
-            slots = self._slots(pages.req_id, 0, pages.num_tokens)
-        for i in range(pages.num_layers):
-            self.kv.write(pages.layer_start + i, k[i], v[i], slots)
-        with self._lock:
-            done = self._layers_received.get(pages.req_id, 0) + pages.num_layers
-            self._layers_received[pages.req_id] = done
-            if done >= pages.total_layers:
-                self._complete.add(pages.req_id)
-                self._lock.notify_all()
+        landed = self.ingress.receive(pages, k, v)
+        if landed is Landed.REFUSED:
+            log.warning("KV refused: no free blocks", shard=self.shard_id, req_id=pages.req_id)
+        return landed
 
     def free(self, req_id: str) -> None:
-        with self._lock:
-            self._leased.pop(req_id, None)
-            self._decoded.discard(req_id)
-            self.blocks.free(req_id)
-            self._layers_received.pop(req_id, None)
-            self._complete.discard(req_id)
-            self._tombstones[req_id] = None
-            while len(self._tombstones) > _TOMBSTONES:
-                self._tombstones.popitem(last=False)
+        self.ingress.free(req_id)
 
     def free_decoded(self) -> int:
         """Free every request that decode steps have named and nobody has freed yet (its token
         engine is gone, so no FreeRequest will come); returns how many were freed."""
-        with self._lock:
-            decoded = list(self._decoded)
+        decoded = self.ingress.claimed()
         for req_id in decoded:
             self.free(req_id)
         self._step = None
         return len(decoded)
 
     def expire_leases(self) -> list[str]:
-        """Free KV that no decode step has claimed within `lease_s` of its arrival: its hand-off
-        never came (its prompt engine died, or its token engine refused or lost it), so no
-        FreeRequest will either. Returns the freed request ids."""
-        with self._lock:
-            deadline = self.clock() - self.lease_s
-            expired = [r for r, since in self._leased.items() if since < deadline]
-        for req_id in expired:
-            self.free(req_id)
-        return expired
+        """Free KV whose hand-off never came (`KvIngress.expire_leases`); returns the ids."""
+        return self.ingress.expire_leases()
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -183,12 +138,13 @@ class AttentionShard:
         """Block tables and slots for a step, built once on layer 0 and reused by every layer."""
         if not batch.req_ids:
             raise ValueError(f"step {batch.step} starts at layer {batch.layer} without req_ids")
-        with self._lock:
+        with self.ingress.lock:
             for req_id in batch.req_ids:
-                self._wait_for_kv(req_id)
-            self._decoded.update(batch.req_ids)
-            for req_id in batch.req_ids:  # claimed: the token engine frees it from now on
-                self._leased.pop(req_id, None)
+                if not self.ingress.wait_complete(req_id, KV_WAIT_S):
+                    raise TimeoutError(
+                        f"shard {self.shard_id}: KV of {req_id} did not arrive in {KV_WAIT_S} s"
+                    )
+                self.ingress.claim(req_id)
             for req_id, ctx in zip(batch.req_ids, batch.context_lens, strict=True):
                 self.blocks.grow(req_id, ctx)
             tables = [self.blocks.block_table(r) for r in batch.req_ids]
@@ -201,29 +157,17 @@ class AttentionShard:
             torch.tensor(slots, dtype=torch.long),
         )
 
-    def _wait_for_kv(self, req_id: str) -> None:
-        # KV and the decode batch travel on different sockets; the batch may win the race.
-        if not self._lock.wait_for(lambda: req_id in self._complete, timeout=30.0):
-            raise TimeoutError(f"shard {self.shard_id}: KV of {req_id} did not arrive in 30 s")
-
-    def _slots(self, req_id: str, start: int, end: int) -> torch.Tensor:
-        table = torch.tensor(self.blocks.block_table(req_id), dtype=torch.long)
-        positions = torch.arange(start, end)
-        return table[positions // self.spec.block_size] * self.spec.block_size + (
-            positions % self.spec.block_size
-        )
-
     # -- reporting ------------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        with self._lock:
+        with self.ingress.lock:
             return EngineStats(
                 self.shard_id,
                 "shard",
                 self.blocks.num_used_blocks,
                 self.blocks.num_blocks,
                 len(self.blocks.req_ids()),
-                list(self.kv_events),
+                list(self.ingress.events),
             )
 
 

@@ -19,6 +19,10 @@ def handoff(req_id: str, tokens: int, max_tokens: int, sharded: bool) -> DecodeH
     )  # fmt: skip
 
 
+def nothing_landed(req_id: str) -> bool:
+    return False
+
+
 def local_scheduler(num_blocks: int = 64) -> BatchScheduler:
     return BatchScheduler(BlockManager(num_blocks, BLOCK), SchedulerConfig(), prefill=False)
 
@@ -28,13 +32,13 @@ def test_sharded_requests_reserve_their_whole_length_and_wait_in_order():
     admission.add(handoff("a", tokens=20, max_tokens=20, sharded=True))  # 40 -> 3 blocks
     admission.add(handoff("b", tokens=10, max_tokens=10, sharded=True))  # 20 -> 2 blocks
     admission.add(handoff("c", tokens=1, max_tokens=1, sharded=True))  # fits, but comes after b
-    assert admission.admit(local_scheduler()) == ["a"]
+    assert admission.admit(local_scheduler(), nothing_landed) == ["a"]
     assert [h.req_id for h in admission.waiting] == ["b", "c"]
     assert admission.shard_blocks.num_used_blocks == 3
     seq = admission.sharded[0]
     assert (seq.num_tokens, seq.num_computed) == (20, 19)  # its last token is decoded next
     admission.remove("a")  # finished
-    assert admission.admit(local_scheduler()) == ["b", "c"]
+    assert admission.admit(local_scheduler(), nothing_landed) == ["b", "c"]
     assert admission.shard_blocks.num_used_blocks == 3
 
 
@@ -43,33 +47,32 @@ def test_local_requests_wait_for_every_layer_of_their_kv():
     local = local_scheduler()
     local.blocks.allocate("a", 30)  # the engine writes landed KV into its own blocks
     admission.add(handoff("a", tokens=30, max_tokens=8, sharded=False))
-    admission.kv_landed("a", 3)
-    assert admission.admit(local) == [] and not local.running
-    admission.kv_landed("a", 1)
-    assert admission.admit(local) == ["a"]
+    landed: set[str] = set()
+    assert admission.admit(local, landed.__contains__) == [] and not local.running
+    landed.add("a")  # its last layer landed
+    assert admission.admit(local, landed.__contains__) == ["a"]
     assert [s.req_id for s in local.running] == ["a"] and not admission.sharded
 
 
 def test_remove_forgets_a_request_wherever_it_is():
     admission = DecodeAdmission(shard_num_blocks=8, block_size=BLOCK)
     admission.add(handoff("s", tokens=16, max_tokens=16, sharded=True))
-    admission.admit(local_scheduler())
+    admission.admit(local_scheduler(), nothing_landed)
     admission.add(handoff("w", tokens=4, max_tokens=4, sharded=False))
-    admission.kv_landed("w", 2)
+    assert admission.waiting_for("w") is not None and admission.waiting_for("s") is None
     assert admission.is_decoding_here("s") and admission.is_decoding_here("w")
     assert not admission.is_decoding_here("x")
     admission.remove("s")
     admission.remove("w")
     assert not admission.sharded and not admission.waiting
     assert admission.shard_blocks.num_used_blocks == 0
-    admission.add(handoff("w", tokens=4, max_tokens=4, sharded=False))  # KV counted from zero
-    assert admission.admit(local_scheduler()) == []
+    assert admission.waiting_for("w") is None
 
 
 def test_growing_stays_within_the_reservation():
     admission = DecodeAdmission(shard_num_blocks=2, block_size=BLOCK)
     admission.add(handoff("a", tokens=16, max_tokens=16, sharded=True))
-    admission.admit(local_scheduler())
+    admission.admit(local_scheduler(), nothing_landed)
     for _ in range(15):
         admission.sharded[0].num_tokens += 1
         admission.grow_sharded()

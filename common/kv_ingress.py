@@ -1,0 +1,159 @@
+"""Where KV computed elsewhere lands: one object for a token engine's own cache and a shard's heads.
+
+A prompt engine ships each request's KV as `KvPages` (all layers in one message, or layer by layer,
+Splitwise §IV-C). `KvIngress` allocates the request's blocks on its first page, writes each page's
+layers through the request's slots, counts the layers landed and says when all have. Around that it
+keeps the three rules that make KV arriving from another process safe to hold:
+
+- **tombstones**: a request freed here (finished or aborted) is remembered, so a page arriving after
+  it ended (an abort racing a transfer) is dropped instead of allocating blocks nobody frees;
+- **leases**: KV that nobody claims within `lease_s` of its arrival is freed by `expire_leases`.
+  Its hand-off never came (its prompt engine died, or its token engine refused or lost it), so no
+  free would either. Whoever will free the request claims it (`claim`): a token engine when the
+  hand-off arrives, a shard when a decode step first names it;
+- **refusals**: a request whose KV does not fit is refused, not a crash: its blocks stay free, its
+  later pages are dropped and `receive` says `REFUSED`, so its hand-off can fail alone.
+
+Thread-safe for one ingress thread (`receive`, `free`, `expire_leases`) and one decode thread
+(`claim`, `wait_complete`); `lock` also guards `blocks` for the decode thread's own growth.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+import torch
+
+from common.block_manager import BlockManager, NoFreeBlocksError
+from common.kv_cache import KVCache
+from common.protocol import KvEvent, KvPages
+
+# KV that lands but that nobody claims within this bound is freed: long enough for a hand-off
+# queued behind a full shard group, short enough that a lost one's KV comes back (docs/failures.md).
+KV_LEASE_S = 120.0
+# How many ended request ids to remember (tombstones): far more than can be in flight at once.
+TOMBSTONES = 4096
+
+
+class Landed(enum.Enum):
+    """What one `receive` did with its pages."""
+
+    DROPPED = "dropped"  # the request had ended here, or was refused before: nothing kept
+    PARTIAL = "partial"  # stored; more layers are to come
+    COMPLETE = "complete"  # stored; every layer of the request's KV is here now
+    REFUSED = "refused"  # no room for the request's KV: nothing kept, later pages dropped
+
+
+class KvIngress:
+    """Lands shipped KV in a `KVCache` through a `BlockManager`; see the module docstring."""
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        cache: KVCache,
+        lease_s: float = KV_LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.blocks, self.cache = blocks, cache
+        self.lease_s, self.clock = lease_s, clock
+        self.lock = threading.Condition()
+        self.events: deque[KvEvent] = deque(maxlen=256)
+        self._layers: dict[str, int] = {}  # req_id -> layers landed so far
+        self._total: dict[str, int] = {}  # req_id -> layers it will have
+        self._unclaimed: dict[str, float] = {}  # req_id -> when its first page came
+        self._claimed: set[str] = set()
+        self._ended: OrderedDict[str, Landed] = OrderedDict()  # DROPPED (freed) or REFUSED
+
+    def receive(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> Landed:
+        """Store `pages` (k/v [num_layers, num_tokens, heads, head_dim]) for its request."""
+        with self.lock:
+            if (ended := self._ended.get(pages.req_id)) is not None:
+                return ended
+            self.events.append(KvEvent("received", pages.req_id, pages.layer_start, self.clock()))
+            if not self.blocks.has(pages.req_id):
+                try:
+                    self.blocks.allocate(pages.req_id, pages.num_tokens)
+                except NoFreeBlocksError:
+                    self._end(pages.req_id, Landed.REFUSED)
+                    return Landed.REFUSED
+                if pages.req_id not in self._claimed:
+                    self._unclaimed[pages.req_id] = self.clock()
+            slots = torch.tensor(self.blocks.slots(pages.req_id, 0, pages.num_tokens))
+        # Written outside the lock: the decode thread never reads a request before it is complete.
+        for i in range(pages.num_layers):
+            self.cache.write(pages.layer_start + i, k[i], v[i], slots)
+        with self.lock:
+            if pages.req_id in self._ended:
+                return Landed.DROPPED  # freed while its layers were being written
+            done = self._layers.get(pages.req_id, 0) + pages.num_layers
+            self._layers[pages.req_id] = done
+            self._total[pages.req_id] = pages.total_layers
+            if done < pages.total_layers:
+                return Landed.PARTIAL
+            self.lock.notify_all()
+            return Landed.COMPLETE
+
+    def is_complete(self, req_id: str) -> bool:
+        with self.lock:
+            return req_id in self._total and self._layers[req_id] >= self._total[req_id]
+
+    def wait_complete(self, req_id: str, timeout: float) -> bool:
+        """Whether all of `req_id`'s KV landed within `timeout` (KV and the decode step that needs
+        it travel on different sockets; the step may win the race)."""
+        with self.lock:
+            return self.lock.wait_for(lambda: self.is_complete(req_id), timeout=timeout)
+
+    def claim(self, req_id: str) -> None:
+        """Whoever will free `req_id` knows of it now: its KV is no longer on a lease."""
+        with self.lock:
+            self._claimed.add(req_id)
+            self._unclaimed.pop(req_id, None)
+
+    def claimed(self) -> list[str]:
+        with self.lock:
+            return list(self._claimed)
+
+    def was_refused(self, req_id: str) -> bool:
+        with self.lock:
+            return self._ended.get(req_id) is Landed.REFUSED
+
+    def has_ended(self, req_id: str) -> bool:
+        """Freed or refused here: anything still arriving for it is to be dropped."""
+        with self.lock:
+            return req_id in self._ended
+
+    def free(self, req_id: str) -> None:
+        """The request ended: its blocks go back and later pages for it are dropped."""
+        with self.lock:
+            self.blocks.free(req_id)
+            self._end(req_id, Landed.DROPPED)
+
+    def forget(self, req_id: str) -> None:
+        """Stop tracking `req_id`'s landing; its blocks now belong to whoever decodes it."""
+        with self.lock:
+            for table in (self._layers, self._total, self._unclaimed):
+                table.pop(req_id, None)
+            self._claimed.discard(req_id)
+
+    def expire_leases(self) -> list[str]:
+        """Free KV that nobody claimed within `lease_s` of its arrival; returns those ids."""
+        with self.lock:
+            deadline = self.clock() - self.lease_s
+            expired = [r for r, since in self._unclaimed.items() if since < deadline]
+            for req_id in expired:
+                self.free(req_id)
+            return expired
+
+    def _end(self, req_id: str, how: Landed) -> None:
+        self.forget(req_id)
+        self._ended[req_id] = how
+        self._ended.move_to_end(req_id)
+        while len(self._ended) > TOMBSTONES:
+            self._ended.popitem(last=False)
+
+
+__all__ = ["KV_LEASE_S", "KvIngress", "Landed"]

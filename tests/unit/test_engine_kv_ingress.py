@@ -1,0 +1,75 @@
+"""A prompt engine and a token engine wired in-process (their `on_*` inputs and `step` outputs,
+no sockets): KV shipped to a token engine's own cache lands through its `KvIngress`. A request
+whose KV does not fit there ends alone with a retryable error (the router re-runs it); its
+batch-mate decodes exactly what the single-process engine does, and the token engine's blocks are
+all free afterwards. Before, the allocation raised in the worker's drain and killed the engine."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from common.config import CacheConfig, EngineConfig
+from common.engine.core import LLMEngine
+from common.protocol import GenerateRequest, TokenOutput
+from common.sampling import SamplingParams
+from services.engine.engine import Engine, EngineRole
+from services.engine.outbox import Outbox
+from tests.conftest import random_prompts
+
+
+class InProcessPair:
+    """Carries every message between the two engines and collects the router's outputs."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.outputs: dict[str, list[TokenOutput]] = defaultdict(list)
+        self.kv: list[tuple] = []
+        self.prompt = Engine("p", EngineRole("prompt", "p-cmd", layer_wise_min_tokens=32),
+                             EngineConfig(str(model_path)), self._ship)  # fmt: skip
+        small = EngineConfig(str(model_path), cache=CacheConfig(block_size=16, num_blocks=8))
+        self.token = Engine("t", EngineRole("token", "t-cmd"), small, self._ship)
+
+    def _ship(self, endpoint: str, pages, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert endpoint == "t-kv"
+        self.kv.append((pages, k.clone(), v.clone()))
+
+    def deliver(self, outbox: Outbox) -> None:
+        for _, output in outbox.outputs:
+            self.outputs[output.req_id].append(output)
+        for endpoint, handoff in outbox.handoffs:
+            assert endpoint == "t-cmd"
+            self.deliver(self.token.on_handoff(handoff))
+        assert all(endpoint == "t-kv" for endpoint, _ in outbox.frees)
+
+    def run(self) -> None:
+        for _ in range(500):
+            if not (self.prompt.has_work() or self.token.has_work() or self.kv):
+                return
+            if self.prompt.has_work():
+                self.deliver(self.prompt.step())
+            while self.kv:  # KV may land before or after its hand-off: both orders happen live
+                self.deliver(self.token.on_kv(*self.kv.pop(0)))
+            if self.token.has_work():
+                self.deliver(self.token.step())
+        raise AssertionError("the engines did not finish")
+
+
+def test_kv_that_does_not_fit_fails_its_request_alone(tiny_model_path: Path) -> None:
+    small, large = random_prompts([40, 200], vocab=2048, seed=3)  # 8 blocks hold 128 tokens
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reference = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False)
+    expected = reference.generate([small], greedy)[0]
+
+    pair = InProcessPair(tiny_model_path)
+    for req_id, prompt in (("large", large), ("small", small)):
+        pair.deliver(pair.prompt.on_generate(GenerateRequest(
+            req_id, prompt, greedy.to_spec(), "router", "t-cmd", "t-kv")))  # fmt: skip
+    pair.run()
+
+    large_out = pair.outputs["large"]
+    assert large_out[-1].error and large_out[-1].retryable and "no room" in large_out[-1].error
+    assert [t for o in pair.outputs["small"] for t in o.token_ids] == expected
+    assert pair.outputs["small"][-1].finish_reason == "length"
+    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.requests

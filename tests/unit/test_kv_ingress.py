@@ -1,0 +1,94 @@
+"""`KvIngress`: where shipped KV lands, for token engines and shards alike. Layer-wise and
+all-at-once pages land at the right slots; tombstones drop late pages; leases free unclaimed KV;
+KV that does not fit is refused without touching anyone else's blocks. A fake clock stands in
+for time."""
+
+from __future__ import annotations
+
+import torch
+
+from common.block_manager import BlockManager
+from common.kv_cache import KVCache
+from common.kv_ingress import KvIngress, Landed
+from common.protocol import KvPages
+
+LAYERS, BLOCK, HEADS, DIM = 3, 4, 2, 8
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ingress(num_blocks: int = 16, clock: Clock | None = None) -> KvIngress:
+    cache = KVCache(LAYERS, num_blocks, BLOCK, HEADS, DIM, torch.float32)
+    return KvIngress(BlockManager(num_blocks, BLOCK), cache, lease_s=60, clock=clock or Clock())
+
+
+def pages(req_id: str, num_tokens: int, layer: int = 0, num_layers: int = LAYERS) -> KvPages:
+    return KvPages(req_id, layer, num_layers, num_tokens, 0, HEADS, total_layers=LAYERS)
+
+
+def test_layer_wise_pages_land_where_the_block_table_says_and_complete_at_the_last_layer():
+    kv = ingress()
+    k = torch.randn(LAYERS, 7, HEADS, DIM)
+    v = torch.randn(LAYERS, 7, HEADS, DIM)
+    for layer in range(LAYERS):
+        landed = kv.receive(pages("a", 7, layer, 1), k[layer : layer + 1], v[layer : layer + 1])
+        assert landed is (Landed.COMPLETE if layer == LAYERS - 1 else Landed.PARTIAL)
+        assert kv.is_complete("a") is (layer == LAYERS - 1)
+    table = kv.blocks.block_table("a")
+    for layer in range(LAYERS):
+        got_k, got_v = kv.cache.gather(layer, table, 7)
+        assert torch.equal(got_k, k[layer]) and torch.equal(got_v, v[layer])
+
+
+def test_pages_after_a_free_are_dropped_and_allocate_nothing():
+    kv = ingress()
+    kv.receive(pages("a", 5, 0, 1), torch.randn(1, 5, HEADS, DIM), torch.randn(1, 5, HEADS, DIM))
+    kv.free("a")  # aborted mid-transfer
+    late = kv.receive(
+        pages("a", 5, 1, 2), torch.randn(2, 5, HEADS, DIM), torch.randn(2, 5, HEADS, DIM)
+    )
+    assert late is Landed.DROPPED and kv.has_ended("a")
+    assert kv.blocks.num_used_blocks == 0 and not kv.is_complete("a")
+
+
+def test_kv_that_does_not_fit_is_refused_alone():
+    kv = ingress(num_blocks=4)  # 16 tokens
+    x = torch.randn(LAYERS, 12, HEADS, DIM)
+    assert kv.receive(pages("fits", 12), x, x) is Landed.COMPLETE
+    big = torch.randn(LAYERS, 9, HEADS, DIM)
+    assert kv.receive(pages("big", 9), big, big) is Landed.REFUSED
+    assert kv.was_refused("big") and kv.receive(pages("big", 9), big, big) is Landed.REFUSED
+    assert kv.blocks.req_ids() == ["fits"] and kv.blocks.num_used_blocks == 3
+
+
+def test_unclaimed_kv_expires_and_claimed_or_forgotten_kv_never():
+    clock = Clock()
+    kv = ingress(clock=clock)
+    for req_id in ("orphan", "claimed", "forgotten"):
+        x = torch.randn(LAYERS, 3, HEADS, DIM)
+        kv.receive(pages(req_id, 3), x, x)
+    kv.claim("claimed")
+    kv.claim("forgotten")
+    kv.forget("forgotten")  # a token engine's scheduler owns these blocks now
+    clock.now = 59
+    assert kv.expire_leases() == []
+    clock.now = 61
+    assert kv.expire_leases() == ["orphan"]
+    assert sorted(kv.blocks.req_ids()) == ["claimed", "forgotten"]
+    assert kv.claimed() == ["claimed"]
+
+
+def test_a_claim_before_the_kv_arrives_keeps_it_off_the_lease():
+    clock = Clock()
+    kv = ingress(clock=clock)
+    kv.claim("early")  # the hand-off beat its KV
+    x = torch.randn(LAYERS, 3, HEADS, DIM)
+    kv.receive(pages("early", 3), x, x)
+    clock.now = 1000
+    assert kv.expire_leases() == [] and kv.blocks.req_ids() == ["early"]
