@@ -20,7 +20,7 @@ import msgspec
 import structlog
 import zmq
 
-from common.protocol import EngineStats, ShardAddress, Shutdown
+from common.protocol import EngineStats, Shutdown
 from common.roles import Role
 from common.transport.service_stats import request_stats
 from common.transport.zmq_sockets import PushPool, bind_random
@@ -57,12 +57,6 @@ class Topology:
             raise ValueError("a topology needs at least one prompt and one token engine")
         if self.num_shards % self.num_token:
             raise ValueError("num_shards must be a multiple of num_token (equal shard groups)")
-
-
-@dataclass
-class TokenEngineInfo:
-    ready: WorkerReady
-    shards: list[ShardAddress]
 
 
 @dataclass
@@ -238,17 +232,23 @@ class LocalMesh:
         """Every process, shards first, then token engines, then prompt engines."""
         return [w.proc for w in self.workers.values()]
 
-    @property
-    def prompt(self) -> list[WorkerReady]:
-        return [w.ready for w in self._of(Role.PROMPT)]
+    def _entries(self, role: Role) -> list[ServiceEntry]:
+        """The registry's entries of `role`, in start order: what a router would see."""
+        live = {e.service_id: e for e in self.registry.live()}
+        return [live[w.service_id] for w in self._of(role) if w.service_id in live]
 
     @property
-    def token(self) -> list[TokenEngineInfo]:
-        return [TokenEngineInfo(w.ready, list(w.cfg.shards)) for w in self._of(Role.TOKEN)]
+    def prompt(self) -> list[ServiceEntry]:
+        return self._entries(Role.PROMPT)
 
     @property
-    def shards(self) -> list[WorkerReady]:
-        return [w.ready for w in self._of(Role.SHARD)]
+    def token(self) -> list[ServiceEntry]:
+        """Token engines, each with its current shard group (`shards`)."""
+        return self._entries(Role.TOKEN)
+
+    @property
+    def shards(self) -> list[ServiceEntry]:
+        return self._entries(Role.SHARD)
 
     def control_endpoints(self) -> list[str]:
         return [w.ready.control_endpoint for w in self._of(Role.PROMPT, Role.TOKEN, Role.MIXED)] + [
@@ -270,8 +270,8 @@ class LocalMesh:
         pool: PushPool[object] = PushPool(self._ctx, object)
         for w in self._of(Role.PROMPT, Role.TOKEN, Role.MIXED):
             pool.get(w.ready.command_endpoint).send(Shutdown())
-        for s in self.shards:
-            pool.get(s.kv_endpoint).send_tensors(Shutdown(), [])
+        for w in self._of(Role.SHARD):
+            pool.get(w.ready.kv_endpoint).send_tensors(Shutdown(), [])
         time.sleep(0.2)  # NOTE: let the shutdown messages leave before the sockets close
         pool.close()
         for proc in self.procs:

@@ -14,8 +14,8 @@ import zmq
 from common.protocol import AbortRequest, GenerateRequest, SamplingSpec, ServiceReply, TokenOutput
 from common.token_stream import TokenStreamOrderer
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
-from common.worker_config import WorkerReady
-from services.launch.local_mesh import LocalMesh, TokenEngineInfo
+from services.launch.local_mesh import LocalMesh
+from services.mesh.registry import ServiceEntry
 
 
 class MeshTestClient:
@@ -29,7 +29,7 @@ class MeshTestClient:
         self.push: PushPool[object] = PushPool(ctx, object)
         self._prompt_rr = itertools.cycle(mesh.prompt)
         self._token_rr = itertools.cycle(mesh.token)
-        self.placement: dict[str, tuple[WorkerReady, TokenEngineInfo]] = {}
+        self.placement: dict[str, tuple[ServiceEntry, ServiceEntry]] = {}
         self.orderer = TokenStreamOrderer()
 
     def submit(
@@ -40,8 +40,8 @@ class MeshTestClient:
         self.placement[req_id] = (pe, te)
         msg = GenerateRequest(
             req_id=req_id, prompt_token_ids=prompt, sampling=sampling,
-            reply_to=self.reply_endpoint, token_engine=te.ready.command_endpoint,
-            token_kv_endpoint=te.ready.kv_endpoint, shards=te.shards, traceparent=traceparent,
+            reply_to=self.reply_endpoint, token_engine=te.command_endpoint,
+            token_kv_endpoint=te.kv_endpoint, shards=list(te.shards), traceparent=traceparent,
         )  # fmt: skip
         self.push.get(pe.command_endpoint).send(msg)
 
@@ -49,7 +49,7 @@ class MeshTestClient:
         """Abort at the prompt engine and the token engine; the token engine frees the shards."""
         pe, te = self.placement[req_id]
         self.push.get(pe.command_endpoint).send(AbortRequest(req_id))
-        self.push.get(te.ready.command_endpoint).send(AbortRequest(req_id))
+        self.push.get(te.command_endpoint).send(AbortRequest(req_id))
 
     def recv(self, timeout: float = 30.0) -> TokenOutput:
         """The next token message from any request, in each request's token order."""

@@ -66,8 +66,8 @@ def _drain_until_idle(mesh: LocalMesh) -> None:
 def test_malformed_and_unknown_messages_are_dropped(mesh):
     ctx = zmq.Context.instance()
     garbage = [b"\x00\xff garbage", b"\x92\xa7unknown\x01", b""]
-    endpoints = [mesh.prompt[0].command_endpoint, mesh.token[0].ready.command_endpoint]
-    endpoints += [mesh.token[0].ready.kv_endpoint] + [s.kv_endpoint for s in mesh.shards]
+    endpoints = [mesh.prompt[0].command_endpoint, mesh.token[0].command_endpoint]
+    endpoints += [mesh.token[0].kv_endpoint] + [s.kv_endpoint for s in mesh.shards]
     for endpoint in endpoints:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 1000)
