@@ -12,6 +12,11 @@ from common.protocol import SamplingSpec
 
 MAX_INT = 1 << 31  # counts and token ids
 MAX_SEED = 1 << 63
+# Each generated token is checked against every stop string and id: bounded, so that one request
+# cannot make its own tokens (and its batch-mates' steps) arbitrarily slow.
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_LENGTH = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,18 @@ class SamplingParams:
         top_k_ok = self.top_k == -1 or 1 <= self.top_k < MAX_INT
         _check(top_k_ok, "top_k", f"-1 (off) or in [1, {MAX_INT})")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", "in [0, max_tokens]")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
-        _check(all(0 <= t < MAX_INT for t in self.stop_token_ids), "stop_token_ids",
-               f"ids in [0, {MAX_INT})")  # fmt: skip
+        _check(
+            len(self.stop) <= MAX_STOP
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in self.stop),
+            "stop",
+            f"at most {MAX_STOP} non-empty strings of at most {MAX_STOP_LENGTH} characters",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+            and all(0 <= t < MAX_INT for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} ids in [0, {MAX_INT})",
+        )
         _check(self.detokenize or not self.stop, "detokenize", "True when stop strings are given")
         if self.seed is not None:
             _check(isinstance(self.seed, int) and 0 <= self.seed < MAX_SEED, "seed",

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
+from common.config import env
 from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
 from common.roles import Role
@@ -88,6 +89,12 @@ class AppArgs(_Args):
     model: str = "tiny"  # a preset of the random default model, or a model folder
     served_model_name: str | None = None  # the `model` clients send; default: `model`'s name
     topology: Literal["local", "mesh"] = "local"
+    # The context one request may use (prompt + output), at most the model's; None: the model's.
+    max_model_len: int | None = Field(default=None, ge=1)
+    # Clients must send `Authorization: Bearer <key>` (401 otherwise; /health stays open). None:
+    # $PHASEMESH_API_KEY on the router's node, else the API is open (the local demo's default).
+    api_key: str | None = None
+    require_api_key: bool = False  # refuse to start a router without a key (clusters)
     engine: EngineArgs = Field(default_factory=EngineArgs)
     mesh: MeshArgs = Field(default_factory=MeshArgs)
 
@@ -96,6 +103,17 @@ class AppArgs(_Args):
 
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
+
+    def resolved_api_key(self) -> str | None:
+        """The key clients must send, read where the router runs; raises if one is required and
+        none is set."""
+        key = self.api_key or env("API_KEY") or None
+        if key is None and self.require_api_key:
+            raise ValueError(
+                "require_api_key is set but no API key is: set PHASEMESH_API_KEY in the router's "
+                "environment (runtime_env env_vars) or `api_key` in the app's args"
+            )
+        return key
 
 
 def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
@@ -159,8 +177,9 @@ class RouterDeployment:
         _configure_observability("router", replica_id)
         self.client = _make_client(self.args, replica_id)
         self.router = Router(
-            self.client, self.args.model_path(), self.args.model_name(), replica_id
-        )
+            self.client, self.args.model_path(), self.args.model_name(), replica_id,
+            max_model_len=self.args.max_model_len, api_key=self.args.resolved_api_key(),
+        )  # fmt: skip
         log.info("router ready", model=self.router.model_name, topology=self.args.topology)
 
     def __serve_build_asgi_app__(self) -> Any:

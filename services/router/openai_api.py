@@ -26,20 +26,34 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from common.sampling import SamplingParams
+from common.sampling import (
+    MAX_INT,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_STOP_LENGTH,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 log = structlog.get_logger(__name__)
 
 ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
+    413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
-TokenIds = list[NonNegativeInt]
+# Every bound below is one the engines enforce too (`SamplingParams`): a value the API accepts
+# always reaches an engine intact (integers fit the wire, lists are bounded).
+TokenId = Annotated[int, Field(ge=0, lt=MAX_INT)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 
 
 class APIError(Exception):
@@ -63,11 +77,41 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     error_type = ERROR_TYPES.get(
         status, "BadRequestError" if status < 500 else "InternalServerError"
     )
-    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    param = None if param is None else _printable(param)
+    return {
+        "error": {"message": _printable(message), "type": error_type, "param": param,
+                  "code": status}
+    }  # fmt: skip
+
+
+def _printable(text: str) -> str:
+    """`text` as valid UTF-8: a lone surrogate echoed in an error must not make it a 500."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API returns (OpenAI's envelope)."""
+
+    error: ErrorInfo
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these statuses, each with the error envelope as its body."""
+    return {
+        status: {"model": ErrorResponse, "description": ERROR_TYPES[status]} for status in statuses
+    }
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # NaN and infinities are not numbers a sampler can use (Python's JSON parser accepts them).
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -81,22 +125,41 @@ class SamplingFields(_Request):
     """
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, lt=MAX_INT)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = Field(default=None, ge=0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegativeInt] | None = None
+    top_k: int | None = Field(default=None, ge=-1, lt=MAX_INT)
+    seed: int | None = Field(default=None, ge=0, lt=MAX_SEED)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1)
+    min_tokens: int = Field(default=0, ge=0, lt=MAX_INT)
+    n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                Annotated[float, Field(ge=-100, le=100)],
+            ],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
+    user: str | None = Field(default=None, max_length=256)
+
+    def reject_unsupported(self) -> None:
+        """A 400 for fields we cannot honour (rather than silently ignoring them)."""
+        if self.n != 1:
+            raise APIError(400, "only n=1 is supported", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported", name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
 
     @property
     def include_usage(self) -> bool:
@@ -125,14 +188,19 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`. The prompt is text or token ids, alone or in a list of one."""
 
-    prompt: str | TokenIds | list[str] | list[TokenIds]
+    prompt: (
+        str
+        | TokenIds
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = Field(default=None, ge=1, le=128)
     suffix: str | None = None
 
     def reject_unsupported(self) -> None:
-        """A 400 for fields we cannot honour (rather than silently ignoring them)."""
+        super().reject_unsupported()
         if self.echo:
             raise APIError(400, "echo is not supported", "echo")
         if self.logprobs is not None:
@@ -162,13 +230,14 @@ class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` is OpenAI's newer `max_tokens`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, lt=MAX_INT)
     logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
 
     def reject_unsupported(self) -> None:
-        """A 400 for fields we cannot honour (rather than silently ignoring them)."""
-        if self.logprobs:
+        super().reject_unsupported()
+        if self.logprobs or self.top_logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
         if self.tools:
             raise APIError(400, "tools are not supported", "tools")
@@ -270,6 +339,10 @@ class ModelList(BaseModel):
 
 MAX_VALIDATION_ERRORS = 5  # per response: bounded bodies, no echo of large inputs
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_TAG_PREFIXES = (
+    "function",
+    "constrained-",
+)  # pydantic's names for validators and constrained types
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -308,7 +381,7 @@ def _param_path(loc: Sequence[Any]) -> str | None:
     parts = [
         str(p)
         for p in loc[1:]
-        if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or p.startswith("function")))
+        if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or p.startswith(_TAG_PREFIXES)))
     ]
     return ".".join(parts) or None
 

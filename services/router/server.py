@@ -7,6 +7,8 @@ streamed byte is sent in-band (`data: {"error": ...}`) followed by `data: [DONE]
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`
 (200 when the backend is ready, else 503) and `GET /stats` (the backend's `EngineClientStats`).
+With an API key set, every endpoint but `/health` wants `Authorization: Bearer <key>` (401
+otherwise); request bodies over `max_body_bytes` are a 413 before they are parsed.
 
 Each generation request is one `router.request` span (continuing the caller's trace when it sends
 a W3C `traceparent` header) and the TTFT, TBT and E2E metrics, recorded by
@@ -16,6 +18,7 @@ a W3C `traceparent` header) and the TTFT, TBT and E2E metrics, recorded by
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import inspect
 import json
 import time
@@ -23,11 +26,12 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -52,6 +56,7 @@ from services.router.openai_api import (
     SamplingFields,
     UsageInfo,
     error_body,
+    error_responses,
     install_error_handlers,
 )
 from services.router.streams import Overloaded
@@ -70,6 +75,10 @@ _NO_HTTP_SPANS: dict[str, Any] = (
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 8 << 20  # a request body larger than this is a 413, never parsed
+# What each endpoint may answer besides 200 (documented in /openapi.json with the error body).
+_GENERATE_ERRORS = error_responses(400, 401, 404, 413, 429, 503)
+_bearer = HTTPBearer(auto_error=False, description="the API key, when the server sets one")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +93,45 @@ class _Arrival:
     def of(cls, http: Request, operation: str) -> _Arrival:
         arrived_ns = getattr(http.state, "arrived_ns", 0) or time.time_ns()
         return cls(operation, arrived_ns, http.headers.get("traceparent", ""))
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over `max_bytes` is a 413 (OpenAI error body) before anything
+    parses it, whether or not the client declared its length."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(scope, receive, send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before its body was complete
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Any:  # the body once, then the client's own messages (disconnect)
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"request body larger than {self.max_bytes} bytes"
+        await JSONResponse(error_body(413, message), status_code=413)(scope, receive, send)
 
 
 class _ArrivalStamp:
@@ -118,29 +166,66 @@ class Router:
         model_path: str | Path,
         served_model_name: str | None = None,
         replica_id: str = "router",
+        max_model_len: int | None = None,
+        api_key: str | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
+        """`max_model_len`: the context a request may use (prompt + output), at most the model's;
+        `api_key`: clients must send it as a Bearer token (None: the API is open)."""
         self.client = client
         self.model_path = Path(model_path)
         self.tokenizer = Tokenizer(self.model_path)
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.model_name = served_model_name or self.model_path.name
+        model_len = self.model_config.max_position_embeddings
+        self.max_model_len = min(max_model_len or model_len, model_len)
+        self.api_key = api_key or None
+        self.max_body_bytes = max_body_bytes
         self.telemetry = RouterTelemetry(self.model_name, replica_id)
         self.app = self._build_app()
 
-    @property
-    def max_model_len(self) -> int:
-        return self.model_config.max_position_embeddings
-
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None, **_NO_HTTP_SPANS)
+        app.add_middleware(_BodyLimit, max_bytes=self.max_body_bytes)
         app.add_middleware(_ArrivalStamp)
         install_error_handlers(app)
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/stats", self.stats, methods=["GET"])
+        auth = [Depends(self._authorize)]
+        for path, endpoint, model in (
+            ("/v1/completions", self.completions, CompletionResponse),
+            ("/v1/chat/completions", self.chat_completions, ChatCompletionResponse),
+        ):
+            ok: dict[int | str, dict[str, Any]] = {200: {
+                "model": model, "content": {"text/event-stream": {}},
+                "description": "the response, or with `stream` its SSE chunks",
+            }}  # fmt: skip
+            app.add_api_route(path, endpoint, methods=["POST"], dependencies=auth,
+                              responses={**ok, **_GENERATE_ERRORS})  # fmt: skip
+        app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth,
+                          response_model=ModelList, responses=error_responses(401))  # fmt: skip
+        app.add_api_route(
+            "/health",
+            self.health,
+            methods=["GET"],
+            response_class=Response,
+            responses={
+                200: {"description": "ready (no body)", "content": {}},
+                **error_responses(503),
+            },  # fmt: skip
+        )
+        app.add_api_route("/stats", self.stats, methods=["GET"], dependencies=auth,
+                          responses=error_responses(401))  # fmt: skip
+        _without_422(app)
         return app
+
+    async def _authorize(
+        self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    ) -> None:
+        if self.api_key is None:
+            return
+        given = credentials.credentials if credentials else ""
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer "
+                           "<key>`.")  # fmt: skip
 
     # ---- endpoints ----
 
@@ -165,7 +250,7 @@ class Router:
         self._check_request(request)
         request.reject_unsupported()
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        prompt_ids = self.tokenizer.apply_chat_template(messages)
+        prompt_ids = _unicode_checked(self.tokenizer.apply_chat_template, messages, "messages")
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", default=None)
         job = await self._start(
@@ -202,18 +287,16 @@ class Router:
     def _check_request(self, request: SamplingFields) -> None:
         if request.model is not None and request.model != self.model_name:
             raise APIError(404, f"The model `{request.model}` does not exist.", "model")
-        if request.n != 1:
-            raise APIError(400, "only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name):
-                raise APIError(400, f"{name} is not supported", name)
-        if request.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        for name, value in (("stop", request.stop), ("user", request.user)):
+            _unicode_checked(str, value, name)
 
     def _completion_prompt_ids(self, prompt: str | list[Any]) -> list[int]:
         """Text or token ids, alone or as a list of one prompt."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            ids = _unicode_checked(self.tokenizer.encode, prompt, "prompt")
+            if not ids:
+                raise APIError(400, "prompt must not be empty", "prompt")
+            return ids
         if len(prompt) == 1 and isinstance(prompt[0], str | list):
             return self._completion_prompt_ids(prompt[0])
         if prompt and all(isinstance(t, int) for t in prompt):
@@ -321,7 +404,32 @@ class Router:
             )
 
 
-# ---- helpers: collection, SSE ----
+# ---- helpers: validation, collection, SSE ----
+
+
+def _unicode_checked(encode: Any, value: Any, param: str) -> Any:
+    """`encode(value)`, with text that is not valid Unicode (a lone surrogate, which JSON can
+    carry) a 400 naming `param` instead of a 500."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{param} is not valid Unicode text: {exc.reason}", param) from exc
+    return encode(value)
+
+
+def _without_422(app: FastAPI) -> None:
+    """This API answers invalid input with 400 (OpenAI's status), never FastAPI's 422: take the
+    422s FastAPI documents for every route out of /openapi.json."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _prepend(

@@ -1,9 +1,10 @@
 """`serve run <config>` as a child process, exactly as `make run` starts PhaseMesh.
 
-The config is a copy of a `deploy/` YAML with only the HTTP port changed (a free one, so tests
-never collide with a server someone else is running). `--address local` makes `serve run` start
-its own Ray even if a `ray start` cluster exists on the machine; SIGINT (Ctrl-C) makes it shut
-Serve and that Ray down, so no Ray process outlives the test.
+The config is a copy of a `deploy/` YAML with the HTTP port changed (a free one, so tests never
+collide with a server someone else is running) and, where a test says so, some application args.
+`--address local` makes `serve run` start its own Ray even if a `ray start` cluster exists on the
+machine; SIGINT (Ctrl-C) makes it shut Serve and that Ray down, so no Ray process outlives the
+test.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def config_on_port(source: Path, target: Path, port: int) -> dict[str, Any]:
-    """Copy a serve config, moving its HTTP port; return the parsed copy."""
+def config_on_port(
+    source: Path, target: Path, port: int, args: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Copy a serve config, moving its HTTP port and updating its app's `args`; return the copy."""
     config = yaml.safe_load(source.read_text())
     config["http_options"]["port"] = port
+    config["applications"][0]["args"].update(args or {})
     target.write_text(yaml.safe_dump(config, sort_keys=False))
     return config
 
@@ -41,10 +45,12 @@ def config_on_port(source: Path, target: Path, port: int) -> dict[str, Any]:
 class ServeRun:
     """One `serve run` child process and its log file."""
 
-    def __init__(self, source_config: Path, workdir: Path) -> None:
+    def __init__(
+        self, source_config: Path, workdir: Path, args: dict[str, Any] | None = None
+    ) -> None:
         self.port = free_port()
         self.config_path = workdir / source_config.name
-        self.config = config_on_port(source_config, self.config_path, self.port)
+        self.config = config_on_port(source_config, self.config_path, self.port, args)
         self.log_path = workdir / "serve-run.log"
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None

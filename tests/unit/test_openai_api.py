@@ -199,7 +199,7 @@ COMPLETION_ERRORS = [
     # Integers msgpack cannot carry to the engines are refused at the edge, not after admission.
     ({"seed": 2**64}, 400, "seed"),
     ({"top_k": 2**64}, 400, "top_k"),
-    ({"stop_token_ids": [2**64]}, 400, "stop_token_ids"),
+    ({"stop_token_ids": [2**64]}, 400, "stop_token_ids.0"),
     ({"min_tokens": 10, "max_tokens": 5}, 400, "min_tokens"),
     ({"stop": [""]}, 400, "stop"),
     ({"stream": "yes"}, 400, "stream"),
@@ -217,6 +217,18 @@ COMPLETION_ERRORS = [
     ({"logprobs": 1}, 400, "logprobs"),
     ({"presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"model": "gpt-4"}, 404, "model"),
+    # Edge values: not numbers, oversized lists, text that is not Unicode (JSON can carry a lone
+    # surrogate), an echo of such text in the error itself.
+    ({"temperature": float("nan")}, 400, "temperature"),
+    ({"top_p": float("inf")}, 400, "top_p"),
+    ({"frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"stop": ["x"] * 17}, 400, "stop"),
+    ({"stop": "x" * 1025}, 400, "stop"),
+    ({"stop_token_ids": [1] * 1025}, 400, "stop_token_ids"),
+    ({"prompt": "\ud800 hi"}, 400, "prompt"),
+    ({"stop": ["\udfff"]}, 400, "stop"),
+    ({"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ({"model": "\ud800"}, 404, "model"),
 ]
 
 
@@ -237,6 +249,8 @@ CHAT_ERRORS = [
     ({"max_tokens": 5000}, "max_tokens"),
     ({"max_completion_tokens": -3}, "max_completion_tokens"),
     ({"tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ({"top_logprobs": 2}, "logprobs"),
 ]
 
 
@@ -269,6 +283,86 @@ def test_openai_client_sees_typed_errors(router: Router) -> None:
     assert isinstance(not_found, openai.NotFoundError)
     assert isinstance(bad_request, openai.BadRequestError)
     assert bad_request.body["param"] == "max_tokens"  # type: ignore[index]
+
+
+def test_api_key_guards_everything_but_health(tiny_model_path: Path) -> None:
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
+    router = Router(InProcessEngineClient(engine), tiny_model_path, MODEL, api_key="sekret")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+    async def scenario(_: openai.AsyncOpenAI, http: httpx.AsyncClient) -> None:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            response = await http.post("/v1/completions", json=body, headers=headers)
+            assert response.status_code == 401, headers
+            assert response.json()["error"]["type"] == "AuthenticationError"
+        assert (await http.get("/v1/models")).status_code == 401
+        assert (await http.get("/stats")).status_code == 401
+        assert (await http.get("/health")).status_code == 200  # probes carry no key
+        good = {"Authorization": "Bearer sekret"}
+        response = await http.post("/v1/completions", json=body, headers=good)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+        client = openai.AsyncOpenAI(base_url="http://router/v1", api_key="sekret",
+                                    http_client=http, max_retries=0)  # fmt: skip
+        assert [m.id for m in (await client.models.list()).data] == [MODEL]
+
+    try:
+        call(router, scenario)
+    finally:
+        router.client.shutdown()  # type: ignore[attr-defined]
+
+
+def test_oversized_bodies_are_413_declared_or_streamed(tiny_model_path: Path) -> None:
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
+    router = Router(InProcessEngineClient(engine), tiny_model_path, MODEL, max_body_bytes=1024)
+    big = json.dumps({"model": MODEL, "prompt": "x" * 2000}).encode()
+
+    async def chunks() -> Any:  # no Content-Length: the limit must count what arrives
+        for i in range(0, len(big), 256):
+            yield big[i : i + 256]
+
+    async def scenario(_: openai.AsyncOpenAI, http: httpx.AsyncClient) -> None:
+        for content in (big, chunks()):
+            response = await http.post("/v1/completions", content=content,
+                                       headers={"Content-Type": "application/json"})  # fmt: skip
+            assert response.status_code == 413
+            assert response.json()["error"]["type"] == "RequestTooLargeError"
+        small = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        assert (await http.post("/v1/completions", json=small)).status_code == 200
+
+    try:
+        call(router, scenario)
+    finally:
+        router.client.shutdown()  # type: ignore[attr-defined]
+
+
+def test_max_model_len_caps_the_context(tiny_model_path: Path) -> None:
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
+    router = Router(InProcessEngineClient(engine), tiny_model_path, MODEL, max_model_len=32)
+    try:
+        assert (
+            post(router, "/v1/completions", {"prompt": [5] * 30, "max_tokens": 3}).json()["error"][
+                "param"
+            ]
+            == "max_tokens"
+        )
+        response = post(router, "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        usage = response.json()["usage"]  # no max_tokens: the rest of the 32-token context
+        assert usage["prompt_tokens"] + usage["completion_tokens"] <= 32
+        models = call(router, lambda _, h: h.get("/v1/models")).json()
+        assert models["data"][0]["max_model_len"] == 32
+    finally:
+        router.client.shutdown()  # type: ignore[attr-defined]
+
+
+def test_openapi_documents_every_error_status(router: Router) -> None:
+    schema = call(router, lambda _, h: h.get("/openapi.json")).json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "429", "503"}
+        error = responses["400"]["content"]["application/json"]["schema"]
+        assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert "422" not in json.dumps(schema["paths"])
 
 
 def test_unknown_route_and_method_get_error_bodies(router: Router) -> None:
