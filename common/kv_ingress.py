@@ -69,7 +69,9 @@ class KvIngress:
         self._ended: OrderedDict[str, Landed] = OrderedDict()  # DROPPED (freed) or REFUSED
 
     def receive(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> Landed:
-        """Store `pages` (k/v [num_layers, num_tokens, heads, head_dim]) for its request."""
+        """Store `pages` (k/v [num_layers, num_tokens, heads, head_dim]) for its request.
+        Pages that do not fit this cache's geometry raise ValueError before anything is kept."""
+        self._check(pages, k, v)
         with self.lock:
             if (ended := self._ended.get(pages.req_id)) is not None:
                 return ended
@@ -96,6 +98,25 @@ class KvIngress:
                 return Landed.PARTIAL
             self.lock.notify_all()
             return Landed.COMPLETE
+
+    def _check(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
+        num_layers, _, num_heads, head_dim, _ = self.cache.key.shape
+        shape = (pages.num_layers, pages.num_tokens, num_heads, head_dim)
+        layers_ok = 0 <= pages.layer_start and pages.layer_start + pages.num_layers <= num_layers
+        if not (
+            layers_ok
+            and pages.total_layers == num_layers
+            and pages.num_tokens > 0
+            and tuple(k.shape) == tuple(v.shape) == shape
+            and k.dtype.is_floating_point
+            and v.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"KV pages of {pages.req_id} do not fit this cache: layers "
+                f"[{pages.layer_start}, +{pages.num_layers}) of {pages.total_layers}, k "
+                f"{tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}; expected {shape} of "
+                f"{num_layers} layers"
+            )
 
     def is_complete(self, req_id: str) -> bool:
         with self.lock:

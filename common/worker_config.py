@@ -30,6 +30,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     head_start: int = 0  # shards: the KV heads they hold
     head_end: int = 0
     served_model_name: str = ""  # the `model_name` label of metrics; default: the folder's name
+    # The mesh's key (hex): every UCX hello between its services is signed with it, so a peer
+    # without it is dropped before UCX reads anything it sent (common/transport/ucx_channel.py).
+    mesh_key: str = ""
 
     @property
     def model_name(self) -> str:

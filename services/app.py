@@ -22,6 +22,7 @@ default none) and structlog; its metrics also go to Ray's metrics agent (docs/ob
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,6 +82,9 @@ class MeshArgs(_Args):
     drain_s: float = Field(default=20.0, ge=0)  # an engine finishes its requests this long
     # Re-runs of one request on other replicas when its engines or shards die (token replay).
     max_migrations: int = Field(default=MAX_MIGRATIONS, ge=0)
+    # Signs the UCX hellos between engines and shards (hex); None: `build_app` draws one per
+    # deploy, which every replica of the application shares.
+    key: str | None = Field(default=None, pattern=r"^([0-9a-f]{2}){16,}$")
 
 
 class AppArgs(_Args):
@@ -150,7 +154,7 @@ def _worker_config(args: AppArgs) -> WorkerConfig:
         max_num_batched_tokens=m.max_num_batched_tokens, max_num_seqs=m.max_num_seqs,
         layer_wise_min_tokens=m.layer_wise_min_tokens, attention_backend=m.attention_backend,
         num_threads=m.num_threads, shard_num_blocks=m.shard_num_blocks,
-        served_model_name=args.model_name(),
+        served_model_name=args.model_name(), mesh_key=m.key or "",
     )  # fmt: skip
 
 
@@ -265,6 +269,8 @@ class AttentionShardDeployment(_MeshService):
 def build_app(args: dict[str, Any]) -> Application:
     """The application builder: `import_path: services.app:build_app` in a serve config."""
     parsed = AppArgs.model_validate(args)  # fail at deploy time, before any replica starts
+    if parsed.mesh.key is None:
+        parsed.mesh.key = secrets.token_hex(32)
     bound = parsed.model_dump()
     if parsed.topology == "local":
         return RouterDeployment.bind(bound)  # type: ignore[attr-defined]

@@ -28,15 +28,31 @@ only while some channel of the same worker is inside `send`/`recv`/`wait`, which
 synchronous engine loop does anyway.
 
 Transports: `UCX_TLS` if set, else `PHASEMESH_UCX_TLS`, else `DEFAULT_UCX_TLS` (tcp: works on one
-host and across hosts). NOTE: a worker (a listener and the channels it accepts, or one connected
-channel) is not thread safe; use it from one thread. Tags carry a random per-channel id so that
-channels accepted by one listener never match each other's messages.
+host and across hosts).
+
+Connections: a listener publishes its UCX *worker address* (hex), not a host:port. A peer creates
+an endpoint to that address and says hello on a reserved tag with its channel id and its own
+worker address, signed with the mesh's key (HMAC-SHA256); the listener checks the signature before
+it lets UCX read the address (a forged address can abort the process inside UCX), then answers
+with an endpoint back to it. There is no sockaddr listener
+(ucxx's binds every interface): each worker listens only on the network device of the host it is
+given (`net_device_for`: `lo` for a loopback mesh), so a loopback mesh is reachable from this
+machine alone. A malformed hello is logged and dropped.
+
+NOTE: a worker (a listener and the channels it accepts, or one connected channel) is not thread
+safe; use it from one thread. Tags carry a random per-channel id so that channels accepted by one
+listener never match each other's messages.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import hmac
+import ipaddress
 import os
 import secrets
+import socket
 import struct
 import time
 from collections.abc import Sequence
@@ -95,8 +111,10 @@ INLINE_LIMIT = 192 * 1024
 MAX_ENVELOPE_BYTES = 64 * 1024
 _PREFIX = struct.Struct("<II")  # envelope length, 1 if the tensors are inline
 _ALIGN = 64
-_HELLO_BYTES = 8
-_HELLO_TIMEOUT_S = 30.0
+_HELLO = struct.Struct("<QI")  # channel id, length of the peer's worker address that follows
+_HELLO_MAX_BYTES = 4096
+_SIGNATURE_BYTES = 32  # HMAC-SHA256 over the hello, after the peer's address
+_HELLO_TAG = 1 << 63  # data tags use the low 58 bits (`_tag`): a hello never matches one
 _KIND_ENVELOPE, _KIND_DATA = 0, 1
 _MAX_OUTBOX_ARRAYS = 64
 # Upper bound on one epoll sleep, so that a deadline is noticed even if no event comes.
@@ -116,12 +134,38 @@ def ucx_settings() -> dict[str, str]:
     return {"TLS": os.environ.get("UCX_TLS", ucx_config().get("TLS", "")), **tuning}
 
 
-class UcxWorker:
-    """One UCX context + worker in blocking progress mode, progressed by whoever waits on it."""
+def net_device_for(host: str | None) -> str | None:
+    """The network device a worker serving `host` should listen on: `lo` for a loopback host, the
+    interface that holds `host`'s address otherwise; None (every device) if none is found."""
+    if not host:
+        return None
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return None
+    if address.is_loopback:
+        return "lo"
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                packed = fcntl.ioctl(
+                    probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode())
+                )
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == str(address):
+            return name
+    return None
 
-    def __init__(self) -> None:
-        features = (ucx_api.Feature.TAG, ucx_api.Feature.STREAM, ucx_api.Feature.WAKEUP)
-        self.context = ucx_api.UCXContext(config_dict=ucx_config(), feature_flags=features)
+
+class UcxWorker:
+    """One UCX context + worker in blocking progress mode, progressed by whoever waits on it.
+    `net_device`: the only device it listens and connects on (None: UCX's choice, every one)."""
+
+    def __init__(self, net_device: str | None = None) -> None:
+        features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
+        config = ucx_config() | ({"NET_DEVICES": net_device} if net_device else {})
+        self.context = ucx_api.UCXContext(config_dict=config, feature_flags=features)
         self.worker = ucx_api.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
         # Receive buffers of posted requests that may outlive their channel: UCX may still write
@@ -189,15 +233,24 @@ class UcxTensorChannel(Generic[HeaderT]):
 
     @classmethod
     def connect(
-        cls, address: str, header_type: Any, timeout: float = 10.0
+        cls,
+        address: str,
+        header_type: Any,
+        timeout: float = 10.0,
+        host: str = "127.0.0.1",
+        key: bytes = b"",
     ) -> UcxTensorChannel[Any]:
-        """Connect to a `UcxListener` at "host:port"."""
-        host, port = parse_address(address)
-        worker = UcxWorker()
-        endpoint = ucx_api.UCXEndpoint.create(worker.worker, host, port, True)
+        """Connect to the `UcxListener` whose `address` this is; `host`: this side's mesh host
+        (its worker listens on that host's device only); `key`: the mesh's, as the listener's."""
+        worker = UcxWorker(net_device_for(host))
+        remote = ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(address))
+        endpoint = ucx_api.UCXEndpoint.create_from_worker_address(worker.worker, remote, True)
         channel_id = secrets.randbits(56)
-        hello = np.frombuffer(channel_id.to_bytes(_HELLO_BYTES, "little"), dtype=np.uint8).copy()
-        worker.wait([endpoint.stream_send(Array(hello))], timeout)
+        own = worker.worker.address.tobytes()
+        signed = _HELLO.pack(channel_id, len(own)) + own
+        signed += hmac.digest(key, signed, hashlib.sha256)
+        hello = np.frombuffer(signed, dtype=np.uint8).copy()
+        worker.wait([endpoint.tag_send(Array(hello), ucx_api.UCXXTag(_HELLO_TAG))], timeout)
         return cls(worker, endpoint, channel_id, is_server=False, header_type=header_type)
 
     def send(self, header: HeaderT, tensors: Sequence[torch.Tensor] = (),
@@ -299,40 +352,67 @@ class UcxTensorChannel(Generic[HeaderT]):
 
 
 class UcxListener:
-    """Accepts `UcxTensorChannel`s on host:port; `address` is what to publish through discovery.
+    """Accepts `UcxTensorChannel`s; `address` (its worker's, hex) is what to publish through
+    discovery. `host`: the mesh host, whose network device alone it listens on; `key`: the mesh's
+    key, which every hello must be signed with (empty: any peer that can reach it is accepted).
 
     The listener's worker serves every channel it accepts, so use them from one thread.
     """
 
-    def __init__(self, header_type: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, header_type: Any, host: str = "127.0.0.1", key: bytes = b"") -> None:
         self._header_type = header_type
-        self._worker = UcxWorker()
-        self._conn_requests: list[int] = []
-        self._listener = ucx_api.UCXListener.create(self._worker.worker, port, self._on_connect)
-        self.address = f"{host}:{self._listener.port}"
+        self._key = key
+        self._worker = UcxWorker(net_device_for(host))
+        self.address = self._worker.worker.address.tobytes().hex()
+        self._hello = np.empty(_HELLO_MAX_BYTES, dtype=np.uint8)
+        self._worker.posted_buffers.append(self._hello)
+        self._hello_request = self._post_hello()
 
-    def _on_connect(self, conn_request: int) -> None:
-        self._conn_requests.append(conn_request)
+    def _post_hello(self) -> Any:
+        return self._worker.worker.tag_recv(Array(self._hello), ucx_api.UCXXTag(_HELLO_TAG))
 
     def accept(self, timeout: float | None = 10.0) -> UcxTensorChannel[Any]:
-        """Block until a peer connects and says hello; return the channel to it."""
+        """Block until a peer says hello; return the channel to it (TimeoutError if none does).
+        A malformed hello is logged and dropped."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._conn_requests:
-            self._worker.progress_until(deadline)
-        conn_request = self._conn_requests.pop(0)
-        endpoint = self._listener.create_endpoint_from_conn_request(conn_request, True)
-        hello = np.empty(_HELLO_BYTES, dtype=np.uint8)
-        # NOTE: once a peer is connecting, finish the handshake whatever `timeout` was: giving up
-        # here would drop the endpoint and reset the peer's connection under its feet.
-        self._worker.wait([endpoint.stream_recv(Array(hello))], _HELLO_TIMEOUT_S)
-        channel_id = int.from_bytes(hello.tobytes(), "little")
-        return UcxTensorChannel(self._worker, endpoint, channel_id, is_server=True,
-                                header_type=self._header_type)  # fmt: skip
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            request = self._hello_request
+            try:
+                self._worker.wait([request], left)
+            except TimeoutError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. a hello larger than the buffer
+                self._hello_request = self._post_hello()
+                log.warning("ucx_hello_dropped", error=repr(exc))
+                continue
+            hello = self._hello.tobytes()
+            self._hello_request = self._post_hello()
+            try:
+                channel_id, peer = self._verified(hello)
+                endpoint = ucx_api.UCXEndpoint.create_from_worker_address(
+                    self._worker.worker, peer, True
+                )
+            except Exception as exc:  # noqa: BLE001 - a hostile or broken peer: not ours to die of
+                log.warning("ucx_hello_dropped", error=repr(exc))
+                continue
+            return UcxTensorChannel(self._worker, endpoint, channel_id, is_server=True,
+                                    header_type=self._header_type)  # fmt: skip
+
+    def _verified(self, hello: bytes) -> tuple[int, Any]:
+        """The channel id and peer address of a correctly signed hello; ValueError otherwise."""
+        channel_id, length = _HELLO.unpack_from(hello)
+        end = _HELLO.size + length
+        if end + _SIGNATURE_BYTES > _HELLO_MAX_BYTES:
+            raise ValueError(f"a hello announcing a peer address of {length} bytes")
+        expected = hmac.digest(self._key, hello[:end], hashlib.sha256)
+        if not hmac.compare_digest(expected, hello[end : end + _SIGNATURE_BYTES]):
+            raise ValueError("a hello not signed with the mesh's key")
+        return channel_id, ucx_api.UCXAddress.create_from_buffer(hello[_HELLO.size : end])
 
     def close(self) -> None:
         """Stop accepting; channels already accepted keep working."""
-        self._conn_requests.clear()
-        self._listener = None
+        self._hello_request = None
 
 
 def _tag(channel_id: int, direction: int, kind: int) -> int:
@@ -375,11 +455,3 @@ def _unpack_inline(inbox: np.ndarray, offset: int, targets: Sequence[torch.Tenso
         size = _nbytes(target)
         copy_bytes_into(target, inbox[offset : offset + size])
         offset += size
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """Split "host:port" (the form `UcxListener.address` publishes)."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"UCX address must be host:port, got {address!r}")
-    return host, int(port)

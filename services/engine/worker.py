@@ -9,6 +9,7 @@ process (`services.launch.worker_process`) or on a Ray Serve replica's thread (`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -61,7 +62,7 @@ class EngineWorker:
         self.load_pub: TypedSocket[LoadReport] = TypedSocket(pub, LoadReport)
         self.push: PushPool[object] = PushPool(self.ctx, object)
         self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress)
-        self.links = {s.link_address: _connect(s) for s in cfg.shards}
+        self.links = {s.link_address: self._connect(s) for s in cfg.shards}
         role = EngineRole(
             cfg.role, self.command_endpoint, cfg.layer_wise_min_tokens, cfg.shard_num_blocks
         )
@@ -79,6 +80,12 @@ class EngineWorker:
         return WorkerReady(
             self.cfg.service_id, self.cfg.role, self.command_endpoint, self.kv_endpoint,
             self.control_endpoint, self.load_endpoint,
+        )  # fmt: skip
+
+    def _connect(self, shard: ShardAddress) -> UcxTensorChannel[ShardLinkMessage]:
+        return UcxTensorChannel.connect(
+            shard.link_address, ShardLinkMessage, host=self.cfg.host,
+            key=bytes.fromhex(self.cfg.mesh_key),
         )  # fmt: skip
 
     def _send_kv(self, endpoint: str, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -116,7 +123,7 @@ class EngineWorker:
         try:
             for shard in shards:
                 if shard.link_address not in self.links:
-                    self.links[shard.link_address] = _connect(shard)
+                    self.links[shard.link_address] = self._connect(shard)
         except Exception as exc:  # noqa: BLE001 - a shard gone again: stay local, say why
             log.error("could not link to the new shard group", error=repr(exc))
             self._relink([], "its new shard group could not be reached")
@@ -125,16 +132,28 @@ class EngineWorker:
         self._send(self.engine.relink(links, shards, reason))
 
     def _drain(self) -> None:
+        # A message that fails (well-formed on the wire, wrong inside: KV pages whose tensors do
+        # not match their header, say) is logged and dropped: the loop and its requests go on.
         while (item := self.commands.recv_nowait()) is not None:
-            self._on_command(item[1])
+            self._guarded(self._on_command, item[1])
         while (kv := self.kv_in.recv_tensors_nowait()) is not None:
-            header, tensors = kv
-            if isinstance(header, KvPages) and len(tensors) == 2:
-                self._send(self.engine.on_kv(header, *tensors))
-            elif isinstance(header, FreeRequest):
-                self._send(self.engine.on_abort(header.req_id))
+            self._guarded(self._on_ingress, *kv)
         while (req := self.control.recv_nowait()) is not None:
             self.replies.send(self.engine.stats(), prefix=req[0])
+
+    def _guarded(self, handle: Callable[..., None], message: object, *more: object) -> None:
+        try:
+            handle(message, *more)
+        except Exception:  # noqa: BLE001 - one bad message must not stop the engine
+            log.exception("message failed; dropped", kind=type(message).__name__)
+
+    def _on_ingress(self, header: ShardIngress, tensors: list[torch.Tensor]) -> None:
+        if isinstance(header, KvPages) and len(tensors) == 2:
+            self._send(self.engine.on_kv(header, *tensors))
+        elif isinstance(header, FreeRequest):
+            self._send(self.engine.on_abort(header.req_id))
+        else:
+            log.warning("dropped unexpected ingress message", kind=type(header).__name__)
 
     def _on_command(self, msg: EngineCommand) -> None:
         if isinstance(msg, GenerateRequest):
@@ -164,10 +183,6 @@ class EngineWorker:
             report = self.engine.load_report(time.time())
             self.load_pub.send(report)
             self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)
-
-
-def _connect(shard: ShardAddress) -> UcxTensorChannel[ShardLinkMessage]:
-    return UcxTensorChannel.connect(shard.link_address, ShardLinkMessage)
 
 
 def _engine_config(cfg: WorkerConfig) -> EngineConfig:

@@ -10,6 +10,7 @@ benches and `python -m services.launch` (the demo) use it; Ray Serve replicas ar
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -108,6 +109,7 @@ class LocalMesh:
             ready_endpoint=self._ready_endpoint, parent_pid=os.getpid(), num_blocks=t.num_blocks,
             block_size=t.block_size, attention_backend=t.attention_backend,
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
+            mesh_key=secrets.token_hex(32),
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
         placements = place_decode_groups(t.num_token, self.shards_per_group, cores)

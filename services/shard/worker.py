@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import structlog
 import torch
 import zmq
@@ -61,7 +62,7 @@ class ShardWorker:
         self.kv_in: TypedSocket[ShardIngress] = TypedSocket(kv, ShardIngress)
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
-        self.listener = UcxListener(ShardLinkMessage, host=cfg.host)
+        self.listener = UcxListener(ShardLinkMessage, cfg.host, bytes.fromhex(cfg.mesh_key))
         self.metrics = Metrics(model_name=cfg.model_name, engine=cfg.service_id)
         self._last_gauge = 0.0
         self.running = True
@@ -93,6 +94,10 @@ class ShardWorker:
             except ChannelClosed:
                 freed = self.shard.free_decoded()
                 log.warning("token engine link closed; its requests freed", freed=freed)
+                break
+            except msgspec.DecodeError:  # the stream may be misaligned now: drop the link
+                freed = self.shard.free_decoded()
+                log.exception("malformed message on the link; closing it", freed=freed)
                 break
             if isinstance(header, AttendBatch) and len(tensors) == 3:
                 self._answer(link, header, tensors)

@@ -5,10 +5,14 @@ errors, undocumented status codes and responses that do not match the documented
 router's context is capped (`max_model_len: 64`) so that each accepted request generates a few
 dozen tokens at most: the run stays within a couple of minutes on two cores. Afterwards the mesh
 still serves a normal request, and every engine and shard is back to idle.
+
+The same application checks what is closed by default: it runs with an API key (401 without it,
+`/health` open), and no socket PhaseMesh opens in its replicas listens beyond loopback.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import subprocess
 import sys
@@ -17,20 +21,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
-from tests.e2e.serve_process import REPO, ServeRun
+from tests.e2e.serve_process import REPO, ServeRun, descendants
 
 pytestmark = pytest.mark.timeout(600)
 
 MIN_CASES = 1000
+API_KEY = "fuzz-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
     run = ServeRun(REPO / "deploy" / "local.yaml", tmp_path_factory.mktemp("serve"),
-                   args={"max_model_len": 64})  # fmt: skip
+                   args={"max_model_len": 64, "api_key": API_KEY})  # fmt: skip
     try:
         run.start()
         yield run
@@ -47,6 +54,7 @@ def test_fuzzed_api_has_no_server_errors_and_matches_its_schema(
         "--checks", "not_a_server_error,status_code_conformance,response_schema_conformance",
         "--max-examples", "250", "--seed", "18", "--workers", "2",
         "--request-timeout", "120", "--no-color", "--generation-database", "none",
+        "--header", f"Authorization: Bearer {API_KEY}",
     ]  # fmt: skip
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=540)
     report = result.stdout + result.stderr
@@ -55,12 +63,46 @@ def test_fuzzed_api_has_no_server_errors_and_matches_its_schema(
     assert generated is not None and int(generated.group(1)) >= MIN_CASES, report[-3000:]
 
     # The mesh still serves, and holds nothing once the fuzzed requests are done.
-    response = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+    response = httpx.post(f"{server.base_url}/v1/completions", timeout=60, headers=AUTH,
                           json={"prompt": "hello", "max_tokens": 4, "temperature": 0})  # fmt: skip
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     deadline = time.monotonic() + 30
-    while (stats := httpx.get(f"{server.base_url}/stats", timeout=10).json())["num_requests"] or (
+    while (stats := httpx.get(f"{server.base_url}/stats", headers=AUTH).json())["num_requests"] or (
         stats["kv_blocks_used"]
     ):
         assert time.monotonic() < deadline, stats
         time.sleep(0.5)  # frees travel asynchronously: poll another process's state
+
+
+def test_api_key_is_required_except_for_health(server: ServeRun) -> None:
+    body = {"prompt": "hello", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(f"{server.base_url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    ok = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_phasemesh_sockets_listen_on_loopback_only(server: ServeRun) -> None:
+    """Every IPv4 socket listening in a PhaseMesh replica is on loopback (the config's mesh host):
+    ZeroMQ and UCX alike. Ray's own servers in the same processes (its core worker's gRPC, on
+    IPv6 any-address) are Ray's to configure and are left out."""
+    assert server.pid is not None
+    ours = []
+    for pid in descendants(server.pid):
+        try:
+            process = psutil.Process(pid)
+            if "ServeReplica:phasemesh:" not in " ".join(process.cmdline()):
+                continue
+            ours += [
+                c.laddr for c in process.net_connections(kind="inet4")
+                if c.status == psutil.CONN_LISTEN
+            ]  # fmt: skip
+        except psutil.Error:
+            continue  # exited meanwhile
+    # Router inbox 1; per engine 4 ZeroMQ + UCX; per shard 2 ZeroMQ + UCX (deploy/local.yaml).
+    assert len(ours) >= 1 + 2 * 4 + 2 * 2 + 2
+    assert all(ipaddress.ip_address(addr.ip).is_loopback for addr in ours), ours

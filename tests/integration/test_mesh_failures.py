@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+
+import msgspec
+import psutil
 import pytest
+import torch
 import zmq
 
-from common.protocol import SamplingSpec
+from common.config import EngineConfig
+from common.engine.core import LLMEngine
+from common.protocol import KvPages, SamplingSpec, TokenOutput
+from common.sampling import SamplingParams
 from common.transport.service_stats import request_stats
+from common.transport.tensor_frames import EnvelopeCodec
+from common.transport.zmq_sockets import PushPool
 from services.launch.local_mesh import LocalMesh, Topology
 from services.launch.test_client import MeshTestClient
+from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
+from tests.integration.test_transport import send_rogue_hellos
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +93,51 @@ def test_malformed_and_unknown_messages_are_dropped(mesh):
         sock.connect(endpoint)
         sock.send(b"\xc1 not msgpack")
         sock.close(linger=1000)
-    # Every service still serves: a request completes end to end, and stats still answer.
+    # Well-formed on the wire, wrong inside: a message of another socket's type, a tensor message
+    # cut short, KV pages whose tensors do not match their header, tensors of the wrong dtype.
+    pool: PushPool[object] = PushPool(ctx, object)
+    for endpoint in endpoints:
+        push = pool.get(endpoint)
+        push.send(TokenOutput("forged", [1], "stop"))
+        codec: EnvelopeCodec[object] = EnvelopeCodec(object)
+        kv = torch.zeros(1, 5, 1, 32)
+        pages = KvPages("evil", 0, 1, 5, 0, 1, total_layers=4)
+        push.sock.send_multipart([codec.encode(pages, [kv, kv]), b"\x00" * 7, b"\x00" * 7])
+        push.send_tensors(pages, [torch.zeros(3), torch.zeros(3)])  # shapes the KV cannot take
+        push.send_tensors(pages, [kv.to(torch.int64), kv.to(torch.int64)])
+    pool.close(linger_s=1.0)
+    for shard in mesh.shards:  # UCX: hellos that are not signed with the mesh's key
+        send_rogue_hellos(shard.link_address)
+    # Every service still serves: a request completes end to end with the single-process
+    # engine's tokens, and stats still answer.
+    prompt = random_prompts([70], 2048, seed=32)[0]
+    reference = LLMEngine(EngineConfig(mesh.topology.model_path), with_tokenizer=False)
+    [expected] = reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))
     client = MeshTestClient(mesh)
-    client.submit(
-        "after", random_prompts([70], 2048, seed=32)[0], SamplingSpec(max_tokens=8, temperature=0)
-    )
-    assert _finish_all(client, {"after"}) == {"after": "length"}
+    client.submit("after", prompt, SamplingSpec(max_tokens=8, temperature=0))
+    tokens: list[int] = []
+    while True:
+        out = client.recv(timeout=120)
+        tokens += out.token_ids
+        if out.finish_reason:
+            break
+    assert (tokens, out.finish_reason) == (expected, "length")
     _drain_until_idle(mesh)
+    assert all(proc.poll() is None for proc in mesh.procs)  # nothing died of it
+
+
+def test_every_mesh_socket_listens_on_loopback_only(mesh):
+    """The mesh is configured for 127.0.0.1: no ZeroMQ or UCX socket of any worker listens on
+    another address (before, UCX listened on every interface)."""
+    listening = [
+        (proc.pid, c.laddr)
+        for proc in mesh.procs
+        for c in psutil.Process(proc.pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    # ZeroMQ: 4 per engine and 2 per shard; UCX: at least one per shard and per link.
+    assert len(listening) >= 4 * 2 + 2 * 2 + 2
+    assert all(ipaddress.ip_address(addr.ip).is_loopback for _, addr in listening), listening
 
 
 def test_shard_outlives_its_token_engine_and_frees_its_requests(tiny_model_path):
@@ -149,3 +200,34 @@ def test_an_edge_value_request_does_not_harm_its_batch_mates(mesh, tiny_model_pa
     assert [tokens[f"g{i}"] for i in range(8)] == reference
     client.close()
     _drain_until_idle(mesh)
+
+
+def test_the_routers_inbox_drops_garbage_and_forgeries(mesh):
+    """Random bytes, a message of another socket's type and a `TokenOutput` for a request the
+    router never sent, pushed to a router's inbox: dropped; the router's own requests stream on
+    with the single-process engine's tokens."""
+    client = MeshEngineClient(mesh.topology.model_path, mesh.registry.live, refresh_s=0.1)
+    prompt = random_prompts([40], 2048, seed=34)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = LLMEngine(EngineConfig(mesh.topology.model_path), with_tokenizer=False)
+    [expected] = reference.generate([prompt], params)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(client.reply_endpoint)
+    sock.send(b"\x00\xff garbage")
+    sock.send(msgspec.msgpack.encode(KvPages("x", 0, 1, 1, 0, 1, total_layers=1)))
+    sock.send(msgspec.msgpack.encode(TokenOutput("not-a-request", [5], "stop")))
+    sock.send(msgspec.msgpack.encode(TokenOutput("inbox~7", [5], "", index=10**9)))
+    sock.close(linger=1000)
+
+    async def run() -> list[int]:
+        tokens: list[int] = []
+        async for out in client.generate("inbox", prompt, params):
+            tokens += out.new_token_ids
+        return tokens
+
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), 120)) == expected
+        assert client.inbox.thread.is_alive()
+    finally:
+        client.shutdown()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -43,6 +44,7 @@ class Stop(msgspec.Struct, tag="stop", tag_field="kind", array_like=True, gc=Fal
 
 
 Message = Ping | Load | Stop
+UCX_KEY = b"the mesh's key in these tests"
 
 
 class Unknown(msgspec.Struct, tag="unknown", tag_field="kind", array_like=True):
@@ -142,7 +144,7 @@ def tensor_echo(transport: str, queue: Any) -> None:
     if transport == "ucx":
         from common.transport.ucx_channel import UcxListener
 
-        listener = UcxListener(Message)
+        listener = UcxListener(Message, key=UCX_KEY)
         queue.put(listener.address)
         channel: Any = listener.accept(timeout=30)
     else:
@@ -290,7 +292,7 @@ def connect_tensor_channel(transport: str, address: str) -> Any:
     if transport == "ucx":
         from common.transport.ucx_channel import UcxTensorChannel
 
-        return UcxTensorChannel.connect(address, Message)
+        return UcxTensorChannel.connect(address, Message, key=UCX_KEY)
     return ZmqTensorChannel(address, Message, bind=False)
 
 
@@ -427,3 +429,74 @@ def test_zmq_socket_closes_cleanly() -> None:
     pool.close()
     pull.close()
     ctx.term()  # returns only when every socket is closed
+
+
+# ---- closed by default ----
+
+
+def send_rogue_hellos(address: str) -> None:
+    """What a hostile or broken peer could send to a listener's hello tag: random bytes, a hello
+    announcing a peer address longer than any, one larger than the hello buffer, and well-formed
+    hellos with a garbage peer address (which would abort the listener inside UCX), unsigned and
+    signed with the wrong key."""
+    import hashlib
+    import hmac
+
+    from common.transport import ucx_channel as ucx
+
+    worker = ucx.UcxWorker(ucx.net_device_for("127.0.0.1"))
+    remote = ucx.ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(address))
+    endpoint = ucx.ucx_api.UCXEndpoint.create_from_worker_address(worker.worker, remote, True)
+    rng = np.random.default_rng(0)
+    hellos = [
+        rng.integers(0, 256, 7, dtype=np.uint8).tobytes(),
+        ucx._HELLO.pack(1, 1 << 30),
+        rng.integers(0, 256, 10_000, dtype=np.uint8).tobytes(),
+        ucx._HELLO.pack(2, 40) + rng.integers(0, 256, 40, dtype=np.uint8).tobytes(),
+    ]
+    forged = ucx._HELLO.pack(3, 40) + rng.integers(0, 256, 40, dtype=np.uint8).tobytes()
+    hellos.append(forged + hmac.digest(b"not the mesh key", forged, hashlib.sha256))
+    tag = ucx.ucx_api.UCXXTag(ucx._HELLO_TAG)
+    buffers = [np.frombuffer(h, dtype=np.uint8).copy() for h in hellos]
+    worker.wait([endpoint.tag_send(ucx.Array(b), tag) for b in buffers], timeout=10)
+
+
+def test_ucx_listener_drops_rogue_hellos_and_serves_the_next_peer(
+    spawn: Callable[..., Any],
+) -> None:
+    address = started_endpoint(spawn, tensor_echo, "ucx")
+    send_rogue_hellos(address)
+    channel = connect_tensor_channel("ucx", address)  # accepted after every rogue hello
+    tensors = [torch.arange(12, dtype=torch.float32).reshape(3, 4)]
+    channel.send(Ping(seq=1), tensors)
+    header, echoed = channel.recv(timeout=30)
+    assert header == Ping(seq=1) and torch.equal(echoed[0], tensors[0])
+    channel.send(Stop())
+    channel.recv(timeout=30)
+    channel.close()
+
+
+def test_ucx_workers_listen_on_the_mesh_host_only() -> None:
+    import psutil
+
+    from common.transport.ucx_channel import UcxListener, UcxTensorChannel
+
+    listener = UcxListener(Message, host="127.0.0.1")
+    accepted: list[Any] = []
+    accepting = threading.Thread(target=lambda: accepted.append(listener.accept(timeout=30)))
+    accepting.start()  # the listener's worker must progress for the hello to complete
+    client = UcxTensorChannel.connect(listener.address, Message, host="127.0.0.1")
+    accepting.join(timeout=30)
+    assert accepted
+    listening = [
+        c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"
+    ]
+    assert len(listening) >= 2  # both workers listen (each side connects back to the other)
+    assert all(ipaddress_is_loopback(addr.ip) for addr in listening), listening
+    client.close()
+
+
+def ipaddress_is_loopback(ip: str) -> bool:
+    import ipaddress
+
+    return ipaddress.ip_address(ip).is_loopback

@@ -5,6 +5,7 @@ for time."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from common.block_manager import BlockManager
@@ -92,3 +93,20 @@ def test_a_claim_before_the_kv_arrives_keeps_it_off_the_lease():
     kv.receive(pages("early", 3), x, x)
     clock.now = 1000
     assert kv.expire_leases() == [] and kv.blocks.req_ids() == ["early"]
+
+
+def test_pages_that_do_not_fit_the_cache_raise_before_anything_is_kept():
+    kv = ingress()
+    good = torch.randn(LAYERS, 5, HEADS, DIM)
+    bad = [
+        (pages("a", 5), torch.randn(LAYERS, 5, HEADS + 1, DIM)),  # another head count
+        (pages("a", 5), torch.randn(LAYERS, 4, HEADS, DIM)),  # fewer tokens than announced
+        (pages("a", 5, layer=2, num_layers=2), good[:2]),  # past the last layer
+        (KvPages("a", 0, LAYERS, 5, 0, HEADS, total_layers=LAYERS + 1), good),
+        (pages("a", 5), good.to(torch.int64)),
+    ]
+    for header, k in bad:
+        with pytest.raises(ValueError, match="do not fit"):
+            kv.receive(header, k, k)
+    assert kv.blocks.num_used_blocks == 0 and not kv.has_ended("a")
+    assert kv.receive(pages("a", 5), good, good) is Landed.COMPLETE
