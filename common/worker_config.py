@@ -33,6 +33,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # The mesh's key (hex): every UCX hello between its services is signed with it, so a peer
     # without it is dropped before UCX reads anything it sent (common/transport/ucx_channel.py).
     mesh_key: str = ""
+    shard_reply_timeout_s: float = 30.0  # token engines: a shard link that stays silent this long
 
     @property
     def model_name(self) -> str:

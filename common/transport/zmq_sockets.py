@@ -104,7 +104,13 @@ def _tensor(dtype: str, shape: tuple[int, ...], frame: zmq.Frame) -> torch.Tenso
 
 
 class PushPool(Generic[HeaderT]):
-    """PUSH sockets to many endpoints, one per endpoint, created on first use."""
+    """PUSH sockets to many endpoints, one per endpoint, created on first use.
+
+    Their sends never block: a message that cannot be queued (the peer's queue is at its
+    high-water mark, 1000 messages: a peer that died or stopped reading) raises `zmq.Again` at
+    once. A caller decides what that peer's loss means; a loop that blocked there would freeze,
+    while the heartbeat thread beside it kept saying it was healthy.
+    """
 
     def __init__(self, ctx: zmq.Context, message_type: Any) -> None:
         self._ctx = ctx
@@ -116,6 +122,7 @@ class PushPool(Generic[HeaderT]):
         if sock is None:
             raw = self._ctx.socket(zmq.PUSH)
             raw.setsockopt(zmq.LINGER, 0)
+            raw.setsockopt(zmq.SNDTIMEO, 0)
             raw.connect(endpoint)
             sock = self._sockets[endpoint] = TypedSocket(raw, self._type)
         return sock

@@ -86,7 +86,7 @@ class Engine:
         self.kv_ingress = KvIngress(self.blocks, kv)
         self.runner = MeshModelRunner(
             self.model, kv, self.blocks, select_backend(config.attention_backend),
-            shard_links=shard_links, head_ranges=[(s.head_start, s.head_end) for s in shards],
+            shard_links=shard_links, shards=shards,
         )  # fmt: skip
         self.shards = tuple(shards)  # the group the runner's links reach, in head order
         self.kv_send = kv_send
@@ -195,11 +195,23 @@ class Engine:
         self.routing.pop(req_id, None)
         return frees
 
+    def undelivered_handoff(self, handoff: DecodeHandoff) -> Outbox:
+        """A hand-off its token engine would not take (gone, or not reading): the router re-runs
+        the request, and its shards' KV is freed (a local-KV engine's lease frees its own)."""
+        error = TokenOutput(handoff.req_id, [], "error", handoff.num_prompt_tokens,
+                            error=f"engine {self.engine_id}: its token engine is unreachable",
+                            retryable=True)  # fmt: skip
+        return Outbox.output(handoff.reply_to, error) + Outbox.free(
+            handoff.req_id, kv_endpoints(handoff.shards)
+        )
+
     def fail_all(self, error: str) -> Outbox:
-        """A step failed (a shard died, say): end every request here with the error, free all."""
+        """A step failed, for no one request's fault (a shard answered with an error, a kernel
+        raised): end every request here, retryably, and free all. The router re-runs each from
+        its tokens (the self-healing path), at most `max_migrations` times."""
         out = Outbox()
         for req_id in list(self.routing):
-            out += self._end(req_id, error)
+            out += self._end(req_id, error, retryable=True)
         return out
 
     def _end(self, req_id: str, error: str, retryable: bool = False) -> Outbox:
@@ -227,7 +239,7 @@ class Engine:
             out += self._end(req_id, error, retryable=True)
         self.shards = tuple(shards)
         self.runner.shard_links = list(links)
-        self.runner.head_ranges = [(s.head_start, s.head_end) for s in shards]
+        self.runner.shards = list(shards)
         log.warning("shard group relinked", engine=self.engine_id, reason=reason,
                     num_failed=len(tied), shards=[s.service_id for s in shards])  # fmt: skip
         return out

@@ -28,13 +28,24 @@ from common.protocol import AttendBatch, KvPages, ShardAddress
 from common.scheduling.batching import Batch, Phase, Sequence
 from common.transport.tensor_frames import ReceiveInto
 
+# How long a decode step waits for a shard's reply to one layer before it gives the link up: a
+# stopped or partitioned shard must not hang its token engine (docs/failures.md).
+SHARD_REPLY_TIMEOUT_S = 30.0
+
 
 class ShardLink(Protocol):
     """A token engine's connection to one attention shard (UCX or ZeroMQ underneath)."""
 
     def send_async(self, header: Any, tensors: Seq[torch.Tensor]) -> Any: ...
-    def wait(self, handle: Any) -> Any: ...
-    def recv(self, out: ReceiveInto = None) -> tuple[Any, list[torch.Tensor]]: ...
+    def wait(self, handle: Any, timeout: float | None = ...) -> Any: ...
+    def recv(
+        self, out: ReceiveInto = None, timeout: float | None = ...
+    ) -> tuple[Any, list[torch.Tensor]]: ...
+
+
+class ShardLinkFault(RuntimeError):
+    """A shard link can no longer be trusted: a reply did not come in time, or came for another
+    step or layer. Its worker reconnects the group (stale replies go with the old channel)."""
 
 
 KvSend = Callable[[str, KvPages, torch.Tensor, torch.Tensor], None]  # (endpoint, header, k, v)
@@ -137,12 +148,14 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self,
         *args: Any,
         shard_links: Seq[ShardLink] = (),
-        head_ranges: Seq[tuple[int, int]] = (),
+        shards: Seq[ShardAddress] = (),
         **kwargs: Any,
     ) -> None:
+        """`shard_links[i]` reaches `shards[i]`, the group's members in head order."""
         super().__init__(*args, **kwargs)
         self.shard_links = list(shard_links)
-        self.head_ranges = list(head_ranges)
+        self.shards = list(shards)
+        self.reply_timeout_s = SHARD_REPLY_TIMEOUT_S
 
     def plan_prefill(
         self, batch: Batch, token_ids: dict[str, list[int]], kv_shipper: KvShipper | None = None
@@ -206,7 +219,8 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         n = inputs.num_local
         group = q.shape[1] // k.shape[1]
         in_flight = []
-        for i, (link, (h0, h1)) in enumerate(zip(self.shard_links, self.head_ranges, strict=True)):
+        for i, (link, shard) in enumerate(zip(self.shard_links, self.shards, strict=True)):
+            h0, h1 = shard.head_start, shard.head_end
             header = AttendBatch(sharded.step, layer)
             if layer == 0:
                 header.req_ids, header.context_lens = sharded.req_ids, sharded.context_lens
@@ -219,14 +233,29 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         lse = torch.empty(q.shape[:2], dtype=torch.float32)  # the engine has no use for it
         if n:
             out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
+        # Every shard's reply is read before anything is raised: one left queued would be taken
+        # for the next step's. Each reply must answer this step and layer; anything else is a
+        # fault of the link, never data.
+        errors, faults = [], []
         for i, link, heads, handle, sent_at in in_flight:
-            link.wait(handle)
-            # Each shard's heads land in place in `out`, without a staging tensor.
-            result, _ = link.recv(out=[out[n:, heads], lse[n:, heads]])
+            try:
+                link.wait(handle, self.reply_timeout_s)
+                # Each shard's heads land in place in `out`, without a staging tensor.
+                result, _ = link.recv([out[n:, heads], lse[n:, heads]], self.reply_timeout_s)
+            except TimeoutError:
+                faults.append(f"shard {i}: no reply in {self.reply_timeout_s} s")
+                continue
             if inputs.round_trips is not None:
                 inputs.round_trips.append((i, time.perf_counter() - sent_at))
-            if result.error:
-                raise RuntimeError(f"attention shard failed: {result.error}")
+            if (result.step, result.layer) != (sharded.step, layer):
+                faults.append(f"shard {i}: reply for step {result.step} layer {result.layer}, "
+                              f"expected step {sharded.step} layer {layer}")  # fmt: skip
+            elif result.error:
+                errors.append(f"shard {i}: {result.error}")
+        if faults:
+            raise ShardLinkFault("; ".join(faults))
+        if errors:
+            raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
         return out
 
     def _attend_local(

@@ -37,6 +37,7 @@ from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.engine.engine import Engine, EngineRole
 from services.engine.outbox import Outbox
+from services.engine.runner import ShardLinkFault
 from services.engine.telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
@@ -73,8 +74,11 @@ class EngineWorker:
             cfg.service_id, role, _engine_config(cfg), self._send_kv,
             list(self.links.values()), cfg.shards, telemetry,
         )  # fmt: skip
+        self.engine.runner.reply_timeout_s = cfg.shard_reply_timeout_s
         self.running = True
+        self.last_pass = time.monotonic()
         self._last_report = 0.0
+        self._unreachable: set[str] = set()  # endpoints already warned about
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -89,13 +93,16 @@ class EngineWorker:
         )  # fmt: skip
 
     def _send_kv(self, endpoint: str, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv_push.get(endpoint).send_tensors(pages, [k, v])
+        # KV that cannot be sent is dropped: its decode step fails on the shard (KV_WAIT_S), and
+        # the request is re-run elsewhere.
+        self._delivered(endpoint, pages, tensors=[k, v])
 
     def run(self) -> None:
         poller = zmq.Poller()
         for sock in (self.commands.sock, self.kv_in.sock, self.control.sock):
             poller.register(sock, zmq.POLLIN)
         while self.running:
+            self.last_pass = time.monotonic()  # health is progress (services/mesh/replica.py)
             poller.poll(0 if self.engine.has_work() else IDLE_POLL_MS)
             self._drain()
             if self.engine.has_work():
@@ -111,6 +118,15 @@ class EngineWorker:
             # the router; this engine decodes locally until it is told of a whole group again.
             log.error("shard link lost; dropping the shard group", error=repr(exc))
             self._relink([], "a shard of its group stopped answering")
+        except ShardLinkFault as exc:
+            # A late or stale reply: the links cannot be trusted, the shards may be fine. Fresh
+            # channels to the same group (a shard that does not answer a new link either is
+            # dropped with the group); the group's requests are re-run by the router.
+            log.error("shard link fault; reconnecting the shard group", error=repr(exc))
+            for link in self.links.values():
+                link.close()
+            self.links.clear()
+            self._relink(list(self.engine.shards), f"its shard links failed: {exc}")
         except Exception as exc:  # noqa: BLE001 - fail the requests, keep the service alive
             log.exception("engine step failed; failing its requests")
             self._send(self.engine.fail_all(f"engine {self.cfg.service_id}: {exc!r}"))
@@ -167,13 +183,39 @@ class EngineWorker:
         elif isinstance(msg, Shutdown):
             self.running = False
 
-    def _send(self, outbox: Outbox) -> None:
+    def _send(self, outbox: Outbox, retry: bool = True) -> None:
+        """Send without ever blocking the loop (`PushPool`). What a peer cannot take means it is
+        gone or stopped reading: a router's request is aborted here (its KV freed), a token
+        engine's hand-off goes back to the router as a retryable error, and a free is left to
+        the shard's lease."""
+        fallout = Outbox()
         for endpoint, output in outbox.outputs:
-            self.push.get(endpoint).send(output)
+            if not self._delivered(endpoint, output):
+                fallout += self.engine.on_abort(output.req_id)
         for endpoint, handoff in outbox.handoffs:
-            self.push.get(endpoint).send(handoff)
+            if not self._delivered(endpoint, handoff):
+                fallout += self.engine.undelivered_handoff(handoff)
         for endpoint, free in outbox.frees:  # KV-ingress sockets take tensor messages only
-            self.kv_push.get(endpoint).send_tensors(free, [])
+            self._delivered(endpoint, free, tensors=[])
+        if fallout and retry:
+            self._send(fallout, retry=False)
+
+    def _delivered(
+        self, endpoint: str, message: object, tensors: list[torch.Tensor] | None = None
+    ) -> bool:
+        """Queue `message` for `endpoint` (on its KV-ingress socket when it has `tensors`)."""
+        try:
+            if tensors is None:
+                self.push.get(endpoint).send(message)
+            else:
+                self.kv_push.get(endpoint).send_tensors(message, tensors)  # type: ignore[arg-type]
+        except zmq.Again:
+            if endpoint not in self._unreachable:
+                self._unreachable.add(endpoint)
+                log.warning("peer not taking messages; dropping what is for it", endpoint=endpoint)
+            return False
+        self._unreachable.discard(endpoint)
+        return True
 
     def _tick(self) -> None:
         now = time.monotonic()

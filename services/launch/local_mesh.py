@@ -52,6 +52,7 @@ class Topology:
     # PHASEMESH_OTEL_EXPORTER for every service ("" keeps this process's environment);
     # `{service_id}` is replaced, so `jsonl:/tmp/t/{service_id}.jsonl` gives each its own file.
     otel_exporter: str = ""
+    shard_reply_timeout_s: float = 30.0  # a token engine gives a silent shard link up after this
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
@@ -109,7 +110,7 @@ class LocalMesh:
             ready_endpoint=self._ready_endpoint, parent_pid=os.getpid(), num_blocks=t.num_blocks,
             block_size=t.block_size, attention_backend=t.attention_backend,
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
-            mesh_key=secrets.token_hex(32),
+            mesh_key=secrets.token_hex(32), shard_reply_timeout_s=t.shard_reply_timeout_s,
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
         placements = place_decode_groups(t.num_token, self.shards_per_group, cores)

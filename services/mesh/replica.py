@@ -37,6 +37,10 @@ from services.shard.worker import ShardWorker
 
 log = structlog.get_logger(__name__)
 
+# A worker loop that has not made a pass for this long is unhealthy: longer than any one step
+# (a 2048-token prefill, a shard round trip's 30 s timeout), far shorter than forever.
+STALL_S = 120.0
+
 ALL_CLAIMED_SETTLE_S = 3.0  # every live shard claimed for this long: stop waiting for a group
 CLAIM_RETRY_S = 0.5
 DRAIN_POLL_S = 0.1
@@ -76,6 +80,12 @@ class WorkerThread:
 
     def alive(self) -> bool:
         return self.thread.is_alive()
+
+    def stalled_s(self) -> float:
+        """How long the worker's loop has gone without a pass (0 while it is starting)."""
+        if self.worker is None:
+            return 0.0
+        return time.monotonic() - self.worker.last_pass
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.worker is not None:
@@ -141,6 +151,12 @@ class MeshReplica:
         """Raise if the worker thread died or the registry has not heard from us lately."""
         if not self.worker.alive():
             raise RuntimeError(f"{self.membership.entry.service_id}: the worker thread died")
+        # Health means progress: a loop frozen (a deadlock, a wait without a deadline) fails
+        # here although the heartbeat thread beside it goes on.
+        if (stalled := self.worker.stalled_s()) > STALL_S:
+            raise RuntimeError(
+                f"{self.membership.entry.service_id}: its loop has not moved for {stalled:.0f} s"
+            )
         if not self.membership.healthy():
             raise RuntimeError(f"{self.membership.entry.service_id}: registry heartbeat is stale")
 

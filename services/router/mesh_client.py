@@ -235,6 +235,10 @@ class MeshEngineClient:
         )  # fmt: skip
         try:
             self._send(prompt.command_endpoint, msg)
+        except zmq.Again as exc:  # its queue is full: it died or stopped reading
+            self._release(req_id)
+            raise Unavailable("engine_unreachable", f"prompt engine {prompt.service_id} is not "
+                              "taking requests") from exc  # fmt: skip
         except BaseException:
             self._release(req_id)  # admitted but never sent: its slot must not leak
             raise
@@ -311,7 +315,10 @@ class MeshEngineClient:
             live = {e.service_id for e in self._services}
         for engine in (stream.prompt_engine, stream.token_engine):
             if engine is not None and engine.service_id in live:
-                self._send(engine.command_endpoint, AbortRequest(wire_id))
+                try:
+                    self._send(engine.command_endpoint, AbortRequest(wire_id))
+                except zmq.Again:  # not reading: it frees on its own when it goes
+                    log.warning("abort not delivered", engine=engine.service_id, req_id=wire_id)
 
     def _send(self, endpoint: str, msg: EngineCommand) -> None:
         with self._push_lock:

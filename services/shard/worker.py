@@ -66,6 +66,7 @@ class ShardWorker:
         self.metrics = Metrics(model_name=cfg.model_name, engine=cfg.service_id)
         self._last_gauge = 0.0
         self.running = True
+        self.last_pass = time.monotonic()  # the attention loop's; health is progress
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -87,6 +88,7 @@ class ShardWorker:
         token engine (a restarted replica) to connect.
         """
         while self.running:
+            self.last_pass = time.monotonic()
             try:
                 header, tensors = link.recv(timeout=POLL_S)
             except TimeoutError:
@@ -107,6 +109,7 @@ class ShardWorker:
 
     def _accept(self) -> UcxTensorChannel[ShardLinkMessage] | None:
         while self.running:
+            self.last_pass = time.monotonic()
             try:
                 return self.listener.accept(timeout=POLL_S)
             except TimeoutError:

@@ -1,0 +1,107 @@
+"""No hangs: a peer that dies or stops never freezes the process that talks to it.
+
+- A router that goes away mid-stream: its token engine keeps decoding for others. Its sends to the
+  dead router's socket never block (they would, once ZeroMQ's queue of 1000 messages was full);
+  when that queue is full the engine aborts the request and frees its KV.
+- A shard that is stopped (SIGSTOP) mid-decode: its token engine gives the link up after
+  `shard_reply_timeout_s` instead of waiting forever; the requests are re-run by the router and
+  finish with the single-process engine's tokens.
+
+Every wait has a deadline; real processes, sockets and UCX links.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from common.config import EngineConfig
+from common.engine.core import LLMEngine
+from common.protocol import SamplingSpec
+from common.sampling import SamplingParams
+from services.launch.local_mesh import LocalMesh, Topology
+from services.launch.test_client import MeshTestClient
+from services.router.mesh_client import MeshEngineClient
+from tests.conftest import random_prompts
+from tests.integration.mesh_helpers import assert_no_kv_held
+
+
+@pytest.fixture
+def mesh(tiny_model_path: Path) -> Iterator[LocalMesh]:
+    topology = Topology(str(tiny_model_path), num_shards=2, shard_reply_timeout_s=3.0)
+    mesh = LocalMesh.start(topology)
+    yield mesh
+    mesh.close()
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
+        time.sleep(0.2)  # polling other processes' state
+
+
+def reference(model_path: str, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model_path), with_tokenizer=False)
+    return engine.generate(prompts, SamplingParams(max_tokens=num_tokens, temperature=0.0,
+                                                   ignore_eos=True))  # fmt: skip
+
+
+def test_a_dead_router_neither_freezes_its_engines_nor_leaks(mesh: LocalMesh) -> None:
+    dead = MeshTestClient(mesh)
+    long = SamplingSpec(max_tokens=2500, temperature=0.0, ignore_eos=True)
+    dead.submit("orphan", random_prompts([20], 2048, seed=41)[0], long)
+    dead.recv(timeout=60)  # decoding now
+    dead.replies.close()  # the router is gone; its socket with it
+
+    # The orphan's outputs fill the dead socket's queue (1000 messages); then the engine drops
+    # the request. Before, its loop blocked on that send for good.
+    wait_for(lambda: all(s.num_requests == 0 for s in mesh.stats()), 120, "idle")
+    prompt = random_prompts([30], 2048, seed=42)[0]
+    [expected] = reference(mesh.topology.model_path, [prompt], 12)
+    alive = MeshTestClient(mesh)
+    alive.submit("alive", prompt, SamplingSpec(max_tokens=12, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
+    while not (out := alive.recv(timeout=60)).finish_reason:
+        tokens += out.token_ids
+    assert tokens + out.token_ids == expected
+    wait_for(lambda: all(s.num_requests == 0 for s in mesh.stats()), 30, "idle")
+    assert_no_kv_held(mesh)
+
+
+def test_a_stopped_shard_does_not_hang_its_token_engine(mesh: LocalMesh) -> None:
+    prompts = random_prompts([25, 60, 40], 2048, seed=43)
+    expected = reference(mesh.topology.model_path, prompts, 40)
+    shard = next(w for w in mesh.workers.values() if w.service_id == mesh.shards[1].service_id)
+    client = MeshEngineClient(mesh.topology.model_path, mesh.registry.live, refresh_s=0.1)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[list[int]]:
+        started = asyncio.Event()
+        counts = [0] * len(prompts)
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            tokens: list[int] = []
+            async for out in client.generate(f"s{i}", prompt, params):
+                tokens += out.new_token_ids
+                counts[i] = len(tokens)
+                if min(counts) >= 5:
+                    started.set()
+            return tokens
+
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        await asyncio.wait_for(started.wait(), 120)
+        os.kill(shard.proc.pid, signal.SIGSTOP)
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), 180))
+
+    try:
+        assert asyncio.run(run()) == expected
+    finally:
+        os.kill(shard.proc.pid, signal.SIGCONT)
+        client.shutdown()

@@ -1,0 +1,91 @@
+"""A token engine's per-layer shard round trips (`MeshModelRunner._attend_split`): every shard's
+reply is read before anything is raised, a reply for another step or layer is a link fault (never
+data), and so is a reply that does not come. The links here are in-memory stand-ins that answer
+as told; the real UCX round trip is covered by the mesh tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from common.protocol import AttendBatch, AttendResult, ShardAddress
+from common.scheduling.batching import Phase
+from services.engine.runner import MeshModelRunner, ShardedRows, ShardLinkFault, StepPlan
+
+N, HQ, HKV, D = 3, 4, 2, 8
+
+
+class ScriptedLink:
+    """Answers each send with the reply its script says: 'ok', 'stale', 'error' or 'silent'."""
+
+    def __init__(self, script: str, value: float) -> None:
+        self.script, self.value = script, value
+        self.sent: list[AttendBatch] = []
+        self.received = 0
+
+    def send_async(self, header: AttendBatch, tensors: Any) -> None:
+        self.sent.append(header)
+
+    def wait(self, handle: Any, timeout: float | None = None) -> None:
+        pass
+
+    def recv(self, out: Any = None, timeout: float | None = None) -> tuple[AttendResult, list]:
+        self.received += 1
+        if self.script == "silent":
+            raise TimeoutError
+        header = self.sent[-1]
+        out[0].fill_(self.value)
+        step = header.step - 1 if self.script == "stale" else header.step
+        error = "boom" if self.script == "error" else ""
+        return AttendResult(step, header.layer, error), out
+
+
+def attend(*scripts: str) -> tuple[torch.Tensor, list[ScriptedLink]]:
+    links = [ScriptedLink(s, float(i + 1)) for i, s in enumerate(scripts)]
+    shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(len(links))]
+    runner = MeshModelRunner(None, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
+    rows = ShardedRows(step=7, req_ids=["a", "b", "c"], context_lens=[5, 6, 7])
+    plan = StepPlan(
+        Phase.DECODE, rows.req_ids, torch.zeros(N), torch.zeros(N), torch.zeros(0), [1] * N,
+        torch.zeros(0, 1), torch.zeros(0), torch.arange(N), num_local=0, sharded=rows,
+    )  # fmt: skip
+    q, kv = torch.randn(N, HQ, D), torch.randn(N, HKV, D)
+    return runner._attend_split(0, q, kv, kv.clone(), plan, rows), links
+
+
+def test_each_shards_heads_land_in_place():
+    out, _ = attend("ok", "ok")
+    group = HQ // HKV
+    assert torch.all(out[:, :group] == 1.0) and torch.all(out[:, group:] == 2.0)
+
+
+@pytest.mark.parametrize(
+    ("scripts", "raised"),
+    [
+        (("stale", "ok"), ShardLinkFault),
+        (("ok", "silent"), ShardLinkFault),
+        (("error", "ok"), RuntimeError),
+        (("error", "stale"), ShardLinkFault),  # a link fault wins: the links go, not only a step
+    ],
+)
+def test_every_reply_is_read_before_a_fault_is_raised(scripts, raised):
+    with pytest.raises(raised) as info:
+        attend(*scripts)
+    if raised is RuntimeError:
+        assert not isinstance(info.value, ShardLinkFault)
+
+
+def test_a_stale_reply_leaves_no_reply_queued():
+    links = [ScriptedLink("stale", 1.0), ScriptedLink("ok", 2.0)]
+    shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(2)]
+    runner = MeshModelRunner(None, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
+    rows = ShardedRows(step=3, req_ids=["a"], context_lens=[4])
+    plan = StepPlan(Phase.DECODE, ["a"], torch.zeros(1), torch.zeros(1), torch.zeros(0), [1],
+                    torch.zeros(0, 1), torch.zeros(0), torch.arange(1), num_local=0,
+                    sharded=rows)  # fmt: skip
+    kv = torch.randn(1, HKV, D)
+    with pytest.raises(ShardLinkFault, match="step 2 layer 0, expected step 3"):
+        runner._attend_split(0, torch.randn(1, HQ, D), kv, kv.clone(), plan, rows)
+    assert [link.received for link in links] == [1, 1]  # the good shard's reply was read too
