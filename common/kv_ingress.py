@@ -81,6 +81,7 @@ class KvIngress:
                     self.blocks.allocate(pages.req_id, pages.num_tokens)
                 except NoFreeBlocksError:
                     self._end(pages.req_id, Landed.REFUSED)
+                    self.lock.notify_all()  # a decode step waiting for it fails now, not later
                     return Landed.REFUSED
                 if pages.req_id not in self._claimed:
                     self._unclaimed[pages.req_id] = self.clock()
@@ -126,7 +127,10 @@ class KvIngress:
         """Whether all of `req_id`'s KV landed within `timeout` (KV and the decode step that needs
         it travel on different sockets; the step may win the race)."""
         with self.lock:
-            return self.lock.wait_for(lambda: self.is_complete(req_id), timeout=timeout)
+            landed = self.lock.wait_for(
+                lambda: self.is_complete(req_id) or req_id in self._ended, timeout=timeout
+            )
+            return bool(landed) and self.is_complete(req_id)
 
     def claim(self, req_id: str) -> None:
         """Whoever will free `req_id` knows of it now: its KV is no longer on a lease."""

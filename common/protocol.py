@@ -222,6 +222,9 @@ class AttendResult(_Msg, tag="attend_result"):
     step: int
     layer: int
     error: str = ""
+    # Requests of the step this shard could not attend for (their KV was refused, never came, or
+    # could not grow): their rows are meaningless; the token engine ends each one alone.
+    failed: list[str] = []
 
 
 ShardLinkMessage = AttendBatch | AttendResult

@@ -4,7 +4,9 @@ A `DecodeHandoff` waits, first come first served, until its KV is in place:
 
 - with a shard group: until the group has room for the request's whole length. Shards cannot
   preempt, so the engine reserves `prompt + max_tokens` up front in its mirror of the shards'
-  block accounting (`shard_blocks`), and the request decodes against the shards from then on;
+  block accounting (`shard_blocks`), and the request decodes against the shards from then on.
+  Waiting hand-offs' prompts are on the shards already: they count against the room the engine
+  reports (`free_shard_blocks`), so the router stops sending it more than the group can hold;
 - without: until every layer of its KV has landed in this engine's own cache (its `KvIngress`
   says so); it then joins the engine's local scheduler, which may preempt it like any local request.
 """
@@ -28,6 +30,13 @@ class DecodeAdmission:
 
     def add(self, handoff: DecodeHandoff) -> None:
         self.waiting.append(handoff)
+
+    def free_shard_blocks(self) -> int:
+        """The group's blocks neither reserved nor holding a waiting hand-off's prompt."""
+        held = sum(
+            self.shard_blocks.blocks_needed(len(h.token_ids)) for h in self.waiting if h.shards
+        )
+        return max(self.shard_blocks.num_free_blocks - held, 0)
 
     def admit(self, local: BatchScheduler, kv_complete: Callable[[str], bool]) -> list[str]:
         """Start every handoff at the head of the queue whose KV is in place; returns their ids.

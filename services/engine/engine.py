@@ -58,6 +58,11 @@ from services.engine.telemetry import EngineTelemetry
 log = structlog.get_logger(__name__)
 
 
+class ShardRowFailed(RuntimeError):
+    """A shard could not attend for one request (its KV there was refused or lost): that request
+    is re-run elsewhere, its batch-mates go on."""
+
+
 class Engine:
     """Prefill and/or decode for the mesh; see the module docstring."""
 
@@ -322,6 +327,8 @@ class Engine:
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
         for seq, token in zip(sharded, sampled[len(local) :], strict=True):
             seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1
+            if seq.req_id in plan.failed:  # a shard could not attend for it: it alone is re-run
+                token = ShardRowFailed(f"a shard of engine {self.engine_id} lost its KV")
             out += self._emit(seq.req_id, token)
         return out
 
@@ -354,7 +361,8 @@ class Engine:
             result = req.append(token, tokenizer=None)
         except Exception as exc:  # noqa: BLE001 - this request's fault: its batch-mates go on
             log.warning("request failed", req_id=req_id, error=repr(exc))
-            return self._end(req_id, f"request failed: {exc!r}")
+            retryable = isinstance(exc, ShardRowFailed)  # the mesh's fault, not the request's
+            return self._end(req_id, f"request failed: {exc!r}", retryable=retryable)
         reason = result.finish_reason.value if result.finish_reason else ""
         self.telemetry.token(req_id)
         index = len(req.output_token_ids) - 1
@@ -417,7 +425,10 @@ class Engine:
             ),
             num_running=len(self.local.running) + len(self.admission.sharded),
             num_waiting=self.ship_queue.num_unfinished + len(self.admission.waiting),
-            free_kv_blocks=self.blocks.num_free_blocks,
+            # Where its decode KV lives: the shard group (as this engine accounts it) or its own.
+            free_kv_blocks=self.admission.free_shard_blocks()
+            if self.shards
+            else self.blocks.num_free_blocks,
             time=now,
             shard_endpoints=kv_endpoints(self.shards),
         )

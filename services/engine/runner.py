@@ -132,13 +132,16 @@ class StepPlan(StepInputs):
 
     Prefill: `kv_shipper` (if any) sends each layer's k/v on. Decode: rows `[0, num_local)` attend
     over this engine's cache, `sharded` (if any) on the shard group; `round_trips`, when a list,
-    collects (shard index, seconds from send to reply) per shard and layer, for telemetry.
+    collects (shard index, seconds from send to reply) per shard and layer, for telemetry. After
+    the run, `failed` names the sharded requests a shard could not attend for (their tokens are
+    meaningless: each ends alone).
     """
 
     num_local: int = 0
     sharded: ShardedRows | None = None
     kv_shipper: KvShipper | None = None
     round_trips: list[tuple[int, float]] | None = None
+    failed: set[str] = field(default_factory=set)
 
 
 class MeshModelRunner(ModelRunner[StepPlan]):
@@ -252,6 +255,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
                               f"expected step {sharded.step} layer {layer}")  # fmt: skip
             elif result.error:
                 errors.append(f"shard {i}: {result.error}")
+            inputs.failed.update(result.failed)
         if faults:
             raise ShardLinkFault("; ".join(faults))
         if errors:

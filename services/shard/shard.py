@@ -54,6 +54,7 @@ class _StepTables:
     block_tables: torch.Tensor  # [N, max_blocks] int32
     context_lens: torch.Tensor  # [N] int32
     slot_mapping: torch.Tensor  # [N] where this step's k/v go
+    failed: list[str]  # requests of the step whose rows point at the scratch block
 
 
 class AttentionShard:
@@ -72,9 +73,12 @@ class AttentionShard:
         self.spec = spec
         self.backend = backend
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
+        # One block more than the accounting knows: the scratch block a failed request's row
+        # reads and writes, so that it never touches another request's KV.
+        self.scratch_block = spec.num_blocks
         self.kv = KVCache(
             spec.num_layers,
-            spec.num_blocks,
+            spec.num_blocks + 1,
             spec.block_size,
             spec.num_kv_heads,
             spec.head_dim,
@@ -119,13 +123,14 @@ class AttentionShard:
 
     def attend(
         self, batch: AttendBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this step's k/v for every request in the batch, then attend (out, lse)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """Append this step's k/v for every request in the batch, then attend: (out, lse, the
+        requests this shard could not attend for, whose rows are meaningless)."""
         step = self._step
         if step is None or batch.layer == 0 or step.step != batch.step:
             step = self._step = self._prepare_step(batch)
         self.kv.write(batch.layer, k, v, step.slot_mapping)
-        return self.backend.decode(
+        out, lse = self.backend.decode(
             q,
             self.kv.key[batch.layer],
             self.kv.value[batch.layer],
@@ -133,28 +138,44 @@ class AttentionShard:
             step.context_lens,
             self.spec.scale,
         )
+        return out, lse, step.failed
 
     def _prepare_step(self, batch: AttendBatch) -> _StepTables:
         """Block tables and slots for a step, built once on layer 0 and reused by every layer."""
         if not batch.req_ids:
             raise ValueError(f"step {batch.step} starts at layer {batch.layer} without req_ids")
+        # A request this shard cannot attend for (its KV refused, missing, or out of room to
+        # grow) fails alone: its row points at the scratch block and it is named in `failed`.
+        failed: list[str] = []
         with self.ingress.lock:
-            for req_id in batch.req_ids:
-                if not self.ingress.wait_complete(req_id, KV_WAIT_S):
-                    raise TimeoutError(
-                        f"shard {self.shard_id}: KV of {req_id} did not arrive in {KV_WAIT_S} s"
-                    )
-                self.ingress.claim(req_id)
             for req_id, ctx in zip(batch.req_ids, batch.context_lens, strict=True):
-                self.blocks.grow(req_id, ctx)
-            tables = [self.blocks.block_table(r) for r in batch.req_ids]
-            pairs = zip(batch.req_ids, batch.context_lens, strict=True)
-            slots = [self.blocks.slot(r, ctx - 1) for r, ctx in pairs]
+                if not self.ingress.wait_complete(req_id, KV_WAIT_S):
+                    why = "refused (no room)" if self.ingress.was_refused(req_id) else "missing"
+                    log.warning("request's KV unusable", shard=self.shard_id, req_id=req_id,
+                                why=why)  # fmt: skip
+                    failed.append(req_id)
+                    continue
+                self.ingress.claim(req_id)
+                try:
+                    self.blocks.grow(req_id, ctx)
+                except NoFreeBlocksError:
+                    log.warning("no room to grow", shard=self.shard_id, req_id=req_id)
+                    failed.append(req_id)
+            scratch = [self.scratch_block]
+            rows = list(zip(batch.req_ids, batch.context_lens, strict=True))
+            tables = [scratch if r in failed else self.blocks.block_table(r) for r, _ in rows]
+            context_lens = [1 if r in failed else ctx for r, ctx in rows]
+            size = self.spec.block_size
+            slots = [
+                self.scratch_block * size if r in failed else self.blocks.slot(r, ctx - 1)
+                for r, ctx in rows
+            ]
         return _StepTables(
             batch.step,
             pad_block_tables(tables),  # one tensor op, not one per row: this is on the step's path
-            torch.tensor(batch.context_lens, dtype=torch.int32),
+            torch.tensor(context_lens, dtype=torch.int32),
             torch.tensor(slots, dtype=torch.long),
+            failed,
         )
 
     # -- reporting ------------------------------------------------------------------------------

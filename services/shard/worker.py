@@ -120,8 +120,8 @@ class ShardWorker:
         self, link: UcxTensorChannel[ShardLinkMessage], batch: AttendBatch, qkv: list[torch.Tensor]
     ) -> None:
         try:
-            out, lse = self.shard.attend(batch, *qkv)
-            link.send(AttendResult(batch.step, batch.layer), [out, lse])
+            out, lse, failed = self.shard.attend(batch, *qkv)
+            link.send(AttendResult(batch.step, batch.layer, failed=failed), [out, lse])
         except Exception as exc:  # noqa: BLE001 - the engine must get an answer, not a hang
             log.exception("attention failed", step=batch.step, layer=batch.layer)
             n, hq, d = qkv[0].shape

@@ -32,9 +32,12 @@ def test_sharded_requests_reserve_their_whole_length_and_wait_in_order():
     admission.add(handoff("a", tokens=20, max_tokens=20, sharded=True))  # 40 -> 3 blocks
     admission.add(handoff("b", tokens=10, max_tokens=10, sharded=True))  # 20 -> 2 blocks
     admission.add(handoff("c", tokens=1, max_tokens=1, sharded=True))  # fits, but comes after b
+    # Waiting prompts are on the shards already: the room reported excludes them.
+    assert admission.free_shard_blocks() == 4 - 2 - 1 - 1
     assert admission.admit(local_scheduler(), nothing_landed) == ["a"]
     assert [h.req_id for h in admission.waiting] == ["b", "c"]
     assert admission.shard_blocks.num_used_blocks == 3
+    assert admission.free_shard_blocks() == 0
     seq = admission.sharded[0]
     assert (seq.num_tokens, seq.num_computed) == (20, 19)  # its last token is decoded next
     admission.remove("a")  # finished

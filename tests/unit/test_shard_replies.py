@@ -39,10 +39,11 @@ class ScriptedLink:
         out[0].fill_(self.value)
         step = header.step - 1 if self.script == "stale" else header.step
         error = "boom" if self.script == "error" else ""
-        return AttendResult(step, header.layer, error), out
+        failed = ["b"] if self.script == "failed_b" else []
+        return AttendResult(step, header.layer, error, failed), out
 
 
-def attend(*scripts: str) -> tuple[torch.Tensor, list[ScriptedLink]]:
+def attend(*scripts: str) -> tuple[torch.Tensor, StepPlan]:
     links = [ScriptedLink(s, float(i + 1)) for i, s in enumerate(scripts)]
     shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(len(links))]
     runner = MeshModelRunner(None, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
@@ -52,13 +53,19 @@ def attend(*scripts: str) -> tuple[torch.Tensor, list[ScriptedLink]]:
         torch.zeros(0, 1), torch.zeros(0), torch.arange(N), num_local=0, sharded=rows,
     )  # fmt: skip
     q, kv = torch.randn(N, HQ, D), torch.randn(N, HKV, D)
-    return runner._attend_split(0, q, kv, kv.clone(), plan, rows), links
+    return runner._attend_split(0, q, kv, kv.clone(), plan, rows), plan
 
 
 def test_each_shards_heads_land_in_place():
-    out, _ = attend("ok", "ok")
+    out, plan = attend("ok", "ok")
     group = HQ // HKV
     assert torch.all(out[:, :group] == 1.0) and torch.all(out[:, group:] == 2.0)
+    assert plan.failed == set()
+
+
+def test_requests_a_shard_could_not_attend_for_are_named_not_raised():
+    _, plan = attend("ok", "failed_b")
+    assert plan.failed == {"b"}  # the engine ends b alone; a and c go on
 
 
 @pytest.mark.parametrize(
