@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,8 @@ class Tokenizer:
         self.bos_token: str = _token_text(config.get("bos_token")) or BOS
         self.chat_template: str = config.get("chat_template") or LLAMA3_CHAT_TEMPLATE
         self._template = jinja2.Environment(autoescape=False).from_string(self.chat_template)
+        added = self._template_tok.get_added_tokens_decoder().values()
+        self._special_strings = [t.content for t in added if t.special]
 
     @property
     def vocab_size(self) -> int:
@@ -68,11 +72,31 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
-        """Render messages with the model's chat template and encode them (BOS comes from it)."""
+        """Render messages with the model's chat template and encode them (BOS comes from it).
+
+        A message's content is the user's text: one that holds a special-token string (say
+        "<|eot_id|>") is rendered through a placeholder and encoded as plain text, so it cannot
+        become a control token (role injection). Other content renders in place, exactly as
+        transformers' `apply_chat_template` does."""
+        nonce = secrets.token_hex(8)
+        contents: list[str] = []
+        rendered = []
+        for message in messages:
+            content = message.get("content") or ""
+            if any(s in content for s in self._special_strings):
+                message = {**message, "content": f"\x00{nonce}:{len(contents)}\x00"}
+                contents.append(content)
+            rendered.append(message)
         text = self._template.render(
-            messages=messages, bos_token=self.bos_token, add_generation_prompt=add_generation_prompt
+            messages=rendered, bos_token=self.bos_token, add_generation_prompt=add_generation_prompt
         )
-        return self._template_tok.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for i, part in enumerate(re.split(f"\x00{nonce}:(\\d+)\x00", text)):
+            if i % 2:  # a placeholder: the content it stands for, as plain text
+                ids += self._tok.encode(contents[int(part)], add_special_tokens=False).ids
+            else:
+                ids += self._template_tok.encode(part, add_special_tokens=False).ids
+        return ids
 
 
 def _token_text(token: Any) -> str | None:

@@ -56,6 +56,9 @@ MAX_MIGRATIONS = 3  # re-runs of one request on other engines before it fails
 # A migrated request waits this long at most for a prompt and a token engine (a replica Serve is
 # restarting loads its model first), retrying every PLACE_RETRY_S.
 MIGRATION_WAIT_S = 60.0
+# An engine missing from the registry this long has left (longer than a replica's heartbeat
+# interval, so a restarted registry actor has heard from every live one again).
+ABSENT_CONFIRM_S = 2.0
 PLACE_RETRY_S = 0.25
 
 
@@ -104,6 +107,7 @@ class MeshEngineClient:
         self.book = MigrationBook(max_migrations)
         self._requests_by_engine: Counter[str] = Counter()
         self._services: list[ServiceEntry] = []
+        self._absent_since: dict[str, float] = {}  # engines of our requests the registry lacks
         self._closed = threading.Event()
         self.ctx = zmq.Context()
         self.inbox = MeshInbox(
@@ -367,9 +371,23 @@ class MeshEngineClient:
         if now != before:
             log.info("mesh membership", joined=sorted(now - before), left=sorted(before - now),
                      ready=self.scheduler.can_place())  # fmt: skip
-        self._fail_orphans(now)
+        self._fail_orphans(self._confirmed_gone(now, time.monotonic()))
 
-    def _fail_orphans(self, live_ids: set[str]) -> None:
+    def _confirmed_gone(self, live_ids: set[str], now: float) -> set[str]:
+        """Engines absent from the registry for `ABSENT_CONFIRM_S`: a registry actor that
+        restarted knows no one until each replica's next heartbeat re-registers it, and that
+        must not make every request in flight migrate off healthy engines."""
+        for service_id in live_ids:
+            self._absent_since.pop(service_id, None)
+        known = {e.service_id for s in self.streams.snapshot()
+                 for e in (s.prompt_engine, s.token_engine) if e is not None}  # fmt: skip
+        for service_id in known - live_ids:
+            self._absent_since.setdefault(service_id, now)
+        for service_id in set(self._absent_since) - known:
+            del self._absent_since[service_id]  # no request of ours is on it any more
+        return {s for s, since in self._absent_since.items() if now - since >= ABSENT_CONFIRM_S}
+
+    def _fail_orphans(self, gone: set[str]) -> None:
         """Tell requests whose token engine left, or whose prompt engine left before the token
         engine took over, that their attempt is lost (they migrate); once per attempt."""
         orphans = []
@@ -378,7 +396,7 @@ class MeshEngineClient:
                 req_id = s.req_id
                 handed_off = s.num_attempt_tokens > 1
                 for dead in (s.token_engine, None if handed_off else s.prompt_engine):
-                    if dead is not None and dead.service_id not in live_ids and not s.lost:
+                    if dead is not None and dead.service_id in gone and not s.lost:
                         s.lost = True
                         orphans.append((req_id, dead.service_id, s.traceparent))
         for req_id, engine_id, traceparent in orphans:

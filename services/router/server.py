@@ -17,6 +17,7 @@ a W3C `traceparent` header) and the TTFT, TBT and E2E metrics, recorded by
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import inspect
@@ -232,7 +233,8 @@ class Router:
     async def completions(self, request: CompletionRequest, http: Request) -> Response:
         self._check_request(request)
         request.reject_unsupported()
-        prompt_ids = self._completion_prompt_ids(request.prompt)
+        # Tokenizing a long prompt takes long: off the event loop, which serves every stream.
+        prompt_ids = await asyncio.to_thread(self._completion_prompt_ids, request.prompt)
         max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
         arrival = _Arrival.of(http, "text_completion")
         job = await self._start("cmpl", prompt_ids, request, max_tokens, arrival)
@@ -250,7 +252,9 @@ class Router:
         self._check_request(request)
         request.reject_unsupported()
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        prompt_ids = _unicode_checked(self.tokenizer.apply_chat_template, messages, "messages")
+        prompt_ids = await asyncio.to_thread(
+            _unicode_checked, self.tokenizer.apply_chat_template, messages, "messages"
+        )
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", default=None)
         job = await self._start(
@@ -270,7 +274,10 @@ class Router:
 
     async def models(self) -> dict[str, Any]:
         card = ModelCard(
-            id=self.model_name, root=str(self.model_path), max_model_len=self.max_model_len
+            # `root` names the model, not where it lies on the server's disk.
+            id=self.model_name,
+            root=self.model_name,
+            max_model_len=self.max_model_len,
         )
         return ModelList(data=[card]).model_dump()
 
@@ -280,7 +287,8 @@ class Router:
         return Response(status_code=200)
 
     async def stats(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.client.stats())
+        # Asking every service can take seconds: not on the event loop.
+        return dataclasses.asdict(await asyncio.to_thread(self.client.stats))
 
     # ---- validation and admission ----
 

@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,3 +138,46 @@ def test_streams_continue_through_a_killed_worker(tiny_model_path: Path, victim:
         wait_for(lambda: all(s.kv_blocks_used == 0 and s.num_requests == 0 for s in mesh.stats()))
     finally:
         mesh.close()
+
+
+def test_a_registry_that_forgets_everyone_briefly_moves_no_request(mesh: LocalMesh) -> None:
+    """A restarted registry actor knows no replica until each heartbeats again (about a second):
+    the router must not take that for every engine leaving. Its view of the registry goes empty
+    for a second mid-stream; every stream finishes on its engines, none migrates."""
+    forgetting_until = [0.0]
+
+    def registry_view() -> list[ServiceEntry]:
+        return [] if time.monotonic() < forgetting_until[0] else mesh.registry.live()
+
+    client = MeshEngineClient(mesh.topology.model_path, registry_view, refresh_s=0.1)
+    migrations: list[str] = []
+    migrate = client._migrate
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        migrations.append(str(args[:1]))
+        return await migrate(*args, **kwargs)
+
+    client._migrate = counted  # type: ignore[method-assign]
+    prompts = random_prompts([30, 50], 2048, seed=61)
+    expected = LLMEngine.from_path(mesh.topology.model_path, num_blocks=256).generate(
+        prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    )
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[list[int]]:
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            tokens: list[int] = []
+            async for out in client.generate(f"r{i}", prompt, params):
+                tokens += out.new_token_ids
+                if i == 0 and len(tokens) == 5:
+                    forgetting_until[0] = time.monotonic() + 1.0
+            return tokens
+
+        tasks = [one(i, prompt) for i, prompt in enumerate(prompts)]
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), 120))
+
+    try:
+        assert asyncio.run(run()) == expected
+        assert migrations == []
+    finally:
+        client.shutdown()

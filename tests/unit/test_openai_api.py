@@ -462,3 +462,9 @@ def test_no_ready_engine_is_503_with_retry_after(tiny_model_path: Path) -> None:
         assert call(router, lambda _, http: http.get("/health")).status_code == 503
     finally:
         client.shutdown()
+
+
+def test_models_do_not_reveal_where_the_model_lies(router: Router) -> None:
+    card = call(router, lambda _, h: h.get("/v1/models")).json()["data"][0]
+    assert card["root"] == card["id"] == MODEL
+    assert str(router.model_path) not in json.dumps(card)
