@@ -13,9 +13,14 @@ from common.protocol import TokenOutput
 
 class TokenStreamOrderer:
     """Feed `TokenOutput`s in arrival order; take them out in each request's token order.
-    Errors pass straight through (they end the request whatever its position)."""
+    Errors pass straight through (they end the request whatever its position).
 
-    def __init__(self) -> None:
+    `expected_only`: hold tokens only of requests announced with `expect` (a router, which knows
+    what it sent): tokens of anything else (a request already forgotten, a forgery) are dropped
+    instead of being held forever."""
+
+    def __init__(self, expected_only: bool = False) -> None:
+        self.expected_only = expected_only
         self._next: dict[str, int] = {}
         self._held: dict[str, dict[int, TokenOutput]] = {}
         self.ready: deque[TokenOutput] = deque()
@@ -29,6 +34,8 @@ class TokenStreamOrderer:
         if out.error:
             self.forget(out.req_id)
             self.ready.append(out)
+            return
+        if self.expected_only and out.req_id not in self._next:
             return
         held = self._held.setdefault(out.req_id, {})
         held[out.index] = out

@@ -27,9 +27,22 @@ class DecodeAdmission:
         self.shard_blocks = BlockManager(max(shard_num_blocks, 1), block_size)
         self.sharded: list[Sequence] = []  # decoding against the shard group
         self.waiting: list[DecodeHandoff] = []
+        self._arrived: dict[str, float] = {}  # waiting hand-offs: when each came
 
-    def add(self, handoff: DecodeHandoff) -> None:
+    def add(self, handoff: DecodeHandoff, now: float = 0.0) -> None:
         self.waiting.append(handoff)
+        self._arrived[handoff.req_id] = now
+
+    def stalled(
+        self, now: float, bound_s: float, kv_complete: Callable[[str], bool]
+    ) -> list[DecodeHandoff]:
+        """Local hand-offs whose KV has not all landed within `bound_s` of their arrival (its
+        prompt engine died mid-transfer, or it was refused): they would hold the queue forever."""
+        return [
+            h for h in self.waiting
+            if not h.shards and not kv_complete(h.req_id)
+            and now - self._arrived.get(h.req_id, now) > bound_s
+        ]  # fmt: skip
 
     def free_shard_blocks(self) -> int:
         """The group's blocks neither reserved nor holding a waiting hand-off's prompt."""
@@ -58,6 +71,7 @@ class DecodeAdmission:
             else:
                 break
             self.waiting.pop(0)
+            self._arrived.pop(h.req_id, None)
             admitted.append(h.req_id)
         return admitted
 
@@ -78,6 +92,7 @@ class DecodeAdmission:
         self.sharded = [s for s in self.sharded if s.req_id != req_id]
         self.shard_blocks.free(req_id)
         self.waiting = [h for h in self.waiting if h.req_id != req_id]
+        self._arrived.pop(req_id, None)
 
     def waiting_for(self, req_id: str) -> DecodeHandoff | None:
         return next((h for h in self.waiting if h.req_id == req_id), None)

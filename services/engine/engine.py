@@ -58,6 +58,10 @@ from services.engine.telemetry import EngineTelemetry
 log = structlog.get_logger(__name__)
 
 
+# How long a hand-off may wait for its KV to land in this engine's cache (docs/failures.md).
+HANDOFF_KV_WAIT_S = 30.0
+
+
 class ShardRowFailed(RuntimeError):
     """A shard could not attend for one request (its KV there was refused or lost): that request
     is re-run elsewhere, its batch-mates go on."""
@@ -161,7 +165,7 @@ class Engine:
         self.telemetry.on_handoff(msg.req_id, msg.traceparent)
         if not msg.shards:
             self.kv_ingress.claim(msg.req_id)  # this engine frees its KV from now on
-        self.admission.add(msg)
+        self.admission.add(msg, time.monotonic())
         self._admit_handoffs()
         return Outbox()
 
@@ -178,11 +182,20 @@ class Engine:
             return out
         return Outbox()
 
-    def expire_kv_leases(self) -> None:
-        """Free local KV whose hand-off never came (`KvIngress.expire_leases`)."""
+    def expire(self, now: float) -> Outbox:
+        """Bounds on waiting: free local KV whose hand-off never came (`KvIngress` leases), and
+        end, retryably, hand-offs whose KV has not landed within `HANDOFF_KV_WAIT_S` (they would
+        block the queue behind them for good)."""
         if expired := self.kv_ingress.expire_leases():
             log.warning("unclaimed KV freed after its lease", engine=self.engine_id,
                         req_ids=expired[:8], num_freed=len(expired))  # fmt: skip
+        out = Outbox()
+        for h in self.admission.stalled(now, HANDOFF_KV_WAIT_S, self.kv_ingress.is_complete):
+            out += self._end(h.req_id, f"engine {self.engine_id}: the request's KV did not "
+                             f"arrive within {HANDOFF_KV_WAIT_S} s", retryable=True)  # fmt: skip
+        if out:
+            self._admit_handoffs()
+        return out
 
     def on_abort(self, req_id: str) -> Outbox:
         """Forget a request wherever it is. The token engine decoding it frees its shards: only

@@ -221,7 +221,7 @@ class EngineWorker:
         now = time.monotonic()
         if now - self._last_report >= LOAD_REPORT_INTERVAL_S:
             self._last_report = now
-            self.engine.expire_kv_leases()
+            self._send(self.engine.expire(now))
             report = self.engine.load_report(time.time())
             self.load_pub.send(report)
             self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)

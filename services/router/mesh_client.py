@@ -237,6 +237,7 @@ class MeshEngineClient:
             token_kv_endpoint=token.kv_endpoint, shards=list(token.shards),
             traceparent=stream.traceparent,
         )  # fmt: skip
+        self._orderer.expect(req_id, 0)  # before it leaves: no token of it can arrive earlier
         try:
             self._send(prompt.command_endpoint, msg)
         except zmq.Again as exc:  # its queue is full: it died or stopped reading
@@ -333,8 +334,7 @@ class MeshEngineClient:
             stream = self.streams.release(req_id)
             ledger = self.book.ledgers.get(req_id)
             self.book.close(req_id)
-        if ledger is not None:
-            self._orderer.forget(ledger.wire_id)
+        self._orderer.forget(req_id if ledger is None else ledger.wire_id)
         return stream
 
     # ---- from the inbox thread ----

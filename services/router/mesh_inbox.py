@@ -36,7 +36,7 @@ class MeshInbox:
         self.on_load = on_load
         pull, self.reply_endpoint = bind_random(ctx, zmq.PULL, host)
         self._replies: TypedSocket[ServiceReply] = TypedSocket(pull, ServiceReply)
-        self.orderer = TokenStreamOrderer()
+        self.orderer = TokenStreamOrderer(expected_only=True)  # the router says what it sent
         # The engines' load endpoints to subscribe to; replaced whole by the membership thread.
         self.load_endpoints: frozenset[str] = frozenset()
         self._closed = threading.Event()

@@ -229,5 +229,7 @@ def test_the_routers_inbox_drops_garbage_and_forgeries(mesh):
     try:
         assert asyncio.run(asyncio.wait_for(run(), 120)) == expected
         assert client.inbox.thread.is_alive()
+        # Nothing kept for the forgeries, nor for the finished request.
+        assert client._orderer._held == {} and client._orderer._next == {}
     finally:
         client.shutdown()

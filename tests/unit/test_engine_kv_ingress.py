@@ -6,6 +6,7 @@ all free afterwards. Before, the allocation raised in the worker's drain and kil
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from common.config import CacheConfig, EngineConfig
 from common.engine.core import LLMEngine
 from common.protocol import GenerateRequest, TokenOutput
 from common.sampling import SamplingParams
-from services.engine.engine import Engine, EngineRole
+from services.engine.engine import HANDOFF_KV_WAIT_S, Engine, EngineRole
 from services.engine.outbox import Outbox
 from tests.conftest import random_prompts
 
@@ -73,3 +74,24 @@ def test_kv_that_does_not_fit_fails_its_request_alone(tiny_model_path: Path) -> 
     assert [t for o in pair.outputs["small"] for t in o.token_ids] == expected
     assert pair.outputs["small"][-1].finish_reason == "length"
     assert pair.token.blocks.num_used_blocks == 0 and not pair.token.requests
+
+
+def test_a_hand_off_whose_kv_never_lands_does_not_hold_the_queue(tiny_model_path: Path) -> None:
+    lost, second = random_prompts([30, 20], vocab=2048, seed=4)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    reference = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False)
+    expected = reference.generate([second], greedy)[0]
+    pair = InProcessPair(tiny_model_path)
+    pair.deliver(pair.prompt.on_generate(GenerateRequest(
+        "lost", lost, greedy.to_spec(), "router", "t-cmd", "t-kv")))  # fmt: skip
+    pair.deliver(pair.prompt.step())
+    pair.kv.clear()  # its prompt engine died mid-transfer: the KV never lands
+    pair.deliver(pair.prompt.on_generate(GenerateRequest(
+        "second", second, greedy.to_spec(), "router", "t-cmd", "t-kv")))  # fmt: skip
+    pair.run()  # "second" waits behind "lost" (FCFS) ...
+    assert pair.outputs["second"][-1].finish_reason == ""
+    pair.deliver(pair.token.expire(time.monotonic() + HANDOFF_KV_WAIT_S + 1))
+    assert pair.outputs["lost"][-1].retryable and "did not arrive" in pair.outputs["lost"][-1].error
+    pair.run()  # ... until "lost" is given up
+    assert [t for o in pair.outputs["second"] for t in o.token_ids] == expected
+    assert pair.token.blocks.num_used_blocks == 0
