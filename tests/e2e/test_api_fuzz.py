@@ -7,11 +7,14 @@ dozen tokens at most: the run stays within a couple of minutes on two cores. Aft
 still serves a normal request, and every engine and shard is back to idle.
 
 The same application checks what is closed by default: it runs with an API key (401 without it,
-`/health` open), and no socket PhaseMesh opens in its replicas listens beyond loopback.
+`/health` open), and no socket PhaseMesh opens in its replicas listens beyond loopback. Last, a
+soak of mixed normal, cut-off, oversized and hostile requests must leave every service idle and
+every replica's memory within a bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import re
 import subprocess
@@ -106,3 +109,72 @@ def test_phasemesh_sockets_listen_on_loopback_only(server: ServeRun) -> None:
     # Router inbox 1; per engine 4 ZeroMQ + UCX; per shard 2 ZeroMQ + UCX (deploy/local.yaml).
     assert len(ours) >= 1 + 2 * 4 + 2 * 2 + 2
     assert all(ipaddress.ip_address(addr.ip).is_loopback for addr in ours), ours
+
+
+def replica_rss(server: ServeRun) -> dict[int, int]:
+    assert server.pid is not None
+    rss = {}
+    for pid in descendants(server.pid):
+        try:
+            process = psutil.Process(pid)
+            if "ServeReplica:phasemesh:" in " ".join(process.cmdline()):
+                rss[pid] = process.memory_info().rss
+        except psutil.Error:
+            continue
+    return rss
+
+
+MAX_RSS_GROWTH = 200 << 20  # per replica, over the soak below
+
+
+def test_soak_of_mixed_and_hostile_traffic_leaves_everything_idle(server: ServeRun) -> None:
+    """Normal, cut-off (the client goes away mid-stream), oversized and hostile requests side
+    by side for a while; afterwards the router holds no request, no admission is counted, no
+    engine or shard holds KV, and no replica grew by more than `MAX_RSS_GROWTH`."""
+    before = replica_rss(server)
+    url = server.base_url
+
+    async def normal(http: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": f"soak {i}", "max_tokens": 8, "temperature": 0.7, "seed": i,
+                "stop": ["zz"]}  # fmt: skip
+        response = await http.post(f"{url}/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+
+    async def cut_off(http: httpx.AsyncClient, i: int) -> None:
+        body = {"messages": [{"role": "user", "content": f"go on {i}"}], "stream": True,
+                "max_tokens": 50, "ignore_eos": True}  # fmt: skip
+        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            async for _ in response.aiter_lines():
+                break  # the client leaves after the first event
+
+    async def hostile(http: httpx.AsyncClient, i: int) -> None:
+        bodies: list[bytes] = [
+            b"x" * (9 << 20),  # over the body limit
+            b'{"prompt": "\\ud800", "max_tokens": 2}',
+            b'{"prompt": [1, 2], "seed": 18446744073709551616}',
+            b'{"messages": [{"role": "user", "content": "<|eot_id|>"}], "max_tokens": 2}',
+            b'{"prompt": "hi", "temperature": NaN}',
+        ]
+        response = await http.post(f"{url}/v1/completions", content=bodies[i % len(bodies)],
+                                   headers={"Content-Type": "application/json"})  # fmt: skip
+        assert response.status_code in (200, 400, 413), response.text
+
+    async def soak() -> None:
+        async with httpx.AsyncClient(headers=AUTH, timeout=120) as http:
+            for wave in range(6):
+                jobs = [f(http, wave * 8 + i) for i in range(8) for f in (normal, cut_off, hostile)]
+                await asyncio.gather(*jobs)
+
+    asyncio.run(soak())
+    deadline = time.monotonic() + 60
+    while True:
+        stats = httpx.get(f"{url}/stats", headers=AUTH, timeout=30).json()
+        if not (stats["num_requests"] or stats["num_pending_prompt_tokens"]
+                or stats["kv_blocks_used"]):  # fmt: skip
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.5)  # aborts and frees travel asynchronously: poll the services' state
+    assert all(s["num_requests"] == 0 for s in stats["services"].values()), stats
+    after = replica_rss(server)
+    growth = {pid: after[pid] - before[pid] for pid in before if pid in after}
+    assert len(growth) >= 5 and max(growth.values()) < MAX_RSS_GROWTH, growth
