@@ -12,7 +12,6 @@ Every wait has a deadline; real processes, sockets and UCX links.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -27,9 +26,9 @@ from common.protocol import SamplingSpec
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.launch.test_client import MeshTestClient
-from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
+from tests.integration.test_self_healing import migrating_streams
 
 
 @pytest.fixture
@@ -79,29 +78,10 @@ def test_a_stopped_shard_does_not_hang_its_token_engine(mesh: LocalMesh) -> None
     prompts = random_prompts([25, 60, 40], 2048, seed=43)
     expected = reference(mesh.topology.model_path, prompts, 40)
     shard = next(w for w in mesh.workers.values() if w.service_id == mesh.shards[1].service_id)
-    client = MeshEngineClient(mesh.topology.model_path, mesh.registry.live, refresh_s=0.1)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-
-    async def run() -> list[list[int]]:
-        started = asyncio.Event()
-        counts = [0] * len(prompts)
-
-        async def one(i: int, prompt: list[int]) -> list[int]:
-            tokens: list[int] = []
-            async for out in client.generate(f"s{i}", prompt, params):
-                tokens += out.new_token_ids
-                counts[i] = len(tokens)
-                if min(counts) >= 5:
-                    started.set()
-            return tokens
-
-        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
-        await asyncio.wait_for(started.wait(), 120)
-        os.kill(shard.proc.pid, signal.SIGSTOP)
-        return list(await asyncio.wait_for(asyncio.gather(*tasks), 180))
-
     try:
-        assert asyncio.run(run()) == expected
+        streams = migrating_streams(
+            mesh, prompts, 40, lambda: os.kill(shard.proc.pid, signal.SIGSTOP)
+        )
+        assert streams == expected
     finally:
         os.kill(shard.proc.pid, signal.SIGCONT)
-        client.shutdown()

@@ -8,6 +8,7 @@ against a separate `LLMEngine` on the same model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -34,6 +35,17 @@ Call = Callable[[openai.AsyncOpenAI, httpx.AsyncClient], Awaitable[T]]
 def make_router(model_path: Path, limits: AdmissionLimits | None = None) -> Router:
     engine = LLMEngine.from_path(model_path, num_blocks=512)
     return Router(InProcessEngineClient(engine, limits), model_path, MODEL)
+
+
+@contextlib.contextmanager
+def router_with(model_path: Path, **options: Any) -> Iterator[Router]:
+    """A router of its own, with `options` (api_key, max_body_bytes, ...), shut down after."""
+    engine = LLMEngine.from_path(model_path, num_blocks=64)
+    router = Router(InProcessEngineClient(engine), model_path, MODEL, **options)
+    try:
+        yield router
+    finally:
+        router.client.shutdown()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")
@@ -286,8 +298,6 @@ def test_openai_client_sees_typed_errors(router: Router) -> None:
 
 
 def test_api_key_guards_everything_but_health(tiny_model_path: Path) -> None:
-    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
-    router = Router(InProcessEngineClient(engine), tiny_model_path, MODEL, api_key="sekret")
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 
     async def scenario(_: openai.AsyncOpenAI, http: httpx.AsyncClient) -> None:
@@ -305,15 +315,11 @@ def test_api_key_guards_everything_but_health(tiny_model_path: Path) -> None:
                                     http_client=http, max_retries=0)  # fmt: skip
         assert [m.id for m in (await client.models.list()).data] == [MODEL]
 
-    try:
+    with router_with(tiny_model_path, api_key="sekret") as router:
         call(router, scenario)
-    finally:
-        router.client.shutdown()  # type: ignore[attr-defined]
 
 
 def test_oversized_bodies_are_413_declared_or_streamed(tiny_model_path: Path) -> None:
-    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
-    router = Router(InProcessEngineClient(engine), tiny_model_path, MODEL, max_body_bytes=1024)
     big = json.dumps({"model": MODEL, "prompt": "x" * 2000}).encode()
 
     async def chunks() -> Any:  # no Content-Length: the limit must count what arrives
@@ -329,30 +335,20 @@ def test_oversized_bodies_are_413_declared_or_streamed(tiny_model_path: Path) ->
         small = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
         assert (await http.post("/v1/completions", json=small)).status_code == 200
 
-    try:
+    with router_with(tiny_model_path, max_body_bytes=1024) as router:
         call(router, scenario)
-    finally:
-        router.client.shutdown()  # type: ignore[attr-defined]
 
 
 def test_max_model_len_caps_the_context(tiny_model_path: Path) -> None:
-    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
-    router = Router(InProcessEngineClient(engine), tiny_model_path, MODEL, max_model_len=32)
-    try:
-        assert (
-            post(router, "/v1/completions", {"prompt": [5] * 30, "max_tokens": 3}).json()["error"][
-                "param"
-            ]
-            == "max_tokens"
-        )
+    with router_with(tiny_model_path, max_model_len=32) as router:
+        too_long = post(router, "/v1/completions", {"prompt": [5] * 30, "max_tokens": 3})
+        assert too_long.json()["error"]["param"] == "max_tokens"
         response = post(router, "/v1/chat/completions",
                         {"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
         usage = response.json()["usage"]  # no max_tokens: the rest of the 32-token context
         assert usage["prompt_tokens"] + usage["completion_tokens"] <= 32
         models = call(router, lambda _, h: h.get("/v1/models")).json()
         assert models["data"][0]["max_model_len"] == 32
-    finally:
-        router.client.shutdown()  # type: ignore[attr-defined]
 
 
 def test_openapi_documents_every_error_status(router: Router) -> None:
