@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import hmac
 import inspect
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -31,15 +30,15 @@ from typing import Annotated, Any
 
 import structlog
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import ModelConfig
 from common.engine.request import RequestOutput, check_prompt
 from common.tokenizer import Tokenizer
 from services.router.engine_client import EngineClient
+from services.router.http_edge import ArrivalStamp, BodyLimit, unicode_checked, without_422
 from services.router.openai_api import (
     APIError,
     AssistantMessage,
@@ -55,11 +54,11 @@ from services.router.openai_api import (
     ModelCard,
     ModelList,
     SamplingFields,
-    UsageInfo,
     error_body,
     error_responses,
     install_error_handlers,
 )
+from services.router.sse import collect, prepend, sse_response, usage_of
 from services.router.streams import Overloaded
 from services.router.telemetry import RouterTelemetry
 
@@ -87,65 +86,13 @@ class _Arrival:
     """How a generation request came in: its GenAI operation, when, and the caller's trace."""
 
     operation: str  # text_completion | chat
-    start_ns: int  # time.time_ns() as the request reached the app (`_ArrivalStamp`)
+    start_ns: int  # time.time_ns() as the request reached the app (`ArrivalStamp`)
     traceparent: str = ""  # the caller's W3C header, if it sent one
 
     @classmethod
     def of(cls, http: Request, operation: str) -> _Arrival:
         arrived_ns = getattr(http.state, "arrived_ns", 0) or time.time_ns()
         return cls(operation, arrived_ns, http.headers.get("traceparent", ""))
-
-
-class _BodyLimit:
-    """ASGI middleware: a body over `max_bytes` is a 413 (OpenAI error body) before anything
-    parses it, whether or not the client declared its length."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(scope, receive, send)
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away before its body was complete
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                return await self._reject(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Any:  # the body once, then the client's own messages (disconnect)
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"request body larger than {self.max_bytes} bytes"
-        await JSONResponse(error_body(413, message), status_code=413)(scope, receive, send)
-
-
-class _ArrivalStamp:
-    """ASGI middleware: when a request reached the router, before its body is read and
-    validated (`request.state.arrived_ns`); `router.request` and TTFT start there."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope.setdefault("state", {})["arrived_ns"] = time.time_ns()
-        await self.app(scope, receive, send)
 
 
 @dataclasses.dataclass
@@ -187,8 +134,8 @@ class Router:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None, **_NO_HTTP_SPANS)
-        app.add_middleware(_BodyLimit, max_bytes=self.max_body_bytes)
-        app.add_middleware(_ArrivalStamp)
+        app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
+        app.add_middleware(ArrivalStamp)
         install_error_handlers(app)
         auth = [Depends(self._authorize)]
         for path, endpoint, model in (
@@ -215,7 +162,7 @@ class Router:
         )
         app.add_api_route("/stats", self.stats, methods=["GET"], dependencies=auth,
                           responses=error_responses(401))  # fmt: skip
-        _without_422(app)
+        without_422(app)
         return app
 
     async def _authorize(
@@ -239,12 +186,12 @@ class Router:
         arrival = _Arrival.of(http, "text_completion")
         job = await self._start("cmpl", prompt_ids, request, max_tokens, arrival)
         if request.stream:
-            return _sse_response(self._completion_chunks(job))
-        text, last = await _collect(job.outputs)
+            return sse_response(self._completion_chunks(job))
+        text, last = await collect(job.outputs)
         choice = CompletionChoice(text=text, finish_reason=last.finish_reason)
         return JSONResponse(
             CompletionResponse(
-                id=job.req_id, model=self.model_name, choices=[choice], usage=_usage(last)
+                id=job.req_id, model=self.model_name, choices=[choice], usage=usage_of(last)
             ).model_dump()
         )
 
@@ -253,7 +200,7 @@ class Router:
         request.reject_unsupported()
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         prompt_ids = await asyncio.to_thread(
-            _unicode_checked, self.tokenizer.apply_chat_template, messages, "messages"
+            unicode_checked, self.tokenizer.apply_chat_template, messages, "messages"
         )
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", default=None)
@@ -261,14 +208,14 @@ class Router:
             "chatcmpl", prompt_ids, request, max_tokens, _Arrival.of(http, "chat")
         )
         if request.stream:
-            return _sse_response(self._chat_chunks(job))
-        text, last = await _collect(job.outputs)
+            return sse_response(self._chat_chunks(job))
+        text, last = await collect(job.outputs)
         choice = ChatChoice(
             message=AssistantMessage(content=text), finish_reason=last.finish_reason
         )
         return JSONResponse(
             ChatCompletionResponse(
-                id=job.req_id, model=self.model_name, choices=[choice], usage=_usage(last)
+                id=job.req_id, model=self.model_name, choices=[choice], usage=usage_of(last)
             ).model_dump()
         )
 
@@ -296,12 +243,12 @@ class Router:
         if request.model is not None and request.model != self.model_name:
             raise APIError(404, f"The model `{request.model}` does not exist.", "model")
         for name, value in (("stop", request.stop), ("user", request.user)):
-            _unicode_checked(str, value, name)
+            unicode_checked(str, value, name)
 
     def _completion_prompt_ids(self, prompt: str | list[Any]) -> list[int]:
         """Text or token ids, alone or as a list of one prompt."""
         if isinstance(prompt, str):
-            ids = _unicode_checked(self.tokenizer.encode, prompt, "prompt")
+            ids = unicode_checked(self.tokenizer.encode, prompt, "prompt")
             if not ids:
                 raise APIError(400, "prompt must not be empty", "prompt")
             return ids
@@ -378,7 +325,7 @@ class Router:
             trace.fail(exc, "generation")
             raise
         # Outputs are recorded as they leave for the client (the first one included).
-        outputs = trace.observe(_prepend(first, stream))
+        outputs = trace.observe(prepend(first, stream))
         return _Job(req_id, len(prompt_ids), request.include_usage, outputs)
 
     # ---- streamed chunks ----
@@ -392,7 +339,7 @@ class Router:
                 yield CompletionResponse(id=job.req_id, model=self.model_name, choices=[choice])
         if job.include_usage and last is not None:
             yield CompletionResponse(
-                id=job.req_id, model=self.model_name, choices=[], usage=_usage(last)
+                id=job.req_id, model=self.model_name, choices=[], usage=usage_of(last)
             )
 
     async def _chat_chunks(self, job: _Job) -> AsyncGenerator[BaseModel, None]:
@@ -408,91 +355,5 @@ class Router:
                 yield chunk(DeltaMessage(content=out.new_text), out.finish_reason)
         if job.include_usage and last is not None:
             yield ChatCompletionChunk(
-                id=job.req_id, model=self.model_name, choices=[], usage=_usage(last)
+                id=job.req_id, model=self.model_name, choices=[], usage=usage_of(last)
             )
-
-
-# ---- helpers: validation, collection, SSE ----
-
-
-def _unicode_checked(encode: Any, value: Any, param: str) -> Any:
-    """`encode(value)`, with text that is not valid Unicode (a lone surrogate, which JSON can
-    carry) a 400 naming `param` instead of a 500."""
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise APIError(400, f"{param} is not valid Unicode text: {exc.reason}", param) from exc
-    return encode(value)
-
-
-def _without_422(app: FastAPI) -> None:
-    """This API answers invalid input with 400 (OpenAI's status), never FastAPI's 422: take the
-    422s FastAPI documents for every route out of /openapi.json."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        schema = build()
-        for operations in schema.get("paths", {}).values():
-            for operation in operations.values():
-                operation.get("responses", {}).pop("422", None)
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
-
-async def _prepend(
-    first: RequestOutput, rest: AsyncGenerator[RequestOutput, None]
-) -> AsyncGenerator[RequestOutput, None]:
-    """`first` then `rest`; closing this closes `rest` (which aborts an unfinished request)."""
-    async with aclosing(rest):
-        yield first
-        if not first.finished:
-            async for out in rest:
-                yield out
-
-
-async def _collect(outputs: AsyncGenerator[RequestOutput, None]) -> tuple[str, RequestOutput]:
-    parts: list[str] = []
-    last: RequestOutput | None = None
-    async with aclosing(outputs):
-        async for out in outputs:
-            parts.append(out.new_text)
-            last = out
-    assert last is not None, "a started request has at least one output"
-    return "".join(parts), last
-
-
-def _usage(out: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens)
-
-
-class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that always closes its event generator, so a client that goes away
-    aborts its request at once (Starlette leaves the iterator to the garbage collector)."""
-
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(events, media_type="text/event-stream", headers=headers)
-        self._events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._events.aclose()
-
-
-def _sse_response(events: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
-    return _SSEResponse(_sse(events))
-
-
-async def _sse(events: AsyncGenerator[BaseModel, None]) -> AsyncGenerator[str, None]:
-    """`data: <json>` per event, an in-band error if generation fails, then `data: [DONE]`."""
-    try:
-        async with aclosing(events):
-            async for event in events:
-                yield f"data: {event.model_dump_json()}\n\n"
-    except Exception as exc:  # after the first byte the status is sent: report in-band
-        log.exception("stream failed")
-        yield f"data: {json.dumps(error_body(500, f'generation failed: {exc}'))}\n\n"
-    yield "data: [DONE]\n\n"

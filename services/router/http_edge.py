@@ -1,0 +1,97 @@
+"""The router's HTTP edge, before an endpoint runs: ASGI middleware (arrival time, body size) and
+what the OpenAPI schema says about errors.
+
+`BodyLimit` answers a body over its bound with a 413 (OpenAI error body) before anything parses
+it; `ArrivalStamp` notes when a request reached the router (TTFT and `router.request` start
+there); `unicode_checked` turns text that is not valid Unicode into a 400 instead of a 500;
+`without_422` keeps FastAPI's 422s out of /openapi.json (this API answers 400).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.router.openai_api import APIError, error_body
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `max_bytes` is a 413 (OpenAI error body) before anything
+    parses it, whether or not the client declared its length."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(scope, receive, send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before its body was complete
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Any:  # the body once, then the client's own messages (disconnect)
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"request body larger than {self.max_bytes} bytes"
+        await JSONResponse(error_body(413, message), status_code=413)(scope, receive, send)
+
+
+class ArrivalStamp:
+    """ASGI middleware: when a request reached the router, before its body is read and
+    validated (`request.state.arrived_ns`); `router.request` and TTFT start there."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrived_ns"] = time.time_ns()
+        await self.app(scope, receive, send)
+
+
+def unicode_checked(encode: Any, value: Any, param: str) -> Any:
+    """`encode(value)`, with text that is not valid Unicode (a lone surrogate, which JSON can
+    carry) a 400 naming `param` instead of a 500."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{param} is not valid Unicode text: {exc.reason}", param) from exc
+    return encode(value)
+
+
+def without_422(app: FastAPI) -> None:
+    """This API answers invalid input with 400 (OpenAI's status), never FastAPI's 422: take the
+    422s FastAPI documents for every route out of /openapi.json."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,80 @@
+"""Server-sent events for streamed responses, and collecting a whole response from its outputs.
+
+`sse_response` turns response chunks into `data: <json>` events, reports a failure after the
+first byte in-band, ends with `data: [DONE]`, and always closes its event generator so that a
+client that goes away aborts its request at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+import structlog
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from common.engine.request import RequestOutput
+from services.router.openai_api import UsageInfo, error_body
+
+log = structlog.get_logger(__name__)
+
+
+async def prepend(
+    first: RequestOutput, rest: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """`first` then `rest`; closing this closes `rest` (which aborts an unfinished request)."""
+    async with aclosing(rest):
+        yield first
+        if not first.finished:
+            async for out in rest:
+                yield out
+
+
+async def collect(outputs: AsyncGenerator[RequestOutput, None]) -> tuple[str, RequestOutput]:
+    parts: list[str] = []
+    last: RequestOutput | None = None
+    async with aclosing(outputs):
+        async for out in outputs:
+            parts.append(out.new_text)
+            last = out
+    assert last is not None, "a started request has at least one output"
+    return "".join(parts), last
+
+
+def usage_of(out: RequestOutput) -> UsageInfo:
+    return UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens)
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its event generator, so a client that goes away
+    aborts its request at once (Starlette leaves the iterator to the garbage collector)."""
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+def sse_response(events: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
+    return _SSEResponse(_sse(events))
+
+
+async def _sse(events: AsyncGenerator[BaseModel, None]) -> AsyncGenerator[str, None]:
+    """`data: <json>` per event, an in-band error if generation fails, then `data: [DONE]`."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield f"data: {event.model_dump_json()}\n\n"
+    except Exception as exc:  # after the first byte the status is sent: report in-band
+        log.exception("stream failed")
+        yield f"data: {json.dumps(error_body(500, f'generation failed: {exc}'))}\n\n"
+    yield "data: [DONE]\n\n"
