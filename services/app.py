@@ -51,6 +51,11 @@ log = structlog.get_logger(__name__)
 DEPLOYMENT_NAMES = ("Router", "PromptEngine", "TokenEngine", "AttentionShard")
 
 
+def deployment_names(topology: str) -> tuple[str, ...]:
+    """The deployments `build_app` binds for a topology: what a serve config may name."""
+    return DEPLOYMENT_NAMES if topology == "mesh" else ("Router",)
+
+
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -16,10 +16,10 @@ import yaml
 from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
-from services.app import DEPLOYMENT_NAMES, AppArgs, build_app
+from services.app import DEPLOYMENT_NAMES, AppArgs, build_app, deployment_names
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-EXPECTED = {"local.yaml", "cluster.yaml", "rayservice.yaml"}
+EXPECTED = {"local.yaml", "single.yaml", "cluster.yaml", "rayservice.yaml"}
 
 
 def serve_configs() -> dict[str, dict[str, Any]]:
@@ -54,9 +54,10 @@ def test_config_states_what_ray_would_default(name: str) -> None:
     assert "host" in config["http_options"]
     for app in config["applications"]:
         assert app["import_path"] == "services.app:build_app"
-        AppArgs.model_validate(app["args"])  # the builder accepts these args
+        args = AppArgs.model_validate(app["args"])  # the builder accepts these args
         for deployment in app["deployments"]:
-            assert deployment["name"] in DEPLOYMENT_NAMES
+            # Serve refuses a config naming a deployment the app does not have.
+            assert deployment["name"] in deployment_names(args.topology)
             # A replica takes a whole CPU unless told otherwise.
             assert "num_cpus" in deployment["ray_actor_options"]
 
@@ -71,6 +72,15 @@ def test_local_config_fits_two_cores_on_loopback() -> None:
     assert cpus <= 1.5  # leaves room on a 2-core machine for the controller, proxy and tests
     assert app["args"]["topology"] == "mesh"
     assert {d["name"] for d in app["deployments"]} == set(DEPLOYMENT_NAMES)
+
+
+def test_single_config_is_the_router_with_its_in_process_engine() -> None:
+    config = CONFIGS["single.yaml"]
+    assert config["http_options"]["host"] == "127.0.0.1"
+    [app] = config["applications"]
+    assert app["args"]["topology"] == "local"
+    assert [d["name"] for d in app["deployments"]] == ["Router"]
+    assert isinstance(build_app(app["args"]), Application)
 
 
 def test_cluster_config_places_engines_and_shards_by_custom_resource() -> None:
