@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 from common.protocol import SamplingSpec
 from services.launch.core_pinning import place_decode_groups
@@ -35,10 +36,20 @@ def run_staggered(
     return outputs
 
 
-def assert_no_kv_held(mesh: LocalMesh) -> None:
-    for stats in mesh.stats():
-        assert stats.kv_blocks_used == 0, f"{stats.service_id} still holds {stats.kv_blocks_used}"
-        assert stats.num_requests == 0, f"{stats.service_id} still tracks {stats.num_requests}"
+def assert_no_kv_held(mesh: LocalMesh, timeout_s: float = 10.0) -> None:
+    """Every service back to idle. Frees travel apart from the last token (a shard may answer a
+    stats request before the free behind it lands), so idle is awaited, within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = mesh.stats()
+        if all(s.kv_blocks_used == 0 and s.num_requests == 0 for s in stats):
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # polling other processes' state
+    for s in stats:
+        assert s.kv_blocks_used == 0, f"{s.service_id} still holds {s.kv_blocks_used}"
+        assert s.num_requests == 0, f"{s.service_id} still tracks {s.num_requests}"
 
 
 def assert_decode_groups_pinned(mesh: LocalMesh) -> None:
