@@ -170,7 +170,7 @@ class HttpDecode:
         from loadgen.commands import discover_model
 
         self.url, self.vocab = url, vocab
-        self.model = asyncio.run(discover_model(url, None))
+        self.model, _ = asyncio.run(discover_model(url, None))
         self._num_batches = 0
 
     def token_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:

@@ -62,7 +62,11 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     group.add_argument("--endpoint", default="/v1/completions")
     group.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
-    group.add_argument("--vocab-size", type=int, default=32000, help="range of prompt token ids")
+    group.add_argument(
+        "--vocab-size", type=int, default=None,
+        help="range of prompt token ids (default: the served model's, as /v1/models reports it; "
+        "else 32000)",
+    )  # fmt: skip
     group.add_argument(
         "--no-min-tokens",
         action="store_true",

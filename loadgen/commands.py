@@ -79,15 +79,20 @@ def slo_setup(args: argparse.Namespace) -> tuple[list[SloTarget], Baseline | Non
     return slos, baseline
 
 
-async def discover_model(url: str, api_key: str | None) -> str:
-    """The first model id of `GET /v1/models`, or `default` when the server lists none."""
+DEFAULT_VOCAB_SIZE = 32000  # when neither --vocab-size nor the server says
+
+
+async def discover_model(url: str, api_key: str | None) -> tuple[str, int | None]:
+    """The first model of `GET /v1/models`: its id (`default` when the server lists none) and
+    its vocabulary size when the server reports one (PhaseMesh does; OpenAI does not)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with httpx.AsyncClient(base_url=url, timeout=5.0, headers=headers) as client:
-            response = await client.get("/v1/models")
-            return str(response.json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return "default"
+            card = (await client.get("/v1/models")).json()["data"][0]
+        vocab = card.get("vocab_size")
+        return str(card["id"]), vocab if isinstance(vocab, int) and vocab >= 8 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return "default", None
 
 
 async def build_target(args: argparse.Namespace) -> Target:
@@ -104,12 +109,14 @@ async def build_target(args: argparse.Namespace) -> Target:
     if not args.url:
         raise ValueError("--url is required for the http target")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    model = args.model or await discover_model(args.url, api_key)
+    served, served_vocab = await discover_model(args.url, api_key)
+    # Prompt token ids must be ids the served model has: its own vocabulary unless told.
+    vocab_size = args.vocab_size or served_vocab or DEFAULT_VOCAB_SIZE
     return OpenAIStreamingTarget(
         args.url,
-        model,
+        args.model or served,
         endpoint=args.endpoint,
-        prompts=PromptBuilder(vocab_size=args.vocab_size, seed=args.seed),
+        prompts=PromptBuilder(vocab_size=vocab_size, seed=args.seed),
         api_key=api_key,
         connect_timeout_s=args.connect_timeout,
         read_timeout_s=args.read_timeout,

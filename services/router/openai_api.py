@@ -328,6 +328,7 @@ class ModelCard(BaseModel):
     owned_by: str = "phasemesh"
     root: str
     max_model_len: int
+    vocab_size: int  # a PhaseMesh extension: the id range of token-id prompts (load generators)
 
 
 class ModelList(BaseModel):

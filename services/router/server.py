@@ -225,6 +225,7 @@ class Router:
             id=self.model_name,
             root=self.model_name,
             max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
         )
         return ModelList(data=[card]).model_dump()
 

@@ -188,7 +188,9 @@ def replay_command(server: Server, out_dir: Path, time_scale: Fraction) -> list[
         sys.executable, "-m", "loadgen", "replay",
         "--trace", str(TRACE), "--url", server.run.base_url,
         "--duration", str(WINDOW_S), "--time-scale", str(time_scale),
-        "--token-scale", str(TOKEN_SCALE), "--vocab-size", str(server.vocab_size),
+        # No --vocab-size: the prompts' ids come from the served model's vocabulary, which the
+        # load generator reads off /v1/models (before, every request was a 400 without it).
+        "--token-scale", str(TOKEN_SCALE),
         "--read-timeout", str(READ_TIMEOUT_S), "--out", str(out_dir),
         "--no-plots", "--disable-tqdm",
     ]  # fmt: skip

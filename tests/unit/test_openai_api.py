@@ -463,4 +463,5 @@ def test_no_ready_engine_is_503_with_retry_after(tiny_model_path: Path) -> None:
 def test_models_do_not_reveal_where_the_model_lies(router: Router) -> None:
     card = call(router, lambda _, h: h.get("/v1/models")).json()["data"][0]
     assert card["root"] == card["id"] == MODEL
+    assert card["vocab_size"] == router.model_config.vocab_size  # what token-id prompts may use
     assert str(router.model_path) not in json.dumps(card)
