@@ -17,7 +17,7 @@ The one ZeroMQ wrapper set of the control plane (the tensor plane has `zmq_tenso
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic
 
 import msgspec
@@ -112,9 +112,16 @@ class PushPool(Generic[HeaderT]):
     while the heartbeat thread beside it kept saying it was healthy.
     """
 
-    def __init__(self, ctx: zmq.Context, message_type: Any) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        message_type: Any,
+        on_new: Callable[[zmq.Socket], None] | None = None,
+    ) -> None:
+        """`on_new(socket)` runs for each new socket before it connects (to monitor it, say)."""
         self._ctx = ctx
         self._type = message_type
+        self._on_new = on_new
         self._sockets: dict[str, TypedSocket[HeaderT]] = {}
 
     def get(self, endpoint: str) -> TypedSocket[HeaderT]:
@@ -123,6 +130,8 @@ class PushPool(Generic[HeaderT]):
             raw = self._ctx.socket(zmq.PUSH)
             raw.setsockopt(zmq.LINGER, 0)
             raw.setsockopt(zmq.SNDTIMEO, 0)
+            if self._on_new is not None:
+                self._on_new(raw)
             raw.connect(endpoint)
             sock = self._sockets[endpoint] = TypedSocket(raw, self._type)
         return sock

@@ -213,6 +213,18 @@ class Engine:
         self.routing.pop(req_id, None)
         return frees
 
+    def lost_reply_to(self, reply_to: str) -> Outbox:
+        """A router this engine reports to is gone (its connection down for a while): end its
+        requests here, retryably; the error waits in its queue in case it comes back."""
+        lost = [req_id for req_id, route in self.routing.items() if route.reply_to == reply_to]
+        if lost:
+            log.warning("router lost; ending its requests", engine=self.engine_id,
+                        router=reply_to, num_requests=len(lost))  # fmt: skip
+        out = Outbox()
+        for req_id in lost:
+            out += self._end(req_id, f"engine {self.engine_id}: lost its router", retryable=True)
+        return out
+
     def undelivered_handoff(self, handoff: DecodeHandoff) -> Outbox:
         """A hand-off its token engine would not take (gone, or not reading): the router re-runs
         the request, and its shards' KV is freed (a local-KV engine's lease frees its own)."""

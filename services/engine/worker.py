@@ -37,6 +37,7 @@ from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.engine.engine import Engine, EngineRole
 from services.engine.outbox import Outbox
+from services.engine.peer_watch import PeerWatch
 from services.engine.runner import ShardLinkFault
 from services.engine.telemetry import EngineTelemetry
 
@@ -61,7 +62,8 @@ class EngineWorker:
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
         self.load_pub: TypedSocket[LoadReport] = TypedSocket(pub, LoadReport)
-        self.push: PushPool[object] = PushPool(self.ctx, object)
+        self.peers = PeerWatch()  # routers lost: their requests end here (peer_watch.py)
+        self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch)
         self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress)
         self.links = {s.link_address: self._connect(s) for s in cfg.shards}
         role = EngineRole(
@@ -108,6 +110,7 @@ class EngineWorker:
             if self.engine.has_work():
                 self._step()
             self._tick()
+        self.peers.close()
         self.ctx.destroy(linger=0)
 
     def _step(self) -> None:
@@ -222,6 +225,8 @@ class EngineWorker:
         if now - self._last_report >= LOAD_REPORT_INTERVAL_S:
             self._last_report = now
             self._send(self.engine.expire(now))
+            for endpoint in self.peers.lost(now):
+                self._send(self.engine.lost_reply_to(endpoint))
             report = self.engine.load_report(time.time())
             self.load_pub.send(report)
             self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)

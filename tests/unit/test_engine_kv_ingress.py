@@ -95,3 +95,23 @@ def test_a_hand_off_whose_kv_never_lands_does_not_hold_the_queue(tiny_model_path
     pair.run()  # ... until "lost" is given up
     assert [t for o in pair.outputs["second"] for t in o.token_ids] == expected
     assert pair.token.blocks.num_used_blocks == 0
+
+
+def test_a_lost_router_ends_only_its_own_requests(tiny_model_path: Path) -> None:
+    mine, theirs = random_prompts([30, 20], vocab=2048, seed=5)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False)
+    expected = reference.generate([theirs], greedy)[0]
+    pair = InProcessPair(tiny_model_path)
+    for req_id, prompt, router in (("mine", mine, "router-a"), ("theirs", theirs, "router-b")):
+        pair.deliver(pair.prompt.on_generate(GenerateRequest(
+            req_id, prompt, greedy.to_spec(), router, "t-cmd", "t-kv")))  # fmt: skip
+    pair.deliver(pair.prompt.step())
+    while pair.kv:
+        pair.deliver(pair.token.on_kv(*pair.kv.pop(0)))
+    pair.deliver(pair.token.lost_reply_to("router-a"))  # router-a's connection stayed down
+    lost = pair.outputs["mine"][-1]
+    assert lost.retryable and "lost its router" in lost.error
+    pair.run()
+    assert [t for o in pair.outputs["theirs"] for t in o.token_ids] == expected
+    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.requests
