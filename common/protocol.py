@@ -33,7 +33,7 @@ class ShardAddress(msgspec.Struct, array_like=True, frozen=True, gc=False):
     kv_endpoint: str
     head_start: int
     head_end: int
-    link_address: str = ""
+    link_address: str = ""  # the shard's UCX worker address, hex (`UcxListener.address`)
     service_id: str = ""
 
 

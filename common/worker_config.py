@@ -52,4 +52,4 @@ class WorkerReady(msgspec.Struct, frozen=True):
     kv_endpoint: str = ""
     control_endpoint: str = ""
     load_endpoint: str = ""
-    link_address: str = ""  # shards: where token engines connect over UCX
+    link_address: str = ""  # shards: their UCX worker address (hex), where token engines link
