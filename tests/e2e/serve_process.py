@@ -9,12 +9,14 @@ test.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +120,19 @@ class ServeRun:
                     for port_file in Path(value).glob("metrics_export_port_*"):
                         return f"http://127.0.0.1:{int(port_file.read_text())}/metrics"
         raise LookupError(f"no Ray metrics export port under serve run {self.pid}")
+
+
+@contextlib.contextmanager
+def served(
+    config_name: str, workdir: Path, args: dict[str, Any] | None = None
+) -> Iterator[ServeRun]:
+    """`serve run deploy/<config_name>` (with `args` over its app's args) for the `with` block."""
+    run = ServeRun(REPO / "deploy" / config_name, workdir, args)
+    try:
+        run.start()
+        yield run
+    finally:
+        run.stop()
 
 
 def descendants(pid: int) -> list[int]:

@@ -27,7 +27,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.serve_process import REPO, ServeRun, descendants
+from tests.e2e.serve_process import ServeRun, descendants, served
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,13 +39,9 @@ SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
-    run = ServeRun(REPO / "deploy" / "local.yaml", tmp_path_factory.mktemp("serve"),
-                   args={"max_model_len": 64, "api_key": API_KEY})  # fmt: skip
-    try:
-        run.start()
+    args = {"max_model_len": 64, "api_key": API_KEY}
+    with served("local.yaml", tmp_path_factory.mktemp("serve"), args) as run:
         yield run
-    finally:
-        run.stop()
 
 
 def test_fuzzed_api_has_no_server_errors_and_matches_its_schema(

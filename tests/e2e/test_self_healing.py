@@ -25,7 +25,7 @@ from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
-from tests.e2e.serve_process import REPO, ServeRun, replica_pid
+from tests.e2e.serve_process import ServeRun, replica_pid, served
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -36,12 +36,8 @@ NUM_TOKENS = 200
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
-    run = ServeRun(REPO / "deploy" / "local.yaml", tmp_path_factory.mktemp("serve"))
-    try:
-        run.start()
+    with served("local.yaml", tmp_path_factory.mktemp("serve")) as run:
         yield run
-    finally:
-        run.stop()
 
 
 @pytest.fixture(scope="module")

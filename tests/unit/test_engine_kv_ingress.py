@@ -44,6 +44,13 @@ class InProcessPair:
             self.deliver(self.token.on_handoff(handoff))
         assert all(endpoint == "t-kv" for endpoint, _ in outbox.frees)
 
+    def submit(
+        self, req_id: str, prompt: list[int], params: SamplingParams, reply_to: str = "router"
+    ) -> None:
+        """A router's GenerateRequest to the prompt engine, decoding on the token engine."""
+        message = GenerateRequest(req_id, prompt, params.to_spec(), reply_to, "t-cmd", "t-kv")
+        self.deliver(self.prompt.on_generate(message))
+
     def run(self) -> None:
         for _ in range(500):
             if not (self.prompt.has_work() or self.token.has_work() or self.kv):
@@ -65,8 +72,7 @@ def test_kv_that_does_not_fit_fails_its_request_alone(tiny_model_path: Path) -> 
 
     pair = InProcessPair(tiny_model_path)
     for req_id, prompt in (("large", large), ("small", small)):
-        pair.deliver(pair.prompt.on_generate(GenerateRequest(
-            req_id, prompt, greedy.to_spec(), "router", "t-cmd", "t-kv")))  # fmt: skip
+        pair.submit(req_id, prompt, greedy)
     pair.run()
 
     large_out = pair.outputs["large"]
@@ -82,12 +88,10 @@ def test_a_hand_off_whose_kv_never_lands_does_not_hold_the_queue(tiny_model_path
     reference = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False)
     expected = reference.generate([second], greedy)[0]
     pair = InProcessPair(tiny_model_path)
-    pair.deliver(pair.prompt.on_generate(GenerateRequest(
-        "lost", lost, greedy.to_spec(), "router", "t-cmd", "t-kv")))  # fmt: skip
+    pair.submit("lost", lost, greedy)
     pair.deliver(pair.prompt.step())
     pair.kv.clear()  # its prompt engine died mid-transfer: the KV never lands
-    pair.deliver(pair.prompt.on_generate(GenerateRequest(
-        "second", second, greedy.to_spec(), "router", "t-cmd", "t-kv")))  # fmt: skip
+    pair.submit("second", second, greedy)
     pair.run()  # "second" waits behind "lost" (FCFS) ...
     assert pair.outputs["second"][-1].finish_reason == ""
     pair.deliver(pair.token.expire(time.monotonic() + HANDOFF_KV_WAIT_S + 1))
@@ -104,8 +108,7 @@ def test_a_lost_router_ends_only_its_own_requests(tiny_model_path: Path) -> None
     expected = reference.generate([theirs], greedy)[0]
     pair = InProcessPair(tiny_model_path)
     for req_id, prompt, router in (("mine", mine, "router-a"), ("theirs", theirs, "router-b")):
-        pair.deliver(pair.prompt.on_generate(GenerateRequest(
-            req_id, prompt, greedy.to_spec(), router, "t-cmd", "t-kv")))  # fmt: skip
+        pair.submit(req_id, prompt, greedy, reply_to=router)
     pair.deliver(pair.prompt.step())
     while pair.kv:
         pair.deliver(pair.token.on_kv(*pair.kv.pop(0)))
