@@ -62,8 +62,8 @@ class KvIngress:
         self.lease_s, self.clock = lease_s, clock
         self.lock = threading.Condition()
         self.events: deque[KvEvent] = deque(maxlen=256)
+        self.num_layers = cache.key.shape[0]  # every request's KV has this many (`_check`)
         self._layers: dict[str, int] = {}  # req_id -> layers landed so far
-        self._total: dict[str, int] = {}  # req_id -> layers it will have
         self._unclaimed: dict[str, float] = {}  # req_id -> when its first page came
         self._claimed: set[str] = set()
         self._ended: OrderedDict[str, Landed] = OrderedDict()  # DROPPED (freed) or REFUSED
@@ -94,8 +94,7 @@ class KvIngress:
                 return Landed.DROPPED  # freed while its layers were being written
             done = self._layers.get(pages.req_id, 0) + pages.num_layers
             self._layers[pages.req_id] = done
-            self._total[pages.req_id] = pages.total_layers
-            if done < pages.total_layers:
+            if done < self.num_layers:
                 return Landed.PARTIAL
             self.lock.notify_all()
             return Landed.COMPLETE
@@ -121,7 +120,7 @@ class KvIngress:
 
     def is_complete(self, req_id: str) -> bool:
         with self.lock:
-            return req_id in self._total and self._layers[req_id] >= self._total[req_id]
+            return self._layers.get(req_id, 0) >= self.num_layers
 
     def wait_complete(self, req_id: str, timeout: float) -> bool:
         """Whether all of `req_id`'s KV landed within `timeout` (KV and the decode step that needs
@@ -160,7 +159,7 @@ class KvIngress:
     def forget(self, req_id: str) -> None:
         """Stop tracking `req_id`'s landing; its blocks now belong to whoever decodes it."""
         with self.lock:
-            for table in (self._layers, self._total, self._unclaimed):
+            for table in (self._layers, self._unclaimed):
                 table.pop(req_id, None)
             self._claimed.discard(req_id)
 

@@ -78,18 +78,24 @@ class Tokenizer:
         "<|eot_id|>") is rendered through a placeholder and encoded as plain text, so it cannot
         become a control token (role injection). Other content renders in place, exactly as
         transformers' `apply_chat_template` does."""
+
+        def render(messages: list[dict[str, str]]) -> str:
+            return self._template.render(
+                messages=messages, bos_token=self.bos_token,
+                add_generation_prompt=add_generation_prompt,
+            )  # fmt: skip
+
+        if not any(self._holds_special(m.get("content")) for m in messages):
+            return self._template_tok.encode(render(messages), add_special_tokens=False).ids
         nonce = secrets.token_hex(8)
         contents: list[str] = []
         rendered = []
         for message in messages:
-            content = message.get("content") or ""
-            if any(s in content for s in self._special_strings):
+            if self._holds_special(content := message.get("content") or ""):
                 message = {**message, "content": f"\x00{nonce}:{len(contents)}\x00"}
                 contents.append(content)
             rendered.append(message)
-        text = self._template.render(
-            messages=rendered, bos_token=self.bos_token, add_generation_prompt=add_generation_prompt
-        )
+        text = render(rendered)
         ids: list[int] = []
         for i, part in enumerate(re.split(f"\x00{nonce}:(\\d+)\x00", text)):
             if i % 2:  # a placeholder: the content it stands for, as plain text
@@ -97,6 +103,10 @@ class Tokenizer:
             else:
                 ids += self._template_tok.encode(part, add_special_tokens=False).ids
         return ids
+
+    def _holds_special(self, content: str | None) -> bool:
+        """Whether chat content holds a special-token string (which must stay text)."""
+        return content is not None and any(s in content for s in self._special_strings)
 
 
 def _token_text(token: Any) -> str | None:

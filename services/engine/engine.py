@@ -141,18 +141,10 @@ class Engine:
     def on_handoff(self, msg: DecodeHandoff) -> Outbox:
         """A prefilled request to decode; it joins once its KV is in place."""
         if self.kv_ingress.has_ended(msg.req_id):  # aborted, or its KV refused or expired here
-            gone = TokenOutput(msg.req_id, [], "error", error=f"engine {self.engine_id}: no "
-                               "KV for the request", retryable=True)  # fmt: skip
-            return Outbox.output(msg.reply_to, gone) + Outbox.free(
-                msg.req_id, kv_endpoints(msg.shards)
-            )
+            return self._refuse_handoff(msg, "no KV for the request")
         if msg.shards and kv_endpoints(msg.shards) != kv_endpoints(self.shards):
             # Placed while this engine's group was whole; a shard has left since.
-            stale = TokenOutput(msg.req_id, [], "error", error=f"engine {self.engine_id}: its "
-                                "shard group changed", retryable=True)  # fmt: skip
-            return Outbox.output(msg.reply_to, stale) + Outbox.free(
-                msg.req_id, kv_endpoints(msg.shards)
-            )
+            return self._refuse_handoff(msg, "its shard group changed")
         self.requests[msg.req_id] = Request(
             msg.req_id, msg.token_ids[: msg.num_prompt_tokens],
             SamplingParams.from_spec(msg.sampling), self.model.config.eos_token_ids,
@@ -220,17 +212,17 @@ class Engine:
         if lost:
             log.warning("router lost; ending its requests", engine=self.engine_id,
                         router=reply_to, num_requests=len(lost))  # fmt: skip
-        out = Outbox()
-        for req_id in lost:
-            out += self._end(req_id, f"engine {self.engine_id}: lost its router", retryable=True)
-        return out
+        return self._end_all(lost, f"engine {self.engine_id}: lost its router")
 
     def undelivered_handoff(self, handoff: DecodeHandoff) -> Outbox:
-        """A hand-off its token engine would not take (gone, or not reading): the router re-runs
-        the request, and its shards' KV is freed (a local-KV engine's lease frees its own)."""
+        """A hand-off its token engine would not take (gone, or not reading)."""
+        return self._refuse_handoff(handoff, "its token engine is unreachable")
+
+    def _refuse_handoff(self, handoff: DecodeHandoff, why: str) -> Outbox:
+        """A hand-off that will not decode here: the router re-runs the request (a retryable
+        error), and its shards' KV is freed (a local-KV engine's lease frees its own)."""
         error = TokenOutput(handoff.req_id, [], "error", handoff.num_prompt_tokens,
-                            error=f"engine {self.engine_id}: its token engine is unreachable",
-                            retryable=True)  # fmt: skip
+                            error=f"engine {self.engine_id}: {why}", retryable=True)  # fmt: skip
         return Outbox.output(handoff.reply_to, error) + Outbox.free(
             handoff.req_id, kv_endpoints(handoff.shards)
         )
@@ -239,8 +231,12 @@ class Engine:
         """A step failed, for no one request's fault (a shard answered with an error, a kernel
         raised): end every request here, retryably, and free all. The router re-runs each from
         its tokens (the self-healing path), at most `max_migrations` times."""
+        return self._end_all(list(self.routing), error)
+
+    def _end_all(self, req_ids: list[str], error: str) -> Outbox:
+        """End each of `req_ids` retryably (the router re-runs them from their tokens)."""
         out = Outbox()
-        for req_id in list(self.routing):
+        for req_id in req_ids:
             out += self._end(req_id, error, retryable=True)
         return out
 
@@ -264,9 +260,7 @@ class Engine:
         tied = [s.req_id for s in self.admission.sharded]
         tied += [h.req_id for h in self.admission.waiting if h.shards]
         error = f"engine {self.engine_id}: {reason}"
-        out = Outbox()
-        for req_id in tied:
-            out += self._end(req_id, error, retryable=True)
+        out = self._end_all(tied, error)
         self.shards = tuple(shards)
         self.runner.shard_links = list(links)
         self.runner.shards = list(shards)

@@ -3,14 +3,14 @@ what the OpenAPI schema says about errors.
 
 `BodyLimit` answers a body over its bound with a 413 (OpenAI error body) before anything parses
 it; `ArrivalStamp` notes when a request reached the router (TTFT and `router.request` start
-there); `unicode_checked` turns text that is not valid Unicode into a 400 instead of a 500;
+there); `check_unicode` turns text that is not valid Unicode into a 400 instead of a 500;
 `without_422` keeps FastAPI's 422s out of /openapi.json (this API answers 400).
 """
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI
@@ -72,14 +72,14 @@ class ArrivalStamp:
         await self.app(scope, receive, send)
 
 
-def unicode_checked(encode: Any, value: Any, param: str) -> Any:
-    """`encode(value)`, with text that is not valid Unicode (a lone surrogate, which JSON can
-    carry) a 400 naming `param` instead of a 500."""
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise APIError(400, f"{param} is not valid Unicode text: {exc.reason}", param) from exc
-    return encode(value)
+def check_unicode(param: str, texts: Iterable[str | None]) -> None:
+    """Text that is not valid Unicode (a lone surrogate, which JSON can carry) is a 400 naming
+    `param`, not a 500 when the tokenizer or an error body meets it."""
+    for text in texts:
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(400, f"{param} is not valid Unicode text: {exc.reason}", param) from exc
 
 
 def without_422(app: FastAPI) -> None:

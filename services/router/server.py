@@ -38,7 +38,7 @@ from common.config import ModelConfig
 from common.engine.request import RequestOutput, check_prompt
 from common.tokenizer import Tokenizer
 from services.router.engine_client import EngineClient
-from services.router.http_edge import ArrivalStamp, BodyLimit, unicode_checked, without_422
+from services.router.http_edge import ArrivalStamp, BodyLimit, check_unicode, without_422
 from services.router.openai_api import (
     APIError,
     AssistantMessage,
@@ -199,9 +199,8 @@ class Router:
         self._check_request(request)
         request.reject_unsupported()
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        prompt_ids = await asyncio.to_thread(
-            unicode_checked, self.tokenizer.apply_chat_template, messages, "messages"
-        )
+        check_unicode("messages", (m["content"] for m in messages))
+        prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", default=None)
         job = await self._start(
@@ -243,13 +242,15 @@ class Router:
     def _check_request(self, request: SamplingFields) -> None:
         if request.model is not None and request.model != self.model_name:
             raise APIError(404, f"The model `{request.model}` does not exist.", "model")
-        for name, value in (("stop", request.stop), ("user", request.user)):
-            unicode_checked(str, value, name)
+        stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        check_unicode("stop", stop)
+        check_unicode("user", [request.user])
 
     def _completion_prompt_ids(self, prompt: str | list[Any]) -> list[int]:
         """Text or token ids, alone or as a list of one prompt."""
         if isinstance(prompt, str):
-            ids = unicode_checked(self.tokenizer.encode, prompt, "prompt")
+            check_unicode("prompt", [prompt])
+            ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise APIError(400, "prompt must not be empty", "prompt")
             return ids

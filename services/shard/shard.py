@@ -161,15 +161,17 @@ class AttentionShard:
                 except NoFreeBlocksError:
                     log.warning("no room to grow", shard=self.shard_id, req_id=req_id)
                     failed.append(req_id)
-            scratch = [self.scratch_block]
-            rows = list(zip(batch.req_ids, batch.context_lens, strict=True))
-            tables = [scratch if r in failed else self.blocks.block_table(r) for r, _ in rows]
-            context_lens = [1 if r in failed else ctx for r, ctx in rows]
-            size = self.spec.block_size
-            slots = [
-                self.scratch_block * size if r in failed else self.blocks.slot(r, ctx - 1)
-                for r, ctx in rows
-            ]
+            unusable = set(failed)
+            tables, context_lens, slots = [], [], []
+            for req_id, ctx in zip(batch.req_ids, batch.context_lens, strict=True):
+                if req_id in unusable:  # one token's worth of the scratch block
+                    tables.append([self.scratch_block])
+                    context_lens.append(1)
+                    slots.append(self.scratch_block * self.spec.block_size)
+                else:
+                    tables.append(self.blocks.block_table(req_id))
+                    context_lens.append(ctx)
+                    slots.append(self.blocks.slot(req_id, ctx - 1))
         return _StepTables(
             batch.step,
             pad_block_tables(tables),  # one tensor op, not one per row: this is on the step's path

@@ -21,6 +21,12 @@ from services.engine.outbox import Outbox
 from tests.conftest import random_prompts
 
 
+def single_process_tokens(model_path: Path, prompt: list[int], params: SamplingParams) -> list[int]:
+    """What `LLMEngine`, the single-process reference, generates for `prompt`."""
+    engine = LLMEngine(EngineConfig(str(model_path)), with_tokenizer=False)
+    return engine.generate([prompt], params)[0]
+
+
 class InProcessPair:
     """Carries every message between the two engines and collects the router's outputs."""
 
@@ -67,8 +73,7 @@ class InProcessPair:
 def test_kv_that_does_not_fit_fails_its_request_alone(tiny_model_path: Path) -> None:
     small, large = random_prompts([40, 200], vocab=2048, seed=3)  # 8 blocks hold 128 tokens
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    reference = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False)
-    expected = reference.generate([small], greedy)[0]
+    expected = single_process_tokens(tiny_model_path, small, greedy)
 
     pair = InProcessPair(tiny_model_path)
     for req_id, prompt in (("large", large), ("small", small)):
@@ -85,8 +90,7 @@ def test_kv_that_does_not_fit_fails_its_request_alone(tiny_model_path: Path) -> 
 def test_a_hand_off_whose_kv_never_lands_does_not_hold_the_queue(tiny_model_path: Path) -> None:
     lost, second = random_prompts([30, 20], vocab=2048, seed=4)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    reference = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False)
-    expected = reference.generate([second], greedy)[0]
+    expected = single_process_tokens(tiny_model_path, second, greedy)
     pair = InProcessPair(tiny_model_path)
     pair.submit("lost", lost, greedy)
     pair.deliver(pair.prompt.step())
@@ -104,8 +108,7 @@ def test_a_hand_off_whose_kv_never_lands_does_not_hold_the_queue(tiny_model_path
 def test_a_lost_router_ends_only_its_own_requests(tiny_model_path: Path) -> None:
     mine, theirs = random_prompts([30, 20], vocab=2048, seed=5)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    reference = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False)
-    expected = reference.generate([theirs], greedy)[0]
+    expected = single_process_tokens(tiny_model_path, theirs, greedy)
     pair = InProcessPair(tiny_model_path)
     for req_id, prompt, router in (("mine", mine, "router-a"), ("theirs", theirs, "router-b")):
         pair.submit(req_id, prompt, greedy, reply_to=router)
