@@ -77,7 +77,7 @@ def serve_channel(channel: Any, preallocated: bool) -> None:
 
 def ucx_server(tls: str, address_queue: Any) -> None:
     os.environ["PHASEMESH_UCX_TLS"] = tls
-    from common.transport.ucx_channel import UcxListener
+    from common.transport.ucx_listener import UcxListener
 
     listener = UcxListener(Probe)
     address_queue.put(listener.address)

@@ -5,7 +5,8 @@
   encoder and typed decoder per socket; malformed messages are logged and dropped.
 - `service_stats`: `request_stats`, what each service holds, asked on its control endpoint.
 - `tensor_frames`: the wire form of a tensor message (msgspec envelope + raw buffers).
-- `ucx_channel`: `UcxListener` / `UcxTensorChannel`, the UCX (ucxx) tensor channel. Not imported
+- `ucx_channel` / `ucx_listener` / `ucx_handshake`: `UcxTensorChannel` / `UcxListener` and how
+  they meet, the UCX (ucxx) tensor channel. Not imported
   here: importing ucxx costs time and is only needed by tensor-plane processes.
 - `zmq_tensor`: `ZmqTensorChannel`, the same API over ZeroMQ frames (fallback and yardstick).
 """

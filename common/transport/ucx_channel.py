@@ -30,14 +30,11 @@ synchronous engine loop does anyway.
 Transports: `UCX_TLS` if set, else `PHASEMESH_UCX_TLS`, else `DEFAULT_UCX_TLS` (tcp: works on one
 host and across hosts).
 
-Connections: a listener publishes its UCX *worker address* (hex), not a host:port. A peer creates
-an endpoint to that address and says hello on a reserved tag with its channel id and its own
-worker address, signed with the mesh's key (HMAC-SHA256); the listener checks the signature before
-it lets UCX read the address (a forged address can abort the process inside UCX), then answers
-with an endpoint back to it. There is no sockaddr listener
-(ucxx's binds every interface): each worker listens only on the network device of the host it is
-given (`net_device_for`: `lo` for a loopback mesh), so a loopback mesh is reachable from this
-machine alone. A malformed hello is logged and dropped.
+Connections: a `UcxListener` (ucx_listener.py) publishes its UCX *worker address* (hex), not a
+host:port, and `connect` meets it with a signed hello (ucx_handshake.py). There is no sockaddr
+listener (ucxx's binds every interface): each worker listens only on the network device of the
+host it is given (`lo` for a loopback mesh), so a loopback mesh is reachable from this machine
+alone.
 
 NOTE: a worker (a listener and the channels it accepts, or one connected channel) is not thread
 safe; use it from one thread. Tags carry a random per-channel id so that channels accepted by one
@@ -46,13 +43,8 @@ listener never match each other's messages.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import hmac
-import ipaddress
 import os
 import secrets
-import socket
 import struct
 import time
 from collections.abc import Sequence
@@ -89,6 +81,13 @@ from common.transport.tensor_frames import (  # noqa: E402
     empty_like_spec,
     receive_targets,
 )
+from common.transport.ucx_handshake import (  # noqa: E402
+    ACK,
+    ACK_TAG,
+    HELLO_TAG,
+    net_device_for,
+    signed_hello,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -111,10 +110,6 @@ INLINE_LIMIT = 192 * 1024
 MAX_ENVELOPE_BYTES = 64 * 1024
 _PREFIX = struct.Struct("<II")  # envelope length, 1 if the tensors are inline
 _ALIGN = 64
-_HELLO = struct.Struct("<QI")  # channel id, length of the peer's worker address that follows
-_HELLO_MAX_BYTES = 4096
-_SIGNATURE_BYTES = 32  # HMAC-SHA256 over the hello, after the peer's address
-_HELLO_TAG = 1 << 63  # data tags use the low 58 bits (`_tag`): a hello never matches one
 _KIND_ENVELOPE, _KIND_DATA = 0, 1
 _MAX_OUTBOX_ARRAYS = 64
 # Upper bound on one epoll sleep, so that a deadline is noticed even if no event comes.
@@ -132,30 +127,6 @@ def ucx_settings() -> dict[str, str]:
     """The UCX settings in effect for new workers (for logs and bench reports)."""
     tuning = {k: os.environ[f"UCX_{k}"] for k in DEFAULT_UCX_TUNING}
     return {"TLS": os.environ.get("UCX_TLS", ucx_config().get("TLS", "")), **tuning}
-
-
-def net_device_for(host: str | None) -> str | None:
-    """The network device a worker serving `host` should listen on: `lo` for a loopback host, the
-    interface that holds `host`'s address otherwise; None (every device) if none is found."""
-    if not host:
-        return None
-    try:
-        address = ipaddress.ip_address(socket.gethostbyname(host))
-    except (OSError, ValueError):
-        return None
-    if address.is_loopback:
-        return "lo"
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:  # SIOCGIFADDR: the interface's IPv4 address
-                packed = fcntl.ioctl(
-                    probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode())
-                )
-            except OSError:
-                continue
-        if socket.inet_ntoa(packed[20:24]) == str(address):
-            return name
-    return None
 
 
 class UcxWorker:
@@ -241,16 +212,24 @@ class UcxTensorChannel(Generic[HeaderT]):
         key: bytes = b"",
     ) -> UcxTensorChannel[Any]:
         """Connect to the `UcxListener` whose `address` this is; `host`: this side's mesh host
-        (its worker listens on that host's device only); `key`: the mesh's, as the listener's."""
+        (its worker listens on that host's device only); `key`: the mesh's, as the listener's.
+        Raises ChannelClosed if the listener does not accept the link within `timeout`."""
         worker = UcxWorker(net_device_for(host))
         remote = ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(address))
         endpoint = ucx_api.UCXEndpoint.create_from_worker_address(worker.worker, remote, True)
         channel_id = secrets.randbits(56)
-        own = worker.worker.address.tobytes()
-        signed = _HELLO.pack(channel_id, len(own)) + own
-        signed += hmac.digest(key, signed, hashlib.sha256)
+        ack = np.empty(ACK.size, dtype=np.uint8)
+        worker.posted_buffers.append(ack)
+        acked = worker.worker.tag_recv(Array(ack), ucx_api.UCXXTag(ACK_TAG))
+        signed = signed_hello(channel_id, worker.worker.address.tobytes(), key)
         hello = np.frombuffer(signed, dtype=np.uint8).copy()
-        worker.wait([endpoint.tag_send(Array(hello), ucx_api.UCXXTag(_HELLO_TAG))], timeout)
+        try:
+            worker.wait([endpoint.tag_send(Array(hello), ucx_api.UCXXTag(HELLO_TAG))], timeout)
+            worker.wait([acked], timeout)
+        except TimeoutError as exc:
+            raise ChannelClosed(
+                "the listener did not accept the link (another mesh's key?)"
+            ) from exc
         return cls(worker, endpoint, channel_id, is_server=False, header_type=header_type)
 
     def send(self, header: HeaderT, tensors: Sequence[torch.Tensor] = (),
@@ -349,70 +328,6 @@ class UcxTensorChannel(Generic[HeaderT]):
             self._endpoint.close_blocking()
         except Exception as exc:  # noqa: BLE001 - closing must never raise
             log.debug("ucx_close_failed", error=str(exc))
-
-
-class UcxListener:
-    """Accepts `UcxTensorChannel`s; `address` (its worker's, hex) is what to publish through
-    discovery. `host`: the mesh host, whose network device alone it listens on; `key`: the mesh's
-    key, which every hello must be signed with (empty: any peer that can reach it is accepted).
-
-    The listener's worker serves every channel it accepts, so use them from one thread.
-    """
-
-    def __init__(self, header_type: Any, host: str = "127.0.0.1", key: bytes = b"") -> None:
-        self._header_type = header_type
-        self._key = key
-        self._worker = UcxWorker(net_device_for(host))
-        self.address = self._worker.worker.address.tobytes().hex()
-        self._hello = np.empty(_HELLO_MAX_BYTES, dtype=np.uint8)
-        self._worker.posted_buffers.append(self._hello)
-        self._hello_request = self._post_hello()
-
-    def _post_hello(self) -> Any:
-        return self._worker.worker.tag_recv(Array(self._hello), ucx_api.UCXXTag(_HELLO_TAG))
-
-    def accept(self, timeout: float | None = 10.0) -> UcxTensorChannel[Any]:
-        """Block until a peer says hello; return the channel to it (TimeoutError if none does).
-        A malformed hello is logged and dropped."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            request = self._hello_request
-            try:
-                self._worker.wait([request], left)
-            except TimeoutError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - e.g. a hello larger than the buffer
-                self._hello_request = self._post_hello()
-                log.warning("ucx_hello_dropped", error=repr(exc))
-                continue
-            hello = self._hello.tobytes()
-            self._hello_request = self._post_hello()
-            try:
-                channel_id, peer = self._verified(hello)
-                endpoint = ucx_api.UCXEndpoint.create_from_worker_address(
-                    self._worker.worker, peer, True
-                )
-            except Exception as exc:  # noqa: BLE001 - a hostile or broken peer: not ours to die of
-                log.warning("ucx_hello_dropped", error=repr(exc))
-                continue
-            return UcxTensorChannel(self._worker, endpoint, channel_id, is_server=True,
-                                    header_type=self._header_type)  # fmt: skip
-
-    def _verified(self, hello: bytes) -> tuple[int, Any]:
-        """The channel id and peer address of a correctly signed hello; ValueError otherwise."""
-        channel_id, length = _HELLO.unpack_from(hello)
-        end = _HELLO.size + length
-        if end + _SIGNATURE_BYTES > _HELLO_MAX_BYTES:
-            raise ValueError(f"a hello announcing a peer address of {length} bytes")
-        expected = hmac.digest(self._key, hello[:end], hashlib.sha256)
-        if not hmac.compare_digest(expected, hello[end : end + _SIGNATURE_BYTES]):
-            raise ValueError("a hello not signed with the mesh's key")
-        return channel_id, ucx_api.UCXAddress.create_from_buffer(hello[_HELLO.size : end])
-
-    def close(self) -> None:
-        """Stop accepting; channels already accepted keep working."""
-        self._hello_request = None
 
 
 def _tag(channel_id: int, direction: int, kind: int) -> int:

@@ -29,7 +29,8 @@ from common.protocol import (
     StatsRequest,
 )
 from common.telemetry import Metrics
-from common.transport.ucx_channel import ChannelClosed, UcxListener, UcxTensorChannel
+from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
+from common.transport.ucx_listener import UcxListener
 from common.transport.zmq_sockets import TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.shard.shard import AttentionShard, ShardSpec

@@ -142,7 +142,7 @@ def stats_service(queue: Any) -> None:
 def tensor_echo(transport: str, queue: Any) -> None:
     """Tensor channel server: send every (header, tensors) back; stop on Stop."""
     if transport == "ucx":
-        from common.transport.ucx_channel import UcxListener
+        from common.transport.ucx_listener import UcxListener
 
         listener = UcxListener(Message, key=UCX_KEY)
         queue.put(listener.address)
@@ -443,20 +443,21 @@ def send_rogue_hellos(address: str) -> None:
     import hmac
 
     from common.transport import ucx_channel as ucx
+    from common.transport import ucx_handshake as handshake
 
-    worker = ucx.UcxWorker(ucx.net_device_for("127.0.0.1"))
+    worker = ucx.UcxWorker(handshake.net_device_for("127.0.0.1"))
     remote = ucx.ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(address))
     endpoint = ucx.ucx_api.UCXEndpoint.create_from_worker_address(worker.worker, remote, True)
     rng = np.random.default_rng(0)
     hellos = [
         rng.integers(0, 256, 7, dtype=np.uint8).tobytes(),
-        ucx._HELLO.pack(1, 1 << 30),
+        handshake.HELLO.pack(1, 1 << 30),
         rng.integers(0, 256, 10_000, dtype=np.uint8).tobytes(),
-        ucx._HELLO.pack(2, 40) + rng.integers(0, 256, 40, dtype=np.uint8).tobytes(),
+        handshake.HELLO.pack(2, 40) + rng.integers(0, 256, 40, dtype=np.uint8).tobytes(),
     ]
-    forged = ucx._HELLO.pack(3, 40) + rng.integers(0, 256, 40, dtype=np.uint8).tobytes()
+    forged = handshake.HELLO.pack(3, 40) + rng.integers(0, 256, 40, dtype=np.uint8).tobytes()
     hellos.append(forged + hmac.digest(b"not the mesh key", forged, hashlib.sha256))
-    tag = ucx.ucx_api.UCXXTag(ucx._HELLO_TAG)
+    tag = ucx.ucx_api.UCXXTag(handshake.HELLO_TAG)
     buffers = [np.frombuffer(h, dtype=np.uint8).copy() for h in hellos]
     worker.wait([endpoint.tag_send(ucx.Array(b), tag) for b in buffers], timeout=10)
 
@@ -464,8 +465,12 @@ def send_rogue_hellos(address: str) -> None:
 def test_ucx_listener_drops_rogue_hellos_and_serves_the_next_peer(
     spawn: Callable[..., Any],
 ) -> None:
+    from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
+
     address = started_endpoint(spawn, tensor_echo, "ucx")
     send_rogue_hellos(address)
+    with pytest.raises(ChannelClosed, match="did not accept"):  # another mesh's key: told so
+        UcxTensorChannel.connect(address, Message, timeout=3, key=b"another mesh's key")
     channel = connect_tensor_channel("ucx", address)  # accepted after every rogue hello
     tensors = [torch.arange(12, dtype=torch.float32).reshape(3, 4)]
     channel.send(Ping(seq=1), tensors)
@@ -479,7 +484,8 @@ def test_ucx_listener_drops_rogue_hellos_and_serves_the_next_peer(
 def test_ucx_workers_listen_on_the_mesh_host_only() -> None:
     import psutil
 
-    from common.transport.ucx_channel import UcxListener, UcxTensorChannel
+    from common.transport.ucx_channel import UcxTensorChannel
+    from common.transport.ucx_listener import UcxListener
 
     listener = UcxListener(Message, host="127.0.0.1")
     accepted: list[Any] = []
