@@ -7,6 +7,9 @@
     engine receives a shard's output in place.
 (b) bulk: 1 MiB and 16 MiB tensors one way plus a small ack, into preallocated receive buffers, over
     the same three; with an in-process memcpy of the same bytes as the same-run ceiling.
+(c) the price of the control plane's CURVE (common/transport/zmq_auth.py): the plain zmq pair again
+    as a CURVE server and client (`curve_zmq`): every message encrypted and authenticated, as mesh
+    control messages and ZeroMQ-borne KV pages are.
 
 Transports are interleaved repeat by repeat so that noise from other work hits all of them alike.
 The client and every server are pinned to two different cores (`--cores CLIENT SERVER`), as the
@@ -36,10 +39,21 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.transport.tensor_frames import TensorSpec  # noqa: E402
+from common.transport.zmq_auth import CurveKeys  # noqa: E402
 from common.transport.zmq_tensor import ZmqTensorChannel  # noqa: E402
 from services.launch.core_pinning import pin_this_process  # noqa: E402
 
 NUM_SEQS, NUM_HEADS, HEAD_DIM = 32, 2, 64
+# A per-layer round trip over UCX within 1.5x of plain zmq's (shared/reference/
+# performance-limits.md, row 4). CURVE: a control message's round trip within 1.5x of plain zmq's;
+# its bulk rate is the cipher's (~1 GB/s a core here), a guard against falling further while KV
+# pages still travel over ZeroMQ (issue 25 moves them to UCX, authenticated but not encrypted).
+TARGETS = {
+    "ucx_rtt_vs_plain_zmq": 1.5,
+    "curve_rtt_vs_plain_zmq": 1.5,
+    "curve_1MiB_rate_vs_plain_zmq": 0.15,
+}
+BENCH_MESH = CurveKeys.from_mesh_key("b0" * 32)  # one key for the bench's processes
 BULK_SIZES = {"1MiB": 1 << 20, "16MiB": 16 << 20}
 
 
@@ -90,9 +104,12 @@ def zmq_channel_server(address_queue: Any) -> None:
     serve_channel(channel, preallocated=False)
 
 
-def plain_zmq_server(address_queue: Any) -> None:
-    """ROUTER echo with raw frames: the same bytes, no wrapper, no msgspec envelope decoding."""
+def plain_zmq_server(curve: bool, address_queue: Any) -> None:
+    """ROUTER echo with raw frames: the same bytes, no wrapper, no msgspec envelope decoding;
+    a CURVE server with `curve`."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
+    if curve:
+        BENCH_MESH.serve(sock)
     address_queue.put(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
     reply = [torch.randn(NUM_SEQS, NUM_HEADS, HEAD_DIM), torch.randn(NUM_SEQS, NUM_HEADS)]
     reply_frames = [t.numpy() for t in reply]
@@ -122,8 +139,10 @@ def start_server(cores: list[int], target: Callable[..., None], *args: Any) -> t
 class PlainZmqClient:
     """The client half of the plain zmq baseline, with the `send`/`recv` shape of the channels."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, curve: bool = False) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        if curve:
+            BENCH_MESH.join(self.sock)
         self.sock.connect(endpoint)
 
     def send(self, header: Probe, tensors: list[torch.Tensor]) -> None:
@@ -192,7 +211,7 @@ def summarize(results: dict[str, list[float]], tls_list: list[str]) -> dict[str,
             rate = BULK_SIZES[probe] / seconds / 1e9
             summary["bulk_GBps"][f"{transport}:{probe}"] = round(rate, 3)
     ratios = summary["ratios"]
-    for transport in [f"ucx[{tls}]" for tls in tls_list] + ["zmq_channel"]:
+    for transport in [f"ucx[{tls}]" for tls in tls_list] + ["zmq_channel", "curve_zmq"]:
         ratios[f"{transport}_rtt_vs_plain_zmq"] = round(
             med[f"{transport}:rtt"] / med["plain_zmq:rtt"], 3
         )
@@ -246,9 +265,10 @@ def main() -> None:
     proc, endpoint = start_server(server_cores, zmq_channel_server)
     servers.append(proc)
     clients["zmq_channel"] = ZmqTensorChannel(endpoint, Probe, bind=False)
-    proc, endpoint = start_server(server_cores, plain_zmq_server)
-    servers.append(proc)
-    clients["plain_zmq"] = PlainZmqClient(endpoint)
+    for name, curve in (("plain_zmq", False), ("curve_zmq", True)):
+        proc, endpoint = start_server(server_cores, plain_zmq_server, curve)
+        servers.append(proc)
+        clients[name] = PlainZmqClient(endpoint, curve)
 
     results = run_repeats(clients, args.repeats, args.round_trips)
     for client in clients.values():
@@ -261,6 +281,16 @@ def main() -> None:
     summary["ucx_settings"] = ucx_settings()
     summary["cores"] = {"client": client_core, "server": server_core}
     summary["load_avg_1m"] = os.getloadavg()[0]
+    ratios = summary["ratios"]
+    summary["targets"] = TARGETS
+    summary["targets_met"] = {
+        "ucx_rtt_vs_plain_zmq": ratios[f"ucx[{args.ucx_tls[0]}]_rtt_vs_plain_zmq"]
+        <= TARGETS["ucx_rtt_vs_plain_zmq"],
+        "curve_rtt_vs_plain_zmq": ratios["curve_zmq_rtt_vs_plain_zmq"]
+        <= TARGETS["curve_rtt_vs_plain_zmq"],
+        "curve_1MiB_rate_vs_plain_zmq": ratios["curve_zmq_1MiB_rate_vs_plain_zmq"]
+        >= TARGETS["curve_1MiB_rate_vs_plain_zmq"],
+    }
     print(json.dumps(summary))
 
 

@@ -8,6 +8,7 @@ import msgspec
 
 from common.protocol import ShardAddress
 from common.roles import Role
+from common.transport.zmq_auth import CurveKeys
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,10 +31,15 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     head_start: int = 0  # shards: the KV heads they hold
     head_end: int = 0
     served_model_name: str = ""  # the `model_name` label of metrics; default: the folder's name
-    # The mesh's key (hex): every UCX hello between its services is signed with it, so a peer
-    # without it is dropped before UCX reads anything it sent (common/transport/ucx_channel.py).
-    mesh_key: str = ""
+    # The mesh's secret (hex): every UCX hello between its services is signed with it, and every
+    # ZeroMQ socket is a CURVE server or client with keys derived from it, so a peer without it is
+    # dropped before anything it sent is read (common/transport/ucx_handshake.py, zmq_auth.py).
+    mesh_key: str
     shard_reply_timeout_s: float = 30.0  # token engines: a shard link that stays silent this long
+
+    @property
+    def curve_keys(self) -> CurveKeys:
+        return CurveKeys.from_mesh_key(self.mesh_key)
 
     @property
     def model_name(self) -> str:

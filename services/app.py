@@ -37,6 +37,7 @@ from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
 from common.roles import Role
 from common.telemetry import Metrics, configure_logging, configure_telemetry
+from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
 from services.mesh.registry import RayRegistry
 from services.mesh.replica import MeshReplica, base_worker_config, start_engine, start_shard
@@ -141,6 +142,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
     return MeshEngineClient(
         args.model_path(),
         registry.live,
+        auth=CurveKeys.from_mesh_key(args.mesh.key or ""),
         host=_bind_host(args.mesh),
         block_size=args.mesh.block_size,
         max_migrations=args.mesh.max_migrations,

@@ -14,12 +14,15 @@ import structlog
 import zmq
 
 from common.protocol import EngineStats, ServiceReply, StatsRequest
-from common.transport.zmq_sockets import TypedSocket
+from common.transport.zmq_auth import CurveKeys
+from common.transport.zmq_sockets import TypedSocket, connect
 
 log = structlog.get_logger(__name__)
 
 
-def request_stats(endpoints: Sequence[str], timeout_s: float) -> dict[str, EngineStats]:
+def request_stats(
+    endpoints: Sequence[str], timeout_s: float, *, auth: CurveKeys | None
+) -> dict[str, EngineStats]:
     """Each control endpoint's `EngineStats`, keyed by endpoint.
 
     Every endpoint is asked at once (a DEALER each), so the whole call takes at most `timeout_s`
@@ -33,7 +36,7 @@ def request_stats(endpoints: Sequence[str], timeout_s: float) -> dict[str, Engin
     replies: dict[str, EngineStats] = {}
     try:
         for endpoint in dict.fromkeys(endpoints):  # each once, in order
-            asked[endpoint] = _ask(ctx, endpoint)
+            asked[endpoint] = _ask(ctx, endpoint, auth)
         for endpoint, sock in asked.items():
             item = sock.recv(max(0.0, deadline - time.monotonic()))
             if item is not None and isinstance(item[1], EngineStats):
@@ -46,11 +49,9 @@ def request_stats(endpoints: Sequence[str], timeout_s: float) -> dict[str, Engin
     return replies
 
 
-def _ask(ctx: zmq.Context, endpoint: str) -> TypedSocket[ServiceReply]:
+def _ask(ctx: zmq.Context, endpoint: str, auth: CurveKeys | None) -> TypedSocket[ServiceReply]:
     """A DEALER connected to `endpoint` that has sent it a `StatsRequest`."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
+    sock = connect(ctx, zmq.DEALER, endpoint, auth=auth)
     request: TypedSocket[StatsRequest] = TypedSocket(sock, StatsRequest)
     request.send(StatsRequest())
     return TypedSocket(sock, ServiceReply)

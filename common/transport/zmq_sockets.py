@@ -12,6 +12,8 @@ The one ZeroMQ wrapper set of the control plane (the tensor plane has `zmq_tenso
   tensor specs (`tensor_frames`), each frame a tensor's raw bytes, sent zero-copy (pyzmq keeps a
   reference to each buffer until libzmq has sent it).
 - `PushPool`: one PUSH socket per destination endpoint, connected on first use.
+- Every socket of a mesh is a CURVE server (binds) or client (connects) with the mesh's keys
+  (`zmq_auth.CurveKeys`): `auth=None` is plain ZeroMQ, for benches and tests of the sockets alone.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import zmq
 
 from common.transport.tensor_frames import DTYPES, EnvelopeCodec, HeaderT, byte_view
+from common.transport.zmq_auth import CurveKeys
 
 log = structlog.get_logger(__name__)
 
@@ -117,11 +120,14 @@ class PushPool(Generic[HeaderT]):
         ctx: zmq.Context,
         message_type: Any,
         on_new: Callable[[zmq.Socket], None] | None = None,
+        *,
+        auth: CurveKeys | None,
     ) -> None:
         """`on_new(socket)` runs for each new socket before it connects (to monitor it, say)."""
         self._ctx = ctx
         self._type = message_type
         self._on_new = on_new
+        self._auth = auth
         self._sockets: dict[str, TypedSocket[HeaderT]] = {}
 
     def get(self, endpoint: str) -> TypedSocket[HeaderT]:
@@ -130,6 +136,8 @@ class PushPool(Generic[HeaderT]):
             raw = self._ctx.socket(zmq.PUSH)
             raw.setsockopt(zmq.LINGER, 0)
             raw.setsockopt(zmq.SNDTIMEO, 0)
+            if self._auth is not None:
+                self._auth.join(raw)
             if self._on_new is not None:
                 self._on_new(raw)
             raw.connect(endpoint)
@@ -142,9 +150,23 @@ class PushPool(Generic[HeaderT]):
         self._sockets.clear()
 
 
-def bind_random(ctx: zmq.Context, kind: int, host: str = "127.0.0.1") -> tuple[zmq.Socket, str]:
+def bind_random(
+    ctx: zmq.Context, kind: int, host: str = "127.0.0.1", *, auth: CurveKeys | None
+) -> tuple[zmq.Socket, str]:
     """A socket bound to a free TCP port on `host`, and its endpoint string."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if auth is not None:
+        auth.serve(sock)
     port = sock.bind_to_random_port(f"tcp://{host}")
     return sock, f"tcp://{host}:{port}"
+
+
+def connect(ctx: zmq.Context, kind: int, endpoint: str, *, auth: CurveKeys | None) -> zmq.Socket:
+    """A socket of `kind` connected to `endpoint` (a CURVE client with `auth`), no linger."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if auth is not None:
+        auth.join(sock)
+    sock.connect(endpoint)
+    return sock

@@ -53,18 +53,19 @@ class EngineWorker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.ctx = zmq.Context()
-        cmd, self.command_endpoint = bind_random(self.ctx, zmq.PULL, cfg.host)
-        kv, self.kv_endpoint = bind_random(self.ctx, zmq.PULL, cfg.host)
-        ctl, self.control_endpoint = bind_random(self.ctx, zmq.ROUTER, cfg.host)
-        pub, self.load_endpoint = bind_random(self.ctx, zmq.PUB, cfg.host)
+        auth = cfg.curve_keys  # every socket: only the mesh's members get through (zmq_auth.py)
+        cmd, self.command_endpoint = bind_random(self.ctx, zmq.PULL, cfg.host, auth=auth)
+        kv, self.kv_endpoint = bind_random(self.ctx, zmq.PULL, cfg.host, auth=auth)
+        ctl, self.control_endpoint = bind_random(self.ctx, zmq.ROUTER, cfg.host, auth=auth)
+        pub, self.load_endpoint = bind_random(self.ctx, zmq.PUB, cfg.host, auth=auth)
         self.commands: TypedSocket[EngineCommand] = TypedSocket(cmd, EngineCommand)
         self.kv_in: TypedSocket[ShardIngress] = TypedSocket(kv, ShardIngress)
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
         self.load_pub: TypedSocket[LoadReport] = TypedSocket(pub, LoadReport)
         self.peers = PeerWatch()  # routers lost: their requests end here (peer_watch.py)
-        self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch)
-        self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress)
+        self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch, auth=auth)
+        self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress, auth=auth)
         self.links = {s.link_address: self._connect(s) for s in cfg.shards}
         role = EngineRole(
             cfg.role, self.command_endpoint, cfg.layer_wise_min_tokens, cfg.shard_num_blocks

@@ -24,6 +24,7 @@ import zmq
 from common.protocol import EngineStats, Shutdown
 from common.roles import Role
 from common.transport.service_stats import request_stats
+from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.launch.core_pinning import GroupPlacement, place_decode_groups
@@ -88,8 +89,12 @@ class LocalMesh:
         self.registry = Registry(max_age_s=60.0)
         self.workers: dict[str, LocalWorker] = {}  # shards, token engines, prompt engines
         self.supervisor: Supervisor | None = None
+        # The mesh's secret: UCX hellos are signed with it, ZeroMQ sockets use CURVE keys derived
+        # from it (`auth`); a process without it cannot talk to this mesh.
+        self.mesh_key = secrets.token_hex(32)
+        self.auth = CurveKeys.from_mesh_key(self.mesh_key)
         self._ctx: zmq.Context = zmq.Context.instance()
-        self._ready_sock, self._ready_endpoint = bind_random(self._ctx, zmq.PULL)
+        self._ready_sock, self._ready_endpoint = bind_random(self._ctx, zmq.PULL, auth=self.auth)
 
     @classmethod
     def start(cls, topology: Topology, timeout: float = 120.0, supervise: bool = True) -> LocalMesh:
@@ -110,7 +115,7 @@ class LocalMesh:
             ready_endpoint=self._ready_endpoint, parent_pid=os.getpid(), num_blocks=t.num_blocks,
             block_size=t.block_size, attention_backend=t.attention_backend,
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
-            mesh_key=secrets.token_hex(32), shard_reply_timeout_s=t.shard_reply_timeout_s,
+            mesh_key=self.mesh_key, shard_reply_timeout_s=t.shard_reply_timeout_s,
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
         placements = place_decode_groups(t.num_token, self.shards_per_group, cores)
@@ -262,7 +267,7 @@ class LocalMesh:
         """What every service holds (KV blocks in use, live requests), in `control_endpoints`
         order; raises TimeoutError if one does not answer within `timeout` seconds."""
         endpoints = self.control_endpoints()
-        replies = request_stats(endpoints, timeout)
+        replies = request_stats(endpoints, timeout, auth=self.auth)
         if missing := [endpoint for endpoint in endpoints if endpoint not in replies]:
             raise TimeoutError(f"no stats in {timeout} s from {missing}")
         return [replies[endpoint] for endpoint in endpoints]
@@ -270,7 +275,7 @@ class LocalMesh:
     def close(self) -> None:
         if self.supervisor is not None:
             self.supervisor.stop()
-        pool: PushPool[object] = PushPool(self._ctx, object)
+        pool: PushPool[object] = PushPool(self._ctx, object, auth=self.auth)
         for w in self._of(Role.PROMPT, Role.TOKEN, Role.MIXED):
             pool.get(w.ready.command_endpoint).send(Shutdown())
         for w in self._of(Role.SHARD):

@@ -40,7 +40,9 @@ class Supervisor:
         self.interval_s = interval_s
         self.num_restarts = 0
         self.keepers: dict[str, ShardGroupKeeper] = {}
-        self._push: PushPool[LinkShards] = PushPool(zmq.Context.instance(), LinkShards)
+        self._push: PushPool[LinkShards] = PushPool(
+            zmq.Context.instance(), LinkShards, auth=mesh.auth
+        )
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="local-mesh-supervisor", daemon=True)
         self._thread.start()

@@ -24,9 +24,9 @@ class MeshTestClient:
     def __init__(self, mesh: LocalMesh) -> None:
         self.mesh = mesh
         ctx: zmq.Context = zmq.Context.instance()
-        sock, self.reply_endpoint = bind_random(ctx, zmq.PULL)
+        sock, self.reply_endpoint = bind_random(ctx, zmq.PULL, auth=mesh.auth)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(sock, ServiceReply)
-        self.push: PushPool[object] = PushPool(ctx, object)
+        self.push: PushPool[object] = PushPool(ctx, object, auth=mesh.auth)
         self._prompt_rr = itertools.cycle(mesh.prompt)
         self._token_rr = itertools.cycle(mesh.token)
         self.placement: dict[str, tuple[ServiceEntry, ServiceEntry]] = {}

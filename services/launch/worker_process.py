@@ -19,6 +19,7 @@ import zmq
 
 from common.roles import Role
 from common.telemetry import configure_logging, configure_telemetry
+from common.transport.zmq_sockets import connect
 from common.worker_config import WorkerConfig
 from services.engine.worker import EngineWorker
 from services.launch.core_pinning import pin_this_process
@@ -36,8 +37,7 @@ def main() -> None:
     worker: EngineWorker | ShardWorker
     worker = ShardWorker(cfg) if cfg.role == Role.SHARD else EngineWorker(cfg)
     ctx: zmq.Context = zmq.Context.instance()
-    ready = ctx.socket(zmq.PUSH)
-    ready.connect(cfg.ready_endpoint)
+    ready = connect(ctx, zmq.PUSH, cfg.ready_endpoint, auth=cfg.curve_keys)
     ready.send(msgspec.msgpack.encode(worker.ready()))
     ready.close(linger=1000)
     _exit_with_parent(cfg.parent_pid)

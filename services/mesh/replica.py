@@ -28,6 +28,7 @@ import zmq
 from common.config import ModelConfig
 from common.protocol import LinkShards
 from common.roles import Role
+from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool
 from common.worker_config import WorkerConfig
 from services.engine.worker import EngineWorker
@@ -101,11 +102,12 @@ class GroupWatch:
 
     def __init__(
         self, keeper: ShardGroupKeeper, membership: Membership, command_endpoint: str,
-        interval_s: float = GROUP_CHECK_INTERVAL_S,
+        auth: CurveKeys, interval_s: float = GROUP_CHECK_INTERVAL_S,
     ) -> None:  # fmt: skip
         self.keeper = keeper
         self.membership = membership
         self.command_endpoint = command_endpoint
+        self.auth = auth
         self.interval_s = interval_s
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shard-group-watch", daemon=True)
@@ -116,7 +118,7 @@ class GroupWatch:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        push: PushPool[LinkShards] = PushPool(zmq.Context.instance(), LinkShards)
+        push: PushPool[LinkShards] = PushPool(zmq.Context.instance(), LinkShards, auth=self.auth)
         try:
             # NOTE: a timer thread (Event.wait): registry changes arrive by asking, not by event.
             while not self._stopped.wait(self.interval_s):
@@ -213,7 +215,7 @@ def start_engine(
     watch = None
     if role == Role.TOKEN and shards_per_group:
         keeper = ShardGroupKeeper(registry, service_id, shards_per_group, group)
-        watch = GroupWatch(keeper, membership, ready.command_endpoint)
+        watch = GroupWatch(keeper, membership, ready.command_endpoint, cfg.curve_keys)
     return MeshReplica(thread, membership, watch)
 
 

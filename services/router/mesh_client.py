@@ -40,6 +40,7 @@ from common.sampling import SamplingParams
 from common.telemetry import Metrics, bind_request, inject_context, set_route
 from common.tokenizer import Tokenizer
 from common.transport.service_stats import request_stats
+from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler, NoEngines
@@ -89,6 +90,8 @@ class MeshEngineClient:
         self,
         model_path: str | Path,
         list_services: Callable[[], list[ServiceEntry]],
+        *,
+        auth: CurveKeys,
         host: str = "127.0.0.1",
         block_size: int = 16,
         limits: AdmissionLimits | None = None,
@@ -98,6 +101,7 @@ class MeshEngineClient:
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
         self.list_services = list_services
+        self.auth = auth  # the mesh's CURVE keys: every socket to and from it uses them
         self.refresh_s = refresh_s
         self.scheduler = ClusterScheduler(block_size)
         self.metrics = metrics
@@ -111,11 +115,15 @@ class MeshEngineClient:
         self._closed = threading.Event()
         self.ctx = zmq.Context()
         self.inbox = MeshInbox(
-            self.ctx, host, lambda out: self._deliver(out.req_id, out), self.scheduler.on_load
+            self.ctx,
+            host,
+            lambda out: self._deliver(out.req_id, out),
+            self.scheduler.on_load,
+            auth=auth,
         )
         self.reply_endpoint = self.inbox.reply_endpoint
         self._orderer = self.inbox.orderer
-        self._push: PushPool[EngineCommand] = PushPool(self.ctx, EngineCommand)
+        self._push: PushPool[EngineCommand] = PushPool(self.ctx, EngineCommand, auth=auth)
         self._push_lock = threading.Lock()
         self._refresh()
         self._threads = [
@@ -175,7 +183,7 @@ class MeshEngineClient:
             num_requests, pending = len(self.streams), self.streams.num_pending_prompt_tokens
             by_engine = dict(self._requests_by_engine)
         endpoints = [s.control_endpoint for s in services if s.control_endpoint]
-        replies = list(request_stats(endpoints, 2.0).values())
+        replies = list(request_stats(endpoints, 2.0, auth=self.auth).values())
         return EngineClientStats(
             num_requests=num_requests,
             num_pending_prompt_tokens=pending,

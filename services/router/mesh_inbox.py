@@ -16,6 +16,7 @@ import zmq
 
 from common.protocol import LoadReport, ServiceReply, TokenOutput
 from common.token_stream import TokenStreamOrderer
+from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import TypedSocket, bind_random
 
 IO_POLL_MS = 100  # the thread wakes this often to apply subscription changes and notice close
@@ -30,11 +31,14 @@ class MeshInbox:
         host: str,
         on_output: Callable[[TokenOutput], None],
         on_load: Callable[[LoadReport], None],
+        *,
+        auth: CurveKeys,
     ) -> None:
         self.ctx = ctx
         self.on_output = on_output
         self.on_load = on_load
-        pull, self.reply_endpoint = bind_random(ctx, zmq.PULL, host)
+        self.auth = auth
+        pull, self.reply_endpoint = bind_random(ctx, zmq.PULL, host, auth=auth)
         self._replies: TypedSocket[ServiceReply] = TypedSocket(pull, ServiceReply)
         self.orderer = TokenStreamOrderer(expected_only=True)  # the router says what it sent
         # The engines' load endpoints to subscribe to; replaced whole by the membership thread.
@@ -53,6 +57,7 @@ class MeshInbox:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.auth.join(sub)
         loads: TypedSocket[LoadReport] = TypedSocket(sub, LoadReport)
         connected: set[str] = set()
         poller = zmq.Poller()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import secrets
 
 import msgspec
 import psutil
@@ -13,11 +14,12 @@ import zmq
 
 from common.config import EngineConfig
 from common.engine.core import LLMEngine
-from common.protocol import KvPages, SamplingSpec, TokenOutput
+from common.protocol import AbortRequest, KvPages, SamplingSpec, Shutdown, TokenOutput
 from common.sampling import SamplingParams
 from common.transport.service_stats import request_stats
 from common.transport.tensor_frames import EnvelopeCodec
-from common.transport.zmq_sockets import PushPool
+from common.transport.zmq_auth import CurveKeys
+from common.transport.zmq_sockets import PushPool, connect
 from services.launch.local_mesh import LocalMesh, Topology
 from services.launch.test_client import MeshTestClient
 from services.router.mesh_client import MeshEngineClient
@@ -69,21 +71,18 @@ def test_malformed_and_unknown_messages_are_dropped(mesh):
     garbage = [b"\x00\xff garbage", b"\x92\xa7unknown\x01", b""]
     endpoints = [mesh.prompt[0].command_endpoint, mesh.token[0].command_endpoint]
     endpoints += [mesh.token[0].kv_endpoint] + [s.kv_endpoint for s in mesh.shards]
-    for endpoint in endpoints:
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(endpoint)
+    for endpoint in endpoints:  # from a member of the mesh (it holds the key) gone wrong
+        sock = connect(ctx, zmq.PUSH, endpoint, auth=mesh.auth)
         for frames in (garbage[:1], garbage[1:2], [garbage[0], b"1234"], garbage[2:]):
             sock.send_multipart(frames)
-        sock.close()
+        sock.close(linger=1000)
     for endpoint in mesh.control_endpoints():
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(endpoint)
+        sock = connect(ctx, zmq.DEALER, endpoint, auth=mesh.auth)
         sock.send(b"\xc1 not msgpack")
         sock.close(linger=1000)
     # Well-formed on the wire, wrong inside: a message of another socket's type, a tensor message
     # cut short, KV pages whose tensors do not match their header, tensors of the wrong dtype.
-    pool: PushPool[object] = PushPool(ctx, object)
+    pool: PushPool[object] = PushPool(ctx, object, auth=mesh.auth)
     for endpoint in endpoints:
         push = pool.get(endpoint)
         push.send(TokenOutput("forged", [1], "stop"))
@@ -112,6 +111,39 @@ def test_malformed_and_unknown_messages_are_dropped(mesh):
     assert (tokens, out.finish_reason) == (expected, "length")
     assert_no_kv_held(mesh)
     assert all(proc.poll() is None for proc in mesh.procs)  # nothing died of it
+
+
+def test_a_process_without_the_mesh_key_is_not_heard(mesh):
+    """The control plane trusts no one outside the mesh: a bare `Shutdown` to every engine and
+    shard, an `AbortRequest` for a live request and a `StatsRequest` to every control socket, sent
+    without the mesh's key and with another mesh's, are never read (ZeroMQ CURVE); every service
+    keeps serving and the live request finishes with the single-process engine's tokens."""
+    prompt = random_prompts([30], 2048, seed=36)[0]
+    params = SamplingSpec(max_tokens=24, temperature=0, ignore_eos=True)
+    reference = LLMEngine(EngineConfig(mesh.topology.model_path), with_tokenizer=False)
+    [expected] = reference.generate([prompt], SamplingParams.from_spec(params))
+    client = MeshTestClient(mesh)
+    client.submit("outsiders", prompt, params)
+    commands = [w.command_endpoint for w in (*mesh.prompt, *mesh.token)]
+    ctx = zmq.Context.instance()
+    for outsider in (None, CurveKeys.from_mesh_key(secrets.token_hex(32))):
+        pool: PushPool[object] = PushPool(ctx, object, auth=outsider)
+        for endpoint in commands:
+            pool.get(endpoint).send(AbortRequest("outsiders"))
+            pool.get(endpoint).send(Shutdown())
+        for shard in mesh.shards:
+            pool.get(shard.kv_endpoint).send_tensors(Shutdown(), [])
+        assert request_stats(mesh.control_endpoints(), 2.0, auth=outsider) == {}
+        pool.close(linger_s=1.0)
+    tokens: list[int] = []
+    while True:
+        out = client.recv(timeout=120)
+        tokens += out.token_ids
+        if out.finish_reason:
+            break
+    assert tokens == expected
+    assert len(mesh.stats()) == len(mesh.control_endpoints())  # every service still answers
+    assert all(proc.poll() is None for proc in mesh.procs)
 
 
 def test_every_mesh_socket_listens_on_loopback_only(mesh):
@@ -149,7 +181,9 @@ def test_shard_outlives_its_token_engine_and_frees_its_requests(tiny_model_path)
         token_proc.wait(timeout=10)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            shard_stats = request_stats([shard.control_endpoint], 10.0)[shard.control_endpoint]
+            shard_stats = request_stats([shard.control_endpoint], 10.0, auth=mesh.auth)[
+                shard.control_endpoint
+            ]
             if shard_stats.kv_blocks_used == 0:
                 break
             time.sleep(0.2)
@@ -194,14 +228,15 @@ def test_the_routers_inbox_drops_garbage_and_forgeries(mesh):
     """Random bytes, a message of another socket's type and a `TokenOutput` for a request the
     router never sent, pushed to a router's inbox: dropped; the router's own requests stream on
     with the single-process engine's tokens."""
-    client = MeshEngineClient(mesh.topology.model_path, mesh.registry.live, refresh_s=0.1)
+    client = MeshEngineClient(
+        mesh.topology.model_path, mesh.registry.live, auth=mesh.auth, refresh_s=0.1
+    )
     prompt = random_prompts([40], 2048, seed=34)[0]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     reference = LLMEngine(EngineConfig(mesh.topology.model_path), with_tokenizer=False)
     [expected] = reference.generate([prompt], params)
     ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.PUSH)
-    sock.connect(client.reply_endpoint)
+    sock = connect(ctx, zmq.PUSH, client.reply_endpoint, auth=mesh.auth)
     sock.send(b"\x00\xff garbage")
     sock.send(msgspec.msgpack.encode(KvPages("x", 0, 1, 1, 0, 1, total_layers=1)))
     sock.send(msgspec.msgpack.encode(TokenOutput("not-a-request", [5], "stop")))

@@ -93,7 +93,7 @@ def migrating_streams(
     """Stream every prompt through the router's `MeshEngineClient`; call `kill` once each has
     a few tokens; return each stream's token ids."""
     model_path = mesh.topology.model_path
-    client = MeshEngineClient(model_path, mesh.registry.live, refresh_s=0.1)
+    client = MeshEngineClient(model_path, mesh.registry.live, auth=mesh.auth, refresh_s=0.1)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
 
     async def run() -> list[list[int]]:
@@ -149,7 +149,9 @@ def test_a_registry_that_forgets_everyone_briefly_moves_no_request(mesh: LocalMe
     def registry_view() -> list[ServiceEntry]:
         return [] if time.monotonic() < forgetting_until[0] else mesh.registry.live()
 
-    client = MeshEngineClient(mesh.topology.model_path, registry_view, refresh_s=0.1)
+    client = MeshEngineClient(
+        mesh.topology.model_path, registry_view, auth=mesh.auth, refresh_s=0.1
+    )
     migrations: list[str] = []
     migrate = client._migrate
 

@@ -152,7 +152,9 @@ def test_one_connected_trace_per_request_matching_the_client(
     router_spans.clear()
     mesh = LocalMesh.start(topology)
     try:
-        backend = MeshEngineClient(tiny_model_path, mesh.registry.live, refresh_s=60)
+        backend = MeshEngineClient(
+            tiny_model_path, mesh.registry.live, auth=mesh.auth, refresh_s=60
+        )
         router = Router(backend, tiny_model_path)
         meter = MeterProvider(metric_readers=[reader]).get_meter("test")
         router.telemetry.metrics = Metrics(model_name="tiny", meter=meter, use_ray=False)

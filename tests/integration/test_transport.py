@@ -21,6 +21,7 @@ import zmq
 
 from common.protocol import EngineStats, ServiceReply, StatsRequest, TokenOutput
 from common.transport.service_stats import request_stats
+from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.transport.zmq_tensor import ZmqTensorChannel
 
@@ -53,6 +54,9 @@ class Unknown(msgspec.Struct, tag="unknown", tag_field="kind", array_like=True):
 
 GARBAGE = b"\xc1 not msgpack"
 UNKNOWN = msgspec.msgpack.encode(Unknown(7))
+# Every socket here is a CURVE server or client, as in a mesh; a fixed key, so that the spawned
+# peer processes derive the same pairs.
+MESH = CurveKeys.from_mesh_key("5a" * 32)
 
 
 # ---- peer processes (module-level so that spawn can import them) ----
@@ -60,7 +64,7 @@ UNKNOWN = msgspec.msgpack.encode(Unknown(7))
 
 def bound(kind: int, message_type: Any = Message) -> tuple[TypedSocket[Any], str]:
     """A typed socket bound to a free port (as the services bind theirs), and its endpoint."""
-    sock, endpoint = bind_random(zmq.Context.instance(), kind)
+    sock, endpoint = bind_random(zmq.Context.instance(), kind, auth=MESH)
     return TypedSocket(sock, message_type), endpoint
 
 
@@ -68,6 +72,7 @@ def connected(kind: int, endpoint: str) -> TypedSocket[Message]:
     """A typed socket connected to `endpoint` (a SUB subscribes to everything)."""
     sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    MESH.join(sock)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(endpoint)
@@ -94,7 +99,7 @@ def router_echo(queue: Any) -> None:
 
 def pusher(endpoint: str, count: int) -> None:
     """PUSH `count` Pings with a malformed and an unknown message in the middle."""
-    pool: PushPool[Message] = PushPool(zmq.Context.instance(), Message)
+    pool: PushPool[Message] = PushPool(zmq.Context.instance(), Message, auth=MESH)
     push = pool.get(endpoint)
     for seq in range(count):
         if seq == count // 2:
@@ -277,10 +282,10 @@ def test_request_stats_asks_every_endpoint_at_once(spawn: Callable[..., Any]) ->
     answers, not_stats = queue.get(timeout=30)
     silent = [bound(zmq.ROUTER) for _ in range(2)]  # bound, never read
     start = time.monotonic()
-    replies = request_stats([answers, not_stats, *(e for _, e in silent)], timeout_s=3.0)
+    replies = request_stats([answers, not_stats, *(e for _, e in silent)], timeout_s=3.0, auth=MESH)
     assert time.monotonic() - start < 5.0  # one 3 s wait for both, not two
     assert replies == {answers: STATS}
-    assert request_stats([], timeout_s=3.0) == {}
+    assert request_stats([], timeout_s=3.0, auth=MESH) == {}
     for sock, _ in silent:
         sock.close()
 
@@ -421,9 +426,9 @@ def test_ucx_rejects_wrong_receive_buffer(spawn: Callable[..., Any]) -> None:
 
 def test_zmq_socket_closes_cleanly() -> None:
     ctx = zmq.Context()
-    sock, endpoint = bind_random(ctx, zmq.PULL)
+    sock, endpoint = bind_random(ctx, zmq.PULL, auth=MESH)
     pull: TypedSocket[Message] = TypedSocket(sock, Message)
-    pool: PushPool[Message] = PushPool(ctx, Message)
+    pool: PushPool[Message] = PushPool(ctx, Message, auth=MESH)
     pool.get(endpoint).send(Ping(1))
     assert received(pull, 5)[1] == Ping(1)
     pool.close()
@@ -432,6 +437,35 @@ def test_zmq_socket_closes_cleanly() -> None:
 
 
 # ---- closed by default ----
+
+
+def test_zmq_sockets_hear_only_peers_with_the_mesh_key() -> None:
+    """A CURVE server socket reads nothing from a plain peer nor from one with another mesh's
+    key (libzmq drops the connection at the handshake); a peer with the key gets through, and so
+    does the reply on a ROUTER/DEALER pair."""
+    ctx = zmq.Context.instance()
+    sock, endpoint = bind_random(ctx, zmq.PULL, auth=MESH)
+    pull: TypedSocket[Message] = TypedSocket(sock, Message)
+    for outsider in (None, CurveKeys.from_mesh_key("a5" * 32)):
+        pool: PushPool[Message] = PushPool(ctx, Message, auth=outsider)
+        pool.get(endpoint).send(Ping(1))
+        assert pull.recv(1.0) is None
+        pool.close()
+    pool = PushPool(ctx, Message, auth=MESH)
+    pool.get(endpoint).send(Ping(2))
+    assert received(pull, 5)[1] == Ping(2)
+    pool.close()
+    pull.close()
+    router, endpoint = bound(zmq.ROUTER)
+    dealer = connected(zmq.DEALER, endpoint)
+    dealer.send(Ping(3))
+    identity, ping = received(router, 5)
+    router.send(Load(ping.seq, free_blocks=1), prefix=identity)
+    assert received(dealer, 5)[1] == Load(3, free_blocks=1)
+    router.close()
+    dealer.close()
+    with pytest.raises(ValueError, match="16 bytes"):
+        CurveKeys.from_mesh_key("")
 
 
 def send_rogue_hellos(address: str) -> None:

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from secrets import token_hex
 from typing import Any, TypeVar
 
 import httpx
@@ -23,6 +24,7 @@ import uvicorn
 
 from common.engine.core import LLMEngine
 from common.sampling import SamplingParams
+from common.transport.zmq_auth import CurveKeys
 from services.router.engine_client import InProcessEngineClient
 from services.router.server import Router
 from services.router.streams import AdmissionLimits
@@ -447,7 +449,9 @@ def test_no_ready_engine_is_503_with_retry_after(tiny_model_path: Path) -> None:
     # A mesh whose registry lists nothing ready (engines restarting): a client can act on it.
     from services.router.mesh_client import MeshEngineClient
 
-    client = MeshEngineClient(tiny_model_path, lambda: [], refresh_s=60)
+    client = MeshEngineClient(
+        tiny_model_path, lambda: [], auth=CurveKeys.from_mesh_key(token_hex(16)), refresh_s=60
+    )
     try:
         router = Router(client, tiny_model_path, MODEL)
         response = post(router, "/v1/completions", {"model": MODEL, "prompt": "hi"})

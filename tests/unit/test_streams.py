@@ -4,9 +4,11 @@ admission bounds, duplicate ids, pending prompt tokens until the first token, la
 from __future__ import annotations
 
 import asyncio
+from secrets import token_hex
 
 import pytest
 
+from common.transport.zmq_auth import CurveKeys
 from services.router.streams import AdmissionLimits, Overloaded, Stream, StreamTable
 
 
@@ -82,7 +84,9 @@ def test_a_request_admitted_but_never_sent_gives_its_slot_back(tiny_model_path) 
         ServiceEntry(role=Role.TOKEN, service_id="t0", state="ready",
                      command_endpoint="tcp://127.0.0.1:9"),
     ]  # fmt: skip
-    client = MeshEngineClient(tiny_model_path, lambda: entries, refresh_s=60)
+    client = MeshEngineClient(
+        tiny_model_path, lambda: entries, auth=CurveKeys.from_mesh_key(token_hex(16)), refresh_s=60
+    )
 
     def broken_send(endpoint: str, msg: object) -> None:
         raise OverflowError("cannot be encoded")
