@@ -12,7 +12,9 @@ keeps the three rules that make KV arriving from another process safe to hold:
   free would either. Whoever will free the request claims it (`claim`): a token engine when the
   hand-off arrives, a shard when a decode step first names it;
 - **refusals**: a request whose KV does not fit is refused, not a crash: its blocks stay free, its
-  later pages are dropped and `receive` says `REFUSED`, so its hand-off can fail alone.
+  later pages are dropped and `receive` says `REFUSED`, so its hand-off can fail alone. On a shard
+  "fits" means the request's whole length (`KvPages.reserve_tokens`): blocks for every token it
+  may generate are held from its first page, so it never fails mid-stream for want of one.
 
 Thread-safe for one ingress thread (`receive`, `free`, `expire_leases`) and one decode thread
 (`claim`, `wait_complete`); `lock` also guards `blocks` for the decode thread's own growth.
@@ -78,7 +80,7 @@ class KvIngress:
             self.events.append(KvEvent("received", pages.req_id, pages.layer_start, self.clock()))
             if not self.blocks.has(pages.req_id):
                 try:
-                    self.blocks.allocate(pages.req_id, pages.num_tokens)
+                    self.blocks.allocate(pages.req_id, max(pages.num_tokens, pages.reserve_tokens))
                 except NoFreeBlocksError:
                     self._end(pages.req_id, Landed.REFUSED)
                     self.lock.notify_all()  # a decode step waiting for it fails now, not later

@@ -179,7 +179,10 @@ class LoadReport(_Msg, tag="load"):
 class KvPages(_Msg, tag="kv"):
     """K/V of `num_tokens` tokens for layers [layer_start, layer_start + num_layers), heads
     [head_start, head_end). Buffers: k, v, each [num_layers, num_tokens, num_heads, head_dim].
-    `total_layers` tells the receiver when the request's KV is complete."""
+    `total_layers` tells the receiver when the request's KV is complete. `reserve_tokens`: the
+    request's whole length (prompt + max_tokens) when it will decode against the receiver (a
+    shard): the receiver holds blocks for all of it from the first page on, or refuses it then,
+    because a shard cannot preempt and a request it could not grow would fail mid-stream."""
 
     req_id: str
     layer_start: int
@@ -189,6 +192,7 @@ class KvPages(_Msg, tag="kv"):
     head_end: int
     total_layers: int
     sent_at: float = 0.0
+    reserve_tokens: int = 0  # 0: the prompt only (a token engine's own KV, which can preempt)
 
 
 class FreeRequest(_Msg, tag="free"):

@@ -2,11 +2,14 @@
 
 A `DecodeHandoff` waits, first come first served, until its KV is in place:
 
-- with a shard group: until the group has room for the request's whole length. Shards cannot
-  preempt, so the engine reserves `prompt + max_tokens` up front in its mirror of the shards'
-  block accounting (`shard_blocks`), and the request decodes against the shards from then on.
-  Waiting hand-offs' prompts are on the shards already: they count against the room the engine
-  reports (`free_shard_blocks`), so the router stops sending it more than the group can hold;
+- with a shard group: not at all. Shards cannot preempt, so each shard holds blocks for
+  `prompt + max_tokens` from the request's first KV page on, or refuses the request then
+  (`KvPages.reserve_tokens`): a request the shards took never fails for want of a block, and one
+  they refused fails alone at its first step (retryable: the router re-runs it). The engine
+  cannot tell the two apart before that step, and must not wait for room that a refused request
+  would never release. It keeps a mirror of the shards' accounting (`shard_blocks`) for the room
+  it reports to the router (`free_shard_blocks`), reserving the same whole length; a request the
+  mirror cannot fit (the shards surely refused it) is not counted there;
 - without: until every layer of its KV has landed in this engine's own cache (its `KvIngress`
   says so); it then joins the engine's local scheduler, which may preempt it like any local request.
 """
@@ -45,11 +48,8 @@ class DecodeAdmission:
         ]  # fmt: skip
 
     def free_shard_blocks(self) -> int:
-        """The group's blocks neither reserved nor holding a waiting hand-off's prompt."""
-        held = sum(
-            self.shard_blocks.blocks_needed(len(h.token_ids)) for h in self.waiting if h.shards
-        )
-        return max(self.shard_blocks.num_free_blocks - held, 0)
+        """The group's blocks not reserved for a request decoding against it."""
+        return self.shard_blocks.num_free_blocks
 
     def admit(self, local: BatchScheduler, kv_complete: Callable[[str], bool]) -> list[str]:
         """Start every handoff at the head of the queue whose KV is in place; returns their ids.
@@ -60,10 +60,8 @@ class DecodeAdmission:
             h = self.waiting[0]
             seq = Sequence(h.req_id, len(h.token_ids))
             if h.shards:
-                reserve = len(h.token_ids) + h.sampling.max_tokens
-                if not self.shard_blocks.can_grow(h.req_id, reserve):
-                    break
-                self.shard_blocks.allocate(h.req_id, reserve)
+                if self.shard_blocks.can_grow(h.req_id, _reserve(h)):
+                    self.shard_blocks.allocate(h.req_id, _reserve(h))
                 seq.num_computed = seq.num_tokens - 1
                 self.sharded.append(seq)
             elif kv_complete(h.req_id):
@@ -78,7 +76,8 @@ class DecodeAdmission:
     def grow_sharded(self) -> None:
         """Account this step's new token of every sharded request (within its reservation)."""
         for seq in self.sharded:
-            self.shard_blocks.grow(seq.req_id, seq.num_tokens)
+            if self.shard_blocks.has(seq.req_id):  # not counted: see the module docstring
+                self.shard_blocks.grow(seq.req_id, seq.num_tokens)
 
     def is_decoding_here(self, req_id: str) -> bool:
         """Sharded here or waiting to be: this engine then owns freeing the request's shards."""
@@ -96,6 +95,11 @@ class DecodeAdmission:
 
     def waiting_for(self, req_id: str) -> DecodeHandoff | None:
         return next((h for h in self.waiting if h.req_id == req_id), None)
+
+
+def _reserve(handoff: DecodeHandoff) -> int:
+    """The tokens a sharded request may hold: its tokens so far and every one it may generate."""
+    return len(handoff.token_ids) + handoff.sampling.max_tokens
 
 
 __all__ = ["DecodeAdmission"]

@@ -295,7 +295,11 @@ class Engine:
             r = self.routing[seq.req_id]
             dests = list(r.shards) or [ShardAddress(r.token_kv_endpoint, 0, self._num_kv_heads)]
             layer_wise = seq.num_tokens >= self.role.layer_wise_min_tokens
-            routes.append(KvRoute(seq.req_id, dests, layer_wise))
+            # Shards hold a request's whole length from its first page (they cannot preempt).
+            reserve = (
+                seq.num_tokens + self.requests[seq.req_id].params.max_tokens if r.shards else 0
+            )
+            routes.append(KvRoute(seq.req_id, dests, layer_wise, reserve))
         shipper = KvShipper(routes, len(self.runner.model.layers), self.kv_send)
         start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
         sampled = self._forward(

@@ -61,6 +61,7 @@ class KvRoute:
     req_id: str
     destinations: list[ShardAddress]
     layer_wise: bool
+    reserve_tokens: int = 0  # `KvPages.reserve_tokens`
     pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     num_bytes: int = 0
     first_sent_ns: int = 0
@@ -109,6 +110,7 @@ class KvShipper:
                 head_end=dest.head_end,
                 total_layers=self.num_layers,
                 sent_at=time.monotonic(),
+                reserve_tokens=route.reserve_tokens,
             )
             heads = slice(dest.head_start, dest.head_end)
             k_dest, v_dest = k[:, :, heads].contiguous(), v[:, :, heads].contiguous()

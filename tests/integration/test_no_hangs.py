@@ -22,7 +22,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine.core import LLMEngine
-from common.protocol import SamplingSpec
+from common.protocol import SamplingSpec, TokenOutput
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.launch.test_client import MeshTestClient
@@ -85,3 +85,40 @@ def test_a_stopped_shard_does_not_hang_its_token_engine(mesh: LocalMesh) -> None
         assert streams == expected
     finally:
         os.kill(shard.proc.pid, signal.SIGCONT)
+
+
+def test_more_requests_than_the_shards_hold_fail_only_before_they_decode(
+    tiny_model_path: Path,
+) -> None:
+    """Six concurrent ~200-token prompts with 150 tokens each to generate, against one shard of 48
+    blocks (768 tokens: room for two whole requests). Shards hold each request's whole length from
+    its first KV page, so a request either gets all of it or is refused before it decodes (a
+    retryable error the router re-runs); one that decodes finishes with the single-process
+    engine's tokens, never failing mid-stream for want of a block. Nothing is left behind."""
+    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=1, num_blocks=48))
+    try:
+        prompts = random_prompts([200, 190, 210, 205, 195, 200], 2048, seed=44)
+        expected = reference(mesh.topology.model_path, prompts, 150)
+        client = MeshTestClient(mesh)
+        spec = SamplingSpec(max_tokens=150, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            client.submit(f"r{i}", prompt, spec)
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        ends: dict[str, TokenOutput] = {}
+        while len(ends) < len(prompts):
+            out = client.recv(timeout=120)
+            tokens[out.req_id] += out.token_ids
+            if out.finish_reason or out.error:
+                ends[out.req_id] = out
+        finished = [r for r, out in ends.items() if out.finish_reason == "length"]
+        assert len(finished) >= 2, ends
+        for i in range(len(prompts)):
+            req_id, out = f"r{i}", ends[f"r{i}"]
+            if out.finish_reason == "length":
+                assert tokens[req_id] == expected[i]
+            else:  # refused before decoding: at most the prompt engine's first token
+                assert out.retryable and len(tokens[req_id]) <= 1, out
+        assert_no_kv_held(mesh)
+        assert all(proc.poll() is None for proc in mesh.procs)
+    finally:
+        mesh.close()

@@ -27,22 +27,29 @@ def local_scheduler(num_blocks: int = 64) -> BatchScheduler:
     return BatchScheduler(BlockManager(num_blocks, BLOCK), SchedulerConfig(), prefill=False)
 
 
-def test_sharded_requests_reserve_their_whole_length_and_wait_in_order():
-    admission = DecodeAdmission(shard_num_blocks=4, block_size=BLOCK)  # 64 tokens
+def test_sharded_requests_start_at_once_and_the_mirror_counts_what_the_shards_hold():
+    """Shards hold a request's whole length from its first KV page or refuse it then
+    (`KvPages.reserve_tokens`), so a sharded hand-off never waits: one the shards refused fails at
+    its first step. Waiting instead would deadlock: a refused request's reservation never comes
+    back. The mirror reserves the same whole lengths for the room reported to the router, and
+    leaves out a request it cannot fit (the shards cannot have taken it either)."""
+    admission = DecodeAdmission(shard_num_blocks=6, block_size=BLOCK)  # 96 tokens
     admission.add(handoff("a", tokens=20, max_tokens=20, sharded=True))  # 40 -> 3 blocks
-    admission.add(handoff("b", tokens=10, max_tokens=10, sharded=True))  # 20 -> 2 blocks
-    admission.add(handoff("c", tokens=1, max_tokens=1, sharded=True))  # fits, but comes after b
-    # Waiting prompts are on the shards already: the room reported excludes them.
-    assert admission.free_shard_blocks() == 4 - 2 - 1 - 1
-    assert admission.admit(local_scheduler(), nothing_landed) == ["a"]
-    assert [h.req_id for h in admission.waiting] == ["b", "c"]
-    assert admission.shard_blocks.num_used_blocks == 3
-    assert admission.free_shard_blocks() == 0
+    admission.add(handoff("b", tokens=10, max_tokens=20, sharded=True))  # 30 -> 2 blocks
+    admission.add(handoff("c", tokens=1, max_tokens=20, sharded=True))  # 21 -> 2: refused there
+    assert admission.admit(local_scheduler(), nothing_landed) == ["a", "b", "c"]
+    assert not admission.waiting
+    assert admission.shard_blocks.req_ids() == ["a", "b"]
+    assert admission.free_shard_blocks() == 1
     seq = admission.sharded[0]
     assert (seq.num_tokens, seq.num_computed) == (20, 19)  # its last token is decoded next
+    for s in admission.sharded:  # every one steps; the uncounted one grows nothing
+        s.num_tokens += 1
+    admission.grow_sharded()
+    assert admission.shard_blocks.num_used_blocks == 5
+    admission.remove("c")  # failed at its first step
     admission.remove("a")  # finished
-    assert admission.admit(local_scheduler(), nothing_landed) == ["b", "c"]
-    assert admission.shard_blocks.num_used_blocks == 3
+    assert admission.free_shard_blocks() == 4
 
 
 def test_local_requests_wait_for_every_layer_of_their_kv():

@@ -68,6 +68,21 @@ def test_kv_that_does_not_fit_is_refused_alone():
     assert kv.blocks.req_ids() == ["fits"] and kv.blocks.num_used_blocks == 3
 
 
+def test_a_shard_holds_the_whole_reserved_length_from_the_first_page_or_refuses_it():
+    """A shard cannot preempt: `reserve_tokens` (prompt + max_tokens) is held from the first page
+    on, so the request then grows to its whole length without failing; one whose whole length
+    does not fit is refused at once, while it can still be re-run elsewhere."""
+    kv = ingress(num_blocks=6)  # 24 tokens
+    x = torch.randn(LAYERS, 5, HEADS, DIM)
+    held = KvPages("a", 0, LAYERS, 5, 0, HEADS, total_layers=LAYERS, reserve_tokens=15)
+    assert kv.receive(held, x, x) is Landed.COMPLETE
+    assert kv.blocks.num_used_blocks == 4  # 15 tokens, not 5
+    too_long = KvPages("b", 0, LAYERS, 5, 0, HEADS, total_layers=LAYERS, reserve_tokens=12)
+    assert kv.receive(too_long, x, x) is Landed.REFUSED  # its prompt fits, its length does not
+    kv.blocks.grow("a", 15)  # decoding to its last token takes no new block
+    assert kv.blocks.num_used_blocks == 4 and kv.blocks.num_free_blocks == 2
+
+
 def test_unclaimed_kv_expires_and_claimed_or_forgotten_kv_never():
     clock = Clock()
     kv = ingress(clock=clock)
