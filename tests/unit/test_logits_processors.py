@@ -182,3 +182,17 @@ def test_logprobs_are_the_raw_models_and_seeded_draws_stay_reproducible() -> Non
     top = raw.topk(5)
     assert list(lp.top_ids) == top.indices.tolist()
     torch.testing.assert_close(torch.tensor(lp.top_logprobs), top.values)
+
+
+def test_an_allowed_mask_limits_every_row_to_its_tokens() -> None:
+    # The hook structured output will use: one bool row per request, applied before the draw.
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))
+    allowed = torch.zeros(3, VOCAB, dtype=torch.bool)
+    allowed[0, [5, 9]] = True
+    allowed[1, 30] = True
+    allowed[2] = True
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(temperature=0.0)]  # fmt: skip
+    out = Sampler().sample(logits, params, [0, 0, 0], allowed_mask=allowed)
+    assert out.token_ids[0] == (5 if logits[0, 5] >= logits[0, 9] else 9)
+    assert out.token_ids[1] == 30 and out.token_ids[2] == int(logits[2].argmax())
