@@ -43,11 +43,10 @@ def token_counts(
 ) -> torch.Tensor:
     """[R, vocab] counts of each row's ids: one scatter_add over the ids padded with `vocab_size`
     (a column past the vocabulary, dropped after)."""
-    width = max((len(ids) for ids in token_ids), default=0)
-    padded = torch.full((len(token_ids), max(width, 1)), vocab_size, dtype=torch.long)
-    for row, ids in enumerate(token_ids):  # NOTE: a copy per row, not a loop over the vocabulary
-        if ids:
-            padded[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+    width = max(max((len(ids) for ids in token_ids), default=0), 1)
+    # NOTE: one tensor built from padded lists: a copy per row costs a torch call each.
+    padded = torch.tensor([[*ids, *[vocab_size] * (width - len(ids))] for ids in token_ids],
+                          dtype=torch.long)  # fmt: skip
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=dtype)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=dtype))
     return counts[:, :vocab_size]
