@@ -24,6 +24,22 @@ class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    logprobs: int | None = None  # top logprobs per output token (None: none at all)
+    prompt_logprobs: int | None = None  # the same for prompt tokens (completions' echo)
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
+    """One token's log probability under the model's raw distribution (log_softmax of its logits,
+    before any sampling parameter), and the `top_ids` most likely tokens' (most likely first)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 class ShardAddress(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -128,6 +144,10 @@ class TokenOutput(_Msg, tag="tokens"):
     # The error is the service's, not the request's (a shard link broke): the router may re-run
     # the request elsewhere from its tokens instead of failing it.
     retryable: bool = False
+    # Requests that ask for them: one per token of `token_ids`, and (with the first token) one
+    # per prompt token after the first. Empty, and not sent, otherwise.
+    logprobs: list[TokenLogprobs] = []
+    prompt_logprobs: list[TokenLogprobs] = []
 
 
 class KvEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):

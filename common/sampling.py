@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 import torch
 
-from common.protocol import SamplingSpec
+from common.logits_processors import History, apply_logit_bias, apply_penalties, min_p_mask
+from common.logprobs import token_logprobs
+from common.protocol import SamplingSpec, TokenLogprobs
 
 MAX_INT = 1 << 31  # counts and token ids
 MAX_SEED = 1 << 63
@@ -17,6 +21,8 @@ MAX_SEED = 1 << 63
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LENGTH = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,13 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     detokenize: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # NOTE: integers are bounded so that every value crosses the wire (msgpack carries at most
@@ -67,6 +80,45 @@ class SamplingParams:
         if self.seed is not None:
             _check(isinstance(self.seed, int) and 0 <= self.seed < MAX_SEED, "seed",
                    f"an int in [0, {MAX_SEED})")  # fmt: skip
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and -2.0 <= value <= 2.0, name, "in [-2, 2]")
+        rep = self.repetition_penalty
+        _check(math.isfinite(rep) and rep > 0.0, "repetition_penalty", "a finite number > 0")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        ids = [token_id for token_id, _ in self.logit_bias]
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS
+            and all(isinstance(t, int) and 0 <= t < MAX_INT for t in ids)
+            and len(set(ids)) == len(ids)
+            and all(math.isfinite(b) and -100.0 <= b <= 100.0 for _, b in self.logit_bias),
+            "logit_bias",
+            f"at most {MAX_LOGIT_BIAS} distinct token ids in [0, {MAX_INT}), biases in [-100, 100]",
+        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                   name, f"None (off) or in [0, {MAX_LOGPROBS}]")  # fmt: skip
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The checks that need the model: logit_bias ids must be its token ids."""
+        _check(all(t < vocab_size for t, _ in self.logit_bias), "logit_bias",
+               f"keyed by token ids in [0, {vocab_size})")  # fmt: skip
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether the logits need more than temperature/top-k/top-p (bias, penalties, min_p)."""
+        return bool(self.logit_bias) or self.needs_history or self.min_p > 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's tokens so far (the penalties)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -93,13 +145,46 @@ def _check(ok: bool, name: str, expected: str) -> None:
 MIN_TEMPERATURE = 1e-4
 
 
+@dataclass
+class SamplerOutput:
+    """One step's sampling: a token per row, the rows that failed ({row: why}; their tokens are
+    meaningless) and, for rows that asked, the sampled token's logprobs (else None)."""
+
+    token_ids: list[int]
+    failures: dict[int, Exception]
+    logprobs: list[TokenLogprobs | None]
+
+    def rows(self, prompt_logprobs: Sequence[list[TokenLogprobs] | None] = ()) -> list[SampledRow]:
+        """Per row: its token (or why it failed), its logprobs and its prompt's."""
+        prompt = list(prompt_logprobs) or [None] * len(self.token_ids)
+        return [
+            SampledRow(self.failures.get(row, token), self.logprobs[row], prompt[row])
+            for row, token in enumerate(self.token_ids)
+        ]
+
+
+class SampledRow(NamedTuple):
+    """One request's part of a step: its token (the exception instead when its sampling failed),
+    the token's logprobs and, after its prefill, its prompt's (each when asked for)."""
+
+    token: int | Exception
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+
+
 class Sampler:
     """Samples one token per row of logits; greedy rows take one batched argmax.
 
+    Order (vLLM's): logit_bias and penalties, an optional allowed-token mask (structured output),
+    the greedy argmax; then, for random rows, min_p, temperature, top-k, top-p and the draw. The
+    processors run batched over the rows that use them (`common.logits_processors`); a step where
+    no row uses one costs what it did before they existed.
+
     Per-row: a row that fails to sample is reported (`failures`) and the other rows keep their
-    tokens, so one request's parameters never fail its batch-mates. For parameters that pass
-    validation and finite logits it always returns a token: a near-zero temperature samples
-    greedily, and a top-p/top-k cut that leaves nothing keeps the top token (vLLM does the same).
+    tokens, so one request's parameters never fail its batch-mates (a batched processor that
+    raises is re-run row by row to find the culprit). For parameters that pass validation and
+    finite logits it always returns a token: a near-zero temperature samples greedily, and a
+    top-p/top-k cut that leaves nothing keeps the top token (vLLM does the same).
 
     Seeded rows draw from a generator seeded by (seed, output index): the same request samples the
     same tokens whatever its batch, and a request re-run elsewhere from its tokens (token-replay
@@ -107,23 +192,119 @@ class Sampler:
     """
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], output_lens: list[int]
-    ) -> tuple[list[int], dict[int, Exception]]:
-        """logits [N, vocab] float32 -> (N token ids, {row: why it failed}); a failed row's id is
-        meaningless. `output_lens`: how many tokens each request has produced before this one."""
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        output_lens: list[int],
+        histories: Sequence[History] | None = None,
+        allowed_mask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """logits [N, vocab] float32. `output_lens`: how many tokens each request has produced
+        before this one; `histories`: each request's (prompt ids, output ids), read by rows with
+        penalties; `allowed_mask` [N, vocab] bool: tokens a row may take (None: all)."""
+        failures: dict[int, Exception] = {}
+        processed = self._process(logits, params, histories, allowed_mask, failures)
         # NOTE: numpy's argmax, not torch's: on [32, 2048] float32 logits here torch's takes
         # 77-130 us and numpy's 8 us; both return the first maximal index (and a NaN's first).
-        token_ids = logits.detach().cpu().numpy().argmax(axis=-1).tolist()
-        failures: dict[int, Exception] = {}
-        for row, (p, index) in enumerate(zip(params, output_lens, strict=True)):
-            if p.greedy or p.temperature < MIN_TEMPERATURE:
-                continue
+        token_ids = processed.detach().cpu().numpy().argmax(axis=-1).tolist()
+        random_rows = [
+            row for row, p in enumerate(params)
+            if not (p.greedy or p.temperature < MIN_TEMPERATURE) and row not in failures
+        ]  # fmt: skip
+        processed = self._apply_min_p(processed, params, random_rows)
+        for row in random_rows:
+            p = params[row]
             try:
-                gen = None if p.seed is None else _generator(p.seed, index)
-                token_ids[row] = _sample_row(logits[row], p, gen, token_ids[row])
+                gen = None if p.seed is None else _generator(p.seed, output_lens[row])
+                token_ids[row] = _sample_row(processed[row], p, gen, token_ids[row])
             except Exception as exc:  # noqa: BLE001 - that row's request alone fails
                 failures[row] = exc
-        return token_ids, failures
+        return SamplerOutput(token_ids, failures, _logprobs(logits, params, token_ids))
+
+    def _process(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        histories: Sequence[History] | None,
+        allowed_mask: torch.Tensor | None,
+        failures: dict[int, Exception],
+    ) -> torch.Tensor:
+        """Logits after bias and penalties (and the allowed mask); `logits` itself if no row
+        has any, else a copy. Rows whose processors raise are reported in `failures`."""
+        rows = [row for row, p in enumerate(params) if p.has_processors]
+        if not rows and allowed_mask is None:
+            return logits
+        out = logits.clone()
+        if rows:
+            try:
+                _process_rows(out, rows, params, histories)
+            except Exception:  # noqa: BLE001 - find the row at fault, the others go on
+                for row in rows:
+                    try:
+                        _process_rows(out, [row], params, histories)
+                    except Exception as exc:  # noqa: BLE001 - that row's request alone fails
+                        failures[row] = exc
+        if allowed_mask is not None:
+            out.masked_fill_(~allowed_mask, float("-inf"))
+        return out
+
+    def _apply_min_p(
+        self, logits: torch.Tensor, params: list[SamplingParams], random_rows: list[int]
+    ) -> torch.Tensor:
+        """Random rows with min_p: one batched mask at each row's temperature (greedy rows never
+        need it: the top token always stays)."""
+        rows = [row for row in random_rows if params[row].min_p > 0.0]
+        if not rows:
+            return logits
+        index = torch.tensor(rows)
+        min_p = torch.tensor([params[r].min_p for r in rows], dtype=logits.dtype)
+        temperature = torch.tensor([params[r].temperature for r in rows], dtype=logits.dtype)
+        selected = logits[index]  # [R, vocab]
+        drop = min_p_mask(selected, min_p, temperature)
+        out = logits.clone()  # `logits` may be the model's, which logprobs read
+        out[index] = selected.masked_fill(drop, float("-inf"))
+        return out
+
+
+def _process_rows(
+    logits: torch.Tensor,
+    rows: list[int],
+    params: list[SamplingParams],
+    histories: Sequence[History] | None,
+) -> None:
+    """Bias then penalties for `rows` of `logits` [N, vocab], in place."""
+    vocab_size = logits.shape[-1]
+    for row in rows:  # checked where the vocabulary is known; here in case it was not
+        params[row].check_vocab(vocab_size)
+    index = torch.tensor(rows)
+    selected = logits[index]  # [R, vocab], a copy
+    row_params = [params[r] for r in rows]
+    apply_logit_bias(selected, row_params)
+    penalized = [i for i, p in enumerate(row_params) if p.needs_history]
+    if penalized:
+        if histories is None:
+            raise ValueError("penalties need the request's tokens")
+        sub = torch.tensor(penalized)
+        selected[sub] = apply_penalties(
+            selected[sub], [row_params[i] for i in penalized],
+            [histories[rows[i]] for i in penalized],
+        )  # fmt: skip
+    logits[index] = selected
+
+
+def _logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]
+) -> list[TokenLogprobs | None]:
+    """The sampled tokens' logprobs (raw model distribution, `common.logprobs`) for the rows that
+    asked; one batched log_softmax over those rows."""
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if rows:
+        num_top = [params[r].logprobs or 0 for r in rows]
+        found = token_logprobs(logits[torch.tensor(rows)], [token_ids[r] for r in rows], num_top)
+        for row, lp in zip(rows, found, strict=True):
+            result[row] = lp
+    return result
 
 
 def _generator(seed: int, index: int) -> torch.Generator:

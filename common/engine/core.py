@@ -19,8 +19,8 @@ from common.engine.request import FinishReason, Request, RequestOutput, check_pr
 from common.engine.runner import ModelRunner, StepInputs
 from common.kv_cache import KVCache
 from common.model.loader import load_model
-from common.sampling import Sampler, SamplingParams
-from common.scheduling.batching import BatchScheduler, Sequence
+from common.sampling import SampledRow, Sampler, SamplingParams
+from common.scheduling.batching import BatchScheduler, Phase, Sequence
 from common.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -83,6 +83,7 @@ class LLMEngine:
         if req_id in self.requests:
             raise ValueError(f"request id {req_id} is already in use")
         check_prompt(list(prompt_token_ids), self.model_config.vocab_size, self.max_model_len)
+        (params or SamplingParams()).check_vocab(self.model_config.vocab_size)
         self.requests[req_id] = Request(
             req_id,
             list(prompt_token_ids),
@@ -105,34 +106,41 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        token_ids = {s.req_id: self.requests[s.req_id].all_token_ids for s in batch.seqs}
-        logits = self.runner.run(self.runner.prepare(batch, token_ids))
         reqs = [self.requests[s.req_id] for s in batch.seqs]
-        sampled, failures = self.sampler.sample(
-            logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs]
+        inputs = self.runner.prepare(batch, {r.req_id: r.all_token_ids for r in reqs})
+        prompt_top = (
+            [r.prompt_logprobs_wanted for r in reqs] if batch.phase is Phase.PREFILL else []
         )
-        outputs = [
-            self._append(req, token, failures.get(row))
-            for row, (req, token) in enumerate(zip(reqs, sampled, strict=True))
-        ]
+        keep_hidden = any(k is not None for k in prompt_top)
+        logits = self.runner.run(inputs, keep_hidden=keep_hidden)
+        sampled = self.sampler.sample(
+            logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs],
+            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+        )  # fmt: skip
+        prompt_lps = self.runner.prompt_logprobs(inputs, prompt_top) if keep_hidden else []
+        rows = sampled.rows(prompt_lps)
+        outputs = [self._append(req, row) for req, row in zip(reqs, rows, strict=True)]
         finished = {o.req_id for o in outputs if o.finished}
         self.scheduler.update(batch, finished)
         for req_id in finished:
             del self.requests[req_id]
         return outputs
 
-    def _append(self, req: Request, token: int, failure: Exception | None) -> RequestOutput:
+    def _append(self, req: Request, sampled: SampledRow) -> RequestOutput:
         """One request's token, or its end if anything about it failed (its batch-mates go on)."""
         try:
-            if failure is not None:
-                raise failure
-            return req.append(token, self.tokenizer if req.params.detokenize else None)
+            if isinstance(sampled.token, Exception):
+                raise sampled.token
+            out = req.append(sampled.token, self.tokenizer if req.params.detokenize else None)
         except Exception as exc:  # noqa: BLE001 - this request's fault, not the step's
             log.warning("request failed", req_id=req.req_id, error=repr(exc))
             return RequestOutput(
                 req.req_id, [], "", FinishReason.ABORT, len(req.prompt_token_ids),
                 len(req.output_token_ids), error=f"request failed: {exc!r}",
             )  # fmt: skip
+        out.logprobs = [] if sampled.logprobs is None else [sampled.logprobs]
+        out.prompt_logprobs = sampled.prompt_logprobs
+        return out
 
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from common.protocol import TokenLogprobs
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 
@@ -26,6 +27,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str = ""  # the request failed (its finish reason is `abort`): why
+    # With `logprobs`: one per new token. With `prompt_logprobs`, on the first output: one per
+    # prompt token after the first.
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -127,6 +132,12 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """How many top logprobs its prompt tokens want from this prefill (None: none). A
+        recompute or a migrated re-run (output already out) never reports them again."""
+        return None if self.output_token_ids else self.params.prompt_logprobs
 
     @property
     def text(self) -> str:

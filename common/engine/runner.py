@@ -14,7 +14,9 @@ import torch
 from common.attention import AttentionBackend
 from common.block_manager import BlockManager
 from common.kv_cache import KVCache
+from common.logprobs import token_logprobs
 from common.model.llama import LlamaForCausalLM, causal_attention
+from common.protocol import TokenLogprobs
 from common.scheduling.batching import Batch, Phase
 
 
@@ -57,6 +59,7 @@ class ModelRunner(Generic[Inputs]):
         self.kv_cache = kv_cache
         self.blocks = blocks
         self.backend = backend
+        self.hidden: torch.Tensor | None = None  # the last step's, when it was asked to keep it
 
     def prepare(self, batch: Batch, token_ids: dict[str, list[int]]) -> StepInputs:
         """Gather the inputs of every scheduled sequence (token_ids: all tokens so far)."""
@@ -88,17 +91,40 @@ class ModelRunner(Generic[Inputs]):
         )
 
     @torch.inference_mode()
-    def run(self, inputs: Inputs) -> torch.Tensor:
-        """Forward one step; return float32 logits [N, vocab] for each sequence's last token."""
+    def run(self, inputs: Inputs, keep_hidden: bool = False) -> torch.Tensor:
+        """Forward one step; return float32 logits [N, vocab] for each sequence's last token.
+        `keep_hidden`: keep every position's hidden state for `prompt_logits` (prefill only)."""
         x = self.model.embed(inputs.input_ids)  # [T, hidden]
         rope = self.model.rotary_at(inputs.positions)
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.pre_attention(x, rope)
             attn = self.attend(i, q, k, v, inputs)  # [T, Hq, D]
             x = layer.post_attention(x, attn)
+        self.hidden = x if keep_hidden else None
         # One row per sequence already when every sequence has one token (decode): no gather.
         last = x if x.shape[0] == len(inputs.last_token_index) else x[inputs.last_token_index]
         return self.model.compute_logits(last)
+
+    @torch.inference_mode()
+    def prompt_logprobs(
+        self, inputs: Inputs, num_top: list[int | None]
+    ) -> list[list[TokenLogprobs] | None]:
+        """After `run(inputs, keep_hidden=True)` of a prefill: for each sequence whose `num_top`
+        is set, the logprobs of its tokens after the first (each given those before it), with
+        that many top alternatives; None for the others."""
+        assert self.hidden is not None, "run(keep_hidden=True) first"
+        result: list[list[TokenLogprobs] | None] = []
+        start = 0
+        for seq_len, k in zip(inputs.seq_lens, num_top, strict=True):
+            if k is None:
+                result.append(None)
+            else:
+                # Position i's logits predict token i + 1.
+                logits = self.model.compute_logits(self.hidden[start : start + seq_len - 1])
+                chosen = inputs.input_ids[start + 1 : start + seq_len].tolist()
+                result.append(token_logprobs(logits, chosen, [k] * len(chosen)))
+            start += seq_len
+        return result
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: Inputs

@@ -40,7 +40,7 @@ from common.protocol import (
     ShardAddress,
     TokenOutput,
 )
-from common.sampling import Sampler, SamplingParams
+from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import Batch, BatchScheduler, Phase, Sequence
 from services.engine.admission import DecodeAdmission
 from services.engine.outbox import Outbox
@@ -118,6 +118,7 @@ class Engine:
         """A new prompt. Invalid requests are answered with an error, never raised."""
         try:
             params = SamplingParams.from_spec(msg.sampling)
+            params.check_vocab(self.model.config.vocab_size)
             tokens = msg.prompt_token_ids + msg.output_token_ids
             check_prompt(tokens, self.model.config.vocab_size, self.max_model_len)
         except ValueError as exc:
@@ -315,9 +316,9 @@ class Engine:
                 KvEvent("prefilled", seq.req_id, last, shipper.last_layer_done_at)
             )
         out = Outbox()
-        for seq, token in zip(batch.seqs, sampled, strict=True):
+        for seq, row in zip(batch.seqs, sampled, strict=True):
             route = self.routing[seq.req_id]
-            out += self._emit(seq.req_id, token)
+            out += self._emit(seq.req_id, row)
             if seq.req_id in self.requests:
                 out += self._hand_off(seq.req_id)
             else:  # finished at its first token: free the KV it just shipped
@@ -348,36 +349,42 @@ class Engine:
         sampled = self._forward(everyone, plan)
         self.telemetry.record_round_trips(plan.round_trips or ())
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
-        for seq, token in zip(sharded, sampled[len(local) :], strict=True):
+        for seq, row in zip(sharded, sampled[len(local) :], strict=True):
             seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1
             if seq.req_id in plan.failed:  # a shard could not attend for it: it alone is re-run
-                token = ShardRowFailed(f"a shard of engine {self.engine_id} lost its KV")
-            out += self._emit(seq.req_id, token)
+                row = SampledRow(ShardRowFailed(f"a shard of engine {self.engine_id} lost its KV"))
+            out += self._emit(seq.req_id, row)
         return out
 
-    def _forward(self, batch: Batch, plan: StepPlan) -> list[int | Exception]:
-        """The batch's next tokens; a row whose sampling failed carries the exception instead."""
-        logits = self.runner.run(plan)
+    def _forward(self, batch: Batch, plan: StepPlan) -> list[SampledRow]:
+        """The batch's next tokens (a row whose sampling failed carries the exception instead),
+        their logprobs and, after a prefill, the prompts' (for the requests that ask)."""
         reqs = [self.requests[s.req_id] for s in batch.seqs]
-        sampled, failures = self.sampler.sample(
-            logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs]
-        )
-        return [failures.get(row, token) for row, token in enumerate(sampled)]
+        prefill = batch.phase is Phase.PREFILL
+        prompt_top = [r.prompt_logprobs_wanted for r in reqs] if prefill else []
+        keep_hidden = any(k is not None for k in prompt_top)
+        logits = self.runner.run(plan, keep_hidden=keep_hidden)
+        sampled = self.sampler.sample(
+            logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs],
+            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+        )  # fmt: skip
+        return sampled.rows(self.runner.prompt_logprobs(plan, prompt_top) if keep_hidden else [])
 
-    def _finish_step(self, batch: Batch, sampled: list[int | Exception]) -> Outbox:
+    def _finish_step(self, batch: Batch, sampled: list[SampledRow]) -> Outbox:
         out = Outbox()
-        for seq, token in zip(batch.seqs, sampled, strict=True):
-            out += self._emit(seq.req_id, token)
+        for seq, row in zip(batch.seqs, sampled, strict=True):
+            out += self._emit(seq.req_id, row)
         finished = {s.req_id for s in batch.seqs if s.req_id not in self.requests}
         self.local.update(batch, finished)
         return out
 
     # -- per-request bookkeeping ------------------------------------------------------------------
 
-    def _emit(self, req_id: str, token: int | Exception) -> Outbox:
+    def _emit(self, req_id: str, sampled: SampledRow) -> Outbox:
         """Record a token, stream it, and release everything if the request is done. A request
         whose token failed (sampling, finish rules) ends alone, with its error."""
         req, route = self.requests[req_id], self.routing[req_id]
+        token = sampled.token
         try:
             if isinstance(token, Exception):
                 raise token
@@ -389,7 +396,11 @@ class Engine:
         reason = result.finish_reason.value if result.finish_reason else ""
         self.telemetry.token(req_id)
         index = len(req.output_token_ids) - 1
-        output = TokenOutput(req_id, [token], reason, route.num_prompt_tokens, index=index)
+        output = TokenOutput(
+            req_id, [token], reason, route.num_prompt_tokens, index=index,
+            logprobs=[] if sampled.logprobs is None else [sampled.logprobs],
+            prompt_logprobs=sampled.prompt_logprobs or [],
+        )  # fmt: skip
         out = Outbox.output(route.reply_to, output)
         if reason:
             self.telemetry.finished(req_id, reason)

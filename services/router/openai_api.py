@@ -28,12 +28,15 @@ from starlette.exceptions import HTTPException
 
 from common.sampling import (
     MAX_INT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_SEED,
     MAX_STOP,
     MAX_STOP_LENGTH,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from services.router.logprobs_format import ChatLogprobs, CompletionLogprobs
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +56,7 @@ TokenId = Annotated[int, Field(ge=0, lt=MAX_INT)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_CHOICES = 128  # n and best_of
 
 
 class APIError(Exception):
@@ -134,11 +137,13 @@ class SamplingFields(_Request):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, lt=MAX_INT)
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM's extras
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     logit_bias: (
         Annotated[
             dict[
@@ -152,18 +157,21 @@ class SamplingFields(_Request):
     user: str | None = Field(default=None, max_length=256)
 
     def reject_unsupported(self) -> None:
-        """A 400 for fields we cannot honour (rather than silently ignoring them)."""
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported", name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        """A 400 for fields we cannot honour (rather than silently ignoring them), or that
+        contradict each other."""
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def num_engine_requests(self) -> int:
+        """How many engine requests the choices take (`best_of` for completions)."""
+        return self.n
+
+    def logprobs_wanted(self) -> tuple[int | None, int | None]:
+        """(top logprobs per output token, per prompt token); None: not asked."""
+        return None, None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters; an invalid value is a 400 naming it."""
@@ -179,6 +187,15 @@ class SamplingFields(_Request):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0
+                if self.repetition_penalty is None
+                else self.repetition_penalty,
+                min_p=self.min_p or 0.0,
+                logit_bias=tuple(sorted((int(t), b) for t, b in (self.logit_bias or {}).items())),
+                logprobs=self.logprobs_wanted()[0],
+                prompt_logprobs=self.logprobs_wanted()[1],
             )
         except ValueError as exc:
             match = re.search(r"parameter (\w+)", str(exc))
@@ -195,20 +212,28 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    best_of: int | None = Field(default=None, ge=1, le=128)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", "logprobs")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported", "best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, "best_of must be greater than or equal to n", "best_of")
+        if self.stream and self.num_engine_requests > self.n:
+            raise APIError(400, "best_of > n cannot be streamed", "best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+
+    @property
+    def num_engine_requests(self) -> int:
+        return self.best_of or self.n
+
+    def logprobs_wanted(self) -> tuple[int | None, int | None]:
+        # best_of ranks its candidates by cumulative logprob: each one computes its tokens'.
+        ranked = self.num_engine_requests > self.n
+        output = 0 if ranked and self.logprobs is None else self.logprobs
+        return output, self.logprobs if self.echo else None
 
 
 class ChatContentPart(_Request):
@@ -232,15 +257,18 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=MAX_INT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", "logprobs")
         if self.tools:
             raise APIError(400, "tools are not supported", "tools")
+
+    def logprobs_wanted(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
 class UsageInfo(BaseModel):
@@ -264,7 +292,7 @@ def _now() -> int:
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -287,7 +315,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -308,7 +336,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -23,8 +23,6 @@ import hmac
 import inspect
 import time
 import uuid
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -32,25 +30,21 @@ import structlog
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
 
 from common.config import ModelConfig
-from common.engine.request import RequestOutput, check_prompt
+from common.engine.request import check_prompt
+from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
+from services.router.choices import Outputs, best, choice_params, collect_all, merge, start_all
 from services.router.engine_client import EngineClient
 from services.router.http_edge import ArrivalStamp, BodyLimit, check_unicode, without_422
+from services.router.logprobs_format import LogprobsFormatter
 from services.router.openai_api import (
     APIError,
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     ModelCard,
     ModelList,
     SamplingFields,
@@ -58,7 +52,8 @@ from services.router.openai_api import (
     error_responses,
     install_error_handlers,
 )
-from services.router.sse import collect, prepend, sse_response, usage_of
+from services.router.responses import ChatShapes, CompletionShapes
+from services.router.sse import prepend, sse_response
 from services.router.streams import Overloaded
 from services.router.telemetry import RouterTelemetry
 
@@ -97,12 +92,12 @@ class _Arrival:
 
 @dataclasses.dataclass
 class _Job:
-    """One admitted request: its ids, its params, and the first output (already received)."""
+    """One admitted request: its id, its prompt's size, and each choice's outputs (the first of
+    each already received)."""
 
     req_id: str
     num_prompt_tokens: int
-    include_usage: bool
-    outputs: AsyncGenerator[RequestOutput, None]
+    choices: list[Outputs]
 
 
 class Router:
@@ -123,6 +118,7 @@ class Router:
         self.client = client
         self.model_path = Path(model_path)
         self.tokenizer = Tokenizer(self.model_path)
+        self.logprobs_format = LogprobsFormatter(self.tokenizer)
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.model_name = served_model_name or self.model_path.name
         model_len = self.model_config.max_position_embeddings
@@ -185,15 +181,15 @@ class Router:
         max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
         arrival = _Arrival.of(http, "text_completion")
         job = await self._start("cmpl", prompt_ids, request, max_tokens, arrival)
+        echo = self.tokenizer.decode(prompt_ids) if request.echo else ""
+        shapes = CompletionShapes(job.req_id, self.model_name, self.logprobs_format, request,
+                                  prompt_ids, echo)  # fmt: skip
         if request.stream:
-            return sse_response(self._completion_chunks(job))
-        text, last = await collect(job.outputs)
-        choice = CompletionChoice(text=text, finish_reason=last.finish_reason)
-        return JSONResponse(
-            CompletionResponse(
-                id=job.req_id, model=self.model_name, choices=[choice], usage=usage_of(last)
-            ).model_dump()
-        )
+            return sse_response(shapes.chunks(merge(job.choices)))
+        collected = await collect_all(job.choices)
+        if request.num_engine_requests > request.n:
+            collected = best(collected, request.n)
+        return JSONResponse(shapes.response(collected).model_dump())
 
     async def chat_completions(self, request: ChatCompletionRequest, http: Request) -> Response:
         self._check_request(request)
@@ -206,17 +202,11 @@ class Router:
         job = await self._start(
             "chatcmpl", prompt_ids, request, max_tokens, _Arrival.of(http, "chat")
         )
+        shapes = ChatShapes(job.req_id, self.model_name, self.logprobs_format, request,
+                            len(prompt_ids))  # fmt: skip
         if request.stream:
-            return sse_response(self._chat_chunks(job))
-        text, last = await collect(job.outputs)
-        choice = ChatChoice(
-            message=AssistantMessage(content=text), finish_reason=last.finish_reason
-        )
-        return JSONResponse(
-            ChatCompletionResponse(
-                id=job.req_id, model=self.model_name, choices=[choice], usage=usage_of(last)
-            ).model_dump()
-        )
+            return sse_response(shapes.chunks(merge(job.choices)))
+        return JSONResponse(shapes.response(await collect_all(job.choices)).model_dump())
 
     async def models(self) -> dict[str, Any]:
         card = ModelCard(
@@ -306,12 +296,31 @@ class Router:
         max_tokens: int,
         arrival: _Arrival,
     ) -> _Job:
-        """Admit the request and wait for its first output, so refusals get a real status."""
+        """Admit the request's choices (each an engine request) and wait for each one's first
+        output, so refusals get a real status."""
         params = request.sampling_params(max_tokens)
+        try:
+            params.check_vocab(self.model_config.vocab_size)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "logit_bias") from exc
         req_id = f"{prefix}-{uuid.uuid4().hex}"
+        count = request.num_engine_requests
+
+        async def start(index: int) -> Outputs:
+            # NOTE: one choice keeps the request's id; more are `<id>-<index>` to the engines.
+            choice_id = req_id if count == 1 else f"{req_id}-{index}"
+            return await self._start_choice(choice_id, prompt_ids, choice_params(params, index),
+                                            arrival)  # fmt: skip
+
+        return _Job(req_id, len(prompt_ids), await start_all(start, count))
+
+    async def _start_choice(
+        self, req_id: str, prompt_ids: list[int], params: SamplingParams, arrival: _Arrival
+    ) -> Outputs:
         trace = self.telemetry.start(
             req_id, operation=arrival.operation, num_prompt_tokens=len(prompt_ids),
-            max_tokens=max_tokens, start_ns=arrival.start_ns, traceparent=arrival.traceparent,
+            max_tokens=params.max_tokens, start_ns=arrival.start_ns,
+            traceparent=arrival.traceparent,
         )  # fmt: skip
         stream = self.client.generate(req_id, prompt_ids, params)
         try:
@@ -327,35 +336,4 @@ class Router:
             trace.fail(exc, "generation")
             raise
         # Outputs are recorded as they leave for the client (the first one included).
-        outputs = trace.observe(prepend(first, stream))
-        return _Job(req_id, len(prompt_ids), request.include_usage, outputs)
-
-    # ---- streamed chunks ----
-
-    async def _completion_chunks(self, job: _Job) -> AsyncGenerator[BaseModel, None]:
-        last: RequestOutput | None = None
-        async with aclosing(job.outputs) as outputs:
-            async for out in outputs:
-                last = out
-                choice = CompletionChoice(text=out.new_text, finish_reason=out.finish_reason)
-                yield CompletionResponse(id=job.req_id, model=self.model_name, choices=[choice])
-        if job.include_usage and last is not None:
-            yield CompletionResponse(
-                id=job.req_id, model=self.model_name, choices=[], usage=usage_of(last)
-            )
-
-    async def _chat_chunks(self, job: _Job) -> AsyncGenerator[BaseModel, None]:
-        def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> ChatCompletionChunk:
-            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-            return ChatCompletionChunk(id=job.req_id, model=self.model_name, choices=[choice])
-
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        last: RequestOutput | None = None
-        async with aclosing(job.outputs) as outputs:
-            async for out in outputs:
-                last = out
-                yield chunk(DeltaMessage(content=out.new_text), out.finish_reason)
-        if job.include_usage and last is not None:
-            yield ChatCompletionChunk(
-                id=job.req_id, model=self.model_name, choices=[], usage=usage_of(last)
-            )
+        return trace.observe(prepend(first, stream))

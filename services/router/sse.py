@@ -1,4 +1,4 @@
-"""Server-sent events for streamed responses, and collecting a whole response from its outputs.
+"""Server-sent events for streamed responses.
 
 `sse_response` turns response chunks into `data: <json>` events, reports a failure after the
 first byte in-band, ends with `data: [DONE]`, and always closes its event generator so that a
@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from common.engine.request import RequestOutput
-from services.router.openai_api import UsageInfo, error_body
+from services.router.openai_api import error_body
 
 log = structlog.get_logger(__name__)
 
@@ -31,21 +31,6 @@ async def prepend(
         if not first.finished:
             async for out in rest:
                 yield out
-
-
-async def collect(outputs: AsyncGenerator[RequestOutput, None]) -> tuple[str, RequestOutput]:
-    parts: list[str] = []
-    last: RequestOutput | None = None
-    async with aclosing(outputs):
-        async for out in outputs:
-            parts.append(out.new_text)
-            last = out
-    assert last is not None, "a started request has at least one output"
-    return "".join(parts), last
-
-
-def usage_of(out: RequestOutput) -> UsageInfo:
-    return UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens)
 
 
 class _SSEResponse(StreamingResponse):

@@ -39,7 +39,11 @@ class StreamedText:
             reason = FinishReason.STOP if self.text.stopped else None
             if engine_done and reason is None:
                 reason = _reason(msg.finish_reason)
-            outs.append(self._output([token_id], delta, reason))
+            out = self._output([token_id], delta, reason)
+            out.logprobs = msg.logprobs[i : i + 1]
+            if i == 0 and msg.index == 0 and msg.prompt_logprobs:
+                out.prompt_logprobs = msg.prompt_logprobs
+            outs.append(out)
             if reason is not None:
                 return outs
         if msg.finish_reason:  # an end with no token (an engine that stopped on its own)

@@ -24,6 +24,7 @@ from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.serve_process import ServeRun, served
+from tests.reference_logprobs import expected_token_logprobs, sequence_logprobs
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -245,3 +246,41 @@ def test_ray_metrics_endpoint_has_the_latency_histograms(
     assert len(blocks) >= 3, "the engines and both shards set the KV blocks gauge"
     trips = sample_values(exposition, "ray_phasemesh_shard_round_trip_seconds_count")
     assert len(trips) == 2, "one round-trip histogram per shard of the group"
+
+
+def test_n_choices_and_logprobs_over_the_mesh(client: openai.OpenAI, reference: tuple) -> None:
+    """n fans out into engine requests across the mesh; greedy logprobs (first token from the
+    prompt engine, the rest from the token engine) match the model's own log_softmax."""
+    engine, tokenizer = reference
+    prompt_ids = list(range(80, 96))
+    output_ids = greedy(reference, prompt_ids, 6)
+    response = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=6, temperature=0, n=3, logprobs=3,
+        echo=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert response.usage is not None and response.usage.completion_tokens == 18
+    all_ids = prompt_ids + output_ids
+    table = sequence_logprobs(engine.model, all_ids)
+    for choice in response.choices:
+        lps = choice.logprobs
+        assert lps is not None and lps.token_logprobs is not None and lps.tokens is not None
+        assert lps.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in all_ids]
+        assert lps.token_logprobs[0] is None  # nothing predicts the first prompt token
+        for i in range(1, len(all_ids)):
+            assert abs(lps.token_logprobs[i] - float(table[i - 1, all_ids[i]])) <= 1e-4
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=2, n=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chat_prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    chat_ids = greedy(reference, chat_prompt, 4)
+    expected = expected_token_logprobs(engine.model, chat_prompt, chat_ids, 2)
+    for choice in chat.choices:
+        content = choice.logprobs.content if choice.logprobs else None
+        assert content is not None and len(content) == 4
+        for got, (logprob, _, top_lps) in zip(content, expected, strict=True):
+            assert abs(got.logprob - logprob) <= 1e-4
+            assert [
+                abs(t.logprob - e) <= 1e-4 for t, e in zip(got.top_logprobs, top_lps, strict=True)
+            ] == [True, True]

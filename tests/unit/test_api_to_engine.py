@@ -73,7 +73,9 @@ def _check_maps_to_engine(request: CompletionRequest | ChatCompletionRequest) ->
     assert isinstance(arrived, GenerateRequest) and arrived.sampling == spec
     engine_params = SamplingParams.from_spec(arrived.sampling)  # the engine's own checks
     logits = torch.randn(2, 64) * 30
-    tokens, failures = Sampler().sample(logits, [engine_params, engine_params], [0, 5])
+    histories = [([1, 2, 3], []), ([1, 2, 3], [7, 7, 9, 1, 2])]
+    out = Sampler().sample(logits, [engine_params, engine_params], [0, 5], histories)
+    tokens, failures = out.token_ids, out.failures
     assert not failures and all(0 <= t < 64 for t in tokens)
 
 
@@ -103,5 +105,6 @@ def test_any_accepted_chat_body_reaches_the_engine(body: dict) -> None:
 @pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-5, 2.0])
 def test_edge_temperatures_sample(temperature: float) -> None:
     params = SamplingParams(temperature=temperature, seed=1)
-    tokens, failures = Sampler().sample(torch.randn(1, 64) * 50, [params], [0])
+    out = Sampler().sample(torch.randn(1, 64) * 50, [params], [0])
+    tokens, failures = out.token_ids, out.failures
     assert not failures and 0 <= tokens[0] < 64

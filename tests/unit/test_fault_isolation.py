@@ -34,7 +34,8 @@ def test_the_sampler_always_returns_a_token(
     params: SamplingParams, logits: list[float], index: int
 ) -> None:
     row = torch.tensor([logits], dtype=torch.float32)
-    tokens, failures = Sampler().sample(row, [params], [index])
+    out = Sampler().sample(row, [params], [index])
+    tokens, failures = out.token_ids, out.failures
     assert failures == {}
     assert 0 <= tokens[0] < len(logits)
 
@@ -43,10 +44,11 @@ def test_seeded_draws_depend_on_seed_and_position_only() -> None:
     # What a migrated request relies on: its next draw depends on nothing but these.
     logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(0)).repeat(3, 1)
     p = SamplingParams(temperature=1.0, seed=7)
-    together, _ = Sampler().sample(logits, [SamplingParams(temperature=1.0), p, p], [0, 5, 5])
-    alone, _ = Sampler().sample(logits[:1], [p], [5])
+    mates = [SamplingParams(temperature=1.0), p, p]
+    together = Sampler().sample(logits, mates, [0, 5, 5]).token_ids
+    alone = Sampler().sample(logits[:1], [p], [5]).token_ids
     assert together[1] == together[2] == alone[0]
-    draws = {Sampler().sample(logits[:1], [p], [i])[0][0] for i in range(20)}
+    draws = {Sampler().sample(logits[:1], [p], [i]).token_ids[0] for i in range(20)}
     assert len(draws) > 1  # the position moves the stream on
 
 

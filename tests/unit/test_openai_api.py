@@ -226,10 +226,17 @@ COMPLETION_ERRORS = [
     ({"prompt": None}, 400, "prompt"),
     ({"prompt": [5] * 4096}, 400, "prompt"),
     ({"prompt": [5] * 4000, "max_tokens": 97}, 400, "max_tokens"),
-    ({"n": 2}, 400, "n"),
-    ({"echo": True}, 400, "echo"),
-    ({"logprobs": 1}, 400, "logprobs"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"n": 0}, 400, "n"),
+    ({"n": 3, "best_of": 2}, 400, "best_of"),
+    ({"best_of": 2, "stream": True}, 400, "best_of"),
+    ({"suffix": "x"}, 400, "suffix"),
+    ({"logprobs": 21}, 400, "logprobs"),
+    ({"presence_penalty": -2.5}, 400, "presence_penalty"),
+    ({"repetition_penalty": 0.0}, 400, "repetition_penalty"),
+    ({"min_p": 1.5}, 400, "min_p"),
+    ({"logit_bias": {"2048": 1.0}}, 400, "logit_bias"),  # past the tiny model's vocabulary
+    ({"logit_bias": {"5": 100.5}}, 400, "logit_bias.5"),
+    ({"logit_bias": {str(i): 1.0 for i in range(301)}}, 400, "logit_bias"),
     ({"model": "gpt-4"}, 404, "model"),
     # Edge values: not numbers, oversized lists, text that is not Unicode (JSON can carry a lone
     # surrogate), an echo of such text in the error itself.
@@ -241,7 +248,6 @@ COMPLETION_ERRORS = [
     ({"stop_token_ids": [1] * 1025}, 400, "stop_token_ids"),
     ({"prompt": "\ud800 hi"}, 400, "prompt"),
     ({"stop": ["\udfff"]}, 400, "stop"),
-    ({"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ({"model": "\ud800"}, 404, "model"),
 ]
 

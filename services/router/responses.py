@@ -1,0 +1,172 @@
+"""OpenAI response bodies from the choices' outputs: whole responses and streamed chunks.
+
+`CompletionShapes` and `ChatShapes` hold what a request's bodies share (id, model, which
+logprobs it asked for) and build the response from every choice's `Collected` output, or the
+chunks from the choices' merged stream (each chunk names its choice's `index`). Usage counts the
+prompt once and sums the completion tokens of the choices returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from pydantic import BaseModel
+
+from common.engine.request import RequestOutput
+from common.protocol import TokenLogprobs
+from services.router.choices import Collected
+from services.router.logprobs_format import ChatLogprobs, CompletionLogprobs, LogprobsFormatter
+from services.router.openai_api import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+)
+
+Merged = AsyncGenerator[tuple[int, RequestOutput], None]
+
+
+def usage(num_prompt_tokens: int, lasts: list[RequestOutput]) -> UsageInfo:
+    return UsageInfo.of(num_prompt_tokens, sum(out.num_output_tokens for out in lasts))
+
+
+class CompletionShapes:
+    """`/v1/completions` bodies of one request; `echo` is its prompt's text (or "")."""
+
+    def __init__(
+        self,
+        req_id: str,
+        model: str,
+        formatter: LogprobsFormatter,
+        request: CompletionRequest,
+        prompt_ids: list[int],
+        echo: str,
+    ) -> None:
+        self.req_id, self.model, self.formatter = req_id, model, formatter
+        self.num_top = request.logprobs  # None: no logprobs in the response
+        self.include_usage = request.include_usage
+        self.prompt_ids, self.echo = prompt_ids, echo
+
+    def response(self, collected: list[Collected]) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=i, text=self.echo + c.text, finish_reason=c.last.finish_reason,
+                logprobs=self._logprobs(c.token_ids, c.logprobs, c.prompt_logprobs, 0),
+            )
+            for i, c in enumerate(collected)
+        ]  # fmt: skip
+        return CompletionResponse(
+            id=self.req_id, model=self.model, choices=choices,
+            usage=usage(len(self.prompt_ids), [c.last for c in collected]),
+        )  # fmt: skip
+
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs],
+        prompt_logprobs: list[TokenLogprobs] | None,
+        text_offset: int,
+    ) -> CompletionLogprobs | None:
+        """The choice's (or chunk's) logprobs; with echo, the prompt's first (when given)."""
+        if self.num_top is None:
+            return None
+        ids: list[int] = list(token_ids)
+        lps: list[TokenLogprobs | None] = list(logprobs)
+        if self.echo and prompt_logprobs is not None:
+            ids = self.prompt_ids + ids
+            lps = [None, *prompt_logprobs, *lps]
+        return self.formatter.completion(ids, lps, self.num_top, text_offset)
+
+    async def chunks(self, merged: Merged) -> AsyncGenerator[BaseModel, None]:
+        lasts: dict[int, RequestOutput] = {}
+        offsets: dict[int, int] = {}  # per choice: where its next token's text starts
+        async with aclosing(merged):
+            async for index, out in merged:
+                first = index not in lasts
+                lasts[index] = out
+                text = (self.echo if first else "") + out.new_text
+                logprobs = self._logprobs(out.new_token_ids, out.logprobs,
+                                          out.prompt_logprobs if first else None,
+                                          offsets.get(index, 0))  # fmt: skip
+                if logprobs is not None:
+                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs.tokens))
+                choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                          finish_reason=out.finish_reason)  # fmt: skip
+                yield CompletionResponse(id=self.req_id, model=self.model, choices=[choice])
+        if self.include_usage and lasts:
+            yield CompletionResponse(
+                id=self.req_id,
+                model=self.model,
+                choices=[],
+                usage=usage(len(self.prompt_ids), list(lasts.values())),
+            )
+
+
+class ChatShapes:
+    """`/v1/chat/completions` bodies of one request."""
+
+    def __init__(
+        self,
+        req_id: str,
+        model: str,
+        formatter: LogprobsFormatter,
+        request: ChatCompletionRequest,
+        num_prompt_tokens: int,
+    ) -> None:
+        self.req_id, self.model, self.formatter = req_id, model, formatter
+        self.num_top = (request.top_logprobs or 0) if request.logprobs else None
+        self.include_usage = request.include_usage
+        self.n = request.n
+        self.num_prompt_tokens = num_prompt_tokens
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs | None:
+        if self.num_top is None:
+            return None
+        return self.formatter.chat(token_ids, logprobs, self.num_top)
+
+    def response(self, collected: list[Collected]) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=i, message=AssistantMessage(content=c.text),
+                finish_reason=c.last.finish_reason, logprobs=self._logprobs(c.token_ids,
+                                                                             c.logprobs),
+            )
+            for i, c in enumerate(collected)
+        ]  # fmt: skip
+        return ChatCompletionResponse(
+            id=self.req_id, model=self.model, choices=choices,
+            usage=usage(self.num_prompt_tokens, [c.last for c in collected]),
+        )  # fmt: skip
+
+    def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.req_id, model=self.model, choices=[choice])
+
+    async def chunks(self, merged: Merged) -> AsyncGenerator[BaseModel, None]:
+        for index in range(self.n):
+            yield self._chunk(
+                ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+            )
+        lasts: dict[int, RequestOutput] = {}
+        async with aclosing(merged):
+            async for index, out in merged:
+                lasts[index] = out
+                yield self._chunk(ChatChunkChoice(
+                    index=index, delta=DeltaMessage(content=out.new_text),
+                    logprobs=self._logprobs(out.new_token_ids, out.logprobs),
+                    finish_reason=out.finish_reason,
+                ))  # fmt: skip
+        if self.include_usage and lasts:
+            yield ChatCompletionChunk(
+                id=self.req_id,
+                model=self.model,
+                choices=[],
+                usage=usage(self.num_prompt_tokens, list(lasts.values())),
+            )
