@@ -44,7 +44,11 @@ SPECIAL_TOKEN_NAMES = (
 
 class ChatTemplateError(ValueError):
     """The template refused the chat (its `raise_exception`, a failing filter) or the request's
-    template options do not fit it: the client's 400."""
+    template options do not fit it: the client's 400, naming the request field `param`."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class _Generation(jinja2.ext.Extension):
@@ -194,10 +198,12 @@ def render(
     end-of-turn after it), as transformers and vLLM do. Raises `ChatTemplateError`."""
     kwargs = dict(template_kwargs or {})
     if reserved := RESERVED_NAMES & kwargs.keys():
-        raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+        names = ", ".join(sorted(reserved))
+        raise ChatTemplateError(f"chat_template_kwargs may not set {names}", "chat_template_kwargs")
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError(
-            "continue_final_message and add_generation_prompt cannot both be true"
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "continue_final_message",
         )
     # Keys whose value is None are dropped: templates handle a missing key, not a None one.
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
@@ -217,9 +223,13 @@ def render(
 def _tag_final_message(chat: list[dict[str, Any]], source: str) -> str:
     """Append the continue tag to the last message's content; its content before the tag."""
     if not chat or not isinstance(final := chat[-1].get("content"), str):
-        raise ChatTemplateError("continue_final_message needs a final message with text content")
+        raise ChatTemplateError(
+            "continue_final_message needs a final message with text content", "messages"
+        )
     if "content" not in source:
-        raise ChatTemplateError("continue_final_message: the chat template reads no content")
+        raise ChatTemplateError(
+            "continue_final_message: the chat template reads no content", "continue_final_message"
+        )
     chat[-1] = chat[-1] | {"content": final + _CONTINUE_TAG}
     return final
 

@@ -80,6 +80,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary string of an id (byte-level BPE spells a space "Ġ")."""
+        return self._tok.id_to_token(token_id) or ""
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],
