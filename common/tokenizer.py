@@ -8,14 +8,23 @@ from __future__ import annotations
 
 import json
 import random
-import re
-import secrets
 from pathlib import Path
 from typing import Any
 
-import jinja2
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from common.chat_template import (
+    MARK_END,
+    MARK_START,
+    ChatTemplateError,
+    control_pattern,
+    literal_text,
+    mark_control_tokens,
+    marker_pattern,
+    render,
+    special_tokens_map,
+)
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 START_HEADER, END_HEADER, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
@@ -49,11 +58,13 @@ class Tokenizer:
         config: dict[str, Any] = (
             json.loads(config_path.read_text()) if config_path.is_file() else {}
         )
-        self.bos_token: str = _token_text(config.get("bos_token")) or BOS
+        self.special_tokens = special_tokens_map(config) or {"bos_token": BOS}
+        self.bos_token: str = self.special_tokens.get("bos_token", BOS)
         self.chat_template: str = config.get("chat_template") or LLAMA3_CHAT_TEMPLATE
-        self._template = jinja2.Environment(autoescape=False).from_string(self.chat_template)
-        added = self._template_tok.get_added_tokens_decoder().values()
-        self._special_strings = [t.content for t in added if t.special]
+        added = list(self._template_tok.get_added_tokens_decoder().values())
+        self._control = control_pattern(_control_tokens(added, config, self.chat_template))
+        self._markers = marker_pattern(t.content for t in added)
+        self._newline_ids = self._template_tok.encode("\n", add_special_tokens=False).ids
 
     @property
     def vocab_size(self) -> int:
@@ -69,48 +80,106 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary string of an id (byte-level BPE spells a space "Ġ")."""
+        return self._tok.id_to_token(token_id) or ""
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat as the template renders it, control tokens in user text marked
+        (`common.chat_template`); `ChatTemplateError` when the template refuses it."""
+        if self._holds_control(messages) or self._holds_control(template_kwargs):
+            messages = mark_control_tokens(messages, self._control)
+            template_kwargs = mark_control_tokens(template_kwargs, self._control)
+        return render(
+            self.chat_template, messages, self.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+        )  # fmt: skip
+
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Render messages with the model's chat template and encode them (BOS comes from it).
+        """Render messages with the model's chat template and encode them (BOS comes from it):
+        transformers' `apply_chat_template(..., tokenize=True, sanitize_control_tokens=True)`.
 
-        A message's content is the user's text: one that holds a special-token string (say
-        "<|eot_id|>") is rendered through a placeholder and encoded as plain text, so it cannot
-        become a control token (role injection). Other content renders in place, exactly as
-        transformers' `apply_chat_template` does."""
+        A control-token string in a message (say "<|eot_id|>") is encoded as plain text, so it
+        cannot become a control token (role injection); everything else is transformers'."""
+        text = self.render_chat(
+            messages, add_generation_prompt, continue_final_message, template_kwargs
+        )
+        return self.encode_rendered_chat(text)
 
-        def render(messages: list[dict[str, str]]) -> str:
-            return self._template.render(
-                messages=messages, bos_token=self.bos_token,
-                add_generation_prompt=add_generation_prompt,
-            )  # fmt: skip
-
-        if not any(self._holds_special(m.get("content")) for m in messages):
-            return self._template_tok.encode(render(messages), add_special_tokens=False).ids
-        nonce = secrets.token_hex(8)
-        contents: list[str] = []
-        rendered = []
-        for message in messages:
-            if self._holds_special(content := message.get("content") or ""):
-                message = {**message, "content": f"\x00{nonce}:{len(contents)}\x00"}
-                contents.append(content)
-            rendered.append(message)
-        text = render(rendered)
-        ids: list[int] = []
-        for i, part in enumerate(re.split(f"\x00{nonce}:(\\d+)\x00", text)):
-            if i % 2:  # a placeholder: the content it stands for, as plain text
-                ids += self._tok.encode(contents[int(part)], add_special_tokens=False).ids
-            else:
-                ids += self._template_tok.encode(part, add_special_tokens=False).ids
+    def encode_rendered_chat(self, text: str) -> list[int]:
+        """Ids of a rendered chat: template text with its control tokens parsed, marked tokens as
+        plain text (transformers' `encode_marked_chat`). Pieces after the first are encoded
+        behind a newline that is then dropped, so a piece encodes as it would mid-text."""
+        pieces = self._markers.split(text)
+        ids = self._template_tok.encode(pieces[0], add_special_tokens=False).ids
+        for i, piece in enumerate(pieces[1:], start=1):
+            if not piece:  # a lone marker (None) or nothing between two markers
+                continue
+            as_text = i % 2 == 1  # odd pieces are marked tokens from user text
+            piece_ids = self._encode_piece(piece, as_text)
+            if as_text and self._template_tok.token_to_id(piece) in piece_ids:
+                # The model's own vocabulary spells the token: it cannot be kept as text.
+                raise ChatTemplateError(f"cannot keep {piece!r} as text in a chat message")
+            ids += piece_ids
         return ids
 
-    def _holds_special(self, content: str | None) -> bool:
-        """Whether chat content holds a special-token string (which must stay text)."""
-        return content is not None and any(s in content for s in self._special_strings)
+    def _encode_piece(self, piece: str, as_text: bool) -> list[int]:
+        encode = self._encode_without_added_tokens if as_text else self._encode_template_text
+        ids = encode("\n" + piece)
+        if ids[: len(self._newline_ids)] == self._newline_ids:
+            return ids[len(self._newline_ids) :]
+        return encode(piece)
+
+    def _encode_template_text(self, text: str) -> list[int]:
+        return self._template_tok.encode(text, add_special_tokens=False).ids
+
+    def _encode_without_added_tokens(self, text: str) -> list[int]:
+        """`text` through the normalizer, pre-tokenizer and model alone: no added token, special
+        or not, can match (`encode_special_tokens` only skips the special ones)."""
+        tok = self._template_tok
+        if tok.normalizer is not None:
+            text = tok.normalizer.normalize_str(text)
+        splits = [text]
+        if tok.pre_tokenizer is not None:
+            splits = [split for split, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+        return [token.id for split in splits for token in tok.model.tokenize(split)]
+
+    def _holds_control(self, obj: Any) -> bool:
+        """Whether any string in `obj` holds a control token or a marker (both are rewritten)."""
+        if isinstance(obj, str):
+            return bool(self._control.search(obj)) or MARK_START in obj or MARK_END in obj
+        if isinstance(obj, dict):
+            return any(self._holds_control(v) for v in obj.values())
+        if isinstance(obj, list | tuple):
+            return any(self._holds_control(v) for v in obj)
+        return False
 
 
-def _token_text(token: Any) -> str | None:
-    return token.get("content") if isinstance(token, dict) else token
+def _control_tokens(added: list[AddedToken], config: dict[str, Any], template: str) -> list[str]:
+    """The tokens user text may not produce (transformers' rule): every special added token, and
+    the other added tokens the config names (`chat_control_tokens`) or, if it names none, those
+    the template writes itself (whitespace tokens aside: templates write those as text)."""
+    named = config.get("chat_control_tokens")
+    if named is not None:
+        return [t.content for t in added if t.special or t.content in set(named)]
+    literals = literal_text(template)
+    return [
+        t.content for t in added
+        if t.special or (t.content in literals and not t.content.isspace())
+    ]  # fmt: skip
 
 
 def synthetic_corpus(seed: int, num_words: int = 120_000) -> list[str]:

@@ -68,6 +68,11 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
         "else 32000)",
     )  # fmt: skip
     group.add_argument(
+        "--tokenizer", default=None, metavar="PATH_OR_NAME",
+        help="send text prompts that this tokenizer (a model folder, a tokenizer.json or a Hub "
+        "name: the served model's) encodes to exactly the trace's lengths, instead of token ids",
+    )  # fmt: skip
+    group.add_argument(
         "--no-min-tokens",
         action="store_true",
         help="do not send min_tokens (for servers that reject it)",

@@ -17,13 +17,14 @@ import httpx
 
 from loadgen.arrivals import ArrivalConfig, plan_requests
 from loadgen.convert import write_mooncake_jsonl
-from loadgen.http_target import OpenAIStreamingTarget
+from loadgen.http_target import OpenAIStreamingTarget, Prompts
 from loadgen.prompts import PromptBuilder
 from loadgen.replay import ReplayResult, replay
 from loadgen.report import format_summary, json_safe, read_records, summarize, write_results
 from loadgen.slo import Baseline, SloTarget, parse_slos
 from loadgen.stats import format_stats, trace_stats
 from loadgen.target import RequestSpec, Target
+from loadgen.text_prompts import TextPromptBuilder, load_tokenizer
 from loadgen.traces import read_trace
 
 # The keys of one sweep point kept in sweep.json's compact table.
@@ -110,13 +111,18 @@ async def build_target(args: argparse.Namespace) -> Target:
         raise ValueError("--url is required for the http target")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     served, served_vocab = await discover_model(args.url, api_key)
-    # Prompt token ids must be ids the served model has: its own vocabulary unless told.
-    vocab_size = args.vocab_size or served_vocab or DEFAULT_VOCAB_SIZE
+    prompts: Prompts
+    if args.tokenizer:
+        prompts = TextPromptBuilder(load_tokenizer(args.tokenizer), seed=args.seed)
+    else:
+        # Prompt token ids must be ids the served model has: its own vocabulary unless told.
+        vocab_size = args.vocab_size or served_vocab or DEFAULT_VOCAB_SIZE
+        prompts = PromptBuilder(vocab_size=vocab_size, seed=args.seed)
     return OpenAIStreamingTarget(
         args.url,
         args.model or served,
         endpoint=args.endpoint,
-        prompts=PromptBuilder(vocab_size=vocab_size, seed=args.seed),
+        prompts=prompts,
         api_key=api_key,
         connect_timeout_s=args.connect_timeout,
         read_timeout_s=args.read_timeout,

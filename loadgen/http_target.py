@@ -1,6 +1,7 @@
 """Streaming OpenAI completions client: the HTTP implementation of `loadgen.target.Target`.
 
-Sends `POST {base_url}/v1/completions` with a token-id prompt, `stream: true`,
+Sends `POST {base_url}/v1/completions` with a token-id prompt (or text of the same token count,
+`loadgen.text_prompts`), `stream: true`,
 `stream_options.include_usage`, `ignore_eos` and `max_tokens` (+ `min_tokens`) equal to the
 requested output length, then parses the SSE stream. Every failure raises, so the driver records
 it against the request: HTTP error statuses (with the server's error message), in-band
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import msgspec
@@ -21,6 +22,12 @@ from loadgen.prompts import PromptBuilder
 from loadgen.target import RequestSpec, StreamEvent, Usage, WallClock
 
 _MAX_ERROR_BODY = 2000  # characters of an error body kept in a record
+
+
+class Prompts(Protocol):
+    """Builds a request's `prompt`: token ids (`PromptBuilder`) or text (`TextPromptBuilder`)."""
+
+    def prompt(self, spec: RequestSpec) -> list[int] | str: ...
 
 
 class ServerError(Exception):
@@ -78,7 +85,7 @@ class OpenAIStreamingTarget:
         model: str,
         *,
         endpoint: str = "/v1/completions",
-        prompts: PromptBuilder | None = None,
+        prompts: Prompts | None = None,
         api_key: str | None = None,
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 60.0,
@@ -89,7 +96,7 @@ class OpenAIStreamingTarget:
         self.clock = WallClock()
         self.model = model
         self.endpoint = endpoint
-        self.prompts = prompts or PromptBuilder()
+        self.prompts: Prompts = prompts or PromptBuilder()
         self.send_min_tokens = send_min_tokens
         self.extra_body = dict(extra_body or {})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -107,7 +114,7 @@ class OpenAIStreamingTarget:
         """The JSON body for `spec`: exact prompt length, output length forced by ignore_eos."""
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": self.prompts.prompt_ids(spec),
+            "prompt": self.prompts.prompt(spec),
             "max_tokens": spec.output_len,
             "ignore_eos": True,
             "temperature": 0.0,

@@ -23,13 +23,16 @@ _TAIL_STREAM = 2
 class PromptBuilder:
     """Builds prompt token ids for a `RequestSpec`; deterministic for a given seed and vocab."""
 
-    def __init__(self, vocab_size: int = 32000, seed: int = 0, cache_blocks: int = 4096) -> None:
+    def __init__(
+        self, vocab_size: int = 32000, seed: int = 0, cache_blocks: int = 4096,
+        low_id: int | None = None,
+    ) -> None:  # fmt: skip
         if vocab_size < 8:
             raise ValueError(f"vocab_size too small: {vocab_size}")
         self.vocab_size = vocab_size
         self.seed = seed
         # NOTE: skip the lowest ids, where tokenizers put BOS/EOS/PAD and other specials.
-        self.low_id = min(256, vocab_size // 4)
+        self.low_id = min(256, vocab_size // 4) if low_id is None else low_id
         self._block = functools.lru_cache(maxsize=cache_blocks)(self._make_block)
 
     def _random_ids(self, stream: int, key: int, count: int) -> np.ndarray:
@@ -38,6 +41,10 @@ class PromptBuilder:
 
     def _make_block(self, hash_id: int, block_len: int) -> np.ndarray:
         return self._random_ids(_BLOCK_STREAM, hash_id, block_len)
+
+    def prompt(self, spec: RequestSpec) -> list[int]:
+        """The request's `prompt` field: token ids."""
+        return self.prompt_ids(spec)
 
     def prompt_ids(self, spec: RequestSpec) -> list[int]:
         """Exactly `spec.input_len` token ids: the hash blocks first, then a per-request tail."""

@@ -48,6 +48,19 @@ def error_counts(records: Sequence[RequestRecord]) -> dict[str, int]:
     return dict(kinds)
 
 
+def usage_mismatches(done: Sequence[RequestRecord]) -> dict[str, int]:
+    """Completed requests whose server-reported `usage` differs from what was asked: prompt
+    tokens other than `input_len` (a text prompt the server counts otherwise), completion tokens
+    other than `output_len` (with `ignore_eos` and `max_tokens` they must be equal), and requests
+    with no usage at all (counts then come from chunks)."""
+    return {
+        "prompt_tokens": sum(r.prompt_tokens not in (None, r.input_len) for r in done),
+        "completion_tokens": sum(r.prompt_tokens is not None and r.output_tokens != r.output_len
+                                 for r in done),
+        "no_usage": sum(r.prompt_tokens is None for r in done),
+    }  # fmt: skip
+
+
 def summarize(
     result: ReplayResult,
     slos: Sequence[SloTarget] = (),
@@ -80,6 +93,7 @@ def summarize(
     # How late the generator sent each request against its schedule: if this grows, the client
     # (not the server) is the bottleneck and the offered load was not what was asked for.
     summary |= latency_summary("send_lag", [r.send_s - r.scheduled_s for r in records])
+    summary["usage_mismatches"] = usage_mismatches(done)
     if slos:
         summary |= evaluate_slos(slos, records, duration, baseline)
     if baseline is not None:
@@ -135,6 +149,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"{title + ' (ms):':<40}mean {summary[f'mean_{name}_ms']:.1f}  {cells}")
     lag = f"mean {summary['mean_send_lag_ms']:.1f}  p99 {summary['p99_send_lag_ms']:.1f}"
     lines.append(f"{'Client send lag (ms):':<40}{lag}")
+    for field, count in summary.get("usage_mismatches", {}).items():
+        if count:
+            lines.append(f"{'Usage mismatches (' + field + '):':<40}{count}")
     for kind, count in summary["errors"].items():
         lines.append(f"{'Errors ' + kind + ':':<40}{count}")
     for slo in summary.get("slos", []):

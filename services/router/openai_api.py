@@ -36,6 +36,7 @@ from common.sampling import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
+from services.router.chat_options import ChatTemplateFields
 from services.router.logprobs_format import ChatLogprobs, CompletionLogprobs
 
 log = structlog.get_logger(__name__)
@@ -251,7 +252,7 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` is OpenAI's newer `max_tokens`."""
 
     messages: list[ChatMessage] = Field(min_length=1)

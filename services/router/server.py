@@ -6,7 +6,8 @@ starts, so bad input gets a real 4xx status with an OpenAI error body; an error 
 streamed byte is sent in-band (`data: {"error": ...}`) followed by `data: [DONE]`.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`
-(200 when the backend is ready, else 503) and `GET /stats` (the backend's `EngineClientStats`).
+(200 when the backend is ready, else 503), `GET /stats` (the backend's `EngineClientStats`) and
+vLLM's `POST /tokenize` and `POST /detokenize` (`services.router.tokenize_api`).
 With an API key set, every endpoint but `/health` wants `Authorization: Bearer <key>` (401
 otherwise); request bodies over `max_body_bytes` are a 413 before they are parsed.
 
@@ -56,6 +57,12 @@ from services.router.responses import ChatShapes, CompletionShapes
 from services.router.sse import prepend, sse_response
 from services.router.streams import Overloaded
 from services.router.telemetry import RouterTelemetry
+from services.router.tokenize_api import (
+    DetokenizeResponse,
+    Tokenization,
+    TokenizeResponse,
+    chat_prompt_ids,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +80,7 @@ RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is a 413, never parsed
 # What each endpoint may answer besides 200 (documented in /openapi.json with the error body).
 _GENERATE_ERRORS = error_responses(400, 401, 404, 413, 429, 503)
+_TOKENIZE_ERRORS = error_responses(400, 401, 404, 413)
 _bearer = HTTPBearer(auto_error=False, description="the API key, when the server sets one")
 
 
@@ -126,6 +134,7 @@ class Router:
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.telemetry = RouterTelemetry(self.model_name, replica_id)
+        self.tokenization = Tokenization(self.tokenizer, self.model_name, self.max_model_len)
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
@@ -144,6 +153,12 @@ class Router:
             }}  # fmt: skip
             app.add_api_route(path, endpoint, methods=["POST"], dependencies=auth,
                               responses={**ok, **_GENERATE_ERRORS})  # fmt: skip
+        tok = self.tokenization
+        app.add_api_route("/tokenize", tok.tokenize, methods=["POST"], dependencies=auth,
+                          response_model=TokenizeResponse, responses=_TOKENIZE_ERRORS)  # fmt: skip
+        app.add_api_route("/detokenize", tok.detokenize, methods=["POST"], dependencies=auth,
+                          response_model=DetokenizeResponse,
+                          responses=_TOKENIZE_ERRORS)  # fmt: skip
         app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth,
                           response_model=ModelList, responses=error_responses(401))  # fmt: skip
         app.add_api_route(
@@ -194,9 +209,9 @@ class Router:
     async def chat_completions(self, request: ChatCompletionRequest, http: Request) -> Response:
         self._check_request(request)
         request.reject_unsupported()
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        check_unicode("messages", (m["content"] for m in messages))
-        prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
+        prompt_ids = await asyncio.to_thread(
+            chat_prompt_ids, self.tokenizer, request.messages, request
+        )
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", default=None)
         job = await self._start(
