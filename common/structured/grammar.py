@@ -1,0 +1,147 @@
+"""Compiled grammars for one model's tokenizer, and the per-request matcher that walks one.
+
+`GrammarCompiler` owns the llguidance tokenizer (built once per engine from `tokenizer.json`) and
+a bounded LRU of compiled grammars keyed by spec. A compiled grammar is an llguidance matcher in
+its start state; each request gets a `deep_copy` of it (well under a microsecond), so a schema
+that a thousand requests share is compiled once.
+
+`GrammarMatcher` is one request's position in its grammar. It is rebuilt from tokens
+(`GrammarCompiler.matcher(spec, token_ids)`), never shipped: a request's sampling moves between
+processes (the prompt engine samples the first token, the token engine the rest; a migrated
+request re-runs elsewhere from its tokens), and each process replays the tokens so far.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+import llguidance
+import numpy as np
+
+from common.structured.spec import grammar_for_spec
+
+DEFAULT_CACHE_SIZE = 256  # compiled grammars per engine (each one's lexer grows as it is used)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words in one row of a token bitmask (bit t of the row: token t is allowed)."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarMatcher:
+    """One request's grammar state: which tokens may come next, and the tokens so far.
+
+    EOS is allowed only where the text so far is complete (the grammar accepts it); once the
+    grammar can take nothing more (`is_terminated`), EOS is the only token allowed. Token ids at
+    or past the tokenizer's vocabulary (the model's padding rows) are never allowed."""
+
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]
+    ) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+
+    def fill_mask(self, row: np.ndarray) -> None:
+        """Write the allowed-token bitmask into `row`: int32, C-contiguous, at least
+        `mask_words(vocab_size)` long (words past that are left alone)."""
+        words = mask_words(self.vocab_size)
+        if row.dtype != np.int32 or not row.flags["C_CONTIGUOUS"] or row.size < words:
+            raise ValueError(f"a token bitmask row must be {words} contiguous int32 words")
+        # NOTE: llguidance writes through the raw pointer; the checks above are what keep it in
+        # bounds.
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, words * 4)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it (the matcher is
+        then in an error state and the request should fail)."""
+        if self._matcher.is_stopped() and token_id in self._eos_token_ids:
+            # NOTE: llguidance ends a grammar that can take nothing more by itself and then
+            # refuses EOS; the EOS its own mask forced is the one token that may follow.
+            return not self._matcher.is_error()
+        return bool(self._matcher.consume_token(token_id))
+
+    def replay(self, token_ids: Iterable[int]) -> bool:
+        """Accept tokens one by one (rebuilding a request's state from its output so far);
+        False at the first one the grammar refuses."""
+        return all(self.accept(token_id) for token_id in token_ids)
+
+    def is_terminated(self) -> bool:
+        """Whether the grammar is finished: nothing but EOS may follow."""
+        return bool(self._matcher.is_stopped())
+
+    def is_accepting(self) -> bool:
+        """Whether the text so far is a complete match (EOS may come next)."""
+        return bool(self._matcher.is_accepting())
+
+    def error(self) -> str:
+        return str(self._matcher.get_error()) if self._matcher.is_error() else ""
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer and hands out matchers; thread-safe.
+
+    `vocab_size` is the model's (its logits' width), which may exceed the tokenizer's."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
+        eos = sorted(set(eos_token_ids))
+        if not eos:
+            raise ValueError("structured outputs need at least one EOS token id")
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        if self._tokenizer.vocab_size != vocab_size:
+            raise ValueError(
+                f"the tokenizer has {self._tokenizer.vocab_size} tokens, more than the model's "
+                f"{vocab_size} logits"
+            )
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos)
+        self._cache_size = cache_size
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_model_folder(
+        cls, folder: str | Path, vocab_size: int, eos_token_ids: Iterable[int], **kwargs: int
+    ) -> GrammarCompiler:
+        text = (Path(folder) / "tokenizer.json").read_text()
+        return cls(text, vocab_size, eos_token_ids, **kwargs)
+
+    def matcher(self, spec: str, token_ids: Iterable[int] = ()) -> GrammarMatcher:
+        """A matcher for `spec` after `token_ids` (a request's output so far). Raises
+        ValueError if the spec does not compile or the tokens do not follow it."""
+        compiled = self._compiled_for(spec)
+        matcher = GrammarMatcher(compiled.deep_copy(), self.vocab_size, self.eos_token_ids)
+        if not matcher.replay(token_ids):
+            raise ValueError(f"output tokens do not follow the grammar: {matcher.error()[:200]}")
+        return matcher
+
+    def cached_specs(self) -> int:
+        return len(self._compiled)
+
+    def _compiled_for(self, spec: str) -> llguidance.LLMatcher:
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled
+        # Compiled outside the lock: llguidance releases the GIL while it builds a grammar, and
+        # another request's cached grammar should not wait for it. Two threads compiling the same
+        # new spec both succeed; the cache keeps one.
+        compiled = llguidance.LLMatcher(self._tokenizer, grammar_for_spec(spec), log_level=0)
+        if compiled.is_error():
+            raise ValueError(f"the grammar does not compile: {compiled.get_error()[:200]}")
+        with self._lock:
+            self._compiled[spec] = compiled
+            self._compiled.move_to_end(spec)
+            while len(self._compiled) > self._cache_size:
+                self._compiled.popitem(last=False)
+        return compiled

@@ -1,0 +1,167 @@
+"""Structured-output requests -> one canonical spec string, and that spec -> an llguidance grammar.
+
+A request asks for structure through OpenAI's `response_format` or vLLM's `guided_json`,
+`guided_regex` and `guided_choice` extras. `parse_structured_output` checks them (one at most) and
+returns the spec: compact, key-sorted JSON such as `{"schema":{...},"type":"json_schema"}`. The
+spec is what crosses the wire and what keys the compiled-grammar cache, so two requests that ask
+for the same thing share one compiled grammar whatever their key order.
+
+Validation compiles the grammar without a tokenizer: a schema that llguidance cannot enforce (an
+unknown type, a bad pattern, an unimplemented keyword such as `not`) is rejected here, as a
+`ValueError` naming the parameter, rather than failing the request inside an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict only the stubs define
+
+# A spec is compiled per engine and kept in a cache: bounded, so one request cannot make every
+# engine build (and hold) an arbitrarily large grammar.
+MAX_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 256
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
+# Compact JSON: "," and ":" with no whitespace around them. Flexible whitespace would let a model
+# spend its whole token budget on spaces between two keys.
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+# Rust regex-syntax's meta characters (what `regex::escape` escapes).
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def parse_structured_output(
+    response_format: dict[str, Any] | None = None,
+    guided_json: dict[str, Any] | str | None = None,
+    guided_regex: str | None = None,
+    guided_choice: Sequence[str] | None = None,
+) -> str | None:
+    """The canonical spec for a request's structure, or None for free text.
+
+    `response_format` is OpenAI's: `{"type": "text" | "json_object"}` or `{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}`. Raises `ValueError("invalid
+    sampling parameter <name>: ...")` for a malformed or unenforceable request."""
+    given = {
+        name: value
+        for name, value in (
+            ("response_format", response_format),
+            ("guided_json", guided_json),
+            ("guided_regex", guided_regex),
+            ("guided_choice", guided_choice),
+        )  # fmt: skip
+        if value is not None
+    }
+    if len(given) > 1:
+        raise _invalid(next(iter(given)), f"only one of {', '.join(given)} may be given")
+    if response_format is not None:
+        spec = _from_response_format(response_format)
+    elif guided_json is not None:
+        schema = _load_schema(guided_json, "guided_json")
+        spec = {"type": "json_schema", "schema": schema}
+    elif guided_regex is not None:
+        if not isinstance(guided_regex, str) or not guided_regex:
+            raise _invalid("guided_regex", "must be a non-empty string")
+        spec = {"type": "regex", "pattern": guided_regex}
+    elif guided_choice is not None:
+        spec = {"type": "choice", "choices": _check_choices(guided_choice)}
+    else:
+        return None
+    if spec is None:
+        return None
+    name = next(iter(given))
+    text = canonical(spec)
+    if len(text) > MAX_SPEC_CHARS:
+        raise _invalid(name, f"must be at most {MAX_SPEC_CHARS} characters of JSON")
+    error = llguidance.LLMatcher.validate_grammar(grammar_for_spec(text))
+    if error:
+        raise _invalid(name, _first_lines(error))
+    return text
+
+
+def canonical(spec: dict[str, Any]) -> str:
+    """Compact, key-sorted JSON: equal specs are equal strings."""
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def grammar_for_spec(spec: str) -> str:
+    """The llguidance grammar (its JSON form) that enforces a canonical spec."""
+    fields = json.loads(spec)
+    kind = fields["type"]
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, _JSON_OPTIONS)
+    if kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(fields["schema"], _JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(fields["pattern"])
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_regex("|".join(map(_escape, fields["choices"])))
+    raise ValueError(f"unknown structured-output spec type {kind!r}")
+
+
+def _from_response_format(response_format: Any) -> dict[str, Any] | None:
+    if not isinstance(response_format, dict):
+        raise _invalid("response_format", "must be an object with a type")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema":
+        raise _invalid("response_format", "type must be text, json_object or json_schema")
+    body = response_format.get("json_schema")
+    if not isinstance(body, dict):
+        raise _invalid("response_format", "json_schema must be an object with a name and schema")
+    name = body.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+        raise _invalid("response_format", "json_schema.name must match ^[A-Za-z0-9_-]{1,64}$")
+    if not isinstance(body.get("strict", False), bool | None):
+        raise _invalid("response_format", "json_schema.strict must be a boolean")
+    # NOTE: `strict` changes nothing here: the grammar always enforces the whole schema, and a
+    # schema with keywords it cannot enforce is rejected either way.
+    return {
+        "type": "json_schema",
+        "schema": _load_schema(body.get("schema", {}), "response_format"),
+    }
+
+
+def _load_schema(schema: Any, name: str) -> dict[str, Any] | bool:
+    if isinstance(schema, str):
+        if len(schema) > MAX_SPEC_CHARS:
+            raise _invalid(name, f"must be at most {MAX_SPEC_CHARS} characters of JSON")
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise _invalid(name, f"the schema is not JSON ({exc.msg})") from None
+    if not isinstance(schema, dict | bool):
+        raise _invalid(name, "the schema must be a JSON object")
+    return schema
+
+
+def _check_choices(choices: Any) -> list[str]:
+    ok = (
+        isinstance(choices, list | tuple)
+        and 0 < len(choices) <= MAX_CHOICES
+        and all(isinstance(c, str) and c for c in choices)
+    )
+    if not ok:
+        raise _invalid("guided_choice", f"must be 1 to {MAX_CHOICES} non-empty strings")
+    return list(choices)
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def _first_lines(error: str, limit: int = 300) -> str:
+    """llguidance's message without its grammar dump, short enough for an error body."""
+    text = " ".join(line.strip() for line in error.strip().splitlines()[:3])
+    return text[:limit]
+
+
+def _invalid(name: str, why: str) -> ValueError:
+    return ValueError(f"invalid sampling parameter {name}: {why}")
