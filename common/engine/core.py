@@ -52,6 +52,10 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         log.info("engine ready", attention=backend.name, kv_blocks=c.num_blocks)
+        if self.max_model_len < self.model_config.max_position_embeddings:
+            log.warning("the KV cache holds less than the model's context: requests are capped",
+                        max_model_len=self.max_model_len,
+                        model_context=self.model_config.max_position_embeddings)  # fmt: skip
 
     @classmethod
     def from_path(
@@ -74,7 +78,11 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.model_config.max_position_embeddings
+        """The longest context a request may reach: the model's, or less when this engine's KV
+        cache holds less (a request alone must always fit: it could never be preempted into room,
+        and would be preempted forever)."""
+        c = self.config.cache
+        return min(self.model_config.max_position_embeddings, c.num_blocks * c.block_size)
 
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None

@@ -62,6 +62,8 @@ class EngineClient(Protocol):
     # Requests in flight and admission (`limits` replaced in place by the deployment's
     # `reconfigure`).
     streams: StreamTable[Any]
+    # The longest context (prompt + output) the engines can hold; None: the model's.
+    max_context: int | None
 
     def ready(self) -> bool:
         """True when a request sent now can be served (engines up): `/health` says 200."""
@@ -95,6 +97,7 @@ class InProcessEngineClient:
 
     def __init__(self, engine: LLMEngine, limits: AdmissionLimits | None = None) -> None:
         self.engine = engine
+        self.max_context: int | None = engine.max_model_len
         self.streams: StreamTable[Stream] = StreamTable(limits)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._engine_stats = self._snapshot_engine()

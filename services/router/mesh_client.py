@@ -101,6 +101,7 @@ class MeshEngineClient:
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
         self.list_services = list_services
+        self.max_context: int | None = None  # each engine bounds its own (KV refusals)
         self.auth = auth  # the mesh's CURVE keys: every socket to and from it uses them
         self.refresh_s = refresh_s
         self.scheduler = ClusterScheduler(block_size)

@@ -130,7 +130,9 @@ class Router:
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.model_name = served_model_name or self.model_path.name
         model_len = self.model_config.max_position_embeddings
-        self.max_model_len = min(max_model_len or model_len, model_len)
+        self.max_model_len = min(
+            max_model_len or model_len, model_len, client.max_context or model_len
+        )
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.telemetry = RouterTelemetry(self.model_name, replica_id)

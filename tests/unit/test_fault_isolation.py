@@ -83,3 +83,23 @@ def test_a_request_whose_sampling_raises_ends_alone(engine: LLMEngine, monkeypat
     assert list(errors) == ["poison"] and "poisoned row" in errors["poison"]
     assert [outputs[f"g{i}"] for i in range(8)] == reference
     assert engine.blocks.num_used_blocks == 0
+
+
+def test_a_request_longer_than_the_kv_cache_ends_at_its_capacity(tiny_model_path) -> None:
+    """A cache smaller than the model's context caps every request at what it holds: a request
+    asking for more ends with "length" there, as at the model's context, instead of being
+    preempted forever (or running an empty batch)."""
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=8, block_size=16)  # 128 tokens
+    assert engine.max_model_len == 128
+    prompt = random_prompts([21], engine.model_config.vocab_size, seed=3)[0]
+    engine.add_request("long", prompt, SamplingParams(max_tokens=2027, ignore_eos=True,
+                                                      temperature=0.0))  # fmt: skip
+    engine.add_request("short", prompt, SamplingParams(max_tokens=5, ignore_eos=True,
+                                                       temperature=0.0))  # fmt: skip
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    long = [o for o in outputs if o.req_id == "long"]
+    assert long[-1].finish_reason is not None and long[-1].finish_reason.value == "length"
+    assert sum(len(o.new_token_ids) for o in long) == 128 - 21
+    assert engine.blocks.num_used_blocks == 0

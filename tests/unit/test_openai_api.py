@@ -475,3 +475,26 @@ def test_models_do_not_reveal_where_the_model_lies(router: Router) -> None:
     assert card["root"] == card["id"] == MODEL
     assert card["vocab_size"] == router.model_config.vocab_size  # what token-id prompts may use
     assert str(router.model_path) not in json.dumps(card)
+
+
+def test_an_engine_whose_cache_holds_less_than_the_model_caps_the_context(
+    tiny_model_path: Path,
+) -> None:
+    """`topology: local` with a small KV cache: the API's context is what the cache holds, so a
+    request without `max_tokens` runs to that length and ends "length" (before: preempted forever,
+    then a 500), and a prompt beyond it is a 400."""
+    with router_with(tiny_model_path) as router:  # 64 blocks of 16: 1,024 tokens
+
+        async def fn(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> None:
+            models = (await http.get("/v1/models")).json()
+            assert models["data"][0]["max_model_len"] == 1024
+            out = await client.chat.completions.create(  # chat: no max_tokens fills the context
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert out.choices[0].finish_reason == "length"
+            assert out.usage is not None and out.usage.total_tokens == 1024
+            with pytest.raises(openai.BadRequestError):
+                await client.completions.create(model=MODEL, prompt=[5] * 1100, max_tokens=1)
+
+        call(router, fn)
