@@ -313,7 +313,8 @@ class Router:
     ) -> _Job:
         """Admit the request's choices (each an engine request) and wait for each one's first
         output, so refusals get a real status."""
-        params = request.sampling_params(max_tokens)
+        # Off the event loop: a structured-output request's grammar is built to validate it.
+        params = await asyncio.to_thread(request.sampling_params, max_tokens)
         try:
             params.check_vocab(self.model_config.vocab_size)
         except ValueError as exc:
