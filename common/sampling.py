@@ -348,9 +348,8 @@ def _accept(
         if grammar is None or row in failures:
             continue
         if not grammar.accept(token_ids[row]):
-            failures[row] = ValueError(
-                f"token {token_ids[row]} does not follow the grammar: {grammar.error()[:200]}"
-            )
+            why = _first_line(grammar.error())
+            failures[row] = ValueError(f"token {token_ids[row]} does not follow the grammar: {why}")
 
 
 def _logprobs(
@@ -390,3 +389,8 @@ def _sample_row(
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
         return top  # nothing left to draw from: the most likely token
     return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _first_line(error: str, limit: int = 200) -> str:
+    """llguidance's error without the parser state it dumps after it."""
+    return error.strip().split("\n", 1)[0][:limit]

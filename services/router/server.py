@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import hmac
 import inspect
+import re
 import time
 import uuid
 from pathlib import Path
@@ -345,9 +346,10 @@ class Router:
         except Overloaded as exc:
             trace.fail(exc, exc.reason)
             raise APIError(exc.status, str(exc), None, retry_after_s=RETRY_AFTER_S) from exc
-        except ValueError as exc:
+        except ValueError as exc:  # the prompt, or a spec the engine could not compile
             trace.fail(exc, "invalid_prompt")
-            raise APIError(400, str(exc), "prompt") from exc
+            named = re.search(r"invalid sampling parameter (\w+)", str(exc))
+            raise APIError(400, str(exc), named.group(1) if named else "prompt") from exc
         except BaseException as exc:
             trace.fail(exc, "generation")
             raise

@@ -128,3 +128,24 @@ def test_spec_travels_and_excludes_ignore_eos_and_min_tokens() -> None:
         SamplingParams(structured_output=spec, min_tokens=2, max_tokens=4)
     with pytest.raises(ValueError, match="parameter structured_output"):
         SamplingParams(structured_output="")
+
+
+def test_a_grammar_past_its_limits_fails_alone(engine: LLMEngine, prompt: list[int]) -> None:
+    """Validation accepts this regex (llguidance builds lexers lazily); its first token exceeds
+    llguidance's lexer limits, so that request ends with an error and its batch-mate goes on."""
+    plain = SamplingParams(max_tokens=8, temperature=0.0)
+    [alone] = engine.generate([prompt], plain)
+    hostile = SamplingParams(
+        max_tokens=8, structured_output=parse_structured_output(guided_regex="(a{1000}){1000}")
+    )
+    engine.add_request("hostile", prompt, hostile)
+    engine.add_request("plain", prompt, plain)
+    errors, outputs = {}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error:
+                errors[out.req_id] = out.error
+            elif out.req_id == "plain":
+                outputs += out.new_token_ids
+    assert list(errors) == ["hostile"] and "does not follow the grammar" in errors["hostile"]
+    assert outputs == alone
