@@ -11,7 +11,8 @@ come from a byte-level BPE trained here on the same synthetic corpus (more seeds
 
 The tiny model's plain decode step at the same batch (the median engine step once every request
 is decoding) puts that cost in proportion: tok/s with a schema is estimated as
-batch / (decode step + mask cost per step), since the engine is not wired to masks yet.
+batch / (decode step + mask cost per step). `engine_tok_s` measures it too: the in-process
+`LLMEngine` (vocab 2048) generating a batch plain, then the same batch under the schemas.
 The last line is one JSON object with the figures, `targets` and `targets_met`.
 """
 
@@ -103,7 +104,7 @@ def sampling_step_ms(compiler: GrammarCompiler, batch: int) -> tuple[float, floa
         start = time.perf_counter()
         apply_masks(logits, matchers)
         filled = time.perf_counter() - start
-        token_ids, _ = sampler.sample(logits, params, [step] * batch)
+        token_ids = sampler.sample(logits, params, [step] * batch).token_ids
         start = time.perf_counter()
         for row, matcher in enumerate(matchers):
             if matcher is not None and not matcher.accept(token_ids[row]):
@@ -136,6 +137,31 @@ def decode_step_ms(engine: LLMEngine, batch: int, steps: int = 24) -> float:
     return statistics.median(times) * 1e3
 
 
+def engine_tok_s(engine: LLMEngine, batch: int, structured: bool, max_tokens: int = 64) -> float:
+    """Output tokens per second of `batch` requests run together to the end, greedy, prefill
+    included: plain (ignore_eos, so every one runs `max_tokens`), or each under one of the
+    schemas (the random model mostly runs to `max_tokens` inside strings too)."""
+    specs = [json_spec(schema) if structured else None for schema in SCHEMAS]
+    for row in range(batch):
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, detokenize=False,
+            ignore_eos=not structured, structured_output=specs[row % len(specs)],
+        )  # fmt: skip
+        prompt = [8 + (row * 37 + i) % 2000 for i in range(32)]
+        engine.add_request(f"tok-s-{structured}-{batch}-{row}", prompt, params)
+    num_tokens = 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        num_tokens += sum(len(out.new_token_ids) for out in engine.step())
+    return num_tokens / (time.perf_counter() - start)
+
+
+def json_spec(schema: dict) -> str:
+    spec = parse(guided_json=schema)
+    assert spec is not None
+    return spec
+
+
 def targets_met(results: dict, decode_b8_ms: float | None) -> dict[str, bool]:
     """One boolean per target; records the mask's share of the decode step in `results`."""
     met = {}
@@ -164,6 +190,15 @@ def main() -> None:
     results: dict = {"threads": torch.get_num_threads(), "steps": STEPS, "vocabs": {}}
     decode = {b: decode_step_ms(engine, b) for b in args.batches}
     results["decode_step_ms"] = {str(b): round(ms, 3) for b, ms in decode.items()}
+    engine_tok_s(engine, len(SCHEMAS), structured=True)  # compiles each schema, untimed
+    # Best of 3, plain and schema alternating: on a shared machine a single run is mostly noise.
+    results["engine_tok_s"] = {
+        str(b): {kind: round(max(engine_tok_s(engine, b, kind == "schema") for _ in range(3)), 1)
+                 for kind in ("plain", "schema")}
+        for b in args.batches
+    }  # fmt: skip
+    for b, row in results["engine_tok_s"].items():
+        print(f"LLMEngine batch {b:>3}: {row['plain']} tok/s plain, {row['schema']} with a schema")
     for vocab in args.vocabs:
         compiler = compiler_for(vocab)
         rows = results["vocabs"][str(vocab)] = {}

@@ -31,6 +31,8 @@ class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     logprobs: int | None = None  # top logprobs per output token (None: none at all)
     prompt_logprobs: int | None = None  # the same for prompt tokens (completions' echo)
+    # The canonical structured-output spec (`common.structured.spec`); "" for free text.
+    structured_output: str = ""
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

@@ -13,6 +13,9 @@ import torch
 from common.logits_processors import History, apply_logit_bias, apply_penalties, min_p_mask
 from common.logprobs import token_logprobs
 from common.protocol import SamplingSpec, TokenLogprobs
+from common.structured.grammar import GrammarMatcher
+from common.structured.masks import apply_masks
+from common.structured.spec import MAX_SPEC_CHARS
 
 MAX_INT = 1 << 31  # counts and token ids
 MAX_SEED = 1 << 63
@@ -32,7 +35,9 @@ class SamplingParams:
     `temperature == 0` is greedy. `seed` makes sampling reproducible regardless of what else is in
     the batch. `ignore_eos` keeps generating past EOS (trace replay forces output lengths).
     `detokenize=False` (vLLM's option) skips the text for callers that want token ids only; stop
-    strings need the text, so they require it.
+    strings need the text, so they require it. `structured_output` is a canonical spec from
+    `common.structured.parse_structured_output` (validated there; the engine compiles it): the
+    grammar decides where the output ends, so it excludes `ignore_eos` and `min_tokens`.
     """
 
     max_tokens: int = 16
@@ -52,6 +57,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: str | None = None
 
     def __post_init__(self) -> None:
         # NOTE: integers are bounded so that every value crosses the wire (msgpack carries at most
@@ -81,6 +87,7 @@ class SamplingParams:
             _check(isinstance(self.seed, int) and 0 <= self.seed < MAX_SEED, "seed",
                    f"an int in [0, {MAX_SEED})")  # fmt: skip
         self._check_processors()
+        self._check_structured_output()
 
     def _check_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -102,6 +109,17 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
                    name, f"None (off) or in [0, {MAX_LOGPROBS}]")  # fmt: skip
+
+    def _check_structured_output(self) -> None:
+        spec = self.structured_output
+        if spec is None:
+            return
+        _check(isinstance(spec, str) and 0 < len(spec) <= MAX_SPEC_CHARS, "structured_output",
+               f"None or a spec of at most {MAX_SPEC_CHARS} characters")  # fmt: skip
+        # NOTE: a grammar that has ended allows EOS alone: generating past it (or refusing to end
+        # before min_tokens) would leave no token to sample.
+        _check(not self.ignore_eos, "ignore_eos", "False when the output is structured")
+        _check(self.min_tokens == 0, "min_tokens", "0 when the output is structured")
 
     def check_vocab(self, vocab_size: int) -> None:
         """The checks that need the model: logit_bias ids must be its token ids."""
@@ -127,13 +145,15 @@ class SamplingParams:
     @classmethod
     def from_spec(cls, spec: SamplingSpec) -> SamplingParams:
         """From the wire: every field the spec carries, validated again here."""
-        return cls(**msgspec.structs.asdict(spec))
+        fields = msgspec.structs.asdict(spec)
+        fields["structured_output"] = spec.structured_output or None
+        return cls(**fields)
 
     def to_spec(self) -> SamplingSpec:
         """The engines' part, for the wire (stop strings stay with the router)."""
-        return SamplingSpec(
-            **{name: getattr(self, name) for name in SamplingSpec.__struct_fields__}
-        )
+        fields = {name: getattr(self, name) for name in SamplingSpec.__struct_fields__}
+        fields["structured_output"] = self.structured_output or ""
+        return SamplingSpec(**fields)
 
 
 def _check(ok: bool, name: str, expected: str) -> None:
@@ -175,8 +195,11 @@ class SampledRow(NamedTuple):
 class Sampler:
     """Samples one token per row of logits; greedy rows take one batched argmax.
 
-    Order (vLLM's): logit_bias and penalties, an optional allowed-token mask (structured output),
-    the greedy argmax; then, for random rows, min_p, temperature, top-k, top-p and the draw. The
+    Order (vLLM's): logit_bias and penalties, the grammar masks (structured output) and an
+    optional allowed-token mask, the greedy argmax; then, for random rows, min_p, temperature,
+    top-k, top-p and the draw. A grammar row's sampled token then advances its matcher; a token
+    the grammar refuses fails that row. Logprobs are always of the raw model logits (vLLM's
+    default), before any of this. The
     processors run batched over the rows that use them (`common.logits_processors`); a step where
     no row uses one costs what it did before they existed.
 
@@ -198,12 +221,16 @@ class Sampler:
         output_lens: list[int],
         histories: Sequence[History] | None = None,
         allowed_mask: torch.Tensor | None = None,
+        grammars: Sequence[GrammarMatcher | None] = (),
     ) -> SamplerOutput:
         """logits [N, vocab] float32. `output_lens`: how many tokens each request has produced
         before this one; `histories`: each request's (prompt ids, output ids), read by rows with
-        penalties; `allowed_mask` [N, vocab] bool: tokens a row may take (None: all)."""
+        penalties; `allowed_mask` [N, vocab] bool: tokens a row may take (None: all);
+        `grammars`: each row's grammar matcher (None, or empty for all: no grammar), advanced by
+        the row's token."""
         failures: dict[int, Exception] = {}
-        processed = self._process(logits, params, histories, allowed_mask, failures)
+        grammars = list(grammars) or [None] * len(params)
+        processed = self._process(logits, params, histories, allowed_mask, grammars, failures)
         # NOTE: numpy's argmax, not torch's: on [32, 2048] float32 logits here torch's takes
         # 77-130 us and numpy's 8 us; both return the first maximal index (and a NaN's first).
         token_ids = processed.detach().cpu().numpy().argmax(axis=-1).tolist()
@@ -219,6 +246,7 @@ class Sampler:
                 token_ids[row] = _sample_row(processed[row], p, gen, token_ids[row])
             except Exception as exc:  # noqa: BLE001 - that row's request alone fails
                 failures[row] = exc
+        _accept(grammars, token_ids, failures)
         return SamplerOutput(token_ids, failures, _logprobs(logits, params, token_ids))
 
     def _process(
@@ -227,12 +255,14 @@ class Sampler:
         params: list[SamplingParams],
         histories: Sequence[History] | None,
         allowed_mask: torch.Tensor | None,
+        grammars: list[GrammarMatcher | None],
         failures: dict[int, Exception],
     ) -> torch.Tensor:
-        """Logits after bias and penalties (and the allowed mask); `logits` itself if no row
-        has any, else a copy. Rows whose processors raise are reported in `failures`."""
+        """Logits after bias and penalties (and the grammar and allowed masks); `logits` itself
+        if no row has any, else a copy. Rows whose processors raise are reported in `failures`."""
         rows = [row for row, p in enumerate(params) if p.has_processors]
-        if not rows and allowed_mask is None:
+        has_grammar = any(g is not None for g in grammars)
+        if not rows and allowed_mask is None and not has_grammar:
             return logits
         out = logits.clone()
         if rows:
@@ -244,6 +274,8 @@ class Sampler:
                         _process_rows(out, [row], params, histories)
                     except Exception as exc:  # noqa: BLE001 - that row's request alone fails
                         failures[row] = exc
+        if has_grammar:
+            _mask_grammar_rows(out, grammars, failures)
         if allowed_mask is not None:
             out.masked_fill_(~allowed_mask, float("-inf"))
         return out
@@ -292,6 +324,34 @@ def _process_rows(
     logits[index] = selected
 
 
+def _mask_grammar_rows(
+    logits: torch.Tensor, grammars: list[GrammarMatcher | None], failures: dict[int, Exception]
+) -> None:
+    """Grammar masks in place, batched; if that raises, row by row to find the culprit."""
+    try:
+        apply_masks(logits, grammars)
+    except Exception:  # noqa: BLE001 - the row at fault fails, the others are masked
+        for row, grammar in enumerate(grammars):
+            if grammar is None:
+                continue
+            try:
+                apply_masks(logits[row : row + 1], [grammar])
+            except Exception as exc:  # noqa: BLE001 - that row's request alone fails
+                failures[row] = exc
+
+
+def _accept(
+    grammars: list[GrammarMatcher | None], token_ids: list[int], failures: dict[int, Exception]
+) -> None:
+    """Advance each grammar row's matcher by its token; a refused token fails that row."""
+    for row, grammar in enumerate(grammars):
+        if grammar is None or row in failures:
+            continue
+        if not grammar.accept(token_ids[row]):
+            why = _first_line(grammar.error())
+            failures[row] = ValueError(f"token {token_ids[row]} does not follow the grammar: {why}")
+
+
 def _logprobs(
     logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]
 ) -> list[TokenLogprobs | None]:
@@ -329,3 +389,8 @@ def _sample_row(
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
         return top  # nothing left to draw from: the most likely token
     return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _first_line(error: str, limit: int = 200) -> str:
+    """llguidance's error without the parser state it dumps after it."""
+    return error.strip().split("\n", 1)[0][:limit]

@@ -15,6 +15,7 @@ import torch
 from common.attention import select_backend
 from common.block_manager import BlockManager
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common.engine.grammars import EngineGrammars
 from common.engine.request import FinishReason, Request, RequestOutput, check_prompt
 from common.engine.runner import ModelRunner, StepInputs
 from common.kv_cache import KVCache
@@ -50,6 +51,8 @@ class LLMEngine:
         self.runner: ModelRunner[StepInputs] = ModelRunner(self.model, kv, self.blocks, backend)
         self.scheduler = BatchScheduler(self.blocks, config.scheduler)
         self.sampler = Sampler()
+        self.grammars = EngineGrammars(folder, self.model_config.vocab_size,
+                                       self.model_config.eos_token_ids)  # fmt: skip
         self.requests: dict[str, Request] = {}
         log.info("engine ready", attention=backend.name, kv_blocks=c.num_blocks)
         if self.max_model_len < self.model_config.max_position_embeddings:
@@ -87,17 +90,20 @@ class LLMEngine:
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
     ) -> None:
-        """Queue a request. Raises ValueError for an empty or over-long prompt or a reused id."""
+        """Queue a request. Raises ValueError for an empty or over-long prompt, a reused id or a
+        structured-output spec that does not compile (nothing is queued then)."""
         if req_id in self.requests:
             raise ValueError(f"request id {req_id} is already in use")
         check_prompt(list(prompt_token_ids), self.model_config.vocab_size, self.max_model_len)
-        (params or SamplingParams()).check_vocab(self.model_config.vocab_size)
+        params = params or SamplingParams()
+        params.check_vocab(self.model_config.vocab_size)
         self.requests[req_id] = Request(
             req_id,
             list(prompt_token_ids),
-            params or SamplingParams(),
+            params,
             self.model_config.eos_token_ids,
             self.max_model_len,
+            grammar=self.grammars.matcher(params),
         )
         self.scheduler.add(Sequence(req_id, len(prompt_token_ids)))
 
@@ -124,6 +130,7 @@ class LLMEngine:
         sampled = self.sampler.sample(
             logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs],
             [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+            grammars=[r.grammar for r in reqs],
         )  # fmt: skip
         prompt_lps = self.runner.prompt_logprobs(inputs, prompt_top) if keep_hidden else []
         rows = sampled.rows(prompt_lps)

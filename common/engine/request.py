@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from common.protocol import TokenLogprobs
 from common.sampling import SamplingParams
+from common.structured.grammar import GrammarMatcher
 from common.tokenizer import Tokenizer
 
 
@@ -128,6 +129,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     output_text: OutputText | None = None  # made on the first append with a tokenizer
+    # Its structured-output state (`common.engine.grammars`), advanced by the sampler.
+    grammar: GrammarMatcher | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -26,6 +26,7 @@ import torch
 from common.attention import select_backend
 from common.block_manager import BlockManager
 from common.config import EngineConfig
+from common.engine.grammars import EngineGrammars
 from common.engine.request import Request, check_prompt
 from common.kv_cache import KVCache
 from common.kv_ingress import KvIngress, Landed
@@ -108,6 +109,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.routing: dict[str, RequestRoute] = {}
         self.sampler = Sampler()
+        # Matchers live on each `Request` and are rebuilt from its tokens wherever it goes.
+        self.grammars = EngineGrammars(config.model_path, mc.vocab_size, mc.eos_token_ids)
         self.steps = itertools.count()
         self.max_model_len = mc.max_position_embeddings
         self.kv_events: deque[KvEvent] = deque(maxlen=256)
@@ -121,13 +124,15 @@ class Engine:
             params.check_vocab(self.model.config.vocab_size)
             tokens = msg.prompt_token_ids + msg.output_token_ids
             check_prompt(tokens, self.model.config.vocab_size, self.max_model_len)
+            # A migrated request's grammar replays the tokens it already streamed.
+            grammar = self.grammars.matcher(params, msg.output_token_ids)
         except ValueError as exc:
             return Outbox.output(msg.reply_to, TokenOutput(msg.req_id, [], "error", error=str(exc)))
         # A migrated request brings the tokens it already streamed: they are output (finish
         # rules count them) and the prefill covers them, so the next token continues the stream.
         self.requests[msg.req_id] = Request(
             msg.req_id, list(msg.prompt_token_ids), params, self.model.config.eos_token_ids,
-            self.max_model_len, output_token_ids=list(msg.output_token_ids),
+            self.max_model_len, output_token_ids=list(msg.output_token_ids), grammar=grammar,
         )  # fmt: skip
         self.routing[msg.req_id] = RequestRoute(
             msg.reply_to, msg.token_engine, msg.token_kv_endpoint, tuple(msg.shards),
@@ -146,11 +151,17 @@ class Engine:
         if msg.shards and kv_endpoints(msg.shards) != kv_endpoints(self.shards):
             # Placed while this engine's group was whole; a shard has left since.
             return self._refuse_handoff(msg, "its shard group changed")
+        output_token_ids = msg.token_ids[msg.num_prompt_tokens :]
+        params = SamplingParams.from_spec(msg.sampling)
+        try:  # the prompt engine's grammar state, rebuilt from the tokens it sampled
+            grammar = self.grammars.matcher(params, output_token_ids)
+        except ValueError as exc:  # the request's fault: re-running it elsewhere would not help
+            self.kv_ingress.free(msg.req_id)
+            return self._refuse_handoff(msg, str(exc), retryable=False)
         self.requests[msg.req_id] = Request(
-            msg.req_id, msg.token_ids[: msg.num_prompt_tokens],
-            SamplingParams.from_spec(msg.sampling), self.model.config.eos_token_ids,
-            self.max_model_len,
-            output_token_ids=msg.token_ids[msg.num_prompt_tokens :],
+            msg.req_id, msg.token_ids[: msg.num_prompt_tokens], params,
+            self.model.config.eos_token_ids, self.max_model_len,
+            output_token_ids=output_token_ids, grammar=grammar,
         )  # fmt: skip
         self.routing[msg.req_id] = RequestRoute(
             msg.reply_to, shards=tuple(msg.shards), num_prompt_tokens=msg.num_prompt_tokens
@@ -219,11 +230,14 @@ class Engine:
         """A hand-off its token engine would not take (gone, or not reading)."""
         return self._refuse_handoff(handoff, "its token engine is unreachable")
 
-    def _refuse_handoff(self, handoff: DecodeHandoff, why: str) -> Outbox:
+    def _refuse_handoff(self, handoff: DecodeHandoff, why: str, retryable: bool = True) -> Outbox:
         """A hand-off that will not decode here: the router re-runs the request (a retryable
-        error), and its shards' KV is freed (a local-KV engine's lease frees its own)."""
-        error = TokenOutput(handoff.req_id, [], "error", handoff.num_prompt_tokens,
-                            error=f"engine {self.engine_id}: {why}", retryable=True)  # fmt: skip
+        error, unless the request itself is at fault), and its shards' KV is freed (a local-KV
+        engine's lease frees its own)."""
+        error = TokenOutput(
+            handoff.req_id, [], "error", handoff.num_prompt_tokens,
+            error=f"engine {self.engine_id}: {why}", retryable=retryable,
+        )  # fmt: skip
         return Outbox.output(handoff.reply_to, error) + Outbox.free(
             handoff.req_id, kv_endpoints(handoff.shards)
         )
@@ -367,6 +381,7 @@ class Engine:
         sampled = self.sampler.sample(
             logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs],
             [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+            grammars=[r.grammar for r in reqs],
         )  # fmt: skip
         return sampled.rows(self.runner.prompt_logprobs(plan, prompt_top) if keep_hidden else [])
 

@@ -38,6 +38,7 @@ from common.sampling import (
 )
 from services.router.chat_options import ChatTemplateFields
 from services.router.logprobs_format import ChatLogprobs, CompletionLogprobs
+from services.router.structured_fields import StructuredOutputFields
 
 log = structlog.get_logger(__name__)
 
@@ -122,8 +123,9 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class SamplingFields(_Request):
-    """Parameters shared by completions and chat; the vLLM extras (`top_k`, `ignore_eos`, ...) too.
+class SamplingFields(_Request, StructuredOutputFields):
+    """Parameters shared by completions and chat; the vLLM extras (`top_k`, `ignore_eos`, ...) too,
+    and structured outputs (`response_format`, `guided_*`: `structured_fields.py`).
 
     Ranges are checked here so the error names the field; `SamplingParams` re-checks inside.
     """
@@ -197,6 +199,7 @@ class SamplingFields(_Request):
                 logit_bias=tuple(sorted((int(t), b) for t, b in (self.logit_bias or {}).items())),
                 logprobs=self.logprobs_wanted()[0],
                 prompt_logprobs=self.logprobs_wanted()[1],
+                structured_output=self.structured_output(),
             )
         except ValueError as exc:
             match = re.search(r"parameter (\w+)", str(exc))

@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import hmac
 import inspect
+import re
 import time
 import uuid
 from pathlib import Path
@@ -315,7 +316,8 @@ class Router:
     ) -> _Job:
         """Admit the request's choices (each an engine request) and wait for each one's first
         output, so refusals get a real status."""
-        params = request.sampling_params(max_tokens)
+        # Off the event loop: a structured-output request's grammar is built to validate it.
+        params = await asyncio.to_thread(request.sampling_params, max_tokens)
         try:
             params.check_vocab(self.model_config.vocab_size)
         except ValueError as exc:
@@ -346,9 +348,10 @@ class Router:
         except Overloaded as exc:
             trace.fail(exc, exc.reason)
             raise APIError(exc.status, str(exc), None, retry_after_s=RETRY_AFTER_S) from exc
-        except ValueError as exc:
+        except ValueError as exc:  # the prompt, or a spec the engine could not compile
             trace.fail(exc, "invalid_prompt")
-            raise APIError(400, str(exc), "prompt") from exc
+            named = re.search(r"invalid sampling parameter (\w+)", str(exc))
+            raise APIError(400, str(exc), named.group(1) if named else "prompt") from exc
         except BaseException as exc:
             trace.fail(exc, "generation")
             raise

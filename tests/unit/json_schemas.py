@@ -1,6 +1,10 @@
-"""Twenty JSON schemas for the structured-output tests: the shapes clients ask for."""
+"""Twenty JSON schemas for the structured-output tests: the shapes clients ask for, and the
+`logit_bias` that makes a random model's output under them end."""
 
+from collections.abc import Iterable
 from typing import Any
+
+from common.tokenizer import Tokenizer
 
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
@@ -163,3 +167,19 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         ]
     },
 }
+
+
+def json_ending_bias(tokenizer: Tokenizer, eos_token_ids: Iterable[int]) -> dict[int, float]:
+    """A `logit_bias` (a real API parameter) that makes a random model's JSON end: a random model
+    otherwise wanders inside strings and numbers, or nests, for thousands of tokens. Strongest on
+    tokens that close a string (inside one, `,` and `}` are text), then on punctuation that closes
+    or separates, then on punctuation that opens; EOS as strong as a quote."""
+    closing, opening = set('"}],:'), set("{[")
+    bias: dict[int, float] = {}
+    for token_id in range(tokenizer.vocab_size):
+        text = tokenizer.decode([token_id])
+        if text and set(text) <= closing:
+            bias[token_id] = 100.0 if text.startswith('"') else 60.0
+        elif text and set(text) <= closing | opening:
+            bias[token_id] = 20.0
+    return bias | {token_id: 100.0 for token_id in eos_token_ids}

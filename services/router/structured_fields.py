@@ -1,0 +1,58 @@
+"""The structured-output request fields, shared by `/v1/completions` and `/v1/chat/completions`.
+
+OpenAI's `response_format` and vLLM's `guided_json`, `guided_regex` and `guided_choice`
+(docs/structured_outputs.md). Their shapes and sizes are bounded here, for the OpenAPI schema
+(and the fuzzer that generates from it); what they mean is checked by
+`common.structured.parse_structured_output`, which turns them into the one spec the engines
+compile (a ValueError naming the field, which the caller makes a 400).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.structured import parse_structured_output
+from common.structured.spec import MAX_CHOICES, MAX_SPEC_CHARS
+
+MAX_REGEX_CHARS = 4096  # a regex compiles to an automaton per engine: kept small
+MAX_CHOICE_CHARS = 1024  # per choice (up to MAX_CHOICES of them)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`; `json_schema` holds `name`, `schema`, `strict` and
+    `description`, checked by the spec parser (a 400 naming `response_format`)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputFields(BaseModel):
+    """At most one of these per request; none means free text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | Annotated[str, Field(max_length=MAX_SPEC_CHARS)] | None = None
+    guided_regex: Annotated[str, Field(min_length=1, max_length=MAX_REGEX_CHARS)] | None = None
+    guided_choice: (
+        Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
+            Field(min_length=1, max_length=MAX_CHOICES),
+        ]
+        | None
+    ) = None
+
+    def structured_output(self) -> str | None:
+        """The canonical spec for the engines, or None for free text. Raises ValueError
+        ("invalid sampling parameter <field>: ...") for a malformed or unenforceable request."""
+        response_format = (
+            None if self.response_format is None
+            else self.response_format.model_dump(exclude_none=True)
+        )  # fmt: skip
+        return parse_structured_output(
+            response_format, self.guided_json, self.guided_regex, self.guided_choice
+        )
