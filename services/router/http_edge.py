@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.router.openai_api import APIError, error_body
+from services.router.api_errors import APIError, error_body
 
 
 class BodyLimit:

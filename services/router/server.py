@@ -37,12 +37,17 @@ from common.config import ModelConfig
 from common.engine.request import check_prompt
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
+from services.router.api_errors import (
+    APIError,
+    error_body,
+    error_responses,
+    install_error_handlers,
+)
 from services.router.choices import Outputs, best, choice_params, collect_all, merge, start_all
 from services.router.engine_client import EngineClient
 from services.router.http_edge import ArrivalStamp, BodyLimit, check_unicode, without_422
 from services.router.logprobs_format import LogprobsFormatter
 from services.router.openai_api import (
-    APIError,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -50,9 +55,6 @@ from services.router.openai_api import (
     ModelCard,
     ModelList,
     SamplingFields,
-    error_body,
-    error_responses,
-    install_error_handlers,
 )
 from services.router.responses import ChatShapes, CompletionShapes
 from services.router.sse import prepend, sse_response

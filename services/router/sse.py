@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from common.engine.request import RequestOutput
-from services.router.openai_api import error_body
+from services.router.api_errors import error_body
 
 log = structlog.get_logger(__name__)
 

@@ -19,9 +19,10 @@ from pydantic import BaseModel, Field
 
 from common.chat_template import ChatTemplateError
 from common.tokenizer import Tokenizer
+from services.router.api_errors import APIError
 from services.router.chat_options import ChatTemplateFields
 from services.router.http_edge import check_unicode
-from services.router.openai_api import APIError, ChatMessage, TokenId, _Request
+from services.router.openai_api import ChatMessage, TokenId, _Request
 
 
 class TokenizeCompletionRequest(_Request):

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from common.protocol import EngineCommand, GenerateRequest
 from common.sampling import Sampler, SamplingParams
-from services.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
+from services.router.api_errors import APIError
+from services.router.openai_api import ChatCompletionRequest, CompletionRequest
 
 edge_ints = st.one_of(
     st.integers(-3, 40), st.sampled_from([2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63)])
