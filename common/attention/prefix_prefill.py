@@ -63,3 +63,32 @@ def prefix_prefill_attention(
             out[begin:end] = o.transpose(0, 1)  # [L, Hq, D]
         begin = end
     return out
+
+
+def with_cached_prefixes(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    seq_lens: list[int],
+    starts: list[int],
+    block_tables: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """This step's k/v [T, Hkv, D] widened to each sequence's whole context (its cached prefix
+    read back from the cache), with the new per-sequence lengths: what a prompt engine ships, since
+    the receiver holds none of the prefix. Unchanged when nothing was cached."""
+    if not any(starts):
+        return k, v, seq_lens
+    ks, vs = [], []
+    begin = 0
+    for i, (seq_len, start) in enumerate(zip(seq_lens, starts, strict=True)):
+        if start:
+            k_ctx, v_ctx = gather_context(key_cache, value_cache, block_tables[i], start + seq_len)
+            ks.append(k_ctx.to(k.dtype))
+            vs.append(v_ctx.to(v.dtype))
+        else:
+            ks.append(k[begin : begin + seq_len])
+            vs.append(v[begin : begin + seq_len])
+        begin += seq_len
+    lens = [s + n for s, n in zip(starts, seq_lens, strict=True)]
+    return torch.cat(ks), torch.cat(vs), lens
