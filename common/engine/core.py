@@ -104,7 +104,8 @@ class LLMEngine:
             self.max_model_len,
         )
         # Prompt logprobs need every prompt position's logits: such a prompt computes them all.
-        reusable = None if self.requests[req_id].prompt_logprobs_wanted else list(prompt_token_ids)
+        wants_all = self.requests[req_id].prompt_logprobs_wanted is not None
+        reusable = None if wants_all else list(prompt_token_ids)
         self.scheduler.add(Sequence(req_id, len(prompt_token_ids), token_ids=reusable))
 
     def abort(self, req_id: str) -> bool:

@@ -138,7 +138,8 @@ class Engine:
         )  # fmt: skip
         self.telemetry.on_prompt(msg.req_id, msg.traceparent)
         # Its tokens, to reuse a cached prefix; not when it wants every prompt position's logprobs.
-        reusable = None if self.requests[msg.req_id].prompt_logprobs_wanted else tokens
+        wants_all = self.requests[msg.req_id].prompt_logprobs_wanted is not None
+        reusable = None if wants_all else tokens
         seq = Sequence(msg.req_id, len(tokens), token_ids=reusable)
         decode_here = msg.token_engine == self.role.command_endpoint and not msg.shards
         (self.local if decode_here else self.ship_queue).add(seq)
