@@ -138,6 +138,8 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int = 1024
+    # Reuse the K/V of full blocks of earlier prompts' shared prefixes (docs/prefix_caching.md).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -171,6 +171,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     kv_blocks_total: int
     num_requests: int
     kv_events: list[KvEvent] = []
+    # Prompt tokens prefilled here, and those found in the prefix cache instead (since start).
+    num_prefill_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
 
 ServiceReply = TokenOutput | EngineStats

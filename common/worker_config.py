@@ -36,6 +36,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # dropped before anything it sent is read (common/transport/ucx_handshake.py, zmq_auth.py).
     mesh_key: str
     shard_reply_timeout_s: float = 30.0  # token engines: a shard link that stays silent this long
+    enable_prefix_caching: bool = True  # prompt and mixed engines (docs/prefix_caching.md)
 
     @property
     def curve_keys(self) -> CurveKeys:

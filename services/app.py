@@ -69,6 +69,7 @@ class EngineArgs(_Args):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True  # docs/prefix_caching.md
 
 
 class MeshArgs(_Args):
@@ -83,6 +84,7 @@ class MeshArgs(_Args):
     layer_wise_min_tokens: int = Field(default=256, ge=1)
     attention_backend: str = "auto"
     num_threads: int = Field(default=1, ge=1)  # torch threads per replica
+    enable_prefix_caching: bool = True  # prompt and mixed engines; docs/prefix_caching.md
     host: str | None = None  # where sockets bind; None: this node's IP as Ray knows it
     shard_wait_s: float = Field(default=60.0, ge=0)  # a token engine waits this long for shards
     drain_s: float = Field(default=20.0, ge=0)  # an engine finishes its requests this long
@@ -136,6 +138,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
             max_num_batched_tokens=e.max_num_batched_tokens,
             max_num_seqs=e.max_num_seqs,
             attention_backend=e.attention_backend,
+            enable_prefix_caching=e.enable_prefix_caching,
         )
         return InProcessEngineClient(engine)
     registry = RayRegistry.for_app(serve.get_replica_context().app_name)
@@ -161,7 +164,8 @@ def _worker_config(args: AppArgs) -> WorkerConfig:
         max_num_batched_tokens=m.max_num_batched_tokens, max_num_seqs=m.max_num_seqs,
         layer_wise_min_tokens=m.layer_wise_min_tokens, attention_backend=m.attention_backend,
         num_threads=m.num_threads, shard_num_blocks=m.shard_num_blocks,
-        served_model_name=args.model_name(), mesh_key=m.key or "",
+        enable_prefix_caching=m.enable_prefix_caching, served_model_name=args.model_name(),
+        mesh_key=m.key or "",
     )  # fmt: skip
 
 

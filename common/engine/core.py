@@ -37,7 +37,10 @@ class LLMEngine:
         folder = Path(config.model_path)
         self.tokenizer = Tokenizer(folder) if with_tokenizer else None
         c = config.cache
-        self.blocks = BlockManager(c.num_blocks, c.block_size)
+        # Token ids are the model's: the cache namespace is the model's folder name.
+        self.blocks = BlockManager(
+            c.num_blocks, c.block_size, c.enable_prefix_caching, cache_namespace=folder.name
+        )
         mc = self.model_config
         kv = KVCache(
             mc.num_hidden_layers,
@@ -69,11 +72,12 @@ class LLMEngine:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 64,
         attention_backend: str = "auto",
+        enable_prefix_caching: bool = True,
     ) -> LLMEngine:
         return cls(
             EngineConfig(
                 model_path=str(model_path),
-                cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                cache=CacheConfig(block_size, num_blocks, enable_prefix_caching),
                 scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
                 attention_backend=attention_backend,
             )
@@ -105,7 +109,10 @@ class LLMEngine:
             self.max_model_len,
             grammar=self.grammars.matcher(params),
         )
-        self.scheduler.add(Sequence(req_id, len(prompt_token_ids)))
+        # Prompt logprobs need every prompt position's logits: such a prompt computes them all.
+        wants_all = self.requests[req_id].prompt_logprobs_wanted is not None
+        reusable = None if wants_all else list(prompt_token_ids)
+        self.scheduler.add(Sequence(req_id, len(prompt_token_ids), token_ids=reusable))
 
     def abort(self, req_id: str) -> bool:
         """Drop a request and free its KV; False if it was unknown or already finished."""

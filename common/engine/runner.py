@@ -6,16 +6,17 @@ swaps in a shard round trip (services/engine/engine.py) without touching the res
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from common.attention import AttentionBackend
+from common.attention.prefix_prefill import prefix_prefill_attention
 from common.block_manager import BlockManager
 from common.kv_cache import KVCache
 from common.logprobs import token_logprobs
-from common.model.llama import LlamaForCausalLM, causal_attention
+from common.model.llama import LlamaForCausalLM
 from common.protocol import TokenLogprobs
 from common.scheduling.batching import Batch, Phase
 
@@ -33,6 +34,8 @@ class StepInputs:
     block_tables: torch.Tensor  # decode: [N, max_blocks] int32
     context_lens: torch.Tensor  # decode: [N] int32, including the input token
     last_token_index: torch.Tensor  # [N] row of each sequence's last token in [T]
+    # Prefill: tokens already cached before each sequence's new ones (empty: none anywhere).
+    prefix_lens: list[int] = field(default_factory=list)
 
     def fields(self) -> dict[str, Any]:
         """This step's fields by name, to build a richer plan from them (`StepPlan`)."""
@@ -88,6 +91,7 @@ class ModelRunner(Generic[Inputs]):
             block_tables=pad_block_tables([self.blocks.block_table(r) for r in req_ids]),
             context_lens=torch.tensor([b for _, b in spans], dtype=torch.int32),
             last_token_index=torch.tensor(seq_lens).cumsum(0) - 1,
+            prefix_lens=[a for a, _ in spans] if batch.phase is Phase.PREFILL else [],
         )
 
     @torch.inference_mode()
@@ -132,8 +136,11 @@ class ModelRunner(Generic[Inputs]):
         """Store this step's k/v in the local cache and attend over it."""
         self.kv_cache.write(layer, k, v, inputs.slot_mapping)
         if inputs.phase is Phase.PREFILL:
-            # Fresh prompts (or recomputes) only: their whole context is in q/k/v already.
-            return causal_attention(q, k, v, inputs.seq_lens, self.model.scale)
+            # Fresh prompts' whole context is in q/k/v; a cached prefix's is in the cache only.
+            return prefix_prefill_attention(
+                q, k, v, self.kv_cache.key[layer], self.kv_cache.value[layer], inputs.seq_lens,
+                inputs.prefix_lens, inputs.block_tables, self.model.scale,
+            )  # fmt: skip
         out, _ = self.backend.decode(
             q,
             self.kv_cache.key[layer],

@@ -34,6 +34,9 @@ class Sequence:
     num_tokens: int  # prompt plus generated so far
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
+    # Its tokens when known (the prompt): with prefix caching, the prefill starts after the
+    # longest cached prefix of them (docs/prefix_caching.md). None: never looked up or cached.
+    token_ids: list[int] | None = None
 
 
 @dataclass
@@ -115,6 +118,7 @@ class BatchScheduler:
         """After a step: every scheduled sequence computed its input and gained one token."""
         for seq in batch.seqs:
             seq.num_computed = seq.num_tokens
+            self.blocks.mark_computed(seq.req_id, seq.num_computed)
             seq.num_tokens += 1
         for req_id in finished:
             self.remove(req_id)
@@ -126,13 +130,15 @@ class BatchScheduler:
             seq = self.waiting[0]
             if seqs and seq.num_tokens > budget:
                 break  # FCFS: no skipping ahead of a prompt that does not fit this batch
-            # Room for the prompt and the first decoded token.
-            if not self.blocks.can_grow(seq.req_id, seq.num_tokens + 1):
+            # Room for the prompt and the first decoded token, less any cached prefix it reuses.
+            if not self.blocks.can_allocate(seq.num_tokens + 1, seq.token_ids):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq.req_id, seq.num_tokens)
+            self.blocks.allocate(seq.req_id, seq.num_tokens, seq.token_ids)
+            # The cached prefix is computed already: the prefill covers the rest only.
+            seq.num_computed = self.blocks.num_cached_tokens(seq.req_id)
             seqs.append(seq)
-            budget -= seq.num_tokens
+            budget -= seq.num_tokens - seq.num_computed
         if self.runs_decode:
             self.running.extend(seqs)
         return Batch(Phase.PREFILL, seqs)

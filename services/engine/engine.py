@@ -86,7 +86,9 @@ class Engine:
         self.model = load_model(config.model_path, config.dtype)
         mc = self.model.config
         c = config.cache
-        self.blocks = BlockManager(c.num_blocks, c.block_size)
+        self.blocks = BlockManager(
+            c.num_blocks, c.block_size, c.enable_prefix_caching, Path(config.model_path).name
+        )
         kv = KVCache(
             mc.num_hidden_layers, c.num_blocks, c.block_size, mc.num_key_value_heads,
             mc.head_dim, getattr(torch, mc.dtype),
@@ -114,6 +116,7 @@ class Engine:
         self.steps = itertools.count()
         self.max_model_len = mc.max_position_embeddings
         self.kv_events: deque[KvEvent] = deque(maxlen=256)
+        self.num_prefill_tokens = 0  # computed, i.e. not found in the prefix cache
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -139,7 +142,10 @@ class Engine:
             len(msg.prompt_token_ids),
         )  # fmt: skip
         self.telemetry.on_prompt(msg.req_id, msg.traceparent)
-        seq = Sequence(msg.req_id, len(msg.prompt_token_ids) + len(msg.output_token_ids))
+        # Its tokens, to reuse a cached prefix; not when it wants every prompt position's logprobs.
+        wants_all = self.requests[msg.req_id].prompt_logprobs_wanted is not None
+        reusable = None if wants_all else tokens
+        seq = Sequence(msg.req_id, len(tokens), token_ids=reusable)
         decode_here = msg.token_engine == self.role.command_endpoint and not msg.shards
         (self.local if decode_here else self.ship_queue).add(seq)
         return Outbox()
@@ -317,6 +323,7 @@ class Engine:
             routes.append(KvRoute(seq.req_id, dests, layer_wise, reserve))
         shipper = KvShipper(routes, len(self.runner.model.layers), self.kv_send)
         start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
+        self.num_prefill_tokens += batch.num_tokens
         sampled = self._forward(
             batch, self.runner.plan_prefill(batch, self._token_ids(batch), shipper)
         )
@@ -338,11 +345,13 @@ class Engine:
             else:  # finished at its first token: free the KV it just shipped
                 endpoints = [s.kv_endpoint for s in route.shards] or [route.token_kv_endpoint]
                 out += Outbox.free(seq.req_id, endpoints)
+            self.blocks.mark_computed(seq.req_id, seq.num_tokens)  # its prefix stays cached
             self.ship_queue.remove(seq.req_id)
         return out
 
     def _run_local(self, batch: Batch) -> Outbox:
         start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
+        self.num_prefill_tokens += batch.num_tokens
         sampled = self._forward(batch, self.runner.plan_prefill(batch, self._token_ids(batch)))
         self.telemetry.prefill_done(batch.seqs, start_ns, time.time_ns())
         out = self._finish_step(batch, sampled)
@@ -460,7 +469,8 @@ class Engine:
         used = self.blocks.num_used_blocks + self.admission.shard_blocks.num_used_blocks
         return EngineStats(
             self.engine_id, self.role.name, used, self.blocks.num_blocks, len(self.requests),
-            [*self.kv_ingress.events, *self.kv_events],
+            [*self.kv_ingress.events, *self.kv_events], self.num_prefill_tokens,
+            self.blocks.num_hit_tokens,
         )  # fmt: skip
 
     def load_report(self, now: float) -> LoadReport:

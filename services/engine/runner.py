@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from common.attention.prefix_prefill import with_cached_prefixes
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
 from common.protocol import AttendBatch, KvPages, ShardAddress
 from common.scheduling.batching import Batch, Phase, Sequence
@@ -77,9 +78,10 @@ class KvShipper:
         self.send = send
         self.last_layer_done_at = 0.0
 
-    def on_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, inputs: StepInputs) -> None:
+    def on_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> None:
+        """One layer's k/v [T, Hkv, D] of the batch's whole prompts, `seq_lens` tokens each."""
         start = 0
-        for route, seq_len in zip(self.routes, inputs.seq_lens, strict=True):
+        for route, seq_len in zip(self.routes, seq_lens, strict=True):
             ks, vs = k[start : start + seq_len], v[start : start + seq_len]  # [L, Hkv, D]
             start += seq_len
             if route.layer_wise:
@@ -206,7 +208,12 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         if inputs.phase is Phase.PREFILL:
             out = super().attend(layer, q, k, v, inputs)
             if inputs.kv_shipper is not None:
-                inputs.kv_shipper.on_layer(layer, k, v, inputs)
+                # The receiver needs the whole prompt's KV, cached prefix included.
+                k_all, v_all, lens = with_cached_prefixes(
+                    k, v, self.kv_cache.key[layer], self.kv_cache.value[layer], inputs.seq_lens,
+                    inputs.prefix_lens, inputs.block_tables,
+                )  # fmt: skip
+                inputs.kv_shipper.on_layer(layer, k_all, v_all, lens)
             return out
         if inputs.sharded is None:
             return super().attend(layer, q, k, v, inputs)

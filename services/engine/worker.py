@@ -236,7 +236,7 @@ class EngineWorker:
 def _engine_config(cfg: WorkerConfig) -> EngineConfig:
     return EngineConfig(
         model_path=cfg.model_path,
-        cache=CacheConfig(cfg.block_size, cfg.num_blocks),
+        cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_caching),
         scheduler=SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs),
         attention_backend=cfg.attention_backend,
     )
