@@ -152,6 +152,37 @@ class TokenOutput(_Msg, tag="tokens"):
     prompt_logprobs: list[TokenLogprobs] = []
 
 
+class TokenBatch(_Msg, tag="token_batch"):
+    """One engine step's plain outputs for one router: one token each, as parallel arrays (one
+    message and one decode per step, not one per token per request). Entry `i` means
+    `TokenOutput(req_ids[i], [token_ids[i]], finish_reasons[i], num_prompt_tokens[i],
+    index=indexes[i])`; what else an output may carry (an error, logprobs, several tokens)
+    travels as its own `TokenOutput`. Arrays of different lengths fail decoding: the batch is
+    dropped whole (and logged) by the receiving socket."""
+
+    req_ids: list[str]
+    token_ids: list[int]
+    indexes: list[int]
+    finish_reasons: list[str]
+    num_prompt_tokens: list[int]
+
+    def __post_init__(self) -> None:
+        num = len(self.req_ids)
+        lengths = (len(self.token_ids), len(self.indexes), len(self.finish_reasons),
+                   len(self.num_prompt_tokens))  # fmt: skip
+        if any(n != num for n in lengths):
+            raise ValueError(f"token batch arrays differ in length: {num}, {lengths}")
+
+    def outputs(self) -> list[TokenOutput]:
+        return [
+            TokenOutput(req_id, [token], reason, num_prompt, index=index)
+            for req_id, token, index, reason, num_prompt in zip(
+                self.req_ids, self.token_ids, self.indexes, self.finish_reasons,
+                self.num_prompt_tokens, strict=True,
+            )
+        ]  # fmt: skip
+
+
 class KvEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """When KV of a request moved: `received` (layer_start landed) or `prefilled` (its last
     layer was computed). Services keep the most recent ones, for tests and benchmarks."""
@@ -176,7 +207,7 @@ class EngineStats(_Msg, tag="engine_stats"):
     num_prefix_hit_tokens: int = 0
 
 
-ServiceReply = TokenOutput | EngineStats
+ServiceReply = TokenOutput | TokenBatch | EngineStats
 
 
 # -- engines -> routers (load reports, PUB/SUB) ----------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from common.protocol import DecodeHandoff, FreeRequest, TokenOutput
+from common.protocol import DecodeHandoff, FreeRequest, TokenBatch, TokenOutput
 
 
 @dataclass
@@ -31,6 +31,26 @@ class Outbox:
     def free(cls, req_id: str, kv_endpoints: Iterable[str]) -> Outbox:
         return cls(frees=[(endpoint, FreeRequest(req_id)) for endpoint in kv_endpoints])
 
+    def wire_outputs(self) -> list[tuple[str, TokenOutput | TokenBatch]]:
+        """`outputs` as they go on the wire: each router's plain ones (one token, no error, no
+        logprobs) in one `TokenBatch`, sent where the first of them was; the rest as they are."""
+        wire: list[tuple[str, TokenOutput | TokenBatch]] = []
+        batches: dict[str, TokenBatch] = {}
+        for endpoint, out in self.outputs:
+            if not _plain(out):
+                wire.append((endpoint, out))
+                continue
+            batch = batches.get(endpoint)
+            if batch is None:
+                batch = batches[endpoint] = TokenBatch([], [], [], [], [])
+                wire.append((endpoint, batch))
+            batch.req_ids.append(out.req_id)
+            batch.token_ids.append(out.token_ids[0])
+            batch.indexes.append(out.index)
+            batch.finish_reasons.append(out.finish_reason)
+            batch.num_prompt_tokens.append(out.num_prompt_tokens)
+        return wire
+
     def __iadd__(self, other: Outbox) -> Outbox:
         self.outputs += other.outputs
         self.handoffs += other.handoffs
@@ -44,6 +64,13 @@ class Outbox:
 
     def __bool__(self) -> bool:
         return bool(self.outputs or self.handoffs or self.frees)
+
+
+def _plain(out: TokenOutput) -> bool:
+    return (
+        len(out.token_ids) == 1 and not out.error and not out.logprobs
+        and not out.prompt_logprobs and not out.retryable
+    )  # fmt: skip
 
 
 __all__ = ["Outbox"]

@@ -31,6 +31,7 @@ from common.protocol import (
     ShardLinkMessage,
     Shutdown,
     StatsRequest,
+    TokenBatch,
 )
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
@@ -193,9 +194,10 @@ class EngineWorker:
         engine's hand-off goes back to the router as a retryable error, and a free is left to
         the shard's lease."""
         fallout = Outbox()
-        for endpoint, output in outbox.outputs:
+        for endpoint, output in outbox.wire_outputs():
             if not self._delivered(endpoint, output):
-                fallout += self.engine.on_abort(output.req_id)
+                for req_id in output.req_ids if isinstance(output, TokenBatch) else [output.req_id]:
+                    fallout += self.engine.on_abort(req_id)
         for endpoint, handoff in outbox.handoffs:
             if not self._delivered(endpoint, handoff):
                 fallout += self.engine.undelivered_handoff(handoff)

@@ -11,7 +11,14 @@ import time
 
 import zmq
 
-from common.protocol import AbortRequest, GenerateRequest, SamplingSpec, ServiceReply, TokenOutput
+from common.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    SamplingSpec,
+    ServiceReply,
+    TokenBatch,
+    TokenOutput,
+)
 from common.token_stream import TokenStreamOrderer
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from services.launch.local_mesh import LocalMesh
@@ -56,8 +63,9 @@ class MeshTestClient:
         deadline = time.monotonic() + timeout
         while not self.orderer.ready:
             item = self.replies.recv_nowait()
-            if item is not None and isinstance(item[1], TokenOutput):
-                self.orderer.push(item[1])
+            if item is not None and isinstance(item[1], TokenOutput | TokenBatch):
+                for out in item[1].outputs() if isinstance(item[1], TokenBatch) else [item[1]]:
+                    self.orderer.push(out)
                 continue
             left = deadline - time.monotonic()
             if left <= 0 or not self.replies.sock.poll(int(left * 1000)):

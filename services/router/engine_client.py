@@ -23,7 +23,8 @@ import structlog
 from common.engine.core import LLMEngine
 from common.engine.request import RequestOutput
 from common.sampling import SamplingParams
-from services.router.streams import AdmissionLimits, Stream, StreamTable
+from services.router.coalesce import coalesce
+from services.router.streams import AdmissionLimits, Stream, StreamTable, next_items
 
 log = structlog.get_logger(__name__)
 
@@ -117,11 +118,14 @@ class InProcessEngineClient:
         finished = False
         try:
             while not finished:
-                item = await stream.outputs.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
+                items = await next_items(stream.outputs)
+                outputs = [i for i in items if not isinstance(i, Exception)]
+                if outputs:  # NOTE: nothing follows a finished output or an exception
+                    out = coalesce(outputs)
+                    finished = out.finished
+                    yield out
+                if len(outputs) < len(items):
+                    raise next(i for i in items if isinstance(i, Exception))
         finally:
             if not finished:
                 log.info("request aborted before it finished", req_id=req_id)
@@ -200,8 +204,10 @@ class InProcessEngineClient:
             log.exception("engine step failed; aborting its requests")
             self._fail_all(exc)
             return True
-        for out in outputs:
-            self._deliver(out.req_id, RuntimeError(out.error) if out.error else out)
+        self.streams.deliver_many([
+            (out.req_id, RuntimeError(out.error) if out.error else out, not out.error)
+            for out in outputs
+        ])  # fmt: skip
         return bool(outputs)
 
     def _fail_all(self, exc: Exception) -> None:

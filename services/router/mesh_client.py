@@ -44,10 +44,17 @@ from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler, NoEngines
+from services.router.coalesce import coalesce
 from services.router.engine_client import EngineClientStats
 from services.router.mesh_inbox import MeshInbox
 from services.router.migration import MigrationBook
-from services.router.streams import AdmissionLimits, Stream, StreamTable, Unavailable
+from services.router.streams import (
+    AdmissionLimits,
+    Stream,
+    StreamTable,
+    Unavailable,
+    next_items,
+)
 from services.router.token_text import StreamedText
 
 log = structlog.get_logger(__name__)
@@ -118,7 +125,7 @@ class MeshEngineClient:
         self.inbox = MeshInbox(
             self.ctx,
             host,
-            lambda out: self._deliver(out.req_id, out),
+            self._deliver_outputs,
             self.scheduler.on_load,
             auth=auth,
         )
@@ -144,25 +151,32 @@ class MeshEngineClient:
         engine_done = finished = False
         try:
             while not finished:
-                item = await stream.outputs.get()
-                if isinstance(item, EngineLost) or (
-                    isinstance(item, TokenOutput) and item.error and item.retryable
-                ):
-                    # One loss can be told twice (the engine's error, then its registry entry
-                    # leaving): only a loss of the current attempt migrates.
-                    lost_id = item.wire_id if isinstance(item, EngineLost) else item.req_id
-                    if lost_id == self._wire_id(req_id):
-                        reason = item.error if isinstance(item, TokenOutput) else str(item)
-                        await self._migrate(req_id, stream, text.output_token_ids, reason)
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                engine_done = bool(item.finish_reason)
-                for out in text.on_tokens(item):
-                    finished = out.finished
-                    yield out
-                    if finished:
-                        break
+                # Whatever arrived together leaves as one output (one SSE chunk); anything but
+                # tokens (a loss, an error) first sends on the tokens before it.
+                pending: list[RequestOutput] = []
+                for item in await next_items(stream.outputs):
+                    if pending and (isinstance(item, Exception) or item.error):
+                        yield coalesce(pending)
+                        pending = []
+                    if isinstance(item, EngineLost) or (
+                        isinstance(item, TokenOutput) and item.error and item.retryable
+                    ):
+                        # One loss can be told twice (the engine's error, then its registry
+                        # entry leaving): only a loss of the current attempt migrates.
+                        lost_id = item.wire_id if isinstance(item, EngineLost) else item.req_id
+                        if lost_id == self._wire_id(req_id):
+                            reason = item.error if isinstance(item, TokenOutput) else str(item)
+                            await self._migrate(req_id, stream, text.output_token_ids, reason)
+                        continue
+                    if isinstance(item, Exception):
+                        raise item
+                    engine_done = bool(item.finish_reason)
+                    pending += text.on_tokens(item)
+                    if pending and pending[-1].finished:
+                        break  # later tokens (after a stop string) are dropped
+                if pending:
+                    finished = pending[-1].finished
+                    yield coalesce(pending)
         finally:
             if not engine_done:
                 with bind_request(req_id, traceparent=stream.traceparent):
@@ -347,6 +361,21 @@ class MeshEngineClient:
         return stream
 
     # ---- from the inbox thread ----
+
+    def _deliver_outputs(self, outputs: list[TokenOutput]) -> None:
+        """`_deliver` for everything one drain of the inbox made ready: one lock, one wake-up of
+        the event loop."""
+        with self._lock:
+            owners = [self.book.owner(out.req_id) for out in outputs]
+            items = [
+                (ledger.req_id, out, bool(out.token_ids))
+                for ledger, out in zip(owners, outputs, strict=True)
+                if ledger is not None
+            ]
+            streams = self.streams.deliver_many(items)
+            for stream, (_, out, _) in zip(streams, items, strict=True):
+                if stream is not None:
+                    stream.num_attempt_tokens += len(out.token_ids)
 
     def _deliver(self, wire_id: str, item: TokenOutput | Exception) -> None:
         """Hand an output to its request's stream; outputs of a superseded attempt are dropped."""

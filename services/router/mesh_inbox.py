@@ -1,10 +1,11 @@
 """What reaches the router from the mesh: token streams and load reports, on one IO thread.
 
-`MeshInbox` owns the router's PULL socket (every engine pushes `TokenOutput`s to its
-`reply_endpoint`) and a SUB socket connected to every engine's load publisher. Its thread blocks
-in `zmq.Poller.poll`, restores each request's token order (`TokenStreamOrderer`: a request's first
-token comes from its prompt engine, the rest from its token engine, on different connections),
-and hands outputs and load reports to the callbacks it was given.
+`MeshInbox` owns the router's PULL socket (every engine pushes a `TokenBatch` per step, and
+`TokenOutput`s for outputs with more, to its `reply_endpoint`) and a SUB socket connected to
+every engine's load publisher. Its thread blocks in `zmq.Poller.poll`, restores each request's
+token order (`TokenStreamOrderer`: a request's first token comes from its prompt engine, the rest
+from its token engine, on different connections), and hands outputs (all that one drain of the
+socket made ready, in one call) and load reports to the callbacks it was given.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import zmq
 
-from common.protocol import LoadReport, ServiceReply, TokenOutput
+from common.protocol import LoadReport, ServiceReply, TokenBatch, TokenOutput
 from common.token_stream import TokenStreamOrderer
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import TypedSocket, bind_random
@@ -29,13 +30,13 @@ class MeshInbox:
         self,
         ctx: zmq.Context,
         host: str,
-        on_output: Callable[[TokenOutput], None],
+        on_outputs: Callable[[list[TokenOutput]], None],
         on_load: Callable[[LoadReport], None],
         *,
         auth: CurveKeys,
     ) -> None:
         self.ctx = ctx
-        self.on_output = on_output
+        self.on_outputs = on_outputs
         self.on_load = on_load
         self.auth = auth
         pull, self.reply_endpoint = bind_random(ctx, zmq.PULL, host, auth=auth)
@@ -67,10 +68,15 @@ class MeshInbox:
             connected = _resubscribe(sub, connected, self.load_endpoints)
             poller.poll(IO_POLL_MS)
             while (reply := self._replies.recv_nowait()) is not None:
-                if isinstance(reply[1], TokenOutput):
+                if isinstance(reply[1], TokenBatch):
+                    for out in reply[1].outputs():
+                        self.orderer.push(out)
+                elif isinstance(reply[1], TokenOutput):
                     self.orderer.push(reply[1])
-            while self.orderer.ready:
-                self.on_output(self.orderer.ready.popleft())
+            if self.orderer.ready:
+                ready = list(self.orderer.ready)
+                self.orderer.ready.clear()
+                self.on_outputs(ready)
             while (report := loads.recv_nowait()) is not None:
                 self.on_load(report[1])
         sub.close(linger=0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -123,6 +123,29 @@ class StreamTable(Generic[S]):
                 self.num_pending_prompt_tokens -= stream.num_prompt_tokens
         return stream
 
+    def deliver_many(self, items: Sequence[tuple[str, object, bool]]) -> list[S | None]:
+        """`deliver` for one engine step's outputs: `(req_id, item, has_tokens)` each, under one
+        lock, and one wake-up of each event loop for them all (not one per token: each wake-up
+        is a write to the loop's self-pipe and a turn of the loop)."""
+        streams: list[S | None] = []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], object]]] = {}
+        with self.lock:
+            for req_id, item, has_tokens in items:
+                stream = self._streams.get(req_id)
+                streams.append(stream)
+                if stream is None:
+                    continue  # the client went away: the output is dropped
+                if has_tokens and not stream.first_token_out:
+                    stream.first_token_out = True
+                    self.num_pending_prompt_tokens -= stream.num_prompt_tokens
+                by_loop.setdefault(stream.loop, []).append((stream.outputs, item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:
+                pass  # that event loop is closed: nobody is listening
+        return streams
+
     def deliver(self, req_id: str, item: object, has_tokens: bool) -> S | None:
         """Hand an output (or an exception) to a request's coroutine, from any thread; returns
         its stream, or None when it is gone (the client went away: the output is dropped)."""
@@ -138,3 +161,18 @@ class StreamTable(Generic[S]):
         except RuntimeError:
             pass  # the request's event loop is closed: nobody is listening
         return stream
+
+
+def _put_all(puts: list[tuple[asyncio.Queue[Any], object]]) -> None:
+    for outputs, item in puts:
+        outputs.put_nowait(item)
+
+
+async def next_items(outputs: asyncio.Queue[Any]) -> list[Any]:
+    """Every item waiting in a stream's queue (at least one: waits for it). Whatever arrived
+    together is handled together: a router behind its engines writes one SSE chunk for the
+    tokens of several steps, and catches up, instead of one per token."""
+    items = [await outputs.get()]
+    while not outputs.empty():
+        items.append(outputs.get_nowait())
+    return items

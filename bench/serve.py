@@ -1,0 +1,217 @@
+"""The served path against the in-process engine, in one run: what the front end costs.
+
+    python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
+                          [--paths inprocess local mesh]
+
+For each batch size, `batch` requests are sent together (greedy, `ignore_eos`, `--tokens` new
+tokens each, the same prompts on every path) to:
+- `inprocess`: one `LLMEngine` in this process (`bench/engine.py`'s engine, no front end);
+- `local`: `serve run deploy/single.yaml` (`topology: local`: the engine inside the Router
+  replica), over HTTP with the official `openai` streaming client;
+- `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards),
+  over HTTP the same way.
+Served paths report tok/s, TTFT and the gaps between streamed chunks (TBT; a chunk carries every
+token that reached the router together) p50/p90, and the Router replica process's CPU seconds
+(its user+system time before and after each batch) per streamed token and per request. Ratios
+are served / in-process tok/s of the same run. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
+
+from bench.host_cpu import process_cpu_s, process_tree, stop_survivors  # noqa: E402
+from common.engine.core import LLMEngine  # noqa: E402
+from common.model.default import default_model_path  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
+from tests.e2e.serve_process import ServeRun  # noqa: E402
+
+REPEATS = 3
+ROUTER_TITLE = "ServeReplica:phasemesh:Router"
+ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048,
+               "max_num_seqs": 64}  # fmt: skip
+TARGETS = {
+    "local_ratio_batch8_min": 0.85,
+    "local_ratio_batch32_min": 0.85,
+    "mesh_ratio_batch32_small_min": 0.6,
+    "router_cpu_ms_per_token_max": 0.3,
+}
+
+
+def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 65, (batch,), generator=gen).tolist()
+    return [torch.randint(8, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def in_process(preset: str, batches: list[int], tokens: int) -> dict[int, float]:
+    """tok/s of one `LLMEngine` generating each batch (token ids only: no front end), the best
+    of `REPEATS` runs."""
+    engine = LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS)  # type: ignore[arg-type]
+    vocab = model_vocab(preset)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    engine.generate(prompts_for(2, vocab, seed=99), params)  # warm-up
+    result = {}
+    for batch in batches:
+        seconds = []
+        for _ in range(REPEATS):  # the best of a few: a shared machine's noise only slows runs
+            start = time.perf_counter()
+            engine.generate(prompts_for(batch, vocab), params)
+            seconds.append(time.perf_counter() - start)
+        result[batch] = batch * tokens / min(seconds)
+    return result
+
+
+async def one_stream(client: Any, model: str, prompt: list[int], tokens: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    stamps: list[float] = []
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    num_tokens = 0
+    async for chunk in stream:
+        if chunk.usage is not None:
+            num_tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+    if num_tokens != tokens:
+        raise RuntimeError(f"asked {tokens} tokens, got {num_tokens}")
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {"ttft": stamps[0] - start, "gaps": gaps, "chunks": len(stamps)}
+
+
+async def served_batch(url: str, model: str, prompts: list[list[int]], tokens: int) -> dict:
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+        start = time.perf_counter()
+        runs = await asyncio.gather(*(one_stream(client, model, p, tokens) for p in prompts))
+        wall = time.perf_counter() - start
+    ttfts = [r["ttft"] for r in runs]
+    gaps = [g for r in runs for g in r["gaps"]]
+    return {
+        "tok_s": len(prompts) * tokens / wall,
+        "ttft_ms_p50": 1e3 * percentile(ttfts, 0.5), "ttft_ms_p90": 1e3 * percentile(ttfts, 0.9),
+        "tbt_ms_p50": 1e3 * percentile(gaps, 0.5), "tbt_ms_p90": 1e3 * percentile(gaps, 0.9),
+        "chunks_per_request": statistics.mean(r["chunks"] for r in runs),
+    }  # fmt: skip
+
+
+def router_pid(root: int) -> int:
+    for pid in process_tree(root):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if title.startswith("ray::") and ROUTER_TITLE in title:
+            return pid
+    raise RuntimeError("no Router replica process below serve run")
+
+
+def served(config: str, args: dict, preset: str, batches: list[int], tokens: int) -> dict:
+    """Start `serve run <config>`, then run every batch through it with the `openai` client."""
+    vocab = model_vocab(preset)
+    with tempfile.TemporaryDirectory() as workdir:
+        server = ServeRun(REPO / "deploy" / config, Path(workdir), args)
+        started = time.monotonic()
+        try:
+            url = server.start()
+            print(f"  {config}: up in {time.monotonic() - started:.0f} s", flush=True)
+            assert server.pid is not None
+            pid = router_pid(server.pid)
+            asyncio.run(served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens))
+            result = {}
+            for batch in batches:
+                cpu_before = process_cpu_s(pid)
+                figures = asyncio.run(served_batch(url, preset, prompts_for(batch, vocab), tokens))
+                cpu = process_cpu_s(pid) - cpu_before
+                figures["router_cpu_ms_per_token"] = 1e3 * cpu / (batch * tokens)
+                figures["router_cpu_ms_per_request"] = 1e3 * cpu / batch
+                result[batch] = figures
+            return result
+        finally:
+            tree = process_tree(server.pid) if server.pid else set()
+            server.stop()
+            stop_survivors({p for p in tree if Path(f"/proc/{p}").exists()})
+
+
+def model_vocab(preset: str) -> int:
+    config = json.loads((default_model_path(preset) / "config.json").read_text())
+    return int(config["vocab_size"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 64 tokens")
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--paths", nargs="+", default=["inprocess", "local", "mesh"])
+    args = parser.parse_args()
+    batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
+    tokens = args.tokens or (64 if args.quick else 256)
+    print(f"preset {args.preset}, batches {batches}, {tokens} tokens, load {os.getloadavg()}")
+    app_args = {"model": args.preset, "served_model_name": args.preset}
+    results: dict[str, Any] = {"preset": args.preset, "tokens": tokens,
+                               "load_avg_start": os.getloadavg()}  # fmt: skip
+    engine_tok_s = in_process(args.preset, batches, tokens) if "inprocess" in args.paths else {}
+    results["inprocess_tok_s"] = engine_tok_s
+    for path, config, extra in (("local", "single.yaml", {"engine": ENGINE_ARGS}),
+                                ("mesh", "local.yaml", {})):  # fmt: skip
+        if path not in args.paths:
+            continue
+        figures = served(config, app_args | extra, args.preset, batches, tokens)
+        for batch, f in figures.items():
+            if batch in engine_tok_s:
+                f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+            print(f"  {path} batch {batch}: " + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))
+        results[path] = figures
+    results["load_avg_end"] = os.getloadavg()
+    results["targets"] = TARGETS
+    results["targets_met"] = targets_met(results, args.preset)
+    print(json.dumps(results))
+
+
+def targets_met(results: dict[str, Any], preset: str) -> dict[str, bool | None]:
+    def ratio(path: str, batch: int) -> float | None:
+        return results.get(path, {}).get(batch, {}).get("ratio")
+
+    def at_least(value: float | None, bound: float) -> bool | None:
+        return None if value is None else value >= bound
+
+    cpu = [f["router_cpu_ms_per_token"] for p in ("local", "mesh")
+           for f in results.get(p, {}).values()]  # fmt: skip
+    return {
+        "local_ratio_batch8_min": at_least(ratio("local", 8), 0.85),
+        "local_ratio_batch32_min": at_least(ratio("local", 32), 0.85),
+        "mesh_ratio_batch32_small_min": (
+            at_least(ratio("mesh", 32), 0.6) if preset == "small" else None
+        ),
+        "router_cpu_ms_per_token_max": (max(cpu) <= 0.3) if cpu else None,
+    }
+
+
+if __name__ == "__main__":
+    main()
