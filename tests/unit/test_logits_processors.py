@@ -75,7 +75,7 @@ def test_processed_logits_and_greedy_tokens_match_the_reference(
     logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(seed)) * 4
     histories = histories[: len(params)]
     failures: dict[int, Exception] = {}
-    processed = Sampler()._process(logits, params, histories, None, failures)
+    processed = Sampler()._process(logits, params, histories, None, [None] * len(params), failures)
     out = Sampler().sample(logits, params, [len(h[1]) for h in histories], histories)
     assert failures == {} and out.failures == {}
     for row, p in enumerate(params):
@@ -129,7 +129,7 @@ def test_plain_rows_keep_their_tokens_beside_penalised_ones() -> None:
 def test_the_plain_path_does_not_copy_the_logits() -> None:
     logits = torch.randn(4, VOCAB)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1)] * 2
-    assert Sampler()._process(logits, params, None, None, {}) is logits
+    assert Sampler()._process(logits, params, None, None, [None] * len(params), {}) is logits
 
 
 def test_a_row_whose_processor_raises_fails_alone(monkeypatch) -> None:
