@@ -13,7 +13,7 @@ starts with its longest cached prefix of full blocks, shared (reference-counted)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from common.block_hash import BlockHash, block_hashes, namespace_seed
 
@@ -74,6 +74,10 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> Collection[BlockHash]:
+        """The hashes of every cached block, owned or evictable (what KV-aware routing credits)."""
+        return self._cached.keys()
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

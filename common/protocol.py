@@ -227,6 +227,13 @@ class LoadReport(_Msg, tag="load"):
     # A token engine's linked shard group (KV endpoints): it knows of a lost shard before the
     # registry does, and the router places on it with local attention until it is whole again.
     shard_endpoints: list[str] = []
+    # Its prefix cache's news since the last report (`common.kv_events.CacheDigest`): block hashes
+    # stored and evicted, or all it holds when `kv_snapshot`; `kv_seq` numbers the digests so a
+    # router notices one lost on the way (PUB/SUB drops under load) and waits for a snapshot.
+    kv_seq: int = 0
+    kv_snapshot: bool = False
+    kv_added: list[int] = []
+    kv_removed: list[int] = []
 
 
 # -- prompt engine -> shard or token engine (KV pages; header of a tensor message) -----------------

@@ -42,7 +42,7 @@ from common.worker_config import WorkerConfig
 from services.mesh.registry import RayRegistry
 from services.mesh.replica import MeshReplica, base_worker_config, start_engine, start_shard
 from services.router.engine_client import EngineClient, InProcessEngineClient
-from services.router.mesh_client import MAX_MIGRATIONS, MeshEngineClient
+from services.router.mesh_client import MAX_MIGRATIONS, PREFIX_ROUTING_WEIGHT, MeshEngineClient
 from services.router.server import Router
 from services.router.streams import AdmissionLimits
 
@@ -85,6 +85,9 @@ class MeshArgs(_Args):
     attention_backend: str = "auto"
     num_threads: int = Field(default=1, ge=1)  # torch threads per replica
     enable_prefix_caching: bool = True  # prompt and mixed engines; docs/prefix_caching.md
+    # KV-aware routing: a prompt engine's pending tokens less this x the prompt's prefix it
+    # caches; 0: plain JSQ (docs/prefix_caching.md).
+    prefix_routing_weight: float = Field(default=PREFIX_ROUTING_WEIGHT, ge=0)
     host: str | None = None  # where sockets bind; None: this node's IP as Ray knows it
     shard_wait_s: float = Field(default=60.0, ge=0)  # a token engine waits this long for shards
     drain_s: float = Field(default=20.0, ge=0)  # an engine finishes its requests this long
@@ -149,6 +152,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
         host=_bind_host(args.mesh),
         block_size=args.mesh.block_size,
         max_migrations=args.mesh.max_migrations,
+        prefix_routing_weight=args.mesh.prefix_routing_weight,
         metrics=Metrics(model_name=args.model_name(), engine=replica_id),
     )
 

@@ -7,7 +7,10 @@ Pools. Every machine has a *home* pool (prompt, token, or mixed for non-split ba
 current pool. `JSQPoolPolicy` routes each request to a prompt machine and a token machine at once,
 by Join-the-Shortest-Queue on pending tokens. When the best machine's queue would pass a threshold
 it looks in the mixed pool; when that is full too, it borrows the least-loaded machine of the
-opposite pool and moves it into mixed. `rebalance` sends a mixed machine home once no work of the
+opposite pool and moves it into mixed. With a `prefix_weight`, a prompt-capable machine's queue
+is credited with the request's prefix it already caches (KV-aware routing, as Dynamo's and llm-d's
+routers do): its key is pending prompt tokens - weight x cached prefix tokens; weight 0 is plain
+JSQ. `rebalance` sends a mixed machine home once no work of the
 opposite kind is pending on it, and re-purposes (changes the home of) a machine that has stayed
 mixed for long. `RoundRobinPolicy` and `PowerOfTwoPolicy` route within home pools, for comparison.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.roles import Role
 
@@ -42,10 +45,15 @@ class MachineLoad:
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What the router knows about a request at admission."""
+    """What the router knows about a request at admission. `cached_prefix_tokens`: machine id ->
+    tokens of this prompt's prefix that machine caches (as far as its reports tell); absent: 0."""
 
     req_id: int
     prompt_len: int
+    cached_prefix_tokens: Mapping[int, int] = field(default_factory=dict)
+
+    def cached_on(self, machine_id: int) -> int:
+        return self.cached_prefix_tokens.get(machine_id, 0)
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,7 @@ class PoolTable:
         return any(p != Role.MIXED for p in self.home.values())
 
 
-LoadKey = Callable[[MachineLoad], int]
+LoadKey = Callable[[MachineLoad], float]
 
 
 def prompt_load(load: MachineLoad) -> int:
@@ -128,6 +136,13 @@ def total_load(load: MachineLoad) -> int:
     return load.pending_prompt_tokens + load.decode_tokens
 
 
+def prefix_credited(key: LoadKey, request: RouteRequest, weight: float) -> LoadKey:
+    """`key` less `weight` x the request's prefix cached on the machine (KV-aware JSQ)."""
+    if weight == 0 or not request.cached_prefix_tokens:
+        return key
+    return lambda load: key(load) - weight * request.cached_on(load.machine_id)
+
+
 def shortest(ids: Iterable[int], loads: Mapping[int, MachineLoad], key: LoadKey) -> int | None:
     """The id with the least `key(load)`, lowest id on ties; None for no ids."""
     best = min(ids, key=lambda m: (key(loads[m]), m), default=None)
@@ -137,16 +152,25 @@ def shortest(ids: Iterable[int], loads: Mapping[int, MachineLoad], key: LoadKey)
 class JSQPoolPolicy:
     """Splitwise's cluster-level scheduler: JSQ on pending tokens with a mixed pool."""
 
-    def __init__(self, homes: Mapping[int, Role], thresholds: PoolThresholds | None = None) -> None:
+    def __init__(
+        self,
+        homes: Mapping[int, Role],
+        thresholds: PoolThresholds | None = None,
+        prefix_weight: float = 0.0,
+    ) -> None:
+        if prefix_weight < 0:
+            raise ValueError("JSQ: prefix_weight must be >= 0")
         self.pools = PoolTable(homes)
         self.thresholds = thresholds or PoolThresholds()
+        self.prefix_weight = prefix_weight
 
     def route(
         self, request: RouteRequest, loads: Mapping[int, MachineLoad], now: float
     ) -> RouteDecision:
         """Pick the prompt and token machine together; borrow machines into mixed if needed."""
         if not self.pools.is_split:
-            target = shortest(self.pools.members(Role.MIXED), loads, total_load)
+            key = prefix_credited(total_load, request, self.prefix_weight)
+            target = shortest(self.pools.members(Role.MIXED), loads, key)
             assert target is not None
             return RouteDecision(target, target)
         moves: list[PoolMove] = []
@@ -162,7 +186,11 @@ class JSQPoolPolicy:
         now: float,
         moves: list[PoolMove],
     ) -> int:
-        key = prompt_load if kind == Role.PROMPT else decode_load
+        # Only prefill reuses a cache: token machines keep none (their KV arrives shipped).
+        if kind == Role.PROMPT:
+            key = prefix_credited(prompt_load, request, self.prefix_weight)
+        else:
+            key = decode_load
         own = shortest(self.pools.members(kind), loads, key)
         if own is not None and not self._full(kind, loads[own], request):
             return own
@@ -185,8 +213,9 @@ class JSQPoolPolicy:
         return fallback
 
     def _full(self, kind: Role, load: MachineLoad, request: RouteRequest) -> bool:
-        if kind == Role.PROMPT:
-            return load.pending_prompt_tokens + request.prompt_len > self.thresholds.prompt_tokens
+        if kind == Role.PROMPT:  # it computes only the part of the prompt it does not cache
+            new_tokens = request.prompt_len - request.cached_on(load.machine_id)
+            return load.pending_prompt_tokens + new_tokens > self.thresholds.prompt_tokens
         need = request.prompt_len + self.thresholds.min_free_kv_tokens
         return load.decode_tokens > self.thresholds.decode_tokens or load.free_kv_tokens < need
 

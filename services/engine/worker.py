@@ -11,11 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import msgspec
 import structlog
 import torch
 import zmq
 
+from common.block_manager import BlockManager
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.kv_events import CacheDigests
 from common.protocol import (
     AbortRequest,
     DecodeHandoff,
@@ -83,6 +86,7 @@ class EngineWorker:
         self.last_pass = time.monotonic()
         self._last_report = 0.0
         self._unreachable: set[str] = set()  # endpoints already warned about
+        self.digests = CacheDigests()  # its prefix cache's news, on every load report
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -231,8 +235,19 @@ class EngineWorker:
             for endpoint in self.peers.lost(now):
                 self._send(self.engine.lost_reply_to(endpoint))
             report = self.engine.load_report(time.time())
-            self.load_pub.send(report)
+            self.load_pub.send(with_cache_digest(report, self.digests, self.engine.blocks))
             self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)
+
+
+def with_cache_digest(
+    report: LoadReport, digests: CacheDigests, blocks: BlockManager
+) -> LoadReport:
+    """`report` carrying the prefix cache's news since the last one (KV-aware routing)."""
+    digest = digests.next(blocks.cached_hashes())
+    return msgspec.structs.replace(
+        report, kv_seq=digest.seq, kv_snapshot=digest.snapshot, kv_added=digest.added,
+        kv_removed=digest.removed,
+    )  # fmt: skip
 
 
 def _engine_config(cfg: WorkerConfig) -> EngineConfig:

@@ -9,6 +9,12 @@ engine's own.
 Load reports arrive every 50 ms per engine; between two reports the router adds what it just
 placed to its copy of the chosen engines' load, so a burst of admissions does not all land on the
 engine that looked shortest in the last report.
+
+KV-aware routing (docs/prefix_caching.md): each report also carries the engine's prefix-cache
+news (`common.kv_events`), replayed into one `CachedBlocks` per engine. With a positive
+`prefix_weight`, a request's prompt is hashed with the engines' own chain (`common.block_hash`)
+and each prompt-capable engine is credited with the prefix it caches. An engine that leaves the
+registry takes its hashes with it.
 """
 
 from __future__ import annotations
@@ -16,8 +22,11 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
+from common.block_hash import block_hashes, namespace_seed
+from common.kv_events import CachedBlocks, CacheDigest, reusable_blocks
 from common.protocol import LoadReport
 from common.roles import Role
 from common.scheduling.cluster import (
@@ -36,9 +45,18 @@ class NoEngines(LookupError):
 class ClusterScheduler:
     """JSQ placement over the ready engines; thread-safe (reports arrive on the IO thread)."""
 
-    def __init__(self, block_size: int, thresholds: PoolThresholds | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        thresholds: PoolThresholds | None = None,
+        *,
+        prefix_weight: float = 0.0,
+        cache_namespace: str = "",
+    ) -> None:
         self.block_size = block_size
         self.thresholds = thresholds
+        self.prefix_weight = prefix_weight  # 0: plain JSQ, prompts are not even hashed
+        self.seed = namespace_seed(cache_namespace)  # the engines' (their model folder's name)
         self._lock = threading.Lock()
         self._machine_ids: dict[str, int] = {}  # service id -> machine id, stable for its life
         self._next_id = itertools.count()
@@ -47,6 +65,7 @@ class ClusterScheduler:
         self._policy: JSQPoolPolicy | None = None
         self._req_ids = itertools.count()
         self._linked: dict[int, list[str]] = {}  # each token engine's group, as it last reported
+        self._cached: dict[int, CachedBlocks] = {}  # each engine's prefix cache, from its reports
 
     def set_engines(self, entries: list[ServiceEntry]) -> None:
         """The ready engines now (from the registry); rebuilds the policy if the set changed."""
@@ -55,9 +74,14 @@ class ClusterScheduler:
             changed = engines.keys() != self._engines.keys()
             self._engines = engines
             self._loads = {m: self._loads.get(m, MachineLoad(m)) for m in engines}
+            self._cached = {m: self._cached.get(m) or CachedBlocks() for m in engines}
             if changed:
                 homes = {m: Role(e.role) for m, e in engines.items()}
-                self._policy = JSQPoolPolicy(homes, self.thresholds) if self._can_split() else None
+                self._policy = (
+                    JSQPoolPolicy(homes, self.thresholds, self.prefix_weight)
+                    if self._can_split()
+                    else None
+                )
 
     def on_load(self, report: LoadReport) -> None:
         """The latest report of one engine replaces the router's estimate of its load."""
@@ -72,32 +96,55 @@ class ClusterScheduler:
                 free_kv_tokens=report.free_kv_blocks * self.block_size,
             )
             self._linked[machine_id] = report.shard_endpoints
+            if report.kv_seq:
+                self._cached[machine_id].apply(
+                    CacheDigest(report.kv_seq, report.kv_snapshot, report.kv_added,
+                                report.kv_removed)
+                )  # fmt: skip
 
     def can_place(self) -> bool:
         with self._lock:
             return self._policy is not None
 
-    def choose(self, prompt_len: int) -> tuple[ServiceEntry, ServiceEntry]:
-        """(prompt engine, token engine) for a new request of `prompt_len` tokens."""
+    def choose(
+        self, prompt_len: int, prompt_ids: Sequence[int] = ()
+    ) -> tuple[ServiceEntry, ServiceEntry]:
+        """(prompt engine, token engine) for a new request of `prompt_len` tokens; given its
+        `prompt_ids`, KV-aware (the prefix each engine caches is credited)."""
+        hashes = self._prompt_hashes(prompt_len, prompt_ids)  # outside the lock: pure work
         with self._lock:
             if self._policy is None:
                 raise NoEngines("no ready prompt and token engines")
-            request = RouteRequest(next(self._req_ids), prompt_len)
+            cached = {m: c.prefix_blocks(hashes) * self.block_size for m, c in self._cached.items()}
+            request = RouteRequest(next(self._req_ids), prompt_len, cached)
             self._policy.rebalance(self._loads, time.monotonic())
             decision = self._policy.route(request, self._loads, time.monotonic())
             prompt_id, token_id = decision.prompt_machine_id, decision.token_machine_id
-            self._account(prompt_id, token_id, prompt_len)
+            self._account(prompt_id, token_id, prompt_len, request.cached_on(prompt_id))
+            self._cached[prompt_id].expect(hashes)
             return self._engines[prompt_id], self._linked_group(token_id)
+
+    def cached_blocks(self) -> dict[str, int]:
+        """How many block hashes the router believes each engine caches (for tests and stats)."""
+        with self._lock:
+            return {e.service_id: len(self._cached[m].hashes) for m, e in self._engines.items()}
+
+    def _prompt_hashes(self, prompt_len: int, prompt_ids: Sequence[int]) -> list[int]:
+        if self.prefix_weight == 0 or not prompt_ids:
+            return []
+        num_blocks = reusable_blocks(prompt_len, self.block_size)
+        return block_hashes(prompt_ids[: num_blocks * self.block_size], self.block_size, self.seed)
 
     def loads(self) -> dict[str, MachineLoad]:
         """The current estimate per engine service id (for stats and tests)."""
         with self._lock:
             return {e.service_id: self._loads[m] for m, e in self._engines.items()}
 
-    def _account(self, prompt_id: int, token_id: int, prompt_len: int) -> None:
-        # Until the next report: the prompt is pending on one, its KV will decode on the other.
+    def _account(self, prompt_id: int, token_id: int, prompt_len: int, cached: int) -> None:
+        # Until the next report: the prompt (less its cached prefix) is pending on one, its KV
+        # will decode on the other.
         p = self._loads[prompt_id]
-        pending = p.pending_prompt_tokens + prompt_len
+        pending = p.pending_prompt_tokens + prompt_len - cached
         self._loads[prompt_id] = replace(p, pending_prompt_tokens=pending)
         t = self._loads[token_id]
         self._loads[token_id] = replace(t, decode_tokens=t.decode_tokens + prompt_len)

@@ -61,6 +61,8 @@ log = structlog.get_logger(__name__)
 
 REFRESH_S = 0.5
 MAX_MIGRATIONS = 3  # re-runs of one request on other engines before it fails
+# A cached prefix token counts against one pending prompt token (KV-aware JSQ; 0: plain JSQ).
+PREFIX_ROUTING_WEIGHT = 1.0
 # A migrated request waits this long at most for a prompt and a token engine (a replica Serve is
 # restarting loads its model first), retrying every PLACE_RETRY_S.
 MIGRATION_WAIT_S = 60.0
@@ -105,13 +107,18 @@ class MeshEngineClient:
         refresh_s: float = REFRESH_S,
         max_migrations: int = MAX_MIGRATIONS,
         metrics: Metrics | None = None,
+        prefix_routing_weight: float = PREFIX_ROUTING_WEIGHT,
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
         self.list_services = list_services
         self.max_context: int | None = None  # each engine bounds its own (KV refusals)
         self.auth = auth  # the mesh's CURVE keys: every socket to and from it uses them
         self.refresh_s = refresh_s
-        self.scheduler = ClusterScheduler(block_size)
+        # KV-aware: the engines name their cached blocks with a chain seeded by the model folder's
+        # name (`services/engine/engine.py`); the router hashes prompts the same way.
+        self.scheduler = ClusterScheduler(
+            block_size, prefix_weight=prefix_routing_weight, cache_namespace=Path(model_path).name
+        )
         self.metrics = metrics
         self.streams: StreamTable[_MeshStream] = StreamTable(limits)
         # Under `streams.lock`, with the streams: the ledgers, the counts and the membership.
@@ -238,7 +245,7 @@ class MeshEngineClient:
 
         def place() -> _MeshStream:  # under the table's lock, once admission allows it
             try:
-                prompt, token = self.scheduler.choose(num_tokens)
+                prompt, token = self.scheduler.choose(num_tokens, prompt_ids)
             except NoEngines as exc:
                 raise Unavailable("no_engines", "No engine is ready. Please retry later.") from exc
             self.book.open(req_id, list(prompt_ids), params.to_spec())
