@@ -64,10 +64,11 @@ class ClientTiming:
 
     sent: float
     chunks: list[float]
+    tokens: list[int]  # per chunk: tokens that reached the router together leave as one chunk
 
     @property
     def latencies(self) -> Latencies:
-        tbt = (self.chunks[-1] - self.chunks[0]) / (len(self.chunks) - 1)
+        tbt = (self.chunks[-1] - self.chunks[0]) / (sum(self.tokens) - self.tokens[0])
         return Latencies(self.chunks[0] - self.sent, tbt)
 
 
@@ -96,16 +97,21 @@ def serve(router: Router) -> tuple[uvicorn.Server, threading.Thread, str]:
 
 
 def stream_completion(http: httpx.Client, prompt: list[int]) -> ClientTiming:
-    body = {"prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True}
+    # logprobs=0: each chunk lists its tokens (a chunk may carry several, coalesced).
+    body = {"prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}  # fmt: skip
     sent = time.perf_counter()
     chunks: list[float] = []
+    tokens: list[int] = []
     with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data:") and line != "data: [DONE]":
                 chunks.append(time.perf_counter())
-                assert "error" not in json.loads(line[len("data:") :]), line
-    return ClientTiming(sent, chunks)
+                chunk = json.loads(line[len("data:") :])
+                assert "error" not in chunk, line
+                tokens.append(len(chunk["choices"][0]["logprobs"]["tokens"]))
+    return ClientTiming(sent, chunks, tokens)
 
 
 def read_jsonl_spans(folder: Path) -> list[dict[str, Any]]:
@@ -182,13 +188,13 @@ def test_one_connected_trace_per_request_matching_the_client(
     shard_ids = tuple(s.service_id for s in mesh.shards)
     compared: list[tuple[Latencies, Latencies]] = []
     for i, (request, timing) in enumerate(zip(requests, timings, strict=True)):
-        assert len(timing.chunks) == NUM_TOKENS
+        assert sum(timing.tokens) == NUM_TOKENS and all(timing.tokens)
         phases = check_trace(request, by_trace, shard_ids)
         check_kv_transfer(phases["kv.transfer"], geometry, *PROMPTS[i])
         if i:
             compared.append((span_latencies(request, phases["token.decode"]), timing.latencies))
     check_latencies(compared)
-    check_router_metrics(reader, requests)
+    check_router_metrics(reader, requests, [len(t.chunks) for t in timings])
 
 
 def check_trace(
@@ -261,8 +267,11 @@ def check_latencies(compared: list[tuple[Latencies, Latencies]]) -> None:
         assert all(abs(s - c) <= max(0.25 * c, 0.02) for s, c in pairs), (name, pairs)
 
 
-def check_router_metrics(reader: InMemoryMetricReader, requests: list[ReadableSpan]) -> None:
-    """The router's histograms hold what its spans show: one TTFT per request, its value."""
+def check_router_metrics(
+    reader: InMemoryMetricReader, requests: list[ReadableSpan], num_chunks: list[int]
+) -> None:
+    """The router's histograms hold what its spans show: one TTFT per request, its value; one
+    inter-token gap per streamed chunk after the first."""
     ttft_count, ttft_sum = histogram(reader, "phasemesh_time_to_first_token_seconds")
     assert ttft_count == len(requests)
     span_ttfts = [
@@ -270,7 +279,6 @@ def check_router_metrics(reader: InMemoryMetricReader, requests: list[ReadableSp
         for r in requests
     ]
     assert ttft_sum == pytest.approx(sum(span_ttfts), rel=1e-6)
-    assert histogram(reader, "phasemesh_inter_token_latency_seconds")[0] == len(requests) * (
-        NUM_TOKENS - 1
-    )
+    gaps = histogram(reader, "phasemesh_inter_token_latency_seconds")[0]
+    assert gaps == sum(n - 1 for n in num_chunks)
     assert histogram(reader, "phasemesh_e2e_request_latency_seconds")[0] == len(requests)

@@ -32,6 +32,8 @@ CALLER_SPAN = "00f067aa0ba902b7"
 class FakeBackend:
     """Refuses every request, or streams `num_tokens` one-token outputs."""
 
+    max_context = None  # the model's
+
     def __init__(self, refuse: bool = False, num_tokens: int = 3) -> None:
         self.refuse, self.num_tokens = refuse, num_tokens
 
