@@ -300,7 +300,8 @@ def entry_of(worker: LocalWorker) -> ServiceEntry:
         role=role, service_id=cfg.service_id, state="ready",
         command_endpoint=r.command_endpoint, kv_endpoint=r.kv_endpoint,
         control_endpoint=r.control_endpoint, load_endpoint=r.load_endpoint,
-        link_address=r.link_address, head_start=cfg.head_start, head_end=cfg.head_end,
+        link_address=r.link_address, kv_address=r.kv_address, head_start=cfg.head_start,
+        head_end=cfg.head_end,
         slot=slot, shards=tuple(cfg.shards),
     )  # fmt: skip
 

@@ -48,7 +48,8 @@ class MeshTestClient:
         msg = GenerateRequest(
             req_id=req_id, prompt_token_ids=prompt, sampling=sampling,
             reply_to=self.reply_endpoint, token_engine=te.command_endpoint,
-            token_kv_endpoint=te.kv_endpoint, shards=list(te.shards), traceparent=traceparent,
+            token_kv_endpoint=te.kv_endpoint, token_kv_address=te.kv_address,
+            shards=list(te.shards), traceparent=traceparent,
         )  # fmt: skip
         self.push.get(pe.command_endpoint).send(msg)
 
