@@ -40,10 +40,16 @@ class MeshTestClient:
         self.orderer = TokenStreamOrderer()
 
     def submit(
-        self, req_id: str, prompt: list[int], sampling: SamplingSpec, traceparent: str = ""
+        self,
+        req_id: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        traceparent: str = "",
+        token_engine: ServiceEntry | None = None,
     ) -> None:
-        """`traceparent`: the request's trace context (`inject_context()`), as a router sends it."""
-        pe, te = next(self._prompt_rr), next(self._token_rr)
+        """`traceparent`: the request's trace context (`inject_context()`), as a router sends it;
+        `token_engine`: where it decodes (default: the next one, round-robin)."""
+        pe, te = next(self._prompt_rr), token_engine or next(self._token_rr)
         self.placement[req_id] = (pe, te)
         msg = GenerateRequest(
             req_id=req_id, prompt_token_ids=prompt, sampling=sampling,
