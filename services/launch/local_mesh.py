@@ -54,6 +54,7 @@ class Topology:
     # `{service_id}` is replaced, so `jsonl:/tmp/t/{service_id}.jsonl` gives each its own file.
     otel_exporter: str = ""
     shard_reply_timeout_s: float = 30.0  # a token engine gives a silent shard link up after this
+    kv_over_ucx: bool = True  # KV pages over UCX links; off: over ZeroMQ (benches compare both)
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
@@ -116,6 +117,7 @@ class LocalMesh:
             block_size=t.block_size, attention_backend=t.attention_backend,
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
             mesh_key=self.mesh_key, shard_reply_timeout_s=t.shard_reply_timeout_s,
+            kv_over_ucx=t.kv_over_ucx,
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
         placements = place_decode_groups(t.num_token, self.shards_per_group, cores)
