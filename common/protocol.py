@@ -45,14 +45,16 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, frozen=
 
 
 class ShardAddress(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One attention shard of a token engine's group: where it receives KV pages, which KV heads
-    it holds, and (for the token engine) its UCX link address and service id."""
+    """One attention shard of a token engine's group (or a token engine's own KV, heads all):
+    where it receives KV pages (`kv_address`, UCX) and their frees (`kv_endpoint`, ZeroMQ), which
+    KV heads it holds, and (for the token engine) its UCX link address and service id."""
 
-    kv_endpoint: str
+    kv_endpoint: str  # ZeroMQ: frees and shutdown; KV pages too where `kv_address` is empty
     head_start: int
     head_end: int
     link_address: str = ""  # the shard's UCX worker address, hex (`UcxListener.address`)
     service_id: str = ""
+    kv_address: str = ""  # its KV listener's UCX worker address, hex (`KvReceiver.address`)
 
 
 class _Msg(msgspec.Struct, tag_field="kind", array_like=True, omit_defaults=True):
@@ -74,12 +76,13 @@ class GenerateRequest(_Msg, tag="generate"):
     sampling: SamplingSpec
     reply_to: str
     token_engine: str  # the token engine's command endpoint
-    token_kv_endpoint: str  # its local-KV ingress
+    token_kv_endpoint: str  # its local-KV ingress (ZeroMQ: frees)
     shards: list[ShardAddress] = []
     traceparent: str = ""
     # A migrated request (its engines died): the tokens it already streamed. The prompt engine
     # prefills prompt + these and samples the next one, so the stream continues where it was.
     output_token_ids: list[int] = []
+    token_kv_address: str = ""  # its KV listener over UCX (empty: KV pages on token_kv_endpoint)
 
 
 class AbortRequest(_Msg, tag="abort"):
@@ -265,6 +268,9 @@ class FreeRequest(_Msg, tag="free"):
 
 
 ShardIngress = KvPages | FreeRequest | StatsRequest | Shutdown
+# A KV-ingress ZeroMQ socket where KV pages travel over UCX (`common/transport/kv_links.py`): a
+# KvPages sent to it is malformed there, logged and dropped.
+KvControl = FreeRequest | StatsRequest | Shutdown
 
 
 # -- token engine <-> shard (per-layer decode attention; headers of tensor messages) ---------------

@@ -37,6 +37,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     mesh_key: str
     shard_reply_timeout_s: float = 30.0  # token engines: a shard link that stays silent this long
     enable_prefix_caching: bool = True  # prompt and mixed engines (docs/prefix_caching.md)
+    # Receivers (token and mixed engines, shards): take KV pages over UCX (a `KvReceiver`, its
+    # address in `WorkerReady.kv_address`) or, off, on the ZeroMQ KV-ingress socket as before.
+    # Senders follow what each receiver publishes. The one switch between the two paths.
+    kv_over_ucx: bool = True
 
     @property
     def curve_keys(self) -> CurveKeys:
@@ -60,3 +64,4 @@ class WorkerReady(msgspec.Struct, frozen=True):
     control_endpoint: str = ""
     load_endpoint: str = ""
     link_address: str = ""  # shards: their UCX worker address (hex), where token engines link
+    kv_address: str = ""  # receivers: their KV listener's UCX worker address (hex); "": ZeroMQ

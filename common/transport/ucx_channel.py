@@ -301,6 +301,11 @@ class UcxTensorChannel(Generic[HeaderT]):
         self._receive_payload(targets)
         return header, targets
 
+    def has_message(self) -> bool:
+        """Whether a message has arrived (or the peer has gone): `recv` would not wait for one.
+        For a loop that serves several channels of one worker (`common/transport/kv_links.py`)."""
+        return bool(self._inbox_request.completed)
+
     def _receive_payload(self, targets: Sequence[torch.Tensor]) -> None:
         # Straight into each target's memory; a strided target through a contiguous staging copy.
         staging = [t if t.is_contiguous() else torch.empty_like(t) for t in targets]

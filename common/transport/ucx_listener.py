@@ -76,6 +76,18 @@ class UcxListener:
             return UcxTensorChannel(self._worker, endpoint, channel_id, is_server=True,
                                     header_type=self._header_type)  # fmt: skip
 
+    def has_hello(self) -> bool:
+        """Whether a hello has arrived: `accept` would not wait for one."""
+        return self._hello_request is not None and bool(self._hello_request.completed)
+
+    def progress(self, timeout: float) -> None:
+        """Progress the listener's worker (and so every channel it accepted) once, sleeping in
+        epoll until an event or `timeout`: one loop can then serve all of them."""
+        try:
+            self._worker.progress_until(time.monotonic() + timeout)
+        except TimeoutError:
+            pass
+
     def close(self) -> None:
         """Stop accepting; channels already accepted keep working."""
         self._hello_request = None

@@ -138,8 +138,8 @@ class Engine:
             self.max_model_len, output_token_ids=list(msg.output_token_ids), grammar=grammar,
         )  # fmt: skip
         self.routing[msg.req_id] = RequestRoute(
-            msg.reply_to, msg.token_engine, msg.token_kv_endpoint, tuple(msg.shards),
-            len(msg.prompt_token_ids),
+            msg.reply_to, msg.token_engine, msg.token_kv_endpoint, msg.token_kv_address,
+            tuple(msg.shards), len(msg.prompt_token_ids),
         )  # fmt: skip
         self.telemetry.on_prompt(msg.req_id, msg.traceparent)
         # Its tokens, to reuse a cached prefix; not when it wants every prompt position's logprobs.
@@ -232,6 +232,14 @@ class Engine:
                         router=reply_to, num_requests=len(lost))  # fmt: skip
         return self._end_all(lost, f"engine {self.engine_id}: lost its router")
 
+    def kv_undelivered(self, req_id: str) -> Outbox:
+        """A request's KV transfer failed (its receiver died or stopped reading): if it is still
+        here, it ends retryably; once handed off, its token engine's KV wait ends it."""
+        if req_id not in self.routing:
+            return Outbox()
+        return self._end(req_id, f"engine {self.engine_id}: its KV could not be delivered",
+                         retryable=True)  # fmt: skip
+
     def undelivered_handoff(self, handoff: DecodeHandoff) -> Outbox:
         """A hand-off its token engine would not take (gone, or not reading)."""
         return self._refuse_handoff(handoff, "its token engine is unreachable")
@@ -314,7 +322,9 @@ class Engine:
         routes = []
         for seq in batch.seqs:
             r = self.routing[seq.req_id]
-            dests = list(r.shards) or [ShardAddress(r.token_kv_endpoint, 0, self._num_kv_heads)]
+            dests = list(r.shards) or [ShardAddress(
+                r.token_kv_endpoint, 0, self._num_kv_heads, kv_address=r.token_kv_address
+            )]  # fmt: skip
             layer_wise = seq.num_tokens >= self.role.layer_wise_min_tokens
             # Shards hold a request's whole length from its first page (they cannot preempt).
             reserve = (

@@ -29,6 +29,7 @@ class RequestRoute:
     reply_to: str
     token_engine: str = ""
     token_kv_endpoint: str = ""
+    token_kv_address: str = ""
     shards: tuple[ShardAddress, ...] = ()
     num_prompt_tokens: int = 0
 

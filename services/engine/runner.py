@@ -49,7 +49,8 @@ class ShardLinkFault(RuntimeError):
     step or layer. Its worker reconnects the group (stale replies go with the old channel)."""
 
 
-KvSend = Callable[[str, KvPages, torch.Tensor, torch.Tensor], None]  # (endpoint, header, k, v)
+# (destination, header, k, v): over UCX to `kv_address`, or ZeroMQ where it has none
+KvSend = Callable[[ShardAddress, KvPages, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
@@ -116,7 +117,7 @@ class KvShipper:
             )
             heads = slice(dest.head_start, dest.head_end)
             k_dest, v_dest = k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
-            self.send(dest.kv_endpoint, header, k_dest, v_dest)
+            self.send(dest, header, k_dest, v_dest)
             route.num_bytes += k_dest.nbytes + v_dest.nbytes
         route.last_sent_ns = time.time_ns()
 

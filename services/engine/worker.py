@@ -1,9 +1,10 @@
 """An `Engine` on its sockets: `EngineWorker` binds ZeroMQ, links to its shards over UCX, and loops.
 
 The loop blocks in `zmq.Poller.poll` while idle and never sleep-polls; between steps it drains
-commands, KV pages and stats requests, and every 50 ms publishes a load report and frees KV whose
-hand-off never came (its lease ran out). It runs as an OS
-process (`services.launch.worker_process`) or on a Ray Serve replica's thread (`services.mesh`).
+commands, KV pages (received over UCX on another thread: `kv_ports.py`) and stats requests, and
+every 50 ms publishes a load report and frees KV whose hand-off never came (its lease ran out).
+It runs as an OS process (`services.launch.worker_process`) or on a Ray Serve replica's thread
+(`services.mesh`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from common.protocol import (
     EngineCommand,
     FreeRequest,
     GenerateRequest,
+    KvControl,
     KvPages,
     LinkShards,
     LoadReport,
@@ -40,6 +42,7 @@ from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.engine.engine import Engine, EngineRole
+from services.engine.kv_ports import EngineKvPorts
 from services.engine.outbox import Outbox
 from services.engine.peer_watch import PeerWatch
 from services.engine.runner import ShardLinkFault
@@ -63,7 +66,11 @@ class EngineWorker:
         ctl, self.control_endpoint = bind_random(self.ctx, zmq.ROUTER, cfg.host, auth=auth)
         pub, self.load_endpoint = bind_random(self.ctx, zmq.PUB, cfg.host, auth=auth)
         self.commands: TypedSocket[EngineCommand] = TypedSocket(cmd, EngineCommand)
-        self.kv_in: TypedSocket[ShardIngress] = TypedSocket(kv, ShardIngress)
+        # KV pages over UCX: the ZeroMQ socket then takes only frees (a KvPages there is dropped).
+        self.kv_in: TypedSocket[ShardIngress] = TypedSocket(
+            kv, KvControl if cfg.kv_over_ucx else ShardIngress
+        )
+        self.kv_ports = EngineKvPorts(cfg)
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
         self.load_pub: TypedSocket[LoadReport] = TypedSocket(pub, LoadReport)
@@ -91,7 +98,7 @@ class EngineWorker:
     def ready(self) -> WorkerReady:
         return WorkerReady(
             self.cfg.service_id, self.cfg.role, self.command_endpoint, self.kv_endpoint,
-            self.control_endpoint, self.load_endpoint,
+            self.control_endpoint, self.load_endpoint, kv_address=self.kv_ports.address,
         )  # fmt: skip
 
     def _connect(self, shard: ShardAddress) -> UcxTensorChannel[ShardLinkMessage]:
@@ -100,15 +107,23 @@ class EngineWorker:
             key=bytes.fromhex(self.cfg.mesh_key),
         )  # fmt: skip
 
-    def _send_kv(self, endpoint: str, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
-        # KV that cannot be sent is dropped: its decode step fails on the shard (KV_WAIT_S), and
-        # the request is re-run elsewhere.
-        self._delivered(endpoint, pages, tensors=[k, v])
+    def _send_kv(
+        self, dest: ShardAddress, pages: KvPages, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        # Over UCX where the receiver listens for KV; a transfer that fails ends its request
+        # retryably (`_tick`). On ZeroMQ, KV that cannot be sent is dropped: its decode step fails
+        # on the shard (KV_WAIT_S) or its hand-off times out, and the request is re-run elsewhere.
+        if dest.kv_address:
+            self.kv_ports.send(dest.kv_address, pages, k, v)
+        else:
+            self._delivered(dest.kv_endpoint, pages, tensors=[k, v])
 
     def run(self) -> None:
         poller = zmq.Poller()
         for sock in (self.commands.sock, self.kv_in.sock, self.control.sock):
             poller.register(sock, zmq.POLLIN)
+        if self.kv_ports.inbox is not None:
+            poller.register(self.kv_ports.inbox, zmq.POLLIN)
         while self.running:
             self.last_pass = time.monotonic()  # health is progress (services/mesh/replica.py)
             poller.poll(0 if self.engine.has_work() else IDLE_POLL_MS)
@@ -117,6 +132,7 @@ class EngineWorker:
                 self._step()
             self._tick()
         self.peers.close()
+        self.kv_ports.close()
         self.ctx.destroy(linger=0)
 
     def _step(self) -> None:
@@ -161,6 +177,8 @@ class EngineWorker:
         # not match their header, say) is logged and dropped: the loop and its requests go on.
         while (item := self.commands.recv_nowait()) is not None:
             self._guarded(self._on_command, item[1])
+        for header, tensors in self.kv_ports.received():
+            self._guarded(self._on_ingress, header, tensors)
         while (kv := self.kv_in.recv_tensors_nowait()) is not None:
             self._guarded(self._on_ingress, *kv)
         while (req := self.control.recv_nowait()) is not None:
@@ -232,6 +250,8 @@ class EngineWorker:
         if now - self._last_report >= LOAD_REPORT_INTERVAL_S:
             self._last_report = now
             self._send(self.engine.expire(now))
+            for req_id in self.kv_ports.undelivered():
+                self._send(self.engine.kv_undelivered(req_id))
             for endpoint in self.peers.lost(now):
                 self._send(self.engine.lost_reply_to(endpoint))
             report = self.engine.load_report(time.time())

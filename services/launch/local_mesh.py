@@ -55,6 +55,7 @@ class Topology:
     otel_exporter: str = ""
     shard_reply_timeout_s: float = 30.0  # a token engine gives a silent shard link up after this
     enable_prefix_caching: bool = True  # prompt engines' (docs/prefix_caching.md)
+    kv_over_ucx: bool = True  # KV pages over UCX links; off: over ZeroMQ (benches compare both)
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
@@ -118,6 +119,7 @@ class LocalMesh:
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
             mesh_key=self.mesh_key, shard_reply_timeout_s=t.shard_reply_timeout_s,
             enable_prefix_caching=t.enable_prefix_caching,
+            kv_over_ucx=t.kv_over_ucx,
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
         placements = place_decode_groups(t.num_token, self.shards_per_group, cores)
@@ -302,7 +304,8 @@ def entry_of(worker: LocalWorker) -> ServiceEntry:
         role=role, service_id=cfg.service_id, state="ready",
         command_endpoint=r.command_endpoint, kv_endpoint=r.kv_endpoint,
         control_endpoint=r.control_endpoint, load_endpoint=r.load_endpoint,
-        link_address=r.link_address, head_start=cfg.head_start, head_end=cfg.head_end,
+        link_address=r.link_address, kv_address=r.kv_address, head_start=cfg.head_start,
+        head_end=cfg.head_end,
         slot=slot, shards=tuple(cfg.shards),
     )  # fmt: skip
 

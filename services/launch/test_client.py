@@ -40,15 +40,22 @@ class MeshTestClient:
         self.orderer = TokenStreamOrderer()
 
     def submit(
-        self, req_id: str, prompt: list[int], sampling: SamplingSpec, traceparent: str = ""
+        self,
+        req_id: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        traceparent: str = "",
+        token_engine: ServiceEntry | None = None,
     ) -> None:
-        """`traceparent`: the request's trace context (`inject_context()`), as a router sends it."""
-        pe, te = next(self._prompt_rr), next(self._token_rr)
+        """`traceparent`: the request's trace context (`inject_context()`), as a router sends it;
+        `token_engine`: where it decodes (default: the next one, round-robin)."""
+        pe, te = next(self._prompt_rr), token_engine or next(self._token_rr)
         self.placement[req_id] = (pe, te)
         msg = GenerateRequest(
             req_id=req_id, prompt_token_ids=prompt, sampling=sampling,
             reply_to=self.reply_endpoint, token_engine=te.command_endpoint,
-            token_kv_endpoint=te.kv_endpoint, shards=list(te.shards), traceparent=traceparent,
+            token_kv_endpoint=te.kv_endpoint, token_kv_address=te.kv_address,
+            shards=list(te.shards), traceparent=traceparent,
         )  # fmt: skip
         self.push.get(pe.command_endpoint).send(msg)
 

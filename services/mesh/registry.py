@@ -52,6 +52,7 @@ class ServiceEntry:
     control_endpoint: str = ""
     load_endpoint: str = ""
     link_address: str = ""
+    kv_address: str = ""  # where prompt engines send it KV pages over UCX (`WorkerReady`)
     head_start: int = 0
     head_end: int = 0
     slot: int = -1  # shards: which head range of a group
@@ -64,7 +65,12 @@ class ServiceEntry:
     def shard_address(self) -> ShardAddress:
         """How a token engine and prompt engines reach this shard."""
         return ShardAddress(
-            self.kv_endpoint, self.head_start, self.head_end, self.link_address, self.service_id
+            self.kv_endpoint,
+            self.head_start,
+            self.head_end,
+            self.link_address,
+            self.service_id,
+            self.kv_address,
         )
 
 

@@ -205,8 +205,8 @@ def start_engine(
     entry = ServiceEntry(
         role=role, service_id=service_id, state="ready",
         command_endpoint=ready.command_endpoint, kv_endpoint=ready.kv_endpoint,
-        control_endpoint=ready.control_endpoint, load_endpoint=ready.load_endpoint,
-        shards=tuple(links),
+        kv_address=ready.kv_address, control_endpoint=ready.control_endpoint,
+        load_endpoint=ready.load_endpoint, shards=tuple(links),
     )  # fmt: skip
     membership = Membership(registry, entry, alive=thread.alive)
     membership.update()
@@ -244,7 +244,8 @@ def start_shard(
     membership.alive = thread.alive
     membership.update(
         state="ready", kv_endpoint=ready.kv_endpoint, control_endpoint=ready.control_endpoint,
-        link_address=ready.link_address, head_start=head_start, head_end=head_end,
+        link_address=ready.link_address, kv_address=ready.kv_address, head_start=head_start,
+        head_end=head_end,
     )  # fmt: skip
     log.info("shard replica ready", service_id=service_id, heads=(head_start, head_end))
     return MeshReplica(thread, membership)

@@ -264,8 +264,8 @@ class MeshEngineClient:
         msg = GenerateRequest(
             req_id=req_id, prompt_token_ids=list(prompt_ids), sampling=params.to_spec(),
             reply_to=self.reply_endpoint, token_engine=token.command_endpoint,
-            token_kv_endpoint=token.kv_endpoint, shards=list(token.shards),
-            traceparent=stream.traceparent,
+            token_kv_endpoint=token.kv_endpoint, token_kv_address=token.kv_address,
+            shards=list(token.shards), traceparent=stream.traceparent,
         )  # fmt: skip
         self._orderer.expect(req_id, 0)  # before it leaves: no token of it can arrive earlier
         try:
@@ -311,7 +311,8 @@ class MeshEngineClient:
             req_id=replay.wire_id, prompt_token_ids=replay.prompt_token_ids,
             sampling=replay.sampling, reply_to=self.reply_endpoint,
             token_engine=token.command_endpoint, token_kv_endpoint=token.kv_endpoint,
-            shards=list(token.shards), traceparent=stream.traceparent,
+            token_kv_address=token.kv_address, shards=list(token.shards),
+            traceparent=stream.traceparent,
             output_token_ids=replay.output_token_ids,
         )  # fmt: skip
         self._send(prompt.command_endpoint, msg)

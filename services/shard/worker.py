@@ -1,8 +1,12 @@
-"""Run an `AttentionShard` as a process: UCX for per-layer attention, ZeroMQ for KV ingress.
+"""Run an `AttentionShard` as a process: UCX for KV pages and per-layer attention, ZeroMQ for
+control.
 
-Two threads, each owning its sockets: the ingress thread drains KV pages, frees and stats
-requests from ZeroMQ; the main thread answers the token engine's per-layer round trips on the
-UCX channel, blocking on its event fd (no busy-polling: this machine has 2 vCPUs).
+Three threads, each owning its sockets: the KV receiver (`common/transport/kv_links.py`) lands KV
+pages from prompt engines' UCX links; the ingress thread drains frees, shutdown and stats requests
+from ZeroMQ (and KV pages too where `kv_over_ucx` is off); the main thread answers the token
+engine's per-layer round trips on its UCX channel. Each blocks on its event fd or poller (no
+busy-polling: this machine has 2 vCPUs). The two ingress threads take turns (`_ingress_lock`):
+`KvIngress` serves one ingress thread.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from common.protocol import (
     AttendBatch,
     AttendResult,
     FreeRequest,
+    KvControl,
     KvPages,
     ServiceReply,
     ShardIngress,
@@ -29,6 +34,7 @@ from common.protocol import (
     StatsRequest,
 )
 from common.telemetry import Metrics
+from common.transport.kv_links import KvReceiver
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
 from common.transport.zmq_sockets import TypedSocket, bind_random
@@ -61,10 +67,16 @@ class ShardWorker:
         auth = cfg.curve_keys  # only the mesh's members get through (zmq_auth.py)
         kv, self.kv_endpoint = bind_random(self.ctx, zmq.PULL, cfg.host, auth=auth)
         ctl, self.control_endpoint = bind_random(self.ctx, zmq.ROUTER, cfg.host, auth=auth)
-        self.kv_in: TypedSocket[ShardIngress] = TypedSocket(kv, ShardIngress)
+        # KV pages over UCX: the ZeroMQ socket then takes only control (a KvPages there is dropped).
+        self.kv_in: TypedSocket[ShardIngress] = TypedSocket(
+            kv, KvControl if cfg.kv_over_ucx else ShardIngress
+        )
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
-        self.listener = UcxListener(ShardLinkMessage, cfg.host, bytes.fromhex(cfg.mesh_key))
+        key = bytes.fromhex(cfg.mesh_key)
+        self.listener = UcxListener(ShardLinkMessage, cfg.host, key)
+        self._ingress_lock = threading.Lock()
+        self.kv_receiver = KvReceiver(cfg.host, key, self._on_ingress) if cfg.kv_over_ucx else None
         self.metrics = Metrics(model_name=cfg.model_name, engine=cfg.service_id)
         self._last_gauge = 0.0
         self.running = True
@@ -74,6 +86,7 @@ class ShardWorker:
         return WorkerReady(
             self.cfg.service_id, "shard", kv_endpoint=self.kv_endpoint,
             control_endpoint=self.control_endpoint, link_address=self.listener.address,
+            kv_address=self.kv_receiver.address if self.kv_receiver else "",
         )  # fmt: skip
 
     def run(self) -> None:
@@ -82,6 +95,8 @@ class ShardWorker:
         while self.running and (link := self._accept()) is not None:
             self._serve(link)
         ingress.join(timeout=2)
+        if self.kv_receiver is not None:
+            self.kv_receiver.close()
 
     def _serve(self, link: UcxTensorChannel[ShardLinkMessage]) -> None:
         """Answer one token engine's round trips until shutdown or until that engine is gone.
@@ -140,7 +155,9 @@ class ShardWorker:
                 self._on_ingress(*item)
             while (req := self.control.recv_nowait()) is not None:
                 self.replies.send(self.shard.stats(), prefix=req[0])
-            if expired := self.shard.expire_leases():
+            with self._ingress_lock:
+                expired = self.shard.expire_leases()
+            if expired:
                 log.warning("unclaimed KV freed after its lease", req_ids=expired[:8],
                             num_freed=len(expired))  # fmt: skip
             self._set_gauges()
@@ -154,6 +171,10 @@ class ShardWorker:
             self.metrics.set_kv_blocks_used(used, shard=self.cfg.service_id)
 
     def _on_ingress(self, header: ShardIngress, tensors: list[torch.Tensor]) -> None:
+        with self._ingress_lock:
+            self._land(header, tensors)
+
+    def _land(self, header: ShardIngress, tensors: list[torch.Tensor]) -> None:
         try:
             if isinstance(header, KvPages) and len(tensors) == 2:
                 self.shard.receive_kv(header, *tensors)

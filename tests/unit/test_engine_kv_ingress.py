@@ -14,7 +14,7 @@ import torch
 
 from common.config import CacheConfig, EngineConfig
 from common.engine.core import LLMEngine
-from common.protocol import GenerateRequest, TokenOutput
+from common.protocol import GenerateRequest, ShardAddress, TokenOutput
 from common.sampling import SamplingParams
 from services.engine.engine import HANDOFF_KV_WAIT_S, Engine, EngineRole
 from services.engine.outbox import Outbox
@@ -38,8 +38,8 @@ class InProcessPair:
         small = EngineConfig(str(model_path), cache=CacheConfig(block_size=16, num_blocks=8))
         self.token = Engine("t", EngineRole("token", "t-cmd"), small, self._ship)
 
-    def _ship(self, endpoint: str, pages, k: torch.Tensor, v: torch.Tensor) -> None:
-        assert endpoint == "t-kv"
+    def _ship(self, dest: ShardAddress, pages, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert dest.kv_endpoint == "t-kv"
         self.kv.append((pages, k.clone(), v.clone()))
 
     def deliver(self, outbox: Outbox) -> None:

@@ -1,0 +1,208 @@
+"""KV pages over UCX: a prompt engine's `KvSender` and a receiver's `KvReceiver` (token engines,
+shards). ZeroMQ carries only control around them (frees, shutdown); see docs/mesh.md.
+
+Sender: one thread owns one `UcxTensorChannel` per receiver (connected on first use, its hello
+signed with the mesh key) and sends what the prefill loop queued, in order. The prefill loop only
+queues (`send`), so a layer's transfer runs while the next layers compute (Splitwise §IV-C): the
+thread sleeps in epoll while UCX moves the bytes, and torch releases the GIL while it computes.
+The queue is bounded (`MAX_QUEUED`): a receiver slower than prefill makes `send` wait, at most
+`QUEUE_WAIT_S`, then that request's transfer fails. Every UCX wait has a deadline, so a dead or
+stopped receiver fails the requests whose KV was for it (`take_failed`), never the sender.
+
+Receiver: one thread owns a `UcxListener` and every link it accepted (one per prompt engine, all
+on the listener's one worker), progresses them in epoll, receives each message into fresh tensors
+and hands it to `deliver`. A link whose sender died is dropped; its request's KV is freed by the
+lease (`KvIngress`), as before.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+import torch
+
+from common.protocol import KvPages, ShardIngress
+from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
+from common.transport.ucx_listener import UcxListener
+
+log = structlog.get_logger(__name__)
+
+MAX_QUEUED = 256  # messages queued for the sender thread (layers x destinations of a few batches)
+QUEUE_WAIT_S = 5.0  # how long `send` waits for room before that request's transfer fails
+CONNECT_TIMEOUT_S = 5.0  # a receiver that does not accept a link within this is taken as dead
+SEND_TIMEOUT_S = 10.0  # one message; a receiver that stops reading fails the transfer after this
+DEAD_HOLD_S = 30.0  # a receiver that failed is not retried for this long (its KV fails at once)
+POLL_S = 0.2  # idle wake-up of both threads, to notice `close`
+
+Deliver = Callable[[ShardIngress, list[torch.Tensor]], None]
+
+
+@dataclass
+class _Transfer:
+    address: str  # the receiver's KV listener (UCX worker address, hex)
+    pages: KvPages
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class KvSender:
+    """A prompt engine's KV links; see the module docstring. `host`: this side's mesh host;
+    `key`: the mesh's (bytes)."""
+
+    def __init__(self, host: str, key: bytes) -> None:
+        self._host, self._key = host, key
+        self._queue: queue.Queue[_Transfer | None] = queue.Queue(MAX_QUEUED)
+        self._failed: deque[str] = deque()
+        self._links: dict[str, UcxTensorChannel[ShardIngress]] = {}
+        self._dead: dict[str, float] = {}  # address -> when it failed
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    def send(self, address: str, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Queue one message; `k` and `v` must not change afterwards (the shipper's are fresh)."""
+        try:
+            self._queue.put(_Transfer(address, pages, k, v), timeout=QUEUE_WAIT_S)
+        except queue.Full:
+            log.warning("KV sender backed up; the transfer fails", req_id=pages.req_id)
+            self._failed.append(pages.req_id)
+
+    def take_failed(self) -> list[str]:
+        """Requests whose KV could not be delivered since the last call (each once)."""
+        failed: list[str] = []
+        while self._failed:
+            req_id = self._failed.popleft()
+            if req_id not in failed:
+                failed.append(req_id)
+        return failed
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=SEND_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._link(item.address).send(item.pages, [item.k, item.v], SEND_TIMEOUT_S)
+            except (ChannelClosed, TimeoutError) as exc:
+                self._fail(item, exc)
+            except Exception as exc:  # noqa: BLE001 - one bad transfer must not stop the thread
+                log.exception("KV transfer failed")
+                self._fail(item, exc)
+        for link in self._links.values():
+            link.close()
+
+    def _link(self, address: str) -> UcxTensorChannel[ShardIngress]:
+        if (link := self._links.get(address)) is not None:
+            return link
+        failed_at = self._dead.get(address)
+        if failed_at is not None and time.monotonic() - failed_at < DEAD_HOLD_S:
+            raise ChannelClosed("the receiver failed recently")
+        link = UcxTensorChannel.connect(
+            address, ShardIngress, CONNECT_TIMEOUT_S, self._host, self._key
+        )
+        self._links[address] = link
+        return link
+
+    def _fail(self, item: _Transfer, exc: Exception) -> None:
+        """The receiver is gone or stuck: drop its link (UCX may hold the buffers until then)."""
+        if item.address not in self._dead or item.address in self._links:
+            log.warning("KV receiver unreachable", req_id=item.pages.req_id, error=repr(exc))
+        self._dead[item.address] = time.monotonic()
+        if (link := self._links.pop(item.address, None)) is not None:
+            link.close()
+        self._failed.append(item.pages.req_id)
+
+
+class KvReceiver:
+    """A receiver's KV listener and its links, on one thread; see the module docstring.
+    `address` is what the receiver publishes (`WorkerReady.kv_address`)."""
+
+    def __init__(self, host: str, key: bytes, deliver: Deliver) -> None:
+        self._listener = UcxListener(ShardIngress, host, key)
+        self.address = self._listener.address
+        self._deliver = deliver
+        self._links: list[UcxTensorChannel[ShardIngress]] = []
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._running = False
+        self._thread.join(timeout=2 * POLL_S + 1)
+
+    def _run(self) -> None:
+        while self._running:
+            self._listener.progress(POLL_S)
+            while self._listener.has_hello():
+                try:
+                    self._links.append(self._listener.accept(timeout=0.0))
+                except TimeoutError:
+                    break
+            for link in list(self._links):
+                self._drain(link)
+        for link in self._links:
+            link.close()
+        self._listener.close()
+
+    def _drain(self, link: UcxTensorChannel[ShardIngress]) -> None:
+        while link.has_message():
+            try:
+                header, tensors = link.recv(timeout=SEND_TIMEOUT_S)
+            except (ChannelClosed, TimeoutError, msgspec.DecodeError) as exc:
+                # Its sender died (or sent garbage: the stream may be misaligned): drop the link;
+                # the KV it had begun is freed by its lease.
+                log.warning("KV link dropped", error=repr(exc))
+                self._links.remove(link)
+                link.close()
+                return
+            try:
+                self._deliver(header, tensors)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the receiver
+                log.exception("KV message failed; dropped", kind=type(header).__name__)
+
+
+class KvInbox:
+    """KV received on another thread, for a poll loop that owns its engine: `put` queues and wakes
+    the loop through `fileno` (register it with `zmq.Poller`), `drain` takes all that came."""
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[ShardIngress, list[torch.Tensor]]] = deque()
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def fileno(self) -> int:
+        return self._read_fd
+
+    def put(self, header: ShardIngress, tensors: list[torch.Tensor]) -> None:
+        self._items.append((header, tensors))
+        try:
+            os.write(self._write_fd, b"\0")
+        except BlockingIOError:  # the pipe is full: the loop is already due to wake
+            pass
+
+    def drain(self) -> list[tuple[ShardIngress, list[torch.Tensor]]]:
+        try:
+            while os.read(self._read_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        items = []
+        while self._items:
+            items.append(self._items.popleft())
+        return items
+
+    def close(self) -> None:
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+
+__all__ = ["KvInbox", "KvReceiver", "KvSender"]
