@@ -126,8 +126,9 @@ class ShardWorker:
         try:
             self.telemetry.layer_started(batch)
             out, lse, failed = self.shard.attend(batch, *qkv)
-            link.send(AttendResult(batch.step, batch.layer, failed=failed), [out, lse])
             self.telemetry.layer_done(batch, len(failed), self.shard.blocks.num_used_blocks)
+            link.send(AttendResult(batch.step, batch.layer, failed=failed), [out, lse])
+            self.telemetry.flush()
         except Exception as exc:  # noqa: BLE001 - the engine must get an answer, not a hang
             self.telemetry.layer_failed(batch, exc)
             log.exception("attention failed", step=batch.step, layer=batch.layer)

@@ -86,6 +86,7 @@ def test_a_shard_records_a_traced_step_with_one_event_per_layer_and_nothing_for_
             batch.traceparent = traceparent if layer == 0 else ""
             shard.layer_started(batch)
             shard.layer_done(batch, num_failed=0, kv_blocks_used=5)
+            shard.flush()
     (attend,) = named(spans, "shard.attend")
     assert attend.parent is not None and attend.parent.span_id == step_id
     attributes = dict(attend.attributes or {})
