@@ -33,6 +33,7 @@ import torch
 from common.block_manager import BlockManager, NoFreeBlocksError
 from common.kv_cache import KVCache
 from common.protocol import KvEvent, KvPages
+from common.telemetry.batch_spans import KvReceiveSpans
 
 # KV that lands but that nobody claims within this bound is freed: long enough for a hand-off
 # queued behind a full shard group, short enough that a lost one's KV comes back (docs/failures.md).
@@ -59,8 +60,11 @@ class KvIngress:
         cache: KVCache,
         lease_s: float = KV_LEASE_S,
         clock: Callable[[], float] = time.monotonic,
+        receiver: str = "",
     ) -> None:
         self.blocks, self.cache = blocks, cache
+        # Pages that carry a trace context (`KvPages.traceparent`) get a `kv.receive` span.
+        self.spans = KvReceiveSpans(receiver)
         self.lease_s, self.clock = lease_s, clock
         self.lock = threading.Condition()
         self.events: deque[KvEvent] = deque(maxlen=256)
@@ -96,10 +100,15 @@ class KvIngress:
                 return Landed.DROPPED  # freed while its layers were being written
             done = self._layers.get(pages.req_id, 0) + pages.num_layers
             self._layers[pages.req_id] = done
-            if done < self.num_layers:
-                return Landed.PARTIAL
-            self.lock.notify_all()
-            return Landed.COMPLETE
+            if done >= self.num_layers:
+                self.lock.notify_all()
+        if pages.traceparent:
+            layers = (pages.layer_start, pages.layer_start + pages.num_layers)
+            heads = (pages.head_start, pages.head_end)
+            complete = done >= self.num_layers
+            self.spans.landed(pages.req_id, pages.traceparent, layers, heads,
+                              k.nbytes + v.nbytes, complete)  # fmt: skip
+        return Landed.COMPLETE if done >= self.num_layers else Landed.PARTIAL
 
     def _check(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
         num_layers, _, num_heads, head_dim, _ = self.cache.key.shape
@@ -176,6 +185,7 @@ class KvIngress:
 
     def _end(self, req_id: str, how: Landed) -> None:
         self.forget(req_id)
+        self.spans.ended(req_id)
         self._ended[req_id] = how
         self._ended.move_to_end(req_id)
         while len(self._ended) > TOMBSTONES:

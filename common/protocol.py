@@ -248,7 +248,8 @@ class KvPages(_Msg, tag="kv"):
     `total_layers` tells the receiver when the request's KV is complete. `reserve_tokens`: the
     request's whole length (prompt + max_tokens) when it will decode against the receiver (a
     shard): the receiver holds blocks for all of it from the first page on, or refuses it then,
-    because a shard cannot preempt and a request it could not grow would fail mid-stream."""
+    because a shard cannot preempt and a request it could not grow would fail mid-stream.
+    `traceparent` is the request's trace context: the receiver's `kv.receive` span joins it."""
 
     req_id: str
     layer_start: int
@@ -259,6 +260,7 @@ class KvPages(_Msg, tag="kv"):
     total_layers: int
     sent_at: float = 0.0
     reserve_tokens: int = 0  # 0: the prompt only (a token engine's own KV, which can preempt)
+    traceparent: str = ""
 
 
 class FreeRequest(_Msg, tag="free"):
@@ -280,13 +282,16 @@ class AttendBatch(_Msg, tag="attend"):
     """One layer of one decode step. Buffers: q [N, Hq_shard, D], k and v [N, Hkv_shard, D].
 
     `req_ids` and `context_lens` are sent on layer 0 only: the batch is the same for every layer of
-    a step, so the shard builds its block tables once per step.
+    a step, so the shard builds its block tables once per step. `traceparent`, also on layer 0
+    only, is set on the steps the token engine traces (sampled): its `token.step` span, which the
+    shard's `shard.attend` span is a child of. Empty: the shard does no tracing work this step.
     """
 
     step: int
     layer: int
     req_ids: list[str] = []
     context_lens: list[int] = []
+    traceparent: str = ""
 
 
 class AttendResult(_Msg, tag="attend_result"):

@@ -55,6 +55,8 @@ BATCH_TOKENS = "phasemesh.batch_tokens"
 KV_BYTES = "phasemesh.kv.bytes"
 KV_LAYERS = "phasemesh.kv.num_layers"
 KV_OVERLAP_RATIO = "phasemesh.kv.overlap_ratio"
+KV_LAYER_START = "phasemesh.kv.layer_start"
+KV_SEND_EVENT = "kv.send"  # on kv.transfer: one page (a layer, or all layers) handed to a socket
 
 Parent = str | Context | None
 
@@ -211,14 +213,24 @@ def record_kv_transfer(
     num_layers: int,
     num_bytes: int,
     overlap_ratio: float,
+    sends: Sequence[tuple[int, int, int, int]] = (),
 ) -> None:
-    """`kv.transfer` after the fact: first KV page sent to last, with `set_kv_transfer`'s fields."""
+    """`kv.transfer` after the fact: first KV page sent to last, with `set_kv_transfer`'s fields.
+
+    `sends`: per page (one layer, or every layer when serialized) (layer_start, num_layers,
+    bytes, time its send started), each a `kv.send` event."""
     attributes: Attributes = {
         KV_LAYERS: num_layers,
         KV_BYTES: num_bytes,
         KV_OVERLAP_RATIO: overlap_ratio,
     }
-    record_span("kv.transfer", parent, start_ns, end_ns, attributes)
+    span = tracer().start_span(
+        "kv.transfer", context=parent_context(parent), attributes=attributes, start_time=start_ns
+    )
+    for layer_start, num_page_layers, page_bytes, sent_ns in sends:
+        page = {KV_LAYER_START: layer_start, KV_LAYERS: num_page_layers, KV_BYTES: page_bytes}
+        span.add_event(KV_SEND_EVENT, page, timestamp=sent_ns)
+    span.end(end_time=end_ns)
 
 
 def record_span(

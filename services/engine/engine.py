@@ -330,7 +330,8 @@ class Engine:
             reserve = (
                 seq.num_tokens + self.requests[seq.req_id].params.max_tokens if r.shards else 0
             )
-            routes.append(KvRoute(seq.req_id, dests, layer_wise, reserve))
+            trace = self.telemetry.traceparent(seq.req_id)  # travels with its KV pages
+            routes.append(KvRoute(seq.req_id, dests, layer_wise, reserve, traceparent=trace))
         shipper = KvShipper(routes, len(self.runner.model.layers), self.kv_send)
         start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
         self.num_prefill_tokens += batch.num_tokens
@@ -373,14 +374,14 @@ class Engine:
         sharded = list(self.admission.sharded)
         token_ids = {s.req_id: self.requests[s.req_id].all_token_ids for s in local + sharded}
         self.admission.grow_sharded()
-        round_trips: list[tuple[int, float]] | None = (
-            [] if self.telemetry.samples_round_trips() else None
-        )
-        plan = self.runner.plan_decode(local, sharded, token_ids, next(self.steps), round_trips)
+        step = next(self.steps)
+        trace = self.telemetry.trace_step(step, sharded)  # sampled: token.step, round trips
+        plan = self.runner.plan_decode(local, sharded, token_ids, step, trace.round_trips,
+                                       trace.traceparent)  # fmt: skip
         everyone = Batch(Phase.DECODE, local + sharded)
         self.telemetry.decode_step(len(everyone.seqs))
         sampled = self._forward(everyone, plan)
-        self.telemetry.record_round_trips(plan.round_trips or ())
+        self.telemetry.step_done(trace)
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
         for seq, row in zip(sharded, sampled[len(local) :], strict=True):
             seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1

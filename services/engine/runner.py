@@ -58,7 +58,9 @@ class KvRoute:
     """Where one request's KV goes: one address per shard (heads split), or the token engine.
 
     The shipper also notes what it sent and when (`time.time_ns()`), for the `kv.transfer` span:
-    the first send started, the last one handed to the socket, and the bytes."""
+    the first send started, the last one handed to the socket, the bytes, and per page (a layer,
+    or all layers when serialized) `sends`: (layer_start, num_layers, bytes, time started).
+    `traceparent` (the request's trace context) travels in every page, for the receiver's span."""
 
     req_id: str
     destinations: list[ShardAddress]
@@ -68,6 +70,8 @@ class KvRoute:
     num_bytes: int = 0
     first_sent_ns: int = 0
     last_sent_ns: int = 0
+    traceparent: str = ""
+    sends: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class KvShipper:
@@ -102,7 +106,9 @@ class KvShipper:
                 self._ship(route, 0, k, v)
 
     def _ship(self, route: KvRoute, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        route.first_sent_ns = route.first_sent_ns or time.time_ns()
+        started_ns = time.time_ns()
+        route.first_sent_ns = route.first_sent_ns or started_ns
+        num_bytes = route.num_bytes
         for dest in route.destinations:
             header = KvPages(
                 req_id=route.req_id,
@@ -114,12 +120,15 @@ class KvShipper:
                 total_layers=self.num_layers,
                 sent_at=time.monotonic(),
                 reserve_tokens=route.reserve_tokens,
+                traceparent=route.traceparent,
             )
             heads = slice(dest.head_start, dest.head_end)
             k_dest, v_dest = k[:, :, heads].contiguous(), v[:, :, heads].contiguous()
             self.send(dest, header, k_dest, v_dest)
             route.num_bytes += k_dest.nbytes + v_dest.nbytes
         route.last_sent_ns = time.time_ns()
+        if route.traceparent:  # the `kv.send` events of its `kv.transfer` span
+            route.sends.append((layer, k.shape[0], route.num_bytes - num_bytes, started_ns))
 
 
 @dataclass
@@ -129,6 +138,7 @@ class ShardedRows:
     step: int
     req_ids: list[str]
     context_lens: list[int]
+    traceparent: str = ""  # the step's `token.step` context when traced, for the shards
 
 
 @dataclass
@@ -178,6 +188,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         token_ids: dict[str, list[int]],
         step: int,
         round_trips: list[tuple[int, float]] | None = None,
+        traceparent: str = "",
     ) -> StepPlan:
         """A decode step over `[local rows | sharded rows]`; only local rows get slots and block
         tables."""
@@ -185,7 +196,9 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         req_ids = [s.req_id for s in seqs]
         positions = [s.num_tokens - 1 for s in seqs]
         slots = [self.blocks.slot(s.req_id, s.num_tokens - 1) for s in local]
-        rows = ShardedRows(step, req_ids[len(local) :], [s.num_tokens for s in sharded])
+        rows = ShardedRows(
+            step, req_ids[len(local) :], [s.num_tokens for s in sharded], traceparent
+        )
         return StepPlan(
             phase=Phase.DECODE,
             req_ids=req_ids,
@@ -237,6 +250,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             header = AttendBatch(sharded.step, layer)
             if layer == 0:
                 header.req_ids, header.context_lens = sharded.req_ids, sharded.context_lens
+                header.traceparent = sharded.traceparent
             # Strided slices: the channel copies each straight into the message, once.
             heads = slice(h0 * group, h1 * group)
             tensors = [q[n:, heads], k[n:, h0:h1], v[n:, h0:h1]]

@@ -9,10 +9,15 @@
                     handed_off                    -> the traceparent for the DecodeHandoff
     token engine    on_handoff ... decode_started -> token.queue, and token.decode opens
                     token                         -> one span event per generated token
+                    trace_step ... step_done      -> token.step (sampled steps), round trips
                     finished / aborted            -> token.decode ends
 
 Batch phases are timed once per batch and recorded after the fact (`record_prefill`), one span
 per request. `token()` is the per-token hot path: one dict lookup and one span event, no metric.
+A decode step with sharded rows is traced (`token.step`, whose context the shards' `shard.attend`
+spans are children of) when a sharded request joined the batch since the last traced step, so
+every request's trace holds the first step it took, or when `ROUND_TRIP_INTERVAL_S` has passed;
+an untraced step costs two comparisons and sends the shards an empty context.
 Gauges (running, waiting, KV blocks, batch sizes) are set from the load report, at most every
 `GAUGE_INTERVAL_S`, never per step.
 """
@@ -23,9 +28,19 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from opentelemetry.trace import Span
+
 from common.protocol import LoadReport
 from common.scheduling.batching import Sequence as Seq
 from common.telemetry import DecodeSpan, Metrics, queue_span
+from common.telemetry.batch_spans import (
+    MAX_LINKS,
+    NUM_ROWS,
+    STEP,
+    context_of,
+    is_sampled,
+    start_step_span,
+)
 from common.telemetry.spans import record_kv_transfer, record_prefill
 from services.engine.runner import KvRoute
 
@@ -47,6 +62,20 @@ class _Traced:
     decode_ns: int = 0
 
 
+@dataclass(slots=True)
+class StepTrace:
+    """What one decode step records: round trips (None: not timed) and its `token.step` span
+    (`traceparent` is its context, for the shards; "" when the step is not traced)."""
+
+    round_trips: list[tuple[int, float]] | None = None
+    traceparent: str = ""
+    span: Span | None = None
+    to_histogram: bool = False
+
+
+UNTRACED = StepTrace()  # shared by every untraced step: nothing is allocated for one
+
+
 class EngineTelemetry:
     """Spans and metrics of one engine's requests; see the module docstring."""
 
@@ -65,6 +94,7 @@ class EngineTelemetry:
         self.batch_sizes = {"prefill": 0, "decode": 0}
         self._last_gauges = 0.0
         self._last_round_trips = float("-inf")
+        self._joined: list[str] = []  # decoding since the last traced step, newest last
 
     # -- arrivals ---------------------------------------------------------------------------------
 
@@ -119,9 +149,14 @@ class EngineTelemetry:
             overlap = hidden / window if window > 0 else float(end <= prefill_end_ns)
             record_kv_transfer(
                 traced.traceparent, start, end, num_layers=num_layers,
-                num_bytes=route.num_bytes, overlap_ratio=overlap,
+                num_bytes=route.num_bytes, overlap_ratio=overlap, sends=route.sends,
             )  # fmt: skip
             self.metrics.record_kv_transfer(window / 1e9, route.num_bytes)
+
+    def traceparent(self, req_id: str) -> str:
+        """The request's trace context ("" when unknown), e.g. for its KV pages."""
+        traced = self.requests.get(req_id)
+        return traced.traceparent if traced is not None else ""
 
     def handed_off(self, req_id: str) -> str:
         """The request leaves for its token engine: its trace context, for the handoff."""
@@ -139,6 +174,7 @@ class EngineTelemetry:
         if traced.phase == HANDED:
             queue_span("token.queue", traced.traceparent, traced.arrived_ns, now)
         traced.phase, traced.decode_ns = DECODING, now
+        self._joined.append(req_id)
         self.decoding[req_id] = DecodeSpan(
             traced.traceparent, token_engine=self.engine_id, shards=self.shards, start_ns=now
         )
@@ -152,14 +188,33 @@ class EngineTelemetry:
     def decode_step(self, batch_size: int) -> None:
         self.batch_sizes["decode"] = batch_size
 
-    def samples_round_trips(self) -> bool:
-        """Whether this decode step's shard round trips go to the histogram: one step at most
-        every `ROUND_TRIP_INTERVAL_S` (a record costs ~20 us, a round trip a few hundred)."""
+    def trace_step(self, step: int, sharded: Sequence[Seq]) -> StepTrace:
+        """What decode step `step` over the `sharded` rows records (see the module docstring)."""
+        if not sharded:
+            return UNTRACED
         now = time.monotonic()
-        if now - self._last_round_trips < ROUND_TRIP_INTERVAL_S:
-            return False
-        self._last_round_trips = now
-        return True
+        to_histogram = now - self._last_round_trips >= ROUND_TRIP_INTERVAL_S
+        if not (to_histogram or self._joined):
+            return UNTRACED
+        if to_histogram:
+            self._last_round_trips = now
+        joined, self._joined = self._joined, []
+        trace = StepTrace(round_trips=[], to_histogram=to_histogram)
+        # The newest request that joined is the parent: its trace holds the step it joined.
+        ids = [*reversed(joined), *(s.req_id for s in sharded)][: MAX_LINKS + 1]
+        parents = [tp for tp in dict.fromkeys(self.traceparent(r) for r in ids) if is_sampled(tp)]
+        if parents:
+            attributes = {STEP: step, NUM_ROWS: len(sharded)}
+            trace.span = start_step_span("token.step", parents, attributes, time.time_ns())
+            trace.traceparent = context_of(trace.span)
+        return trace
+
+    def step_done(self, trace: StepTrace) -> None:
+        """The step ran: end its `token.step` span, record its round trips if they are due."""
+        if trace.span is not None:
+            trace.span.end()
+        if trace.to_histogram:
+            self.record_round_trips(trace.round_trips or ())
 
     def record_round_trips(self, round_trips: Sequence[tuple[int, float]]) -> None:
         """(shard index in the group, seconds from its send to its reply), per shard and layer."""

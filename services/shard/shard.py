@@ -86,7 +86,7 @@ class AttentionShard:
         )
         # A request's KV is claimed (off its lease) when a decode step first names it: its token
         # engine frees it from then on.
-        self.ingress = KvIngress(self.blocks, self.kv, lease_s, clock)
+        self.ingress = KvIngress(self.blocks, self.kv, lease_s, clock, receiver=shard_id)
         self._step: _StepTables | None = None
 
     # -- KV ingress ----------------------------------------------------------------------------

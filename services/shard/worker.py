@@ -40,6 +40,7 @@ from common.transport.ucx_listener import UcxListener
 from common.transport.zmq_sockets import TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.shard.shard import AttentionShard, ShardSpec
+from services.shard.telemetry import ShardTelemetry
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +79,7 @@ class ShardWorker:
         self._ingress_lock = threading.Lock()
         self.kv_receiver = KvReceiver(cfg.host, key, self._on_ingress) if cfg.kv_over_ucx else None
         self.metrics = Metrics(model_name=cfg.model_name, engine=cfg.service_id)
+        self.telemetry = ShardTelemetry(cfg.service_id, spec.num_layers)  # shard.attend spans
         self._last_gauge = 0.0
         self.running = True
         self.last_pass = time.monotonic()  # the attention loop's; health is progress
@@ -137,9 +139,13 @@ class ShardWorker:
         self, link: UcxTensorChannel[ShardLinkMessage], batch: AttendBatch, qkv: list[torch.Tensor]
     ) -> None:
         try:
+            self.telemetry.layer_started(batch)
             out, lse, failed = self.shard.attend(batch, *qkv)
+            self.telemetry.layer_done(batch, len(failed), self.shard.blocks.num_used_blocks)
             link.send(AttendResult(batch.step, batch.layer, failed=failed), [out, lse])
+            self.telemetry.flush()
         except Exception as exc:  # noqa: BLE001 - the engine must get an answer, not a hang
+            self.telemetry.layer_failed(batch, exc)
             log.exception("attention failed", step=batch.step, layer=batch.layer)
             n, hq, d = qkv[0].shape
             empty = [torch.zeros(n, hq, d), torch.zeros(n, hq)]

@@ -6,8 +6,10 @@ router runs in this process, served by uvicorn on a real socket, over a `MeshEng
 in-memory span exporter. A plain HTTP client streams completions and times every SSE chunk.
 
 Checked against things outside the telemetry code: the client's own clock (TTFT and mean/median
-TBT within 10% or 5 ms), the model's geometry (KV bytes moved), the request's parameters (token
-counts, finish reason) and the topology (engines and shards chosen).
+TBT within 10% or 5 ms), the model's geometry (KV bytes moved, layers per step and per KV page,
+heads per shard), the request's parameters (token counts, finish reason), the topology (engines
+and shards chosen) and causality across processes (a KV page lands after it was sent; a shard
+answers a step inside the token engine's step).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ LAYER_WISE_MIN = 384
 # busy 2-core machine).
 PROMPTS = [(40, False), (300, False), (500, True), (320, False), (450, True), (280, False)]
 PHASES = {"prompt.queue", "prompt.prefill", "kv.transfer", "token.queue", "token.decode"}
+# Spans of the request's trace beyond its phases: per KV receiver, and per traced decode step.
+MESH_SPANS = {"kv.receive", "token.step", "shard.attend"}
 
 
 @dataclass(frozen=True)
@@ -189,8 +193,11 @@ def test_one_connected_trace_per_request_matching_the_client(
     compared: list[tuple[Latencies, Latencies]] = []
     for i, (request, timing) in enumerate(zip(requests, timings, strict=True)):
         assert sum(timing.tokens) == NUM_TOKENS and all(timing.tokens)
-        phases = check_trace(request, by_trace, shard_ids)
+        records = by_trace[hex_id(request.context.trace_id, 32)] if request.context else []
+        phases = check_trace(request, records, shard_ids)
         check_kv_transfer(phases["kv.transfer"], geometry, *PROMPTS[i])
+        check_kv_layers(phases, records, geometry, layer_wise=PROMPTS[i][1], num_shards=num_shards)
+        check_shard_steps(records, shard_ids, geometry.num_hidden_layers)
         if i:
             compared.append((span_latencies(request, phases["token.decode"]), timing.latencies))
     check_latencies(compared)
@@ -198,9 +205,10 @@ def test_one_connected_trace_per_request_matching_the_client(
 
 
 def check_trace(
-    request: ReadableSpan, by_trace: dict[str, list[dict[str, Any]]], shard_ids: tuple[str, ...]
+    request: ReadableSpan, records: list[dict[str, Any]], shard_ids: tuple[str, ...]
 ) -> dict[str, dict[str, Any]]:
-    """The request's phases: one each, all children of `router.request`, inside its time."""
+    """The request's phases: one each, all children of `router.request`, inside its time; every
+    other span of the trace is a KV receiver's, a traced decode step's or a shard's."""
     context = request.context
     assert context is not None and request.parent is None, "router.request is the root"
     assert request.attributes is not None
@@ -209,12 +217,14 @@ def check_trace(
     assert tuple(request.attributes.get("phasemesh.shards", ())) == shard_ids
     assert request.attributes["gen_ai.usage.output_tokens"] == NUM_TOKENS
     assert request.attributes["gen_ai.response.finish_reasons"] == ("length",)
-    records = by_trace[hex_id(context.trace_id, 32)]
-    assert sorted(r["name"] for r in records) == sorted(PHASES)
-    phases = {r["name"]: r for r in records}
+    names = [r["name"] for r in records]
+    assert sorted(n for n in names if n in PHASES) == sorted(PHASES)
+    assert set(names) <= PHASES | MESH_SPANS, names
+    phases = {r["name"]: r for r in records if r["name"] in PHASES}
     assert request.start_time is not None and request.end_time is not None
     for record in records:
-        assert record["parent_id"] == hex_id(context.span_id, 16), record["name"]
+        if record["name"] != "shard.attend":  # a child of its token.step: check_shard_steps
+            assert record["parent_id"] == hex_id(context.span_id, 16), record["name"]
         assert request.start_time <= ns(record["start_time"]) <= ns(record["end_time"])
         assert ns(record["end_time"]) <= request.end_time + 1000  # jsonl keeps microseconds
     order = ["prompt.queue", "prompt.prefill", "token.queue", "token.decode"]
@@ -241,6 +251,72 @@ def check_kv_transfer(
     assert attributes["phasemesh.kv.bytes"] == expected
     assert attributes["phasemesh.kv.num_layers"] == geometry.num_hidden_layers
     assert attributes["phasemesh.kv.overlap_ratio"] == (1.0 if layer_wise else 0.0)
+
+
+def events(record: dict[str, Any], name: str) -> list[tuple[int, dict[str, Any]]]:
+    return [(ns(e["timestamp"]), e["attributes"]) for e in record["events"] if e["name"] == name]
+
+
+def check_kv_layers(
+    phases: dict[str, dict[str, Any]], records: list[dict[str, Any]], geometry: ModelConfig,
+    *, layer_wise: bool, num_shards: int,
+) -> None:  # fmt: skip
+    """Per KV page, a `kv.send` event on the sender's `kv.transfer` and a `kv.land` event on each
+    receiver's `kv.receive` (every shard's heads, or the token engine's whole KV), page k landing
+    after it was sent; layer-wise, every layer leaves before the prefill ends (the overlap)."""
+    num_layers = geometry.num_hidden_layers
+    sends = events(phases["kv.transfer"], "kv.send")
+    pages = [(a["phasemesh.kv.layer_start"], a["phasemesh.kv.num_layers"]) for _, a in sends]
+    assert pages == ([(k, 1) for k in range(num_layers)] if layer_wise else [(0, num_layers)])
+    assert [t for t, _ in sends] == sorted(t for t, _ in sends)
+    assert (
+        sum(a["phasemesh.kv.bytes"] for _, a in sends)
+        == (phases["kv.transfer"]["attributes"]["phasemesh.kv.bytes"])
+    )
+    if layer_wise:
+        assert sends[-1][0] <= ns(phases["prompt.prefill"]["end_time"]) + 1000
+    receives = [r for r in records if r["name"] == "kv.receive"]
+    heads = sorted(tuple(r["attributes"]["phasemesh.kv.heads"]) for r in receives)
+    assert len(receives) == max(num_shards, 1)
+    assert heads[0][0] == 0 and heads[-1][1] == geometry.num_key_value_heads
+    assert all(a[1] == b[0] for a, b in zip(heads, heads[1:], strict=False)), heads
+    landed_bytes = [0] * len(sends)
+    for receive in receives:
+        lands = events(receive, "kv.land")
+        landed = [(a["phasemesh.kv.layer_start"], a["phasemesh.kv.num_layers"]) for _, a in lands]
+        assert landed == pages, receive["attributes"]
+        for k, ((sent_ns, _), (land_ns, attributes)) in enumerate(zip(sends, lands, strict=True)):
+            assert sent_ns <= land_ns, (k, receive["attributes"])  # causality across processes
+            landed_bytes[k] += attributes["phasemesh.kv.bytes"]
+        assert receive["attributes"]["phasemesh.kv.num_layers"] == num_layers
+    assert landed_bytes == [a["phasemesh.kv.bytes"] for _, a in sends]
+
+
+def check_shard_steps(
+    records: list[dict[str, Any]], shard_ids: tuple[str, ...], num_layers: int
+) -> None:
+    """With shards, the request's first decode step at least is traced: each `token.step` has
+    one `shard.attend` child per shard, inside it, with one `layer` event per layer in order."""
+    steps = {r["context"]["span_id"]: r for r in records if r["name"] == "token.step"}
+    attends = [r for r in records if r["name"] == "shard.attend"]
+    if not shard_ids:
+        assert not steps and not attends
+        return
+    assert steps, "the request's first decode step is traced"
+    assert len(attends) == len(shard_ids) * len(steps)
+    for step in steps.values():
+        children = [a for a in attends if a["parent_id"] == step["context"]["span_id"]]
+        assert sorted(a["attributes"]["phasemesh.shard"] for a in children) == sorted(shard_ids)
+        for attend in children:
+            attributes = attend["attributes"]
+            assert attributes["phasemesh.step"] == step["attributes"]["phasemesh.step"]
+            assert attributes["phasemesh.num_rows"] == step["attributes"]["phasemesh.num_rows"]
+            assert attributes["phasemesh.kv.num_layers"] == num_layers
+            assert attributes["phasemesh.kv.blocks_used"] > 0
+            layers = [a["phasemesh.layer"] for _, a in events(attend, "layer")]
+            assert layers == list(range(num_layers))
+            assert ns(step["start_time"]) <= ns(attend["start_time"])
+            assert ns(attend["end_time"]) <= ns(step["end_time"]) + 1000
 
 
 def span_latencies(request: ReadableSpan, decode: dict[str, Any]) -> Latencies:

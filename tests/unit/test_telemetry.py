@@ -555,11 +555,13 @@ def test_collector_and_prometheus_configs_wire_the_documented_ports() -> None:
 def test_token_engine_samples_shard_round_trips_per_shard(
     metrics: Metrics, metric_reader: InMemoryMetricReader
 ) -> None:
-    from services.engine.telemetry import EngineTelemetry
+    from common.scheduling.batching import Sequence
+    from services.engine.telemetry import UNTRACED, EngineTelemetry
 
     telemetry = EngineTelemetry("token-0", "tiny", shards=("shard-0", "shard-1"), metrics=metrics)
-    assert telemetry.samples_round_trips()  # the first step is sampled ...
-    assert not telemetry.samples_round_trips()  # ... the next one, right after, is not
+    rows = [Sequence("r", 8)]
+    assert telemetry.trace_step(1, rows).to_histogram  # the first step is sampled ...
+    assert telemetry.trace_step(2, rows) is UNTRACED  # ... the next one, right after, is not
     # Two layers, two shards: shard 0's reply came first in each layer.
     telemetry.record_round_trips([(0, 0.0003), (1, 0.0005), (0, 0.0004), (1, 0.0006)])
     trips = {
