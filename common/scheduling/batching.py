@@ -108,6 +108,11 @@ class EngineScheduler:
     def running(self) -> list[Sequence]:
         return [self.seqs[str(r)] for r in self.policy.running]
 
+    @property
+    def plan_in_progress(self) -> bool:
+        """The current plan still has a batch to hand out (its decodes, after its prefills)."""
+        return any(b.seqs for b in self._rest)
+
     def pending_prompt_tokens(self) -> int:
         return self.policy.pending_prompt_tokens
 
