@@ -9,6 +9,7 @@ check the engines' token streams without the HTTP layer in between.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -61,6 +62,18 @@ class MeshTestClient:
         while (report := self.load_reports.recv_nowait()) is not None:
             self.scheduler.on_load(report[1])
             self.reported.add(report[1].engine_id)
+
+    def wait_for_loads(
+        self, check: Callable[[dict[str, MachineLoad]], bool], timeout: float = 30.0
+    ) -> dict[str, MachineLoad]:
+        """Block on the load reports until `check(loads)` holds; the loads then."""
+        deadline = time.monotonic() + timeout
+        while not check(loads := self.loads()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the engines' load reports did not satisfy {check} in time")
+            self.load_reports.sock.poll(int(left * 1000))
+        return loads
 
     def loads(self) -> dict[str, MachineLoad]:
         """The scheduler's current estimate per engine service id (after a `refresh`)."""

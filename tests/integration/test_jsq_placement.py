@@ -4,8 +4,6 @@ threshold borrows the least-loaded token engine, named, for prefill; greedy toke
 
 from __future__ import annotations
 
-import time
-
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
 from common.sampling import SamplingParams
@@ -21,20 +19,13 @@ LONG_LEN, BURST_LEN, NUM_BURST = 250, 160, 4
 THRESHOLDS = PoolThresholds(prompt_tokens=300)
 
 
-def wait_until(check, timeout_s: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_a_prompt_burst_borrows_the_least_loaded_token_engine(tiny_model_path) -> None:
     mesh = LocalMesh.start(Topology(str(tiny_model_path), num_prompt=1, num_token=2))
     client = MeshTestClient(mesh, THRESHOLDS)
     try:
         (p0,), (t0, t1) = mesh.prompt, mesh.token
         engines = {p0.service_id, t0.service_id, t1.service_id}
-        wait_until(lambda: client.loads() and engines <= client.reported, what="load reports")
+        client.wait_for_loads(lambda _: engines <= client.reported)
         prompts = random_prompts([LONG_LEN] + [BURST_LEN] * NUM_BURST, 2048, seed=5)
         lengths = [300] + [8] * NUM_BURST
         specs = [SamplingSpec(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
@@ -45,9 +36,8 @@ def test_a_prompt_burst_borrows_the_least_loaded_token_engine(tiny_model_path) -
         outputs: dict[str, list[int]] = {"long": []}
         first = client.recv(timeout=60)
         outputs[first.req_id] += first.token_ids
-        wait_until(lambda: client.loads()[t0.service_id].decode_tokens >= LONG_LEN
-                   and client.loads()[p0.service_id].pending_prompt_tokens == 0,
-                   what="t0 reporting the long decode")  # fmt: skip
+        client.wait_for_loads(lambda loads: loads[t0.service_id].decode_tokens >= LONG_LEN
+                              and loads[p0.service_id].pending_prompt_tokens == 0)  # fmt: skip
 
         # The burst, placed faster than the engines report.
         client.refresh()
