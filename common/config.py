@@ -150,12 +150,17 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Machine-level batching limits (Splitwise §IV-B: prompt batches capped at 2048 tokens)."""
+    """Machine-level batching (Splitwise §IV-B): prompt batches capped at 2048 tokens, and the
+    mixed policy's preemption cap and aging (common/scheduling/mixed.py)."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    max_preemptions: int = 2  # a request preempted this often is preempted only as a last resort
+    starvation_s: float = 1.0  # a preempted request waiting this long goes before new prompts
 
     def __post_init__(self) -> None:
+        if self.max_preemptions < 0 or self.starvation_s < 0:
+            raise ValueError("max_preemptions and starvation_s must be >= 0")
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_seqs <= 0:

@@ -81,7 +81,8 @@ class KvIngress:
         with self.lock:
             if (ended := self._ended.get(pages.req_id)) is not None:
                 return ended
-            self.events.append(KvEvent("received", pages.req_id, pages.layer_start, self.clock()))
+            self.events.append(KvEvent("received", pages.req_id, pages.layer_start, self.clock(),
+                                       pages.sent_at))  # fmt: skip
             if not self.blocks.has(pages.req_id):
                 try:
                     self.blocks.allocate(pages.req_id, max(pages.num_tokens, pages.reserve_tokens))

@@ -194,6 +194,9 @@ class KvEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
     req_id: str
     layer_start: int
     time: float  # time.monotonic(), comparable across processes of one host
+    # `received`: when the sender handed these pages to the transport (`KvPages.sent_at`), so
+    # the overlap of a transfer with its prefill is seen apart from when the receiver ran.
+    sent_at: float = 0.0
 
 
 class EngineStats(_Msg, tag="engine_stats"):

@@ -22,6 +22,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: int = 1024
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    max_preemptions: int = 2  # the mixed policy's preemption cap (common/scheduling/mixed.py)
+    starvation_s: float = 1.0  # and its aging
     layer_wise_min_tokens: int = 256
     attention_backend: str = "auto"
     num_threads: int = 1

@@ -68,6 +68,8 @@ class EngineArgs(_Args):
     block_size: int = Field(default=16, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
+    max_preemptions: int = Field(default=2, ge=0)  # the mixed policy's preemption cap
+    starvation_s: float = Field(default=1.0, ge=0)  # and its aging (common/scheduling/mixed.py)
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # docs/prefix_caching.md
 
@@ -81,6 +83,8 @@ class MeshArgs(_Args):
     block_size: int = Field(default=16, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     max_num_seqs: int = Field(default=64, ge=1)
+    max_preemptions: int = Field(default=2, ge=0)  # the mixed policy's preemption cap
+    starvation_s: float = Field(default=1.0, ge=0)  # and its aging (common/scheduling/mixed.py)
     layer_wise_min_tokens: int = Field(default=256, ge=1)
     attention_backend: str = "auto"
     num_threads: int = Field(default=1, ge=1)  # torch threads per replica
@@ -142,6 +146,8 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
             max_num_seqs=e.max_num_seqs,
             attention_backend=e.attention_backend,
             enable_prefix_caching=e.enable_prefix_caching,
+            max_preemptions=e.max_preemptions,
+            starvation_s=e.starvation_s,
         )
         return InProcessEngineClient(engine)
     registry = RayRegistry.for_app(serve.get_replica_context().app_name)
@@ -166,6 +172,7 @@ def _worker_config(args: AppArgs) -> WorkerConfig:
     return base_worker_config(
         str(args.model_path()), _bind_host(m), block_size=m.block_size, num_blocks=m.num_blocks,
         max_num_batched_tokens=m.max_num_batched_tokens, max_num_seqs=m.max_num_seqs,
+        max_preemptions=m.max_preemptions, starvation_s=m.starvation_s,
         layer_wise_min_tokens=m.layer_wise_min_tokens, attention_backend=m.attention_backend,
         num_threads=m.num_threads, shard_num_blocks=m.shard_num_blocks,
         enable_prefix_caching=m.enable_prefix_caching, served_model_name=args.model_name(),

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.attention.cpu_kernel import kernel_available
 from common.model.default import default_model_path, hf_config, write_random_llama
+from tests.kernel_gate import require_kernel_build
 
 # A second architecture: other head counts (GQA 2:1, head_dim 32), Llama-3 rope scaling with a
 # short original context so the scaling is exercised, a large rope_theta, tied embeddings.
@@ -20,6 +22,12 @@ SECOND_CONFIG = dict(
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
     },
 )  # fmt: skip
+
+
+@pytest.fixture
+def kernel_must_be_built() -> None:
+    """Used by `tests.kernel_gate` in CI: a kernel test fails if the extension is not built."""
+    require_kernel_build(kernel_available())
 
 
 @pytest.fixture(scope="session")

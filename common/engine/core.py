@@ -21,7 +21,7 @@ from common.engine.runner import ModelRunner, StepInputs
 from common.kv_cache import KVCache
 from common.model.loader import load_model
 from common.sampling import SampledRow, Sampler, SamplingParams
-from common.scheduling.batching import BatchScheduler, Phase, Sequence
+from common.scheduling.batching import EngineScheduler, Phase, Sequence
 from common.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -52,7 +52,7 @@ class LLMEngine:
         )
         backend = select_backend(config.attention_backend)
         self.runner: ModelRunner[StepInputs] = ModelRunner(self.model, kv, self.blocks, backend)
-        self.scheduler = BatchScheduler(self.blocks, config.scheduler)
+        self.scheduler = EngineScheduler(self.blocks, config.scheduler)
         self.sampler = Sampler()
         self.grammars = EngineGrammars(folder, self.model_config.vocab_size,
                                        self.model_config.eos_token_ids)  # fmt: skip
@@ -73,12 +73,16 @@ class LLMEngine:
         max_num_seqs: int = 64,
         attention_backend: str = "auto",
         enable_prefix_caching: bool = True,
+        max_preemptions: int = 2,
+        starvation_s: float = 1.0,
     ) -> LLMEngine:
         return cls(
             EngineConfig(
                 model_path=str(model_path),
                 cache=CacheConfig(block_size, num_blocks, enable_prefix_caching),
-                scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+                scheduler=SchedulerConfig(
+                    max_num_batched_tokens, max_num_seqs, max_preemptions, starvation_s
+                ),
                 attention_backend=attention_backend,
             )
         )
@@ -123,7 +127,8 @@ class LLMEngine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode batch; return one output per scheduled request."""
+        """Run one prefill or decode batch (an iteration of the mixed policy runs as its prefill
+        batch, then its decode batch); return one output per scheduled request."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []

@@ -1,24 +1,29 @@
-"""Machine-level batching (Splitwise §IV-B), pure: no torch, no sockets.
+"""The engines' machine-level scheduler: `MixedBatchPolicy` (common/scheduling/mixed.py, the very
+policy the simulator runs) applied to a real `BlockManager` and turned into runner batches. Pure:
+no torch, no sockets.
 
-One policy serves the real engine and the simulator:
-- prompt phase: FCFS prefill batches capped at `max_num_batched_tokens` (2048 by default; a
-  single longer prompt runs alone rather than starving);
-- token phase: every running sequence decodes each step (continuous batching) for as long as KV
-  blocks last; when they run out, the youngest sequence is preempted, its blocks freed, and it
-  goes back to the head of the queue to be recomputed from its tokens.
+Each policy iteration (`MixedPlan`: prompts to prefill, decodes to step, decodes preempted) is run
+as at most two batches, prefill first: the model runner runs one phase per forward. The policy
+counts KV in the cache's blocks and reserves, at each plan, room for the token the iteration
+generates; this class mirrors every reservation into the `BlockManager` (allocate, grow, free), so
+the policy's count and the block manager's agree. Blocks held outside this scheduler (KV landed
+for a hand-off not yet admitted, another scheduler on the same cache) are the policy's
+`external_blocks`.
 
-A `mixed` engine runs both, prompts first. The engine loop reads:
-`batch = scheduler.schedule()`, `out = runner.run(batch)`, `scheduler.update(batch, finished)`.
+The engine loop reads: `batch = scheduler.schedule()`, run it, `scheduler.update(batch, finished)`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from common.block_manager import BlockManager
 from common.config import SchedulerConfig
+from common.scheduling.mixed import MixedBatchPolicy, MixedPlan, MixedPolicyConfig
 
 
 class Phase(StrEnum):
@@ -28,7 +33,7 @@ class Phase(StrEnum):
 
 @dataclass(eq=False)
 class Sequence:
-    """The scheduler's view of one request: token counts only."""
+    """The runner's view of one request: token counts only."""
 
     req_id: str
     num_tokens: int  # prompt plus generated so far
@@ -41,7 +46,7 @@ class Sequence:
 
 @dataclass
 class Batch:
-    """One step's plan: the sequences to run in one phase, and who was preempted to make room."""
+    """One forward's sequences, all in one phase, and who was preempted to make room."""
 
     phase: Phase
     seqs: list[Sequence]
@@ -54,68 +59,115 @@ class Batch:
         return sum(s.num_tokens - s.num_computed for s in self.seqs)
 
 
-class BatchScheduler:
-    """FCFS prefill batching and memory-bounded continuous decode batching over a BlockManager.
+def policy_config(blocks: BlockManager, config: SchedulerConfig) -> MixedPolicyConfig:
+    """The policy's knobs for an engine: its cache's blocks, and the YAML's batching limits."""
+    return MixedPolicyConfig(
+        kv_capacity_tokens=blocks.num_blocks * blocks.block_size,
+        prompt_token_cap=config.max_num_batched_tokens,
+        max_preemptions=config.max_preemptions,
+        starvation_s=config.starvation_s,
+        block_size=blocks.block_size,
+        max_num_seqs=config.max_num_seqs,
+    )
 
-    `prefill` / `decode` pick the phases this machine runs (Splitwise's prompt, token or mixed
-    machine); a mixed machine prefers prompts, as Splitwise's mixed pool does.
+
+class EngineScheduler:
+    """`MixedBatchPolicy` over an engine's `BlockManager` (see the module docstring).
+
+    A prompt machine's scheduler sees only prompts (and `remove`s each once its KV has shipped),
+    a token machine's only `add_running` hand-offs: the roles are what each is fed, as in the
+    simulator. `clock` dates arrivals and preemptions for the policy's aging.
     """
 
     def __init__(
         self,
         blocks: BlockManager,
         config: SchedulerConfig,
-        prefill: bool = True,
-        decode: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.blocks = blocks
         self.config = config
-        self.runs_prefill, self.runs_decode = prefill, decode
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0  # total, for metrics and tests
+        self.clock = clock
+        self.policy = MixedBatchPolicy(policy_config(blocks, config))
+        self.seqs: dict[str, Sequence] = {}
+        self.plan_log: list[MixedPlan] | None = None  # a list: every plan is appended (tests)
+        self._rest: deque[Batch] = deque()  # the current plan's batches not yet handed out
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.seqs)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.policy.num_preemptions
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Sequences waiting for a prefill, resumes (preempted) first."""
+        queued = [*self.policy.resumes, *self.policy.prompts]
+        return [self.seqs[str(s.req_id)] for s in queued]
+
+    @property
+    def running(self) -> list[Sequence]:
+        return [self.seqs[str(r)] for r in self.policy.running]
+
+    @property
+    def plan_in_progress(self) -> bool:
+        """The current plan still has a batch to hand out (its decodes, after its prefills)."""
+        return any(b.seqs for b in self._rest)
 
     def pending_prompt_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.waiting)
+        return self.policy.pending_prompt_tokens
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence for prefill."""
-        self.waiting.append(seq)
+        self.seqs[seq.req_id] = seq
+        self.policy.add_prompt(seq.req_id, seq.num_tokens, self.clock())
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose KV is already in its blocks (prefilled elsewhere)."""
         if not self.blocks.has(seq.req_id):
             raise ValueError(f"request {seq.req_id} holds no KV blocks")
         seq.num_computed = seq.num_tokens - 1
-        self.running.append(seq)
+        self.seqs[seq.req_id] = seq
+        now = self.clock()
+        self.policy.add_decode(seq.req_id, seq.num_tokens - 1, now, now, resident=True)
 
     def remove(self, req_id: str) -> bool:
         """Finish or abort: drop the sequence and free its blocks. False if unknown."""
-        found = False
-        for queue in (self.waiting, self.running):
-            for seq in list(queue):
-                if seq.req_id == req_id:
-                    queue.remove(seq)
-                    found = True
+        found = self.seqs.pop(req_id, None) is not None
+        self.policy.remove(req_id)
         self.blocks.free(req_id)
+        for batch in self._rest:
+            batch.seqs = [s for s in batch.seqs if s.req_id != req_id]
         return found
 
     def schedule(self) -> Batch | None:
-        """The next step's batch, or None when there is nothing this machine can run now."""
-        if self.runs_prefill and self.waiting:
-            batch = self._schedule_prefill()
+        """The next batch: the rest of the current plan, else the first of a new plan; None when
+        there is nothing this machine can run now."""
+        while self._rest:
+            batch = self._rest.popleft()
             if batch.seqs:
                 return batch
-        if self.runs_decode and self.running:
-            return self._schedule_decode()
-        return None
+        own = sum(len(self.blocks.block_table(str(r))) for r in self.policy.running
+                  if self.blocks.has(str(r)))  # fmt: skip
+        # NOTE: blocks shared through the prefix cache count once per holder in `own`, so the
+        # policy sees at least what is really held (never less room than there is).
+        self.policy.external_blocks = max(self.blocks.num_used_blocks - own, 0)
+        plan = self.policy.schedule(self.clock())
+        if self.plan_log is not None:
+            self.plan_log.append(plan)
+        preempted = [self._preempt(str(r)) for r in plan.preempted_ids]
+        prefill = Batch(Phase.PREFILL, [self._reserve(str(r), 0) for r in plan.prefill_ids])
+        decode = Batch(Phase.DECODE, [self._reserve(str(r), 1) for r in plan.decode_ids])
+        first = prefill if prefill.seqs else decode
+        first.preempted = preempted
+        if first is prefill and decode.seqs:
+            self._rest.append(decode)
+        return first if first.seqs else None
 
     def update(self, batch: Batch, finished: set[str]) -> None:
-        """After a step: every scheduled sequence computed its input and gained one token."""
+        """After a forward: every sequence in it computed its input and gained one token."""
         for seq in batch.seqs:
             seq.num_computed = seq.num_tokens
             self.blocks.mark_computed(seq.req_id, seq.num_computed)
@@ -123,48 +175,25 @@ class BatchScheduler:
         for req_id in finished:
             self.remove(req_id)
 
-    def _schedule_prefill(self) -> Batch:
-        seqs: list[Sequence] = []
-        budget = self.config.max_num_batched_tokens
-        while self.waiting and len(self.running) + len(seqs) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seqs and seq.num_tokens > budget:
-                break  # FCFS: no skipping ahead of a prompt that does not fit this batch
-            # Room for the prompt and the first decoded token, less any cached prefix it reuses.
-            if not self.blocks.can_allocate(seq.num_tokens + 1, seq.token_ids):
-                break
-            self.waiting.popleft()
-            self.blocks.allocate(seq.req_id, seq.num_tokens, seq.token_ids)
-            # The cached prefix is computed already: the prefill covers the rest only.
-            seq.num_computed = self.blocks.num_cached_tokens(seq.req_id)
-            seqs.append(seq)
-            budget -= seq.num_tokens - seq.num_computed
-        if self.runs_decode:
-            self.running.extend(seqs)
-        return Batch(Phase.PREFILL, seqs)
+    def _reserve(self, req_id: str, num_uncomputed: int) -> Sequence:
+        """Mirror the policy's reservation into the blocks; `num_uncomputed`: the tokens the
+        forward feeds (0: all of them, a prefill)."""
+        seq = self.seqs[req_id]
+        reserved = self.policy.num_tokens(req_id)  # this iteration's new token included
+        seq.num_tokens = reserved - 1
+        seq.num_computed = seq.num_tokens - num_uncomputed if num_uncomputed else 0
+        if not self.blocks.has(req_id):
+            # The tokens it holds now: the cache may cover a prefix of them, never the last one,
+            # whose logits the prefill needs (allocating the new token's room too would let a
+            # block-aligned prompt be matched whole). The policy still counts its whole length.
+            self.blocks.allocate(req_id, seq.num_tokens, seq.token_ids)
+            seq.num_computed = self.blocks.num_cached_tokens(req_id)
+        self.blocks.grow(req_id, reserved)
+        return seq
 
-    def _schedule_decode(self) -> Batch:
-        preempted: list[Sequence] = []
-        scheduled: list[Sequence] = []
-        queue = list(self.running)  # oldest first
-        while queue:
-            seq = queue.pop(0)
-            # The input token sits at position num_tokens - 1: it needs a slot.
-            while not self.blocks.can_grow(seq.req_id, seq.num_tokens):
-                victim = queue.pop() if queue else seq  # the youngest goes first
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self.blocks.grow(seq.req_id, seq.num_tokens)
-                scheduled.append(seq)
-        return Batch(Phase.DECODE, scheduled, preempted)
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.free(seq.req_id)
+    def _preempt(self, req_id: str) -> Sequence:
+        seq = self.seqs[req_id]
+        self.blocks.free(req_id)
         seq.num_computed = 0
         seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        return seq

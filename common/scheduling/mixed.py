@@ -1,4 +1,8 @@
-"""Machine-level scheduling for a mixed-pool machine (Splitwise §IV-B): mixed continuous batching.
+"""Machine-level scheduling (Splitwise §IV-B): mixed continuous batching, the ONE policy that both
+the live engines (through `common.scheduling.batching.PolicyScheduler`, over their real
+`BlockManager`) and the simulator (`loadgen.sim.machine.SimMachine`) run, through the same methods:
+`add_prompt` / `add_decode` / `schedule` / `finish`. Feeding both the same arrivals gives the same
+plans (tests/unit/test_policy_equivalence.py).
 
 Rules, in the order `schedule` applies them:
 
@@ -13,8 +17,14 @@ Rules, in the order `schedule` applies them:
 5. Every running decode generates one token per iteration; if their growth would overflow memory,
    the youngest preemptable decodes are preempted.
 
-A prompt-only or token-only machine is the degenerate case (no decodes / no prompts), so the
-simulator runs every role through this one class.
+A prompt-only or token-only machine is the degenerate case (no decodes / no prompts), so every
+role runs through this one class: a prompt machine `finish`es a request once its KV has left.
+
+Memory is counted in KV blocks of `block_size` tokens, as a `BlockManager` allocates them: a
+sequence holding n tokens takes ceil(n / block_size) blocks. The simulator uses block_size 1 (exact
+token counts, O(1) per query); an engine uses its cache's block size, so the policy's count is the
+block manager's. Blocks the machine holds outside the policy (KV landing for a hand-off not yet
+admitted, another policy sharing the cache) are `external_blocks`.
 
 Time is counted in iterations (`step`), so that many decode-only iterations can be applied at once
 (`advance`) in O(1): a sequence's generated count is `gen_base + step - join_step`.
@@ -25,7 +35,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, count
+
+ReqId = int | str  # the simulator numbers requests; engines name them
 
 
 @dataclass(frozen=True)
@@ -36,10 +48,16 @@ class MixedPolicyConfig:
     prompt_token_cap: int = 2048
     max_preemptions: int = 2
     starvation_s: float = 1.0
+    block_size: int = 1  # KV allocation granule, in tokens
+    max_num_seqs: int = 0  # running sequences at most; 0: no limit but memory
 
     def __post_init__(self) -> None:
-        if self.kv_capacity_tokens <= 0 or self.prompt_token_cap <= 0:
-            raise ValueError("mixed policy: kv_capacity_tokens and prompt_token_cap must be > 0")
+        if self.kv_capacity_tokens <= 0 or self.prompt_token_cap <= 0 or self.block_size <= 0:
+            raise ValueError(
+                "mixed policy: kv_capacity_tokens, prompt_token_cap and block_size must be > 0"
+            )
+        if self.max_num_seqs < 0:
+            raise ValueError("mixed policy: max_num_seqs must be >= 0")
         if self.max_preemptions < 0 or self.starvation_s < 0:
             raise ValueError("mixed policy: max_preemptions and starvation_s must be >= 0")
 
@@ -49,9 +67,10 @@ class SeqState:
     """One request on this machine. Its KV holds `prompt_len + generated` tokens; a prefill here
     computes `prompt_len + gen_base` (the prompt, plus the generated tokens after a preemption)."""
 
-    req_id: int
+    req_id: ReqId
     prompt_len: int
     arrival_s: float
+    order: int = 0  # arrival order on this machine: breaks ties between equal arrival times
     num_preemptions: int = 0
     gen_base: int = 0
     join_step: int = 0
@@ -67,10 +86,10 @@ class SeqState:
 class MixedPlan:
     """One iteration: prompts to prefill, decodes to step, and requests preempted to make room."""
 
-    prefill_ids: tuple[int, ...] = ()
+    prefill_ids: tuple[ReqId, ...] = ()
     num_prefill_tokens: int = 0
-    decode_ids: tuple[int, ...] = ()
-    preempted_ids: tuple[int, ...] = ()
+    decode_ids: tuple[ReqId, ...] = ()
+    preempted_ids: tuple[ReqId, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -86,52 +105,108 @@ class MixedBatchPolicy:
         self.prompts: deque[SeqState] = deque()  # new prompts, FCFS
         self.resumes: list[SeqState] = []  # preempted, oldest arrival first
         self.arrived_decodes: deque[SeqState] = deque()  # KV landed from elsewhere, FCFS
-        self.running: dict[int, SeqState] = {}
+        self.running: dict[ReqId, SeqState] = {}
         self.pending_prompt_tokens = 0  # prefill tokens waiting (prompts and resumes)
+        self.external_blocks = 0  # KV blocks of this machine held outside this policy
+        self.num_preemptions = 0  # in all, for metrics and tests
         self._kv_offset = 0  # sum over running of (prompt_len + gen_base - join_step)
-        self._prefilling: set[int] = set()
+        self._prefilling: set[ReqId] = set()
+        self._order = count()
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def add_prompt(self, req_id: int, prompt_len: int, arrival_s: float) -> None:
-        self.prompts.append(SeqState(req_id, prompt_len, arrival_s, waiting_since_s=arrival_s))
+    def add_prompt(self, req_id: ReqId, prompt_len: int, arrival_s: float) -> None:
+        seq = SeqState(req_id, prompt_len, arrival_s, next(self._order), waiting_since_s=arrival_s)
+        self.prompts.append(seq)
         self.pending_prompt_tokens += prompt_len
 
-    def add_decode(self, req_id: int, prompt_len: int, arrival_s: float, now: float) -> None:
-        """A request prefilled elsewhere (first token generated there): its KV has landed."""
-        seq = SeqState(req_id, prompt_len, arrival_s, gen_base=1, waiting_since_s=now)
-        self.arrived_decodes.append(seq)
+    def add_decode(
+        self, req_id: ReqId, prompt_len: int, arrival_s: float, now: float, resident: bool = False
+    ) -> None:
+        """A request prefilled elsewhere (first token generated there), `prompt_len` tokens before
+        that token. In the simulator its KV lands here when memory allows (FCFS); an engine's
+        arrives before the hand-off (`resident`: already in this machine's blocks), so it joins
+        the running decodes at once."""
+        seq = SeqState(req_id, prompt_len, arrival_s, next(self._order), gen_base=1,
+                       waiting_since_s=now)  # fmt: skip
+        if resident:
+            self._join(seq, gen_base=1, join_step=self.step)
+        else:
+            self.arrived_decodes.append(seq)
 
     def advance(self, num_steps: int) -> None:
         """`num_steps` more decode-only iterations ran over the current running set."""
         self.step += num_steps
 
-    def finish(self, req_id: int) -> None:
+    def finish(self, req_id: ReqId) -> None:
         """The request is done here (finished, or its KV left for its token machine)."""
         seq = self.running.pop(req_id)
         self._kv_offset -= seq.prompt_len + seq.gen_base - seq.join_step
 
+    def remove(self, req_id: ReqId) -> bool:
+        """Forget a request wherever it is (an abort); False if it is not here."""
+        if req_id in self.running:
+            self.finish(req_id)
+            return True
+        for queue in (self.prompts, self.resumes, self.arrived_decodes):
+            for seq in queue:
+                if seq.req_id == req_id:
+                    queue.remove(seq)  # type: ignore[arg-type]
+                    if queue is not self.arrived_decodes:
+                        self.pending_prompt_tokens -= seq.prefill_len
+                    return True
+        return False
+
     # -- queries --------------------------------------------------------------------------------
 
-    def num_generated(self, req_id: int) -> int:
+    def num_generated(self, req_id: ReqId) -> int:
         seq = self.running[req_id]
         return seq.gen_base + self.step - seq.join_step
 
+    def num_tokens(self, req_id: ReqId) -> int:
+        """The KV a running request holds: its prompt and every token generated so far (the one
+        this iteration generates included, once planned)."""
+        return self.running[req_id].prompt_len + self.num_generated(req_id)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.config.kv_capacity_tokens // self.config.block_size
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks the running requests hold (external ones not counted)."""
+        if self.config.block_size == 1:
+            return self._kv_offset + len(self.running) * self.step
+        return sum(self.blocks_for(self.num_tokens(r)) for r in self.running)
+
     @property
     def kv_used(self) -> int:
-        return self._kv_offset + len(self.running) * self.step
+        return (self.used_blocks + self.external_blocks) * self.config.block_size
 
     @property
     def kv_free(self) -> int:
         return self.config.kv_capacity_tokens - self.kv_used
 
     @property
+    def free_blocks(self) -> int:
+        return self.capacity_blocks - self.used_blocks - self.external_blocks
+
+    def _fits(self, num_tokens: int) -> bool:
+        return self.free_blocks >= self.blocks_for(num_tokens)
+
+    @property
     def has_waiting(self) -> bool:
         return bool(self.prompts or self.resumes or self.arrived_decodes)
 
     def max_decode_steps(self) -> int:
-        """How many decode-only iterations the running set can take before memory runs out."""
-        return self.kv_free // len(self.running) if self.running else 0
+        """How many decode-only iterations the running set can take before memory runs out (a
+        lower bound with blocks: each sequence may need a new block every block_size steps)."""
+        if not self.running:
+            return 0
+        return self.free_blocks // len(self.running) * self.config.block_size
 
     # -- the plan -------------------------------------------------------------------------------
 
@@ -141,7 +216,7 @@ class MixedBatchPolicy:
         Prefilled sequences join `running` at once (their KV is reserved) and decode from the next
         iteration; the iteration itself counts as one step.
         """
-        preempted: list[int] = []
+        preempted: list[ReqId] = []
         self._prefilling = set()
         prefill = self._admit_prefills(now, preempted)  # (req_id, prefill tokens)
         self._admit_arrived_decodes()
@@ -162,14 +237,16 @@ class MixedBatchPolicy:
         fresh = [s for s in self.resumes if now - s.waiting_since_s < starvation]
         return chain(starved, self.prompts, fresh)
 
-    def _admit_prefills(self, now: float, preempted: list[int]) -> list[tuple[int, int]]:
+    def _admit_prefills(self, now: float, preempted: list[ReqId]) -> list[tuple[ReqId, int]]:
         admitted: list[SeqState] = []
-        lengths: list[tuple[int, int]] = []
+        lengths: list[tuple[ReqId, int]] = []
         budget = self.config.prompt_token_cap
         for seq in self._waiting_order(now):
             if admitted and seq.prefill_len > budget:
                 break  # FCFS: nothing skips ahead of a prompt that does not fit
-            if self.kv_free < seq.prefill_len + 1 and not self._preempt_for(
+            if 0 < self.config.max_num_seqs <= len(self.running):
+                break
+            if not self._fits(seq.prefill_len + 1) and not self._preempt_for(
                 seq.prefill_len + 1, now, preempted
             ):
                 break
@@ -184,17 +261,27 @@ class MixedBatchPolicy:
         return lengths
 
     def _admit_arrived_decodes(self) -> None:
-        while self.arrived_decodes and self.kv_free >= self.arrived_decodes[0].prompt_len + 2:
+        while self.arrived_decodes and self._fits(self.arrived_decodes[0].prompt_len + 2):
+            if 0 < self.config.max_num_seqs <= len(self.running):
+                return
             seq = self.arrived_decodes.popleft()
             self._join(seq, gen_base=seq.gen_base, join_step=self.step)
 
-    def _fit_growth(self, now: float, preempted: list[int]) -> None:
+    def _fit_growth(self, now: float, preempted: list[ReqId]) -> None:
         """Make room for one more token per running decode."""
-        while self.running and self.kv_free < len(self.running) - len(self._prefilling):
+        while self.running and self.free_blocks < self._growth_blocks():
             victims = self._victims(ignore_cap=False) or self._victims(ignore_cap=True)
             if not victims:
                 return
             self._preempt(victims[0], now, preempted)
+
+    def _growth_blocks(self) -> int:
+        """New blocks one more token for every running decode takes: one each whose last block
+        is full."""
+        decodes = [r for r in self.running if r not in self._prefilling]
+        if self.config.block_size == 1:
+            return len(decodes)
+        return sum(1 for r in decodes if self.num_tokens(r) % self.config.block_size == 0)
 
     def _victims(self, ignore_cap: bool) -> list[SeqState]:
         """Running decodes in preemption order: youngest (lowest age priority) first."""
@@ -204,36 +291,38 @@ class MixedBatchPolicy:
             for s in self.running.values()
             if s.req_id not in self._prefilling and (ignore_cap or s.num_preemptions < cap)
         ]
-        return sorted(eligible, key=lambda s: (-s.arrival_s, -s.req_id))
+        return sorted(eligible, key=lambda s: (-s.arrival_s, -s.order))
 
-    def _preempt_for(self, need: int, now: float, preempted: list[int]) -> bool:
-        """Preempt youngest eligible decodes until `need` KV tokens are free; False (and no
+    def _preempt_for(self, need: int, now: float, preempted: list[ReqId]) -> bool:
+        """Preempt youngest eligible decodes until `need` KV tokens fit; False (and no
         preemption at all) if even all eligible decodes would not free enough."""
         victims = self._victims(ignore_cap=False)
-        freeable = sum(s.prompt_len + self.num_generated(s.req_id) for s in victims)
-        if self.kv_free + freeable < need:
+        freeable = sum(self.blocks_for(self.num_tokens(s.req_id)) for s in victims)
+        if self.free_blocks + freeable < self.blocks_for(need):
             return False
         for seq in victims:
-            if self.kv_free >= need:
+            if self._fits(need):
                 break
             self._preempt(seq, now, preempted)
         return True
 
-    def _preempt(self, seq: SeqState, now: float, preempted: list[int]) -> None:
+    def _preempt(self, seq: SeqState, now: float, preempted: list[ReqId]) -> None:
         generated = self.num_generated(seq.req_id)
         self.finish(seq.req_id)
         resumed = SeqState(
             seq.req_id,
             seq.prompt_len,
             seq.arrival_s,
+            seq.order,
             num_preemptions=seq.num_preemptions + 1,
             gen_base=generated,
             waiting_since_s=now,
             is_resume=True,
         )
         self.resumes.append(resumed)
-        self.resumes.sort(key=lambda s: (s.arrival_s, s.req_id))
+        self.resumes.sort(key=lambda s: (s.arrival_s, s.order))
         self.pending_prompt_tokens += resumed.prefill_len
+        self.num_preemptions += 1
         preempted.append(seq.req_id)
 
     def _unqueue(self, seq: SeqState, prefill_len: int) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from common.config import SchedulerConfig
 from common.scheduling.cluster import JSQPoolPolicy, PoolThresholds, RouteRequest
 from common.scheduling.mixed import MixedBatchPolicy, MixedPolicyConfig
 from loadgen.sim.config import ClusterSpec, perf_model_for
@@ -81,13 +82,17 @@ class SimResult:
         return sum(1 for r in self.records if r.done_s == r.done_s)
 
 
+_ENGINE = SchedulerConfig()
+
+
 @dataclass(frozen=True)
 class SimOptions:
-    """Scheduler knobs of a run (defaults follow Splitwise §IV)."""
+    """Scheduler knobs of a run (defaults follow Splitwise §IV). The machine-level ones default
+    to the engines' (`SchedulerConfig`): both run `MixedBatchPolicy`."""
 
-    prompt_token_cap: int = 2048
-    max_preemptions: int = 2
-    starvation_s: float = 1.0
+    prompt_token_cap: int = _ENGINE.max_num_batched_tokens
+    max_preemptions: int = _ENGINE.max_preemptions
+    starvation_s: float = _ENGINE.starvation_s
     # A token machine holding ~40k KV tokens (~35 conversation requests) is "full": past that
     # batch size its TBT passes 1.2x, so the router looks to the mixed pool.
     thresholds: PoolThresholds = PoolThresholds(decode_tokens=40_000)

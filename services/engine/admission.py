@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from common.block_manager import BlockManager
 from common.protocol import DecodeHandoff
-from common.scheduling.batching import BatchScheduler, Sequence
+from common.scheduling.batching import EngineScheduler, Sequence
 
 
 class DecodeAdmission:
@@ -51,7 +51,7 @@ class DecodeAdmission:
         """The group's blocks not reserved for a request decoding against it."""
         return self.shard_blocks.num_free_blocks
 
-    def admit(self, local: BatchScheduler, kv_complete: Callable[[str], bool]) -> list[str]:
+    def admit(self, local: EngineScheduler, kv_complete: Callable[[str], bool]) -> list[str]:
         """Start every handoff at the head of the queue whose KV is in place; returns their ids.
         Local ones (`kv_complete` says when all their KV landed) join `local` as running
         sequences."""

@@ -42,7 +42,7 @@ from common.protocol import (
     TokenOutput,
 )
 from common.sampling import SampledRow, Sampler, SamplingParams
-from common.scheduling.batching import Batch, BatchScheduler, Phase, Sequence
+from common.scheduling.batching import Batch, EngineScheduler, Phase, Sequence
 from services.engine.admission import DecodeAdmission
 from services.engine.outbox import Outbox
 from services.engine.routing import EngineRole, RequestRoute, kv_endpoints
@@ -102,10 +102,11 @@ class Engine:
         )  # fmt: skip
         self.shards = tuple(shards)  # the group the runner's links reach, in head order
         self.kv_send = kv_send
-        # Prompts whose decode happens elsewhere, and requests decoding here with local KV
-        # (which may be preempted and recomputed here). Both share this engine's KV blocks.
-        self.ship_queue = BatchScheduler(self.blocks, config.scheduler, prefill=True, decode=False)
-        self.local = BatchScheduler(self.blocks, config.scheduler, prefill=True, decode=True)
+        # Prompts whose decode happens elsewhere (each leaves once its KV shipped), and requests
+        # decoding here with local KV (which may be preempted and recomputed here). Both run the
+        # simulator's mixed policy and share this engine's KV blocks.
+        self.ship_queue = EngineScheduler(self.blocks, config.scheduler)
+        self.local = EngineScheduler(self.blocks, config.scheduler)
         # Handoffs waiting for their KV, and the requests decoding against the shard group.
         self.admission = DecodeAdmission(role.shard_num_blocks, c.block_size)
         self.requests: dict[str, Request] = {}

@@ -274,6 +274,8 @@ def _engine_config(cfg: WorkerConfig) -> EngineConfig:
     return EngineConfig(
         model_path=cfg.model_path,
         cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_caching),
-        scheduler=SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+        scheduler=SchedulerConfig(
+            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_preemptions, cfg.starvation_s
+        ),
         attention_backend=cfg.attention_backend,
     )

@@ -1,43 +1,85 @@
 """A client that talks to a `LocalMesh`'s engines directly, with no router: for tests and benches.
 
-It places requests round-robin (not the router's JSQ) and returns raw `TokenOutput`s, so a test
-can check the engines' token streams without the HTTP layer in between.
+It places requests as the router does, by JSQ: the router's `ClusterScheduler` (Splitwise's
+`JSQPoolPolicy`, with its mixed-pool borrowing) fed the engines' own `LoadReport`s, to which it
+subscribes as `services/router/mesh_inbox.py` does. It returns raw `TokenOutput`s, so a test can
+check the engines' token streams without the HTTP layer in between.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
+from collections.abc import Callable
 
 import zmq
 
 from common.protocol import (
     AbortRequest,
     GenerateRequest,
+    LoadReport,
     SamplingSpec,
     ServiceReply,
     TokenBatch,
     TokenOutput,
 )
+from common.scheduling.cluster import MachineLoad, PoolThresholds
 from common.token_stream import TokenStreamOrderer
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from services.launch.local_mesh import LocalMesh
 from services.mesh.registry import ServiceEntry
+from services.router.cluster_scheduler import ClusterScheduler
 
 
 class MeshTestClient:
-    """Submits requests to a mesh and collects their token streams (round-robin placement)."""
+    """Submits requests to a mesh and collects their token streams (JSQ placement)."""
 
-    def __init__(self, mesh: LocalMesh) -> None:
+    def __init__(self, mesh: LocalMesh, thresholds: PoolThresholds | None = None) -> None:
         self.mesh = mesh
         ctx: zmq.Context = zmq.Context.instance()
         sock, self.reply_endpoint = bind_random(ctx, zmq.PULL, auth=mesh.auth)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(sock, ServiceReply)
         self.push: PushPool[object] = PushPool(ctx, object, auth=mesh.auth)
-        self._prompt_rr = itertools.cycle(mesh.prompt)
-        self._token_rr = itertools.cycle(mesh.token)
+        self.scheduler = ClusterScheduler(mesh.topology.block_size, thresholds)
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        mesh.auth.join(sub)
+        self.load_reports: TypedSocket[LoadReport] = TypedSocket(sub, LoadReport)
+        self._subscribed: set[str] = set()
+        self.reported: set[str] = set()  # engines whose load report has come in
         self.placement: dict[str, tuple[ServiceEntry, ServiceEntry]] = {}
         self.orderer = TokenStreamOrderer()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Take the mesh's engines as the registry lists them now (restarts included) and every
+        load report that has come in."""
+        engines = [*self.mesh.prompt, *self.mesh.token]
+        self.scheduler.set_engines(engines)
+        for e in engines:
+            if e.load_endpoint and e.load_endpoint not in self._subscribed:
+                self.load_reports.sock.connect(e.load_endpoint)
+                self._subscribed.add(e.load_endpoint)
+        while (report := self.load_reports.recv_nowait()) is not None:
+            self.scheduler.on_load(report[1])
+            self.reported.add(report[1].engine_id)
+
+    def wait_for_loads(
+        self, check: Callable[[dict[str, MachineLoad]], bool], timeout: float = 30.0
+    ) -> dict[str, MachineLoad]:
+        """Block on the load reports until `check(loads)` holds; the loads then."""
+        deadline = time.monotonic() + timeout
+        while not check(loads := self.loads()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the engines' load reports did not satisfy {check} in time")
+            self.load_reports.sock.poll(int(left * 1000))
+        return loads
+
+    def loads(self) -> dict[str, MachineLoad]:
+        """The scheduler's current estimate per engine service id (after a `refresh`)."""
+        self.refresh()
+        return self.scheduler.loads()
 
     def submit(
         self,
@@ -45,11 +87,17 @@ class MeshTestClient:
         prompt: list[int],
         sampling: SamplingSpec,
         traceparent: str = "",
+        refresh: bool = True,
         token_engine: ServiceEntry | None = None,
     ) -> None:
-        """`traceparent`: the request's trace context (`inject_context()`), as a router sends it;
-        `token_engine`: where it decodes (default: the next one, round-robin)."""
-        pe, te = next(self._prompt_rr), token_engine or next(self._token_rr)
+        """`traceparent`: the request's trace context (`inject_context()`), as a router sends it.
+        `refresh=False` places on the loads as last refreshed (plus what was placed since), as a
+        router does when a burst comes in faster than the engines report. `token_engine`: where
+        it decodes, instead of where JSQ would place it (a test's choice)."""
+        if refresh:
+            self.refresh()
+        pe, te = self.scheduler.choose(len(prompt))
+        te = token_engine or te
         self.placement[req_id] = (pe, te)
         msg = GenerateRequest(
             req_id=req_id, prompt_token_ids=prompt, sampling=sampling,
@@ -81,4 +129,5 @@ class MeshTestClient:
 
     def close(self) -> None:
         self.replies.close()
+        self.load_reports.close()
         self.push.close()

@@ -70,26 +70,29 @@ def test_mesh_matches_single_process_engine(
 
 
 def _check_layer_wise(events, prompts) -> None:
-    """Long prompts: one KV message per layer, and layer 0 reached a receiver before the prompt
+    """Long prompts: one KV message per layer, and EVERY one's transfer overlaps its prefill:
+    its layer 0 left the prompt engine (the `sent_at` the receiver got with it) before the prompt
     engine finished the last layer. Short prompts: one message carrying every layer.
 
-    NOTE: the overlap is required of at least one long prompt, not of each: a receiver that is
-    descheduled on a busy 2-core machine can take its layer 0 late, and that is scheduling, not
-    the shipping order this test is about (the per-layer messages prove that for every prompt).
+    NOTE: the overlap is judged by when layer 0 left, carried on the message, not by when the
+    receiver's loop took it: a receiver descheduled on a busy 2-core machine takes its layer 0
+    late, and that is scheduling, not the shipping order this test is about. Landing times are
+    still checked to follow their sending.
     """
     prefilled = {e.req_id: e.time for e in events if e.what == "prefilled"}
     received: dict[str, list] = {}
     for e in events:
         if e.what == "received":
             received.setdefault(e.req_id, []).append(e)
-    overlapped = []
+    num_long = 0
     for i, prompt in enumerate(prompts):
-        got = received[f"req-{i}"]
+        req_id, got = f"req-{i}", received[f"req-{i}"]
+        assert all(0 < e.sent_at <= e.time for e in got), f"{req_id}: landed before it was sent"
         if len(prompt) >= LAYER_WISE_MIN:
-            assert {e.layer_start for e in got} == {0, 1, 2, 3}, f"req-{i} was not layer-wise"
-            first = min(e.time for e in got if e.layer_start == 0)
-            overlapped.append(first < prefilled[f"req-{i}"])
+            num_long += 1
+            assert {e.layer_start for e in got} == {0, 1, 2, 3}, f"{req_id} was not layer-wise"
+            first_sent = min(e.sent_at for e in got if e.layer_start == 0)
+            assert first_sent < prefilled[req_id], f"{req_id}: layer 0 left after its prefill"
         else:
-            assert {e.layer_start for e in got} == {0}, f"req-{i} was not serialized"
-    assert overlapped, "no prompt was long enough to ship layer-wise"
-    assert any(overlapped), "no layer 0 landed before its prefill ended"
+            assert {e.layer_start for e in got} == {0}, f"{req_id} was not serialized"
+    assert num_long == sum(len(p) >= LAYER_WISE_MIN for p in prompts) > 0

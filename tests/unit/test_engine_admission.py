@@ -5,7 +5,7 @@ from __future__ import annotations
 from common.block_manager import BlockManager
 from common.config import SchedulerConfig
 from common.protocol import DecodeHandoff, SamplingSpec, ShardAddress
-from common.scheduling.batching import BatchScheduler
+from common.scheduling.batching import EngineScheduler
 from services.engine.admission import DecodeAdmission
 
 BLOCK = 16
@@ -23,8 +23,8 @@ def nothing_landed(req_id: str) -> bool:
     return False
 
 
-def local_scheduler(num_blocks: int = 64) -> BatchScheduler:
-    return BatchScheduler(BlockManager(num_blocks, BLOCK), SchedulerConfig(), prefill=False)
+def local_scheduler(num_blocks: int = 64) -> EngineScheduler:
+    return EngineScheduler(BlockManager(num_blocks, BLOCK), SchedulerConfig())
 
 
 def test_sharded_requests_start_at_once_and_the_mirror_counts_what_the_shards_hold():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.attention.cpu_kernel import kernel_available
 from common.model import layer_ops
+from tests.kernel_gate import kernel_gate
 
-pytestmark = pytest.mark.skipif(not kernel_available(), reason="csrc extension not built")
+pytestmark = kernel_gate("csrc extension not built")
 
 
 def reference_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from common.attention.base import combine_partials
-from common.attention.cpu_kernel import CpuKernelAttention, kernel_available, supported_isas
+from common.attention.cpu_kernel import CpuKernelAttention, supported_isas
+from tests.kernel_gate import kernel_gate
 
-pytestmark = pytest.mark.skipif(not kernel_available(), reason="csrc kernel not built")
+pytestmark = kernel_gate("csrc kernel not built")
 
 NUM_KV_HEADS = 2
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

@@ -1,16 +1,15 @@
-"""Machine-level batching decisions on fabricated states (pure: no model)."""
+"""The engines' scheduler (`EngineScheduler`: the mixed policy over a real BlockManager) on
+fabricated states (pure: no model)."""
 
 from __future__ import annotations
 
 from common.block_manager import BlockManager
 from common.config import SchedulerConfig
-from common.scheduling.batching import BatchScheduler, Phase, Sequence
+from common.scheduling.batching import EngineScheduler, Phase, Sequence
 
 
-def make(num_blocks=64, block_size=16, budget=2048, max_seqs=64, **kw) -> BatchScheduler:
-    return BatchScheduler(
-        BlockManager(num_blocks, block_size), SchedulerConfig(budget, max_seqs), **kw
-    )
+def make(num_blocks=64, block_size=16, budget=2048, max_seqs=64) -> EngineScheduler:
+    return EngineScheduler(BlockManager(num_blocks, block_size), SchedulerConfig(budget, max_seqs))
 
 
 def test_prefill_batches_are_fcfs_and_capped_at_the_token_budget():
@@ -39,12 +38,17 @@ def test_prompts_go_first_on_a_mixed_machine_then_everyone_decodes():
     assert first and first.phase is Phase.PREFILL
     s.update(first, finished=set())
     s.add(Sequence("b", 10))
+    # One mixed iteration: b's prefill, then a's decode (the runner runs one phase at a time).
     second = s.schedule()
     assert second and second.phase is Phase.PREFILL and second.seqs[0].req_id == "b"
     s.update(second, finished=set())
+    rest = s.schedule()
+    assert rest and rest.phase is Phase.DECODE and [q.req_id for q in rest.seqs] == ["a"]
+    s.update(rest, finished=set())
     third = s.schedule()
     assert third and third.phase is Phase.DECODE
     assert [q.req_id for q in third.seqs] == ["a", "b"]
+    assert s.plan_log is None  # recording is opt-in
 
 
 def test_out_of_blocks_preempts_the_youngest_and_requeues_it_first():
@@ -54,8 +58,9 @@ def test_out_of_blocks_preempts_the_youngest_and_requeues_it_first():
     prefill = s.schedule()
     assert prefill and [q.req_id for q in prefill.seqs] == ["old", "young"]
     s.update(prefill, set())
-    # Both decode until 8 tokens (2 blocks each, 1 free); the 9th token needs 2 more blocks.
-    for _ in range(4):
+    # The policy reserves the slot of the token each iteration generates: the prefill holds 5
+    # tokens (2 blocks each, 1 free), three decodes reach 8; the next needs 2 more blocks.
+    for _ in range(3):
         step = s.schedule()
         assert step and step.phase is Phase.DECODE and not step.preempted
         s.update(step, set())
@@ -67,9 +72,8 @@ def test_out_of_blocks_preempts_the_youngest_and_requeues_it_first():
 
 
 def test_token_machine_decodes_only_admitted_sequences():
-    s = make(prefill=False)
-    s.add(Sequence("queued", 10))
-    assert s.schedule() is None  # a token machine never prefills
+    s = make()
+    assert s.schedule() is None
     s.blocks.allocate("ready", 11)
     s.add_running(Sequence("ready", 11))
     batch = s.schedule()
