@@ -44,6 +44,7 @@ from common.protocol import (
 from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import Batch, EngineScheduler, Phase, Sequence
 from services.engine.admission import DecodeAdmission
+from services.engine.faults import EngineFaults
 from services.engine.outbox import Outbox
 from services.engine.routing import EngineRole, RequestRoute, kv_endpoints
 from services.engine.runner import (
@@ -59,17 +60,15 @@ from services.engine.telemetry import EngineTelemetry
 log = structlog.get_logger(__name__)
 
 
-# How long a hand-off may wait for its KV to land in this engine's cache (docs/failures.md).
-HANDOFF_KV_WAIT_S = 30.0
-
-
 class ShardRowFailed(RuntimeError):
     """A shard could not attend for one request (its KV there was refused or lost): that request
     is re-run elsewhere, its batch-mates go on."""
 
 
-class Engine:
-    """Prefill and/or decode for the mesh; see the module docstring."""
+class Engine(EngineFaults):
+    """Prefill and/or decode for the mesh; see the module docstring. Its fault inputs (a lost
+    router, undelivered KV or hand-offs, a failed step, a new shard group, expired waits) are
+    in `faults.py`."""
 
     def __init__(
         self,
@@ -193,21 +192,6 @@ class Engine:
             return out
         return Outbox()
 
-    def expire(self, now: float) -> Outbox:
-        """Bounds on waiting: free local KV whose hand-off never came (`KvIngress` leases), and
-        end, retryably, hand-offs whose KV has not landed within `HANDOFF_KV_WAIT_S` (they would
-        block the queue behind them for good)."""
-        if expired := self.kv_ingress.expire_leases():
-            log.warning("unclaimed KV freed after its lease", engine=self.engine_id,
-                        req_ids=expired[:8], num_freed=len(expired))  # fmt: skip
-        out = Outbox()
-        for h in self.admission.stalled(now, HANDOFF_KV_WAIT_S, self.kv_ingress.is_complete):
-            out += self._end(h.req_id, f"engine {self.engine_id}: the request's KV did not "
-                             f"arrive within {HANDOFF_KV_WAIT_S} s", retryable=True)  # fmt: skip
-        if out:
-            self._admit_handoffs()
-        return out
-
     def on_abort(self, req_id: str) -> Outbox:
         """Forget a request wherever it is. The token engine decoding it frees its shards: only
         it knows when no decode step of the request can reach a shard any more."""
@@ -223,80 +207,6 @@ class Engine:
         self.requests.pop(req_id, None)
         self.routing.pop(req_id, None)
         return frees
-
-    def lost_reply_to(self, reply_to: str) -> Outbox:
-        """A router this engine reports to is gone (its connection down for a while): end its
-        requests here, retryably; the error waits in its queue in case it comes back."""
-        lost = [req_id for req_id, route in self.routing.items() if route.reply_to == reply_to]
-        if lost:
-            log.warning("router lost; ending its requests", engine=self.engine_id,
-                        router=reply_to, num_requests=len(lost))  # fmt: skip
-        return self._end_all(lost, f"engine {self.engine_id}: lost its router")
-
-    def kv_undelivered(self, req_id: str) -> Outbox:
-        """A request's KV transfer failed (its receiver died or stopped reading): if it is still
-        here, it ends retryably; once handed off, its token engine's KV wait ends it."""
-        if req_id not in self.routing:
-            return Outbox()
-        return self._end(req_id, f"engine {self.engine_id}: its KV could not be delivered",
-                         retryable=True)  # fmt: skip
-
-    def undelivered_handoff(self, handoff: DecodeHandoff) -> Outbox:
-        """A hand-off its token engine would not take (gone, or not reading)."""
-        return self._refuse_handoff(handoff, "its token engine is unreachable")
-
-    def _refuse_handoff(self, handoff: DecodeHandoff, why: str, retryable: bool = True) -> Outbox:
-        """A hand-off that will not decode here: the router re-runs the request (a retryable
-        error, unless the request itself is at fault), and its shards' KV is freed (a local-KV
-        engine's lease frees its own)."""
-        error = TokenOutput(
-            handoff.req_id, [], "error", handoff.num_prompt_tokens,
-            error=f"engine {self.engine_id}: {why}", retryable=retryable,
-        )  # fmt: skip
-        return Outbox.output(handoff.reply_to, error) + Outbox.free(
-            handoff.req_id, kv_endpoints(handoff.shards)
-        )
-
-    def fail_all(self, error: str) -> Outbox:
-        """A step failed, for no one request's fault (a shard answered with an error, a kernel
-        raised): end every request here, retryably, and free all. The router re-runs each from
-        its tokens (the self-healing path), at most `max_migrations` times."""
-        return self._end_all(list(self.routing), error)
-
-    def _end_all(self, req_ids: list[str], error: str) -> Outbox:
-        """End each of `req_ids` retryably (the router re-runs them from their tokens)."""
-        out = Outbox()
-        for req_id in req_ids:
-            out += self._end(req_id, error, retryable=True)
-        return out
-
-    def _end(self, req_id: str, error: str, retryable: bool = False) -> Outbox:
-        """End one request with an error to its client, and forget it here (frees included)."""
-        route = self.routing[req_id]
-        self.telemetry.aborted(req_id, RuntimeError(error))
-        message = TokenOutput(req_id, [], "error", route.num_prompt_tokens, error=error,
-                              retryable=retryable)  # fmt: skip
-        return Outbox.output(route.reply_to, message) + self.on_abort(req_id)
-
-    def relink(self, links: Seq[ShardLink], shards: Seq[ShardAddress], reason: str) -> Outbox:
-        """Decode against `shards` from now on (empty: local attention only).
-
-        Every request tied to the old group (decoding against it, or waiting to) ends with a
-        retryable error: the router re-runs it from its tokens on a whole group. Its KV is freed
-        on every shard of the old group: this engine cannot tell which one died (a free sent to
-        a dead shard is dropped with its socket), and the live ones may hold it without ever
-        having decoded it (a handoff still waiting), so no other free would come.
-        """
-        tied = [s.req_id for s in self.admission.sharded]
-        tied += [h.req_id for h in self.admission.waiting if h.shards]
-        error = f"engine {self.engine_id}: {reason}"
-        out = self._end_all(tied, error)
-        self.shards = tuple(shards)
-        self.runner.shard_links = list(links)
-        self.runner.shards = list(shards)
-        log.warning("shard group relinked", engine=self.engine_id, reason=reason,
-                    num_failed=len(tied), shards=[s.service_id for s in shards])  # fmt: skip
-        return out
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ from common.config import CacheConfig, EngineConfig
 from common.engine.core import LLMEngine
 from common.protocol import GenerateRequest, ShardAddress, TokenOutput
 from common.sampling import SamplingParams
-from services.engine.engine import HANDOFF_KV_WAIT_S, Engine, EngineRole
+from services.engine.engine import Engine, EngineRole
+from services.engine.faults import HANDOFF_KV_WAIT_S
 from services.engine.outbox import Outbox
 from tests.conftest import random_prompts
 
