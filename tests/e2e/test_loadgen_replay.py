@@ -267,7 +267,9 @@ def check_completed_records(
         if record["error"] is None:
             assert record["prompt_tokens"] == expected.input_len, record
             assert record["output_tokens"] == expected.output_len, record
-            assert len(record["itl_s"]) + 1 == expected.output_len, record
+            # One gap per streamed chunk: tokens that reach the router together leave as one
+            # chunk (vLLM's benchmark counts its inter-token latencies per chunk too).
+            assert 1 <= len(record["itl_s"]) + 1 <= expected.output_len, record
 
 
 # ---- the tests ----

@@ -128,7 +128,8 @@ def stream_once(http: httpx.Client, prompt: list[int]) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     assert not any("error" in c for c in chunks), chunks
     token_chunks = [c for c in chunks if c["choices"]]
-    assert len(token_chunks) == NUM_TOKENS, len(token_chunks)
+    # Tokens that reach the router together leave as one chunk; usage counts every token.
+    assert 1 <= len(token_chunks) <= NUM_TOKENS, len(token_chunks)
     assert token_chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == NUM_TOKENS
 
