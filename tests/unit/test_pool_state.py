@@ -154,3 +154,14 @@ def test_token_fullness_is_the_kv_where_the_request_would_decode() -> None:
     _, token = scheduler.choose(100)
     assert token.service_id == "p0"
     assert changes(scheduler) == [("p0", SetRole("mixed", LEASE_S))]
+
+
+def test_thresholds_come_from_the_serve_config() -> None:
+    from services.app import AppArgs
+
+    args = AppArgs.model_validate(
+        {"topology": "mesh", "mesh": {"pools": {"prompt_tokens": 300, "lease_s": 2.5}}}
+    )
+    assert args.mesh.pools.thresholds() == PoolThresholds(prompt_tokens=300, role_lease_s=2.5)
+    with pytest.raises(ValueError):
+        AppArgs.model_validate({"mesh": {"pools": {"lease_s": 0}}})
