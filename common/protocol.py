@@ -124,8 +124,20 @@ class LinkShards(_Msg, tag="link_shards"):
     shards: list[ShardAddress]
 
 
+class SetRole(_Msg, tag="set_role"):
+    """Router -> engine: serve in `role` (its home role, or mixed) from now on. Idempotent.
+
+    Lending an engine to the mixed pool (Splitwise §IV-A) is a lease: the engine goes home by
+    itself `lease_s` after the last `SetRole(mixed)`, so a router that dies mid-borrow strands
+    nothing; the routers that still want it mixed renew. Running requests and their KV stay.
+    """
+
+    role: str
+    lease_s: float = 0.0
+
+
 EngineCommand = (
-    GenerateRequest | DecodeHandoff | AbortRequest | StatsRequest | Shutdown | LinkShards
+    GenerateRequest | DecodeHandoff | AbortRequest | StatsRequest | Shutdown | LinkShards | SetRole
 )
 
 
@@ -211,6 +223,7 @@ class EngineStats(_Msg, tag="engine_stats"):
     # Prompt tokens prefilled here, and those found in the prefix cache instead (since start).
     num_prefill_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    home_role: str = ""  # an engine's configured pool; `role` is the one it serves in now
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats
@@ -223,7 +236,7 @@ class LoadReport(_Msg, tag="load"):
     """What JSQ needs (Splitwise §IV-A): pending prompt tokens, decode tokens, free KV blocks."""
 
     engine_id: str
-    role: str
+    role: str  # the pool it serves in now: every router's pool view is these reports
     pending_prompt_tokens: int
     running_decode_tokens: int
     num_running: int
@@ -240,6 +253,7 @@ class LoadReport(_Msg, tag="load"):
     kv_snapshot: bool = False
     kv_added: list[int] = []
     kv_removed: list[int] = []
+    home_role: str = ""  # its configured pool, where it returns from mixed; empty: `role`
 
 
 # -- prompt engine -> shard or token engine (KV pages; header of a tensor message) -----------------

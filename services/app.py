@@ -36,6 +36,7 @@ from common.config import env
 from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
 from common.roles import Role
+from common.scheduling.cluster import PoolThresholds
 from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
@@ -74,6 +75,22 @@ class EngineArgs(_Args):
     enable_prefix_caching: bool = True  # docs/prefix_caching.md
 
 
+class PoolArgs(_Args):
+    """Splitwise's pools (docs/serving.md): when JSQ's best engine counts as full, so that an
+    engine of the other pool is lent to the mixed pool, and how long a loan lasts unrenewed."""
+
+    prompt_tokens: int = Field(default=8192, ge=1)  # a prompt engine's pending prompt tokens
+    decode_tokens: int = Field(default=1 << 62, ge=0)  # a token engine's running decode tokens
+    min_free_kv_tokens: int = Field(default=0, ge=0)  # KV left where the request would decode
+    lease_s: float = Field(default=10.0, gt=0)  # a lent engine goes home this long unrenewed
+
+    def thresholds(self) -> PoolThresholds:
+        return PoolThresholds(
+            prompt_tokens=self.prompt_tokens, decode_tokens=self.decode_tokens,
+            min_free_kv_tokens=self.min_free_kv_tokens, role_lease_s=self.lease_s,
+        )  # fmt: skip
+
+
 class MeshArgs(_Args):
     """The mesh deployments (`topology: mesh`): KV sizes, batching, shard groups, sockets."""
 
@@ -97,6 +114,7 @@ class MeshArgs(_Args):
     drain_s: float = Field(default=20.0, ge=0)  # an engine finishes its requests this long
     # Re-runs of one request on other replicas when its engines or shards die (token replay).
     max_migrations: int = Field(default=MAX_MIGRATIONS, ge=0)
+    pools: PoolArgs = Field(default_factory=PoolArgs)
     # Signs the UCX hellos between engines and shards (hex); None: `build_app` draws one per
     # deploy, which every replica of the application shares.
     key: str | None = Field(default=None, pattern=r"^([0-9a-f]{2}){16,}$")
@@ -159,6 +177,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
         block_size=args.mesh.block_size,
         max_migrations=args.mesh.max_migrations,
         prefix_routing_weight=args.mesh.prefix_routing_weight,
+        pool_thresholds=args.mesh.pools.thresholds(),
         metrics=Metrics(model_name=args.model_name(), engine=replica_id),
     )
 

@@ -83,11 +83,15 @@ class PoolThresholds:
     min_free_kv_tokens: int = 0
     repurpose_after_s: float = 600.0
     min_mixed_s: float = 0.0
+    # The live mesh only: how long an engine lent to mixed stays there without a renewing
+    # `SetRole` (common/scheduling/role_lease.py); routers renew every third of it.
+    role_lease_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.prompt_tokens <= 0 or self.repurpose_after_s <= 0:
+        if self.prompt_tokens <= 0 or self.repurpose_after_s <= 0 or self.role_lease_s <= 0:
             raise ValueError(
-                "pool thresholds: prompt_tokens and repurpose_after_s must be positive"
+                "pool thresholds: prompt_tokens, repurpose_after_s and role_lease_s must be "
+                "positive"
             )
 
 
@@ -115,6 +119,16 @@ class PoolTable:
         else:
             self.mixed_since.pop(move.machine_id, None)
         self.current[move.machine_id] = move.to_pool
+
+    def sync(self, reported: Mapping[int, tuple[Role, Role]], now: float) -> None:
+        """Take each machine's (home, current) pool as it says it is: in the live mesh the pools
+        are the engines' state (their load reports), and a policy's moves only ask for changes."""
+        for machine_id, (home, current) in reported.items():
+            if machine_id not in self.current:
+                continue
+            self.home[machine_id] = home
+            if current != self.current[machine_id]:
+                self.apply(PoolMove(machine_id, current), now)
 
     @property
     def is_split(self) -> bool:

@@ -15,7 +15,7 @@ three GenAI semantic-convention histograms (`gen_ai.server.*`), once per request
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,12 +101,15 @@ REQUEST_SUCCESS = _counter(
     "request_success_total", "{request}", "Finished requests", "finished_reason"
 )
 REQUEST_ERRORS = _counter("request_errors_total", "{request}", "Failed requests", "kind")
+POOL_ENGINES = _gauge(
+    "pool_engines", "{engine}", "Engines serving in each pool, as their reports say", "pool"
+)
 MIGRATIONS = _counter("request_migrations_total", "{request}", "Requests re-run", "reason")
 
 METRIC_SPECS = (
     TTFT, TBT, E2E, TPOT, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_TIME, SHARD_RTT,
     RUNNING, WAITING, KV_BLOCKS_USED, BATCH_SIZE, PROMPT_TOKENS, GENERATION_TOKENS,
-    KV_TRANSFER_BYTES, REQUEST_SUCCESS, REQUEST_ERRORS, MIGRATIONS,
+    KV_TRANSFER_BYTES, REQUEST_SUCCESS, REQUEST_ERRORS, MIGRATIONS, POOL_ENGINES,
 )  # fmt: skip
 
 Recorder = Callable[..., Any]
@@ -227,6 +230,11 @@ class Metrics:
     def set_batch_size(self, count: int, phase: str) -> None:
         """`phase` is `prefill` or `decode`."""
         self._sinks[BATCH_SIZE.name].record(count, {**self.labels, "phase": phase})
+
+    def set_pool_sizes(self, sizes: Mapping[str, int]) -> None:
+        """Engines per pool (`prompt`, `token`, `mixed`), as the router sees them; 0 included."""
+        for pool in ("prompt", "token", "mixed"):
+            self._sinks[POOL_ENGINES.name].record(sizes.get(pool, 0), {**self.labels, "pool": pool})
 
     # Counters.
     def add_prompt_tokens(self, count: int) -> None:

@@ -38,11 +38,14 @@ from common.protocol import (
     KvEvent,
     KvPages,
     LoadReport,
+    SetRole,
     ShardAddress,
     TokenOutput,
 )
+from common.roles import Role
 from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import Batch, EngineScheduler, Phase, Sequence
+from common.scheduling.role_lease import RoleLease
 from services.engine.admission import DecodeAdmission
 from services.engine.faults import EngineFaults
 from services.engine.outbox import Outbox
@@ -81,6 +84,9 @@ class Engine(EngineFaults):
         telemetry: EngineTelemetry | None = None,
     ) -> None:
         self.engine_id, self.role = engine_id, role
+        # The pool it serves in (home, or lent to mixed): what its reports say, what routers
+        # place by. Every role runs the same code, so a change keeps all running requests.
+        self.pool = RoleLease(Role(role.name))
         self.telemetry = telemetry or EngineTelemetry(engine_id, Path(config.model_path).name)
         self.model = load_model(config.model_path, config.dtype)
         mc = self.model.config
@@ -191,6 +197,10 @@ class Engine(EngineFaults):
             self._admit_handoffs()  # it may have been the head of the queue
             return out
         return Outbox()
+
+    def on_set_role(self, msg: SetRole) -> None:
+        """A router lends this engine to the mixed pool, renews the lease, or sends it home."""
+        self.pool.set(Role(msg.role), msg.lease_s, time.monotonic())
 
     def on_abort(self, req_id: str) -> Outbox:
         """Forget a request wherever it is. The token engine decoding it frees its shards: only
@@ -390,15 +400,16 @@ class Engine(EngineFaults):
     def stats(self) -> EngineStats:
         used = self.blocks.num_used_blocks + self.admission.shard_blocks.num_used_blocks
         return EngineStats(
-            self.engine_id, self.role.name, used, self.blocks.num_blocks, len(self.requests),
-            [*self.kv_ingress.events, *self.kv_events], self.num_prefill_tokens,
-            self.blocks.num_hit_tokens,
+            self.engine_id, self.pool.current(time.monotonic()), used, self.blocks.num_blocks,
+            len(self.requests), [*self.kv_ingress.events, *self.kv_events],
+            self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
         )  # fmt: skip
 
     def load_report(self, now: float) -> LoadReport:
         return LoadReport(
             engine_id=self.engine_id,
-            role=self.role.name,
+            role=self.pool.current(time.monotonic()),
+            home_role=self.role.name,
             pending_prompt_tokens=self.ship_queue.pending_prompt_tokens()
             + self.local.pending_prompt_tokens(),
             running_decode_tokens=sum(

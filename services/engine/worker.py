@@ -31,6 +31,7 @@ from common.protocol import (
     LinkShards,
     LoadReport,
     ServiceReply,
+    SetRole,
     ShardAddress,
     ShardIngress,
     ShardLinkMessage,
@@ -205,6 +206,8 @@ class EngineWorker:
             self._send(self.engine.on_handoff(msg))
         elif isinstance(msg, AbortRequest):
             self._send(self.engine.on_abort(msg.req_id))
+        elif isinstance(msg, SetRole):
+            self.engine.on_set_role(msg)
         elif isinstance(msg, LinkShards):
             self._relink(list(msg.shards), "its shard group changed")
         elif isinstance(msg, Shutdown):

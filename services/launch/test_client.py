@@ -2,8 +2,10 @@
 
 It places requests as the router does, by JSQ: the router's `ClusterScheduler` (Splitwise's
 `JSQPoolPolicy`, with its mixed-pool borrowing) fed the engines' own `LoadReport`s, to which it
-subscribes as `services/router/mesh_inbox.py` does. It returns raw `TokenOutput`s, so a test can
-check the engines' token streams without the HTTP layer in between.
+subscribes as `services/router/mesh_inbox.py` does. Like the router, it sends the pool changes
+the scheduler asks for (`SetRole`: lend, renew, return) on every placement and refresh. It
+returns raw `TokenOutput`s, so a test can check the engines' token streams without the HTTP
+layer in between.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class MeshTestClient:
         self.load_reports: TypedSocket[LoadReport] = TypedSocket(sub, LoadReport)
         self._subscribed: set[str] = set()
         self.reported: set[str] = set()  # engines whose load report has come in
+        self.roles_seen: dict[str, list[str]] = {}  # each engine's reported pools, in order
         self.placement: dict[str, tuple[ServiceEntry, ServiceEntry]] = {}
         self.orderer = TokenStreamOrderer()
         self.refresh()
@@ -63,6 +66,15 @@ class MeshTestClient:
         while (report := self.load_reports.recv_nowait()) is not None:
             self.scheduler.on_load(report[1])
             self.reported.add(report[1].engine_id)
+            seen = self.roles_seen.setdefault(report[1].engine_id, [])
+            if not seen or seen[-1] != report[1].role:
+                seen.append(report[1].role)
+        self.scheduler.rebalance()
+        self.send_role_changes()
+
+    def send_role_changes(self) -> None:
+        for engine, change in self.scheduler.take_role_changes():
+            self.push.get(engine.command_endpoint).send(change)
 
     def wait_for_loads(
         self, check: Callable[[dict[str, MachineLoad]], bool], timeout: float = 30.0
@@ -97,6 +109,7 @@ class MeshTestClient:
         if refresh:
             self.refresh()
         pe, te = self.scheduler.choose(len(prompt))
+        self.send_role_changes()  # an engine lent for this request hears it first
         te = token_engine or te
         self.placement[req_id] = (pe, te)
         msg = GenerateRequest(

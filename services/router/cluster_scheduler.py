@@ -6,6 +6,10 @@ given stable integer machine ids, and the policy is rebuilt when the set of read
 changes. The prompt engine and the token engine are chosen together; the shard group is the token
 engine's own.
 
+Pools are the engines' state (`pool_state.py`): the policy's table is set from their reports
+before each decision, a borrow or return becomes a `SetRole` the router sends
+(`take_role_changes`), and a lent engine's lease is renewed while it still has borrowed work.
+
 Load reports arrive every 50 ms per engine; between two reports the router adds what it just
 placed to its copy of the chosen engines' load, so a burst of admissions does not all land on the
 engine that looked shortest in the last report.
@@ -27,7 +31,7 @@ from dataclasses import replace
 
 from common.block_hash import block_hashes, namespace_seed
 from common.kv_events import CachedBlocks, CacheDigest, reusable_blocks
-from common.protocol import LoadReport
+from common.protocol import LoadReport, SetRole
 from common.roles import Role
 from common.scheduling.cluster import (
     JSQPoolPolicy,
@@ -36,6 +40,7 @@ from common.scheduling.cluster import (
     RouteRequest,
 )
 from services.mesh.registry import ServiceEntry
+from services.router.pool_state import ReportedPools
 
 
 class NoEngines(LookupError):
@@ -54,7 +59,7 @@ class ClusterScheduler:
         cache_namespace: str = "",
     ) -> None:
         self.block_size = block_size
-        self.thresholds = thresholds
+        self.thresholds = thresholds or PoolThresholds()
         self.prefix_weight = prefix_weight  # 0: plain JSQ, prompts are not even hashed
         self.seed = namespace_seed(cache_namespace)  # the engines' (their model folder's name)
         self._lock = threading.Lock()
@@ -66,6 +71,7 @@ class ClusterScheduler:
         self._req_ids = itertools.count()
         self._linked: dict[int, list[str]] = {}  # each token engine's group, as it last reported
         self._cached: dict[int, CachedBlocks] = {}  # each engine's prefix cache, from its reports
+        self._pools = ReportedPools(self.thresholds.role_lease_s)
 
     def set_engines(self, entries: list[ServiceEntry]) -> None:
         """The ready engines now (from the registry); rebuilds the policy if the set changed."""
@@ -75,6 +81,7 @@ class ClusterScheduler:
             self._engines = engines
             self._loads = {m: self._loads.get(m, MachineLoad(m)) for m in engines}
             self._cached = {m: self._cached.get(m) or CachedBlocks() for m in engines}
+            self._pools.forget_all_but(engines)
             if changed:
                 homes = {m: Role(e.role) for m, e in engines.items()}
                 self._policy = (
@@ -96,6 +103,7 @@ class ClusterScheduler:
                 free_kv_tokens=report.free_kv_blocks * self.block_size,
             )
             self._linked[machine_id] = report.shard_endpoints
+            self._pools.on_report(machine_id, report)
             if report.kv_seq:
                 self._cached[machine_id].apply(
                     CacheDigest(report.kv_seq, report.kv_snapshot, report.kv_added,
@@ -117,12 +125,43 @@ class ClusterScheduler:
                 raise NoEngines("no ready prompt and token engines")
             cached = {m: c.prefix_blocks(hashes) * self.block_size for m, c in self._cached.items()}
             request = RouteRequest(next(self._req_ids), prompt_len, cached)
-            self._policy.rebalance(self._loads, time.monotonic())
-            decision = self._policy.route(request, self._loads, time.monotonic())
+            now = time.monotonic()
+            self._rebalance(self._policy, now)
+            decision = self._policy.route(request, self._loads, now)
+            self._pools.ask(decision.moves, now)
             prompt_id, token_id = decision.prompt_machine_id, decision.token_machine_id
             self._account(prompt_id, token_id, prompt_len, request.cached_on(prompt_id))
             self._cached[prompt_id].expect(hashes)
             return self._engines[prompt_id], self._linked_group(token_id)
+
+    def rebalance(self) -> None:
+        """Return drained lent engines home and renew the others' leases (the router calls this
+        between placements too, so an idle router still returns what it borrowed)."""
+        with self._lock:
+            if self._policy is not None:
+                self._rebalance(self._policy, time.monotonic())
+
+    def take_role_changes(self) -> list[tuple[ServiceEntry, SetRole]]:
+        """The `SetRole`s asked since the last call, for the router to send."""
+        with self._lock:
+            changes = [(self._engines[m], msg) for m, msg in self._pools.outbox
+                       if m in self._engines]  # fmt: skip
+            self._pools.outbox.clear()
+            return changes
+
+    def pools(self) -> dict[str, str]:
+        """Each engine's current pool as the router sees it (its reports; for stats, metrics)."""
+        with self._lock:
+            if self._policy is None:
+                return {e.service_id: str(e.role) for e in self._engines.values()}
+            self._pools.sync(self._policy.pools, time.monotonic())
+            current = self._policy.pools.current
+            return {e.service_id: current[m].value for m, e in self._engines.items()}
+
+    def _rebalance(self, policy: JSQPoolPolicy, now: float) -> None:
+        self._pools.sync(policy.pools, now)
+        self._pools.ask(policy.rebalance(self._loads, now), now)
+        self._pools.renew(policy.pools, now)
 
     def cached_blocks(self) -> dict[str, int]:
         """How many block hashes the router believes each engine caches (for tests and stats)."""

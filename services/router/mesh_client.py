@@ -37,6 +37,7 @@ from common.protocol import (
     TokenOutput,
 )
 from common.sampling import SamplingParams
+from common.scheduling.cluster import PoolThresholds
 from common.telemetry import Metrics, bind_request, inject_context, set_route
 from common.tokenizer import Tokenizer
 from common.transport.service_stats import request_stats
@@ -108,6 +109,7 @@ class MeshEngineClient:
         max_migrations: int = MAX_MIGRATIONS,
         metrics: Metrics | None = None,
         prefix_routing_weight: float = PREFIX_ROUTING_WEIGHT,
+        pool_thresholds: PoolThresholds | None = None,
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
         self.list_services = list_services
@@ -117,8 +119,9 @@ class MeshEngineClient:
         # KV-aware: the engines name their cached blocks with a chain seeded by the model folder's
         # name (`services/engine/engine.py`); the router hashes prompts the same way.
         self.scheduler = ClusterScheduler(
-            block_size, prefix_weight=prefix_routing_weight, cache_namespace=Path(model_path).name
-        )
+            block_size, pool_thresholds, prefix_weight=prefix_routing_weight,
+            cache_namespace=Path(model_path).name,
+        )  # fmt: skip
         self.metrics = metrics
         self.streams: StreamTable[_MeshStream] = StreamTable(limits)
         # Under `streams.lock`, with the streams: the ledgers, the counts and the membership.
@@ -216,6 +219,7 @@ class MeshEngineClient:
             services={
                 r.service_id: {
                     "role": r.role,
+                    "home_role": r.home_role or r.role,
                     "kv_blocks_used": r.kv_blocks_used,
                     "num_requests": r.num_requests,
                 }
@@ -315,6 +319,7 @@ class MeshEngineClient:
             traceparent=stream.traceparent,
             output_token_ids=replay.output_token_ids,
         )  # fmt: skip
+        self._send_role_changes()  # an engine lent for this request hears it first
         self._send(prompt.command_endpoint, msg)
 
     async def _place_when_ready(
@@ -325,7 +330,9 @@ class MeshEngineClient:
         while True:
             try:
                 with self._lock:
-                    return self.scheduler.choose(num_tokens)
+                    placed = self.scheduler.choose(num_tokens)
+                self._send_role_changes()
+                return placed
             except NoEngines:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
@@ -355,6 +362,11 @@ class MeshEngineClient:
                     self._send(engine.command_endpoint, AbortRequest(wire_id))
                 except zmq.Again:  # not reading: it frees on its own when it goes
                     log.warning("abort not delivered", engine=engine.service_id, req_id=wire_id)
+
+    def _send_role_changes(self) -> None:
+        """The pool changes the scheduler asked for: lend, renew, return (`pool_state.py`)."""
+        for engine, change in self.scheduler.take_role_changes():
+            self._send(engine.command_endpoint, change)
 
     def _send(self, endpoint: str, msg: EngineCommand) -> None:
         with self._push_lock:
@@ -410,6 +422,10 @@ class MeshEngineClient:
             return
         self.scheduler.set_engines([e for e in entries if e.is_engine and e.state == "ready"])
         self.inbox.load_endpoints = frozenset(e.load_endpoint for e in entries if e.load_endpoint)
+        self.scheduler.rebalance()  # an idle router returns what it borrowed, renews the rest
+        self._send_role_changes()
+        if self.metrics is not None:
+            self.metrics.set_pool_sizes(Counter(self.scheduler.pools().values()))
         with self._lock:
             before = {e.service_id for e in self._services}
             self._services = entries

@@ -1,0 +1,81 @@
+"""The pools as the engines report them, and the role changes a router asks of them.
+
+Splitwise's pools (§IV-A) are state of the engines (`common/scheduling/role_lease.py`): each load
+report says which pool its engine serves in now and which is its home. `ReportedPools` keeps
+those, turns the policy's moves into `SetRole` commands, and renews the lease of every lent
+engine that still has work of its borrowed kind. Every router replica reads the same reports and
+so sees the same pools; two of them asking for the same change converge (it is idempotent).
+
+A change is assumed for `CONFIRM_S` after it was asked (placements meanwhile count on it), then
+only the engine's word counts: a command lost on the way is asked for again by the next
+placement that needs it. Not thread-safe: `ClusterScheduler` holds its lock around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from common.protocol import LoadReport, SetRole
+from common.roles import Role
+from common.scheduling.cluster import PoolMove, PoolTable
+from common.scheduling.role_lease import LENDABLE
+
+CONFIRM_S = 1.0  # many load reports (50 ms apart): an unconfirmed change has been lost by then
+RENEW_FRACTION = 3  # a lease is renewed every third of its length (two renewals may be lost)
+
+
+class ReportedPools:
+    """(home, current) pool per machine id from its reports, and the `SetRole`s to send."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self.reported: dict[int, tuple[Role, Role]] = {}
+        self._asked: dict[int, tuple[Role, float]] = {}  # machine -> (role, when asked)
+        self._renewed: dict[int, float] = {}
+        self.outbox: list[tuple[int, SetRole]] = []  # taken by the router, which sends them
+
+    def on_report(self, machine_id: int, report: LoadReport) -> None:
+        if not report.role:  # says nothing of its pool: the registry's (home) role stands
+            return
+        self.reported[machine_id] = (Role(report.home_role or report.role), Role(report.role))
+
+    def forget_all_but(self, machine_ids: Mapping[int, object]) -> None:
+        for table in (self.reported, self._asked, self._renewed):
+            for gone in [m for m in table if m not in machine_ids]:
+                del table[gone]
+
+    def sync(self, pools: PoolTable, now: float) -> None:
+        """Set the policy's table to the engines' word (or to a change asked just now)."""
+        views = {}
+        for machine_id, (home, current) in self.reported.items():
+            asked = self._asked.get(machine_id)
+            if asked is not None and asked[0] != current and now - asked[1] < CONFIRM_S:
+                current = asked[0]
+            views[machine_id] = (home, current)
+        pools.sync(views, now)
+
+    def ask(self, moves: list[PoolMove] | tuple[PoolMove, ...], now: float) -> None:
+        """Turn the policy's moves into commands. A re-purposing (a new home) is not asked for:
+        an engine's home is its deployment's (the next sync undoes it in the table)."""
+        for move in moves:
+            if not move.repurposed:
+                self._send(move.machine_id, move.to_pool, now)
+
+    def renew(self, pools: PoolTable, now: float) -> None:
+        """Renew the lease of every lent engine the policy keeps in the mixed pool."""
+        for machine_id in pools.members(Role.MIXED):
+            lent = pools.home[machine_id] in LENDABLE
+            due = now - self._renewed.get(machine_id, float("-inf")) >= (
+                self.lease_s / RENEW_FRACTION
+            )
+            if lent and due:
+                self._send(machine_id, Role.MIXED, now)
+
+    def _send(self, machine_id: int, role: Role, now: float) -> None:
+        lease_s = self.lease_s if role == Role.MIXED else 0.0
+        self.outbox.append((machine_id, SetRole(role.value, lease_s)))
+        self._asked[machine_id] = (role, now)
+        if role == Role.MIXED:
+            self._renewed[machine_id] = now
+        else:
+            self._renewed.pop(machine_id, None)

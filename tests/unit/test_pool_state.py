@@ -1,0 +1,167 @@
+"""Pools as the engines' state: an engine's role lease (common/scheduling/role_lease.py) and the
+routers' view of the pools from load reports (services/router/pool_state.py, cluster_scheduler).
+
+Hand-built states: a borrow is asked as a `SetRole` and becomes state only when the engine
+reports it; every router reading the same reports sees the same pools; a drained engine is sent
+home; a loan that is not renewed runs out on the engine by itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from common.protocol import LoadReport, SetRole
+from common.roles import Role
+from common.scheduling.cluster import PoolThresholds
+from common.scheduling.role_lease import RoleLease
+from services.mesh.registry import ServiceEntry
+from services.router.cluster_scheduler import ClusterScheduler
+
+LEASE_S = 3.0
+THRESHOLDS = PoolThresholds(prompt_tokens=300, role_lease_s=LEASE_S)
+
+
+def engine(service_id: str, role: Role) -> ServiceEntry:
+    return ServiceEntry(role=role, service_id=service_id, state="ready",
+                        command_endpoint=f"tcp://{service_id}")  # fmt: skip
+
+
+ENGINES = [engine("p0", Role.PROMPT), engine("t0", Role.TOKEN), engine("t1", Role.TOKEN)]
+
+
+def report(engine_id: str, role: Role, home: Role, pending: int = 0, decode: int = 0) -> LoadReport:
+    return LoadReport(engine_id, role.value, pending, decode, 0, 0, 1000, home_role=home.value)
+
+
+def router(*reports: LoadReport) -> ClusterScheduler:
+    scheduler = ClusterScheduler(block_size=16, thresholds=THRESHOLDS)
+    scheduler.set_engines(ENGINES)
+    for r in reports:
+        scheduler.on_load(r)
+    return scheduler
+
+
+def changes(scheduler: ClusterScheduler) -> list[tuple[str, SetRole]]:
+    return [(e.service_id, msg) for e, msg in scheduler.take_role_changes()]
+
+
+# -- the engine's lease ---------------------------------------------------------------------------
+
+
+def test_a_lent_engine_serves_mixed_until_its_lease_runs_out() -> None:
+    lease = RoleLease(Role.TOKEN)
+    assert lease.current(0.0) == Role.TOKEN
+    lease.set(Role.MIXED, 2.0, now=10.0)
+    assert lease.current(11.9) == Role.MIXED
+    lease.set(Role.MIXED, 2.0, now=11.0)  # renewed: runs to 13.0 now
+    assert lease.current(12.5) == Role.MIXED
+    assert lease.current(13.0) == Role.TOKEN  # no renewal: home by itself
+    assert lease.current(20.0) == Role.TOKEN
+
+
+def test_set_role_home_returns_at_once_and_is_idempotent() -> None:
+    lease = RoleLease(Role.PROMPT)
+    lease.set(Role.MIXED, 5.0, now=0.0)
+    lease.set(Role.PROMPT, 0.0, now=1.0)
+    lease.set(Role.PROMPT, 0.0, now=1.0)
+    assert lease.current(1.0) == Role.PROMPT
+
+
+def test_a_role_outside_home_and_mixed_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot serve as token"):
+        RoleLease(Role.PROMPT).set(Role.TOKEN, 5.0, now=0.0)
+    with pytest.raises(ValueError, match="positive lease"):
+        RoleLease(Role.TOKEN).set(Role.MIXED, 0.0, now=0.0)
+    with pytest.raises(ValueError):
+        RoleLease(Role.MIXED).set(Role.PROMPT, 5.0, now=0.0)  # a baseline engine stays mixed
+
+
+# -- the routers' view ----------------------------------------------------------------------------
+
+
+def full_prompt_pool() -> list[LoadReport]:
+    """p0 past its threshold; t0 busy decoding, t1 idle: t1 is the one to lend."""
+    return [
+        report("p0", Role.PROMPT, Role.PROMPT, pending=290),
+        report("t0", Role.TOKEN, Role.TOKEN, decode=500),
+        report("t1", Role.TOKEN, Role.TOKEN),
+    ]
+
+
+def test_a_borrow_is_a_set_role_and_state_only_once_the_engine_reports_it() -> None:
+    scheduler = router(*full_prompt_pool())
+    prompt, _ = scheduler.choose(100)
+    assert prompt.service_id == "t1"
+    assert changes(scheduler) == [("t1", SetRole("mixed", LEASE_S))]
+    # Another router, same reports, before t1 has said anything: t1 is in the token pool still.
+    other = router(*full_prompt_pool())
+    assert other.pools()["t1"] == "token"
+    # t1 reports itself mixed: every router sees it so.
+    for r in (scheduler, other):
+        r.on_load(report("t1", Role.MIXED, Role.TOKEN, pending=100))
+        assert r.pools() == {"p0": "prompt", "t0": "token", "t1": "mixed"}
+
+
+def test_a_drained_lent_engine_is_sent_home_by_every_router_alike() -> None:
+    routers = [router(*full_prompt_pool()) for _ in range(2)]
+    for r in routers:
+        r.on_load(report("t1", Role.MIXED, Role.TOKEN, pending=0))  # its prompts are done
+        r.rebalance()
+        assert changes(r) == [("t1", SetRole("token"))]  # both ask the same: they converge
+        r.on_load(report("t1", Role.TOKEN, Role.TOKEN))
+        assert r.pools()["t1"] == "token"
+        r.rebalance()
+        assert changes(r) == []  # home and reported home: nothing more to ask
+
+
+def test_a_lent_engine_with_borrowed_work_has_its_lease_renewed() -> None:
+    scheduler = router(*full_prompt_pool())
+    scheduler.on_load(report("t1", Role.MIXED, Role.TOKEN, pending=100))
+    scheduler.rebalance()
+    assert changes(scheduler) == [("t1", SetRole("mixed", LEASE_S))]
+    scheduler.rebalance()
+    assert changes(scheduler) == []  # renewed a moment ago: not before a third of the lease
+
+
+def test_pools_survive_a_membership_change() -> None:
+    scheduler = router(*full_prompt_pool())
+    scheduler.on_load(report("t1", Role.MIXED, Role.TOKEN, pending=100))
+    scheduler.set_engines([*ENGINES, engine("t2", Role.TOKEN)])  # the policy is rebuilt
+    assert scheduler.pools()["t1"] == "mixed"  # from t1's report, not reset to its home
+    assert scheduler.pools()["t2"] == "token"
+
+
+def test_a_router_that_restarts_learns_the_pools_from_the_reports() -> None:
+    # The router that borrowed t1 is gone; a fresh one sees t1 mixed with prompts pending and
+    # keeps renewing it, then returns it once drained (or t1's lease returns it alone).
+    fresh = router(*full_prompt_pool(), report("t1", Role.MIXED, Role.TOKEN, pending=100))
+    fresh.rebalance()
+    assert changes(fresh) == [("t1", SetRole("mixed", LEASE_S))]
+
+
+def test_token_fullness_is_the_kv_where_the_request_would_decode() -> None:
+    # t0 and t1 report their shard groups' free blocks: too few for a 100-token prompt on both,
+    # so the prompt engine is lent to decode (there are two prompt engines to lend from).
+    scheduler = ClusterScheduler(block_size=16, thresholds=THRESHOLDS)
+    scheduler.set_engines([*ENGINES, engine("p1", Role.PROMPT)])
+    for r in (
+        report("p0", Role.PROMPT, Role.PROMPT),
+        report("p1", Role.PROMPT, Role.PROMPT, pending=50),
+        LoadReport("t0", "token", 0, 0, 0, 0, free_kv_blocks=2, home_role="token"),
+        LoadReport("t1", "token", 0, 0, 0, 0, free_kv_blocks=3, home_role="token"),
+    ):
+        scheduler.on_load(r)
+    _, token = scheduler.choose(100)
+    assert token.service_id == "p0"
+    assert changes(scheduler) == [("p0", SetRole("mixed", LEASE_S))]
+
+
+def test_thresholds_come_from_the_serve_config() -> None:
+    from services.app import AppArgs
+
+    args = AppArgs.model_validate(
+        {"topology": "mesh", "mesh": {"pools": {"prompt_tokens": 300, "lease_s": 2.5}}}
+    )
+    assert args.mesh.pools.thresholds() == PoolThresholds(prompt_tokens=300, role_lease_s=2.5)
+    with pytest.raises(ValueError):
+        AppArgs.model_validate({"mesh": {"pools": {"lease_s": 0}}})
