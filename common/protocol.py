@@ -224,6 +224,7 @@ class EngineStats(_Msg, tag="engine_stats"):
     num_prefill_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     home_role: str = ""  # an engine's configured pool; `role` is the one it serves in now
+    num_loans: int = 0  # times it was lent to the mixed pool (since start)
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats

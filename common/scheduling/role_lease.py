@@ -27,6 +27,7 @@ class RoleLease:
     def __init__(self, home: Role) -> None:
         self.home = home
         self._lent_until: float | None = None  # None: at home
+        self.num_loans = 0  # stints in the mixed pool since start (stats and tests)
 
     def set(self, role: Role, lease_s: float, now: float) -> None:
         """Apply a `SetRole`. A role other than home or mixed is refused (ValueError)."""
@@ -35,6 +36,8 @@ class RoleLease:
         elif role == Role.MIXED and self.home in LENDABLE:
             if lease_s <= 0:
                 raise ValueError("lending an engine to the mixed pool needs a positive lease")
+            if self.current(now) == self.home:
+                self.num_loans += 1
             self._lent_until = now + lease_s
         else:
             raise ValueError(f"an engine whose home is {self.home} cannot serve as {role}")

@@ -403,6 +403,7 @@ class Engine(EngineFaults):
             self.engine_id, self.pool.current(time.monotonic()), used, self.blocks.num_blocks,
             len(self.requests), [*self.kv_ingress.events, *self.kv_events],
             self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
+            num_loans=self.pool.num_loans,
         )  # fmt: skip
 
     def load_report(self, now: float) -> LoadReport:

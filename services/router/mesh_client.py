@@ -220,6 +220,7 @@ class MeshEngineClient:
                 r.service_id: {
                     "role": r.role,
                     "home_role": r.home_role or r.role,
+                    "num_loans": r.num_loans,
                     "kv_blocks_used": r.kv_blocks_used,
                     "num_requests": r.num_requests,
                 }

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,11 @@ import httpx
 import pytest
 import yaml
 
+from common.engine.core import LLMEngine
+from common.model.default import default_model_path
+from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
+from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.serve_process import REPO, SERVE_CLI, free_port
 
 pytestmark = [
@@ -32,6 +38,7 @@ pytestmark = [
 
 NUM_TOKENS = 8
 NUM_CLIENTS = 2
+PROMPT_POOL_FULL = 64
 
 
 class Cluster:
@@ -68,6 +75,9 @@ class Cluster:
         for deployment in app["deployments"]:
             if deployment["name"] == "TokenEngine":
                 deployment["num_replicas"] = num_token_engines
+        # A prompt engine counts as full past 64 pending prompt tokens: the steady 4-token load
+        # never gets there, a burst of long prompts does (a token engine is lent to the mixed pool).
+        app["args"]["mesh"]["pools"] = {"prompt_tokens": PROMPT_POOL_FULL, "lease_s": 10.0}
         path = self.workdir / f"local-{num_token_engines}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         address = f"http://127.0.0.1:{self.dashboard_port}"
@@ -199,4 +209,48 @@ def test_scaling_token_engines_adds_a_replica_to_routing_without_failures(
     assert load.num_ok >= 10
     services = stats(cluster.base_url)["services"]
     assert [s["role"] for s in services.values()].count("token") == 2
+    assert all(s["kv_blocks_used"] == 0 for s in services.values()), services
+
+
+def test_a_prompt_burst_lends_a_token_engine_to_the_mixed_pool_and_back(cluster: Cluster) -> None:
+    """Splitwise's pools as the engines' own state (docs/serving.md): a burst of long prompts
+    fills the prompt pool, the router lends one token engine to the mixed pool (`SetRole`), the
+    engine reports it (`/stats`: its current role and its loans), and it goes home once the
+    burst drains; every request's greedy output is the single-process engine's."""
+    wait_for("2 running token engines", lambda: token_engine_replicas() == {"RUNNING": 2}, 240)
+    path = default_model_path("tiny")
+    engine, tokenizer = LLMEngine.from_path(path, num_blocks=512), Tokenizer(path)
+    prompts = [[(7 * i + j) % 1500 + 100 for j in range(150)] for i in range(12)]
+    expected = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0,
+                                                       ignore_eos=True))  # fmt: skip
+    loans_before = {
+        sid: s.get("num_loans", 0) for sid, s in stats(cluster.base_url)["services"].items()
+    }
+
+    def complete(prompt: list[int]) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        response = httpx.post(cluster.base_url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return str(response.json()["choices"][0]["text"])
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(complete, prompts))
+    for text, prompt, ids in zip(texts, prompts, expected, strict=True):
+        assert_text_greedy_close(text, prompt, ids, tokenizer, path)
+
+    def lent_token_engines() -> list[str]:
+        services = stats(cluster.base_url)["services"]
+        return [sid for sid, s in services.items() if s["home_role"] == "token"
+                and s.get("num_loans", 0) > loans_before.get(sid, 0)]  # fmt: skip
+
+    lent = wait_for("a token engine lent to the mixed pool", lent_token_engines, 30)
+    assert len(lent) == 1, lent  # never the last of its pool
+
+    def all_home() -> bool:
+        services = stats(cluster.base_url)["services"]
+        return all(s["role"] == s["home_role"] for s in services.values())
+
+    wait_for("every engine back in its home pool", all_home, 60)
+    services = stats(cluster.base_url)["services"]
     assert all(s["kv_blocks_used"] == 0 for s in services.values()), services

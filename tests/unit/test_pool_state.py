@@ -57,6 +57,9 @@ def test_a_lent_engine_serves_mixed_until_its_lease_runs_out() -> None:
     assert lease.current(12.5) == Role.MIXED
     assert lease.current(13.0) == Role.TOKEN  # no renewal: home by itself
     assert lease.current(20.0) == Role.TOKEN
+    assert lease.num_loans == 1  # a renewal is the same loan
+    lease.set(Role.MIXED, 2.0, now=21.0)
+    assert lease.num_loans == 2
 
 
 def test_set_role_home_returns_at_once_and_is_idempotent() -> None:
