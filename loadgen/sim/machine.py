@@ -4,18 +4,24 @@ Decode-only stretches run as one *run* of many iterations (one event instead of 
 the run lasts until the first running request would finish, or memory would run out, and is cut
 short at the next iteration boundary when new work arrives (`interrupt`). This keeps the event count
 proportional to requests, not tokens.
+
+With a prefix cache (`loadgen/sim/prefix_cache.py`) a prefill costs its uncached suffix only: the
+prompts a plan admits look their blocks up when it starts, and register their own when it ends.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from common.kv_events import reusable_blocks
 from common.perf_model import PerfModel
 from common.roles import Role
 from common.scheduling.cluster import MachineLoad
 from common.scheduling.mixed import MixedBatchPolicy, MixedPlan
+from loadgen.sim.prefix_cache import BlockKey, SimPrefixCache
 
 
 @dataclass
@@ -37,7 +43,14 @@ class SimMachine:
     """A machine's state in the simulator; the `Simulator` drives it through events."""
 
     def __init__(
-        self, machine_id: int, home: Role, policy: MixedBatchPolicy, perf: PerfModel
+        self,
+        machine_id: int,
+        home: Role,
+        policy: MixedBatchPolicy,
+        perf: PerfModel,
+        cache: SimPrefixCache | None = None,
+        block_keys: Mapping[int, tuple[BlockKey, ...]] | None = None,
+        block_len: int = 0,
     ) -> None:
         self.machine_id = machine_id
         self.home = home
@@ -51,6 +64,13 @@ class SimMachine:
         self.pending_stall_s = 0.0  # the next run waits this long first (hand-offs landed)
         self._finish_heap: list[tuple[int, int]] = []  # (policy step when done, req_id)
         self._tracked: dict[int, int] = {}  # req_id -> join_step already in the heap
+        self.cache = cache
+        # req_id -> its full prompt blocks' keys (the simulator's dict, filled as requests come)
+        self.block_keys = {} if block_keys is None else block_keys
+        self.block_len = block_len
+        self.hit_tokens: dict[int, int] = {}  # req_id -> prefix found cached at its prefill
+        self.num_hit_tokens = 0
+        self.num_computed_tokens = 0  # prefill tokens computed (the uncached suffixes)
 
     def load(self) -> MachineLoad:
         policy, run = self.policy, self.run
@@ -73,7 +93,8 @@ class SimMachine:
         self._track(plan, output_len)
         stall_s, self.pending_stall_s = self.pending_stall_s, 0.0
         if plan.prefill_ids:
-            step_s = self.perf.iteration_s(plan.num_prefill_tokens, len(plan.decode_ids))
+            num_computed = self._computed_prefill_tokens(plan)
+            step_s = self.perf.iteration_s(num_computed, len(plan.decode_ids))
             self.run = Run(plan, now, step_s, 1, stall_s)
         else:
             step_s = self.perf.decode_s(len(plan.decode_ids))
@@ -99,9 +120,34 @@ class SimMachine:
         run = self.run
         assert run is not None
         self.policy.advance(run.num_steps - 1)
+        if self.cache is not None:  # the prefills' blocks are computed: others may now reuse them
+            for req_id in run.plan.prefill_ids:
+                self.cache.register(req_id, self.block_keys.get(req_id, ()))
         self.busy_s += run.stall_s + run.step_s * run.num_steps
         self.run = None
         return run.plan, self._pop_finished()
+
+    def _computed_prefill_tokens(self, plan: MixedPlan) -> int:
+        """The plan's prefill tokens less the cached prefixes its prompts find now (a prefix
+        whose prefill has not ended is not found: `register` comes at the end of its run)."""
+        cache = self.cache
+        if cache is None:
+            self.num_computed_tokens += plan.num_prefill_tokens
+            return plan.num_prefill_tokens
+        for req_id in plan.preempted_ids:
+            cache.release(req_id)
+        num_hit = 0
+        for req_id in plan.prefill_ids:
+            keys = self.block_keys.get(req_id, ())
+            usable = reusable_blocks(self.policy.running[req_id].prompt_len, self.block_len)
+            hit = cache.acquire(int(req_id), keys[:usable]) * self.block_len
+            self.hit_tokens[int(req_id)] = hit
+            num_hit += hit
+        # Allocating the plan's KV evicts what no longer fits in the free blocks.
+        cache.shrink(self.policy.kv_free // self.block_len)
+        self.num_hit_tokens += num_hit
+        self.num_computed_tokens += plan.num_prefill_tokens - num_hit
+        return plan.num_prefill_tokens - num_hit
 
     def _run_len(self) -> int:
         """Decode iterations until the first finish, memory exhaustion or waiting work."""
@@ -145,3 +191,5 @@ class SimMachine:
         """The request's KV left this machine (for its token machine)."""
         self.policy.finish(req_id)
         self._tracked.pop(req_id, None)
+        if self.cache is not None:
+            self.cache.release(req_id)

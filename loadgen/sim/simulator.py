@@ -6,6 +6,10 @@ KV lands on its token machine. A fourth, a request entering the front end, exist
 machines share one host's CPU (`SimOptions.shared_cpu`, `loadgen/sim/shared_cpu.py`).
 Machines are `SimMachine`s running `common.scheduling.mixed`'s `MixedBatchPolicy`; routing is
 `common.scheduling.cluster`'s policy, fed the machines' exact loads.
+
+With `SimOptions.prefix_block_len` each machine keeps a prefix cache of the requests' trace blocks
+(`hash_ids`, `loadgen/sim/prefix_cache.py`): prefills cost their uncached suffix, and the router
+credits each prompt machine with the prefix it holds (`prefix_weight`), as the live router does.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from dataclasses import dataclass, field
 import structlog
 
 from common.config import SchedulerConfig
+from common.kv_events import reusable_blocks
+from common.perf_model import PerfModel
 from common.scheduling.cluster import JSQPoolPolicy, PoolThresholds, RouteRequest
 from common.scheduling.mixed import MixedBatchPolicy, MixedPolicyConfig
 from loadgen.sim.config import ClusterSpec, perf_model_for
 from loadgen.sim.machine import SimMachine
+from loadgen.sim.prefix_cache import BlockKey, SimPrefixCache, chain_keys
 from loadgen.sim.shared_cpu import FrontEnd, HostModel
 
 log = structlog.get_logger(__name__)
@@ -31,11 +38,13 @@ ARRIVAL, RUN_END, KV_LANDED, FRONTEND = 0, 1, 2, 3
 
 @dataclass(frozen=True)
 class SimRequest:
-    """One request to simulate: arrival time (s), prompt and output lengths (tokens)."""
+    """One request to simulate: arrival time (s), prompt and output lengths (tokens), and its
+    prompt's prefix-block ids (a Mooncake trace's `hash_ids`; empty: nothing shared)."""
 
     arrival_s: float
     prompt_len: int
     output_len: int
+    hash_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -49,6 +58,7 @@ class RequestRecord:
     token_machine: int = -1
     first_token_s: float = float("nan")
     done_s: float = float("nan")
+    prefix_hit_tokens: int = 0  # found cached at its (last) prefill
 
     @property
     def ttft_s(self) -> float:
@@ -76,6 +86,14 @@ class SimResult:
     num_events: int
     num_pool_moves: int = 0
     busy_s_by_machine: list[float] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # computed by all machines (uncached suffixes, recomputes)
+    num_prefix_hit_tokens: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found cached / prompt tokens prefilled, as the engines count them."""
+        total = self.num_prefill_tokens + self.num_prefix_hit_tokens
+        return self.num_prefix_hit_tokens / total if total else 0.0
 
     @property
     def num_completed(self) -> int:
@@ -103,6 +121,14 @@ class SimOptions:
     # Machines and front end on one host's cores (PhaseMesh's CPU mesh): the shared CPU and the
     # front end's loops as queues; `frontend_s` is then the host's. None: independent GPUs.
     host: HostModel | None = None
+    # Tokens per trace prefix block (a Mooncake 512-token block, token-scaled; the served
+    # engines' KV block): > 0 models each machine's prefix cache. 0: every prefill computes all.
+    prefix_block_len: int = 0
+    # KV-aware routing: JSQ's prompt-machine key less this x cached prefix tokens (the router's
+    # `mesh.prefix_routing_weight`); 0: plain JSQ.
+    prefix_weight: float = 0.0
+    # One performance model for every machine instead of the profile's (a bench's own fit).
+    perf: PerfModel | None = None
 
 
 class Simulator:
@@ -113,10 +139,14 @@ class Simulator:
         self.options = options = options or SimOptions()
         self.transfer = cluster.transfer_model()
         types = cluster.machine_types()
+        self.block_keys: dict[int, tuple[BlockKey, ...]] = {}  # req_id -> its blocks' keys
         self.machines = [
-            SimMachine(i, home, self._policy_for(t), perf_model_for(t, cluster.model))
+            SimMachine(
+                i, home, self._policy_for(t), options.perf or perf_model_for(t, cluster.model),
+                self._cache_for(t), self.block_keys, options.prefix_block_len,
+            )
             for i, (t, home) in enumerate(types)
-        ]
+        ]  # fmt: skip
         self.cpu = options.host.cpu if options.host else None
         # The front end's per-request excess (measured), drawn seeded: the same input, the same run.
         self._frontend_jitter = options.host.frontend_jitter_s if options.host else ()
@@ -131,8 +161,9 @@ class Simulator:
             for machine in self.machines:
                 machine.max_run_steps = 1
         self.router = JSQPoolPolicy(
-            {i: home for i, (_, home) in enumerate(types)}, options.thresholds
-        )
+            {i: home for i, (_, home) in enumerate(types)}, options.thresholds,
+            options.prefix_weight,
+        )  # fmt: skip
         self.records: list[RequestRecord] = []
         self.output_len: dict[int, int] = {}
         self._events: list[tuple[float, int, int, int, int]] = []
@@ -150,6 +181,12 @@ class Simulator:
         )
         return MixedBatchPolicy(config)
 
+    def _cache_for(self, machine_type) -> SimPrefixCache | None:  # type: ignore[no-untyped-def]
+        block_len = self.options.prefix_block_len
+        if block_len <= 0:
+            return None
+        return SimPrefixCache(machine_type.kv_capacity_tokens(self.cluster.model) // block_len)
+
     def _push(self, time_s: float, kind: int, a: int, b: int = 0) -> None:
         self._seq += 1
         heapq.heappush(self._events, (time_s, self._seq, kind, a, b))
@@ -159,6 +196,9 @@ class Simulator:
         req_id = len(self.records)
         self.records.append(RequestRecord(req.arrival_s, req.prompt_len, req.output_len))
         self.output_len[req_id] = req.output_len
+        if self.options.prefix_block_len > 0 and req.hash_ids:
+            num_full = req.prompt_len // self.options.prefix_block_len
+            self.block_keys[req_id] = chain_keys(req.hash_ids, num_full)
         if self.cpu is not None:
             self._push(req.arrival_s, FRONTEND, req_id)
         else:
@@ -184,9 +224,14 @@ class Simulator:
 
     def result(self) -> SimResult:
         busy = [m.busy_s for m in self.machines]
+        for machine in self.machines:
+            for req_id, hit in machine.hit_tokens.items():
+                self.records[req_id].prefix_hit_tokens = hit
         return SimResult(
-            self.cluster, self.records, self.now, self.num_events, self._num_moves, busy
-        )
+            self.cluster, self.records, self.now, self.num_events, self._num_moves, busy,
+            num_prefill_tokens=sum(m.num_computed_tokens for m in self.machines),
+            num_prefix_hit_tokens=sum(m.num_hit_tokens for m in self.machines),
+        )  # fmt: skip
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -216,15 +261,34 @@ class Simulator:
             return
         loads = {m.machine_id: m.load() for m in self.machines}
         self._num_moves += len(self.router.rebalance(loads, now))
-        decision = self.router.route(RouteRequest(req_id, record.prompt_len), loads, now)
+        keys = self._usable_keys(req_id, record.prompt_len)
+        decision = self.router.route(self._route_request(req_id, record, keys), loads, now)
         self._num_moves += len(decision.moves)
         record.prompt_machine = decision.prompt_machine_id
         record.token_machine = decision.token_machine_id
         machine = self.machines[decision.prompt_machine_id]
+        if machine.cache is not None and keys:
+            machine.cache.expect(req_id, keys)
         machine.policy.add_prompt(req_id, record.prompt_len, record.arrival_s)
         if record.token_machine != record.prompt_machine:
             self.machines[record.token_machine].inbound_kv_tokens += record.prompt_len
         self._kick(machine, now)
+
+    def _usable_keys(self, req_id: int, prompt_len: int) -> tuple[BlockKey, ...]:
+        """The blocks of a prompt a lookup may reuse (its last token is always computed)."""
+        usable = reusable_blocks(prompt_len, max(self.options.prefix_block_len, 1))
+        return self.block_keys.get(req_id, ())[:usable]
+
+    def _route_request(
+        self, req_id: int, record: RequestRecord, keys: tuple[BlockKey, ...]
+    ) -> RouteRequest:
+        """What the router knows: with KV-aware routing, each machine's cached prefix tokens."""
+        if not keys or self.options.prefix_weight == 0:
+            return RouteRequest(req_id, record.prompt_len)
+        block_len = self.options.prefix_block_len
+        cached = {m.machine_id: m.cache.routing_blocks(keys) * block_len
+                  for m in self.machines if m.cache is not None}  # fmt: skip
+        return RouteRequest(req_id, record.prompt_len, {m: n for m, n in cached.items() if n})
 
     def _on_run_end(self, now: float, machine_id: int, version: int) -> None:
         machine = self.machines[machine_id]

@@ -52,7 +52,7 @@ class SimTarget:
         self.clock = VirtualClock(sim)
 
     async def generate(self, spec: RequestSpec) -> AsyncIterator[StreamEvent]:
-        req = SimRequest(self.clock.now(), spec.input_len, spec.output_len)
+        req = SimRequest(self.clock.now(), spec.input_len, spec.output_len, spec.hash_ids)
         record = self.sim.records[self.sim.submit(req)]
         await self._wait_done(lambda: record.done_s == record.done_s)
         yield StreamEvent(record.first_token_s, 1)

@@ -19,7 +19,7 @@ def read_trace(path: str | os.PathLike[str]) -> list[TraceRow]:
 def as_recorded(rows: Iterable[TraceRow], time_scale: float = 1.0) -> Iterator[SimRequest]:
     """The trace's own arrivals; `time_scale` < 1 compresses time (raises the rate)."""
     for row in rows:
-        yield SimRequest(row.arrival_s * time_scale, row.input_len, row.output_len)
+        yield SimRequest(row.arrival_s * time_scale, row.input_len, row.output_len, row.hash_ids)
 
 
 def poisson(
@@ -34,6 +34,6 @@ def poisson(
     t = rng.expovariate(rate)
     while t < duration_s:
         row = rows[len(requests) % len(rows)]
-        requests.append(SimRequest(t, row.input_len, row.output_len))
+        requests.append(SimRequest(t, row.input_len, row.output_len, row.hash_ids))
         t += rng.expovariate(rate)
     return requests
