@@ -58,7 +58,7 @@ class MeshTestClient:
         """Take the mesh's engines as the registry lists them now (restarts included) and every
         load report that has come in."""
         engines = [*self.mesh.prompt, *self.mesh.token]
-        self.scheduler.set_engines(engines)
+        self.scheduler.set_engines([*engines, *self.mesh.shards])
         for e in engines:
             if e.load_endpoint and e.load_endpoint not in self._subscribed:
                 self.load_reports.sock.connect(e.load_endpoint)

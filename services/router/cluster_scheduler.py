@@ -70,13 +70,16 @@ class ClusterScheduler:
         self._policy: JSQPoolPolicy | None = None
         self._req_ids = itertools.count()
         self._linked: dict[int, list[str]] = {}  # each token engine's group, as it last reported
+        self._live_shards: set[str] = set()  # the registry's shards (their KV endpoints)
         self._cached: dict[int, CachedBlocks] = {}  # each engine's prefix cache, from its reports
         self._pools = ReportedPools(self.thresholds.role_lease_s)
 
     def set_engines(self, entries: list[ServiceEntry]) -> None:
-        """The ready engines now (from the registry); rebuilds the policy if the set changed."""
+        """The registry's ready services now (shards included: a token engine's group must be
+        live to be placed on); rebuilds the policy if the set of engines changed."""
         with self._lock:
             engines = {self._machine_id(e.service_id): e for e in entries if e.is_engine}
+            self._live_shards = {e.kv_endpoint for e in entries if e.role == Role.SHARD}
             changed = engines.keys() != self._engines.keys()
             self._engines = engines
             self._loads = {m: self._loads.get(m, MachineLoad(m)) for m in engines}
@@ -191,10 +194,12 @@ class ClusterScheduler:
     def _linked_group(self, machine_id: int) -> ServiceEntry:
         """The token engine's entry with the shard group it has linked: its registry entry lags
         behind a lost shard (heartbeat age), its load report does not. A group that differs from
-        the entry's is not used: the request decodes with the engine's local attention."""
+        the entry's is not used, nor one with a shard the registry no longer lists (the engine
+        has not noticed yet): the request decodes with the engine's local attention."""
         entry = self._engines[machine_id]
         linked = self._linked.get(machine_id)
-        if linked is None or linked == [s.kv_endpoint for s in entry.shards]:
+        group = [s.kv_endpoint for s in entry.shards]
+        if (linked is None or linked == group) and self._live_shards.issuperset(group):
             return entry
         return replace(entry, shards=())
 

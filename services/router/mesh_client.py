@@ -61,7 +61,13 @@ from services.router.token_text import StreamedText
 log = structlog.get_logger(__name__)
 
 REFRESH_S = 0.5
-MAX_MIGRATIONS = 3  # re-runs of one request on other engines before it fails
+MAX_MIGRATIONS = 5  # re-runs of one request on other engines before it fails
+# The first re-run waits this long, each next one twice as long (at most MIGRATION_BACKOFF_MAX_S):
+# one fault often ends an attempt several times while the mesh settles (a shard dies: its group
+# is dropped, then relinked to its replacement), and a re-run placed on the view of a moment ago
+# would use up the request's migrations on the same fault.
+MIGRATION_BACKOFF_S = 0.25
+MIGRATION_BACKOFF_MAX_S = 2.0
 # A cached prefix token counts against one pending prompt token (KV-aware JSQ; 0: plain JSQ).
 PREFIX_ROUTING_WEIGHT = 1.0
 # A migrated request waits this long at most for a prompt and a token engine (a replica Serve is
@@ -305,6 +311,8 @@ class MeshEngineClient:
         if stream.span is not None:
             stream.span.add_event("migration", {"phasemesh.reason": reason,
                                                 "phasemesh.attempt": replay.wire_id})  # fmt: skip
+        attempt = self.book.ledgers[req_id].attempt
+        await asyncio.sleep(min(MIGRATION_BACKOFF_S * 2 ** (attempt - 1), MIGRATION_BACKOFF_MAX_S))
         num_tokens = len(replay.prompt_token_ids) + len(replay.output_token_ids)
         prompt, token = await self._place_when_ready(num_tokens, reason)
         with self._lock:
@@ -421,7 +429,8 @@ class MeshEngineClient:
         except Exception as exc:  # noqa: BLE001 - keep the last view; the registry may restart
             log.warning("registry read failed", error=repr(exc))
             return
-        self.scheduler.set_engines([e for e in entries if e.is_engine and e.state == "ready"])
+        # Ready engines, and the shards (a group with a shard the registry lost is not placed on).
+        self.scheduler.set_engines([e for e in entries if e.state == "ready"])
         self.inbox.load_endpoints = frozenset(e.load_endpoint for e in entries if e.load_endpoint)
         self.scheduler.rebalance()  # an idle router returns what it borrowed, renews the rest
         self._send_role_changes()

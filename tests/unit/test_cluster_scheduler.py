@@ -107,7 +107,8 @@ def test_a_token_engine_that_reports_a_broken_group_decodes_locally() -> None:
     # load report already says it lost them: place with local attention, not on a dead group.
     group = (ShardAddress("tcp://s0", 0, 1), ShardAddress("tcp://s1", 1, 2))
     token = replace(TOKENS[0], shards=group)
-    p = scheduler(PROMPTS[0], token)
+    shards = [shard("s0"), shard("s1")]
+    p = scheduler(PROMPTS[0], token, *shards)
     assert p.choose(10)[1].shards == group  # no report yet: the registry's word
     whole = report("t0")
     whole.shard_endpoints = ["tcp://s0", "tcp://s1"]
@@ -118,3 +119,12 @@ def test_a_token_engine_that_reports_a_broken_group_decodes_locally() -> None:
     p.on_load(broken)
     assert p.choose(10)[1].shards == ()
     assert token.shards == group  # the registry's entry itself is untouched
+    p.on_load(whole)  # a stale report: the group looks whole again ...
+    assert p.choose(10)[1].shards == group
+    p.set_engines([PROMPTS[0], token, shards[0]])  # ... but s1 has left the registry
+    assert p.choose(10)[1].shards == ()
+
+
+def shard(service_id: str) -> ServiceEntry:
+    return ServiceEntry(role=Role.SHARD, service_id=service_id, state="ready",
+                        kv_endpoint=f"tcp://{service_id}")  # fmt: skip
