@@ -31,6 +31,10 @@ class TraceStats:
     output_mean: float
     output_p50: float
     output_p99: float
+    # The prefix reuse bound: the fraction of prompt tokens in leading hash blocks (Mooncake
+    # `hash_ids`) that an earlier request's prompt began with too: the most a prefix cache big
+    # enough for everything could skip. 0 for traces without hash ids (Azure).
+    prefix_reuse: float = 0.0
 
     def to_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -41,12 +45,14 @@ def trace_stats(rows: Iterable[TraceRow]) -> TraceStats:
     input_lens: list[int] = []
     output_lens: list[int] = []
     first_s = last_s = 0.0
+    reuse = PrefixReuse()
     for index, row in enumerate(rows):
         if index == 0:
             first_s = row.arrival_s
         last_s = max(last_s, row.arrival_s)
         input_lens.append(row.input_len)
         output_lens.append(row.output_len)
+        reuse.add(row.hash_ids, row.input_len)
     inputs = np.asarray(input_lens, dtype=np.int64)
     outputs = np.asarray(output_lens, dtype=np.int64)
     span_s = last_s - first_s
@@ -62,7 +68,40 @@ def trace_stats(rows: Iterable[TraceRow]) -> TraceStats:
         output_mean=float(outputs.mean()) if count else float("nan"),
         output_p50=percentile(outputs, 50),
         output_p99=percentile(outputs, 99),
+        prefix_reuse=reuse.fraction,
     )
+
+
+MOONCAKE_BLOCK_TOKENS = 512  # the prompt tokens one Mooncake hash id stands for
+
+
+class PrefixReuse:
+    """The prefix reuse bound over requests in arrival order (see `TraceStats.prefix_reuse`).
+
+    A hash id names a block *given everything before it* only in a chain, so prefixes are keyed by
+    their whole chain of ids (a hash of the chain so far), as a prefix cache keys its blocks."""
+
+    def __init__(self, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> None:
+        self.block_tokens = block_tokens
+        self.seen: set[int] = set()
+        self.reused_tokens = 0
+        self.prompt_tokens = 0
+
+    def add(self, hash_ids: Sequence[int], input_len: int) -> None:
+        chain, matched, extends = 0, 0, True
+        for hash_id in hash_ids:
+            chain = hash((chain, hash_id))
+            if extends and chain in self.seen:
+                matched += 1
+            else:
+                extends = False
+                self.seen.add(chain)
+        self.reused_tokens += min(matched * self.block_tokens, input_len)
+        self.prompt_tokens += input_len
+
+    @property
+    def fraction(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def format_stats(stats: TraceStats) -> str:
@@ -76,5 +115,6 @@ def format_stats(stats: TraceStats) -> str:
             f"  p99 {stats.input_p99:.0f}",
             f"output tokens:   mean {stats.output_mean:.1f}  p50 {stats.output_p50:.0f}"
             f"  p99 {stats.output_p99:.0f}",
+            f"prefix reuse:    {stats.prefix_reuse:.3f} of prompt tokens (bound, hash_ids)",
         ]
     )

@@ -14,6 +14,7 @@ from loadgen.convert import write_mooncake_jsonl
 from loadgen.stats import trace_stats
 from loadgen.traces import (
     TraceFormatError,
+    TraceRow,
     parse_azure_timestamp,
     read_azure_csv,
     read_mooncake_jsonl,
@@ -69,9 +70,11 @@ def test_stats_subprocess_json_matches_published_numbers(trace: Path) -> None:
     stats = stats_json(trace)
     assert set(stats) == {
         "num_requests", "span_s", "rate_rps", "input_mean", "input_p50", "input_p99",
-        "output_mean", "output_p50", "output_p99",
+        "output_mean", "output_p50", "output_p99", "prefix_reuse",
     }  # fmt: skip
     assert_published(stats, PUBLISHED[trace])
+    # Kimi's hash ids: 37.4% of its prompt tokens repeat an earlier prefix; Azure has none.
+    assert stats["prefix_reuse"] == (pytest.approx(0.374, abs=5e-4) if trace == KIMI_CONV else 0)
     assert stats["input_p50"] <= stats["input_p99"]
 
 
@@ -197,3 +200,19 @@ def test_cli_reports_bad_trace_without_traceback(tmp_path: Path) -> None:
     proc = run_loadgen("stats", "--trace", str(path))
     assert proc.returncode == 2
     assert f"{path}:2:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_prefix_reuse_bound_counts_leading_blocks_an_earlier_prompt_began_with() -> None:
+    """Hash ids name a block given its whole chain: [1, 2] then [1, 3] share one block, [9, 2]
+    shares none (block 2 follows another prefix there); a prompt shorter than its blocks counts
+    its own length only."""
+    rows = [
+        TraceRow(0.0, 1024, 1, (1, 2)),
+        TraceRow(1.0, 1024, 1, (1, 3)),  # 512 reused
+        TraceRow(2.0, 1024, 1, (9, 2)),  # none: 2 after 9 is not 2 after 1
+        TraceRow(3.0, 700, 1, (1, 2)),  # both blocks seen, capped at its 700 tokens
+        TraceRow(4.0, 300, 1, ()),  # no hash ids: nothing claimed
+    ]
+    stats = trace_stats(rows)
+    assert stats.prefix_reuse == pytest.approx((512 + 700) / (1024 * 3 + 700 + 300))
+    assert trace_stats([TraceRow(0.0, 10, 1)]).prefix_reuse == 0.0
