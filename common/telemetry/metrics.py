@@ -105,11 +105,14 @@ POOL_ENGINES = _gauge(
     "pool_engines", "{engine}", "Engines serving in each pool, as their reports say", "pool"
 )
 MIGRATIONS = _counter("request_migrations_total", "{request}", "Requests re-run", "reason")
+POOL_LOANS = _counter(
+    "pool_loans_total", "{loan}", "Times an engine was lent to the mixed pool (by itself)", "home"
+)
 
 METRIC_SPECS = (
     TTFT, TBT, E2E, TPOT, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_TIME, SHARD_RTT,
     RUNNING, WAITING, KV_BLOCKS_USED, BATCH_SIZE, PROMPT_TOKENS, GENERATION_TOKENS,
-    KV_TRANSFER_BYTES, REQUEST_SUCCESS, REQUEST_ERRORS, MIGRATIONS, POOL_ENGINES,
+    KV_TRANSFER_BYTES, REQUEST_SUCCESS, REQUEST_ERRORS, MIGRATIONS, POOL_ENGINES, POOL_LOANS,
 )  # fmt: skip
 
 Recorder = Callable[..., Any]
@@ -251,6 +254,10 @@ class Metrics:
     def count_error(self, kind: str) -> None:
         """A failed request: `kind` is a short fixed word (`overload`, `engine_dead`, ...)."""
         self._sinks[REQUEST_ERRORS.name].record(1, {**self.labels, "kind": kind})
+
+    def count_pool_loan(self, home: str) -> None:
+        """This engine (whose home pool is `home`) was lent to the mixed pool."""
+        self._sinks[POOL_LOANS.name].record(1, {**self.labels, "home": home})
 
     def count_migration(self, reason: str) -> None:
         self._sinks[MIGRATIONS.name].record(1, {**self.labels, "reason": reason})

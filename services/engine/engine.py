@@ -200,7 +200,10 @@ class Engine(EngineFaults):
 
     def on_set_role(self, msg: SetRole) -> None:
         """A router lends this engine to the mixed pool, renews the lease, or sends it home."""
+        loans = self.pool.num_loans
         self.pool.set(Role(msg.role), msg.lease_s, time.monotonic())
+        if self.pool.num_loans > loans:  # a new loan, not a renewal: count it where it happens
+            self.telemetry.metrics.count_pool_loan(str(self.pool.home))
 
     def on_abort(self, req_id: str) -> Outbox:
         """Forget a request wherever it is. The token engine decoding it frees its shards: only

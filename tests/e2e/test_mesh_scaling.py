@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -85,6 +86,14 @@ class Cluster:
             [str(SERVE_CLI), "deploy", str(path), "-a", address], check=True, cwd=REPO,
             env=os.environ | {"RAY_ADDRESS": ""}, timeout=120,
         )  # fmt: skip
+
+    def metrics_url(self) -> str:
+        """Ray's metrics agent (Prometheus text) of the Ray this process started."""
+        import ray
+
+        node = ray._private.worker._global_node
+        assert node is not None
+        return f"http://127.0.0.1:{node.metrics_export_port}/metrics"
 
     def stop(self) -> None:
         import ray
@@ -246,6 +255,12 @@ def test_a_prompt_burst_lends_a_token_engine_to_the_mixed_pool_and_back(cluster:
 
     lent = wait_for("a token engine lent to the mixed pool", lent_token_engines, 30)
     assert len(lent) == 1, lent  # never the last of its pool
+    # ... and in the engines' metrics (Ray's workers report every few seconds: poll, bounded).
+    try:
+        wait_for("the loan in the engines' metrics", lambda: pool_loans(cluster.metrics_url()), 90)
+    except TimeoutError:
+        text = httpx.get(cluster.metrics_url(), timeout=10).text
+        raise AssertionError([line for line in text.splitlines() if "pool" in line]) from None
 
     def all_home() -> bool:
         services = stats(cluster.base_url)["services"]
@@ -254,3 +269,13 @@ def test_a_prompt_burst_lends_a_token_engine_to_the_mixed_pool_and_back(cluster:
     wait_for("every engine back in its home pool", all_home, 60)
     services = stats(cluster.base_url)["services"]
     assert all(s["kv_blocks_used"] == 0 for s in services.values()), services
+
+
+def pool_loans(metrics_url: str) -> float:
+    """`phasemesh_pool_loans_total` of token engines, summed, from Ray's metrics agent."""
+    exposition = httpx.get(metrics_url, timeout=10).text
+    pattern = re.compile(
+        r"^ray_phasemesh_pool_loans_total(?:_total)?\{[^}]*home=\"token\"[^}]*\} (\S+)$",
+        re.MULTILINE,
+    )
+    return sum(float(value) for value in pattern.findall(exposition))
