@@ -17,7 +17,7 @@ from common.block_manager import BlockManager
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from common.engine.grammars import EngineGrammars
 from common.engine.request import FinishReason, Request, RequestOutput, check_prompt
-from common.engine.runner import ModelRunner, StepInputs
+from common.engine.runner import Inputs, ModelRunner, StepInputs
 from common.kv_cache import KVCache
 from common.model.loader import load_model
 from common.sampling import SampledRow, Sampler, SamplingParams
@@ -134,18 +134,7 @@ class LLMEngine:
             return []
         reqs = [self.requests[s.req_id] for s in batch.seqs]
         inputs = self.runner.prepare(batch, {r.req_id: r.all_token_ids for r in reqs})
-        prompt_top = (
-            [r.prompt_logprobs_wanted for r in reqs] if batch.phase is Phase.PREFILL else []
-        )
-        keep_hidden = any(k is not None for k in prompt_top)
-        logits = self.runner.run(inputs, keep_hidden=keep_hidden)
-        sampled = self.sampler.sample(
-            logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs],
-            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
-            grammars=[r.grammar for r in reqs],
-        )  # fmt: skip
-        prompt_lps = self.runner.prompt_logprobs(inputs, prompt_top) if keep_hidden else []
-        rows = sampled.rows(prompt_lps)
+        rows = forward_and_sample(self.runner, self.sampler, inputs, reqs, batch.phase)
         outputs = [self._append(req, row) for req, row in zip(reqs, rows, strict=True)]
         finished = {o.req_id for o in outputs if o.finished}
         self.scheduler.update(batch, finished)
@@ -185,4 +174,24 @@ class LLMEngine:
         return list(results.values())
 
 
-__all__ = ["FinishReason", "LLMEngine", "RequestOutput"]
+def forward_and_sample(
+    runner: ModelRunner[Inputs],
+    sampler: Sampler,
+    inputs: Inputs,
+    reqs: list[Request],
+    phase: Phase,
+) -> list[SampledRow]:
+    """One forward and its sampling, for every engine: each row's token (or the exception that
+    ended it), its logprobs and, after a prefill, the prompt's (for the requests that ask)."""
+    prompt_top = [r.prompt_logprobs_wanted for r in reqs] if phase is Phase.PREFILL else []
+    keep_hidden = any(k is not None for k in prompt_top)
+    logits = runner.run(inputs, keep_hidden=keep_hidden)
+    sampled = sampler.sample(
+        logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs],
+        [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
+        grammars=[r.grammar for r in reqs],
+    )  # fmt: skip
+    return sampled.rows(runner.prompt_logprobs(inputs, prompt_top) if keep_hidden else [])
+
+
+__all__ = ["FinishReason", "LLMEngine", "RequestOutput", "forward_and_sample"]

@@ -26,6 +26,7 @@ import torch
 from common.attention import select_backend
 from common.block_manager import BlockManager
 from common.config import EngineConfig
+from common.engine.core import forward_and_sample
 from common.engine.grammars import EngineGrammars
 from common.engine.request import Request, check_prompt
 from common.kv_cache import KVCache
@@ -318,16 +319,7 @@ class Engine(EngineFaults):
         """The batch's next tokens (a row whose sampling failed carries the exception instead),
         their logprobs and, after a prefill, the prompts' (for the requests that ask)."""
         reqs = [self.requests[s.req_id] for s in batch.seqs]
-        prefill = batch.phase is Phase.PREFILL
-        prompt_top = [r.prompt_logprobs_wanted for r in reqs] if prefill else []
-        keep_hidden = any(k is not None for k in prompt_top)
-        logits = self.runner.run(plan, keep_hidden=keep_hidden)
-        sampled = self.sampler.sample(
-            logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs],
-            [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
-            grammars=[r.grammar for r in reqs],
-        )  # fmt: skip
-        return sampled.rows(self.runner.prompt_logprobs(plan, prompt_top) if keep_hidden else [])
+        return forward_and_sample(self.runner, self.sampler, plan, reqs, batch.phase)
 
     def _finish_step(self, batch: Batch, sampled: list[SampledRow]) -> Outbox:
         out = Outbox()

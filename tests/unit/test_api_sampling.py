@@ -22,16 +22,14 @@ from services.router.choices import merge
 from services.router.server import Router
 from services.router.streams import AdmissionLimits
 from tests.reference_logprobs import expected_token_logprobs, sequence_logprobs
-from tests.unit.test_openai_api import MODEL, call, make_router, post, sse_events
+from tests.unit.test_openai_api import MODEL, call, make_router, post, serving_router, sse_events
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def router(tiny_model_path: Path) -> Iterator[Router]:
-    router = make_router(tiny_model_path)
-    yield router
-    router.client.shutdown()  # type: ignore[attr-defined]
+    yield from serving_router(tiny_model_path)
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,12 @@ import pytest
 from common.tokenizer import Tokenizer
 from services.router.server import Router
 from tests.unit.json_schemas import SCHEMAS, json_ending_bias
-from tests.unit.test_openai_api import MODEL, make_router, post
+from tests.unit.test_openai_api import MODEL, post, serving_router
 
 
 @pytest.fixture(scope="module")
 def router(tiny_model_path: Path) -> Iterator[Router]:
-    router = make_router(tiny_model_path)
-    yield router
-    router.client.shutdown()  # type: ignore[attr-defined]
+    yield from serving_router(tiny_model_path)
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,13 @@ def make_router(model_path: Path, limits: AdmissionLimits | None = None) -> Rout
     return Router(InProcessEngineClient(engine, limits), model_path, MODEL)
 
 
+def serving_router(model_path: Path) -> Iterator[Router]:
+    """A module's router over an in-process engine, shut down when the module is done."""
+    router = make_router(model_path)
+    yield router
+    router.client.shutdown()  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
 def router_with(model_path: Path, **options: Any) -> Iterator[Router]:
     """A router of its own, with `options` (api_key, max_body_bytes, ...), shut down after."""
@@ -52,9 +59,7 @@ def router_with(model_path: Path, **options: Any) -> Iterator[Router]:
 
 @pytest.fixture(scope="module")
 def router(tiny_model_path: Path) -> Iterator[Router]:
-    router = make_router(tiny_model_path)
-    yield router
-    router.client.shutdown()  # type: ignore[attr-defined]
+    yield from serving_router(tiny_model_path)
 
 
 @pytest.fixture(scope="module")
