@@ -148,10 +148,12 @@ def test_completion_stream_format(router: Router, include_usage: bool) -> None:
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     token_chunks = [c for c in chunks if c["choices"]]
-    assert len(token_chunks) == 7  # one chunk per generated token
+    # A chunk per generated token, unless several reached the router together (one chunk then).
+    assert 1 <= len(token_chunks) <= 7
     assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in token_chunks) == whole["choices"][0]["text"]
-    assert [c["choices"][0]["finish_reason"] for c in token_chunks][-2:] == [None, "length"]
+    reasons = [c["choices"][0]["finish_reason"] for c in token_chunks]
+    assert reasons == [None] * (len(reasons) - 1) + ["length"]
     usage_chunks = [c for c in chunks if c["usage"]]
     if include_usage:
         assert usage_chunks == [chunks[-1]] and chunks[-1]["choices"] == []
