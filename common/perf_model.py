@@ -174,3 +174,46 @@ def mean_abs_pct_error(
         abs(model.prefill_s(int(x)) * 1000.0 - v) / v for x, vs in prefill_ms.items() for v in vs
     ]
     return sum(errors) / len(errors)
+
+
+def memory_bound_s(num_bytes: float, bandwidth_bytes_s: float, efficiency: float) -> float:
+    """Time to stream `num_bytes` at `efficiency` of a memory's bandwidth: decode attention,
+    which reads each request's KV once per step (Lamina §2.2: memory-bound at any batch size,
+    above 70% of bandwidth in its Fig. 3)."""
+    if bandwidth_bytes_s <= 0 or not 0 < efficiency <= 1:
+        raise ValueError("memory-bound time: need a positive bandwidth and 0 < efficiency <= 1")
+    return num_bytes / (bandwidth_bytes_s * efficiency)
+
+
+@dataclass(frozen=True)
+class DenseDecodeModel:
+    """The non-attention part of a decode step (Lamina's "model" part: projections, MLP, LM head)
+    by batch size: through the profile's batch sweep less each point's attention, then linear
+    at `slope_past_s` per request past the largest profiled batch."""
+
+    by_batch: PiecewiseLinear
+    slope_past_s: float
+
+    def __call__(self, batch_size: float) -> float:
+        last = self.by_batch.xs[-1]
+        if batch_size <= last:
+            return self.by_batch(batch_size)
+        return self.by_batch(last) + (batch_size - last) * self.slope_past_s
+
+
+def dense_decode_model(
+    decode: PerfModel, attention_s_per_request: float, slope_past_s: float | None = None
+) -> DenseDecodeModel:
+    """`decode`'s step less `attention_s_per_request` (one request's attention at the profile's
+    context, e.g. `memory_bound_s` of its KV) per request, at each profiled batch size.
+    `slope_past_s` None continues the last profiled segment's slope."""
+    curve = decode.decode_s_by_batch
+    ys: list[float] = []
+    for x, y in zip(curve.xs, curve.ys, strict=True):
+        # NOTE: never below a tenth of the step: the attention estimate is a bound, not a fit.
+        dense = max(y - x * attention_s_per_request, 0.1 * y)
+        ys.append(max(dense, ys[-1]) if ys else dense)  # more requests are never faster
+    by_batch = PiecewiseLinear(curve.xs, tuple(ys))
+    if slope_past_s is None:
+        slope_past_s = (ys[-1] - ys[-2]) / (curve.xs[-1] - curve.xs[-2])
+    return DenseDecodeModel(by_batch, slope_past_s)
