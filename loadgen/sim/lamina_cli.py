@@ -81,7 +81,7 @@ def run_lamina(args: argparse.Namespace) -> int:
         for n in args.batches
     ]
     print(f"{args.trace}: first {len(rows)} requests, decode only, saturated window")
-    print(f"(x base: tokens per $ over the best baseline; model..wait: ms per token, Fig. 12)")
+    print("(x base: tokens per $ over the best baseline; model..wait: ms per token, Fig. 12)")
     print(HEADER)
     for result in baselines + laminas:
         print(format_row(result, base_per_usd))
