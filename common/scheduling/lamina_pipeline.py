@@ -55,8 +55,8 @@ class LayerCosts:
     kv_proj_s: float = 0.0
 
     def __post_init__(self) -> None:
-        times = (self.model_s, self.attention_s, self.q_wire_s, self.kv_wire_s)
-        times += (self.out_wire_s, self.latency_s, self.kv_proj_s)
+        wires = (self.q_wire_s, self.kv_wire_s, self.out_wire_s)
+        times = (self.model_s, self.attention_s, *wires, self.latency_s, self.kv_proj_s)
         if any(t < 0 or not math.isfinite(t) for t in times):
             raise ValueError(f"lamina pipeline: layer costs must be finite and >= 0: {self}")
         if self.kv_proj_s > self.model_s:
