@@ -28,6 +28,7 @@ from common.perf_model import (
 )
 from common.scheduling.lamina_pipeline import LayerCosts, default_replicas
 from loadgen.sim.config import LLAMA2_70B, ModelSpec, profile_path
+from loadgen.sim.lamina_placement import Partition
 
 # Lamina's Fig. 3: attention streams KV at more than 70% of the memory bandwidth, on H100 and H20.
 ATTENTION_EFFICIENCY = 0.7
@@ -37,6 +38,8 @@ DENSE_MFU = 0.5
 # One-way latency of a small message between GPUs on two nodes: half of FHBN's 33 us ping-pong
 # over 400 Gbps RoCE (§6.3, Fig. 13); NCCL's was 66.6 us.
 NETWORK_LATENCY_S = 16.5e-6
+# n = 1..4 when a cluster picks its own n (`num_batches` 0): the range of Lamina's Fig. 8.
+MAX_AUTO_BATCHES = 4
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class LaminaModel:
     hidden: int = 8192
     gqa_group: int = 8
     dtype_bytes: int = 2
+    num_kv_heads: int = 8
 
     @property
     def kv_bytes_per_token_layer(self) -> int:
@@ -127,8 +131,11 @@ def dense_model(
 class LaminaCluster:
     """A decode cluster: Lamina (`num_memory` > 0) or the homogeneous baseline (0).
 
-    `num_batches` is n; `num_replicas` 0 takes Lamina's n - 1 (at least one). The baseline runs
-    one batch on one group."""
+    `num_batches` is n; `num_replicas` 0 takes Lamina's n - 1 (at least one). `num_batches` 0
+    picks n (1..`MAX_AUTO_BATCHES`) for every stretch of the replay with
+    `choose_num_batches` on `num_replicas` (default 1) fixed replicas, as a live engine would.
+    `partition`: how the attention group splits the work (head-level needs the KV heads to
+    divide evenly over the devices). The baseline runs one batch on one group."""
 
     compute_tp: int
     num_memory: int = 0
@@ -140,14 +147,21 @@ class LaminaCluster:
     model: LaminaModel = LLAMA_70B
     latency_s: float = NETWORK_LATENCY_S
     extrapolation: Extrapolation = Extrapolation.ROOFLINE
+    partition: Partition = Partition.HEAD
     replicas: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.compute_tp < 1 or self.num_memory < 0 or self.num_batches < 1:
-            raise ValueError("lamina cluster: need compute_tp >= 1, num_memory >= 0, n >= 1")
+        if self.compute_tp < 1 or self.num_memory < 0 or self.num_batches < 0:
+            raise ValueError("lamina cluster: need compute_tp >= 1, num_memory >= 0, n >= 0")
         if self.num_memory == 0 and (self.num_batches != 1 or self.num_replicas > 1):
             raise ValueError("lamina cluster: the homogeneous baseline runs one batch, one group")
-        replicas = self.num_replicas or default_replicas(self.num_batches)
+        heads = self.model.num_kv_heads
+        if self.partition is Partition.HEAD and self.is_lamina and heads % self.num_memory:
+            raise ValueError(
+                f"lamina cluster: {heads} KV heads do not split over {self.num_memory} devices "
+                "(use request-level partitioning)"
+            )
+        replicas = self.num_replicas or default_replicas(max(self.num_batches, 1))
         object.__setattr__(self, "replicas", replicas)
         weights_room = self.compute_tp * self.compute.hbm_bytes * self.compute.memory_utilization
         if weights_room < self.model.spec.weight_bytes:
@@ -164,7 +178,9 @@ class LaminaCluster:
         if not self.is_lamina:
             return f"vLLM {self.compute_tp}x{self.compute.name}"
         dop = (self.replicas * self.compute_tp, self.num_memory)
-        return f"Lamina DOP={dop} n={self.num_batches}"
+        n = self.num_batches or "auto"
+        by_request = " req" if self.partition is Partition.REQUEST else ""
+        return f"Lamina DOP={dop} n={n}{by_request}"
 
     @property
     def usd_per_hour(self) -> float:
@@ -182,8 +198,11 @@ class LaminaCluster:
             room -= spec.weight_bytes
         return int(room // spec.kv_bytes_per_token)
 
-    def layer_costs(self, batch_size: float, context_tokens: float) -> LayerCosts:
-        """One batch's costs per layer: `batch_size` requests holding `context_tokens` of KV."""
+    def layer_costs(
+        self, batch_size: float, context_tokens: float, imbalance: float = 1.0
+    ) -> LayerCosts:
+        """One batch's costs per layer: `batch_size` requests holding `context_tokens` of KV,
+        the busiest attention device holding `imbalance` x its even share."""
         m = self.model
         dense = dense_model(self.compute, self.compute_tp, m, self.extrapolation)
         model_s = dense(batch_size) / m.num_layers
@@ -193,7 +212,7 @@ class LaminaCluster:
             attention_s = memory_bound_s(kv_bytes, bandwidth, ATTENTION_EFFICIENCY)
             return LayerCosts(model_s, attention_s)
         bandwidth = self.num_memory * self.memory.mem_bandwidth_bytes_s
-        attention_s = memory_bound_s(kv_bytes, bandwidth, ATTENTION_EFFICIENCY)
+        attention_s = memory_bound_s(kv_bytes * imbalance, bandwidth, ATTENTION_EFFICIENCY)
         compute_gbps = self.compute_tp * self.compute.nic_gbps
         nic_gbps = min(compute_gbps, self.num_memory * self.memory.nic_gbps)
         link_bytes_s = nic_gbps * 1e9 / 8
