@@ -10,11 +10,18 @@ from common.scheduling.lamina_pipeline import plan_layer
 from loadgen.sim.__main__ import main
 from loadgen.sim.config import profile_path
 from loadgen.sim.lamina_config import H20, LLAMA_70B, Extrapolation, LaminaCluster, dense_model
+from loadgen.sim.lamina_placement import KVPlacement, Partition
 from loadgen.sim.lamina_replay import replay_decode
 from loadgen.sim.workload import read_trace
 from loadgen.traces import shared_dir
 
 KIMI = shared_dir() / "traces" / "conversation_trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def kimi_requests():
+    """The first 400 Kimi-Conv requests (long contexts: memory bounds the batch)."""
+    return [(r.input_len, r.output_len) for r in read_trace(KIMI)[:400]]
 
 
 def test_dense_part_is_the_profiled_step_less_attention_then_roofline():
@@ -88,10 +95,9 @@ def test_a_slice_that_fits_at_once_has_no_saturated_window():
         replay_decode(LaminaCluster(2, 4), [(1000, 50)] * 3)
 
 
-def test_lamina_decodes_larger_batches_for_less_per_token_on_long_contexts():
+def test_lamina_decodes_larger_batches_for_less_per_token_on_long_contexts(kimi_requests):
     # Lamina Fig. 10 at equal cost on Kimi-Conv: larger batches, more tokens per $ than vLLM.
-    rows = read_trace(KIMI)[:400]
-    requests = [(r.input_len, r.output_len) for r in rows]
+    requests = kimi_requests
     vllm = replay_decode(LaminaCluster(4), requests)
     lamina = replay_decode(LaminaCluster(2, 4), requests)
     assert lamina.mean_batch > 2 * vllm.mean_batch
@@ -111,3 +117,42 @@ def test_the_lamina_command_prints_a_row_per_cluster_and_a_json_line(capsys):
         "Lamina DOP=(2, 4) n=2",
     }
     assert set(summary["targets_met"]) == set(summary["targets"])
+
+
+def test_request_level_placement_fragments_and_unbalances():
+    kv = KVPlacement(100, 2, Partition.REQUEST)
+    assert kv.place(40, 30) == 0 and kv.place(40, 10) == 1
+    assert kv.place(20, 5) is None  # 20 tokens free in all, but 10 on each device
+    assert kv.imbalance() == pytest.approx(30 * 2 / 40)
+    kv.advance(10)  # each device's one request grows by 10 tokens
+    assert kv.imbalance() == pytest.approx(40 * 2 / 60)
+    kv.free(0, 40)
+    assert kv.place(20, 5) == 0
+    head = KVPlacement(100, 2, Partition.HEAD)
+    assert head.place(40, 30) == 0 and head.place(40, 10) == 0 and head.place(20, 5) == 0
+    assert head.imbalance() == 1.0
+
+
+def test_head_level_needs_the_kv_heads_to_split_evenly():
+    with pytest.raises(ValueError, match="request-level"):
+        LaminaCluster(2, 3)
+    assert LaminaCluster(2, 3, partition=Partition.REQUEST).label.endswith("req")
+
+
+def test_request_level_decodes_smaller_batches_with_slower_attention(kimi_requests):
+    requests = kimi_requests
+    head = replay_decode(LaminaCluster(2, 4), requests)
+    by_request = replay_decode(LaminaCluster(2, 4, partition=Partition.REQUEST), requests)
+    assert by_request.mean_batch < head.mean_batch
+    per_request = by_request.breakdown.attention_s / by_request.window_batch_s
+    assert per_request > head.breakdown.attention_s / head.window_batch_s
+
+
+def test_auto_n_is_never_slower_than_any_fixed_n_on_the_same_hardware(kimi_requests):
+    # Admissions do not depend on n (memory does), so each stretch's best n adds up to the best.
+    requests = kimi_requests
+    auto = replay_decode(LaminaCluster(2, 4, num_batches=0, num_replicas=1), requests)
+    assert auto.cluster.label == "Lamina DOP=(2, 4) n=auto"
+    for n in range(1, 5):
+        fixed = replay_decode(LaminaCluster(2, 4, num_batches=n, num_replicas=1), requests)
+        assert auto.tokens_per_s >= fixed.tokens_per_s * (1 - 1e-9)
