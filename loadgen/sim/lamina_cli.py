@@ -17,7 +17,7 @@ from typing import Any
 
 from loadgen.sim.lamina_config import Extrapolation, LaminaCluster
 from loadgen.sim.lamina_placement import Partition
-from loadgen.sim.lamina_replay import DecodeReplayResult, replay_decode
+from loadgen.sim.lamina_replay import DecodeReplayResult, replay_decode, step_plan
 from loadgen.sim.workload import read_trace
 
 HEADER = (
@@ -51,6 +51,11 @@ def add_lamina_parser(sub: Any) -> None:
         default=Extrapolation.ROOFLINE.value,
         help="model-part growth past the profile's batch 64",
     )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="first print Fig. 12: a token's time by batch size at the slice's mean context",
+    )
     p.set_defaults(func=run_lamina)
 
 
@@ -68,10 +73,30 @@ def format_row(result: DecodeReplayResult, base_per_usd: float) -> str:
     )
 
 
+def print_breakdown(clusters: list[LaminaCluster], context: float) -> None:
+    """Fig. 12: one token's time (ms) by batch size, every request at `context` tokens."""
+    print(f"Fig. 12 breakdown at {context:.0f}-token contexts, ms per token")
+    print(f"{'cluster':<24} {'batch':>6} {'model':>7} {'attn':>7} {'net':>6} {'hid':>5} {'TBT':>7}")
+    for cluster in clusters:
+        layers = cluster.model.num_layers
+        for batch in (1, 8, 32, 128, 512, 1024):
+            if batch * context > cluster.kv_capacity_tokens():
+                break
+            plan = step_plan(cluster, batch, batch * context)
+            ms = [layers * 1000 * t for t in (plan.model_s, plan.attention_s, plan.network_s)]
+            ms += [layers * 1000 * plan.hidden_s, layers * 1000 * plan.period_s]
+            print(f"{cluster.label:<24} {batch:>6} " + " ".join(f"{v:7.1f}" for v in ms))
+
+
 def run_lamina(args: argparse.Namespace) -> int:
     rows = read_trace(args.trace)[: args.requests]
     requests = [(r.input_len, r.output_len) for r in rows]
     extrapolation = Extrapolation(args.extrapolate)
+    if args.breakdown:
+        context = sum(p + o / 2 for p, o in requests) / len(requests)
+        overlap = not args.no_overlap
+        clusters = [LaminaCluster(args.tp, m, 1, overlap=overlap) for m in args.memory]
+        print_breakdown([LaminaCluster(tp) for tp in args.baseline_tp] + clusters, context)
     baselines = [
         replay_decode(LaminaCluster(tp, extrapolation=extrapolation), requests, args.max_batch)
         for tp in args.baseline_tp
