@@ -3,13 +3,15 @@
 A Lamina cluster (§3-4) decodes with `replicas` model replicas, each a tensor-parallel group of
 `compute_tp` compute devices (H100) holding the weights and running everything but attention, and
 one attention group of `num_memory` memory devices (H20-class) holding every request's KV and
-running attention, head-partitioned (§4.4: balanced). Its DOP is (replicas x compute_tp,
+running attention, head-partitioned (§4.4: balanced) or request-partitioned. Its DOP is (replicas x compute_tp,
 num_memory). The homogeneous baseline (vLLM on H100, `num_memory` = 0) keeps KV and attention on
 its own tensor-parallel group.
 
 Costs come from the measured profile: a replica's model part `t_m` is the profiled decode step at
-that TP less its attention (`DenseDecodeModel`); attention `t_a` is the batch's KV bytes over the
-attention devices' memory bandwidth; the network is the bytes of q, k, v out and the attention
+that TP less its attention (`DenseDecodeModel`), and past the profile's largest batch grows at
+the compute roofline (`Extrapolation`); attention `t_a` is the batch's KV bytes over the
+attention devices' memory bandwidth (times the busiest device's excess when requests, not heads,
+are partitioned: `lamina_placement.py`); the network is the bytes of q, k, v out and the attention
 output back ((2 + 2/G) e d per token per layer, §3.2) over the slower end's NICs, plus a one-way
 latency. Device figures and prices are Lamina's Table 1 (per chip, $/hour).
 """
