@@ -4,8 +4,8 @@ A Lamina cluster (§3-4) decodes with `replicas` model replicas, each a tensor-p
 `compute_tp` compute devices (H100) holding the weights and running everything but attention, and
 one attention group of `num_memory` memory devices (H20-class) holding every request's KV and
 running attention, head-partitioned (§4.4: balanced) or request-partitioned. Its DOP is
-(replicas x compute_tp, num_memory). The homogeneous baseline (vLLM on H100, `num_memory` = 0) keeps KV and attention on
-its own tensor-parallel group.
+(replicas x compute_tp, num_memory). The homogeneous baseline (vLLM on H100, `num_memory` = 0)
+keeps KV and attention on its own tensor-parallel group.
 
 Costs come from the measured profile: a replica's model part `t_m` is the profiled decode step at
 that TP less its attention (`DenseDecodeModel`), and past the profile's largest batch grows at
