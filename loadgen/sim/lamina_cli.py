@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from loadgen.sim.lamina_config import Extrapolation, LaminaCluster
@@ -27,6 +28,15 @@ HEADER = (
 )
 
 
+def num_batches_arg(text: str) -> int:
+    """An n on the command line: a count >= 1, or `auto` (0: the replay picks n)."""
+    if text == "auto":
+        return 0
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"n must be a count >= 1 or auto, not {text!r}")
+    return int(text)
+
+
 def add_lamina_parser(sub: Any) -> None:
     """The `lamina` subcommand, added to `python -m loadgen.sim`'s subparsers."""
     p = sub.add_parser("lamina", help="Lamina decode: throughput per $ vs n against vLLM")
@@ -34,7 +44,9 @@ def add_lamina_parser(sub: Any) -> None:
     p.add_argument("--requests", type=int, default=4000, help="the trace's first N requests")
     p.add_argument("--tp", type=int, default=2, help="H100s per Lamina model replica")
     p.add_argument("--memory", type=int, nargs="+", default=[4, 8], help="H20 counts")
-    p.add_argument("--batches", nargs="+", default=["1", "2", "3", "4"], help="n values, or auto")
+    p.add_argument(
+        "--batches", nargs="+", type=num_batches_arg, default=[1, 2, 3, 4], help="n, or auto"
+    )
     p.add_argument("--replicas", type=int, default=0, help="model replicas (0: n - 1)")
     p.add_argument("--baseline-tp", type=int, nargs="+", default=[4, 8])
     p.add_argument("--no-overlap", action="store_true", help="turn q-early overlap off")
@@ -89,6 +101,14 @@ def print_breakdown(clusters: list[LaminaCluster], context: float) -> None:
 
 
 def run_lamina(args: argparse.Namespace) -> int:
+    try:
+        return compare(args)
+    except ValueError as error:  # an impossible cluster, or a slice too small to saturate it
+        print(f"lamina: {error}", file=sys.stderr)
+        return 2
+
+
+def compare(args: argparse.Namespace) -> int:
     rows = read_trace(args.trace)[: args.requests]
     requests = [(r.input_len, r.output_len) for r in rows]
     extrapolation = Extrapolation(args.extrapolate)
@@ -107,7 +127,7 @@ def run_lamina(args: argparse.Namespace) -> int:
             LaminaCluster(
                 args.tp,
                 m,
-                0 if n == "auto" else int(n),
+                n,
                 args.replicas,
                 not args.no_overlap,
                 extrapolation=extrapolation,

@@ -156,3 +156,10 @@ def test_auto_n_is_never_slower_than_any_fixed_n_on_the_same_hardware(kimi_reque
     for n in range(1, 5):
         fixed = replay_decode(LaminaCluster(2, 4, num_batches=n, num_replicas=1), requests)
         assert auto.tokens_per_s >= fixed.tokens_per_s * (1 - 1e-9)
+
+
+def test_the_lamina_command_refuses_impossible_clusters_and_counts(capsys):
+    assert main(["lamina", "--trace", str(KIMI), "--memory", "3", "--batches", "1"]) == 2
+    assert "request-level" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["lamina", "--trace", str(KIMI), "--batches", "0"])
