@@ -18,7 +18,9 @@ which resource bounds the period and how long each device idles per layer.
 
 q-early overlap (§4.2.2): Q-proj runs first and q leaves at once; the memory group attends over
 the previous tokens while K/V-proj runs and k, v travel, and folds in the new token's K/V with the
-log-sum-exp combine. That hides `min(t_a, kv_proj + kv_wire)` of the critical path; it changes no
+log-sum-exp combine. Two paths then join at the memory group: q's (its wire, then attention) and
+k/v's (K/V-proj, then their wire, which waits for q's if q is still on the wire), so the critical
+path loses `min(kv_proj + kv_wire, q_wire + t_a, kv_proj + t_a)` (`hidden_s`). Overlap changes no
 resource's occupancy (the same work, reordered).
 
 NOTE: the network is one full-duplex link: the memory group's NICs, which every batch's bytes
@@ -115,6 +117,16 @@ class PipelinePlan:
         return self.num_batches / self.period_s
 
 
+def _overlap_hidden_s(costs: LayerCosts) -> float:
+    """What q-early takes off one batch's path: serially Q-proj end -> K/V-proj -> q, k, v on the
+    wire -> attention; overlapped, the later of q's path (q wire + t_a) and k/v's (K/V-proj, then
+    the k/v wire after q's wire)."""
+    kv_path = max(costs.kv_proj_s, costs.q_wire_s) + costs.kv_wire_s
+    q_path = costs.q_wire_s + costs.attention_s
+    serial = costs.kv_proj_s + costs.q_wire_s + costs.kv_wire_s + costs.attention_s
+    return serial - max(q_path, kv_path)
+
+
 def default_replicas(num_batches: int) -> int:
     """Lamina's layout: n - 1 model replicas for n batches (n = 1 and 2 share one)."""
     return max(1, num_batches - 1)
@@ -131,11 +143,10 @@ def plan_layer(
     if replicas < 1:
         raise ValueError(f"lamina pipeline: need at least one replica, got {num_replicas}")
     n = num_batches
-    hidden = min(costs.attention_s, costs.kv_proj_s + costs.kv_wire_s) if overlap else 0.0
+    hidden = _overlap_hidden_s(costs) if overlap else 0.0
     critical = costs.model_s + costs.attention_s + costs.network_s - hidden
-    # A replica can only work on one batch at a time, so with fewer batches than replicas the
-    # extra replicas idle: the compute bound is per batch-on-a-replica.
-    compute = n * costs.model_s / min(replicas, n)
+    # NOTE: with fewer batches than replicas this is below t_m, and the critical path governs.
+    compute = n * costs.model_s / replicas
     memory = n * costs.attention_s
     link = n * max(costs.q_wire_s + costs.kv_wire_s, costs.out_wire_s)
     candidates = (
