@@ -58,6 +58,9 @@ def add_lamina_parser(sub: Any) -> None:
     )
     p.add_argument("--max-batch", type=int, default=0, help="running requests at most")
     p.add_argument(
+        "--max-tbt-ms", type=float, default=0.0, help="admit while the step stays under this"
+    )
+    p.add_argument(
         "--extrapolate",
         choices=[e.value for e in Extrapolation],
         default=Extrapolation.ROOFLINE.value,
@@ -112,13 +115,14 @@ def compare(args: argparse.Namespace) -> int:
     rows = read_trace(args.trace)[: args.requests]
     requests = [(r.input_len, r.output_len) for r in rows]
     extrapolation = Extrapolation(args.extrapolate)
+    limits = (args.max_batch, args.max_tbt_ms / 1000.0)
     if args.breakdown:
         context = sum(p + o / 2 for p, o in requests) / len(requests)
         overlap = not args.no_overlap
         clusters = [LaminaCluster(args.tp, m, 1, overlap=overlap) for m in args.memory]
         print_breakdown([LaminaCluster(tp) for tp in args.baseline_tp] + clusters, context)
     baselines = [
-        replay_decode(LaminaCluster(tp, extrapolation=extrapolation), requests, args.max_batch)
+        replay_decode(LaminaCluster(tp, extrapolation=extrapolation), requests, *limits)
         for tp in args.baseline_tp
     ]
     base_per_usd = max(r.tokens_per_usd for r in baselines)
@@ -134,7 +138,7 @@ def compare(args: argparse.Namespace) -> int:
                 partition=Partition(args.partition),
             ),
             requests,
-            args.max_batch,
+            *limits,
         )
         for m in args.memory
         for n in args.batches

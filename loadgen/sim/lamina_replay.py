@@ -120,9 +120,10 @@ def step_plan(
 class DecodeReplay:
     """One replay's state: the FCFS queue, the running requests by finish step, their KV."""
 
-    def __init__(self, cluster: LaminaCluster, max_batch: int) -> None:
+    def __init__(self, cluster: LaminaCluster, max_batch: int, max_tbt_s: float) -> None:
         self.cluster = cluster
         self.max_batch = max_batch
+        self.max_tbt_s = max_tbt_s
         num_devices = max(cluster.num_memory, 1)
         self.kv = KVPlacement(cluster.kv_capacity_tokens(), num_devices, cluster.partition)
         self.queue: deque[tuple[int, int]] = deque()
@@ -140,6 +141,8 @@ class DecodeReplay:
         """FCFS while the head of the queue finds room (and the batch cap allows)."""
         while self.queue and not (self.max_batch and len(self.finish) >= self.max_batch):
             prompt_len, output_len = self.queue[0]
+            if self.max_tbt_s and self.finish and self.tbt_with(prompt_len + 1) > self.max_tbt_s:
+                return
             pool = self.kv.place(prompt_len + output_len, prompt_len + 1)
             if pool is None:
                 return
@@ -147,6 +150,13 @@ class DecodeReplay:
             heapq.heappush(self.finish, (self.step + output_len - 1, prompt_len + output_len, pool))
             if self.step > 0:  # the first fill is a burst before the steady state
                 result.window_pulled_bytes += prompt_len * self.kv_bytes_per_token
+
+    def tbt_with(self, context: int) -> float:
+        """The time between tokens if one more request, at `context` tokens, joined now."""
+        batch = len(self.finish) + 1
+        total = self.kv.total_context() + context
+        plan = step_plan(self.cluster, batch, total, self.kv.imbalance())
+        return self.cluster.model.num_layers * plan.period_s
 
     def advance(self, result: DecodeReplayResult) -> None:
         """Run until the next completion: one plan for the whole stretch, at its mid-point."""
@@ -175,10 +185,15 @@ class DecodeReplay:
 
 
 def replay_decode(
-    cluster: LaminaCluster, requests: Iterable[tuple[int, int]], max_batch: int = 0
+    cluster: LaminaCluster,
+    requests: Iterable[tuple[int, int]],
+    max_batch: int = 0,
+    max_tbt_s: float = 0.0,
 ) -> DecodeReplayResult:
-    """Decode every (prompt_len, output_len) request; `max_batch` caps running requests."""
-    replay = DecodeReplay(cluster, max_batch)
+    """Decode every (prompt_len, output_len) request. `max_batch` caps running requests;
+    `max_tbt_s` admits a request only while the step it joins stays under it (0: no cap; a
+    lone request always runs)."""
+    replay = DecodeReplay(cluster, max_batch, max_tbt_s)
     num_requests = num_refused = 0
     for prompt_len, output_len in requests:
         num_requests += 1

@@ -163,3 +163,11 @@ def test_the_lamina_command_refuses_impossible_clusters_and_counts(capsys):
     assert "request-level" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["lamina", "--trace", str(KIMI), "--batches", "0"])
+
+
+def test_a_tbt_cap_trades_batch_for_latency(kimi_requests):
+    free = replay_decode(LaminaCluster(2, 8), kimi_requests)
+    capped = replay_decode(LaminaCluster(2, 8), kimi_requests, max_tbt_s=0.080)
+    assert capped.mean_batch < free.mean_batch
+    # Checked when a request joins; its stretch's contexts then grow a little past the check.
+    assert capped.mean_tbt_s <= 0.080 * 1.02 < free.mean_tbt_s
