@@ -111,38 +111,37 @@ def run_lamina(args: argparse.Namespace) -> int:
         return 2
 
 
+def clusters_from(args: argparse.Namespace, only_n: int = -1) -> list[LaminaCluster]:
+    """The Lamina clusters the arguments ask for: every memory count x every n (or `only_n`)."""
+    return [
+        LaminaCluster(
+            args.tp,
+            m,
+            n,
+            args.replicas,
+            not args.no_overlap,
+            extrapolation=Extrapolation(args.extrapolate),
+            partition=Partition(args.partition),
+        )
+        for m in args.memory
+        for n in (args.batches if only_n < 0 else [only_n])
+    ]
+
+
 def compare(args: argparse.Namespace) -> int:
     rows = read_trace(args.trace)[: args.requests]
     requests = [(r.input_len, r.output_len) for r in rows]
+    if not requests:
+        raise ValueError(f"{args.trace}: no requests to replay")
     extrapolation = Extrapolation(args.extrapolate)
-    limits = (args.max_batch, args.max_tbt_ms / 1000.0)
+    baseline_clusters = [LaminaCluster(tp, extrapolation=extrapolation) for tp in args.baseline_tp]
     if args.breakdown:
         context = sum(p + o / 2 for p, o in requests) / len(requests)
-        overlap = not args.no_overlap
-        clusters = [LaminaCluster(args.tp, m, 1, overlap=overlap) for m in args.memory]
-        print_breakdown([LaminaCluster(tp) for tp in args.baseline_tp] + clusters, context)
-    baselines = [
-        replay_decode(LaminaCluster(tp, extrapolation=extrapolation), requests, *limits)
-        for tp in args.baseline_tp
-    ]
+        print_breakdown(baseline_clusters + clusters_from(args, 1), context)
+    limits = (args.max_batch, args.max_tbt_ms / 1000.0)
+    baselines = [replay_decode(c, requests, *limits) for c in baseline_clusters]
+    laminas = [replay_decode(c, requests, *limits) for c in clusters_from(args)]
     base_per_usd = max(r.tokens_per_usd for r in baselines)
-    laminas = [
-        replay_decode(
-            LaminaCluster(
-                args.tp,
-                m,
-                n,
-                args.replicas,
-                not args.no_overlap,
-                extrapolation=extrapolation,
-                partition=Partition(args.partition),
-            ),
-            requests,
-            *limits,
-        )
-        for m in args.memory
-        for n in args.batches
-    ]
     print(f"{args.trace}: first {len(rows)} requests, decode only, saturated window")
     print(
         "(x base: tokens per $ over the best baseline; model..wait: ms per token, Fig. 12; "
