@@ -112,10 +112,6 @@ class PipelinePlan:
         """Per period, how long the memory group idles (when Lamina's shards pull prefill KV)."""
         return (1.0 - self.memory_busy) * self.period_s
 
-    def layers_per_s(self) -> float:
-        """Batch-layers completed per second by the whole pipeline."""
-        return self.num_batches / self.period_s
-
 
 def _overlap_hidden_s(costs: LayerCosts) -> float:
     """What q-early takes off one batch's path: serially Q-proj end -> K/V-proj -> q, k, v on the
