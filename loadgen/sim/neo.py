@@ -262,8 +262,11 @@ def compare(machine: NeoMachineType, rows: list, s: NeoSearch) -> dict[str, floa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadgen.sim.neo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m loadgen.sim.neo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--trace", required=True)
     parser.add_argument("--machines", nargs="+", default=list(NEO_MACHINES))
     parser.add_argument("--slo", type=float, default=0.2, help="mean per-token latency, s")

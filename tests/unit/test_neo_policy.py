@@ -100,17 +100,13 @@ def test_oldest_offloaded_decodes_swap_in_while_below_the_watermark():
     # 100 local blocks in all, 50 free; watermark 0.9 keeps 10 free. Each swap-in takes its
     # 20 blocks + 1 for its next token: the first two fit (50 - 42 = 8 < 10: only one does).
     p = policy(swap_in_watermark=0.9)
-    plan = p.schedule(
-        state([dec(0, 49)], [dec(1, 20), dec(2, 20)], local_free=50, total=100)
-    )
+    plan = p.schedule(state([dec(0, 49)], [dec(1, 20), dec(2, 20)], local_free=50, total=100))
     assert plan.swap_in_ids == (1,) and plan.local_ids == (0, 1)
     assert 1 not in plan.offload1_ids + plan.offload0_ids
 
 
 def test_no_swap_in_in_an_iteration_that_swaps_out():
-    plan = policy().schedule(
-        state([dec(0, 10), dec(1, 10)], [dec(2, 1)], local_free=1, total=1000)
-    )
+    plan = policy().schedule(state([dec(0, 10), dec(1, 10)], [dec(2, 1)], local_free=1, total=1000))
     assert plan.swap_out_ids == (1,) and not plan.swap_in_ids
 
 
@@ -175,7 +171,9 @@ def test_offload_stops_when_the_offload_tier_is_the_bottleneck():
 
 def test_offloaded_decodes_wait_when_the_offload_tier_has_no_block_for_their_next_token():
     plan = policy(block_size=16).schedule(
-        state([dec(0, 1000)], [dec(1, 32)], local_free=0, offload_free=0)  # 32 tokens: the next needs a block
+        state(
+            [dec(0, 1000)], [dec(1, 32)], local_free=0, offload_free=0
+        )  # 32 tokens: the next needs a block
     )
     assert plan.deferred_ids == (1,) and not plan.two_batch
 
