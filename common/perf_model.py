@@ -208,6 +208,7 @@ def neo_costs_from_profile(
     kv_bytes_per_token: int,
     offload_bytes_s: float,
     decode_context: int = PROFILED_DECODE_CONTEXT,
+    attention_path: str | os.PathLike[str] | None = None,
 ) -> NeoCostTables:
     """Neo's tables from a Splitwise-format profile (`key`: model, hardware, tensor parallel).
 
@@ -217,28 +218,46 @@ def neo_costs_from_profile(
       at b batch tokens; the prefill times above the largest decode batch (a prompt's attention is
       a small part of its prefill, so it stays in T_l).
     - T_ca: the offload tier reads each KV byte once: context x `kv_bytes_per_token` /
-      `offload_bytes_s` (Neo profiles its CPU kernel; the shards' is `bench/profile.py
-      --attention`).
+      `offload_bytes_s` (Neo profiles its CPU kernel).
+    With `attention_path` (`bench/profile.py --attention`'s table), T_ga and T_ca are its
+    measured `local` and `offload` rows instead (and `offload_bytes_s` is unused).
     """
     if offload_bytes_s <= 0 or kv_bytes_per_token <= 0:
         raise ValueError("neo costs: offload bandwidth and KV bytes per token must be positive")
     prefill_ms, decode_ms = read_profile_points(path, *key, decode_context=decode_context)
-    by_context = _batch1_decode_ms_by_context(path, key)
-    lo, hi = min(by_context), max(by_context)
-    ga_s_per_token = max(0.0, (by_context[hi] - by_context[lo]) / (hi - lo)) / 1000.0
+    if attention_path is not None:
+        local, offload = read_attention_tables(attention_path, key[0], key[1])
+    else:
+        by_context = _batch1_decode_ms_by_context(path, key)
+        lo, hi = min(by_context), max(by_context)
+        local = proportional(max(0.0, (by_context[hi] - by_context[lo]) / (hi - lo)) / 1000.0)
+        offload = proportional(kv_bytes_per_token / offload_bytes_s)
     linear: dict[float, list[float]] = {
-        b: [v / 1000.0 - ga_s_per_token * b * decode_context for v in vs]
-        for b, vs in decode_ms.items()
+        b: [v / 1000.0 - local(b * decode_context) for v in vs] for b, vs in decode_ms.items()
     }
     largest_batch = max(decode_ms)
     for tokens, vs in prefill_ms.items():
         if tokens > largest_batch:
             linear[tokens] = [v / 1000.0 for v in vs]
-    return NeoCostTables(
-        PiecewiseLinear.fit(linear),
-        proportional(ga_s_per_token),
-        proportional(kv_bytes_per_token / offload_bytes_s),
-    )
+    return NeoCostTables(PiecewiseLinear.fit(linear), local, offload)
+
+
+def read_attention_tables(
+    path: str | os.PathLike[str], model: str, hardware: str
+) -> tuple[PiecewiseLinear, PiecewiseLinear]:
+    """(local, offload) decode-attention seconds by context tokens from `bench/profile.py
+    --attention`'s CSV (`model, hardware, tier, batch_size, context_tokens, time_ms`)."""
+    samples: dict[str, dict[float, list[float]]] = {"local": defaultdict(list)}
+    samples["offload"] = defaultdict(list)
+    with open(path, encoding="utf-8", newline="") as rows:
+        for row in csv.DictReader(rows):
+            if (row["model"], row["hardware"]) == (model, hardware) and row["tier"] in samples:
+                samples[row["tier"]][float(row["context_tokens"])].append(
+                    float(row["time_ms"]) / 1000.0
+                )
+    if any(len(points) < 2 for points in samples.values()):
+        raise ValueError(f"{path}: need local and offload rows at 2+ contexts for {model}")
+    return PiecewiseLinear.fit(samples["local"]), PiecewiseLinear.fit(samples["offload"])
 
 
 def _batch1_decode_ms_by_context(

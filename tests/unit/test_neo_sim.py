@@ -50,3 +50,24 @@ def test_offload_sustains_a_rate_the_local_only_machine_cannot():
     local_ok, _ = probe(NEO_MACHINES["H100x2"], rows, 5.0, False, s)
     neo_ok, neo = probe(NEO_MACHINES["H100x2"], rows, 5.0, True, s)
     assert not local_ok and neo_ok and neo.num_two_batch > 0
+
+
+def test_measured_attention_tables_replace_the_derived_ones(tmp_path):
+    path = tmp_path / "attention.csv"
+    path.write_text(
+        "model,hardware,tier,batch_size,context_tokens,time_ms\n"
+        "llama2-70b,h100-80gb,local,8,1000,1.0\n"
+        "llama2-70b,h100-80gb,local,8,2000,2.0\n"
+        "llama2-70b,h100-80gb,offload,8,1000,10.0\n"
+        "llama2-70b,h100-80gb,offload,8,2000,30.0\n"
+        "llama2-70b,h100-80gb,local,8,3000,3.0\n"
+    )
+    costs = neo_costs_from_profile(
+        profile_path(), KEY, LLAMA2_70B.kv_bytes_per_token, 1.0, attention_path=path
+    )
+    assert costs.local_attention_s(1500) == pytest.approx(0.0015)
+    assert costs.offload_attention_s(1500) == pytest.approx(0.020)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("model,hardware,tier,batch_size,context_tokens,time_ms\n")
+    with pytest.raises(ValueError):
+        neo_costs_from_profile(profile_path(), KEY, 1, 1.0, attention_path=bad)
