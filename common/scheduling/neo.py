@@ -18,7 +18,11 @@ The six steps, each a method named for it:
    whichever has the larger estimated throughput (requests per second).
 
 Pure: no clocks, no IO; the state in, a plan out (`common/scheduling/neo_state.py`). The caller
-owns the tiers: it performs the swaps and prefill swap-outs the plan lists, then the step.
+owns the tiers: it performs the swaps and prefill swap-outs the plan lists, then the step, and
+re-queues `preempted_ids` as prompts. Wrong input (a repeated id, negative free blocks, an empty
+request) raises ValueError when the state is built. With its shards gone, a token engine passes no
+offloaded decodes and `offload_free_blocks=0` (or `NeoConfig(allow_offload=False)`): the plan is
+then the local-only schedule, and requests whose KV was offloaded are re-run from their tokens.
 """
 
 from __future__ import annotations

@@ -85,12 +85,15 @@ class _Req:
     prompt_len: int
     output_len: int
     generated: int = 0
+    generated_in_prompt: int = 0  # after a preemption: tokens re-prefilled with the prompt
     first_token_s: float = math.nan
     finish_s: float = math.nan
 
     @property
-    def context_len(self) -> int:  # the KV it holds while decoding
-        return self.prompt_len + max(self.generated - 1, 0)
+    def context_len(self) -> int:
+        """The KV it holds while decoding (the last sampled token's is written next step), or
+        its prefill's length while waiting."""
+        return self.prompt_len + max(self.generated - 1 - self.generated_in_prompt, 0)
 
 
 @dataclass
@@ -184,7 +187,8 @@ class NeoSimMachine:
         for i in plan.preempted_ids:  # recomputed later over its prompt and tokens so far
             del self.local[int(i)]
             r = self.reqs[int(i)]
-            r.prompt_len, r.generated = r.context_len, max(r.generated - 1, 0)
+            r.prompt_len += r.generated - r.generated_in_prompt  # every token known so far
+            r.generated_in_prompt = r.generated
             self.waiting.insert(0, int(i))
         offloaded = set(plan.prefill_offload_ids)
         for i in plan.prefill_ids:

@@ -42,6 +42,20 @@ def test_every_request_finishes_with_its_tokens_with_and_without_offload():
     assert result.num_two_batch > 0 and result.max_running > 10
 
 
+def test_local_only_preempts_and_recomputes_when_decodes_outgrow_hbm():
+    # 12 prompts of 1000 tokens fill ~12.2k tokens of KV; 300 tokens each then overflow it.
+    requests = [SimRequest(0.0, 1000, 300) for _ in range(12)]
+    sim = NeoSimMachine(NEO_MACHINES["H100x2"], offload=False)
+    result = sim.run(requests, until_s=600.0)
+    assert result.num_preempted > 0 and result.num_swaps == 0
+    assert all(r.generated == 300 for r in sim.reqs)
+    # A recomputed request re-prefills its prompt and the tokens it had made.
+    recomputed = [r for r in sim.reqs if r.generated_in_prompt]
+    assert recomputed and all(r.prompt_len == 1000 + r.generated_in_prompt for r in recomputed)
+    with_offload = NeoSimMachine(NEO_MACHINES["H100x2"], offload=True)
+    assert with_offload.run(requests, until_s=600.0).num_preempted == 0
+
+
 def test_offload_sustains_a_rate_the_local_only_machine_cannot():
     # 1000-token prompts, 100 tokens out, on 2 x H100 (~12 of them fit in HBM): local-only
     # holds 4 RPS at 0.2 s per token and not 5; with offload 5 RPS holds (0.19 s).
