@@ -228,7 +228,9 @@ def probe(
 ) -> tuple[bool, NeoRunResult]:
     """Whether `machine` holds the SLO at `rate` (with or without offload), and the run."""
     sim = NeoSimMachine(machine, offload)
-    usable = [r for r in rows if sim.fits(r.input_len)] or rows
+    # NOTE: both arms get the same requests: those the local-only machine can ever hold.
+    local_only = sim if not offload else NeoSimMachine(machine, False)
+    usable = [r for r in rows if local_only.fits(r.input_len)] or rows
     requests = poisson(usable, rate, s.duration_s, s.seed)
     result = sim.run(requests, until_s=2 * s.duration_s)
     counted = [
