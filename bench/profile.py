@@ -68,6 +68,9 @@ def cells(prompt_sizes: list[int], batch_sizes: list[int], max_batch_tokens: int
     return [Cell(p, b) for p in prompt_sizes for b in batch_sizes if p * b <= max_batch_tokens]
 
 
+WARM_UP, WARM_UP_STEPS = Cell(16, 2), 4  # run once before the grid
+
+
 def kv_blocks(grid: list[Cell], extra_tokens: int, block_size: int = 16) -> int:
     """KV blocks for the largest batch of the grid, each request `extra_tokens` past its prompt."""
     per_request = [-(-(c.prompt_size + extra_tokens) // block_size) for c in grid]
@@ -247,7 +250,7 @@ def profile_rows(
 ) -> Iterator[dict[str, object]]:
     """Profile every cell `--repeats` times (repeats outermost, so slow drift hits all cells)."""
     grid = cells(args.prompt_sizes, args.batch_sizes, args.max_batch_tokens)
-    local.run(Cell(16, 2), 4, salt=-1)  # warm-up: first-call allocations, kernel dispatch
+    local.run(WARM_UP, WARM_UP_STEPS, salt=-1)  # first-call allocations, kernel dispatch
     allowance = 8
     bar = tqdm(total=args.repeats * len(grid), unit="cell", dynamic_ncols=True)
     for repeat in range(args.repeats):
@@ -376,7 +379,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     torch.set_num_threads(args.threads)
     model_path = str(default_model_path(args.model) if args.model in PRESETS else args.model)
     grid = cells(args.prompt_sizes, args.batch_sizes, args.max_batch_tokens)
-    local = LocalRunner(model_path, num_blocks=kv_blocks(grid, args.token_size + 2))
+    # The warm-up cell counts too: a grid of one small cell held less than it needs.
+    steps = max(args.token_size, WARM_UP_STEPS) + 2
+    local = LocalRunner(model_path, num_blocks=kv_blocks([*grid, WARM_UP], steps))
     remote: RemoteDecode | None = None
     if args.decode == "mesh":
         # Shards reserve each request's whole length; the join allowance may reach 1024 tokens.
