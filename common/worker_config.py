@@ -43,6 +43,16 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # address in `WorkerReady.kv_address`) or, off, on the ZeroMQ KV-ingress socket as before.
     # Senders follow what each receiver publishes. The one switch between the two paths.
     kv_over_ucx: bool = True
+    # How a request's KV reaches its shard group: "push" (the prompt engine ships it while it
+    # prefills) or "pull" (the prompt engine holds it, bounded by `kv_hold_bytes` and a lease,
+    # and announces it; each shard pulls it between decode steps; the token engine admits the
+    # request once every shard has it). Read by prompt engines (hold) and token engines (admit).
+    kv_transfer: str = "push"
+    kv_hold_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer not in ("push", "pull"):
+            raise ValueError(f"kv_transfer must be push or pull, got {self.kv_transfer!r}")
 
     @property
     def curve_keys(self) -> CurveKeys:

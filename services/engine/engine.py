@@ -114,7 +114,10 @@ class Engine(EngineFaults):
         self.ship_queue = EngineScheduler(self.blocks, config.scheduler)
         self.local = EngineScheduler(self.blocks, config.scheduler)
         # Handoffs waiting for their KV, and the requests decoding against the shard group.
-        self.admission = DecodeAdmission(role.shard_num_blocks, c.block_size)
+        self.admission = DecodeAdmission(
+            role.shard_num_blocks, c.block_size, await_landing=role.kv_transfer == "pull"
+        )
+        self.admission.group = kv_endpoints(shards)
         self.requests: dict[str, Request] = {}
         self.routing: dict[str, RequestRoute] = {}
         self.sampler = Sampler()
@@ -227,7 +230,7 @@ class Engine(EngineFaults):
     def has_work(self) -> bool:
         return bool(
             self.ship_queue.num_unfinished or self.local.num_unfinished or self.admission.sharded
-        )
+        ) or self.admission.awaiting_landing()
 
     @torch.inference_mode()
     def step(self) -> Outbox:
@@ -240,6 +243,8 @@ class Engine(EngineFaults):
             return self._run_local(batch)
         local = batch.seqs if batch else []
         if not local and not self.admission.sharded:
+            if self.admission.awaiting_landing():  # nothing to run: ask the shards for news
+                return self._take_kv_news(*self.runner.ask_kv_news(next(self.steps)))
             return Outbox()
         return self._decode(batch, local)
 
@@ -313,6 +318,22 @@ class Engine(EngineFaults):
             if seq.req_id in plan.failed:  # a shard could not attend for it: it alone is re-run
                 row = SampledRow(ShardRowFailed(f"a shard of engine {self.engine_id} lost its KV"))
             out += self._emit(seq.req_id, row)
+        return out + self._take_kv_news(plan.kv_landed, plan.kv_lost)
+
+    def _take_kv_news(self, landed: list[tuple[int, list[str]]], lost: set[str]) -> Outbox:
+        """Shards' news about KV arriving (`kv_transfer: pull`): admit what every shard of the
+        group has; end, retryably, a waiting request whose KV a shard lost (refused, or its
+        pull failed)."""
+        if not self.admission.await_landing:
+            return Outbox()
+        for i, req_ids in landed:
+            self.admission.note_landed(self.shards[i].kv_endpoint, req_ids)
+        out = Outbox()
+        for req_id in lost:
+            if self.admission.waiting_for(req_id) is not None:
+                out += self._end(req_id, f"engine {self.engine_id}: a shard lost the request's "
+                                 "KV before it decoded", retryable=True)  # fmt: skip
+        self._admit_handoffs()
         return out
 
     def _forward(self, batch: Batch, plan: StepPlan) -> list[SampledRow]:

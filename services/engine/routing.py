@@ -16,6 +16,9 @@ class EngineRole:
     command_endpoint: str  # how others address this engine (handoffs, self-detection)
     layer_wise_min_tokens: int = 256  # prompts this long ship KV layer by layer (§IV-C)
     shard_num_blocks: int = 0  # KV capacity of the shard group this engine decodes against
+    # "pull": a sharded hand-off joins decode steps only once every shard said its KV landed
+    # (`DecodeAdmission`); "push": at once (a shard's step then waits for KV still in flight).
+    kv_transfer: str = "push"
 
     def __post_init__(self) -> None:
         if self.name not in ("prompt", "token", "mixed"):

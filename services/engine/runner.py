@@ -25,7 +25,7 @@ import torch
 
 from common.attention.prefix_prefill import with_cached_prefixes
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
-from common.protocol import AttendBatch, KvPages, ShardAddress
+from common.protocol import AttendBatch, KvPages, KvReadyQuery, ShardAddress
 from common.scheduling.batching import Batch, Phase, Sequence
 from common.transport.tensor_frames import ReceiveInto
 
@@ -149,7 +149,8 @@ class StepPlan(StepInputs):
     over this engine's cache, `sharded` (if any) on the shard group; `round_trips`, when a list,
     collects (shard index, seconds from send to reply) per shard and layer, for telemetry. After
     the run, `failed` names the sharded requests a shard could not attend for (their tokens are
-    meaningless: each ends alone).
+    meaningless: each ends alone). `kv_landed` (shard index, request ids) and `kv_lost` are the
+    shards' news about KV arriving (`AttendResult.kv_landed`), for the engine's admission.
     """
 
     num_local: int = 0
@@ -157,6 +158,8 @@ class StepPlan(StepInputs):
     kv_shipper: KvShipper | None = None
     round_trips: list[tuple[int, float]] | None = None
     failed: set[str] = field(default_factory=set)
+    kv_landed: list[tuple[int, list[str]]] = field(default_factory=list)
+    kv_lost: set[str] = field(default_factory=set)
 
 
 class MeshModelRunner(ModelRunner[StepPlan]):
@@ -280,11 +283,32 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             elif result.error:
                 errors.append(f"shard {i}: {result.error}")
             inputs.failed.update(result.failed)
+            if result.kv_landed or result.kv_lost:
+                inputs.kv_landed.append((i, result.kv_landed))
+                inputs.kv_lost.update(result.kv_lost)
         if faults:
             raise ShardLinkFault("; ".join(faults))
         if errors:
             raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
         return out
+
+    def ask_kv_news(self, step: int) -> tuple[list[tuple[int, list[str]]], set[str]]:
+        """Between steps, with none to run: each shard's news about KV arriving (a
+        `KvReadyQuery` round trip; the shard waits a little for news if it has none)."""
+        for link in self.shard_links:
+            link.wait(link.send_async(KvReadyQuery(step), []), self.reply_timeout_s)
+        landed, lost = [], set()
+        for i, link in enumerate(self.shard_links):
+            try:
+                result, _ = link.recv(None, self.reply_timeout_s)
+            except TimeoutError as exc:
+                raise ShardLinkFault(f"shard {i}: no answer about its KV") from exc
+            if (result.step, result.layer) != (step, -1):
+                raise ShardLinkFault(f"shard {i}: answered step {result.step} layer "
+                                     f"{result.layer} to a KV query of step {step}")  # fmt: skip
+            landed.append((i, result.kv_landed))
+            lost.update(result.kv_lost)
+        return landed, lost
 
     def _attend_local(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepPlan

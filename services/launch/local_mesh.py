@@ -56,6 +56,7 @@ class Topology:
     shard_reply_timeout_s: float = 30.0  # a token engine gives a silent shard link up after this
     enable_prefix_caching: bool = True  # prompt engines' (docs/prefix_caching.md)
     kv_over_ucx: bool = True  # KV pages over UCX links; off: over ZeroMQ (benches compare both)
+    kv_transfer: str = "push"  # shards' KV pushed by prompt engines, or pulled by the shards
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
@@ -119,7 +120,7 @@ class LocalMesh:
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
             mesh_key=self.mesh_key, shard_reply_timeout_s=t.shard_reply_timeout_s,
             enable_prefix_caching=t.enable_prefix_caching,
-            kv_over_ucx=t.kv_over_ucx,
+            kv_over_ucx=t.kv_over_ucx, kv_transfer=t.kv_transfer,
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
         placements = place_decode_groups(t.num_token, self.shards_per_group, cores)
