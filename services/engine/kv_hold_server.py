@@ -49,12 +49,12 @@ class KvHoldServer:
 
     def _answer(self, identity: list[bytes], pull: KvPull) -> None:
         taken = self.hold.take(pull.req_id, pull.head_start, pull.head_end)
-        if isinstance(taken, str):
-            self._replies.send(KvPullMiss(pull.req_id, taken), prefix=identity)
-            return
-        header, k, v = taken
+        # Every answer is a tensor message (a miss with none), behind the asker's identity.
         self._replies.sock.send_multipart(identity, zmq.SNDMORE)
-        self._replies.send_tensors(header, [k, v])
+        if isinstance(taken, str):
+            self._replies.send_tensors(KvPullMiss(pull.req_id, taken), [])
+        else:
+            self._replies.send_tensors(taken[0], [taken[1], taken[2]])
 
     def close(self) -> None:
         self._running = False
