@@ -255,6 +255,9 @@ class LoadReport(_Msg, tag="load"):
     kv_added: list[int] = []
     kv_removed: list[int] = []
     home_role: str = ""  # its configured pool, where it returns from mixed; empty: `role`
+    # With request-level shard partitioning: the KV tokens each shard of `shard_endpoints` holds
+    # for it (whole-length reservations), which the router balances new requests by.
+    shard_kv_tokens: list[int] = []
 
 
 # -- prompt engine -> shard or token engine (KV pages; header of a tensor message) -----------------
@@ -364,9 +367,11 @@ class AttendResult(_Msg, tag="attend_result"):
 class KvReadyQuery(_Msg, tag="kv_ready_query"):
     """An idle token engine (no step to run, hand-offs waiting for their KV) asks each shard for
     its `kv_landed`/`kv_lost` news; the shard answers an `AttendResult` with `layer=-1`, no
-    buffers, waiting a little for news if it has none."""
+    buffers, waiting up to `wait_s` for news if it has none. (Also sent, with no wait, between
+    steps to the shards of a request-partitioned group that had no rows in a step.)"""
 
     step: int
+    wait_s: float = 0.0
 
 
 ShardLinkMessage = AttendBatch | AttendResult | KvReadyQuery

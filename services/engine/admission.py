@@ -22,7 +22,7 @@ A `DecodeHandoff` waits, first come first served, until its KV is in place:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from common.block_manager import BlockManager
 from common.protocol import DecodeHandoff
@@ -40,7 +40,7 @@ class DecodeAdmission:
         # req_id -> the shards (kv endpoints) that said its KV landed; news may come before its
         # hand-off, so it is kept for requests not seen yet too, the oldest dropped past a bound.
         self._landed: OrderedDict[str, set[str]] = OrderedDict()
-        self.group: Collection[str] = ()  # the kv endpoints of the shard group decoded against
+        self._sharded_handoffs: dict[str, DecodeHandoff] = {}  # of `sharded`, by req_id
         self.sharded: list[Sequence] = []  # decoding against the shard group
         self.waiting: list[DecodeHandoff] = []
         self._arrived: dict[str, float] = {}  # waiting hand-offs: when each came
@@ -77,7 +77,16 @@ class DecodeAdmission:
             return kv_complete(h.req_id)
         if not self.await_landing:
             return True
-        return set(self.group) <= self._landed.get(h.req_id, set())
+        return {s.kv_endpoint for s in h.shards} <= self._landed.get(h.req_id, set())
+
+    def reserved_tokens(self) -> dict[str, int]:
+        """Tokens reserved per shard (kv endpoint) by the requests decoding or waiting here, for
+        request-partitioned groups (each request on one shard)."""
+        tokens: dict[str, int] = {}
+        for h in [*self.waiting, *self._sharded_handoffs.values()]:
+            for s in h.shards:
+                tokens[s.kv_endpoint] = tokens.get(s.kv_endpoint, 0) + _reserve(h)
+        return tokens
 
     def free_shard_blocks(self) -> int:
         """The group's blocks not reserved for a request decoding against it."""
@@ -101,6 +110,7 @@ class DecodeAdmission:
                     self.shard_blocks.allocate(h.req_id, _reserve(h))
                 seq.num_computed = seq.num_tokens - 1
                 self.sharded.append(seq)
+                self._sharded_handoffs[h.req_id] = h
                 self._landed.pop(h.req_id, None)
             else:
                 local.add_running(seq)
@@ -125,6 +135,7 @@ class DecodeAdmission:
         """Forget a request wherever it is here (finished or aborted): its shard reservation goes
         back."""
         self.sharded = [s for s in self.sharded if s.req_id != req_id]
+        self._sharded_handoffs.pop(req_id, None)
         self.shard_blocks.free(req_id)
         self.waiting = [h for h in self.waiting if h.req_id != req_id]
         self._arrived.pop(req_id, None)

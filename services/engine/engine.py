@@ -47,6 +47,7 @@ from common.roles import Role
 from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import Batch, EngineScheduler, Phase, Sequence
 from common.scheduling.role_lease import RoleLease
+from common.scheduling.shard_choice import holds_whole_requests
 from services.engine.admission import DecodeAdmission
 from services.engine.faults import EngineFaults
 from services.engine.outbox import Outbox
@@ -62,6 +63,11 @@ from services.engine.runner import (
 from services.engine.telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
+
+
+# An idle token engine waiting for its shards' KV news lets each wait this long for some (the
+# loop then asks again: no busy spin, and a landing is heard within this bound).
+KV_NEWS_WAIT_S = 0.02
 
 
 class ShardRowFailed(RuntimeError):
@@ -114,10 +120,11 @@ class Engine(EngineFaults):
         self.ship_queue = EngineScheduler(self.blocks, config.scheduler)
         self.local = EngineScheduler(self.blocks, config.scheduler)
         # Handoffs waiting for their KV, and the requests decoding against the shard group.
+        # A request-partitioned group holds each request on one shard: its room is the sum.
+        group_blocks = role.shard_num_blocks * (len(shards) if holds_whole_requests(shards) else 1)
         self.admission = DecodeAdmission(
-            role.shard_num_blocks, c.block_size, await_landing=role.kv_transfer == "pull"
+            group_blocks, c.block_size, await_landing=role.kv_transfer == "pull"
         )
-        self.admission.group = kv_endpoints(shards)
         self.requests: dict[str, Request] = {}
         self.routing: dict[str, RequestRoute] = {}
         self.sampler = Sampler()
@@ -164,7 +171,7 @@ class Engine(EngineFaults):
         """A prefilled request to decode; it joins once its KV is in place."""
         if self.kv_ingress.has_ended(msg.req_id):  # aborted, or its KV refused or expired here
             return self._refuse_handoff(msg, "no KV for the request")
-        if msg.shards and kv_endpoints(msg.shards) != kv_endpoints(self.shards):
+        if msg.shards and not _placed_in(msg.shards, self.shards):
             # Placed while this engine's group was whole; a shard has left since.
             return self._refuse_handoff(msg, "its shard group changed")
         output_token_ids = msg.token_ids[msg.num_prompt_tokens :]
@@ -228,9 +235,14 @@ class Engine(EngineFaults):
     # -- the loop ---------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(
-            self.ship_queue.num_unfinished or self.local.num_unfinished or self.admission.sharded
-        ) or self.admission.awaiting_landing()
+        return (
+            bool(
+                self.ship_queue.num_unfinished
+                or self.local.num_unfinished
+                or self.admission.sharded
+            )
+            or self.admission.awaiting_landing()
+        )
 
     @torch.inference_mode()
     def step(self) -> Outbox:
@@ -244,7 +256,8 @@ class Engine(EngineFaults):
         local = batch.seqs if batch else []
         if not local and not self.admission.sharded:
             if self.admission.awaiting_landing():  # nothing to run: ask the shards for news
-                return self._take_kv_news(*self.runner.ask_kv_news(next(self.steps)))
+                news = self.runner.ask_kv_news(next(self.steps), KV_NEWS_WAIT_S)
+                return self._take_kv_news(*news)
             return Outbox()
         return self._decode(batch, local)
 
@@ -307,7 +320,7 @@ class Engine(EngineFaults):
         step = next(self.steps)
         trace = self.telemetry.trace_step(step, sharded)  # sampled: token.step, round trips
         plan = self.runner.plan_decode(local, sharded, token_ids, step, trace.round_trips,
-                                       trace.traceparent)  # fmt: skip
+                                       trace.traceparent, self._shard_of(sharded))  # fmt: skip
         everyone = Batch(Phase.DECODE, local + sharded)
         self.telemetry.decode_step(len(everyone.seqs))
         sampled = self._forward(everyone, plan)
@@ -318,6 +331,13 @@ class Engine(EngineFaults):
             if seq.req_id in plan.failed:  # a shard could not attend for it: it alone is re-run
                 row = SampledRow(ShardRowFailed(f"a shard of engine {self.engine_id} lost its KV"))
             out += self._emit(seq.req_id, row)
+        if self.admission.awaiting_landing() and plan.sharded and plan.sharded.shard_rows:
+            # Shards of a request-partitioned group that had no rows this step sent no news.
+            idle = [i for i, rows in enumerate(plan.sharded.shard_rows) if not rows]
+            if idle:
+                landed, lost = self.runner.ask_kv_news(step, 0.0, idle)
+                plan.kv_landed += landed
+                plan.kv_lost |= lost
         return out + self._take_kv_news(plan.kv_landed, plan.kv_lost)
 
     def _take_kv_news(self, landed: list[tuple[int, list[str]]], lost: set[str]) -> Outbox:
@@ -335,6 +355,14 @@ class Engine(EngineFaults):
                                  "KV before it decoded", retryable=True)  # fmt: skip
         self._admit_handoffs()
         return out
+
+    def _shard_of(self, sharded: list[Sequence]) -> list[int] | None:
+        """Request-partitioned group: the shard (index in the group) each sharded row's KV is
+        on; None for a head-partitioned one (every shard has a slice of every row)."""
+        if not holds_whole_requests(self.shards):
+            return None
+        index = {s.kv_endpoint: i for i, s in enumerate(self.shards)}
+        return [index[self.routing[s.req_id].shards[0].kv_endpoint] for s in sharded]
 
     def _forward(self, batch: Batch, plan: StepPlan) -> list[SampledRow]:
         """The batch's next tokens (a row whose sampling failed carries the exception instead),
@@ -440,4 +468,21 @@ class Engine(EngineFaults):
             else self.blocks.num_free_blocks,
             time=now,
             shard_endpoints=kv_endpoints(self.shards),
+            shard_kv_tokens=self._shard_kv_tokens(),
         )
+
+    def _shard_kv_tokens(self) -> list[int]:
+        """Request-partitioned group: KV tokens reserved on each shard (the router balances by
+        them); empty otherwise."""
+        if not holds_whole_requests(self.shards):
+            return []
+        tokens = self.admission.reserved_tokens()
+        return [tokens.get(s.kv_endpoint, 0) for s in self.shards]
+
+
+def _placed_in(placed: Seq[ShardAddress], group: Seq[ShardAddress]) -> bool:
+    """A hand-off's shards are this engine's group still: all of it (heads split), or one member
+    of a group that holds whole requests."""
+    if holds_whole_requests(group):
+        return len(placed) == 1 and placed[0].kv_endpoint in kv_endpoints(group)
+    return kv_endpoints(placed) == kv_endpoints(group)

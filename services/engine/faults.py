@@ -126,7 +126,6 @@ class EngineFaults:
         error = f"engine {self.engine_id}: {reason}"
         out = self._end_all(tied, error)
         self.shards = tuple(shards)
-        self.admission.group = kv_endpoints(shards)
         self.runner.shard_links = list(links)
         self.runner.shards = list(shards)
         log.warning("shard group relinked", engine=self.engine_id, reason=reason,

@@ -54,7 +54,7 @@ from services.shard.telemetry import ShardTelemetry
 log = structlog.get_logger(__name__)
 
 POLL_S = 0.2  # idle wake-up to notice shutdown
-NEWS_WAIT_S = 0.02  # an idle token engine's `KvReadyQuery` waits this long for news
+NEWS_WAIT_MAX_S = 0.1  # the longest a `KvReadyQuery` may keep the main thread waiting for news
 GAUGE_INTERVAL_S = 0.5  # KV blocks in use, set at most this often
 
 
@@ -138,7 +138,7 @@ class ShardWorker:
             if isinstance(header, AttendBatch) and len(tensors) == 3:
                 self._answer(link, header, tensors)
             elif isinstance(header, KvReadyQuery):
-                landed, lost = self.news.drain(NEWS_WAIT_S)
+                landed, lost = self.news.drain(min(header.wait_s, NEWS_WAIT_MAX_S))
                 link.send(AttendResult(header.step, -1, kv_landed=landed, kv_lost=lost), [])
             else:
                 log.warning("dropped unexpected link message", kind=type(header).__name__)

@@ -95,7 +95,6 @@ def test_pulled_requests_wait_for_every_shard_of_the_group_and_only_for_them():
     news may come before the hand-off. A sharded one still waiting does not hold up the others,
     and one that never lands is stalled after its bound."""
     admission = DecodeAdmission(shard_num_blocks=64, block_size=BLOCK, await_landing=True)
-    admission.group = [s.kv_endpoint for s in SHARDS]
     admission.note_landed("tcp://shard-1", ["b"])  # before its hand-off
     admission.add(handoff("a", tokens=20, max_tokens=8, sharded=True), now=0.0)
     admission.add(handoff("b", tokens=20, max_tokens=8, sharded=True), now=0.0)
@@ -112,7 +111,6 @@ def test_pulled_requests_wait_for_every_shard_of_the_group_and_only_for_them():
 
 def test_pushed_requests_ignore_landing_news():
     admission = DecodeAdmission(shard_num_blocks=64, block_size=BLOCK)
-    admission.group = [s.kv_endpoint for s in SHARDS]
     admission.add(handoff("a", tokens=20, max_tokens=8, sharded=True))
     assert not admission.awaiting_landing()
     assert admission.admit(local_scheduler(), nothing_landed) == ["a"]
