@@ -50,8 +50,16 @@ from common.scheduling.role_lease import RoleLease
 from common.scheduling.shard_choice import holds_whole_requests
 from services.engine.admission import DecodeAdmission
 from services.engine.faults import EngineFaults
+from services.engine.kv_news import EngineKvNews
 from services.engine.outbox import Outbox
-from services.engine.routing import EngineRole, RequestRoute, kv_endpoints
+from services.engine.routing import (
+    EngineRole,
+    RequestRoute,
+    kv_endpoints,
+    placed_in,
+    shard_kv_tokens,
+    shard_of_rows,
+)
 from services.engine.runner import (
     KvRoute,
     KvSend,
@@ -65,17 +73,12 @@ from services.engine.telemetry import EngineTelemetry
 log = structlog.get_logger(__name__)
 
 
-# An idle token engine waiting for its shards' KV news lets each wait this long for some (the
-# loop then asks again: no busy spin, and a landing is heard within this bound).
-KV_NEWS_WAIT_S = 0.02
-
-
 class ShardRowFailed(RuntimeError):
     """A shard could not attend for one request (its KV there was refused or lost): that request
     is re-run elsewhere, its batch-mates go on."""
 
 
-class Engine(EngineFaults):
+class Engine(EngineFaults, EngineKvNews):
     """Prefill and/or decode for the mesh; see the module docstring. Its fault inputs (a lost
     router, undelivered KV or hand-offs, a failed step, a new shard group, expired waits) are
     in `faults.py`."""
@@ -171,7 +174,7 @@ class Engine(EngineFaults):
         """A prefilled request to decode; it joins once its KV is in place."""
         if self.kv_ingress.has_ended(msg.req_id):  # aborted, or its KV refused or expired here
             return self._refuse_handoff(msg, "no KV for the request")
-        if msg.shards and not _placed_in(msg.shards, self.shards):
+        if msg.shards and not placed_in(msg.shards, self.shards):
             # Placed while this engine's group was whole; a shard has left since.
             return self._refuse_handoff(msg, "its shard group changed")
         output_token_ids = msg.token_ids[msg.num_prompt_tokens :]
@@ -235,14 +238,8 @@ class Engine(EngineFaults):
     # -- the loop ---------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return (
-            bool(
-                self.ship_queue.num_unfinished
-                or self.local.num_unfinished
-                or self.admission.sharded
-            )
-            or self.admission.awaiting_landing()
-        )
+        busy = self.ship_queue.num_unfinished or self.local.num_unfinished
+        return bool(busy or self.admission.sharded) or self.admission.awaiting_landing()
 
     @torch.inference_mode()
     def step(self) -> Outbox:
@@ -256,8 +253,7 @@ class Engine(EngineFaults):
         local = batch.seqs if batch else []
         if not local and not self.admission.sharded:
             if self.admission.awaiting_landing():  # nothing to run: ask the shards for news
-                news = self.runner.ask_kv_news(next(self.steps), KV_NEWS_WAIT_S)
-                return self._take_kv_news(*news)
+                return self._ask_kv_news(next(self.steps))
             return Outbox()
         return self._decode(batch, local)
 
@@ -319,8 +315,9 @@ class Engine(EngineFaults):
         self.admission.grow_sharded()
         step = next(self.steps)
         trace = self.telemetry.trace_step(step, sharded)  # sampled: token.step, round trips
+        shard_of = shard_of_rows(self.shards, self.routing, sharded)  # request-partitioned
         plan = self.runner.plan_decode(local, sharded, token_ids, step, trace.round_trips,
-                                       trace.traceparent, self._shard_of(sharded))  # fmt: skip
+                                       trace.traceparent, shard_of)  # fmt: skip
         everyone = Batch(Phase.DECODE, local + sharded)
         self.telemetry.decode_step(len(everyone.seqs))
         sampled = self._forward(everyone, plan)
@@ -331,38 +328,7 @@ class Engine(EngineFaults):
             if seq.req_id in plan.failed:  # a shard could not attend for it: it alone is re-run
                 row = SampledRow(ShardRowFailed(f"a shard of engine {self.engine_id} lost its KV"))
             out += self._emit(seq.req_id, row)
-        if self.admission.awaiting_landing() and plan.sharded and plan.sharded.shard_rows:
-            # Shards of a request-partitioned group that had no rows this step sent no news.
-            idle = [i for i, rows in enumerate(plan.sharded.shard_rows) if not rows]
-            if idle:
-                landed, lost = self.runner.ask_kv_news(step, 0.0, idle)
-                plan.kv_landed += landed
-                plan.kv_lost |= lost
-        return out + self._take_kv_news(plan.kv_landed, plan.kv_lost)
-
-    def _take_kv_news(self, landed: list[tuple[int, list[str]]], lost: set[str]) -> Outbox:
-        """Shards' news about KV arriving (`kv_transfer: pull`): admit what every shard of the
-        group has; end, retryably, a waiting request whose KV a shard lost (refused, or its
-        pull failed)."""
-        if not self.admission.await_landing:
-            return Outbox()
-        for i, req_ids in landed:
-            self.admission.note_landed(self.shards[i].kv_endpoint, req_ids)
-        out = Outbox()
-        for req_id in lost:
-            if self.admission.waiting_for(req_id) is not None:
-                out += self._end(req_id, f"engine {self.engine_id}: a shard lost the request's "
-                                 "KV before it decoded", retryable=True)  # fmt: skip
-        self._admit_handoffs()
-        return out
-
-    def _shard_of(self, sharded: list[Sequence]) -> list[int] | None:
-        """Request-partitioned group: the shard (index in the group) each sharded row's KV is
-        on; None for a head-partitioned one (every shard has a slice of every row)."""
-        if not holds_whole_requests(self.shards):
-            return None
-        index = {s.kv_endpoint: i for i, s in enumerate(self.shards)}
-        return [index[self.routing[s.req_id].shards[0].kv_endpoint] for s in sharded]
+        return out + self._kv_news_after(plan)
 
     def _forward(self, batch: Batch, plan: StepPlan) -> list[SampledRow]:
         """The batch's next tokens (a row whose sampling failed carries the exception instead),
@@ -468,21 +434,5 @@ class Engine(EngineFaults):
             else self.blocks.num_free_blocks,
             time=now,
             shard_endpoints=kv_endpoints(self.shards),
-            shard_kv_tokens=self._shard_kv_tokens(),
+            shard_kv_tokens=shard_kv_tokens(self.shards, self.admission.reserved_tokens()),
         )
-
-    def _shard_kv_tokens(self) -> list[int]:
-        """Request-partitioned group: KV tokens reserved on each shard (the router balances by
-        them); empty otherwise."""
-        if not holds_whole_requests(self.shards):
-            return []
-        tokens = self.admission.reserved_tokens()
-        return [tokens.get(s.kv_endpoint, 0) for s in self.shards]
-
-
-def _placed_in(placed: Seq[ShardAddress], group: Seq[ShardAddress]) -> bool:
-    """A hand-off's shards are this engine's group still: all of it (heads split), or one member
-    of a group that holds whole requests."""
-    if holds_whole_requests(group):
-        return len(placed) == 1 and placed[0].kv_endpoint in kv_endpoints(group)
-    return kv_endpoints(placed) == kv_endpoints(group)
