@@ -106,7 +106,7 @@ def summarize(gaps: list[Span], newcomers: list[list[float]], busy: list[Span]) 
 
 
 def _median_arm(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    return {key: round(statistics.median(run[key] for run in runs), 4) for key in runs[0]}
 
 
 def _receive(client: MeshTestClient, times: dict[str, list[float]], until) -> None:  # noqa: ANN001
