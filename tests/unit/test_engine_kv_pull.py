@@ -68,3 +68,20 @@ def test_a_pushed_request_decodes_at_once(tiny_model_path):
     engine = Engine("t", role, EngineConfig(str(tiny_model_path)), lambda *a: None, links, SHARDS)
     engine.on_handoff(handoff("a"))
     assert [s.req_id for s in engine.admission.sharded] == ["a"]
+
+
+def test_a_shard_dying_mid_pull_ends_the_waiting_request_retryably(tiny_model_path):
+    """The group broke (a shard died, perhaps mid-pull): every request waiting for its KV on it
+    ends retryably and its KV is freed on every shard of the old group (the live ones may have
+    pulled it); the prompt engine's hold frees its copy when its lease runs out."""
+    links = [NewsLink(), NewsLink()]
+    role = EngineRole("token", "t-cmd", shard_num_blocks=64, kv_transfer="pull")
+    engine = Engine("t", role, EngineConfig(str(tiny_model_path)), lambda *a: None, links, SHARDS)
+    engine.on_handoff(handoff("a"))
+    links[0].landed = ["a"]
+    engine.step()  # landed on s0 only; s1 dies before its pull
+    out = engine.relink([], [], "a shard of its group stopped answering")
+    [(_, error)] = out.outputs
+    assert (error.req_id, error.retryable) == ("a", True)
+    assert sorted(endpoint for endpoint, _ in out.frees) == ["tcp://s0", "tcp://s1"]
+    assert not engine.has_work()
