@@ -310,6 +310,17 @@ class AttendBatch(_Msg, tag="attend"):
     req_ids: list[str] = []
     context_lens: list[int] = []
     traceparent: str = ""
+    # Lamina 4.2.2 (`attention_overlap`): a layer comes in two parts, ATTEND_PREV (buffer: q
+    # only; the shard attends over the tokens before this step while the engine computes k/v)
+    # then ATTEND_NEW (buffers: k, v; the shard appends them, adds the new token's part and
+    # answers once). ATTEND_WHOLE: q, k, v in one message.
+    part: int = 0
+    # Lamina 4.3 (`decode_lanes`): which of the engine's concurrent sub-batches this is; a shard
+    # keeps one step's block tables per lane, and its reply carries the lane back.
+    lane: int = 0
+
+
+ATTEND_WHOLE, ATTEND_PREV, ATTEND_NEW = 0, 1, 2  # `AttendBatch.part`
 
 
 class AttendResult(_Msg, tag="attend_result"):
@@ -321,6 +332,7 @@ class AttendResult(_Msg, tag="attend_result"):
     # Requests of the step this shard could not attend for (their KV was refused, never came, or
     # could not grow): their rows are meaningless; the token engine ends each one alone.
     failed: list[str] = []
+    lane: int = 0  # `AttendBatch.lane` of the batch answered
 
 
 ShardLinkMessage = AttendBatch | AttendResult

@@ -43,6 +43,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # address in `WorkerReady.kv_address`) or, off, on the ZeroMQ KV-ingress socket as before.
     # Senders follow what each receiver publishes. The one switch between the two paths.
     kv_over_ucx: bool = True
+    # Token engines' decode round trip (services/engine/runner.py): q leaves before k/v are
+    # computed (Lamina 4.2.2), and a step's sharded rows run as this many staggered lanes (4.3).
+    attention_overlap: bool = False
+    decode_lanes: int = 1
 
     @property
     def curve_keys(self) -> CurveKeys:

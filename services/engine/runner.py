@@ -25,9 +25,18 @@ import torch
 
 from common.attention.prefix_prefill import with_cached_prefixes
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
-from common.protocol import AttendBatch, KvPages, ShardAddress
+from common.model.llama import RopeAt
+from common.protocol import (
+    ATTEND_NEW,
+    ATTEND_PREV,
+    ATTEND_WHOLE,
+    AttendBatch,
+    KvPages,
+    ShardAddress,
+)
 from common.scheduling.batching import Batch, Phase, Sequence
 from common.transport.tensor_frames import ReceiveInto
+from services.engine.lanes import LaneRun, run_lanes, split_lanes
 
 # How long a decode step waits for a shard's reply to one layer before it gives the link up: a
 # stopped or partitioned shard must not hang its token engine (docs/failures.md).
@@ -139,6 +148,7 @@ class ShardedRows:
     req_ids: list[str]
     context_lens: list[int]
     traceparent: str = ""  # the step's `token.step` context when traced, for the shards
+    lane: int = 0  # which of the step's lanes these rows are (lanes.py)
 
 
 @dataclass
@@ -159,6 +169,29 @@ class StepPlan(StepInputs):
     failed: set[str] = field(default_factory=set)
 
 
+@dataclass
+class _Sent:
+    """One message of a layer to one shard; `replied`: the shard answers this one."""
+
+    shard: int
+    link: ShardLink
+    heads: slice  # the shard's query heads
+    handle: Any
+    sent_at: float
+    rows: ShardedRows
+    layer: int
+    replied: bool = True
+
+
+@dataclass
+class _InFlight:
+    """A lane's layer between its sends and its replies: what `_collect` needs to read them."""
+
+    sends: list[_Sent]
+    out: torch.Tensor
+    num_local: int
+
+
 class MeshModelRunner(ModelRunner[StepPlan]):
     """`ModelRunner` whose attention stage ships KV (prefill) or visits shards (decode)."""
 
@@ -174,6 +207,10 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self.shard_links = list(shard_links)
         self.shards = list(shards)
         self.reply_timeout_s = SHARD_REPLY_TIMEOUT_S
+        # Lamina 4.2.2: q goes to the shards before k/v are computed (two messages per layer).
+        self.attention_overlap = False
+        # Lamina 4.3: a decode step's sharded rows run as this many staggered lanes (lanes.py).
+        self.decode_lanes = 1
 
     def plan_prefill(
         self, batch: Batch, token_ids: dict[str, list[int]], kv_shipper: KvShipper | None = None
@@ -242,49 +279,144 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         inputs: StepPlan,
         sharded: ShardedRows,
     ) -> torch.Tensor:
-        n = inputs.num_local
-        group = q.shape[1] // k.shape[1]
-        in_flight = []
+        """One layer's round trip as one message per shard (q, k, v), local rows meanwhile."""
+        n, group = inputs.num_local, q.shape[1] // k.shape[1]
+        sends = self._send(layer, sharded, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
+        out = self._attend_rows_local(layer, q, k, v, inputs, n)
+        self._collect(sends, out, n, inputs.failed, inputs.round_trips)
+        return out
+
+    @torch.inference_mode()
+    def run(self, inputs: StepPlan, keep_hidden: bool = False) -> torch.Tensor:
+        """Decode steps with sharded rows run as lanes when overlap or staggering is on."""
+        if inputs.sharded is None or (not self.attention_overlap and self.decode_lanes == 1):
+            return super().run(inputs, keep_hidden)
+        x = self.model.embed(inputs.input_ids)  # [N, hidden]
+        rope = self.model.rotary_at(inputs.positions)
+        rows = inputs.sharded
+        lanes = []
+        for lane in split_lanes(inputs.num_local, len(rows.req_ids), self.decode_lanes):
+            a, b, c, d = lane.start, lane.end, lane.sharded_start, lane.sharded_end
+            traceparent = rows.traceparent if lane.lane == 0 else ""  # shards trace lane 0
+            lane_rows = ShardedRows(
+                rows.step, rows.req_ids[c:d], rows.context_lens[c:d], traceparent, lane.lane
+            )
+            lane_rope = rope._replace(positions=rope.positions[a:b])
+            lanes.append(self._lane(x[a:b], lane_rope, inputs, lane_rows, lane.num_local))
+        self.hidden = None
+        return self.model.compute_logits(torch.cat(run_lanes(lanes, self._drain)))
+
+    def _lane(
+        self, x: torch.Tensor, rope: RopeAt, inputs: StepPlan, rows: ShardedRows, n: int
+    ) -> LaneRun:
+        """One lane's layers (lanes.py): its first `n` rows attend locally, the rest on shards.
+        With `attention_overlap`, q leaves before k/v are computed (Lamina 4.2.2)."""
+        group = self.model.config.num_queries_per_kv
+        for i, layer in enumerate(self.model.layers):
+            if self.attention_overlap:
+                h, q = layer.pre_attention_q(x, rope)  # q [rows, Hq, D]
+                sends = self._send(i, rows, ATTEND_PREV, group, q[n:], ())
+                k, v = layer.pre_attention_kv(h, rope)  # the shards attend meanwhile
+                sends += self._send(i, rows, ATTEND_NEW, group, None, (k[n:], v[n:]))
+            else:
+                q, k, v = layer.pre_attention(x, rope)
+                sends = self._send(i, rows, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
+            out = self._attend_rows_local(i, q, k, v, inputs, n)
+            yield _InFlight(sends, out, n)  # another lane's dense part runs while shards work
+            self._collect(sends, out, n, inputs.failed, inputs.round_trips)
+            x = layer.post_attention(x, out)
+        return x
+
+    def _send(
+        self,
+        layer: int,
+        rows: ShardedRows,
+        part: int,
+        group: int,
+        q: torch.Tensor | None,
+        kv: tuple[torch.Tensor, ...],
+    ) -> list[_Sent]:
+        """One message per shard with that shard's heads of q [rows, Hq, D] (if any) and of each
+        of `kv` [rows, Hkv, D]."""
+        sent = []
         for i, (link, shard) in enumerate(zip(self.shard_links, self.shards, strict=True)):
             h0, h1 = shard.head_start, shard.head_end
-            header = AttendBatch(sharded.step, layer)
-            if layer == 0:
-                header.req_ids, header.context_lens = sharded.req_ids, sharded.context_lens
-                header.traceparent = sharded.traceparent
+            header = AttendBatch(rows.step, layer, part=part, lane=rows.lane)
+            if layer == 0 and part != ATTEND_NEW:
+                header.req_ids, header.context_lens = rows.req_ids, rows.context_lens
+                header.traceparent = rows.traceparent
             # Strided slices: the channel copies each straight into the message, once.
-            heads = slice(h0 * group, h1 * group)
-            tensors = [q[n:, heads], k[n:, h0:h1], v[n:, h0:h1]]
-            sent_at = time.perf_counter()
-            in_flight.append((i, link, heads, link.send_async(header, tensors), sent_at))
+            q_heads = slice(h0 * group, h1 * group)
+            buffers = ([] if q is None else [q[:, q_heads]]) + [t[:, h0:h1] for t in kv]
+            handle = link.send_async(header, buffers)
+            sent.append(_Sent(i, link, q_heads, handle, time.perf_counter(), rows, layer,
+                              replied=part != ATTEND_PREV))  # fmt: skip
+        return sent
+
+    def _attend_rows_local(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        inputs: StepPlan,
+        n: int,
+    ) -> torch.Tensor:
+        """out [rows, Hq, D] float32, its first `n` rows attended over this engine's cache."""
         out = torch.empty(q.shape, dtype=torch.float32)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32)  # the engine has no use for it
         if n:
             out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
+        return out
+
+    def _collect(
+        self,
+        sends: list[_Sent],
+        out: torch.Tensor,
+        n: int,
+        failed: set[str],
+        round_trips: list[tuple[int, float]] | None,
+    ) -> None:
+        """Each shard's reply to a layer: its heads land in place in `out[n:]`; the requests a
+        shard could not attend for go to `failed`."""
+        lse = torch.empty(out.shape[:2], dtype=torch.float32)  # the engine has no use for it
         # Every shard's reply is read before anything is raised: one left queued would be taken
-        # for the next step's. Each reply must answer this step and layer; anything else is a
-        # fault of the link, never data.
+        # for the next step's. Each reply must answer this step, layer and lane; anything else is
+        # a fault of the link, never data. With overlap, each shard got two messages, one reply.
         errors, faults = [], []
-        for i, link, heads, handle, sent_at in in_flight:
+        for sent in sends:
             try:
-                link.wait(handle, self.reply_timeout_s)
-                # Each shard's heads land in place in `out`, without a staging tensor.
-                result, _ = link.recv([out[n:, heads], lse[n:, heads]], self.reply_timeout_s)
+                sent.link.wait(sent.handle, self.reply_timeout_s)
+                if not sent.replied:  # an ATTEND_PREV: its ATTEND_NEW gets the reply
+                    continue
+                result, _ = sent.link.recv([out[n:, sent.heads], lse[n:, sent.heads]],
+                                           self.reply_timeout_s)  # fmt: skip
             except TimeoutError:
-                faults.append(f"shard {i}: no reply in {self.reply_timeout_s} s")
+                faults.append(f"shard {sent.shard}: no reply in {self.reply_timeout_s} s")
                 continue
-            if inputs.round_trips is not None:
-                inputs.round_trips.append((i, time.perf_counter() - sent_at))
-            if (result.step, result.layer) != (sharded.step, layer):
-                faults.append(f"shard {i}: reply for step {result.step} layer {result.layer}, "
-                              f"expected step {sharded.step} layer {layer}")  # fmt: skip
+            if round_trips is not None:
+                round_trips.append((sent.shard, time.perf_counter() - sent.sent_at))
+            expected = (sent.rows.step, sent.layer, sent.rows.lane)
+            if (result.step, result.layer, result.lane) != expected:
+                faults.append(f"shard {sent.shard}: reply for step {result.step} layer "
+                              f"{result.layer} lane {result.lane}, expected step {expected[0]} "
+                              f"layer {expected[1]} lane {expected[2]}")  # fmt: skip
             elif result.error:
-                errors.append(f"shard {i}: {result.error}")
-            inputs.failed.update(result.failed)
+                errors.append(f"shard {sent.shard}: {result.error}")
+            failed.update(result.failed)
         if faults:
             raise ShardLinkFault("; ".join(faults))
         if errors:
             raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
-        return out
+
+    def _drain(self, in_flight: object, error: BaseException) -> None:
+        """Another lane failed: read this lane's replies still on the links. Not after a link
+        fault: the worker drops the links, and their stale replies with them."""
+        if isinstance(error, ShardLinkFault) or not isinstance(in_flight, _InFlight):
+            return
+        try:
+            self._collect(in_flight.sends, in_flight.out, in_flight.num_local, set(), None)
+        except Exception:  # noqa: BLE001 - the first lane's error is the one raised
+            pass
 
     def _attend_local(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepPlan

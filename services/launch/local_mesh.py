@@ -56,12 +56,16 @@ class Topology:
     shard_reply_timeout_s: float = 30.0  # a token engine gives a silent shard link up after this
     enable_prefix_caching: bool = True  # prompt engines' (docs/prefix_caching.md)
     kv_over_ucx: bool = True  # KV pages over UCX links; off: over ZeroMQ (benches compare both)
+    attention_overlap: bool = False  # token engines send q before k/v (Lamina 4.2.2)
+    decode_lanes: int = 1  # staggered decode sub-batches per token engine (Lamina 4.3)
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
             raise ValueError("a topology needs at least one prompt and one token engine")
         if self.num_shards % self.num_token:
             raise ValueError("num_shards must be a multiple of num_token (equal shard groups)")
+        if self.decode_lanes < 1:
+            raise ValueError(f"decode_lanes must be at least 1, got {self.decode_lanes}")
 
 
 @dataclass
@@ -119,7 +123,8 @@ class LocalMesh:
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
             mesh_key=self.mesh_key, shard_reply_timeout_s=t.shard_reply_timeout_s,
             enable_prefix_caching=t.enable_prefix_caching,
-            kv_over_ucx=t.kv_over_ucx,
+            kv_over_ucx=t.kv_over_ucx, attention_overlap=t.attention_overlap,
+            decode_lanes=t.decode_lanes,
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
         placements = place_decode_groups(t.num_token, self.shards_per_group, cores)

@@ -22,6 +22,9 @@ import zmq
 from common.attention import select_backend
 from common.config import ModelConfig
 from common.protocol import (
+    ATTEND_NEW,
+    ATTEND_PREV,
+    ATTEND_WHOLE,
     AttendBatch,
     AttendResult,
     FreeRequest,
@@ -46,6 +49,7 @@ log = structlog.get_logger(__name__)
 
 POLL_S = 0.2  # idle wake-up to notice shutdown
 GAUGE_INTERVAL_S = 0.5  # KV blocks in use, set at most this often
+NUM_BUFFERS = {ATTEND_WHOLE: 3, ATTEND_PREV: 1, ATTEND_NEW: 2}  # per `AttendBatch.part`
 
 
 class ShardWorker:
@@ -83,6 +87,8 @@ class ShardWorker:
         self._last_gauge = 0.0
         self.running = True
         self.last_pass = time.monotonic()  # the attention loop's; health is progress
+        # Per lane: why an ATTEND_PREV failed, answered (as an error) when its ATTEND_NEW comes.
+        self._prev_errors: dict[int, Exception] = {}
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -120,8 +126,11 @@ class ShardWorker:
                 freed = self.shard.free_decoded()
                 log.exception("malformed message on the link; closing it", freed=freed)
                 break
-            if isinstance(header, AttendBatch) and len(tensors) == 3:
-                self._answer(link, header, tensors)
+            if isinstance(header, AttendBatch) and len(tensors) == NUM_BUFFERS.get(header.part):
+                if header.part == ATTEND_PREV:
+                    self._attend_prev(header, tensors[0])
+                else:
+                    self._answer(link, header, tensors)
             else:
                 log.warning("dropped unexpected link message", kind=type(header).__name__)
         link.close()
@@ -135,21 +144,48 @@ class ShardWorker:
                 continue
         return None
 
-    def _answer(
-        self, link: UcxTensorChannel[ShardLinkMessage], batch: AttendBatch, qkv: list[torch.Tensor]
-    ) -> None:
-        try:
+    def _attend_prev(self, batch: AttendBatch, q: torch.Tensor) -> None:
+        """The first half of an overlapped layer: no reply of its own. A failure is kept and
+        answered as its layer's error when the second half (ATTEND_NEW) comes."""
+        self._prev_errors.pop(batch.lane, None)
+        if batch.lane == 0:  # NOTE: spans follow lane 0 only; one record per step (telemetry.py)
             self.telemetry.layer_started(batch)
-            out, lse, failed = self.shard.attend(batch, *qkv)
-            self.telemetry.layer_done(batch, len(failed), self.shard.blocks.num_used_blocks)
-            link.send(AttendResult(batch.step, batch.layer, failed=failed), [out, lse])
-            self.telemetry.flush()
+        try:
+            self.shard.attend_prev(batch, q)
+        except Exception as exc:  # noqa: BLE001 - answered with ATTEND_NEW, never raised here
+            log.exception("attention over previous tokens failed", step=batch.step,
+                          layer=batch.layer)  # fmt: skip
+            self._prev_errors[batch.lane] = exc
+
+    def _answer(
+        self, link: UcxTensorChannel[ShardLinkMessage], batch: AttendBatch, bufs: list[torch.Tensor]
+    ) -> None:
+        """Answer a whole layer (q, k, v) or an overlapped layer's second half (k, v)."""
+        traced = batch.lane == 0
+        try:
+            if batch.part == ATTEND_NEW:
+                if (error := self._prev_errors.pop(batch.lane, None)) is not None:
+                    raise error
+                out, lse, failed = self.shard.attend_new(batch, *bufs)
+            else:
+                if traced:
+                    self.telemetry.layer_started(batch)
+                out, lse, failed = self.shard.attend(batch, *bufs)
+            if traced:
+                self.telemetry.layer_done(batch, len(failed), self.shard.blocks.num_used_blocks)
+            link.send(AttendResult(batch.step, batch.layer, failed=failed, lane=batch.lane),
+                      [out, lse])  # fmt: skip
+            if traced:
+                self.telemetry.flush()
         except Exception as exc:  # noqa: BLE001 - the engine must get an answer, not a hang
-            self.telemetry.layer_failed(batch, exc)
+            if traced:
+                self.telemetry.layer_failed(batch, exc)
             log.exception("attention failed", step=batch.step, layer=batch.layer)
-            n, hq, d = qkv[0].shape
+            n, hq, d = bufs[0].shape  # q, or k: then the query heads are `group` per KV head
+            hq *= 1 if batch.part == ATTEND_WHOLE else self.shard.spec.num_queries_per_kv
             empty = [torch.zeros(n, hq, d), torch.zeros(n, hq)]
-            link.send(AttendResult(batch.step, batch.layer, error=repr(exc)), empty)
+            link.send(AttendResult(batch.step, batch.layer, error=repr(exc), lane=batch.lane),
+                      empty)  # fmt: skip
 
     def _ingress_loop(self) -> None:
         poller = zmq.Poller()

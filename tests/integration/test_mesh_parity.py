@@ -42,15 +42,20 @@ def hf(tiny_model_path):
     return load_hf(tiny_model_path)
 
 
+# (token engines, shards, attention_overlap, decode_lanes): Lamina's overlap (4.2.2) and two
+# staggered lanes (4.3) must not change a token.
 @pytest.mark.parametrize(
-    "num_token, num_shards", [(1, 0), (1, 1), (1, 2), (2, 2)], ids=lambda v: str(v)
-)
+    "num_token, num_shards, overlap, lanes",
+    [(1, 0, False, 1), (1, 1, False, 1), (1, 2, False, 1), (2, 2, False, 1), (1, 2, True, 1),
+     (1, 2, True, 2)],
+    ids=["1-0", "1-1", "1-2", "2-2", "1-2-overlap", "1-2-overlap-2lanes"],
+)  # fmt: skip
 def test_mesh_matches_single_process_engine(
-    tiny_model_path, prompts, reference, hf, num_token, num_shards
+    tiny_model_path, prompts, reference, hf, num_token, num_shards, overlap, lanes
 ):
     topology = Topology(
         str(tiny_model_path), num_prompt=1, num_token=num_token, num_shards=num_shards,
-        layer_wise_min_tokens=LAYER_WISE_MIN,
+        layer_wise_min_tokens=LAYER_WISE_MIN, attention_overlap=overlap, decode_lanes=lanes,
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:
