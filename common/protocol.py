@@ -211,6 +211,18 @@ class KvEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
     sent_at: float = 0.0
 
 
+class DecodeBreakdown(msgspec.Struct, array_like=True, gc=False):
+    """A token engine's sharded decode steps since start, in seconds summed over steps (Lamina
+    Fig. 12): the steps, the engine blocked on shard replies (idle; the rest is model time), and
+    per layer the slowest shard's attention and the rest of its round trip (network)."""
+
+    num_steps: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    attend_s: float = 0.0
+    network_s: float = 0.0
+
+
 class EngineStats(_Msg, tag="engine_stats"):
     """Reply to StatsRequest: what a service holds right now (tests use it to prove no leaks)."""
 
@@ -225,6 +237,7 @@ class EngineStats(_Msg, tag="engine_stats"):
     num_prefix_hit_tokens: int = 0
     home_role: str = ""  # an engine's configured pool; `role` is the one it serves in now
     num_loans: int = 0  # times it was lent to the mixed pool (since start)
+    decode_breakdown: DecodeBreakdown | None = None  # token engines with a shard group
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats
@@ -333,6 +346,7 @@ class AttendResult(_Msg, tag="attend_result"):
     # could not grow): their rows are meaningless; the token engine ends each one alone.
     failed: list[str] = []
     lane: int = 0  # `AttendBatch.lane` of the batch answered
+    attend_s: float = 0.0  # the shard's attention time for this layer (both parts, overlapped)
 
 
 ShardLinkMessage = AttendBatch | AttendResult

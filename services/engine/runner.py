@@ -19,43 +19,30 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from common.attention.prefix_prefill import with_cached_prefixes
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
 from common.model.llama import RopeAt
-from common.protocol import (
-    ATTEND_NEW,
-    ATTEND_PREV,
-    ATTEND_WHOLE,
-    AttendBatch,
-    KvPages,
-    ShardAddress,
-)
+from common.protocol import ATTEND_NEW, ATTEND_PREV, ATTEND_WHOLE, KvPages, ShardAddress
 from common.scheduling.batching import Batch, Phase, Sequence
-from common.transport.tensor_frames import ReceiveInto
 from services.engine.lanes import LaneRun, run_lanes, split_lanes
+from services.engine.shard_round_trip import (
+    DecodeTimes,
+    LayerInFlight,
+    ShardedRows,
+    ShardLink,
+    ShardLinkFault,
+    ShardSend,
+    collect_layer,
+    send_layer,
+)
 
 # How long a decode step waits for a shard's reply to one layer before it gives the link up: a
 # stopped or partitioned shard must not hang its token engine (docs/failures.md).
 SHARD_REPLY_TIMEOUT_S = 30.0
-
-
-class ShardLink(Protocol):
-    """A token engine's connection to one attention shard (UCX or ZeroMQ underneath)."""
-
-    def send_async(self, header: Any, tensors: Seq[torch.Tensor]) -> Any: ...
-    def wait(self, handle: Any, timeout: float | None = ...) -> Any: ...
-    def recv(
-        self, out: ReceiveInto = None, timeout: float | None = ...
-    ) -> tuple[Any, list[torch.Tensor]]: ...
-
-
-class ShardLinkFault(RuntimeError):
-    """A shard link can no longer be trusted: a reply did not come in time, or came for another
-    step or layer. Its worker reconnects the group (stale replies go with the old channel)."""
 
 
 # (destination, header, k, v): over UCX to `kv_address`, or ZeroMQ where it has none
@@ -141,17 +128,6 @@ class KvShipper:
 
 
 @dataclass
-class ShardedRows:
-    """The decode rows whose KV lives on the shard group, at the end of the batch."""
-
-    step: int
-    req_ids: list[str]
-    context_lens: list[int]
-    traceparent: str = ""  # the step's `token.step` context when traced, for the shards
-    lane: int = 0  # which of the step's lanes these rows are (lanes.py)
-
-
-@dataclass
 class StepPlan(StepInputs):
     """One step's inputs and where its attention goes.
 
@@ -167,29 +143,6 @@ class StepPlan(StepInputs):
     kv_shipper: KvShipper | None = None
     round_trips: list[tuple[int, float]] | None = None
     failed: set[str] = field(default_factory=set)
-
-
-@dataclass
-class _Sent:
-    """One message of a layer to one shard; `replied`: the shard answers this one."""
-
-    shard: int
-    link: ShardLink
-    heads: slice  # the shard's query heads
-    handle: Any
-    sent_at: float
-    rows: ShardedRows
-    layer: int
-    replied: bool = True
-
-
-@dataclass
-class _InFlight:
-    """A lane's layer between its sends and its replies: what `_collect` needs to read them."""
-
-    sends: list[_Sent]
-    out: torch.Tensor
-    num_local: int
 
 
 class MeshModelRunner(ModelRunner[StepPlan]):
@@ -211,6 +164,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self.attention_overlap = False
         # Lamina 4.3: a decode step's sharded rows run as this many staggered lanes (lanes.py).
         self.decode_lanes = 1
+        self.times = DecodeTimes()  # sharded decode steps' breakdown (Lamina Fig. 12)
 
     def plan_prefill(
         self, batch: Batch, token_ids: dict[str, list[int]], kv_shipper: KvShipper | None = None
@@ -282,15 +236,26 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         """One layer's round trip as one message per shard (q, k, v), local rows meanwhile."""
         n, group = inputs.num_local, q.shape[1] // k.shape[1]
         sends = self._send(layer, sharded, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
-        out = self._attend_rows_local(layer, q, k, v, inputs, n)
-        self._collect(sends, out, n, inputs.failed, inputs.round_trips)
-        return out
+        flight = LayerInFlight(sends, self._attend_rows_local(layer, q, k, v, inputs, n), n)
+        self._collect(flight, inputs)
+        return flight.out
 
     @torch.inference_mode()
     def run(self, inputs: StepPlan, keep_hidden: bool = False) -> torch.Tensor:
         """Decode steps with sharded rows run as lanes when overlap or staggering is on."""
-        if inputs.sharded is None or (not self.attention_overlap and self.decode_lanes == 1):
+        if inputs.sharded is None:
             return super().run(inputs, keep_hidden)
+        started = time.perf_counter()
+        if not self.attention_overlap and self.decode_lanes == 1:
+            logits = super().run(inputs, keep_hidden)
+        else:
+            logits = self._run_lanes(inputs)
+        self.times.num_steps += 1
+        self.times.step_s += time.perf_counter() - started
+        return logits
+
+    def _run_lanes(self, inputs: StepPlan) -> torch.Tensor:
+        assert inputs.sharded is not None
         x = self.model.embed(inputs.input_ids)  # [N, hidden]
         rope = self.model.rotary_at(inputs.positions)
         rows = inputs.sharded
@@ -321,10 +286,10 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             else:
                 q, k, v = layer.pre_attention(x, rope)
                 sends = self._send(i, rows, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
-            out = self._attend_rows_local(i, q, k, v, inputs, n)
-            yield _InFlight(sends, out, n)  # another lane's dense part runs while shards work
-            self._collect(sends, out, n, inputs.failed, inputs.round_trips)
-            x = layer.post_attention(x, out)
+            flight = LayerInFlight(sends, self._attend_rows_local(i, q, k, v, inputs, n), n)
+            yield flight  # another lane's dense part runs while the shards work
+            self._collect(flight, inputs)
+            x = layer.post_attention(x, flight.out)
         return x
 
     def _send(
@@ -335,23 +300,11 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         group: int,
         q: torch.Tensor | None,
         kv: tuple[torch.Tensor, ...],
-    ) -> list[_Sent]:
-        """One message per shard with that shard's heads of q [rows, Hq, D] (if any) and of each
-        of `kv` [rows, Hkv, D]."""
-        sent = []
-        for i, (link, shard) in enumerate(zip(self.shard_links, self.shards, strict=True)):
-            h0, h1 = shard.head_start, shard.head_end
-            header = AttendBatch(rows.step, layer, part=part, lane=rows.lane)
-            if layer == 0 and part != ATTEND_NEW:
-                header.req_ids, header.context_lens = rows.req_ids, rows.context_lens
-                header.traceparent = rows.traceparent
-            # Strided slices: the channel copies each straight into the message, once.
-            q_heads = slice(h0 * group, h1 * group)
-            buffers = ([] if q is None else [q[:, q_heads]]) + [t[:, h0:h1] for t in kv]
-            handle = link.send_async(header, buffers)
-            sent.append(_Sent(i, link, q_heads, handle, time.perf_counter(), rows, layer,
-                              replied=part != ATTEND_PREV))  # fmt: skip
-        return sent
+    ) -> list[ShardSend]:
+        return send_layer(self.shard_links, self.shards, layer, rows, part, group, q, kv)
+
+    def _collect(self, flight: LayerInFlight, inputs: StepPlan) -> None:
+        collect_layer(flight, self.reply_timeout_s, inputs.failed, inputs.round_trips, self.times)
 
     def _attend_rows_local(
         self,
@@ -368,53 +321,13 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
         return out
 
-    def _collect(
-        self,
-        sends: list[_Sent],
-        out: torch.Tensor,
-        n: int,
-        failed: set[str],
-        round_trips: list[tuple[int, float]] | None,
-    ) -> None:
-        """Each shard's reply to a layer: its heads land in place in `out[n:]`; the requests a
-        shard could not attend for go to `failed`."""
-        lse = torch.empty(out.shape[:2], dtype=torch.float32)  # the engine has no use for it
-        # Every shard's reply is read before anything is raised: one left queued would be taken
-        # for the next step's. Each reply must answer this step, layer and lane; anything else is
-        # a fault of the link, never data. With overlap, each shard got two messages, one reply.
-        errors, faults = [], []
-        for sent in sends:
-            try:
-                sent.link.wait(sent.handle, self.reply_timeout_s)
-                if not sent.replied:  # an ATTEND_PREV: its ATTEND_NEW gets the reply
-                    continue
-                result, _ = sent.link.recv([out[n:, sent.heads], lse[n:, sent.heads]],
-                                           self.reply_timeout_s)  # fmt: skip
-            except TimeoutError:
-                faults.append(f"shard {sent.shard}: no reply in {self.reply_timeout_s} s")
-                continue
-            if round_trips is not None:
-                round_trips.append((sent.shard, time.perf_counter() - sent.sent_at))
-            expected = (sent.rows.step, sent.layer, sent.rows.lane)
-            if (result.step, result.layer, result.lane) != expected:
-                faults.append(f"shard {sent.shard}: reply for step {result.step} layer "
-                              f"{result.layer} lane {result.lane}, expected step {expected[0]} "
-                              f"layer {expected[1]} lane {expected[2]}")  # fmt: skip
-            elif result.error:
-                errors.append(f"shard {sent.shard}: {result.error}")
-            failed.update(result.failed)
-        if faults:
-            raise ShardLinkFault("; ".join(faults))
-        if errors:
-            raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
-
     def _drain(self, in_flight: object, error: BaseException) -> None:
         """Another lane failed: read this lane's replies still on the links. Not after a link
         fault: the worker drops the links, and their stale replies with them."""
-        if isinstance(error, ShardLinkFault) or not isinstance(in_flight, _InFlight):
+        if isinstance(error, ShardLinkFault) or not isinstance(in_flight, LayerInFlight):
             return
         try:
-            self._collect(in_flight.sends, in_flight.out, in_flight.num_local, set(), None)
+            collect_layer(in_flight, self.reply_timeout_s, set())
         except Exception:  # noqa: BLE001 - the first lane's error is the one raised
             pass
 

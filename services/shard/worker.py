@@ -89,6 +89,7 @@ class ShardWorker:
         self.last_pass = time.monotonic()  # the attention loop's; health is progress
         # Per lane: why an ATTEND_PREV failed, answered (as an error) when its ATTEND_NEW comes.
         self._prev_errors: dict[int, Exception] = {}
+        self._prev_s: dict[int, float] = {}  # per lane: the ATTEND_PREV's attention time
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -151,7 +152,9 @@ class ShardWorker:
         if batch.lane == 0:  # NOTE: spans follow lane 0 only; one record per step (telemetry.py)
             self.telemetry.layer_started(batch)
         try:
+            started = time.perf_counter()
             self.shard.attend_prev(batch, q)
+            self._prev_s[batch.lane] = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001 - answered with ATTEND_NEW, never raised here
             log.exception("attention over previous tokens failed", step=batch.step,
                           layer=batch.layer)  # fmt: skip
@@ -162,6 +165,7 @@ class ShardWorker:
     ) -> None:
         """Answer a whole layer (q, k, v) or an overlapped layer's second half (k, v)."""
         traced = batch.lane == 0
+        started = time.perf_counter()
         try:
             if batch.part == ATTEND_NEW:
                 if (error := self._prev_errors.pop(batch.lane, None)) is not None:
@@ -173,8 +177,10 @@ class ShardWorker:
                 out, lse, failed = self.shard.attend(batch, *bufs)
             if traced:
                 self.telemetry.layer_done(batch, len(failed), self.shard.blocks.num_used_blocks)
-            link.send(AttendResult(batch.step, batch.layer, failed=failed, lane=batch.lane),
-                      [out, lse])  # fmt: skip
+            attend_s = time.perf_counter() - started + self._prev_s.pop(batch.lane, 0.0)
+            reply = AttendResult(batch.step, batch.layer, failed=failed, lane=batch.lane,
+                                 attend_s=attend_s)  # fmt: skip
+            link.send(reply, [out, lse])
             if traced:
                 self.telemetry.flush()
         except Exception as exc:  # noqa: BLE001 - the engine must get an answer, not a hang
