@@ -324,8 +324,10 @@ class MeshModelRunner(ModelRunner[StepPlan]):
     def _drain(self, in_flight: object, error: BaseException) -> None:
         """Another lane failed: read this lane's replies still on the links. Not after a link
         fault: the worker drops the links, and their stale replies with them."""
-        if isinstance(error, ShardLinkFault) or not isinstance(in_flight, LayerInFlight):
+        # NOTE: ConnectionError: a link's channel closed (its shard is gone); the same holds.
+        if isinstance(error, ShardLinkFault | ConnectionError):
             return
+        assert isinstance(in_flight, LayerInFlight)  # what `_lane` yields
         try:
             collect_layer(in_flight, self.reply_timeout_s, set())
         except Exception:  # noqa: BLE001 - the first lane's error is the one raised

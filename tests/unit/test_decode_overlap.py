@@ -200,3 +200,35 @@ def test_lanes_split_the_sharded_rows_evenly_and_lane_0_takes_the_local_rows():
     assert [(lane.start, lane.end, lane.num_local) for lane in lanes] == [(0, 5, 2), (5, 7, 0)]
     assert [(lane.sharded_start, lane.sharded_end) for lane in lanes] == [(0, 3), (3, 5)]
     assert len(split_lanes(num_local=0, num_sharded=1, num_lanes=2)) == 1  # no empty lane
+
+
+class RecordingLink:
+    def __init__(self) -> None:
+        self.sent: list[tuple[AttendResult, list[torch.Tensor]]] = []
+
+    def send(self, header: AttendResult, tensors: list[torch.Tensor]) -> None:
+        self.sent.append((header, tensors))
+
+
+def test_a_failed_first_half_is_answered_once_as_its_layers_error(model):
+    """The shard worker: an ATTEND_PREV that fails is kept; its ATTEND_NEW gets the error,
+    with buffers of the shapes the engine receives into (query heads, not KV heads)."""
+    from services.shard.telemetry import ShardTelemetry
+    from services.shard.worker import ShardWorker
+
+    mc = model.config
+    spec = ShardSpec(num_layers=mc.num_hidden_layers, head_start=0, head_end=1,
+                     num_queries_per_kv=mc.num_queries_per_kv, head_dim=mc.head_dim, num_blocks=4,
+                     block_size=16, dtype=torch.float32, scale=1.0)  # fmt: skip
+    worker = ShardWorker.__new__(ShardWorker)  # its attention loop only: no sockets
+    worker.shard = AttentionShard("s0", spec, select_backend("auto"))
+    worker.telemetry = ShardTelemetry("s0", mc.num_hidden_layers)
+    worker._prev_errors, worker._prev_s = {}, {}
+    link = RecordingLink()
+    q = torch.zeros(3, mc.num_queries_per_kv, mc.head_dim)
+    kv = torch.zeros(3, 1, mc.head_dim)
+    worker._attend_prev(AttendBatch(4, 0, part=ATTEND_PREV, lane=1), q)  # layer 0 without ids
+    worker._answer(link, AttendBatch(4, 0, part=ATTEND_NEW, lane=1), [kv, kv])  # type: ignore[arg-type]
+    ((reply, tensors),) = link.sent
+    assert (reply.step, reply.layer, reply.lane) == (4, 0, 1) and "without req_ids" in reply.error
+    assert [t.shape for t in tensors] == [q.shape, q.shape[:2]]
