@@ -10,12 +10,14 @@
    over the previous tokens meanwhile) and `2_shards_overlap_2lanes` (4.3, n = 2 in one token
    engine: the step's rows as two lanes staggered per layer), the last also with twice the
    requests at the largest batch (`..._x2`: each lane holds `batch`). Per column: TBT p50/p90 (the
-   gap between a request's tokens as the client receives them), decode throughput (tokens/s
-   while every request of the run decodes), and Fig. 12's breakdown per step from the token
-   engine (`EngineStats.decode_breakdown`): model (engine busy), idle (engine blocked on shard
-   replies), attention (the slowest shard's, summed over layers) and network (the rest of its
-   round trips). Decode groups are pinned to cores as `services.launch` does by default
-   (services/launch/core_pinning.py); `--no-pin` leaves placement to the OS.
+   gap between a request's tokens as the client receives them), decode throughput (tokens after
+   each request's third, per second from the first third token to the last token), and Fig. 12's
+   breakdown per step from the token engine (`EngineStats.decode_breakdown`): model (engine
+   busy), idle (engine blocked on shard replies), attention (the slowest shard's, summed over
+   layers) and network (the rest of its round trips; with 2 lanes that includes the other
+   lane's dense part, run while the reply waited). Decode groups are pinned to cores as
+   `services.launch` does by default (services/launch/core_pinning.py); `--no-pin` leaves
+   placement to the OS.
 2. `bench/transport.py` in a subprocess: the per-layer shard round trip over UCX and over our zmq
    channel against a plain ZeroMQ round trip with the same payload, and bulk (KV-sized) transfer
    rates over UCX and ZeroMQ.
@@ -65,8 +67,8 @@ TWO_LANES, TWICE = "2_shards_overlap_2lanes", "2_shards_overlap_2lanes_x2"
 
 @dataclass
 class Sample:
-    """One run of `batch` concurrent requests: every inter-token gap, and the tokens and seconds
-    of the window in which all of them were decoding (for throughput)."""
+    """One run of `batch` concurrent requests: every inter-token gap, and its decode tokens (each
+    request's after its second) over the seconds from the first third token to the last token."""
 
     gaps: list[float] = field(default_factory=list)
     window_tokens: int = 0
@@ -75,8 +77,7 @@ class Sample:
 
 def decode_sample(client: MeshTestClient, batch: int, tokens: int, tag: str) -> Sample:
     """`batch` concurrent requests; gaps skip each one's first two tokens (first token and the
-    prefill/handoff hop). The window runs from the last request's third token to the first
-    request's last."""
+    prefill/handoff hop), and so does the throughput."""
     sampling = SamplingSpec(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     arrivals: dict[str, list[float]] = {}
     for i in range(batch):
@@ -91,12 +92,11 @@ def decode_sample(client: MeshTestClient, batch: int, tokens: int, tag: str) -> 
     sample = Sample()
     for times in arrivals.values():
         sample.gaps += [b - a for a, b in zip(times[2:], times[3:], strict=False)]
-    # NOTE: a request that failed (fewer than 3 tokens) has no decode window of its own.
-    whole = [times for times in arrivals.values() if len(times) >= 3] or [[0.0, 0.0, 0.0]]
-    start = max(times[2] for times in whole)
-    end = min(times[-1] for times in whole)
-    sample.window_tokens = sum(sum(start < t <= end for t in ts) for ts in arrivals.values())
-    sample.window_s = max(end - start, 1e-9)
+    # NOTE: a request that failed (fewer than 3 tokens) has no decode tokens to count.
+    decoding = [times for times in arrivals.values() if len(times) >= 3] or [[0.0, 0.0, 0.0]]
+    start = min(times[2] for times in decoding)
+    sample.window_tokens = sum(len(times) - 3 for times in decoding)
+    sample.window_s = max(max(times[-1] for times in decoding) - start, 1e-9)
     return sample
 
 
