@@ -10,8 +10,8 @@
    over the previous tokens meanwhile) and `2_shards_2lanes` (4.3, n = 2 in one token engine:
    the step's rows as two lanes staggered per layer; overlap off), the last also with twice the
    requests at the largest batch (`..._x2`: each lane holds `batch`). Per column: TBT p50/p90 (the
-   gap between a request's tokens as the client receives them), decode throughput (tokens after
-   each request's third, per second from the first third token to the last token), and Fig. 12's
+   gap between a request's tokens as the client receives them), decode throughput (the
+   batch's tokens per mean gap), and Fig. 12's
    breakdown per step from the token engine (`EngineStats.decode_breakdown`): model (engine
    busy), idle (engine blocked on shard replies), attention (the slowest shard's, summed over
    layers) and network (the rest of its round trips; with 2 lanes that includes the other
@@ -68,12 +68,16 @@ TWO_LANES, TWICE = "2_shards_2lanes", "2_shards_2lanes_x2"
 
 @dataclass
 class Sample:
-    """One run of `batch` concurrent requests: every inter-token gap, and its decode tokens (each
-    request's after its second) over the seconds from the first third token to the last token."""
+    """One run of `batch` concurrent requests: every inter-token gap."""
 
+    batch: int
     gaps: list[float] = field(default_factory=list)
-    window_tokens: int = 0
-    window_s: float = 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Decode tokens/s of the batch: `batch` tokens per mean gap (a span from first to last
+        token would count the prefills' stagger too, which the meshes do not share)."""
+        return self.batch * len(self.gaps) / max(sum(self.gaps), 1e-9)
 
 
 def decode_sample(client: MeshTestClient, batch: int, tokens: int, tag: str) -> Sample:
@@ -90,14 +94,9 @@ def decode_sample(client: MeshTestClient, batch: int, tokens: int, tag: str) -> 
         out = client.recv(timeout=300)
         arrivals[out.req_id].extend([time.perf_counter()] * max(len(out.token_ids), 1))
         live -= bool(out.finish_reason)
-    sample = Sample()
+    sample = Sample(batch)
     for times in arrivals.values():
         sample.gaps += [b - a for a, b in zip(times[2:], times[3:], strict=False)]
-    # NOTE: a request that failed (fewer than 3 tokens) has no decode tokens to count.
-    decoding = [times for times in arrivals.values() if len(times) >= 3] or [[0.0, 0.0, 0.0]]
-    start = min(times[2] for times in decoding)
-    sample.window_tokens = sum(len(times) - 3 for times in decoding)
-    sample.window_s = max(max(times[-1] for times in decoding) - start, 1e-9)
     return sample
 
 
@@ -150,7 +149,7 @@ def measure(
                                            f"r{r}-b{batch}-{column}")  # fmt: skip
                     parts = per_step_ms(before, breakdown(meshes[name]))
                     samples.setdefault((column, batch), []).append((sample, parts))
-                    rate = sample.window_tokens / sample.window_s
+                    rate = sample.throughput
                     print(f"round {r} {column:28s} batch {batch * scale:3d}: TBT p50 "
                           f"{1e3 * statistics.median(sample.gaps):.2f} ms, {rate:.0f} tok/s, "
                           f"{parts}")  # fmt: skip
@@ -166,13 +165,12 @@ def summarize(samples: dict[tuple[str, int], list[tuple[Sample, dict]]]) -> dict
     out: dict[str, dict[str, dict]] = {}
     for (column, batch), runs in samples.items():
         gaps = sorted(g for sample, _ in runs for g in sample.gaps)
-        window_tokens = sum(sample.window_tokens for sample, _ in runs)
-        window_s = sum(sample.window_s for sample, _ in runs)
+        batch_size = runs[0][0].batch
         parts = {k: round(statistics.mean(p[k] for _, p in runs), 3) for k in runs[0][1]}
         out.setdefault(column, {})[str(batch)] = {
             "tbt_p50_ms": round(1e3 * statistics.median(gaps), 3),
             "tbt_p90_ms": round(1e3 * gaps[int(0.9 * (len(gaps) - 1))], 3),
-            "throughput_tok_s": round(window_tokens / window_s, 1),
+            "throughput_tok_s": round(batch_size * len(gaps) / max(sum(gaps), 1e-9), 1),
             "breakdown": parts,
         }
     return out
