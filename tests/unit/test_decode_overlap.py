@@ -28,7 +28,7 @@ from common.protocol import (
 )
 from common.scheduling.batching import Batch, Phase, Sequence
 from services.engine.lanes import split_lanes
-from services.engine.runner import KvRoute, KvShipper, MeshModelRunner
+from services.engine.runner import KvRoute, KvShipper, MeshModelRunner, ShardLinkFault
 from services.shard.shard import AttentionShard, ShardSpec
 from tests.conftest import random_prompts
 
@@ -40,8 +40,10 @@ class InProcessLink:
     """A shard link answering in-process, part by part, as the shard worker does; `fail_lane`
     makes the shard's answers to that lane errors."""
 
-    def __init__(self, shard: AttentionShard, fail_lane: int | None = None) -> None:
-        self.shard, self.fail_lane = shard, fail_lane
+    def __init__(
+        self, shard: AttentionShard, fail_lane: int | None = None, lane_swap: bool = False
+    ) -> None:
+        self.shard, self.fail_lane, self.lane_swap = shard, fail_lane, lane_swap
         self.replies: deque[tuple[AttendResult, list[torch.Tensor]]] = deque()
         self.parts: list[tuple[int, int, int]] = []  # (lane, layer, part) in arrival order
 
@@ -56,7 +58,8 @@ class InProcessLink:
         else:
             out, lse, failed = self.shard.attend(header, *bufs)
         error = "boom" if header.lane == self.fail_lane else ""
-        reply = AttendResult(header.step, header.layer, error, failed, lane=header.lane)
+        lane = 1 - header.lane if self.lane_swap else header.lane  # a link gone wrong
+        reply = AttendResult(header.step, header.layer, error, failed, lane=lane)
         self.replies.append((reply, [out, lse]))
 
     def wait(self, handle: Any, timeout: float | None = None) -> None:
@@ -109,7 +112,7 @@ def greedy_local(model, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 
 def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | None = None,
-                   links: list[InProcessLink] | None = None):  # fmt: skip
+                   links: list[InProcessLink] | None = None, lane_swap: bool = False):  # fmt: skip
     """The same with every request's KV on two head-split shards, decoding through the runner's
     round trips with `attention_overlap` and `decode_lanes` as given (into `links`, if given)."""
     mc = model.config
@@ -125,7 +128,7 @@ def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | N
     ]  # fmt: skip
     addresses = [ShardAddress("s0", 0, half), ShardAddress("s1", half, mc.num_key_value_heads)]
     links = links if links is not None else []
-    links += [InProcessLink(s, fail_lane) for s in shards]
+    links += [InProcessLink(s, fail_lane, lane_swap) for s in shards]
     runner = make_runner(model, MeshModelRunner, shard_links=links, shards=addresses)
     runner.attention_overlap, runner.decode_lanes = overlap, lanes
 
@@ -182,6 +185,11 @@ def test_a_shard_error_in_one_lane_raises_and_leaves_no_reply_queued(model, prom
         greedy_sharded(model, prompts, overlap, lanes=2, fail_lane=1, links=links)
     # Lane 0 had its next layer in flight when lane 1 failed: its replies were read too.
     assert len(links[0].parts) > 0 and not any(link.replies for link in links)
+
+
+def test_a_reply_for_the_other_lane_is_a_link_fault_never_data(model, prompts):
+    with pytest.raises(ShardLinkFault, match="lane 1, expected step 0 layer 0 lane 0"):
+        greedy_sharded(model, prompts, overlap=False, lanes=2, lane_swap=True)
 
 
 def test_new_kv_without_its_query_is_refused(model):
