@@ -211,6 +211,18 @@ class KvEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
     sent_at: float = 0.0
 
 
+class DecodeBreakdown(msgspec.Struct, array_like=True, gc=False):
+    """A token engine's sharded decode steps since start, in seconds summed over steps (Lamina
+    Fig. 12): the steps, the engine blocked on shard replies (idle; the rest is model time), and
+    per layer the slowest shard's attention and the rest of its round trip (network)."""
+
+    num_steps: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    attend_s: float = 0.0
+    network_s: float = 0.0
+
+
 class EngineStats(_Msg, tag="engine_stats"):
     """Reply to StatsRequest: what a service holds right now (tests use it to prove no leaks)."""
 
@@ -225,6 +237,7 @@ class EngineStats(_Msg, tag="engine_stats"):
     num_prefix_hit_tokens: int = 0
     home_role: str = ""  # an engine's configured pool; `role` is the one it serves in now
     num_loans: int = 0  # times it was lent to the mixed pool (since start)
+    decode_breakdown: DecodeBreakdown | None = None  # token engines with a shard group
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats
@@ -346,6 +359,17 @@ class AttendBatch(_Msg, tag="attend"):
     req_ids: list[str] = []
     context_lens: list[int] = []
     traceparent: str = ""
+    # Lamina 4.2.2 (`attention_overlap`): a layer comes in two parts, ATTEND_PREV (buffer: q
+    # only; the shard attends over the tokens before this step while the engine computes k/v)
+    # then ATTEND_NEW (buffers: k, v; the shard appends them, adds the new token's part and
+    # answers once). ATTEND_WHOLE: q, k, v in one message.
+    part: int = 0
+    # Lamina 4.3 (`decode_lanes`): which of the engine's concurrent sub-batches this is; a shard
+    # keeps one step's block tables per lane, and its reply carries the lane back.
+    lane: int = 0
+
+
+ATTEND_WHOLE, ATTEND_PREV, ATTEND_NEW = 0, 1, 2  # `AttendBatch.part`
 
 
 class AttendResult(_Msg, tag="attend_result"):
@@ -362,6 +386,8 @@ class AttendResult(_Msg, tag="attend_result"):
     # decode steps once every shard of its group said it landed (none waits at layer 0 for it).
     kv_landed: list[str] = []
     kv_lost: list[str] = []
+    lane: int = 0  # `AttendBatch.lane` of the batch answered
+    attend_s: float = 0.0  # the shard's attention time for this layer (both parts, overlapped)
 
 
 class KvReadyQuery(_Msg, tag="kv_ready_query"):

@@ -137,6 +137,27 @@ class LlamaDecoderLayer(nn.Module):
         v = qkv[:, q_size + kv_size :].view(-1, attn.num_kv_heads, attn.head_dim)
         return q, k, v
 
+    def pre_attention_q(self, x: torch.Tensor, rope: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pre_attention` in two halves, q first (Lamina 4.2.2: q leaves for the shards while
+        k/v are computed): x [T, hidden] -> (the normed x [T, hidden] for `pre_attention_kv`,
+        q [T, num_heads, head_dim])."""
+        attn = self.self_attn
+        h = self.input_layernorm.forward(x)
+        q_size = attn.num_heads * attn.head_dim
+        q = F.linear(h, attn.qkv_proj.weight[:q_size])  # [T, q_size]: the fused weight's q rows
+        rope.rotate_heads_(q, attn.num_heads, attn.head_dim)
+        return h, q.view(-1, attn.num_heads, attn.head_dim)
+
+    def pre_attention_kv(self, h: torch.Tensor, rope: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
+        """The second half: h [T, hidden] -> k and v [T, num_kv_heads, head_dim]."""
+        attn = self.self_attn
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        kv = F.linear(h, attn.qkv_proj.weight[q_size:])  # [T, 2 * kv_size]: k | v
+        rope.rotate_heads_(kv, attn.num_kv_heads, attn.head_dim)
+        k = kv[:, :kv_size].view(-1, attn.num_kv_heads, attn.head_dim)
+        v = kv[:, kv_size:].view(-1, attn.num_kv_heads, attn.head_dim)
+        return k, v
+
     def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], attn_out [T, num_heads, head_dim] -> the next layer's x [T, hidden]."""
         o = F.linear(attn_out.reshape(x.shape[0], -1).to(x.dtype), self.self_attn.o_proj.weight)

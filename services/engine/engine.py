@@ -414,6 +414,7 @@ class Engine(EngineFaults, EngineKvNews):
             len(self.requests), [*self.kv_ingress.events, *self.kv_events],
             self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
             num_loans=self.pool.num_loans,
+            decode_breakdown=self.runner.times.report() if self.shards else None,
         )  # fmt: skip
 
     def load_report(self, now: float) -> LoadReport:

@@ -19,34 +19,38 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from common.attention.prefix_prefill import with_cached_prefixes
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
-from common.protocol import AttendBatch, KvPages, KvReadyQuery, ShardAddress
+from common.model.llama import RopeAt
+from common.protocol import (
+    ATTEND_NEW,
+    ATTEND_PREV,
+    ATTEND_WHOLE,
+    AttendBatch,
+    KvPages,
+    KvReadyQuery,
+    ShardAddress,
+)
 from common.scheduling.batching import Batch, Phase, Sequence
-from common.transport.tensor_frames import ReceiveInto
+from services.engine.lanes import LaneRun, run_lanes, split_lanes
+from services.engine.shard_round_trip import (
+    DecodeTimes,
+    LayerInFlight,
+    ShardedRows,
+    ShardLink,
+    ShardLinkFault,
+    ShardSend,
+    collect_layer,
+    send_layer,
+)
 
 # How long a decode step waits for a shard's reply to one layer before it gives the link up: a
 # stopped or partitioned shard must not hang its token engine (docs/failures.md).
 SHARD_REPLY_TIMEOUT_S = 30.0
-
-
-class ShardLink(Protocol):
-    """A token engine's connection to one attention shard (UCX or ZeroMQ underneath)."""
-
-    def send_async(self, header: Any, tensors: Seq[torch.Tensor]) -> Any: ...
-    def wait(self, handle: Any, timeout: float | None = ...) -> Any: ...
-    def recv(
-        self, out: ReceiveInto = None, timeout: float | None = ...
-    ) -> tuple[Any, list[torch.Tensor]]: ...
-
-
-class ShardLinkFault(RuntimeError):
-    """A shard link can no longer be trusted: a reply did not come in time, or came for another
-    step or layer. Its worker reconnects the group (stale replies go with the old channel)."""
 
 
 # (destination, header, k, v): over UCX to `kv_address`, or ZeroMQ where it has none
@@ -132,19 +136,6 @@ class KvShipper:
 
 
 @dataclass
-class ShardedRows:
-    """The decode rows whose KV lives on the shard group, at the end of the batch."""
-
-    step: int
-    req_ids: list[str]
-    context_lens: list[int]
-    traceparent: str = ""  # the step's `token.step` context when traced, for the shards
-    # A group that holds whole requests (`shard_partition: request`): per shard, the indexes of
-    # the rows (into `req_ids`) whose KV it holds; None: heads split, every shard every row.
-    shard_rows: list[list[int]] | None = None
-
-
-@dataclass
 class StepPlan(StepInputs):
     """One step's inputs and where its attention goes.
 
@@ -180,6 +171,11 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self.shard_links = list(shard_links)
         self.shards = list(shards)
         self.reply_timeout_s = SHARD_REPLY_TIMEOUT_S
+        # Lamina 4.2.2: q goes to the shards before k/v are computed (two messages per layer).
+        self.attention_overlap = False
+        # Lamina 4.3: a decode step's sharded rows run as this many staggered lanes (lanes.py).
+        self.decode_lanes = 1
+        self.times = DecodeTimes()  # sharded decode steps' breakdown (Lamina Fig. 12)
 
     def plan_prefill(
         self, batch: Batch, token_ids: dict[str, list[int]], kv_shipper: KvShipper | None = None
@@ -254,51 +250,93 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         inputs: StepPlan,
         sharded: ShardedRows,
     ) -> torch.Tensor:
-        n = inputs.num_local
-        group = q.shape[1] // k.shape[1]
-        in_flight = []
-        for i, (link, shard) in enumerate(zip(self.shard_links, self.shards, strict=True)):
-            h0, h1 = shard.head_start, shard.head_end
-            header = AttendBatch(sharded.step, layer)
-            if layer == 0:
-                header.req_ids, header.context_lens = sharded.req_ids, sharded.context_lens
-                header.traceparent = sharded.traceparent
-            # Strided slices: the channel copies each straight into the message, once.
-            heads = slice(h0 * group, h1 * group)
-            tensors = [q[n:, heads], k[n:, h0:h1], v[n:, h0:h1]]
-            sent_at = time.perf_counter()
-            in_flight.append((i, link, heads, link.send_async(header, tensors), sent_at))
+        """One layer's round trip as one message per shard (q, k, v), local rows meanwhile."""
+        n, group = inputs.num_local, q.shape[1] // k.shape[1]
+        sends = self._send(layer, sharded, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
+        flight = LayerInFlight(sends, self._attend_rows_local(layer, q, k, v, inputs, n), n)
+        self._collect(flight, inputs)
+        return flight.out
+
+    @torch.inference_mode()
+    def run(self, inputs: StepPlan, keep_hidden: bool = False) -> torch.Tensor:
+        """Decode steps with sharded rows run as lanes when overlap or staggering is on."""
+        if inputs.sharded is None:
+            return super().run(inputs, keep_hidden)
+        started = time.perf_counter()
+        if not self.attention_overlap and self.decode_lanes == 1:
+            logits = super().run(inputs, keep_hidden)
+        else:
+            logits = self._run_lanes(inputs)
+        self.times.num_steps += 1
+        self.times.step_s += time.perf_counter() - started
+        return logits
+
+    def _run_lanes(self, inputs: StepPlan) -> torch.Tensor:
+        assert inputs.sharded is not None
+        x = self.model.embed(inputs.input_ids)  # [N, hidden]
+        rope = self.model.rotary_at(inputs.positions)
+        rows = inputs.sharded
+        lanes = []
+        for lane in split_lanes(inputs.num_local, len(rows.req_ids), self.decode_lanes):
+            a, b, c, d = lane.start, lane.end, lane.sharded_start, lane.sharded_end
+            traceparent = rows.traceparent if lane.lane == 0 else ""  # shards trace lane 0
+            lane_rows = ShardedRows(
+                rows.step, rows.req_ids[c:d], rows.context_lens[c:d], traceparent, lane.lane
+            )
+            lane_rope = rope._replace(positions=rope.positions[a:b])
+            lanes.append(self._lane(x[a:b], lane_rope, inputs, lane_rows, lane.num_local))
+        self.hidden = None
+        return self.model.compute_logits(torch.cat(run_lanes(lanes, self._drain)))
+
+    def _lane(
+        self, x: torch.Tensor, rope: RopeAt, inputs: StepPlan, rows: ShardedRows, n: int
+    ) -> LaneRun:
+        """One lane's layers (lanes.py): its first `n` rows attend locally, the rest on shards.
+        With `attention_overlap`, q leaves before k/v are computed (Lamina 4.2.2)."""
+        group = self.model.config.num_queries_per_kv
+        for i, layer in enumerate(self.model.layers):
+            if self.attention_overlap:
+                h, q = layer.pre_attention_q(x, rope)  # q [rows, Hq, D]
+                sends = self._send(i, rows, ATTEND_PREV, group, q[n:], ())
+                k, v = layer.pre_attention_kv(h, rope)  # the shards attend meanwhile
+                sends += self._send(i, rows, ATTEND_NEW, group, None, (k[n:], v[n:]))
+            else:
+                q, k, v = layer.pre_attention(x, rope)
+                sends = self._send(i, rows, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
+            flight = LayerInFlight(sends, self._attend_rows_local(i, q, k, v, inputs, n), n)
+            yield flight  # another lane's dense part runs while the shards work
+            self._collect(flight, inputs)
+            x = layer.post_attention(x, flight.out)
+        return x
+
+    def _send(
+        self,
+        layer: int,
+        rows: ShardedRows,
+        part: int,
+        group: int,
+        q: torch.Tensor | None,
+        kv: tuple[torch.Tensor, ...],
+    ) -> list[ShardSend]:
+        return send_layer(self.shard_links, self.shards, layer, rows, part, group, q, kv)
+
+    def _collect(self, flight: LayerInFlight, inputs: StepPlan) -> None:
+        collect_layer(flight, self.reply_timeout_s, inputs.failed, inputs.round_trips, self.times,
+                      (inputs.kv_landed, inputs.kv_lost))  # fmt: skip
+
+    def _attend_rows_local(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        inputs: StepPlan,
+        n: int,
+    ) -> torch.Tensor:
+        """out [rows, Hq, D] float32, its first `n` rows attended over this engine's cache."""
         out = torch.empty(q.shape, dtype=torch.float32)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32)  # the engine has no use for it
         if n:
             out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
-        # Every shard's reply is read before anything is raised: one left queued would be taken
-        # for the next step's. Each reply must answer this step and layer; anything else is a
-        # fault of the link, never data.
-        errors, faults = [], []
-        for i, link, heads, handle, sent_at in in_flight:
-            try:
-                link.wait(handle, self.reply_timeout_s)
-                # Each shard's heads land in place in `out`, without a staging tensor.
-                result, _ = link.recv([out[n:, heads], lse[n:, heads]], self.reply_timeout_s)
-            except TimeoutError:
-                faults.append(f"shard {i}: no reply in {self.reply_timeout_s} s")
-                continue
-            if inputs.round_trips is not None:
-                inputs.round_trips.append((i, time.perf_counter() - sent_at))
-            if (result.step, result.layer) != (sharded.step, layer):
-                faults.append(f"shard {i}: reply for step {result.step} layer {result.layer}, "
-                              f"expected step {sharded.step} layer {layer}")  # fmt: skip
-            elif result.error:
-                errors.append(f"shard {i}: {result.error}")
-            inputs.failed.update(result.failed)
-            if result.kv_landed or result.kv_lost:
-                inputs.kv_landed.append((i, result.kv_landed))
-                inputs.kv_lost.update(result.kv_lost)
-        if faults:
-            raise ShardLinkFault("; ".join(faults))
-        if errors:
-            raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
         return out
 
     def _attend_by_request(
@@ -381,6 +419,18 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             landed.append((i, result.kv_landed))
             lost.update(result.kv_lost)
         return landed, lost
+
+    def _drain(self, in_flight: object, error: BaseException) -> None:
+        """Another lane failed: read this lane's replies still on the links. Not after a link
+        fault: the worker drops the links, and their stale replies with them."""
+        # NOTE: ConnectionError: a link's channel closed (its shard is gone); the same holds.
+        if isinstance(error, ShardLinkFault | ConnectionError):
+            return
+        assert isinstance(in_flight, LayerInFlight)  # what `_lane` yields
+        try:
+            collect_layer(in_flight, self.reply_timeout_s, set())
+        except Exception:  # noqa: BLE001 - the first lane's error is the one raised
+            pass
 
     def _attend_local(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepPlan

@@ -98,6 +98,8 @@ class EngineWorker:
             list(self.links.values()), cfg.shards, telemetry,
         )  # fmt: skip
         self.engine.runner.reply_timeout_s = cfg.shard_reply_timeout_s
+        self.engine.runner.attention_overlap = cfg.attention_overlap
+        self.engine.runner.decode_lanes = cfg.decode_lanes
         self.running = True
         self.last_pass = time.monotonic()
         self._last_report = 0.0

@@ -58,12 +58,18 @@ class Topology:
     kv_over_ucx: bool = True  # KV pages over UCX links; off: over ZeroMQ (benches compare both)
     kv_transfer: str = "push"  # shards' KV pushed by prompt engines, or pulled by the shards
     shard_partition: str = "head"  # a group's shards split KV heads, or hold whole requests
+    attention_overlap: bool = False  # token engines send q before k/v (Lamina 4.2.2)
+    decode_lanes: int = 1  # staggered decode sub-batches per token engine (Lamina 4.3)
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
             raise ValueError("a topology needs at least one prompt and one token engine")
         if self.num_shards % self.num_token:
             raise ValueError("num_shards must be a multiple of num_token (equal shard groups)")
+        if self.decode_lanes < 1:
+            raise ValueError(f"decode_lanes must be at least 1, got {self.decode_lanes}")
+        if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes > 1):
+            raise ValueError("shard_partition request runs without attention_overlap and lanes")
 
 
 @dataclass
@@ -122,7 +128,8 @@ class LocalMesh:
             mesh_key=self.mesh_key, shard_reply_timeout_s=t.shard_reply_timeout_s,
             enable_prefix_caching=t.enable_prefix_caching,
             kv_over_ucx=t.kv_over_ucx, kv_transfer=t.kv_transfer,
-            shard_partition=t.shard_partition,
+            shard_partition=t.shard_partition, attention_overlap=t.attention_overlap,
+            decode_lanes=t.decode_lanes,
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
         placements = place_decode_groups(t.num_token, self.shards_per_group, cores)

@@ -18,6 +18,7 @@ import structlog
 import torch
 
 from common.attention import AttentionBackend
+from common.attention.base import combine_partials
 from common.block_manager import BlockManager, NoFreeBlocksError
 from common.engine.runner import pad_block_tables
 from common.kv_cache import KVCache
@@ -56,6 +57,22 @@ class _StepTables:
     slot_mapping: torch.Tensor  # [N] where this step's k/v go
     failed: list[str]  # requests of the step whose rows point at the scratch block
 
+    @property
+    def prev_lens(self) -> torch.Tensor:
+        """[N] int32: the tokens before this step's, which `attend_prev` covers."""
+        return self.context_lens - 1
+
+
+@dataclass(frozen=True)
+class _PrevPartial:
+    """One layer's attention over the previous tokens, waiting for the new token's k/v."""
+
+    step: int
+    layer: int
+    q: torch.Tensor  # [N, Hq, D]
+    out: torch.Tensor  # [N, Hq, D] float32
+    lse: torch.Tensor  # [N, Hq] float32
+
 
 class AttentionShard:
     """Owns KV blocks for its heads and answers per-layer decode attention. Thread-safe for one
@@ -87,7 +104,9 @@ class AttentionShard:
         # A request's KV is claimed (off its lease) when a decode step first names it: its token
         # engine frees it from then on.
         self.ingress = KvIngress(self.blocks, self.kv, lease_s, clock, receiver=shard_id)
-        self._step: _StepTables | None = None
+        # One step's tables per lane (`AttendBatch.lane`): concurrent sub-batches of one engine.
+        self._steps: dict[int, _StepTables] = {}
+        self._prev: dict[int, _PrevPartial] = {}  # per lane, between ATTEND_PREV and ATTEND_NEW
 
     # -- KV ingress ----------------------------------------------------------------------------
 
@@ -112,7 +131,8 @@ class AttentionShard:
         decoded = self.ingress.claimed()
         for req_id in decoded:
             self.free(req_id)
-        self._step = None
+        self._steps.clear()
+        self._prev.clear()
         return len(decoded)
 
     def expire_leases(self) -> list[str]:
@@ -126,19 +146,49 @@ class AttentionShard:
     ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
         """Append this step's k/v for every request in the batch, then attend: (out, lse, the
         requests this shard could not attend for, whose rows are meaningless)."""
-        step = self._step
-        if step is None or batch.layer == 0 or step.step != batch.step:
-            step = self._step = self._prepare_step(batch)
+        step = self._tables(batch)
         self.kv.write(batch.layer, k, v, step.slot_mapping)
-        out, lse = self.backend.decode(
-            q,
-            self.kv.key[batch.layer],
-            self.kv.value[batch.layer],
-            step.block_tables,
-            step.context_lens,
-            self.spec.scale,
-        )
+        out, lse = self._decode(batch.layer, q, step.block_tables, step.context_lens)
         return out, lse, step.failed
+
+    def attend_prev(self, batch: AttendBatch, q: torch.Tensor) -> None:
+        """Lamina 4.2.2, first half: attend q [N, Hq, D] over each request's tokens before this
+        step's (its k/v are still being computed) and keep the partial for `attend_new`."""
+        self._prev.pop(batch.lane, None)  # a half left by a failed layer is never combined
+        step = self._tables(batch)
+        out, lse = self._decode(batch.layer, q, step.block_tables, step.prev_lens)
+        self._prev[batch.lane] = _PrevPartial(batch.step, batch.layer, q, out, lse)
+
+    def attend_new(
+        self, batch: AttendBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        """Second half: append the new token's k/v [N, Hkv, D], attend to it and combine it with
+        the kept partial by the softmax denominators (ARCHITECTURE.md): the same (out, lse,
+        failed) as `attend` with q, k, v at once."""
+        prev = self._prev.pop(batch.lane, None)
+        if prev is None or (prev.step, prev.layer) != (batch.step, batch.layer):
+            raise ValueError(f"new k/v for step {batch.step} layer {batch.layer} lane "
+                             f"{batch.lane} without its query")  # fmt: skip
+        step = self._steps[batch.lane]
+        self.kv.write(batch.layer, k, v, step.slot_mapping)
+        out_new, lse_new = new_token_partial(prev.q, k, v, self.spec.scale)
+        out, lse = combine_partials(prev.out, prev.lse, out_new, lse_new)
+        return out, lse, step.failed
+
+    def _tables(self, batch: AttendBatch) -> _StepTables:
+        """The step's tables for the batch's lane: built on layer 0, reused by the other layers."""
+        step = self._steps.get(batch.lane)
+        if step is None or batch.layer == 0 or step.step != batch.step:
+            step = self._steps[batch.lane] = self._prepare_step(batch)
+        return step
+
+    def _decode(
+        self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.backend.decode(
+            q, self.kv.key[layer], self.kv.value[layer], block_tables, context_lens,
+            self.spec.scale,
+        )  # fmt: skip
 
     def _prepare_step(self, batch: AttendBatch) -> _StepTables:
         """Block tables and slots for a step, built once on layer 0 and reused by every layer."""
@@ -192,6 +242,19 @@ class AttentionShard:
                 len(self.blocks.req_ids()),
                 list(self.ingress.events),
             )
+
+
+def new_token_partial(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [N, Hq, D] over one token per row, k/v [N, Hkv, D] (grouped query heads):
+    out [N, Hq, D] float32 is that token's v, lse [N, Hq] float32 its scaled score."""
+    n, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    qg = q.float().view(n, k.shape[1], group, head_dim)  # [N, Hkv, group, D]
+    lse = torch.einsum("nhgd,nhd->nhg", qg, k.float()).reshape(n, num_heads) * scale
+    out = v.float().unsqueeze(2).expand(n, k.shape[1], group, head_dim).reshape(q.shape)
+    return out, lse
 
 
 __all__ = ["AttentionShard", "NoFreeBlocksError", "ShardSpec"]

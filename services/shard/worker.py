@@ -26,6 +26,9 @@ from common.attention import select_backend
 from common.config import ModelConfig
 from common.kv_ingress import Landed
 from common.protocol import (
+    ATTEND_NEW,
+    ATTEND_PREV,
+    ATTEND_WHOLE,
     AttendBatch,
     AttendResult,
     FreeRequest,
@@ -56,6 +59,7 @@ log = structlog.get_logger(__name__)
 POLL_S = 0.2  # idle wake-up to notice shutdown
 NEWS_WAIT_MAX_S = 0.1  # the longest a `KvReadyQuery` may keep the main thread waiting for news
 GAUGE_INTERVAL_S = 0.5  # KV blocks in use, set at most this often
+NUM_BUFFERS = {ATTEND_WHOLE: 3, ATTEND_PREV: 1, ATTEND_NEW: 2}  # per `AttendBatch.part`
 
 
 class ShardWorker:
@@ -96,6 +100,9 @@ class ShardWorker:
         self._last_gauge = 0.0
         self.running = True
         self.last_pass = time.monotonic()  # the attention loop's; health is progress
+        # Per lane: why an ATTEND_PREV failed, answered (as an error) when its ATTEND_NEW comes.
+        self._prev_errors: dict[int, Exception] = {}
+        self._prev_s: dict[int, float] = {}  # per lane: the ATTEND_PREV's attention time
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -135,8 +142,11 @@ class ShardWorker:
                 freed = self.shard.free_decoded()
                 log.exception("malformed message on the link; closing it", freed=freed)
                 break
-            if isinstance(header, AttendBatch) and len(tensors) == 3:
-                self._answer(link, header, tensors)
+            if isinstance(header, AttendBatch) and len(tensors) == NUM_BUFFERS.get(header.part):
+                if header.part == ATTEND_PREV:
+                    self._attend_prev(header, tensors[0])
+                else:
+                    self._answer(link, header, tensors)
             elif isinstance(header, KvReadyQuery):
                 landed, lost = self.news.drain(min(header.wait_s, NEWS_WAIT_MAX_S))
                 link.send(AttendResult(header.step, -1, kv_landed=landed, kv_lost=lost), [])
@@ -154,26 +164,59 @@ class ShardWorker:
                 continue
         return None
 
+    def _attend_prev(self, batch: AttendBatch, q: torch.Tensor) -> None:
+        """The first half of an overlapped layer: no reply of its own. A failure is kept and
+        answered as its layer's error when the second half (ATTEND_NEW) comes."""
+        self._prev_errors.pop(batch.lane, None)
+        if batch.layer == 0:
+            self.gate.start_step()
+        if batch.lane == 0:  # NOTE: spans follow lane 0 only; one record per step (telemetry.py)
+            self.telemetry.layer_started(batch)
+        try:
+            started = time.perf_counter()
+            self.shard.attend_prev(batch, q)
+            self._prev_s[batch.lane] = time.perf_counter() - started
+        except Exception as exc:  # noqa: BLE001 - answered with ATTEND_NEW, never raised here
+            log.exception("attention over previous tokens failed", step=batch.step,
+                          layer=batch.layer)  # fmt: skip
+            self._prev_errors[batch.lane] = exc
+
     def _answer(
-        self, link: UcxTensorChannel[ShardLinkMessage], batch: AttendBatch, qkv: list[torch.Tensor]
+        self, link: UcxTensorChannel[ShardLinkMessage], batch: AttendBatch, bufs: list[torch.Tensor]
     ) -> None:
+        """Answer a whole layer (q, k, v) or an overlapped layer's second half (k, v)."""
+        traced = batch.lane == 0
+        started = time.perf_counter()
         if batch.layer == 0:
             self.gate.start_step()
         try:
-            self.telemetry.layer_started(batch)
-            out, lse, failed = self.shard.attend(batch, *qkv)
-            self.telemetry.layer_done(batch, len(failed), self.shard.blocks.num_used_blocks)
+            if batch.part == ATTEND_NEW:
+                if (error := self._prev_errors.pop(batch.lane, None)) is not None:
+                    raise error
+                out, lse, failed = self.shard.attend_new(batch, *bufs)
+            else:
+                if traced:
+                    self.telemetry.layer_started(batch)
+                out, lse, failed = self.shard.attend(batch, *bufs)
+            if traced:
+                self.telemetry.layer_done(batch, len(failed), self.shard.blocks.num_used_blocks)
+            attend_s = time.perf_counter() - started + self._prev_s.pop(batch.lane, 0.0)
             landed, lost = self.news.drain()
-            result = AttendResult(batch.step, batch.layer, failed=failed, kv_landed=landed,
-                                  kv_lost=lost)  # fmt: skip
-            link.send(result, [out, lse])
-            self.telemetry.flush()
+            reply = AttendResult(batch.step, batch.layer, failed=failed, lane=batch.lane,
+                                 attend_s=attend_s, kv_landed=landed, kv_lost=lost)  # fmt: skip
+            link.send(reply, [out, lse])
+            if traced:
+                self.telemetry.flush()
         except Exception as exc:  # noqa: BLE001 - the engine must get an answer, not a hang
-            self.telemetry.layer_failed(batch, exc)
+            if traced:
+                self.telemetry.layer_failed(batch, exc)
             log.exception("attention failed", step=batch.step, layer=batch.layer)
-            n, hq, d = qkv[0].shape
+            n, hq, d = bufs[0].shape  # q, or k: then the query heads are `group` per KV head
+            hq *= 1 if batch.part == ATTEND_WHOLE else self.shard.spec.num_queries_per_kv
             empty = [torch.zeros(n, hq, d), torch.zeros(n, hq)]
-            link.send(AttendResult(batch.step, batch.layer, error=repr(exc)), empty)
+            link.send(AttendResult(batch.step, batch.layer, error=repr(exc), lane=batch.lane),
+                      empty)  # fmt: skip
+        # NOTE: with decode lanes, the first lane to finish its last layer ends the step.
         if batch.layer == self.shard.spec.num_layers - 1:
             self.gate.end_step()
 

@@ -44,21 +44,28 @@ def hf(tiny_model_path):
     return load_hf(tiny_model_path)
 
 
+# How KV reaches the shards (push, pull), how a group splits it (heads, whole requests) and
+# Lamina's decode round trip (overlap 4.2.2, two staggered lanes 4.3) must not change a token.
+# Combined to keep CI short: pull with overlap and lanes in one mesh; each of overlap and lanes
+# alone, and neither, are token-checked in process (tests/unit/test_decode_overlap.py). A single
+# shard holding every head is the 2-2 case's groups.
 @pytest.mark.parametrize(
-    "num_token, num_shards, kv_transfer, partition",
+    "num_token, num_shards, kv_transfer, partition, overlap, lanes",
     [
-        (1, 0, "push", "head"), (1, 1, "push", "head"), (1, 2, "push", "head"),
-        (2, 2, "push", "head"), (1, 2, "pull", "head"), (1, 2, "push", "request"),
-        (1, 2, "pull", "request"),
+        (1, 0, "push", "head", False, 1), (1, 2, "push", "head", False, 1),
+        (2, 2, "push", "head", False, 1), (1, 2, "pull", "head", True, 2),
+        (1, 2, "push", "request", False, 1), (1, 2, "pull", "request", False, 1),
     ],
-    ids=lambda v: str(v),
+    ids=["1-0", "1-2", "2-2", "1-2-pull-overlap-2lanes", "1-2-request", "1-2-pull-request"],
 )  # fmt: skip
 def test_mesh_matches_single_process_engine(
-    tiny_model_path, prompts, reference, hf, num_token, num_shards, kv_transfer, partition
-):
+    tiny_model_path, prompts, reference, hf, num_token, num_shards, kv_transfer, partition,
+    overlap, lanes,
+):  # fmt: skip
     topology = Topology(
         str(tiny_model_path), num_prompt=1, num_token=num_token, num_shards=num_shards,
         layer_wise_min_tokens=LAYER_WISE_MIN, kv_transfer=kv_transfer, shard_partition=partition,
+        attention_overlap=overlap, decode_lanes=lanes,
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:

@@ -93,6 +93,6 @@ def test_a_stale_reply_leaves_no_reply_queued():
                     torch.zeros(0, 1), torch.zeros(0), torch.arange(1), num_local=0,
                     sharded=rows)  # fmt: skip
     kv = torch.randn(1, HKV, D)
-    with pytest.raises(ShardLinkFault, match="step 2 layer 0, expected step 3"):
+    with pytest.raises(ShardLinkFault, match="step 2 layer 0 lane 0, expected step 3"):
         runner._attend_split(0, torch.randn(1, HQ, D), kv, kv.clone(), plan, rows)
     assert [link.received for link in links] == [1, 1]  # the good shard's reply was read too

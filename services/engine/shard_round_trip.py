@@ -1,0 +1,186 @@
+"""One decode layer's round trip from a token engine to its shard group: the sends, the replies,
+and the time each side spent (Lamina Fig. 12's breakdown).
+
+A layer goes to every shard as one message (q, k, v: ATTEND_WHOLE) or, with overlap (Lamina
+4.2.2), as two (q: ATTEND_PREV, then k/v: ATTEND_NEW); either way each shard answers once. The
+runner (runner.py) decides what to send when; this module only moves and checks the messages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from common.protocol import ATTEND_NEW, ATTEND_PREV, AttendBatch, DecodeBreakdown, ShardAddress
+from common.transport.tensor_frames import ReceiveInto
+
+
+class ShardLink(Protocol):
+    """A token engine's connection to one attention shard (UCX or ZeroMQ underneath)."""
+
+    def send_async(self, header: Any, tensors: Seq[torch.Tensor]) -> Any: ...
+    def wait(self, handle: Any, timeout: float | None = ...) -> Any: ...
+    def recv(
+        self, out: ReceiveInto = None, timeout: float | None = ...
+    ) -> tuple[Any, list[torch.Tensor]]: ...
+
+
+class ShardLinkFault(RuntimeError):
+    """A shard link can no longer be trusted: a reply did not come in time, or came for another
+    step, layer or lane. Its worker reconnects the group (stale replies go with the old channel)."""
+
+
+@dataclass
+class ShardedRows:
+    """The decode rows whose KV lives on the shard group, at the end of the batch (or of a
+    lane's rows, lanes.py)."""
+
+    step: int
+    req_ids: list[str]
+    context_lens: list[int]
+    traceparent: str = ""  # the step's `token.step` context when traced, for the shards
+    lane: int = 0  # which of the step's lanes these rows are (lanes.py)
+    # A group that holds whole requests (`shard_partition: request`): per shard, the indexes of
+    # the rows (into `req_ids`) whose KV it holds; None: heads split, every shard every row.
+    shard_rows: list[list[int]] | None = None
+
+
+@dataclass
+class ShardSend:
+    """One message of a layer to one shard; `replied`: the shard answers this one."""
+
+    shard: int
+    link: ShardLink
+    heads: slice  # the shard's query heads
+    handle: Any
+    sent_at: float
+    rows: ShardedRows
+    layer: int
+    replied: bool = True
+
+
+@dataclass
+class LayerInFlight:
+    """A lane's layer between its sends and its replies: what `collect_layer` needs."""
+
+    sends: list[ShardSend]
+    out: torch.Tensor  # [rows, Hq, D] float32: the replies land in rows [num_local:]
+    num_local: int
+
+
+@dataclass
+class DecodeTimes:
+    """Seconds a token engine's sharded decode steps spent, summed since start: the step, the
+    engine blocked on replies (idle), and per layer the slowest shard's attention and the rest of
+    its round trip (network, queueing included). Overlap makes them sum to more than the step."""
+
+    num_steps: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    attend_s: float = 0.0
+    network_s: float = 0.0
+
+    def report(self) -> DecodeBreakdown:
+        return DecodeBreakdown(
+            self.num_steps, self.step_s, self.wait_s, self.attend_s, self.network_s
+        )
+
+
+def send_layer(
+    links: Seq[ShardLink],
+    shards: Seq[ShardAddress],
+    layer: int,
+    rows: ShardedRows,
+    part: int,
+    group: int,
+    q: torch.Tensor | None,
+    kv: tuple[torch.Tensor, ...],
+) -> list[ShardSend]:
+    """One message per shard with that shard's heads of q [rows, Hq, D] (if any) and of each of
+    `kv` [rows, Hkv, D]; `group` query heads per KV head."""
+    sent = []
+    for i, (link, shard) in enumerate(zip(links, shards, strict=True)):
+        h0, h1 = shard.head_start, shard.head_end
+        header = AttendBatch(rows.step, layer, part=part, lane=rows.lane)
+        if layer == 0 and part != ATTEND_NEW:
+            header.req_ids, header.context_lens = rows.req_ids, rows.context_lens
+            header.traceparent = rows.traceparent
+        # Strided slices: the channel copies each straight into the message, once.
+        q_heads = slice(h0 * group, h1 * group)
+        buffers = ([] if q is None else [q[:, q_heads]]) + [t[:, h0:h1] for t in kv]
+        handle = link.send_async(header, buffers)
+        sent.append(ShardSend(i, link, q_heads, handle, time.perf_counter(), rows, layer,
+                              replied=part != ATTEND_PREV))  # fmt: skip
+    return sent
+
+
+def collect_layer(
+    flight: LayerInFlight,
+    timeout: float,
+    failed: set[str],
+    round_trips: list[tuple[int, float]] | None = None,
+    times: DecodeTimes | None = None,
+    kv_news: tuple[list[tuple[int, list[str]]], set[str]] | None = None,
+) -> None:
+    """Each shard's reply to a layer: its heads land in place in `flight.out[num_local:]`; the
+    requests a shard could not attend for go to `failed`; the shards' news of KV that landed
+    (shard index, request ids) and was lost go to `kv_news` (`AttendResult.kv_landed`). Raises
+    `ShardLinkFault` for a reply that did not come or answers something else, RuntimeError for a
+    shard's error."""
+    out, n = flight.out, flight.num_local
+    lse = torch.empty(out.shape[:2], dtype=torch.float32)  # the engine has no use for it
+    started = time.perf_counter()
+    attend_s = network_s = 0.0
+    # Every shard's reply is read before anything is raised: one left queued would be taken for
+    # the next step's. Each reply must answer this step, layer and lane; anything else is a fault
+    # of the link, never data. With overlap, each shard got two messages and sends one reply.
+    errors, faults = [], []
+    for sent in flight.sends:
+        try:
+            sent.link.wait(sent.handle, timeout)
+            if not sent.replied:  # an ATTEND_PREV: its ATTEND_NEW gets the reply
+                continue
+            result, _ = sent.link.recv([out[n:, sent.heads], lse[n:, sent.heads]], timeout)
+        except TimeoutError:
+            faults.append(f"shard {sent.shard}: no reply in {timeout} s")
+            continue
+        round_trip = time.perf_counter() - sent.sent_at
+        attend_s = max(attend_s, result.attend_s)
+        network_s = max(network_s, round_trip - result.attend_s)
+        if round_trips is not None:
+            round_trips.append((sent.shard, round_trip))
+        expected = (sent.rows.step, sent.layer, sent.rows.lane)
+        if (result.step, result.layer, result.lane) != expected:
+            faults.append(f"shard {sent.shard}: reply for step {result.step} layer "
+                          f"{result.layer} lane {result.lane}, expected step {expected[0]} "
+                          f"layer {expected[1]} lane {expected[2]}")  # fmt: skip
+        elif result.error:
+            errors.append(f"shard {sent.shard}: {result.error}")
+        failed.update(result.failed)
+        if kv_news is not None and (result.kv_landed or result.kv_lost):
+            kv_news[0].append((sent.shard, result.kv_landed))
+            kv_news[1].update(result.kv_lost)
+    if times is not None:
+        times.wait_s += time.perf_counter() - started
+        times.attend_s += attend_s
+        times.network_s += network_s
+    if faults:
+        raise ShardLinkFault("; ".join(faults))
+    if errors:
+        raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
+
+
+__all__ = [
+    "DecodeTimes",
+    "LayerInFlight",
+    "ShardLink",
+    "ShardLinkFault",
+    "ShardSend",
+    "ShardedRows",
+    "collect_layer",
+    "send_layer",
+]
