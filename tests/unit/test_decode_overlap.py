@@ -221,6 +221,8 @@ class RecordingLink:
 def test_a_failed_first_half_is_answered_once_as_its_layers_error(model):
     """The shard worker: an ATTEND_PREV that fails is kept; its ATTEND_NEW gets the error,
     with buffers of the shapes the engine receives into (query heads, not KV heads)."""
+    from services.shard.kv_news import KvNews
+    from services.shard.step_gate import StepGate
     from services.shard.telemetry import ShardTelemetry
     from services.shard.worker import ShardWorker
 
@@ -232,6 +234,7 @@ def test_a_failed_first_half_is_answered_once_as_its_layers_error(model):
     worker.shard = AttentionShard("s0", spec, select_backend("auto"))
     worker.telemetry = ShardTelemetry("s0", mc.num_hidden_layers)
     worker._prev_errors, worker._prev_s = {}, {}
+    worker.gate, worker.news = StepGate(), KvNews()
     link = RecordingLink()
     q = torch.zeros(3, mc.num_queries_per_kv, mc.head_dim)
     kv = torch.zeros(3, 1, mc.head_dim)
