@@ -246,8 +246,9 @@ void run_decode(const DecodeProblem& p, const IsaKernels& isa, int num_threads, 
       1, std::min<int64_t>(num_threads * kRangesPerThread, total / kMinUnitsPerRange));
   const int threads = static_cast<int>(std::min<int64_t>(num_threads, num_ranges));
   const int64_t partial_stride = round_up(G * (p.head_dim + 2), 16);
+  const int64_t step_slots = std::max<int64_t>(kStepSlots, p.block_size);
   const int64_t thread_stride =
-      round_up(2 * G * p.head_dim + 2 * G + scratch_floats(G, p.head_dim, p.block_size), 16);
+      round_up(2 * G * p.head_dim + 2 * G + G * (step_slots + 1 + kMaxLanes), 16);
   if (ws.partials.size() < static_cast<size_t>(2 * num_ranges * partial_stride))
     ws.partials.resize(2 * num_ranges * partial_stride);
   if (ws.thread_scratch.size() < static_cast<size_t>(threads * thread_stride))

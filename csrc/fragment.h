@@ -37,16 +37,8 @@ struct FragmentState {
   float* acc;      // [group_size, head_dim]
   float* row_max;  // [group_size]
   float* row_sum;  // [group_size]
-  float* scratch;  // scratch_floats(group_size, head_dim, block_size) floats
+  float* scratch;  // group_size * (max(kStepSlots, block_size) + 1 + kMaxLanes) floats
 };
-
-// Scores [G][step slots], alpha [G], lane sums [G][lanes], then (from a 16-float boundary) the
-// pair-path queries [G][head_dim / 2][lanes].
-constexpr int64_t scratch_floats(int64_t group_size, int64_t head_dim, int64_t block_size) {
-  const int64_t slots = block_size > kStepSlots ? block_size : kStepSlots;
-  return (group_size * (slots + 1 + kMaxLanes) + 15) / 16 * 16 +
-         group_size * head_dim / 2 * kMaxLanes;
-}
 
 using FragmentFn = void (*)(const FragmentArgs&, const FragmentState&);
 // out[r] = silu(x[r, :inter]) * x[r, inter:] for rows r (x [rows, 2 * inter], out [rows, inter]).

@@ -58,24 +58,6 @@ inline VecF load(const uint16_t* p) {
 
 inline void store(float* p, VecF v) { __builtin_memcpy(p, &v, sizeof v); }
 
-// 2 * kLanes bfloat16 at once, split into the even elements (the low half of each 32-bit lane,
-// shifted up) and the odd ones (the high half, masked): one load and two plain ALU ops per
-// 2 * kLanes values, where `load` above takes a widening shuffle and a shift per kLanes (the
-// shuffle port, not the FMAs, was the limit of the bf16 GQA loops). Callers keep the two halves
-// in this even/odd order and undo it once per step (scores) or once per fragment (accumulators).
-inline void load_pairs(const uint16_t* p, VecF* even, VecF* odd) {
-  VecU u;
-  __builtin_memcpy(&u, p, sizeof u);
-  *even = (VecF)(u << 16);
-  *odd = (VecF)(u & 0xFFFF0000u);
-}
-
-// Prefetches the line holding `p` if the element at `offset` (from a line-aligned tile) starts one.
-template <typename KV>
-inline void prefetch_at(const KV* p, int64_t offset) {
-  if ((offset * static_cast<int64_t>(sizeof(KV))) % 64 == 0) __builtin_prefetch(p, 0, 3);
-}
-
 inline VecF vmax(VecF a, VecF b) { return a > b ? a : b; }
 
 inline float hmax(VecF v) {
@@ -181,9 +163,11 @@ void score_tiles(const float* q, const KV* const* tiles, const KV* const* prefet
                       block_size, scores + g * stride, stride);
 }
 
-// Tiles side by side for a query group of `group_size` rows: with 4+ rows every K vector feeds
-// 4 rows (a tile is read once per 4 rows, not once per 2: the second read came from L2, as 8 fp32
-// tiles overflow L1), with fewer rows the widest NB that fits the budget keeps 8 streams going.
+// The step's tiles NB at a time. With 4+ query rows each K vector feeds 4 rows (NB = 4: 16
+// accumulators), so a tile is read and widened once per 4 rows; NB = 8 with 2 rows each read
+// every tile twice, the second time from L2 (8 fp32 tiles overflow L1), and bf16 tiles were
+// widened twice: GQA 4:1 ran at 0.6 of MHA's bytes per second in cache. With fewer rows the
+// widest NB that fits the budget keeps 8 streams of lines going.
 template <int NB, typename KV>
 void score_step_nb(const float* q, const Step<KV>& step, int group_size, int head_dim,
                    int block_size, float* scores, int stride) {
@@ -205,7 +189,8 @@ void score_step_nb(const float* q, const Step<KV>& step, int group_size, int hea
                    scores + j * block_size, stride);
 }
 
-constexpr int nb_for(int rows) {
+// The widest NB (8, 4, 2, 1) whose rows x NB accumulators fit the budget.
+constexpr int tiles_for(int rows) {
   const int nb = PM_ACC_BUDGET / rows;
   return nb >= 8 ? 8 : nb >= 4 ? 4 : nb >= 2 ? 2 : 1;
 }
@@ -214,97 +199,11 @@ template <typename KV>
 void score_step(const float* q, const Step<KV>& step, int group_size, int head_dim,
                 int block_size, float* scores, int stride) {
   if (group_size >= 4)
-    score_step_nb<nb_for(4)>(q, step, group_size, head_dim, block_size, scores, stride);
+    score_step_nb<tiles_for(4)>(q, step, group_size, head_dim, block_size, scores, stride);
   else if (group_size >= 2)
-    score_step_nb<nb_for(2)>(q, step, group_size, head_dim, block_size, scores, stride);
+    score_step_nb<tiles_for(2)>(q, step, group_size, head_dim, block_size, scores, stride);
   else
     score_step_nb<8>(q, step, group_size, head_dim, block_size, scores, stride);
-}
-
-// The pair path for bfloat16 K with block_size == kLanes. One 2 * kLanes load holds rows d and
-// d + 1 of a tile; load_pairs splits it into the even tokens and the odd ones, lanes [0, L/2)
-// from row d and [L/2, L) from row d + 1. `qp` holds, per query row g and pair of dims d, the
-// vector (q[g][d] x L/2, q[g][d + 1] x L/2), so each FMA scores two dims of L/2 tokens and the
-// tile is read once for GT rows. After the last pair, fold_pairs adds the two row halves and
-// interleaves even and odd tokens back into slot order (once per tile, not per dim).
-inline void fold_pairs(VecF even, VecF odd, float* out) {
-  float e[kLanes], o[kLanes];
-  store(e, even);
-  store(o, odd);
-  for (int i = 0; i < kLanes / 2; ++i) {
-    out[2 * i] = e[i] + e[i + kLanes / 2];
-    out[2 * i + 1] = o[i] + o[i + kLanes / 2];
-  }
-}
-
-template <int GT, int NB>
-inline void score_pair_rows(const float* qp, const uint16_t* const* tiles,
-                            const uint16_t* const* prefetch, int head_dim, float* scores,
-                            int stride) {
-  VecF even[GT][NB] = {}, odd[GT][NB] = {};
-  for (int d = 0; d < head_dim; d += 2) {
-    const int64_t at = static_cast<int64_t>(d) * kLanes;
-    VecF lo[NB], hi[NB];
-    for (int n = 0; n < NB; ++n) {
-      load_pairs(tiles[n] + at, &lo[n], &hi[n]);
-      if (prefetch != nullptr && prefetch[n] != nullptr) prefetch_at(prefetch[n] + at, at);
-    }
-    for (int g = 0; g < GT; ++g) {
-      const VecF qv = load(qp + (static_cast<int64_t>(g) * head_dim + d) / 2 * kLanes);
-      for (int n = 0; n < NB; ++n) {
-        even[g][n] += lo[n] * qv;
-        odd[g][n] += hi[n] * qv;
-      }
-    }
-  }
-  for (int g = 0; g < GT; ++g)
-    for (int n = 0; n < NB; ++n) fold_pairs(even[g][n], odd[g][n], scores + g * stride + n * kLanes);
-}
-
-constexpr int kPairRows = PM_ACC_BUDGET / 2 >= 4 ? 4 : PM_ACC_BUDGET / 2 >= 2 ? 2 : 1;
-constexpr int kPairTiles = PM_ACC_BUDGET / (2 * kPairRows) >= 2 ? 2 : 1;
-
-template <int NB>
-void score_pair_tiles(const float* qp, const uint16_t* const* tiles,
-                      const uint16_t* const* prefetch, int group_size, int head_dim,
-                      float* scores, int stride) {
-  const int64_t row_stride = static_cast<int64_t>(head_dim) / 2 * kLanes;  // floats of qp per row
-  int g = 0;
-  for (; g + kPairRows <= group_size; g += kPairRows)
-    score_pair_rows<kPairRows, NB>(qp + g * row_stride, tiles, g == 0 ? prefetch : nullptr,
-                                   head_dim, scores + g * stride, stride);
-  if (kPairRows > 2 && g + 2 <= group_size) {
-    score_pair_rows<2, NB>(qp + g * row_stride, tiles, g == 0 ? prefetch : nullptr, head_dim,
-                           scores + g * stride, stride);
-    g += 2;
-  }
-  if (g < group_size)
-    score_pair_rows<1, NB>(qp + g * row_stride, tiles, g == 0 ? prefetch : nullptr, head_dim,
-                           scores + g * stride, stride);
-}
-
-void score_pair_step(const float* qp, const Step<uint16_t>& step, int group_size, int head_dim,
-                     float* scores, int stride) {
-  int j = 0;
-  if constexpr (kPairTiles >= 2)
-    for (; j + 2 <= step.num_blocks; j += 2)
-      score_pair_tiles<2>(qp, step.keys + j, step.values + j, group_size, head_dim,
-                          scores + j * kLanes, stride);
-  for (; j < step.num_blocks; ++j)
-    score_pair_tiles<1>(qp, step.keys + j, step.values + j, group_size, head_dim,
-                        scores + j * kLanes, stride);
-}
-
-// qp for score_pair_rows from q [group_size][head_dim].
-void make_pair_queries(const float* q, int group_size, int head_dim, float* qp) {
-  for (int g = 0; g < group_size; ++g)
-    for (int d = 0; d < head_dim; d += 2) {
-      float* v = qp + (static_cast<int64_t>(g) * head_dim + d) / 2 * kLanes;
-      for (int i = 0; i < kLanes / 2; ++i) {
-        v[i] = q[g * head_dim + d];
-        v[i + kLanes / 2] = q[g * head_dim + d + 1];
-      }
-    }
 }
 
 // Online-softmax step for one row of `stride` scores: they become probabilities relative to the
@@ -399,89 +298,6 @@ void accumulate_step(float* acc, const float* probs, int stride, const float* al
                         head_dim, block_size);
 }
 
-// The pair path for bfloat16 V (head_dim a multiple of 2 * kLanes): each V row is read in chunks
-// of 2 * kLanes split by load_pairs, and the accumulators keep each chunk as its even dims then
-// its odd ones; attend restores dim order once at the end of the fragment (unpair_rows).
-template <int GT, int VC>
-inline void accumulate_pair_rows(float* acc, const float* probs, int stride, const float* alpha,
-                                 const Step<uint16_t>& step, bool prefetch, int head_dim,
-                                 int block_size, int dv) {
-  VecF a[GT][2 * VC];
-  for (int g = 0; g < GT; ++g)
-    for (int j = 0; j < 2 * VC; ++j)
-      a[g][j] = load(acc + g * head_dim + dv + j * kLanes) * alpha[g];
-  for (int s = 0; s < block_size; ++s) {
-    for (int blk = 0; blk < step.num_blocks; ++blk) {
-      const int slot = blk * block_size + s;
-      if (slot < step.lo || slot >= step.hi) continue;
-      const int64_t row = static_cast<int64_t>(s) * head_dim + dv;
-      const uint16_t* v_tile = step.values[blk];
-      const uint16_t* next = prefetch ? step.next_keys[blk] : nullptr;
-      VecF v[2 * VC];
-      for (int c = 0; c < VC; ++c) {
-        const int64_t at = row + c * 2 * kLanes;
-        load_pairs(v_tile + at, &v[2 * c], &v[2 * c + 1]);
-        if (next != nullptr) prefetch_at(next + at, at);
-      }
-      for (int g = 0; g < GT; ++g) {
-        const float p = probs[g * stride + slot];
-        for (int j = 0; j < 2 * VC; ++j) a[g][j] += v[j] * p;
-      }
-    }
-  }
-  for (int g = 0; g < GT; ++g)
-    for (int j = 0; j < 2 * VC; ++j) store(acc + g * head_dim + dv + j * kLanes, a[g][j]);
-}
-
-template <int GT>
-inline void accumulate_pair_group(float* acc, const float* probs, int stride, const float* alpha,
-                                  const Step<uint16_t>& step, bool prefetch, int head_dim,
-                                  int block_size) {
-  constexpr int kFit = PM_ACC_BUDGET / (2 * GT);  // chunks of 2 * kLanes per pass
-  constexpr int kChunk = 2 * kLanes;
-  int dv = 0;
-  if constexpr (kFit >= 4)
-    for (; dv + 4 * kChunk <= head_dim; dv += 4 * kChunk)
-      accumulate_pair_rows<GT, 4>(acc, probs, stride, alpha, step, prefetch, head_dim,
-                                  block_size, dv);
-  if constexpr (kFit >= 2)
-    for (; dv + 2 * kChunk <= head_dim; dv += 2 * kChunk)
-      accumulate_pair_rows<GT, 2>(acc, probs, stride, alpha, step, prefetch, head_dim,
-                                  block_size, dv);
-  for (; dv < head_dim; dv += kChunk)
-    accumulate_pair_rows<GT, 1>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size,
-                                dv);
-}
-
-void accumulate_pair_step(float* acc, const float* probs, int stride, const float* alpha,
-                          const Step<uint16_t>& step, int group_size, int head_dim,
-                          int block_size) {
-  int g = 0;
-  for (; g + 4 <= group_size; g += 4)
-    accumulate_pair_group<4>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                             g == 0, head_dim, block_size);
-  if (g + 2 <= group_size) {
-    accumulate_pair_group<2>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                             g == 0, head_dim, block_size);
-    g += 2;
-  }
-  if (g < group_size)
-    accumulate_pair_group<1>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                             g == 0, head_dim, block_size);
-}
-
-// Puts each 2 * kLanes chunk of the accumulators back in dim order (see accumulate_pair_rows).
-void unpair_rows(float* acc, int group_size, int head_dim) {
-  for (int64_t at = 0; at < static_cast<int64_t>(group_size) * head_dim; at += 2 * kLanes) {
-    float chunk[2 * kLanes];
-    for (int i = 0; i < 2 * kLanes; ++i) chunk[i] = acc[at + i];
-    for (int i = 0; i < kLanes; ++i) {
-      acc[at + 2 * i] = chunk[i];
-      acc[at + 2 * i + 1] = chunk[kLanes + i];
-    }
-  }
-}
-
 // The step starting at block b: tile pointers and the token slots it holds.
 template <typename KV>
 Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int64_t b,
@@ -510,41 +326,20 @@ void attend(const FragmentArgs& a, const FragmentState& st) {
   const int max_stride = blocks_per_step * B;
   float* alpha = st.scratch + G * max_stride;  // [G]
   float* lane_sums = alpha + G;                // [G][kLanes]
-  // [G][D / 2][kLanes], line-aligned after the lane sums (see FragmentState::scratch)
-  float* qp = st.scratch + (G * (max_stride + 1 + kLanes) + 15) / 16 * 16;
   for (int i = 0; i < G * D; ++i) st.acc[i] = 0.0f;
   for (int g = 0; g < G; ++g) st.row_max[g] = kMinusInf;
   for (int i = 0; i < G * kLanes; ++i) lane_sums[i] = 0.0f;
   const KV* keys = static_cast<const KV*>(a.key_cache) + a.head_tile_offset;
   const KV* values = static_cast<const KV*>(a.value_cache) + a.head_tile_offset;
-  constexpr bool kBf16 = sizeof(KV) == 2;
-  const bool pair_scores = kBf16 && B == kLanes;
-  const bool pair_values = kBf16 && D % (2 * kLanes) == 0;
-  if (pair_scores) make_pair_queries(a.q, G, D, qp);
   for (int64_t b = a.block_begin; b < a.block_end; b += blocks_per_step) {
     const Step<KV> step = make_step(a, keys, values, b, blocks_per_step);
     const int stride = step.num_blocks * B;
-    if constexpr (kBf16) {
-      if (pair_scores)
-        score_pair_step(qp, step, G, D, st.scratch, stride);
-      else
-        score_step(a.q, step, G, D, B, st.scratch, stride);
-    } else {
-      score_step(a.q, step, G, D, B, st.scratch, stride);
-    }
+    score_step(a.q, step, G, D, B, st.scratch, stride);
     for (int g = 0; g < G; ++g)
       alpha[g] = softmax_row(st.scratch + g * stride, stride, step.lo, step.hi, st.row_max + g,
                              lane_sums + g * kLanes);
-    if constexpr (kBf16) {
-      if (pair_values)
-        accumulate_pair_step(st.acc, st.scratch, stride, alpha, step, G, D, B);
-      else
-        accumulate_step(st.acc, st.scratch, stride, alpha, step, G, D, B);
-    } else {
-      accumulate_step(st.acc, st.scratch, stride, alpha, step, G, D, B);
-    }
+    accumulate_step(st.acc, st.scratch, stride, alpha, step, G, D, B);
   }
-  if (pair_values) unpair_rows(st.acc, G, D);
   for (int g = 0; g < G; ++g) st.row_sum[g] = hsum(load(lane_sums + g * kLanes));
 }
 
