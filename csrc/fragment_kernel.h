@@ -120,15 +120,25 @@ template <int GT, int NB, typename KV>
 inline void score_rows(const float* q, const KV* const* tiles, const KV* const* prefetch,
                        int head_dim, int block_size, float* scores, int stride) {
   constexpr int U = GT * NB >= 8 ? 1 : 8 / (GT * NB);
+  // Local copies: the compiler cannot keep pointers read through `tiles` in registers across
+  // the score stores, and reloaded and null-tested them on every row.
+  const KV* tile[NB];
+  const KV* ahead[NB];
+  for (int n = 0; n < NB; ++n) {
+    tile[n] = tiles[n];
+    ahead[n] = prefetch != nullptr ? prefetch[n] : nullptr;
+  }
   for (int c = 0; c < block_size; c += kLanes) {
     VecF acc[U][GT][NB] = {};
     for (int d = 0; d < head_dim; d += U) {
       for (int u = 0; u < U; ++u) {
         const int64_t row = static_cast<int64_t>(d + u) * block_size + c;
+        // One prefetch per line: a bf16 row of 16 slots is half a line.
+        const bool line_start = (row * static_cast<int64_t>(sizeof(KV))) % 64 == 0;
         VecF k[NB];
         for (int n = 0; n < NB; ++n) {
-          k[n] = load(tiles[n] + row);
-          if (prefetch != nullptr && prefetch[n] != nullptr) prefetch_line(prefetch[n] + row, c);
+          k[n] = load(tile[n] + row);
+          if (ahead[n] != nullptr && line_start) __builtin_prefetch(ahead[n] + row, 0, 3);
         }
         for (int g = 0; g < GT; ++g) {
           const float qd = q[g * head_dim + d + u];
