@@ -11,7 +11,9 @@
 //
 // The kernel walks a fragment in steps of about kStepSlots tokens (a few blocks). Per step it
 // (1) scores the query group against the K tiles [head_dim][block_size], up to 8 tiles side by
-// side: contiguous vector FMAs, one broadcast q element per row, no horizontal sums; (2) updates
+// side (4 when the group has 4+ rows: each K vector then feeds 4 rows from registers, so a GQA
+// group reads and widens its K once; see score_step_nb): contiguous vector FMAs, one broadcast
+// q element per row, no horizontal sums; (2) updates
 // the running max and sum once for the whole step (online softmax); (3) streams the V rows
 // [block_size][head_dim] of all the step's blocks, slot by slot across the blocks, into
 // register-tiled accumulators, folding in the rescale. Reading several tiles side by side is what
