@@ -11,7 +11,9 @@
 //
 // The kernel walks a fragment in steps of about kStepSlots tokens (a few blocks). Per step it
 // (1) scores the query group against the K tiles [head_dim][block_size], up to 8 tiles side by
-// side: contiguous vector FMAs, one broadcast q element per row, no horizontal sums; (2) updates
+// side (4 when the group has 4+ rows: each K vector then feeds 4 rows from registers, so a GQA
+// group reads and widens its K once; see score_step_nb): contiguous vector FMAs, one broadcast
+// q element per row, no horizontal sums; (2) updates
 // the running max and sum once for the whole step (online softmax); (3) streams the V rows
 // [block_size][head_dim] of all the step's blocks, slot by slot across the blocks, into
 // register-tiled accumulators, folding in the rescale. Reading several tiles side by side is what
@@ -120,15 +122,25 @@ template <int GT, int NB, typename KV>
 inline void score_rows(const float* q, const KV* const* tiles, const KV* const* prefetch,
                        int head_dim, int block_size, float* scores, int stride) {
   constexpr int U = GT * NB >= 8 ? 1 : 8 / (GT * NB);
+  // Local copies: the compiler cannot keep pointers read through `tiles` in registers across
+  // the score stores, and reloaded and null-tested them on every row.
+  const KV* tile[NB];
+  const KV* ahead[NB];
+  for (int n = 0; n < NB; ++n) {
+    tile[n] = tiles[n];
+    ahead[n] = prefetch != nullptr ? prefetch[n] : nullptr;
+  }
   for (int c = 0; c < block_size; c += kLanes) {
     VecF acc[U][GT][NB] = {};
     for (int d = 0; d < head_dim; d += U) {
       for (int u = 0; u < U; ++u) {
         const int64_t row = static_cast<int64_t>(d + u) * block_size + c;
+        // One prefetch per line: a bf16 row of 16 slots is half a line.
+        const bool line_start = (row * static_cast<int64_t>(sizeof(KV))) % 64 == 0;
         VecF k[NB];
         for (int n = 0; n < NB; ++n) {
-          k[n] = load(tiles[n] + row);
-          if (prefetch != nullptr && prefetch[n] != nullptr) prefetch_line(prefetch[n] + row, c);
+          k[n] = load(tile[n] + row);
+          if (ahead[n] != nullptr && line_start) __builtin_prefetch(ahead[n] + row, 0, 3);
         }
         for (int g = 0; g < GT; ++g) {
           const float qd = q[g * head_dim + d + u];
@@ -163,22 +175,47 @@ void score_tiles(const float* q, const KV* const* tiles, const KV* const* prefet
                       block_size, scores + g * stride, stride);
 }
 
-template <typename KV>
-void score_step(const float* q, const Step<KV>& step, int group_size, int head_dim,
-                int block_size, float* scores, int stride) {
+// The step's tiles NB at a time. With 4+ query rows each K vector feeds 4 rows (NB = 4: 16
+// accumulators), so a tile is read and widened once per 4 rows; NB = 8 with 2 rows each read
+// every tile twice, the second time from L2 (8 fp32 tiles overflow L1), and bf16 tiles were
+// widened twice: GQA 4:1 ran at 0.6 of MHA's bytes per second in cache. With fewer rows the
+// widest NB that fits the budget keeps 8 streams of lines going.
+template <int NB, typename KV>
+void score_step_nb(const float* q, const Step<KV>& step, int group_size, int head_dim,
+                   int block_size, float* scores, int stride) {
   int j = 0;
-  for (; j + 8 <= step.num_blocks; j += 8)
-    score_tiles<8>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
-                   scores + j * block_size, stride);
-  for (; j + 4 <= step.num_blocks; j += 4)
-    score_tiles<4>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
-                   scores + j * block_size, stride);
-  for (; j + 2 <= step.num_blocks; j += 2)
-    score_tiles<2>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
-                   scores + j * block_size, stride);
+  if constexpr (NB >= 8)
+    for (; j + 8 <= step.num_blocks; j += 8)
+      score_tiles<8>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
+                     scores + j * block_size, stride);
+  if constexpr (NB >= 4)
+    for (; j + 4 <= step.num_blocks; j += 4)
+      score_tiles<4>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
+                     scores + j * block_size, stride);
+  if constexpr (NB >= 2)
+    for (; j + 2 <= step.num_blocks; j += 2)
+      score_tiles<2>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
+                     scores + j * block_size, stride);
   for (; j < step.num_blocks; ++j)
     score_tiles<1>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
                    scores + j * block_size, stride);
+}
+
+// The widest NB (8, 4, 2, 1) whose rows x NB accumulators fit the budget.
+constexpr int tiles_for(int rows) {
+  const int nb = PM_ACC_BUDGET / rows;
+  return nb >= 8 ? 8 : nb >= 4 ? 4 : nb >= 2 ? 2 : 1;
+}
+
+template <typename KV>
+void score_step(const float* q, const Step<KV>& step, int group_size, int head_dim,
+                int block_size, float* scores, int stride) {
+  if (group_size >= 4)
+    score_step_nb<tiles_for(4)>(q, step, group_size, head_dim, block_size, scores, stride);
+  else if (group_size >= 2)
+    score_step_nb<tiles_for(2)>(q, step, group_size, head_dim, block_size, scores, stride);
+  else
+    score_step_nb<8>(q, step, group_size, head_dim, block_size, scores, stride);
 }
 
 // Online-softmax step for one row of `stride` scores: they become probabilities relative to the
