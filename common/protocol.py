@@ -279,6 +279,10 @@ class KvPages(_Msg, tag="kv"):
     sent_at: float = 0.0
     reserve_tokens: int = 0  # 0: the prompt only (a token engine's own KV, which can preempt)
     traceparent: str = ""
+    # A token engine swapping the request's KV out to this shard (Neo's offload tier): the
+    # shard's UCX KV listener to answer with a `KvSwapAck` once all layers landed (or were
+    # refused). Also lets the KV land after the request was freed here before (swapped in).
+    ack_to: str = ""
 
 
 class FreeRequest(_Msg, tag="free"):
@@ -287,10 +291,31 @@ class FreeRequest(_Msg, tag="free"):
     req_id: str
 
 
-ShardIngress = KvPages | FreeRequest | StatsRequest | Shutdown
+class FetchKv(_Msg, tag="fetch_kv"):
+    """Token engine -> shard (swap-in, Neo): send this request's KV (its first `num_tokens`
+    tokens, every layer, the shard's heads) to `reply_to` (the engine's UCX KV listener) as
+    `KvPages`, one per layer; keep it until a `FreeRequest`. A shard that does not hold it
+    answers a `KvSwapAck` with an error instead."""
+
+    req_id: str
+    num_tokens: int
+    reply_to: str
+
+
+class KvSwapAck(_Msg, tag="kv_swap_ack"):
+    """Shard -> token engine: a swap-out's KV (`KvPages.ack_to`) landed whole for heads
+    [head_start, head_end), or (`error`) it did not, or a `FetchKv` could not be served."""
+
+    req_id: str
+    head_start: int
+    head_end: int
+    error: str = ""
+
+
+ShardIngress = KvPages | FreeRequest | StatsRequest | Shutdown | FetchKv | KvSwapAck
 # A KV-ingress ZeroMQ socket where KV pages travel over UCX (`common/transport/kv_links.py`): a
 # KvPages sent to it is malformed there, logged and dropped.
-KvControl = FreeRequest | StatsRequest | Shutdown
+KvControl = FreeRequest | StatsRequest | Shutdown | FetchKv
 
 
 # -- token engine <-> shard (per-layer decode attention; headers of tensor messages) ---------------
