@@ -73,6 +73,14 @@ class DecodeAdmission:
             admitted.append(h.req_id)
         return admitted
 
+    def add_sharded(self, seq: Sequence, reserve_tokens: int) -> None:
+        """A request swapped out to the shard group (its KV landed whole there, the shards
+        holding `reserve_tokens`): it decodes against the group from the next step."""
+        if self.shard_blocks.can_grow(seq.req_id, reserve_tokens):
+            self.shard_blocks.allocate(seq.req_id, reserve_tokens)
+        seq.num_computed = seq.num_tokens - 1
+        self.sharded.append(seq)
+
     def grow_sharded(self) -> None:
         """Account this step's new token of every sharded request (within its reservation)."""
         for seq in self.sharded:

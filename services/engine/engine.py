@@ -47,6 +47,7 @@ from common.roles import Role
 from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import Batch, EngineScheduler, Phase, Sequence
 from common.scheduling.role_lease import RoleLease
+from common.scheduling.tiers import tier_policy
 from services.engine.admission import DecodeAdmission
 from services.engine.faults import EngineFaults
 from services.engine.outbox import Outbox
@@ -60,6 +61,8 @@ from services.engine.runner import (
     StepPlan,
 )
 from services.engine.telemetry import EngineTelemetry
+from services.engine.tiering import EngineTiering
+from services.engine.tiers import KvSwaps
 
 log = structlog.get_logger(__name__)
 
@@ -69,10 +72,10 @@ class ShardRowFailed(RuntimeError):
     is re-run elsewhere, its batch-mates go on."""
 
 
-class Engine(EngineFaults):
+class Engine(EngineTiering, EngineFaults):
     """Prefill and/or decode for the mesh; see the module docstring. Its fault inputs (a lost
     router, undelivered KV or hand-offs, a failed step, a new shard group, expired waits) are
-    in `faults.py`."""
+    in `faults.py`; its two KV tiers (local and the shard group, Neo) in `tiering.py`."""
 
     def __init__(
         self,
@@ -124,6 +127,14 @@ class Engine(EngineFaults):
         self.max_model_len = mc.max_position_embeddings
         self.kv_events: deque[KvEvent] = deque(maxlen=256)
         self.num_prefill_tokens = 0  # computed, i.e. not found in the prefix cache
+        # Neo's local tier beside the shard group: swaps need a budget and a KV listener.
+        self.local_kv_blocks = role.local_kv_blocks
+        self.tier_policy = tier_policy(role.tier_policy)
+        self.swaps = (
+            KvSwaps(self.blocks, kv, kv_send, role.kv_address)
+            if role.local_kv_blocks and role.kv_address
+            else None
+        )
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -189,6 +200,8 @@ class Engine(EngineFaults):
     def on_kv(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> Outbox:
         """Local KV for a request this engine will decode (no shard group). KV that does not fit
         is refused: its request ends alone, retryable, and the engine goes on."""
+        if self.swaps is not None and self.swaps.is_swapping_in(pages.req_id):
+            return self._on_swap_pages(pages, k, v)  # a shard's heads, coming back
         landed = self.kv_ingress.receive(pages, k, v)
         if landed is Landed.COMPLETE:
             self._admit_handoffs()
@@ -212,8 +225,11 @@ class Engine(EngineFaults):
         self.telemetry.aborted(req_id)
         route = self.routing.get(req_id)
         frees = Outbox()
-        if self.admission.is_decoding_here(req_id) and route is not None:
-            frees = Outbox.free(req_id, kv_endpoints(route.shards))
+        moving = req_id in self._moving()  # either way, the shards may hold its KV
+        if (self.admission.is_decoding_here(req_id) or moving) and route is not None:
+            frees = Outbox.free(req_id, kv_endpoints(route.shards or self.shards))
+        if moving and self.swaps is not None:
+            self.swaps.drop(req_id)
         self.ship_queue.remove(req_id)
         self.local.remove(req_id)
         self.admission.remove(req_id)
@@ -231,7 +247,12 @@ class Engine(EngineFaults):
 
     @torch.inference_mode()
     def step(self) -> Outbox:
-        """One prefill batch (prompts first, as Splitwise's mixed machines do) or decode step."""
+        """One prefill batch (prompts first, as Splitwise's mixed machines do) or decode step,
+        after starting the KV swaps the tier policy plans (moving requests sit the step out)."""
+        moves = self._plan_tiers()
+        return moves + self._step_batch()
+
+    def _step_batch(self) -> Outbox:
         batch = self.ship_queue.schedule()
         if batch is not None:
             return self._prefill_and_ship(batch)

@@ -16,6 +16,12 @@ class EngineRole:
     command_endpoint: str  # how others address this engine (handoffs, self-detection)
     layer_wise_min_tokens: int = 256  # prompts this long ship KV layer by layer (§IV-C)
     shard_num_blocks: int = 0  # KV capacity of the shard group this engine decodes against
+    # Neo's two tiers (token engines with a shard group): the local tier's budget in blocks (0:
+    # no local tier, every hand-off with shards decodes there), the `TierPolicy` by config name
+    # (common/scheduling/tiers.py), and this engine's UCX KV listener (swaps need it).
+    local_kv_blocks: int = 0
+    tier_policy: str = ""
+    kv_address: str = ""
 
     def __post_init__(self) -> None:
         if self.name not in ("prompt", "token", "mixed"):

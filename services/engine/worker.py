@@ -28,6 +28,7 @@ from common.protocol import (
     GenerateRequest,
     KvControl,
     KvPages,
+    KvSwapAck,
     LinkShards,
     LoadReport,
     ServiceReply,
@@ -80,8 +81,9 @@ class EngineWorker:
         self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress, auth=auth)
         self.links = {s.link_address: self._connect(s) for s in cfg.shards}
         role = EngineRole(
-            cfg.role, self.command_endpoint, cfg.layer_wise_min_tokens, cfg.shard_num_blocks
-        )
+            cfg.role, self.command_endpoint, cfg.layer_wise_min_tokens, cfg.shard_num_blocks,
+            cfg.local_kv_blocks, cfg.tier_policy, self.kv_ports.address,
+        )  # fmt: skip
         telemetry = EngineTelemetry(
             cfg.service_id, cfg.model_name, shards=[s.service_id for s in cfg.shards]
         )
@@ -196,6 +198,8 @@ class EngineWorker:
             self._send(self.engine.on_kv(header, *tensors))
         elif isinstance(header, FreeRequest):
             self._send(self.engine.on_abort(header.req_id))
+        elif isinstance(header, KvSwapAck):
+            self._send(self.engine.on_swap_ack(header))
         else:
             log.warning("dropped unexpected ingress message", kind=type(header).__name__)
 

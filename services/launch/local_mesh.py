@@ -56,6 +56,8 @@ class Topology:
     shard_reply_timeout_s: float = 30.0  # a token engine gives a silent shard link up after this
     enable_prefix_caching: bool = True  # prompt engines' (docs/prefix_caching.md)
     kv_over_ucx: bool = True  # KV pages over UCX links; off: over ZeroMQ (benches compare both)
+    local_kv_blocks: int = 0  # token engines' local KV tier beside their shards (Neo); 0: none
+    tier_policy: str = ""  # and who lives in it (common/scheduling/tiers.py)
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
@@ -132,6 +134,8 @@ class LocalMesh:
                 role=Role.TOKEN,
                 shard_num_blocks=t.num_blocks,
                 cpus=list(placements[e].engine),
+                local_kv_blocks=t.local_kv_blocks,
+                tier_policy=t.tier_policy,
             )  # fmt: skip
             for e in range(t.num_token)
         ]

@@ -21,12 +21,15 @@ import zmq
 
 from common.attention import select_backend
 from common.config import ModelConfig
+from common.kv_ingress import Landed
 from common.protocol import (
     AttendBatch,
     AttendResult,
+    FetchKv,
     FreeRequest,
     KvControl,
     KvPages,
+    KvSwapAck,
     ServiceReply,
     ShardIngress,
     ShardLinkMessage,
@@ -34,7 +37,7 @@ from common.protocol import (
     StatsRequest,
 )
 from common.telemetry import Metrics
-from common.transport.kv_links import KvReceiver
+from common.transport.kv_links import KvReceiver, KvSender
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
 from common.transport.zmq_sockets import TypedSocket, bind_random
@@ -78,6 +81,7 @@ class ShardWorker:
         self.listener = UcxListener(ShardLinkMessage, cfg.host, key)
         self._ingress_lock = threading.Lock()
         self.kv_receiver = KvReceiver(cfg.host, key, self._on_ingress) if cfg.kv_over_ucx else None
+        self.swap_sender: KvSender | None = None  # KV swapped back to token engines (Neo)
         self.metrics = Metrics(model_name=cfg.model_name, engine=cfg.service_id)
         self.telemetry = ShardTelemetry(cfg.service_id, spec.num_layers)  # shard.attend spans
         self._last_gauge = 0.0
@@ -99,6 +103,8 @@ class ShardWorker:
         ingress.join(timeout=2)
         if self.kv_receiver is not None:
             self.kv_receiver.close()
+        if self.swap_sender is not None:
+            self.swap_sender.close()
 
     def _serve(self, link: UcxTensorChannel[ShardLinkMessage]) -> None:
         """Answer one token engine's round trips until shutdown or until that engine is gone.
@@ -183,7 +189,11 @@ class ShardWorker:
     def _land(self, header: ShardIngress, tensors: list[torch.Tensor]) -> None:
         try:
             if isinstance(header, KvPages) and len(tensors) == 2:
-                self.shard.receive_kv(header, *tensors)
+                landed = self.shard.receive_kv(header, *tensors)
+                if header.ack_to:
+                    self._ack_swap_out(header, landed)
+            elif isinstance(header, FetchKv):
+                self._fetch(header)
             elif isinstance(header, FreeRequest):
                 self.shard.free(header.req_id)
             elif isinstance(header, Shutdown):
@@ -192,6 +202,38 @@ class ShardWorker:
                 log.warning("dropped unexpected ingress message", kind=type(header).__name__)
         except Exception:  # noqa: BLE001 - one bad message must not stop the shard
             log.exception("ingress message failed", kind=type(header).__name__)
+
+    def _ack_swap_out(self, pages: KvPages, landed: Landed) -> None:
+        """Tell a token engine swapping a request out whether all its layers landed here."""
+        if landed is Landed.PARTIAL:
+            return
+        error = "" if landed is Landed.COMPLETE else f"its KV was {landed.value} here"
+        ack = KvSwapAck(pages.req_id, self.cfg.head_start, self.cfg.head_end, error)
+        self._swap_sender().send_message(pages.ack_to, ack, [])
+
+    def _fetch(self, fetch: FetchKv) -> None:
+        """A swap-in: this shard's heads of the request's KV back to its token engine, one
+        message per layer, on the KV sender's thread. The KV stays here until its free."""
+        try:
+            k, v = self.shard.read_kv(fetch.req_id, fetch.num_tokens)  # [layers, T, heads, D]
+        except KeyError as exc:
+            ack = KvSwapAck(fetch.req_id, self.cfg.head_start, self.cfg.head_end, str(exc))
+            self._swap_sender().send_message(fetch.reply_to, ack, [])
+            return
+        for layer in range(k.shape[0]):
+            pages = KvPages(
+                fetch.req_id, layer, 1, fetch.num_tokens, self.cfg.head_start, self.cfg.head_end,
+                k.shape[0], sent_at=time.monotonic(),
+            )  # fmt: skip
+            self._swap_sender().send(
+                fetch.reply_to, pages, k[layer : layer + 1], v[layer : layer + 1]
+            )
+
+    def _swap_sender(self) -> KvSender:
+        """The link back to token engines, for swaps (started on the first)."""
+        if self.swap_sender is None:
+            self.swap_sender = KvSender(self.cfg.host, bytes.fromhex(self.cfg.mesh_key))
+        return self.swap_sender
 
 
 __all__ = ["ShardWorker"]
