@@ -9,13 +9,14 @@ alone, retryably (the router re-runs it from its tokens), freeing both tiers' co
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import structlog
 import torch
 
 from common.block_manager import BlockManager, NoFreeBlocksError
 from common.engine.request import Request
-from common.protocol import KvPages, KvSwapAck, ShardAddress
+from common.protocol import KvEvent, KvPages, KvSwapAck, ShardAddress
 from common.scheduling.batching import EngineScheduler
 from common.scheduling.tiers import Tier, TierPolicy, TierRequest, TierState
 from services.engine.admission import DecodeAdmission
@@ -40,6 +41,7 @@ class EngineTiering:
     tier_policy: TierPolicy
     local_kv_blocks: int
     max_model_len: int
+    kv_events: deque[KvEvent]  # `swapped_in` / `swapped_out` as each move finishes
 
     def _end(self, req_id: str, error: str, retryable: bool = False) -> Outbox:
         raise NotImplementedError  # EngineFaults'
@@ -94,6 +96,7 @@ class EngineTiering:
                 return Outbox()
             return self._end(ack.req_id, f"engine {self.engine_id}: {exc}", retryable=True)
         if move is not None:
+            self.kv_events.append(KvEvent("swapped_out", ack.req_id, 0, time.monotonic()))
             self.admission.add_sharded(move.seq, move.reserve_tokens)
             # It may have come with local KV (no shards in its route): they free it from now on.
             self.routing[ack.req_id].shards = move.shards
@@ -105,6 +108,7 @@ class EngineTiering:
         move = self.swaps.on_pages(pages, k, v)
         if move is None:
             return Outbox()
+        self.kv_events.append(KvEvent("swapped_in", pages.req_id, 0, time.monotonic()))
         self.local.add_running(move.seq)
         return Outbox.free(pages.req_id, kv_endpoints(move.shards))
 
