@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -43,8 +44,9 @@ class EngineTiering:
     max_model_len: int
     kv_events: deque[KvEvent]  # `swapped_in` / `swapped_out` as each move finishes
 
-    def _end(self, req_id: str, error: str, retryable: bool = False) -> Outbox:
-        raise NotImplementedError  # EngineFaults'
+    if TYPE_CHECKING:  # EngineFaults' (after this mixin in Engine's bases: no stub here)
+
+        def _end(self, req_id: str, error: str, retryable: bool = False) -> Outbox: ...
 
     def _plan_tiers(self) -> Outbox:
         """Between steps: start the swaps the policy plans (the fetches to send, for swap-ins)."""
