@@ -225,6 +225,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     num_prefix_hit_tokens: int = 0
     home_role: str = ""  # an engine's configured pool; `role` is the one it serves in now
     num_loans: int = 0  # times it was lent to the mixed pool (since start)
+    # A token engine's decode steps, and those run as two sub-batches (Neo §3.1), since start.
+    num_decode_steps: int = 0
+    num_two_batch_steps: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats

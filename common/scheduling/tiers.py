@@ -2,8 +2,10 @@
 KV, or the offload tier on its attention-shard group. Pure: plain state in, a plan out.
 
 `TierPolicy.plan(state) -> TierPlan` names the requests to swap out (local -> shards) and to swap
-in (shards -> local) this iteration. Neo's load-aware policy (common/scheduling/neo.py) replaces
-`FillLocalFirst`, the default, behind the same interface; the simulator can call either.
+in (shards -> local) this iteration, and whether it runs as two sub-batches interleaved per layer
+(§3.1 asymmetric pipelining: batch-0 the local requests, batch-1 the offloaded ones) or as one.
+Neo's load-aware policy (common/scheduling/neo.py) replaces `FillLocalFirst`, the default,
+behind the same interface; the simulator can call either.
 
 Accounting is by whole length: a request counts `ceil((num_tokens + remaining) / block_size)`
 blocks of its tier from the moment it is placed there, so a local request never runs out of room
@@ -57,6 +59,7 @@ class TierState:
 class TierPlan:
     swap_out: list[str] = field(default_factory=list)  # local -> shard group
     swap_in: list[str] = field(default_factory=list)  # shard group -> local
+    two_batch: bool = False  # this iteration's decode as batch-0 (local) and batch-1 (offloaded)
 
 
 class TierPolicy(Protocol):
@@ -66,7 +69,8 @@ class TierPolicy(Protocol):
 class FillLocalFirst:
     """The default: fill the local tier up to its budget, oldest first; leave the rest offloaded;
     swap a request in when room frees (a local request finished). Never swaps out: every local
-    request's whole length was counted when it came in."""
+    request's whole length was counted when it came in. Two sub-batches whenever both tiers
+    step (the shards' attention then overlaps the local rows' dense work)."""
 
     def plan(self, state: TierState) -> TierPlan:
         free = state.local_budget_blocks - state.local_blocks()
@@ -76,6 +80,7 @@ class FillLocalFirst:
             if r.tier is Tier.OFFLOADED and need <= free:
                 plan.swap_in.append(r.req_id)
                 free -= need
+        plan.two_batch = _both_tiers_step(state, plan)
         return plan
 
 
@@ -99,7 +104,15 @@ class AlternateTiers:
             elif r.tier is Tier.OFFLOADED and want_local and r.num_blocks(state.block_size) <= free:
                 plan.swap_in.append(r.req_id)
                 free -= r.num_blocks(state.block_size)
+        plan.two_batch = _both_tiers_step(state, plan)
         return plan
+
+
+def _both_tiers_step(state: TierState, plan: TierPlan) -> bool:
+    """Whether, after `plan`'s swaps start (movers sit out), both tiers have a request to step."""
+    moving = set(plan.swap_in) | set(plan.swap_out)
+    stepping = {r.tier for r in state.requests if r.req_id not in moving}
+    return {Tier.LOCAL, Tier.OFFLOADED} <= stepping
 
 
 def tier_policy(spec: str) -> TierPolicy:

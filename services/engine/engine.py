@@ -135,6 +135,8 @@ class Engine(EngineTiering, EngineFaults):
             if role.local_kv_blocks and role.kv_address
             else None
         )
+        self.two_batch = False
+        self.num_decode_steps = self.num_two_batch_steps = 0  # the schedules chosen (bench)
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -322,8 +324,17 @@ class Engine(EngineTiering, EngineFaults):
         self.admission.grow_sharded()
         step = next(self.steps)
         trace = self.telemetry.trace_step(step, sharded)  # sampled: token.step, round trips
-        plan = self.runner.plan_decode(local, sharded, token_ids, step, trace.round_trips,
-                                       trace.traceparent)  # fmt: skip
+        if self.two_batch and local and sharded:  # batch-0 local, batch-1 offloaded (Neo)
+            plan = self.runner.plan_decode(local, [], token_ids, step)
+            plan.batch_1 = self.runner.plan_decode(
+                [], sharded, token_ids, step, trace.round_trips, trace.traceparent
+            )
+            plan.batch_1.failed = plan.failed
+            self.num_two_batch_steps += 1
+        else:
+            plan = self.runner.plan_decode(local, sharded, token_ids, step, trace.round_trips,
+                                           trace.traceparent)  # fmt: skip
+        self.num_decode_steps += 1
         everyone = Batch(Phase.DECODE, local + sharded)
         self.telemetry.decode_step(len(everyone.seqs))
         sampled = self._forward(everyone, plan)
@@ -419,7 +430,8 @@ class Engine(EngineTiering, EngineFaults):
             self.engine_id, self.pool.current(time.monotonic()), used, self.blocks.num_blocks,
             len(self.requests), [*self.kv_ingress.events, *self.kv_events],
             self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
-            num_loans=self.pool.num_loans,
+            num_loans=self.pool.num_loans, num_decode_steps=self.num_decode_steps,
+            num_two_batch_steps=self.num_two_batch_steps,
         )  # fmt: skip
 
     def load_report(self, now: float) -> LoadReport:

@@ -157,6 +157,10 @@ class StepPlan(StepInputs):
     kv_shipper: KvShipper | None = None
     round_trips: list[tuple[int, float]] | None = None
     failed: set[str] = field(default_factory=set)
+    # Neo's asymmetric pipelining (§3.1): this plan is batch-0 (local rows only) and `batch_1`
+    # the offloaded rows, run interleaved per layer (`MeshModelRunner.run`); logits come back
+    # as [batch-0 rows | batch-1 rows], and `failed` is shared by both.
+    batch_1: StepPlan | None = None
 
 
 class MeshModelRunner(ModelRunner[StepPlan]):
@@ -216,6 +220,34 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             round_trips=round_trips,
         )
 
+    @torch.inference_mode()
+    def run(self, inputs: StepPlan, keep_hidden: bool = False) -> torch.Tensor:
+        if inputs.batch_1 is None or inputs.batch_1.sharded is None:
+            return super().run(inputs, keep_hidden)
+        return self._run_two_batches(inputs, inputs.batch_1, inputs.batch_1.sharded)
+
+    def _run_two_batches(
+        self, batch_0: StepPlan, batch_1: StepPlan, sharded: ShardedRows
+    ) -> torch.Tensor:
+        """Per layer: batch-1's q/k/v go to the shards first, batch-0's whole layer (dense work
+        and local attention) runs while the shards attend, then batch-1's replies finish its
+        layer. Each row goes through the same math as in the one-batch step."""
+        x0, x1 = self.model.embed(batch_0.input_ids), self.model.embed(batch_1.input_ids)
+        rope0, rope1 = (
+            self.model.rotary_at(batch_0.positions),
+            self.model.rotary_at(batch_1.positions),
+        )
+        for i, layer in enumerate(self.model.layers):
+            q1, k1, v1 = layer.pre_attention(x1, rope1)  # [N1, H, D]
+            in_flight = self._send_sharded(i, q1, k1, v1, 0, sharded)
+            q0, k0, v0 = layer.pre_attention(x0, rope0)
+            x0 = layer.post_attention(x0, super().attend(i, q0, k0, v0, batch_0))
+            out1 = torch.empty(q1.shape, dtype=torch.float32)
+            self._collect_sharded(i, in_flight, out1, 0, batch_1, sharded)
+            x1 = layer.post_attention(x1, out1)
+        self.hidden = None
+        return self.model.compute_logits(torch.cat([x0, x1]))  # [N0 + N1, vocab]
+
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepPlan
     ) -> torch.Tensor:
@@ -243,6 +275,18 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         sharded: ShardedRows,
     ) -> torch.Tensor:
         n = inputs.num_local
+        in_flight = self._send_sharded(layer, q, k, v, n, sharded)
+        out = torch.empty(q.shape, dtype=torch.float32)
+        if n:
+            out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
+        self._collect_sharded(layer, in_flight, out, n, inputs, sharded)
+        return out
+
+    def _send_sharded(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int,
+        sharded: ShardedRows,
+    ) -> list[tuple[int, ShardLink, slice, Any, float]]:  # fmt: skip
+        """Send rows [n:) of this layer's q/k/v to every shard (its heads); the sends in flight."""
         group = q.shape[1] // k.shape[1]
         in_flight = []
         for i, (link, shard) in enumerate(zip(self.shard_links, self.shards, strict=True)):
@@ -256,10 +300,14 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             tensors = [q[n:, heads], k[n:, h0:h1], v[n:, h0:h1]]
             sent_at = time.perf_counter()
             in_flight.append((i, link, heads, link.send_async(header, tensors), sent_at))
-        out = torch.empty(q.shape, dtype=torch.float32)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32)  # the engine has no use for it
-        if n:
-            out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
+        return in_flight
+
+    def _collect_sharded(
+        self, layer: int, in_flight: list[tuple[int, ShardLink, slice, Any, float]],
+        out: torch.Tensor, n: int, inputs: StepPlan, sharded: ShardedRows,
+    ) -> None:  # fmt: skip
+        """The shards' replies for rows [n:) of `out` [N, Hq, D], landed in place."""
+        lse = torch.empty(out.shape[:2], dtype=torch.float32)  # the engine has no use for it
         # Every shard's reply is read before anything is raised: one left queued would be taken
         # for the next step's. Each reply must answer this step and layer; anything else is a
         # fault of the link, never data.
@@ -284,7 +332,6 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             raise ShardLinkFault("; ".join(faults))
         if errors:
             raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
-        return out
 
     def _attend_local(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepPlan

@@ -43,6 +43,7 @@ class EngineTiering:
     local_kv_blocks: int
     max_model_len: int
     kv_events: deque[KvEvent]  # `swapped_in` / `swapped_out` as each move finishes
+    two_batch: bool  # the policy's choice for this iteration's decode (asymmetric pipelining)
 
     if TYPE_CHECKING:  # EngineFaults' (after this mixin in Engine's bases: no stub here)
 
@@ -55,6 +56,7 @@ class EngineTiering:
             return Outbox()
         state = TierState(self._tier_requests(swaps), self.local_kv_blocks, self.blocks.block_size)
         plan = self.tier_policy.plan(state)
+        self.two_batch = plan.two_batch
         now, out = time.monotonic(), Outbox()
         running = {s.req_id: s for s in self.local.running}
         for req_id in plan.swap_out:

@@ -50,6 +50,9 @@ def test_fill_local_first_swaps_in_oldest_first_within_the_budget_and_never_out(
     # then nothing (big needs 10, b 3 after a took the 4).
     plan = FillLocalFirst().plan(state)
     assert (plan.swap_in, plan.swap_out) == (["a"], [])
+    assert plan.two_batch  # "local" steps locally, "big" and "b" on the shards: two sub-batches
+    only_local = TierState([req("local", Tier.LOCAL, 16)], 12, BLOCK)
+    assert not FillLocalFirst().plan(only_local).two_batch
 
 
 def test_alternate_tiers_flips_each_period_of_output_tokens_room_permitting():
@@ -60,6 +63,7 @@ def test_alternate_tiers_flips_each_period_of_output_tokens_room_permitting():
     )  # fmt: skip
     plan = AlternateTiers(4).plan(state)
     assert plan.swap_out == ["out"] and plan.swap_in == ["in"]
+    assert plan.two_batch  # "stay" is local, "no_room" offloaded: both step
 
 
 def test_tier_policy_by_name():
