@@ -58,6 +58,7 @@ class Topology:
     kv_over_ucx: bool = True  # KV pages over UCX links; off: over ZeroMQ (benches compare both)
     local_kv_blocks: int = 0  # token engines' local KV tier beside their shards (Neo); 0: none
     tier_policy: str = ""  # and who lives in it (common/scheduling/tiers.py)
+    token_num_blocks: int = 0  # token engines' own KV blocks; 0: num_blocks (benches bound it)
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
@@ -135,6 +136,7 @@ class LocalMesh:
                 shard_num_blocks=t.num_blocks,
                 cpus=list(placements[e].engine),
                 local_kv_blocks=t.local_kv_blocks,
+                num_blocks=t.token_num_blocks or t.num_blocks,
                 tier_policy=t.tier_policy,
             )  # fmt: skip
             for e in range(t.num_token)
