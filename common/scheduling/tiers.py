@@ -23,6 +23,7 @@ class Tier(enum.StrEnum):
     LOCAL = "local"
     OFFLOADED = "offloaded"  # on the shard group
     MOVING = "moving"  # being swapped either way: in no step until it lands
+    ARRIVING = "arriving"  # offloaded, its prefill KV maybe still landing there: not movable yet
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ class TierState:
         """Blocks the local tier has promised: its requests and those moving to or from it
         (a request swapping out still holds its local copy until the shards have it)."""
         return sum(
-            r.num_blocks(self.block_size) for r in self.requests if r.tier is not Tier.OFFLOADED
+            r.num_blocks(self.block_size)
+            for r in self.requests
+            if r.tier in (Tier.LOCAL, Tier.MOVING)
         )
 
 
@@ -112,7 +115,7 @@ def _both_tiers_step(state: TierState, plan: TierPlan) -> bool:
     """Whether, after `plan`'s swaps start (movers sit out), both tiers have a request to step."""
     moving = set(plan.swap_in) | set(plan.swap_out)
     stepping = {r.tier for r in state.requests if r.req_id not in moving}
-    return {Tier.LOCAL, Tier.OFFLOADED} <= stepping
+    return Tier.LOCAL in stepping and bool(stepping & {Tier.OFFLOADED, Tier.ARRIVING})
 
 
 def tier_policy(spec: str) -> TierPolicy:

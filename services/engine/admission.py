@@ -30,6 +30,9 @@ class DecodeAdmission:
         self.shard_blocks = BlockManager(max(shard_num_blocks, 1), block_size)
         self.sharded: list[Sequence] = []  # decoding against the shard group
         self.waiting: list[DecodeHandoff] = []
+        # Sharded requests whose KV may still be on its way to the shards (no step has attended
+        # for them yet): not to be swapped in, a shard may not hold it all yet (`confirm`).
+        self.arriving: set[str] = set()
         self._arrived: dict[str, float] = {}  # waiting hand-offs: when each came
 
     def add(self, handoff: DecodeHandoff, now: float = 0.0) -> None:
@@ -64,6 +67,7 @@ class DecodeAdmission:
                     self.shard_blocks.allocate(h.req_id, _reserve(h))
                 seq.num_computed = seq.num_tokens - 1
                 self.sharded.append(seq)
+                self.arriving.add(h.req_id)
             elif kv_complete(h.req_id):
                 local.add_running(seq)
             else:
@@ -81,6 +85,10 @@ class DecodeAdmission:
         seq.num_computed = seq.num_tokens - 1
         self.sharded.append(seq)
 
+    def confirm(self, req_ids: list[str]) -> None:
+        """A step attended for these sharded requests on every shard: their KV is there."""
+        self.arriving.difference_update(req_ids)
+
     def grow_sharded(self) -> None:
         """Account this step's new token of every sharded request (within its reservation)."""
         for seq in self.sharded:
@@ -97,6 +105,7 @@ class DecodeAdmission:
         """Forget a request wherever it is here (finished or aborted): its shard reservation goes
         back."""
         self.sharded = [s for s in self.sharded if s.req_id != req_id]
+        self.arriving.discard(req_id)
         self.shard_blocks.free(req_id)
         self.waiting = [h for h in self.waiting if h.req_id != req_id]
         self._arrived.pop(req_id, None)

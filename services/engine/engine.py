@@ -340,6 +340,7 @@ class Engine(EngineTiering, EngineFaults):
         sampled = self._forward(everyone, plan)
         self.telemetry.step_done(trace)
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
+        self.admission.confirm([s.req_id for s in sharded if s.req_id not in plan.failed])
         for seq, row in zip(sharded, sampled[len(local) :], strict=True):
             seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1
             if seq.req_id in plan.failed:  # a shard could not attend for it: it alone is re-run

@@ -76,7 +76,11 @@ class EngineTiering:
 
     def _tier_requests(self, swaps: KvSwaps) -> list[TierRequest]:
         tiers = [(s, Tier.LOCAL) for s in self.local.running]
-        tiers += [(s, Tier.OFFLOADED) for s in self.admission.sharded]
+        arriving = self.admission.arriving  # KV still landing on the shards: not movable yet
+        tiers += [
+            (s, Tier.ARRIVING if s.req_id in arriving else Tier.OFFLOADED)
+            for s in self.admission.sharded
+        ]
         tiers += [(m.seq, Tier.MOVING) for m in swaps.moving.values()]
         return [
             TierRequest(s.req_id, tier, s.num_tokens,

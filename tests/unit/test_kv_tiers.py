@@ -53,6 +53,12 @@ def test_fill_local_first_swaps_in_oldest_first_within_the_budget_and_never_out(
     assert plan.two_batch  # "local" steps locally, "big" and "b" on the shards: two sub-batches
     only_local = TierState([req("local", Tier.LOCAL, 16)], 12, BLOCK)
     assert not FillLocalFirst().plan(only_local).two_batch
+    # A request whose prefill KV may still be landing on the shards is neither swapped in nor
+    # counted against the local budget; it steps on the shards beside the local ones.
+    arriving = TierState([req("local", Tier.LOCAL, 16), req("new", Tier.ARRIVING, 16),
+                          req("c", Tier.OFFLOADED, 32)], 12, BLOCK)  # fmt: skip
+    plan = FillLocalFirst().plan(arriving)
+    assert plan.swap_in == ["c"] and plan.two_batch
 
 
 def test_alternate_tiers_flips_each_period_of_output_tokens_room_permitting():
