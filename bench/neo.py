@@ -2,7 +2,7 @@
 with and without its attention-shard group as a second tier, on a slice of the Azure
 conversation trace at increasing request rates.
 
-    python bench/neo.py [--requests 48] [--rates 8,16,32,64] [--local-requests 2]
+    python bench/neo.py [--requests 48] [--rates 4,8,16,32,64] [--local-requests 2]
 
 Two arms, a fresh mesh each (1 prompt engine, 1 token engine; `LocalMesh`, the router's own
 `MeshEngineClient`), the same requests at the same arrival times:
@@ -15,15 +15,15 @@ Two arms, a fresh mesh each (1 prompt engine, 1 token engine; `LocalMesh`, the r
   swap in as local room frees; iterations with both tiers run as two sub-batches (§3.1).
 
 At each rate (lowest first; an arm stops at its first rate that misses the SLO): TBT p50/p90 over
-every token gap the client sees (a re-run's gap included), TTFT p90, failed requests. The SLO is p90
-TBT <= `--tbt-slo-ms` (default 100 ms: a few tiny-model steps on this loaded 2-core machine; a re-
-run request's gap, at least the router's 250 ms back-off, misses it) and, beyond the issue's TBT-
-only SLO, p90 TTFT <= `--ttft-slo-ms` (2 s): a token engine whose KV is full makes new requests wait
-for room (the router places by free KV blocks), which shows as TTFT. Target (issue 22): the highest
-rate meeting the SLO with offload >= 1.5x the one without. Also: the fraction of the offload arm's
-decode iterations run as two sub-batches, and greedy outputs equal between the arms at the lowest
-rate. Per-iteration predicted vs measured step time needs the Neo policy's step-time model (not in
-this branch): it is reported as not measured. The last line is one JSON object.
+every token gap the client sees (a re-run's gap included), TTFT p90, failed requests. The SLO is
+p90 TBT <= `--tbt-slo-ms` (default 100 ms: a few tiny-model steps on this loaded 2-core machine; a
+re-run request's gap, at least the router's 250 ms back-off, misses it) and, beyond the issue's
+TBT-only SLO, p90 TTFT <= `--ttft-slo-ms` (2 s): a request for which a full token engine has no
+room waits (or is refused and re-run), which TTFT shows and TBT may not. Target (issue 22): the
+highest rate meeting the SLO with offload >= 1.5x the one without. Also: the fraction of the
+offload arm's decode iterations run as two sub-batches, and greedy outputs equal between the arms
+at the lowest rate. Per-iteration predicted vs measured step time needs the Neo policy's step-time
+model (not in this branch): it is reported as not measured. The last line is one JSON object.
 """
 
 from __future__ import annotations
