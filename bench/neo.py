@@ -2,7 +2,7 @@
 with and without its attention-shard group as a second tier, on a slice of the Azure
 conversation trace at increasing request rates.
 
-    python bench/neo.py [--requests 48] [--rates 4,8,16,32,64] [--local-requests 2]
+    python bench/neo.py [--requests 48] [--rates 2,4,8,16,32,64] [--local-requests 2]
 
 Two arms, a fresh mesh each (1 prompt engine, 1 token engine; `LocalMesh`, the router's own
 `MeshEngineClient`), the same requests at the same arrival times:
@@ -132,7 +132,8 @@ def run_arm(
 
 def trace_slice(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
     rows = read_trace(args.trace)
-    config = ArrivalConfig(token_scale=args.token_scale, num_requests=args.requests)
+    config = ArrivalConfig(token_scale=args.token_scale, output_scale=args.output_scale,
+                           num_requests=args.requests)  # fmt: skip
     specs = list(plan_requests(rows, config))
     builder = PromptBuilder(vocab_size=VOCAB, seed=0)
     return [(s.arrival_s, builder.prompt_ids(s), max(2, min(s.output_len, args.max_output)))
@@ -145,8 +146,9 @@ def main() -> None:
         "--trace", default=str(shared_dir() / "traces/AzureLLMInferenceTrace_conv.csv")
     )
     parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--rates", default="4,8,16,32,64", help="req/s, increasing")
+    parser.add_argument("--rates", default="2,4,8,16,32,64", help="req/s, increasing")
     parser.add_argument("--token-scale", type=float, default=0.125, help="prompt lengths' scale")
+    parser.add_argument("--output-scale", type=float, default=1.0, help="the trace's, as is")
     parser.add_argument("--max-output", type=int, default=128, help="output tokens' cap")
     parser.add_argument("--local-requests", type=int, default=2, help="N: what local KV holds")
     parser.add_argument("--tbt-slo-ms", type=float, default=100.0)
