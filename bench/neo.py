@@ -61,11 +61,14 @@ async def replay(
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
         params = SamplingParams(max_tokens=num_out, temperature=0.0, ignore_eos=True)
         times, tokens, failed = [time.monotonic()], [], False
-        async for out in client.generate(f"{tag}-{i}", prompt, params):
-            failed = failed or bool(out.error)
-            if out.new_token_ids:
-                times.append(time.monotonic())
-                tokens += out.new_token_ids
+        try:
+            async for out in client.generate(f"{tag}-{i}", prompt, params):
+                failed = failed or bool(out.error)
+                if out.new_token_ids:
+                    times.append(time.monotonic())
+                    tokens += out.new_token_ids
+        except RuntimeError:  # its re-runs ran out (`max_migrations`): it failed
+            failed = True
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         return gaps[1:], gaps[0] if gaps else 0.0, failed, tokens
 
