@@ -297,8 +297,10 @@ class FreeRequest(_Msg, tag="free"):
 class FetchKv(_Msg, tag="fetch_kv"):
     """Token engine -> shard (swap-in, Neo): send this request's KV (its first `num_tokens`
     tokens, every layer, the shard's heads) to `reply_to` (the engine's UCX KV listener) as
-    `KvPages`, one per layer; keep it until a `FreeRequest`. A shard that does not hold it
-    answers a `KvSwapAck` with an error instead."""
+    `KvPages`, one per layer, and drop it here: the KV moves (a swap-in that does not finish
+    ends its request, which is re-run from its tokens). Dropping it at once, and not on a later
+    `FreeRequest`, keeps a swap-out that follows from racing a free. A shard that does not hold
+    it answers a `KvSwapAck` with an error instead."""
 
     req_id: str
     num_tokens: int

@@ -1,9 +1,10 @@
 """The engine's two KV tiers (Neo §3): each iteration a `TierPolicy` (common/scheduling/tiers.py)
 says which decode requests move between the local tier and the shard group; `KvSwaps`
 (tiers.py) moves them; this mixin of `Engine` (engine.py) feeds the policy and turns finished
-moves into scheduling: a swapped-in request joins the local scheduler (and its shards' copies
-are freed), a swapped-out one joins the sharded rows. A failed or stalled move ends its request
-alone, retryably (the router re-runs it from its tokens), freeing both tiers' copies.
+moves into scheduling: a swapped-in request joins the local scheduler (its shards dropped their
+copies when they sent them), a swapped-out one joins the sharded rows. A failed or stalled move
+ends its request alone, retryably (the router re-runs it from its tokens), freeing both tiers'
+copies.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from common.scheduling.batching import EngineScheduler
 from common.scheduling.tiers import Tier, TierPolicy, TierRequest, TierState
 from services.engine.admission import DecodeAdmission
 from services.engine.outbox import Outbox
-from services.engine.routing import RequestRoute, kv_endpoints
+from services.engine.routing import RequestRoute
 from services.engine.tiers import SWAP_TIMEOUT_S, KvSwaps, SwapFailed
 
 log = structlog.get_logger(__name__)
@@ -114,11 +115,10 @@ class EngineTiering:
         """One fetched layer of a swap-in; when the last lands the request is local."""
         assert self.swaps is not None  # only called for a request swapping in
         move = self.swaps.on_pages(pages, k, v)
-        if move is None:
-            return Outbox()
-        self.kv_events.append(KvEvent("swapped_in", pages.req_id, 0, time.monotonic()))
-        self.local.add_running(move.seq)
-        return Outbox.free(pages.req_id, kv_endpoints(move.shards))
+        if move is not None:
+            self.kv_events.append(KvEvent("swapped_in", pages.req_id, 0, time.monotonic()))
+            self.local.add_running(move.seq)
+        return Outbox()
 
     def _expire_swaps(self, now: float) -> Outbox:
         out = Outbox()

@@ -8,8 +8,9 @@ and its attention-shard group. `KvSwaps` does the moves; which request moves whe
   The local copy is freed only when every shard has acknowledged; a refusal (no room) or a shard
   lost before then ends the request (retryably), and its local copy goes with it.
 - swap-in (shards -> local): local blocks are reserved first, then each shard is asked
-  (`FetchKv`) to send its heads back, one `KvPages` per layer; when all have landed the request
-  joins the local scheduler and the shards' copies are freed.
+  (`FetchKv`) to send its heads back, one `KvPages` per layer, and drops its copy as it does (a
+  move: a later swap-out then cannot race a free); when all have landed the request joins the
+  local scheduler.
 
 Consistency with the step: a moving request is in no step (it sits out from the moment its move
 starts until its last page or ack is in), so the KV being moved never changes while it moves.

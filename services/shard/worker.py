@@ -213,9 +213,10 @@ class ShardWorker:
 
     def _fetch(self, fetch: FetchKv) -> None:
         """A swap-in: this shard's heads of the request's KV back to its token engine, one
-        message per layer, on the KV sender's thread. The KV stays here until its free."""
+        message per layer, on the KV sender's thread; the KV leaves this shard (`FetchKv`)."""
         try:
             k, v = self.shard.read_kv(fetch.req_id, fetch.num_tokens)  # [layers, T, heads, D]
+            self.shard.free(fetch.req_id)  # a copy is in k, v
         except KeyError as exc:
             ack = KvSwapAck(fetch.req_id, self.cfg.head_start, self.cfg.head_end, str(exc))
             self._swap_sender().send_message(fetch.reply_to, ack, [])
