@@ -45,7 +45,8 @@ typecheck: install
 
 test: model lint typecheck
 	# pytest exits 5 when it collects nothing: that fails here, as it should.
-	$(BIN)/pytest -q tests
+	# The slowest tests are listed at the end: CI's budget is 15 minutes on 2 cores.
+	$(BIN)/pytest -q --durations=20 tests
 
 bench: model
 	$(BIN)/python bench/engine.py

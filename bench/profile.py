@@ -68,6 +68,9 @@ def cells(prompt_sizes: list[int], batch_sizes: list[int], max_batch_tokens: int
     return [Cell(p, b) for p in prompt_sizes for b in batch_sizes if p * b <= max_batch_tokens]
 
 
+WARM_UP, WARM_UP_STEPS = Cell(16, 2), 4  # run once before the grid
+
+
 def kv_blocks(grid: list[Cell], extra_tokens: int, block_size: int = 16) -> int:
     """KV blocks for the largest batch of the grid, each request `extra_tokens` past its prompt."""
     per_request = [-(-(c.prompt_size + extra_tokens) // block_size) for c in grid]
@@ -247,7 +250,7 @@ def profile_rows(
 ) -> Iterator[dict[str, object]]:
     """Profile every cell `--repeats` times (repeats outermost, so slow drift hits all cells)."""
     grid = cells(args.prompt_sizes, args.batch_sizes, args.max_batch_tokens)
-    local.run(Cell(16, 2), 4, salt=-1)  # warm-up: first-call allocations, kernel dispatch
+    local.run(WARM_UP, WARM_UP_STEPS, salt=-1)  # first-call allocations, kernel dispatch
     allowance = 8
     bar = tqdm(total=args.repeats * len(grid), unit="cell", dynamic_ncols=True)
     for repeat in range(args.repeats):
@@ -306,6 +309,43 @@ def summary(path: Path, rows: list[dict[str, object]]) -> dict[str, object]:
     }
 
 
+ATTENTION_COLUMNS = ("model", "hardware", "tier", "batch_size", "context_tokens", "time_ms")
+
+
+def attention_rows(
+    args: argparse.Namespace, engine: LLMEngine, contexts: list[int]
+) -> Iterator[dict[str, object]]:
+    """Neo's T_ga and T_ca tables (`--attention`): one decode-attention call per layer over a
+    batch of `--attention-batch` requests holding `context` tokens in all, for the engine's own
+    backend (`local`) and the shards' CPU kernel at one thread (`offload`, per shard: a group of
+    S shards splits the KV heads S ways). Times are all layers' (ms), median of the repeats."""
+    from common.attention import select_backend
+    from common.attention.cpu_kernel import CpuKernelAttention, kernel_available
+
+    mc = engine.model_config
+    tiers = {"local": select_backend("auto")}
+    if kernel_available():
+        tiers["offload"] = CpuKernelAttention(num_threads=1)
+    batch, block = args.attention_batch, 16
+    for context in contexts:
+        per_seq = -(-context // batch)
+        num_blocks = batch * -(-per_seq // block)
+        k = torch.randn(num_blocks, mc.num_key_value_heads, mc.head_dim, block)
+        v = torch.randn(num_blocks, mc.num_key_value_heads, block, mc.head_dim)
+        q = torch.randn(batch, mc.num_attention_heads, mc.head_dim)
+        tables = torch.arange(num_blocks, dtype=torch.int32).reshape(batch, -1)
+        lens = torch.full((batch,), per_seq, dtype=torch.int32)
+        for tier, backend in tiers.items():
+            samples = []
+            for _ in range(args.repeats + 1):  # the first call warms up
+                start = time.perf_counter()
+                backend.decode(q, k, v, tables, lens, mc.head_dim**-0.5)
+                samples.append((time.perf_counter() - start) * 1e3 * mc.num_hidden_layers)
+            yield {"model": args.model_name, "hardware": args.hardware, "tier": tier,
+                   "batch_size": batch, "context_tokens": per_seq * batch,
+                   "time_ms": round(statistics.median(samples[1:]), 4)}  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny", help="a default-model preset or a folder")
@@ -320,6 +360,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (engines use 1)")
     parser.add_argument("--out", default=None, help="CSV path (default: results/profile/...)")
+    parser.add_argument("--attention", type=int, nargs="*", default=None,
+                        help="also write Neo's attention tables at these context tokens "
+                        "(no values: 256 .. 16384) to <out>-attention.csv")  # fmt: skip
+    parser.add_argument(
+        "--attention-batch", type=int, default=8, help="requests per --attention call"
+    )
     args = parser.parse_args(argv)
     args.model_name = args.model_name or Path(args.model).name
     if args.hardware is None:
@@ -333,7 +379,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     torch.set_num_threads(args.threads)
     model_path = str(default_model_path(args.model) if args.model in PRESETS else args.model)
     grid = cells(args.prompt_sizes, args.batch_sizes, args.max_batch_tokens)
-    local = LocalRunner(model_path, num_blocks=kv_blocks(grid, args.token_size + 2))
+    # The warm-up cell counts too: a grid of one small cell held less than it needs.
+    steps = max(args.token_size, WARM_UP_STEPS) + 2
+    local = LocalRunner(model_path, num_blocks=kv_blocks([*grid, WARM_UP], steps))
     remote: RemoteDecode | None = None
     if args.decode == "mesh":
         # Shards reserve each request's whole length; the join allowance may reach 1024 tokens.
@@ -350,6 +398,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     path = Path(args.out) if args.out else default
     write_table(path, rows)
     result = summary(path, rows)
+    if args.attention is not None:
+        contexts = args.attention or [256, 1024, 4096, 16384]
+        attention = list(attention_rows(args, local.engine, contexts))
+        attention_path = path.with_name(path.stem + "-attention.csv")
+        attention_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(attention_path, "w", encoding="utf-8", newline="") as out:
+            writer = csv.DictWriter(out, fieldnames=ATTENTION_COLUMNS)
+            writer.writeheader()
+            writer.writerows(attention)
+        result["attention_ms_by_tier_and_context"] = {
+            f"{r['tier']}@{r['context_tokens']}": r["time_ms"] for r in attention
+        }
     print(f"wrote {len(rows)} rows to {path} ({args.model_name} on {args.hardware})")
     print(json.dumps(result))
     return result

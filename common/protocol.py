@@ -258,6 +258,9 @@ class LoadReport(_Msg, tag="load"):
     kv_added: list[int] = []
     kv_removed: list[int] = []
     home_role: str = ""  # its configured pool, where it returns from mixed; empty: `role`
+    # With request-level shard partitioning: the KV tokens each shard of `shard_endpoints` holds
+    # for it (whole-length reservations), which the router balances new requests by.
+    shard_kv_tokens: list[int] = []
 
 
 # -- prompt engine -> shard or token engine (KV pages; header of a tensor message) -----------------
@@ -317,10 +320,43 @@ class KvSwapAck(_Msg, tag="kv_swap_ack"):
     error: str = ""
 
 
-ShardIngress = KvPages | FreeRequest | StatsRequest | Shutdown | FetchKv | KvSwapAck
+class KvAnnounce(_Msg, tag="kv_announce"):
+    """`kv_transfer: pull`: a prompt engine holds all of a request's KV for heads
+    [head_start, head_end) and this shard is to pull it from `source` (the prompt engine's
+    KV-hold ROUTER endpoint, `common/kv_hold.py`) in a free period between decode steps."""
+
+    req_id: str
+    source: str
+    head_start: int
+    head_end: int
+
+
+ShardIngress = KvPages | FreeRequest | StatsRequest | Shutdown | KvAnnounce | FetchKv | KvSwapAck
 # A KV-ingress ZeroMQ socket where KV pages travel over UCX (`common/transport/kv_links.py`): a
 # KvPages sent to it is malformed there, logged and dropped.
-KvControl = FreeRequest | StatsRequest | Shutdown | FetchKv
+KvControl = FreeRequest | StatsRequest | Shutdown | KvAnnounce | FetchKv
+
+
+# -- shard <-> prompt engine's KV hold (`kv_transfer: pull`) -------------------------------------
+
+
+class KvPull(_Msg, tag="kv_pull"):
+    """A shard asks for a held request's KV of its heads; the answer is one `KvPages` carrying
+    every layer (buffers k, v) or a `KvPullMiss`. The hold forgets what it answered."""
+
+    req_id: str
+    head_start: int
+    head_end: int
+
+
+class KvPullMiss(_Msg, tag="kv_pull_miss"):
+    """The hold has no complete KV for that request and heads (expired, aborted, never held)."""
+
+    req_id: str
+    why: str
+
+
+KvPullReply = KvPages | KvPullMiss
 
 
 # -- token engine <-> shard (per-layer decode attention; headers of tensor messages) ---------------
@@ -351,6 +387,21 @@ class AttendResult(_Msg, tag="attend_result"):
     # Requests of the step this shard could not attend for (their KV was refused, never came, or
     # could not grow): their rows are meaningless; the token engine ends each one alone.
     failed: list[str] = []
+    # Requests whose KV landed whole here, or was lost here (refused, or its pull failed), since
+    # the shard's last reply: a token engine on `kv_transfer: pull` admits a request to its
+    # decode steps once every shard of its group said it landed (none waits at layer 0 for it).
+    kv_landed: list[str] = []
+    kv_lost: list[str] = []
 
 
-ShardLinkMessage = AttendBatch | AttendResult
+class KvReadyQuery(_Msg, tag="kv_ready_query"):
+    """An idle token engine (no step to run, hand-offs waiting for their KV) asks each shard for
+    its `kv_landed`/`kv_lost` news; the shard answers an `AttendResult` with `layer=-1`, no
+    buffers, waiting up to `wait_s` for news if it has none. (Also sent, with no wait, between
+    steps to the shards of a request-partitioned group that had no rows in a step.)"""
+
+    step: int
+    wait_s: float = 0.0
+
+
+ShardLinkMessage = AttendBatch | AttendResult | KvReadyQuery

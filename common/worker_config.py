@@ -48,6 +48,23 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (`common.scheduling.tiers.tier_policy`: fill_local, or alternate:<period> for tests).
     local_kv_blocks: int = 0
     tier_policy: str = ""
+    # How a request's KV reaches its shard group: "push" (the prompt engine ships it while it
+    # prefills) or "pull" (the prompt engine holds it, bounded by `kv_hold_bytes` and a lease,
+    # and announces it; each shard pulls it between decode steps; the token engine admits the
+    # request once every shard has it). Read by prompt engines (hold) and token engines (admit).
+    kv_transfer: str = "push"
+    kv_hold_bytes: int = 1 << 30
+    # How a shard group splits KV: "head" (each shard a slice of KV heads of every request) or
+    # "request" (each shard all heads of the requests placed on it, Lamina Fig. 9a).
+    shard_partition: str = "head"
+    shard_slot: int = -1  # shards: their place in a group, where heads do not say it
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer not in ("push", "pull"):
+            raise ValueError(f"kv_transfer must be push or pull, got {self.kv_transfer!r}")
+        if self.shard_partition not in ("head", "request"):
+            raise ValueError(f"shard_partition must be head or request, got "
+                             f"{self.shard_partition!r}")  # fmt: skip
 
     @property
     def curve_keys(self) -> CurveKeys:

@@ -106,6 +106,11 @@ class MeshArgs(_Args):
     attention_backend: str = "auto"
     num_threads: int = Field(default=1, ge=1)  # torch threads per replica
     enable_prefix_caching: bool = True  # prompt and mixed engines; docs/prefix_caching.md
+    # How prefill KV reaches shards: pushed while prefilling, or held by the prompt engine and
+    # pulled by the shards between decode steps (docs/kv_pull.md).
+    kv_transfer: Literal["push", "pull"] = "push"
+    # How a shard group splits KV: by KV heads, or whole requests per shard (by KV bytes load).
+    shard_partition: Literal["head", "request"] = "head"
     # KV-aware routing: a prompt engine's pending tokens less this x the prompt's prefix it
     # caches; 0: plain JSQ (docs/prefix_caching.md).
     prefix_routing_weight: float = Field(default=PREFIX_ROUTING_WEIGHT, ge=0)
@@ -195,7 +200,7 @@ def _worker_config(args: AppArgs) -> WorkerConfig:
         layer_wise_min_tokens=m.layer_wise_min_tokens, attention_backend=m.attention_backend,
         num_threads=m.num_threads, shard_num_blocks=m.shard_num_blocks,
         enable_prefix_caching=m.enable_prefix_caching, served_model_name=args.model_name(),
-        mesh_key=m.key or "",
+        mesh_key=m.key or "", kv_transfer=m.kv_transfer, shard_partition=m.shard_partition,
     )  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 python -m loadgen.sim replay --trace T.csv --cluster Splitwise-HH:25P15T [--rate 70]
 python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --power 70 --plot out.png
 python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --rate 70 --by cost
+python -m loadgen.sim lamina --trace T.csv [--memory 4 8] [--batches 1 2 3 4]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 from loadgen.sim.config import DESIGNS, parse_cluster
+from loadgen.sim.lamina_cli import add_lamina_parser
 from loadgen.sim.provision import (
     SearchSettings,
     best_under_budget,
@@ -101,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     prov.add_argument("--duration", type=float, default=90.0, help="simulated seconds per probe")
     prov.add_argument("--plot", default="", help="write a Fig. 12-style PNG here")
     prov.set_defaults(func=_provision)
+    add_lamina_parser(sub)
     return parser
 
 

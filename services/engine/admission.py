@@ -10,24 +10,37 @@ A `DecodeHandoff` waits, first come first served, until its KV is in place:
   would never release. It keeps a mirror of the shards' accounting (`shard_blocks`) for the room
   it reports to the router (`free_shard_blocks`), reserving the same whole length; a request the
   mirror cannot fit (the shards surely refused it) is not counted there;
+- with a shard group on `kv_transfer: pull` (`await_landing`): until every shard of the group
+  said the request's KV landed there (`note_landed`, from their replies), in any order: a step
+  never names a request whose KV a shard still lacks, so no step waits at layer 0 for it
+  (Lamina §5). A shard that lost it (refused, or its pull failed) says so, and the engine ends
+  the request retryably; one that never lands is ended by `stalled` after its bound;
 - without: until every layer of its KV has landed in this engine's own cache (its `KvIngress`
   says so); it then joins the engine's local scheduler, which may preempt it like any local request.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 from common.block_manager import BlockManager
 from common.protocol import DecodeHandoff
 from common.scheduling.batching import EngineScheduler, Sequence
 
+LANDED_MEMORY = 4096  # requests whose landing news is kept before their hand-off comes
+
 
 class DecodeAdmission:
     """The waiting handoffs and the sharded requests."""
 
-    def __init__(self, shard_num_blocks: int, block_size: int) -> None:
+    def __init__(self, shard_num_blocks: int, block_size: int, await_landing: bool = False) -> None:
         self.shard_blocks = BlockManager(max(shard_num_blocks, 1), block_size)
+        self.await_landing = await_landing
+        # req_id -> the shards (kv endpoints) that said its KV landed; news may come before its
+        # hand-off, so it is kept for requests not seen yet too, the oldest dropped past a bound.
+        self._landed: OrderedDict[str, set[str]] = OrderedDict()
+        self._sharded_handoffs: dict[str, DecodeHandoff] = {}  # of `sharded`, by req_id
         self.sharded: list[Sequence] = []  # decoding against the shard group
         self.waiting: list[DecodeHandoff] = []
         # Sharded requests whose KV may still be on its way to the shards (no step has attended
@@ -46,9 +59,37 @@ class DecodeAdmission:
         prompt engine died mid-transfer, or it was refused): they would hold the queue forever."""
         return [
             h for h in self.waiting
-            if not h.shards and not kv_complete(h.req_id)
+            if not self._in_place(h, kv_complete)
             and now - self._arrived.get(h.req_id, now) > bound_s
         ]  # fmt: skip
+
+    def note_landed(self, shard: str, req_ids: list[str]) -> None:
+        """`shard` (its kv endpoint) says these requests' KV landed whole there."""
+        for req_id in req_ids:
+            self._landed.setdefault(req_id, set()).add(shard)
+            self._landed.move_to_end(req_id)
+        while len(self._landed) > LANDED_MEMORY:
+            self._landed.popitem(last=False)
+
+    def awaiting_landing(self) -> bool:
+        """Sharded hand-offs wait for shards' news (an idle engine asks for it)."""
+        return self.await_landing and any(h.shards for h in self.waiting)
+
+    def _in_place(self, h: DecodeHandoff, kv_complete: Callable[[str], bool]) -> bool:
+        if not h.shards:
+            return kv_complete(h.req_id)
+        if not self.await_landing:
+            return True
+        return {s.kv_endpoint for s in h.shards} <= self._landed.get(h.req_id, set())
+
+    def reserved_tokens(self) -> dict[str, int]:
+        """Tokens reserved per shard (kv endpoint) by the requests decoding or waiting here, for
+        request-partitioned groups (each request on one shard)."""
+        tokens: dict[str, int] = {}
+        for h in [*self.waiting, *self._sharded_handoffs.values()]:
+            for s in h.shards:
+                tokens[s.kv_endpoint] = tokens.get(s.kv_endpoint, 0) + _reserve(h)
+        return tokens
 
     def free_shard_blocks(self) -> int:
         """The group's blocks not reserved for a request decoding against it."""
@@ -58,23 +99,28 @@ class DecodeAdmission:
         """Start every handoff at the head of the queue whose KV is in place; returns their ids.
         Local ones (`kv_complete` says when all their KV landed) join `local` as running
         sequences."""
-        admitted = []
-        while self.waiting:
-            h = self.waiting[0]
+        admitted, still = [], []
+        for i, h in enumerate(self.waiting):
+            if not self._in_place(h, kv_complete):
+                if not h.shards:  # local ones keep their order: FCFS for this engine's blocks
+                    still += self.waiting[i:]
+                    break
+                still.append(h)  # a sharded one waits for its shards alone
+                continue
             seq = Sequence(h.req_id, len(h.token_ids))
             if h.shards:
                 if self.shard_blocks.can_grow(h.req_id, _reserve(h)):
                     self.shard_blocks.allocate(h.req_id, _reserve(h))
                 seq.num_computed = seq.num_tokens - 1
                 self.sharded.append(seq)
+                self._sharded_handoffs[h.req_id] = h
+                self._landed.pop(h.req_id, None)
                 self.arriving.add(h.req_id)
-            elif kv_complete(h.req_id):
-                local.add_running(seq)
             else:
-                break
-            self.waiting.pop(0)
+                local.add_running(seq)
             self._arrived.pop(h.req_id, None)
             admitted.append(h.req_id)
+        self.waiting = still
         return admitted
 
     def add_sharded(self, seq: Sequence, reserve_tokens: int) -> None:
@@ -105,10 +151,12 @@ class DecodeAdmission:
         """Forget a request wherever it is here (finished or aborted): its shard reservation goes
         back."""
         self.sharded = [s for s in self.sharded if s.req_id != req_id]
+        self._sharded_handoffs.pop(req_id, None)
         self.arriving.discard(req_id)
         self.shard_blocks.free(req_id)
         self.waiting = [h for h in self.waiting if h.req_id != req_id]
         self._arrived.pop(req_id, None)
+        self._landed.pop(req_id, None)
 
     def waiting_for(self, req_id: str) -> DecodeHandoff | None:
         return next((h for h in self.waiting if h.req_id == req_id), None)

@@ -47,11 +47,20 @@ from common.roles import Role
 from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import Batch, EngineScheduler, Phase, Sequence
 from common.scheduling.role_lease import RoleLease
+from common.scheduling.shard_choice import holds_whole_requests
 from common.scheduling.tiers import tier_policy
 from services.engine.admission import DecodeAdmission
 from services.engine.faults import EngineFaults
+from services.engine.kv_news import EngineKvNews
 from services.engine.outbox import Outbox
-from services.engine.routing import EngineRole, RequestRoute, kv_endpoints
+from services.engine.routing import (
+    EngineRole,
+    RequestRoute,
+    kv_endpoints,
+    placed_in,
+    shard_kv_tokens,
+    shard_of_rows,
+)
 from services.engine.runner import (
     KvRoute,
     KvSend,
@@ -72,7 +81,7 @@ class ShardRowFailed(RuntimeError):
     is re-run elsewhere, its batch-mates go on."""
 
 
-class Engine(EngineTiering, EngineFaults):
+class Engine(EngineTiering, EngineFaults, EngineKvNews):
     """Prefill and/or decode for the mesh; see the module docstring. Its fault inputs (a lost
     router, undelivered KV or hand-offs, a failed step, a new shard group, expired waits) are
     in `faults.py`; its two KV tiers (local and the shard group, Neo) in `tiering.py`."""
@@ -117,7 +126,11 @@ class Engine(EngineTiering, EngineFaults):
         self.ship_queue = EngineScheduler(self.blocks, config.scheduler)
         self.local = EngineScheduler(self.blocks, config.scheduler)
         # Handoffs waiting for their KV, and the requests decoding against the shard group.
-        self.admission = DecodeAdmission(role.shard_num_blocks, c.block_size)
+        # A request-partitioned group holds each request on one shard: its room is the sum.
+        group_blocks = role.shard_num_blocks * (len(shards) if holds_whole_requests(shards) else 1)
+        self.admission = DecodeAdmission(
+            group_blocks, c.block_size, await_landing=role.kv_transfer == "pull"
+        )
         self.requests: dict[str, Request] = {}
         self.routing: dict[str, RequestRoute] = {}
         self.sampler = Sampler()
@@ -174,7 +187,7 @@ class Engine(EngineTiering, EngineFaults):
         """A prefilled request to decode; it joins once its KV is in place."""
         if self.kv_ingress.has_ended(msg.req_id):  # aborted, or its KV refused or expired here
             return self._refuse_handoff(msg, "no KV for the request")
-        if msg.shards and kv_endpoints(msg.shards) != kv_endpoints(self.shards):
+        if msg.shards and not placed_in(msg.shards, self.shards):
             # Placed while this engine's group was whole; a shard has left since.
             return self._refuse_handoff(msg, "its shard group changed")
         output_token_ids = msg.token_ids[msg.num_prompt_tokens :]
@@ -243,9 +256,8 @@ class Engine(EngineTiering, EngineFaults):
     # -- the loop ---------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(
-            self.ship_queue.num_unfinished or self.local.num_unfinished or self.admission.sharded
-        )
+        busy = self.ship_queue.num_unfinished or self.local.num_unfinished
+        return bool(busy or self.admission.sharded) or self.admission.awaiting_landing()
 
     @torch.inference_mode()
     def step(self) -> Outbox:
@@ -263,6 +275,8 @@ class Engine(EngineTiering, EngineFaults):
             return self._run_local(batch)
         local = batch.seqs if batch else []
         if not local and not self.admission.sharded:
+            if self.admission.awaiting_landing():  # nothing to run: ask the shards for news
+                return self._ask_kv_news(next(self.steps))
             return Outbox()
         return self._decode(batch, local)
 
@@ -324,16 +338,19 @@ class Engine(EngineTiering, EngineFaults):
         self.admission.grow_sharded()
         step = next(self.steps)
         trace = self.telemetry.trace_step(step, sharded)  # sampled: token.step, round trips
+        shard_of = shard_of_rows(self.shards, self.routing, sharded)  # request-partitioned
         if self.two_batch and local and sharded:  # batch-0 local, batch-1 offloaded (Neo)
             plan = self.runner.plan_decode(local, [], token_ids, step)
             plan.batch_1 = self.runner.plan_decode(
-                [], sharded, token_ids, step, trace.round_trips, trace.traceparent
+                [], sharded, token_ids, step, trace.round_trips, trace.traceparent, shard_of
             )
-            plan.batch_1.failed = plan.failed
+            # One set of outcomes for the step, whichever sub-batch saw them.
+            plan.batch_1.failed, plan.batch_1.kv_landed = plan.failed, plan.kv_landed
+            plan.batch_1.kv_lost = plan.kv_lost
             self.num_two_batch_steps += 1
         else:
             plan = self.runner.plan_decode(local, sharded, token_ids, step, trace.round_trips,
-                                           trace.traceparent)  # fmt: skip
+                                           trace.traceparent, shard_of)  # fmt: skip
         self.num_decode_steps += 1
         everyone = Batch(Phase.DECODE, local + sharded)
         self.telemetry.decode_step(len(everyone.seqs))
@@ -346,7 +363,7 @@ class Engine(EngineTiering, EngineFaults):
             if seq.req_id in plan.failed:  # a shard could not attend for it: it alone is re-run
                 row = SampledRow(ShardRowFailed(f"a shard of engine {self.engine_id} lost its KV"))
             out += self._emit(seq.req_id, row)
-        return out
+        return out + self._kv_news_after(plan)
 
     def _forward(self, batch: Batch, plan: StepPlan) -> list[SampledRow]:
         """The batch's next tokens (a row whose sampling failed carries the exception instead),
@@ -453,4 +470,5 @@ class Engine(EngineTiering, EngineFaults):
             else self.blocks.num_free_blocks,
             time=now,
             shard_endpoints=kv_endpoints(self.shards),
+            shard_kv_tokens=shard_kv_tokens(self.shards, self.admission.reserved_tokens()),
         )

@@ -25,7 +25,7 @@ import torch
 
 from common.attention.prefix_prefill import with_cached_prefixes
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
-from common.protocol import AttendBatch, KvPages, ShardAddress
+from common.protocol import AttendBatch, KvPages, KvReadyQuery, ShardAddress
 from common.scheduling.batching import Batch, Phase, Sequence
 from common.transport.tensor_frames import ReceiveInto
 
@@ -139,6 +139,9 @@ class ShardedRows:
     req_ids: list[str]
     context_lens: list[int]
     traceparent: str = ""  # the step's `token.step` context when traced, for the shards
+    # A group that holds whole requests (`shard_partition: request`): per shard, the indexes of
+    # the rows (into `req_ids`) whose KV it holds; None: heads split, every shard every row.
+    shard_rows: list[list[int]] | None = None
 
 
 @dataclass
@@ -149,7 +152,8 @@ class StepPlan(StepInputs):
     over this engine's cache, `sharded` (if any) on the shard group; `round_trips`, when a list,
     collects (shard index, seconds from send to reply) per shard and layer, for telemetry. After
     the run, `failed` names the sharded requests a shard could not attend for (their tokens are
-    meaningless: each ends alone).
+    meaningless: each ends alone). `kv_landed` (shard index, request ids) and `kv_lost` are the
+    shards' news about KV arriving (`AttendResult.kv_landed`), for the engine's admission.
     """
 
     num_local: int = 0
@@ -157,6 +161,8 @@ class StepPlan(StepInputs):
     kv_shipper: KvShipper | None = None
     round_trips: list[tuple[int, float]] | None = None
     failed: set[str] = field(default_factory=set)
+    kv_landed: list[tuple[int, list[str]]] = field(default_factory=list)
+    kv_lost: set[str] = field(default_factory=set)
     # Neo's asymmetric pipelining (§3.1): this plan is batch-0 (local rows only) and `batch_1`
     # the offloaded rows, run interleaved per layer (`MeshModelRunner.run`); logits come back
     # as [batch-0 rows | batch-1 rows], and `failed` is shared by both.
@@ -193,9 +199,10 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         step: int,
         round_trips: list[tuple[int, float]] | None = None,
         traceparent: str = "",
+        shard_of: list[int] | None = None,
     ) -> StepPlan:
         """A decode step over `[local rows | sharded rows]`; only local rows get slots and block
-        tables."""
+        tables. `shard_of`: a request-partitioned group's shard of each sharded row."""
         seqs = local + sharded
         req_ids = [s.req_id for s in seqs]
         positions = [s.num_tokens - 1 for s in seqs]
@@ -203,6 +210,9 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         rows = ShardedRows(
             step, req_ids[len(local) :], [s.num_tokens for s in sharded], traceparent
         )
+        if shard_of is not None:
+            rows.shard_rows = [[r for r, s in enumerate(shard_of) if s == i]
+                               for i in range(len(self.shard_links))]  # fmt: skip
         return StepPlan(
             phase=Phase.DECODE,
             req_ids=req_ids,
@@ -222,9 +232,10 @@ class MeshModelRunner(ModelRunner[StepPlan]):
 
     @torch.inference_mode()
     def run(self, inputs: StepPlan, keep_hidden: bool = False) -> torch.Tensor:
-        if inputs.batch_1 is None or inputs.batch_1.sharded is None:
-            return super().run(inputs, keep_hidden)
-        return self._run_two_batches(inputs, inputs.batch_1, inputs.batch_1.sharded)
+        b1 = inputs.batch_1
+        if b1 is None or b1.sharded is None or b1.sharded.shard_rows is not None:
+            return super().run(inputs, keep_hidden)  # NOTE: head-partitioned groups only
+        return self._run_two_batches(inputs, b1, b1.sharded)
 
     def _run_two_batches(
         self, batch_0: StepPlan, batch_1: StepPlan, sharded: ShardedRows
@@ -263,6 +274,8 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             return out
         if inputs.sharded is None:
             return super().attend(layer, q, k, v, inputs)
+        if inputs.sharded.shard_rows is not None:
+            return self._attend_by_request(layer, q, k, v, inputs, inputs.sharded)
         return self._attend_split(layer, q, k, v, inputs, inputs.sharded)
 
     def _attend_split(
@@ -328,10 +341,94 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             elif result.error:
                 errors.append(f"shard {i}: {result.error}")
             inputs.failed.update(result.failed)
+            if result.kv_landed or result.kv_lost:
+                inputs.kv_landed.append((i, result.kv_landed))
+                inputs.kv_lost.update(result.kv_lost)
         if faults:
             raise ShardLinkFault("; ".join(faults))
         if errors:
             raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
+
+    def _attend_by_request(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        inputs: StepPlan,
+        sharded: ShardedRows,
+    ) -> torch.Tensor:
+        """A request-partitioned group: each shard gets only its requests' rows, all heads; a
+        shard with none this step gets no message (it holds no state between steps)."""
+        assert sharded.shard_rows is not None
+        n = inputs.num_local
+        in_flight = []
+        for i, (link, rows) in enumerate(zip(self.shard_links, sharded.shard_rows, strict=True)):
+            if not rows:
+                continue
+            header = AttendBatch(sharded.step, layer)
+            if layer == 0:
+                header.req_ids = [sharded.req_ids[r] for r in rows]
+                header.context_lens = [sharded.context_lens[r] for r in rows]
+                header.traceparent = sharded.traceparent
+            index = torch.tensor(rows) + n  # [R] rows of the batch
+            tensors = [q[index], k[index], v[index]]  # gathered: [R, heads, D] each
+            in_flight.append(
+                (i, link, index, link.send_async(header, tensors), time.perf_counter())
+            )
+        out = torch.empty(q.shape, dtype=torch.float32)
+        if n:
+            out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
+        errors, faults = [], []  # every reply is read before anything is raised (_attend_split)
+        for i, link, index, handle, sent_at in in_flight:
+            try:
+                link.wait(handle, self.reply_timeout_s)
+                result, (rows_out, _) = link.recv(None, self.reply_timeout_s)
+            except TimeoutError:
+                faults.append(f"shard {i}: no reply in {self.reply_timeout_s} s")
+                continue
+            if inputs.round_trips is not None:
+                inputs.round_trips.append((i, time.perf_counter() - sent_at))
+            if (result.step, result.layer) != (sharded.step, layer):
+                faults.append(f"shard {i}: reply for step {result.step} layer {result.layer}, "
+                              f"expected step {sharded.step} layer {layer}")  # fmt: skip
+                continue
+            if result.error:
+                errors.append(f"shard {i}: {result.error}")
+            else:
+                out[index] = rows_out
+            inputs.failed.update(result.failed)
+            if result.kv_landed or result.kv_lost:
+                inputs.kv_landed.append((i, result.kv_landed))
+                inputs.kv_lost.update(result.kv_lost)
+        if faults:
+            raise ShardLinkFault("; ".join(faults))
+        if errors:
+            raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
+        return out
+
+    def ask_kv_news(
+        self, step: int, wait_s: float, shards: Seq[int] | None = None
+    ) -> tuple[list[tuple[int, list[str]]], set[str]]:
+        """Between steps: news about KV arriving from `shards` (indexes; all by default), a
+        `KvReadyQuery` round trip each; a shard with none waits up to `wait_s` for some."""
+        asked = list(range(len(self.shard_links))) if shards is None else list(shards)
+        for i in asked:
+            link = self.shard_links[i]
+            link.wait(link.send_async(KvReadyQuery(step, wait_s), []), self.reply_timeout_s)
+        landed, lost = [], set()
+        for i in asked:
+            link = self.shard_links[i]
+            try:
+                result, _ = link.recv(None, self.reply_timeout_s)
+            except TimeoutError as exc:
+                raise ShardLinkFault(f"shard {i}: no answer about its KV") from exc
+            if (result.step, result.layer) != (step, -1):
+                raise ShardLinkFault(f"shard {i}: answered step {result.step} layer "
+                                     f"{result.layer} to a KV query of step {step}")  # fmt: skip
+            landed.append((i, result.kv_landed))
+            lost.update(result.kv_lost)
+        return landed, lost
 
     def _attend_local(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepPlan

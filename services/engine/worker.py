@@ -20,12 +20,14 @@ import zmq
 from common.block_manager import BlockManager
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.kv_events import CacheDigests
+from common.kv_hold import KvHold
 from common.protocol import (
     AbortRequest,
     DecodeHandoff,
     EngineCommand,
     FreeRequest,
     GenerateRequest,
+    KvAnnounce,
     KvControl,
     KvPages,
     KvSwapAck,
@@ -40,10 +42,12 @@ from common.protocol import (
     StatsRequest,
     TokenBatch,
 )
+from common.roles import Role
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.engine.engine import Engine, EngineRole
+from services.engine.kv_hold_server import KvHoldServer
 from services.engine.kv_ports import EngineKvPorts
 from services.engine.outbox import Outbox
 from services.engine.peer_watch import PeerWatch
@@ -80,9 +84,14 @@ class EngineWorker:
         self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch, auth=auth)
         self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress, auth=auth)
         self.links = {s.link_address: self._connect(s) for s in cfg.shards}
+        # `kv_transfer: pull`: shards' KV is held here and pulled by them (kv_hold_server.py).
+        pulls = cfg.kv_transfer == "pull" and cfg.role in (Role.PROMPT, Role.MIXED)
+        self.kv_hold = KvHoldServer(KvHold(cfg.kv_hold_bytes), cfg.host, auth) if pulls else None
         role = EngineRole(
             cfg.role, self.command_endpoint, cfg.layer_wise_min_tokens, cfg.shard_num_blocks,
-            cfg.local_kv_blocks, cfg.tier_policy, self.kv_ports.address,
+            # NOTE: swaps move a request's heads across the whole group: head-partitioned only.
+            cfg.kv_transfer, cfg.local_kv_blocks if cfg.shard_partition == "head" else 0,
+            cfg.tier_policy, self.kv_ports.address,
         )  # fmt: skip
         telemetry = EngineTelemetry(
             cfg.service_id, cfg.model_name, shards=[s.service_id for s in cfg.shards]
@@ -116,7 +125,14 @@ class EngineWorker:
         # Over UCX where the receiver listens for KV; a transfer that fails ends its request
         # retryably (`_tick`). On ZeroMQ, KV that cannot be sent is dropped: its decode step fails
         # on the shard (KV_WAIT_S) or its hand-off times out, and the request is re-run elsewhere.
-        if dest.kv_address:
+        if pages.reserve_tokens and self.kv_hold is not None and self.kv_hold.hold.put(pages, k, v):
+            # Held for the shard to pull; announced once whole (before the hand-off leaves).
+            if self.kv_hold.hold.is_complete(pages.req_id, dest.head_start, dest.head_end):
+                announce = KvAnnounce(
+                    pages.req_id, self.kv_hold.endpoint, dest.head_start, dest.head_end
+                )
+                self._delivered(dest.kv_endpoint, announce, tensors=[])
+        elif dest.kv_address:
             self.kv_ports.send(dest.kv_address, pages, k, v)
         else:
             self._delivered(dest.kv_endpoint, pages, tensors=[k, v])
@@ -136,6 +152,8 @@ class EngineWorker:
             self._tick()
         self.peers.close()
         self.kv_ports.close()
+        if self.kv_hold is not None:
+            self.kv_hold.close()
         self.ctx.destroy(linger=0)
 
     def _step(self) -> None:

@@ -59,6 +59,8 @@ class Topology:
     local_kv_blocks: int = 0  # token engines' local KV tier beside their shards (Neo); 0: none
     tier_policy: str = ""  # and who lives in it (common/scheduling/tiers.py)
     token_num_blocks: int = 0  # token engines' own KV blocks; 0: num_blocks (benches bound it)
+    kv_transfer: str = "push"  # shards' KV pushed by prompt engines, or pulled by the shards
+    shard_partition: str = "head"  # a group's shards split KV heads, or hold whole requests
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
@@ -122,7 +124,8 @@ class LocalMesh:
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
             mesh_key=self.mesh_key, shard_reply_timeout_s=t.shard_reply_timeout_s,
             enable_prefix_caching=t.enable_prefix_caching,
-            kv_over_ucx=t.kv_over_ucx,
+            kv_over_ucx=t.kv_over_ucx, kv_transfer=t.kv_transfer,
+            shard_partition=t.shard_partition,
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
         placements = place_decode_groups(t.num_token, self.shards_per_group, cores)
@@ -162,16 +165,18 @@ class LocalMesh:
         if not per_group:
             return []
         num_kv_heads = _num_kv_heads(t.model_path)
-        if num_kv_heads % per_group:
+        by_request = t.shard_partition == "request"  # every shard holds every head
+        if num_kv_heads % per_group and not by_request:
             raise ValueError(f"{num_kv_heads} KV heads do not split over {per_group} shards")
-        width = num_kv_heads // per_group
+        width = num_kv_heads if by_request else num_kv_heads // per_group
         return [
             msgspec.structs.replace(
                 base,
                 service_id=f"shard-{i}",
                 role=Role.SHARD,
-                head_start=(i % per_group) * width,
-                head_end=(i % per_group + 1) * width,
+                head_start=0 if by_request else (i % per_group) * width,
+                head_end=width if by_request else (i % per_group + 1) * width,
+                shard_slot=i % per_group,
                 cpus=list(placements[i // per_group].shards[i % per_group]),
             )  # fmt: skip
             for i in range(t.num_shards)
@@ -305,7 +310,13 @@ def entry_of(worker: LocalWorker) -> ServiceEntry:
     """The registry entry of a started worker, as a Ray replica registers itself."""
     cfg, r = worker.cfg, worker.ready
     role = cfg.role
-    slot = cfg.head_start // (cfg.head_end - cfg.head_start) if role == Role.SHARD else -1
+    slot = -1
+    if role == Role.SHARD:
+        slot = (
+            cfg.shard_slot
+            if cfg.shard_slot >= 0
+            else cfg.head_start // (cfg.head_end - cfg.head_start)
+        )
     return ServiceEntry(
         role=role, service_id=cfg.service_id, state="ready",
         command_endpoint=r.command_endpoint, kv_endpoint=r.kv_endpoint,

@@ -226,14 +226,15 @@ def start_shard(
     torch.set_num_threads(base.num_threads)
     num_slots = max(shards_per_group, 1)
     num_kv_heads = ModelConfig.from_folder(base.model_path).num_key_value_heads
-    if num_kv_heads % num_slots:
+    by_request = base.shard_partition == "request"  # every shard holds every head
+    if num_kv_heads % num_slots and not by_request:
         raise ValueError(f"{num_kv_heads} KV heads do not split over {num_slots} shards")
     entry = ServiceEntry(role=Role.SHARD, service_id=service_id)
     slot = registry.take_shard_slot(entry, num_slots)
     membership = Membership(registry, replace(entry, slot=slot))
     membership.start()  # holds the slot while the shard allocates its KV
     width = num_kv_heads // num_slots
-    head_start, head_end = slot * width, (slot + 1) * width
+    head_start, head_end = (0, num_kv_heads) if by_request else (slot * width, (slot + 1) * width)
     cfg = replace_cfg(
         base, service_id=service_id, role=Role.SHARD,
         num_blocks=base.shard_num_blocks, head_start=head_start, head_end=head_end,

@@ -39,6 +39,7 @@ from common.scheduling.cluster import (
     PoolThresholds,
     RouteRequest,
 )
+from common.scheduling.shard_choice import ShardKvLoads, holds_whole_requests
 from services.mesh.registry import ServiceEntry
 from services.router.pool_state import ReportedPools
 
@@ -73,6 +74,7 @@ class ClusterScheduler:
         self._live_shards: set[str] = set()  # the registry's shards (their KV endpoints)
         self._cached: dict[int, CachedBlocks] = {}  # each engine's prefix cache, from its reports
         self._pools = ReportedPools(self.thresholds.role_lease_s)
+        self._shard_loads = ShardKvLoads()  # request-partitioned groups: KV tokens per shard
 
     def set_engines(self, entries: list[ServiceEntry]) -> None:
         """The registry's ready services now (shards included: a token engine's group must be
@@ -106,6 +108,8 @@ class ClusterScheduler:
                 free_kv_tokens=report.free_kv_blocks * self.block_size,
             )
             self._linked[machine_id] = report.shard_endpoints
+            if report.shard_kv_tokens:
+                self._shard_loads.on_report(report.shard_endpoints, report.shard_kv_tokens)
             self._pools.on_report(machine_id, report)
             if report.kv_seq:
                 self._cached[machine_id].apply(
@@ -135,7 +139,17 @@ class ClusterScheduler:
             prompt_id, token_id = decision.prompt_machine_id, decision.token_machine_id
             self._account(prompt_id, token_id, prompt_len, request.cached_on(prompt_id))
             self._cached[prompt_id].expect(hashes)
-            return self._engines[prompt_id], self._linked_group(token_id)
+            return self._engines[prompt_id], self._one_shard(
+                self._linked_group(token_id), prompt_len
+            )
+
+    def _one_shard(self, token: ServiceEntry, prompt_len: int) -> ServiceEntry:
+        """A token engine whose group holds whole requests (`shard_partition: request`): the
+        request goes to one shard of it, the one with the fewest KV tokens."""
+        if not holds_whole_requests(token.shards):
+            return token
+        best = self._shard_loads.choose([s.kv_endpoint for s in token.shards], prompt_len)
+        return replace(token, shards=(token.shards[best],))
 
     def rebalance(self) -> None:
         """Return drained lent engines home and renew the others' leases (the router calls this

@@ -4,7 +4,10 @@ control.
 Three threads, each owning its sockets: the KV receiver (`common/transport/kv_links.py`) lands KV
 pages from prompt engines' UCX links; the ingress thread drains frees, shutdown and stats requests
 from ZeroMQ (and KV pages too where `kv_over_ucx` is off); the main thread answers the token
-engine's per-layer round trips on its UCX channel. Each blocks on its event fd or poller (no
+engine's per-layer round trips on its UCX channel. Where prompt engines hold KV for pulling
+(`kv_transfer: pull`), a fourth, the puller (`kv_puller.py`), fetches announced KV and lands it
+between decode steps (`step_gate.py`); every landing, pushed or pulled, is news for the token
+engine (`kv_news.py`), told in the next reply. Each blocks on its event fd or poller (no
 busy-polling: this machine has 2 vCPUs). The two ingress threads take turns (`_ingress_lock`):
 `KvIngress` serves one ingress thread.
 """
@@ -27,8 +30,10 @@ from common.protocol import (
     AttendResult,
     FetchKv,
     FreeRequest,
+    KvAnnounce,
     KvControl,
     KvPages,
+    KvReadyQuery,
     KvSwapAck,
     ServiceReply,
     ShardIngress,
@@ -42,12 +47,16 @@ from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
 from common.transport.zmq_sockets import TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
+from services.shard.kv_news import KvNews
+from services.shard.kv_puller import KvPuller
 from services.shard.shard import AttentionShard, ShardSpec
+from services.shard.step_gate import StepGate
 from services.shard.telemetry import ShardTelemetry
 
 log = structlog.get_logger(__name__)
 
 POLL_S = 0.2  # idle wake-up to notice shutdown
+NEWS_WAIT_MAX_S = 0.1  # the longest a `KvReadyQuery` may keep the main thread waiting for news
 GAUGE_INTERVAL_S = 0.5  # KV blocks in use, set at most this often
 
 
@@ -82,6 +91,9 @@ class ShardWorker:
         self._ingress_lock = threading.Lock()
         self.kv_receiver = KvReceiver(cfg.host, key, self._on_ingress) if cfg.kv_over_ucx else None
         self.swap_sender: KvSender | None = None  # KV swapped back to token engines (Neo)
+        self.news = KvNews()
+        self.gate = StepGate()
+        self.puller = KvPuller(self.gate, self._on_ingress, self._pull_lost, auth)
         self.metrics = Metrics(model_name=cfg.model_name, engine=cfg.service_id)
         self.telemetry = ShardTelemetry(cfg.service_id, spec.num_layers)  # shard.attend spans
         self._last_gauge = 0.0
@@ -101,6 +113,7 @@ class ShardWorker:
         while self.running and (link := self._accept()) is not None:
             self._serve(link)
         ingress.join(timeout=2)
+        self.puller.close()
         if self.kv_receiver is not None:
             self.kv_receiver.close()
         if self.swap_sender is not None:
@@ -117,6 +130,7 @@ class ShardWorker:
             try:
                 header, tensors = link.recv(timeout=POLL_S)
             except TimeoutError:
+                self.gate.end_step()  # an idle link: no step is in progress (step_gate.py)
                 continue
             except ChannelClosed:
                 freed = self.shard.free_decoded()
@@ -128,8 +142,12 @@ class ShardWorker:
                 break
             if isinstance(header, AttendBatch) and len(tensors) == 3:
                 self._answer(link, header, tensors)
+            elif isinstance(header, KvReadyQuery):
+                landed, lost = self.news.drain(min(header.wait_s, NEWS_WAIT_MAX_S))
+                link.send(AttendResult(header.step, -1, kv_landed=landed, kv_lost=lost), [])
             else:
                 log.warning("dropped unexpected link message", kind=type(header).__name__)
+        self.gate.end_step()
         link.close()
 
     def _accept(self) -> UcxTensorChannel[ShardLinkMessage] | None:
@@ -144,11 +162,16 @@ class ShardWorker:
     def _answer(
         self, link: UcxTensorChannel[ShardLinkMessage], batch: AttendBatch, qkv: list[torch.Tensor]
     ) -> None:
+        if batch.layer == 0:
+            self.gate.start_step()
         try:
             self.telemetry.layer_started(batch)
             out, lse, failed = self.shard.attend(batch, *qkv)
             self.telemetry.layer_done(batch, len(failed), self.shard.blocks.num_used_blocks)
-            link.send(AttendResult(batch.step, batch.layer, failed=failed), [out, lse])
+            landed, lost = self.news.drain()
+            result = AttendResult(batch.step, batch.layer, failed=failed, kv_landed=landed,
+                                  kv_lost=lost)  # fmt: skip
+            link.send(result, [out, lse])
             self.telemetry.flush()
         except Exception as exc:  # noqa: BLE001 - the engine must get an answer, not a hang
             self.telemetry.layer_failed(batch, exc)
@@ -156,6 +179,8 @@ class ShardWorker:
             n, hq, d = qkv[0].shape
             empty = [torch.zeros(n, hq, d), torch.zeros(n, hq)]
             link.send(AttendResult(batch.step, batch.layer, error=repr(exc)), empty)
+        if batch.layer == self.shard.spec.num_layers - 1:
+            self.gate.end_step()
 
     def _ingress_loop(self) -> None:
         poller = zmq.Poller()
@@ -186,12 +211,18 @@ class ShardWorker:
         with self._ingress_lock:
             self._land(header, tensors)
 
+    def _pull_lost(self, req_id: str, why: str) -> None:
+        log.warning("KV pull failed; the request's KV is lost here", req_id=req_id, why=why)
+        self.news.lost(req_id)
+
     def _land(self, header: ShardIngress, tensors: list[torch.Tensor]) -> None:
         try:
             if isinstance(header, KvPages) and len(tensors) == 2:
-                landed = self.shard.receive_kv(header, *tensors)
+                landed = self._land_pages(header, tensors)
                 if header.ack_to:
                     self._ack_swap_out(header, landed)
+            elif isinstance(header, KvAnnounce):
+                self.puller.announce(header)
             elif isinstance(header, FetchKv):
                 self._fetch(header)
             elif isinstance(header, FreeRequest):
@@ -235,6 +266,20 @@ class ShardWorker:
         if self.swap_sender is None:
             self.swap_sender = KvSender(self.cfg.host, bytes.fromhex(self.cfg.mesh_key))
         return self.swap_sender
+
+    def _land_pages(self, pages: KvPages, tensors: list[torch.Tensor]) -> Landed:
+        """Land KV pages; a request whose KV is now whole here, or refused, or did not fit, is
+        news for the token engine (pages that do not fit raise after that)."""
+        try:
+            landed = self.shard.receive_kv(pages, *tensors)
+        except ValueError:
+            self.news.lost(pages.req_id)
+            raise
+        if landed is Landed.COMPLETE:
+            self.news.landed(pages.req_id)
+        elif landed is Landed.REFUSED:
+            self.news.lost(pages.req_id)
+        return landed
 
 
 __all__ = ["ShardWorker"]

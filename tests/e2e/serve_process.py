@@ -64,9 +64,11 @@ class ServeRun:
         env.setdefault("RAY_AUTH_MODE", "token")
         command = [str(SERVE_CLI), "run", "--address", "local", str(self.config_path)]
         with self.log_path.open("wb") as log:
+            # A session of its own: `kill` can then SIGKILL everything it started, and only that.
             self._proc = subprocess.Popen(
-                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
-            )
+                command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
         self._wait_healthy(timeout_s)
         return self.base_url
 
@@ -97,8 +99,14 @@ class ServeRun:
         try:
             self._proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait(10)
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL `serve run` and everything it started (its whole session), as a crash would."""
+        if self._proc is None:
+            return
+        kill_session(self._proc.pid)
+        self._proc.wait(30)
 
     def log_tail(self, num_chars: int = 6000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
@@ -160,3 +168,38 @@ def replica_pid(server: ServeRun, deployment: str) -> int:
         if f"ServeReplica:phasemesh:{deployment}" in cmdline:
             return pid
     raise LookupError(f"no {deployment} replica under serve run {server.pid}")
+
+
+def kill_session(session_id: int) -> None:
+    """SIGKILL the process group `session_id` leads, then every other process of its session:
+    Ray moves each worker (the HTTP proxy and the replicas among them) to a group of its own."""
+    try:
+        os.killpg(session_id, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is gone; members of other groups may remain
+    for _ in range(50):  # again until none is left: one may have forked while we killed
+        survivors = session_pids(session_id)
+        if not survivors:
+            break
+        for pid in survivors:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # exited on its own meanwhile
+        time.sleep(0.1)  # SIGKILLed processes take a moment to leave /proc
+
+
+def session_pids(session_id: int) -> list[int]:
+    """Live processes of a session, from /proc/PID/stat (state, ppid, pgrp, session follow the
+    command name, which may hold spaces and parentheses)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue  # /proc/self, /proc/meminfo, ...
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited while we looked
+        if int(fields[3]) == session_id and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found

@@ -1,5 +1,7 @@
 """The disaggregated mesh (separate OS processes over ZeroMQ and UCX) against the single-process
-engine: greedy tokens equal, KV shipped layer-wise or serialized, nothing leaked."""
+engine: greedy tokens equal, KV shipped layer-wise or serialized, or held by the prompt engine
+and pulled by the shards between decode steps (`kv_transfer: pull`), shard groups split by KV
+heads or holding whole requests (`shard_partition: request`), nothing leaked."""
 
 from __future__ import annotations
 
@@ -43,14 +45,20 @@ def hf(tiny_model_path):
 
 
 @pytest.mark.parametrize(
-    "num_token, num_shards", [(1, 0), (1, 1), (1, 2), (2, 2)], ids=lambda v: str(v)
-)
+    "num_token, num_shards, kv_transfer, partition",
+    [
+        (1, 0, "push", "head"), (1, 1, "push", "head"), (1, 2, "push", "head"),
+        (2, 2, "push", "head"), (1, 2, "pull", "head"), (1, 2, "push", "request"),
+        (1, 2, "pull", "request"),
+    ],
+    ids=lambda v: str(v),
+)  # fmt: skip
 def test_mesh_matches_single_process_engine(
-    tiny_model_path, prompts, reference, hf, num_token, num_shards
+    tiny_model_path, prompts, reference, hf, num_token, num_shards, kv_transfer, partition
 ):
     topology = Topology(
         str(tiny_model_path), num_prompt=1, num_token=num_token, num_shards=num_shards,
-        layer_wise_min_tokens=LAYER_WISE_MIN,
+        layer_wise_min_tokens=LAYER_WISE_MIN, kv_transfer=kv_transfer, shard_partition=partition,
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:
@@ -64,9 +72,37 @@ def test_mesh_matches_single_process_engine(
                 assert_greedy_close(hf, prompt, ours, reference[i])
         assert_no_kv_held(mesh)
         events = [e for s in mesh.stats() for e in s.kv_events]
-        _check_layer_wise(events, prompts)
+        if partition == "request":
+            _check_whole_requests(mesh, prompts)
+        if kv_transfer == "pull":
+            per_request = 1 if partition == "request" else num_shards // num_token
+            _check_pulled(events, prompts, per_request)
+        else:
+            _check_layer_wise(events, prompts)
     finally:
         mesh.close()
+
+
+def _check_whole_requests(mesh, prompts) -> None:
+    """Request partitioning: each request's KV went to exactly one shard, and both shards got
+    some (placed by KV tokens)."""
+    shards = [s for s in mesh.stats() if s.role == "shard"]
+    holders = {
+        f"req-{i}": [s.service_id for s in shards
+                     if any(e.req_id == f"req-{i}" for e in s.kv_events)]
+        for i in range(len(prompts))
+    }  # fmt: skip
+    assert all(len(h) == 1 for h in holders.values()), holders
+    assert len({h[0] for h in holders.values()}) == len(shards) > 1, holders
+
+
+def _check_pulled(events, prompts, num_shards: int) -> None:
+    """Pulled: every shard of the group took each request's KV in one message, every layer in it,
+    however its prompt engine produced it (layer by layer for long prompts)."""
+    for i in range(len(prompts)):
+        got = [e for e in events if e.what == "received" and e.req_id == f"req-{i}"]
+        assert [e.layer_start for e in got] == [0] * num_shards, f"req-{i} was not pulled"
+        assert all(0 < e.sent_at <= e.time for e in got)
 
 
 def _check_layer_wise(events, prompts) -> None:

@@ -87,3 +87,30 @@ def test_growing_stays_within_the_reservation():
         admission.sharded[0].num_tokens += 1
         admission.grow_sharded()
     assert admission.shard_blocks.num_used_blocks == 2
+
+
+def test_pulled_requests_wait_for_every_shard_of_the_group_and_only_for_them():
+    """`kv_transfer: pull`: a sharded hand-off joins decode steps once every shard of the group
+    said its KV landed, so no step names a request a shard still lacks (none waits at layer 0);
+    news may come before the hand-off. A sharded one still waiting does not hold up the others,
+    and one that never lands is stalled after its bound."""
+    admission = DecodeAdmission(shard_num_blocks=64, block_size=BLOCK, await_landing=True)
+    admission.note_landed("tcp://shard-1", ["b"])  # before its hand-off
+    admission.add(handoff("a", tokens=20, max_tokens=8, sharded=True), now=0.0)
+    admission.add(handoff("b", tokens=20, max_tokens=8, sharded=True), now=0.0)
+    assert admission.awaiting_landing()
+    assert admission.admit(local_scheduler(), nothing_landed) == []
+    admission.note_landed("tcp://shard-0", ["b", "a"])
+    assert admission.admit(local_scheduler(), nothing_landed) == ["b"]  # a lacks shard-1's
+    assert [h.req_id for h in admission.stalled(31.0, 30.0, nothing_landed)] == ["a"]
+    admission.note_landed("tcp://shard-1", ["a"])
+    assert admission.admit(local_scheduler(), nothing_landed) == ["a"]
+    assert not admission.awaiting_landing()
+    assert [s.req_id for s in admission.sharded] == ["b", "a"]
+
+
+def test_pushed_requests_ignore_landing_news():
+    admission = DecodeAdmission(shard_num_blocks=64, block_size=BLOCK)
+    admission.add(handoff("a", tokens=20, max_tokens=8, sharded=True))
+    assert not admission.awaiting_landing()
+    assert admission.admit(local_scheduler(), nothing_landed) == ["a"]

@@ -81,3 +81,22 @@ def test_kv_transfer_modes():
     assert layerwise.visible_s(100) == layerwise.visible_s(8000) == 0.005
     assert auto.visible_s(100) == serialized.visible_s(100)  # small prompts: serialized
     assert auto.visible_s(8000) == 0.005  # large prompts: layer-wise
+
+
+def test_memory_bound_time_and_its_refusals():
+    from common.perf_model import memory_bound_s
+
+    assert memory_bound_s(7e9, 1e12, 0.7) == pytest.approx(0.01)
+    for bandwidth, efficiency in ((0.0, 0.7), (1e12, 0.0), (1e12, 1.5)):
+        with pytest.raises(ValueError):
+            memory_bound_s(1.0, bandwidth, efficiency)
+
+
+def test_dense_decode_is_the_step_less_attention_and_continues_its_last_segment():
+    from common.perf_model import PerfModel, dense_decode_model
+
+    decode = PerfModel(PiecewiseLinear((0, 1), (1, 2)), PiecewiseLinear((1, 2, 4), (10, 11, 15)))
+    dense = dense_decode_model(decode, attention_s_per_request=0.5)
+    assert [dense(b) for b in (1, 2, 4)] == [9.5, 10.0, 13.0]
+    assert dense(6) == pytest.approx(13.0 + 2 * 1.5)  # (13 - 10) / (4 - 2) per request
+    assert dense_decode_model(decode, 0.5, slope_past_s=0.25)(8) == pytest.approx(14.0)

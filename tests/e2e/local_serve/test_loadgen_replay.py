@@ -1,9 +1,10 @@
 """The load generator against the real server: `python -m loadgen replay` on `serve run`.
 
-One `serve run deploy/local.yaml` for the module (Ray start-up is the slow part), started the way
-`tests/e2e/serve_process.py` starts it, so whatever topology local.yaml names is what is tested.
+The package's `serve run deploy/local.yaml` (`conftest.py`: Ray start-up is the slow part), started
+the way `tests/e2e/serve_process.py` starts it, so whatever topology local.yaml names is what is
+tested.
 The first test replays the first 60 s of the Azure conversation trace, scaled to the tiny model;
-the last one SIGKILLs that same server halfway through a replay, so it must stay last.
+the last one SIGKILLs that same server halfway through a replay, so `conftest.py` runs it last.
 
 The expected requests come from this file's own reader of the trace (the `csv` module and exact
 decimal timestamps), not from `loadgen.traces`, so the report is checked against the trace itself.
@@ -14,11 +15,10 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from fractions import Fraction
@@ -30,7 +30,6 @@ import pytest
 
 from common.model.default import PRESETS, default_model_path
 from loadgen.traces import shared_dir
-from tests.e2e import serve_process
 from tests.e2e.serve_process import REPO, ServeRun
 
 pytestmark = pytest.mark.timeout(600)
@@ -86,29 +85,12 @@ def window() -> list[TraceRequest]:
     return read_window(TRACE, WINDOW_S)
 
 
-# ---- the server, in a process group of its own so that it can be SIGKILLed as a whole ----
-
-
-class _RecordingPopen:
-    """`subprocess.Popen` that puts the child in a new session (its own process group) and keeps
-    it, so the test can kill `serve run` and everything it started without killing pytest."""
-
-    def __init__(self) -> None:
-        self.real_popen = subprocess.Popen
-        self.procs: list[subprocess.Popen[Any]] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
-        proc = self.real_popen(*args, start_new_session=True, **kwargs)
-        self.procs.append(proc)
-        return proc
+# ---- the package's server (tests/e2e/local_serve/conftest.py) and what its model accepts ----
 
 
 @dataclass
 class Server:
-    """The module's `serve run`, its process, and what its model accepts."""
-
     run: ServeRun
-    proc: subprocess.Popen[Any]
     vocab_size: int
     max_model_len: int
 
@@ -122,61 +104,17 @@ def model_limits(config: dict[str, Any]) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    run = ServeRun(REPO / "deploy" / "local.yaml", tmp_path_factory.mktemp("serve"))
-    popen = _RecordingPopen()
-    try:
-        # NOTE: ServeRun starts `serve run` in pytest's own process group; a new session is the
-        # only way to SIGKILL its group. Patched for the start call only.
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(serve_process.subprocess, "Popen", popen)
-            run.start()
-        [proc] = popen.procs
-        yield Server(run, proc, *model_limits(run.config))
-    finally:
-        run.stop()
-        if popen.procs:
-            kill_session(popen.procs[0].pid)  # what a Ctrl-C left running, if anything
+def target(server: ServeRun) -> Server:
+    return Server(server, *model_limits(server.config))
 
 
-def kill_session(session_id: int) -> None:
-    """SIGKILL the process group `session_id` leads, then every other process of its session:
-    Ray moves each worker (the HTTP proxy and the replicas among them) to a group of its own."""
-    try:
-        os.killpg(session_id, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # the group is gone; members of other groups may remain
-    for _ in range(50):  # again until none is left: one may have forked while we killed
-        survivors = session_pids(session_id)
-        if not survivors:
-            break
-        for pid in survivors:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass  # exited on its own meanwhile
-        time.sleep(0.1)  # SIGKILLed processes take a moment to leave /proc
-
-
-def session_pids(session_id: int) -> list[int]:
-    """Live processes of a session, from /proc/PID/stat (state, ppid, pgrp, session follow the
-    command name, which may hold spaces and parentheses)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue  # /proc/self, /proc/meminfo, ...
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # it exited while we looked
-        if int(fields[3]) == session_id and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-def require_healthy(server: Server) -> None:
-    response = httpx.get(server.run.base_url + "/health", timeout=10)
-    assert response.status_code == 200, "the server is down (the kill test must run last)"
+def require_healthy(server: Server, timeout_s: float = 120.0) -> None:
+    """Until `/health` says 200: `test_self_healing.py` runs just before the kill test, and the
+    replicas it SIGKILLed may still be rejoining the mesh (503 until every role is back)."""
+    deadline = time.monotonic() + timeout_s
+    while (status := httpx.get(server.run.base_url + "/health", timeout=10).status_code) != 200:
+        assert time.monotonic() < deadline, f"the server is down ({status} for {timeout_s} s)"
+        time.sleep(1)  # waiting on Serve to restart replicas: nothing to block on
 
 
 # ---- running the load generator ----
@@ -276,12 +214,12 @@ def check_completed_records(
 
 
 def test_replay_60s_of_azure_conversations(
-    window: list[TraceRequest], server: Server, tmp_path: Path
+    window: list[TraceRequest], target: Server, tmp_path: Path
 ) -> None:
-    require_healthy(server)
-    assert max(r.input_len + r.output_len for r in window) <= server.max_model_len
+    require_healthy(target)
+    assert max(r.input_len + r.output_len for r in window) <= target.max_model_len
     timeout_s = schedule_span_s(window, TIME_SCALE) + 120  # the schedule, then the queue drains
-    result = run_replay(replay_command(server, tmp_path, TIME_SCALE), tmp_path, timeout_s)
+    result = run_replay(replay_command(target, tmp_path, TIME_SCALE), tmp_path, timeout_s)
 
     summary = result.summary
     assert summary["num_requests"] == len(window) > 0
@@ -309,23 +247,22 @@ def wait_for_requests_in_flight(base_url: str, timeout_s: float) -> None:
 
 
 def test_server_killed_mid_replay_ends_with_an_error_report(
-    window: list[TraceRequest], server: Server, tmp_path: Path
+    window: list[TraceRequest], target: Server, tmp_path: Path
 ) -> None:
-    """Runs last: it kills the module's server."""
-    require_healthy(server)
+    """Runs last (`conftest.py`): it kills the package's server."""
+    require_healthy(target)
     span_s = schedule_span_s(window, KILL_TIME_SCALE)
 
     def kill_halfway() -> None:
-        wait_for_requests_in_flight(server.run.base_url, timeout_s=span_s + 60)
+        wait_for_requests_in_flight(target.run.base_url, timeout_s=span_s + 60)
         # Open loop: the second half of the schedule is sent after the kill whatever the server's
         # speed, so some requests must fail; those in flight are cut mid-stream.
         time.sleep(span_s / 2)
-        kill_session(server.proc.pid)  # `serve run` leads its session (start_new_session)
-        server.proc.wait(30)
+        target.run.kill()
 
     # Bounded: the rest of the schedule, then at most one read timeout for a stalled stream.
     timeout_s = span_s + READ_TIMEOUT_S + 60
-    command = replay_command(server, tmp_path, KILL_TIME_SCALE)
+    command = replay_command(target, tmp_path, KILL_TIME_SCALE)
     result = run_replay(command, tmp_path, timeout_s, kill_halfway)
 
     assert "Traceback" not in result.stdout + result.stderr

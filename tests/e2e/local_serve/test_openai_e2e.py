@@ -2,9 +2,10 @@
 
 `deploy/local.yaml` is the disaggregated mesh: Router, PromptEngine, TokenEngine and 2
 AttentionShards, each a Serve replica, talking over ZeroMQ and UCX. One application for the whole
-module (Ray start-up is the slow part). Greedy outputs are checked against `LLMEngine` run in this
-process on the same model and prompt (near-ties allowed: `tests/e2e/greedy_check.py`), and leaks
-against the services' own stats (`/stats` aggregates every engine and shard).
+package (`conftest.py`: Ray start-up is the slow part). Greedy outputs are checked against
+`LLMEngine` run in this process on the same model and prompt (near-ties allowed:
+`tests/e2e/greedy_check.py`), and leaks against the services' own stats (`/stats` aggregates
+every engine and shard).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
-from tests.e2e.serve_process import ServeRun, served
+from tests.e2e.serve_process import ServeRun
 from tests.reference_logprobs import expected_token_logprobs, sequence_logprobs
 from tests.unit.json_schemas import SCHEMAS, json_ending_bias
 
@@ -35,21 +36,9 @@ MODEL = "tiny"  # served_model_name in deploy/local.yaml
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
-    with served("local.yaml", tmp_path_factory.mktemp("serve")) as run:
-        yield run
-
-
-@pytest.fixture(scope="module")
 def client(server: ServeRun) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def reference() -> tuple[LLMEngine, Tokenizer]:
-    path = default_model_path("tiny")
-    return LLMEngine.from_path(path, num_blocks=256), Tokenizer(path)
 
 
 def greedy(reference: tuple[LLMEngine, Tokenizer], prompt_ids: list[int], n: int) -> list[int]:

@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,25 +24,13 @@ from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
-from tests.e2e.serve_process import ServeRun, replica_pid, served
+from tests.e2e.serve_process import ServeRun, replica_pid
 
 pytestmark = pytest.mark.timeout(900)
 
 MODEL = "tiny"
 NUM_STREAMS = 6
 NUM_TOKENS = 200
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
-    with served("local.yaml", tmp_path_factory.mktemp("serve")) as run:
-        yield run
-
-
-@pytest.fixture(scope="module")
-def reference() -> tuple[LLMEngine, Tokenizer]:
-    path = default_model_path("tiny")
-    return LLMEngine.from_path(path, num_blocks=256), Tokenizer(path)
 
 
 def prompts(seed: int) -> list[list[int]]:

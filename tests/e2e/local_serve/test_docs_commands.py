@@ -4,7 +4,8 @@ Each fenced block carries a marker on the line before it:
 
 - `<!-- runnable -->`: runs on its own;
 - `<!-- runnable: served -->`: runs against the served API (`serve run deploy/local.yaml`, started
-  once here on a free port; `http://127.0.0.1:8000` in the block is pointed at it);
+  once for the package in `conftest.py`, on a free port; `http://127.0.0.1:8000` in the block is
+  pointed at it);
 - `<!-- illustration: WHY -->`: not run here: a fragment, an output, or a command that installs,
   serves until stopped or needs other hardware, with the test that covers it in WHY.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.serve_process import REPO, ServeRun, served
+from tests.e2e.serve_process import REPO, ServeRun
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -100,12 +101,6 @@ def check(block: Block, result: subprocess.CompletedProcess[str]) -> None:
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.name)
 def test_runnable_block(block: Block) -> None:
     check(block, run_block(block))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
-    with served("local.yaml", tmp_path_factory.mktemp("serve")) as run:
-        yield run
 
 
 @pytest.mark.parametrize("block", SERVED, ids=lambda b: b.name)

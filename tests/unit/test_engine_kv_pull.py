@@ -1,0 +1,87 @@
+"""A token engine on `kv_transfer: pull` (its `on_*` inputs and `step`, shard links stood in
+for): a sharded hand-off joins no decode step until every shard of its group said its KV landed,
+an idle engine asks its shards for that news, and a request whose KV a shard lost (its prompt
+engine died before the pull, its hold's lease ran out, no room) ends alone and retryably, so the
+router re-runs it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.config import EngineConfig
+from common.protocol import AttendResult, DecodeHandoff, KvReadyQuery, SamplingSpec, ShardAddress
+from services.engine.engine import Engine, EngineRole
+
+SHARDS = [ShardAddress("tcp://s0", 0, 1), ShardAddress("tcp://s1", 1, 2)]
+
+
+class NewsLink:
+    """Answers each `KvReadyQuery` with the news it is given."""
+
+    def __init__(self) -> None:
+        self.landed: list[str] = []
+        self.lost: list[str] = []
+        self.asked: list[KvReadyQuery] = []
+
+    def send_async(self, header: Any, tensors: Any) -> None:
+        assert isinstance(header, KvReadyQuery)
+        self.asked.append(header)
+
+    def wait(self, handle: Any, timeout: float | None = None) -> None:
+        pass
+
+    def recv(self, out: Any = None, timeout: float | None = None) -> tuple[AttendResult, list]:
+        result = AttendResult(self.asked[-1].step, -1, kv_landed=self.landed, kv_lost=self.lost)
+        self.landed, self.lost = [], []
+        return result, []
+
+
+def handoff(req_id: str) -> DecodeHandoff:
+    return DecodeHandoff(req_id, [9, 10, 11, 12], 3, SamplingSpec(max_tokens=4), "router",
+                         num_kv_layers=4, shards=SHARDS)  # fmt: skip
+
+
+def test_a_pulled_request_decodes_once_every_shard_has_its_kv(tiny_model_path):
+    links = [NewsLink(), NewsLink()]
+    role = EngineRole("token", "t-cmd", shard_num_blocks=64, kv_transfer="pull")
+    engine = Engine("t", role, EngineConfig(str(tiny_model_path)), lambda *a: None, links, SHARDS)
+    engine.on_handoff(handoff("a"))
+    engine.on_handoff(handoff("b"))
+    assert engine.has_work() and not engine.admission.sharded
+    links[0].landed = ["a", "b"]
+    assert not engine.step()  # idle: it asked, a and b are on one shard only
+    assert [len(link.asked) for link in links] == [1, 1]
+    assert not engine.admission.sharded
+    links[1].landed, links[1].lost = ["a"], ["b"]
+    out = engine.step()
+    assert [s.req_id for s in engine.admission.sharded] == ["a"]
+    [(reply_to, error)] = out.outputs
+    assert (reply_to, error.req_id, error.retryable) == ("router", "b", True)
+    assert "lost the request's KV" in error.error
+    assert sorted(endpoint for endpoint, _ in out.frees) == ["tcp://s0", "tcp://s1"]
+    assert "b" not in engine.requests
+
+
+def test_a_pushed_request_decodes_at_once(tiny_model_path):
+    links = [NewsLink(), NewsLink()]
+    role = EngineRole("token", "t-cmd", shard_num_blocks=64)
+    engine = Engine("t", role, EngineConfig(str(tiny_model_path)), lambda *a: None, links, SHARDS)
+    engine.on_handoff(handoff("a"))
+    assert [s.req_id for s in engine.admission.sharded] == ["a"]
+
+
+def test_a_shard_dying_mid_pull_ends_the_waiting_request_retryably(tiny_model_path):
+    """The group broke (a shard died, perhaps mid-pull): every request waiting for its KV on it
+    ends retryably and its KV is freed on every shard of the old group (the live ones may have
+    pulled it); the prompt engine's hold frees its copy when its lease runs out."""
+    links = [NewsLink(), NewsLink()]
+    role = EngineRole("token", "t-cmd", shard_num_blocks=64, kv_transfer="pull")
+    engine = Engine("t", role, EngineConfig(str(tiny_model_path)), lambda *a: None, links, SHARDS)
+    engine.on_handoff(handoff("a"))
+    links[0].landed = ["a"]
+    engine.step()  # landed on s0 only; s1 dies before its pull
+    out = engine.relink([], [], "a shard of its group stopped answering")
+    [(_, error)] = out.outputs
+    assert (error.req_id, error.retryable) == ("a", True)
+    assert sorted(endpoint for endpoint, _ in out.frees) == ["tcp://s0", "tcp://s1"]
+    assert not engine.has_work()
