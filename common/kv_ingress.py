@@ -168,6 +168,12 @@ class KvIngress:
             self.blocks.free(req_id)
             self._end(req_id, Landed.DROPPED)
 
+    def revive(self, req_id: str) -> None:
+        """Take KV for an ended `req_id` again: its token engine swaps it back here (Neo). A
+        swap racing the request's abort lands after its free then: the lease frees it."""
+        with self.lock:
+            self._ended.pop(req_id, None)
+
     def forget(self, req_id: str) -> None:
         """Stop tracking `req_id`'s landing; its blocks now belong to whoever decodes it."""
         with self.lock:

@@ -238,6 +238,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     home_role: str = ""  # an engine's configured pool; `role` is the one it serves in now
     num_loans: int = 0  # times it was lent to the mixed pool (since start)
     decode_breakdown: DecodeBreakdown | None = None  # token engines with a shard group
+    # A token engine's decode steps, and those run as two sub-batches (Neo §3.1), since start.
+    num_decode_steps: int = 0
+    num_two_batch_steps: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats
@@ -295,12 +298,39 @@ class KvPages(_Msg, tag="kv"):
     sent_at: float = 0.0
     reserve_tokens: int = 0  # 0: the prompt only (a token engine's own KV, which can preempt)
     traceparent: str = ""
+    # A token engine swapping the request's KV out to this shard (Neo's offload tier): the
+    # shard's UCX KV listener to answer with a `KvSwapAck` once all layers landed (or were
+    # refused). Also lets the KV land after the request was freed here before (swapped in).
+    ack_to: str = ""
 
 
 class FreeRequest(_Msg, tag="free"):
     """Drop a request's KV (finished or aborted); idempotent, and arrives-before-KV safe."""
 
     req_id: str
+
+
+class FetchKv(_Msg, tag="fetch_kv"):
+    """Token engine -> shard (swap-in, Neo): send this request's KV (its first `num_tokens`
+    tokens, every layer, the shard's heads) to `reply_to` (the engine's UCX KV listener) as
+    `KvPages`, one per layer, and drop it here: the KV moves (a swap-in that does not finish
+    ends its request, which is re-run from its tokens). Dropping it at once, and not on a later
+    `FreeRequest`, keeps a swap-out that follows from racing a free. A shard that does not hold
+    it answers a `KvSwapAck` with an error instead."""
+
+    req_id: str
+    num_tokens: int
+    reply_to: str
+
+
+class KvSwapAck(_Msg, tag="kv_swap_ack"):
+    """Shard -> token engine: a swap-out's KV (`KvPages.ack_to`) landed whole for heads
+    [head_start, head_end), or (`error`) it did not, or a `FetchKv` could not be served."""
+
+    req_id: str
+    head_start: int
+    head_end: int
+    error: str = ""
 
 
 class KvAnnounce(_Msg, tag="kv_announce"):
@@ -314,10 +344,10 @@ class KvAnnounce(_Msg, tag="kv_announce"):
     head_end: int
 
 
-ShardIngress = KvPages | FreeRequest | StatsRequest | Shutdown | KvAnnounce
+ShardIngress = KvPages | FreeRequest | StatsRequest | Shutdown | KvAnnounce | FetchKv | KvSwapAck
 # A KV-ingress ZeroMQ socket where KV pages travel over UCX (`common/transport/kv_links.py`): a
 # KvPages sent to it is malformed there, logged and dropped.
-KvControl = FreeRequest | StatsRequest | Shutdown | KvAnnounce
+KvControl = FreeRequest | StatsRequest | Shutdown | KvAnnounce | FetchKv
 
 
 # -- shard <-> prompt engine's KV hold (`kv_transfer: pull`) -------------------------------------

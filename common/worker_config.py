@@ -43,6 +43,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # address in `WorkerReady.kv_address`) or, off, on the ZeroMQ KV-ingress socket as before.
     # Senders follow what each receiver publishes. The one switch between the two paths.
     kv_over_ucx: bool = True
+    # Token engines with a shard group: Neo's local KV tier, its budget in blocks (0: none, all
+    # decode KV on the shards) and the policy that places requests in the two tiers
+    # (`common.scheduling.tiers.tier_policy`: fill_local, or alternate:<period> for tests).
+    local_kv_blocks: int = 0
+    tier_policy: str = ""
     # How a request's KV reaches its shard group: "push" (the prompt engine ships it while it
     # prefills) or "pull" (the prompt engine holds it, bounded by `kv_hold_bytes` and a lease,
     # and announces it; each shard pulls it between decode steps; the token engine admits the

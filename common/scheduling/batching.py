@@ -142,6 +142,15 @@ class EngineScheduler:
             batch.seqs = [s for s in batch.seqs if s.req_id != req_id]
         return found
 
+    def detach(self, req_id: str) -> Sequence | None:
+        """Take a sequence out without freeing its blocks: its KV is moving to another tier,
+        which frees them once it has landed there (services/engine/tiers.py)."""
+        seq = self.seqs.pop(req_id, None)
+        self.policy.remove(req_id)
+        for batch in self._rest:
+            batch.seqs = [s for s in batch.seqs if s.req_id != req_id]
+        return seq
+
     def schedule(self) -> Batch | None:
         """The next batch: the rest of the current plan, else the first of a new plan; None when
         there is nothing this machine can run now."""

@@ -29,7 +29,7 @@ import msgspec
 import structlog
 import torch
 
-from common.protocol import KvPages, ShardIngress
+from common.protocol import FetchKv, KvPages, KvSwapAck, ShardIngress
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
 
@@ -48,9 +48,8 @@ Deliver = Callable[[ShardIngress, list[torch.Tensor]], None]
 @dataclass
 class _Transfer:
     address: str  # the receiver's KV listener (UCX worker address, hex)
-    pages: KvPages
-    k: torch.Tensor
-    v: torch.Tensor
+    header: ShardIngress  # KV pages (k, v), or a tensorless message (`send_message`)
+    tensors: list[torch.Tensor]
 
 
 class KvSender:
@@ -68,11 +67,17 @@ class KvSender:
 
     def send(self, address: str, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue one message; `k` and `v` must not change afterwards (the shipper's are fresh)."""
+        self.send_message(address, pages, [k, v])
+
+    def send_message(
+        self, address: str, header: FetchKv | KvPages | KvSwapAck, tensors: list[torch.Tensor]
+    ) -> None:
+        """Queue any KV-plane message (a shard's swap replies: `KvPages`, `KvSwapAck`)."""
         try:
-            self._queue.put(_Transfer(address, pages, k, v), timeout=QUEUE_WAIT_S)
+            self._queue.put(_Transfer(address, header, tensors), timeout=QUEUE_WAIT_S)
         except queue.Full:
-            log.warning("KV sender backed up; the transfer fails", req_id=pages.req_id)
-            self._failed.append(pages.req_id)
+            log.warning("KV sender backed up; the transfer fails", req_id=header.req_id)
+            self._failed.append(header.req_id)
 
     def take_failed(self) -> list[str]:
         """Requests whose KV could not be delivered since the last call (each once)."""
@@ -90,7 +95,7 @@ class KvSender:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             try:
-                self._link(item.address).send(item.pages, [item.k, item.v], SEND_TIMEOUT_S)
+                self._link(item.address).send(item.header, item.tensors, SEND_TIMEOUT_S)
             except (ChannelClosed, TimeoutError) as exc:
                 self._fail(item, exc)
             except Exception as exc:  # noqa: BLE001 - one bad transfer must not stop the thread
@@ -114,11 +119,15 @@ class KvSender:
     def _fail(self, item: _Transfer, exc: Exception) -> None:
         """The receiver is gone or stuck: drop its link (UCX may hold the buffers until then)."""
         if item.address not in self._dead or item.address in self._links:
-            log.warning("KV receiver unreachable", req_id=item.pages.req_id, error=repr(exc))
+            log.warning("KV receiver unreachable", req_id=_req_id(item), error=repr(exc))
         self._dead[item.address] = time.monotonic()
         if (link := self._links.pop(item.address, None)) is not None:
             link.close()
-        self._failed.append(item.pages.req_id)
+        self._failed.append(_req_id(item))
+
+
+def _req_id(item: _Transfer) -> str:
+    return getattr(item.header, "req_id", "")
 
 
 class KvReceiver:

@@ -43,6 +43,9 @@ class DecodeAdmission:
         self._sharded_handoffs: dict[str, DecodeHandoff] = {}  # of `sharded`, by req_id
         self.sharded: list[Sequence] = []  # decoding against the shard group
         self.waiting: list[DecodeHandoff] = []
+        # Sharded requests whose KV may still be on its way to the shards (no step has attended
+        # for them yet): not to be swapped in, a shard may not hold it all yet (`confirm`).
+        self.arriving: set[str] = set()
         self._arrived: dict[str, float] = {}  # waiting hand-offs: when each came
 
     def add(self, handoff: DecodeHandoff, now: float = 0.0) -> None:
@@ -112,12 +115,25 @@ class DecodeAdmission:
                 self.sharded.append(seq)
                 self._sharded_handoffs[h.req_id] = h
                 self._landed.pop(h.req_id, None)
+                self.arriving.add(h.req_id)
             else:
                 local.add_running(seq)
             self._arrived.pop(h.req_id, None)
             admitted.append(h.req_id)
         self.waiting = still
         return admitted
+
+    def add_sharded(self, seq: Sequence, reserve_tokens: int) -> None:
+        """A request swapped out to the shard group (its KV landed whole there, the shards
+        holding `reserve_tokens`): it decodes against the group from the next step."""
+        if self.shard_blocks.can_grow(seq.req_id, reserve_tokens):
+            self.shard_blocks.allocate(seq.req_id, reserve_tokens)
+        seq.num_computed = seq.num_tokens - 1
+        self.sharded.append(seq)
+
+    def confirm(self, req_ids: list[str]) -> None:
+        """A step attended for these sharded requests on every shard: their KV is there."""
+        self.arriving.difference_update(req_ids)
 
     def grow_sharded(self) -> None:
         """Account this step's new token of every sharded request (within its reservation)."""
@@ -136,6 +152,7 @@ class DecodeAdmission:
         back."""
         self.sharded = [s for s in self.sharded if s.req_id != req_id]
         self._sharded_handoffs.pop(req_id, None)
+        self.arriving.discard(req_id)
         self.shard_blocks.free(req_id)
         self.waiting = [h for h in self.waiting if h.req_id != req_id]
         self._arrived.pop(req_id, None)

@@ -48,6 +48,7 @@ from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import Batch, EngineScheduler, Phase, Sequence
 from common.scheduling.role_lease import RoleLease
 from common.scheduling.shard_choice import holds_whole_requests
+from common.scheduling.tiers import tier_policy
 from services.engine.admission import DecodeAdmission
 from services.engine.faults import EngineFaults
 from services.engine.kv_news import EngineKvNews
@@ -69,6 +70,8 @@ from services.engine.runner import (
     StepPlan,
 )
 from services.engine.telemetry import EngineTelemetry
+from services.engine.tiering import EngineTiering
+from services.engine.tiers import KvSwaps
 
 log = structlog.get_logger(__name__)
 
@@ -78,10 +81,10 @@ class ShardRowFailed(RuntimeError):
     is re-run elsewhere, its batch-mates go on."""
 
 
-class Engine(EngineFaults, EngineKvNews):
+class Engine(EngineTiering, EngineFaults, EngineKvNews):
     """Prefill and/or decode for the mesh; see the module docstring. Its fault inputs (a lost
     router, undelivered KV or hand-offs, a failed step, a new shard group, expired waits) are
-    in `faults.py`."""
+    in `faults.py`; its two KV tiers (local and the shard group, Neo) in `tiering.py`."""
 
     def __init__(
         self,
@@ -137,6 +140,16 @@ class Engine(EngineFaults, EngineKvNews):
         self.max_model_len = mc.max_position_embeddings
         self.kv_events: deque[KvEvent] = deque(maxlen=256)
         self.num_prefill_tokens = 0  # computed, i.e. not found in the prefix cache
+        # Neo's local tier beside the shard group: swaps need a budget and a KV listener.
+        self.local_kv_blocks = role.local_kv_blocks
+        self.tier_policy = tier_policy(role.tier_policy)
+        self.swaps = (
+            KvSwaps(self.blocks, kv, kv_send, role.kv_address)
+            if role.local_kv_blocks and role.kv_address
+            else None
+        )
+        self.two_batch = False
+        self.num_decode_steps = self.num_two_batch_steps = 0  # the schedules chosen (bench)
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -202,6 +215,8 @@ class Engine(EngineFaults, EngineKvNews):
     def on_kv(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> Outbox:
         """Local KV for a request this engine will decode (no shard group). KV that does not fit
         is refused: its request ends alone, retryable, and the engine goes on."""
+        if self.swaps is not None and self.swaps.is_swapping_in(pages.req_id):
+            return self._on_swap_pages(pages, k, v)  # a shard's heads, coming back
         landed = self.kv_ingress.receive(pages, k, v)
         if landed is Landed.COMPLETE:
             self._admit_handoffs()
@@ -225,8 +240,11 @@ class Engine(EngineFaults, EngineKvNews):
         self.telemetry.aborted(req_id)
         route = self.routing.get(req_id)
         frees = Outbox()
-        if self.admission.is_decoding_here(req_id) and route is not None:
-            frees = Outbox.free(req_id, kv_endpoints(route.shards))
+        moving = req_id in self._moving()  # either way, the shards may hold its KV
+        if (self.admission.is_decoding_here(req_id) or moving) and route is not None:
+            frees = Outbox.free(req_id, kv_endpoints(route.shards or self.shards))
+        if moving and self.swaps is not None:
+            self.swaps.drop(req_id)
         self.ship_queue.remove(req_id)
         self.local.remove(req_id)
         self.admission.remove(req_id)
@@ -243,7 +261,12 @@ class Engine(EngineFaults, EngineKvNews):
 
     @torch.inference_mode()
     def step(self) -> Outbox:
-        """One prefill batch (prompts first, as Splitwise's mixed machines do) or decode step."""
+        """One prefill batch (prompts first, as Splitwise's mixed machines do) or decode step,
+        after starting the KV swaps the tier policy plans (moving requests sit the step out)."""
+        moves = self._plan_tiers()
+        return moves + self._step_batch()
+
+    def _step_batch(self) -> Outbox:
         batch = self.ship_queue.schedule()
         if batch is not None:
             return self._prefill_and_ship(batch)
@@ -316,13 +339,25 @@ class Engine(EngineFaults, EngineKvNews):
         step = next(self.steps)
         trace = self.telemetry.trace_step(step, sharded)  # sampled: token.step, round trips
         shard_of = shard_of_rows(self.shards, self.routing, sharded)  # request-partitioned
-        plan = self.runner.plan_decode(local, sharded, token_ids, step, trace.round_trips,
-                                       trace.traceparent, shard_of)  # fmt: skip
+        if self.two_batch and local and sharded:  # batch-0 local, batch-1 offloaded (Neo)
+            plan = self.runner.plan_decode(local, [], token_ids, step)
+            plan.batch_1 = self.runner.plan_decode(
+                [], sharded, token_ids, step, trace.round_trips, trace.traceparent, shard_of
+            )
+            # One set of outcomes for the step, whichever sub-batch saw them.
+            plan.batch_1.failed, plan.batch_1.kv_landed = plan.failed, plan.kv_landed
+            plan.batch_1.kv_lost = plan.kv_lost
+            self.num_two_batch_steps += 1
+        else:
+            plan = self.runner.plan_decode(local, sharded, token_ids, step, trace.round_trips,
+                                           trace.traceparent, shard_of)  # fmt: skip
+        self.num_decode_steps += 1
         everyone = Batch(Phase.DECODE, local + sharded)
         self.telemetry.decode_step(len(everyone.seqs))
         sampled = self._forward(everyone, plan)
         self.telemetry.step_done(trace)
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
+        self.admission.confirm([s.req_id for s in sharded if s.req_id not in plan.failed])
         for seq, row in zip(sharded, sampled[len(local) :], strict=True):
             seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1
             if seq.req_id in plan.failed:  # a shard could not attend for it: it alone is re-run
@@ -413,7 +448,8 @@ class Engine(EngineFaults, EngineKvNews):
             self.engine_id, self.pool.current(time.monotonic()), used, self.blocks.num_blocks,
             len(self.requests), [*self.kv_ingress.events, *self.kv_events],
             self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
-            num_loans=self.pool.num_loans,
+            num_loans=self.pool.num_loans, num_decode_steps=self.num_decode_steps,
+            num_two_batch_steps=self.num_two_batch_steps,
             decode_breakdown=self.runner.times.report() if self.shards else None,
         )  # fmt: skip
 

@@ -43,6 +43,12 @@ class EngineFaults:
     def _admit_handoffs(self) -> None:
         raise NotImplementedError  # Engine's
 
+    def _expire_swaps(self, now: float) -> Outbox:
+        raise NotImplementedError  # EngineTiering's
+
+    def _moving(self) -> list[str]:
+        raise NotImplementedError  # EngineTiering's
+
     def expire(self, now: float) -> Outbox:
         """Bounds on waiting: free local KV whose hand-off never came (`KvIngress` leases), and
         end, retryably, hand-offs whose KV has not landed within `HANDOFF_KV_WAIT_S` (they would
@@ -56,7 +62,7 @@ class EngineFaults:
                              f"arrive within {HANDOFF_KV_WAIT_S} s", retryable=True)  # fmt: skip
         if out:
             self._admit_handoffs()
-        return out
+        return out + self._expire_swaps(now)
 
     def lost_reply_to(self, reply_to: str) -> Outbox:
         """A router this engine reports to is gone (its connection down for a while): end its
@@ -123,6 +129,7 @@ class EngineFaults:
         """
         tied = [s.req_id for s in self.admission.sharded]
         tied += [h.req_id for h in self.admission.waiting if h.shards]
+        tied += self._moving()  # mid-swap, to or from the old group
         error = f"engine {self.engine_id}: {reason}"
         out = self._end_all(tied, error)
         self.shards = tuple(shards)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from common.protocol import DecodeHandoff, FreeRequest, TokenBatch, TokenOutput
+from common.protocol import DecodeHandoff, FetchKv, FreeRequest, TokenBatch, TokenOutput
 
 
 @dataclass
@@ -16,12 +16,13 @@ class Outbox:
     - `outputs`: tokens and errors, to the request's router inbox (`reply_to`);
     - `handoffs`: prefilled requests, to their token engine's command socket;
     - `frees`: to a KV-ingress socket (a shard's, or a token engine's own). They travel there, and
-      not on a command socket, so that a free can never overtake the KV pages it frees.
+      not on a command socket, so that a free can never overtake the KV pages it frees. A
+      swap-in's `FetchKv` goes the same way, so a later free cannot overtake it either.
     """
 
     outputs: list[tuple[str, TokenOutput]] = field(default_factory=list)
     handoffs: list[tuple[str, DecodeHandoff]] = field(default_factory=list)
-    frees: list[tuple[str, FreeRequest]] = field(default_factory=list)
+    frees: list[tuple[str, FreeRequest | FetchKv]] = field(default_factory=list)
 
     @classmethod
     def output(cls, reply_to: str, message: TokenOutput) -> Outbox:

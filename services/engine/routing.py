@@ -21,6 +21,12 @@ class EngineRole:
     # "pull": a sharded hand-off joins decode steps only once every shard said its KV landed
     # (`DecodeAdmission`); "push": at once (a shard's step then waits for KV still in flight).
     kv_transfer: str = "push"
+    # Neo's two tiers (token engines with a shard group): the local tier's budget in blocks (0:
+    # no local tier, every hand-off with shards decodes there), the `TierPolicy` by config name
+    # (common/scheduling/tiers.py), and this engine's UCX KV listener (swaps need it).
+    local_kv_blocks: int = 0
+    tier_policy: str = ""
+    kv_address: str = ""
 
     def __post_init__(self) -> None:
         if self.name not in ("prompt", "token", "mixed"):

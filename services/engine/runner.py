@@ -154,6 +154,10 @@ class StepPlan(StepInputs):
     failed: set[str] = field(default_factory=set)
     kv_landed: list[tuple[int, list[str]]] = field(default_factory=list)
     kv_lost: set[str] = field(default_factory=set)
+    # Neo's asymmetric pipelining (§3.1): this plan is batch-0 (local rows only) and `batch_1`
+    # the offloaded rows, run interleaved per layer (`MeshModelRunner.run`); logits come back
+    # as [batch-0 rows | batch-1 rows], and `failed` is shared by both.
+    batch_1: StepPlan | None = None
 
 
 class MeshModelRunner(ModelRunner[StepPlan]):
@@ -222,6 +226,29 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             round_trips=round_trips,
         )
 
+    def _run_two_batches(
+        self, batch_0: StepPlan, batch_1: StepPlan, sharded: ShardedRows
+    ) -> torch.Tensor:
+        """Per layer: batch-1's q/k/v go to the shards first, batch-0's whole layer (dense work
+        and local attention) runs while the shards attend, then batch-1's replies finish its
+        layer. Each row goes through the same math as in the one-batch step."""
+        x0, x1 = self.model.embed(batch_0.input_ids), self.model.embed(batch_1.input_ids)
+        rope0, rope1 = (
+            self.model.rotary_at(batch_0.positions),
+            self.model.rotary_at(batch_1.positions),
+        )
+        group = self.model.config.num_queries_per_kv
+        for i, layer in enumerate(self.model.layers):
+            q1, k1, v1 = layer.pre_attention(x1, rope1)  # [N1, H, D]
+            sends = self._send(i, sharded, ATTEND_WHOLE, group, q1, (k1, v1))
+            flight = LayerInFlight(sends, torch.empty(q1.shape, dtype=torch.float32), 0)
+            q0, k0, v0 = layer.pre_attention(x0, rope0)
+            x0 = layer.post_attention(x0, super().attend(i, q0, k0, v0, batch_0))
+            self._collect(flight, batch_1)
+            x1 = layer.post_attention(x1, flight.out)
+        self.hidden = None
+        return self.model.compute_logits(torch.cat([x0, x1]))  # [N0 + N1, vocab]
+
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepPlan
     ) -> torch.Tensor:
@@ -259,11 +286,17 @@ class MeshModelRunner(ModelRunner[StepPlan]):
 
     @torch.inference_mode()
     def run(self, inputs: StepPlan, keep_hidden: bool = False) -> torch.Tensor:
-        """Decode steps with sharded rows run as lanes when overlap or staggering is on."""
-        if inputs.sharded is None:
+        """Decode steps with sharded rows run as lanes when overlap or staggering is on, or as
+        Neo's two sub-batches when the plan has a `batch_1` (head-partitioned groups only)."""
+        b1 = inputs.batch_1
+        two_batches = b1 is not None and b1.sharded is not None and b1.sharded.shard_rows is None
+        if inputs.sharded is None and not two_batches:
             return super().run(inputs, keep_hidden)
         started = time.perf_counter()
-        if not self.attention_overlap and self.decode_lanes == 1:
+        if two_batches:
+            assert b1 is not None and b1.sharded is not None
+            logits = self._run_two_batches(inputs, b1, b1.sharded)
+        elif not self.attention_overlap and self.decode_lanes == 1:
             logits = super().run(inputs, keep_hidden)
         else:
             logits = self._run_lanes(inputs)

@@ -30,6 +30,7 @@ from common.protocol import (
     KvAnnounce,
     KvControl,
     KvPages,
+    KvSwapAck,
     LinkShards,
     LoadReport,
     ServiceReply,
@@ -88,7 +89,9 @@ class EngineWorker:
         self.kv_hold = KvHoldServer(KvHold(cfg.kv_hold_bytes), cfg.host, auth) if pulls else None
         role = EngineRole(
             cfg.role, self.command_endpoint, cfg.layer_wise_min_tokens, cfg.shard_num_blocks,
-            cfg.kv_transfer,
+            # NOTE: swaps move a request's heads across the whole group: head-partitioned only.
+            cfg.kv_transfer, cfg.local_kv_blocks if cfg.shard_partition == "head" else 0,
+            cfg.tier_policy, self.kv_ports.address,
         )  # fmt: skip
         telemetry = EngineTelemetry(
             cfg.service_id, cfg.model_name, shards=[s.service_id for s in cfg.shards]
@@ -215,6 +218,8 @@ class EngineWorker:
             self._send(self.engine.on_kv(header, *tensors))
         elif isinstance(header, FreeRequest):
             self._send(self.engine.on_abort(header.req_id))
+        elif isinstance(header, KvSwapAck):
+            self._send(self.engine.on_swap_ack(header))
         else:
             log.warning("dropped unexpected ingress message", kind=type(header).__name__)
 

@@ -56,6 +56,9 @@ class Topology:
     shard_reply_timeout_s: float = 30.0  # a token engine gives a silent shard link up after this
     enable_prefix_caching: bool = True  # prompt engines' (docs/prefix_caching.md)
     kv_over_ucx: bool = True  # KV pages over UCX links; off: over ZeroMQ (benches compare both)
+    local_kv_blocks: int = 0  # token engines' local KV tier beside their shards (Neo); 0: none
+    tier_policy: str = ""  # and who lives in it (common/scheduling/tiers.py)
+    token_num_blocks: int = 0  # token engines' own KV blocks; 0: num_blocks (benches bound it)
     kv_transfer: str = "push"  # shards' KV pushed by prompt engines, or pulled by the shards
     shard_partition: str = "head"  # a group's shards split KV heads, or hold whole requests
     attention_overlap: bool = False  # token engines send q before k/v (Lamina 4.2.2)
@@ -142,6 +145,9 @@ class LocalMesh:
                 role=Role.TOKEN,
                 shard_num_blocks=t.num_blocks,
                 cpus=list(placements[e].engine),
+                local_kv_blocks=t.local_kv_blocks,
+                num_blocks=t.token_num_blocks or t.num_blocks,
+                tier_policy=t.tier_policy,
             )  # fmt: skip
             for e in range(t.num_token)
         ]

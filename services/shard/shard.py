@@ -117,6 +117,8 @@ class AttentionShard:
                 f"KV for heads [{pages.head_start}, {pages.head_end}) sent to a shard holding "
                 f"[{self.spec.head_start}, {self.spec.head_end})"
             )
+        if pages.ack_to and pages.layer_start == 0 and not self.blocks.has(pages.req_id):
+            self.ingress.revive(pages.req_id)  # swapped out again after a swap-in freed it here
         landed = self.ingress.receive(pages, k, v)
         if landed is Landed.REFUSED:
             log.warning("KV refused: no free blocks", shard=self.shard_id, req_id=pages.req_id)
@@ -124,6 +126,19 @@ class AttentionShard:
 
     def free(self, req_id: str) -> None:
         self.ingress.free(req_id)
+
+    def read_kv(self, req_id: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's first `num_tokens` tokens of KV, every layer: k, v [layers, T, heads, D]
+        (a swap-in). KeyError when this shard does not hold that much of it."""
+        with self.ingress.lock:
+            if not self.blocks.has(req_id) or not self.ingress.is_complete(req_id):
+                raise KeyError(f"shard {self.shard_id} holds no KV of {req_id}")
+            if not 0 < num_tokens <= self.blocks.num_tokens(req_id):
+                raise KeyError(f"shard {self.shard_id} holds fewer than {num_tokens} tokens of "
+                               f"{req_id}")  # fmt: skip
+            table = self.blocks.block_table(req_id)
+        layers = [self.kv.gather(layer, table, num_tokens) for layer in range(self.spec.num_layers)]
+        return torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers])
 
     def free_decoded(self) -> int:
         """Free every request that decode steps have named and nobody has freed yet (its token

@@ -31,11 +31,13 @@ from common.protocol import (
     ATTEND_WHOLE,
     AttendBatch,
     AttendResult,
+    FetchKv,
     FreeRequest,
     KvAnnounce,
     KvControl,
     KvPages,
     KvReadyQuery,
+    KvSwapAck,
     ServiceReply,
     ShardIngress,
     ShardLinkMessage,
@@ -43,7 +45,7 @@ from common.protocol import (
     StatsRequest,
 )
 from common.telemetry import Metrics
-from common.transport.kv_links import KvReceiver
+from common.transport.kv_links import KvReceiver, KvSender
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
 from common.transport.zmq_sockets import TypedSocket, bind_random
@@ -92,6 +94,7 @@ class ShardWorker:
         self.listener = UcxListener(ShardLinkMessage, cfg.host, key)
         self._ingress_lock = threading.Lock()
         self.kv_receiver = KvReceiver(cfg.host, key, self._on_ingress) if cfg.kv_over_ucx else None
+        self.swap_sender: KvSender | None = None  # KV swapped back to token engines (Neo)
         self.news = KvNews()
         self.gate = StepGate()
         self.puller = KvPuller(self.gate, self._on_ingress, self._pull_lost, auth)
@@ -120,6 +123,8 @@ class ShardWorker:
         self.puller.close()
         if self.kv_receiver is not None:
             self.kv_receiver.close()
+        if self.swap_sender is not None:
+            self.swap_sender.close()
 
     def _serve(self, link: UcxTensorChannel[ShardLinkMessage]) -> None:
         """Answer one token engine's round trips until shutdown or until that engine is gone.
@@ -256,9 +261,13 @@ class ShardWorker:
     def _land(self, header: ShardIngress, tensors: list[torch.Tensor]) -> None:
         try:
             if isinstance(header, KvPages) and len(tensors) == 2:
-                self._land_pages(header, tensors)
+                landed = self._land_pages(header, tensors)
+                if header.ack_to:
+                    self._ack_swap_out(header, landed)
             elif isinstance(header, KvAnnounce):
                 self.puller.announce(header)
+            elif isinstance(header, FetchKv):
+                self._fetch(header)
             elif isinstance(header, FreeRequest):
                 self.shard.free(header.req_id)
             elif isinstance(header, Shutdown):
@@ -268,7 +277,40 @@ class ShardWorker:
         except Exception:  # noqa: BLE001 - one bad message must not stop the shard
             log.exception("ingress message failed", kind=type(header).__name__)
 
-    def _land_pages(self, pages: KvPages, tensors: list[torch.Tensor]) -> None:
+    def _ack_swap_out(self, pages: KvPages, landed: Landed) -> None:
+        """Tell a token engine swapping a request out whether all its layers landed here."""
+        if landed is Landed.PARTIAL:
+            return
+        error = "" if landed is Landed.COMPLETE else f"its KV was {landed.value} here"
+        ack = KvSwapAck(pages.req_id, self.cfg.head_start, self.cfg.head_end, error)
+        self._swap_sender().send_message(pages.ack_to, ack, [])
+
+    def _fetch(self, fetch: FetchKv) -> None:
+        """A swap-in: this shard's heads of the request's KV back to its token engine, one
+        message per layer, on the KV sender's thread; the KV leaves this shard (`FetchKv`)."""
+        try:
+            k, v = self.shard.read_kv(fetch.req_id, fetch.num_tokens)  # [layers, T, heads, D]
+            self.shard.free(fetch.req_id)  # a copy is in k, v
+        except KeyError as exc:
+            ack = KvSwapAck(fetch.req_id, self.cfg.head_start, self.cfg.head_end, str(exc))
+            self._swap_sender().send_message(fetch.reply_to, ack, [])
+            return
+        for layer in range(k.shape[0]):
+            pages = KvPages(
+                fetch.req_id, layer, 1, fetch.num_tokens, self.cfg.head_start, self.cfg.head_end,
+                k.shape[0], sent_at=time.monotonic(),
+            )  # fmt: skip
+            self._swap_sender().send(
+                fetch.reply_to, pages, k[layer : layer + 1], v[layer : layer + 1]
+            )
+
+    def _swap_sender(self) -> KvSender:
+        """The link back to token engines, for swaps (started on the first)."""
+        if self.swap_sender is None:
+            self.swap_sender = KvSender(self.cfg.host, bytes.fromhex(self.cfg.mesh_key))
+        return self.swap_sender
+
+    def _land_pages(self, pages: KvPages, tensors: list[torch.Tensor]) -> Landed:
         """Land KV pages; a request whose KV is now whole here, or refused, or did not fit, is
         news for the token engine (pages that do not fit raise after that)."""
         try:
@@ -280,6 +322,7 @@ class ShardWorker:
             self.news.landed(pages.req_id)
         elif landed is Landed.REFUSED:
             self.news.lost(pages.req_id)
+        return landed
 
 
 __all__ = ["ShardWorker"]
