@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from common.config import ModelConfig
+from common.model.linear import pack_linears
 from common.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -148,6 +149,7 @@ def load_model(folder: str | Path, dtype: str | None = None) -> LlamaForCausalLM
             state[name] = column_major(state[name])
     model.load_state_dict(state, strict=True, assign=True)
     model.model.rotary = type(model.model.rotary)(config)  # its tables are not in the checkpoint
+    pack_linears(model)  # last: the packed copies must see the final weights
     log.info(
         "model loaded", folder=str(folder), layers=config.num_hidden_layers, dtype=config.dtype
     )
