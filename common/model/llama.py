@@ -103,7 +103,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = PackedLinear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.gate_up_proj = PackedLinear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False
+        )
         self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
