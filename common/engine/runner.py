@@ -163,13 +163,13 @@ class ModelRunner(Generic[Inputs]):
         if inputs.phase is Phase.PREFILL:
             # Fresh prompts' whole context is in q/k/v; a cached prefix's is in the cache only.
             return prefix_prefill_attention(
-                q, k, v, self.kv_cache.key[layer], self.kv_cache.value[layer], inputs.seq_lens,
-                inputs.prefix_lens, inputs.block_tables, self.model.scale,
+                q, k, v, self.kv_cache.key_layers[layer], self.kv_cache.value_layers[layer],
+                inputs.seq_lens, inputs.prefix_lens, inputs.block_tables, self.model.scale,
             )  # fmt: skip
         out, _ = self.backend.decode(
             q,
-            self.kv_cache.key[layer],
-            self.kv_cache.value[layer],
+            self.kv_cache.key_layers[layer],
+            self.kv_cache.value_layers[layer],
             inputs.block_tables,
             inputs.context_lens,
             self.model.scale,
