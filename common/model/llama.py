@@ -201,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
         return cast(list[LlamaDecoderLayer], list(self.model.layers))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)  # [T, hidden]
+        # Functional: a module call's hook bookkeeping costs microseconds every step.
+        return F.embedding(input_ids, self.model.embed_tokens.weight)  # [T, hidden]
 
     def rotary_at(self, positions: torch.Tensor) -> RopeAt:
         """RoPE at one step's positions [T] (for `pre_attention`)."""
