@@ -1,6 +1,9 @@
 """Decode throughput: PhaseMesh's engine against `transformers` generate, same weights, same run.
 
-    python bench/engine.py [--model PATH] [--batches 1 8 32] [--repeats 3]
+    python bench/engine.py [--model PATH] [--batches 1 8 32] [--repeats 5] [--no-unpacked]
+
+A third side, `engine_unpacked`, is the same engine with its projections on plain `F.linear`
+(MKL) instead of oneDNN-packed weights (common/model/linear.py): what the packing alone gives.
 
 Per-step decode time is measured by differencing two generation lengths (64 and 16 new tokens)
 so that prefill cancels out; tokens/s = batch / step time. Prompts have mixed lengths (16-128).
@@ -30,6 +33,7 @@ import torch
 
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
+from common.model.linear import unpack_linears
 from common.sampling import SamplingParams
 from common.scheduling.batching import Phase
 
@@ -167,6 +171,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-unpacked", action="store_true", help="skip the F.linear engine")
     args = parser.parse_args()
     # NOTE: run as a script, Python puts bench/ first on sys.path, where bench/profile.py would
     # shadow the standard library's `profile` (which cProfile, imported by transformers, needs).
@@ -177,6 +182,10 @@ def main() -> None:
     path = args.model or str(default_model_path())
     engine = LLMEngine.from_path(path, num_blocks=2048)
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    unpacked = None
+    if not args.no_unpacked:
+        unpacked = LLMEngine.from_path(path, num_blocks=2048)
+        unpack_linears(unpacked.model)
     vocab = engine.model_config.vocab_size
     results: dict[str, Any] = {
         "model": path, "threads": torch.get_num_threads(), "batches": {},
@@ -184,21 +193,29 @@ def main() -> None:
     }  # fmt: skip
     for batch in args.batches:
         prompts = prompts_for(batch, vocab)
-        runs = {
+        runs: dict[str, Callable] = {
             "engine": lambda p, n: engine_seconds(engine, p, n),
             "transformers": lambda p, n: hf_seconds(hf, p, n),
         }
+        if unpacked is not None:
+            runs["engine_unpacked"] = lambda p, n: engine_seconds(unpacked, p, n)
         rates = decode_tokens_per_s(runs, prompts, args.repeats)
         ours, theirs = rates["engine"], rates["transformers"]
         breakdown = engine_breakdown(path, prompts)
-        results["batches"][str(batch)] = {
+        row = results["batches"][str(batch)] = {
             "engine_tok_s": round(ours, 1),
             "transformers_tok_s": round(theirs, 1),
             "ratio": round(ours / theirs, 2),
             "engine_us_per_decode_step": breakdown,
         }
-        print(f"batch {batch:3d}: engine {ours:9.1f} tok/s  transformers {theirs:9.1f} tok/s  "
-              f"ratio {ours / theirs:5.2f}")  # fmt: skip
+        line = f"batch {batch:3d}: engine {ours:9.1f} tok/s  transformers {theirs:9.1f} tok/s  "
+        line += f"ratio {ours / theirs:5.2f}"
+        if unpacked is not None:
+            plain = rates["engine_unpacked"]
+            row |= {"engine_unpacked_tok_s": round(plain, 1),
+                    "packed_vs_unpacked": round(ours / plain, 2)}  # fmt: skip
+            line += f"  (unpacked engine {plain:9.1f} tok/s: packing x{ours / plain:4.2f})"
+        print(line)
         print("  engine us/step: " + "  ".join(f"{k} {v:.0f}" for k, v in breakdown.items()))
     results["loadavg_after"] = os.getloadavg()[0]
     results["targets"] = {f"ratio_batch_{b}": f">= {TARGET_RATIO}" for b in args.batches}

@@ -11,7 +11,8 @@ compositions wants.
 `PackedLinear` is an `nn.Linear` (same `weight` parameter and state_dict name, so checkpoints,
 `transformers`-style access and the loader's checks are unchanged) with a packed copy beside it,
 made by `pack()` after the weights are final: a weight changed later must be packed again.
-Without a packed copy (never packed, oneDNN missing, a dtype it does not take) it is `F.linear`.
+Without a packed copy (never packed, oneDNN missing, a dtype it does not take, or
+PHASEMESH_PACKED_WEIGHTS=0 at load) it is `F.linear`. The copy doubles the projections' memory.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ class PackedLinear(nn.Linear):
                     x, residual, self.packed, None, "add"
                 )
         return residual + self.forward(x)
+
+
+def unpack_linears(module: nn.Module) -> None:
+    """Drop every packed copy under `module`: back to F.linear (benchmarks compare the two)."""
+    for sub in module.modules():
+        if isinstance(sub, PackedLinear):
+            sub.packed = None
 
 
 def pack_linears(module: nn.Module, rows_hint: int = 32) -> int:

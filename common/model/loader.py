@@ -18,7 +18,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from common.config import ModelConfig
+from common.config import ModelConfig, env
 from common.model.linear import pack_linears
 from common.model.llama import LlamaForCausalLM
 
@@ -149,7 +149,10 @@ def load_model(folder: str | Path, dtype: str | None = None) -> LlamaForCausalLM
             state[name] = column_major(state[name])
     model.load_state_dict(state, strict=True, assign=True)
     model.model.rotary = type(model.model.rotary)(config)  # its tables are not in the checkpoint
-    pack_linears(model)  # last: the packed copies must see the final weights
+    # Last: the packed copies must see the final weights. They double the projections' memory:
+    # PHASEMESH_PACKED_WEIGHTS=0 keeps one copy (plain F.linear, slower at decode shapes).
+    if env("PACKED_WEIGHTS", "1") != "0":
+        pack_linears(model)
     log.info(
         "model loaded", folder=str(folder), layers=config.num_hidden_layers, dtype=config.dtype
     )
