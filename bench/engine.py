@@ -1,29 +1,44 @@
 """Decode throughput: PhaseMesh's engine against `transformers` generate, same weights, same run.
 
-    python bench/engine.py [--model PATH] [--batches 1 8 32] [--repeats 3]
+    python bench/engine.py [--model PATH] [--batches 1 8 32] [--repeats 5] [--no-unpacked]
+
+A third side, `engine_unpacked`, is the same engine with its projections on plain `F.linear`
+(MKL) instead of oneDNN-packed weights (common/model/linear.py): what the packing alone gives.
 
 Per-step decode time is measured by differencing two generation lengths (64 and 16 new tokens)
 so that prefill cancels out; tokens/s = batch / step time. Prompts have mixed lengths (16-128).
-The last line is one JSON object with both sides and their ratio per batch size.
+
+After the timed runs, one more engine run per batch size times the stages of each decode step
+(`StageTimer`: wrappers around the engine's own methods, a fraction of a microsecond each): the
+scheduler, input preparation, each layer's pre-attention (norm, QKV projection, RoPE), attention
+(KV write and paged decode), post-attention (O projection, norm, MLP), the LM head, sampling, and
+the rest (appending tokens, Python between the stages). The last line is one JSON object with both
+sides, their ratio and the engine's breakdown per batch size, `targets` and `targets_met`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
+from common.model.linear import unpack_linears
 from common.sampling import SamplingParams
+from common.scheduling.batching import Phase
 
 LONG, SHORT = 64, 16
+TARGET_RATIO = 2.0  # engine / transformers decode tok/s, at every batch size (issue 20)
 
 
 def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -70,11 +85,93 @@ def decode_tokens_per_s(runs: dict[str, Callable], prompts: list[list[int]], rep
     return {name: statistics.median(r) for name, r in rates.items()}
 
 
+class StageTimer:
+    """Wraps an engine's stage methods (on the instances: the classes are untouched) and sums
+    each stage's wall time over decode steps; prefill steps are timed but not counted."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.totals: dict[str, float] = defaultdict(float)
+        self.steps = 0
+        self._current: dict[str, float] = defaultdict(float)
+        self._decode = False
+        runner, model = engine.runner, engine.runner.model
+        self._wrap(engine.scheduler, "schedule", "schedule")
+        self._wrap(engine.scheduler, "update", "schedule")
+        self._wrap(runner, "prepare", "prepare_inputs")
+        self._wrap(model, "embed", "embed_rope")
+        self._wrap(model, "rotary_at", "embed_rope")
+        self._wrap(runner, "attend", "attention")
+        self._wrap(model, "compute_logits", "lm_head")
+        self._wrap(engine.sampler, "sample", "sampling")
+        for layer in model.layers:
+            self._wrap(layer, "pre_attention", "pre_attention")
+            self._wrap(layer, "post_attention", "post_attention")
+        run = runner.run
+
+        def timed_run(inputs: Any, keep_hidden: bool = False) -> Any:
+            self._decode = inputs.phase is Phase.DECODE
+            return run(inputs, keep_hidden)
+
+        runner.run = timed_run  # type: ignore[method-assign]
+        step = engine.step
+
+        def timed_step() -> Any:
+            self._current.clear()
+            start = time.perf_counter()
+            out = step()
+            total = time.perf_counter() - start
+            if self._decode:
+                self.steps += 1
+                for stage, seconds in self._current.items():
+                    self.totals[stage] += seconds
+                self.totals["total"] += total
+            return out
+
+        engine.step = timed_step  # type: ignore[method-assign]
+
+    def _wrap(self, owner: Any, method: str, stage: str) -> None:
+        inner = getattr(owner, method)
+        current = self._current
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                current[stage] += time.perf_counter() - start
+
+        # NOTE: object.__setattr__: an nn.Module's own __setattr__ would be fine too, but this
+        # says plainly that only this instance's attribute changes.
+        object.__setattr__(owner, method, timed)
+
+    def us_per_step(self) -> dict[str, float]:
+        """Mean microseconds per decode step by stage; `other` is the step's unaccounted rest
+        (appending tokens, finish checks, Python between the stages)."""
+        n = max(self.steps, 1)
+        per_step = {stage: seconds / n * 1e6 for stage, seconds in self.totals.items()}
+        staged = sum(v for k, v in per_step.items() if k != "total")
+        # The layer stages run inside the forward: the forward's own rest is not separable from
+        # `other` here, and attention is inside neither pre nor post.
+        per_step["other"] = per_step.get("total", 0.0) - staged
+        return {k: round(v, 1) for k, v in sorted(per_step.items())}
+
+
+def engine_breakdown(path: str, prompts: list[list[int]]) -> dict[str, float]:
+    """One instrumented engine run of LONG tokens: microseconds per decode step by stage."""
+    engine = LLMEngine.from_path(path, num_blocks=2048)
+    engine_seconds(engine, prompts, SHORT)  # warm up
+    timer = StageTimer(engine)
+    engine_seconds(engine, prompts, LONG)
+    return timer.us_per_step()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-unpacked", action="store_true", help="skip the F.linear engine")
     args = parser.parse_args()
     # NOTE: run as a script, Python puts bench/ first on sys.path, where bench/profile.py would
     # shadow the standard library's `profile` (which cProfile, imported by transformers, needs).
@@ -85,23 +182,47 @@ def main() -> None:
     path = args.model or str(default_model_path())
     engine = LLMEngine.from_path(path, num_blocks=2048)
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    unpacked = None
+    if not args.no_unpacked:
+        unpacked = LLMEngine.from_path(path, num_blocks=2048)
+        unpack_linears(unpacked.model)
     vocab = engine.model_config.vocab_size
-    results = {"model": path, "threads": torch.get_num_threads(), "batches": {}}
+    results: dict[str, Any] = {
+        "model": path, "threads": torch.get_num_threads(), "batches": {},
+        "loadavg_before": os.getloadavg()[0],
+    }  # fmt: skip
     for batch in args.batches:
         prompts = prompts_for(batch, vocab)
-        runs = {
+        runs: dict[str, Callable] = {
             "engine": lambda p, n: engine_seconds(engine, p, n),
             "transformers": lambda p, n: hf_seconds(hf, p, n),
         }
+        if unpacked is not None:
+            runs["engine_unpacked"] = lambda p, n: engine_seconds(unpacked, p, n)
         rates = decode_tokens_per_s(runs, prompts, args.repeats)
         ours, theirs = rates["engine"], rates["transformers"]
-        results["batches"][str(batch)] = {
+        breakdown = engine_breakdown(path, prompts)
+        row = results["batches"][str(batch)] = {
             "engine_tok_s": round(ours, 1),
             "transformers_tok_s": round(theirs, 1),
             "ratio": round(ours / theirs, 2),
+            "engine_us_per_decode_step": breakdown,
         }
-        print(f"batch {batch:3d}: engine {ours:9.1f} tok/s  transformers {theirs:9.1f} tok/s  "
-              f"ratio {ours / theirs:5.2f}")  # fmt: skip
+        line = f"batch {batch:3d}: engine {ours:9.1f} tok/s  transformers {theirs:9.1f} tok/s  "
+        line += f"ratio {ours / theirs:5.2f}"
+        if unpacked is not None:
+            plain = rates["engine_unpacked"]
+            row |= {"engine_unpacked_tok_s": round(plain, 1),
+                    "packed_vs_unpacked": round(ours / plain, 2)}  # fmt: skip
+            line += f"  (unpacked engine {plain:9.1f} tok/s: packing x{ours / plain:4.2f})"
+        print(line)
+        print("  engine us/step: " + "  ".join(f"{k} {v:.0f}" for k, v in breakdown.items()))
+    results["loadavg_after"] = os.getloadavg()[0]
+    results["targets"] = {f"ratio_batch_{b}": f">= {TARGET_RATIO}" for b in args.batches}
+    results["targets_met"] = {
+        f"ratio_batch_{b}": results["batches"][str(b)]["ratio"] >= TARGET_RATIO
+        for b in args.batches
+    }
     print(json.dumps(results))
 
 

@@ -35,6 +35,10 @@ class KVCache:
         self.value = torch.zeros(
             num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype
         )
+        # Each layer's views, made once: indexing a 5-D tensor costs a microsecond or so, paid
+        # several times per layer per step otherwise.
+        self.key_layers: list[torch.Tensor] = list(self.key.unbind(0))
+        self.value_layers: list[torch.Tensor] = list(self.value.unbind(0))
 
     @property
     def num_bytes(self) -> int:
@@ -44,7 +48,7 @@ class KVCache:
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """Store k/v [T, num_kv_heads, head_dim] at flat slots [T] of `layer`."""
-        key, value = self.key[layer], self.value[layer]
+        key, value = self.key_layers[layer], self.value_layers[layer]
         if (
             _EXT is not None
             and key.dtype == k.dtype == v.dtype == torch.float32

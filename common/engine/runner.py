@@ -66,11 +66,10 @@ class ModelRunner(Generic[Inputs]):
 
     def prepare(self, batch: Batch, token_ids: dict[str, list[int]]) -> StepInputs:
         """Gather the inputs of every scheduled sequence (token_ids: all tokens so far)."""
+        if batch.phase is Phase.DECODE:
+            return self._prepare_decode(batch, token_ids)
         req_ids = [s.req_id for s in batch.seqs]
-        if batch.phase is Phase.PREFILL:
-            spans = [(s.num_computed, s.num_tokens) for s in batch.seqs]
-        else:
-            spans = [(s.num_tokens - 1, s.num_tokens) for s in batch.seqs]
+        spans = [(s.num_computed, s.num_tokens) for s in batch.seqs]
         # NOTE: built as Python lists and turned into tensors once each: a decode step's inputs
         # are a few dozen numbers, and every small torch op costs microseconds.
         ids: list[int] = []
@@ -91,7 +90,33 @@ class ModelRunner(Generic[Inputs]):
             block_tables=pad_block_tables([self.blocks.block_table(r) for r in req_ids]),
             context_lens=torch.tensor([b for _, b in spans], dtype=torch.int32),
             last_token_index=torch.tensor(seq_lens).cumsum(0) - 1,
-            prefix_lens=[a for a, _ in spans] if batch.phase is Phase.PREFILL else [],
+            prefix_lens=[a for a, _ in spans],
+        )
+
+    def _prepare_decode(self, batch: Batch, token_ids: dict[str, list[int]]) -> StepInputs:
+        """A decode step's inputs: each sequence's last token, in one pass over the batch (this
+        runs every step for every sequence: it is written for the interpreter's sake)."""
+        req_ids = [s.req_id for s in batch.seqs]
+        positions = [s.num_tokens - 1 for s in batch.seqs]
+        tables = [self.blocks.block_table(r) for r in req_ids]
+        size = self.blocks.block_size
+        # BlockManager.slots' formula for one token (its block's first slot plus the offset).
+        slots = [t[p // size] * size + p % size for t, p in zip(tables, positions, strict=True)]
+        n = len(req_ids)
+        return StepInputs(
+            phase=batch.phase,
+            req_ids=req_ids,
+            input_ids=torch.tensor(
+                [token_ids[r][p] for r, p in zip(req_ids, positions, strict=True)],
+                dtype=torch.long,
+            ),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            seq_lens=[1] * n,
+            block_tables=pad_block_tables(tables),
+            context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
+            last_token_index=torch.arange(n),
+            prefix_lens=[],
         )
 
     @torch.inference_mode()
@@ -138,13 +163,13 @@ class ModelRunner(Generic[Inputs]):
         if inputs.phase is Phase.PREFILL:
             # Fresh prompts' whole context is in q/k/v; a cached prefix's is in the cache only.
             return prefix_prefill_attention(
-                q, k, v, self.kv_cache.key[layer], self.kv_cache.value[layer], inputs.seq_lens,
-                inputs.prefix_lens, inputs.block_tables, self.model.scale,
+                q, k, v, self.kv_cache.key_layers[layer], self.kv_cache.value_layers[layer],
+                inputs.seq_lens, inputs.prefix_lens, inputs.block_tables, self.model.scale,
             )  # fmt: skip
         out, _ = self.backend.decode(
             q,
-            self.kv_cache.key[layer],
-            self.kv_cache.value[layer],
+            self.kv_cache.key_layers[layer],
+            self.kv_cache.value_layers[layer],
             inputs.block_tables,
             inputs.context_lens,
             self.model.scale,
@@ -154,7 +179,9 @@ class ModelRunner(Generic[Inputs]):
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
     """Block tables as one [N, max_blocks] int32 tensor, padded with block 0 (never read)."""
-    width = max(max((len(t) for t in tables), default=0), 1)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(
-        len(tables), width
-    )
+    width = max(max(map(len, tables), default=0), 1)
+    flat: list[int] = []  # one flat list: torch.tensor reads it faster than nested ones
+    for t in tables:
+        flat += t
+        flat += [0] * (width - len(t))
+    return torch.tensor(flat, dtype=torch.int32).reshape(len(tables), width)

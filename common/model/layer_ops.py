@@ -15,10 +15,17 @@ from torch.utils.dlpack import to_dlpack
 from common.attention.cpu_kernel import extension
 
 _EXT = extension()
+_F32 = torch.float32
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
-    return _EXT is not None and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    # NOTE: a plain loop, not all() over a generator: this runs several times per layer per step.
+    if _EXT is None:
+        return False
+    for t in tensors:
+        if t.dtype != _F32 or not t.is_contiguous():
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

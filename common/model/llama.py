@@ -21,6 +21,7 @@ from torch import nn
 
 from common.config import ModelConfig, RopeScaling
 from common.model import layer_ops
+from common.model.linear import PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -94,20 +95,27 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_out, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv_proj = PackedLinear(config.hidden_size, qkv_out, bias=False)
+        self.o_proj = PackedLinear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = PackedLinear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False
+        )
+        self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj.weight)  # [T, 2 * intermediate]: gate | up
-        return F.linear(layer_ops.silu_and_mul(gate_up), self.down_proj.weight)
+        gate_up = self.gate_up_proj.forward(x)  # [T, 2 * intermediate]: gate | up
+        return self.down_proj.forward(layer_ops.silu_and_mul(gate_up))
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + mlp(x), the add fused into the down projection where it can be."""
+        gate_up = self.gate_up_proj.forward(x)
+        return self.down_proj.forward_add(layer_ops.silu_and_mul(gate_up), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -128,7 +136,7 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn
         # NOTE: functional calls, not module calls: each nn.Module call costs several us of hooks
         # bookkeeping, which a small model's decode step pays dozens of times.
-        qkv = F.linear(self.input_layernorm.forward(x), attn.qkv_proj.weight)
+        qkv = attn.qkv_proj.forward(self.input_layernorm.forward(x))
         # q and k sit side by side at the start of each qkv row: rotate both in one pass.
         rope.rotate_heads_(qkv, attn.num_heads + attn.num_kv_heads, attn.head_dim)
         q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
@@ -160,10 +168,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], attn_out [T, num_heads, head_dim] -> the next layer's x [T, hidden]."""
-        o = F.linear(attn_out.reshape(x.shape[0], -1).to(x.dtype), self.self_attn.o_proj.weight)
+        o = self.self_attn.o_proj.forward(attn_out.reshape(x.shape[0], -1).to(x.dtype))
         norm = self.post_attention_layernorm
         x, h = layer_ops.add_rms_norm(x, o, norm.weight, norm.eps)  # x + o, and its norm
-        return x + self.mlp.forward(h)
+        return self.mlp.forward_add(h, x)
 
 
 def causal_attention(
@@ -204,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.scale = config.head_dim**-0.5
@@ -214,7 +222,8 @@ class LlamaForCausalLM(nn.Module):
         return cast(list[LlamaDecoderLayer], list(self.model.layers))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)  # [T, hidden]
+        # Functional: a module call's hook bookkeeping costs microseconds every step.
+        return F.embedding(input_ids, self.model.embed_tokens.weight)  # [T, hidden]
 
     def rotary_at(self, positions: torch.Tensor) -> RopeAt:
         """RoPE at one step's positions [T] (for `pre_attention`)."""
@@ -222,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] (one row per sequence) -> float32 logits [N, vocab]."""
-        return self.lm_head(self.model.norm(x)).float()
+        return self.lm_head.forward(self.model.norm.forward(x)).float()
 
     def forward_prefill(self, input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         """Full-sequence logits [T, vocab] for packed fresh prompts; for tests and scoring."""

@@ -2,8 +2,8 @@
 
 Tensors are read by their Hugging Face names, checked against the shapes the config implies, and
 fused on the way in (gpt-fast's load hook): q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`.
-Projection weights are then stored column-major (see `column_major`). Errors name the folder and
-the missing or mismatched tensor.
+Projection weights are then stored column-major (see `column_major`) and get a oneDNN-packed copy
+(`common.model.linear`). Errors name the folder and the missing or mismatched tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from common.config import ModelConfig
+from common.config import ModelConfig, env
+from common.model.linear import pack_linears
 from common.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -148,6 +149,10 @@ def load_model(folder: str | Path, dtype: str | None = None) -> LlamaForCausalLM
             state[name] = column_major(state[name])
     model.load_state_dict(state, strict=True, assign=True)
     model.model.rotary = type(model.model.rotary)(config)  # its tables are not in the checkpoint
+    # Last: the packed copies must see the final weights. They double the projections' memory:
+    # PHASEMESH_PACKED_WEIGHTS=0 keeps one copy (plain F.linear, slower at decode shapes).
+    if env("PACKED_WEIGHTS", "1") != "0":
+        pack_linears(model)
     log.info(
         "model loaded", folder=str(folder), layers=config.num_hidden_layers, dtype=config.dtype
     )
