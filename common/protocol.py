@@ -241,6 +241,8 @@ class EngineStats(_Msg, tag="engine_stats"):
     # A token engine's decode steps, and those run as two sub-batches (Neo §3.1), since start.
     num_decode_steps: int = 0
     num_two_batch_steps: int = 0
+    # Its recent decode steps' [predicted, measured] seconds, when its tier policy predicts (Neo).
+    step_times_s: list[list[float]] = []
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats
