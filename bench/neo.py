@@ -160,14 +160,20 @@ def run_arm(
     return rows, first_outputs, stats
 
 
-def step_time_error(step_times: list[list[float]]) -> dict[str, float] | None:
+def step_time_error(step_times: list[list[float]]) -> dict[str, float | None] | None:
     """Median |predicted - measured| / measured over the decode steps, and the medians."""
     if not step_times:
         return None
-    errors = [abs(p - m) / m for p, m in step_times if m > 0]
-    return {"median_relative_error": round(statistics.median(errors), 4),
-            "predicted_ms_p50": round(statistics.median(p for p, _ in step_times) * 1e3, 3),
-            "measured_ms_p50": round(statistics.median(m for _, m in step_times) * 1e3, 3),
+
+    def error(rows: list[list[float]]) -> float | None:
+        errors = [abs(p - m) / m for p, m, _ in rows if m > 0]
+        return round(statistics.median(errors), 4) if errors else None
+
+    return {"median_relative_error": error(step_times),
+            "two_batch_median_relative_error": error([t for t in step_times if t[2]]),
+            "one_batch_median_relative_error": error([t for t in step_times if not t[2]]),
+            "predicted_ms_p50": round(statistics.median(t[0] for t in step_times) * 1e3, 3),
+            "measured_ms_p50": round(statistics.median(t[1] for t in step_times) * 1e3, 3),
             "num_steps": len(step_times)}  # fmt: skip
 
 

@@ -241,7 +241,8 @@ class EngineStats(_Msg, tag="engine_stats"):
     # A token engine's decode steps, and those run as two sub-batches (Neo §3.1), since start.
     num_decode_steps: int = 0
     num_two_batch_steps: int = 0
-    # Its recent decode steps' [predicted, measured] seconds, when its tier policy predicts (Neo).
+    # Its recent decode steps' [predicted s, measured s, 1.0 if run as two sub-batches else 0.0],
+    # when its tier policy predicts step times (Neo).
     step_times_s: list[list[float]] = []
 
 

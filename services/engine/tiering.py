@@ -23,7 +23,7 @@ from common.scheduling.batching import EngineScheduler
 from common.scheduling.neo_tiers import NeoTierPolicy
 from common.scheduling.tiers import Tier, TierPolicy, TierRequest, TierState, is_neo, tier_policy
 from services.engine.admission import DecodeAdmission
-from services.engine.cost_probe import probe_costs, read_costs
+from services.engine.cost_probe import EngineNeoCosts, probe_costs, read_costs
 from services.engine.outbox import Outbox
 from services.engine.routing import RequestRoute
 from services.engine.runner import MeshModelRunner
@@ -46,6 +46,7 @@ class EngineTiering:
     tier_policy: TierPolicy
     local_kv_blocks: int
     max_model_len: int
+    runner: MeshModelRunner
     kv_events: deque[KvEvent]  # `swapped_in` / `swapped_out` as each move finishes
     two_batch: bool  # the policy's choice for this iteration's decode (asymmetric pipelining)
     predicted_step_s: float | None  # the policy's estimate of this iteration's decode step
@@ -61,6 +62,11 @@ class EngineTiering:
         if swaps is None or not self.shards or self.local.plan_in_progress:
             return Outbox()
         state = TierState(self._tier_requests(swaps), self.local_kv_blocks, self.blocks.block_size)
+        if isinstance(self.tier_policy, NeoTierPolicy) and isinstance(
+            costs := self.tier_policy.costs, EngineNeoCosts
+        ):  # T_ca's round trip, as this engine's sharded steps measured it
+            times = self.runner.times  # `two_batch` is still the step just run's
+            costs.observe(times.num_steps, times.network_s, overlapped=self.two_batch)
         plan = self.tier_policy.plan(state)
         self.two_batch = plan.two_batch
         self.predicted_step_s = plan.predicted_step_s
@@ -150,9 +156,10 @@ def build_tier_policy(spec: str, runner: MeshModelRunner, num_shards: int) -> Ti
         if path
         else probe_costs(runner.model, runner.backend, num_shards)
     )
-    log.info("neo cost tables", source=path or "probe", linear=costs.linear_s_by_tokens,
-             local=costs.local_attention_s_by_context,
-             offload=costs.offload_attention_s_by_context)  # fmt: skip
+    t = costs.tables
+    log.info("neo cost tables", source=path or "probe", linear=t.linear_s_by_tokens,
+             local=t.local_attention_s_by_context,
+             offload=t.offload_attention_s_by_context)  # fmt: skip
     return NeoTierPolicy(costs)
 
 

@@ -79,6 +79,6 @@ def test_neo_policy_matches_single_process_engine(tiny_model_path):
         [token] = [s for s in mesh.stats() if s.service_id.startswith("token")]
         assert any(e.what == "swapped_in" for e in token.kv_events)
         assert len(token.step_times_s) == token.num_decode_steps > 0
-        assert all(predicted > 0 and measured > 0 for predicted, measured in token.step_times_s)
+        assert all(predicted > 0 and measured > 0 for predicted, measured, _ in token.step_times_s)
     finally:
         mesh.close()
