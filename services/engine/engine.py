@@ -151,7 +151,7 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         # Per decode step, the tier policy's predicted seconds (when it has a cost model: Neo)
         # and the measured ones, oldest first (the bench's predicted-vs-measured).
         self.predicted_step_s: float | None = None
-        self.step_times: deque[tuple[float, float, bool]] = deque(maxlen=4096)
+        self.step_times: deque[tuple[float, float, int]] = deque(maxlen=4096)
         self.num_decode_steps = self.num_two_batch_steps = 0  # the schedules chosen (bench)
 
     # -- inputs -----------------------------------------------------------------------------------
@@ -361,7 +361,8 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         sampled = self._forward(everyone, plan)
         if self.predicted_step_s is not None:
             measured = time.perf_counter() - started
-            self.step_times.append((self.predicted_step_s, measured, plan.batch_1 is not None))
+            kind = 2 if plan.batch_1 is not None else int(bool(sharded))
+            self.step_times.append((self.predicted_step_s, measured, kind))
         self.telemetry.step_done(trace)
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
         self.admission.confirm([s.req_id for s in sharded if s.req_id not in plan.failed])
@@ -457,7 +458,7 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
             self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
             num_loans=self.pool.num_loans, num_decode_steps=self.num_decode_steps,
             num_two_batch_steps=self.num_two_batch_steps,
-            step_times_s=[[p, m, float(two)] for p, m, two in self.step_times],
+            step_times_s=[[p, m, float(kind)] for p, m, kind in self.step_times],
             decode_breakdown=self.runner.times.report() if self.shards else None,
         )  # fmt: skip
 
