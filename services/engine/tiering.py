@@ -151,11 +151,14 @@ def build_tier_policy(spec: str, runner: MeshModelRunner, num_shards: int) -> Ti
     if not is_neo(spec):
         return tier_policy(spec)
     path = spec.partition(":")[2]
-    costs = (
-        read_costs(path, runner.model)
-        if path
-        else probe_costs(runner.model, runner.backend, num_shards)
-    )
+    try:
+        costs = (
+            read_costs(path, runner.model)
+            if path
+            else probe_costs(runner.model, runner.backend, num_shards)
+        )
+    except (OSError, ValueError, KeyError) as exc:  # a config error: the engine does not start
+        raise ValueError(f"tier policy {spec!r}: no cost tables: {exc!r}") from exc
     t = costs.tables
     log.info("neo cost tables", source=path or "probe", linear=t.linear_s_by_tokens,
              local=t.local_attention_s_by_context,

@@ -45,3 +45,16 @@ def test_round_trip_follows_one_batch_steps_only():
     assert costs.round_trip_s == before  # two-batch steps' waits are not network
     costs.observe(num_steps=20, network_s=1.0)  # no new step: nothing to learn
     assert costs.round_trip_s == before
+
+
+def test_a_bad_cost_table_stops_the_engine_at_start(tmp_path):
+    from types import SimpleNamespace
+
+    from services.engine.tiering import build_tier_policy
+
+    runner = SimpleNamespace(model=None, backend=None)
+    with pytest.raises(ValueError, match="no cost tables"):
+        build_tier_policy(f"neo:{tmp_path / 'missing.csv'}", runner, 2)  # type: ignore[arg-type]
+    (tmp_path / "bad.csv").write_text("model,hardware\n")
+    with pytest.raises(ValueError, match="no cost tables"):
+        build_tier_policy(f"neo:{tmp_path / 'bad.csv'}", runner, 2)  # type: ignore[arg-type]
