@@ -3,6 +3,7 @@ with and without its attention-shard group as a second tier, on a slice of the A
 conversation trace at increasing request rates.
 
     python bench/neo.py [--requests 48] [--rates 2,4,8,16,32,64] [--local-requests 2]
+                        [--policy neo|fill_local]
 
 Two arms, a fresh mesh each (1 prompt engine, 1 token engine; `LocalMesh`, the router's own
 `MeshEngineClient`), the same requests at the same arrival times:
@@ -10,20 +11,25 @@ Two arms, a fresh mesh each (1 prompt engine, 1 token engine; `LocalMesh`, the r
 - `local_only`: no shard group; the token engine's own KV is N requests' whole length (prompt +
   output, the slice's longest), the stand-in for device memory. A hand-off that does not fit is
   refused and re-run by the router (the mesh's behavior when a token engine is full);
-- `offload`: the same local budget as its local tier (`local_kv_blocks`, policy `fill_local`)
-  plus 2 attention shards (the offload tier): requests beyond N decode against the shards, and
-  swap in as local room frees; iterations with both tiers run as two sub-batches (§3.1).
+- `offload`: the same local budget as its local tier (`local_kv_blocks`) plus 2 attention shards
+  (the offload tier): requests beyond N decode against the shards, and swap in as local room
+  frees. `--policy neo` (the default) is Neo's load-aware scheduler (`NeoTierPolicy`, its cost
+  tables probed at the token engine's start): each iteration it picks two sub-batches (§3.1) or
+  one; `fill_local` always runs two when both tiers step.
 
-At each rate (lowest first; an arm stops at its first rate that misses the SLO): TBT p50/p90 over
-every token gap the client sees (a re-run's gap included), TTFT p90, failed requests. The SLO is
-p90 TBT <= `--tbt-slo-ms` (default 100 ms: a few tiny-model steps on this loaded 2-core machine; a
-re-run request's gap, at least the router's 250 ms back-off, misses it) and, beyond the issue's
-TBT-only SLO, p90 TTFT <= `--ttft-slo-ms` (2 s): a request for which a full token engine has no
-room waits (or is refused and re-run), which TTFT shows and TBT may not. Target (issue 22): the
-highest rate meeting the SLO with offload >= 1.5x the one without. Also: the fraction of the
-offload arm's decode iterations run as two sub-batches, and greedy outputs equal between the arms
-at the lowest rate. Per-iteration predicted vs measured step time needs the Neo policy's step-time
-model (not in this branch): it is reported as not measured. The last line is one JSON object.
+The SLO, per rate: p90 TBT <= `--tbt-slo-ms` (100 ms) over every token gap the client sees, and
+p90 TTFT <= `--ttft-slo-ms` (2 s), where a request that was re-run (refused by a full token engine,
+or its engine lost) or failed counts as one that missed both: at most 10% of requests may. Why TTFT
+and re-runs: a local tier that holds N requests makes local-only queue or refuse the rest, which
+shows in TTFT and E2E rather than in the gaps of the requests that do run. Rates go lowest first;
+an arm stops at its first miss. Target (issue 22): the highest rate meeting the SLO with offload
+>= 1.5x the one without. Also, for the offload arm: the fraction of decode iterations run as two
+sub-batches, and per iteration the policy's predicted step time against the measured one (median
+relative error, target <= 15%; `neo` only: `fill_local` predicts nothing); and greedy outputs
+equal between the arms at the lowest rate. The last line is one JSON object.
+
+NOTE: on a 2-core machine shared with other work, the shards' attention runs on the same cores as
+the token engine: the "hidden" offload is not free there, and timings are noisy (loadavg beside).
 """
 
 from __future__ import annotations
@@ -33,11 +39,14 @@ import asyncio
 import json
 import statistics
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 from common.model.default import default_model_path
 from common.sampling import SamplingParams
+from common.telemetry.metrics import Metrics
 from loadgen.arrivals import ArrivalConfig, plan_requests
 from loadgen.prompts import PromptBuilder
 from loadgen.traces import read_trace, shared_dir
@@ -46,6 +55,20 @@ from services.router.mesh_client import MeshEngineClient
 
 VOCAB = 2048  # the tiny model's
 BLOCK = 16
+MAX_MISSED = 0.1  # requests re-run or failed, at most (p90)
+
+
+class Reruns:
+    """The router's metrics, reduced to what the bench counts: its re-runs (migrations)."""
+
+    def __init__(self) -> None:
+        self.num = 0
+
+    def count_migration(self, reason: str) -> None:
+        self.num += 1
+
+    def set_pool_sizes(self, sizes: Counter[str]) -> None:
+        return None
 
 
 async def replay(
@@ -98,13 +121,14 @@ def run_arm(
     mesh = LocalMesh.start(topology)
     rows, first_outputs = [], []
     try:
+        reruns = Reruns()
         client = MeshEngineClient(topology.model_path, mesh.registry.live, auth=mesh.auth,
-                                  refresh_s=0.1)  # fmt: skip
+                                  refresh_s=0.1, metrics=cast(Metrics, reruns))  # fmt: skip
         try:
             while not client.ready():
                 time.sleep(0.05)
             for rate in rates:
-                began = time.monotonic()
+                began, reruns.num = time.monotonic(), 0
                 gaps, ttfts, failed, outputs = asyncio.run(
                     replay(client, at_rate(plan, rate), f"{name}-{rate}")
                 )
@@ -112,10 +136,11 @@ def run_arm(
                 p50, p90 = statistics.median(gaps) * 1e3, cuts[8] * 1e3
                 ttft_p90 = statistics.quantiles([t for t, _ in ttfts], n=10)[8] * 1e3
                 e2e_p90 = statistics.quantiles([e for _, e in ttfts], n=10)[8] * 1e3
-                met = p90 <= slo_ms[0] and ttft_p90 <= slo_ms[1] and failed == 0
+                missed = (failed + reruns.num) / len(plan)
+                met = p90 <= slo_ms[0] and ttft_p90 <= slo_ms[1] and missed <= MAX_MISSED
                 row = {"rate": rate, "tbt_p50_ms": round(p50, 1), "tbt_p90_ms": round(p90, 1),
                        "ttft_p90_ms": round(ttft_p90, 1), "e2e_p90_ms": round(e2e_p90, 1),
-                       "failed": failed, "meets_slo": met,
+                       "failed": failed, "reruns": reruns.num, "meets_slo": met,
                        "wall_s": round(time.monotonic() - began, 1),
                        "loadavg": Path("/proc/loadavg").read_text().split()[:3]}  # fmt: skip
                 print(name, json.dumps(row), flush=True)
@@ -130,8 +155,29 @@ def run_arm(
         mesh.close()
     stats = {"num_decode_steps": token.num_decode_steps,
              "num_two_batch_steps": token.num_two_batch_steps,
-             "swaps_in": sum(e.what == "swapped_in" for e in token.kv_events)}  # fmt: skip
+             "swaps_in": sum(e.what == "swapped_in" for e in token.kv_events),
+             "step_times_s": token.step_times_s}  # fmt: skip
     return rows, first_outputs, stats
+
+
+def step_time_error(step_times: list[list[float]]) -> dict[str, object] | None:
+    """Median |predicted - measured| / measured over the decode steps, and the medians."""
+    if not step_times:
+        return None
+
+    def error(rows: list[list[float]]) -> float | None:
+        errors = [abs(p - m) / m for p, m, _ in rows if m > 0]
+        return round(statistics.median(errors), 4) if errors else None
+
+    kinds = {"local_only": 0, "one_batch_with_shards": 1, "two_batch": 2}
+    return {"median_relative_error": error(step_times),
+            **{f"{name}_median_relative_error": error([t for t in step_times if t[2] == kind])
+               for name, kind in kinds.items()},
+            **{f"{name}_steps": sum(t[2] == kind for t in step_times)
+               for name, kind in kinds.items()},
+            "predicted_ms_p50": round(statistics.median(t[0] for t in step_times) * 1e3, 3),
+            "measured_ms_p50": round(statistics.median(t[1] for t in step_times) * 1e3, 3),
+            "num_steps": len(step_times)}  # fmt: skip
 
 
 def trace_slice(args: argparse.Namespace) -> list[tuple[float, list[int], int]]:
@@ -155,6 +201,7 @@ def main() -> None:
     parser.add_argument("--output-scale", type=float, default=1.0, help="the trace's, as is")
     parser.add_argument("--max-output", type=int, default=128, help="output tokens' cap")
     parser.add_argument("--local-requests", type=int, default=2, help="N: what local KV holds")
+    parser.add_argument("--policy", default="neo", help="the offload arm's: neo or fill_local")
     parser.add_argument("--tbt-slo-ms", type=float, default=100.0)
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     args = parser.parse_args()
@@ -166,7 +213,7 @@ def main() -> None:
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     base = Topology(model, num_prompt=1, num_token=1, pin_decode_groups=False, num_blocks=4096)
     local_only = replace(base, token_num_blocks=local_blocks)
-    offload = replace(base, num_shards=2, local_kv_blocks=local_blocks, tier_policy="fill_local")
+    offload = replace(base, num_shards=2, local_kv_blocks=local_blocks, tier_policy=args.policy)
     slo = (args.tbt_slo_ms, args.ttft_slo_ms)
     rows_l, out_l, _ = run_arm("local_only", local_only, plan, rates, slo)
     rows_o, out_o, stats_o = run_arm("offload", offload, plan, rates, slo)
@@ -175,24 +222,29 @@ def main() -> None:
     ratio = best_o / best_l if best_l else (float("inf") if best_o else 0.0)
     steps = stats_o["num_decode_steps"]
     two_batch = stats_o["num_two_batch_steps"] / steps if steps else 0.0
+    step_times = step_time_error(stats_o.pop("step_times_s"))
+    error = cast(float | None, step_times["median_relative_error"] if step_times else None)
     result = {
         "requests": len(plan), "prompt_tokens": sum(len(p) for _, p, _ in plan),
         "output_tokens": sum(n for _, _, n in plan), "local_requests": args.local_requests,
         "local_kv_blocks": local_blocks, "tbt_slo_ms": slo[0], "ttft_slo_ms": slo[1],
+        "max_missed_fraction": MAX_MISSED, "policy": args.policy,
         "local_only": rows_l, "offload": rows_o,
         "best_rate_local_only": best_l, "best_rate_offload": best_o,
+        # The highest rate swept met the SLO: the arm's true best (and the ratio) is higher.
+        "offload_met_every_rate": best_o == rates[-1],
         "rate_ratio_offload_over_local": round(ratio, 3) if ratio != float("inf") else "inf",
         "two_batch_fraction": round(two_batch, 4), "offload_engine": stats_o,
         "outputs_equal_at_lowest_rate": out_l == out_o,
-        "step_time_median_error": None,  # needs the Neo policy's predictor
+        "step_time_median_error": error, "step_times": step_times,
         "loadavg_before": load_before,
         "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
         "targets": {"rate_ratio_offload_over_local": ">= 1.5",
-                    "step_time_median_error": "<= 0.15 (not measured: no predictor yet)"},
+                    "step_time_median_error": "<= 0.15"},
     }  # fmt: skip
     result["targets_met"] = {
         "rate_ratio_offload_over_local": ratio >= 1.5,
-        "step_time_median_error": False,
+        "step_time_median_error": error is not None and error <= 0.15,
     }
     print(json.dumps(result))
 

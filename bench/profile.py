@@ -321,29 +321,19 @@ def attention_rows(
     S shards splits the KV heads S ways). Times are all layers' (ms), median of the repeats."""
     from common.attention import select_backend
     from common.attention.cpu_kernel import CpuKernelAttention, kernel_available
+    from services.engine.cost_probe import attention_s
 
-    mc = engine.model_config
     tiers = {"local": select_backend("auto")}
     if kernel_available():
         tiers["offload"] = CpuKernelAttention(num_threads=1)
-    batch, block = args.attention_batch, 16
     for context in contexts:
-        per_seq = -(-context // batch)
-        num_blocks = batch * -(-per_seq // block)
-        k = torch.randn(num_blocks, mc.num_key_value_heads, mc.head_dim, block)
-        v = torch.randn(num_blocks, mc.num_key_value_heads, block, mc.head_dim)
-        q = torch.randn(batch, mc.num_attention_heads, mc.head_dim)
-        tables = torch.arange(num_blocks, dtype=torch.int32).reshape(batch, -1)
-        lens = torch.full((batch,), per_seq, dtype=torch.int32)
         for tier, backend in tiers.items():
-            samples = []
-            for _ in range(args.repeats + 1):  # the first call warms up
-                start = time.perf_counter()
-                backend.decode(q, k, v, tables, lens, mc.head_dim**-0.5)
-                samples.append((time.perf_counter() - start) * 1e3 * mc.num_hidden_layers)
+            held, seconds = attention_s(
+                backend, engine.model_config, args.attention_batch, context, args.repeats
+            )
             yield {"model": args.model_name, "hardware": args.hardware, "tier": tier,
-                   "batch_size": batch, "context_tokens": per_seq * batch,
-                   "time_ms": round(statistics.median(samples[1:]), 4)}  # fmt: skip
+                   "batch_size": args.attention_batch, "context_tokens": held,
+                   "time_ms": round(seconds * 1e3, 4)}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

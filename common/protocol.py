@@ -241,6 +241,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     # A token engine's decode steps, and those run as two sub-batches (Neo §3.1), since start.
     num_decode_steps: int = 0
     num_two_batch_steps: int = 0
+    # Its recent decode steps' [predicted s, measured s, kind], when its tier policy predicts step
+    # times (Neo); kind 0.0: local rows only, 1.0: one batch with shard rows, 2.0: two sub-batches.
+    step_times_s: list[list[float]] = []
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats

@@ -63,6 +63,9 @@ class TierPlan:
     swap_out: list[str] = field(default_factory=list)  # local -> shard group
     swap_in: list[str] = field(default_factory=list)  # shard group -> local
     two_batch: bool = False  # this iteration's decode as batch-0 (local) and batch-1 (offloaded)
+    # The policy's estimate of this iteration's decode step (s), for policies with a cost model
+    # (`NeoTierPolicy`); the engine records it beside the measured time.
+    predicted_step_s: float | None = None
 
 
 class TierPolicy(Protocol):
@@ -119,16 +122,22 @@ def _both_tiers_step(state: TierState, plan: TierPlan) -> bool:
 
 
 def tier_policy(spec: str) -> TierPolicy:
-    """A policy from its config name: `fill_local` (the default) or `alternate:<period>`."""
+    """A policy from its config name: `fill_local` (the default) or `alternate:<period>`.
+    `neo` and `neo:<csv>` need a cost model: the engine builds them (`is_neo`)."""
     name, _, arg = spec.partition(":")
     if name in ("", "fill_local"):
         return FillLocalFirst()
     if name == "alternate" and arg.isdigit():
         return AlternateTiers(int(arg))
-    raise ValueError(f"unknown tier policy {spec!r}: fill_local or alternate:<period>")
+    raise ValueError(f"unknown tier policy {spec!r}: fill_local, alternate:<period>, neo[:<csv>]")
+
+
+def is_neo(spec: str) -> bool:
+    """Whether `spec` names Neo's load-aware policy (`neo`, or `neo:<attention table csv>`)."""
+    return spec.partition(":")[0] == "neo"
 
 
 __all__ = [
     "AlternateTiers", "FillLocalFirst", "Tier", "TierPlan", "TierPolicy", "TierRequest",
-    "TierState", "tier_policy",
+    "TierState", "is_neo", "tier_policy",
 ]  # fmt: skip

@@ -48,7 +48,6 @@ from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import Batch, EngineScheduler, Phase, Sequence
 from common.scheduling.role_lease import RoleLease
 from common.scheduling.shard_choice import holds_whole_requests
-from common.scheduling.tiers import tier_policy
 from services.engine.admission import DecodeAdmission
 from services.engine.faults import EngineFaults
 from services.engine.kv_news import EngineKvNews
@@ -64,7 +63,7 @@ from services.engine.routing import (
 )
 from services.engine.runner import MeshModelRunner, ShardLink, StepPlan
 from services.engine.telemetry import EngineTelemetry
-from services.engine.tiering import EngineTiering
+from services.engine.tiering import EngineTiering, build_tier_policy
 from services.engine.tiers import KvSwaps
 
 log = structlog.get_logger(__name__)
@@ -136,13 +135,17 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         self.num_prefill_tokens = 0  # computed, i.e. not found in the prefix cache
         # Neo's local tier beside the shard group: swaps need a budget and a KV listener.
         self.local_kv_blocks = role.local_kv_blocks
-        self.tier_policy = tier_policy(role.tier_policy)
+        self.tier_policy = build_tier_policy(role.tier_policy, self.runner, len(shards))
         self.swaps = (
             KvSwaps(self.blocks, kv, kv_send, role.kv_address)
             if role.local_kv_blocks and role.kv_address
             else None
         )
         self.two_batch = False
+        # Per decode step, the tier policy's predicted seconds (when it has a cost model: Neo)
+        # and the measured ones, oldest first (the bench's predicted-vs-measured).
+        self.predicted_step_s: float | None = None
+        self.step_times: deque[tuple[float, float, int]] = deque(maxlen=4096)
         self.num_decode_steps = self.num_two_batch_steps = 0  # the schedules chosen (bench)
 
     # -- inputs -----------------------------------------------------------------------------------
@@ -348,7 +351,12 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         self.num_decode_steps += 1
         everyone = Batch(Phase.DECODE, local + sharded)
         self.telemetry.decode_step(len(everyone.seqs))
+        started = time.perf_counter()
         sampled = self._forward(everyone, plan)
+        if self.predicted_step_s is not None:
+            measured = time.perf_counter() - started
+            kind = 2 if plan.batch_1 is not None else int(bool(sharded))
+            self.step_times.append((self.predicted_step_s, measured, kind))
         self.telemetry.step_done(trace)
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
         self.admission.confirm([s.req_id for s in sharded if s.req_id not in plan.failed])
@@ -444,6 +452,7 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
             self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
             num_loans=self.pool.num_loans, num_decode_steps=self.num_decode_steps,
             num_two_batch_steps=self.num_two_batch_steps,
+            step_times_s=[[p, m, float(kind)] for p, m, kind in self.step_times],
             decode_breakdown=self.runner.times.report() if self.shards else None,
         )  # fmt: skip
 

@@ -20,10 +20,13 @@ from common.block_manager import BlockManager, NoFreeBlocksError
 from common.engine.request import Request
 from common.protocol import KvEvent, KvPages, KvSwapAck, ShardAddress
 from common.scheduling.batching import EngineScheduler
-from common.scheduling.tiers import Tier, TierPolicy, TierRequest, TierState
+from common.scheduling.neo_tiers import NeoTierPolicy
+from common.scheduling.tiers import Tier, TierPolicy, TierRequest, TierState, is_neo, tier_policy
 from services.engine.admission import DecodeAdmission
+from services.engine.cost_probe import EngineNeoCosts, probe_costs, read_costs
 from services.engine.outbox import Outbox
 from services.engine.routing import RequestRoute
+from services.engine.runner import MeshModelRunner
 from services.engine.tiers import SWAP_TIMEOUT_S, KvSwaps, SwapFailed
 
 log = structlog.get_logger(__name__)
@@ -43,8 +46,10 @@ class EngineTiering:
     tier_policy: TierPolicy
     local_kv_blocks: int
     max_model_len: int
+    runner: MeshModelRunner
     kv_events: deque[KvEvent]  # `swapped_in` / `swapped_out` as each move finishes
     two_batch: bool  # the policy's choice for this iteration's decode (asymmetric pipelining)
+    predicted_step_s: float | None  # the policy's estimate of this iteration's decode step
 
     if TYPE_CHECKING:  # EngineFaults' (after this mixin in Engine's bases: no stub here)
 
@@ -53,11 +58,18 @@ class EngineTiering:
     def _plan_tiers(self) -> Outbox:
         """Between steps: start the swaps the policy plans (the fetches to send, for swap-ins)."""
         swaps = self.swaps
+        self.predicted_step_s = None  # no plan, no prediction
         if swaps is None or not self.shards or self.local.plan_in_progress:
             return Outbox()
         state = TierState(self._tier_requests(swaps), self.local_kv_blocks, self.blocks.block_size)
+        if isinstance(self.tier_policy, NeoTierPolicy) and isinstance(
+            costs := self.tier_policy.costs, EngineNeoCosts
+        ):  # T_ca's round trip, as this engine's sharded steps measured it
+            times = self.runner.times  # `two_batch` is still the step just run's
+            costs.observe(times.num_steps, times.network_s, overlapped=self.two_batch)
         plan = self.tier_policy.plan(state)
         self.two_batch = plan.two_batch
+        self.predicted_step_s = plan.predicted_step_s
         now, out = time.monotonic(), Outbox()
         running = {s.req_id: s for s in self.local.running}
         for req_id in plan.swap_out:
@@ -133,4 +145,25 @@ class EngineTiering:
         return list(self.swaps.moving) if self.swaps else []
 
 
-__all__ = ["EngineTiering"]
+def build_tier_policy(spec: str, runner: MeshModelRunner, num_shards: int) -> TierPolicy:
+    """The policy `spec` names; Neo's (`neo`, `neo:<attention csv>`) over cost tables measured
+    now on this engine's model and attention backend (T_ga, T_ca from the CSV when given)."""
+    if not is_neo(spec):
+        return tier_policy(spec)
+    path = spec.partition(":")[2]
+    try:
+        costs = (
+            read_costs(path, runner.model)
+            if path
+            else probe_costs(runner.model, runner.backend, num_shards)
+        )
+    except (OSError, ValueError, KeyError) as exc:  # a config error: the engine does not start
+        raise ValueError(f"tier policy {spec!r}: no cost tables: {exc!r}") from exc
+    t = costs.tables
+    log.info("neo cost tables", source=path or "probe", linear=t.linear_s_by_tokens,
+             local=t.local_attention_s_by_context,
+             offload=t.offload_attention_s_by_context)  # fmt: skip
+    return NeoTierPolicy(costs)
+
+
+__all__ = ["EngineTiering", "build_tier_policy"]
