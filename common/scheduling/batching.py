@@ -119,6 +119,15 @@ class EngineScheduler:
     def pending_prompt_tokens(self) -> int:
         return self.policy.pending_prompt_tokens
 
+    def blocks_to_grow(self, whole_len: Callable[[str], int]) -> int:
+        """The blocks its sequences (running or waiting to be recomputed) may still take before
+        each holds `whole_len(req_id)` tokens, its most: what a token engine keeps free for them
+        before it starts another hand-off (services/engine/admission.py)."""
+        held = {r: len(self.blocks.block_table(r)) for r in self.seqs if self.blocks.has(r)}
+        return sum(
+            max(self.blocks.blocks_needed(whole_len(r)) - held.get(r, 0), 0) for r in self.seqs
+        )
+
     def add(self, seq: Sequence) -> None:
         """Queue a sequence for prefill."""
         self.seqs[seq.req_id] = seq

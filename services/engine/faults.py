@@ -40,7 +40,7 @@ class EngineFaults:
     def on_abort(self, req_id: str) -> Outbox:
         raise NotImplementedError  # Engine's
 
-    def _admit_handoffs(self) -> None:
+    def _admit_handoffs(self) -> Outbox:
         raise NotImplementedError  # Engine's
 
     def _expire_swaps(self, now: float) -> Outbox:
@@ -51,17 +51,18 @@ class EngineFaults:
 
     def expire(self, now: float) -> Outbox:
         """Bounds on waiting: free local KV whose hand-off never came (`KvIngress` leases), and
-        end, retryably, hand-offs whose KV has not landed within `HANDOFF_KV_WAIT_S` (they would
-        block the queue behind them for good)."""
+        end, retryably, hand-offs whose KV has not landed, or found no room, within
+        `HANDOFF_KV_WAIT_S` (they would block the queue behind them for good)."""
         if expired := self.kv_ingress.expire_leases():
             log.warning("unclaimed KV freed after its lease", engine=self.engine_id,
                         req_ids=expired[:8], num_freed=len(expired))  # fmt: skip
         out = Outbox()
         for h in self.admission.stalled(now, HANDOFF_KV_WAIT_S, self.kv_ingress.is_complete):
-            out += self._end(h.req_id, f"engine {self.engine_id}: the request's KV did not "
-                             f"arrive within {HANDOFF_KV_WAIT_S} s", retryable=True)  # fmt: skip
+            what = "found no room" if self.kv_ingress.is_complete(h.req_id) else "did not arrive"
+            out += self._end(h.req_id, f"engine {self.engine_id}: the request's KV {what} "
+                             f"within {HANDOFF_KV_WAIT_S} s", retryable=True)  # fmt: skip
         if out:
-            self._admit_handoffs()
+            out += self._admit_handoffs()
         return out + self._expire_swaps(now)
 
     def lost_reply_to(self, reply_to: str) -> Outbox:
