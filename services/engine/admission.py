@@ -62,15 +62,30 @@ class DecodeAdmission:
     def stalled(
         self, now: float, bound_s: float, kv_complete: Callable[[str], bool]
     ) -> list[DecodeHandoff]:
-        """Hand-offs waiting past `bound_s` since their arrival: local ones (their KV has not all
-        landed, their prompt engine died mid-transfer or it was refused; or no room came for
-        their whole length) and sharded ones whose shards never said their KV landed. They
-        would hold the queue behind them forever."""
+        """Local hand-offs whose KV has not all landed within `bound_s` of their arrival (its
+        prompt engine died mid-transfer, or it was refused): they would hold the queue forever."""
         return [
             h for h in self.waiting
-            if (not h.shards or not self._in_place(h, kv_complete))
+            if not self._in_place(h, kv_complete)
             and now - self._arrived.get(h.req_id, now) > bound_s
         ]  # fmt: skip
+
+    def starved(
+        self,
+        now: float,
+        bound_s: float,
+        local: EngineScheduler,
+        kv_complete: Callable[[str], bool],
+        whole_len: Callable[[str], int],
+    ) -> list[DecodeHandoff]:
+        """The head local hand-off, its KV in place, when no room for its whole length came
+        within `bound_s` of its arrival: it would hold the queue behind it."""
+        head = next((h for h in self.waiting if not h.shards), None)
+        if head is None or not self._in_place(head, kv_complete):
+            return []
+        if now - self._arrived.get(head.req_id, now) <= bound_s:
+            return []
+        return [] if self._fits(head, local, whole_len) else [head]
 
     def note_landed(self, shard: str, req_ids: list[str]) -> None:
         """`shard` (its kv endpoint) says these requests' KV landed whole there."""

@@ -13,6 +13,7 @@ import structlog
 from common.engine.request import Request
 from common.kv_ingress import KvIngress
 from common.protocol import DecodeHandoff, ShardAddress, TokenOutput
+from common.scheduling.batching import EngineScheduler
 from services.engine.admission import DecodeAdmission
 from services.engine.outbox import Outbox
 from services.engine.routing import RequestRoute, kv_endpoints
@@ -32,6 +33,7 @@ class EngineFaults:
     telemetry: EngineTelemetry
     kv_ingress: KvIngress
     admission: DecodeAdmission
+    local: EngineScheduler
     runner: MeshModelRunner
     shards: tuple[ShardAddress, ...]
     requests: dict[str, Request]
@@ -41,6 +43,9 @@ class EngineFaults:
         raise NotImplementedError  # Engine's
 
     def _admit_handoffs(self) -> Outbox:
+        raise NotImplementedError  # Engine's
+
+    def _max_len(self, req_id: str) -> int:
         raise NotImplementedError  # Engine's
 
     def _expire_swaps(self, now: float) -> Outbox:
@@ -57,10 +62,13 @@ class EngineFaults:
             log.warning("unclaimed KV freed after its lease", engine=self.engine_id,
                         req_ids=expired[:8], num_freed=len(expired))  # fmt: skip
         out = Outbox()
-        for h in self.admission.stalled(now, HANDOFF_KV_WAIT_S, self.kv_ingress.is_complete):
-            what = "found no room" if self.kv_ingress.is_complete(h.req_id) else "did not arrive"
-            out += self._end(h.req_id, f"engine {self.engine_id}: the request's KV {what} "
-                             f"within {HANDOFF_KV_WAIT_S} s", retryable=True)  # fmt: skip
+        landed = self.kv_ingress.is_complete
+        for h in self.admission.stalled(now, HANDOFF_KV_WAIT_S, landed):
+            out += self._end(h.req_id, f"engine {self.engine_id}: the request's KV did not "
+                             f"arrive within {HANDOFF_KV_WAIT_S} s", retryable=True)  # fmt: skip
+        for h in self.admission.starved(now, HANDOFF_KV_WAIT_S, self.local, landed, self._max_len):
+            why = f"no room for the request's whole length within {HANDOFF_KV_WAIT_S} s"
+            out += self._end(h.req_id, f"engine {self.engine_id}: {why}", retryable=True)
         if out:
             out += self._admit_handoffs()
         return out + self._expire_swaps(now)
