@@ -157,6 +157,15 @@ class MixedBatchPolicy:
                     return True
         return False
 
+    def unplan(self, req_id: ReqId, now: float) -> None:
+        """Take back a decode the last plan stepped: its machine found no block for it (its
+        count and the policy's disagree). It is preempted as if before that plan (the token the
+        plan counted is not generated) and recomputed later; its batch-mates go on."""
+        seq = self.running[req_id]
+        seq.join_step += 1
+        self._kv_offset -= 1  # it holds `prompt_len + gen_base - join_step` (+ step)
+        self._preempt(seq, now, [])
+
     # -- queries --------------------------------------------------------------------------------
 
     def num_generated(self, req_id: ReqId) -> int:
