@@ -69,7 +69,7 @@ class EngineFaults:
         for h in self.admission.starved(now, HANDOFF_KV_WAIT_S, self.local, landed, self._max_len):
             why = f"no room for the request's whole length within {HANDOFF_KV_WAIT_S} s"
             out += self._end(h.req_id, f"engine {self.engine_id}: {why}", retryable=True)
-        if out:
+        if out or self.admission.waiting:  # an abort may have freed room since (no step ran)
             out += self._admit_handoffs()
         return out + self._expire_swaps(now)
 

@@ -8,6 +8,7 @@ overcommitted its blocks and a step raised `NoFreeBlocksError`, which the worker
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from common.config import CacheConfig, EngineConfig
@@ -79,3 +80,21 @@ def test_a_mixed_engine_under_kv_pressure_preempts_and_recomputes(tiny_model_pat
     expected = single_process_tokens(tiny_model_path, prompts, greedy)
     assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
     assert engine.blocks.num_used_blocks == 0 and not engine.requests
+
+
+def test_a_waiting_hand_off_starts_once_an_abort_frees_its_room(tiny_model_path: Path) -> None:
+    first, second = random_prompts([30, 30], vocab=2048, seed=8)
+    greedy = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)  # 66: 5 blocks
+    pair = InProcessPair(tiny_model_path)
+    pair.submit("first", first, greedy)
+    pair.submit("second", second, greedy)
+    pair.deliver(pair.prompt.step())
+    while pair.kv:
+        pair.deliver(pair.token.on_kv(*pair.kv.pop(0)))
+    assert [h.req_id for h in pair.token.admission.waiting] == ["second"]  # first may grow
+    pair.deliver(pair.token.on_abort("first"))  # its client went away: no step runs after
+    pair.deliver(pair.token.expire(time.monotonic()))  # the worker's next tick (50 ms)
+    assert [s.req_id for s in pair.token.local.running] == ["second"]
+    pair.run()
+    assert tokens_of(pair, "second") == single_process_tokens(tiny_model_path, [second], greedy)[0]
+    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.requests
