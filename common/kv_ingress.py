@@ -14,7 +14,9 @@ keeps the three rules that make KV arriving from another process safe to hold:
 - **refusals**: a request whose KV does not fit is refused, not a crash: its blocks stay free, its
   later pages are dropped and `receive` says `REFUSED`, so its hand-off can fail alone. On a shard
   "fits" means the request's whole length (`KvPages.reserve_tokens`): blocks for every token it
-  may generate are held from its first page, so it never fails mid-stream for want of one.
+  may generate are held from its first page, so it never fails mid-stream for want of one. On a
+  token engine, "fits" also leaves free the blocks its running requests may still grow into
+  (`keep_free`), so landing KV never takes the room a decode step needs.
 
 Thread-safe for one ingress thread (`receive`, `free`, `expire_leases`) and one decode thread
 (`claim`, `wait_complete`); `lock` also guards `blocks` for the decode thread's own growth.
@@ -61,8 +63,12 @@ class KvIngress:
         lease_s: float = KV_LEASE_S,
         clock: Callable[[], float] = time.monotonic,
         receiver: str = "",
+        keep_free: Callable[[], int] | None = None,
     ) -> None:
         self.blocks, self.cache = blocks, cache
+        # Blocks a new request's KV must leave free (its owner's reservations); called on the
+        # thread that calls `receive`.
+        self.keep_free = keep_free
         # Pages that carry a trace context (`KvPages.traceparent`) get a `kv.receive` span.
         self.spans = KvReceiveSpans(receiver)
         self.lease_s, self.clock = lease_s, clock
@@ -85,7 +91,7 @@ class KvIngress:
                                        pages.sent_at))  # fmt: skip
             if not self.blocks.has(pages.req_id):
                 try:
-                    self.blocks.allocate(pages.req_id, max(pages.num_tokens, pages.reserve_tokens))
+                    self._allocate(pages)
                 except NoFreeBlocksError:
                     self._end(pages.req_id, Landed.REFUSED)
                     self.lock.notify_all()  # a decode step waiting for it fails now, not later
@@ -110,6 +116,13 @@ class KvIngress:
             self.spans.landed(pages.req_id, pages.traceparent, layers, heads,
                               k.nbytes + v.nbytes, complete)  # fmt: skip
         return Landed.COMPLETE if done >= self.num_layers else Landed.PARTIAL
+
+    def _allocate(self, pages: KvPages) -> None:
+        num_tokens = max(pages.num_tokens, pages.reserve_tokens)
+        kept = self.keep_free() if self.keep_free is not None else 0
+        if self.blocks.blocks_needed(num_tokens) > self.blocks.num_free_blocks - kept:
+            raise NoFreeBlocksError(f"request {pages.req_id}: {kept} free blocks are reserved")
+        self.blocks.allocate(pages.req_id, num_tokens)
 
     def _check(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
         num_layers, _, num_heads, head_dim, _ = self.cache.key.shape

@@ -21,9 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from common.block_manager import BlockManager
+import structlog
+
+from common.block_manager import BlockManager, NoFreeBlocksError
 from common.config import SchedulerConfig
 from common.scheduling.mixed import MixedBatchPolicy, MixedPlan, MixedPolicyConfig
+
+log = structlog.get_logger(__name__)
 
 
 class Phase(StrEnum):
@@ -119,6 +123,15 @@ class EngineScheduler:
     def pending_prompt_tokens(self) -> int:
         return self.policy.pending_prompt_tokens
 
+    def blocks_to_grow(self, whole_len: Callable[[str], int]) -> int:
+        """The blocks its sequences (running or waiting to be recomputed) may still take before
+        each holds `whole_len(req_id)` tokens, its most: what a token engine keeps free for them
+        before it starts another hand-off (services/engine/admission.py)."""
+        held = {r: len(self.blocks.block_table(r)) for r in self.seqs if self.blocks.has(r)}
+        return sum(
+            max(self.blocks.blocks_needed(whole_len(r)) - held.get(r, 0), 0) for r in self.seqs
+        )
+
     def add(self, seq: Sequence) -> None:
         """Queue a sequence for prefill."""
         self.seqs[seq.req_id] = seq
@@ -168,7 +181,7 @@ class EngineScheduler:
             self.plan_log.append(plan)
         preempted = [self._preempt(str(r)) for r in plan.preempted_ids]
         prefill = Batch(Phase.PREFILL, [self._reserve(str(r), 0) for r in plan.prefill_ids])
-        decode = Batch(Phase.DECODE, [self._reserve(str(r), 1) for r in plan.decode_ids])
+        decode = Batch(Phase.DECODE, self._reserve_decodes(plan, preempted))
         first = prefill if prefill.seqs else decode
         first.preempted = preempted
         if first is prefill and decode.seqs:
@@ -183,6 +196,21 @@ class EngineScheduler:
             seq.num_tokens += 1
         for req_id in finished:
             self.remove(req_id)
+
+    def _reserve_decodes(self, plan: MixedPlan, preempted: list[Sequence]) -> list[Sequence]:
+        """The plan's decodes, each with room for its new token. NOTE: one the blocks cannot
+        grow (the policy's count and theirs disagree: a bug, not a state) is preempted alone and
+        recomputed later, instead of failing the step for every request on the engine."""
+        seqs = []
+        for r in plan.decode_ids:
+            try:
+                seqs.append(self._reserve(str(r), 1))
+            except NoFreeBlocksError as exc:
+                log.error("no block for a planned decode; preempting it", req_id=str(r),
+                          error=str(exc))  # fmt: skip
+                self.policy.unplan(r, self.clock())
+                preempted.append(self._preempt(str(r)))
+        return seqs
 
     def _reserve(self, req_id: str, num_uncomputed: int) -> Sequence:
         """Mirror the policy's reservation into the blocks; `num_uncomputed`: the tokens the

@@ -157,6 +157,15 @@ class MixedBatchPolicy:
                     return True
         return False
 
+    def unplan(self, req_id: ReqId, now: float) -> None:
+        """Take back a decode the last plan stepped: its machine found no block for it (its
+        count and the policy's disagree). It is preempted as if before that plan (the token the
+        plan counted is not generated) and recomputed later; its batch-mates go on."""
+        seq = self.running[req_id]
+        seq.join_step += 1
+        self._kv_offset -= 1  # it holds `prompt_len + gen_base - join_step` (+ step)
+        self._preempt(seq, now, [])
+
     # -- queries --------------------------------------------------------------------------------
 
     def num_generated(self, req_id: ReqId) -> int:
@@ -195,7 +204,17 @@ class MixedBatchPolicy:
         return self.capacity_blocks - self.used_blocks - self.external_blocks
 
     def _fits(self, num_tokens: int) -> bool:
-        return self.free_blocks >= self.blocks_for(num_tokens)
+        """Whether `num_tokens` more fit in this iteration's plan so far."""
+        return self.free_blocks - self._prefill_growth() >= self.blocks_for(num_tokens)
+
+    def _prefill_growth(self) -> int:
+        """Blocks this iteration's prefills take at the token each generates. NOTE: while a plan
+        is made they are counted at their prefill length (the iteration has not run), so
+        without this each admission would see the room of the ones before it twice."""
+        if self.config.block_size == 1:
+            return len(self._prefilling)
+        bs = self.config.block_size
+        return sum(1 for r in self._prefilling if self.num_tokens(r) % bs == 0)
 
     @property
     def has_waiting(self) -> bool:
@@ -276,12 +295,11 @@ class MixedBatchPolicy:
             self._preempt(victims[0], now, preempted)
 
     def _growth_blocks(self) -> int:
-        """New blocks one more token for every running decode takes: one each whose last block
-        is full."""
-        decodes = [r for r in self.running if r not in self._prefilling]
+        """New blocks one more token for every running request takes (decodes, and this
+        iteration's prefills at the token they generate): one each whose last block is full."""
         if self.config.block_size == 1:
-            return len(decodes)
-        return sum(1 for r in decodes if self.num_tokens(r) % self.config.block_size == 0)
+            return len(self.running)
+        return sum(1 for r in self.running if self.num_tokens(r) % self.config.block_size == 0)
 
     def _victims(self, ignore_cap: bool) -> list[SeqState]:
         """Running decodes in preemption order: youngest (lowest age priority) first."""
@@ -298,7 +316,7 @@ class MixedBatchPolicy:
         preemption at all) if even all eligible decodes would not free enough."""
         victims = self._victims(ignore_cap=False)
         freeable = sum(self.blocks_for(self.num_tokens(s.req_id)) for s in victims)
-        if self.free_blocks + freeable < self.blocks_for(need):
+        if self.free_blocks - self._prefill_growth() + freeable < self.blocks_for(need):
             return False
         for seq in victims:
             if self._fits(need):

@@ -16,7 +16,14 @@ A `DecodeHandoff` waits, first come first served, until its KV is in place:
   (Lamina §5). A shard that lost it (refused, or its pull failed) says so, and the engine ends
   the request retryably; one that never lands is ended by `stalled` after its bound;
 - without: until every layer of its KV has landed in this engine's own cache (its `KvIngress`
-  says so); it then joins the engine's local scheduler, which may preempt it like any local request.
+  says so) and its whole length (prompt + `max_tokens`) fits: the blocks it still needs, beside
+  those the local scheduler's requests may still grow into (`EngineScheduler.blocks_to_grow`),
+  are free. It then joins the engine's local scheduler, which never has to preempt it for a
+  token engine's own growth (a mixed engine's new prompts still may, recomputing it as the
+  single-process engine does). One that cannot fit waits, first come first served, while room
+  is coming (a local request will finish), at most `HANDOFF_KV_WAIT_S`; when none is, it or the
+  youngest hand-off holding landed KV behind it ends alone, retryably (`unfittable`), so the
+  oldest goes first and nothing waits for room that will not come.
 """
 
 from __future__ import annotations
@@ -63,6 +70,23 @@ class DecodeAdmission:
             and now - self._arrived.get(h.req_id, now) > bound_s
         ]  # fmt: skip
 
+    def starved(
+        self,
+        now: float,
+        bound_s: float,
+        local: EngineScheduler,
+        kv_complete: Callable[[str], bool],
+        whole_len: Callable[[str], int],
+    ) -> list[DecodeHandoff]:
+        """The head local hand-off, its KV in place, when no room for its whole length came
+        within `bound_s` of its arrival: it would hold the queue behind it."""
+        head = next((h for h in self.waiting if not h.shards), None)
+        if head is None or not self._in_place(head, kv_complete):
+            return []
+        if now - self._arrived.get(head.req_id, now) <= bound_s:
+            return []
+        return [] if self._fits(head, local, whole_len) else [head]
+
     def note_landed(self, shard: str, req_ids: list[str]) -> None:
         """`shard` (its kv endpoint) says these requests' KV landed whole there."""
         for req_id in req_ids:
@@ -95,13 +119,21 @@ class DecodeAdmission:
         """The group's blocks not reserved for a request decoding against it."""
         return self.shard_blocks.num_free_blocks
 
-    def admit(self, local: EngineScheduler, kv_complete: Callable[[str], bool]) -> list[str]:
+    def admit(
+        self,
+        local: EngineScheduler,
+        kv_complete: Callable[[str], bool],
+        whole_len: Callable[[str], int] | None = None,
+    ) -> list[str]:
         """Start every handoff at the head of the queue whose KV is in place; returns their ids.
         Local ones (`kv_complete` says when all their KV landed) join `local` as running
-        sequences."""
+        sequences once their whole length fits (`whole_len`: the most tokens a request of the
+        engine may hold; None: only their KV so far is counted)."""
         admitted, still = [], []
         for i, h in enumerate(self.waiting):
-            if not self._in_place(h, kv_complete):
+            if not self._in_place(h, kv_complete) or (
+                not h.shards and whole_len is not None and not self._fits(h, local, whole_len)
+            ):
                 if not h.shards:  # local ones keep their order: FCFS for this engine's blocks
                     still += self.waiting[i:]
                     break
@@ -122,6 +154,40 @@ class DecodeAdmission:
             admitted.append(h.req_id)
         self.waiting = still
         return admitted
+
+    def unfittable(
+        self,
+        local: EngineScheduler,
+        kv_complete: Callable[[str], bool],
+        whole_len: Callable[[str], int],
+        room_coming: bool,
+    ) -> list[DecodeHandoff]:
+        """The local hand-off to refuse so the queue moves: none while the head fits or
+        `room_coming` (a local request will finish and free blocks); else the youngest waiting
+        hand-off holding landed KV behind the head (its blocks may be what the head lacks), or the
+        head itself. A head longer than the whole cache is refused at once."""
+        head = next((h for h in self.waiting if not h.shards), None)
+        if head is None or not self._in_place(head, kv_complete):
+            return []
+        if self._fits(head, local, whole_len):
+            return []
+        if local.blocks.blocks_needed(whole_len(head.req_id)) > local.blocks.num_blocks:
+            return [head]
+        if room_coming:
+            return []
+        behind = [h for h in self.waiting if not h.shards and h is not head
+                  and local.blocks.has(h.req_id)]  # fmt: skip
+        return [behind[-1] if behind else head]
+
+    def _fits(
+        self, h: DecodeHandoff, local: EngineScheduler, whole_len: Callable[[str], int]
+    ) -> bool:
+        """Whether local hand-off `h` may grow to its whole length beside the local requests'
+        growth: the blocks both still need are free now."""
+        blocks = local.blocks
+        held = len(blocks.block_table(h.req_id)) if blocks.has(h.req_id) else 0
+        need = max(blocks.blocks_needed(whole_len(h.req_id)) - held, 0)
+        return need + local.blocks_to_grow(whole_len) <= blocks.num_free_blocks
 
     def add_sharded(self, seq: Sequence, reserve_tokens: int) -> None:
         """A request swapped out to the shard group (its KV landed whole there, the shards

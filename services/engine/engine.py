@@ -106,7 +106,7 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         )  # fmt: skip
         # KV shipped here by prompt engines (no shard group); its tombstones are this engine's
         # memory of ended requests, so a hand-off or KV arriving after an abort is dropped.
-        self.kv_ingress = KvIngress(self.blocks, kv)
+        self.kv_ingress = KvIngress(self.blocks, kv, keep_free=self._local_growth)
         self.runner = MeshModelRunner(
             self.model, kv, self.blocks, select_backend(config.attention_backend),
             shard_links=shard_links, shards=shards,
@@ -206,8 +206,7 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         if not msg.shards:
             self.kv_ingress.claim(msg.req_id)  # this engine frees its KV from now on
         self.admission.add(msg, time.monotonic())
-        self._admit_handoffs()
-        return Outbox()
+        return self._admit_handoffs()
 
     def on_kv(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> Outbox:
         """Local KV for a request this engine will decode (no shard group). KV that does not fit
@@ -216,12 +215,11 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
             return self._on_swap_pages(pages, k, v)  # a shard's heads, coming back
         landed = self.kv_ingress.receive(pages, k, v)
         if landed is Landed.COMPLETE:
-            self._admit_handoffs()
+            return self._admit_handoffs()
         if landed is Landed.REFUSED and self.admission.waiting_for(pages.req_id) is not None:
             out = self._end(pages.req_id, f"engine {self.engine_id}: no room for the "
                             "request's KV", retryable=True)  # fmt: skip
-            self._admit_handoffs()  # it may have been the head of the queue
-            return out
+            return out + self._admit_handoffs()  # it may have been the head of the queue
         return Outbox()
 
     def on_set_role(self, msg: SetRole) -> None:
@@ -261,7 +259,10 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         """One prefill batch (prompts first, as Splitwise's mixed machines do) or decode step,
         after starting the KV swaps the tier policy plans (moving requests sit the step out)."""
         moves = self._plan_tiers()
-        return moves + self._step_batch()
+        out = moves + self._step_batch()
+        if self.admission.waiting:  # requests may have finished: room for waiting hand-offs
+            out += self._admit_handoffs()
+        return out
 
     def _step_batch(self) -> Outbox:
         batch = self.ship_queue.schedule()
@@ -430,10 +431,36 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         )
         return Outbox(handoffs=[(route.token_engine, handoff)])
 
-    def _admit_handoffs(self) -> None:
-        for req_id in self.admission.admit(self.local, self.kv_ingress.is_complete):
-            self.kv_ingress.forget(req_id)  # its blocks are the local scheduler's now
-            self.telemetry.decode_started(req_id)
+    def _admit_handoffs(self) -> Outbox:
+        """Start the hand-offs that may start; end, alone and retryably, the local ones that
+        cannot fit while no room is coming (admission.py), so the queue behind them moves."""
+        out = Outbox()
+        while True:
+            for req_id in self.admission.admit(
+                self.local, self.kv_ingress.is_complete, self._max_len
+            ):
+                self.kv_ingress.forget(req_id)  # its blocks are the local scheduler's now
+                self.telemetry.decode_started(req_id)
+            room_coming = bool(
+                self.local.num_unfinished or self.ship_queue.num_unfinished or self._moving()
+            )
+            refused = self.admission.unfittable(
+                self.local, self.kv_ingress.is_complete, self._max_len, room_coming
+            )
+            if not refused:
+                return out
+            for h in refused:
+                out += self._end(h.req_id, f"engine {self.engine_id}: no room for the "
+                                 f"request's whole length ({self._max_len(h.req_id)} tokens)",
+                                 retryable=True)  # fmt: skip
+
+    def _local_growth(self) -> int:
+        """Blocks the local requests may still take, each up to its whole length: landing KV
+        and new hand-offs leave them free, so no local decode step runs out of blocks."""
+        return self.local.blocks_to_grow(self._max_len)
+
+    def _max_len(self, req_id: str) -> int:
+        return self._whole_len(req_id) if req_id in self.requests else 0
 
     def _token_ids(self, batch: Batch) -> dict[str, list[int]]:
         return {s.req_id: self.requests[s.req_id].all_token_ids for s in batch.seqs}
@@ -471,7 +498,7 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
             # Where its decode KV lives: the shard group (as this engine accounts it) or its own.
             free_kv_blocks=self.admission.free_shard_blocks()
             if self.shards
-            else self.blocks.num_free_blocks,
+            else max(self.blocks.num_free_blocks - self._local_growth(), 0),
             time=now,
             shard_endpoints=kv_endpoints(self.shards),
             shard_kv_tokens=shard_kv_tokens(self.shards, self.admission.reserved_tokens()),

@@ -13,6 +13,7 @@ import structlog
 from common.engine.request import Request
 from common.kv_ingress import KvIngress
 from common.protocol import DecodeHandoff, ShardAddress, TokenOutput
+from common.scheduling.batching import EngineScheduler
 from services.engine.admission import DecodeAdmission
 from services.engine.outbox import Outbox
 from services.engine.routing import RequestRoute, kv_endpoints
@@ -32,6 +33,7 @@ class EngineFaults:
     telemetry: EngineTelemetry
     kv_ingress: KvIngress
     admission: DecodeAdmission
+    local: EngineScheduler
     runner: MeshModelRunner
     shards: tuple[ShardAddress, ...]
     requests: dict[str, Request]
@@ -40,7 +42,10 @@ class EngineFaults:
     def on_abort(self, req_id: str) -> Outbox:
         raise NotImplementedError  # Engine's
 
-    def _admit_handoffs(self) -> None:
+    def _admit_handoffs(self) -> Outbox:
+        raise NotImplementedError  # Engine's
+
+    def _max_len(self, req_id: str) -> int:
         raise NotImplementedError  # Engine's
 
     def _expire_swaps(self, now: float) -> Outbox:
@@ -51,17 +56,21 @@ class EngineFaults:
 
     def expire(self, now: float) -> Outbox:
         """Bounds on waiting: free local KV whose hand-off never came (`KvIngress` leases), and
-        end, retryably, hand-offs whose KV has not landed within `HANDOFF_KV_WAIT_S` (they would
-        block the queue behind them for good)."""
+        end, retryably, hand-offs whose KV has not landed, or found no room, within
+        `HANDOFF_KV_WAIT_S` (they would block the queue behind them for good)."""
         if expired := self.kv_ingress.expire_leases():
             log.warning("unclaimed KV freed after its lease", engine=self.engine_id,
                         req_ids=expired[:8], num_freed=len(expired))  # fmt: skip
         out = Outbox()
-        for h in self.admission.stalled(now, HANDOFF_KV_WAIT_S, self.kv_ingress.is_complete):
+        landed = self.kv_ingress.is_complete
+        for h in self.admission.stalled(now, HANDOFF_KV_WAIT_S, landed):
             out += self._end(h.req_id, f"engine {self.engine_id}: the request's KV did not "
                              f"arrive within {HANDOFF_KV_WAIT_S} s", retryable=True)  # fmt: skip
-        if out:
-            self._admit_handoffs()
+        for h in self.admission.starved(now, HANDOFF_KV_WAIT_S, self.local, landed, self._max_len):
+            why = f"no room for the request's whole length within {HANDOFF_KV_WAIT_S} s"
+            out += self._end(h.req_id, f"engine {self.engine_id}: {why}", retryable=True)
+        if out or self.admission.waiting:  # an abort may have freed room since (no step ran)
+            out += self._admit_handoffs()
         return out + self._expire_swaps(now)
 
     def lost_reply_to(self, reply_to: str) -> Outbox:

@@ -28,7 +28,7 @@ class EngineKvNews:
     def _end(self, req_id: str, error: str, retryable: bool = False) -> Outbox:
         raise NotImplementedError  # EngineFaults'
 
-    def _admit_handoffs(self) -> None:
+    def _admit_handoffs(self) -> Outbox:
         raise NotImplementedError  # Engine's
 
     def _ask_kv_news(self, step: int) -> Outbox:
@@ -56,8 +56,7 @@ class EngineKvNews:
             if self.admission.waiting_for(req_id) is not None:
                 out += self._end(req_id, f"engine {self.engine_id}: a shard lost the request's "
                                  "KV before it decoded", retryable=True)  # fmt: skip
-        self._admit_handoffs()
-        return out
+        return out + self._admit_handoffs()
 
 
 __all__ = ["KV_NEWS_WAIT_S", "EngineKvNews"]

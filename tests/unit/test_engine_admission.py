@@ -5,7 +5,7 @@ from __future__ import annotations
 from common.block_manager import BlockManager
 from common.config import SchedulerConfig
 from common.protocol import DecodeHandoff, SamplingSpec, ShardAddress
-from common.scheduling.batching import EngineScheduler
+from common.scheduling.batching import EngineScheduler, Sequence
 from services.engine.admission import DecodeAdmission
 
 BLOCK = 16
@@ -114,3 +114,59 @@ def test_pushed_requests_ignore_landing_news():
     admission.add(handoff("a", tokens=20, max_tokens=8, sharded=True))
     assert not admission.awaiting_landing()
     assert admission.admit(local_scheduler(), nothing_landed) == ["a"]
+
+
+def whole_len(lengths: dict[str, int]):
+    return lambda req_id: lengths.get(req_id, 0)
+
+
+def landed_local(local: EngineScheduler, req_id: str, tokens: int, max_tokens: int):
+    """A local hand-off whose KV (`tokens - 1`: all but its first token) landed in `local`."""
+    local.blocks.allocate(req_id, tokens - 1)
+    return handoff(req_id, tokens=tokens, max_tokens=max_tokens, sharded=False)
+
+
+def test_a_local_hand_off_starts_only_when_its_whole_length_fits():
+    """Its whole length beside the growth the running ones may still take: a token engine never
+    preempts its hand-offs for want of a block, and no step of it runs out of one."""
+    local = local_scheduler(num_blocks=8)  # 128 tokens
+    lengths = {"a": 70, "b": 50}  # prompt + max_tokens: 5 and 4 blocks
+    admission = DecodeAdmission(shard_num_blocks=0, block_size=BLOCK)
+    admission.add(landed_local(local, "a", tokens=31, max_tokens=40))  # 2 blocks landed
+    admission.add(landed_local(local, "b", tokens=31, max_tokens=20))  # 2 blocks landed
+    assert admission.admit(local, lambda r: True, whole_len(lengths)) == ["a"]  # 3 more of 4
+    assert local.blocks_to_grow(whole_len(lengths)) == 3
+    # b needs 2 more blocks; a may still take 3 of the 4 free: b waits, room is coming.
+    assert admission.admit(local, lambda r: True, whole_len(lengths)) == []
+    assert admission.unfittable(local, lambda r: True, whole_len(lengths), room_coming=True) == []
+    local.remove("a")  # finished: its blocks and its growth come back
+    assert admission.admit(local, lambda r: True, whole_len(lengths)) == ["b"]
+
+
+def test_without_room_coming_the_youngest_gives_way_then_the_head_alone():
+    local = local_scheduler(num_blocks=8)
+    lengths = {r: 70 for r in "abcd"}  # 5 blocks each; 4 x 2 landed fill the cache
+    admission = DecodeAdmission(shard_num_blocks=0, block_size=BLOCK)
+    for req_id in "abcd":
+        admission.add(landed_local(local, req_id, tokens=31, max_tokens=40))
+    assert admission.admit(local, lambda r: True, whole_len(lengths)) == []
+    refuse = admission.unfittable(local, lambda r: True, whole_len(lengths), room_coming=False)
+    assert [h.req_id for h in refuse] == ["d"]  # its blocks may be what the head lacks
+    assert admission.unfittable(local, lambda r: True, whole_len(lengths), room_coming=True) == []
+    lengths["a"] = 16 * 9  # longer than the whole cache: it never fits, refused at once
+    refuse = admission.unfittable(local, lambda r: True, whole_len(lengths), room_coming=True)
+    assert [h.req_id for h in refuse] == ["a"]
+
+
+def test_a_head_without_room_is_starved_after_its_bound():
+    local = local_scheduler(num_blocks=4)
+    lengths = {"run": 48, "a": 40}
+    local.blocks.allocate("run", 20)
+    local.add_running(Sequence("run", 21))  # may grow to 3 blocks: 1 more
+    admission = DecodeAdmission(shard_num_blocks=0, block_size=BLOCK)
+    admission.add(landed_local(local, "a", tokens=17, max_tokens=23), now=0.0)  # 1 + 2 more
+    assert admission.admit(local, lambda r: True, whole_len(lengths)) == []
+    assert admission.starved(30.0, 30.0, local, lambda r: True, whole_len(lengths)) == []
+    starved = admission.starved(31.0, 30.0, local, lambda r: True, whole_len(lengths))
+    assert [h.req_id for h in starved] == ["a"]
+    assert admission.stalled(31.0, 30.0, lambda r: True) == []  # its KV is all there

@@ -125,3 +125,18 @@ def test_pages_that_do_not_fit_the_cache_raise_before_anything_is_kept():
             kv.receive(header, k, k)
     assert kv.blocks.num_used_blocks == 0 and not kv.has_ended("a")
     assert kv.receive(pages("a", 5), good, good) is Landed.COMPLETE
+
+
+def test_a_token_engine_keeps_its_running_requests_growth_free():
+    """`keep_free`: the blocks a token engine's running requests may still grow into. KV landing
+    for another request never takes them (it is refused alone instead), so no decode step of
+    the running ones runs out of blocks."""
+    reserved = [3]
+    cache = KVCache(LAYERS, 6, BLOCK, HEADS, DIM, torch.float32)
+    kv = KvIngress(BlockManager(6, BLOCK), cache, keep_free=lambda: reserved[0])
+    x = torch.randn(LAYERS, 9, HEADS, DIM)  # 3 blocks: 6 free, 3 kept
+    assert kv.receive(pages("a", 9), x, x) is Landed.COMPLETE
+    assert kv.receive(pages("b", 9), x, x) is Landed.REFUSED  # 3 free, all kept
+    reserved[0] = 0  # the running ones finished
+    assert kv.receive(pages("c", 9), x, x) is Landed.COMPLETE
+    assert kv.blocks.req_ids() == ["a", "c"]

@@ -175,3 +175,22 @@ def test_older_decode_survives_and_younger_is_preempted_whatever_the_join_order(
     p.add_prompt(7, 500, arrival_s=4.0)
     plan = p.schedule(4.0)
     assert plan.preempted_ids == (5,) and set(plan.decode_ids) == {6}
+
+
+def test_a_plan_never_holds_more_blocks_than_the_machine_has():
+    """A prefill takes room for its prompt and the token it generates: two resumed requests whose
+    prefills end on a block boundary each take one more block at that token. The policy counted
+    it for each alone, not for the ones admitted before it in the same iteration, so its plan
+    overcommitted (an engine's `BlockManager` then raised `NoFreeBlocksError` mid-step)."""
+    p = MixedBatchPolicy(MixedPolicyConfig(128, block_size=16, starvation_s=0.0))  # 8 blocks
+    for i in range(4):  # KV landed from a prompt machine: 30 tokens (+ its first one) each
+        p.add_decode(f"r{i}", 30, arrival_s=float(i), now=float(i), resident=True)
+    for step in range(400):
+        if not p.running and not p.has_waiting:
+            break
+        plan = p.schedule(now=10.0 + step)
+        assert p.free_blocks >= 0, (step, plan)
+        for req_id in list(p.running):  # ends at 40 tokens generated
+            if req_id not in plan.prefill_ids and p.num_generated(req_id) >= 40:
+                p.finish(req_id)
+    assert p.num_preemptions > 0 and not p.running and not p.has_waiting

@@ -3,7 +3,7 @@ fabricated states (pure: no model)."""
 
 from __future__ import annotations
 
-from common.block_manager import BlockManager
+from common.block_manager import BlockManager, NoFreeBlocksError
 from common.config import SchedulerConfig
 from common.scheduling.batching import EngineScheduler, Phase, Sequence
 
@@ -87,3 +87,30 @@ def test_remove_frees_blocks_of_waiting_and_running():
     s.update(s.schedule(), set())  # type: ignore[arg-type]
     assert s.remove("a") and s.remove("b") and not s.remove("c")
     assert s.blocks.num_free_blocks == 8 and s.num_unfinished == 0
+
+
+def test_a_decode_the_blocks_cannot_grow_is_preempted_alone_not_raised():
+    """Should the policy's count and the blocks' ever disagree, the decode found without room
+    waits to be recomputed (from the tokens it has, none counted twice); its batch-mates step."""
+
+    class Refusing(BlockManager):
+        refuse: set[str] = set()
+
+        def grow(self, req_id: str, num_tokens: int) -> list[int]:
+            if req_id in self.refuse and num_tokens > len(self.block_table(req_id)) * 16:
+                raise NoFreeBlocksError(f"request {req_id}: refused")
+            return super().grow(req_id, num_tokens)
+
+    s = EngineScheduler(Refusing(64, 16), SchedulerConfig())
+    for req_id, num_tokens in (("a", 11), ("b", 16)):
+        s.blocks.allocate(req_id, num_tokens - 1)  # its KV, landed from a prompt machine
+        s.add_running(Sequence(req_id, num_tokens))
+    Refusing.refuse = {"b"}  # b's next token starts a block: none comes
+    step = s.schedule()
+    assert step and [q.req_id for q in step.seqs] == ["a"]
+    assert [q.req_id for q in step.preempted] == ["b"] and not s.blocks.has("b")
+    s.update(step, set())
+    Refusing.refuse = set()
+    again = s.schedule()  # b's recompute: its 16 tokens (15 prompt + its first), no more
+    assert again and again.phase is Phase.PREFILL and [q.req_id for q in again.seqs] == ["b"]
+    assert (again.seqs[0].num_tokens, again.seqs[0].num_computed) == (16, 0)
