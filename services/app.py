@@ -42,7 +42,7 @@ from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
 from services.mesh.registry import RayRegistry
 from services.mesh.replica import MeshReplica, base_worker_config, start_engine, start_shard
-from services.router.engine_client import EngineClient, InProcessEngineClient
+from services.router.engine_client import EngineClient, InProcessEngineClient, machine_threads
 from services.router.mesh_client import MAX_MIGRATIONS, PREFIX_ROUTING_WEIGHT, MeshEngineClient
 from services.router.server import Router
 from services.router.streams import AdmissionLimits
@@ -73,6 +73,9 @@ class EngineArgs(_Args):
     starvation_s: float = Field(default=1.0, ge=0)  # and its aging (common/scheduling/mixed.py)
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # docs/prefix_caching.md
+    # Torch threads the engine decodes on; None: every core of the machine. (Ray sets
+    # OMP_NUM_THREADS to the Router's num_cpus, 1, which would otherwise leave it one.)
+    num_threads: int | None = Field(default=None, ge=1)
 
 
 class PoolArgs(_Args):
@@ -172,7 +175,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
             max_preemptions=e.max_preemptions,
             starvation_s=e.starvation_s,
         )
-        return InProcessEngineClient(engine)
+        return InProcessEngineClient(engine, num_threads=e.num_threads or machine_threads())
     registry = RayRegistry.for_app(serve.get_replica_context().app_name)
     return MeshEngineClient(
         args.model_path(),

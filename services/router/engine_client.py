@@ -12,6 +12,7 @@ and refuse with `Overloaded`, which the router turns into a 429.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import AsyncGenerator
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
+import torch
 
 from common.engine.core import LLMEngine
 from common.engine.request import RequestOutput
@@ -27,6 +29,11 @@ from services.router.coalesce import coalesce
 from services.router.streams import AdmissionLimits, Stream, StreamTable, next_items
 
 log = structlog.get_logger(__name__)
+
+
+def machine_threads() -> int:
+    """The cores this process may run on: the local engine's default torch threads."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -96,8 +103,15 @@ _STOP = object()  # the command that ends the engine thread
 class InProcessEngineClient:
     """An `LLMEngine` stepped on its own thread, behind the `EngineClient` protocol."""
 
-    def __init__(self, engine: LLMEngine, limits: AdmissionLimits | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        limits: AdmissionLimits | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        """`num_threads`: torch threads the engine thread decodes on; None: leave torch's."""
         self.engine = engine
+        self.num_threads = num_threads
         self.max_context: int | None = engine.max_model_len
         self.streams: StreamTable[Stream] = StreamTable(limits)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -161,6 +175,10 @@ class InProcessEngineClient:
     # ---- engine thread ----
 
     def _run(self) -> None:
+        if self.num_threads is not None:
+            # Set on this thread: OpenMP's thread count is per calling thread, and Ray sets
+            # OMP_NUM_THREADS to the actor's num_cpus (1), which a new thread starts with.
+            torch.set_num_threads(self.num_threads)
         while True:
             # Block when idle; drain without blocking when there is work to step.
             if not self._apply(self._commands.get()):
