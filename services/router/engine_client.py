@@ -223,7 +223,8 @@ class InProcessEngineClient:
             self._fail_all(exc)
             return True
         self.streams.deliver_many([
-            (out.req_id, RuntimeError(out.error) if out.error else out, not out.error)
+            (out.req_id, RuntimeError(out.error), 0, True) if out.error
+            else (out.req_id, out, len(out.new_token_ids), out.finished)
             for out in outputs
         ])  # fmt: skip
         return bool(outputs)

@@ -397,12 +397,12 @@ class MeshEngineClient:
         with self._lock:
             owners = [self.book.owner(out.req_id) for out in outputs]
             items = [
-                (ledger.req_id, out, bool(out.token_ids))
+                (ledger.req_id, out, len(out.token_ids), bool(out.finish_reason or out.error))
                 for ledger, out in zip(owners, outputs, strict=True)
                 if ledger is not None
             ]
             streams = self.streams.deliver_many(items)
-            for stream, (_, out, _) in zip(streams, items, strict=True):
+            for stream, (_, out, _, _) in zip(streams, items, strict=True):
                 if stream is not None:
                     stream.num_attempt_tokens += len(out.token_ids)
 

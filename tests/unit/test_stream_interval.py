@@ -1,0 +1,116 @@
+"""`StreamInterval` (services/router/streams.py): a stream's tokens held back and handed on
+together, one wake-up (one SSE chunk) per `tokens` tokens. The first token goes at once, a finish
+or an error flushes what is held, a released (aborted, closed) stream drops it; and through a real
+`InProcessEngineClient` the tokens are the engine's, greedy, in fewer outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from common.engine.core import LLMEngine
+from common.engine.request import FinishReason, RequestOutput
+from common.sampling import SamplingParams
+from services.router.engine_client import InProcessEngineClient
+from services.router.streams import Stream, StreamInterval, StreamTable, next_items
+
+
+def out(token: int, finish: FinishReason | None = None) -> RequestOutput:
+    return RequestOutput("a", [token], f"t{token}", finish, 4, token)
+
+
+def table_with(interval: StreamInterval) -> tuple[StreamTable[Stream], Stream]:
+    table: StreamTable[Stream] = StreamTable(interval=interval)
+    return table, table.admit("a", 4, lambda: Stream(req_id="a", num_prompt_tokens=4))
+
+
+def step(table: StreamTable[Stream], output: RequestOutput) -> None:
+    """One engine step's delivery, from another thread as the engine loop does it."""
+    item = ("a", output, len(output.new_token_ids), output.finished)
+    thread = threading.Thread(target=table.deliver_many, args=([item],))
+    thread.start()
+    thread.join()
+
+
+async def drained(stream: Stream) -> list[list[int]]:
+    """The token ids of each output waiting in the stream's queue."""
+    await asyncio.sleep(0)  # the loop runs the deliveries' callbacks
+    if stream.outputs.empty():
+        return []
+    return [o.new_token_ids for o in await next_items(stream.outputs)]
+
+
+def test_first_token_at_once_then_every_interval_and_finish_flushes() -> None:
+    async def run() -> None:
+        table, stream = table_with(StreamInterval(tokens=3))
+        step(table, out(1))
+        assert await drained(stream) == [[1]]  # TTFT is never delayed
+        assert table.num_pending_prompt_tokens == 0
+        step(table, out(2))
+        step(table, out(3))
+        assert await drained(stream) == []  # held: 2 of 3 tokens
+        step(table, out(4))
+        assert await drained(stream) == [[2], [3], [4]]  # one wake-up, in order
+        step(table, out(5))
+        step(table, out(6, FinishReason.LENGTH))
+        assert await drained(stream) == [[5], [6]]  # the finish goes at once with what is held
+
+    asyncio.run(run())
+
+
+def test_an_error_or_abort_never_strands_held_tokens() -> None:
+    async def run() -> None:
+        table, stream = table_with(StreamInterval(tokens=8))
+        step(table, out(1))
+        step(table, out(2))
+        failure = RuntimeError("engine lost")
+        assert table.deliver("a", failure, has_tokens=False) is stream  # an error: at once
+        await asyncio.sleep(0)
+        assert [stream.outputs.get_nowait() for _ in range(3)][1:] == [out(2), failure]
+        step(table, out(3))  # held again
+        assert table.release("a") is stream  # aborted or closed: nobody listens
+        step(table, out(4, FinishReason.LENGTH))  # a late finish of a released stream: dropped
+        assert await drained(stream) == [] and len(table) == 0
+
+    asyncio.run(run())
+
+
+def test_default_sends_every_output_and_the_time_cap_sends_held_ones() -> None:
+    async def run() -> None:
+        table, stream = table_with(StreamInterval())
+        for token in (1, 2, 3):
+            step(table, out(token))
+            assert await drained(stream) == [[token]]  # tokens=1: today's behaviour
+
+    asyncio.run(run())
+    cap = StreamInterval(tokens=100, seconds=0.05)
+    assert not cap.due(held_tokens=5, held_since=10.0, now=10.01)
+    assert cap.due(held_tokens=5, held_since=10.0, now=10.06)
+    assert StreamInterval(tokens=4).due(held_tokens=4, held_since=10.0, now=10.0)
+    with pytest.raises(ValueError):
+        StreamInterval(tokens=0)
+
+
+def test_in_process_client_streams_the_engines_tokens_in_intervals(
+    tiny_model_path: Path,
+) -> None:
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = LLMEngine.from_path(tiny_model_path, num_blocks=64).generate([[5, 6, 7]], params)
+    client = InProcessEngineClient(engine, num_threads=1)
+    client.streams.interval = StreamInterval(tokens=4)
+
+    async def run() -> list[list[int]]:
+        return [o.new_token_ids async for o in client.generate("r", [5, 6, 7], params)]
+
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        client.shutdown()
+    assert [t for o in outputs for t in o] == expected[0]  # greedy: the engine's own tokens
+    # 1 at once, then >= 4 per output but the last: fewer outputs than tokens.
+    assert len(outputs[0]) == 1 and all(len(o) >= 4 for o in outputs[1:-1])
+    assert len(outputs) <= 4
