@@ -12,6 +12,7 @@ and refuse with `Overloaded`, which the router turns into a 429.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import threading
@@ -29,6 +30,18 @@ from services.router.coalesce import coalesce
 from services.router.streams import AdmissionLimits, Stream, StreamTable, next_items
 
 log = structlog.get_logger(__name__)
+
+
+ENGINE_THREAD_NAME = "engine-loop"
+
+
+def name_os_thread(name: str) -> None:
+    """Name the calling thread for the OS (`/proc/<pid>/task/<tid>/comm`; Linux, else nothing)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # not Linux: only profiles lose the name
 
 
 def machine_threads() -> int:
@@ -116,7 +129,7 @@ class InProcessEngineClient:
         self.streams: StreamTable[Stream] = StreamTable(limits)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._engine_stats = self._snapshot_engine()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
 
     # ---- asyncio side ----
@@ -175,6 +188,9 @@ class InProcessEngineClient:
     # ---- engine thread ----
 
     def _run(self) -> None:
+        # The OS name too (Python's names are its own): the torch threads this thread starts
+        # inherit it, so that a profile of the Router process can tell the engine's CPU apart.
+        name_os_thread(ENGINE_THREAD_NAME)
         if self.num_threads is not None:
             # Set on this thread: OpenMP's thread count is per calling thread, and Ray sets
             # OMP_NUM_THREADS to the actor's num_cpus (1), which a new thread starts with.

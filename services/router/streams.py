@@ -3,10 +3,11 @@
 Each admitted request gets a `Stream`: an asyncio queue its coroutine awaits, fed from a
 background thread (the in-process engine's loop, or the mesh client's IO thread) with
 `call_soon_threadsafe`. A stream's tokens may be held back and handed on together
-(`StreamInterval`: one wake-up, hence one SSE chunk, per `tokens` tokens). The table owns admission (the bounds of `AdmissionLimits`, refused with
-`Overloaded`, which the router turns into a 429; a duplicate request id is a `ValueError`) and the
-pending-prompt-token count: a request's prompt counts from admission until its first token, or
-until it is released without one.
+(`StreamInterval`: one wake-up, hence one SSE chunk, per `tokens` tokens). The table owns
+admission (the bounds of `AdmissionLimits`, refused with `Overloaded`, which the router turns
+into a 429; a duplicate request id is a `ValueError`) and the pending-prompt-token count: a
+request's prompt counts from admission until its first token, or until it is released without
+one.
 """
 
 from __future__ import annotations
