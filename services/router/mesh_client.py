@@ -56,7 +56,7 @@ from services.router.streams import (
     Unavailable,
     next_items,
 )
-from services.router.token_text import StreamedText
+from services.router.token_text import StreamedText, join_token_outputs
 
 log = structlog.get_logger(__name__)
 
@@ -170,7 +170,7 @@ class MeshEngineClient:
                 # Whatever arrived together leaves as one output (one SSE chunk); anything but
                 # tokens (a loss, an error) first sends on the tokens before it.
                 pending: list[RequestOutput] = []
-                for item in await next_items(stream.outputs):
+                for item in join_token_outputs(await next_items(stream.outputs)):
                     if pending and (isinstance(item, Exception) or item.error):
                         yield coalesce(pending)
                         pending = []

@@ -1,7 +1,8 @@
 """`StreamInterval` (services/router/streams.py): a stream's tokens held back and handed on
 together, one wake-up (one SSE chunk) per `tokens` tokens. The first token goes at once, a finish
 or an error flushes what is held, a released (aborted, closed) stream drops it; and through a real
-`InProcessEngineClient` the tokens are the engine's, greedy, in fewer outputs."""
+`InProcessEngineClient` the tokens are the engine's, greedy, in fewer outputs. The mesh router
+decodes the token messages that arrive together at once, to the same text."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.engine.core import LLMEngine
 from common.engine.request import FinishReason, RequestOutput
+from common.protocol import TokenOutput
 from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
 from services.router.engine_client import InProcessEngineClient
 from services.router.streams import Stream, StreamInterval, StreamTable, next_items
+from services.router.token_text import StreamedText, join_token_outputs
 
 
 def out(token: int, finish: FinishReason | None = None) -> RequestOutput:
@@ -114,3 +119,27 @@ def test_in_process_client_streams_the_engines_tokens_in_intervals(
     # 1 at once, then >= 4 per output but the last: fewer outputs than tokens.
     assert len(outputs[0]) == 1 and all(len(o) >= 4 for o in outputs[1:-1])
     assert len(outputs) <= 4
+
+
+def test_held_mesh_messages_decode_as_one_with_the_same_text(tiny_model_path: Path) -> None:
+    """The mesh router joins token messages that arrived together (`join_token_outputs`) and
+    decodes them at once: the same text as one message per step, in one output."""
+    tokenizer = Tokenizer(tiny_model_path)
+    ids = torch.randint(8, 500, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    msgs = [TokenOutput("w", [t], "length" if i == len(ids) - 1 else "", 4, index=i)
+            for i, t in enumerate(ids)]  # fmt: skip
+    joined = join_token_outputs([*msgs[:10], RuntimeError("lost"), *msgs[10:]])
+    assert [len(m.token_ids) for m in joined if isinstance(m, TokenOutput)] == [10, 30]
+    assert joined[-1].finish_reason == "length" and joined[-1].index == 10
+    assert join_token_outputs([msgs[0], msgs[2]]) == [msgs[0], msgs[2]]  # not contiguous
+
+    def text_of(messages: list[TokenOutput], stop: list[str]) -> tuple[str, list[int]]:
+        streamed = StreamedText("r", 4, stop, tokenizer)
+        outs = [o for m in messages for o in streamed.on_tokens(m)]
+        assert outs[-1].finish_reason == "length"
+        return "".join(o.new_text for o in outs), [t for o in outs for t in o.new_token_ids]
+
+    one_by_one = text_of(msgs, [])
+    assert text_of(join_token_outputs(msgs), []) == one_by_one == (tokenizer.decode(ids), ids)
+    # With stop strings tokens still go one at a time, so the stop ends the request exactly.
+    assert text_of(join_token_outputs(msgs), ["\x00never"]) == one_by_one
