@@ -143,3 +143,14 @@ def test_held_mesh_messages_decode_as_one_with_the_same_text(tiny_model_path: Pa
     assert text_of(join_token_outputs(msgs), []) == one_by_one == (tokenizer.decode(ids), ids)
     # With stop strings tokens still go one at a time, so the stop ends the request exactly.
     assert text_of(join_token_outputs(msgs), ["\x00never"]) == one_by_one
+
+
+def test_app_args_refuse_an_interval_below_one_at_deploy_time() -> None:
+    from pydantic import ValidationError
+
+    from services.app import AppArgs
+
+    assert AppArgs.model_validate({"stream_interval": 4}).stream_interval == 4
+    for bad in ({"stream_interval": 0}, {"stream_interval_s": -1.0}):
+        with pytest.raises(ValidationError):
+            AppArgs.model_validate(bad)
