@@ -79,9 +79,10 @@ class StreamInterval:
 
     The first token always goes at once (TTFT is never delayed), and so does a request's end, an
     error or anything without tokens, with every token held before it. `seconds` > 0 caps how
-    long a token is held: the held ones go with the first output that arrives after it passed.
-    NOTE: both are checked as outputs arrive (no timer): if a request's engine stalls, its held
-    tokens wait for its next output, its end, or an error, at most `tokens` - 1 tokens.
+    long a token is held: the held ones go with the first output that arrives after it passed,
+    or at the latest at the next tick of the stream's window timer (every `seconds`, on its event
+    loop), so a request whose engine stalls still gets what it was sent. Without `seconds`, such a
+    request's held tokens (at most `tokens` - 1) wait for its next output, its end or an error.
     """
 
     tokens: int = 1  # 1: every output goes at once (one chunk per engine step)
@@ -147,7 +148,21 @@ class StreamTable(Generic[S]):
             stream = build()
             self._streams[req_id] = stream
             self.num_pending_prompt_tokens += stream.num_prompt_tokens
+        if self.interval.tokens > 1 and self.interval.seconds > 0:
+            # NOTE: on the request's loop: `admit` runs in its coroutine (`build` made the stream).
+            stream.loop.call_later(self.interval.seconds, self._window_tick, stream)
         return stream
+
+    def _window_tick(self, stream: S) -> None:
+        """On the stream's event loop every `interval.seconds` while it lives: what it holds goes
+        now (a stalled engine's tokens are not held longer)."""
+        with self.lock:
+            if self._streams.get(stream.req_id) is not stream:
+                return  # released: the timer stops
+            held, stream.held, stream.held_tokens = stream.held, [], 0
+        for item in held:
+            stream.outputs.put_nowait(item)
+        stream.loop.call_later(self.interval.seconds, self._window_tick, stream)
 
     def get(self, req_id: str) -> S | None:
         with self.lock:

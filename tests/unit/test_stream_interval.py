@@ -154,3 +154,19 @@ def test_app_args_refuse_an_interval_below_one_at_deploy_time() -> None:
     for bad in ({"stream_interval": 0}, {"stream_interval_s": -1.0}):
         with pytest.raises(ValidationError):
             AppArgs.model_validate(bad)
+
+
+def test_the_window_timer_sends_what_a_stalled_engine_left_held() -> None:
+    async def run() -> None:
+        table, stream = table_with(StreamInterval(tokens=100, seconds=0.05))
+        step(table, out(1))
+        step(table, out(2))  # held; the engine then stalls: no more outputs
+        assert await drained(stream) == [[1]]
+        await asyncio.sleep(0.2)  # the window passes: the timer sends it
+        assert await drained(stream) == [[2]]
+        table.release("a")
+        await asyncio.sleep(0.1)  # the released stream's timer stops (nothing left scheduled)
+        loop = asyncio.get_running_loop()
+        assert not [h for h in loop._scheduled if not h.cancelled()]  # type: ignore[attr-defined]
+
+    asyncio.run(run())
