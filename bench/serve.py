@@ -16,8 +16,9 @@ with `stream_interval: N` (N tokens per chunk, the first at once), reported as `
 Served paths report tok/s, TTFT and the gaps between streamed chunks (TBT; a chunk carries every
 token that reached the router together) p50/p90, and the Router replica process's CPU seconds
 (its user+system time before and after each batch, less the threads of a local engine: the
-engine's is `engine_cpu_ms_per_token`) per streamed token and per request, and the chunks each
-request got. Ratios are served / in-process tok/s of the same run. The last line is one JSON object.
+engine's is `engine_cpu_ms_per_token`) per streamed token and per request, Serve's HTTP proxy's
+CPU per token, and the chunks each request got. Ratios are served / in-process tok/s of the same
+run. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from tests.e2e.serve_process import ServeRun  # noqa: E402
 
 REPEATS = 3
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
+PROXY_TITLE = "ProxyActor"
 ENGINE_THREAD = "engine-loop"  # the OS name of the local engine's thread and its torch threads
 ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048,
                "max_num_seqs": 64}  # fmt: skip
@@ -138,15 +140,16 @@ def threads_cpu_s(pid: int, comm: str) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def router_pid(root: int) -> int:
+def ray_pid(root: int, title_part: str) -> int | None:
+    """The Ray worker below `root` whose process title holds `title_part`."""
     for pid in process_tree(root):
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if title.startswith("ray::") and ROUTER_TITLE in title:
+        if title.startswith("ray::") and title_part in title:
             return pid
-    raise RuntimeError("no Router replica process below serve run")
+    return None
 
 
 def served(config: str, args: dict, preset: str, batches: list[int], tokens: int) -> dict:
@@ -159,16 +162,23 @@ def served(config: str, args: dict, preset: str, batches: list[int], tokens: int
             url = server.start()
             print(f"  {config}: up in {time.monotonic() - started:.0f} s", flush=True)
             assert server.pid is not None
-            pid = router_pid(server.pid)
+            pid = ray_pid(server.pid, ROUTER_TITLE)
+            if pid is None:
+                raise RuntimeError("no Router replica process below serve run")
+            proxy = ray_pid(server.pid, PROXY_TITLE)
             asyncio.run(served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens))
             result = {}
             for batch in batches:
                 cpu_before, engine_before = process_cpu_s(pid), threads_cpu_s(pid, ENGINE_THREAD)
+                proxy_before = process_cpu_s(proxy) if proxy else 0.0
                 figures = asyncio.run(served_batch(url, preset, prompts_for(batch, vocab), tokens))
                 engine = threads_cpu_s(pid, ENGINE_THREAD) - engine_before
                 cpu = process_cpu_s(pid) - cpu_before - engine  # the router's own
                 figures["router_cpu_ms_per_token"] = 1e3 * cpu / (batch * tokens)
                 figures["router_cpu_ms_per_request"] = 1e3 * cpu / batch
+                if proxy:  # Serve's HTTP proxy: its share of the front end, per chunk too
+                    proxy_cpu = process_cpu_s(proxy) - proxy_before
+                    figures["proxy_cpu_ms_per_token"] = 1e3 * proxy_cpu / (batch * tokens)
                 if engine:  # `topology: local`: the engine's threads, told apart by their name
                     figures["engine_cpu_ms_per_token"] = 1e3 * engine / (batch * tokens)
                 result[batch] = figures
