@@ -104,7 +104,7 @@ def test_in_process_client_streams_the_engines_tokens_in_intervals(
 ) -> None:
     engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    expected = LLMEngine.from_path(tiny_model_path, num_blocks=64).generate([[5, 6, 7]], params)
+    expected = engine.generate([[5, 6, 7]], params)  # before the client's thread owns it
     client = InProcessEngineClient(engine, num_threads=1)
     client.streams.interval = StreamInterval(tokens=4)
 
