@@ -16,9 +16,10 @@ with `stream_interval: N` (N tokens per chunk, the first at once), reported as `
 Served paths report tok/s, TTFT and the gaps between streamed chunks (TBT; a chunk carries every
 token that reached the router together) p50/p90, and the Router replica process's CPU seconds
 (its user+system time before and after each batch, less the threads of a local engine: the
-engine's is `engine_cpu_ms_per_token`) per streamed token and per request, Serve's HTTP proxy's
-CPU per token, and the chunks each request got. Ratios are served / in-process tok/s of the same
-run. The last line is one JSON object.
+engine's is `engine_cpu_ms_per_token`) per streamed token and per request (and its CPU with no
+request in flight, per second, which those include), Serve's HTTP proxy's CPU per token, and the
+chunks each request got. Ratios are served / in-process tok/s of the same run. The last line is
+one JSON object.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from tests.e2e.serve_process import ServeRun  # noqa: E402
 REPEATS = 3
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
 PROXY_TITLE = "ProxyActor"
+IDLE_S = 3.0  # how long the Router's CPU is sampled with no request in flight
 ENGINE_THREAD = "engine-loop"  # the OS name of the local engine's thread and its torch threads
 ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048,
                "max_num_seqs": 64}  # fmt: skip
@@ -167,7 +169,12 @@ def served(config: str, args: dict, preset: str, batches: list[int], tokens: int
                 raise RuntimeError("no Router replica process below serve run")
             proxy = ray_pid(server.pid, PROXY_TITLE)
             asyncio.run(served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens))
-            result = {}
+            # What the Router process burns with no request (Ray's threads, health checks): part
+            # of every figure below, most of it at batch 1, where a batch is long and light.
+            idle_before = process_cpu_s(pid)
+            time.sleep(IDLE_S)
+            idle_ms_per_s = 1e3 * (process_cpu_s(pid) - idle_before) / IDLE_S
+            result: dict[int, dict[str, float]] = {}
             for batch in batches:
                 cpu_before, engine_before = process_cpu_s(pid), threads_cpu_s(pid, ENGINE_THREAD)
                 proxy_before = process_cpu_s(proxy) if proxy else 0.0
@@ -181,6 +188,7 @@ def served(config: str, args: dict, preset: str, batches: list[int], tokens: int
                     figures["proxy_cpu_ms_per_token"] = 1e3 * proxy_cpu / (batch * tokens)
                 if engine:  # `topology: local`: the engine's threads, told apart by their name
                     figures["engine_cpu_ms_per_token"] = 1e3 * engine / (batch * tokens)
+                figures["router_idle_cpu_ms_per_s"] = idle_ms_per_s
                 result[batch] = figures
             return result
         finally:
