@@ -1,7 +1,7 @@
 """The served path against the in-process engine, in one run: what the front end costs.
 
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
-                          [--paths inprocess local mesh]
+                          [--paths inprocess local mesh] [--stream-interval 8]
 
 For each batch size, `batch` requests are sent together (greedy, `ignore_eos`, `--tokens` new
 tokens each, the same prompts on every path) to:
@@ -10,10 +10,16 @@ tokens each, the same prompts on every path) to:
   replica), over HTTP with the official `openai` streaming client;
 - `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards),
   over HTTP the same way.
+The local engine decodes on as many torch threads as the in-process one (`engine.num_threads`),
+so that the two compare like with like. With `--stream-interval N` each served path runs again
+with `stream_interval: N` (N tokens per chunk, the first at once), reported as `<path>_si<N>`.
 Served paths report tok/s, TTFT and the gaps between streamed chunks (TBT; a chunk carries every
 token that reached the router together) p50/p90, and the Router replica process's CPU seconds
-(its user+system time before and after each batch) per streamed token and per request. Ratios
-are served / in-process tok/s of the same run. The last line is one JSON object.
+(its user+system time before and after each batch, less the threads of a local engine: the
+engine's is `engine_cpu_ms_per_token`) per streamed token and per request (and its CPU with no
+request in flight, per second, which those include), Serve's HTTP proxy's CPU per token, and the
+chunks each request got. Ratios are served / in-process tok/s of the same run. The last line is
+one JSON object.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from tests.e2e.serve_process import ServeRun  # noqa: E402
 
 REPEATS = 3
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
+PROXY_TITLE = "ProxyActor"
+IDLE_S = 3.0  # how long the Router's CPU is sampled with no request in flight
+ENGINE_THREAD = "engine-loop"  # the OS name of the local engine's thread and its torch threads
 ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048,
                "max_num_seqs": 64}  # fmt: skip
 TARGETS = {
@@ -119,15 +128,30 @@ async def served_batch(url: str, model: str, prompts: list[list[int]], tokens: i
     }  # fmt: skip
 
 
-def router_pid(root: int) -> int:
+def threads_cpu_s(pid: int, comm: str) -> float:
+    """CPU seconds of `pid`'s live threads whose OS name is `comm` (user + system)."""
+    ticks = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            if (task / "comm").read_text().strip() != comm:
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def ray_pid(root: int, title_part: str) -> int | None:
+    """The Ray worker below `root` whose process title holds `title_part`."""
     for pid in process_tree(root):
         try:
             title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if title.startswith("ray::") and ROUTER_TITLE in title:
+        if title.startswith("ray::") and title_part in title:
             return pid
-    raise RuntimeError("no Router replica process below serve run")
+    return None
 
 
 def served(config: str, args: dict, preset: str, batches: list[int], tokens: int) -> dict:
@@ -140,15 +164,31 @@ def served(config: str, args: dict, preset: str, batches: list[int], tokens: int
             url = server.start()
             print(f"  {config}: up in {time.monotonic() - started:.0f} s", flush=True)
             assert server.pid is not None
-            pid = router_pid(server.pid)
+            pid = ray_pid(server.pid, ROUTER_TITLE)
+            if pid is None:
+                raise RuntimeError("no Router replica process below serve run")
+            proxy = ray_pid(server.pid, PROXY_TITLE)
             asyncio.run(served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens))
-            result = {}
+            # What the Router process burns with no request (Ray's threads, health checks): part
+            # of every figure below, most of it at batch 1, where a batch is long and light.
+            idle_before = process_cpu_s(pid)
+            time.sleep(IDLE_S)
+            idle_ms_per_s = 1e3 * (process_cpu_s(pid) - idle_before) / IDLE_S
+            result: dict[int, dict[str, float]] = {}
             for batch in batches:
-                cpu_before = process_cpu_s(pid)
+                cpu_before, engine_before = process_cpu_s(pid), threads_cpu_s(pid, ENGINE_THREAD)
+                proxy_before = process_cpu_s(proxy) if proxy else 0.0
                 figures = asyncio.run(served_batch(url, preset, prompts_for(batch, vocab), tokens))
-                cpu = process_cpu_s(pid) - cpu_before
+                engine = threads_cpu_s(pid, ENGINE_THREAD) - engine_before
+                cpu = process_cpu_s(pid) - cpu_before - engine  # the router's own
                 figures["router_cpu_ms_per_token"] = 1e3 * cpu / (batch * tokens)
                 figures["router_cpu_ms_per_request"] = 1e3 * cpu / batch
+                if proxy:  # Serve's HTTP proxy: its share of the front end, per chunk too
+                    proxy_cpu = process_cpu_s(proxy) - proxy_before
+                    figures["proxy_cpu_ms_per_token"] = 1e3 * proxy_cpu / (batch * tokens)
+                if engine:  # `topology: local`: the engine's threads, told apart by their name
+                    figures["engine_cpu_ms_per_token"] = 1e3 * engine / (batch * tokens)
+                figures["router_idle_cpu_ms_per_s"] = idle_ms_per_s
                 result[batch] = figures
             return result
         finally:
@@ -169,40 +209,62 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--paths", nargs="+", default=["inprocess", "local", "mesh"])
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="also run the served paths with this many tokens per chunk",
+    )
     args = parser.parse_args()
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
     tokens = args.tokens or (64 if args.quick else 256)
-    print(f"preset {args.preset}, batches {batches}, {tokens} tokens, load {os.getloadavg()}")
+    threads = torch.get_num_threads()  # the in-process engine's; the local one gets as many
+    print(f"preset {args.preset}, batches {batches}, {tokens} tokens, {threads} torch threads, "
+          f"load {os.getloadavg()}")  # fmt: skip
     app_args = {"model": args.preset, "served_model_name": args.preset}
-    results: dict[str, Any] = {"preset": args.preset, "tokens": tokens,
+    results: dict[str, Any] = {"preset": args.preset, "tokens": tokens, "torch_threads": threads,
+                               "stream_interval": args.stream_interval,
                                "load_avg_start": os.getloadavg()}  # fmt: skip
     engine_tok_s = in_process(args.preset, batches, tokens) if "inprocess" in args.paths else {}
     results["inprocess_tok_s"] = engine_tok_s
-    for path, config, extra in (("local", "single.yaml", {"engine": ENGINE_ARGS}),
-                                ("mesh", "local.yaml", {})):  # fmt: skip
-        if path not in args.paths:
-            continue
-        figures = served(config, app_args | extra, args.preset, batches, tokens)
-        for batch, f in figures.items():
-            if batch in engine_tok_s:
-                f["ratio"] = f["tok_s"] / engine_tok_s[batch]
-            print(f"  {path} batch {batch}: " + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))
-        results[path] = figures
+    intervals = [1] + ([args.stream_interval] if args.stream_interval else [])
+    for interval in intervals:
+        suffix = "" if interval == 1 else f"_si{interval}"
+        for path, config, extra in (
+            ("local", "single.yaml", {"engine": ENGINE_ARGS | {"num_threads": threads}}),
+            ("mesh", "local.yaml", {}),
+        ):
+            if path not in args.paths:
+                continue
+            config_args = app_args | extra | {"stream_interval": interval}
+            figures = served(config, config_args, args.preset, batches, tokens)
+            for batch, f in figures.items():
+                if batch in engine_tok_s:
+                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+                print(f"  {path}{suffix} batch {batch}: "
+                      + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))  # fmt: skip
+            results[path + suffix] = figures
     results["load_avg_end"] = os.getloadavg()
     results["targets"] = TARGETS
     results["targets_met"] = targets_met(results, args.preset)
+    if args.stream_interval:
+        results["targets_met_stream_interval"] = targets_met(
+            results, args.preset, f"_si{args.stream_interval}"
+        )
     print(json.dumps(results))
 
 
-def targets_met(results: dict[str, Any], preset: str) -> dict[str, bool | None]:
+def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[str, bool | None]:
+    """The targets of the runs named `<path><suffix>` (suffix "": stream_interval 1)."""
+
     def ratio(path: str, batch: int) -> float | None:
-        return results.get(path, {}).get(batch, {}).get("ratio")
+        return results.get(path + suffix, {}).get(batch, {}).get("ratio")
 
     def at_least(value: float | None, bound: float) -> bool | None:
         return None if value is None else value >= bound
 
     cpu = [f["router_cpu_ms_per_token"] for p in ("local", "mesh")
-           for f in results.get(p, {}).values()]  # fmt: skip
+           for f in results.get(p + suffix, {}).values()]  # fmt: skip
     return {
         "local_ratio_batch8_min": at_least(ratio("local", 8), 0.85),
         "local_ratio_batch32_min": at_least(ratio("local", 32), 0.85),

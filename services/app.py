@@ -42,10 +42,10 @@ from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
 from services.mesh.registry import RayRegistry
 from services.mesh.replica import MeshReplica, base_worker_config, start_engine, start_shard
-from services.router.engine_client import EngineClient, InProcessEngineClient
+from services.router.engine_client import EngineClient, InProcessEngineClient, machine_threads
 from services.router.mesh_client import MAX_MIGRATIONS, PREFIX_ROUTING_WEIGHT, MeshEngineClient
 from services.router.server import Router
-from services.router.streams import AdmissionLimits
+from services.router.streams import AdmissionLimits, StreamInterval
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +73,9 @@ class EngineArgs(_Args):
     starvation_s: float = Field(default=1.0, ge=0)  # and its aging (common/scheduling/mixed.py)
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # docs/prefix_caching.md
+    # Torch threads the engine decodes on; None: every core of the machine. (Ray sets
+    # OMP_NUM_THREADS to the Router's num_cpus, 1, which would otherwise leave it one.)
+    num_threads: int | None = Field(default=None, ge=1)
 
 
 class PoolArgs(_Args):
@@ -137,6 +140,11 @@ class AppArgs(_Args):
     # $PHASEMESH_API_KEY on the router's node, else the API is open (the local demo's default).
     api_key: str | None = None
     require_api_key: bool = False  # refuse to start a router without a key (clusters)
+    # Tokens per streamed chunk (vLLM's and SGLang's `stream_interval`; the first token and a
+    # request's end always go at once), and a cap on how long a token is held (0: none); 1 and
+    # 0: one chunk per engine step. `services.router.streams.StreamInterval`.
+    stream_interval: int = Field(default=1, ge=1)
+    stream_interval_s: float = Field(default=0.0, ge=0)
     engine: EngineArgs = Field(default_factory=EngineArgs)
     mesh: MeshArgs = Field(default_factory=MeshArgs)
 
@@ -172,7 +180,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
             max_preemptions=e.max_preemptions,
             starvation_s=e.starvation_s,
         )
-        return InProcessEngineClient(engine)
+        return InProcessEngineClient(engine, num_threads=e.num_threads or machine_threads())
     registry = RayRegistry.for_app(serve.get_replica_context().app_name)
     return MeshEngineClient(
         args.model_path(),
@@ -226,6 +234,9 @@ class RouterDeployment:
         replica_id = _service_id("router")
         _configure_observability("router", replica_id)
         self.client = _make_client(self.args, replica_id)
+        self.client.streams.interval = StreamInterval(
+            self.args.stream_interval, self.args.stream_interval_s
+        )
         self.router = Router(
             self.client, self.args.model_path(), self.args.model_name(), replica_id,
             max_model_len=self.args.max_model_len, api_key=self.args.resolved_api_key(),

@@ -12,6 +12,8 @@ and refuse with `Overloaded`, which the router turns into a 429.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import queue
 import threading
 from collections.abc import AsyncGenerator
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
+import torch
 
 from common.engine.core import LLMEngine
 from common.engine.request import RequestOutput
@@ -27,6 +30,23 @@ from services.router.coalesce import coalesce
 from services.router.streams import AdmissionLimits, Stream, StreamTable, next_items
 
 log = structlog.get_logger(__name__)
+
+
+ENGINE_THREAD_NAME = "engine-loop"
+
+
+def name_os_thread(name: str) -> None:
+    """Name the calling thread for the OS (`/proc/<pid>/task/<tid>/comm`; Linux, else nothing)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass  # not Linux: only profiles lose the name
+
+
+def machine_threads() -> int:
+    """The cores this process may run on: the local engine's default torch threads."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -96,13 +116,20 @@ _STOP = object()  # the command that ends the engine thread
 class InProcessEngineClient:
     """An `LLMEngine` stepped on its own thread, behind the `EngineClient` protocol."""
 
-    def __init__(self, engine: LLMEngine, limits: AdmissionLimits | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        limits: AdmissionLimits | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        """`num_threads`: torch threads the engine thread decodes on; None: leave torch's."""
         self.engine = engine
+        self.num_threads = num_threads
         self.max_context: int | None = engine.max_model_len
         self.streams: StreamTable[Stream] = StreamTable(limits)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._engine_stats = self._snapshot_engine()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
 
     # ---- asyncio side ----
@@ -161,6 +188,13 @@ class InProcessEngineClient:
     # ---- engine thread ----
 
     def _run(self) -> None:
+        # The OS name too (Python's names are its own): the torch threads this thread starts
+        # inherit it, so that a profile of the Router process can tell the engine's CPU apart.
+        name_os_thread(ENGINE_THREAD_NAME)
+        if self.num_threads is not None:
+            # Set on this thread: OpenMP's thread count is per calling thread, and Ray sets
+            # OMP_NUM_THREADS to the actor's num_cpus (1), which a new thread starts with.
+            torch.set_num_threads(self.num_threads)
         while True:
             # Block when idle; drain without blocking when there is work to step.
             if not self._apply(self._commands.get()):
@@ -205,7 +239,8 @@ class InProcessEngineClient:
             self._fail_all(exc)
             return True
         self.streams.deliver_many([
-            (out.req_id, RuntimeError(out.error) if out.error else out, not out.error)
+            (out.req_id, RuntimeError(out.error), 0, True) if out.error
+            else (out.req_id, out, len(out.new_token_ids), out.finished)
             for out in outputs
         ])  # fmt: skip
         return bool(outputs)

@@ -56,7 +56,7 @@ from services.router.streams import (
     Unavailable,
     next_items,
 )
-from services.router.token_text import StreamedText
+from services.router.token_text import StreamedText, join_token_outputs
 
 log = structlog.get_logger(__name__)
 
@@ -170,7 +170,7 @@ class MeshEngineClient:
                 # Whatever arrived together leaves as one output (one SSE chunk); anything but
                 # tokens (a loss, an error) first sends on the tokens before it.
                 pending: list[RequestOutput] = []
-                for item in await next_items(stream.outputs):
+                for item in join_token_outputs(await next_items(stream.outputs)):
                     if pending and (isinstance(item, Exception) or item.error):
                         yield coalesce(pending)
                         pending = []
@@ -397,12 +397,12 @@ class MeshEngineClient:
         with self._lock:
             owners = [self.book.owner(out.req_id) for out in outputs]
             items = [
-                (ledger.req_id, out, bool(out.token_ids))
+                (ledger.req_id, out, len(out.token_ids), bool(out.finish_reason or out.error))
                 for ledger, out in zip(owners, outputs, strict=True)
                 if ledger is not None
             ]
             streams = self.streams.deliver_many(items)
-            for stream, (_, out, _) in zip(streams, items, strict=True):
+            for stream, (_, out, _, _) in zip(streams, items, strict=True):
                 if stream is not None:
                     stream.num_attempt_tokens += len(out.token_ids)
 

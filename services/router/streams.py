@@ -2,16 +2,19 @@
 
 Each admitted request gets a `Stream`: an asyncio queue its coroutine awaits, fed from a
 background thread (the in-process engine's loop, or the mesh client's IO thread) with
-`call_soon_threadsafe`. The table owns admission (the bounds of `AdmissionLimits`, refused with
-`Overloaded`, which the router turns into a 429; a duplicate request id is a `ValueError`) and the
-pending-prompt-token count: a request's prompt counts from admission until its first token, or
-until it is released without one.
+`call_soon_threadsafe`. A stream's tokens may be held back and handed on together
+(`StreamInterval`: one wake-up, hence one SSE chunk, per `tokens` tokens). The table owns
+admission (the bounds of `AdmissionLimits`, refused with `Overloaded`, which the router turns
+into a 429; a duplicate request id is a `ValueError`) and the pending-prompt-token count: a
+request's prompt counts from admission until its first token, or until it is released without
+one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -67,6 +70,35 @@ def check_admission(
         )
 
 
+@dataclass(frozen=True)
+class StreamInterval:
+    """How many tokens a stream's outputs carry per wake-up of its coroutine, hence per SSE chunk
+    (vLLM's and SGLang's `stream_interval`). Each chunk costs the router, the Ray proxy and the
+    client about the same whatever it carries, so `tokens` > 1 cuts the front end's cost per
+    token by up to that factor, at the price of a burstier stream.
+
+    The first token always goes at once (TTFT is never delayed), and so does a request's end, an
+    error or anything without tokens, with every token held before it. `seconds` > 0 caps how
+    long a token is held: the held ones go with the first output that arrives after it passed,
+    or at the latest at the next tick of the stream's window timer (every `seconds`, on its event
+    loop), so a request whose engine stalls still gets what it was sent. Without `seconds`, such a
+    request's held tokens (at most `tokens` - 1) wait for its next output, its end or an error.
+    """
+
+    tokens: int = 1  # 1: every output goes at once (one chunk per engine step)
+    seconds: float = 0.0  # 0: no time cap
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.seconds < 0:
+            raise ValueError("stream interval: tokens must be >= 1 and seconds >= 0")
+
+    def due(self, held_tokens: int, held_since: float, now: float) -> bool:
+        """True when tokens held since `held_since` must go now."""
+        if held_tokens >= self.tokens:
+            return True
+        return self.seconds > 0 and now - held_since >= self.seconds
+
+
 @dataclass(kw_only=True)
 class Stream:
     """One admitted request: where its outputs go. Clients subclass it for their own fields."""
@@ -76,6 +108,17 @@ class Stream:
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     outputs: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     first_token_out: bool = False
+    # Outputs held back by the table's `StreamInterval` (under its lock), and their tokens.
+    held: list[Any] = field(default_factory=list)
+    held_tokens: int = 0
+    held_since: float = 0.0
+
+    def take_held(self, item: object) -> list[Any]:
+        """The held outputs then `item`, in order; nothing is held after."""
+        if not self.held:
+            return [item]
+        items, self.held, self.held_tokens = [*self.held, item], [], 0
+        return items
 
 
 S = TypeVar("S", bound=Stream)
@@ -85,8 +128,11 @@ class StreamTable(Generic[S]):
     """Streams by request id and the admission counters, behind one lock. `lock` is reentrant:
     clients hold it around their own bookkeeping and the table's calls together."""
 
-    def __init__(self, limits: AdmissionLimits | None = None) -> None:
+    def __init__(
+        self, limits: AdmissionLimits | None = None, interval: StreamInterval | None = None
+    ) -> None:
         self.limits = limits or AdmissionLimits()
+        self.interval = interval or StreamInterval()  # replaced in place by the deployment
         self.lock = threading.RLock()
         self._streams: dict[str, S] = {}
         self.num_pending_prompt_tokens = 0
@@ -102,7 +148,21 @@ class StreamTable(Generic[S]):
             stream = build()
             self._streams[req_id] = stream
             self.num_pending_prompt_tokens += stream.num_prompt_tokens
+        if self.interval.tokens > 1 and self.interval.seconds > 0:
+            # NOTE: on the request's loop: `admit` runs in its coroutine (`build` made the stream).
+            stream.loop.call_later(self.interval.seconds, self._window_tick, stream)
         return stream
+
+    def _window_tick(self, stream: S) -> None:
+        """On the stream's event loop every `interval.seconds` while it lives: what it holds goes
+        now (a stalled engine's tokens are not held longer)."""
+        with self.lock:
+            if self._streams.get(stream.req_id) is not stream:
+                return  # released: the timer stops
+            held, stream.held, stream.held_tokens = stream.held, [], 0
+        for item in held:
+            stream.outputs.put_nowait(item)
+        stream.loop.call_later(self.interval.seconds, self._window_tick, stream)
 
     def get(self, req_id: str) -> S | None:
         with self.lock:
@@ -123,22 +183,33 @@ class StreamTable(Generic[S]):
                 self.num_pending_prompt_tokens -= stream.num_prompt_tokens
         return stream
 
-    def deliver_many(self, items: Sequence[tuple[str, object, bool]]) -> list[S | None]:
-        """`deliver` for one engine step's outputs: `(req_id, item, has_tokens)` each, under one
-        lock, and one wake-up of each event loop for them all (not one per token: each wake-up
-        is a write to the loop's self-pipe and a turn of the loop)."""
+    def deliver_many(self, items: Sequence[tuple[str, object, int, bool]]) -> list[S | None]:
+        """`deliver` for one engine step's outputs: `(req_id, item, num_tokens, final)` each
+        (`final`: the request's last output, or an error), under one lock, and one wake-up of
+        each event loop for them all (not one per token: each wake-up is a write to the loop's
+        self-pipe and a turn of the loop). Outputs the `interval` holds back wake nothing."""
         streams: list[S | None] = []
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], object]]] = {}
+        interval = self.interval
+        now = time.monotonic() if interval.tokens > 1 else 0.0
         with self.lock:
-            for req_id, item, has_tokens in items:
+            for req_id, item, num_tokens, final in items:
                 stream = self._streams.get(req_id)
                 streams.append(stream)
                 if stream is None:
                     continue  # the client went away: the output is dropped
-                if has_tokens and not stream.first_token_out:
+                if num_tokens and not stream.first_token_out:
                     stream.first_token_out = True
                     self.num_pending_prompt_tokens -= stream.num_prompt_tokens
-                by_loop.setdefault(stream.loop, []).append((stream.outputs, item))
+                elif num_tokens and not final and interval.tokens > 1:
+                    if not stream.held:
+                        stream.held_since = now
+                    stream.held_tokens += num_tokens
+                    if not interval.due(stream.held_tokens, stream.held_since, now):
+                        stream.held.append(item)
+                        continue
+                puts = by_loop.setdefault(stream.loop, [])
+                puts.extend((stream.outputs, i) for i in stream.take_held(item))
         for loop, puts in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, puts)
@@ -147,8 +218,9 @@ class StreamTable(Generic[S]):
         return streams
 
     def deliver(self, req_id: str, item: object, has_tokens: bool) -> S | None:
-        """Hand an output (or an exception) to a request's coroutine, from any thread; returns
-        its stream, or None when it is gone (the client went away: the output is dropped)."""
+        """Hand an output (or an exception) to a request's coroutine at once, after any it holds,
+        from any thread; returns its stream, or None when it is gone (the client went away: the
+        output is dropped)."""
         with self.lock:
             stream = self._streams.get(req_id)
             if stream is None:
@@ -156,8 +228,9 @@ class StreamTable(Generic[S]):
             if has_tokens and not stream.first_token_out:
                 stream.first_token_out = True
                 self.num_pending_prompt_tokens -= stream.num_prompt_tokens
+            puts = [(stream.outputs, i) for i in stream.take_held(item)]
         try:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+            stream.loop.call_soon_threadsafe(_put_all, puts)
         except RuntimeError:
             pass  # the request's event loop is closed: nobody is listening
         return stream

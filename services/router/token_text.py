@@ -8,6 +8,10 @@ finish decided here, because only text can show it; the caller then aborts the e
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
+
 from common.engine.request import FinishReason, OutputText, RequestOutput
 from common.protocol import TokenOutput
 from common.tokenizer import Tokenizer
@@ -30,6 +34,8 @@ class StreamedText:
         engine finished the request or a stop string did (later tokens are then dropped)."""
         if msg.error or msg.finish_reason == "error":
             raise RuntimeError(f"generation failed: {msg.error or 'engine error'}")
+        if not self.text.stop and msg.token_ids:
+            return [self._at_once(msg)]
         outs: list[RequestOutput] = []
         for i, token_id in enumerate(msg.token_ids):
             self.output_token_ids.append(token_id)
@@ -51,6 +57,19 @@ class StreamedText:
             outs.append(self._output([], delta, _reason(msg.finish_reason)))
         return outs
 
+    def _at_once(self, msg: TokenOutput) -> RequestOutput:
+        """All of a message's tokens in one decode: without stop strings no token's text can end
+        the request early, and the text is the same as token by token's."""
+        self.output_token_ids += msg.token_ids
+        engine_done = bool(msg.finish_reason)
+        delta = self.text.update(self.output_token_ids, self.tokenizer, engine_done)
+        out = self._output(list(msg.token_ids), delta,
+                           _reason(msg.finish_reason) if engine_done else None)  # fmt: skip
+        out.logprobs = list(msg.logprobs)
+        if msg.index == 0 and msg.prompt_logprobs:
+            out.prompt_logprobs = msg.prompt_logprobs
+        return out
+
     def _output(
         self, token_ids: list[int], delta: str, reason: FinishReason | None
     ) -> RequestOutput:
@@ -62,3 +81,25 @@ class StreamedText:
 
 def _reason(engine_reason: str) -> FinishReason:
     return FinishReason(engine_reason) if engine_reason in set(FinishReason) else FinishReason.ABORT
+
+
+def join_token_outputs(items: list[Any]) -> list[Any]:
+    """`items` with each run of consecutive plain `TokenOutput`s of one attempt (same wire id,
+    contiguous indexes, no error, only the last finished) as one message: one decode and one
+    output for the run, not one per engine step."""
+    joined: list[Any] = []
+    for item in items:
+        last = joined[-1] if joined else None
+        if (
+            isinstance(item, TokenOutput) and isinstance(last, TokenOutput)
+            and not item.error and not last.error and not last.finish_reason
+            and item.req_id == last.req_id and item.index == last.index + len(last.token_ids)
+            and bool(item.logprobs) == bool(last.logprobs) and not item.prompt_logprobs
+        ):  # fmt: skip
+            joined[-1] = msgspec.structs.replace(
+                last, token_ids=last.token_ids + item.token_ids,
+                finish_reason=item.finish_reason, logprobs=last.logprobs + item.logprobs,
+            )  # fmt: skip
+        else:
+            joined.append(item)
+    return joined

@@ -121,8 +121,8 @@ def test_one_step_wakes_each_loop_once_and_what_waits_is_taken_together() -> Non
 
         loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
         # Two steps from another thread, before the loop runs: a, b, a.
-        step1 = [("a", out("a", 1, "x", 1), True), ("b", out("b", 2, "y", 1), True)]
-        step2 = [("a", out("a", 3, "z", 2), True), ("gone", out("gone", 4, "", 1), True)]
+        step1 = [("a", out("a", 1, "x", 1), 1, False), ("b", out("b", 2, "y", 1), 1, False)]
+        step2 = [("a", out("a", 3, "z", 2), 1, False), ("gone", out("gone", 4, "", 1), 1, False)]
         delivered: list[object] = []
         for step in (step1, step2):  # NOTE: joined at once: the loop runs only after both
             thread = threading.Thread(target=lambda s=step: delivered.extend(table.deliver_many(s)))
