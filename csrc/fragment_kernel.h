@@ -241,10 +241,12 @@ inline float softmax_row(float* scores, int stride, int lo, int hi, float* row_m
 }
 
 // acc[g][dv : dv + VT*lanes] = acc * alpha[g] + sum over the step's slots p[g][slot] * V[slot].
-// With `prefetch`, the next step's K tiles are prefetched at the same offsets.
+// At the slots s whose bit (s % 32) is set in `prefetch_slots`, the next step's K tiles are
+// prefetched at the same offsets.
 template <int GT, int VT, typename KV>
 inline void accumulate_rows(float* acc, const float* probs, int stride, const float* alpha,
-                            const Step<KV>& step, bool prefetch, int head_dim, int block_size,
+                            const Step<KV>& step, uint32_t prefetch_slots, int head_dim,
+                            int block_size,
                             int dv) {
   VecF a[GT][VT];
   for (int g = 0; g < GT; ++g)
@@ -252,6 +254,7 @@ inline void accumulate_rows(float* acc, const float* probs, int stride, const fl
   // Slot s of every block in turn, not block after block: the step's V tiles stream side by
   // side (see score_rows). Slots outside [lo, hi) hold no token of this fragment.
   for (int s = 0; s < block_size; ++s) {
+    const bool prefetch = (prefetch_slots >> (s & 31)) & 1u;
     for (int blk = 0; blk < step.num_blocks; ++blk) {
       const int slot = blk * block_size + s;
       if (slot < step.lo || slot >= step.hi) continue;
@@ -277,7 +280,8 @@ inline void accumulate_rows(float* acc, const float* probs, int stride, const fl
 // narrower ones for what is left of head_dim.
 template <int GT, typename KV>
 inline void accumulate_group(float* acc, const float* probs, int stride, const float* alpha,
-                             const Step<KV>& step, bool prefetch, int head_dim, int block_size) {
+                             const Step<KV>& step, uint32_t prefetch, int head_dim,
+                             int block_size) {
   constexpr int kFit = PM_ACC_BUDGET / GT;
   int dv = 0;
   if constexpr (kFit >= 8)
@@ -293,21 +297,38 @@ inline void accumulate_group(float* acc, const float* probs, int stride, const f
     accumulate_rows<GT, 1>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
 }
 
+// Bit s set for the slots s in [0, 32) with s % passes == pass.
+inline uint32_t slots_of_pass(int pass, int passes) {
+  uint32_t mask = 0;
+  for (int s = pass; s < 32; s += passes) mask |= 1u << s;
+  return mask;
+}
+
 template <typename KV>
 void accumulate_step(float* acc, const float* probs, int stride, const float* alpha,
                      const Step<KV>& step, int group_size, int head_dim, int block_size) {
-  int g = 0;
-  for (; g + 4 <= group_size; g += 4)
-    accumulate_group<4>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step, g == 0,
-                        head_dim, block_size);
-  if (g + 2 <= group_size) {
-    accumulate_group<2>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step, g == 0,
-                        head_dim, block_size);
-    g += 2;
-  }
+  // float32 V goes to rows in pairs: each pass then reads whole V rows in order (VT = 8 covers
+  // head_dim 128), where 4 rows at a time (VT = 4) split every row over two passes, the second
+  // probably finding much of the step's 64 KiB of V gone from L1. bf16 keeps 4 rows: it widens
+  // each V vector once per 4 rows instead of twice (pairs: -6% on b32 in one A/B). The next
+  // step's K is prefetched over all passes (pass i: the slots s with s % passes == i); with it
+  // in the first pass only, the later passes ran with no request going to memory. Paired A/B at
+  // 1 thread (bench/attention_ab.py, load 3-17), GQA 4:1 float32 median speedup: pairs +2% (4
+  // runs, b32 x 2048 +1.7..+5.5%, b1 x 32768 -2.3..+3.6%), spreading the prefetch a further
+  // +2.6..+6.4% (6 runs, both shapes); MHA within +-2%; same bits out.
+  const int fours = sizeof(KV) == 2 ? group_size / 4 : 0;
+  const int pairs = (group_size - 4 * fours) / 2;
+  const int passes = fours + pairs + (group_size - 4 * fours - 2 * pairs);
+  int g = 0, pass = 0;
+  for (int i = 0; i < fours; ++i, g += 4)
+    accumulate_group<4>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+                        slots_of_pass(pass++, passes), head_dim, block_size);
+  for (int i = 0; i < pairs; ++i, g += 2)
+    accumulate_group<2>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+                        slots_of_pass(pass++, passes), head_dim, block_size);
   if (g < group_size)
-    accumulate_group<1>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step, g == 0,
-                        head_dim, block_size);
+    accumulate_group<1>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+                        slots_of_pass(pass++, passes), head_dim, block_size);
 }
 
 // The step starting at block b: tile pointers and the token slots it holds.

@@ -1,0 +1,166 @@
+"""Paired A/B of two builds of the csrc decode-attention kernel, in one process.
+
+The shared 2-core machine runs at load 5-15, so timings from two separate runs differ by more
+than the few percent a kernel change is worth. This tool builds each source tree as its own
+module (`phasemesh_attention_kernel_<tag>`, its own nanobind domain and C++ namespace, so both
+load side by side), then times the two kernels call by call, alternating which goes first, on the
+same KV sets (rotated over 256 MiB, so nothing is timed from cache), with the C read probe after
+each pair. It prints medians and minima of kernel/read-probe per build and the speed ratio b/a.
+
+With `--clock thread` and 1 thread the kernel runs on the calling thread and is timed in CPU
+time, which leaves out the time the scheduler gives to other processes: on this machine at load
+8-12 two identical builds then agree within ~2% (wall-clock medians: within ~30%).
+
+    PYTHONPATH=. .venv/bin/python bench/attention_ab.py BASE_CSRC_DIR csrc \
+        --shapes gqa_b32,mha_b32 --dtypes float32 --threads 1 --clock thread
+    (BASE_CSRC_DIR: e.g. `git archive main csrc | tar -x -C /tmp/base`, then /tmp/base/csrc)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+BLOCK_SIZE = 16
+ROTATION_BYTES = 256 << 20
+SHAPES = {  # batch, context, q heads, kv heads, head_dim (bench/attention.py's shapes)
+    "gqa_b32": (32, 2048, 8, 2, 128),
+    "mha_b32": (32, 2048, 4, 4, 128),
+    "gqa_b1": (1, 32768, 8, 2, 128),
+    "mha_b1": (1, 32768, 4, 4, 128),
+}
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
+
+
+def build(src: Path, tag: str, work: Path) -> None:
+    """Builds `src` as module phasemesh_attention_kernel_<tag> into work/mod."""
+    module = f"phasemesh_attention_kernel_{tag}"
+    tree = work / f"src_{tag}"
+    shutil.copytree(src, tree)
+    cmake = (tree / "CMakeLists.txt").read_text()
+    cmake = cmake.replace("kernel NB_STATIC", f"kernel_{tag} NB_STATIC NB_DOMAIN ab_{tag}")
+    for call in ("target_compile_options(", "target_link_libraries(", "install(TARGETS "):
+        cmake = cmake.replace(f"{call}phasemesh_attention_kernel ", f"{call}{module} ")
+    (tree / "CMakeLists.txt").write_text(cmake)
+    bindings = (tree / "bindings.cpp").read_text()
+    bindings = bindings.replace(
+        "NB_MODULE(phasemesh_attention_kernel,", f"NB_MODULE(phasemesh_attention_kernel_{tag},"
+    )
+    (tree / "bindings.cpp").write_text(bindings)
+    out = work / f"build_{tag}"
+    flags = [f"-DPython_EXECUTABLE={sys.executable}", f"-DCMAKE_CXX_FLAGS=-Dpm=pm_{tag}"]
+    subprocess.run(
+        ["cmake", "-S", tree, "-B", out, "-DCMAKE_BUILD_TYPE=Release", *flags],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(["cmake", "--build", out, "-j2"], check=True, capture_output=True)
+    (work / "mod").mkdir(exist_ok=True)
+    for so in out.glob(f"phasemesh_attention_kernel_{tag}*.so"):
+        shutil.copy(so, work / "mod")
+
+
+def compare(shape: str, dtype: torch.dtype, mods: dict, args: argparse.Namespace) -> dict:
+    batch, context, num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    kv_bytes = 2 * batch * num_kv_heads * context * head_dim * dtype.itemsize
+    num_blocks = batch * context // BLOCK_SIZE
+    sets = []
+    for _ in range(max(2, math.ceil(ROTATION_BYTES / kv_bytes))):
+        k = torch.randn(num_blocks, num_kv_heads, head_dim, BLOCK_SIZE, generator=gen).to(dtype)
+        v = torch.randn(num_blocks, num_kv_heads, BLOCK_SIZE, head_dim, generator=gen).to(dtype)
+        table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(batch, -1)
+        sets.append((k, v, table))
+    q = torch.randn(batch, num_q_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    outs = {
+        t: (torch.empty(batch, num_q_heads, head_dim), torch.empty(batch, num_q_heads))
+        for t in mods
+    }
+    kernels = {t: m.PagedDecodeKernel() for t, m in mods.items()}
+    probe = mods["a"].probe
+    clock = CLOCKS[args.clock]
+    times: dict[str, list[float]] = {"a": [], "b": [], "read": []}
+    for i in range(args.repeats + 2):
+        k, v, table = sets[i % len(sets)]
+        for tag in "ab" if i % 2 == 0 else "ba":
+            out, lse = outs[tag]
+            start = clock()
+            kernels[tag].decode(
+                to_dlpack(q),
+                to_dlpack(k),
+                to_dlpack(v),
+                to_dlpack(table),
+                to_dlpack(lens),
+                None,
+                to_dlpack(out),
+                to_dlpack(lse),
+                0.088,
+                0,
+                -1,
+                args.threads,
+                "auto",
+            )
+            times[tag].append(clock() - start)
+        start = clock()
+        mods["a"].read_sum(probe, args.threads)
+        times["read"].append(clock() - start)
+    read_bytes = probe.numel() * 4
+    row = {}
+    for stat, fn in (("median", statistics.median), ("min", min)):
+        t = {name: fn(ts[2:]) for name, ts in times.items()}
+        for tag in "ab":
+            row[f"{tag}_over_read_{stat}"] = round(kv_bytes / t[tag] / (read_bytes / t["read"]), 3)
+        row[f"b_speedup_{stat}"] = round(t["a"] / t["b"], 3)
+    row["max_abs_diff"] = (outs["a"][0] - outs["b"][0]).abs().max().item()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("a", type=Path, help="baseline csrc directory")
+    parser.add_argument("b", type=Path, help="variant csrc directory")
+    parser.add_argument("--shapes", default="gqa_b32,mha_b32")
+    parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread")
+    parser.add_argument("--repeats", type=int, default=31)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="attention_ab_"))
+    try:
+        for tag, src in (("a", args.a), ("b", args.b)):
+            build(src, tag, work)
+        run(work, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(work: Path, args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(work / "mod"))
+    mods = {tag: importlib.import_module(f"phasemesh_attention_kernel_{tag}") for tag in "ab"}
+    torch.set_num_threads(args.threads)
+    mods["a"].probe = torch.ones(ROTATION_BYTES // 4)
+    rows = {}
+    for shape in args.shapes.split(","):
+        for name in args.dtypes.split(","):
+            rows[f"{shape}_{name}"] = compare(shape, getattr(torch, name), mods, args)
+            print(shape, name, rows[f"{shape}_{name}"], flush=True)
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    print(json.dumps({"threads": args.threads, "clock": args.clock, "load": load, "cases": rows}))
+
+
+if __name__ == "__main__":
+    main()
