@@ -1,5 +1,5 @@
 """Decode lanes: one decode step's rows as n concurrent sub-batches over one shard group, staggered
-layer by layer (Lamina 4.3, n = 2 inside one token engine).
+layer by layer (Lamina 4.3: n = 2 or 3 inside one token engine).
 
 While one lane waits for its shards' answer to a layer, the next lane runs its dense part (the
 previous layer's O projection and MLP, this layer's QKV) and sends its own layer. Each lane is a
