@@ -18,13 +18,14 @@ admission gap over its own no-admission gap (raw).
 The raw ratio is not the stall Lamina §5 is about. On a few shared cores the newcomer's prefill
 (the prompt engine's compute, and its KV leaving) takes CPU from the decode group however KV
 travels, and the residents' gap that straddles the first token carries it. So between admitted
-newcomers the run sends prefill-only controls: same-size prompts, prefilled by the same prompt
-engine, their KV shipped to the *other* group's shards, done at their first token: never
-admitted by ours. Their windows sit at the admitted newcomers' median offsets from the first token
-(`prefill_only_ratio`: the residents' gap there over the gap after it). `isolated_ratio` = raw
-ratio / prefill-only ratio: what admitting into this group (KV landing in its shards mid-step or
-between steps, the token engine's admission) adds beyond prefilling a newcomer somewhere on the
-machine. Also printed: quiet gaps, which touch no newcomer at all. Figures are medians over
+newcomers the run sends controls: same-size prompts, prefilled by the same prompt engine, their
+KV shipped to the *other* group (pinned to the same cores: core_pinning.py), admitted and decoded
+there for one step: the same work for the machine, none of it in our group's steps. Their
+windows sit at the admitted newcomers' median offsets from the first token (`elsewhere_ratio`:
+the residents' gap there over the gap after it). `isolated_ratio` = raw ratio / elsewhere ratio:
+what admitting into this group (KV landing in its shards mid-step or between steps, the token
+engine's admission) adds beyond the machine prefilling and admitting a newcomer somewhere.
+Also printed: quiet gaps, which touch no newcomer at all. Figures are medians over
 newcomers of the per-window mean (and max), at the mesh's own client.
 
 The last line is JSON with the ratios and `targets`: pull's isolated admission gap within 10% of
@@ -53,7 +54,7 @@ from tests.conftest import random_prompts  # noqa: E402
 
 Span = tuple[float, float]
 NEWCOMER = SamplingSpec(max_tokens=5, ignore_eos=True)  # 1 from prefill, then 4 decode steps
-PREFILL_ONLY = SamplingSpec(max_tokens=1, ignore_eos=True)  # done at its first token
+ELSEWHERE = SamplingSpec(max_tokens=2, ignore_eos=True)  # one decode step, in the other group
 
 
 def run_arm(args: argparse.Namespace, kv_transfer: str) -> dict[str, float]:
@@ -72,8 +73,8 @@ def run_arm(args: argparse.Namespace, kv_transfer: str) -> dict[str, float]:
 def measure(
     client: MeshTestClient, args: argparse.Namespace, ours: ServiceEntry, elsewhere: ServiceEntry
 ) -> dict[str, float]:
-    """Residents decode on `ours`; admitted newcomers join them, prefill-only ones (the control)
-    go to `elsewhere` and end at their first token, alternating with the admitted ones."""
+    """Residents decode on `ours`; admitted newcomers join them; the controls, alternating with
+    them, decode on `elsewhere` (see the module docstring)."""
     n, k = args.residents, args.newcomers
     lengths = [args.resident_prompt] * n + [args.newcomer_prompt] * (2 * k)
     prompts = random_prompts(lengths, 2048, seed=7)  # all different: no prefix cache hits
@@ -85,8 +86,8 @@ def measure(
     windows, controls, busy = [], [], []
     for j in range(2 * k):
         admitted = j % 2 == 0
-        req_id = f"newcomer-{j}" if admitted else f"prefill-only-{j}"
-        sampling = NEWCOMER if admitted else PREFILL_ONLY
+        req_id = f"newcomer-{j}" if admitted else f"elsewhere-{j}"
+        sampling = NEWCOMER if admitted else ELSEWHERE
         times[req_id] = []
         submitted = time.monotonic()
         client.submit(
@@ -106,8 +107,8 @@ def measure(
 def summarize(
     gaps: list[Span], newcomers: list[list[float]], busy: list[Span], controls: list[list[float]]
 ) -> dict[str, float]:
-    """`newcomers`: each admitted newcomer's token times, `controls` each prefill-only one's
-    (its first token only); see the module docstring."""
+    """`newcomers`: each admitted newcomer's token times, `controls` each control's (its
+    first token is what counts); see the module docstring."""
     quiet = [b - a for a, b in gaps if not any(a < e and b > s for s, e in busy)]
     means, maxes, after, ratios = [], [], [], []
     for t in newcomers:
@@ -122,7 +123,7 @@ def summarize(
     window = statistics.median(t[1] - t[0] for t in newcomers)
     rest = statistics.median(t[-1] - t[1] for t in newcomers)
     control_ratios = []
-    for (first,) in controls:
+    for first, *_ in controls:
         inside = _gaps_ending(gaps, first, first + window)
         later = _gaps_ending(gaps, first + window, first + window + rest)
         if inside and later:
@@ -134,7 +135,7 @@ def summarize(
         "no_admission_gap_ms": round(1e3 * statistics.median(after), 3),
         "quiet_gap_ms": round(1e3 * statistics.median(quiet), 3),
         "ratio": round(ratio, 4),
-        "prefill_only_ratio": round(control, 4),
+        "elsewhere_ratio": round(control, 4),
         "isolated_ratio": round(ratio / control, 4),
         "num_quiet_gaps": len(quiet),
         "num_windows": len(means),
@@ -184,8 +185,8 @@ def main() -> None:
     for mode, arm in arms.items():
         print(f"{mode}: gap while a newcomer is admitted {arm['admission_gap_ms']} ms (max "
               f"{arm['admission_max_gap_ms']} ms), same batch with no admission "
-              f"{arm['no_admission_gap_ms']} ms, raw ratio {arm['ratio']}; prefill-only "
-              f"control ratio {arm['prefill_only_ratio']}; isolated ratio "
+              f"{arm['no_admission_gap_ms']} ms, raw ratio {arm['ratio']}; control "
+              f"admitted elsewhere {arm['elsewhere_ratio']}; isolated ratio "
               f"{arm['isolated_ratio']}; quiet gap {arm['quiet_gap_ms']} ms")  # fmt: skip
     result = {
         "arms": arms,
