@@ -116,9 +116,10 @@ class MeshArgs(_Args):
     kv_hold_bytes: int = Field(default=1 << 30, ge=1)
     # Token engines' decode round trip (docs/mesh.md): q leaves for the shards before k/v are
     # computed (Lamina 4.2.2), and a step's sharded rows run as this many staggered sub-batches
-    # (4.3; Lamina's n is 2 or 3). Both need `shard_partition: head`.
+    # (4.3; Lamina's n is 2 or 3; `auto`: one lane for the first steps, then the n their measured
+    # breakdown prices best, common/scheduling/lane_choice.py). Both need `shard_partition: head`.
     attention_overlap: bool = False
-    decode_lanes: int = Field(default=1, ge=1)
+    decode_lanes: int | Literal["auto"] = 1
     # Neo's local KV tier beside a token engine's shards: its budget in blocks (0: none, all
     # decode KV on the shards) and who lives in it (`fill_local` or `alternate:<period>`).
     local_kv_blocks: int = Field(default=0, ge=0)
@@ -142,12 +143,23 @@ class MeshArgs(_Args):
         tier_policy(spec)  # raises ValueError for an unknown one
         return spec
 
+    @field_validator("decode_lanes")
+    @classmethod
+    def _some_lanes(cls, lanes: int | str) -> int | str:
+        if lanes != "auto" and int(lanes) < 1:
+            raise ValueError(f"decode_lanes must be at least 1 or auto, got {lanes}")
+        return lanes
+
+    def worker_decode_lanes(self) -> int:
+        """`WorkerConfig.decode_lanes`: 0 is auto."""
+        return 0 if self.decode_lanes == "auto" else int(self.decode_lanes)
+
     @model_validator(mode="after")
     def _partition_fits_round_trip(self) -> MeshArgs:
         # NOTE: the workers refuse these too (WorkerConfig), but only once a replica starts.
-        if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes > 1):
+        if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes != 1):
             raise ValueError(
-                "shard_partition request runs without attention_overlap and decode_lanes > 1 "
+                "shard_partition request runs without attention_overlap and with decode_lanes 1 "
                 "(its round trip has one part and one lane)"
             )
         if self.shard_partition == "request" and self.local_kv_blocks:
@@ -235,7 +247,8 @@ def _worker_config(args: AppArgs) -> WorkerConfig:
         enable_prefix_caching=m.enable_prefix_caching, served_model_name=args.model_name(),
         mesh_key=m.key or "", kv_transfer=m.kv_transfer, shard_partition=m.shard_partition,
         kv_hold_bytes=m.kv_hold_bytes, attention_overlap=m.attention_overlap,
-        decode_lanes=m.decode_lanes, local_kv_blocks=m.local_kv_blocks, tier_policy=m.tier_policy,
+        decode_lanes=m.worker_decode_lanes(), local_kv_blocks=m.local_kv_blocks,
+        tier_policy=m.tier_policy,
     )  # fmt: skip
 
 

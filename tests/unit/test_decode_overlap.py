@@ -27,7 +27,8 @@ from common.protocol import (
     ShardAddress,
 )
 from common.scheduling.batching import Batch, Phase, Sequence
-from services.engine.lanes import split_lanes
+from common.scheduling.lane_choice import MeasuredSteps
+from services.engine.lanes import AutoLanes, split_lanes
 from services.engine.runner import KvRoute, KvShipper, MeshModelRunner, ShardLinkFault
 from services.shard.shard import AttentionShard, ShardSpec
 from tests.conftest import random_prompts
@@ -112,7 +113,8 @@ def greedy_local(model, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 
 def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | None = None,
-                   links: list[InProcessLink] | None = None, lane_swap: bool = False):  # fmt: skip
+                   links: list[InProcessLink] | None = None, lane_swap: bool = False,
+                   auto_lanes: AutoLanes | None = None):  # fmt: skip
     """The same with every request's KV on two head-split shards, decoding through the runner's
     round trips with `attention_overlap` and `decode_lanes` as given (into `links`, if given)."""
     mc = model.config
@@ -131,6 +133,7 @@ def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | N
     links += [InProcessLink(s, fail_lane, lane_swap) for s in shards]
     runner = make_runner(model, MeshModelRunner, shard_links=links, shards=addresses)
     runner.attention_overlap, runner.decode_lanes = overlap, lanes
+    runner.auto_lanes = auto_lanes
 
     def send(dest: ShardAddress, header: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
         shards[addresses.index(dest)].receive_kv(header, k, v)
@@ -176,6 +179,20 @@ def test_every_round_trip_variant_matches_the_single_process_runner(
         num_layers = model.config.num_hidden_layers
         one_step = [(layer, lane) for layer in range(num_layers) for lane in range(lanes)]
         assert order == one_step * NUM_STEPS
+
+
+def test_auto_lanes_switch_after_the_measured_steps_and_keep_the_tokens(model, prompts, local):
+    measured: list[MeasuredSteps] = []
+    auto = AutoLanes(model.config.num_hidden_layers, warmup_steps=2,
+                     choose=lambda m: measured.append(m) or 3)  # fmt: skip
+    got, _, links = greedy_sharded(model, prompts, overlap=False, lanes=1, auto_lanes=auto)
+    assert got == local[0]
+    [m] = measured  # chosen once, from the first 2 steps
+    assert (m.num_steps, m.num_layers) == (2, model.config.num_hidden_layers) and m.step_s > 0
+    num_layers = model.config.num_hidden_layers
+    lanes = [lane for lane, _, _ in links[0].parts]
+    assert lanes[: 2 * num_layers] == [0] * 2 * num_layers  # one lane while measuring
+    assert lanes[2 * num_layers :] == [0, 1, 2] * num_layers * (NUM_STEPS - 2)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

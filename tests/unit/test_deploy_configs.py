@@ -149,9 +149,11 @@ def test_mesh_switches_reach_the_workers_config() -> None:
     "mesh, error",
     [
         ({"shard_partition": "request", "attention_overlap": True}, "without attention_overlap"),
-        ({"shard_partition": "request", "decode_lanes": 2}, "decode_lanes > 1"),
+        ({"shard_partition": "request", "decode_lanes": 2}, "with decode_lanes 1"),
+        ({"shard_partition": "request", "decode_lanes": "auto"}, "with decode_lanes 1"),
         ({"shard_partition": "request", "local_kv_blocks": 8}, "local_kv_blocks"),
         ({"decode_lanes": 0}, "decode_lanes"),
+        ({"decode_lanes": "some"}, "decode_lanes"),
         ({"kv_transfer": "teleport"}, "kv_transfer"),
         ({"shard_partition": "layer"}, "shard_partition"),
         ({"tier_policy": "lru"}, "unknown tier policy"),
@@ -166,3 +168,11 @@ def test_mesh_args_refuse_what_the_workers_would(mesh: dict[str, Any], error: st
 def test_request_partition_alone_is_accepted() -> None:
     args = AppArgs.model_validate({"topology": "mesh", "mesh": {"shard_partition": "request"}})
     assert args.mesh.decode_lanes == 1 and not args.mesh.attention_overlap
+
+
+def test_auto_lanes_reach_the_workers_as_zero() -> None:
+    from services.app import _worker_config
+
+    mesh = {"host": "127.0.0.1", "decode_lanes": "auto"}
+    args = AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
+    assert _worker_config(args).decode_lanes == 0  # WorkerConfig's auto
