@@ -52,6 +52,7 @@ from common.scheduling.tiers import tier_policy
 from services.engine.admission import DecodeAdmission
 from services.engine.faults import EngineFaults
 from services.engine.kv_news import EngineKvNews
+from services.engine.kv_shipper import KvRoute, KvSend, KvShipper
 from services.engine.outbox import Outbox
 from services.engine.routing import (
     EngineRole,
@@ -61,14 +62,7 @@ from services.engine.routing import (
     shard_kv_tokens,
     shard_of_rows,
 )
-from services.engine.runner import (
-    KvRoute,
-    KvSend,
-    KvShipper,
-    MeshModelRunner,
-    ShardLink,
-    StepPlan,
-)
+from services.engine.runner import MeshModelRunner, ShardLink, StepPlan
 from services.engine.telemetry import EngineTelemetry
 from services.engine.tiering import EngineTiering
 from services.engine.tiers import KvSwaps

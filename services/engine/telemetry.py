@@ -42,7 +42,7 @@ from common.telemetry.batch_spans import (
     start_step_span,
 )
 from common.telemetry.spans import record_kv_transfer, record_prefill
-from services.engine.runner import KvRoute
+from services.engine.kv_shipper import KvRoute
 
 GAUGE_INTERVAL_S = 0.5
 ROUND_TRIP_INTERVAL_S = 0.1  # shard round trips: one decode step at most this often

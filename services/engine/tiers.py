@@ -32,8 +32,8 @@ from common.kv_cache import KVCache
 from common.protocol import FetchKv, KvPages, KvSwapAck, ShardAddress
 from common.scheduling.batching import Sequence
 from common.scheduling.tiers import Tier
+from services.engine.kv_shipper import KvSend
 from services.engine.outbox import Outbox
-from services.engine.runner import KvSend
 
 # A swap whose acks or pages are not all in by then has lost a shard (or its socket): the request
 # ends retryably. Generous: a swap is a few layers of one request's KV over loopback UCX.

@@ -28,8 +28,9 @@ from common.protocol import (
 )
 from common.scheduling.batching import Batch, Phase, Sequence
 from common.scheduling.lane_choice import MeasuredSteps
+from services.engine.kv_shipper import KvRoute, KvShipper
 from services.engine.lanes import AutoLanes, split_lanes
-from services.engine.runner import KvRoute, KvShipper, MeshModelRunner, ShardLinkFault
+from services.engine.runner import MeshModelRunner, ShardLinkFault
 from services.shard.shard import AttentionShard, ShardSpec
 from tests.conftest import random_prompts
 
