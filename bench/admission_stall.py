@@ -18,13 +18,16 @@ admission gap over its own no-admission gap (raw).
 The raw ratio is not the stall Lamina §5 is about. On a few shared cores the newcomer's prefill
 (the prompt engine's compute, and its KV leaving) takes CPU from the decode group however KV
 travels, and the residents' gap that straddles the first token carries it. So between admitted
-newcomers the run sends controls: same-size prompts, prefilled by the same prompt engine, their
-KV shipped to the *other* group (pinned to the same cores: core_pinning.py), admitted and decoded
-there for one step: the same work for the machine, none of it in our group's steps. Their
-windows sit at the admitted newcomers' median offsets from the first token (`elsewhere_ratio`:
-the residents' gap there over the gap after it). `isolated_ratio` = raw ratio / elsewhere ratio:
+newcomers the run sends two kinds of same-size controls to the *other* group (pinned to the same
+cores: core_pinning.py), prefilled by the same prompt engine: `elsewhere` ones are admitted there
+and decode one step there (the same work for the machine, none of it in our group's steps; the
+one step there adds a little contention the admitted case lacks, so it errs low), and
+`prefill_only` ones end at their first token (their KV may not finish moving, so it errs high).
+Their windows sit at the admitted newcomers' median offsets from the first token (a control's
+ratio: the residents' gap there over the gap after it). `isolated_ratio` = raw ratio / the
+elsewhere control's ratio (the target), `isolated_vs_prefill_only` the same against the other:
 what admitting into this group (KV landing in its shards mid-step or between steps, the token
-engine's admission) adds beyond the machine prefilling and admitting a newcomer somewhere.
+engine's admission) adds beyond the machine prefilling a newcomer somewhere.
 Also printed: quiet gaps, which touch no newcomer at all. Figures are medians over
 newcomers of the per-window mean (and max), at the mesh's own client.
 
@@ -55,6 +58,7 @@ from tests.conftest import random_prompts  # noqa: E402
 Span = tuple[float, float]
 NEWCOMER = SamplingSpec(max_tokens=5, ignore_eos=True)  # 1 from prefill, then 4 decode steps
 ELSEWHERE = SamplingSpec(max_tokens=2, ignore_eos=True)  # one decode step, in the other group
+PREFILL_ONLY = SamplingSpec(max_tokens=1, ignore_eos=True)  # done at its first token
 
 
 def run_arm(args: argparse.Namespace, kv_transfer: str) -> dict[str, float]:
@@ -76,25 +80,26 @@ def measure(
     """Residents decode on `ours`; admitted newcomers join them; the controls, alternating with
     them, decode on `elsewhere` (see the module docstring)."""
     n, k = args.residents, args.newcomers
-    lengths = [args.resident_prompt] * n + [args.newcomer_prompt] * (2 * k)
+    lengths = [args.resident_prompt] * n + [args.newcomer_prompt] * (3 * k)
     prompts = random_prompts(lengths, 2048, seed=7)  # all different: no prefix cache hits
     endless = SamplingSpec(max_tokens=4000, temperature=0.0, ignore_eos=True)
     for i in range(n):
         client.submit(f"resident-{i}", prompts[i], endless, token_engine=ours)
     times: dict[str, list[float]] = {f"resident-{i}": [] for i in range(n)}
     _receive(client, times, until=lambda: min(map(len, times.values())) >= 16)
-    windows, controls, busy = [], [], []
-    for j in range(2 * k):
-        admitted = j % 2 == 0
-        req_id = f"newcomer-{j}" if admitted else f"elsewhere-{j}"
-        sampling = NEWCOMER if admitted else ELSEWHERE
+    windows: list[list[float]] = []
+    controls: dict[str, list[list[float]]] = {"elsewhere": [], "prefill_only": []}
+    busy = []
+    for j in range(3 * k):
+        kind = ("admitted", "elsewhere", "prefill_only")[j % 3]
+        req_id = f"{kind}-{j}"
+        sampling = {"admitted": NEWCOMER, "elsewhere": ELSEWHERE}.get(kind, PREFILL_ONLY)
         times[req_id] = []
         submitted = time.monotonic()
-        client.submit(
-            req_id, prompts[n + j], sampling, token_engine=ours if admitted else elsewhere
-        )
+        engine = ours if kind == "admitted" else elsewhere
+        client.submit(req_id, prompts[n + j], sampling, token_engine=engine)
         _receive(client, times, until=lambda r=req_id, m=sampling.max_tokens: len(times[r]) >= m)  # type: ignore[misc]
-        (windows if admitted else controls).append(times[req_id])
+        (windows if kind == "admitted" else controls[kind]).append(times[req_id])
         busy.append((submitted, times[req_id][-1]))
         quiet_until = time.monotonic() + args.quiet_s
         _receive(client, times, until=lambda t=quiet_until: time.monotonic() >= t)  # type: ignore[misc]
@@ -105,9 +110,12 @@ def measure(
 
 
 def summarize(
-    gaps: list[Span], newcomers: list[list[float]], busy: list[Span], controls: list[list[float]]
+    gaps: list[Span],
+    newcomers: list[list[float]],
+    busy: list[Span],
+    controls: dict[str, list[list[float]]],
 ) -> dict[str, float]:
-    """`newcomers`: each admitted newcomer's token times, `controls` each control's (its
+    """`newcomers`: each admitted newcomer's token times, `controls` each control's by kind (its
     first token is what counts); see the module docstring."""
     quiet = [b - a for a, b in gaps if not any(a < e and b > s for s, e in busy)]
     means, maxes, after, ratios = [], [], [], []
@@ -122,25 +130,33 @@ def summarize(
     # The control's windows sit at the admitted newcomers' offsets from the first token.
     window = statistics.median(t[1] - t[0] for t in newcomers)
     rest = statistics.median(t[-1] - t[1] for t in newcomers)
-    control_ratios = []
-    for first, *_ in controls:
-        inside = _gaps_ending(gaps, first, first + window)
-        later = _gaps_ending(gaps, first + window, first + window + rest)
-        if inside and later:
-            control_ratios.append(statistics.mean(inside) / statistics.mean(later))
-    ratio, control = statistics.median(ratios), statistics.median(control_ratios)
+    control = {kind: _control_ratio(gaps, c, window, rest) for kind, c in controls.items()}
+    ratio = statistics.median(ratios)
     return {
         "admission_gap_ms": round(1e3 * statistics.median(means), 3),
         "admission_max_gap_ms": round(1e3 * statistics.median(maxes), 3),
         "no_admission_gap_ms": round(1e3 * statistics.median(after), 3),
         "quiet_gap_ms": round(1e3 * statistics.median(quiet), 3),
         "ratio": round(ratio, 4),
-        "elsewhere_ratio": round(control, 4),
-        "isolated_ratio": round(ratio / control, 4),
+        "elsewhere_ratio": round(control["elsewhere"], 4),
+        "prefill_only_ratio": round(control["prefill_only"], 4),
+        "isolated_ratio": round(ratio / control["elsewhere"], 4),
+        "isolated_vs_prefill_only": round(ratio / control["prefill_only"], 4),
         "num_quiet_gaps": len(quiet),
         "num_windows": len(means),
-        "num_control_windows": len(control_ratios),
     }
+
+
+def _control_ratio(gaps: list[Span], controls: list[list[float]], window: float, rest: float):  # noqa: ANN202
+    """The median over controls of the residents' gap in the window at the admitted newcomers'
+    offsets from the first token, over the gap after it."""
+    ratios = []
+    for first, *_ in controls:
+        inside = _gaps_ending(gaps, first, first + window)
+        later = _gaps_ending(gaps, first + window, first + window + rest)
+        if inside and later:
+            ratios.append(statistics.mean(inside) / statistics.mean(later))
+    return statistics.median(ratios)
 
 
 def _gaps_ending(gaps: list[Span], start: float, end: float) -> list[float]:
@@ -185,9 +201,11 @@ def main() -> None:
     for mode, arm in arms.items():
         print(f"{mode}: gap while a newcomer is admitted {arm['admission_gap_ms']} ms (max "
               f"{arm['admission_max_gap_ms']} ms), same batch with no admission "
-              f"{arm['no_admission_gap_ms']} ms, raw ratio {arm['ratio']}; control "
-              f"admitted elsewhere {arm['elsewhere_ratio']}; isolated ratio "
-              f"{arm['isolated_ratio']}; quiet gap {arm['quiet_gap_ms']} ms")  # fmt: skip
+              f"{arm['no_admission_gap_ms']} ms, raw ratio {arm['ratio']}; controls: "
+              f"admitted elsewhere {arm['elsewhere_ratio']}, prefill-only "
+              f"{arm['prefill_only_ratio']}; isolated ratio {arm['isolated_ratio']} (against "
+              f"prefill-only {arm['isolated_vs_prefill_only']}); quiet gap "
+              f"{arm['quiet_gap_ms']} ms")  # fmt: skip
     result = {
         "arms": arms,
         "pull_over_push_admission_gap": round(
@@ -196,7 +214,10 @@ def main() -> None:
         "loadavg_before": load_before,
         "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
         "ratios_by_round": [
-            {m: {"raw": r[m]["ratio"], "isolated": r[m]["isolated_ratio"]} for m in r}
+            {
+                m: {k: r[m][k] for k in ("ratio", "isolated_ratio", "isolated_vs_prefill_only")}
+                for m in r
+            }
             for r in rounds
         ],
         "targets": {"pull_isolated_admission_gap_vs_no_admission": "<= 1.10"},
