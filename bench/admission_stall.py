@@ -19,17 +19,17 @@ The raw ratio is not the stall Lamina §5 is about. On a few shared cores the ne
 (the prompt engine's compute, and its KV leaving) takes CPU from the decode group however KV
 travels, and the residents' gap that straddles the first token carries it. So between admitted
 newcomers the run sends two kinds of same-size controls to the *other* group (pinned to the same
-cores: core_pinning.py), prefilled by the same prompt engine: `elsewhere` ones are admitted there
-and decode one step there (the same work for the machine, none of it in our group's steps; the
-one step there adds a little contention the admitted case lacks, so it errs low), and
-`prefill_only` ones end at their first token (their KV may not finish moving, so it errs high).
-Their windows sit at the admitted newcomers' median offsets from the first token (a control's
-ratio: the residents' gap there over the gap after it). `isolated_ratio` = raw ratio / the
-elsewhere control's ratio (the target), `isolated_vs_prefill_only` the same against the other:
-what admitting into this group (KV landing in its shards mid-step or between steps, the token
-engine's admission) adds beyond the machine prefilling a newcomer somewhere.
-Also printed: quiet gaps, which touch no newcomer at all. Figures are medians over
-newcomers of the per-window mean (and max), at the mesh's own client.
+cores: core_pinning.py), prefilled by the same prompt engine: `elsewhere` ones are admitted and
+decode one step there (the machine's same work, none of it in our group's steps, plus one step
+there that the admitted case does not have), `prefill_only` ones end at their first token (their
+KV may not finish moving). A control's ratio is the residents' gap in the window at the admitted
+newcomers' median offsets from the first token over the gap after it. `isolated_ratio` = raw
+ratio / the prefill-only control's ratio: the target, as the stricter of the two (that control
+carries less contention); `isolated_vs_elsewhere` = raw ratio / the elsewhere control's (errs
+low). Either says what admitting into this group (KV landing in its shards mid-step or between
+steps, the token engine's admission) adds beyond the machine prefilling a newcomer somewhere.
+Also printed: quiet gaps, which touch no newcomer at all. Figures are medians over newcomers of
+the per-window mean (and max), at the mesh's own client.
 
 The last line is JSON with the ratios and `targets`: pull's isolated admission gap within 10% of
 the gap with no admission. Timings on a shared 2-core machine are noisy: the load average is
@@ -140,8 +140,8 @@ def summarize(
         "ratio": round(ratio, 4),
         "elsewhere_ratio": round(control["elsewhere"], 4),
         "prefill_only_ratio": round(control["prefill_only"], 4),
-        "isolated_ratio": round(ratio / control["elsewhere"], 4),
-        "isolated_vs_prefill_only": round(ratio / control["prefill_only"], 4),
+        "isolated_ratio": round(ratio / control["prefill_only"], 4),
+        "isolated_vs_elsewhere": round(ratio / control["elsewhere"], 4),
         "num_quiet_gaps": len(quiet),
         "num_windows": len(means),
     }
@@ -204,7 +204,7 @@ def main() -> None:
               f"{arm['no_admission_gap_ms']} ms, raw ratio {arm['ratio']}; controls: "
               f"admitted elsewhere {arm['elsewhere_ratio']}, prefill-only "
               f"{arm['prefill_only_ratio']}; isolated ratio {arm['isolated_ratio']} (against "
-              f"prefill-only {arm['isolated_vs_prefill_only']}); quiet gap "
+              f"admitted elsewhere {arm['isolated_vs_elsewhere']}); quiet gap "
               f"{arm['quiet_gap_ms']} ms")  # fmt: skip
     result = {
         "arms": arms,
@@ -215,7 +215,7 @@ def main() -> None:
         "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
         "ratios_by_round": [
             {
-                m: {k: r[m][k] for k in ("ratio", "isolated_ratio", "isolated_vs_prefill_only")}
+                m: {k: r[m][k] for k in ("ratio", "isolated_ratio", "isolated_vs_elsewhere")}
                 for m in r
             }
             for r in rounds
