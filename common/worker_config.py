@@ -59,7 +59,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     shard_partition: str = "head"
     shard_slot: int = -1  # shards: their place in a group, where heads do not say it
     # Token engines' decode round trip (services/engine/runner.py): q leaves before k/v are
-    # computed (Lamina 4.2.2), and a step's sharded rows run as this many staggered lanes (4.3).
+    # computed (Lamina 4.2.2), and a step's sharded rows run as this many staggered lanes (4.3;
+    # 0: auto, chosen from the first steps' measured breakdown: services/engine/lanes.py).
     attention_overlap: bool = False
     decode_lanes: int = 1
 
@@ -69,7 +70,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.shard_partition not in ("head", "request"):
             raise ValueError(f"shard_partition must be head or request, got "
                              f"{self.shard_partition!r}")  # fmt: skip
-        if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes > 1):
+        if self.decode_lanes < 0:
+            raise ValueError(f"decode_lanes must be >= 1, or 0 for auto, got {self.decode_lanes}")
+        if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes != 1):
             # NOTE: the by-request round trip (runner._attend_by_request) has one part and lane.
             raise ValueError("shard_partition request runs without attention_overlap and lanes")
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import ray
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve import Application
 
@@ -37,6 +37,7 @@ from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
 from common.roles import Role
 from common.scheduling.cluster import PoolThresholds
+from common.scheduling.tiers import tier_policy
 from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
@@ -114,6 +115,18 @@ class MeshArgs(_Args):
     kv_transfer: Literal["push", "pull"] = "push"
     # How a shard group splits KV: by KV heads, or whole requests per shard (by KV bytes load).
     shard_partition: Literal["head", "request"] = "head"
+    # `kv_transfer: pull`: what one prompt engine holds for shards to pull, in bytes.
+    kv_hold_bytes: int = Field(default=1 << 30, ge=1)
+    # Token engines' decode round trip (docs/mesh.md): q leaves for the shards before k/v are
+    # computed (Lamina 4.2.2), and a step's sharded rows run as this many staggered sub-batches
+    # (4.3; Lamina's n is 2 or 3; `auto`: one lane for the first steps, then the n their measured
+    # breakdown prices best, common/scheduling/lane_choice.py). Both need `shard_partition: head`.
+    attention_overlap: bool = False
+    decode_lanes: int | Literal["auto"] = 1
+    # Neo's local KV tier beside a token engine's shards: its budget in blocks (0: none, all
+    # decode KV on the shards) and who lives in it (`fill_local` or `alternate:<period>`).
+    local_kv_blocks: int = Field(default=0, ge=0)
+    tier_policy: str = ""
     # KV-aware routing: a prompt engine's pending tokens less this x the prompt's prefix it
     # caches; 0: plain JSQ (docs/prefix_caching.md).
     prefix_routing_weight: float = Field(default=PREFIX_ROUTING_WEIGHT, ge=0)
@@ -126,6 +139,38 @@ class MeshArgs(_Args):
     # Signs the UCX hellos between engines and shards (hex); None: `build_app` draws one per
     # deploy, which every replica of the application shares.
     key: str | None = Field(default=None, pattern=r"^([0-9a-f]{2}){16,}$")
+
+    @field_validator("tier_policy")
+    @classmethod
+    def _known_tier_policy(cls, spec: str) -> str:
+        tier_policy(spec)  # raises ValueError for an unknown one
+        return spec
+
+    @field_validator("decode_lanes")
+    @classmethod
+    def _some_lanes(cls, lanes: int | str) -> int | str:
+        if lanes != "auto" and int(lanes) < 1:
+            raise ValueError(f"decode_lanes must be at least 1 or auto, got {lanes}")
+        return lanes
+
+    def worker_decode_lanes(self) -> int:
+        """`WorkerConfig.decode_lanes`: 0 is auto."""
+        return 0 if self.decode_lanes == "auto" else int(self.decode_lanes)
+
+    @model_validator(mode="after")
+    def _partition_fits_round_trip(self) -> MeshArgs:
+        # NOTE: the workers refuse these too (WorkerConfig), but only once a replica starts.
+        if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes != 1):
+            raise ValueError(
+                "shard_partition request runs without attention_overlap and with decode_lanes 1 "
+                "(its round trip has one part and one lane)"
+            )
+        if self.shard_partition == "request" and self.local_kv_blocks:
+            raise ValueError(
+                "local_kv_blocks is a tier beside head-split shards: shard_partition request "
+                "has none"
+            )
+        return self
 
 
 class AppArgs(_Args):
@@ -209,6 +254,9 @@ def _worker_config(args: AppArgs) -> WorkerConfig:
         num_threads=m.num_threads, shard_num_blocks=m.shard_num_blocks,
         enable_prefix_caching=m.enable_prefix_caching, served_model_name=args.model_name(),
         mesh_key=m.key or "", kv_transfer=m.kv_transfer, shard_partition=m.shard_partition,
+        kv_hold_bytes=m.kv_hold_bytes, attention_overlap=m.attention_overlap,
+        decode_lanes=m.worker_decode_lanes(), local_kv_blocks=m.local_kv_blocks,
+        tier_policy=m.tier_policy,
     )  # fmt: skip
 
 

@@ -1,5 +1,5 @@
 """Decode lanes: one decode step's rows as n concurrent sub-batches over one shard group, staggered
-layer by layer (Lamina 4.3, n = 2 inside one token engine).
+layer by layer (Lamina 4.3: n = 2 or 3 inside one token engine).
 
 While one lane waits for its shards' answer to a layer, the next lane runs its dense part (the
 previous layer's O projection and MLP, this layer's QKV) and sends its own layer. Each lane is a
@@ -13,7 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
+import structlog
 import torch
+
+from common.scheduling.lane_choice import MeasuredSteps, choose_decode_lanes
+from services.engine.shard_round_trip import DecodeTimes
+
+log = structlog.get_logger(__name__)
 
 # A lane's layers: yields its in-flight sends (an opaque token) after each layer's sends; returns
 # its rows' hidden states [rows, hidden] after the last layer.
@@ -72,3 +78,27 @@ def run_lanes(
                         drain(sends, error)
                 raise
     return [r for r in results if r is not None]
+
+
+class AutoLanes:
+    """`decode_lanes: auto`: one lane for the first `warmup_steps` sharded decode steps, then the
+    n that `choose` (common/scheduling/lane_choice.py) prices best from what they measured,
+    chosen once: a step run as lanes no longer measures one lane's costs."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        warmup_steps: int = 64,
+        choose: Callable[[MeasuredSteps], int] = choose_decode_lanes,
+    ) -> None:
+        self.num_layers, self.warmup_steps, self.choose = num_layers, warmup_steps, choose
+        self.chosen: int | None = None
+
+    def lanes(self, times: DecodeTimes) -> int:
+        """How many lanes the next step runs, given the breakdown of the steps so far."""
+        if self.chosen is None and times.num_steps >= self.warmup_steps:
+            measured = MeasuredSteps(times.num_steps, self.num_layers, times.step_s,
+                                     times.wait_s, times.attend_s, times.network_s)  # fmt: skip
+            self.chosen = self.choose(measured)
+            log.info("decode lanes chosen", decode_lanes=self.chosen, measured=str(measured))
+        return self.chosen or 1

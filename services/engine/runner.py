@@ -37,7 +37,7 @@ from common.protocol import (
 )
 from common.scheduling.batching import Batch, Phase, Sequence
 from services.engine.kv_shipper import KvShipper
-from services.engine.lanes import LaneRun, run_lanes, split_lanes
+from services.engine.lanes import AutoLanes, LaneRun, run_lanes, split_lanes
 from services.engine.shard_round_trip import (
     DecodeTimes,
     LayerInFlight,
@@ -98,6 +98,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self.attention_overlap = False
         # Lamina 4.3: a decode step's sharded rows run as this many staggered lanes (lanes.py).
         self.decode_lanes = 1
+        self.auto_lanes: AutoLanes | None = None  # `decode_lanes: auto`: sets decode_lanes
         self.times = DecodeTimes()  # sharded decode steps' breakdown (Lamina Fig. 12)
 
     def plan_prefill(
@@ -221,6 +222,8 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             logits = self._run_lanes(inputs)
         self.times.num_steps += 1
         self.times.step_s += time.perf_counter() - started
+        if self.auto_lanes is not None:
+            self.decode_lanes = self.auto_lanes.lanes(self.times)
         return logits
 
     def _run_lanes(self, inputs: StepPlan) -> torch.Tensor:

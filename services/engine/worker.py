@@ -49,6 +49,7 @@ from common.worker_config import WorkerConfig, WorkerReady
 from services.engine.engine import Engine, EngineRole
 from services.engine.kv_hold_server import KvHoldServer
 from services.engine.kv_ports import EngineKvPorts
+from services.engine.lanes import AutoLanes
 from services.engine.outbox import Outbox
 from services.engine.peer_watch import PeerWatch
 from services.engine.runner import ShardLinkFault
@@ -102,7 +103,9 @@ class EngineWorker:
         )  # fmt: skip
         self.engine.runner.reply_timeout_s = cfg.shard_reply_timeout_s
         self.engine.runner.attention_overlap = cfg.attention_overlap
-        self.engine.runner.decode_lanes = cfg.decode_lanes
+        self.engine.runner.decode_lanes = max(cfg.decode_lanes, 1)
+        if cfg.decode_lanes == 0:  # auto: one lane until measured (lanes.py)
+            self.engine.runner.auto_lanes = AutoLanes(len(self.engine.runner.model.layers))
         self.running = True
         self.last_pass = time.monotonic()
         self._last_report = 0.0

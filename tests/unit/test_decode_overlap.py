@@ -1,9 +1,9 @@
 """Lamina's decode round trip variants in one process: early q (4.2.2: the shard attends over the
 previous tokens, then appends the new token's k/v and combines by lse) and staggered lanes (4.3:
-a step's sharded rows as two sub-batches interleaved per layer). The token engine's runner talks
-to real `AttentionShard`s through in-memory links that answer as `services/shard/worker.py` does;
-every variant must give the logits of the single-process runner (greedy tokens equal). The real
-UCX path is covered by tests/integration/test_mesh_parity.py."""
+a step's sharded rows as n = 2 or 3 sub-batches interleaved per layer). The token engine's runner
+talks to real `AttentionShard`s through in-memory links that answer as `services/shard/worker.py`
+does; every variant must give the logits of the single-process runner (greedy tokens equal). The
+real UCX path is covered by tests/integration/test_mesh_parity.py."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from common.protocol import (
     ShardAddress,
 )
 from common.scheduling.batching import Batch, Phase, Sequence
+from common.scheduling.lane_choice import MeasuredSteps
 from services.engine.kv_shipper import KvRoute, KvShipper
-from services.engine.lanes import split_lanes
+from services.engine.lanes import AutoLanes, split_lanes
 from services.engine.runner import MeshModelRunner, ShardLinkFault
 from services.shard.shard import AttentionShard, ShardSpec
 from tests.conftest import random_prompts
@@ -113,7 +114,8 @@ def greedy_local(model, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 
 def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | None = None,
-                   links: list[InProcessLink] | None = None, lane_swap: bool = False):  # fmt: skip
+                   links: list[InProcessLink] | None = None, lane_swap: bool = False,
+                   auto_lanes: AutoLanes | None = None):  # fmt: skip
     """The same with every request's KV on two head-split shards, decoding through the runner's
     round trips with `attention_overlap` and `decode_lanes` as given (into `links`, if given)."""
     mc = model.config
@@ -132,6 +134,7 @@ def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | N
     links += [InProcessLink(s, fail_lane, lane_swap) for s in shards]
     runner = make_runner(model, MeshModelRunner, shard_links=links, shards=addresses)
     runner.attention_overlap, runner.decode_lanes = overlap, lanes
+    runner.auto_lanes = auto_lanes
 
     def send(dest: ShardAddress, header: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
         shards[addresses.index(dest)].receive_kv(header, k, v)
@@ -156,8 +159,8 @@ def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | N
 
 
 @pytest.mark.parametrize(
-    "overlap, lanes", [(False, 1), (True, 1), (False, 2), (True, 2)],
-    ids=["plain", "overlap", "2lanes", "overlap-2lanes"],
+    "overlap, lanes", [(False, 1), (True, 1), (False, 2), (True, 2), (False, 3), (True, 3)],
+    ids=["plain", "overlap", "2lanes", "overlap-2lanes", "3lanes", "overlap-3lanes"],
 )  # fmt: skip
 def test_every_round_trip_variant_matches_the_single_process_runner(
     model, prompts, local, overlap, lanes
@@ -172,19 +175,37 @@ def test_every_round_trip_variant_matches_the_single_process_runner(
         parts = [p for _, _, p in link.parts if p]
         # Overlap: each layer's q, then its k/v; never a whole (q, k, v) message.
         assert parts == [ATTEND_PREV, ATTEND_NEW] * (len(link.parts) // 2) if overlap else not parts
-    if lanes == 2:  # interleaved per layer: lane 0's layer i, lane 1's layer i, lane 0's i + 1
+    if lanes > 1:  # interleaved per layer: every lane's layer i, then every lane's layer i + 1
         order = [(layer, lane) for lane, layer, part in links[0].parts if part != ATTEND_NEW]
         num_layers = model.config.num_hidden_layers
-        one_step = [(layer, lane) for layer in range(num_layers) for lane in (0, 1)]
+        one_step = [(layer, lane) for layer in range(num_layers) for lane in range(lanes)]
         assert order == one_step * NUM_STEPS
 
 
+def test_auto_lanes_switch_after_the_measured_steps_and_keep_the_tokens(model, prompts, local):
+    measured: list[MeasuredSteps] = []
+    auto = AutoLanes(model.config.num_hidden_layers, warmup_steps=2,
+                     choose=lambda m: measured.append(m) or 3)  # fmt: skip
+    got, _, links = greedy_sharded(model, prompts, overlap=False, lanes=1, auto_lanes=auto)
+    assert got == local[0]
+    [m] = measured  # chosen once, from the first 2 steps
+    assert (m.num_steps, m.num_layers) == (2, model.config.num_hidden_layers) and m.step_s > 0
+    num_layers = model.config.num_hidden_layers
+    lanes = [lane for lane, _, _ in links[0].parts]
+    assert lanes[: 2 * num_layers] == [0] * 2 * num_layers  # one lane while measuring
+    assert lanes[2 * num_layers :] == [0, 1, 2] * num_layers * (NUM_STEPS - 2)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_shard_error_in_one_lane_raises_and_leaves_no_reply_queued(model, prompts, overlap):
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_a_shard_error_in_one_lane_raises_and_leaves_no_reply_queued(
+    model, prompts, overlap, lanes
+):
     links: list[InProcessLink] = []
     with pytest.raises(RuntimeError, match="attention shard failed: shard 0: boom"):
-        greedy_sharded(model, prompts, overlap, lanes=2, fail_lane=1, links=links)
-    # Lane 0 had its next layer in flight when lane 1 failed: its replies were read too.
+        greedy_sharded(model, prompts, overlap, lanes, fail_lane=lanes - 1, links=links)
+    # The earlier lanes had their next layer in flight when the last one failed: their replies
+    # were read too.
     assert len(links[0].parts) > 0 and not any(link.replies for link in links)
 
 
@@ -209,6 +230,11 @@ def test_lanes_split_the_sharded_rows_evenly_and_lane_0_takes_the_local_rows():
     assert [(lane.start, lane.end, lane.num_local) for lane in lanes] == [(0, 5, 2), (5, 7, 0)]
     assert [(lane.sharded_start, lane.sharded_end) for lane in lanes] == [(0, 3), (3, 5)]
     assert len(split_lanes(num_local=0, num_sharded=1, num_lanes=2)) == 1  # no empty lane
+    three = split_lanes(num_local=1, num_sharded=5, num_lanes=3)
+    assert [(lane.start, lane.end, lane.num_local) for lane in three] == [
+        (0, 3, 1), (3, 5, 0), (5, 6, 0)
+    ]  # fmt: skip
+    assert [(lane.sharded_start, lane.sharded_end) for lane in three] == [(0, 2), (2, 4), (4, 5)]
 
 
 class RecordingLink:

@@ -116,3 +116,63 @@ def test_builder_binds_both_topologies_and_refuses_unknown_args() -> None:
     assert isinstance(build_app(CONFIGS["cluster.yaml"]["applications"][0]["args"]), Application)
     with pytest.raises(ValueError):
         build_app(local["args"] | {"no_such_arg": 1})
+
+
+# The mesh switches a deploy chooses (Lamina, Neo): every mesh config states each one.
+MESH_SWITCHES = ("kv_transfer", "shard_partition", "attention_overlap", "decode_lanes",
+                 "local_kv_blocks")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_mesh_configs_state_every_mesh_switch(name: str) -> None:
+    for app in CONFIGS[name]["applications"]:
+        if app["args"].get("topology") == "mesh":
+            assert set(MESH_SWITCHES) <= set(app["args"]["mesh"])
+
+
+def test_mesh_switches_reach_the_workers_config() -> None:
+    """Every `mesh:` arg that a worker reads as well goes into its config as given."""
+    from common.worker_config import WorkerConfig
+    from services.app import _worker_config
+
+    mesh = dict(host="127.0.0.1", kv_transfer="pull", attention_overlap=True, decode_lanes=3,
+                local_kv_blocks=64, tier_policy="alternate:2", kv_hold_bytes=12345)  # fmt: skip
+    args = AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
+    cfg = _worker_config(args)
+    shared = set(WorkerConfig.__struct_fields__) & set(type(args.mesh).model_fields)
+    assert set(mesh) - {"host"} <= shared
+    for name in shared:
+        assert getattr(cfg, name) == getattr(args.mesh, name), name
+
+
+@pytest.mark.parametrize(
+    "mesh, error",
+    [
+        ({"shard_partition": "request", "attention_overlap": True}, "without attention_overlap"),
+        ({"shard_partition": "request", "decode_lanes": 2}, "with decode_lanes 1"),
+        ({"shard_partition": "request", "decode_lanes": "auto"}, "with decode_lanes 1"),
+        ({"shard_partition": "request", "local_kv_blocks": 8}, "local_kv_blocks"),
+        ({"decode_lanes": 0}, "decode_lanes"),
+        ({"decode_lanes": "some"}, "decode_lanes"),
+        ({"kv_transfer": "teleport"}, "kv_transfer"),
+        ({"shard_partition": "layer"}, "shard_partition"),
+        ({"tier_policy": "lru"}, "unknown tier policy"),
+        ({"local_kv_blocks": -1}, "local_kv_blocks"),
+    ],
+)
+def test_mesh_args_refuse_what_the_workers_would(mesh: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
+
+
+def test_request_partition_alone_is_accepted() -> None:
+    args = AppArgs.model_validate({"topology": "mesh", "mesh": {"shard_partition": "request"}})
+    assert args.mesh.decode_lanes == 1 and not args.mesh.attention_overlap
+
+
+def test_auto_lanes_reach_the_workers_as_zero() -> None:
+    from services.app import _worker_config
+
+    mesh = {"host": "127.0.0.1", "decode_lanes": "auto"}
+    args = AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
+    assert _worker_config(args).decode_lanes == 0  # WorkerConfig's auto
