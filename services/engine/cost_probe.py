@@ -112,11 +112,21 @@ class EngineNeoCosts:
 
     tables: NeoCostTables
     round_trip_s: float  # per step, all layers
+    # What a whole decode step costs beyond the probed stages (the runner's and sampler's Python,
+    # KV writes, the machine's load): learned from the steps this engine ran (`observe_step`),
+    # like the round trip, so a prediction only ever uses steps that came before it.
+    step_overhead_s: float = 0.0
     _seen_steps: int = 0
     _seen_network_s: float = 0.0
 
     def linear_s(self, num_tokens: int) -> float:
-        return self.tables.linear_s(num_tokens)
+        if num_tokens <= 0:
+            return 0.0
+        return max(self.tables.linear_s(num_tokens) + self.step_overhead_s, 0.0)
+
+    def observe_step(self, predicted_s: float, measured_s: float) -> None:
+        """A decode step ran: move the overhead toward what its prediction missed."""
+        self.step_overhead_s += RECENT_WEIGHT * (measured_s - predicted_s)
 
     def local_attention_s(self, num_context_tokens: int) -> float:
         return self.tables.local_attention_s(num_context_tokens)

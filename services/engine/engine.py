@@ -355,9 +355,8 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         started = time.perf_counter()
         sampled = self._forward(everyone, plan)
         if self.predicted_step_s is not None:
-            measured = time.perf_counter() - started
             kind = 2 if plan.batch_1 is not None else int(bool(sharded))
-            self.step_times.append((self.predicted_step_s, measured, kind))
+            self._step_measured(time.perf_counter() - started, kind)
         self.telemetry.step_done(trace)
         out = self._finish_step(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
         self.admission.confirm([s.req_id for s in sharded if s.req_id not in plan.failed])

@@ -50,10 +50,21 @@ class EngineTiering:
     kv_events: deque[KvEvent]  # `swapped_in` / `swapped_out` as each move finishes
     two_batch: bool  # the policy's choice for this iteration's decode (asymmetric pipelining)
     predicted_step_s: float | None  # the policy's estimate of this iteration's decode step
+    step_times: deque[tuple[float, float, int]]  # (predicted, measured, kind) per decode step
 
     if TYPE_CHECKING:  # EngineFaults' (after this mixin in Engine's bases: no stub here)
 
         def _end(self, req_id: str, error: str, retryable: bool = False) -> Outbox: ...
+
+    def _step_measured(self, measured_s: float, kind: int) -> None:
+        """A decode step the policy predicted ran (`kind`: 0 local only, 1 with shards, 2 two
+        sub-batches): kept for the bench, and fed back to a Neo cost model's step overhead."""
+        assert self.predicted_step_s is not None
+        self.step_times.append((self.predicted_step_s, measured_s, kind))
+        if isinstance(self.tier_policy, NeoTierPolicy) and isinstance(
+            costs := self.tier_policy.costs, EngineNeoCosts
+        ):
+            costs.observe_step(self.predicted_step_s, measured_s)
 
     def _plan_tiers(self) -> Outbox:
         """Between steps: start the swaps the policy plans (the fetches to send, for swap-ins)."""

@@ -1,6 +1,7 @@
 """The token engine's Neo cost model: tables probed on the tiny model (positive, more work never
 cheaper), read from `bench/profile.py --attention`'s CSV, and T_ca's round trip following the
-engine's own one-batch sharded steps (not its two-batch ones, whose replies wait for batch-0)."""
+engine's own one-batch sharded steps (not its two-batch ones, whose replies wait for batch-0), and
+the per-step overhead following what earlier predictions missed."""
 
 from __future__ import annotations
 
@@ -45,6 +46,22 @@ def test_round_trip_follows_one_batch_steps_only():
     assert costs.round_trip_s == before  # two-batch steps' waits are not network
     costs.observe(num_steps=20, network_s=1.0)  # no new step: nothing to learn
     assert costs.round_trip_s == before
+
+
+def test_step_overhead_follows_what_earlier_predictions_missed():
+    """Each step's miss moves the overhead a fifth of the way; it lands on every sub-batch's dense
+    part, and converges so that a steady step is predicted exactly."""
+    dense = PiecewiseLinear((0.0, 8.0), (0.0, 8e-4))  # 0.1 ms a token
+    costs = EngineNeoCosts(NeoCostTables(dense, dense, dense), round_trip_s=0.0)
+    assert costs.linear_s(4) == pytest.approx(4e-4)
+    costs.observe_step(predicted_s=4e-4, measured_s=9e-4)  # missed 0.5 ms
+    assert costs.step_overhead_s == pytest.approx(1e-4)
+    assert costs.linear_s(4) == pytest.approx(5e-4) and costs.linear_s(0) == 0.0
+    for _ in range(60):  # the same step again and again: the miss shrinks geometrically
+        costs.observe_step(predicted_s=costs.linear_s(4), measured_s=9e-4)
+    assert costs.linear_s(4) == pytest.approx(9e-4, rel=1e-3)
+    costs.observe_step(predicted_s=1.0, measured_s=0.0)  # a wildly high prediction
+    assert costs.linear_s(1) == 0.0  # never negative
 
 
 def test_a_bad_cost_table_stops_the_engine_at_start(tmp_path):
