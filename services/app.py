@@ -74,8 +74,8 @@ class EngineArgs(_Args):
     starvation_s: float = Field(default=1.0, ge=0)  # and its aging (common/scheduling/mixed.py)
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # docs/prefix_caching.md
-    # Torch threads the engine decodes on; None: every core of the machine. (Ray sets
-    # OMP_NUM_THREADS to the Router's num_cpus, 1, which would otherwise leave it one.)
+    # Torch threads the engine decodes on; None: every core of the machine but one (the router
+    # and Ray's proxy need it). Set here because Ray sets OMP_NUM_THREADS to the Router's num_cpus.
     num_threads: int | None = Field(default=None, ge=1)
 
 
