@@ -307,7 +307,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         shard with none this step gets no message (it holds no state between steps)."""
         assert sharded.shard_rows is not None
         n = inputs.num_local
-        in_flight = []
+        sends = []
         for i, (link, rows) in enumerate(zip(self.shard_links, sharded.shard_rows, strict=True)):
             if not rows:
                 continue
@@ -317,40 +317,12 @@ class MeshModelRunner(ModelRunner[StepPlan]):
                 header.context_lens = [sharded.context_lens[r] for r in rows]
                 header.traceparent = sharded.traceparent
             index = torch.tensor(rows) + n  # [R] rows of the batch
-            tensors = [q[index], k[index], v[index]]  # gathered: [R, heads, D] each
-            in_flight.append(
-                (i, link, index, link.send_async(header, tensors), time.perf_counter())
-            )
-        out = torch.empty(q.shape, dtype=torch.float32)
-        if n:
-            out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
-        errors, faults = [], []  # every reply is read before anything is raised (_attend_split)
-        for i, link, index, handle, sent_at in in_flight:
-            try:
-                link.wait(handle, self.reply_timeout_s)
-                result, (rows_out, _) = link.recv(None, self.reply_timeout_s)
-            except TimeoutError:
-                faults.append(f"shard {i}: no reply in {self.reply_timeout_s} s")
-                continue
-            if inputs.round_trips is not None:
-                inputs.round_trips.append((i, time.perf_counter() - sent_at))
-            if (result.step, result.layer) != (sharded.step, layer):
-                faults.append(f"shard {i}: reply for step {result.step} layer {result.layer}, "
-                              f"expected step {sharded.step} layer {layer}")  # fmt: skip
-                continue
-            if result.error:
-                errors.append(f"shard {i}: {result.error}")
-            else:
-                out[index] = rows_out
-            inputs.failed.update(result.failed)
-            if result.kv_landed or result.kv_lost:
-                inputs.kv_landed.append((i, result.kv_landed))
-                inputs.kv_lost.update(result.kv_lost)
-        if faults:
-            raise ShardLinkFault("; ".join(faults))
-        if errors:
-            raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
-        return out
+            handle = link.send_async(header, [q[index], k[index], v[index]])  # [R, heads, D]
+            sends.append(ShardSend(i, link, slice(None), handle, time.perf_counter(), sharded,
+                                   layer, row_index=index))  # fmt: skip
+        flight = LayerInFlight(sends, self._attend_rows_local(layer, q, k, v, inputs, n), n)
+        self._collect(flight, inputs)
+        return flight.out
 
     def ask_kv_news(
         self, step: int, wait_s: float, shards: Seq[int] | None = None

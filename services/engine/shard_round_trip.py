@@ -61,6 +61,9 @@ class ShardSend:
     rows: ShardedRows
     layer: int
     replied: bool = True
+    # A request-partitioned group: the batch rows this shard got (all heads), gathered; its
+    # reply is scattered back to them. None: the shard got every row, `heads` of them.
+    row_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -144,7 +147,10 @@ def collect_layer(
             sent.link.wait(sent.handle, timeout)
             if not sent.replied:  # an ATTEND_PREV: its ATTEND_NEW gets the reply
                 continue
-            result, _ = sent.link.recv([out[n:, sent.heads], lse[n:, sent.heads]], timeout)
+            if sent.row_index is None:  # each shard's heads land in place, no staging
+                result, _ = sent.link.recv([out[n:, sent.heads], lse[n:, sent.heads]], timeout)
+            else:
+                result, (rows_out, _) = sent.link.recv(None, timeout)
         except TimeoutError:
             faults.append(f"shard {sent.shard}: no reply in {timeout} s")
             continue
@@ -160,6 +166,8 @@ def collect_layer(
                           f"layer {expected[1]} lane {expected[2]}")  # fmt: skip
         elif result.error:
             errors.append(f"shard {sent.shard}: {result.error}")
+        elif sent.row_index is not None:
+            out[sent.row_index] = rows_out
         failed.update(result.failed)
         if kv_news is not None and (result.kv_landed or result.kv_lost):
             kv_news[0].append((sent.shard, result.kv_landed))
