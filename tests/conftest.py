@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common.attention.cpu_kernel import kernel_available
 from common.model.default import default_model_path, hf_config, write_random_llama
+from common.telemetry import configure_telemetry
 from tests.kernel_gate import require_kernel_build
 
 # A second architecture: other head counts (GQA 2:1, head_dim 32), Llama-3 rope scaling with a
@@ -50,3 +54,23 @@ def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]
     gen = torch.Generator().manual_seed(seed)
     # Skip the first few ids: they are special tokens (BOS, EOS, chat headers).
     return [torch.randint(8, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def span_exporter() -> InMemorySpanExporter:
+    """The spans this test process exports (telemetry is configured once per process)."""
+    telemetry = configure_telemetry("tests", exporter="memory")
+    if telemetry.span_exporter is not None:
+        return telemetry.span_exporter
+    # Something configured this process first: listen on its provider instead.
+    exporter = InMemorySpanExporter()
+    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+@pytest.fixture
+def spans(span_exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
+    """`span_exporter`, empty at the start of the test and cleared after it."""
+    span_exporter.clear()
+    yield span_exporter
+    span_exporter.clear()

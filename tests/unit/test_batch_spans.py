@@ -5,12 +5,8 @@ and the pages and layers fed in."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import torch
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common.block_manager import BlockManager
@@ -18,24 +14,12 @@ from common.kv_cache import KVCache
 from common.kv_ingress import KvIngress
 from common.protocol import AttendBatch, KvPages
 from common.scheduling.batching import Sequence
-from common.telemetry import configure_telemetry, inject_context
+from common.telemetry import inject_context
 from common.telemetry.spans import tracer
 from services.engine.telemetry import UNTRACED, EngineTelemetry
 from services.shard.telemetry import ShardTelemetry
 
 UNSAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    telemetry = configure_telemetry("test-batch-spans", exporter="memory")
-    exporter = telemetry.span_exporter
-    if exporter is None:  # another test configured this process first: listen on its provider
-        exporter = InMemorySpanExporter()
-        telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    exporter.clear()
-    yield exporter
-    exporter.clear()
 
 
 def request_context(name: str) -> tuple[str, int]:

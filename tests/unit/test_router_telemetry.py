@@ -5,7 +5,7 @@ OpenTelemetry's in-memory exporter and reader."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +14,12 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from common.engine.request import FinishReason, RequestOutput
 from common.sampling import SamplingParams
-from common.telemetry import Metrics, configure_telemetry
+from common.telemetry import Metrics
 from services.router.engine_client import EngineClientStats
 from services.router.server import Router
 from services.router.streams import Overloaded
@@ -55,23 +54,6 @@ class FakeBackend:
 
     def ready(self) -> bool:
         return True
-
-
-@pytest.fixture(scope="module")
-def span_exporter() -> InMemorySpanExporter:
-    telemetry = configure_telemetry("test-router", exporter="memory")
-    if telemetry.span_exporter is not None:
-        return telemetry.span_exporter
-    exporter = InMemorySpanExporter()  # configured first by another test: listen on its provider
-    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
-
-
-@pytest.fixture
-def spans(span_exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
-    span_exporter.clear()
-    yield span_exporter
-    span_exporter.clear()
 
 
 @pytest.fixture

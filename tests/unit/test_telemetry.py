@@ -30,7 +30,6 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
@@ -42,7 +41,6 @@ from common.telemetry import (
     Metrics,
     bind_request,
     configure_logging,
-    configure_telemetry,
     extract_context,
     inject_context,
     kv_transfer_span,
@@ -107,24 +105,6 @@ def run_child(script: str, env: dict[str, str], stdin: bytes = b"") -> subproces
         timeout=60,
         check=True,
     )
-
-
-@pytest.fixture(scope="module")
-def span_exporter() -> InMemorySpanExporter:
-    telemetry = configure_telemetry("test-telemetry", exporter="memory")
-    if telemetry.span_exporter is not None:
-        return telemetry.span_exporter
-    # Another test configured this process first: listen on its provider instead.
-    exporter = InMemorySpanExporter()
-    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
-
-
-@pytest.fixture
-def spans(span_exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
-    span_exporter.clear()
-    yield span_exporter
-    span_exporter.clear()
 
 
 @pytest.fixture
