@@ -140,6 +140,16 @@ class MeshTestClient:
                 raise TimeoutError(f"no tokens from the mesh in {timeout} s")
         return self.orderer.ready.popleft()
 
+    def finish(self, req_id: str, timeout: float = 120.0) -> tuple[list[int], TokenOutput]:
+        """Every token of `req_id`, the only request in flight, and its last message."""
+        tokens: list[int] = []
+        while True:
+            out = self.recv(timeout)
+            assert out.req_id == req_id, f"a message for {out.req_id} while only {req_id} runs"
+            tokens += out.token_ids
+            if out.finish_reason:
+                return tokens, out
+
     def close(self) -> None:
         self.replies.close()
         self.load_reports.close()

@@ -102,12 +102,7 @@ def test_malformed_and_unknown_messages_are_dropped(mesh):
     [expected] = reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))
     client = MeshTestClient(mesh)
     client.submit("after", prompt, SamplingSpec(max_tokens=8, temperature=0))
-    tokens: list[int] = []
-    while True:
-        out = client.recv(timeout=120)
-        tokens += out.token_ids
-        if out.finish_reason:
-            break
+    tokens, out = client.finish("after")
     assert (tokens, out.finish_reason) == (expected, "length")
     assert_no_kv_held(mesh)
     assert all(proc.poll() is None for proc in mesh.procs)  # nothing died of it
@@ -135,12 +130,7 @@ def test_a_process_without_the_mesh_key_is_not_heard(mesh):
             pool.get(shard.kv_endpoint).send_tensors(Shutdown(), [])
         assert request_stats(mesh.control_endpoints(), 2.0, auth=outsider) == {}
         pool.close(linger_s=1.0)
-    tokens: list[int] = []
-    while True:
-        out = client.recv(timeout=120)
-        tokens += out.token_ids
-        if out.finish_reason:
-            break
+    tokens, _ = client.finish("outsiders")
     assert tokens == expected
     assert len(mesh.stats()) == len(mesh.control_endpoints())  # every service still answers
     assert all(proc.poll() is None for proc in mesh.procs)

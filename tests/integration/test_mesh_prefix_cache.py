@@ -24,13 +24,9 @@ def _prompt_engine(mesh: LocalMesh) -> EngineStats:
 
 def _run_one(client: MeshTestClient, req_id: str, prompt: list[int]) -> list[int]:
     client.submit(req_id, prompt, GREEDY)
-    tokens: list[int] = []
-    while True:
-        out = client.recv(timeout=120)
-        assert not out.error and out.req_id == req_id, out
-        tokens += out.token_ids
-        if out.finish_reason:
-            return tokens
+    tokens, last = client.finish(req_id)
+    assert not last.error, last
+    return tokens
 
 
 def test_a_shared_prefix_is_prefilled_once(tiny_model_path):
