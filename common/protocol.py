@@ -244,6 +244,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     # Its recent decode steps' [predicted s, measured s, kind], when its tier policy predicts step
     # times (Neo); kind 0.0: local rows only, 1.0: one batch with shard rows, 2.0: two sub-batches.
     step_times_s: list[list[float]] = []
+    # Decode lanes' layer slices its model peers ran, and peers it lost, since start (Lamina 4.3).
+    num_peer_slices: int = 0
+    num_peers_lost: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats

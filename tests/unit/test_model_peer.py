@@ -68,12 +68,15 @@ def heads_of(model) -> tuple[int, int, int]:
     return mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
 
 
-@pytest.mark.parametrize("lanes, num_peers", [(3, 1), (2, 1), (4, 2)],
-                         ids=["n3-R2", "n2-R2", "n4-R3"])  # fmt: skip
-def test_rotated_lanes_match_the_single_process_runner(model, prompts, local, lanes, num_peers):
+@pytest.mark.parametrize("lanes, num_peers, overlap", [(3, 1, False), (2, 1, False),
+                         (4, 2, False), (3, 1, True)],
+                         ids=["n3-R2", "n2-R2", "n4-R3", "n3-R2-overlap"])  # fmt: skip
+def test_rotated_lanes_match_the_single_process_runner(
+    model, prompts, local, lanes, num_peers, overlap
+):
     links = [InProcessPeerLink(ModelPeer(model)) for _ in range(num_peers)]
     peers = ModelPeers(links, heads_of(model))
-    got, logits, _ = greedy_sharded(model, prompts, False, lanes, model_peers=peers)
+    got, logits, _ = greedy_sharded(model, prompts, overlap, lanes, model_peers=peers)
     assert got == local[0]
     for ours, theirs in zip(logits, local[1], strict=True):
         assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
