@@ -440,7 +440,7 @@ ShardLinkMessage = AttendBatch | AttendResult | KvReadyQuery
 
 
 # -- token engine <-> model peer (Lamina 4.3's rotation over model replicas; headers of tensor
-# messages: services/engine/rotation.py, model_peer.py) ---------------------------------------------
+# messages: services/engine/rotation.py, model_peer.py) --------------------------------------------
 
 
 class SliceRequest(_Msg, tag="slice"):

@@ -1,4 +1,4 @@
-"""One mesh service (engine, attention shard or model peer) as an OS process, started by `LocalMesh`.
+"""One mesh service (engine, attention shard, model peer) as an OS process, started by `LocalMesh`.
 
 `python -m services.launch.worker_process CONFIG_JSON` pins itself to the cores it was given,
 builds the worker the `WorkerConfig` describes, reports its endpoints with a `WorkerReady` on
