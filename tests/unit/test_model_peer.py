@@ -133,30 +133,46 @@ def test_a_wrong_slice_request_is_answered_with_an_error(model, request_, tensor
     assert (reply.step, reply.lane, reply.layer) == (request_.step, request_.lane, request_.layer)
 
 
-def test_rotated_lanes_over_a_real_ucx_peer(model, prompts, local):
-    """n = 3 lanes on R = 2 replicas, the peer served by model_peer_worker's loop over UCX."""
+class StopAfter:
+    """`serve_link`'s `running`: true for the first `num_slices` slices the peer answered."""
+
+    def __init__(self, peer: ModelPeer, num_slices: int) -> None:
+        self.peer, self.num_slices = peer, num_slices
+        self.stopped = threading.Event()
+
+    def __call__(self) -> bool:
+        return not self.stopped.is_set() and self.peer.num_slices < self.num_slices
+
+
+@pytest.mark.parametrize("dies_after", [None, 5], ids=["live", "peer-dies"])
+def test_rotated_lanes_over_a_real_ucx_peer(model, prompts, local, dies_after):
+    """n = 3 lanes on R = 2 replicas, the peer served by model_peer_worker's loop over UCX; with
+    `dies_after`, the peer stops after that many slices and closes its end (in step 0)."""
     listener = UcxListener(PeerLinkMessage, "127.0.0.1", b"k")
     served = ModelPeer(model)
-    running = threading.Event()
-    running.set()
+    running = StopAfter(served, 10**9 if dies_after is None else dies_after)
 
     def serve() -> None:
         link = listener.accept(timeout=10)
-        serve_link(served, link, running.is_set)
+        serve_link(served, link, running)
         link.close()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     link = UcxTensorChannel.connect(listener.address, PeerLinkMessage, key=b"k")
-    peers = ModelPeers([link], heads_of(model), reply_timeout_s=10)
+    peers = ModelPeers([link], heads_of(model), reply_timeout_s=2 if dies_after else 10)
     try:
         got, _, _ = greedy_sharded(model, prompts, False, 3, model_peers=peers)
     finally:
-        running.clear()
+        running.stopped.set()
         thread.join(timeout=5)
         link.close()
     assert got == local[0]
     num_layers = model.config.num_hidden_layers
     per_step = sum((lane + layer) % 2 for layer in range(num_layers) for lane in range(3))
-    assert served.num_slices == peers.counts.num_slices == NUM_STEPS * per_step
-    assert peers.counts.num_lost == 0
+    if dies_after is None:
+        assert served.num_slices == peers.counts.num_slices == NUM_STEPS * per_step
+        assert peers.counts.num_lost == 0
+    else:
+        assert served.num_slices == peers.counts.num_slices == dies_after
+        assert peers.counts.num_lost == 1 and len(peers) == 0
