@@ -244,6 +244,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     # Its recent decode steps' [predicted s, measured s, kind], when its tier policy predicts step
     # times (Neo); kind 0.0: local rows only, 1.0: one batch with shard rows, 2.0: two sub-batches.
     step_times_s: list[list[float]] = []
+    # Decode lanes' layer slices its model peers ran, and peers it lost, since start (Lamina 4.3).
+    num_peer_slices: int = 0
+    num_peers_lost: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats
@@ -434,3 +437,32 @@ class KvReadyQuery(_Msg, tag="kv_ready_query"):
 
 
 ShardLinkMessage = AttendBatch | AttendResult | KvReadyQuery
+
+
+# -- token engine <-> model peer (Lamina 4.3's rotation over model replicas; headers of tensor
+# messages: services/engine/rotation.py, model_peer.py) --------------------------------------------
+
+
+class SliceRequest(_Msg, tag="slice"):
+    """One decode lane's layer slice for a model peer to run: the previous layer's
+    post_attention (layer > 0), then this layer's pre_attention. Buffers: x [N, hidden] (the
+    previous layer's input, or the embeddings at layer 0), positions [N] int64, and for
+    layer > 0 that layer's attention output [N, Hq, D] float32."""
+
+    step: int
+    lane: int
+    layer: int
+
+
+class SliceResult(_Msg, tag="slice_result"):
+    """Buffers: x [N, hidden] (this layer's input), q [N, Hq, D], k and v [N, Hkv, D]; none
+    with an `error` (the token engine then runs the slice itself)."""
+
+    step: int
+    lane: int
+    layer: int
+    error: str = ""
+    run_s: float = 0.0  # the peer's compute time for the slice
+
+
+PeerLinkMessage = SliceRequest | SliceResult

@@ -15,7 +15,10 @@ class Role(StrEnum):
     TOKEN = "token"  # decode (Splitwise's token machine), with or without a shard group
     MIXED = "mixed"  # both (Splitwise's mixed pool; the in-process engine)
     SHARD = "shard"  # an attention shard: KV and decode attention for a range of KV heads
+    # A replica of the model's weights running a token engine's decode lanes' layer slices
+    # (Lamina 4.3's rotation; services/engine/model_peer.py). Not registered: its engine links it.
+    MODEL_PEER = "model_peer"
 
     @property
     def is_engine(self) -> bool:
-        return self != Role.SHARD
+        return self not in (Role.SHARD, Role.MODEL_PEER)

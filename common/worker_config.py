@@ -63,6 +63,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # 0: auto, chosen from the first steps' measured breakdown: services/engine/lanes.py).
     attention_overlap: bool = False
     decode_lanes: int = 1
+    # Token engines: their model peers' UCX link addresses (hex), replicas 1.. of Lamina 4.3's
+    # rotation (services/engine/rotation.py); lanes' layer slices rotate over them.
+    model_peers: list[str] = []
 
     def __post_init__(self) -> None:
         if self.kv_transfer not in ("push", "pull"):
@@ -75,6 +78,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes != 1):
             # NOTE: the by-request round trip (runner._attend_by_request) has one part and lane.
             raise ValueError("shard_partition request runs without attention_overlap and lanes")
+        if self.model_peers and self.shard_partition == "request":
+            raise ValueError("model_peers rotate lanes over a head-partitioned shard group only")
 
     @property
     def curve_keys(self) -> CurveKeys:
@@ -87,6 +92,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def telemetry_name(self) -> str:
         """`service.name` of this worker's telemetry: prompt-engine, token-engine, ..."""
+        if self.role == Role.MODEL_PEER:
+            return "model-peer"
         return "attention-shard" if self.role == Role.SHARD else f"{self.role}-engine"
 
 

@@ -480,7 +480,15 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
             num_two_batch_steps=self.num_two_batch_steps,
             step_times_s=[[p, m, float(kind)] for p, m, kind in self.step_times],
             decode_breakdown=self.runner.times.report() if self.shards else None,
+            **self._peer_counts(),
         )  # fmt: skip
+
+    def _peer_counts(self) -> dict[str, int]:
+        peers = self.runner.model_peers
+        if peers is None:
+            return {}
+        return {"num_peer_slices": peers.counts.num_slices,
+                "num_peers_lost": peers.counts.num_lost}  # fmt: skip
 
     def load_report(self, now: float) -> LoadReport:
         return LoadReport(

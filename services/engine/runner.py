@@ -34,10 +34,13 @@ from common.protocol import (
     AttendBatch,
     KvReadyQuery,
     ShardAddress,
+    SliceRequest,
 )
 from common.scheduling.batching import Batch, Phase, Sequence
 from services.engine.kv_shipper import KvShipper
 from services.engine.lanes import AutoLanes, LaneRun, run_lanes, split_lanes
+from services.engine.model_peer import run_slice
+from services.engine.rotation import ModelPeers, SliceInFlight
 from services.engine.shard_round_trip import (
     DecodeTimes,
     LayerInFlight,
@@ -100,6 +103,8 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self.decode_lanes = 1
         self.auto_lanes: AutoLanes | None = None  # `decode_lanes: auto`: sets decode_lanes
         self.times = DecodeTimes()  # sharded decode steps' breakdown (Lamina Fig. 12)
+        # Lamina 4.3 across replicas: lanes' layer slices rotate over these peers (rotation.py).
+        self.model_peers: ModelPeers | None = None
 
     def plan_prefill(
         self, batch: Batch, token_ids: dict[str, list[int]], kv_shipper: KvShipper | None = None
@@ -216,7 +221,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         if two_batches:
             assert b1 is not None and b1.sharded is not None
             logits = self._run_two_batches(inputs, b1, b1.sharded)
-        elif not self.attention_overlap and self.decode_lanes == 1:
+        elif not self.attention_overlap and self.decode_lanes == 1 and not self._rotates(inputs):
             logits = super().run(inputs, keep_hidden)
         else:
             logits = self._run_lanes(inputs)
@@ -226,8 +231,15 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             self.decode_lanes = self.auto_lanes.lanes(self.times)
         return logits
 
+    def _rotates(self, inputs: StepPlan) -> bool:
+        """Whether the step's lanes rotate over model peers (head-split groups only)."""
+        sharded = inputs.sharded
+        return bool(self.model_peers) and sharded is not None and sharded.shard_rows is None
+
     def _run_lanes(self, inputs: StepPlan) -> torch.Tensor:
         assert inputs.sharded is not None
+        if self.model_peers is not None:
+            self.model_peers.prune()
         x = self.model.embed(inputs.input_ids)  # [N, hidden]
         rope = self.model.rotary_at(inputs.positions)
         rows = inputs.sharded
@@ -247,22 +259,52 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self, x: torch.Tensor, rope: RopeAt, inputs: StepPlan, rows: ShardedRows, n: int
     ) -> LaneRun:
         """One lane's layers (lanes.py): its first `n` rows attend locally, the rest on shards.
-        With `attention_overlap`, q leaves before k/v are computed (Lamina 4.2.2)."""
+        With `attention_overlap`, q leaves before k/v are computed (Lamina 4.2.2). With model
+        peers, some of its slices run on them (rotation.py): it yields while a peer works."""
         group = self.model.config.num_queries_per_kv
-        for i, layer in enumerate(self.model.layers):
-            if self.attention_overlap:
-                h, q = layer.pre_attention_q(x, rope)  # q [rows, Hq, D]
-                sends = self._send(i, rows, ATTEND_PREV, group, q[n:], ())
-                k, v = layer.pre_attention_kv(h, rope)  # the shards attend meanwhile
-                sends += self._send(i, rows, ATTEND_NEW, group, None, (k[n:], v[n:]))
-            else:
-                q, k, v = layer.pre_attention(x, rope)
+        out: torch.Tensor | None = None  # the previous layer's attention output
+        for i in range(len(self.model.layers)):
+            on_peer = None
+            peer = self.model_peers.peer_of(rows.lane, i) if self.model_peers else None
+            if peer is not None and self.model_peers is not None:
+                request = SliceRequest(rows.step, rows.lane, i)
+                flight_to_peer = self.model_peers.send(peer, request, x, rope.positions, out)
+                if flight_to_peer is not None:
+                    yield flight_to_peer  # another lane runs while the peer runs this slice
+                    on_peer = self.model_peers.receive(flight_to_peer)
+            if on_peer is not None:
+                x, q, k, v = on_peer
                 sends = self._send(i, rows, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
+            else:
+                x, q, k, v, sends = self._local_slice(i, x, rope, out, rows, n)
             flight = LayerInFlight(sends, self._attend_rows_local(i, q, k, v, inputs, n), n)
             yield flight  # another lane's dense part runs while the shards work
             self._collect(flight, inputs)
-            x = layer.post_attention(x, flight.out)
-        return x
+            out = flight.out
+        assert out is not None
+        return self.model.layers[-1].post_attention(x, out)
+
+    def _local_slice(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        rope: RopeAt,
+        out: torch.Tensor | None,
+        rows: ShardedRows,
+        n: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[ShardSend]]:
+        """A lane's slice `layer` here (model_peer.py's `run_slice`), its q/k/v sent on."""
+        group = self.model.config.num_queries_per_kv
+        if not self.attention_overlap:
+            x, q, k, v = run_slice(self.model, layer, x, rope, out)
+            return x, q, k, v, self._send(layer, rows, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
+        if out is not None:
+            x = self.model.layers[layer - 1].post_attention(x, out)
+        h, q = self.model.layers[layer].pre_attention_q(x, rope)  # q [rows, Hq, D]
+        sends = self._send(layer, rows, ATTEND_PREV, group, q[n:], ())
+        k, v = self.model.layers[layer].pre_attention_kv(h, rope)  # the shards attend meanwhile
+        sends += self._send(layer, rows, ATTEND_NEW, group, None, (k[n:], v[n:]))
+        return x, q, k, v, sends
 
     def _send(
         self,
@@ -351,6 +393,10 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         """Another lane failed: read this lane's replies still on the links. Not after a link
         fault: the worker drops the links, and their stale replies with them."""
         # NOTE: ConnectionError: a link's channel closed (its shard is gone); the same holds.
+        if isinstance(in_flight, SliceInFlight):  # peer links stay: their replies are read
+            assert self.model_peers is not None
+            self.model_peers.receive(in_flight)
+            return
         if isinstance(error, ShardLinkFault | ConnectionError):
             return
         assert isinstance(in_flight, LayerInFlight)  # what `_lane` yields

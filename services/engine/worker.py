@@ -33,6 +33,7 @@ from common.protocol import (
     KvSwapAck,
     LinkShards,
     LoadReport,
+    PeerLinkMessage,
     ServiceReply,
     SetRole,
     ShardAddress,
@@ -52,6 +53,7 @@ from services.engine.kv_ports import EngineKvPorts
 from services.engine.lanes import AutoLanes
 from services.engine.outbox import Outbox
 from services.engine.peer_watch import PeerWatch
+from services.engine.rotation import ModelPeers
 from services.engine.runner import ShardLinkFault
 from services.engine.telemetry import EngineTelemetry
 
@@ -106,11 +108,28 @@ class EngineWorker:
         self.engine.runner.decode_lanes = max(cfg.decode_lanes, 1)
         if cfg.decode_lanes == 0:  # auto: one lane until measured (lanes.py)
             self.engine.runner.auto_lanes = AutoLanes(len(self.engine.runner.model.layers))
+        if cfg.model_peers:  # Lamina 4.3 over replicas: lanes' slices rotate (rotation.py)
+            self.engine.runner.model_peers = self._link_peers()
         self.running = True
         self.last_pass = time.monotonic()
         self._last_report = 0.0
         self._unreachable: set[str] = set()  # endpoints already warned about
         self.digests = CacheDigests()  # its prefix cache's news, on every load report
+
+    def _link_peers(self) -> ModelPeers:
+        """Links to the model peers that answer; one that does not is left out (logged)."""
+        links = []
+        for address in self.cfg.model_peers:
+            try:
+                links.append(UcxTensorChannel.connect(
+                    address, PeerLinkMessage, host=self.cfg.host,
+                    key=bytes.fromhex(self.cfg.mesh_key),
+                ))  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - decode without it; slices run here
+                log.error("model peer unreachable; its slices run on the engine", error=repr(exc))
+        mc = self.engine.runner.model.config
+        heads = (mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim)
+        return ModelPeers(links, heads, self.cfg.shard_reply_timeout_s)
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -156,6 +175,8 @@ class EngineWorker:
                 self._step()
             self._tick()
         self.peers.close()
+        if self.engine.runner.model_peers is not None:
+            self.engine.runner.model_peers.close()
         self.kv_ports.close()
         if self.kv_hold is not None:
             self.kv_hold.close()

@@ -63,6 +63,9 @@ class Topology:
     shard_partition: str = "head"  # a group's shards split KV heads, or hold whole requests
     attention_overlap: bool = False  # token engines send q before k/v (Lamina 4.2.2)
     decode_lanes: int = 1  # staggered decode sub-batches per token engine (Lamina 4.3)
+    # Model peers per token engine: its lanes' layer slices rotate over them (Lamina 4.3 over
+    # replicas: with R = 1 + model_peers, decode_lanes = R + 1; services/engine/rotation.py).
+    model_peers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompt < 1 or self.num_token < 1:
@@ -73,6 +76,8 @@ class Topology:
             raise ValueError(f"decode_lanes must be at least 1, got {self.decode_lanes}")
         if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes > 1):
             raise ValueError("shard_partition request runs without attention_overlap and lanes")
+        if self.model_peers and (not self.num_shards or self.shard_partition != "head"):
+            raise ValueError("model_peers rotate decode lanes over a head-split shard group")
 
 
 @dataclass
@@ -101,6 +106,9 @@ class LocalMesh:
         # the age bound only matters if the supervisor itself stalls.
         self.registry = Registry(max_age_s=60.0)
         self.workers: dict[str, LocalWorker] = {}  # shards, token engines, prompt engines
+        # Token engines' model peers (Lamina 4.3): not supervised, not registered; a token engine
+        # that loses one runs its slices itself (services/engine/rotation.py).
+        self.model_peers: dict[str, LocalWorker] = {}
         self.supervisor: Supervisor | None = None
         # The mesh's secret: UCX hellos are signed with it, ZeroMQ sockets use CURVE keys derived
         # from it (`auth`); a process without it cannot talk to this mesh.
@@ -138,6 +146,7 @@ class LocalMesh:
         placements = place_decode_groups(t.num_token, self.shards_per_group, cores)
         for worker in self.spawn(self._shard_configs(base, placements), timeout):
             self.registry.register(entry_of(worker))
+        peers = self._spawn_model_peers(base, timeout)
         token = [
             msgspec.structs.replace(
                 base,
@@ -148,6 +157,7 @@ class LocalMesh:
                 local_kv_blocks=t.local_kv_blocks,
                 num_blocks=t.token_num_blocks or t.num_blocks,
                 tier_policy=t.tier_policy,
+                model_peers=[w.ready.link_address for w in peers[e]],
             )  # fmt: skip
             for e in range(t.num_token)
         ]
@@ -159,6 +169,16 @@ class LocalMesh:
         ]
         for worker in self.spawn(prompt, timeout):
             self.registry.register(entry_of(worker))
+
+    def _spawn_model_peers(self, base: WorkerConfig, timeout: float) -> list[list[LocalWorker]]:
+        """Each token engine's model peers (`peer-{engine}-{i}`), started and ready."""
+        n = self.topology.model_peers
+        cfgs = [
+            msgspec.structs.replace(base, service_id=f"peer-{e}-{i}", role=Role.MODEL_PEER)
+            for e in range(self.topology.num_token) for i in range(n)
+        ]  # fmt: skip
+        started = self.spawn(cfgs, timeout, into=self.model_peers)
+        return [started[e * n : (e + 1) * n] for e in range(self.topology.num_token)]
 
     @property
     def shards_per_group(self) -> int:
@@ -194,8 +214,11 @@ class LocalMesh:
         group = self.registry.claim_group(cfg.service_id, self.shards_per_group) or []
         return msgspec.structs.replace(cfg, shards=[e.shard_address() for e in group])
 
-    def spawn(self, cfgs: list[WorkerConfig], timeout: float) -> list[LocalWorker]:
-        """Start workers and wait until each has reported its endpoints."""
+    def spawn(
+        self, cfgs: list[WorkerConfig], timeout: float, into: dict[str, LocalWorker] | None = None
+    ) -> list[LocalWorker]:
+        """Start workers and wait until each has reported its endpoints; they join `into`
+        (default: `workers`, the supervised ones)."""
         procs = {
             cfg.service_id: subprocess.Popen(
                 [
@@ -219,7 +242,7 @@ class LocalMesh:
             if ready.service_id in procs:  # NOTE: a late report of an earlier, dead start is not
                 readies[ready.service_id] = ready
         workers = [LocalWorker(c, procs[c.service_id], readies[c.service_id]) for c in cfgs]
-        self.workers.update((w.service_id, w) for w in workers)
+        (self.workers if into is None else into).update((w.service_id, w) for w in workers)
         return workers
 
     def restart(self, dead: LocalWorker, timeout: float = 120.0) -> LocalWorker:
@@ -304,7 +327,9 @@ class LocalMesh:
             pool.get(w.ready.kv_endpoint).send_tensors(Shutdown(), [])
         time.sleep(0.2)  # NOTE: let the shutdown messages leave before the sockets close
         pool.close()
-        for proc in self.procs:
+        for peer in self.model_peers.values():  # stateless: nothing to flush (model_peer.py)
+            peer.proc.terminate()
+        for proc in self.procs + [w.proc for w in self.model_peers.values()]:
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

@@ -1,4 +1,4 @@
-"""One mesh service (engine or attention shard) as an OS process, started by `LocalMesh`.
+"""One mesh service (engine, attention shard, model peer) as an OS process, started by `LocalMesh`.
 
 `python -m services.launch.worker_process CONFIG_JSON` pins itself to the cores it was given,
 builds the worker the `WorkerConfig` describes, reports its endpoints with a `WorkerReady` on
@@ -21,6 +21,7 @@ from common.roles import Role
 from common.telemetry import configure_logging, configure_telemetry
 from common.transport.zmq_sockets import connect
 from common.worker_config import WorkerConfig
+from services.engine.model_peer_worker import ModelPeerWorker
 from services.engine.worker import EngineWorker
 from services.launch.core_pinning import pin_this_process
 from services.shard.worker import ShardWorker
@@ -34,8 +35,11 @@ def main() -> None:
     configure_telemetry(cfg.telemetry_name, instance_id=cfg.service_id)  # PHASEMESH_OTEL_EXPORTER
     configure_logging()
     torch.set_num_threads(cfg.num_threads)
-    worker: EngineWorker | ShardWorker
-    worker = ShardWorker(cfg) if cfg.role == Role.SHARD else EngineWorker(cfg)
+    worker: EngineWorker | ShardWorker | ModelPeerWorker
+    if cfg.role == Role.MODEL_PEER:
+        worker = ModelPeerWorker(cfg)
+    else:
+        worker = ShardWorker(cfg) if cfg.role == Role.SHARD else EngineWorker(cfg)
     ctx: zmq.Context = zmq.Context.instance()
     ready = connect(ctx, zmq.PUSH, cfg.ready_endpoint, auth=cfg.curve_keys)
     ready.send(msgspec.msgpack.encode(worker.ready()))

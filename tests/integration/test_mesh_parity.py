@@ -48,24 +48,26 @@ def hf(tiny_model_path):
 # Lamina's decode round trip (overlap 4.2.2, two staggered lanes 4.3) must not change a token.
 # Combined to keep CI short: pull with overlap and lanes in one mesh; each of overlap and lanes
 # alone, and neither, are token-checked in process (tests/unit/test_decode_overlap.py). A single
-# shard holding every head is the 2-2 case's groups.
+# shard holding every head is the 2-2 case's groups. Lamina 4.3 over replicas rides on the pull
+# case: 3 lanes rotating their layer slices over the token engine and one model peer process
+# (R = 2; the peer's slices go to the shards whole, the engine's overlapped).
 @pytest.mark.parametrize(
-    "num_token, num_shards, kv_transfer, partition, overlap, lanes",
+    "num_token, num_shards, kv_transfer, partition, overlap, lanes, peers",
     [
-        (1, 0, "push", "head", False, 1), (1, 2, "push", "head", False, 1),
-        (2, 2, "push", "head", False, 1), (1, 2, "pull", "head", True, 2),
-        (1, 2, "push", "request", False, 1), (1, 2, "pull", "request", False, 1),
+        (1, 0, "push", "head", False, 1, 0), (1, 2, "push", "head", False, 1, 0),
+        (2, 2, "push", "head", False, 1, 0), (1, 2, "pull", "head", True, 3, 1),
+        (1, 2, "push", "request", False, 1, 0), (1, 2, "pull", "request", False, 1, 0),
     ],
-    ids=["1-0", "1-2", "2-2", "1-2-pull-overlap-2lanes", "1-2-request", "1-2-pull-request"],
+    ids=["1-0", "1-2", "2-2", "1-2-pull-overlap-3lanes-1peer", "1-2-request", "1-2-pull-request"],
 )  # fmt: skip
 def test_mesh_matches_single_process_engine(
     tiny_model_path, prompts, reference, hf, num_token, num_shards, kv_transfer, partition,
-    overlap, lanes,
+    overlap, lanes, peers,
 ):  # fmt: skip
     topology = Topology(
         str(tiny_model_path), num_prompt=1, num_token=num_token, num_shards=num_shards,
         layer_wise_min_tokens=LAYER_WISE_MIN, kv_transfer=kv_transfer, shard_partition=partition,
-        attention_overlap=overlap, decode_lanes=lanes,
+        attention_overlap=overlap, decode_lanes=lanes, model_peers=peers,
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:
@@ -78,6 +80,9 @@ def test_mesh_matches_single_process_engine(
             if ours != reference[i]:
                 assert_greedy_close(hf, prompt, ours, reference[i])
         assert_no_kv_held(mesh)
+        if peers:  # the peer ran its share of the slices (none fell back to the engine)
+            [engine] = [s for s in mesh.stats() if s.role == "token"]
+            assert engine.num_peer_slices > 0 and engine.num_peers_lost == 0
         events = [e for s in mesh.stats() for e in s.kv_events]
         if partition == "request":
             _check_whole_requests(mesh, prompts)

@@ -115,7 +115,7 @@ def greedy_local(model, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | None = None,
                    links: list[InProcessLink] | None = None, lane_swap: bool = False,
-                   auto_lanes: AutoLanes | None = None):  # fmt: skip
+                   auto_lanes: AutoLanes | None = None, model_peers=None):  # fmt: skip
     """The same with every request's KV on two head-split shards, decoding through the runner's
     round trips with `attention_overlap` and `decode_lanes` as given (into `links`, if given)."""
     mc = model.config
@@ -134,7 +134,7 @@ def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | N
     links += [InProcessLink(s, fail_lane, lane_swap) for s in shards]
     runner = make_runner(model, MeshModelRunner, shard_links=links, shards=addresses)
     runner.attention_overlap, runner.decode_lanes = overlap, lanes
-    runner.auto_lanes = auto_lanes
+    runner.auto_lanes, runner.model_peers = auto_lanes, model_peers
 
     def send(dest: ShardAddress, header: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
         shards[addresses.index(dest)].receive_kv(header, k, v)
