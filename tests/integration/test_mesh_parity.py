@@ -53,10 +53,10 @@ def hf(tiny_model_path):
     "num_token, num_shards, kv_transfer, partition, overlap, lanes",
     [
         (1, 0, "push", "head", False, 1), (1, 2, "push", "head", False, 1),
-        (2, 2, "push", "head", False, 1), (1, 2, "pull", "head", True, 2),
+        (2, 2, "push", "head", False, 3), (1, 2, "pull", "head", True, 2),
         (1, 2, "push", "request", False, 1), (1, 2, "pull", "request", False, 1),
     ],
-    ids=["1-0", "1-2", "2-2", "1-2-pull-overlap-2lanes", "1-2-request", "1-2-pull-request"],
+    ids=["1-0", "1-2", "2-2-3lanes", "1-2-pull-overlap-2lanes", "1-2-request", "1-2-pull-request"],
 )  # fmt: skip
 def test_mesh_matches_single_process_engine(
     tiny_model_path, prompts, reference, hf, num_token, num_shards, kv_transfer, partition,
