@@ -87,10 +87,10 @@ class KvPuller:
             except Exception as exc:  # noqa: BLE001 - one bad pull must not stop the others
                 log.exception("KV pull failed", req_id=announce.req_id)
                 why = repr(exc)
+            if trace is not None:  # recorded first: whoever hears of the loss finds the span
+                trace.end(why)
             if why:
                 self.lost(announce.req_id, why)
-            if trace is not None:
-                trace.end(why)
 
     def _pull(self, a: KvAnnounce, trace: KvPullTrace | None) -> str:
         """Pull and land one announced KV; why it is lost, "" when it landed."""

@@ -142,7 +142,9 @@ class KvPullTrace:
 
     def end(self, error: str = "") -> None:
         """The pull is over: landed (`error` empty) or lost (why)."""
-        attributes: Attributes = {SHARD: self.shard_id, KV_HEADS: list(self.heads)}
+        attributes: dict[str, str | int | list[int]] = {
+            SHARD: self.shard_id, KV_HEADS: list(self.heads),
+        }  # fmt: skip
         if self.answered_ns:
             attributes |= {KV_BYTES: self.num_bytes, KV_LAYERS: self.num_layers}
         span = tracer().start_span(
