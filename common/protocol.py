@@ -342,12 +342,14 @@ class KvSwapAck(_Msg, tag="kv_swap_ack"):
 class KvAnnounce(_Msg, tag="kv_announce"):
     """`kv_transfer: pull`: a prompt engine holds all of a request's KV for heads
     [head_start, head_end) and this shard is to pull it from `source` (the prompt engine's
-    KV-hold ROUTER endpoint, `common/kv_hold.py`) in a free period between decode steps."""
+    KV-hold ROUTER endpoint, `common/kv_hold.py`) in a free period between decode steps.
+    `traceparent`: the request's trace context, for the shard's `kv.pull` span ("" untraced)."""
 
     req_id: str
     source: str
     head_start: int
     head_end: int
+    traceparent: str = ""
 
 
 ShardIngress = KvPages | FreeRequest | StatsRequest | Shutdown | KvAnnounce | FetchKv | KvSwapAck

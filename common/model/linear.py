@@ -13,6 +13,14 @@ compositions wants.
 made by `pack()` after the weights are final: a weight changed later must be packed again.
 Without a packed copy (never packed, oneDNN missing, a dtype it does not take, or
 PHASEMESH_PACKED_WEIGHTS=0 at load) it is `F.linear`. The copy doubles the projections' memory.
+
+`forward_rows(x, start, end)` is `forward`'s outputs start..end alone (Lamina's early q computes
+the fused QKV's q rows before its k/v rows). A packed projection packs each row slice it is asked
+for on first use, a copy of those rows beside the fused one: oneDNN cannot run a column range of
+a packed weight, and `F.linear` on the slice (MKL, repacking every call) cost the early-q step
+its packed speed-up. Packing on first use keeps the memory off every engine that never splits:
+for attention_overlap that is one more copy of the QKV weights (`small`: 3.9 MB a layer, 47 MB
+float32 in all), and its first overlapped step pays the packing once (~0.1 s on `small`). On this machine's oneDNN a slice's outputs equal the fused ones bitwise.
 """
 
 from __future__ import annotations
@@ -39,14 +47,22 @@ class PackedLinear(nn.Linear):
     # nn.Module's __getattr__ (parameters, buffers) costs about a microsecond a lookup.
     packed: torch.Tensor | None = None
     dense: torch.Tensor | None = None  # `weight` itself, reachable without __getattr__
+    rows_hint = 32
+    # Row slices (start, end) of the weight packed on their own by `forward_rows`; reset by
+    # `pack()` so that they follow the weight.
+    packed_rows: dict[tuple[int, int], torch.Tensor] | None = None
 
     def pack(self, rows_hint: int = 32) -> None:
         """Reorder the weight for oneDNN (`rows_hint`: the row count to tune the layout for; any
         row count runs). A no-op where oneDNN or the dtype is not supported."""
         weight = self.weight.detach()
-        self.dense = weight
+        self.dense, self.rows_hint, self.packed_rows = weight, rows_hint, {}
         if onednn_available() and weight.dtype in _PACKED_DTYPES and self.bias is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+
+    def unpack(self) -> None:
+        """Back to F.linear: drop the packed copies (the row slices' too)."""
+        self.packed, self.packed_rows = None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] (x may be any 2-D view)."""
@@ -55,6 +71,28 @@ class PackedLinear(nn.Linear):
                 x = x.to(self.packed.dtype)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight if self.dense is None else self.dense)
+
+    def forward_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """x [T, in] -> [T, end - start]: `forward(x)[:, start:end]` without the other rows' work.
+        Packed where the whole weight is (the slice packed on its first call)."""
+        if self.packed is not None and x.dim() == 2 and x.shape[0] >= MIN_PACKED_ROWS:
+            packed = self._packed_slice(start, end)
+            if x.dtype != packed.dtype:
+                x = x.to(packed.dtype)
+            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return F.linear(x, (self.weight if self.dense is None else self.dense)[start:end])
+
+    def _packed_slice(self, start: int, end: int) -> torch.Tensor:
+        if self.packed_rows is None:
+            self.packed_rows = {}
+        packed = self.packed_rows.get((start, end))
+        if packed is None:
+            if not 0 <= start < end <= self.out_features:
+                raise ValueError(f"rows {start}:{end} outside a weight of {self.out_features}")
+            rows = self.weight.detach()[start:end].contiguous()
+            packed = torch.ops.mkldnn._reorder_linear_weight(rows, self.rows_hint)
+            self.packed_rows[(start, end)] = packed
+        return packed
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T, the add fused into the matmul where packed."""
@@ -70,7 +108,7 @@ def unpack_linears(module: nn.Module) -> None:
     """Drop every packed copy under `module`: back to F.linear (benchmarks compare the two)."""
     for sub in module.modules():
         if isinstance(sub, PackedLinear):
-            sub.packed = None
+            sub.unpack()
 
 
 def pack_linears(module: nn.Module, rows_hint: int = 32) -> int:

@@ -152,7 +152,7 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn
         h = self.input_layernorm.forward(x)
         q_size = attn.num_heads * attn.head_dim
-        q = F.linear(h, attn.qkv_proj.weight[:q_size])  # [T, q_size]: the fused weight's q rows
+        q = attn.qkv_proj.forward_rows(h, 0, q_size)  # [T, q_size]: the fused weight's q rows
         rope.rotate_heads_(q, attn.num_heads, attn.head_dim)
         return h, q.view(-1, attn.num_heads, attn.head_dim)
 
@@ -160,7 +160,8 @@ class LlamaDecoderLayer(nn.Module):
         """The second half: h [T, hidden] -> k and v [T, num_kv_heads, head_dim]."""
         attn = self.self_attn
         q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        kv = F.linear(h, attn.qkv_proj.weight[q_size:])  # [T, 2 * kv_size]: k | v
+        # [T, 2 * kv_size]: k | v, the fused weight's last rows (packed apart from the q rows)
+        kv = attn.qkv_proj.forward_rows(h, q_size, q_size + 2 * kv_size)
         rope.rotate_heads_(kv, attn.num_kv_heads, attn.head_dim)
         k = kv[:, :kv_size].view(-1, attn.num_kv_heads, attn.head_dim)
         v = kv[:, kv_size:].view(-1, attn.num_kv_heads, attn.head_dim)

@@ -3,7 +3,8 @@
     router.request (SERVER, root)       router: the whole request
     ├── prompt.queue                    prompt engine: arrival to batch start
     ├── prompt.prefill                  prompt engine: the prefill batch holding the request
-    ├── kv.transfer                     prompt engine: KV pages to shards / token engine
+    ├── kv.transfer                     prompt engine: KV pages to shards / token engine (or
+    │                                   to its hold, with pull: each shard's kv.pull follows)
     ├── token.queue                     token engine: KV landed to first decode step
     └── token.decode                    token engine: one event per generated token
 

@@ -153,8 +153,9 @@ class EngineWorker:
             # Held for the shard to pull; announced once whole (before the hand-off leaves).
             if self.kv_hold.hold.is_complete(pages.req_id, dest.head_start, dest.head_end):
                 announce = KvAnnounce(
-                    pages.req_id, self.kv_hold.endpoint, dest.head_start, dest.head_end
-                )
+                    pages.req_id, self.kv_hold.endpoint, dest.head_start, dest.head_end,
+                    traceparent=pages.traceparent,  # the shard's kv.pull span joins the trace
+                )  # fmt: skip
                 self._delivered(dest.kv_endpoint, announce, tensors=[])
         elif dest.kv_address:
             self.kv_ports.send(dest.kv_address, pages, k, v)

@@ -13,6 +13,10 @@ What can go wrong, and what the token engine then hears (`lost`, reported as `kv
   room): lost, by `land`'s own reporting.
 This shard dying mid-pull breaks its token engine's group: the engine relinks and ends the
 group's requests retryably, and the hold frees what nobody pulled when its lease runs out.
+
+A traced request's pull is recorded as a `kv.pull` span (`services/shard/telemetry.py`): from the
+announce's arrival here to the landing, or to the failure (status ERROR, the reason); a pull still
+queued when the shard closes or dies records nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from common.protocol import KvAnnounce, KvPages, KvPull, KvPullMiss, KvPullReply
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import TypedSocket, connect
 from services.shard.step_gate import StepGate
+from services.shard.telemetry import KvPullTrace, trace_pull
 
 log = structlog.get_logger(__name__)
 
@@ -51,17 +56,20 @@ class KvPuller:
         lost: Callable[[str, str], None],
         auth: CurveKeys | None,
         timeout_s: float = PULL_TIMEOUT_S,
+        shard_id: str = "",
     ) -> None:
         self.gate, self.land, self.lost, self.timeout_s = gate, land, lost, timeout_s
+        self.shard_id = shard_id  # names this shard on `kv.pull` spans
         self._auth = auth
         self._ctx = zmq.Context()
         self._sockets: dict[str, _HoldSocket] = {}
-        self._queue: queue.SimpleQueue[KvAnnounce | None] = queue.SimpleQueue()
+        # Announces with their arrival time (`time.time_ns()`), where a `kv.pull` span starts.
+        self._queue: queue.SimpleQueue[tuple[KvAnnounce, int] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kv-puller", daemon=True)
         self._thread.start()
 
     def announce(self, announce: KvAnnounce) -> None:
-        self._queue.put(announce)
+        self._queue.put((announce, time.time_ns()))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -71,27 +79,38 @@ class KvPuller:
         self._ctx.term()
 
     def _run(self) -> None:
-        while (announce := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            announce, announced_ns = item
+            trace = trace_pull(announce, self.shard_id, announced_ns)
             try:
-                self._pull(announce)
+                why = self._pull(announce, trace)
             except Exception as exc:  # noqa: BLE001 - one bad pull must not stop the others
                 log.exception("KV pull failed", req_id=announce.req_id)
-                self.lost(announce.req_id, repr(exc))
+                why = repr(exc)
+            if trace is not None:  # recorded first: whoever hears of the loss finds the span
+                trace.end(why)
+            if why:
+                self.lost(announce.req_id, why)
 
-    def _pull(self, a: KvAnnounce) -> None:
+    def _pull(self, a: KvAnnounce, trace: KvPullTrace | None) -> str:
+        """Pull and land one announced KV; why it is lost, "" when it landed."""
         hold = self._sockets.get(a.source)
         if hold is None:
             hold = self._sockets[a.source] = _HoldSocket(self._ctx, a.source, self._auth)
         hold.ask.send(KvPull(a.req_id, a.head_start, a.head_end))
+        if trace is not None:
+            trace.asked()
         answer = self._answer(hold, a.req_id)
         if answer is None:
             self._sockets.pop(a.source).ask.close()  # a late answer must not meet the next pull
-            self.lost(a.req_id, f"its prompt engine's hold did not answer in {self.timeout_s} s")
-        elif isinstance(answer[0], KvPullMiss):
-            self.lost(a.req_id, answer[0].why)
-        else:
-            with self.gate.free_period():
-                self.land(answer[0], answer[1])
+            return f"its prompt engine's hold did not answer in {self.timeout_s} s"
+        if isinstance(answer[0], KvPullMiss):
+            return answer[0].why
+        if trace is not None:
+            trace.answered(sum(t.nbytes for t in answer[1]), answer[0].num_layers)
+        with self.gate.free_period():
+            self.land(answer[0], answer[1])
+        return ""
 
     def _answer(
         self, hold: _HoldSocket, req_id: str

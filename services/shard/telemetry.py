@@ -6,6 +6,13 @@ from layer 0's arrival to its last layer's answer being ready, and records it af
 left (`flush`), a child of `token.step`, with one `layer` event per layer. An untraced step
 (empty context) costs a string test on layer 0 and two `None` tests per layer: no span, no clock
 reads.
+
+With `kv_transfer: pull`, the prompt engine's `kv.transfer` ends when the KV is held; each shard's
+`kv.pull` (a child of the request's `router.request`, from the announce's arrival here to the
+landing) covers the rest: `kv.pull.ask` when the `KvPull` left, `kv.pull.answer` when the hold
+answered (bytes, layers); the gap to the end is the wait for a free period between decode steps
+and the landing. A pull that failed (hold silent, a miss, a landing that raised) ends with status
+ERROR and the reason. Untraced requests (no sampled context on the announce) cost one string test.
 """
 
 from __future__ import annotations
@@ -13,20 +20,32 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import Attributes
 
-from common.protocol import AttendBatch
+from common.protocol import AttendBatch, KvAnnounce
 from common.telemetry.batch_spans import (
     KV_BLOCKS_USED,
+    KV_HEADS,
     LAYER,
     LAYER_EVENT,
     NUM_ROWS,
     SHARD,
     STEP,
+    is_sampled,
 )
-from common.telemetry.spans import KV_LAYERS, mark_failed, parent_context, tracer
+from common.telemetry.spans import (
+    ERROR_TYPE,
+    KV_BYTES,
+    KV_LAYERS,
+    mark_failed,
+    parent_context,
+    tracer,
+)
 
 FAILED_ROWS = "phasemesh.failed_rows"
+PULL_ASK_EVENT = "kv.pull.ask"  # on kv.pull: the KvPull left for the hold
+PULL_ANSWER_EVENT = "kv.pull.answer"  # on kv.pull: the hold's KV arrived (bytes, layers)
 
 
 @dataclass(slots=True)
@@ -101,4 +120,54 @@ class ShardTelemetry:
         span.end()
 
 
-__all__ = ["ShardTelemetry"]
+@dataclass(slots=True)
+class KvPullTrace:
+    """One traced pull's times, recorded as its `kv.pull` span by `end` (on the puller's thread:
+    no span is open between calls)."""
+
+    traceparent: str
+    shard_id: str
+    heads: tuple[int, int]
+    announced_ns: int
+    asked_ns: int = 0
+    answered_ns: int = 0
+    num_bytes: int = 0
+    num_layers: int = 0
+
+    def asked(self) -> None:
+        self.asked_ns = time.time_ns()
+
+    def answered(self, num_bytes: int, num_layers: int) -> None:
+        self.answered_ns, self.num_bytes, self.num_layers = time.time_ns(), num_bytes, num_layers
+
+    def end(self, error: str = "") -> None:
+        """The pull is over: landed (`error` empty) or lost (why)."""
+        attributes: dict[str, str | int | list[int]] = {
+            SHARD: self.shard_id, KV_HEADS: list(self.heads),
+        }  # fmt: skip
+        if self.answered_ns:
+            attributes |= {KV_BYTES: self.num_bytes, KV_LAYERS: self.num_layers}
+        span = tracer().start_span(
+            "kv.pull", context=parent_context(self.traceparent), attributes=attributes,
+            start_time=self.announced_ns,
+        )  # fmt: skip
+        if self.asked_ns:
+            span.add_event(PULL_ASK_EVENT, timestamp=self.asked_ns)
+        if self.answered_ns:
+            answer: Attributes = {KV_BYTES: self.num_bytes, KV_LAYERS: self.num_layers}
+            span.add_event(PULL_ANSWER_EVENT, answer, timestamp=self.answered_ns)
+        if error:
+            span.set_status(Status(StatusCode.ERROR, error))
+            span.set_attribute(ERROR_TYPE, "kv_lost")
+        span.end()
+
+
+def trace_pull(announce: KvAnnounce, shard_id: str, announced_ns: int) -> KvPullTrace | None:
+    """A `KvPullTrace` for an announced pull whose request is traced, else None."""
+    if not is_sampled(announce.traceparent):
+        return None
+    heads = (announce.head_start, announce.head_end)
+    return KvPullTrace(announce.traceparent, shard_id, heads, announced_ns)
+
+
+__all__ = ["KvPullTrace", "ShardTelemetry", "trace_pull"]

@@ -97,7 +97,9 @@ class ShardWorker:
         self.swap_sender: KvSender | None = None  # KV swapped back to token engines (Neo)
         self.news = KvNews()
         self.gate = StepGate()
-        self.puller = KvPuller(self.gate, self._on_ingress, self._pull_lost, auth)
+        self.puller = KvPuller(
+            self.gate, self._on_ingress, self._pull_lost, auth, shard_id=cfg.service_id
+        )
         self.metrics = Metrics(model_name=cfg.model_name, engine=cfg.service_id)
         self.telemetry = ShardTelemetry(cfg.service_id, spec.num_layers)  # shard.attend spans
         self._last_gauge = 0.0

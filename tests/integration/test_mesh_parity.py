@@ -46,19 +46,20 @@ def hf(tiny_model_path):
 
 # How KV reaches the shards (push, pull), how a group splits it (heads, whole requests) and
 # Lamina's decode round trip (overlap 4.2.2, two staggered lanes 4.3) must not change a token.
-# Combined to keep CI short: pull with overlap and lanes in one mesh; each of overlap and lanes
-# alone, and neither, are token-checked in process (tests/unit/test_decode_overlap.py). A single
-# shard holding every head is the 2-2 case's groups. Lamina 4.3 over replicas rides on the pull
-# case: 3 lanes rotating their layer slices over the token engine and one model peer process
-# (R = 2; the peer's slices go to the shards whole, the engine's overlapped).
+# Combined to keep CI short: n = 1, 2 and 3 lanes over the cases; pull with overlap and lanes in
+# one mesh (overlap and lanes alone are token-checked in process, test_decode_overlap.py). A
+# single shard holding every head is the 2-2 case's groups. Lamina 4.3 over replicas rides on
+# the pull case: 3 lanes rotating their layer slices over the token engine and one model peer
+# process (R = 2; the peer's slices go to the shards whole, the engine's overlapped).
 @pytest.mark.parametrize(
     "num_token, num_shards, kv_transfer, partition, overlap, lanes, peers",
     [
         (1, 0, "push", "head", False, 1, 0), (1, 2, "push", "head", False, 1, 0),
-        (2, 2, "push", "head", False, 1, 0), (1, 2, "pull", "head", True, 3, 1),
+        (2, 2, "push", "head", False, 2, 0), (1, 2, "pull", "head", True, 3, 1),
         (1, 2, "push", "request", False, 1, 0), (1, 2, "pull", "request", False, 1, 0),
     ],
-    ids=["1-0", "1-2", "2-2", "1-2-pull-overlap-3lanes-1peer", "1-2-request", "1-2-pull-request"],
+    ids=["1-0", "1-2", "2-2-2lanes", "1-2-pull-overlap-3lanes-1peer", "1-2-request",
+         "1-2-pull-request"],
 )  # fmt: skip
 def test_mesh_matches_single_process_engine(
     tiny_model_path, prompts, reference, hf, num_token, num_shards, kv_transfer, partition,

@@ -50,8 +50,9 @@ LAYER_WISE_MIN = 384
 # busy 2-core machine).
 PROMPTS = [(40, False), (300, False), (500, True), (320, False), (450, True), (280, False)]
 PHASES = {"prompt.queue", "prompt.prefill", "kv.transfer", "token.queue", "token.decode"}
-# Spans of the request's trace beyond its phases: per KV receiver, and per traced decode step.
-MESH_SPANS = {"kv.receive", "token.step", "shard.attend"}
+# Spans of the request's trace beyond its phases: per KV receiver (and, pulled, per shard's pull),
+# and per traced decode step.
+MESH_SPANS = {"kv.receive", "kv.pull", "token.step", "shard.attend"}
 
 
 @dataclass(frozen=True)
@@ -149,14 +150,18 @@ def histogram(reader: InMemoryMetricReader, name: str) -> tuple[int, float]:
     return 0, 0.0
 
 
-@pytest.mark.parametrize("num_shards", [2, 0], ids=["two-shards", "local-attention"])
+@pytest.mark.parametrize(
+    "num_shards, kv_transfer", [(2, "push"), (0, "push"), (2, "pull")],
+    ids=["two-shards", "local-attention", "two-shards-pull"],
+)  # fmt: skip
 def test_one_connected_trace_per_request_matching_the_client(
-    tiny_model_path: Path, tmp_path: Path, router_spans: InMemorySpanExporter, num_shards: int
-) -> None:
+    tiny_model_path: Path, tmp_path: Path, router_spans: InMemorySpanExporter, num_shards: int,
+    kv_transfer: str,
+) -> None:  # fmt: skip
     exporter = f"jsonl:{tmp_path}/{{service_id}}.jsonl"  # one file per service
     topology = Topology(
         str(tiny_model_path), num_prompt=1, num_token=1, num_shards=num_shards,
-        layer_wise_min_tokens=LAYER_WISE_MIN, otel_exporter=exporter,
+        layer_wise_min_tokens=LAYER_WISE_MIN, otel_exporter=exporter, kv_transfer=kv_transfer,
     )  # fmt: skip
     reader = InMemoryMetricReader()
     router_spans.clear()
@@ -196,7 +201,10 @@ def test_one_connected_trace_per_request_matching_the_client(
         records = by_trace[hex_id(request.context.trace_id, 32)] if request.context else []
         phases = check_trace(request, records, shard_ids)
         check_kv_transfer(phases["kv.transfer"], geometry, *PROMPTS[i])
-        check_kv_layers(phases, records, geometry, layer_wise=PROMPTS[i][1], num_shards=num_shards)
+        pulled = kv_transfer == "pull"
+        check_kv_layers(phases, records, geometry, layer_wise=PROMPTS[i][1],
+                        num_shards=num_shards, pulled=pulled)  # fmt: skip
+        check_kv_pulls(phases, records, shard_ids if pulled else ())
         check_shard_steps(records, shard_ids, geometry.num_hidden_layers)
         if i:
             compared.append((span_latencies(request, phases["token.decode"]), timing.latencies))
@@ -259,11 +267,13 @@ def events(record: dict[str, Any], name: str) -> list[tuple[int, dict[str, Any]]
 
 def check_kv_layers(
     phases: dict[str, dict[str, Any]], records: list[dict[str, Any]], geometry: ModelConfig,
-    *, layer_wise: bool, num_shards: int,
+    *, layer_wise: bool, num_shards: int, pulled: bool = False,
 ) -> None:  # fmt: skip
     """Per KV page, a `kv.send` event on the sender's `kv.transfer` and a `kv.land` event on each
     receiver's `kv.receive` (every shard's heads, or the token engine's whole KV), page k landing
-    after it was sent; layer-wise, every layer leaves before the prefill ends (the overlap)."""
+    after it was sent; layer-wise, every layer leaves before the prefill ends (the overlap).
+    Pulled, the pages go into the prompt engine's hold and each shard lands one page of every
+    layer, after the last page was held."""
     num_layers = geometry.num_hidden_layers
     sends = events(phases["kv.transfer"], "kv.send")
     pages = [(a["phasemesh.kv.layer_start"], a["phasemesh.kv.num_layers"]) for _, a in sends]
@@ -280,6 +290,16 @@ def check_kv_layers(
     assert len(receives) == max(num_shards, 1)
     assert heads[0][0] == 0 and heads[-1][1] == geometry.num_key_value_heads
     assert all(a[1] == b[0] for a, b in zip(heads, heads[1:], strict=False)), heads
+    if pulled:
+        for receive in receives:
+            ((land_ns, page),) = events(receive, "kv.land")
+            assert (page["phasemesh.kv.layer_start"], page["phasemesh.kv.num_layers"]) == (
+                0, num_layers,
+            )  # fmt: skip
+            assert sends[-1][0] <= land_ns
+        total = sum(e[1]["phasemesh.kv.bytes"] for r in receives for e in events(r, "kv.land"))
+        assert total == phases["kv.transfer"]["attributes"]["phasemesh.kv.bytes"]
+        return
     landed_bytes = [0] * len(sends)
     for receive in receives:
         lands = events(receive, "kv.land")
@@ -290,6 +310,32 @@ def check_kv_layers(
             landed_bytes[k] += attributes["phasemesh.kv.bytes"]
         assert receive["attributes"]["phasemesh.kv.num_layers"] == num_layers
     assert landed_bytes == [a["phasemesh.kv.bytes"] for _, a in sends]
+
+
+def check_kv_pulls(
+    phases: dict[str, dict[str, Any]], records: list[dict[str, Any]], pulling: tuple[str, ...]
+) -> None:
+    """Pulled KV: the prompt engine's `kv.transfer` ends at the hold, and each shard's `kv.pull`
+    covers the rest, in order: announced after the last page was held, asked, answered, landed
+    (its `kv.receive`'s landing inside it); the bytes answered are the bytes landed; the request
+    decodes only once every shard landed it. Pushed (`pulling` empty): no `kv.pull`."""
+    pulls = {r["attributes"]["phasemesh.shard"]: r for r in records if r["name"] == "kv.pull"}
+    assert sorted(pulls) == sorted(pulling)
+    receives = {r["attributes"]["phasemesh.shard"]: r for r in records if r["name"] == "kv.receive"}
+    last_held = events(phases["kv.transfer"], "kv.send")[-1][0]
+    for shard, pull in pulls.items():
+        assert pull["status"]["status_code"] == "UNSET", pull["status"]
+        ((asked_ns, _),) = events(pull, "kv.pull.ask")
+        ((answered_ns, answer),) = events(pull, "kv.pull.answer")
+        ((landed_ns, landed),) = events(receives[shard], "kv.land")
+        start, end = ns(pull["start_time"]), ns(pull["end_time"])
+        assert last_held <= start <= asked_ns <= answered_ns <= landed_ns <= end + 1000, shard
+        assert answer["phasemesh.kv.bytes"] == landed["phasemesh.kv.bytes"]
+        assert (
+            pull["attributes"]["phasemesh.kv.heads"]
+            == receives[shard]["attributes"]["phasemesh.kv.heads"]
+        )
+        assert landed_ns <= ns(phases["token.decode"]["start_time"]) + 1000
 
 
 def check_shard_steps(

@@ -1,6 +1,7 @@
 """Shards pulling KV from a prompt engine's hold (`kv_transfer: pull`), over real ZeroMQ sockets:
 a pull lands only between decode steps; a hold that misses or is dead makes the KV lost (the
-token engine then ends the request retryably), never a hang."""
+token engine then ends the request retryably), never a hang; a traced pull's `kv.pull` span says
+which (the landed case across a real mesh: tests/integration/test_tracing.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import threading
 
 import pytest
 import torch
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from common.kv_hold import KvHold
 from common.protocol import KvAnnounce, KvPages
+from common.telemetry import configure_telemetry, inject_context
+from common.telemetry.spans import tracer
 from common.transport.zmq_auth import CurveKeys
 from services.engine.kv_hold_server import KvHoldServer
 from services.shard.kv_puller import KvPuller
@@ -40,9 +46,10 @@ class Landings:
         self.landed: queue.SimpleQueue[tuple[KvPages, list[torch.Tensor]]] = queue.SimpleQueue()
         self.lost: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
 
-    def puller(self, gate: StepGate, timeout_s: float = 5.0) -> KvPuller:
-        return KvPuller(gate, lambda p, t: self.landed.put((p, t)),
-                        lambda r, why: self.lost.put((r, why)), AUTH, timeout_s)  # fmt: skip
+    def puller(self, gate: StepGate, timeout_s: float = 5.0, land=None) -> KvPuller:
+        return KvPuller(gate, land or (lambda p, t: self.landed.put((p, t))),
+                        lambda r, why: self.lost.put((r, why)), AUTH, timeout_s,
+                        shard_id="shard-7")  # fmt: skip
 
 
 def test_a_pull_lands_the_whole_request_between_steps_only(server):
@@ -114,3 +121,43 @@ def test_a_dead_prompt_engine_makes_the_kv_lost_after_the_timeout(server):
         assert landings.landed.get(timeout=5)[0].req_id == "b"
     finally:
         puller.close()
+
+
+def test_a_traced_pull_that_fails_ends_its_span_failed_with_why(server):
+    """A miss, and a landing that raises: each request's `kv.pull` (a child of its context) ends
+    ERROR with the reason; the one that reached its hold carries the ask and answer events."""
+    telemetry = configure_telemetry("test-kv-pull", exporter="memory")
+    spans = telemetry.span_exporter
+    if spans is None:  # another test configured this process first: listen on its provider
+        spans = InMemorySpanExporter()
+        telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    spans.clear()
+    with tracer().start_as_current_span("router.request") as request:
+        traceparent = inject_context()
+    hold_request(server.hold, "bad")
+
+    def land(pages: KvPages, tensors: list[torch.Tensor]) -> None:
+        raise ValueError("wrong heads")
+
+    gate, landings = StepGate(), Landings()
+    puller = landings.puller(gate, land=land)
+    try:
+        puller.announce(KvAnnounce("gone", server.endpoint, 0, 2, traceparent=traceparent))
+        puller.announce(KvAnnounce("bad", server.endpoint, 0, 2, traceparent=traceparent))
+        puller.announce(KvAnnounce("untraced", server.endpoint, 0, 2))
+        lost = dict(landings.lost.get(timeout=5) for _ in range(3))
+    finally:
+        puller.close()
+    pulls = [s for s in spans.get_finished_spans() if s.name == "kv.pull"]
+    assert len(pulls) == 2  # the untraced pull records nothing
+    for span, why in zip(pulls, (lost["gone"], lost["bad"]), strict=True):
+        assert span.parent is not None and span.parent.span_id == request.get_span_context().span_id
+        assert span.status.status_code is StatusCode.ERROR and span.status.description == why
+        assert span.attributes is not None and span.attributes["phasemesh.shard"] == "shard-7"
+    assert "not held" in lost["gone"] and "wrong heads" in lost["bad"]
+    assert [e.name for e in pulls[0].events] == ["kv.pull.ask"]
+    assert [e.name for e in pulls[1].events] == ["kv.pull.ask", "kv.pull.answer"]
+    assert pulls[1].events[1].attributes == {
+        "phasemesh.kv.bytes": 2 * LAYERS * TOKENS * 2 * 8 * 4,
+        "phasemesh.kv.num_layers": LAYERS,
+    }

@@ -71,3 +71,62 @@ def test_pack_linears_packs_every_projection(tiny_model_path):
     projections = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(projections) == 4 * model.config.num_hidden_layers + 1  # + the LM head
     assert pack_linears(model) == (len(projections) if onednn_available() else 0)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS, 8, 33])
+def test_a_row_slice_is_the_fused_projections_columns(rows):
+    """Early q computes the fused QKV's q rows, then its k/v rows: each slice, packed on its own,
+    gives the fused projection's columns (bitwise on this oneDNN; 1e-5 is the contract)."""
+    layer = _linear()
+    layer.pack()
+    x = torch.randn(rows, 64)
+    full = layer.forward(x)
+    for start, end in ((0, 64), (64, 96), (16, 48)):
+        part = layer.forward_rows(x, start, end)
+        torch.testing.assert_close(part, full[:, start:end], atol=1e-5, rtol=1e-5)
+    assert layer.packed_rows is not None and len(layer.packed_rows) == (3 if rows > 1 else 0)
+
+
+@needs_onednn
+def test_pack_again_repacks_the_slices_and_unpack_drops_them():
+    layer = _linear()
+    layer.pack()
+    x = torch.randn(8, 64)
+    layer.forward_rows(x, 0, 32)
+    layer.weight.mul_(2)  # a weight changed after packing is packed again
+    layer.pack()
+    assert layer.packed_rows == {}
+    torch.testing.assert_close(layer.forward_rows(x, 0, 32), F.linear(x, layer.weight[:32]))
+    layer.unpack()
+    assert layer.packed is None and layer.packed_rows is None
+    assert torch.equal(layer.forward_rows(x, 0, 32), F.linear(x, layer.weight[:32]))
+    layer.pack()
+    with pytest.raises(ValueError, match="outside"):
+        layer.forward_rows(x, 90, 100)
+
+
+def test_unpacked_row_slice_is_f_linear_on_the_slice():
+    """PHASEMESH_PACKED_WEIGHTS=0 (or no oneDNN): F.linear on the weight's rows."""
+    layer = _linear()
+    x = torch.randn(5, 64)
+    assert torch.equal(layer.forward_rows(x, 10, 40), F.linear(x, layer.weight[10:40]))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_early_q_halves_equal_the_fused_pre_attention(tiny_model_path, monkeypatch, packed):
+    """`pre_attention_q` + `pre_attention_kv` give `pre_attention`'s q, k and v bitwise, packed
+    or not (PHASEMESH_PACKED_WEIGHTS=0), so overlap on and off decode the same logits."""
+    from common.model.loader import load_model
+
+    monkeypatch.setenv("PHASEMESH_PACKED_WEIGHTS", "1" if packed else "0")
+    model = load_model(tiny_model_path)
+    for rows in (1, 8, 32):
+        x = torch.randn(rows, model.config.hidden_size)
+        rope = model.rotary_at(torch.arange(rows) * 3)
+        for layer in model.layers[:2]:
+            q, k, v = layer.pre_attention(x, rope)
+            h, q_early = layer.pre_attention_q(x, rope)
+            k_late, v_late = layer.pre_attention_kv(h, rope)
+            for fused, split in ((q, q_early), (k, k_late), (v, v_late)):
+                assert torch.equal(fused, split)
