@@ -264,6 +264,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     # Decode lanes' layer slices its model peers ran, and peers it lost, since start (Lamina 4.3).
     num_peer_slices: int = 0
     num_peers_lost: int = 0
+    # Peer links made since start, the first ones included: more than its peers means re-links
+    # (a peer back after a loss, or a replacement: `LinkPeers`).
+    num_peers_joined: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats

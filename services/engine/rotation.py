@@ -69,7 +69,7 @@ class PeerCounts:
 
     num_slices: int = 0
     num_lost: int = 0
-    num_joined: int = 0  # links made by `relink` (a peer back, or a replacement)
+    num_joined: int = 0  # links made by `relink`: the first ones, peers back, replacements
     peer_s: float = 0.0  # send to reply, summed
 
 
