@@ -76,6 +76,8 @@ class Topology:
             raise ValueError(f"decode_lanes must be at least 1, got {self.decode_lanes}")
         if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes > 1):
             raise ValueError("shard_partition request runs without attention_overlap and lanes")
+        if self.model_peers < 0:
+            raise ValueError(f"model_peers must be at least 0, got {self.model_peers}")
         if self.model_peers and (not self.num_shards or self.shard_partition != "head"):
             raise ValueError("model_peers rotate decode lanes over a head-split shard group")
 
