@@ -124,6 +124,16 @@ class LinkShards(_Msg, tag="link_shards"):
     shards: list[ShardAddress]
 
 
+class LinkPeers(_Msg, tag="link_peers"):
+    """The token engine's model peers from now on, by UCX address, in rotation order (Lamina 4.3;
+    services/engine/rotation.py). Idempotent: links to listed peers stay, unlisted ones close,
+    and a listed peer that is not linked (new, or dropped for a fault) is linked again. Sent by
+    whoever keeps the peers (`services.mesh.peer_group`, the local supervisor), also as a
+    periodic reminder, so that a dropped peer that is still alive rejoins."""
+
+    peers: list[str]
+
+
 class SetRole(_Msg, tag="set_role"):
     """Router -> engine: serve in `role` (its home role, or mixed) from now on. Idempotent.
 
@@ -137,7 +147,14 @@ class SetRole(_Msg, tag="set_role"):
 
 
 EngineCommand = (
-    GenerateRequest | DecodeHandoff | AbortRequest | StatsRequest | Shutdown | LinkShards | SetRole
+    GenerateRequest
+    | DecodeHandoff
+    | AbortRequest
+    | StatsRequest
+    | Shutdown
+    | LinkShards
+    | SetRole
+    | LinkPeers
 )
 
 
@@ -247,6 +264,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     # Decode lanes' layer slices its model peers ran, and peers it lost, since start (Lamina 4.3).
     num_peer_slices: int = 0
     num_peers_lost: int = 0
+    # Peer links made since start, the first ones included: more than its peers means re-links
+    # (a peer back after a loss, or a replacement: `LinkPeers`).
+    num_peers_joined: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats

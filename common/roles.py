@@ -16,7 +16,8 @@ class Role(StrEnum):
     MIXED = "mixed"  # both (Splitwise's mixed pool; the in-process engine)
     SHARD = "shard"  # an attention shard: KV and decode attention for a range of KV heads
     # A replica of the model's weights running a token engine's decode lanes' layer slices
-    # (Lamina 4.3's rotation; services/engine/model_peer.py). Not registered: its engine links it.
+    # (Lamina 4.3's rotation; services/engine/model_peer.py). On Ray it registers and a token
+    # engine claims it (services/mesh/peer_group.py); the local launcher links it directly.
     MODEL_PEER = "model_peer"
 
     @property

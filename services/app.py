@@ -6,7 +6,8 @@ The only module that imports `ray.serve`. `build_app(args)` is the application b
 Topologies (`args.topology`):
 - `local`: the `Router` deployment holds an `InProcessEngineClient` (one mixed engine, in-process).
   Complete and testable on one machine.
-- `mesh`: `Router` plus `PromptEngine`, `TokenEngine` and `AttentionShard` deployments, each
+- `mesh`: `Router` plus `PromptEngine`, `TokenEngine` and `AttentionShard` deployments (and
+  `ModelPeer` with `mesh.model_peers` > 0: Lamina 4.3's rotation over model replicas), each
   replica running its worker on a thread (`services.mesh.replica`) and registering its sockets in
   the application's registry actor (`services.mesh.registry`). The router's `MeshEngineClient`
   reaches the engines over ZeroMQ; the data path never goes through Ray. Scaling a deployment
@@ -42,7 +43,14 @@ from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
 from services.mesh.registry import RayRegistry
-from services.mesh.replica import MeshReplica, base_worker_config, start_engine, start_shard
+from services.mesh.replica import (
+    MeshReplica,
+    base_worker_config,
+    replace_cfg,
+    start_engine,
+    start_model_peer,
+    start_shard,
+)
 from services.router.engine_client import EngineClient, InProcessEngineClient, machine_threads
 from services.router.mesh_client import MAX_MIGRATIONS, PREFIX_ROUTING_WEIGHT, MeshEngineClient
 from services.router.server import Router
@@ -50,13 +58,17 @@ from services.router.streams import AdmissionLimits, StreamInterval
 
 log = structlog.get_logger(__name__)
 
-# Every deployment name a serve config may override; the mesh ones are bound by `topology: mesh`.
+# Every deployment name a serve config may override; the mesh ones are bound by `topology: mesh`,
+# and the model peers' only with `mesh.model_peers` > 0.
 DEPLOYMENT_NAMES = ("Router", "PromptEngine", "TokenEngine", "AttentionShard")
+MODEL_PEER_DEPLOYMENT = "ModelPeer"
 
 
-def deployment_names(topology: str) -> tuple[str, ...]:
+def deployment_names(topology: str, model_peers: int = 0) -> tuple[str, ...]:
     """The deployments `build_app` binds for a topology: what a serve config may name."""
-    return DEPLOYMENT_NAMES if topology == "mesh" else ("Router",)
+    if topology != "mesh":
+        return ("Router",)
+    return DEPLOYMENT_NAMES + ((MODEL_PEER_DEPLOYMENT,) if model_peers else ())
 
 
 class _Args(BaseModel):
@@ -123,6 +135,11 @@ class MeshArgs(_Args):
     # breakdown prices best, common/scheduling/lane_choice.py). Both need `shard_partition: head`.
     attention_overlap: bool = False
     decode_lanes: int | Literal["auto"] = 1
+    # Lamina 4.3 over model replicas: each token engine claims this many `ModelPeer` replicas
+    # and rotates its lanes' layer slices over them (R = 1 + model_peers replicas; decode_lanes
+    # R + 1 keeps each busy). The ModelPeer deployment needs token engines x model_peers
+    # replicas. 0: none (no ModelPeer deployment). Needs shards, split by head.
+    model_peers: int = Field(default=0, ge=0)
     # Neo's local KV tier beside a token engine's shards: its budget in blocks (0: none, all
     # decode KV on the shards) and who lives in it (`fill_local` or `alternate:<period>`).
     local_kv_blocks: int = Field(default=0, ge=0)
@@ -164,6 +181,11 @@ class MeshArgs(_Args):
             raise ValueError(
                 "shard_partition request runs without attention_overlap and with decode_lanes 1 "
                 "(its round trip has one part and one lane)"
+            )
+        if self.model_peers and (self.shard_partition == "request" or not self.shards_per_group):
+            raise ValueError(
+                "model_peers rotate decode lanes over a head-split shard group: they need "
+                "shards_per_group > 0 and shard_partition head"
             )
         if self.shard_partition == "request" and self.local_kv_blocks:
             raise ValueError(
@@ -322,17 +344,18 @@ class _MeshService:
         registry = RayRegistry.for_app(serve.get_replica_context().app_name)
         base, mesh = _worker_config(parsed), parsed.mesh
         service_id = _service_id(self.role)
-        _configure_observability(
-            "attention-shard" if self.role == Role.SHARD else f"{self.role}-engine", service_id
-        )
+        _configure_observability(replace_cfg(base, role=self.role).telemetry_name, service_id)
         if self.role == Role.SHARD:
             self.replica: MeshReplica = start_shard(
                 service_id, registry, base, mesh.shards_per_group
             )
+        elif self.role == Role.MODEL_PEER:
+            self.replica = start_model_peer(service_id, registry, base)
         else:
             self.replica = start_engine(
-                self.role, service_id, registry, base, mesh.shards_per_group, mesh.shard_wait_s
-            )
+                self.role, service_id, registry, base, mesh.shards_per_group, mesh.shard_wait_s,
+                mesh.model_peers,
+            )  # fmt: skip
 
     def check_health(self) -> None:
         self.replica.check_health()
@@ -371,6 +394,15 @@ class AttentionShardDeployment(_MeshService):
     role = Role.SHARD
 
 
+@serve.deployment(name=MODEL_PEER_DEPLOYMENT, ray_actor_options={"num_cpus": 0.5}, **_MESH_OPTIONS)
+class ModelPeerDeployment(_MeshService):
+    """A replica of the model's weights running a token engine's lanes' layer slices (Lamina 4.3;
+    claimed by one token engine through the registry). Stateless: a lost one is replaced by
+    Serve and claimed again; meanwhile its engine runs the slices itself."""
+
+    role = Role.MODEL_PEER
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The application builder: `import_path: services.app:build_app` in a serve config."""
     parsed = AppArgs.model_validate(args)  # fail at deploy time, before any replica starts
@@ -384,5 +416,7 @@ def build_app(args: dict[str, Any]) -> Application:
         TokenEngineDeployment,
         AttentionShardDeployment,
     ]
+    if parsed.mesh.model_peers:
+        deployments.append(ModelPeerDeployment)
     mesh = [d.bind(bound) for d in deployments]
     return RouterDeployment.bind(bound, *mesh)  # type: ignore[attr-defined]

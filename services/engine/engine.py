@@ -488,7 +488,8 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         if peers is None:
             return {}
         return {"num_peer_slices": peers.counts.num_slices,
-                "num_peers_lost": peers.counts.num_lost}  # fmt: skip
+                "num_peers_lost": peers.counts.num_lost,
+                "num_peers_joined": peers.counts.num_joined}  # fmt: skip
 
     def load_report(self, now: float) -> LoadReport:
         return LoadReport(

@@ -13,12 +13,20 @@ serve one link (their token engine's) and stay unchanged, and a peer's failure s
 engine still holds the lane's context (its sends must outlive the transfer anyway), so a peer
 that dies, stays silent past the reply timeout, or answers wrongly (an error, or another step,
 lane or layer: a fault, never data) is dropped and the engine runs the slice itself. No request
-fails for it; the engine's later steps run every slice locally (docs/mesh.md).
+fails for it; the rotation shrinks from the next step on (docs/mesh.md).
+
+Re-linking: whoever keeps the engine's peers (the registry's `services.mesh.peer_group` on Ray,
+the supervisor of the local launcher) tells the engine its peers' addresses (`LinkPeers`), on a
+change and again periodically. Between steps, `relink` keeps the links it has to listed peers,
+closes the rest, and links to each listed peer it lacks: a replacement, or the same peer back
+after a fault. The rotation grows again from the next step. A peer that does not answer the new
+link is left out until the next `LinkPeers`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -61,6 +69,7 @@ class PeerCounts:
 
     num_slices: int = 0
     num_lost: int = 0
+    num_joined: int = 0  # links made by `relink`: the first ones, peers back, replacements
     peer_s: float = 0.0  # send to reply, summed
 
 
@@ -72,9 +81,14 @@ class ModelPeers:
         links: Seq[PeerLink],
         heads: tuple[int, int, int],
         reply_timeout_s: float = 30.0,
+        addresses: Seq[str] = (),
     ) -> None:
-        """`heads`: the model's (query heads, KV heads, head dim), to check replies' q/k/v."""
+        """`heads`: the model's (query heads, KV heads, head dim), to check replies' q/k/v;
+        `addresses[i]`: where `links[i]` goes (for `relink`; default: unnamed)."""
         self.links: list[PeerLink] = list(links)
+        self.addresses: list[str] = list(addresses) or [f"#{i}" for i in range(len(links))]
+        if len(self.addresses) != len(self.links):
+            raise ValueError(f"{len(self.links)} links, {len(self.addresses)} addresses")
         self.heads = heads
         self.reply_timeout_s = reply_timeout_s
         self.lost: set[int] = set()  # dropped during the current step; pruned before the next
@@ -86,8 +100,38 @@ class ModelPeers:
     def prune(self) -> None:
         """Before a step: forget the peers lost in the last one (the rotation shrinks)."""
         if self.lost:
-            self.links = [link for i, link in enumerate(self.links) if i not in self.lost]
+            kept = [i for i in range(len(self.links)) if i not in self.lost]
+            self.links = [self.links[i] for i in kept]
+            self.addresses = [self.addresses[i] for i in kept]
             self.lost.clear()
+
+    def relink(self, addresses: Seq[str], connect: Callable[[str], PeerLink]) -> list[str]:
+        """Between steps: peers at exactly `addresses`, in that order. Links to listed peers
+        stay; the others are closed; a listed peer without a live link gets a new one from
+        `connect` (one that raises is left out, logged). Returns the addresses newly linked."""
+        self.prune()
+        have = dict(zip(self.addresses, self.links, strict=True))
+        for address in [a for a in have if a not in addresses]:
+            self._close(have.pop(address))
+        links, linked, joined = [], [], []
+        for address in dict.fromkeys(addresses):  # NOTE: a peer listed twice is linked once
+            link = have.get(address)
+            if link is None:
+                try:
+                    link = connect(address)
+                except Exception as exc:  # noqa: BLE001 - not back yet: the next LinkPeers
+                    log.warning("model peer not linked; its slices run on the engine",
+                                peer=address[:16], error=repr(exc))  # fmt: skip
+                    continue
+                joined.append(address)
+            links.append(link)
+            linked.append(address)
+        self.links, self.addresses = links, linked
+        self.counts.num_joined += len(joined)
+        if joined:
+            log.info("model peers linked; they rejoin the rotation", num_peers=len(links),
+                     joined=[a[:16] for a in joined])  # fmt: skip
+        return joined
 
     def peer_of(self, lane: int, layer: int) -> int | None:
         """The peer that runs `lane`'s slice `layer`, or None: the engine runs it."""
@@ -144,10 +188,14 @@ class ModelPeers:
         log.error("model peer lost; its slices run on the engine", peer=peer, why=why)
         self.lost.add(peer)
         self.counts.num_lost += 1
+        self._close(self.links[peer])  # a late reply goes with it
+
+    @staticmethod
+    def _close(link: PeerLink) -> None:
         try:
-            self.links[peer].close()  # a late reply goes with it
+            link.close()
         except Exception as exc:  # noqa: BLE001 - closing must not fail the step
-            log.debug("closing a lost model peer's link failed", error=repr(exc))
+            log.debug("closing a model peer's link failed", error=repr(exc))
 
 
 def _wrong(

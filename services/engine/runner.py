@@ -31,8 +31,6 @@ from common.protocol import (
     ATTEND_NEW,
     ATTEND_PREV,
     ATTEND_WHOLE,
-    AttendBatch,
-    KvReadyQuery,
     ShardAddress,
     SliceRequest,
 )
@@ -48,7 +46,9 @@ from services.engine.shard_round_trip import (
     ShardLink,
     ShardLinkFault,
     ShardSend,
+    ask_kv_news,
     collect_layer,
+    send_by_request,
     send_layer,
 )
 
@@ -345,23 +345,9 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         inputs: StepPlan,
         sharded: ShardedRows,
     ) -> torch.Tensor:
-        """A request-partitioned group: each shard gets only its requests' rows, all heads; a
-        shard with none this step gets no message (it holds no state between steps)."""
-        assert sharded.shard_rows is not None
+        """A request-partitioned group: each shard gets only its requests' rows, all heads."""
         n = inputs.num_local
-        sends = []
-        for i, (link, rows) in enumerate(zip(self.shard_links, sharded.shard_rows, strict=True)):
-            if not rows:
-                continue
-            header = AttendBatch(sharded.step, layer)
-            if layer == 0:
-                header.req_ids = [sharded.req_ids[r] for r in rows]
-                header.context_lens = [sharded.context_lens[r] for r in rows]
-                header.traceparent = sharded.traceparent
-            index = torch.tensor(rows) + n  # [R] rows of the batch
-            handle = link.send_async(header, [q[index], k[index], v[index]])  # [R, heads, D]
-            sends.append(ShardSend(i, link, slice(None), handle, time.perf_counter(), sharded,
-                                   layer, row_index=index))  # fmt: skip
+        sends = send_by_request(self.shard_links, layer, sharded, q, k, v, n)
         flight = LayerInFlight(sends, self._attend_rows_local(layer, q, k, v, inputs, n), n)
         self._collect(flight, inputs)
         return flight.out
@@ -371,23 +357,8 @@ class MeshModelRunner(ModelRunner[StepPlan]):
     ) -> tuple[list[tuple[int, list[str]]], set[str]]:
         """Between steps: news about KV arriving from `shards` (indexes; all by default), a
         `KvReadyQuery` round trip each; a shard with none waits up to `wait_s` for some."""
-        asked = list(range(len(self.shard_links))) if shards is None else list(shards)
-        for i in asked:
-            link = self.shard_links[i]
-            link.wait(link.send_async(KvReadyQuery(step, wait_s), []), self.reply_timeout_s)
-        landed, lost = [], set()
-        for i in asked:
-            link = self.shard_links[i]
-            try:
-                result, _ = link.recv(None, self.reply_timeout_s)
-            except TimeoutError as exc:
-                raise ShardLinkFault(f"shard {i}: no answer about its KV") from exc
-            if (result.step, result.layer) != (step, -1):
-                raise ShardLinkFault(f"shard {i}: answered step {result.step} layer "
-                                     f"{result.layer} to a KV query of step {step}")  # fmt: skip
-            landed.append((i, result.kv_landed))
-            lost.update(result.kv_lost)
-        return landed, lost
+        asked = range(len(self.shard_links)) if shards is None else shards
+        return ask_kv_news(self.shard_links, step, wait_s, self.reply_timeout_s, asked)
 
     def _drain(self, in_flight: object, error: BaseException) -> None:
         """Another lane failed: read this lane's replies still on the links. Not after a link

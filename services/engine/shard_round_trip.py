@@ -9,13 +9,21 @@ runner (runner.py) decides what to send when; this module only moves and checks 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from common.protocol import ATTEND_NEW, ATTEND_PREV, AttendBatch, DecodeBreakdown, ShardAddress
+from common.protocol import (
+    ATTEND_NEW,
+    ATTEND_PREV,
+    AttendBatch,
+    DecodeBreakdown,
+    KvReadyQuery,
+    ShardAddress,
+)
 from common.transport.tensor_frames import ReceiveInto
 
 
@@ -121,6 +129,35 @@ def send_layer(
     return sent
 
 
+def send_by_request(
+    links: Seq[ShardLink],
+    layer: int,
+    rows: ShardedRows,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_local: int,
+) -> list[ShardSend]:
+    """A request-partitioned group's layer: each shard gets only its requests' rows of q, k, v
+    [rows, heads, D] (all heads; `rows.shard_rows`, batch rows from `num_local` on); a shard with
+    none this step gets no message (it holds no state between steps)."""
+    assert rows.shard_rows is not None
+    sends = []
+    for i, (link, shard_rows) in enumerate(zip(links, rows.shard_rows, strict=True)):
+        if not shard_rows:
+            continue
+        header = AttendBatch(rows.step, layer)
+        if layer == 0:
+            header.req_ids = [rows.req_ids[r] for r in shard_rows]
+            header.context_lens = [rows.context_lens[r] for r in shard_rows]
+            header.traceparent = rows.traceparent
+        index = torch.tensor(shard_rows) + num_local  # [R] rows of the batch
+        handle = link.send_async(header, [q[index], k[index], v[index]])  # [R, heads, D]
+        sends.append(ShardSend(i, link, slice(None), handle, time.perf_counter(), rows, layer,
+                               row_index=index))  # fmt: skip
+    return sends
+
+
 def collect_layer(
     flight: LayerInFlight,
     timeout: float,
@@ -182,6 +219,31 @@ def collect_layer(
         raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
 
 
+def ask_kv_news(
+    links: Seq[ShardLink], step: int, wait_s: float, timeout: float, asked: Iterable[int]
+) -> tuple[list[tuple[int, list[str]]], set[str]]:
+    """Between steps: news about KV arriving from the shards `asked` (indexes into `links`), a
+    `KvReadyQuery` round trip each; a shard with none waits up to `wait_s` for some. Raises
+    `ShardLinkFault` for an answer that did not come or answers something else."""
+    asked = list(asked)
+    for i in asked:
+        link = links[i]
+        link.wait(link.send_async(KvReadyQuery(step, wait_s), []), timeout)
+    landed, lost = [], set()
+    for i in asked:
+        link = links[i]
+        try:
+            result, _ = link.recv(None, timeout)
+        except TimeoutError as exc:
+            raise ShardLinkFault(f"shard {i}: no answer about its KV") from exc
+        if (result.step, result.layer) != (step, -1):
+            raise ShardLinkFault(f"shard {i}: answered step {result.step} layer "
+                                 f"{result.layer} to a KV query of step {step}")  # fmt: skip
+        landed.append((i, result.kv_landed))
+        lost.update(result.kv_lost)
+    return landed, lost
+
+
 __all__ = [
     "DecodeTimes",
     "LayerInFlight",
@@ -189,6 +251,8 @@ __all__ = [
     "ShardLinkFault",
     "ShardSend",
     "ShardedRows",
+    "ask_kv_news",
     "collect_layer",
+    "send_by_request",
     "send_layer",
 ]

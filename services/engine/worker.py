@@ -31,6 +31,7 @@ from common.protocol import (
     KvControl,
     KvPages,
     KvSwapAck,
+    LinkPeers,
     LinkShards,
     LoadReport,
     PeerLinkMessage,
@@ -61,6 +62,7 @@ log = structlog.get_logger(__name__)
 
 IDLE_POLL_MS = 200  # an idle loop wakes this often to notice a dead parent; never busy-polls
 LOAD_REPORT_INTERVAL_S = 0.05
+PEER_CONNECT_TIMEOUT_S = 2.0  # a model peer that does not answer a new link is left out
 
 
 class EngineWorker:
@@ -109,27 +111,38 @@ class EngineWorker:
         if cfg.decode_lanes == 0:  # auto: one lane until measured (lanes.py)
             self.engine.runner.auto_lanes = AutoLanes(len(self.engine.runner.model.layers))
         if cfg.model_peers:  # Lamina 4.3 over replicas: lanes' slices rotate (rotation.py)
-            self.engine.runner.model_peers = self._link_peers()
+            self.engine.runner.model_peers = self._link_peers(cfg.model_peers)
         self.running = True
         self.last_pass = time.monotonic()
         self._last_report = 0.0
         self._unreachable: set[str] = set()  # endpoints already warned about
         self.digests = CacheDigests()  # its prefix cache's news, on every load report
 
-    def _link_peers(self) -> ModelPeers:
-        """Links to the model peers that answer; one that does not is left out (logged)."""
-        links = []
-        for address in self.cfg.model_peers:
-            try:
-                links.append(UcxTensorChannel.connect(
-                    address, PeerLinkMessage, host=self.cfg.host,
-                    key=bytes.fromhex(self.cfg.mesh_key),
-                ))  # fmt: skip
-            except Exception as exc:  # noqa: BLE001 - decode without it; slices run here
-                log.error("model peer unreachable; its slices run on the engine", error=repr(exc))
+    def _link_peers(self, addresses: list[str]) -> ModelPeers:
+        """Links to the model peers that answer; one that does not is left out (logged) until
+        the next `LinkPeers` lists it."""
         mc = self.engine.runner.model.config
         heads = (mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim)
-        return ModelPeers(links, heads, self.cfg.shard_reply_timeout_s)
+        peers = ModelPeers([], heads, self.cfg.shard_reply_timeout_s)
+        peers.relink(addresses, self._connect_peer)
+        return peers
+
+    def _connect_peer(self, address: str) -> UcxTensorChannel[PeerLinkMessage]:
+        # NOTE: blocks the loop (between steps) for at most PEER_CONNECT_TIMEOUT_S per peer that
+        # does not answer; a peer the registry still lists is alive, so this is rare.
+        return UcxTensorChannel.connect(
+            address, PeerLinkMessage, host=self.cfg.host, key=bytes.fromhex(self.cfg.mesh_key),
+            timeout=PEER_CONNECT_TIMEOUT_S,
+        )  # fmt: skip
+
+    def _relink_peers(self, addresses: list[str]) -> None:
+        """`LinkPeers`: between steps (the loop drains commands there), the rotation's peers
+        become `addresses` (rotation.py `relink`)."""
+        runner = self.engine.runner
+        if runner.model_peers is None:  # none at start (Ray: peers still starting)
+            runner.model_peers = self._link_peers(addresses)
+        else:
+            runner.model_peers.relink(addresses, self._connect_peer)
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
@@ -259,6 +272,8 @@ class EngineWorker:
             self.engine.on_set_role(msg)
         elif isinstance(msg, LinkShards):
             self._relink(list(msg.shards), "its shard group changed")
+        elif isinstance(msg, LinkPeers):
+            self._relink_peers(list(msg.peers))
         elif isinstance(msg, Shutdown):
             self.running = False
 

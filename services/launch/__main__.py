@@ -1,6 +1,10 @@
 """`python -m services.launch`: start a mesh as local processes and run one demo request.
 
 python -m services.launch --prompt 1 --token 1 --shards 2 [--model PATH] [--no-pin]
+    [--model-peers N [--decode-lanes L]]
+
+`--model-peers N` gives each token engine N model peer processes (Lamina 4.3's rotation; needs
+shards); its decode lanes default to N + 2 (one more lane than replicas, docs/mesh.md).
 """
 
 from __future__ import annotations
@@ -21,11 +25,24 @@ def main() -> None:
     parser.add_argument("--token", type=int, default=1)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--no-pin", action="store_true", help="let the OS place every process")
+    parser.add_argument(
+        "--model-peers",
+        type=int,
+        default=0,
+        help="model peers per token engine (Lamina 4.3's rotation; needs shards)",
+    )
+    parser.add_argument("--decode-lanes", type=int, default=None,
+                        help="staggered decode lanes per token engine (default: 1, or "
+                             "model peers + 2 with peers)")  # fmt: skip
     args = parser.parse_args()
-    topology = Topology(
-        str(args.model or default_model_path()), args.prompt, args.token, args.shards,
-        pin_decode_groups=not args.no_pin,
-    )  # fmt: skip
+    lanes = args.decode_lanes or (args.model_peers + 2 if args.model_peers else 1)
+    try:
+        topology = Topology(
+            str(args.model or default_model_path()), args.prompt, args.token, args.shards,
+            pin_decode_groups=not args.no_pin, model_peers=args.model_peers, decode_lanes=lanes,
+        )  # fmt: skip
+    except ValueError as exc:  # a bad combination: say so, as argparse does
+        parser.error(str(exc))
     mesh = LocalMesh.start(topology)
     try:
         client = MeshTestClient(mesh)

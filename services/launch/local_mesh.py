@@ -76,6 +76,8 @@ class Topology:
             raise ValueError(f"decode_lanes must be at least 1, got {self.decode_lanes}")
         if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes > 1):
             raise ValueError("shard_partition request runs without attention_overlap and lanes")
+        if self.model_peers < 0:
+            raise ValueError(f"model_peers must be at least 0, got {self.model_peers}")
         if self.model_peers and (not self.num_shards or self.shard_partition != "head"):
             raise ValueError("model_peers rotate decode lanes over a head-split shard group")
 
@@ -106,8 +108,8 @@ class LocalMesh:
         # the age bound only matters if the supervisor itself stalls.
         self.registry = Registry(max_age_s=60.0)
         self.workers: dict[str, LocalWorker] = {}  # shards, token engines, prompt engines
-        # Token engines' model peers (Lamina 4.3): not supervised, not registered; a token engine
-        # that loses one runs its slices itself (services/engine/rotation.py).
+        # Token engines' model peers (Lamina 4.3): not registered (each token engine's config lists
+        # its own); the supervisor restarts one that dies and re-links its engine (LinkPeers).
         self.model_peers: dict[str, LocalWorker] = {}
         self.supervisor: Supervisor | None = None
         # The mesh's secret: UCX hellos are signed with it, ZeroMQ sockets use CURVE keys derived
@@ -264,6 +266,26 @@ class LocalMesh:
         }
         self.registry.register(entry_of(worker))
         return worker
+
+    def restart_peer(self, dead: LocalWorker, timeout: float = 120.0) -> LocalWorker:
+        """Replace a model peer whose process exited (`peer-0-1` -> `peer-0-1.1`), in its place
+        in `model_peers`; its token engine's config lists the new address instead (the caller
+        tells the engine)."""
+        base_id, _, generation = dead.service_id.partition(".")
+        cfg = msgspec.structs.replace(dead.cfg, service_id=f"{base_id}.{int(generation or 0) + 1}")
+        [peer] = self.spawn([cfg], timeout, into={})
+        self.model_peers = {
+            (peer.service_id if key == dead.service_id else key): (
+                peer if key == dead.service_id else w
+            )
+            for key, w in self.model_peers.items()
+        }
+        old, new = dead.ready.link_address, peer.ready.link_address
+        for worker in self._of(Role.TOKEN):
+            if old in worker.cfg.model_peers:
+                peers = [new if a == old else a for a in worker.cfg.model_peers]
+                worker.cfg = msgspec.structs.replace(worker.cfg, model_peers=peers)
+        return peer
 
     def _env(self, cfg: WorkerConfig) -> dict[str, str]:
         env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}

@@ -6,6 +6,9 @@ Every `interval_s` the supervisor thread
 - heartbeats the live workers' registry entries (the processes are its children: it knows);
 - keeps every token engine's shard group whole (`ShardGroupKeeper`): a lost shard is reported to
   the engine at once as a `LinkShards` without it, the replacement as a `LinkShards` with it.
+- restarts a token engine's model peer that dies (`LocalMesh.restart_peer`) and tells the engine
+  its peers' addresses (`LinkPeers`), then and every `PEER_REMIND_S` (a peer the engine dropped
+  for a fault but still running rejoins the rotation: services/engine/rotation.py).
 
 A dead launcher takes its workers with it (`worker_process` exits with its parent), so nothing
 here outlives the mesh. A restart blocks the loop while the new worker loads (seconds).
@@ -14,6 +17,7 @@ here outlives the mesh. A restart blocks the loop while the new worker loads (se
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -21,7 +25,7 @@ import msgspec
 import structlog
 import zmq
 
-from common.protocol import LinkShards
+from common.protocol import LinkPeers, LinkShards
 from common.roles import Role
 from common.transport.zmq_sockets import PushPool
 from services.mesh.shard_group import GroupChange, ShardGroupKeeper
@@ -30,6 +34,8 @@ if TYPE_CHECKING:
     from services.launch.local_mesh import LocalMesh, LocalWorker
 
 log = structlog.get_logger(__name__)
+
+PEER_REMIND_S = 5.0  # how often token engines are reminded of their model peers
 
 
 class Supervisor:
@@ -40,9 +46,10 @@ class Supervisor:
         self.interval_s = interval_s
         self.num_restarts = 0
         self.keepers: dict[str, ShardGroupKeeper] = {}
-        self._push: PushPool[LinkShards] = PushPool(
-            zmq.Context.instance(), LinkShards, auth=mesh.auth
+        self._push: PushPool[LinkShards | LinkPeers] = PushPool(
+            zmq.Context.instance(), LinkShards | LinkPeers, auth=mesh.auth
         )
+        self._peers_told = time.monotonic()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="local-mesh-supervisor", daemon=True)
         self._thread.start()
@@ -80,6 +87,25 @@ class Supervisor:
             self.mesh.restart(worker)
             self.num_restarts += 1
         self._keep_groups()
+        self._keep_peers()
+
+    def _keep_peers(self) -> None:
+        """Restart dead model peers; tell their engines (all engines, every PEER_REMIND_S)."""
+        dead = [p for p in list(self.mesh.model_peers.values()) if p.proc.poll() is not None]
+        for peer in dead:
+            if self._stopped.is_set():
+                return
+            log.warning("model peer exited; restarting it", service_id=peer.service_id,
+                        returncode=peer.proc.returncode)  # fmt: skip
+            self.mesh.restart_peer(peer)
+            self.num_restarts += 1
+        now = time.monotonic()
+        if dead or now - self._peers_told >= PEER_REMIND_S:
+            self._peers_told = now
+            for worker in list(self.mesh.workers.values()):
+                if worker.cfg.model_peers and worker.proc.poll() is None:
+                    command = LinkPeers(list(worker.cfg.model_peers))
+                    self._push.get(worker.ready.command_endpoint).send(command)
 
     def _keep_groups(self) -> None:
         for worker in list(self.mesh.workers.values()):

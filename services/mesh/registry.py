@@ -10,6 +10,12 @@ shards, so 2 shards of a 2-slot group take slots 0 and 1). A token engine claims
 unclaimed shard per slot, atomically; a claim ends with its shard or with its token engine (a
 `ShardWorker` frees a departed engine's requests and accepts the next engine's link).
 
+Model peers (Lamina 4.3's rotation, services/engine/rotation.py). A peer registers ready with its
+UCX `link_address`; a token engine claims up to its number of peers among the ready, unclaimed
+ones, keeping those it holds (`claim_peers`). Unlike a shard group, a partial set is useful (each
+peer is one more replica in the rotation), so a claim takes what there is; the engine's keeper
+claims again until it has them all. A claim ends with the peer or with its token engine.
+
 `Registry` is a plain class (unit-testable, injected clock); on Ray it runs as a named detached
 actor, one per Serve application (`registry_handle`), created by whichever replica comes first.
 """
@@ -84,7 +90,7 @@ class Registry:
         self.clock = clock
         self.entries: dict[str, ServiceEntry] = {}
         self.last_seen: dict[str, float] = {}
-        self.claimed_by: dict[str, str] = {}  # shard id -> token engine id
+        self.claimed_by: dict[str, str] = {}  # shard or model peer id -> token engine id
 
     def register(self, entry: ServiceEntry) -> None:
         """Add or replace an entry (a replica re-registers when its state changes)."""
@@ -104,7 +110,7 @@ class Registry:
         self.last_seen.pop(service_id, None)
         self.claimed_by.pop(service_id, None)
         for shard_id, owner in list(self.claimed_by.items()):
-            if owner == service_id:  # a token engine left: its shards serve the next one
+            if owner == service_id:  # a token engine left: its shards and peers serve the next
                 del self.claimed_by[shard_id]
 
     def live(self) -> list[ServiceEntry]:
@@ -141,6 +147,19 @@ class Registry:
             self.claimed_by[shard.service_id] = token_id
         return group
 
+    def claim_peers(self, token_id: str, num_peers: int) -> list[ServiceEntry]:
+        """Up to `num_peers` ready model peers for `token_id`: the ones it holds first (in
+        registration order), then unclaimed ones; each is claimed. Fewer (or none) if no more
+        are free: the caller claims again later."""
+        self._expire()
+        peers = [e for e in self.entries.values() if e.role == Role.MODEL_PEER]
+        usable = [e for e in peers if self._claimable(e, token_id)]
+        usable.sort(key=lambda e: self.claimed_by.get(e.service_id) != token_id)  # stable
+        claimed = usable[:num_peers]
+        for peer in claimed:
+            self.claimed_by[peer.service_id] = token_id
+        return claimed
+
     def shard_census(self) -> tuple[int, int]:
         """(live shards, live shards no token engine has claimed), starting ones included."""
         self._expire()
@@ -150,9 +169,9 @@ class Registry:
     def _shards(self) -> list[ServiceEntry]:
         return [e for e in self.entries.values() if e.role == Role.SHARD]
 
-    def _claimable(self, shard: ServiceEntry, token_id: str) -> bool:
-        owner = self.claimed_by.get(shard.service_id, token_id)
-        return shard.state == "ready" and owner == token_id
+    def _claimable(self, entry: ServiceEntry, token_id: str) -> bool:
+        owner = self.claimed_by.get(entry.service_id, token_id)
+        return entry.state == "ready" and owner == token_id
 
     def _expire(self) -> None:
         now = self.clock()
@@ -177,6 +196,8 @@ class RegistryClient(Protocol):
     def take_shard_slot(self, entry: ServiceEntry, num_slots: int) -> int: ...
 
     def claim_group(self, token_id: str, num_slots: int) -> list[ServiceEntry] | None: ...
+
+    def claim_peers(self, token_id: str, num_peers: int) -> list[ServiceEntry]: ...
 
     def shard_census(self) -> tuple[int, int]: ...
 
@@ -221,6 +242,9 @@ class RayRegistry:
     def claim_group(self, token_id: str, num_slots: int) -> list[ServiceEntry] | None:
         group = self._call("claim_group", token_id, num_slots)
         return None if group is None else list(group)
+
+    def claim_peers(self, token_id: str, num_peers: int) -> list[ServiceEntry]:
+        return list(self._call("claim_peers", token_id, num_peers))
 
     def shard_census(self) -> tuple[int, int]:
         num_live, num_unclaimed = self._call("shard_census")

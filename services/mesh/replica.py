@@ -10,6 +10,11 @@ Token engines claim a shard group from the registry before their worker starts (
 made in the constructor), waiting a bounded time for shards still starting. When every live shard
 is already claimed (say, the second token engine after scaling 1 -> 2 with 2 shards), the engine
 runs with local attention and says so in its log.
+
+Model peers (`model_peers: N`, Lamina 4.3's rotation) register ready with their UCX address; a
+token engine claims up to N of them before its worker starts (a short, bounded wait: peers
+that come later are claimed by its watch) and its `GroupWatch` keeps them claimed and linked
+(`services.mesh.peer_group`), as it keeps the shard group.
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ import torch
 import zmq
 
 from common.config import ModelConfig
-from common.protocol import LinkShards
+from common.protocol import LinkPeers, LinkShards
 from common.roles import Role
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool
 from common.worker_config import WorkerConfig
+from services.engine.model_peer_worker import ModelPeerWorker
 from services.engine.worker import EngineWorker
+from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
 from services.mesh.shard_group import ShardGroupKeeper
 from services.shard.worker import ShardWorker
@@ -46,8 +53,9 @@ ALL_CLAIMED_SETTLE_S = 3.0  # every live shard claimed for this long: stop waiti
 CLAIM_RETRY_S = 0.5
 DRAIN_POLL_S = 0.1
 GROUP_CHECK_INTERVAL_S = 0.5  # how often a token engine replica looks for lost or new shards
+PEER_WAIT_S = 10.0  # at most this long a starting token engine waits for all its model peers
 
-Worker = EngineWorker | ShardWorker
+Worker = EngineWorker | ShardWorker | ModelPeerWorker
 
 
 class WorkerThread:
@@ -96,15 +104,18 @@ class WorkerThread:
 
 
 class GroupWatch:
-    """A token engine replica's shard group kept whole: a thread checks the registry every
-    `interval_s` (`ShardGroupKeeper`) and tells the engine of a change with a `LinkShards` on its
-    own command socket (the engine loop owns the UCX links), then republishes its entry."""
+    """A token engine replica's shard group kept whole, and its model peers linked: a thread
+    checks the registry every `interval_s` (`ShardGroupKeeper`, `ModelPeerKeeper`) and tells the
+    engine of a change with a `LinkShards` or `LinkPeers` on its own command socket (the engine
+    loop owns the UCX links), then republishes its entry (shards)."""
 
     def __init__(
         self, keeper: ShardGroupKeeper, membership: Membership, command_endpoint: str,
         auth: CurveKeys, interval_s: float = GROUP_CHECK_INTERVAL_S,
+        peer_keeper: ModelPeerKeeper | None = None,
     ) -> None:  # fmt: skip
         self.keeper = keeper
+        self.peer_keeper = peer_keeper
         self.membership = membership
         self.command_endpoint = command_endpoint
         self.auth = auth
@@ -118,7 +129,9 @@ class GroupWatch:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        push: PushPool[LinkShards] = PushPool(zmq.Context.instance(), LinkShards, auth=self.auth)
+        push: PushPool[LinkShards | LinkPeers] = PushPool(
+            zmq.Context.instance(), LinkShards | LinkPeers, auth=self.auth
+        )
         try:
             # NOTE: a timer thread (Event.wait): registry changes arrive by asking, not by event.
             while not self._stopped.wait(self.interval_s):
@@ -129,7 +142,9 @@ class GroupWatch:
         finally:
             push.close()
 
-    def _check(self, push: PushPool[LinkShards]) -> None:
+    def _check(self, push: PushPool[LinkShards | LinkPeers]) -> None:
+        if self.peer_keeper is not None:
+            self._check_peers(push, self.peer_keeper)
         change = self.keeper.check()
         if change is None:
             return
@@ -137,6 +152,15 @@ class GroupWatch:
         log.warning("shard group changed", lost=change.lost, group=[s.service_id for s in shards])
         push.get(self.command_endpoint).send(LinkShards(shards))
         self.membership.update(shards=tuple(shards))
+
+    def _check_peers(self, push: PushPool[LinkShards | LinkPeers], keeper: ModelPeerKeeper) -> None:
+        change = keeper.check()
+        if change is not None:
+            log.warning("model peers changed", lost=change.lost,
+                        peers=[e.service_id for e in change.peers])  # fmt: skip
+            push.get(self.command_endpoint).send(LinkPeers(change.addresses()))
+        elif (addresses := keeper.due_reminder()) is not None:
+            push.get(self.command_endpoint).send(LinkPeers(addresses))
 
 
 class MeshReplica:
@@ -188,17 +212,22 @@ def start_engine(
     base: WorkerConfig,
     shards_per_group: int,
     shard_wait_s: float,
+    num_model_peers: int = 0,
 ) -> MeshReplica:
-    """A prompt or token engine: claim shards (token), start the worker, register as ready."""
+    """A prompt or token engine: claim shards and model peers (token), start the worker,
+    register as ready."""
     torch.set_num_threads(base.num_threads)
     group: list[ServiceEntry] = []
+    peers: list[ServiceEntry] = []
     if role == Role.TOKEN:
         group = claim_shard_group(registry, service_id, shards_per_group, shard_wait_s)
+        peers = claim_model_peers(registry, service_id, num_model_peers, PEER_WAIT_S)
     if role == Role.TOKEN and not group:
         log.warning("no free shard group: this token engine decodes with local attention",
                     service_id=service_id)  # fmt: skip
     links = [s.shard_address() for s in group]
-    cfg = replace_cfg(base, service_id=service_id, role=role, shards=links)
+    cfg = replace_cfg(base, service_id=service_id, role=role, shards=links,
+                      model_peers=[e.link_address for e in peers])  # fmt: skip
     thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
     assert isinstance(thread.worker, EngineWorker)
     ready = thread.worker.ready()
@@ -211,11 +240,16 @@ def start_engine(
     membership = Membership(registry, entry, alive=thread.alive)
     membership.update()
     membership.start()
-    log.info("engine replica ready", service_id=service_id, role=role, num_shards=len(group))
+    log.info("engine replica ready", service_id=service_id, role=role, num_shards=len(group),
+             num_model_peers=len(peers))  # fmt: skip
     watch = None
     if role == Role.TOKEN and shards_per_group:
         keeper = ShardGroupKeeper(registry, service_id, shards_per_group, group)
-        watch = GroupWatch(keeper, membership, ready.command_endpoint, cfg.curve_keys)
+        peer_keeper = None
+        if num_model_peers:
+            peer_keeper = ModelPeerKeeper(registry, service_id, num_model_peers, peers)
+        watch = GroupWatch(keeper, membership, ready.command_endpoint, cfg.curve_keys,
+                           peer_keeper=peer_keeper)  # fmt: skip
     return MeshReplica(thread, membership, watch)
 
 
@@ -250,6 +284,35 @@ def start_shard(
     )  # fmt: skip
     log.info("shard replica ready", service_id=service_id, heads=(head_start, head_end))
     return MeshReplica(thread, membership)
+
+
+def start_model_peer(service_id: str, registry: RegistryClient, base: WorkerConfig) -> MeshReplica:
+    """A model peer: start the worker (it loads the model), register as ready (claimable)."""
+    torch.set_num_threads(base.num_threads)
+    cfg = replace_cfg(base, service_id=service_id, role=Role.MODEL_PEER)
+    thread = WorkerThread(lambda: ModelPeerWorker(cfg), name=f"{service_id}-loop")
+    assert isinstance(thread.worker, ModelPeerWorker)
+    entry = ServiceEntry(role=Role.MODEL_PEER, service_id=service_id, state="ready",
+                         link_address=thread.worker.ready().link_address)  # fmt: skip
+    membership = Membership(registry, entry, alive=thread.alive)
+    membership.update()
+    membership.start()
+    log.info("model peer replica ready", service_id=service_id)
+    return MeshReplica(thread, membership)
+
+
+def claim_model_peers(
+    registry: RegistryClient, token_id: str, num_peers: int, wait_s: float
+) -> list[ServiceEntry]:
+    """Up to `num_peers` model peers for `token_id`, waiting at most `wait_s` for all of them;
+    fewer (even none) is fine: the engine's watch claims the rest as they come."""
+    deadline = time.monotonic() + wait_s
+    peers = registry.claim_peers(token_id, num_peers) if num_peers else []
+    while len(peers) < num_peers and time.monotonic() < deadline:
+        # NOTE: waiting on other replicas' start-up (bounded by wait_s); nothing to block on.
+        time.sleep(CLAIM_RETRY_S)
+        peers = registry.claim_peers(token_id, num_peers)
+    return peers
 
 
 def claim_shard_group(

@@ -1,9 +1,12 @@
 """The disaggregated mesh (separate OS processes over ZeroMQ and UCX) against the single-process
 engine: greedy tokens equal, KV shipped layer-wise or serialized, or held by the prompt engine
 and pulled by the shards between decode steps (`kv_transfer: pull`), shard groups split by KV
-heads or holding whole requests (`shard_partition: request`), nothing leaked."""
+heads or holding whole requests (`shard_partition: request`), nothing leaked; a model peer
+killed and replaced by the supervisor rejoins its token engine's rotation."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -92,8 +95,45 @@ def test_mesh_matches_single_process_engine(
             _check_pulled(events, prompts, per_request)
         else:
             _check_layer_wise(events, prompts)
+        if peers:
+            _check_a_killed_peer_is_replaced(mesh, client, hf, prompts[:2], reference[:2])
     finally:
         mesh.close()
+
+
+def _check_a_killed_peer_is_replaced(mesh, client, hf, prompts, reference) -> None:
+    """The model peer is killed while the mesh is idle: the supervisor starts a replacement and
+    re-links the token engine (`LinkPeers`); the next requests' slices run on it, tokens equal
+    the single-process engine's, and nothing fell back to the engine."""
+    [peer] = mesh.model_peers.values()
+    peer.proc.kill()
+    peer.proc.wait()
+    deadline = time.monotonic() + 60
+    while (engine := _token_stats(mesh)).num_peers_joined < 2:  # the first link, then the new
+        assert time.monotonic() < deadline, "the engine was not re-linked to the new peer"
+        time.sleep(0.2)  # polling other processes' state
+    before = engine.num_peer_slices
+    few = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)  # greedy: a prefix
+    reference = [r[:8] for r in reference]
+    for i, prompt in enumerate(prompts):
+        client.submit(f"again-{i}", prompt, few)
+    outputs: dict[str, list[int]] = {f"again-{i}": [] for i in range(len(prompts))}
+    for _ in range(len(prompts)):
+        while not (out := client.recv(timeout=120)).finish_reason:
+            assert not out.error, out.error
+            outputs[out.req_id] += out.token_ids
+        outputs[out.req_id] += out.token_ids
+    for i, prompt in enumerate(prompts):
+        if (ours := outputs[f"again-{i}"]) != reference[i]:
+            assert_greedy_close(hf, prompt, ours, reference[i])
+    engine = _token_stats(mesh)
+    assert engine.num_peer_slices > before and engine.num_peers_lost == 0
+    assert [p.service_id for p in mesh.model_peers.values()] == [f"{peer.service_id}.1"]
+
+
+def _token_stats(mesh):
+    [engine] = [s for s in mesh.stats() if s.role == "token"]
+    return engine
 
 
 def _check_whole_requests(mesh, prompts) -> None:

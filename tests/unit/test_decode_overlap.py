@@ -115,9 +115,11 @@ def greedy_local(model, prompts) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | None = None,
                    links: list[InProcessLink] | None = None, lane_swap: bool = False,
-                   auto_lanes: AutoLanes | None = None, model_peers=None):  # fmt: skip
+                   auto_lanes: AutoLanes | None = None, model_peers=None,
+                   between_steps=None):  # fmt: skip
     """The same with every request's KV on two head-split shards, decoding through the runner's
-    round trips with `attention_overlap` and `decode_lanes` as given (into `links`, if given)."""
+    round trips with `attention_overlap` and `decode_lanes` as given (into `links`, if given);
+    `between_steps(step)`, if given, runs before each decode step (as a worker's drain)."""
     mc = model.config
     half = mc.num_key_value_heads // 2
     spec = dict(num_layers=mc.num_hidden_layers, num_queries_per_kv=mc.num_queries_per_kv,
@@ -152,6 +154,8 @@ def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | N
         for s, t in zip(seqs, logits.argmax(-1).tolist(), strict=True):
             tokens[s.req_id].append(t)
             s.num_computed, s.num_tokens = s.num_tokens, s.num_tokens + 1
+        if between_steps is not None:
+            between_steps(step)
         plan = runner.plan_decode([], seqs, tokens, step)
         logits = runner.run(plan)
         steps.append(logits)

@@ -57,7 +57,7 @@ def test_config_states_what_ray_would_default(name: str) -> None:
         args = AppArgs.model_validate(app["args"])  # the builder accepts these args
         for deployment in app["deployments"]:
             # Serve refuses a config naming a deployment the app does not have.
-            assert deployment["name"] in deployment_names(args.topology)
+            assert deployment["name"] in deployment_names(args.topology, args.mesh.model_peers)
             # A replica takes a whole CPU unless told otherwise.
             assert "num_cpus" in deployment["ray_actor_options"]
 
@@ -120,7 +120,7 @@ def test_builder_binds_both_topologies_and_refuses_unknown_args() -> None:
 
 # The mesh switches a deploy chooses (Lamina, Neo): every mesh config states each one.
 MESH_SWITCHES = ("kv_transfer", "shard_partition", "attention_overlap", "decode_lanes",
-                 "local_kv_blocks")  # fmt: skip
+                 "local_kv_blocks", "model_peers")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -139,7 +139,10 @@ def test_mesh_switches_reach_the_workers_config() -> None:
                 local_kv_blocks=64, tier_policy="alternate:2", kv_hold_bytes=12345)  # fmt: skip
     args = AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
     cfg = _worker_config(args)
+    # NOTE: `model_peers` is a count here and the claimed peers' addresses in a worker's config
+    # (test_model_peers_reach_the_token_engines below).
     shared = set(WorkerConfig.__struct_fields__) & set(type(args.mesh).model_fields)
+    shared -= {"model_peers"}
     assert set(mesh) - {"host"} <= shared
     for name in shared:
         assert getattr(cfg, name) == getattr(args.mesh, name), name
@@ -158,6 +161,9 @@ def test_mesh_switches_reach_the_workers_config() -> None:
         ({"shard_partition": "layer"}, "shard_partition"),
         ({"tier_policy": "lru"}, "unknown tier policy"),
         ({"local_kv_blocks": -1}, "local_kv_blocks"),
+        ({"model_peers": 1, "shard_partition": "request"}, "head-split shard group"),
+        ({"model_peers": 1, "shards_per_group": 0}, "head-split shard group"),
+        ({"model_peers": -1}, "model_peers"),
     ],
 )
 def test_mesh_args_refuse_what_the_workers_would(mesh: dict[str, Any], error: str) -> None:
@@ -176,3 +182,64 @@ def test_auto_lanes_reach_the_workers_as_zero() -> None:
     mesh = {"host": "127.0.0.1", "decode_lanes": "auto"}
     args = AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
     assert _worker_config(args).decode_lanes == 0  # WorkerConfig's auto
+
+
+def bound_names(app: Application) -> list[str]:
+    """The deployments an application binds: the Router and the mesh it was bound with."""
+    router = app._bound_deployment
+    return [router.name] + [a._bound_deployment.name for a in router.init_args[1:]]
+
+
+def test_model_peers_bind_the_model_peer_deployment_only_when_on() -> None:
+    mesh = {"host": "127.0.0.1", "decode_lanes": 3}
+    off = build_app({"topology": "mesh", "mesh": mesh})
+    assert bound_names(off) == list(DEPLOYMENT_NAMES) == list(deployment_names("mesh"))
+    on = build_app({"topology": "mesh", "mesh": mesh | {"model_peers": 1}})
+    assert bound_names(on) == [*DEPLOYMENT_NAMES, "ModelPeer"] == list(deployment_names("mesh", 1))
+
+
+@pytest.mark.parametrize("deployment, role", [("TokenEngineDeployment", "token"),
+                         ("ModelPeerDeployment", "model_peer")])  # fmt: skip
+def test_model_peers_reach_the_token_engines(
+    monkeypatch: pytest.MonkeyPatch, deployment: str, role: str
+) -> None:
+    """A replica's constructor, with Ray and the worker faked: a token engine is started with
+    `model_peers` peers to claim, a model peer as one."""
+    from types import SimpleNamespace
+
+    import services.app as app
+
+    started: list[tuple[str, tuple[Any, ...]]] = []
+    monkeypatch.setattr(app.serve, "get_replica_context", lambda: SimpleNamespace(app_name="a"))
+    monkeypatch.setattr(app.RayRegistry, "for_app", classmethod(lambda cls, name: "registry"))
+    monkeypatch.setattr(app, "_service_id", lambda role: f"{role}-1")
+    monkeypatch.setattr(app, "_configure_observability", lambda *a: None)
+    monkeypatch.setattr(app, "start_engine", lambda *a: started.append(("engine", a)))
+    monkeypatch.setattr(app, "start_model_peer", lambda *a: started.append(("peer", a)))
+    args = {"topology": "mesh", "mesh": {"host": "127.0.0.1", "model_peers": 2}}
+    replica = getattr(app, deployment).func_or_class(args)
+    replica.replica = None  # nothing to shut down
+    [(kind, call)] = started
+    if role == "token":
+        assert kind == "engine" and call[0] == "token" and call[-1] == 2  # num_model_peers
+        assert call[4] == 2  # shards_per_group (default)
+    else:
+        assert kind == "peer" and call[0] == "model_peer-1" and call[1] == "registry"
+        assert call[2].model_peers == []  # a peer links to no one
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "cluster.yaml"])
+def test_the_commented_model_peer_switch_deploys_when_turned_on(name: str) -> None:
+    """The config as a user turns peers on: `model_peers: 1` and the ModelPeer block uncommented."""
+    lines, on = [], False
+    for line in (DEPLOY / name).read_text().replace("model_peers: 0", "model_peers: 1").split("\n"):
+        on = on or "# - name: ModelPeer" in line
+        lines.append(line.replace("# ", "", 1) if on and line.lstrip().startswith("# ") else line)
+    config = yaml.safe_load("\n".join(lines))
+    ServeDeploySchema.model_validate(config)
+    [app] = config["applications"]
+    args = AppArgs.model_validate(app["args"])
+    names = [d["name"] for d in app["deployments"]]
+    assert args.mesh.model_peers == 1 and "ModelPeer" in names
+    assert set(names) == set(deployment_names("mesh", args.mesh.model_peers))
+    assert "ModelPeer" in bound_names(build_app(app["args"]))

@@ -3,7 +3,9 @@ model peers (services/engine/rotation.py, model_peer.py), lane j's slice k on re
 (j + k) mod R. The runner talks to in-process shards (tests/unit/test_decode_overlap.py) and to
 peers in process or over a real UCX channel on 127.0.0.1; greedy tokens must equal the
 single-process runner's, also when a peer dies, stays silent or answers wrongly mid-step (the
-engine runs the slice itself and drops the peer)."""
+engine runs the slice itself and drops the peer), and when a dropped peer is linked again
+between steps (`ModelPeers.relink`) and rejoins the rotation. The peer worker takes a restarted
+engine's new link although the old one was never closed."""
 
 from __future__ import annotations
 
@@ -176,3 +178,95 @@ def test_rotated_lanes_over_a_real_ucx_peer(model, prompts, local, dies_after):
     else:
         assert served.num_slices == peers.counts.num_slices == dies_after
         assert peers.counts.num_lost == 1 and len(peers) == 0
+
+
+def test_a_lost_peer_rejoins_the_rotation_when_relinked(model, prompts, local):
+    """A peer dies in step 0 (dropped); before step 1 its address does not answer a new link
+    (left out); before step 2 it is back (a new link: the rotation grows again). Tokens stay
+    the single-process runner's throughout."""
+    first = InProcessPeerLink(ModelPeer(model), "dead", fail_at=5)
+    back = InProcessPeerLink(ModelPeer(model))
+    peers = ModelPeers([first], heads_of(model), reply_timeout_s=0.1, addresses=["peer-a"])
+
+    def connect(address: str) -> InProcessPeerLink:
+        if not joined_at:
+            raise ChannelClosed("no answer yet")
+        return back
+
+    joined_at: list[int] = []
+
+    def between_steps(step: int) -> None:
+        if step == 1:
+            assert peers.relink(["peer-a"], connect) == [] and len(peers) == 0
+        if step == 2:
+            joined_at.append(step)
+            assert peers.relink(["peer-a"], connect) == ["peer-a"] and len(peers) == 1
+
+    got, _, _ = greedy_sharded(model, prompts, False, 3, model_peers=peers,
+                               between_steps=between_steps)  # fmt: skip
+    assert got == local[0]
+    assert peers.counts.num_lost == 1 and peers.counts.num_joined == 1 and first.closed
+    num_layers = model.config.num_hidden_layers
+    expected = [(step, lane, layer) for step in range(2, NUM_STEPS) for layer in range(num_layers)
+                for lane in range(3) if (lane + layer) % 2 == 1]  # fmt: skip
+    assert sorted(back.slices) == sorted(expected)  # every slice of replica 1 from step 2 on
+    assert 0 < peers.counts.num_slices - len(expected) <= 5  # the first peer's, before it died
+
+
+def test_relink_keeps_listed_links_and_closes_the_rest(model):
+    a, b = InProcessPeerLink(ModelPeer(model)), InProcessPeerLink(ModelPeer(model))
+    c = InProcessPeerLink(ModelPeer(model))
+    peers = ModelPeers([a, b], heads_of(model), addresses=["a", "b"])
+    assert peers.relink(["c", "a", "c"], lambda address: c) == ["c"]  # listed twice: once
+    assert peers.links == [c, a] and peers.addresses == ["c", "a"]
+    assert b.closed and not a.closed and not c.closed
+    assert peers.relink([], lambda address: c) == [] and a.closed and c.closed and not peers
+    with pytest.raises(ValueError, match="addresses"):
+        ModelPeers([a], heads_of(model), addresses=["a", "b"])
+
+
+def test_a_restarted_engine_gets_its_peer_back_over_ucx(model, prompts, local):
+    """The engine that linked the peer dies without closing its link (the peer's side stays
+    open and silent); the restarted engine's new link is accepted and the old one dropped. A
+    hello without the mesh's key is refused and does not cost the live link."""
+    from common.roles import Role
+    from common.worker_config import WorkerConfig
+    from services.engine.model_peer_worker import ModelPeerWorker
+
+    key = b"k" * 16
+    cfg = WorkerConfig(service_id="peer-0", role=Role.MODEL_PEER, model_path="", mesh_key=key.hex(),
+                       ready_endpoint="", parent_pid=0)  # fmt: skip
+    worker = ModelPeerWorker(cfg, model)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    address = worker.ready().link_address
+
+    def connect(address: str, key: bytes = key) -> UcxTensorChannel:
+        return UcxTensorChannel.connect(address, PeerLinkMessage, key=key, timeout=5)
+
+    def one_slice(link: UcxTensorChannel) -> SliceResult:
+        x, positions = torch.zeros(1, model.config.hidden_size), torch.zeros(1, dtype=torch.long)
+        link.send(SliceRequest(0, 0, 0), [x, positions])
+        reply, _ = link.recv(timeout=5)
+        return reply
+
+    old = connect(address)
+    try:
+        assert not one_slice(old).error
+        with pytest.raises(ChannelClosed):
+            UcxTensorChannel.connect(address, PeerLinkMessage, key=b"x" * 16, timeout=1)
+        assert not one_slice(old).error  # the bad hello did not cost the link
+        # `old` is abandoned here, open: its engine "died". The restarted engine links.
+        peers = ModelPeers([], heads_of(model), reply_timeout_s=10)
+        assert peers.relink([address], connect) == [address]
+        got, _, _ = greedy_sharded(model, prompts, False, 3, model_peers=peers)
+        assert got == local[0]
+        assert peers.counts.num_lost == 0 and peers.counts.num_slices > 0
+        assert worker.peer.num_slices == 2 + peers.counts.num_slices
+    finally:
+        worker.running = False
+        thread.join(timeout=5)
+        old.close()
+        if "peers" in locals():
+            peers.close()
+    assert not thread.is_alive()

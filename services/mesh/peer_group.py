@@ -1,0 +1,87 @@
+"""Keeping a token engine's model peers (Lamina 4.3's rotation) linked while peers die and restart.
+
+A token engine with `model_peers: N` rotates its decode lanes' layer slices over N peers
+(services/engine/rotation.py). A peer that leaves the registry (killed, or its worker died) is
+lost; Ray Serve starts a replacement, which registers ready, and the keeper claims it, so the
+engine links to it and the rotation grows back, with nothing else restarted. Peers that start
+after their engine (a deploy brings every deployment up at once) are claimed the same way.
+
+`ModelPeerKeeper.check()` is called periodically by whoever runs the engine (the Ray replica's
+watch thread, `services.mesh.replica.GroupWatch`) and says what changed; it never touches links.
+`due_reminder()` says when to repeat the current list anyway: a `LinkPeers` is idempotent, and a
+repeat re-links a peer the engine dropped for a fault (a silent or wrong reply) that is still
+registered, so a transient fault does not shrink the rotation for good.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from services.mesh.registry import RegistryClient, ServiceEntry
+
+REMIND_INTERVAL_S = 5.0  # how often the current list is repeated to the engine
+
+
+@dataclass(frozen=True)
+class PeerChange:
+    """What a check found: peers that left, and the peers to link to now (in rotation order)."""
+
+    lost: tuple[str, ...]
+    peers: tuple[ServiceEntry, ...]
+
+    def addresses(self) -> list[str]:
+        return [e.link_address for e in self.peers]
+
+
+class ModelPeerKeeper:
+    """One token engine's view of its model peers in the registry."""
+
+    def __init__(
+        self,
+        registry: RegistryClient,
+        token_id: str,
+        num_peers: int,
+        peers: Sequence[ServiceEntry] = (),
+        remind_interval_s: float = REMIND_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.token_id = token_id
+        self.num_peers = num_peers
+        self.peers: tuple[ServiceEntry, ...] = tuple(peers)
+        self.remind_interval_s = remind_interval_s
+        self.clock = clock
+        self._last_told = clock()
+
+    def check(self) -> PeerChange | None:
+        """None while nothing changed; else the lost peers and the peers claimed now (those
+        still held first, in their order, then new ones). A lost peer is reported at once,
+        without a replacement if none is ready; a later check adds the replacement."""
+        if self.num_peers == 0:
+            return None
+        ready = {e.service_id for e in self.registry.live() if e.state == "ready"}
+        lost = tuple(e.service_id for e in self.peers if e.service_id not in ready)
+        if not lost and len(self.peers) == self.num_peers:
+            return None
+        claimed = tuple(self.registry.claim_peers(self.token_id, self.num_peers))
+        if not lost and _ids(claimed) == _ids(self.peers):
+            return None  # still short of peers, nothing new
+        self.peers = claimed
+        self._last_told = self.clock()
+        return PeerChange(lost, claimed)
+
+    def due_reminder(self) -> list[str] | None:
+        """The current addresses when a reminder is due (every `remind_interval_s`), else None."""
+        if not self.peers or self.clock() - self._last_told < self.remind_interval_s:
+            return None
+        self._last_told = self.clock()
+        return [e.link_address for e in self.peers]
+
+
+def _ids(peers: Sequence[ServiceEntry]) -> list[str]:
+    return [e.service_id for e in peers]
+
+
+__all__ = ["ModelPeerKeeper", "PeerChange"]

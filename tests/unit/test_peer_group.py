@@ -1,0 +1,85 @@
+"""Model peers in the registry (`Registry.claim_peers`) and `ModelPeerKeeper`, on the plain
+`Registry` with a fake clock: a token engine claims its peers like a shard group, a lost peer is
+reported at once and its replacement (Serve's new replica) claimed when ready, and the current
+list is repeated to the engine now and then (a peer it dropped for a fault rejoins)."""
+
+from __future__ import annotations
+
+from common.roles import Role
+from services.mesh.peer_group import ModelPeerKeeper
+from services.mesh.registry import Registry, ServiceEntry
+from tests.unit.test_shard_group import Clock, ids
+
+
+def start_peer(registry: Registry, service_id: str, state: str = "ready") -> None:
+    registry.register(ServiceEntry(role=Role.MODEL_PEER, service_id=service_id, state=state,
+                                   link_address=f"ucx-{service_id}"))  # fmt: skip
+
+
+def test_claims_are_exclusive_partial_and_sticky() -> None:
+    registry = Registry(clock=Clock())
+    for name in ("p0", "p1", "p2"):
+        start_peer(registry, name)
+    start_peer(registry, "p3", state="starting")
+    assert ids(tuple(registry.claim_peers("t0", 2))) == ["p0", "p1"]
+    assert ids(tuple(registry.claim_peers("t1", 2))) == ["p2"]  # what is left; p3 not ready
+    assert ids(tuple(registry.claim_peers("t0", 2))) == ["p0", "p1"]  # its own, kept
+    start_peer(registry, "p3")
+    assert ids(tuple(registry.claim_peers("t1", 2))) == ["p2", "p3"]
+    registry.unregister("t0")  # a token engine left: its peers serve the next one
+    assert ids(tuple(registry.claim_peers("t2", 1))) == ["p0"]
+    # Shards are not peers, nor peers shards.
+    registry.register(ServiceEntry(role=Role.SHARD, service_id="s0", state="ready", slot=0))
+    assert "s0" not in ids(tuple(registry.claim_peers("t3", 5)))
+    assert registry.claim_group("t3", 1) is not None and registry.shard_census() == (1, 0)
+
+
+def test_a_lost_peer_is_reported_and_its_replacement_claimed() -> None:
+    clock = Clock()
+    registry = Registry(max_age_s=5, clock=clock)
+    start_peer(registry, "p0")
+    start_peer(registry, "p1")
+    keeper = ModelPeerKeeper(registry, "t0", 2, registry.claim_peers("t0", 2), clock=clock)
+    assert keeper.check() is None
+    clock.now = 4
+    registry.heartbeat("p0")
+    clock.now = 8  # p1 was killed
+    change = keeper.check()
+    assert change is not None and change.lost == ("p1",) and ids(change.peers) == ["p0"]
+    assert change.addresses() == ["ucx-p0"]
+    assert keeper.check() is None  # no replacement yet: nothing new
+    start_peer(registry, "p1b", state="starting")
+    registry.heartbeat("p0")
+    assert keeper.check() is None  # not ready yet
+    start_peer(registry, "p1b")
+    change = keeper.check()
+    assert change is not None and change.lost == () and ids(change.peers) == ["p0", "p1b"]
+    assert keeper.check() is None
+
+
+def test_peers_that_start_after_their_engine_are_claimed_as_they_come() -> None:
+    registry = Registry(clock=Clock())
+    keeper = ModelPeerKeeper(registry, "t0", 2)
+    assert keeper.check() is None  # none yet
+    start_peer(registry, "p0")
+    change = keeper.check()
+    assert change is not None and ids(change.peers) == ["p0"]
+    start_peer(registry, "p1")
+    change = keeper.check()
+    assert change is not None and ids(change.peers) == ["p0", "p1"]
+    assert ModelPeerKeeper(registry, "t1", 2).check() is None  # both are t0's
+
+
+def test_the_current_list_is_repeated_every_interval() -> None:
+    clock = Clock()
+    registry = Registry(max_age_s=1e9, clock=clock)
+    assert ModelPeerKeeper(registry, "t0", 0).check() is None  # no peers wanted
+    start_peer(registry, "p0")
+    keeper = ModelPeerKeeper(registry, "t0", 1, remind_interval_s=5, clock=clock)
+    assert keeper.due_reminder() is None  # no peers yet
+    assert keeper.check() is not None
+    clock.now = 4
+    assert keeper.due_reminder() is None
+    clock.now = 5
+    assert keeper.due_reminder() == ["ucx-p0"]
+    assert keeper.due_reminder() is None
