@@ -20,7 +20,8 @@ for on first use, a copy of those rows beside the fused one: oneDNN cannot run a
 a packed weight, and `F.linear` on the slice (MKL, repacking every call) cost the early-q step
 its packed speed-up. Packing on first use keeps the memory off every engine that never splits:
 for attention_overlap that is one more copy of the QKV weights (`small`: 3.9 MB a layer, 47 MB
-float32 in all), and its first overlapped step pays the packing once (~0.1 s on `small`). On this machine's oneDNN a slice's outputs equal the fused ones bitwise.
+float32 in all), and its first overlapped step pays the packing once (~0.1 s on `small`). On
+this machine's oneDNN a slice's outputs equal the fused ones bitwise.
 """
 
 from __future__ import annotations
