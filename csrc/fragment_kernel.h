@@ -23,6 +23,15 @@
 // blocks, so the hardware prefetcher cannot guess the next tile: while scoring K the kernel
 // prefetches the step's V tiles, and while accumulating V it prefetches the next step's K tiles,
 // one line per load, spread over the loops rather than in a burst that would stall on fill buffers.
+//
+// NOTE: bfloat16 tried and left out (paired A/B at 1 thread, bench/attention_ab.py, load 4-6, Zen 5
+// with AVX512_BF16; the code is on branch kernel3-bf16dot): (1) scoring with vdpbf16ps on K
+// d-pairs (one vpermt2w per pair of K rows, q rounded to bf16) ran GQA 4:1 13% slower; (2) V
+// through vdpbf16ps on slot pairs (vpunpck{l,h}wd, probabilities rounded to bf16) ran +1..+5%,
+// within noise of a same-build A/B, and made the output depend on the work partition by ~1e-3
+// (head ranges against one call: test_head_ranges_fill_one_output asks 1e-6); (3) 256-slot steps
+// for bf16 (float32's bytes per step): GQA 4:1 -14..-16%, MHA +3%. So at 1 thread the widening
+// and the FMAs are not what holds bf16 back from the read probe.
 
 typedef float VecF __attribute__((vector_size(PM_LANES * 4)));
 typedef int32_t VecI __attribute__((vector_size(PM_LANES * 4)));
