@@ -14,6 +14,9 @@ time, which leaves out the time the scheduler gives to other processes: on this 
     PYTHONPATH=. .venv/bin/python bench/attention_ab.py BASE_CSRC_DIR csrc \
         --shapes gqa_b32,mha_b32 --dtypes float32 --threads 1 --clock thread
     (BASE_CSRC_DIR: e.g. `git archive main csrc | tar -x -C /tmp/base`, then /tmp/base/csrc)
+
+`--batch 4 --rotation-mib 8` times the kernels from cache (their compute, not the memory); the
+read probe then still reads memory, so only b/a means anything there.
 """
 
 from __future__ import annotations
@@ -74,11 +77,12 @@ def build(src: Path, tag: str, work: Path) -> None:
 
 def compare(shape: str, dtype: torch.dtype, mods: dict, args: argparse.Namespace) -> dict:
     batch, context, num_q_heads, num_kv_heads, head_dim = SHAPES[shape]
+    batch = args.batch or batch
     gen = torch.Generator().manual_seed(0)
     kv_bytes = 2 * batch * num_kv_heads * context * head_dim * dtype.itemsize
     num_blocks = batch * context // BLOCK_SIZE
     sets = []
-    for _ in range(max(2, math.ceil(ROTATION_BYTES / kv_bytes))):
+    for _ in range(max(1, math.ceil(args.rotation_mib * (1 << 20) / kv_bytes))):
         k = torch.randn(num_blocks, num_kv_heads, head_dim, BLOCK_SIZE, generator=gen).to(dtype)
         v = torch.randn(num_blocks, num_kv_heads, BLOCK_SIZE, head_dim, generator=gen).to(dtype)
         table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(batch, -1)
@@ -137,6 +141,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread")
     parser.add_argument("--repeats", type=int, default=31)
+    parser.add_argument(
+        "--rotation-mib",
+        type=float,
+        default=ROTATION_BYTES >> 20,
+        help="KV bytes the calls rotate over; below the LLC (and with --batch) times from cache",
+    )
+    parser.add_argument("--batch", type=int, default=0, help="override every shape's batch")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="attention_ab_"))
     try:

@@ -23,6 +23,25 @@
 // blocks, so the hardware prefetcher cannot guess the next tile: while scoring K the kernel
 // prefetches the step's V tiles, and while accumulating V it prefetches the next step's K tiles,
 // one line per load, spread over the loops rather than in a burst that would stall on fill buffers.
+//
+// NOTE: bfloat16 tried and left out (paired A/B at 1 thread, bench/attention_ab.py, load 4-6, Zen 5
+// with AVX512_BF16; the code is on branch kernel3-bf16dot): (1) scoring with vdpbf16ps on K
+// d-pairs (one vpermt2w per pair of K rows, q rounded to bf16) ran GQA 4:1 13% slower; (2) V
+// through vdpbf16ps on slot pairs (vpunpck{l,h}wd, probabilities rounded to bf16) ran +1..+5%,
+// within noise of a same-build A/B, and made the output depend on the work partition by ~1e-3
+// (head ranges against one call: test_head_ranges_fill_one_output asks 1e-6); (3) 256-slot steps
+// for bf16 (float32's bytes per step): GQA 4:1 -14..-16%, MHA +3%. So at 1 thread the widening
+// and the FMAs are not what holds bf16 back from the read probe: from cache the vdpbf16ps build
+// ran GQA 4:1 bf16 at 42 GB/s against 31, from memory no faster (17-19 GB/s at 1 thread, as
+// float32). What does: the paged layout. A pure read of random 4 KiB tiles (a bf16 block of 16 x
+// 128), 8 side by side with the next group prefetched as here, reads 19-22 GB/s at 1 thread where
+// the sequential read probe reads 31 (8 KiB tiles 22, 32 KiB 25; 4 side by side ~+7%); at 2
+// threads (load ~11) 34 against 43-49. The kernel is at ~0.9 of that pattern's rate.
+//
+// NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: paired A/B at
+// 1 thread (3 runs, load 5-9), bf16 64-token steps against 128: GQA 4:1 b1 x 32768 +1.8, +9.6,
+// +10.7%; b32 x 2048 +7.8, +1.3, -1.2%; MHA b32 +1.8..+2.6%, b1 -1.2..+1.0%. float32 at 64 tokens:
+// GQA b32 -1.9%, b1 +4.7%, MHA +-0.5% (one run), so it stays at 128.
 
 typedef float VecF __attribute__((vector_size(PM_LANES * 4)));
 typedef int32_t VecI __attribute__((vector_size(PM_LANES * 4)));
@@ -355,7 +374,8 @@ Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int6
 template <typename KV>
 void attend(const FragmentArgs& a, const FragmentState& st) {
   const int G = a.group_size, D = a.head_dim, B = a.block_size;
-  const int blocks_per_step = B >= kStepSlots ? 1 : kStepSlots / B;
+  constexpr int kSlots = sizeof(KV) == 2 ? kStepSlotsBf16 : kStepSlots;
+  const int blocks_per_step = B >= kSlots ? 1 : kSlots / B;
   const int max_stride = blocks_per_step * B;
   float* alpha = st.scratch + G * max_stride;  // [G]
   float* lane_sums = alpha + G;                // [G][kLanes]
