@@ -2,6 +2,7 @@
 
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
                           [--paths inprocess local mesh] [--stream-interval 8]
+                          [--ingress direct proxy]
 
 For each batch size, `batch` requests are sent together (greedy, `ignore_eos`, `--tokens` new
 tokens each, the same prompts on every path) to:
@@ -10,16 +11,21 @@ tokens each, the same prompts on every path) to:
   replica), over HTTP with the official `openai` streaming client;
 - `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards),
   over HTTP the same way.
-The local engine decodes on as many torch threads as the in-process one (`engine.num_threads`),
-so that the two compare like with like. With `--stream-interval N` each served path runs again
-with `stream_interval: N` (N tokens per chunk, the first at once), reported as `<path>_si<N>`.
+Each served path runs behind each `--ingress`: `direct` (Serve's direct ingress, what `make run`
+starts: the Router replica serves HTTP itself) and `proxy` (Serve's HTTP proxy actor, every chunk
+through Ray), reported as `<path>_<ingress>`, with `<path>_direct_over_proxy` the tok/s ratio of
+the two. The local engine decodes on as many torch threads as the in-process one
+(`engine.num_threads`), so that the two compare like with like. With `--stream-interval N` each
+served path runs again with `stream_interval: N` (N tokens per chunk, the first at once),
+reported as `<path>_<ingress>_si<N>`.
 Served paths report tok/s, TTFT and the gaps between streamed chunks (TBT; a chunk carries every
 token that reached the router together) p50/p90, and the Router replica process's CPU seconds
 (its user+system time before and after each batch, less the threads of a local engine: the
 engine's is `engine_cpu_ms_per_token`) per streamed token and per request (and its CPU with no
 request in flight, per second, which those include), Serve's HTTP proxy's CPU per token, and the
-chunks each request got. Ratios are served / in-process tok/s of the same run. The last line is
-one JSON object.
+chunks each request got. Ratios are served / in-process tok/s of the same run. `targets_met` is
+judged on direct ingress (what users run), `targets_met_proxy` on the proxy. The last line is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from bench.host_cpu import process_cpu_s, process_tree, stop_survivors  # noqa: 
 from common.engine.core import LLMEngine  # noqa: E402
 from common.model.default import default_model_path  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
-from tests.e2e.serve_process import ServeRun  # noqa: E402
+from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
 REPEATS = 3
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
@@ -154,15 +160,18 @@ def ray_pid(root: int, title_part: str) -> int | None:
     return None
 
 
-def served(config: str, args: dict, preset: str, batches: list[int], tokens: int) -> dict:
+def served(
+    config: str, args: dict, preset: str, batches: list[int], tokens: int, ingress: Ingress
+) -> dict:
     """Start `serve run <config>`, then run every batch through it with the `openai` client."""
     vocab = model_vocab(preset)
     with tempfile.TemporaryDirectory() as workdir:
-        server = ServeRun(REPO / "deploy" / config, Path(workdir), args)
+        server = ServeRun(REPO / "deploy" / config, Path(workdir), args, ingress)
         started = time.monotonic()
         try:
             url = server.start()
-            print(f"  {config}: up in {time.monotonic() - started:.0f} s", flush=True)
+            print(f"  {config} ({ingress}): up in {time.monotonic() - started:.0f} s at {url}",
+                  flush=True)  # fmt: skip
             assert server.pid is not None
             pid = ray_pid(server.pid, ROUTER_TITLE)
             if pid is None:
@@ -183,7 +192,7 @@ def served(config: str, args: dict, preset: str, batches: list[int], tokens: int
                 cpu = process_cpu_s(pid) - cpu_before - engine  # the router's own
                 figures["router_cpu_ms_per_token"] = 1e3 * cpu / (batch * tokens)
                 figures["router_cpu_ms_per_request"] = 1e3 * cpu / batch
-                if proxy:  # Serve's HTTP proxy: its share of the front end, per chunk too
+                if proxy:  # Serve's HTTP proxy (idle with direct ingress): its share, per chunk
                     proxy_cpu = process_cpu_s(proxy) - proxy_before
                     figures["proxy_cpu_ms_per_token"] = 1e3 * proxy_cpu / (batch * tokens)
                 if engine:  # `topology: local`: the engine's threads, told apart by their name
@@ -209,6 +218,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--paths", nargs="+", default=["inprocess", "local", "mesh"])
+    parser.add_argument("--ingress", nargs="+", default=["direct", "proxy"],
+                        choices=["direct", "proxy"])  # fmt: skip
     parser.add_argument(
         "--stream-interval",
         type=int,
@@ -237,25 +248,35 @@ def main() -> None:
             if path not in args.paths:
                 continue
             config_args = app_args | extra | {"stream_interval": interval}
-            figures = served(config, config_args, args.preset, batches, tokens)
-            for batch, f in figures.items():
-                if batch in engine_tok_s:
-                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
-                print(f"  {path}{suffix} batch {batch}: "
-                      + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))  # fmt: skip
-            results[path + suffix] = figures
+            for ingress in args.ingress:
+                figures = served(config, config_args, args.preset, batches, tokens, ingress)
+                name = f"{path}_{ingress}{suffix}"
+                for batch, f in figures.items():
+                    if batch in engine_tok_s:
+                        f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+                    print(f"  {name} batch {batch}: "
+                          + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))  # fmt: skip
+                results[name] = figures
+            if {"direct", "proxy"} <= set(args.ingress):  # side by side, same run
+                results[f"{path}_direct_over_proxy{suffix}"] = {
+                    b: results[f"{path}_direct{suffix}"][b]["tok_s"]
+                    / results[f"{path}_proxy{suffix}"][b]["tok_s"]
+                    for b in batches
+                }
     results["load_avg_end"] = os.getloadavg()
     results["targets"] = TARGETS
-    results["targets_met"] = targets_met(results, args.preset)
-    if args.stream_interval:
-        results["targets_met_stream_interval"] = targets_met(
-            results, args.preset, f"_si{args.stream_interval}"
-        )
+    for ingress in args.ingress:  # direct: what users run; the proxy's for comparison
+        name = "targets_met" + ("" if ingress == "direct" else f"_{ingress}")
+        results[name] = targets_met(results, args.preset, f"_{ingress}")
+        if args.stream_interval:
+            results[name + "_stream_interval"] = targets_met(
+                results, args.preset, f"_{ingress}_si{args.stream_interval}"
+            )
     print(json.dumps(results))
 
 
 def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[str, bool | None]:
-    """The targets of the runs named `<path><suffix>` (suffix "": stream_interval 1)."""
+    """The targets of the runs named `<path><suffix>` (`_<ingress>[_si<N>]`)."""
 
     def ratio(path: str, batch: int) -> float | None:
         return results.get(path + suffix, {}).get(batch, {}).get("ratio")
