@@ -1,8 +1,8 @@
 """The served path against the in-process engine, in one run: what the front end costs.
 
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
-                          [--paths inprocess local mesh] [--stream-interval 8]
-                          [--ingress direct proxy]
+                          [--paths inprocess local mesh ceiling] [--stream-interval 8]
+                          [--ingress direct proxy] [--ceiling-speedup 1 4]
 
 For each batch size, `batch` requests are sent together (greedy, `ignore_eos`, `--tokens` new
 tokens each, the same prompts on every path) to:
@@ -10,7 +10,12 @@ tokens each, the same prompts on every path) to:
 - `local`: `serve run deploy/single.yaml` (`topology: local`: the engine inside the Router
   replica), over HTTP with the official `openai` streaming client;
 - `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards),
-  over HTTP the same way.
+  over HTTP the same way;
+- `ceiling`: the front end alone (`bench/null_engine.py`): the real Router and HTTP path over
+  `NullEngineFake`, an engine of no compute that offers the in-process engine's tok/s at each
+  batch (times each `--ceiling-speedup`), as `ceiling_<ingress>[_x<speedup>]`. Its ratio is the
+  most any engine could get served on this machine: `ceiling_local_ratio_reachable` says whether
+  the local target is within reach here at all.
 Each served path runs behind each `--ingress`: `direct` (Serve's direct ingress, what `make run`
 starts: the Router replica serves HTTP itself) and `proxy` (Serve's HTTP proxy actor, every chunk
 through Ray), reported as `<path>_<ingress>`, with `<path>_direct_over_proxy` the tok/s ratio of
@@ -42,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
@@ -161,16 +167,16 @@ def ray_pid(root: int, title_part: str) -> int | None:
 
 
 def served(
-    config: str, args: dict, preset: str, batches: list[int], tokens: int, ingress: Ingress
+    config: Path, args: dict, preset: str, batches: list[int], tokens: int, ingress: Ingress
 ) -> dict:
     """Start `serve run <config>`, then run every batch through it with the `openai` client."""
     vocab = model_vocab(preset)
     with tempfile.TemporaryDirectory() as workdir:
-        server = ServeRun(REPO / "deploy" / config, Path(workdir), args, ingress)
+        server = ServeRun(config, Path(workdir), args, ingress)
         started = time.monotonic()
         try:
             url = server.start()
-            print(f"  {config} ({ingress}): up in {time.monotonic() - started:.0f} s at {url}",
+            print(f"  {config.name} ({ingress}): up in {time.monotonic() - started:.0f} s at {url}",
                   flush=True)  # fmt: skip
             assert server.pid is not None
             pid = ray_pid(server.pid, ROUTER_TITLE)
@@ -206,6 +212,39 @@ def served(
             stop_survivors({p for p in tree if Path(f"/proc/{p}").exists()})
 
 
+def ceiling(
+    args: argparse.Namespace, engine_tok_s: dict[int, float], batches: list[int], tokens: int
+) -> dict[str, Any]:
+    """The front end alone: `bench/null_engine.py`'s `NullEngineFake` (no compute) offering the
+    in-process engine's tok/s (and `--ceiling-speedup` times it) through the real Router and
+    HTTP path. Below 0.85 at speedup 1, the served target is out of this machine's reach."""
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        config = yaml.safe_load((REPO / "deploy" / "single.yaml").read_text())
+        config["applications"][0]["import_path"] = "bench.null_engine:build_app"
+        config["applications"][0]["args"] = {}
+        source = Path(workdir) / "null_engine.yaml"
+        source.write_text(yaml.safe_dump(config, sort_keys=False))
+        for speedup in args.ceiling_speedup:
+            app_args = {"model": args.preset, "served_model_name": args.preset,
+                        "rates_tok_s": engine_tok_s, "speedup": speedup}  # fmt: skip
+            for ingress in args.ingress:
+                name = f"ceiling_{ingress}" + ("" if speedup == 1 else f"_x{speedup:g}")
+                figures = served(source, app_args, args.preset, batches, tokens, ingress)
+                for batch, f in figures.items():
+                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+                    print(f"  {name} batch {batch}: "
+                          + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))  # fmt: skip
+                results[name] = figures
+    if 1 in args.ceiling_speedup and "direct" in args.ingress:
+        ratios = {b: f["ratio"] for b, f in results["ceiling_direct"].items()}
+        results["ceiling_local_ratio_reachable"] = {
+            f"batch{b}": ratios[b] >= TARGETS[f"local_ratio_batch{b}_min"]
+            for b in (8, 32) if b in ratios
+        }  # fmt: skip
+    return results
+
+
 def model_vocab(preset: str) -> int:
     config = json.loads((default_model_path(preset) / "config.json").read_text())
     return int(config["vocab_size"])
@@ -217,7 +256,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 64 tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--paths", nargs="+", default=["inprocess", "local", "mesh"])
+    parser.add_argument("--paths", nargs="+", default=["inprocess", "local", "mesh", "ceiling"])
+    parser.add_argument(
+        "--ceiling-speedup",
+        type=float,
+        nargs="+",
+        default=[1.0, 4.0],
+        help="the ceiling path: offered tok/s over the in-process engine's",
+    )
     parser.add_argument("--ingress", nargs="+", default=["direct", "proxy"],
                         choices=["direct", "proxy"])  # fmt: skip
     parser.add_argument(
@@ -249,7 +295,8 @@ def main() -> None:
                 continue
             config_args = app_args | extra | {"stream_interval": interval}
             for ingress in args.ingress:
-                figures = served(config, config_args, args.preset, batches, tokens, ingress)
+                figures = served(REPO / "deploy" / config, config_args, args.preset, batches,
+                                 tokens, ingress)  # fmt: skip
                 name = f"{path}_{ingress}{suffix}"
                 for batch, f in figures.items():
                     if batch in engine_tok_s:
@@ -263,6 +310,8 @@ def main() -> None:
                     / results[f"{path}_proxy{suffix}"][b]["tok_s"]
                     for b in batches
                 }
+    if "ceiling" in args.paths and engine_tok_s:
+        results.update(ceiling(args, engine_tok_s, batches, tokens))
     results["load_avg_end"] = os.getloadavg()
     results["targets"] = TARGETS
     for ingress in args.ingress:  # direct: what users run; the proxy's for comparison

@@ -34,6 +34,14 @@ REPO = Path(__file__).resolve().parents[2]
 SERVE_CLI = Path(sys.executable).with_name("serve")
 Ingress = Literal["direct", "proxy"]
 DIRECT_INGRESS_PORTS = 100  # the range Serve allocates Router replicas' HTTP ports from
+# Direct ingress on one machine, as `make run` sets it: no load balancer in front, so neither
+# Serve's 30 s hold of a stopping Router replica (for balancers to deregister it: every Ctrl-C
+# would wait it out) nor its quarantine of a freed port (a restarted Router takes its port back).
+LOCAL_DIRECT_INGRESS = {
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    "RAY_SERVE_PORT_QUARANTINE_S": "0",
+}
 
 
 def free_port() -> int:
@@ -96,14 +104,8 @@ class ServeRun:
         return self.base_url
 
     def _router_port(self) -> int:
-        """The port the Router replica listens on (direct ingress): the one TCP socket it
-        listens on in the direct-ingress range (Serve skips ports in use, so look, not guess)."""
-        low = self._direct_low
-        ports = [p for p in listening_ports(replica_pid(self, "Router"))
-                 if low <= p < low + DIRECT_INGRESS_PORTS]  # fmt: skip
-        if len(ports) != 1:
-            raise RuntimeError(f"Router replica listens on {ports} in the direct-ingress range")
-        return ports[0]
+        assert self.pid is not None
+        return router_port(self.pid, self._direct_low)
 
     @property
     def pid(self) -> int | None:
@@ -167,8 +169,7 @@ def ingress_env(ingress: Ingress) -> dict[str, str]:
     if ingress == "proxy":
         return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
     low = free_port_range(DIRECT_INGRESS_PORTS)
-    return {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    return LOCAL_DIRECT_INGRESS | {
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(low),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(low + DIRECT_INGRESS_PORTS),
     }
@@ -224,11 +225,30 @@ def descendants(pid: int) -> list[int]:
 
 def replica_pid(server: ServeRun, deployment: str) -> int:
     assert server.pid is not None
-    for pid in descendants(server.pid):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    return replica_pid_below(server.pid, deployment)
+
+
+def replica_pid_below(root: int, deployment: str) -> int:
+    """The process of the one `deployment` replica below `root`."""
+    for pid in descendants(root):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue  # exited meanwhile
         if f"ServeReplica:phasemesh:{deployment}" in cmdline:
             return pid
-    raise LookupError(f"no {deployment} replica under serve run {server.pid}")
+    raise LookupError(f"no {deployment} replica under {root}")
+
+
+def router_port(root: int, low: int) -> int:
+    """The port the Router replica below `root` serves HTTP on (direct ingress): the one TCP
+    socket it listens on in the direct-ingress range from `low` (Serve skips busy ports, so look,
+    not guess)."""
+    ports = [p for p in listening_ports(replica_pid_below(root, "Router"))
+             if low <= p < low + DIRECT_INGRESS_PORTS]  # fmt: skip
+    if len(ports) != 1:
+        raise RuntimeError(f"the Router replica listens on {ports} in the direct-ingress range")
+    return ports[0]
 
 
 def listening_ports(pid: int) -> list[int]:
