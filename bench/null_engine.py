@@ -27,6 +27,7 @@ from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from services.router.engine_client import InProcessEngineClient
 from services.router.server import Router
+from services.router.streams import AdmissionLimits
 
 FAKE_TOKEN_ID = 8  # a plain token of the tiny vocabularies; its text is FAKE_TEXT
 FAKE_TEXT = " a"
@@ -124,6 +125,10 @@ class NullEngineRouter:
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.router.app
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """The serve config's admission bounds, as `services.app.RouterDeployment` applies them."""
+        self.client.streams.limits = AdmissionLimits(**user_config)
 
     def __del__(self) -> None:
         client = getattr(self, "client", None)

@@ -3,6 +3,7 @@
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
                           [--paths inprocess local mesh ceiling] [--stream-interval 8]
                           [--ingress direct proxy] [--ceiling-speedup 1 4]
+                          [--worker-niceness 0]
 
 For each batch size, `batch` requests are sent together (greedy, `ignore_eos`, `--tokens` new
 tokens each, the same prompts on every path) to:
@@ -28,7 +29,10 @@ token that reached the router together) p50/p90, and the Router replica process'
 (its user+system time before and after each batch, less the threads of a local engine: the
 engine's is `engine_cpu_ms_per_token`) per streamed token and per request (and its CPU with no
 request in flight, per second, which those include), Serve's HTTP proxy's CPU per token, and the
-chunks each request got. Ratios are served / in-process tok/s of the same run. `targets_met` is
+chunks each request got. Ratios are served / in-process tok/s of the same run. Ray starts its
+workers (replicas, proxy) at nice 15: on a shared machine every other process, this bench's own
+clients and in-process engine included, would preempt the served path, so `--worker-niceness`
+(default 0, recorded in the JSON) serves at the in-process engine's priority. `targets_met` is
 judged on direct ingress (what users run), `targets_met_proxy` on the proxy. The last line is one
 JSON object.
 """
@@ -264,6 +268,9 @@ def main() -> None:
         default=[1.0, 4.0],
         help="the ceiling path: offered tok/s over the in-process engine's",
     )
+    parser.add_argument(
+        "--worker-niceness", type=int, default=0, help="Ray workers' nice (Ray's own default: 15)"
+    )
     parser.add_argument("--ingress", nargs="+", default=["direct", "proxy"],
                         choices=["direct", "proxy"])  # fmt: skip
     parser.add_argument(
@@ -276,11 +283,13 @@ def main() -> None:
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
     tokens = args.tokens or (64 if args.quick else 256)
     threads = torch.get_num_threads()  # the in-process engine's; the local one gets as many
+    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # `serve run` passes it to Ray
     print(f"preset {args.preset}, batches {batches}, {tokens} tokens, {threads} torch threads, "
           f"load {os.getloadavg()}")  # fmt: skip
     app_args = {"model": args.preset, "served_model_name": args.preset}
     results: dict[str, Any] = {"preset": args.preset, "tokens": tokens, "torch_threads": threads,
                                "stream_interval": args.stream_interval,
+                               "worker_niceness": args.worker_niceness,
                                "load_avg_start": os.getloadavg()}  # fmt: skip
     engine_tok_s = in_process(args.preset, batches, tokens) if "inprocess" in args.paths else {}
     results["inprocess_tok_s"] = engine_tok_s
