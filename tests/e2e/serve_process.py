@@ -10,7 +10,9 @@ test.
 replica serves HTTP itself on a port of Serve's direct-ingress range (moved here to a free region),
 and `base_url` points at it; Serve's HTTP proxy still listens on the config's port
 (`proxy_url`), the fallback. `ingress="proxy"` is Serve's classic path: every request and every
-streamed chunk through the proxy actor; `base_url` is then the proxy's. docs/serving.md.
+streamed chunk through the proxy actor; `base_url` is then the proxy's. `direct_inline`: direct
+ingress with the app's code on the replica's own event loop (uvicorn's) instead of Serve's
+user-code thread (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`). docs/serving.md.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CLI = Path(sys.executable).with_name("serve")
-Ingress = Literal["direct", "proxy"]
+Ingress = Literal["direct", "direct_inline", "proxy"]
 DIRECT_INGRESS_PORTS = 100  # the range Serve allocates Router replicas' HTTP ports from
 # Direct ingress on one machine, as `make run` sets it: no load balancer in front, so neither
 # Serve's 30 s hold of a stopping Router replica (for balancers to deregister it: every Ctrl-C
@@ -98,7 +100,7 @@ class ServeRun:
             )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         self._wait_healthy(self.proxy_url, deadline)
-        if self.ingress == "direct":
+        if self.ingress != "proxy":
             self.base_url = f"http://127.0.0.1:{self._router_port()}"
             self._wait_healthy(self.base_url, deadline)
         return self.base_url
@@ -169,10 +171,13 @@ def ingress_env(ingress: Ingress) -> dict[str, str]:
     if ingress == "proxy":
         return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
     low = free_port_range(DIRECT_INGRESS_PORTS)
-    return LOCAL_DIRECT_INGRESS | {
+    env = LOCAL_DIRECT_INGRESS | {
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(low),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(low + DIRECT_INGRESS_PORTS),
     }
+    if ingress == "direct_inline":  # the app on the replica's own loop, uvicorn's: no thread hop
+        env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = "0"
+    return env
 
 
 def free_port_range(size: int) -> int:
