@@ -19,12 +19,12 @@ tokens each, the same prompts on every path) to:
   the local target is within reach here at all.
 Each served path runs behind each `--ingress`: `direct` (Serve's direct ingress, what `make run`
 starts: the Router replica serves HTTP itself), `proxy` (Serve's HTTP proxy actor, every chunk
-through Ray) and, if asked, `direct_inline` (direct, the app on the replica's own event loop:
-tests/e2e/serve_process.py), reported as `<path>_<ingress>`, with `<path>_direct_over_proxy`
-the tok/s ratio of the two. The local engine decodes on as many torch threads as the in-process
-one (`engine.num_threads`), so that the two compare like with like. With `--stream-interval N` each
-served path runs again with `stream_interval: N` (N tokens per chunk, the first at once),
-reported as `<path>_<ingress>_si<N>`.
+through Ray) and, if asked, `direct_thread` (direct, the app on Serve's user-code thread instead
+of the replica's event loop: tests/e2e/serve_process.py), reported as `<path>_<ingress>`, with
+`<path>_direct_over_proxy` the tok/s ratio of the two. The local engine decodes on as many torch
+threads as the in-process one (`engine.num_threads`), so that the two compare like with like.
+With `--stream-interval N` each served path runs again with `stream_interval: N` (N tokens per
+chunk, the first at once), reported as `<path>_<ingress>_si<N>`.
 Served paths report tok/s, TTFT and the gaps between streamed chunks (TBT; a chunk carries every
 token that reached the router together) p50/p90, and the Router replica process's CPU seconds
 (its user+system time before and after each batch, less the threads of a local engine: the
@@ -285,7 +285,7 @@ def main() -> None:
         "--worker-niceness", type=int, default=0, help="Ray workers' nice (Ray's own default: 15)"
     )
     parser.add_argument("--ingress", nargs="+", default=["direct", "proxy"],
-                        choices=["direct", "direct_inline", "proxy"])  # fmt: skip
+                        choices=["direct", "direct_thread", "proxy"])  # fmt: skip
     parser.add_argument(
         "--stream-interval",
         type=int,

@@ -10,9 +10,9 @@ test.
 replica serves HTTP itself on a port of Serve's direct-ingress range (moved here to a free region),
 and `base_url` points at it; Serve's HTTP proxy still listens on the config's port
 (`proxy_url`), the fallback. `ingress="proxy"` is Serve's classic path: every request and every
-streamed chunk through the proxy actor; `base_url` is then the proxy's. `direct_inline`: direct
-ingress with the app's code on the replica's own event loop (uvicorn's) instead of Serve's
-user-code thread (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`). docs/serving.md.
+streamed chunk through the proxy actor; `base_url` is then the proxy's. `direct_thread`: direct
+ingress with the app's code on Serve's user-code thread (Serve's default) instead of the
+replica's own event loop (`LOCAL_DIRECT_INGRESS`). docs/serving.md.
 """
 
 from __future__ import annotations
@@ -34,13 +34,16 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CLI = Path(sys.executable).with_name("serve")
-Ingress = Literal["direct", "direct_inline", "proxy"]
+Ingress = Literal["direct", "direct_thread", "proxy"]
 DIRECT_INGRESS_PORTS = 100  # the range Serve allocates Router replicas' HTTP ports from
-# Direct ingress on one machine, as `make run` sets it: no load balancer in front, so neither
-# Serve's 30 s hold of a stopping Router replica (for balancers to deregister it: every Ctrl-C
-# would wait it out) nor its quarantine of a freed port (a restarted Router takes its port back).
+# Direct ingress on one machine, as `make run` sets it: the app's code on the replica's own event
+# loop, uvicorn's (not Serve's user-code thread: no thread hop per chunk, as Ray's
+# RAY_SERVE_THROUGHPUT_OPTIMIZED has it); no load balancer in front, so neither Serve's 30 s hold
+# of a stopping Router replica (for balancers to deregister it: every Ctrl-C would wait it out)
+# nor its quarantine of a freed port (a restarted Router takes its port back).
 LOCAL_DIRECT_INGRESS = {
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
     "RAY_SERVE_PORT_QUARANTINE_S": "0",
 }
@@ -175,8 +178,8 @@ def ingress_env(ingress: Ingress) -> dict[str, str]:
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(low),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(low + DIRECT_INGRESS_PORTS),
     }
-    if ingress == "direct_inline":  # the app on the replica's own loop, uvicorn's: no thread hop
-        env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = "0"
+    if ingress == "direct_thread":  # Serve's default: the app on a user-code thread of its own
+        env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = "1"
     return env
 
 
