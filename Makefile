@@ -31,10 +31,22 @@ kernel:
 model: install
 	$(BIN)/python -m common.model.default
 
-# Serves the OpenAI API at http://127.0.0.1:8000/v1 (Ctrl-C stops Serve and its Ray).
+# Serves the OpenAI API (Ctrl-C stops Serve and its Ray). Direct ingress: the Router replica
+# serves HTTP itself at :30000 (Serve's direct-ingress port range), no proxy hop per chunk; Serve's
+# proxy still answers the same API at :8000. `make run DIRECT_INGRESS=0`: the proxy alone.
+# NOTE: Serve reads the switch where Ray starts: `--address local` starts a Ray of our own with it
+# (a running `ray start` cluster would not see it; docs/serving.md). No load balancer in front
+# here: no 30 s hold of a stopping Router for one to deregister it, no quarantine of its port.
+DIRECT_INGRESS ?= 1
+# The app's code runs on the replica's own event loop (no thread hop per chunk, as Ray's
+# RAY_SERVE_THROUGHPUT_OPTIMIZED has it). tests/e2e/serve_process.py starts Serve the same way.
+DIRECT_INGRESS_ENV = RAY_SERVE_ENABLE_DIRECT_INGRESS=$(DIRECT_INGRESS) \
+	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 \
+	RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0 RAY_SERVE_PORT_QUARANTINE_S=0
+API_URLS = $(if $(filter 1,$(DIRECT_INGRESS)),http://127.0.0.1:30000/v1 (direct ingress) and )
 run: model
-	@echo "PhaseMesh: starting Ray Serve; the API will be at http://127.0.0.1:8000/v1"
-	$(BIN)/serve run deploy/local.yaml
+	@echo "PhaseMesh: starting Ray Serve; the API will be at $(API_URLS)http://127.0.0.1:8000/v1"
+	$(DIRECT_INGRESS_ENV) $(BIN)/serve run --address local deploy/local.yaml
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,7 +1,9 @@
 """The served path against the in-process engine, in one run: what the front end costs.
 
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
-                          [--paths inprocess local mesh] [--stream-interval 8]
+                          [--paths inprocess local mesh ceiling] [--stream-interval 8]
+                          [--ingress direct proxy] [--ceiling-speedup 1 4]
+                          [--worker-niceness 0]
 
 For each batch size, `batch` requests are sent together (greedy, `ignore_eos`, `--tokens` new
 tokens each, the same prompts on every path) to:
@@ -9,17 +11,33 @@ tokens each, the same prompts on every path) to:
 - `local`: `serve run deploy/single.yaml` (`topology: local`: the engine inside the Router
   replica), over HTTP with the official `openai` streaming client;
 - `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards),
-  over HTTP the same way.
-The local engine decodes on as many torch threads as the in-process one (`engine.num_threads`),
-so that the two compare like with like. With `--stream-interval N` each served path runs again
-with `stream_interval: N` (N tokens per chunk, the first at once), reported as `<path>_si<N>`.
+  over HTTP the same way;
+- `ceiling`: the front end alone (`bench/null_engine.py`): the real Router and HTTP path over
+  `NullEngineFake`, an engine of no compute that offers the in-process engine's tok/s at each
+  batch (times each `--ceiling-speedup`), as `ceiling_<ingress>[_x<speedup>]`. Its ratio is the
+  most any engine could get served on this machine: `ceiling_local_ratio_reachable` says whether
+  the local target is within reach here at all.
+Each served path runs behind each `--ingress`: `direct` (Serve's direct ingress, what `make run`
+starts: the Router replica serves HTTP itself), `proxy` (Serve's HTTP proxy actor, every chunk
+through Ray) and, if asked, `direct_thread` (direct, the app on Serve's user-code thread instead
+of the replica's event loop: tests/e2e/serve_process.py), reported as `<path>_<ingress>`, with
+`<path>_direct_over_proxy` the tok/s ratio of the two. The local engine decodes on as many torch
+threads as the in-process one (`engine.num_threads`), so that the two compare like with like.
+With `--stream-interval N` each served path runs again with `stream_interval: N` (N tokens per
+chunk, the first at once), reported as `<path>_<ingress>_si<N>`.
 Served paths report tok/s, TTFT and the gaps between streamed chunks (TBT; a chunk carries every
 token that reached the router together) p50/p90, and the Router replica process's CPU seconds
 (its user+system time before and after each batch, less the threads of a local engine: the
 engine's is `engine_cpu_ms_per_token`) per streamed token and per request (and its CPU with no
 request in flight, per second, which those include), Serve's HTTP proxy's CPU per token, and the
-chunks each request got. Ratios are served / in-process tok/s of the same run. The last line is
-one JSON object.
+chunks each request got. Ratios are served / in-process tok/s of the same run: the in-process
+engine runs before the served paths and again after them, and `ratio` is against the better of
+the two (`inprocess_tok_s_best`; the ceiling is paced by the first). Ray starts its
+workers (replicas, proxy) at nice 15: on a shared machine every other process, this bench's own
+clients and in-process engine included, would preempt the served path, so `--worker-niceness`
+(default 0, recorded in the JSON) serves at the in-process engine's priority. `targets_met` is
+judged on direct ingress (what users run), `targets_met_proxy` on the proxy. The last line is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -36,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
@@ -44,7 +63,7 @@ from bench.host_cpu import process_cpu_s, process_tree, stop_survivors  # noqa: 
 from common.engine.core import LLMEngine  # noqa: E402
 from common.model.default import default_model_path  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
-from tests.e2e.serve_process import ServeRun  # noqa: E402
+from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
 REPEATS = 3
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
@@ -154,15 +173,18 @@ def ray_pid(root: int, title_part: str) -> int | None:
     return None
 
 
-def served(config: str, args: dict, preset: str, batches: list[int], tokens: int) -> dict:
+def served(
+    config: Path, args: dict, preset: str, batches: list[int], tokens: int, ingress: Ingress
+) -> dict:
     """Start `serve run <config>`, then run every batch through it with the `openai` client."""
     vocab = model_vocab(preset)
     with tempfile.TemporaryDirectory() as workdir:
-        server = ServeRun(REPO / "deploy" / config, Path(workdir), args)
+        server = ServeRun(config, Path(workdir), args, ingress)
         started = time.monotonic()
         try:
             url = server.start()
-            print(f"  {config}: up in {time.monotonic() - started:.0f} s", flush=True)
+            print(f"  {config.name} ({ingress}): up in {time.monotonic() - started:.0f} s at {url}",
+                  flush=True)  # fmt: skip
             assert server.pid is not None
             pid = ray_pid(server.pid, ROUTER_TITLE)
             if pid is None:
@@ -183,7 +205,7 @@ def served(config: str, args: dict, preset: str, batches: list[int], tokens: int
                 cpu = process_cpu_s(pid) - cpu_before - engine  # the router's own
                 figures["router_cpu_ms_per_token"] = 1e3 * cpu / (batch * tokens)
                 figures["router_cpu_ms_per_request"] = 1e3 * cpu / batch
-                if proxy:  # Serve's HTTP proxy: its share of the front end, per chunk too
+                if proxy:  # Serve's HTTP proxy (idle with direct ingress): its share, per chunk
                     proxy_cpu = process_cpu_s(proxy) - proxy_before
                     figures["proxy_cpu_ms_per_token"] = 1e3 * proxy_cpu / (batch * tokens)
                 if engine:  # `topology: local`: the engine's threads, told apart by their name
@@ -197,6 +219,49 @@ def served(config: str, args: dict, preset: str, batches: list[int], tokens: int
             stop_survivors({p for p in tree if Path(f"/proc/{p}").exists()})
 
 
+def ceiling(
+    args: argparse.Namespace, engine_tok_s: dict[int, float], batches: list[int], tokens: int
+) -> dict[str, Any]:
+    """The front end alone: `bench/null_engine.py`'s `NullEngineFake` (no compute) offering the
+    in-process engine's tok/s (and `--ceiling-speedup` times it) through the real Router and
+    HTTP path. Below 0.85 at speedup 1, the served target is out of this machine's reach."""
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        config = yaml.safe_load((REPO / "deploy" / "single.yaml").read_text())
+        config["applications"][0]["import_path"] = "bench.null_engine:build_app"
+        config["applications"][0]["args"] = {}
+        source = Path(workdir) / "null_engine.yaml"
+        source.write_text(yaml.safe_dump(config, sort_keys=False))
+        for speedup in args.ceiling_speedup:
+            app_args = {"model": args.preset, "served_model_name": args.preset,
+                        "rates_tok_s": engine_tok_s, "speedup": speedup}  # fmt: skip
+            for ingress in args.ingress:
+                name = f"ceiling_{ingress}" + ("" if speedup == 1 else f"_x{speedup:g}")
+                figures = served(source, app_args, args.preset, batches, tokens, ingress)
+                for batch, f in figures.items():
+                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+                    print(f"  {name} batch {batch}: "
+                          + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))  # fmt: skip
+                results[name] = figures
+    return results
+
+
+def reachable(results: dict[str, Any]) -> dict[str, bool]:
+    """Whether the front end alone (the ceiling at the engine's rate) passes the local target."""
+    ratios = {b: f["ratio"] for b, f in results.get("ceiling_direct", {}).items()}
+    return {f"batch{b}": ratios[b] >= TARGETS[f"local_ratio_batch{b}_min"]
+            for b in (8, 32) if b in ratios}  # fmt: skip
+
+
+def rate_ratios(results: dict[str, Any], engine_tok_s: dict[int, float]) -> None:
+    """Every served figure's `ratio`, against the engine's best of its two measurements."""
+    for figures in results.values():
+        if isinstance(figures, dict) and all(isinstance(f, dict) for f in figures.values()):
+            for batch, f in figures.items():
+                if "tok_s" in f and batch in engine_tok_s:
+                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+
+
 def model_vocab(preset: str) -> int:
     config = json.loads((default_model_path(preset) / "config.json").read_text())
     return int(config["vocab_size"])
@@ -208,7 +273,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 64 tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--paths", nargs="+", default=["inprocess", "local", "mesh"])
+    parser.add_argument("--paths", nargs="+", default=["inprocess", "local", "mesh", "ceiling"])
+    parser.add_argument(
+        "--ceiling-speedup",
+        type=float,
+        nargs="+",
+        default=[1.0, 4.0],
+        help="the ceiling path: offered tok/s over the in-process engine's",
+    )
+    parser.add_argument(
+        "--worker-niceness", type=int, default=0, help="Ray workers' nice (Ray's own default: 15)"
+    )
+    parser.add_argument("--ingress", nargs="+", default=["direct", "proxy"],
+                        choices=["direct", "direct_thread", "proxy"])  # fmt: skip
     parser.add_argument(
         "--stream-interval",
         type=int,
@@ -219,11 +296,13 @@ def main() -> None:
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
     tokens = args.tokens or (64 if args.quick else 256)
     threads = torch.get_num_threads()  # the in-process engine's; the local one gets as many
+    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # `serve run` passes it to Ray
     print(f"preset {args.preset}, batches {batches}, {tokens} tokens, {threads} torch threads, "
           f"load {os.getloadavg()}")  # fmt: skip
     app_args = {"model": args.preset, "served_model_name": args.preset}
     results: dict[str, Any] = {"preset": args.preset, "tokens": tokens, "torch_threads": threads,
                                "stream_interval": args.stream_interval,
+                               "worker_niceness": args.worker_niceness,
                                "load_avg_start": os.getloadavg()}  # fmt: skip
     engine_tok_s = in_process(args.preset, batches, tokens) if "inprocess" in args.paths else {}
     results["inprocess_tok_s"] = engine_tok_s
@@ -237,25 +316,46 @@ def main() -> None:
             if path not in args.paths:
                 continue
             config_args = app_args | extra | {"stream_interval": interval}
-            figures = served(config, config_args, args.preset, batches, tokens)
-            for batch, f in figures.items():
-                if batch in engine_tok_s:
-                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
-                print(f"  {path}{suffix} batch {batch}: "
-                      + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))  # fmt: skip
-            results[path + suffix] = figures
+            for ingress in args.ingress:
+                figures = served(REPO / "deploy" / config, config_args, args.preset, batches,
+                                 tokens, ingress)  # fmt: skip
+                name = f"{path}_{ingress}{suffix}"
+                for batch, f in figures.items():
+                    if batch in engine_tok_s:
+                        f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+                    print(f"  {name} batch {batch}: "
+                          + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))  # fmt: skip
+                results[name] = figures
+            if {"direct", "proxy"} <= set(args.ingress):  # side by side, same run
+                results[f"{path}_direct_over_proxy{suffix}"] = {
+                    b: results[f"{path}_direct{suffix}"][b]["tok_s"]
+                    / results[f"{path}_proxy{suffix}"][b]["tok_s"]
+                    for b in batches
+                }
+    if "ceiling" in args.paths and engine_tok_s:
+        results.update(ceiling(args, engine_tok_s, batches, tokens))
+    if engine_tok_s:  # again: a shared machine's load moves while the servers run
+        results["inprocess_tok_s_end"] = in_process(args.preset, batches, tokens)
+        best = {b: max(r, results["inprocess_tok_s_end"][b]) for b, r in engine_tok_s.items()}
+        results["inprocess_tok_s_best"] = best
+        rate_ratios(results, best)
+        print(f"  inprocess tok/s: start {engine_tok_s}, end {results['inprocess_tok_s_end']}")
+    if 1 in args.ceiling_speedup and "ceiling_direct" in results:
+        results["ceiling_local_ratio_reachable"] = reachable(results)
     results["load_avg_end"] = os.getloadavg()
     results["targets"] = TARGETS
-    results["targets_met"] = targets_met(results, args.preset)
-    if args.stream_interval:
-        results["targets_met_stream_interval"] = targets_met(
-            results, args.preset, f"_si{args.stream_interval}"
-        )
+    for ingress in args.ingress:  # direct: what users run; the proxy's for comparison
+        name = "targets_met" + ("" if ingress == "direct" else f"_{ingress}")
+        results[name] = targets_met(results, args.preset, f"_{ingress}")
+        if args.stream_interval:
+            results[name + "_stream_interval"] = targets_met(
+                results, args.preset, f"_{ingress}_si{args.stream_interval}"
+            )
     print(json.dumps(results))
 
 
 def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[str, bool | None]:
-    """The targets of the runs named `<path><suffix>` (suffix "": stream_interval 1)."""
+    """The targets of the runs named `<path><suffix>` (`_<ingress>[_si<N>]`)."""
 
     def ratio(path: str, batch: int) -> float | None:
         return results.get(path + suffix, {}).get(batch, {}).get("ratio")

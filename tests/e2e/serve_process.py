@@ -5,12 +5,21 @@ collide with a server someone else is running) and, where a test says so, some a
 `--address local` makes `serve run` start its own Ray even if a `ray start` cluster exists on the
 machine; SIGINT (Ctrl-C) makes it shut Serve and that Ray down, so no Ray process outlives the
 test.
+
+`ingress="direct"` (the default, what `make run` starts) is Serve's direct ingress: the Router
+replica serves HTTP itself on a port of Serve's direct-ingress range (moved here to a free region),
+and `base_url` points at it; Serve's HTTP proxy still listens on the config's port
+(`proxy_url`), the fallback. `ingress="proxy"` is Serve's classic path: every request and every
+streamed chunk through the proxy actor; `base_url` is then the proxy's. `direct_thread`: direct
+ingress with the app's code on Serve's user-code thread (Serve's default) instead of the
+replica's own event loop (`LOCAL_DIRECT_INGRESS`). docs/serving.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,13 +27,26 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CLI = Path(sys.executable).with_name("serve")
+Ingress = Literal["direct", "direct_thread", "proxy"]
+DIRECT_INGRESS_PORTS = 100  # the range Serve allocates Router replicas' HTTP ports from
+# Direct ingress on one machine, as `make run` sets it: the app's code on the replica's own event
+# loop, uvicorn's (not Serve's user-code thread: no thread hop per chunk, as Ray's
+# RAY_SERVE_THROUGHPUT_OPTIMIZED has it); no load balancer in front, so neither Serve's 30 s hold
+# of a stopping Router replica (for balancers to deregister it: every Ctrl-C would wait it out)
+# nor its quarantine of a freed port (a restarted Router takes its port back).
+LOCAL_DIRECT_INGRESS = {
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    "RAY_SERVE_PORT_QUARANTINE_S": "0",
+}
 
 
 def free_port() -> int:
@@ -48,20 +70,30 @@ class ServeRun:
     """One `serve run` child process and its log file."""
 
     def __init__(
-        self, source_config: Path, workdir: Path, args: dict[str, Any] | None = None
+        self,
+        source_config: Path,
+        workdir: Path,
+        args: dict[str, Any] | None = None,
+        ingress: Ingress = "direct",
     ) -> None:
         self.port = free_port()
         self.config_path = workdir / source_config.name
         self.config = config_on_port(source_config, self.config_path, self.port, args)
         self.log_path = workdir / "serve-run.log"
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.ingress = ingress
+        self.proxy_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.proxy_url  # the Router replica's own once started, if direct
         self._proc: subprocess.Popen[bytes] | None = None
+        self._direct_low = 0
 
     def start(self, timeout_s: float = 240.0) -> str:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         # NOTE: Ray 2.60 turns token auth on for the clusters it starts; say so explicitly.
         env.setdefault("RAY_AUTH_MODE", "token")
+        ingress = ingress_env(self.ingress)
+        env.update(ingress)
+        self._direct_low = int(ingress.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "0"))
         command = [str(SERVE_CLI), "run", "--address", "local", str(self.config_path)]
         with self.log_path.open("wb") as log:
             # A session of its own: `kill` can then SIGKILL everything it started, and only that.
@@ -69,27 +101,34 @@ class ServeRun:
                 command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
-        self._wait_healthy(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        self._wait_healthy(self.proxy_url, deadline)
+        if self.ingress != "proxy":
+            self.base_url = f"http://127.0.0.1:{self._router_port()}"
+            self._wait_healthy(self.base_url, deadline)
         return self.base_url
+
+    def _router_port(self) -> int:
+        assert self.pid is not None
+        return router_port(self.pid, self._direct_low)
 
     @property
     def pid(self) -> int | None:
         """The `serve run` process: the Ray it starts (and every replica) runs below it."""
         return None if self._proc is None else self._proc.pid
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
+    def _wait_healthy(self, url: str, deadline: float) -> None:
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
                 raise RuntimeError(f"serve run exited early:\n{self.log_tail()}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
-                pass  # proxy not listening yet
+                pass  # not listening yet
             time.sleep(1)  # waiting on another process's start-up: nothing to block on
-        raise TimeoutError(f"no healthy server after {timeout_s}s:\n{self.log_tail()}")
+        raise TimeoutError(f"no healthy server at {url} in time:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Ctrl-C, as a user would; kill only if it does not exit."""
@@ -130,12 +169,43 @@ class ServeRun:
         raise LookupError(f"no Ray metrics export port under serve run {self.pid}")
 
 
+def ingress_env(ingress: Ingress) -> dict[str, str]:
+    """The environment `serve run` needs for an ingress (Serve reads it where Ray starts)."""
+    if ingress == "proxy":
+        return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+    low = free_port_range(DIRECT_INGRESS_PORTS)
+    env = LOCAL_DIRECT_INGRESS | {
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(low),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(low + DIRECT_INGRESS_PORTS),
+    }
+    if ingress == "direct_thread":  # Serve's default: the app on a user-code thread of its own
+        env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = "1"
+    return env
+
+
+def free_port_range(size: int) -> int:
+    """The low end of `size` ports whose first is free, below the kernel's ephemeral ports (ZeroMQ
+    and Ray bind there) and above Ray's worker ports; Serve skips any other busy one."""
+    rng = random.Random()
+    while True:
+        low = rng.randrange(20000, 32000 - size)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", low))
+            except OSError:
+                continue  # taken: another server, another test's range
+            return low
+
+
 @contextlib.contextmanager
 def served(
-    config_name: str, workdir: Path, args: dict[str, Any] | None = None
+    config_name: str,
+    workdir: Path,
+    args: dict[str, Any] | None = None,
+    ingress: Ingress = "direct",
 ) -> Iterator[ServeRun]:
     """`serve run deploy/<config_name>` (with `args` over its app's args) for the `with` block."""
-    run = ServeRun(REPO / "deploy" / config_name, workdir, args)
+    run = ServeRun(REPO / "deploy" / config_name, workdir, args, ingress)
     try:
         run.start()
         yield run
@@ -163,11 +233,49 @@ def descendants(pid: int) -> list[int]:
 
 def replica_pid(server: ServeRun, deployment: str) -> int:
     assert server.pid is not None
-    for pid in descendants(server.pid):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    return replica_pid_below(server.pid, deployment)
+
+
+def replica_pid_below(root: int, deployment: str) -> int:
+    """The process of the one `deployment` replica below `root`."""
+    for pid in descendants(root):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue  # exited meanwhile
         if f"ServeReplica:phasemesh:{deployment}" in cmdline:
             return pid
-    raise LookupError(f"no {deployment} replica under serve run {server.pid}")
+    raise LookupError(f"no {deployment} replica under {root}")
+
+
+def router_port(root: int, low: int) -> int:
+    """The port the Router replica below `root` serves HTTP on (direct ingress): the one TCP
+    socket it listens on in the direct-ingress range from `low` (Serve skips busy ports, so look,
+    not guess)."""
+    ports = [p for p in listening_ports(replica_pid_below(root, "Router"))
+             if low <= p < low + DIRECT_INGRESS_PORTS]  # fmt: skip
+    if len(ports) != 1:
+        raise RuntimeError(f"the Router replica listens on {ports} in the direct-ingress range")
+    return ports[0]
+
+
+def listening_ports(pid: int) -> list[int]:
+    """TCP ports (IPv4 and IPv6) a process listens on: its socket inodes in /proc/net/tcp*."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def kill_session(session_id: int) -> None:

@@ -30,7 +30,7 @@ from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
-from tests.e2e.serve_process import REPO, SERVE_CLI, free_port
+from tests.e2e.serve_process import REPO, SERVE_CLI, free_port, ingress_env, router_port
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -49,13 +49,17 @@ class Cluster:
         self.workdir = workdir
         self.dashboard_port = free_port()
         self.http_port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.http_port}"
+        self.proxy_url = f"http://127.0.0.1:{self.http_port}"
+        self.base_url = self.proxy_url  # the Router replica's own once deployed (direct ingress)
+        self.ingress = ingress_env("direct")  # as `make run`: Serve reads it where Ray starts
+        self._saved_env = {k: os.environ.get(k) for k in self.ingress}
 
     def start(self) -> None:
         # Workers (replicas) inherit this environment from the raylet ray.init starts.
         os.environ["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
         )
+        os.environ.update(self.ingress)
         # NOTE: token auth, Ray 2.60's default for clusters it starts, said explicitly. Ray caches
         # the mode when it is imported: if another module imported it first with the variable
         # unset, ray.init() turns token auth on itself (and exports it to `serve deploy`).
@@ -87,6 +91,11 @@ class Cluster:
             env=os.environ | {"RAY_ADDRESS": ""}, timeout=120,
         )  # fmt: skip
 
+    def use_direct_ingress(self) -> None:
+        """Point `base_url` at the Router replica's own HTTP server (the proxy answered)."""
+        low = int(self.ingress["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
+        self.base_url = f"http://127.0.0.1:{router_port(os.getpid(), low)}"
+
     def metrics_url(self) -> str:
         """Ray's metrics agent (Prometheus text) of the Ray this process started."""
         import ray
@@ -103,6 +112,11 @@ class Cluster:
             serve.shutdown()
         finally:
             ray.shutdown()
+            for key, value in self._saved_env.items():  # later tests start Ray without it
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def token_engine_replicas() -> dict[str, int]:
@@ -191,7 +205,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     cluster.start()
     try:
         cluster.deploy(num_token_engines=1)
-        wait_for("a healthy application", lambda: healthy(cluster.base_url), 240)
+        wait_for("a healthy application", lambda: healthy(cluster.proxy_url), 240)
+        cluster.use_direct_ingress()
+        wait_for("a healthy Router replica", lambda: healthy(cluster.base_url), 60)
         yield cluster
     finally:
         cluster.stop()
