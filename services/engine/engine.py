@@ -23,22 +23,15 @@ from pathlib import Path
 import structlog
 import torch
 
-from common.attention import select_backend
-from common.block_manager import BlockManager
 from common.config import EngineConfig
 from common.engine.core import forward_and_sample
-from common.engine.grammars import EngineGrammars
 from common.engine.request import Request, check_prompt
-from common.kv_cache import KVCache
 from common.kv_ingress import KvIngress, Landed
-from common.model.loader import load_model
 from common.protocol import (
     DecodeHandoff,
-    EngineStats,
     GenerateRequest,
     KvEvent,
     KvPages,
-    LoadReport,
     SetRole,
     ShardAddress,
     TokenOutput,
@@ -51,33 +44,35 @@ from common.scheduling.shard_choice import holds_whole_requests
 from services.engine.admission import DecodeAdmission
 from services.engine.faults import EngineFaults
 from services.engine.kv_news import EngineKvNews
-from services.engine.kv_shipper import KvRoute, KvSend, KvShipper
+from services.engine.kv_shipper import KvSend
 from services.engine.outbox import Outbox
+from services.engine.parts import build_engine_parts
+from services.engine.prefill_ship import EnginePrefillShip
+from services.engine.reports import EngineReports
 from services.engine.routing import (
     EngineRole,
     RequestRoute,
     kv_endpoints,
     placed_in,
-    shard_kv_tokens,
     shard_of_rows,
 )
-from services.engine.runner import MeshModelRunner, ShardLink, StepPlan
+from services.engine.runner import ShardLink, StepPlan
 from services.engine.telemetry import EngineTelemetry
-from services.engine.tiering import EngineTiering, build_tier_policy
-from services.engine.tiers import KvSwaps
+from services.engine.tiering import EngineTiering
+from services.engine.token_output import EngineTokenOutput, ShardRowFailed
 
 log = structlog.get_logger(__name__)
 
 
-class ShardRowFailed(RuntimeError):
-    """A shard could not attend for one request (its KV there was refused or lost): that request
-    is re-run elsewhere, its batch-mates go on."""
-
-
-class Engine(EngineTiering, EngineFaults, EngineKvNews):
-    """Prefill and/or decode for the mesh; see the module docstring. Its fault inputs (a lost
-    router, undelivered KV or hand-offs, a failed step, a new shard group, expired waits) are
-    in `faults.py`; its two KV tiers (local and the shard group, Neo) in `tiering.py`."""
+class Engine(
+    EngineTiering, EngineFaults, EngineKvNews, EnginePrefillShip, EngineTokenOutput, EngineReports
+):
+    """Prefill and/or decode for the mesh; see the module docstring. Its parts, each a module:
+    what its config builds (model, KV, runner; `parts.py`), its fault inputs (a lost router,
+    undelivered KV or hand-offs, a failed step, a new shard group, expired waits; `faults.py`),
+    its two KV tiers (local and the shard group, Neo; `tiering.py`), the prompt role's prefill,
+    KV shipping and hand-off (`prefill_ship.py`), what becomes of a sampled token
+    (`token_output.py`) and its stats and load reports (`reports.py`)."""
 
     def __init__(
         self,
@@ -94,23 +89,12 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         # place by. Every role runs the same code, so a change keeps all running requests.
         self.pool = RoleLease(Role(role.name))
         self.telemetry = telemetry or EngineTelemetry(engine_id, Path(config.model_path).name)
-        self.model = load_model(config.model_path, config.dtype)
-        mc = self.model.config
-        c = config.cache
-        self.blocks = BlockManager(
-            c.num_blocks, c.block_size, c.enable_prefix_caching, Path(config.model_path).name
-        )
-        kv = KVCache(
-            mc.num_hidden_layers, c.num_blocks, c.block_size, mc.num_key_value_heads,
-            mc.head_dim, getattr(torch, mc.dtype),
-        )  # fmt: skip
+        parts = build_engine_parts(config, role, kv_send, shard_links, shards)
+        self.model, self.blocks, self.runner = parts.model, parts.blocks, parts.runner
+        self.grammars, self.sampler = parts.grammars, Sampler()
         # KV shipped here by prompt engines (no shard group); its tombstones are this engine's
         # memory of ended requests, so a hand-off or KV arriving after an abort is dropped.
-        self.kv_ingress = KvIngress(self.blocks, kv, keep_free=self._local_growth)
-        self.runner = MeshModelRunner(
-            self.model, kv, self.blocks, select_backend(config.attention_backend),
-            shard_links=shard_links, shards=shards,
-        )  # fmt: skip
+        self.kv_ingress = KvIngress(self.blocks, parts.kv, keep_free=self._local_growth)
         self.shards = tuple(shards)  # the group the runner's links reach, in head order
         self.kv_send = kv_send
         # Prompts whose decode happens elsewhere (each leaves once its KV shipped), and requests
@@ -122,26 +106,17 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
         # A request-partitioned group holds each request on one shard: its room is the sum.
         group_blocks = role.shard_num_blocks * (len(shards) if holds_whole_requests(shards) else 1)
         self.admission = DecodeAdmission(
-            group_blocks, c.block_size, await_landing=role.kv_transfer == "pull"
+            group_blocks, config.cache.block_size, await_landing=role.kv_transfer == "pull"
         )
         self.requests: dict[str, Request] = {}
         self.routing: dict[str, RequestRoute] = {}
-        self.sampler = Sampler()
-        # Matchers live on each `Request` and are rebuilt from its tokens wherever it goes.
-        self.grammars = EngineGrammars(config.model_path, mc.vocab_size, mc.eos_token_ids)
         self.steps = itertools.count()
-        self.max_model_len = mc.max_position_embeddings
+        self.max_model_len = self.model.config.max_position_embeddings
         self.kv_events: deque[KvEvent] = deque(maxlen=256)
         self.num_prefill_tokens = 0  # computed, i.e. not found in the prefix cache
-        # Neo's local tier beside the shard group: swaps need a budget and a KV listener.
-        self.local_kv_blocks = role.local_kv_blocks
-        self.tier_policy = build_tier_policy(role.tier_policy, self.runner, len(shards))
-        self.swaps = (
-            KvSwaps(self.blocks, kv, kv_send, role.kv_address)
-            if role.local_kv_blocks and role.kv_address
-            else None
-        )
-        self.two_batch = False
+        # Neo's local tier beside the shard group (parts.py builds its policy and swaps).
+        self.local_kv_blocks, self.two_batch = role.local_kv_blocks, False
+        self.tier_policy, self.swaps = parts.tier_policy, parts.swaps
         # Per decode step, the tier policy's predicted seconds (when it has a cost model: Neo)
         # and the measured ones, oldest first (the bench's predicted-vs-measured).
         self.predicted_step_s: float | None = None
@@ -278,48 +253,6 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
             return Outbox()
         return self._decode(batch, local)
 
-    def _prefill_and_ship(self, batch: Batch) -> Outbox:
-        routes = []
-        for seq in batch.seqs:
-            r = self.routing[seq.req_id]
-            dests = list(r.shards) or [ShardAddress(
-                r.token_kv_endpoint, 0, self._num_kv_heads, kv_address=r.token_kv_address
-            )]  # fmt: skip
-            layer_wise = seq.num_tokens >= self.role.layer_wise_min_tokens
-            # Shards hold a request's whole length from its first page (they cannot preempt).
-            reserve = (
-                seq.num_tokens + self.requests[seq.req_id].params.max_tokens if r.shards else 0
-            )
-            trace = self.telemetry.traceparent(seq.req_id)  # travels with its KV pages
-            routes.append(KvRoute(seq.req_id, dests, layer_wise, reserve, traceparent=trace))
-        shipper = KvShipper(routes, len(self.runner.model.layers), self.kv_send)
-        start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
-        self.num_prefill_tokens += batch.num_tokens
-        sampled = self._forward(
-            batch, self.runner.plan_prefill(batch, self._token_ids(batch), shipper)
-        )
-        end_ns = time.time_ns()
-        shipper.finish()
-        self.telemetry.prefill_done(batch.seqs, start_ns, end_ns)
-        self.telemetry.kv_shipped(routes, shipper.num_layers, end_ns)
-        for seq in batch.seqs:
-            last = len(self.runner.model.layers) - 1
-            self.kv_events.append(
-                KvEvent("prefilled", seq.req_id, last, shipper.last_layer_done_at)
-            )
-        out = Outbox()
-        for seq, row in zip(batch.seqs, sampled, strict=True):
-            route = self.routing[seq.req_id]
-            out += self._emit(seq.req_id, row)
-            if seq.req_id in self.requests:
-                out += self._hand_off(seq.req_id)
-            else:  # finished at its first token: free the KV it just shipped
-                endpoints = [s.kv_endpoint for s in route.shards] or [route.token_kv_endpoint]
-                out += Outbox.free(seq.req_id, endpoints)
-            self.blocks.mark_computed(seq.req_id, seq.num_tokens)  # its prefix stays cached
-            self.ship_queue.remove(seq.req_id)
-        return out
-
     def _run_local(self, batch: Batch) -> Outbox:
         start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
         self.num_prefill_tokens += batch.num_tokens
@@ -383,53 +316,6 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
 
     # -- per-request bookkeeping ------------------------------------------------------------------
 
-    def _emit(self, req_id: str, sampled: SampledRow) -> Outbox:
-        """Record a token, stream it, and release everything if the request is done. A request
-        whose token failed (sampling, finish rules) ends alone, with its error."""
-        req, route = self.requests[req_id], self.routing[req_id]
-        token = sampled.token
-        try:
-            if isinstance(token, Exception):
-                raise token
-            result = req.append(token, tokenizer=None)
-        except Exception as exc:  # noqa: BLE001 - this request's fault: its batch-mates go on
-            log.warning("request failed", req_id=req_id, error=repr(exc))
-            retryable = isinstance(exc, ShardRowFailed)  # the mesh's fault, not the request's
-            return self._end(req_id, f"request failed: {exc!r}", retryable=retryable)
-        reason = result.finish_reason.value if result.finish_reason else ""
-        self.telemetry.token(req_id)
-        index = len(req.output_token_ids) - 1
-        output = TokenOutput(
-            req_id, [token], reason, route.num_prompt_tokens, index=index,
-            logprobs=[] if sampled.logprobs is None else [sampled.logprobs],
-            prompt_logprobs=sampled.prompt_logprobs or [],
-        )  # fmt: skip
-        out = Outbox.output(route.reply_to, output)
-        if reason:
-            self.telemetry.finished(req_id, reason)
-            out += self._release(req_id)
-        return out
-
-    def _release(self, req_id: str) -> Outbox:
-        route = self.routing.pop(req_id)
-        self.requests.pop(req_id)
-        self.admission.remove(req_id)
-        return Outbox.free(req_id, kv_endpoints(route.shards))
-
-    def _hand_off(self, req_id: str) -> Outbox:
-        req, route = self.requests.pop(req_id), self.routing.pop(req_id)
-        handoff = DecodeHandoff(
-            req_id=req_id,
-            token_ids=req.all_token_ids,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            sampling=req.params.to_spec(),
-            reply_to=route.reply_to,
-            num_kv_layers=len(self.runner.model.layers),
-            shards=list(route.shards),
-            traceparent=self.telemetry.handed_off(req_id),
-        )
-        return Outbox(handoffs=[(route.token_engine, handoff)])
-
     def _admit_handoffs(self) -> Outbox:
         """Start the hand-offs that may start; end, alone and retryably, the local ones that
         cannot fit while no room is coming (admission.py), so the queue behind them moves."""
@@ -463,51 +349,3 @@ class Engine(EngineTiering, EngineFaults, EngineKvNews):
 
     def _token_ids(self, batch: Batch) -> dict[str, list[int]]:
         return {s.req_id: self.requests[s.req_id].all_token_ids for s in batch.seqs}
-
-    @property
-    def _num_kv_heads(self) -> int:
-        return self.model.config.num_key_value_heads
-
-    # -- reporting --------------------------------------------------------------------------------
-
-    def stats(self) -> EngineStats:
-        used = self.blocks.num_used_blocks + self.admission.shard_blocks.num_used_blocks
-        return EngineStats(
-            self.engine_id, self.pool.current(time.monotonic()), used, self.blocks.num_blocks,
-            len(self.requests), [*self.kv_ingress.events, *self.kv_events],
-            self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
-            num_loans=self.pool.num_loans, num_decode_steps=self.num_decode_steps,
-            num_two_batch_steps=self.num_two_batch_steps,
-            step_times_s=[[p, m, float(kind)] for p, m, kind in self.step_times],
-            decode_breakdown=self.runner.times.report() if self.shards else None,
-            **self._peer_counts(),
-        )  # fmt: skip
-
-    def _peer_counts(self) -> dict[str, int]:
-        peers = self.runner.model_peers
-        if peers is None:
-            return {}
-        return {"num_peer_slices": peers.counts.num_slices,
-                "num_peers_lost": peers.counts.num_lost,
-                "num_peers_joined": peers.counts.num_joined}  # fmt: skip
-
-    def load_report(self, now: float) -> LoadReport:
-        return LoadReport(
-            engine_id=self.engine_id,
-            role=self.pool.current(time.monotonic()),
-            home_role=self.role.name,
-            pending_prompt_tokens=self.ship_queue.pending_prompt_tokens()
-            + self.local.pending_prompt_tokens(),
-            running_decode_tokens=sum(
-                s.num_tokens for s in self.local.running + self.admission.sharded
-            ),
-            num_running=len(self.local.running) + len(self.admission.sharded),
-            num_waiting=self.ship_queue.num_unfinished + len(self.admission.waiting),
-            # Where its decode KV lives: the shard group (as this engine accounts it) or its own.
-            free_kv_blocks=self.admission.free_shard_blocks()
-            if self.shards
-            else max(self.blocks.num_free_blocks - self._local_growth(), 0),
-            time=now,
-            shard_endpoints=kv_endpoints(self.shards),
-            shard_kv_tokens=shard_kv_tokens(self.shards, self.admission.reserved_tokens()),
-        )

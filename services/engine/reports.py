@@ -1,0 +1,91 @@
+"""What an engine tells the mesh about itself: `EngineStats` (its counters, KV events and step
+times, for tests, benches and the router's `/stats`) and the `LoadReport` routers place by (its
+pool, queues and free KV where its decode KV lives). A mixin of `Engine` (engine.py): reading
+only, it changes no state; the state it reads is the engine's (declared here).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from common.block_manager import BlockManager
+from common.engine.request import Request
+from common.kv_ingress import KvIngress
+from common.protocol import EngineStats, KvEvent, LoadReport, ShardAddress
+from common.scheduling.batching import EngineScheduler
+from common.scheduling.role_lease import RoleLease
+from services.engine.admission import DecodeAdmission
+from services.engine.routing import EngineRole, kv_endpoints, shard_kv_tokens
+from services.engine.runner import MeshModelRunner
+
+
+class EngineReports:
+    """`Engine`'s reports; the state they read is the engine's (declared here)."""
+
+    engine_id: str
+    role: EngineRole
+    pool: RoleLease
+    blocks: BlockManager
+    kv_ingress: KvIngress
+    admission: DecodeAdmission
+    ship_queue: EngineScheduler
+    local: EngineScheduler
+    runner: MeshModelRunner
+    shards: tuple[ShardAddress, ...]
+    requests: dict[str, Request]
+    kv_events: deque[KvEvent]
+    num_prefill_tokens: int
+    num_decode_steps: int
+    num_two_batch_steps: int
+    step_times: deque[tuple[float, float, int]]
+
+    if TYPE_CHECKING:  # the engine's own, or another mixin's: no runtime stub to shadow it
+
+        def _local_growth(self) -> int: ...  # Engine's
+
+    def stats(self) -> EngineStats:
+        used = self.blocks.num_used_blocks + self.admission.shard_blocks.num_used_blocks
+        return EngineStats(
+            self.engine_id, self.pool.current(time.monotonic()), used, self.blocks.num_blocks,
+            len(self.requests), [*self.kv_ingress.events, *self.kv_events],
+            self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
+            num_loans=self.pool.num_loans, num_decode_steps=self.num_decode_steps,
+            num_two_batch_steps=self.num_two_batch_steps,
+            step_times_s=[[p, m, float(kind)] for p, m, kind in self.step_times],
+            decode_breakdown=self.runner.times.report() if self.shards else None,
+            **self._peer_counts(),
+        )  # fmt: skip
+
+    def _peer_counts(self) -> dict[str, int]:
+        peers = self.runner.model_peers
+        if peers is None:
+            return {}
+        return {"num_peer_slices": peers.counts.num_slices,
+                "num_peers_lost": peers.counts.num_lost,
+                "num_peers_joined": peers.counts.num_joined}  # fmt: skip
+
+    def load_report(self, now: float) -> LoadReport:
+        return LoadReport(
+            engine_id=self.engine_id,
+            role=self.pool.current(time.monotonic()),
+            home_role=self.role.name,
+            pending_prompt_tokens=self.ship_queue.pending_prompt_tokens()
+            + self.local.pending_prompt_tokens(),
+            running_decode_tokens=sum(
+                s.num_tokens for s in self.local.running + self.admission.sharded
+            ),
+            num_running=len(self.local.running) + len(self.admission.sharded),
+            num_waiting=self.ship_queue.num_unfinished + len(self.admission.waiting),
+            # Where its decode KV lives: the shard group (as this engine accounts it) or its own.
+            free_kv_blocks=self.admission.free_shard_blocks()
+            if self.shards
+            else max(self.blocks.num_free_blocks - self._local_growth(), 0),
+            time=now,
+            shard_endpoints=kv_endpoints(self.shards),
+            shard_kv_tokens=shard_kv_tokens(self.shards, self.admission.reserved_tokens()),
+        )
+
+
+__all__ = ["EngineReports"]
