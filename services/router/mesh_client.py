@@ -10,8 +10,9 @@ A stop-string hit, or a client that goes away, aborts the request at its prompt 
 
 A request whose engines are lost is re-run elsewhere from its tokens (`migration`): its token
 engine or a shard of its group answers with a retryable error, or the watch thread, reading the
-registry every `refresh_s`, finds its token engine (or its prompt engine, before the hand-off)
-gone. docs/failures.md has the whole model.
+registry every `refresh_s` (`mesh_membership`), finds its token engine (or its prompt engine,
+before the hand-off) gone. The requests, their ledgers and their current attempts' engines are
+kept together in `mesh_requests`. docs/failures.md has the whole model.
 """
 
 from __future__ import annotations
@@ -19,15 +20,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import Counter
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import zmq
 from opentelemetry import trace
-from opentelemetry.trace import Span
 
 from common.engine.request import RequestOutput
 from common.protocol import (
@@ -48,19 +46,13 @@ from services.router.cluster_scheduler import ClusterScheduler, NoEngines
 from services.router.coalesce import coalesce
 from services.router.engine_client import EngineClientStats
 from services.router.mesh_inbox import MeshInbox
-from services.router.migration import MigrationBook
-from services.router.streams import (
-    AdmissionLimits,
-    Stream,
-    StreamTable,
-    Unavailable,
-    next_items,
-)
+from services.router.mesh_membership import REFRESH_S, MeshMembership
+from services.router.mesh_requests import EngineLost, MeshRequests, MeshStream
+from services.router.streams import AdmissionLimits, Unavailable, next_items
 from services.router.token_text import StreamedText, join_token_outputs
 
 log = structlog.get_logger(__name__)
 
-REFRESH_S = 0.5
 MAX_MIGRATIONS = 5  # re-runs of one request on other engines before it fails
 # The first re-run waits this long, each next one twice as long (at most MIGRATION_BACKOFF_MAX_S):
 # one fault often ends an attempt several times while the mesh settles (a shard dies: its group
@@ -73,30 +65,7 @@ PREFIX_ROUTING_WEIGHT = 1.0
 # A migrated request waits this long at most for a prompt and a token engine (a replica Serve is
 # restarting loads its model first), retrying every PLACE_RETRY_S.
 MIGRATION_WAIT_S = 60.0
-# An engine missing from the registry this long has left (longer than a replica's heartbeat
-# interval, so a restarted registry actor has heard from every live one again).
-ABSENT_CONFIRM_S = 2.0
 PLACE_RETRY_S = 0.25
-
-
-class EngineLost(RuntimeError):
-    """An engine of the request's attempt `wire_id` left the registry: re-run it elsewhere."""
-
-    def __init__(self, message: str, wire_id: str) -> None:
-        super().__init__(message)
-        self.wire_id = wire_id
-
-
-@dataclass(kw_only=True)
-class _MeshStream(Stream):
-    """A request in the mesh: where its current attempt runs, and its trace."""
-
-    prompt_engine: ServiceEntry
-    token_engine: ServiceEntry
-    traceparent: str = ""  # the request's trace, carried to the engines
-    span: Span | None = None  # the request's `router.request` span, for migration events
-    num_attempt_tokens: int = 0  # tokens of the current attempt (> 1: the token engine has it)
-    lost: bool = False  # an EngineLost is on its way for the current attempt
 
 
 class MeshEngineClient:
@@ -118,10 +87,8 @@ class MeshEngineClient:
         pool_thresholds: PoolThresholds | None = None,
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
-        self.list_services = list_services
         self.max_context: int | None = None  # each engine bounds its own (KV refusals)
         self.auth = auth  # the mesh's CURVE keys: every socket to and from it uses them
-        self.refresh_s = refresh_s
         # KV-aware: the engines name their cached blocks with a chain seeded by the model folder's
         # name (`services/engine/engine.py`); the router hashes prompts the same way.
         self.scheduler = ClusterScheduler(
@@ -129,19 +96,15 @@ class MeshEngineClient:
             cache_namespace=Path(model_path).name,
         )  # fmt: skip
         self.metrics = metrics
-        self.streams: StreamTable[_MeshStream] = StreamTable(limits)
-        # Under `streams.lock`, with the streams: the ledgers, the counts and the membership.
-        self._lock = self.streams.lock
-        self.book = MigrationBook(max_migrations)
-        self._requests_by_engine: Counter[str] = Counter()
-        self._services: list[ServiceEntry] = []
-        self._absent_since: dict[str, float] = {}  # engines of our requests the registry lacks
-        self._closed = threading.Event()
+        self.requests = MeshRequests(limits, max_migrations)
+        self.streams, self.book = self.requests.streams, self.requests.book
+        # Under the streams' lock: the ledgers, the counts and the membership.
+        self._lock = self.requests.lock
         self.ctx = zmq.Context()
         self.inbox = MeshInbox(
             self.ctx,
             host,
-            self._deliver_outputs,
+            self.requests.deliver_outputs,
             self.scheduler.on_load,
             auth=auth,
         )
@@ -149,11 +112,12 @@ class MeshEngineClient:
         self._orderer = self.inbox.orderer
         self._push: PushPool[EngineCommand] = PushPool(self.ctx, EngineCommand, auth=auth)
         self._push_lock = threading.Lock()
-        self._refresh()
-        self._threads = [
-            self.inbox.thread,
-            threading.Thread(target=self._watch_loop, name="mesh-watch", daemon=True),
-        ]
+        self.membership = MeshMembership(
+            list_services, self.requests, self.scheduler, self.inbox, self._send_role_changes,
+            refresh_s=refresh_s, metrics=metrics,
+        )  # fmt: skip
+        self.membership.refresh()
+        self._threads = [self.inbox.thread, self.membership.thread]
         for thread in self._threads:
             thread.start()
 
@@ -210,9 +174,9 @@ class MeshEngineClient:
     def stats(self) -> EngineClientStats:
         """Router counters plus what every live service holds (KV blocks used anywhere)."""
         with self._lock:
-            services = list(self._services)
+            services = list(self.membership.services)
             num_requests, pending = len(self.streams), self.streams.num_pending_prompt_tokens
-            by_engine = dict(self._requests_by_engine)
+            by_engine = dict(self.requests.by_engine)
         endpoints = [s.control_endpoint for s in services if s.control_endpoint]
         replies = list(request_stats(endpoints, 2.0, auth=self.auth).values())
         return EngineClientStats(
@@ -243,7 +207,7 @@ class MeshEngineClient:
         return all(t.is_alive() for t in self._threads)
 
     def shutdown(self) -> None:
-        self._closed.set()
+        self.membership.close()
         self.inbox.close()
         for thread in self._threads:
             thread.join(timeout=5)
@@ -251,19 +215,17 @@ class MeshEngineClient:
             self._push.close()
         self.ctx.destroy(linger=0)
 
-    def _admit(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> _MeshStream:
+    def _admit(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> MeshStream:
         num_tokens = len(prompt_ids)
 
-        def place() -> _MeshStream:  # under the table's lock, once admission allows it
+        def place() -> MeshStream:  # under the table's lock, once admission allows it
             try:
                 prompt, token = self.scheduler.choose(num_tokens, prompt_ids)
             except NoEngines as exc:
                 raise Unavailable("no_engines", "No engine is ready. Please retry later.") from exc
-            self.book.open(req_id, list(prompt_ids), params.to_spec())
-            self._requests_by_engine[prompt.service_id] += 1
-            self._requests_by_engine[token.service_id] += 1
+            self.requests.open(req_id, prompt_ids, params.to_spec(), (prompt, token))
             # The caller's current span is the request's (`RequestTrace.admission`).
-            return _MeshStream(
+            return MeshStream(
                 req_id=req_id, num_prompt_tokens=num_tokens, prompt_engine=prompt,
                 token_engine=token, traceparent=inject_context(), span=trace.get_current_span(),
             )  # fmt: skip
@@ -291,12 +253,10 @@ class MeshEngineClient:
         return stream
 
     async def _migrate(
-        self, req_id: str, stream: _MeshStream, output_token_ids: list[int], reason: str
+        self, req_id: str, stream: MeshStream, output_token_ids: list[int], reason: str
     ) -> None:
         """Re-run a request whose engines or shards were lost, from the tokens it has so far."""
-        with self._lock:
-            old_wire_id = self.book.ledgers[req_id].wire_id
-            replay = self.book.migrate(req_id, output_token_ids)
+        old_wire_id, replay = self.requests.next_attempt(req_id, output_token_ids)
         self._send_aborts(stream, old_wire_id)
         self._orderer.forget(old_wire_id)
         if replay is None:
@@ -352,19 +312,16 @@ class MeshEngineClient:
             await asyncio.sleep(PLACE_RETRY_S)
 
     def _wire_id(self, req_id: str) -> str:
-        with self._lock:
-            ledger = self.book.ledgers.get(req_id)
-        return req_id if ledger is None else ledger.wire_id
+        return self.requests.wire_id(req_id)
 
     def _shard_ids(self, token: ServiceEntry) -> list[str]:
         """The service ids of a token engine's shard group."""
         return [s.service_id or s.kv_endpoint for s in token.shards]
 
-    def _send_aborts(self, stream: _MeshStream, wire_id: str) -> None:
+    def _send_aborts(self, stream: MeshStream, wire_id: str) -> None:
         """Abort an attempt at its engines that are still members (a dead one's socket would
         only queue the message)."""
-        with self._lock:
-            live = {e.service_id for e in self._services}
+        live = self.membership.live_ids()
         for engine in (stream.prompt_engine, stream.token_engine):
             if engine is not None and engine.service_id in live:
                 try:
@@ -381,98 +338,7 @@ class MeshEngineClient:
         with self._push_lock:
             self._push.get(endpoint).send(msg)
 
-    def _release(self, req_id: str) -> _MeshStream | None:
-        with self._lock:
-            stream = self.streams.release(req_id)
-            ledger = self.book.ledgers.get(req_id)
-            self.book.close(req_id)
-        self._orderer.forget(req_id if ledger is None else ledger.wire_id)
+    def _release(self, req_id: str) -> MeshStream | None:
+        stream, wire_id = self.requests.release(req_id)
+        self._orderer.forget(wire_id)
         return stream
-
-    # ---- from the inbox thread ----
-
-    def _deliver_outputs(self, outputs: list[TokenOutput]) -> None:
-        """`_deliver` for everything one drain of the inbox made ready: one lock, one wake-up of
-        the event loop."""
-        with self._lock:
-            owners = [self.book.owner(out.req_id) for out in outputs]
-            items = [
-                (ledger.req_id, out, len(out.token_ids), bool(out.finish_reason or out.error))
-                for ledger, out in zip(owners, outputs, strict=True)
-                if ledger is not None
-            ]
-            streams = self.streams.deliver_many(items)
-            for stream, (_, out, _, _) in zip(streams, items, strict=True):
-                if stream is not None:
-                    stream.num_attempt_tokens += len(out.token_ids)
-
-    def _deliver(self, wire_id: str, item: TokenOutput | Exception) -> None:
-        """Hand an output to its request's stream; outputs of a superseded attempt are dropped."""
-        has_tokens = isinstance(item, TokenOutput) and bool(item.token_ids)
-        with self._lock:  # the attempt cannot change between the check and the delivery
-            ledger = self.book.owner(wire_id)
-            stream = None if ledger is None else self.streams.deliver(ledger.req_id, item,
-                                                                      has_tokens)  # fmt: skip
-            if stream is not None and isinstance(item, TokenOutput):
-                stream.num_attempt_tokens += len(item.token_ids)
-
-    # ---- watch thread: membership ----
-
-    def _watch_loop(self) -> None:
-        # NOTE: a timer (Event.wait), reading another process's state: the registry actor.
-        while not self._closed.wait(self.refresh_s):
-            self._refresh()
-
-    def _refresh(self) -> None:
-        try:
-            entries = self.list_services()
-        except Exception as exc:  # noqa: BLE001 - keep the last view; the registry may restart
-            log.warning("registry read failed", error=repr(exc))
-            return
-        # Ready engines, and the shards (a group with a shard the registry lost is not placed on).
-        self.scheduler.set_engines([e for e in entries if e.state == "ready"])
-        self.inbox.load_endpoints = frozenset(e.load_endpoint for e in entries if e.load_endpoint)
-        self.scheduler.rebalance()  # an idle router returns what it borrowed, renews the rest
-        self._send_role_changes()
-        if self.metrics is not None:
-            self.metrics.set_pool_sizes(Counter(self.scheduler.pools().values()))
-        with self._lock:
-            before = {e.service_id for e in self._services}
-            self._services = entries
-        now = {e.service_id for e in entries}
-        if now != before:
-            log.info("mesh membership", joined=sorted(now - before), left=sorted(before - now),
-                     ready=self.scheduler.can_place())  # fmt: skip
-        self._fail_orphans(self._confirmed_gone(now, time.monotonic()))
-
-    def _confirmed_gone(self, live_ids: set[str], now: float) -> set[str]:
-        """Engines absent from the registry for `ABSENT_CONFIRM_S`: a registry actor that
-        restarted knows no one until each replica's next heartbeat re-registers it, and that
-        must not make every request in flight migrate off healthy engines."""
-        for service_id in live_ids:
-            self._absent_since.pop(service_id, None)
-        known = {e.service_id for s in self.streams.snapshot()
-                 for e in (s.prompt_engine, s.token_engine) if e is not None}  # fmt: skip
-        for service_id in known - live_ids:
-            self._absent_since.setdefault(service_id, now)
-        for service_id in set(self._absent_since) - known:
-            del self._absent_since[service_id]  # no request of ours is on it any more
-        return {s for s, since in self._absent_since.items() if now - since >= ABSENT_CONFIRM_S}
-
-    def _fail_orphans(self, gone: set[str]) -> None:
-        """Tell requests whose token engine left, or whose prompt engine left before the token
-        engine took over, that their attempt is lost (they migrate); once per attempt."""
-        orphans = []
-        with self._lock:
-            for s in self.streams.snapshot():
-                req_id = s.req_id
-                handed_off = s.num_attempt_tokens > 1
-                for dead in (s.token_engine, None if handed_off else s.prompt_engine):
-                    if dead is not None and dead.service_id in gone and not s.lost:
-                        s.lost = True
-                        orphans.append((req_id, dead.service_id, s.traceparent))
-        for req_id, engine_id, traceparent in orphans:
-            with bind_request(req_id, traceparent=traceparent):
-                log.error("engine left mid-request", engine=engine_id)
-            wire_id = self._wire_id(req_id)
-            self._deliver(wire_id, EngineLost(f"engine {engine_id} stopped responding", wire_id))

@@ -1,0 +1,117 @@
+"""The mesh's members as the router sees them: the registry, read every `refresh_s` on one thread.
+
+Each read sets the engines the scheduler places on (ready ones, and the shards: a group with a
+shard the registry lost is not placed on), the load endpoints the inbox subscribes to, and the
+pools (an idle router returns what it borrowed, renews the rest). An engine a request runs on that
+stays absent from the registry `ABSENT_CONFIRM_S` has left: the attempts on it are lost
+(`EngineLost`: their requests migrate). A failed read keeps the last view (the registry actor may
+be restarting). docs/failures.md has the whole model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import structlog
+
+from common.telemetry import Metrics, bind_request
+from services.mesh.registry import ServiceEntry
+from services.router.cluster_scheduler import ClusterScheduler
+from services.router.mesh_inbox import MeshInbox
+from services.router.mesh_requests import EngineLost, MeshRequests
+
+log = structlog.get_logger(__name__)
+
+REFRESH_S = 0.5
+# An engine missing from the registry this long has left (longer than a replica's heartbeat
+# interval, so a restarted registry actor has heard from every live one again).
+ABSENT_CONFIRM_S = 2.0
+
+
+class MeshMembership:
+    """The registry's last view (`services`, under the requests' lock) and the watch thread."""
+
+    def __init__(
+        self,
+        list_services: Callable[[], list[ServiceEntry]],
+        requests: MeshRequests,
+        scheduler: ClusterScheduler,
+        inbox: MeshInbox,
+        send_role_changes: Callable[[], None],
+        *,
+        refresh_s: float = REFRESH_S,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.list_services = list_services
+        self.requests = requests
+        self.scheduler = scheduler
+        self.inbox = inbox
+        self.send_role_changes = send_role_changes
+        self.refresh_s = refresh_s
+        self.metrics = metrics
+        self.services: list[ServiceEntry] = []
+        self._absent_since: dict[str, float] = {}  # engines of our requests the registry lacks
+        self._closed = threading.Event()
+        self.thread = threading.Thread(target=self._watch_loop, name="mesh-watch", daemon=True)
+
+    def live_ids(self) -> set[str]:
+        with self.requests.lock:
+            return {e.service_id for e in self.services}
+
+    def close(self) -> None:
+        """Stop the watch thread after its current read (the caller joins it)."""
+        self._closed.set()
+
+    def _watch_loop(self) -> None:
+        # NOTE: a timer (Event.wait), reading another process's state: the registry actor.
+        while not self._closed.wait(self.refresh_s):
+            self.refresh()
+
+    def refresh(self) -> None:
+        try:
+            entries = self.list_services()
+        except Exception as exc:  # noqa: BLE001 - keep the last view; the registry may restart
+            log.warning("registry read failed", error=repr(exc))
+            return
+        # Ready engines, and the shards (a group with a shard the registry lost is not placed on).
+        self.scheduler.set_engines([e for e in entries if e.state == "ready"])
+        self.inbox.load_endpoints = frozenset(e.load_endpoint for e in entries if e.load_endpoint)
+        self.scheduler.rebalance()  # an idle router returns what it borrowed, renews the rest
+        self.send_role_changes()
+        if self.metrics is not None:
+            self.metrics.set_pool_sizes(Counter(self.scheduler.pools().values()))
+        with self.requests.lock:
+            before = {e.service_id for e in self.services}
+            self.services = entries
+        now = {e.service_id for e in entries}
+        if now != before:
+            log.info("mesh membership", joined=sorted(now - before), left=sorted(before - now),
+                     ready=self.scheduler.can_place())  # fmt: skip
+        self._fail_orphans(self._confirmed_gone(now, time.monotonic()))
+
+    def _confirmed_gone(self, live_ids: set[str], now: float) -> set[str]:
+        """Engines absent from the registry for `ABSENT_CONFIRM_S`: a registry actor that
+        restarted knows no one until each replica's next heartbeat re-registers it, and that
+        must not make every request in flight migrate off healthy engines."""
+        for service_id in live_ids:
+            self._absent_since.pop(service_id, None)
+        known = self.requests.engine_ids()
+        for service_id in known - live_ids:
+            self._absent_since.setdefault(service_id, now)
+        for service_id in set(self._absent_since) - known:
+            del self._absent_since[service_id]  # no request of ours is on it any more
+        return {s for s, since in self._absent_since.items() if now - since >= ABSENT_CONFIRM_S}
+
+    def _fail_orphans(self, gone: set[str]) -> None:
+        """Tell requests whose token engine left, or whose prompt engine left before the token
+        engine took over, that their attempt is lost (they migrate); once per attempt."""
+        for req_id, engine_id, traceparent in self.requests.lose_attempts(gone):
+            with bind_request(req_id, traceparent=traceparent):
+                log.error("engine left mid-request", engine=engine_id)
+            wire_id = self.requests.wire_id(req_id)
+            self.requests.deliver(
+                wire_id, EngineLost(f"engine {engine_id} stopped responding", wire_id)
+            )

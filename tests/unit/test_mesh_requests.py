@@ -1,0 +1,122 @@
+"""The mesh client's requests and membership without sockets (`services/router/mesh_requests.py`,
+`mesh_membership.py`): only the current attempt's outputs reach a request, an engine is lost once
+per attempt, and only after the registry has missed it for `ABSENT_CONFIRM_S`."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from common.protocol import SamplingSpec, TokenOutput
+from common.roles import Role
+from services.mesh.registry import ServiceEntry
+from services.router.cluster_scheduler import ClusterScheduler
+from services.router.mesh_membership import ABSENT_CONFIRM_S, MeshMembership
+from services.router.mesh_requests import EngineLost, MeshRequests, MeshStream
+
+PROMPT = ServiceEntry(role=Role.PROMPT, service_id="p0", state="ready", command_endpoint="tcp://p")
+TOKEN = ServiceEntry(role=Role.TOKEN, service_id="t0", state="ready", command_endpoint="tcp://t")
+SAMPLING = SamplingSpec(max_tokens=8, temperature=0.0)
+
+
+def admit(requests: MeshRequests, req_id: str) -> MeshStream:
+    def place() -> MeshStream:
+        requests.open(req_id, [5, 6, 7], SAMPLING, (PROMPT, TOKEN))
+        return MeshStream(req_id=req_id, num_prompt_tokens=3, prompt_engine=PROMPT,
+                          token_engine=TOKEN)  # fmt: skip
+
+    return requests.streams.admit(req_id, 3, place)
+
+
+async def drained(stream: MeshStream) -> list[Any]:
+    await asyncio.sleep(0)  # deliveries land by `call_soon_threadsafe`
+    items = []
+    while not stream.outputs.empty():
+        items.append(stream.outputs.get_nowait())
+    return items
+
+
+def test_only_the_current_attempts_outputs_reach_the_request() -> None:
+    async def run() -> None:
+        requests = MeshRequests(None, max_migrations=2)
+        stream = admit(requests, "r1")
+        assert requests.by_engine == {"p0": 1, "t0": 1}
+        requests.deliver_outputs([TokenOutput("r1", [10])])
+        assert [o.token_ids for o in await drained(stream)] == [[10]]
+        old, replay = requests.next_attempt("r1", [10])
+        assert (old, requests.wire_id("r1")) == ("r1", "r1~1")
+        assert replay is not None and replay.output_token_ids == [10]
+        requests.deliver_outputs([TokenOutput("r1", [11]), TokenOutput("r1~1", [12])])
+        requests.deliver("r1", TokenOutput("r1", [13]))  # the dead attempt, late: dropped
+        assert [o.token_ids for o in await drained(stream)] == [[12]]
+        assert stream.num_attempt_tokens == 2  # counted over attempts until the client resets
+        assert requests.release("r1") == (stream, "r1~1")
+        assert requests.release("r1") == (None, "r1")
+        assert not requests.book.ledgers and len(requests.streams) == 0
+
+    asyncio.run(run())
+
+
+def test_an_attempt_is_lost_once_and_its_prompt_engine_only_before_the_hand_off() -> None:
+    async def run() -> None:
+        requests = MeshRequests(None, max_migrations=2)
+        stream = admit(requests, "r1")
+        assert requests.engine_ids() == {"p0", "t0"}
+        assert requests.lose_attempts({"p0"}) == [("r1", "p0", "")]
+        assert requests.lose_attempts({"p0", "t0"}) == []  # an EngineLost is on its way
+        stream.lost, stream.num_attempt_tokens = False, 2  # the token engine has it now
+        assert requests.lose_attempts({"p0"}) == []
+        assert requests.lose_attempts({"t0"}) == [("r1", "t0", "")]
+
+    asyncio.run(run())
+
+
+def membership(
+    requests: MeshRequests, view: Any, scheduler: ClusterScheduler | None = None
+) -> MeshMembership:
+    inbox: Any = SimpleNamespace(load_endpoints=frozenset())
+    return MeshMembership(
+        view, requests, scheduler or ClusterScheduler(16), inbox, lambda: None, refresh_s=60
+    )
+
+
+def test_an_engine_is_gone_only_once_the_registry_has_missed_it_long_enough() -> None:
+    async def run() -> None:
+        requests = MeshRequests(None, max_migrations=2)
+        admit(requests, "r1")
+        watch = membership(requests, lambda: [PROMPT, TOKEN])
+        assert watch._confirmed_gone({"p0", "t0"}, now=100.0) == set()
+        assert watch._confirmed_gone(set(), now=101.0) == set()  # a restarted registry, say
+        assert watch._confirmed_gone({"p0", "t0"}, now=101.0 + ABSENT_CONFIRM_S) == set()
+        assert watch._confirmed_gone({"p0"}, now=200.0) == set()
+        assert watch._confirmed_gone({"p0"}, now=200.0 + ABSENT_CONFIRM_S) == {"t0"}
+        requests.release("r1")  # no request of ours on it: forgotten
+        assert watch._confirmed_gone({"p0"}, now=300.0) == set() and not watch._absent_since
+
+    asyncio.run(run())
+
+
+def test_a_refresh_keeps_the_last_view_when_the_registry_read_fails_and_fails_orphans() -> None:
+    async def run() -> None:
+        requests = MeshRequests(None, max_migrations=2)
+        stream = admit(requests, "r1")
+        views: list[Any] = [[PROMPT, TOKEN], RuntimeError("registry restarting")]
+        scheduler = ClusterScheduler(16)
+
+        def view() -> list[ServiceEntry]:
+            current = views.pop(0)
+            if isinstance(current, Exception):
+                raise current
+            return list(current)
+
+        watch = membership(requests, view, scheduler)
+        watch.refresh()
+        assert watch.live_ids() == {"p0", "t0"} and scheduler.can_place()
+        watch.refresh()  # the read fails: nothing changes
+        assert watch.live_ids() == {"p0", "t0"} and scheduler.can_place()
+        watch._fail_orphans({"t0"})
+        [lost] = await drained(stream)
+        assert isinstance(lost, EngineLost) and lost.wire_id == "r1" and stream.lost
+
+    asyncio.run(run())
