@@ -20,8 +20,9 @@ for on first use, a copy of those rows beside the fused one: oneDNN cannot run a
 a packed weight, and `F.linear` on the slice (MKL, repacking every call) cost the early-q step
 its packed speed-up. Packing on first use keeps the memory off every engine that never splits:
 for attention_overlap that is one more copy of the QKV weights (`small`: 3.9 MB a layer, 47 MB
-float32 in all), and its first overlapped step pays the packing once (~0.1 s on `small`). On
-this machine's oneDNN a slice's outputs equal the fused ones bitwise.
+float32 in all), packed when the engine starts (`pack_rows`, `LlamaDecoderLayer.pack_halves`;
+~0.1 s on `small`) or else on the first overlapped step. On this machine's oneDNN a slice's
+outputs equal the fused ones bitwise.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ class PackedLinear(nn.Linear):
                 x = x.to(packed.dtype)
             return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return F.linear(x, (self.weight if self.dense is None else self.dense)[start:end])
+
+    def pack_rows(self, start: int, end: int) -> None:
+        """Pack the row slice `forward_rows(x, start, end)` runs on now rather than on its first
+        call. A no-op where the whole weight is not packed."""
+        if self.packed is not None:
+            self._packed_slice(start, end)
 
     def _packed_slice(self, start: int, end: int) -> torch.Tensor:
         if self.packed_rows is None:

@@ -156,6 +156,14 @@ class LlamaDecoderLayer(nn.Module):
         rope.rotate_heads_(q, attn.num_heads, attn.head_dim)
         return h, q.view(-1, attn.num_heads, attn.head_dim)
 
+    def pack_halves(self) -> None:
+        """Pack the q rows and the k/v rows `pre_attention_q` / `pre_attention_kv` run on, so an
+        engine with early q pays the packing at start-up, not in its first decode step."""
+        attn = self.self_attn
+        q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        attn.qkv_proj.pack_rows(0, q_size)
+        attn.qkv_proj.pack_rows(q_size, q_size + 2 * kv_size)
+
     def pre_attention_kv(self, h: torch.Tensor, rope: RopeAt) -> tuple[torch.Tensor, torch.Tensor]:
         """The second half: h [T, hidden] -> k and v [T, num_kv_heads, head_dim]."""
         attn = self.self_attn

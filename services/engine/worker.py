@@ -107,6 +107,9 @@ class EngineWorker:
         )  # fmt: skip
         self.engine.runner.reply_timeout_s = cfg.shard_reply_timeout_s
         self.engine.runner.attention_overlap = cfg.attention_overlap
+        if cfg.attention_overlap:  # early q's halves packed now, not in the first decode step
+            for layer in self.engine.runner.model.layers:
+                layer.pack_halves()
         self.engine.runner.decode_lanes = max(cfg.decode_lanes, 1)
         if cfg.decode_lanes == 0:  # auto: one lane until measured (lanes.py)
             self.engine.runner.auto_lanes = AutoLanes(len(self.engine.runner.model.layers))

@@ -121,6 +121,10 @@ def test_early_q_halves_equal_the_fused_pre_attention(tiny_model_path, monkeypat
 
     monkeypatch.setenv("PHASEMESH_PACKED_WEIGHTS", "1" if packed else "0")
     model = load_model(tiny_model_path)
+    model.layers[0].pack_halves()  # as an engine with early q does at start-up
+    assert (model.layers[0].self_attn.qkv_proj.packed_rows or {}).keys() == (
+        {(0, 256), (256, 384)} if packed and onednn_available() else set()
+    )
     for rows in (1, 8, 32):
         x = torch.randn(rows, model.config.hidden_size)
         rope = model.rotary_at(torch.arange(rows) * 3)
