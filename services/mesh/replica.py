@@ -228,7 +228,13 @@ def start_engine(
     links = [s.shard_address() for s in group]
     cfg = replace_cfg(base, service_id=service_id, role=role, shards=links,
                       model_peers=[e.link_address for e in peers])  # fmt: skip
-    thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
+    try:
+        thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
+    except BaseException:
+        # Claims end with the token engine's entry, which it never made: free its shards and
+        # peers now, or they stay claimed by no one (Serve's retry would find no free group).
+        release_claims(registry, service_id)
+        raise
     assert isinstance(thread.worker, EngineWorker)
     ready = thread.worker.ready()
     entry = ServiceEntry(
@@ -299,6 +305,14 @@ def start_model_peer(service_id: str, registry: RegistryClient, base: WorkerConf
     membership.start()
     log.info("model peer replica ready", service_id=service_id)
     return MeshReplica(thread, membership)
+
+
+def release_claims(registry: RegistryClient, token_id: str) -> None:
+    """Free what a token engine that failed to start had claimed (best effort: it is failing)."""
+    try:
+        registry.unregister(token_id)
+    except Exception as exc:  # noqa: BLE001 - the start's own error is the one to raise
+        log.warning("could not release claims", service_id=token_id, error=repr(exc))
 
 
 def claim_model_peers(

@@ -55,7 +55,7 @@ pytestmark = [
 NUM_TOKENS = 8
 NUM_CLIENTS = 2
 PROMPT_POOL_FULL = 64
-MESH_KEY = "5e" * 32  # set, not drawn per deploy: the test asks the token engine for its stats
+MESH_KEY = "5e" * 32  # set, not drawn per deploy (`Cluster.deploy`); the test also asks with it
 
 
 class Cluster:
@@ -106,7 +106,10 @@ class Cluster:
         # A prompt engine counts as full past 64 pending prompt tokens: the steady 4-token load
         # never gets there, a burst of long prompts does (a token engine is lent to the mixed pool).
         app["args"]["mesh"]["pools"] = {"prompt_tokens": PROMPT_POOL_FULL, "lease_s": 10.0}
-        app["args"]["mesh"] |= {"model_peers": model_peers} | (mesh or {})
+        # One key for every deploy: a deploy that changes args rolls every replica, and one that
+        # draws a new key meanwhile leaves old and new replicas unable to link (a new token
+        # engine claiming an old shard fails to start; docs/mesh.md).
+        app["args"]["mesh"] |= {"model_peers": model_peers, "key": MESH_KEY} | (mesh or {})
         path = self.workdir / f"local-{num_token_engines}-{model_peers}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         address = f"http://127.0.0.1:{self.dashboard_port}"
@@ -350,7 +353,7 @@ def test_a_token_engine_rotates_over_a_model_peer_replica_and_claims_its_replace
     engine's; the peer's process is killed, Serve replaces it, the engine's watch claims and
     links the replacement (`LinkPeers`), and the next requests run on it, still equal."""
     # One token engine: a second would find the shard group taken and decode locally, no peers.
-    cluster.deploy(num_token_engines=1, model_peers=1, mesh={"decode_lanes": 3, "key": MESH_KEY})
+    cluster.deploy(num_token_engines=1, model_peers=1, mesh={"decode_lanes": 3})
     want = {"Router": 1, "PromptEngine": 1, "TokenEngine": 1, "AttentionShard": 2, "ModelPeer": 1}
     running = {name: {"RUNNING": n} for name, n in want.items()}
     wait_for("the redeployed application", lambda: replica_states() == running, 240)
@@ -373,14 +376,23 @@ def test_a_token_engine_rotates_over_a_model_peer_replica_and_claims_its_replace
     assert stats is not None and stats.service_id == linked.service_id
     assert stats.num_peer_slices > 0 and stats.num_peers_lost == 0, stats
 
+    [killed] = ready_model_peers()
     os.kill(replica_pid_below(os.getpid(), "ModelPeer"), signal.SIGKILL)
     replaced = wait_for("the replacement peer linked", lambda: peered_token_engine(2), 120)
+    assert killed not in ready_model_peers()
     assert replaced.service_id == stats.service_id  # the same engine: nothing else restarted
     check_greedy(2)
     after = peered_token_engine(2)
     assert after is not None and after.num_peer_slices > replaced.num_peer_slices, after
     assert after.num_peers_lost == 0, after  # lost while idle: the keeper unlinked it first
     assert replica_states()["ModelPeer"] == {"RUNNING": 1}
+
+
+def ready_model_peers() -> list[str]:
+    registry = RayRegistry.for_app("phasemesh")
+    return [
+        e.service_id for e in registry.live() if e.role == Role.MODEL_PEER and e.state == "ready"
+    ]
 
 
 def peered_token_engine(min_joined: int) -> EngineStats | None:
