@@ -219,16 +219,23 @@ def start_engine(
     torch.set_num_threads(base.num_threads)
     group: list[ServiceEntry] = []
     peers: list[ServiceEntry] = []
-    if role == Role.TOKEN:
-        group = claim_shard_group(registry, service_id, shards_per_group, shard_wait_s)
-        peers = claim_model_peers(registry, service_id, num_model_peers, PEER_WAIT_S)
-    if role == Role.TOKEN and not group:
-        log.warning("no free shard group: this token engine decodes with local attention",
-                    service_id=service_id)  # fmt: skip
-    links = [s.shard_address() for s in group]
-    cfg = replace_cfg(base, service_id=service_id, role=role, shards=links,
-                      model_peers=[e.link_address for e in peers])  # fmt: skip
-    thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
+    try:
+        if role == Role.TOKEN:
+            group = claim_shard_group(registry, service_id, shards_per_group, shard_wait_s)
+            peers = claim_model_peers(registry, service_id, num_model_peers, PEER_WAIT_S)
+        if role == Role.TOKEN and not group:
+            log.warning("no free shard group: this token engine decodes with local attention",
+                        service_id=service_id)  # fmt: skip
+        links = [s.shard_address() for s in group]
+        cfg = replace_cfg(base, service_id=service_id, role=role, shards=links,
+                          model_peers=[e.link_address for e in peers])  # fmt: skip
+        thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
+    except BaseException:
+        # Claims end with the token engine's entry, which it never made: free its shards and
+        # peers now, or they stay claimed by no one (Serve's retry would find no free group).
+        # NOTE: a replica killed outright before registering still leaves them claimed.
+        release_claims(registry, service_id)
+        raise
     assert isinstance(thread.worker, EngineWorker)
     ready = thread.worker.ready()
     entry = ServiceEntry(
@@ -299,6 +306,14 @@ def start_model_peer(service_id: str, registry: RegistryClient, base: WorkerConf
     membership.start()
     log.info("model peer replica ready", service_id=service_id)
     return MeshReplica(thread, membership)
+
+
+def release_claims(registry: RegistryClient, token_id: str) -> None:
+    """Free what a token engine that failed to start had claimed (best effort: it is failing)."""
+    try:
+        registry.unregister(token_id)
+    except Exception as exc:  # noqa: BLE001 - the start's own error is the one to raise
+        log.warning("could not release claims", service_id=token_id, error=repr(exc))
 
 
 def claim_model_peers(

@@ -5,6 +5,8 @@ REST API), `deploy/local.yaml` is deployed on a free port, and client threads st
 whole time. Re-deploying the YAML with `TokenEngine.num_replicas: 2` must bring a second token
 engine into routing (it receives requests: the router's per-engine counter in `/stats`) without a
 single failed request: every stream answers 200, the exact number of tokens, usage and `[DONE]`.
+Last, the same YAML with its ModelPeer block on (Lamina 4.3's rotation over model replicas) is
+deployed over the running application, and a peer replica killed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -27,10 +30,22 @@ import yaml
 
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
+from common.protocol import EngineStats
+from common.roles import Role
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
+from common.transport.service_stats import request_stats
+from common.transport.zmq_auth import CurveKeys
+from services.mesh.registry import RayRegistry
 from tests.e2e.greedy_check import assert_text_greedy_close
-from tests.e2e.serve_process import REPO, SERVE_CLI, free_port, ingress_env, router_port
+from tests.e2e.serve_process import (
+    REPO,
+    SERVE_CLI,
+    free_port,
+    ingress_env,
+    replica_pid_below,
+    router_port,
+)
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -40,6 +55,7 @@ pytestmark = [
 NUM_TOKENS = 8
 NUM_CLIENTS = 2
 PROMPT_POOL_FULL = 64
+MESH_KEY = "5e" * 32  # set, not drawn per deploy (`Cluster.deploy`); the test also asks with it
 
 
 class Cluster:
@@ -72,18 +88,29 @@ class Cluster:
             dashboard_port=self.dashboard_port, log_to_driver=False,
         )  # fmt: skip
 
-    def deploy(self, num_token_engines: int) -> None:
-        """`serve deploy` deploy/local.yaml on our port with this many token engines."""
-        config = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
+    def deploy(
+        self, num_token_engines: int, model_peers: int = 0, mesh: dict[str, Any] | None = None
+    ) -> None:
+        """`serve deploy` deploy/local.yaml on our port with this many token engines; with
+        `model_peers`, its commented ModelPeer block turned on (that many per token engine), and
+        `mesh` args set over the file's."""
+        text = (REPO / "deploy" / "local.yaml").read_text()
+        config = yaml.safe_load(uncomment_model_peers(text) if model_peers else text)
         config["http_options"]["port"] = self.http_port
         [app] = config["applications"]
         for deployment in app["deployments"]:
             if deployment["name"] == "TokenEngine":
                 deployment["num_replicas"] = num_token_engines
+            if deployment["name"] == "ModelPeer":
+                deployment["num_replicas"] = num_token_engines * model_peers
         # A prompt engine counts as full past 64 pending prompt tokens: the steady 4-token load
         # never gets there, a burst of long prompts does (a token engine is lent to the mixed pool).
         app["args"]["mesh"]["pools"] = {"prompt_tokens": PROMPT_POOL_FULL, "lease_s": 10.0}
-        path = self.workdir / f"local-{num_token_engines}.yaml"
+        # One key for every deploy: a deploy that changes args rolls every replica, and one that
+        # draws a new key meanwhile leaves old and new replicas unable to link (a new token
+        # engine claiming an old shard fails to start; docs/mesh.md).
+        app["args"]["mesh"] |= {"model_peers": model_peers, "key": MESH_KEY} | (mesh or {})
+        path = self.workdir / f"local-{num_token_engines}-{model_peers}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         address = f"http://127.0.0.1:{self.dashboard_port}"
         subprocess.run(
@@ -119,13 +146,27 @@ class Cluster:
                     os.environ[key] = value
 
 
-def token_engine_replicas() -> dict[str, int]:
+def uncomment_model_peers(text: str) -> str:
+    """deploy/local.yaml as its comment says to turn peers on: the ModelPeer block uncommented."""
+    lines, on = [], False
+    for line in text.split("\n"):
+        on = on or "# - name: ModelPeer" in line
+        lines.append(line.replace("# ", "", 1) if on and line.lstrip().startswith("# ") else line)
+    return "\n".join(lines)
+
+
+def replica_states() -> dict[str, dict[str, int]]:
+    """Each deployment's replicas by state ({} while the application is not there)."""
     from ray import serve
 
     app = serve.status().applications.get("phasemesh")
-    if app is None or "TokenEngine" not in app.deployments:
+    if app is None:
         return {}
-    return dict(app.deployments["TokenEngine"].replica_states)
+    return {name: dict(d.replica_states) for name, d in app.deployments.items()}
+
+
+def token_engine_replicas() -> dict[str, int]:
+    return replica_states().get("TokenEngine", {})
 
 
 def wait_for(what: str, check: Any, timeout_s: float) -> Any:
@@ -146,6 +187,20 @@ def healthy(base_url: str) -> bool:
 
 def stats(base_url: str) -> dict[str, Any]:
     return httpx.get(base_url + "/stats", timeout=10).json()
+
+
+def complete_all(base_url: str, prompts: list[list[int]]) -> list[str]:
+    """Greedy completions of 8 tokens, all at once; each must answer 200."""
+
+    def complete(prompt: list[int]) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        response = httpx.post(base_url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return str(response.json()["choices"][0]["text"])
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(complete, prompts))
 
 
 def stream_once(http: httpx.Client, prompt: list[int]) -> None:
@@ -252,15 +307,7 @@ def test_a_prompt_burst_lends_a_token_engine_to_the_mixed_pool_and_back(cluster:
         sid: s.get("num_loans", 0) for sid, s in stats(cluster.base_url)["services"].items()
     }
 
-    def complete(prompt: list[int]) -> str:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
-        response = httpx.post(cluster.base_url + "/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        return str(response.json()["choices"][0]["text"])
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        texts = list(pool.map(complete, prompts))
+    texts = complete_all(cluster.base_url, prompts)
     for text, prompt, ids in zip(texts, prompts, expected, strict=True):
         assert_text_greedy_close(text, prompt, ids, tokenizer, path)
 
@@ -295,3 +342,68 @@ def pool_loans(metrics_url: str) -> float:
         re.MULTILINE,
     )
     return sum(float(value) for value in pattern.findall(exposition))
+
+
+def test_a_token_engine_rotates_over_a_model_peer_replica_and_claims_its_replacement(
+    cluster: Cluster,
+) -> None:
+    """Lamina 4.3 over Serve replicas (docs/mesh.md): deploy/local.yaml with `model_peers: 1`,
+    3 decode lanes and its ModelPeer block on. The token engine claims the peer through the
+    registry and runs slices on it (its `EngineStats`), greedy text equal to the single-process
+    engine's; the peer's process is killed, Serve replaces it, the engine's watch claims and
+    links the replacement (`LinkPeers`), and the next requests run on it, still equal."""
+    # One token engine: a second would find the shard group taken and decode locally, no peers.
+    cluster.deploy(num_token_engines=1, model_peers=1, mesh={"decode_lanes": 3})
+    want = {"Router": 1, "PromptEngine": 1, "TokenEngine": 1, "AttentionShard": 2, "ModelPeer": 1}
+    running = {name: {"RUNNING": n} for name, n in want.items()}
+    wait_for("the redeployed application", lambda: replica_states() == running, 240)
+    base_url = cluster.proxy_url  # the Router replica was replaced: its own port may differ
+    wait_for("a healthy application", lambda: healthy(base_url), 60)
+    path = default_model_path("tiny")
+    engine, tokenizer = LLMEngine.from_path(path, num_blocks=512), Tokenizer(path)
+    prompts = [[(11 * i + j) % 1500 + 100 for j in range(24)] for i in range(4)]
+    expected = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0,
+                                                       ignore_eos=True))  # fmt: skip
+
+    def check_greedy(few: int) -> None:
+        texts = complete_all(base_url, prompts[:few])
+        for text, prompt, ids in zip(texts, prompts, expected, strict=False):
+            assert_text_greedy_close(text, prompt, ids, tokenizer, path)
+
+    linked = wait_for("the token engine linked to its peer", lambda: peered_token_engine(1), 60)
+    check_greedy(len(prompts))
+    stats = peered_token_engine(1)
+    assert stats is not None and stats.service_id == linked.service_id
+    assert stats.num_peer_slices > 0 and stats.num_peers_lost == 0, stats
+
+    [killed] = ready_model_peers()
+    os.kill(replica_pid_below(os.getpid(), "ModelPeer"), signal.SIGKILL)
+    replaced = wait_for("the replacement peer linked", lambda: peered_token_engine(2), 120)
+    assert killed not in ready_model_peers()
+    assert replaced.service_id == stats.service_id  # the same engine: nothing else restarted
+    check_greedy(2)
+    after = peered_token_engine(2)
+    assert after is not None and after.num_peer_slices > replaced.num_peer_slices, after
+    assert after.num_peers_lost == 0, after  # lost while idle: the keeper unlinked it first
+    assert replica_states()["ModelPeer"] == {"RUNNING": 1}
+
+
+def ready_model_peers() -> list[str]:
+    registry = RayRegistry.for_app("phasemesh")
+    return [
+        e.service_id for e in registry.live() if e.role == Role.MODEL_PEER and e.state == "ready"
+    ]
+
+
+def peered_token_engine(min_joined: int) -> EngineStats | None:
+    """The one ready token engine's stats (asked on its control socket: the router's /stats
+    does not carry the peer counts), once it has a shard group and made `min_joined` peer links."""
+    registry = RayRegistry.for_app("phasemesh")
+    tokens = [e for e in registry.live() if e.role == Role.TOKEN and e.state == "ready"]
+    if len(tokens) != 1 or not tokens[0].shards:
+        return None
+    auth = CurveKeys.from_mesh_key(MESH_KEY)
+    replies = list(request_stats([tokens[0].control_endpoint], 5.0, auth=auth).values())
+    if not replies or replies[0].num_peers_joined < min_joined:
+        return None
+    return replies[0]

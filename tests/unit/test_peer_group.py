@@ -1,11 +1,16 @@
 """Model peers in the registry (`Registry.claim_peers`) and `ModelPeerKeeper`, on the plain
 `Registry` with a fake clock: a token engine claims its peers like a shard group, a lost peer is
 reported at once and its replacement (Serve's new replica) claimed when ready, and the current
-list is repeated to the engine now and then (a peer it dropped for a fault rejoins)."""
+list is repeated to the engine now and then (a peer it dropped for a fault rejoins); a token
+engine that fails to start frees what it claimed."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from common.roles import Role
+from services.mesh import replica
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Registry, ServiceEntry
 from tests.unit.test_shard_group import Clock, ids
@@ -83,3 +88,29 @@ def test_the_current_list_is_repeated_every_interval() -> None:
     clock.now = 5
     assert keeper.due_reminder() == ["ucx-p0"]
     assert keeper.due_reminder() is None
+
+
+def test_a_token_engine_that_fails_to_start_frees_its_shards_and_peers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Claims end with the engine's registry entry, but one whose worker fails (a shard refusing
+    its link) never made one: its group and peers must not stay claimed by no one (found on
+    Ray: Serve's retry of the replica waited out `shard_wait_s` and decoded locally)."""
+    registry = Registry(clock=Clock())
+    for slot in (0, 1):
+        registry.register(ServiceEntry(role=Role.SHARD, service_id=f"s{slot}", state="ready",
+                                       slot=slot))  # fmt: skip
+    start_peer(registry, "p0")
+
+    def refused(cfg: object) -> None:
+        raise RuntimeError("the listener did not accept the link")
+
+    monkeypatch.setattr(replica, "EngineWorker", refused)
+    threads = torch.get_num_threads()  # start_engine sets it: keep this process's
+    base = replica.base_worker_config(
+        "unused", "127.0.0.1", mesh_key="00" * 16, num_threads=threads
+    )
+    with pytest.raises(RuntimeError, match="failed to start"):
+        replica.start_engine(Role.TOKEN, "t0", registry, base, 2, 5.0, num_model_peers=1)
+    assert ids(tuple(registry.claim_group("t1", 2) or ())) == ["s0", "s1"]
+    assert ids(tuple(registry.claim_peers("t1", 1))) == ["p0"]
