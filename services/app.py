@@ -38,7 +38,7 @@ from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
 from services.app_args import AppArgs, EngineArgs, MeshArgs, PoolArgs
-from services.mesh.registry import RayRegistry
+from services.mesh.registry import RayRegistry, RegistryClient
 from services.mesh.replica import (
     MeshReplica,
     base_worker_config,
@@ -86,7 +86,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
     return MeshEngineClient(
         args.model_path(),
         registry.live,
-        auth=CurveKeys.from_mesh_key(args.mesh.key or ""),
+        auth=CurveKeys.from_mesh_key(_mesh_key(args.mesh, registry)),
         host=_bind_host(args.mesh),
         block_size=args.mesh.block_size,
         max_migrations=args.mesh.max_migrations,
@@ -100,7 +100,13 @@ def _bind_host(mesh: MeshArgs) -> str:
     return mesh.host or ray.util.get_node_ip_address()
 
 
-def _worker_config(args: AppArgs) -> WorkerConfig:
+def _mesh_key(mesh: MeshArgs, registry: RegistryClient) -> str:
+    """The args' key, or else the one the application's registry holds (the first replica to ask
+    proposes a fresh one): the same for every replica of every deploy of the application."""
+    return mesh.key or registry.agree_key(secrets.token_hex(32))
+
+
+def _worker_config(args: AppArgs, mesh_key: str) -> WorkerConfig:
     m = args.mesh
     return base_worker_config(
         str(args.model_path()), _bind_host(m), block_size=m.block_size, num_blocks=m.num_blocks,
@@ -109,7 +115,7 @@ def _worker_config(args: AppArgs) -> WorkerConfig:
         layer_wise_min_tokens=m.layer_wise_min_tokens, attention_backend=m.attention_backend,
         num_threads=m.num_threads, shard_num_blocks=m.shard_num_blocks,
         enable_prefix_caching=m.enable_prefix_caching, served_model_name=args.model_name(),
-        mesh_key=m.key or "", kv_transfer=m.kv_transfer, shard_partition=m.shard_partition,
+        mesh_key=mesh_key, kv_transfer=m.kv_transfer, shard_partition=m.shard_partition,
         kv_hold_bytes=m.kv_hold_bytes, attention_overlap=m.attention_overlap,
         decode_lanes=m.worker_decode_lanes(), local_kv_blocks=m.local_kv_blocks,
         tier_policy=m.tier_policy,
@@ -176,7 +182,7 @@ class _MeshService:
         parsed = AppArgs.model_validate(args)
         self.drain_s = parsed.mesh.drain_s
         registry = RayRegistry.for_app(serve.get_replica_context().app_name)
-        base, mesh = _worker_config(parsed), parsed.mesh
+        base, mesh = _worker_config(parsed, _mesh_key(parsed.mesh, registry)), parsed.mesh
         service_id = _service_id(self.role)
         _configure_observability(replace_cfg(base, role=self.role).telemetry_name, service_id)
         if self.role == Role.SHARD:
@@ -240,8 +246,6 @@ class ModelPeerDeployment(_MeshService):
 def build_app(args: dict[str, Any]) -> Application:
     """The application builder: `import_path: services.app:build_app` in a serve config."""
     parsed = AppArgs.model_validate(args)  # fail at deploy time, before any replica starts
-    if parsed.mesh.key is None:
-        parsed.mesh.key = secrets.token_hex(32)
     bound = parsed.model_dump()
     if parsed.topology == "local":
         return RouterDeployment.bind(bound)  # type: ignore[attr-defined]

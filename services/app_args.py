@@ -100,8 +100,9 @@ class MeshArgs(_Args):
     # Re-runs of one request on other replicas when its engines or shards die (token replay).
     max_migrations: int = Field(default=MAX_MIGRATIONS, ge=0)
     pools: PoolArgs = Field(default_factory=PoolArgs)
-    # Signs the UCX hellos between engines and shards (hex); None: `build_app` draws one per
-    # deploy, which every replica of the application shares.
+    # Signs the UCX hellos between engines and shards and keys the CURVE sockets (hex); None: the
+    # application's registry holds one, drawn by its first replica, shared by every replica of
+    # every later deploy (services/mesh/registry.py `agree_key`).
     key: str | None = Field(default=None, pattern=r"^([0-9a-f]{2}){16,}$")
 
     @field_validator("tier_policy")

@@ -91,6 +91,7 @@ class Registry:
         self.entries: dict[str, ServiceEntry] = {}
         self.last_seen: dict[str, float] = {}
         self.claimed_by: dict[str, str] = {}  # shard or model peer id -> token engine id
+        self.mesh_key: str | None = None  # the application's, when its args set none
 
     def register(self, entry: ServiceEntry) -> None:
         """Add or replace an entry (a replica re-registers when its state changes)."""
@@ -160,6 +161,14 @@ class Registry:
             self.claimed_by[peer.service_id] = token_id
         return claimed
 
+    def agree_key(self, proposed: str) -> str:
+        """The application's mesh key: the first one proposed, for the registry's life. Replicas
+        of every version of the application then share one key (a key drawn per deploy would
+        split a rolling update into two meshes that cannot talk)."""
+        if self.mesh_key is None:
+            self.mesh_key = proposed
+        return self.mesh_key
+
     def shard_census(self) -> tuple[int, int]:
         """(live shards, live shards no token engine has claimed), starting ones included."""
         self._expire()
@@ -198,6 +207,8 @@ class RegistryClient(Protocol):
     def claim_group(self, token_id: str, num_slots: int) -> list[ServiceEntry] | None: ...
 
     def claim_peers(self, token_id: str, num_peers: int) -> list[ServiceEntry]: ...
+
+    def agree_key(self, proposed: str) -> str: ...
 
     def shard_census(self) -> tuple[int, int]: ...
 
@@ -245,6 +256,9 @@ class RayRegistry:
 
     def claim_peers(self, token_id: str, num_peers: int) -> list[ServiceEntry]:
         return list(self._call("claim_peers", token_id, num_peers))
+
+    def agree_key(self, proposed: str) -> str:
+        return str(self._call("agree_key", proposed))
 
     def shard_census(self) -> tuple[int, int]:
         num_live, num_unclaimed = self._call("shard_census")

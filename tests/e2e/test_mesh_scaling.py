@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -55,7 +56,6 @@ pytestmark = [
 NUM_TOKENS = 8
 NUM_CLIENTS = 2
 PROMPT_POOL_FULL = 64
-MESH_KEY = "5e" * 32  # set, not drawn per deploy (`Cluster.deploy`); the test also asks with it
 
 
 class Cluster:
@@ -106,10 +106,9 @@ class Cluster:
         # A prompt engine counts as full past 64 pending prompt tokens: the steady 4-token load
         # never gets there, a burst of long prompts does (a token engine is lent to the mixed pool).
         app["args"]["mesh"]["pools"] = {"prompt_tokens": PROMPT_POOL_FULL, "lease_s": 10.0}
-        # One key for every deploy: a deploy that changes args rolls every replica, and one that
-        # draws a new key meanwhile leaves old and new replicas unable to link (a new token
-        # engine claiming an old shard fails to start; docs/mesh.md).
-        app["args"]["mesh"] |= {"model_peers": model_peers, "key": MESH_KEY} | (mesh or {})
+        # No `key`: every deploy's replicas take the application's from its registry, so a
+        # deploy that rolls every replica stays one mesh (a key drawn per deploy split it).
+        app["args"]["mesh"] |= {"model_peers": model_peers} | (mesh or {})
         path = self.workdir / f"local-{num_token_engines}-{model_peers}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         address = f"http://127.0.0.1:{self.dashboard_port}"
@@ -402,7 +401,8 @@ def peered_token_engine(min_joined: int) -> EngineStats | None:
     tokens = [e for e in registry.live() if e.role == Role.TOKEN and e.state == "ready"]
     if len(tokens) != 1 or not tokens[0].shards:
         return None
-    auth = CurveKeys.from_mesh_key(MESH_KEY)
+    # The application's key, agreed by its first replica (a proposal now changes nothing).
+    auth = CurveKeys.from_mesh_key(registry.agree_key(secrets.token_hex(32)))
     replies = list(request_stats([tokens[0].control_endpoint], 5.0, auth=auth).values())
     if not replies or replies[0].num_peers_joined < min_joined:
         return None

@@ -19,6 +19,7 @@ from ray.serve.schema import ServeDeploySchema
 from services.app import DEPLOYMENT_NAMES, AppArgs, build_app, deployment_names
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+KEY = "ab" * 32  # a mesh key (hex)
 EXPECTED = {"local.yaml", "single.yaml", "cluster.yaml", "rayservice.yaml"}
 
 
@@ -138,7 +139,7 @@ def test_mesh_switches_reach_the_workers_config() -> None:
     mesh = dict(host="127.0.0.1", kv_transfer="pull", attention_overlap=True, decode_lanes=3,
                 local_kv_blocks=64, tier_policy="alternate:2", kv_hold_bytes=12345)  # fmt: skip
     args = AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
-    cfg = _worker_config(args)
+    cfg = _worker_config(args, KEY)
     # NOTE: `model_peers` is a count here and the claimed peers' addresses in a worker's config
     # (test_model_peers_reach_the_token_engines below).
     shared = set(WorkerConfig.__struct_fields__) & set(type(args.mesh).model_fields)
@@ -181,7 +182,7 @@ def test_auto_lanes_reach_the_workers_as_zero() -> None:
 
     mesh = {"host": "127.0.0.1", "decode_lanes": "auto"}
     args = AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
-    assert _worker_config(args).decode_lanes == 0  # WorkerConfig's auto
+    assert _worker_config(args, KEY).decode_lanes == 0  # WorkerConfig's auto
 
 
 def bound_names(app: Application) -> list[str]:
@@ -211,7 +212,8 @@ def test_model_peers_reach_the_token_engines(
 
     started: list[tuple[str, tuple[Any, ...]]] = []
     monkeypatch.setattr(app.serve, "get_replica_context", lambda: SimpleNamespace(app_name="a"))
-    monkeypatch.setattr(app.RayRegistry, "for_app", classmethod(lambda cls, name: "registry"))
+    registry = SimpleNamespace(agree_key=lambda proposed: "ab" * 32)
+    monkeypatch.setattr(app.RayRegistry, "for_app", classmethod(lambda cls, name: registry))
     monkeypatch.setattr(app, "_service_id", lambda role: f"{role}-1")
     monkeypatch.setattr(app, "_configure_observability", lambda *a: None)
     monkeypatch.setattr(app, "start_engine", lambda *a: started.append(("engine", a)))
@@ -224,8 +226,10 @@ def test_model_peers_reach_the_token_engines(
         assert kind == "engine" and call[0] == "token" and call[-1] == 2  # num_model_peers
         assert call[4] == 2  # shards_per_group (default)
     else:
-        assert kind == "peer" and call[0] == "model_peer-1" and call[1] == "registry"
+        assert kind == "peer" and call[0] == "model_peer-1" and call[1] is registry
         assert call[2].model_peers == []  # a peer links to no one
+    base = call[3] if role == "token" else call[2]
+    assert base.mesh_key == "ab" * 32  # the application's, from its registry
 
 
 @pytest.mark.parametrize("name", ["local.yaml", "cluster.yaml"])

@@ -111,3 +111,11 @@ def test_a_reclaim_prefers_the_shards_the_engine_already_holds() -> None:
     again = registry.claim_group("t0", 2)
     assert again is not None and [e.service_id for e in again] == ["s0", "s1"]
     assert registry.shard_census() == (3, 1)  # s2 stays free for another engine
+
+
+def test_the_first_proposed_mesh_key_is_every_replicas() -> None:
+    """An application without a set key: its first replica's proposal is the key every later
+    replica gets, of this deploy or the next (a rolling update stays one mesh)."""
+    registry = Registry()
+    assert registry.agree_key("aa" * 32) == "aa" * 32
+    assert registry.agree_key("bb" * 32) == "aa" * 32
