@@ -30,11 +30,10 @@ import uvicorn
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common.config import ModelConfig
-from common.telemetry import Metrics, configure_telemetry
+from common.telemetry import Metrics
 from services.launch.local_mesh import LocalMesh, Topology
 from services.router.mesh_client import MeshEngineClient
 from services.router.server import Router
@@ -78,15 +77,11 @@ class ClientTiming:
 
 
 @pytest.fixture(scope="module")
-def router_spans() -> Iterator[InMemorySpanExporter]:
-    telemetry = configure_telemetry("router", exporter="memory")
-    exporter = telemetry.span_exporter
-    if exporter is None:  # another test configured this process first: listen on its provider
-        exporter = InMemorySpanExporter()
-        telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    exporter.clear()
-    yield exporter
-    exporter.clear()
+def router_spans(span_exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
+    """This process's spans (tests/conftest.py), cleared around the module."""
+    span_exporter.clear()
+    yield span_exporter
+    span_exporter.clear()
 
 
 def serve(router: Router) -> tuple[uvicorn.Server, threading.Thread, str]:

@@ -10,13 +10,11 @@ import threading
 
 import pytest
 import torch
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from common.kv_hold import KvHold
 from common.protocol import KvAnnounce, KvPages
-from common.telemetry import configure_telemetry, inject_context
+from common.telemetry import inject_context
 from common.telemetry.spans import tracer
 from common.transport.zmq_auth import CurveKeys
 from services.engine.kv_hold_server import KvHoldServer
@@ -123,15 +121,9 @@ def test_a_dead_prompt_engine_makes_the_kv_lost_after_the_timeout(server):
         puller.close()
 
 
-def test_a_traced_pull_that_fails_ends_its_span_failed_with_why(server):
+def test_a_traced_pull_that_fails_ends_its_span_failed_with_why(server, spans):
     """A miss, and a landing that raises: each request's `kv.pull` (a child of its context) ends
     ERROR with the reason; the one that reached its hold carries the ask and answer events."""
-    telemetry = configure_telemetry("test-kv-pull", exporter="memory")
-    spans = telemetry.span_exporter
-    if spans is None:  # another test configured this process first: listen on its provider
-        spans = InMemorySpanExporter()
-        telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    spans.clear()
     with tracer().start_as_current_span("router.request") as request:
         traceparent = inject_context()
     hold_request(server.hold, "bad")
