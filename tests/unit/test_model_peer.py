@@ -228,7 +228,8 @@ def test_relink_keeps_listed_links_and_closes_the_rest(model):
 def test_a_restarted_engine_gets_its_peer_back_over_ucx(model, prompts, local):
     """The engine that linked the peer dies without closing its link (the peer's side stays
     open and silent); the restarted engine's new link is accepted and the old one dropped. A
-    hello without the mesh's key is refused and does not cost the live link."""
+    hello without the mesh's key is refused and does not cost the live link; a link that sends
+    a message of another kind gets no answer and costs the peer nothing."""
     from common.roles import Role
     from common.worker_config import WorkerConfig
     from services.engine.model_peer_worker import ModelPeerWorker
@@ -256,6 +257,16 @@ def test_a_restarted_engine_gets_its_peer_back_over_ucx(model, prompts, local):
         with pytest.raises(ChannelClosed):
             UcxTensorChannel.connect(address, PeerLinkMessage, key=b"x" * 16, timeout=1)
         assert not one_slice(old).error  # the bad hello did not cost the link
+        # A process with the key that sends what no peer takes (a shard's message) gets no
+        # answer (the peer closes that link; over TCP the far end may only see silence), and the
+        # peer serves the next link (the restarted engine's, below).
+        from common.protocol import AttendBatch, ShardLinkMessage
+
+        rogue = UcxTensorChannel.connect(address, ShardLinkMessage, key=key, timeout=5)
+        rogue.send(AttendBatch(0, 0), [torch.zeros(1)])
+        with pytest.raises((ChannelClosed, TimeoutError)):
+            rogue.recv(timeout=2)
+        rogue.close()
         # `old` is abandoned here, open: its engine "died". The restarted engine links.
         peers = ModelPeers([], heads_of(model), reply_timeout_s=10)
         assert peers.relink([address], connect) == [address]
