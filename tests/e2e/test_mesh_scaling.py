@@ -384,7 +384,10 @@ def test_a_token_engine_rotates_over_a_model_peer_replica_and_claims_its_replace
     after = peered_token_engine(2)
     assert after is not None and after.num_peer_slices > replaced.num_peer_slices, after
     assert after.num_peers_lost == 0, after  # lost while idle: the keeper unlinked it first
-    assert replica_states()["ModelPeer"] == {"RUNNING": 1}
+    # The replacement registers (and is linked) inside its constructor; Serve marks it RUNNING
+    # only after the constructor returns and a controller round sees it: wait, bounded.
+    wait_for("Serve to see the replacement running",
+             lambda: replica_states().get("ModelPeer") == {"RUNNING": 1}, 60)  # fmt: skip
 
 
 def ready_model_peers() -> list[str]:
