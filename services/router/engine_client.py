@@ -72,12 +72,19 @@ class EngineClient(Protocol):
     """The router's view of the engines.
 
     `generate` admits the request (or raises `Overloaded` / `ValueError` on the first
-    `__anext__`, before any output) and yields one `RequestOutput` per engine step; the last one
-    has `finish_reason` set. Closing the iterator early aborts the request and frees its KV.
+    `__anext__`, before any output) and yields one `RequestOutput` per engine step (or per
+    several: `StreamInterval`); the last one has `finish_reason` set. With `hold_to_end` it
+    yields the first output, then everything else together at the end (`Stream.hold_to_end`).
+    Closing the iterator early aborts the request and frees its KV.
     """
 
     def generate(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_to_end: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     def abort(self, req_id: str) -> None: ...
@@ -139,11 +146,17 @@ class InProcessEngineClient:
     # ---- asyncio side ----
 
     async def generate(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_to_end: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         stream = self.streams.admit(
-            req_id, len(prompt_token_ids), lambda: Stream(req_id=req_id,
-                                                          num_prompt_tokens=len(prompt_token_ids))
+            req_id, len(prompt_token_ids), lambda: Stream(
+                req_id=req_id, num_prompt_tokens=len(prompt_token_ids), hold_to_end=hold_to_end
+            ),
         )  # fmt: skip
         self._commands.put(_Add(req_id, list(prompt_token_ids), params))
         finished = False

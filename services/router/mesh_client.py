@@ -124,9 +124,14 @@ class MeshEngineClient:
     # ---- asyncio side ----
 
     async def generate(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_to_end: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
-        stream = self._admit(req_id, prompt_token_ids, params)
+        stream = self._admit(req_id, prompt_token_ids, params, hold_to_end)
         text = StreamedText(req_id, len(prompt_token_ids), list(params.stop), self.tokenizer)
         engine_done = finished = False
         try:
@@ -215,7 +220,9 @@ class MeshEngineClient:
             self._push.close()
         self.ctx.destroy(linger=0)
 
-    def _admit(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> MeshStream:
+    def _admit(
+        self, req_id: str, prompt_ids: list[int], params: SamplingParams, hold_to_end: bool
+    ) -> MeshStream:
         num_tokens = len(prompt_ids)
 
         def place() -> MeshStream:  # under the table's lock, once admission allows it
@@ -226,8 +233,9 @@ class MeshEngineClient:
             self.requests.open(req_id, prompt_ids, params.to_spec(), (prompt, token))
             # The caller's current span is the request's (`RequestTrace.admission`).
             return MeshStream(
-                req_id=req_id, num_prompt_tokens=num_tokens, prompt_engine=prompt,
-                token_engine=token, traceparent=inject_context(), span=trace.get_current_span(),
+                req_id=req_id, num_prompt_tokens=num_tokens, hold_to_end=hold_to_end,
+                prompt_engine=prompt, token_engine=token, traceparent=inject_context(),
+                span=trace.get_current_span(),
             )  # fmt: skip
 
         stream = self.streams.admit(req_id, num_tokens, place)

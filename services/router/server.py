@@ -326,24 +326,32 @@ class Router:
             raise APIError(400, str(exc), "logit_bias") from exc
         req_id = f"{prefix}-{uuid.uuid4().hex}"
         count = request.num_engine_requests
+        # A plain response's client takes nothing before the end: unless the router must read
+        # the text as it comes (stop strings), its tokens wait in the stream, not on this loop.
+        hold_to_end = not request.stream and not params.stop
 
         async def start(index: int) -> Outputs:
             # NOTE: one choice keeps the request's id; more are `<id>-<index>` to the engines.
             choice_id = req_id if count == 1 else f"{req_id}-{index}"
             return await self._start_choice(choice_id, prompt_ids, choice_params(params, index),
-                                            arrival)  # fmt: skip
+                                            arrival, hold_to_end)  # fmt: skip
 
         return _Job(req_id, len(prompt_ids), await start_all(start, count))
 
     async def _start_choice(
-        self, req_id: str, prompt_ids: list[int], params: SamplingParams, arrival: _Arrival
+        self,
+        req_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival: _Arrival,
+        hold_to_end: bool,
     ) -> Outputs:
         trace = self.telemetry.start(
             req_id, operation=arrival.operation, num_prompt_tokens=len(prompt_ids),
             max_tokens=params.max_tokens, start_ns=arrival.start_ns,
-            traceparent=arrival.traceparent,
+            traceparent=arrival.traceparent, token_gaps=not hold_to_end,
         )  # fmt: skip
-        stream = self.client.generate(req_id, prompt_ids, params)
+        stream = self.client.generate(req_id, prompt_ids, params, hold_to_end=hold_to_end)
         try:
             with trace.admission():  # the backend routes under the request's span
                 first = await anext(stream)

@@ -108,6 +108,10 @@ class Stream:
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     outputs: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     first_token_out: bool = False
+    # The client takes nothing before the end (a non-streaming request the router need not read
+    # as it goes: no stop strings): every output after the first is held until the request's
+    # last, so its coroutine wakes twice, not once per engine step.
+    hold_to_end: bool = False
     # Outputs held back by the table's `StreamInterval` (under its lock), and their tokens.
     held: list[Any] = field(default_factory=list)
     held_tokens: int = 0
@@ -148,7 +152,7 @@ class StreamTable(Generic[S]):
             stream = build()
             self._streams[req_id] = stream
             self.num_pending_prompt_tokens += stream.num_prompt_tokens
-        if self.interval.tokens > 1 and self.interval.seconds > 0:
+        if self.interval.tokens > 1 and self.interval.seconds > 0 and not stream.hold_to_end:
             # NOTE: on the request's loop: `admit` runs in its coroutine (`build` made the stream).
             stream.loop.call_later(self.interval.seconds, self._window_tick, stream)
         return stream
@@ -187,7 +191,8 @@ class StreamTable(Generic[S]):
         """`deliver` for one engine step's outputs: `(req_id, item, num_tokens, final)` each
         (`final`: the request's last output, or an error), under one lock, and one wake-up of
         each event loop for them all (not one per token: each wake-up is a write to the loop's
-        self-pipe and a turn of the loop). Outputs the `interval` holds back wake nothing."""
+        self-pipe and a turn of the loop). Outputs the `interval` or a stream's `hold_to_end`
+        holds back wake nothing."""
         streams: list[S | None] = []
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], object]]] = {}
         interval = self.interval
@@ -201,6 +206,9 @@ class StreamTable(Generic[S]):
                 if num_tokens and not stream.first_token_out:
                     stream.first_token_out = True
                     self.num_pending_prompt_tokens -= stream.num_prompt_tokens
+                elif num_tokens and not final and stream.hold_to_end:
+                    stream.held.append(item)
+                    continue
                 elif num_tokens and not final and interval.tokens > 1:
                     if not stream.held:
                         stream.held_since = now

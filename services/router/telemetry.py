@@ -9,7 +9,8 @@ returns follows that request:
 - `on_output()` sees every output as the response takes it (the SSE stream, or the collector of
   a plain response): the first token becomes a `first_token` event and a TTFT sample, each later
   one a TBT sample (one histogram record, no span event: the token engine's `token.decode` holds
-  the per-token events);
+  the per-token events), except for a request whose tokens the router holds to its end
+  (`token_gaps=False`: its gaps are not seen here; TPOT still is);
 - `observe()` wraps the output stream and ends the span however the stream ends: finished,
   failed (`error.type`, `request_errors_total{kind="generation"}`), or closed early by a client
   that went away (finish reason `abort`).
@@ -50,14 +51,17 @@ class RouterTelemetry:
         max_tokens: int,
         start_ns: int,
         traceparent: str = "",
+        token_gaps: bool = True,
     ) -> RequestTrace:
-        """`traceparent`: the caller's W3C header, if any, to continue its trace."""
+        """`traceparent`: the caller's W3C header, if any, to continue its trace; `token_gaps`:
+        False when the outputs after the first come together at the end (no TBT samples)."""
         span = start_request_span(
             req_id, model=self.model_name, num_prompt_tokens=num_prompt_tokens,
             max_tokens=max_tokens, operation=operation, parent=traceparent or None,
             start_ns=start_ns,
         )  # fmt: skip
-        return RequestTrace(req_id, span, self.metrics, operation, start_ns, num_prompt_tokens)
+        return RequestTrace(req_id, span, self.metrics, operation, start_ns, num_prompt_tokens,
+                            token_gaps=token_gaps)  # fmt: skip
 
 
 class RequestTrace:
@@ -71,8 +75,11 @@ class RequestTrace:
         operation: str,
         start_ns: int,
         num_prompt_tokens: int,
+        *,
+        token_gaps: bool = True,
     ) -> None:
         self.req_id = req_id
+        self.token_gaps = token_gaps
         self.span = span
         self.metrics = metrics
         self.operation = operation
@@ -102,7 +109,7 @@ class RequestTrace:
                 self.first_ns = now
                 self.span.add_event(FIRST_TOKEN_EVENT, timestamp=now)
                 self.metrics.record_ttft((now - self.start_ns) / 1e9, self.operation)
-            else:
+            elif self.token_gaps:
                 self.metrics.record_tbt((now - self.last_ns) / 1e9)
             self.last_ns = now
         self.num_output_tokens = out.num_output_tokens

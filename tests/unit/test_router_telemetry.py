@@ -35,10 +35,17 @@ class FakeBackend:
 
     def __init__(self, refuse: bool = False, num_tokens: int = 3) -> None:
         self.refuse, self.num_tokens = refuse, num_tokens
+        self.holds: list[bool] = []  # each request's `hold_to_end`
 
     async def generate(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_to_end: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
+        self.holds.append(hold_to_end)
         if self.refuse:
             raise Overloaded("max_num_requests", "The server is busy.")
         for i in range(1, self.num_tokens + 1):
@@ -118,7 +125,7 @@ def test_a_callers_traceparent_makes_the_request_its_child(
 ) -> None:
     router = make_router(tiny_model_path, FakeBackend(num_tokens=3), reader)
     header = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
-    assert post(router, {"prompt": [5, 6, 7], "max_tokens": 3}, header) == 200
+    assert post(router, {"prompt": [5, 6, 7], "max_tokens": 3, "stream": True}, header) == 200
     span = the_request(spans)
     assert span.parent is not None and span.context is not None
     assert (f"{span.context.trace_id:032x}", f"{span.parent.span_id:016x}") == (
@@ -131,6 +138,23 @@ def test_a_callers_traceparent_makes_the_request_its_child(
     assert list(counts(reader, "phasemesh_inter_token_latency_seconds").values()) == [2]
     success = counts(reader, "phasemesh_request_success_total")
     assert list(success.values()) == [1] and ("finished_reason", "length") in next(iter(success))
+
+
+def test_a_plain_response_holds_its_tokens_to_the_end_unless_it_has_stop_strings(
+    tiny_model_path: Path, spans: InMemorySpanExporter, reader: InMemoryMetricReader
+) -> None:
+    """A non-streaming request's tokens wait in its stream (`hold_to_end`): the router sees its
+    gaps only as one, so it records TTFT and TPOT but no TBT sample. Stop strings are matched in
+    the router as the text comes, so such a request is not held."""
+    backend = FakeBackend(num_tokens=3)
+    router = make_router(tiny_model_path, backend, reader)
+    assert post(router, {"prompt": [5, 6, 7], "max_tokens": 3}) == 200
+    assert post(router, {"prompt": [5, 6, 7], "max_tokens": 3, "stop": ["zz"]}) == 200
+    assert post(router, {"prompt": [5, 6, 7], "max_tokens": 3, "stream": True}) == 200
+    assert backend.holds == [True, False, False]
+    assert list(counts(reader, "phasemesh_time_to_first_token_seconds").values()) == [3]
+    assert list(counts(reader, "phasemesh_request_time_per_output_token_seconds").values()) == [3]
+    assert list(counts(reader, "phasemesh_inter_token_latency_seconds").values()) == [2 + 2]
 
 
 def test_a_client_that_leaves_ends_the_request_as_abort(

@@ -99,6 +99,57 @@ def test_default_sends_every_output_and_the_time_cap_sends_held_ones() -> None:
         StreamInterval(tokens=0)
 
 
+def test_a_stream_held_to_its_end_wakes_for_its_first_token_and_its_last() -> None:
+    """`hold_to_end` (a plain response): whatever the interval, the first token goes at once
+    (admission, TTFT), every later one waits for the request's end or an error, in order, and
+    no window timer runs for it."""
+
+    async def run() -> None:
+        table: StreamTable[Stream] = StreamTable(interval=StreamInterval(tokens=2, seconds=0.01))
+        stream = table.admit("a", 4, lambda: Stream(req_id="a", num_prompt_tokens=4,
+                                                     hold_to_end=True))  # fmt: skip
+        step(table, out(1))
+        assert await drained(stream) == [[1]] and table.num_pending_prompt_tokens == 0
+        for token in (2, 3, 4):
+            step(table, out(token))
+        await asyncio.sleep(0.05)  # past the window: still held
+        assert await drained(stream) == []
+        step(table, out(5, FinishReason.LENGTH))
+        assert await drained(stream) == [[2], [3], [4], [5]]
+        loop = asyncio.get_running_loop()
+        assert not [h for h in loop._scheduled if not h.cancelled()]  # type: ignore[attr-defined]
+
+        table.admit("b", 4, lambda: Stream(req_id="b", num_prompt_tokens=4, hold_to_end=True))
+        failure = RuntimeError("engine lost")
+        for item in (out(1), out(2)):
+            table.deliver_many([("b", item, 1, False)])
+        table.deliver("b", failure, has_tokens=False)  # an error: what is held goes before it
+        held = table.get("b")
+        assert held is not None
+        await asyncio.sleep(0)
+        assert [held.outputs.get_nowait() for _ in range(3)] == [out(1), out(2), failure]
+
+    asyncio.run(run())
+
+
+def test_in_process_client_holds_a_plain_requests_tokens_to_its_end(tiny_model_path: Path) -> None:
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([[5, 6, 7]], params)  # before the client's thread owns it
+    client = InProcessEngineClient(engine, num_threads=1)
+
+    async def run() -> list[list[int]]:
+        outputs = client.generate("r", [5, 6, 7], params, hold_to_end=True)
+        return [o.new_token_ids async for o in outputs]
+
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        client.shutdown()
+    assert [t for o in outputs for t in o] == expected[0]  # greedy: the engine's own tokens
+    assert len(outputs) <= 2 and len(outputs[-1]) >= 9  # two wake-ups: the first token, the rest
+
+
 def test_in_process_client_streams_the_engines_tokens_in_intervals(
     tiny_model_path: Path,
 ) -> None:
