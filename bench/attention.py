@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from common.attention.cpu_kernel import CpuKernelAttention, kernel_available, supported_isas
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # the engine's default (`--block-size` to measure others)
 MIN_PROBE_BYTES = 256 << 20
 TARGETS = {"kernel_over_mem_2t": 0.70, "over_torch_gqa": 2.0, "over_torch_mha": 1.5}
 TARGETS["paged_over_contig"] = 0.85
@@ -171,20 +171,23 @@ def shape_kv_bytes(shape: Shape, dtype: torch.dtype) -> int:
     return elements * torch.finfo(dtype).bits // 8
 
 
-def to_paged(x: torch.Tensor, transpose: bool) -> torch.Tensor:
+def to_paged(x: torch.Tensor, transpose: bool, block_size: int) -> torch.Tensor:
     """[B, Hkv, T, D] -> in-order blocks [B * T/bs, Hkv, bs, D] (or [.., D, bs] for K)."""
     batch, heads, context, dim = x.shape
-    blocks = x.view(batch, heads, context // BLOCK_SIZE, BLOCK_SIZE, dim).transpose(1, 2)
+    blocks = x.view(batch, heads, context // block_size, block_size, dim).transpose(1, 2)
     if transpose:
         blocks = blocks.transpose(3, 4)
     return blocks.reshape(-1, heads, *blocks.shape[3:]).contiguous()
 
 
-def make_kv_set(shape: Shape, dtype: torch.dtype, gen: torch.Generator) -> KvSet:
+def make_kv_set(
+    shape: Shape, dtype: torch.dtype, gen: torch.Generator, block_size: int = BLOCK_SIZE
+) -> KvSet:
     kv_shape = (shape.batch, shape.num_kv_heads, shape.context, shape.head_dim)
     k = torch.randn(kv_shape, generator=gen).to(dtype)
     v = torch.randn(kv_shape, generator=gen).to(dtype)
-    contig_k, contig_v = to_paged(k, transpose=True), to_paged(v, transpose=False)
+    contig_k = to_paged(k, transpose=True, block_size=block_size)
+    contig_v = to_paged(v, transpose=False, block_size=block_size)
     num_blocks = contig_k.shape[0]
     order = torch.arange(num_blocks, dtype=torch.int32).view(shape.batch, -1)
     perm = torch.randperm(num_blocks, generator=gen)
@@ -307,6 +310,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="batch-32 shapes only, 256 MiB probe")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per figure (>= 5)")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help="KV tokens per block (the engine's default: 16)")  # fmt: skip
     args = parser.parse_args()
     if not kernel_available():
         raise SystemExit("csrc kernel not built: pip install --no-build-isolation ./csrc")
@@ -319,7 +324,7 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             gen = torch.Generator().manual_seed(0)
             num_sets = max(2, math.ceil(uncached_bytes() / shape_kv_bytes(shape, dtype)))
-            sets = [make_kv_set(shape, dtype, gen) for _ in range(num_sets)]
+            sets = [make_kv_set(shape, dtype, gen, args.block_size) for _ in range(num_sets)]
             for threads in thread_counts:
                 seconds = time_case(shape, dtype, threads, sets, probes, args.repeats)
                 row = case_figures(shape, dtype, threads, seconds, probes)
@@ -327,7 +332,7 @@ def main() -> None:
                 cases.append(row)
             del sets
     summary = summarize(cases)
-    setup = {"isa": supported_isas()[0], "repeats": args.repeats, "block_size": BLOCK_SIZE}
+    setup = {"isa": supported_isas()[0], "repeats": args.repeats, "block_size": args.block_size}
     setup["llc_mib"] = last_level_cache_bytes() >> 20
     setup["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "default")
     print(json.dumps({**setup, "memory": memory, "summary": summary, "targets": TARGETS,

@@ -3,7 +3,7 @@
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
                           [--paths inprocess local mesh ceiling] [--stream-interval 8]
                           [--ingress direct proxy] [--ceiling-speedup 1 4]
-                          [--worker-niceness 0]
+                          [--worker-niceness 0] [--modes stream plain]
 
 For each batch size, `batch` requests are sent together (greedy, `ignore_eos`, `--tokens` new
 tokens each, the same prompts on every path) to:
@@ -25,6 +25,9 @@ of the replica's event loop: tests/e2e/serve_process.py), reported as `<path>_<i
 threads as the in-process one (`engine.num_threads`), so that the two compare like with like.
 With `--stream-interval N` each served path runs again with `stream_interval: N` (N tokens per
 chunk, the first at once), reported as `<path>_<ingress>_si<N>`.
+Each batch goes as streamed requests and, in the same server, as plain (non-streaming) ones
+(`--modes`; the plain ones are reported as `<name>_plain`, with their latency p50/p90: what a
+batch client sees; the table of issue 20 was measured that way).
 Served paths report tok/s, TTFT and the gaps between streamed chunks (TBT; a chunk carries every
 token that reached the router together) p50/p90, and the Router replica process's CPU seconds
 (its user+system time before and after each batch, less the threads of a local engine: the
@@ -36,8 +39,8 @@ the two (`inprocess_tok_s_best`; the ceiling is paced by the first). Ray starts 
 workers (replicas, proxy) at nice 15: on a shared machine every other process, this bench's own
 clients and in-process engine included, would preempt the served path, so `--worker-niceness`
 (default 0, recorded in the JSON) serves at the in-process engine's priority. `targets_met` is
-judged on direct ingress (what users run), `targets_met_proxy` on the proxy. The last line is one
-JSON object.
+judged on direct ingress (what users run), `targets_met_proxy` on the proxy, each for streamed
+requests and, as `..._plain`, for plain ones. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -130,13 +133,33 @@ async def one_stream(client: Any, model: str, prompt: list[int], tokens: int) ->
     return {"ttft": stamps[0] - start, "gaps": gaps, "chunks": len(stamps)}
 
 
-async def served_batch(url: str, model: str, prompts: list[list[int]], tokens: int) -> dict:
+async def one_plain(client: Any, model: str, prompt: list[int], tokens: int) -> dict[str, Any]:
+    """A non-streaming request (the issue's table): one response, its latency."""
+    start = time.perf_counter()
+    response = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=tokens, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    if response.usage is None or response.usage.completion_tokens != tokens:
+        raise RuntimeError(f"asked {tokens} tokens, got {response.usage}")
+    return {"latency": time.perf_counter() - start}
+
+
+async def served_batch(
+    url: str, model: str, prompts: list[list[int]], tokens: int, mode: str = "stream"
+) -> dict:
     import openai
 
+    one = one_stream if mode == "stream" else one_plain
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
         start = time.perf_counter()
-        runs = await asyncio.gather(*(one_stream(client, model, p, tokens) for p in prompts))
+        runs = await asyncio.gather(*(one(client, model, p, tokens) for p in prompts))
         wall = time.perf_counter() - start
+    if mode == "plain":
+        latencies = [r["latency"] for r in runs]
+        return {"tok_s": len(prompts) * tokens / wall,
+                "latency_ms_p50": 1e3 * percentile(latencies, 0.5),
+                "latency_ms_p90": 1e3 * percentile(latencies, 0.9)}  # fmt: skip
     ttfts = [r["ttft"] for r in runs]
     gaps = [g for r in runs for g in r["gaps"]]
     return {
@@ -174,9 +197,16 @@ def ray_pid(root: int, title_part: str) -> int | None:
 
 
 def served(
-    config: Path, args: dict, preset: str, batches: list[int], tokens: int, ingress: Ingress
-) -> dict:
-    """Start `serve run <config>`, then run every batch through it with the `openai` client."""
+    config: Path,
+    args: dict,
+    preset: str,
+    batches: list[int],
+    tokens: int,
+    ingress: Ingress,
+    modes: tuple[str, ...] = ("stream",),
+) -> dict[str, dict[int, dict[str, float]]]:
+    """Start `serve run <config>`, then run every batch through it with the `openai` client,
+    once per mode (`stream`, `plain`): {mode: {batch: figures}}."""
     vocab = model_vocab(preset)
     with tempfile.TemporaryDirectory() as workdir:
         server = ServeRun(config, Path(workdir), args, ingress)
@@ -196,11 +226,12 @@ def served(
             idle_before = process_cpu_s(pid)
             time.sleep(IDLE_S)
             idle_ms_per_s = 1e3 * (process_cpu_s(pid) - idle_before) / IDLE_S
-            result: dict[int, dict[str, float]] = {}
-            for batch in batches:
+            result: dict[str, dict[int, dict[str, float]]] = {}
+            for mode, batch in ((m, b) for m in modes for b in batches):
                 cpu_before, engine_before = process_cpu_s(pid), threads_cpu_s(pid, ENGINE_THREAD)
                 proxy_before = process_cpu_s(proxy) if proxy else 0.0
-                figures = asyncio.run(served_batch(url, preset, prompts_for(batch, vocab), tokens))
+                prompts = prompts_for(batch, vocab)
+                figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode))
                 engine = threads_cpu_s(pid, ENGINE_THREAD) - engine_before
                 cpu = process_cpu_s(pid) - cpu_before - engine  # the router's own
                 figures["router_cpu_ms_per_token"] = 1e3 * cpu / (batch * tokens)
@@ -211,7 +242,7 @@ def served(
                 if engine:  # `topology: local`: the engine's threads, told apart by their name
                     figures["engine_cpu_ms_per_token"] = 1e3 * engine / (batch * tokens)
                 figures["router_idle_cpu_ms_per_s"] = idle_ms_per_s
-                result[batch] = figures
+                result.setdefault(mode, {})[batch] = figures
             return result
         finally:
             tree = process_tree(server.pid) if server.pid else set()
@@ -237,18 +268,32 @@ def ceiling(
                         "rates_tok_s": engine_tok_s, "speedup": speedup}  # fmt: skip
             for ingress in args.ingress:
                 name = f"ceiling_{ingress}" + ("" if speedup == 1 else f"_x{speedup:g}")
-                figures = served(source, app_args, args.preset, batches, tokens, ingress)
-                for batch, f in figures.items():
-                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
-                    print(f"  {name} batch {batch}: "
-                          + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))  # fmt: skip
-                results[name] = figures
+                by_mode = served(source, app_args, args.preset, batches, tokens, ingress,
+                                 tuple(args.modes))  # fmt: skip
+                record(results, name, by_mode, engine_tok_s)
     return results
 
 
-def reachable(results: dict[str, Any]) -> dict[str, bool]:
+def record(
+    results: dict[str, Any],
+    name: str,
+    by_mode: dict[str, dict[int, dict[str, float]]],
+    engine_tok_s: dict[int, float],
+) -> None:
+    """Each mode's figures as `results[name]` (streamed) and `results[name + "_plain"]`, with
+    their first ratios (against the first in-process run; `rate_ratios` redoes them at the end)."""
+    for mode, figures in by_mode.items():
+        key = name + ("" if mode == "stream" else f"_{mode}")
+        for batch, f in figures.items():
+            if batch in engine_tok_s:
+                f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+            print(f"  {key} batch {batch}: " + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))
+        results[key] = figures
+
+
+def reachable(results: dict[str, Any], suffix: str = "") -> dict[str, bool]:
     """Whether the front end alone (the ceiling at the engine's rate) passes the local target."""
-    ratios = {b: f["ratio"] for b, f in results.get("ceiling_direct", {}).items()}
+    ratios = {b: f["ratio"] for b, f in results.get("ceiling_direct" + suffix, {}).items()}
     return {f"batch{b}": ratios[b] >= TARGETS[f"local_ratio_batch{b}_min"]
             for b in (8, 32) if b in ratios}  # fmt: skip
 
@@ -292,6 +337,9 @@ def main() -> None:
         default=None,
         help="also run the served paths with this many tokens per chunk",
     )
+    parser.add_argument("--modes", nargs="+", default=["stream", "plain"],
+                        choices=["stream", "plain"],
+                        help="streamed requests, and/or plain (non-streaming) ones")  # fmt: skip
     args = parser.parse_args()
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
     tokens = args.tokens or (64 if args.quick else 256)
@@ -306,32 +354,7 @@ def main() -> None:
                                "load_avg_start": os.getloadavg()}  # fmt: skip
     engine_tok_s = in_process(args.preset, batches, tokens) if "inprocess" in args.paths else {}
     results["inprocess_tok_s"] = engine_tok_s
-    intervals = [1] + ([args.stream_interval] if args.stream_interval else [])
-    for interval in intervals:
-        suffix = "" if interval == 1 else f"_si{interval}"
-        for path, config, extra in (
-            ("local", "single.yaml", {"engine": ENGINE_ARGS | {"num_threads": threads}}),
-            ("mesh", "local.yaml", {}),
-        ):
-            if path not in args.paths:
-                continue
-            config_args = app_args | extra | {"stream_interval": interval}
-            for ingress in args.ingress:
-                figures = served(REPO / "deploy" / config, config_args, args.preset, batches,
-                                 tokens, ingress)  # fmt: skip
-                name = f"{path}_{ingress}{suffix}"
-                for batch, f in figures.items():
-                    if batch in engine_tok_s:
-                        f["ratio"] = f["tok_s"] / engine_tok_s[batch]
-                    print(f"  {name} batch {batch}: "
-                          + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))  # fmt: skip
-                results[name] = figures
-            if {"direct", "proxy"} <= set(args.ingress):  # side by side, same run
-                results[f"{path}_direct_over_proxy{suffix}"] = {
-                    b: results[f"{path}_direct{suffix}"][b]["tok_s"]
-                    / results[f"{path}_proxy{suffix}"][b]["tok_s"]
-                    for b in batches
-                }
+    results.update(serve_paths(args, app_args, engine_tok_s, batches, tokens, threads))
     if "ceiling" in args.paths and engine_tok_s:
         results.update(ceiling(args, engine_tok_s, batches, tokens))
     if engine_tok_s:  # again: a shared machine's load moves while the servers run
@@ -340,18 +363,59 @@ def main() -> None:
         results["inprocess_tok_s_best"] = best
         rate_ratios(results, best)
         print(f"  inprocess tok/s: start {engine_tok_s}, end {results['inprocess_tok_s_end']}")
-    if 1 in args.ceiling_speedup and "ceiling_direct" in results:
-        results["ceiling_local_ratio_reachable"] = reachable(results)
+    if 1 in args.ceiling_speedup:
+        for suffix in ("", "_plain"):
+            if "ceiling_direct" + suffix in results:
+                results["ceiling_local_ratio_reachable" + suffix] = reachable(results, suffix)
     results["load_avg_end"] = os.getloadavg()
     results["targets"] = TARGETS
     for ingress in args.ingress:  # direct: what users run; the proxy's for comparison
         name = "targets_met" + ("" if ingress == "direct" else f"_{ingress}")
         results[name] = targets_met(results, args.preset, f"_{ingress}")
+        if "plain" in args.modes:  # the issue's table: non-streaming requests
+            results[name + "_plain"] = targets_met(results, args.preset, f"_{ingress}_plain")
         if args.stream_interval:
             results[name + "_stream_interval"] = targets_met(
                 results, args.preset, f"_{ingress}_si{args.stream_interval}"
             )
     print(json.dumps(results))
+
+
+def serve_paths(
+    args: argparse.Namespace,
+    app_args: dict[str, Any],
+    engine_tok_s: dict[int, float],
+    batches: list[int],
+    tokens: int,
+    threads: int,
+) -> dict[str, Any]:
+    """`local` and `mesh` behind each ingress, at each stream interval (plain requests at the
+    first only: an interval changes nothing for them)."""
+    results: dict[str, Any] = {}
+    intervals = [1] + ([args.stream_interval] if args.stream_interval else [])
+    for interval in intervals:
+        suffix = "" if interval == 1 else f"_si{interval}"
+        modes = tuple(args.modes) if interval == 1 else ("stream",)
+        for path, config, extra in (
+            ("local", "single.yaml", {"engine": ENGINE_ARGS | {"num_threads": threads}}),
+            ("mesh", "local.yaml", {}),
+        ):
+            if path not in args.paths:
+                continue
+            config_args = app_args | extra | {"stream_interval": interval}
+            for ingress in args.ingress:
+                by_mode = served(REPO / "deploy" / config, config_args, args.preset, batches,
+                                 tokens, ingress, modes)  # fmt: skip
+                record(results, f"{path}_{ingress}{suffix}", by_mode, engine_tok_s)
+            if {"direct", "proxy"} <= set(args.ingress):  # side by side, same run
+                for mode_suffix in ("", "_plain") if interval == 1 else ("",):
+                    direct = results.get(f"{path}_direct{suffix}{mode_suffix}")
+                    proxy = results.get(f"{path}_proxy{suffix}{mode_suffix}")
+                    if direct and proxy:
+                        results[f"{path}_direct_over_proxy{suffix}{mode_suffix}"] = {
+                            b: direct[b]["tok_s"] / proxy[b]["tok_s"] for b in batches
+                        }
+    return results
 
 
 def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[str, bool | None]:

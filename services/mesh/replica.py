@@ -219,8 +219,14 @@ def start_engine(
     torch.set_num_threads(base.num_threads)
     group: list[ServiceEntry] = []
     peers: list[ServiceEntry] = []
+    # Registered (starting: not routable) and heartbeating before it claims anything: claims end
+    # with their token engine's entry, so a replica killed outright while it starts (no
+    # `except` runs) still frees its shards and peers when its entry expires.
+    membership = Membership(registry, ServiceEntry(role=role, service_id=service_id))
     try:
         if role == Role.TOKEN:
+            membership.update()
+            membership.start()
             group = claim_shard_group(registry, service_id, shards_per_group, shard_wait_s)
             peers = claim_model_peers(registry, service_id, num_model_peers, PEER_WAIT_S)
         if role == Role.TOKEN and not group:
@@ -231,22 +237,20 @@ def start_engine(
                           model_peers=[e.link_address for e in peers])  # fmt: skip
         thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
     except BaseException:
-        # Claims end with the token engine's entry, which it never made: free its shards and
-        # peers now, or they stay claimed by no one (Serve's retry would find no free group).
-        # NOTE: a replica killed outright before registering still leaves them claimed.
-        release_claims(registry, service_id)
+        # Unregistered, its shards and peers are free now, not when its entry expires (Serve's
+        # retry would find no free group meanwhile).
+        membership.stop()
         raise
     assert isinstance(thread.worker, EngineWorker)
     ready = thread.worker.ready()
-    entry = ServiceEntry(
-        role=role, service_id=service_id, state="ready",
-        command_endpoint=ready.command_endpoint, kv_endpoint=ready.kv_endpoint,
+    membership.alive = thread.alive
+    membership.update(
+        state="ready", command_endpoint=ready.command_endpoint, kv_endpoint=ready.kv_endpoint,
         kv_address=ready.kv_address, control_endpoint=ready.control_endpoint,
         load_endpoint=ready.load_endpoint, shards=tuple(links),
     )  # fmt: skip
-    membership = Membership(registry, entry, alive=thread.alive)
-    membership.update()
-    membership.start()
+    if role != Role.TOKEN:
+        membership.start()
     log.info("engine replica ready", service_id=service_id, role=role, num_shards=len(group),
              num_model_peers=len(peers))  # fmt: skip
     watch = None
@@ -306,14 +310,6 @@ def start_model_peer(service_id: str, registry: RegistryClient, base: WorkerConf
     membership.start()
     log.info("model peer replica ready", service_id=service_id)
     return MeshReplica(thread, membership)
-
-
-def release_claims(registry: RegistryClient, token_id: str) -> None:
-    """Free what a token engine that failed to start had claimed (best effort: it is failing)."""
-    try:
-        registry.unregister(token_id)
-    except Exception as exc:  # noqa: BLE001 - the start's own error is the one to raise
-        log.warning("could not release claims", service_id=token_id, error=repr(exc))
 
 
 def claim_model_peers(

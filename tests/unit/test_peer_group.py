@@ -6,13 +6,15 @@ engine that fails to start frees what it claimed."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from common.roles import Role
 from services.mesh import replica
 from services.mesh.peer_group import ModelPeerKeeper
-from services.mesh.registry import Registry, ServiceEntry
+from services.mesh.registry import Membership, Registry, ServiceEntry
 from tests.unit.test_shard_group import Clock, ids
 
 
@@ -114,3 +116,44 @@ def test_a_token_engine_that_fails_to_start_frees_its_shards_and_peers(
         replica.start_engine(Role.TOKEN, "t0", registry, base, 2, 5.0, num_model_peers=1)
     assert ids(tuple(registry.claim_group("t1", 2) or ())) == ["s0", "s1"]
     assert ids(tuple(registry.claim_peers("t1", 1))) == ["p0"]
+
+
+def test_a_token_engine_killed_while_it_starts_frees_its_claims_when_its_entry_expires(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica killed outright (SIGKILL, a lost node) runs no `except`: its claims are freed
+    because it registered (starting, not routable) and heartbeated before claiming, so its entry
+    expires like any silent replica's and its claims go with it."""
+    clock = Clock()
+    registry = Registry(clock=clock)
+    for slot in (0, 1):
+        registry.register(ServiceEntry(role=Role.SHARD, service_id=f"s{slot}", state="ready",
+                                       slot=slot))  # fmt: skip
+    start_peer(registry, "p0")
+    seen: dict[str, object] = {}
+
+    def dies_silently(cfg: object) -> None:
+        # While its model loads: registered as starting, holding the group and the peer.
+        seen["state"] = registry.entries["t0"].state
+        seen["claims"] = dict(registry.claimed_by)
+        for _ in range(2):  # ... then it stops heartbeating (killed); the others go on
+            clock.now += registry.max_age_s * 0.6
+            for other in ("s0", "s1", "p0"):
+                registry.heartbeat(other)
+        seen["group"] = ids(tuple(registry.claim_group("t1", 2) or ()))
+        seen["peers"] = ids(tuple(registry.claim_peers("t1", 1)))
+        raise RuntimeError("stand-in for the process's end")
+
+    monkeypatch.setattr(replica, "EngineWorker", dies_silently)
+    # Its own heartbeat thread beats only when the test says (never): the fake clock decides.
+    monkeypatch.setattr(replica, "Membership", functools.partial(Membership, interval_s=3600))
+    threads = torch.get_num_threads()  # start_engine sets it: keep this process's
+    base = replica.base_worker_config(
+        "unused", "127.0.0.1", mesh_key="00" * 16, num_threads=threads
+    )
+    with pytest.raises(RuntimeError, match="failed to start"):
+        replica.start_engine(Role.TOKEN, "t0", registry, base, 2, 5.0, num_model_peers=1)
+    assert seen["state"] == "starting"
+    assert seen["claims"] == {"s0": "t0", "s1": "t0", "p0": "t0"}
+    assert (seen["group"], seen["peers"]) == (["s0", "s1"], ["p0"])
+    assert all(e.role != Role.TOKEN for e in registry.live())  # and it left no entry behind
