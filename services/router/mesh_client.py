@@ -196,6 +196,11 @@ class MeshEngineClient:
                     "role": r.role,
                     "home_role": r.home_role or r.role,
                     "num_loans": r.num_loans,
+                    # A token engine's model peers (Lamina 4.3): slices they ran, peers lost
+                    # and peer links made, since it started.
+                    "num_peer_slices": r.num_peer_slices,
+                    "num_peers_lost": r.num_peers_lost,
+                    "num_peers_joined": r.num_peers_joined,
                     "kv_blocks_used": r.kv_blocks_used,
                     "num_requests": r.num_requests,
                 }

@@ -384,6 +384,9 @@ def test_a_token_engine_rotates_over_a_model_peer_replica_and_claims_its_replace
     after = peered_token_engine(2)
     assert after is not None and after.num_peer_slices > replaced.num_peer_slices, after
     assert after.num_peers_lost == 0, after  # lost while idle: the keeper unlinked it first
+    seen = stats(base_url)["services"][after.service_id]  # the router's /stats says the same
+    assert (seen["num_peer_slices"], seen["num_peers_joined"]) == (
+        after.num_peer_slices, after.num_peers_joined), seen  # fmt: skip
     # The replacement registers (and is linked) inside its constructor; Serve marks it RUNNING
     # only after the constructor returns and a controller round sees it: wait, bounded.
     wait_for("Serve to see the replacement running",
@@ -398,8 +401,8 @@ def ready_model_peers() -> list[str]:
 
 
 def peered_token_engine(min_joined: int) -> EngineStats | None:
-    """The one ready token engine's stats (asked on its control socket: the router's /stats
-    does not carry the peer counts), once it has a shard group and made `min_joined` peer links."""
+    """The one ready token engine's stats (asked on its control socket, the registry's view,
+    whichever router replica serves), once it has a shard group and made `min_joined` links."""
     registry = RayRegistry.for_app("phasemesh")
     tokens = [e for e in registry.live() if e.role == Role.TOKEN and e.state == "ready"]
     if len(tokens) != 1 or not tokens[0].shards:
