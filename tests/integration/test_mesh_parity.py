@@ -97,8 +97,41 @@ def test_mesh_matches_single_process_engine(
             _check_layer_wise(events, prompts)
         if peers:
             _check_a_killed_peer_is_replaced(mesh, client, hf, prompts[:2], reference[:2])
+            _check_a_peer_killed_mid_decode(mesh, client, hf, prompts[:2], reference[:2])
     finally:
         mesh.close()
+
+
+def _check_a_peer_killed_mid_decode(mesh, client, hf, prompts, reference) -> None:
+    """The model peer is killed while its slices are in flight: the engine drops it (its UCX
+    link fails) and runs those slices from the context it kept, so no request fails and the
+    tokens still equal the single-process engine's; the supervisor's replacement is re-linked."""
+    joined = _token_stats(mesh).num_peers_joined
+    for i, prompt in enumerate(prompts):
+        client.submit(f"mid-{i}", prompt, GREEDY)
+    outputs: dict[str, list[int]] = {f"mid-{i}": [] for i in range(len(prompts))}
+    done: set[str] = set()
+    killed = False
+    while len(done) < len(prompts):
+        out = client.recv(timeout=120)
+        assert not out.error, out.error
+        outputs[out.req_id] += out.token_ids
+        if out.finish_reason:
+            done.add(out.req_id)
+        if not killed and sum(map(len, outputs.values())) >= 8:  # decoding, over the peer
+            [peer] = mesh.model_peers.values()
+            peer.proc.kill()
+            killed = True
+    for i, prompt in enumerate(prompts):
+        assert len(outputs[f"mid-{i}"]) == NUM_TOKENS
+        if (ours := outputs[f"mid-{i}"]) != reference[i]:
+            assert_greedy_close(hf, prompt, ours, reference[i])
+    engine = _token_stats(mesh)
+    assert engine.num_peers_lost >= 1, engine  # lost mid-run, not unlinked while idle
+    deadline = time.monotonic() + 60
+    while _token_stats(mesh).num_peers_joined <= joined:
+        assert time.monotonic() < deadline, "the engine was not re-linked to the replacement"
+        time.sleep(0.2)  # polling other processes' state
 
 
 def _check_a_killed_peer_is_replaced(mesh, client, hf, prompts, reference) -> None:
