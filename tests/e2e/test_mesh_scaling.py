@@ -371,15 +371,15 @@ def test_a_token_engine_rotates_over_a_model_peer_replica_and_claims_its_replace
 
     linked = wait_for("the token engine linked to its peer", lambda: peered_token_engine(1), 60)
     check_greedy(len(prompts))
-    stats = peered_token_engine(1)
-    assert stats is not None and stats.service_id == linked.service_id
-    assert stats.num_peer_slices > 0 and stats.num_peers_lost == 0, stats
+    first = peered_token_engine(1)
+    assert first is not None and first.service_id == linked.service_id
+    assert first.num_peer_slices > 0 and first.num_peers_lost == 0, first
 
     [killed] = ready_model_peers()
     os.kill(replica_pid_below(os.getpid(), "ModelPeer"), signal.SIGKILL)
     replaced = wait_for("the replacement peer linked", lambda: peered_token_engine(2), 120)
     assert killed not in ready_model_peers()
-    assert replaced.service_id == stats.service_id  # the same engine: nothing else restarted
+    assert replaced.service_id == first.service_id  # the same engine: nothing else restarted
     check_greedy(2)
     after = peered_token_engine(2)
     assert after is not None and after.num_peer_slices > replaced.num_peer_slices, after
