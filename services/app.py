@@ -70,18 +70,21 @@ def deployment_names(topology: str, model_peers: int = 0) -> tuple[str, ...]:
 def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
     if args.topology == "local":
         e = args.engine
-        engine = LLMEngine.from_path(
-            args.model_path(),
-            num_blocks=e.num_blocks,
-            block_size=e.block_size,
-            max_num_batched_tokens=e.max_num_batched_tokens,
-            max_num_seqs=e.max_num_seqs,
-            attention_backend=e.attention_backend,
-            enable_prefix_caching=e.enable_prefix_caching,
-            max_preemptions=e.max_preemptions,
-            starvation_s=e.starvation_s,
-        )
-        return InProcessEngineClient(engine, num_threads=e.num_threads or machine_threads())
+
+        def build() -> LLMEngine:  # on the engine's thread (`InProcessEngineClient`: why)
+            return LLMEngine.from_path(
+                args.model_path(),
+                num_blocks=e.num_blocks,
+                block_size=e.block_size,
+                max_num_batched_tokens=e.max_num_batched_tokens,
+                max_num_seqs=e.max_num_seqs,
+                attention_backend=e.attention_backend,
+                enable_prefix_caching=e.enable_prefix_caching,
+                max_preemptions=e.max_preemptions,
+                starvation_s=e.starvation_s,
+            )
+
+        return InProcessEngineClient(build=build, num_threads=e.num_threads or machine_threads())
     registry = RayRegistry.for_app(serve.get_replica_context().app_name)
     return MeshEngineClient(
         args.model_path(),

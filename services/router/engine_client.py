@@ -16,7 +16,7 @@ import ctypes
 import os
 import queue
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -124,24 +124,51 @@ class _Abort:
 _STOP = object()  # the command that ends the engine thread
 
 
+def _already_built(engine: LLMEngine) -> Callable[[], LLMEngine]:
+    return lambda: engine
+
+
 class InProcessEngineClient:
-    """An `LLMEngine` stepped on its own thread, behind the `EngineClient` protocol."""
+    """An `LLMEngine` stepped on its own thread, behind the `EngineClient` protocol.
+
+    Give it `build` (a function that makes the engine) rather than an engine where it serves:
+    the engine is then made on its thread, so that every torch op of the engine runs on that
+    one thread. libgomp keeps an OpenMP team per thread that ever ran a parallel region, and
+    once its teams hold more threads than there are cores it stops spinning between regions
+    (throttled wait): a model loaded and packed on the caller's thread and stepped on another
+    ran its small GEMMs at half speed (`bench/serve.py`: 2,700 against 5,900 tok/s at batch 8
+    in one process, `tests/unit/test_engine_thread.py` shows the two teams).
+    """
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: LLMEngine | None = None,
         limits: AdmissionLimits | None = None,
         num_threads: int | None = None,
+        *,
+        build: Callable[[], LLMEngine] | None = None,
     ) -> None:
-        """`num_threads`: torch threads the engine thread decodes on; None: leave torch's."""
-        self.engine = engine
+        """`engine`, or `build` to make it on the engine thread (raises what `build` raised);
+        `num_threads`: torch threads the engine thread decodes on; None: leave torch's."""
+        if (engine is None) == (build is None):
+            raise ValueError("give an engine or a function that builds one, not both")
+        if engine is not None:
+            build = _already_built(engine)  # the caller's thread made it (tests, fakes)
+        assert build is not None
         self.num_threads = num_threads
-        self.max_context: int | None = engine.max_model_len
         self.streams: StreamTable[Stream] = StreamTable(limits)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._engine_stats = self._snapshot_engine()
+        self._built: queue.SimpleQueue[LLMEngine | BaseException] = queue.SimpleQueue()
+        self._build = build
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
+        built = self._built.get()
+        if isinstance(built, BaseException):
+            self._thread.join()  # it returns right after handing the error over
+            raise built
+        self.engine = built
+        self.max_context: int | None = built.max_model_len
+        self._engine_stats = self._snapshot_engine()
 
     # ---- asyncio side ----
 
@@ -212,6 +239,13 @@ class InProcessEngineClient:
             # Set on this thread: OpenMP's thread count is per calling thread, and Ray sets
             # OMP_NUM_THREADS to the actor's num_cpus (1), which a new thread starts with.
             torch.set_num_threads(self.num_threads)
+        try:
+            engine = self._build()
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
+            self._built.put(exc)
+            return
+        self.engine = engine
+        self._built.put(engine)
         while True:
             # Block when idle; drain without blocking when there is work to step.
             if not self._apply(self._commands.get()):

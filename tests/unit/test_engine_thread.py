@@ -1,0 +1,50 @@
+"""`InProcessEngineClient(build=...)`: the engine is made on the thread that steps it, so every
+torch op of the engine runs on one thread (one OpenMP team: see the class's docstring for the
+half-speed GEMMs two teams cost on 2 cores); a build that fails fails the constructor."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from common.engine.core import LLMEngine
+from common.sampling import SamplingParams
+from services.router.engine_client import ENGINE_THREAD_NAME, InProcessEngineClient
+
+
+def test_the_engine_is_built_and_stepped_on_its_own_thread(tiny_model_path: Path) -> None:
+    built_on: list[str] = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        return LLMEngine.from_path(tiny_model_path, num_blocks=64)
+
+    client = InProcessEngineClient(build=build, num_threads=1)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[int]:
+        return [t async for o in client.generate("r", [5, 6, 7], params) for t in o.new_token_ids]
+
+    try:
+        tokens = asyncio.run(run())
+        assert built_on == [ENGINE_THREAD_NAME]
+        assert client.max_context == client.engine.max_model_len
+        assert client.stats().kv_blocks_total == 64
+    finally:
+        client.shutdown()
+    expected = LLMEngine.from_path(tiny_model_path, num_blocks=64).generate([[5, 6, 7]], params)
+    assert tokens == expected[0]
+
+
+def test_a_build_that_fails_fails_the_constructor_and_leaves_no_thread() -> None:
+    def broken() -> LLMEngine:
+        raise FileNotFoundError("no model at /nowhere")
+
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        InProcessEngineClient(build=broken)
+    assert ENGINE_THREAD_NAME not in {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="not both"):
+        InProcessEngineClient()
