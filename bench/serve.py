@@ -1,13 +1,16 @@
 """The served path against the in-process engine, in one run: what the front end costs.
 
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
-                          [--paths inprocess local mesh ceiling] [--stream-interval 8]
+                          [--paths inprocess client local mesh ceiling] [--stream-interval 8]
                           [--ingress direct proxy] [--ceiling-speedup 1 4]
                           [--worker-niceness 0] [--modes stream plain]
 
 For each batch size, `batch` requests are sent together (greedy, `ignore_eos`, `--tokens` new
 tokens each, the same prompts on every path) to:
 - `inprocess`: one `LLMEngine` in this process (`bench/engine.py`'s engine, no front end);
+- `client`: the Router's `InProcessEngineClient` in this process (engine on its own thread,
+  outputs to this event loop; no HTTP, no Ray): the front end's threading alone, beside the
+  served paths that add uvicorn, the Router and Ray's runtime on the same cores;
 - `local`: `serve run deploy/single.yaml` (`topology: local`: the engine inside the Router
   replica), over HTTP with the official `openai` streaming client;
 - `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards),
@@ -170,6 +173,43 @@ async def served_batch(
     }  # fmt: skip
 
 
+def engine_client(
+    preset: str, batches: list[int], tokens: int, modes: list[str]
+) -> dict[str, dict[int, dict[str, float]]]:
+    """The `client` path: the Router's `InProcessEngineClient` in this process (the engine built
+    and stepped on its own thread, outputs through the `StreamTable` to this event loop; no
+    HTTP, no Ray): what the served engine would do with the front end's threads alone. `plain`
+    requests hold their tokens to the end, as the Router does for them."""
+    from services.router.engine_client import InProcessEngineClient
+
+    vocab = model_vocab(preset)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    client = InProcessEngineClient(
+        build=lambda: LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS),  # type: ignore[arg-type]
+        num_threads=torch.get_num_threads(),
+    )
+
+    async def one_batch(batch: int, hold: bool, tag: str) -> float:
+        async def one(i: int, prompt: list[int]) -> None:
+            async for _ in client.generate(f"{tag}-{i}", prompt, params, hold_to_end=hold):
+                pass
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts_for(batch, vocab))))
+        return batch * tokens / (time.perf_counter() - start)
+
+    result: dict[str, dict[int, dict[str, float]]] = {}
+    try:
+        asyncio.run(one_batch(2, False, "warm"))
+        for mode, batch in ((m, b) for m in modes for b in batches):
+            runs = [asyncio.run(one_batch(batch, mode == "plain", f"{mode}{batch}-{r}"))
+                    for r in range(REPEATS)]  # fmt: skip
+            result.setdefault(mode, {})[batch] = {"tok_s": max(runs)}
+    finally:
+        client.shutdown()
+    return result
+
+
 def threads_cpu_s(pid: int, comm: str) -> float:
     """CPU seconds of `pid`'s live threads whose OS name is `comm` (user + system)."""
     ticks = 0
@@ -318,7 +358,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 64 tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--paths", nargs="+", default=["inprocess", "local", "mesh", "ceiling"])
+    parser.add_argument("--paths", nargs="+",
+                        default=["inprocess", "client", "local", "mesh", "ceiling"])  # fmt: skip
     parser.add_argument(
         "--ceiling-speedup",
         type=float,
@@ -354,6 +395,9 @@ def main() -> None:
                                "load_avg_start": os.getloadavg()}  # fmt: skip
     engine_tok_s = in_process(args.preset, batches, tokens) if "inprocess" in args.paths else {}
     results["inprocess_tok_s"] = engine_tok_s
+    if "client" in args.paths:
+        record(results, "client", engine_client(args.preset, batches, tokens, args.modes),
+               engine_tok_s)  # fmt: skip
     results.update(serve_paths(args, app_args, engine_tok_s, batches, tokens, threads))
     if "ceiling" in args.paths and engine_tok_s:
         results.update(ceiling(args, engine_tok_s, batches, tokens))
