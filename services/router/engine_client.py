@@ -136,8 +136,8 @@ class InProcessEngineClient:
     one thread. libgomp keeps an OpenMP team per thread that ever ran a parallel region, and
     once its teams hold more threads than there are cores it stops spinning between regions
     (throttled wait): a model loaded and packed on the caller's thread and stepped on another
-    ran its small GEMMs at half speed (`bench/serve.py`: 2,700 against 5,900 tok/s at batch 8
-    in one process, `tests/unit/test_engine_thread.py` shows the two teams).
+    ran its small GEMMs at half speed (2,700 against 5,900 tok/s at batch 8, tiny model, 2
+    cores; docs/serving.md).
     """
 
     def __init__(
