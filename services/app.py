@@ -24,6 +24,7 @@ default none) and structlog; its metrics also go to Ray's metrics agent (docs/ob
 
 from __future__ import annotations
 
+import os
 import secrets
 from typing import Any
 
@@ -84,7 +85,9 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
                 starvation_s=e.starvation_s,
             )
 
-        return InProcessEngineClient(build=build, num_threads=e.num_threads or machine_threads())
+        threads = e.num_threads or machine_threads()
+        _check_openmp_threads(os.environ.get("OMP_NUM_THREADS", ""), threads)
+        return InProcessEngineClient(build=build, num_threads=threads)
     registry = RayRegistry.for_app(serve.get_replica_context().app_name)
     return MeshEngineClient(
         args.model_path(),
@@ -97,6 +100,21 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
         pool_thresholds=args.mesh.pools.thresholds(),
         metrics=Metrics(model_name=args.model_name(), engine=replica_id),
     )
+
+
+def _check_openmp_threads(omp_num_threads: str, engine_threads: int) -> bool:
+    """Warn (and say False) when this process's OpenMP started with fewer threads than the local
+    engine decodes on: Ray sets `OMP_NUM_THREADS` to the replica's `num_cpus`, and libgomp, which
+    reads it once at load, then waits between parallel regions in a way that cost an engine of 2
+    threads 25-40% of its tokens here (docs/serving.md)."""
+    if omp_num_threads.isdigit() and int(omp_num_threads) < engine_threads:
+        log.warning(
+            "OMP_NUM_THREADS is below the engine's torch threads: decoding will be slower; "
+            "give the Router deployment num_cpus equal to engine.num_threads",
+            omp_num_threads=int(omp_num_threads), engine_threads=engine_threads,
+        )  # fmt: skip
+        return False
+    return True
 
 
 def _bind_host(mesh: MeshArgs) -> str:

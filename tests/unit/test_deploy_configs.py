@@ -247,3 +247,11 @@ def test_the_commented_model_peer_switch_deploys_when_turned_on(name: str) -> No
     assert args.mesh.model_peers == 1 and "ModelPeer" in names
     assert set(names) == set(deployment_names("mesh", args.mesh.model_peers))
     assert "ModelPeer" in bound_names(build_app(app["args"]))
+
+
+def test_a_local_engine_with_more_threads_than_openmp_started_with_is_warned_about() -> None:
+    from services.app import _check_openmp_threads
+
+    assert not _check_openmp_threads("1", 2)  # Ray's default for a Router of num_cpus 1
+    assert _check_openmp_threads("2", 2) and _check_openmp_threads("4", 2)
+    assert _check_openmp_threads("", 2)  # unset: OpenMP starts with every core
