@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import ray
 import structlog
+from ray.experimental import internal_kv
 
 from common.protocol import ShardAddress
 from common.roles import Role
@@ -216,8 +217,9 @@ class RegistryClient(Protocol):
 class RayRegistry:
     """The registry actor behind `Registry`'s method names; every call waits at most `timeout_s`."""
 
-    def __init__(self, handle: Any, timeout_s: float = 10.0) -> None:
+    def __init__(self, handle: Any, app_name: str, timeout_s: float = 10.0) -> None:
         self.handle = handle
+        self.app_name = app_name
         self.timeout_s = timeout_s
 
     @classmethod
@@ -230,7 +232,7 @@ class RayRegistry:
             lifetime="detached",
             get_if_exists=True,
         ).remote()
-        return cls(handle)
+        return cls(handle, app_name)
 
     def _call(self, method: str, *args: Any) -> Any:
         return ray.get(getattr(self.handle, method).remote(*args), timeout=self.timeout_s)
@@ -258,7 +260,13 @@ class RayRegistry:
         return list(self._call("claim_peers", token_id, num_peers))
 
     def agree_key(self, proposed: str) -> str:
-        return str(self._call("agree_key", proposed))
+        """`Registry.agree_key`'s rule, kept in the GCS key-value store rather than in the actor:
+        the actor restarts (`max_restarts=-1`) with an empty dict, and replicas that asked it
+        after that would hold another key than those running. The first put wins (no
+        overwrite); the key lasts as long as the cluster."""
+        name = f"mesh-key-{self.app_name}"
+        internal_kv._internal_kv_put(name, proposed, overwrite=False, namespace=REGISTRY_NAMESPACE)
+        return internal_kv._internal_kv_get(name, namespace=REGISTRY_NAMESPACE).decode()
 
     def shard_census(self) -> tuple[int, int]:
         num_live, num_unclaimed = self._call("shard_census")

@@ -413,3 +413,27 @@ def peered_token_engine(min_joined: int) -> EngineStats | None:
     if not replies or replies[0].num_peers_joined < min_joined:
         return None
     return replies[0]
+
+
+def test_a_restarted_registry_actor_keeps_the_applications_mesh_key(cluster: Cluster) -> None:
+    """The registry actor restarts with an empty dict (`max_restarts=-1`); the mesh key is kept
+    in the GCS key-value store, so a replica started after the restart still gets the running
+    replicas' key (a new one would split the mesh), and the replicas re-register on their next
+    heartbeat: the application serves on."""
+    import ray
+
+    key = RayRegistry.for_app("phasemesh").agree_key(secrets.token_hex(32))
+    ray.kill(RayRegistry.for_app("phasemesh").handle, no_restart=False)
+
+    def token_engine_back() -> bool:
+        try:
+            live = RayRegistry.for_app("phasemesh").live()
+        except Exception:  # noqa: BLE001 - the actor is restarting
+            return False
+        return any(e.role == Role.TOKEN and e.state == "ready" for e in live)
+
+    wait_for("the replicas back in the restarted registry", token_engine_back, 60)
+    assert RayRegistry.for_app("phasemesh").agree_key(secrets.token_hex(32)) == key
+    wait_for("a healthy application", lambda: healthy(cluster.proxy_url), 60)
+    [text] = complete_all(cluster.proxy_url, [[101, 102, 103, 104]])
+    assert text
