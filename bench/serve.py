@@ -354,7 +354,7 @@ def model_vocab(preset: str) -> int:
     return int(config["vocab_size"])
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 64 tokens")
@@ -383,7 +383,11 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["stream", "plain"],
                         choices=["stream", "plain"],
                         help="streamed requests, and/or plain (non-streaming) ones")  # fmt: skip
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
     tokens = args.tokens or (64 if args.quick else 256)
     threads = torch.get_num_threads()  # the in-process engine's; the local one gets as many
@@ -419,12 +423,18 @@ def main() -> None:
         results["inprocess_tok_s_best"] = best
         rate_ratios(results, best)
         print(f"  inprocess tok/s: start {engine_tok_s}, end {results['inprocess_tok_s_end']}")
+    results["load_avg_end"] = os.getloadavg()
+    results["targets"] = TARGETS
+    judge(results, args)
+    print(json.dumps(results))
+
+
+def judge(results: dict[str, Any], args: argparse.Namespace) -> None:
+    """The ceiling's reach and every `targets_met*` map, added to `results`."""
     if 1 in args.ceiling_speedup:
         for suffix in ("", "_plain"):
             if "ceiling_direct" + suffix in results:
                 results["ceiling_local_ratio_reachable" + suffix] = reachable(results, suffix)
-    results["load_avg_end"] = os.getloadavg()
-    results["targets"] = TARGETS
     for ingress in args.ingress:  # direct: what users run; the proxy's for comparison
         name = "targets_met" + ("" if ingress == "direct" else f"_{ingress}")
         results[name] = targets_met(results, args.preset, f"_{ingress}")
@@ -434,7 +444,6 @@ def main() -> None:
             results[name + "_stream_interval"] = targets_met(
                 results, args.preset, f"_{ingress}_si{args.stream_interval}"
             )
-    print(json.dumps(results))
 
 
 def serve_paths(
