@@ -370,10 +370,20 @@ def test_a_token_engine_rotates_over_a_model_peer_replica_and_claims_its_replace
             assert_text_greedy_close(text, prompt, ids, tokenizer, path)
 
     linked = wait_for("the token engine linked to its peer", lambda: peered_token_engine(1), 60)
+
+    def ran_slices_on_the_peer() -> EngineStats | None:
+        # The redeploy can hand the new token engine an old shard that Serve is stopping (its
+        # entry lives until its heartbeats age out, 5 s): the engine then drops that group and
+        # decodes locally (requests migrate, text still equal) until it claims a new one.
+        check_greedy(1)
+        stats = peered_token_engine(1)
+        return stats if stats is not None and stats.num_peer_slices > 0 else None
+
+    before = wait_for("a request decoded over the peer", ran_slices_on_the_peer, 120)
     check_greedy(len(prompts))
     first = peered_token_engine(1)
     assert first is not None and first.service_id == linked.service_id
-    assert first.num_peer_slices > 0 and first.num_peers_lost == 0, first
+    assert first.num_peer_slices > before.num_peer_slices and first.num_peers_lost == 0, first
 
     [killed] = ready_model_peers()
     os.kill(replica_pid_below(os.getpid(), "ModelPeer"), signal.SIGKILL)
