@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import sys
 from pathlib import Path
+from statistics import median
 from types import ModuleType
 
 import pytest
@@ -54,9 +55,18 @@ def test_engine_profile_has_the_splitwise_columns_and_fits_the_perf_model(
         ("64", "4"),
     }
     model = load_perf_model(out, "tiny", "cpu-test", 1, decode_context=64)
-    by_cell = {(int(r["prompt_size"]), int(r["batch_size"])): r for r in rows}
-    assert model.decode_s(4) * 1000 == pytest.approx(float(by_cell[64, 4]["token_time"]))
-    assert model.prefill_s(64 * 4) * 1000 == pytest.approx(float(by_cell[64, 4]["prompt_time"]))
+    ms = {(int(r["prompt_size"]), int(r["batch_size"])): r for r in rows}
+    # The fit passes through each measured point made non-decreasing (a dip is timing noise on a
+    # shared 2-core machine, as CI once measured batch 4 faster than batch 1), so the expected
+    # knot is the running maximum of the measured cells, never an assumption that they rose.
+    decode_b1, decode_b4 = (float(ms[64, b]["token_time"]) for b in (1, 4))
+    assert model.decode_s(1) * 1000 == pytest.approx(decode_b1)
+    assert model.decode_s(4) * 1000 == pytest.approx(max(decode_b1, decode_b4))
+    prefill_16 = float(ms[16, 1]["prompt_time"])
+    prefill_64 = max(prefill_16, median(float(ms[c]["prompt_time"]) for c in ((16, 4), (64, 1))))
+    prefill_256 = max(prefill_64, float(ms[64, 4]["prompt_time"]))
+    assert model.prefill_s(64) * 1000 == pytest.approx(prefill_64)
+    assert model.prefill_s(64 * 4) * 1000 == pytest.approx(prefill_256)
     for r in rows:
         e2e = float(r["prompt_time"]) + 4 * float(r["token_time"])
         assert float(r["e2e_time"]) == pytest.approx(e2e, abs=1e-3)
