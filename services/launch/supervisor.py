@@ -119,9 +119,12 @@ class Supervisor:
         if keeper is None:
             held = {s.service_id for s in worker.cfg.shards}
             group = [e for e in self.mesh.registry.live() if e.service_id in held]
+            # No wait before a shard counts as lost: this registry lives in this process (it
+            # never restarts) and a shard leaves it only when its process exited.
             keeper = ShardGroupKeeper(
-                self.mesh.registry, worker.service_id, self.mesh.shards_per_group, group
-            )
+                self.mesh.registry, worker.service_id, self.mesh.shards_per_group, group,
+                confirm_s=0.0,
+            )  # fmt: skip
             self.keepers[worker.service_id] = keeper
         return keeper
 

@@ -1,10 +1,12 @@
 """Keeping a token engine's model peers (Lamina 4.3's rotation) linked while peers die and restart.
 
 A token engine with `model_peers: N` rotates its decode lanes' layer slices over N peers
-(services/engine/rotation.py). A peer that leaves the registry (killed, or its worker died) is
-lost; Ray Serve starts a replacement, which registers ready, and the keeper claims it, so the
-engine links to it and the rotation grows back, with nothing else restarted. Peers that start
-after their engine (a deploy brings every deployment up at once) are claimed the same way.
+(services/engine/rotation.py). A peer that leaves the registry (killed, or its worker died) and
+stays gone for `ABSENT_CONFIRM_S` (`services.mesh.absence`: a restarted registry actor forgets every
+peer for a second) is lost; Ray Serve starts a replacement, which registers ready, and the keeper
+claims it, so the engine links to it and the rotation grows back, with nothing else restarted. Peers
+that start after their engine (a deploy brings every deployment up at once) are claimed the same
+way.
 
 `ModelPeerKeeper.check()` is called periodically by whoever runs the engine (the Ray replica's
 watch thread, `services.mesh.replica.GroupWatch`) and says what changed; it never touches links.
@@ -19,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from services.mesh.absence import Absences
 from services.mesh.registry import RegistryClient, ServiceEntry
 
 REMIND_INTERVAL_S = 5.0  # how often the current list is repeated to the engine
@@ -54,15 +57,21 @@ class ModelPeerKeeper:
         self.remind_interval_s = remind_interval_s
         self.clock = clock
         self._last_told = clock()
+        self._absences = Absences()
 
     def check(self) -> PeerChange | None:
         """None while nothing changed; else the lost peers and the peers claimed now (those
-        still held first, in their order, then new ones). A lost peer is reported at once,
-        without a replacement if none is ready; a later check adds the replacement."""
+        still held first, in their order, then new ones). A peer missing for
+        `ABSENT_CONFIRM_S` is lost and reported then, without a replacement if none is ready; a
+        later check adds the replacement."""
         if self.num_peers == 0:
             return None
         ready = {e.service_id for e in self.registry.live() if e.state == "ready"}
-        lost = tuple(e.service_id for e in self.peers if e.service_id not in ready)
+        now = self.clock()
+        gone = self._absences.gone(_ids(self.peers), ready, now)
+        if self._absences.undecided(now):
+            return None  # one is missing, maybe only from a restarted registry: ask again later
+        lost = tuple(s for s in _ids(self.peers) if s in gone)
         if not lost and len(self.peers) == self.num_peers:
             return None
         claimed = tuple(self.registry.claim_peers(self.token_id, self.num_peers))

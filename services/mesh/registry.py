@@ -8,7 +8,10 @@ scaling join routing and dead ones leave it, with nothing restarted.
 Shard groups. A shard takes a head-range *slot* when it starts (the slot with the fewest live
 shards, so 2 shards of a 2-slot group take slots 0 and 1). A token engine claims one ready,
 unclaimed shard per slot, atomically; a claim ends with its shard or with its token engine (a
-`ShardWorker` frees a departed engine's requests and accepts the next engine's link).
+`ShardWorker` frees a departed engine's requests and accepts the next engine's link). A token
+engine's entry lists what it holds (`shards`, `peers`), and registering it claims those again: a
+restarted registry actor, which starts empty, has the claims back as soon as each token engine
+re-registers at its next heartbeat, and hands none of them to another engine.
 
 Model peers (Lamina 4.3's rotation, services/engine/rotation.py). A peer registers ready with its
 UCX `link_address`; a token engine claims up to its number of peers among the ready, unclaimed
@@ -48,7 +51,7 @@ class ServiceEntry:
 
     `state`: starting (not routable; a shard holding its slot), ready, or draining (finishes what
     it has, takes nothing new). Token engines list their shard group in `shards` as
-    `ShardAddress`es; empty means local attention.
+    `ShardAddress`es; empty means local attention. `peers`: the model peers it holds, by id.
     """
 
     role: Role
@@ -64,6 +67,7 @@ class ServiceEntry:
     head_end: int = 0
     slot: int = -1  # shards: which head range of a group
     shards: tuple[ShardAddress, ...] = ()
+    peers: tuple[str, ...] = ()
 
     @property
     def is_engine(self) -> bool:
@@ -95,9 +99,12 @@ class Registry:
         self.mesh_key: str | None = None  # the application's, when its args set none
 
     def register(self, entry: ServiceEntry) -> None:
-        """Add or replace an entry (a replica re-registers when its state changes)."""
+        """Add or replace an entry (a replica re-registers when its state changes). A token
+        engine's entry claims the shards and peers it lists, unless another engine holds them."""
         self.entries[entry.service_id] = entry
         self.last_seen[entry.service_id] = self.clock()
+        for held in [s.service_id for s in entry.shards] + list(entry.peers):
+            self.claimed_by.setdefault(held, entry.service_id)
 
     def heartbeat(self, service_id: str) -> bool:
         """Refresh an entry; False if the registry does not know it (expired, or a new registry)."""

@@ -107,7 +107,7 @@ class GroupWatch:
     """A token engine replica's shard group kept whole, and its model peers linked: a thread
     checks the registry every `interval_s` (`ShardGroupKeeper`, `ModelPeerKeeper`) and tells the
     engine of a change with a `LinkShards` or `LinkPeers` on its own command socket (the engine
-    loop owns the UCX links), then republishes its entry (shards)."""
+    loop owns the UCX links), then republishes its entry (`shards`, `peers`: what it holds)."""
 
     def __init__(
         self, keeper: ShardGroupKeeper, membership: Membership, command_endpoint: str,
@@ -159,6 +159,7 @@ class GroupWatch:
             log.warning("model peers changed", lost=change.lost,
                         peers=[e.service_id for e in change.peers])  # fmt: skip
             push.get(self.command_endpoint).send(LinkPeers(change.addresses()))
+            self.membership.update(peers=tuple(e.service_id for e in change.peers))
         elif (addresses := keeper.due_reminder()) is not None:
             push.get(self.command_endpoint).send(LinkPeers(addresses))
 
@@ -248,6 +249,7 @@ def start_engine(
         state="ready", command_endpoint=ready.command_endpoint, kv_endpoint=ready.kv_endpoint,
         kv_address=ready.kv_address, control_endpoint=ready.control_endpoint,
         load_endpoint=ready.load_endpoint, shards=tuple(links),
+        peers=tuple(e.service_id for e in peers),
     )  # fmt: skip
     if role != Role.TOKEN:
         membership.start()

@@ -1,10 +1,12 @@
 """Keeping a token engine's shard group whole while shards die and restart (Lamina §5).
 
-A token engine decodes against one shard per head-range slot. When a shard leaves the registry
-(it stopped heartbeating: killed, or its worker died), the group is broken: the engine must stop
-using that link and the requests decoding against it move elsewhere (the router re-runs them from
-their tokens). Ray Serve restarts the shard; the replacement registers in the same slot, and the
-keeper claims it, so the engine links to it and is whole again, with nothing else restarted.
+A token engine decodes against one shard per head-range slot. When a shard leaves the registry (it
+stopped heartbeating: killed, or its worker died) and stays gone for `ABSENT_CONFIRM_S` (a restarted
+registry actor forgets every shard for a second: `services.mesh.absence`), the group is broken: the
+engine must stop using that link and the requests decoding against it move elsewhere (the router
+re-runs them from their tokens). Ray Serve restarts the shard; the replacement registers in the same
+slot, and the keeper claims it, so the engine links to it and is whole again, with nothing else
+restarted.
 
 `ShardGroupKeeper.check()` is called periodically by whoever runs the engine (the Ray replica's
 watch thread, or the local launcher's supervisor) and says what changed; it never touches links.
@@ -12,9 +14,11 @@ watch thread, or the local launcher's supervisor) and says what changed; it neve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from services.mesh.absence import ABSENT_CONFIRM_S, Absences
 from services.mesh.registry import RegistryClient, ServiceEntry
 
 
@@ -35,22 +39,31 @@ class ShardGroupKeeper:
         token_id: str,
         num_slots: int,
         group: Sequence[ServiceEntry] = (),
+        clock: Callable[[], float] = time.monotonic,
+        confirm_s: float = ABSENT_CONFIRM_S,
     ) -> None:
         self.registry = registry
         self.token_id = token_id
         self.num_slots = num_slots
         self.group: tuple[ServiceEntry, ...] = tuple(group)
+        self.clock = clock
+        self._absences = Absences(confirm_s)
 
     def check(self) -> GroupChange | None:
         """None while nothing changed; else the lost shards and the group claimed in their place.
 
-        A broken group is reported at once with `group=()` when no replacement is ready yet; a
-        later check reports the whole group when the replacement has registered.
+        A shard missing for `ABSENT_CONFIRM_S` is lost: the broken group is reported then, with
+        `group=()` when no replacement is ready yet; a later check reports the whole group when
+        the replacement has registered.
         """
         if self.num_slots == 0:
             return None
         ready = {e.service_id for e in self.registry.live() if e.state == "ready"}
-        lost = tuple(s.service_id for s in self.group if s.service_id not in ready)
+        now = self.clock()
+        gone = self._absences.gone(_ids(self.group), ready, now)
+        if self._absences.undecided(now):
+            return None  # one is missing, maybe only from a restarted registry: ask again later
+        lost = tuple(s for s in _ids(self.group) if s in gone)
         if not lost and len(self.group) == self.num_slots:
             return None
         claimed = tuple(self.registry.claim_group(self.token_id, self.num_slots) or ())

@@ -1,12 +1,11 @@
 """The mesh's members as the router sees them: the registry, read every `refresh_s` on one thread.
 
-Each read sets the engines the scheduler places on (ready ones, and the shards: a group with a
-shard the registry lost is not placed on), the load endpoints the inbox subscribes to, and the
-pools (an idle router returns what it borrowed, renews the rest). An engine a request runs on that
-stays absent from the registry `ABSENT_CONFIRM_S` has left: the attempts on it are lost
-(`EngineLost`: their requests migrate). A failed read keeps the last view (the registry actor may
-be restarting). docs/failures.md has the whole model.
-"""
+Each read sets the engines the scheduler places on (ready ones, and the shards: a group with a shard
+the registry lost is not placed on), the load endpoints the inbox subscribes to, and the pools (an
+idle router returns what it borrowed, renews the rest). An engine a request runs on that stays
+absent from the registry `ABSENT_CONFIRM_S` has left (`services.mesh.absence`): the attempts on it
+are lost (`EngineLost`: their requests migrate). A failed read keeps the last view (the registry
+actor may be restarting). docs/failures.md has the whole model."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from collections.abc import Callable
 import structlog
 
 from common.telemetry import Metrics, bind_request
+from services.mesh.absence import Absences
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler
 from services.router.mesh_inbox import MeshInbox
@@ -26,9 +26,6 @@ from services.router.mesh_requests import EngineLost, MeshRequests
 log = structlog.get_logger(__name__)
 
 REFRESH_S = 0.5
-# An engine missing from the registry this long has left (longer than a replica's heartbeat
-# interval, so a restarted registry actor has heard from every live one again).
-ABSENT_CONFIRM_S = 2.0
 
 
 class MeshMembership:
@@ -53,7 +50,7 @@ class MeshMembership:
         self.refresh_s = refresh_s
         self.metrics = metrics
         self.services: list[ServiceEntry] = []
-        self._absent_since: dict[str, float] = {}  # engines of our requests the registry lacks
+        self._absences = Absences()  # engines of our requests the registry lacks
         self._closed = threading.Event()
         self.thread = threading.Thread(target=self._watch_loop, name="mesh-watch", daemon=True)
 
@@ -93,17 +90,10 @@ class MeshMembership:
         self._fail_orphans(self._confirmed_gone(now, time.monotonic()))
 
     def _confirmed_gone(self, live_ids: set[str], now: float) -> set[str]:
-        """Engines absent from the registry for `ABSENT_CONFIRM_S`: a registry actor that
-        restarted knows no one until each replica's next heartbeat re-registers it, and that
-        must not make every request in flight migrate off healthy engines."""
-        for service_id in live_ids:
-            self._absent_since.pop(service_id, None)
-        known = self.requests.engine_ids()
-        for service_id in known - live_ids:
-            self._absent_since.setdefault(service_id, now)
-        for service_id in set(self._absent_since) - known:
-            del self._absent_since[service_id]  # no request of ours is on it any more
-        return {s for s, since in self._absent_since.items() if now - since >= ABSENT_CONFIRM_S}
+        """Engines of our requests absent from the registry for `ABSENT_CONFIRM_S`: a registry
+        actor that restarted knows no one until each replica's next heartbeat re-registers it,
+        and that must not make every request in flight migrate off healthy engines."""
+        return self._absences.gone(self.requests.engine_ids(), live_ids, now)
 
     def _fail_orphans(self, gone: set[str]) -> None:
         """Tell requests whose token engine left, or whose prompt engine left before the token

@@ -37,6 +37,7 @@ from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from common.transport.service_stats import request_stats
 from common.transport.zmq_auth import CurveKeys
+from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.registry import RayRegistry
 from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.serve_process import (
@@ -433,6 +434,7 @@ def test_a_restarted_registry_actor_keeps_the_applications_mesh_key(cluster: Clu
     import ray
 
     key = RayRegistry.for_app("phasemesh").agree_key(secrets.token_hex(32))
+    groups_before = shard_groups()
     ray.kill(RayRegistry.for_app("phasemesh").handle, no_restart=False)
 
     def token_engine_back() -> bool:
@@ -454,3 +456,22 @@ def test_a_restarted_registry_actor_keeps_the_applications_mesh_key(cluster: Clu
         return response.status_code == 200 and bool(response.json()["choices"][0]["text"])
 
     wait_for("a completion after the restart", completes, 60)
+    # No token engine dropped its group for the registry's empty second (its keeper waits
+    # `ABSENT_CONFIRM_S` before a shard counts as lost), and the re-registered token engines'
+    # entries claimed their shards again: the shards no engine holds are exactly the rest.
+    time.sleep(ABSENT_CONFIRM_S + 1.0)
+    assert shard_groups() == groups_before
+    registry = RayRegistry.for_app("phasemesh")
+    num_live, num_unclaimed = registry.shard_census()
+    num_held = sum(len(group) for group in groups_before.values())
+    assert num_unclaimed == num_live - num_held, (num_live, num_unclaimed, groups_before)
+
+
+def shard_groups() -> dict[str, list[str]]:
+    """Each ready token engine's shard group as its registry entry lists it."""
+    live = RayRegistry.for_app("phasemesh").live()
+    return {
+        e.service_id: [s.service_id for s in e.shards]
+        for e in live
+        if e.role == Role.TOKEN and e.state == "ready"
+    }

@@ -10,9 +10,10 @@ from typing import Any
 
 from common.protocol import SamplingSpec, TokenOutput
 from common.roles import Role
+from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler
-from services.router.mesh_membership import ABSENT_CONFIRM_S, MeshMembership
+from services.router.mesh_membership import MeshMembership
 from services.router.mesh_requests import EngineLost, MeshRequests, MeshStream
 
 PROMPT = ServiceEntry(role=Role.PROMPT, service_id="p0", state="ready", command_endpoint="tcp://p")
@@ -92,7 +93,8 @@ def test_an_engine_is_gone_only_once_the_registry_has_missed_it_long_enough() ->
         assert watch._confirmed_gone({"p0"}, now=200.0) == set()
         assert watch._confirmed_gone({"p0"}, now=200.0 + ABSENT_CONFIRM_S) == {"t0"}
         requests.release("r1")  # no request of ours on it: forgotten
-        assert watch._confirmed_gone({"p0"}, now=300.0) == set() and not watch._absent_since
+        assert watch._confirmed_gone({"p0"}, now=300.0) == set()
+        assert not watch._absences.missing_since
 
     asyncio.run(run())
 

@@ -1,8 +1,8 @@
 """Model peers in the registry (`Registry.claim_peers`) and `ModelPeerKeeper`, on the plain
 `Registry` with a fake clock: a token engine claims its peers like a shard group, a lost peer is
-reported at once and its replacement (Serve's new replica) claimed when ready, and the current
-list is repeated to the engine now and then (a peer it dropped for a fault rejoins); a token
-engine that fails to start frees what it claimed."""
+reported once it has been gone for `ABSENT_CONFIRM_S` and its replacement (Serve's new replica)
+claimed when ready, and the current list is repeated to the engine now and then (a peer it
+dropped for a fault rejoins); a token engine that fails to start frees what it claimed."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from common.roles import Role
 from services.mesh import replica
+from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Membership, Registry, ServiceEntry
 from tests.unit.test_shard_group import Clock, ids
@@ -51,6 +52,9 @@ def test_a_lost_peer_is_reported_and_its_replacement_claimed() -> None:
     clock.now = 4
     registry.heartbeat("p0")
     clock.now = 8  # p1 was killed
+    assert keeper.check() is None  # missing: not yet lost
+    registry.heartbeat("p0")
+    clock.now = 8 + ABSENT_CONFIRM_S
     change = keeper.check()
     assert change is not None and change.lost == ("p1",) and ids(change.peers) == ["p0"]
     assert change.addresses() == ["ucx-p0"]

@@ -1,9 +1,15 @@
 """`ShardGroupKeeper` on the plain `Registry` with a fake clock: a token engine's group is reported
-broken the moment a shard stops heartbeating, and whole again once its replacement is ready."""
+broken once a shard has been gone from the registry for `ABSENT_CONFIRM_S`, and whole again once
+its replacement is ready; a restarted registry (empty for a heartbeat) breaks nothing and gives
+no other engine the group."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from common.roles import Role
+from services.mesh.absence import ABSENT_CONFIRM_S
+from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Registry, ServiceEntry
 from services.mesh.shard_group import ShardGroupKeeper
 
@@ -42,10 +48,13 @@ def test_a_lost_shard_breaks_the_group_until_its_replacement_is_ready() -> None:
     registry = Registry(max_age_s=5, clock=clock)
     start_shard(registry, "s0", 2)
     start_shard(registry, "s1", 2)
-    keeper = ShardGroupKeeper(registry, "t0", 2, registry.claim_group("t0", 2) or ())
+    keeper = ShardGroupKeeper(registry, "t0", 2, registry.claim_group("t0", 2) or (), clock=clock)
     clock.now = 4
     registry.heartbeat("s0")
     clock.now = 8  # s1 was killed
+    assert keeper.check() is None  # missing: maybe a restarted registry, not yet lost
+    registry.heartbeat("s0")
+    clock.now = 8 + ABSENT_CONFIRM_S
     change = keeper.check()
     assert change is not None and change.lost == ("s1",) and change.group == ()
     assert keeper.check() is None  # still broken, nothing new
@@ -86,3 +95,52 @@ def test_a_keeper_started_on_a_partial_group_makes_it_whole() -> None:
     start_shard(registry, "s1b", 2)
     change = keeper.check()
     assert change is not None and ids(change.group) == ["s0", "s1b"]
+
+
+class RestartingRegistry:
+    """A `Registry` whose state can be lost, as the Ray registry actor's is when it restarts."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.inner = Registry(max_age_s=5, clock=clock)
+
+    def restart(self) -> None:
+        self.inner = Registry(max_age_s=5, clock=self.clock)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_restarted_registry_breaks_no_group_and_hands_its_claims_to_no_other_engine() -> None:
+    clock = Clock()
+    registry = RestartingRegistry(clock)
+    for shard_id in ("s0", "s1"):
+        start_shard(registry.inner, shard_id, 2)
+    registry.register(ServiceEntry(role=Role.MODEL_PEER, service_id="p0", state="ready"))
+    group = registry.claim_group("t0", 2) or ()
+    peers = registry.claim_peers("t0", 1)
+    token = ServiceEntry(role=Role.TOKEN, service_id="t0", state="ready",
+                         shards=tuple(e.shard_address() for e in group), peers=("p0",))  # fmt: skip
+    registry.register(token)
+    keeper = ShardGroupKeeper(registry, "t0", 2, group, clock=clock)
+    peer_keeper = ModelPeerKeeper(registry, "t0", 1, peers, clock=clock)
+
+    registry.restart()  # empty until each replica's next heartbeat
+    clock.now = 0.5
+    assert keeper.check() is None and peer_keeper.check() is None
+    # Each replica's heartbeat finds itself forgotten and registers again (`Membership`); the
+    # token engine first, so its claims are back before the shards are even listed.
+    clock.now = 1.0
+    registry.register(token)
+    for shard_id, slot in (("s0", 0), ("s1", 1)):
+        registry.register(
+            ServiceEntry(role=Role.SHARD, service_id=shard_id, state="ready", slot=slot)
+        )
+    registry.register(ServiceEntry(role=Role.MODEL_PEER, service_id="p0", state="ready"))
+    clock.now = 1.0 + ABSENT_CONFIRM_S
+    assert keeper.check() is None and peer_keeper.check() is None  # nothing was lost
+    assert registry.claim_group("t1", 2) is None and registry.claim_peers("t1", 1) == []
+    assert ids(tuple(registry.claim_group("t0", 2) or ())) == ["s0", "s1"]
+    # Claims end with their engine as before.
+    registry.unregister("t0")
+    assert ids(tuple(registry.claim_group("t1", 2) or ())) == ["s0", "s1"]

@@ -1,0 +1,43 @@
+"""Telling a replica that left from a registry that briefly forgot it.
+
+The registry actor restarts (`max_restarts=-1`) with no entries; each replica re-registers at its
+next heartbeat (`HEARTBEAT_INTERVAL_S`). For that second every healthy replica is missing from
+`live()`, so a reader that acted on one missing read would migrate every request in flight (the
+router) or drop a healthy shard group and its model peers (a token engine's keepers). A replica
+counts as gone only once it has been missing from every read for `ABSENT_CONFIRM_S`, longer than
+a heartbeat interval. A replica that really stopped was already missing its heartbeats for
+`MAX_HEARTBEAT_AGE_S` before the registry dropped it, and its direct links (UCX, ZeroMQ) fail
+sooner than that, so the wait delays no failover that matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Set
+
+ABSENT_CONFIRM_S = 2.0
+
+
+class Absences:
+    """When each watched id was first missing from the registry's reads, without a break."""
+
+    def __init__(self, confirm_s: float = ABSENT_CONFIRM_S) -> None:
+        self.confirm_s = confirm_s
+        self.missing_since: dict[str, float] = {}
+
+    def gone(self, watched: Iterable[str], present: Set[str], now: float) -> set[str]:
+        """The ids of `watched` missing from `present` in every read for `confirm_s` up to `now`;
+        an id seen again, or no longer watched, starts over."""
+        watched = set(watched)
+        for service_id in list(self.missing_since):
+            if service_id in present or service_id not in watched:
+                del self.missing_since[service_id]
+        for service_id in watched - present:
+            self.missing_since.setdefault(service_id, now)
+        return {s for s, since in self.missing_since.items() if now - since >= self.confirm_s}
+
+    def undecided(self, now: float) -> bool:
+        """Whether an id is missing but not yet for `confirm_s` (wait before acting on it)."""
+        return any(now - since < self.confirm_s for since in self.missing_since.values())
+
+
+__all__ = ["ABSENT_CONFIRM_S", "Absences"]
