@@ -267,6 +267,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     # Peer links made since start, the first ones included: more than its peers means re-links
     # (a peer back after a loss, or a replacement: `LinkPeers`).
     num_peers_joined: int = 0
+    # Times a token engine's shard group changed since start: its link to a shard failed, or
+    # its keeper sent a `LinkShards` (a shard lost, its replacement claimed).
+    num_group_relinks: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats

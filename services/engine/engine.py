@@ -122,6 +122,7 @@ class Engine(
         self.predicted_step_s: float | None = None
         self.step_times: deque[tuple[float, float, int]] = deque(maxlen=4096)
         self.num_decode_steps = self.num_two_batch_steps = 0  # the schedules chosen (bench)
+        self.num_group_relinks = 0  # shard group changes since start (a fault, a `LinkShards`)
 
     # -- inputs -----------------------------------------------------------------------------------
 

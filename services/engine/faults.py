@@ -36,6 +36,7 @@ class EngineFaults:
     local: EngineScheduler
     runner: MeshModelRunner
     shards: tuple[ShardAddress, ...]
+    num_group_relinks: int
     requests: dict[str, Request]
     routing: dict[str, RequestRoute]
 
@@ -142,6 +143,7 @@ class EngineFaults:
         error = f"engine {self.engine_id}: {reason}"
         out = self._end_all(tied, error)
         self.shards = tuple(shards)
+        self.num_group_relinks += 1
         self.runner.shard_links = list(links)
         self.runner.shards = list(shards)
         log.warning("shard group relinked", engine=self.engine_id, reason=reason,

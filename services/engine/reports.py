@@ -38,6 +38,7 @@ class EngineReports:
     kv_events: deque[KvEvent]
     num_prefill_tokens: int
     num_decode_steps: int
+    num_group_relinks: int
     num_two_batch_steps: int
     step_times: deque[tuple[float, float, int]]
 
@@ -52,7 +53,7 @@ class EngineReports:
             len(self.requests), [*self.kv_ingress.events, *self.kv_events],
             self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
             num_loans=self.pool.num_loans, num_decode_steps=self.num_decode_steps,
-            num_two_batch_steps=self.num_two_batch_steps,
+            num_two_batch_steps=self.num_two_batch_steps, num_group_relinks=self.num_group_relinks,
             step_times_s=[[p, m, float(kind)] for p, m, kind in self.step_times],
             decode_breakdown=self.runner.times.report() if self.shards else None,
             **self._peer_counts(),

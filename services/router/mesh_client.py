@@ -201,6 +201,7 @@ class MeshEngineClient:
                     "num_peer_slices": r.num_peer_slices,
                     "num_peers_lost": r.num_peers_lost,
                     "num_peers_joined": r.num_peers_joined,
+                    "num_group_relinks": r.num_group_relinks,  # its shard group's changes
                     "kv_blocks_used": r.kv_blocks_used,
                     "num_requests": r.num_requests,
                 }

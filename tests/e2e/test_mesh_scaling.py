@@ -435,6 +435,7 @@ def test_a_restarted_registry_actor_keeps_the_applications_mesh_key(cluster: Clu
 
     key = RayRegistry.for_app("phasemesh").agree_key(secrets.token_hex(32))
     groups_before = shard_groups()
+    relinks_before = group_relinks(cluster)
     ray.kill(RayRegistry.for_app("phasemesh").handle, no_restart=False)
 
     def token_engine_back() -> bool:
@@ -461,10 +462,17 @@ def test_a_restarted_registry_actor_keeps_the_applications_mesh_key(cluster: Clu
     # entries claimed their shards again: the shards no engine holds are exactly the rest.
     time.sleep(ABSENT_CONFIRM_S + 1.0)
     assert shard_groups() == groups_before
+    assert group_relinks(cluster) == relinks_before  # not even dropped and claimed back
     registry = RayRegistry.for_app("phasemesh")
     num_live, num_unclaimed = registry.shard_census()
     num_held = sum(len(group) for group in groups_before.values())
     assert num_unclaimed == num_live - num_held, (num_live, num_unclaimed, groups_before)
+
+
+def group_relinks(cluster: Cluster) -> dict[str, int]:
+    """Each token engine's shard group changes since it started, from the router's `/stats`."""
+    services = stats(cluster.proxy_url)["services"]
+    return {sid: s["num_group_relinks"] for sid, s in services.items() if s["home_role"] == "token"}
 
 
 def shard_groups() -> dict[str, list[str]]:
