@@ -93,21 +93,28 @@ TARGETS = {
 }
 
 
-def in_process(preset: str, batches: list[int], tokens: int) -> dict[int, float]:
-    """tok/s of one `LLMEngine` generating each batch (token ids only: no front end), the best
-    of `REPEATS` runs."""
+def in_process(preset: str, batches: list[int], tokens: int) -> dict[int, dict[str, float]]:
+    """One `LLMEngine` generating each batch (token ids only: no front end), the best of
+    `REPEATS` runs: its tok/s, the CPU its threads took per token, and how often they were
+    preempted per second (what `local` reports for its engine threads, to compare)."""
     engine = LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS)  # type: ignore[arg-type]
     vocab = model_vocab(preset)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     engine.generate(prompts_for(2, vocab, seed=99), params)  # warm-up
     result = {}
     for batch in batches:
-        seconds = []
+        runs = []
         for _ in range(REPEATS):  # the best of a few: a shared machine's noise only slows runs
+            cpu_before, preempted_before = threads_cpu_s(os.getpid())
             start = time.perf_counter()
             engine.generate(prompts_for(batch, vocab), params)
-            seconds.append(time.perf_counter() - start)
-        result[batch] = batch * tokens / min(seconds)
+            seconds = time.perf_counter() - start
+            cpu, preempted = threads_cpu_s(os.getpid())
+            runs.append((seconds, cpu - cpu_before, preempted - preempted_before))
+        seconds, cpu, preempted = min(runs)
+        result[batch] = {"tok_s": batch * tokens / seconds,
+                         "cpu_ms_per_token": 1e3 * cpu / (batch * tokens),
+                         "preemptions_per_s": preempted / seconds}  # fmt: skip
     return result
 
 
@@ -180,11 +187,13 @@ def served(
             idle_ms_per_s = 1e3 * (process_cpu_s(pid) - idle_before) / IDLE_S
             result: dict[str, dict[int, dict[str, float]]] = {}
             for mode, batch in ((m, b) for m in modes for b in batches):
-                cpu_before, engine_before = process_cpu_s(pid), threads_cpu_s(pid, ENGINE_THREAD)
+                cpu_before = process_cpu_s(pid)
+                engine_before, preempted_before = threads_cpu_s(pid, ENGINE_THREAD)
                 proxy_before = process_cpu_s(proxy) if proxy else 0.0
                 prompts = prompts_for(batch, vocab)
                 figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode))
-                engine = threads_cpu_s(pid, ENGINE_THREAD) - engine_before
+                engine, preempted = threads_cpu_s(pid, ENGINE_THREAD)
+                engine, preempted = engine - engine_before, preempted - preempted_before
                 cpu = process_cpu_s(pid) - cpu_before - engine  # the router's own
                 figures["router_cpu_ms_per_token"] = 1e3 * cpu / (batch * tokens)
                 figures["router_cpu_ms_per_request"] = 1e3 * cpu / batch
@@ -193,6 +202,8 @@ def served(
                     figures["proxy_cpu_ms_per_token"] = 1e3 * proxy_cpu / (batch * tokens)
                 if engine:  # `topology: local`: the engine's threads, told apart by their name
                     figures["engine_cpu_ms_per_token"] = 1e3 * engine / (batch * tokens)
+                    wall = batch * tokens / figures["tok_s"]
+                    figures["engine_preemptions_per_s"] = preempted / wall
                 figures["router_idle_cpu_ms_per_s"] = idle_ms_per_s
                 result.setdefault(mode, {})[batch] = figures
             return result
@@ -313,8 +324,9 @@ def main() -> None:
                                "worker_niceness": args.worker_niceness,
                                "served_omp_num_threads": threads,
                                "load_avg_start": os.getloadavg()}  # fmt: skip
-    engine_tok_s = in_process(args.preset, batches, tokens) if "inprocess" in args.paths else {}
-    results["inprocess_tok_s"] = engine_tok_s
+    engine = in_process(args.preset, batches, tokens) if "inprocess" in args.paths else {}
+    results["inprocess"] = engine
+    engine_tok_s = results["inprocess_tok_s"] = {b: f["tok_s"] for b, f in engine.items()}
     if "client" in args.paths:
         # In a fresh process, as in a replica: this one's main thread has run the in-process
         # engine, and a second OpenMP team would slow the client's engine thread (its class's
@@ -328,15 +340,34 @@ def main() -> None:
     if "ceiling" in args.paths and engine_tok_s:
         results.update(ceiling(args, engine_tok_s, batches, tokens))
     if engine_tok_s:  # again: a shared machine's load moves while the servers run
-        results["inprocess_tok_s_end"] = in_process(args.preset, batches, tokens)
+        end = results["inprocess_end"] = in_process(args.preset, batches, tokens)
+        results["inprocess_tok_s_end"] = {b: f["tok_s"] for b, f in end.items()}
         best = {b: max(r, results["inprocess_tok_s_end"][b]) for b, r in engine_tok_s.items()}
         results["inprocess_tok_s_best"] = best
         rate_ratios(results, best)
         print(f"  inprocess tok/s: start {engine_tok_s}, end {results['inprocess_tok_s_end']}")
     results["load_avg_end"] = os.getloadavg()
+    results.update(engine_efficiency(results))
     results["targets"] = TARGETS
     judge(results, args)
     print(json.dumps(results))
+
+
+def engine_efficiency(results: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """`local_<ingress>[_plain]_engine_cpu_over_inprocess`: CPU per token of the served engine's
+    threads over the in-process engine's, per batch (1.0: the replica costs the engine nothing;
+    above it, the same tokens took more CPU: time its threads spun at OpenMP barriers while one
+    of them was preempted, `engine_preemptions_per_s` against `inprocess.preemptions_per_s`)."""
+    inprocess = results.get("inprocess", {})
+    out = {}
+    for name, figures in results.items():
+        if name.startswith("local_") and isinstance(figures, dict):
+            out[f"{name}_engine_cpu_over_inprocess"] = {
+                b: f["engine_cpu_ms_per_token"] / inprocess[b]["cpu_ms_per_token"]
+                for b, f in figures.items()
+                if isinstance(f, dict) and "engine_cpu_ms_per_token" in f and b in inprocess
+            }
+    return {k: v for k, v in out.items() if v}
 
 
 def judge(results: dict[str, Any], args: argparse.Namespace) -> None:

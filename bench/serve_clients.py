@@ -84,18 +84,23 @@ async def served_batch(
     }  # fmt: skip
 
 
-def threads_cpu_s(pid: int, comm: str) -> float:
-    """CPU seconds of `pid`'s live threads whose OS name is `comm` (user + system)."""
-    ticks = 0
+def threads_cpu_s(pid: int, comm: str | None = None) -> tuple[float, int]:
+    """CPU seconds (user + system) of `pid`'s live threads whose OS name is `comm` (all of them
+    when None), and how often they were preempted (involuntary context switches): on a machine
+    whose every core the engine's threads use, each preemption stalls the others at their next
+    OpenMP barrier, where they spin."""
+    ticks = preempted = 0
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            if (task / "comm").read_text().strip() != comm:
+            if comm is not None and (task / "comm").read_text().strip() != comm:
                 continue
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            status = (task / "status").read_text()
         except OSError:
             continue  # it exited
         ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+        preempted += int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+    return ticks / os.sysconf("SC_CLK_TCK"), preempted
 
 
 def ray_pid(root: int, title_part: str) -> int | None:
