@@ -32,15 +32,15 @@ Each batch goes as streamed requests and, in the same server, as plain (non-stre
 (`--modes`; the plain ones are reported as `<name>_plain`, with their latency p50/p90: what a
 batch client sees; the table of issue 20 was measured that way).
 Served paths report tok/s, TTFT and the gaps between streamed chunks (TBT; a chunk carries every
-token that reached the router together) p50/p90, and the Router replica process's CPU seconds
-(its user+system time before and after each batch, less the threads of a local engine: the
-engine's is `engine_cpu_ms_per_token`, with `engine_preemptions_per_s`: how often its threads
-were preempted) per streamed token and per request (and its CPU with no request in flight, per
-second, which those include), Serve's HTTP proxy's CPU per token, and the chunks each request got.
-The in-process engine reports the same two (`inprocess.<batch>`), and
-`local_<ingress>[_plain]_engine_cpu_over_inprocess` is the served engine's CPU per token over it. Ratios are served / in-process tok/s of the same run: the in-process
-engine runs before the served paths and again after them, and `ratio` is against the better of
-the two (`inprocess_tok_s_best`; the ceiling is paced by the first). Ray starts its
+token that reached the router together) p50/p90, and the Router replica process's CPU seconds (its
+user+system time before and after each batch, less the threads of a local engine: the engine's is
+`engine_cpu_ms_per_token`, with `engine_preemptions_per_s`: how often its threads were preempted)
+per streamed token and per request (and its CPU with no request in flight, per second, which those
+include), Serve's HTTP proxy's CPU per token, and the chunks each request got. The in-process engine
+reports the same two (`inprocess.<batch>`), and `local_<ingress>[_plain]_engine_cpu_over_inprocess`
+is the served engine's CPU per token over it. Ratios are served / in-process tok/s of the same run:
+the in-process engine runs before the served paths and again after them, and `ratio` is against the
+better of the two (`inprocess_tok_s_best`; the ceiling is paced by the first). Ray starts its
 workers (replicas, proxy) at nice 15: on a shared machine every other process, this bench's own
 clients and in-process engine included, would preempt the served path, so `--worker-niceness`
 (default 0, recorded in the JSON) serves at the in-process engine's priority. `targets_met` is
