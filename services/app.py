@@ -24,6 +24,8 @@ default none) and structlog; its metrics also go to Ray's metrics agent (docs/ob
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import secrets
 from typing import Any
@@ -143,6 +145,14 @@ def _worker_config(args: AppArgs, mesh_key: str) -> WorkerConfig:
     )  # fmt: skip
 
 
+def _generation(args: dict[str, Any]) -> str:
+    """The application's version, the same in every replica of one deploy: a digest of its args
+    (`build_app` binds one dict to every deployment; a `serve deploy` that changes them replaces
+    every mesh replica, and token engines then claim only shards and peers of their own)."""
+    canonical = json.dumps(args, sort_keys=True, default=str).encode()
+    return hashlib.sha256(canonical).hexdigest()[:16]
+
+
 def _service_id(role: str) -> str:
     return f"{role}-{serve.get_replica_context().replica_id.unique_id}"
 
@@ -206,16 +216,17 @@ class _MeshService:
         base, mesh = _worker_config(parsed, _mesh_key(parsed.mesh, registry)), parsed.mesh
         service_id = _service_id(self.role)
         _configure_observability(replace_cfg(base, role=self.role).telemetry_name, service_id)
+        generation = _generation(args)
         if self.role == Role.SHARD:
             self.replica: MeshReplica = start_shard(
-                service_id, registry, base, mesh.shards_per_group
+                service_id, registry, base, mesh.shards_per_group, generation
             )
         elif self.role == Role.MODEL_PEER:
-            self.replica = start_model_peer(service_id, registry, base)
+            self.replica = start_model_peer(service_id, registry, base, generation)
         else:
             self.replica = start_engine(
                 self.role, service_id, registry, base, mesh.shards_per_group, mesh.shard_wait_s,
-                mesh.model_peers,
+                mesh.model_peers, generation,
             )  # fmt: skip
 
     def check_health(self) -> None:

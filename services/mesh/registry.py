@@ -13,6 +13,12 @@ engine's entry lists what it holds (`shards`, `peers`), and registering it claim
 restarted registry actor, which starts empty, has the claims back as soon as each token engine
 re-registers at its next heartbeat, and hands none of them to another engine.
 
+Generations. Each entry carries its application's `generation` (a digest of the args it was
+deployed with). A token engine claims only shards and model peers of its own generation: during a
+rolling update (`serve deploy` with changed args, which replaces every mesh replica) a new token
+engine never links to an old shard or peer that Serve is about to stop, or that holds another
+model; it waits for, or later claims, its own generation's.
+
 Model peers (Lamina 4.3's rotation, services/engine/rotation.py). A peer registers ready with its
 UCX `link_address`; a token engine claims up to its number of peers among the ready, unclaimed
 ones, keeping those it holds (`claim_peers`). Unlike a shard group, a partial set is useful (each
@@ -52,6 +58,7 @@ class ServiceEntry:
     `state`: starting (not routable; a shard holding its slot), ready, or draining (finishes what
     it has, takes nothing new). Token engines list their shard group in `shards` as
     `ShardAddress`es; empty means local attention. `peers`: the model peers it holds, by id.
+    `generation`: the application version it belongs to (module docstring).
     """
 
     role: Role
@@ -68,6 +75,7 @@ class ServiceEntry:
     slot: int = -1  # shards: which head range of a group
     shards: tuple[ShardAddress, ...] = ()
     peers: tuple[str, ...] = ()
+    generation: str = ""
 
     @property
     def is_engine(self) -> bool:
@@ -188,7 +196,9 @@ class Registry:
 
     def _claimable(self, entry: ServiceEntry, token_id: str) -> bool:
         owner = self.claimed_by.get(entry.service_id, token_id)
-        return entry.state == "ready" and owner == token_id
+        token = self.entries.get(token_id)  # None: a caller that never registered (in-process)
+        same_generation = token is None or token.generation == entry.generation
+        return entry.state == "ready" and owner == token_id and same_generation
 
     def _expire(self) -> None:
         now = self.clock()

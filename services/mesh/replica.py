@@ -214,16 +214,18 @@ def start_engine(
     shards_per_group: int,
     shard_wait_s: float,
     num_model_peers: int = 0,
+    generation: str = "",
 ) -> MeshReplica:
     """A prompt or token engine: claim shards and model peers (token), start the worker,
-    register as ready."""
+    register as ready. `generation`: its application's version (it claims only its own)."""
     torch.set_num_threads(base.num_threads)
     group: list[ServiceEntry] = []
     peers: list[ServiceEntry] = []
     # Registered (starting: not routable) and heartbeating before it claims anything: claims end
     # with their token engine's entry, so a replica killed outright while it starts (no
     # `except` runs) still frees its shards and peers when its entry expires.
-    membership = Membership(registry, ServiceEntry(role=role, service_id=service_id))
+    entry = ServiceEntry(role=role, service_id=service_id, generation=generation)
+    membership = Membership(registry, entry)
     try:
         if role == Role.TOKEN:
             membership.update()
@@ -267,7 +269,11 @@ def start_engine(
 
 
 def start_shard(
-    service_id: str, registry: RegistryClient, base: WorkerConfig, shards_per_group: int
+    service_id: str,
+    registry: RegistryClient,
+    base: WorkerConfig,
+    shards_per_group: int,
+    generation: str = "",
 ) -> MeshReplica:
     """An attention shard: take a head-range slot, start the worker, register as ready."""
     torch.set_num_threads(base.num_threads)
@@ -276,7 +282,7 @@ def start_shard(
     by_request = base.shard_partition == "request"  # every shard holds every head
     if num_kv_heads % num_slots and not by_request:
         raise ValueError(f"{num_kv_heads} KV heads do not split over {num_slots} shards")
-    entry = ServiceEntry(role=Role.SHARD, service_id=service_id)
+    entry = ServiceEntry(role=Role.SHARD, service_id=service_id, generation=generation)
     slot = registry.take_shard_slot(entry, num_slots)
     membership = Membership(registry, replace(entry, slot=slot))
     membership.start()  # holds the slot while the shard allocates its KV
@@ -299,14 +305,17 @@ def start_shard(
     return MeshReplica(thread, membership)
 
 
-def start_model_peer(service_id: str, registry: RegistryClient, base: WorkerConfig) -> MeshReplica:
+def start_model_peer(
+    service_id: str, registry: RegistryClient, base: WorkerConfig, generation: str = ""
+) -> MeshReplica:
     """A model peer: start the worker (it loads the model), register as ready (claimable)."""
     torch.set_num_threads(base.num_threads)
     cfg = replace_cfg(base, service_id=service_id, role=Role.MODEL_PEER)
     thread = WorkerThread(lambda: ModelPeerWorker(cfg), name=f"{service_id}-loop")
     assert isinstance(thread.worker, ModelPeerWorker)
     entry = ServiceEntry(role=Role.MODEL_PEER, service_id=service_id, state="ready",
-                         link_address=thread.worker.ready().link_address)  # fmt: skip
+                         link_address=thread.worker.ready().link_address,
+                         generation=generation)  # fmt: skip
     membership = Membership(registry, entry, alive=thread.alive)
     membership.update()
     membership.start()

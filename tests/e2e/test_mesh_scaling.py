@@ -372,10 +372,16 @@ def test_a_token_engine_rotates_over_a_model_peer_replica_and_claims_its_replace
 
     linked = wait_for("the token engine linked to its peer", lambda: peered_token_engine(1), 60)
 
+    # The redeploy changed the args, so Serve replaced every mesh replica: the token engine
+    # holds only shards and a peer of its own generation, never an old one Serve is stopping.
+    live = {e.service_id: e for e in RayRegistry.for_app("phasemesh").live()}
+    [token] = [e for e in live.values() if e.service_id == linked.service_id]
+    held = [s.service_id for s in token.shards] + list(token.peers)
+    assert held and all(live[h].generation == token.generation for h in held if h in live), held
+
     def ran_slices_on_the_peer() -> EngineStats | None:
-        # The redeploy can hand the new token engine an old shard that Serve is stopping (its
-        # entry lives until its heartbeats age out, 5 s): the engine then drops that group and
-        # decodes locally (requests migrate, text still equal) until it claims a new one.
+        # Requests until one ran slices on the peer: the engine links its group and peers
+        # between steps, and a group lost meanwhile is relinked (requests migrate, text equal).
         check_greedy(1)
         stats = peered_token_engine(1)
         return stats if stats is not None and stats.num_peer_slices > 0 else None

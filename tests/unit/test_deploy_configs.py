@@ -223,11 +223,13 @@ def test_model_peers_reach_the_token_engines(
     replica.replica = None  # nothing to shut down
     [(kind, call)] = started
     if role == "token":
-        assert kind == "engine" and call[0] == "token" and call[-1] == 2  # num_model_peers
+        assert kind == "engine" and call[0] == "token" and call[-2] == 2  # num_model_peers
         assert call[4] == 2  # shards_per_group (default)
     else:
         assert kind == "peer" and call[0] == "model_peer-1" and call[1] is registry
         assert call[2].model_peers == []  # a peer links to no one
+    # Every replica of one deploy carries the same generation; other args, another one.
+    assert call[-1] == app._generation(args) != app._generation(args | {"model": "small"})
     base = call[3] if role == "token" else call[2]
     assert base.mesh_key == "ab" * 32  # the application's, from its registry
 

@@ -119,3 +119,30 @@ def test_the_first_proposed_mesh_key_is_every_replicas() -> None:
     registry = Registry()
     assert registry.agree_key("aa" * 32) == "aa" * 32
     assert registry.agree_key("bb" * 32) == "aa" * 32
+
+
+def test_a_token_engine_claims_only_shards_and_peers_of_its_own_generation() -> None:
+    # A rolling update (`serve deploy` with changed args): the old generation's shard and peer
+    # are free and ready, the new ones still loading. The new token engine takes neither old
+    # one, then its own as soon as they are ready.
+    registry = Registry(clock=Clock())
+    for service_id, generation, state in (("s-old", "g1", "ready"), ("s-new", "g2", "starting")):
+        registry.register(ServiceEntry(role=Role.SHARD, service_id=service_id, state=state,
+                                       slot=0, generation=generation))  # fmt: skip
+    registry.register(ServiceEntry(role=Role.MODEL_PEER, service_id="p-old", state="ready",
+                                   generation="g1"))  # fmt: skip
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t-new", generation="g2"))
+    assert registry.claim_group("t-new", 1) is None
+    assert registry.claim_peers("t-new", 1) == []
+    registry.register(ServiceEntry(role=Role.SHARD, service_id="s-new", state="ready", slot=0,
+                                   generation="g2"))  # fmt: skip
+    registry.register(ServiceEntry(role=Role.MODEL_PEER, service_id="p-new", state="ready",
+                                   generation="g2"))  # fmt: skip
+    group = registry.claim_group("t-new", 1)
+    assert group is not None and [e.service_id for e in group] == ["s-new"]
+    assert [e.service_id for e in registry.claim_peers("t-new", 2)] == ["p-new"]
+    # The old generation's token engine (still running until Serve stops it) keeps its own.
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t-old", generation="g1"))
+    group = registry.claim_group("t-old", 1)
+    assert group is not None and [e.service_id for e in group] == ["s-old"]
+    assert [e.service_id for e in registry.claim_peers("t-old", 2)] == ["p-old"]
