@@ -82,23 +82,26 @@ def run_lanes(
 
 class AutoLanes:
     """`decode_lanes: auto`: one lane for the first `warmup_steps` sharded decode steps, then the
-    n that `choose` (common/scheduling/lane_choice.py) prices best from what they measured,
-    chosen once: a step run as lanes no longer measures one lane's costs."""
+    n that `choose` (common/scheduling/lane_choice.py) prices best from what they measured and
+    the model peers linked then, chosen once: a step run as lanes no longer measures one lane's
+    costs."""
 
     def __init__(
         self,
         num_layers: int,
         warmup_steps: int = 64,
-        choose: Callable[[MeasuredSteps], int] = choose_decode_lanes,
+        choose: Callable[..., int] = choose_decode_lanes,
     ) -> None:
         self.num_layers, self.warmup_steps, self.choose = num_layers, warmup_steps, choose
         self.chosen: int | None = None
 
-    def lanes(self, times: DecodeTimes) -> int:
-        """How many lanes the next step runs, given the breakdown of the steps so far."""
+    def lanes(self, times: DecodeTimes, num_peers: int = 0) -> int:
+        """How many lanes the next step runs, given the breakdown of the steps so far and the
+        model peers linked now."""
         if self.chosen is None and times.num_steps >= self.warmup_steps:
             measured = MeasuredSteps(times.num_steps, self.num_layers, times.step_s,
                                      times.wait_s, times.attend_s, times.network_s)  # fmt: skip
-            self.chosen = self.choose(measured)
-            log.info("decode lanes chosen", decode_lanes=self.chosen, measured=str(measured))
+            self.chosen = self.choose(measured, num_peers=num_peers)
+            log.info("decode lanes chosen", decode_lanes=self.chosen, num_peers=num_peers,
+                     measured=str(measured))  # fmt: skip
         return self.chosen or 1

@@ -228,7 +228,8 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self.times.num_steps += 1
         self.times.step_s += time.perf_counter() - started
         if self.auto_lanes is not None:
-            self.decode_lanes = self.auto_lanes.lanes(self.times)
+            num_peers = len(self.model_peers) if self.model_peers is not None else 0
+            self.decode_lanes = self.auto_lanes.lanes(self.times, num_peers)
         return logits
 
     def _rotates(self, inputs: StepPlan) -> bool:

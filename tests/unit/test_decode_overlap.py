@@ -189,7 +189,7 @@ def test_every_round_trip_variant_matches_the_single_process_runner(
 def test_auto_lanes_switch_after_the_measured_steps_and_keep_the_tokens(model, prompts, local):
     measured: list[MeasuredSteps] = []
     auto = AutoLanes(model.config.num_hidden_layers, warmup_steps=2,
-                     choose=lambda m: measured.append(m) or 3)  # fmt: skip
+                     choose=lambda m, num_peers: measured.append(m) or 3)  # fmt: skip
     got, _, links = greedy_sharded(model, prompts, overlap=False, lanes=1, auto_lanes=auto)
     assert got == local[0]
     [m] = measured  # chosen once, from the first 2 steps

@@ -35,3 +35,29 @@ def test_nothing_measured_is_refused_and_no_time_keeps_one_lane():
     with pytest.raises(ValueError, match="nothing measured"):
         choose_decode_lanes(MeasuredSteps(0, 4, 0.0, 0.0, 0.0, 0.0))
     assert choose_decode_lanes(MeasuredSteps(3, 4, 0.0, 0.0, 0.0, 0.0)) == 1
+
+
+def test_model_peers_make_lanes_pay_for_a_compute_bound_engine():
+    # Without peers (above): 1 lane. With one peer (R = 2 replicas) each relayed slice costs
+    # t_net more on (R - 1) / R of the slices: n = 1 runs on the engine alone, 3.5 ms;
+    # n = 2: max(2 + 0.5 + 0.5 + 0.25, 2 x 2 / 2) = 3.25; n = 3 (= R + 1): max(2 + 0.33 + 0.75,
+    # 3 x 2 / 2) = 3.08.
+    measured = per_layer(t_m=2.0, t_a=1.0, t_net=0.5)
+    assert choose_decode_lanes(measured) == 1
+    assert choose_decode_lanes(measured, num_peers=1) == 3
+    # Three peers: up to R + 1 = 5 lanes are priced, past the default cap of 3.
+    assert choose_decode_lanes(measured, num_peers=3) == 5
+    with pytest.raises(ValueError, match="num_peers"):
+        choose_decode_lanes(measured, num_peers=-1)
+
+
+def test_auto_lanes_price_the_peers_linked_when_they_choose():
+    from services.engine.lanes import AutoLanes
+    from services.engine.shard_round_trip import DecodeTimes
+
+    auto = AutoLanes(num_layers=4, warmup_steps=10)
+    times = DecodeTimes(num_steps=9, step_s=0.14, wait_s=0.06, attend_s=0.04, network_s=0.02)
+    assert auto.lanes(times, num_peers=1) == 1 and auto.chosen is None  # still measuring
+    times.num_steps = 10  # 10 steps x 4 layers: t_m 2 ms, t_a 1, t_net 0.5, as above
+    assert auto.lanes(times, num_peers=1) == 3
+    assert auto.lanes(times, num_peers=0) == 3  # chosen once
