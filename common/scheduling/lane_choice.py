@@ -40,7 +40,7 @@ class MeasuredSteps:
 
 
 def choose_decode_lanes(
-    measured: MeasuredSteps, max_lanes: int = MAX_AUTO_LANES, num_peers: int = 0
+    measured: MeasuredSteps, num_peers: int = 0, max_lanes: int = MAX_AUTO_LANES
 ) -> int:
     """The n in 1..`max_lanes` (at least R + 1 with `num_peers` linked model peers, R = 1 +
     `num_peers`) with the shortest per-layer period; ties go to fewer lanes."""

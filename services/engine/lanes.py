@@ -90,7 +90,7 @@ class AutoLanes:
         self,
         num_layers: int,
         warmup_steps: int = 64,
-        choose: Callable[..., int] = choose_decode_lanes,
+        choose: Callable[[MeasuredSteps, int], int] = choose_decode_lanes,
     ) -> None:
         self.num_layers, self.warmup_steps, self.choose = num_layers, warmup_steps, choose
         self.chosen: int | None = None
@@ -101,7 +101,7 @@ class AutoLanes:
         if self.chosen is None and times.num_steps >= self.warmup_steps:
             measured = MeasuredSteps(times.num_steps, self.num_layers, times.step_s,
                                      times.wait_s, times.attend_s, times.network_s)  # fmt: skip
-            self.chosen = self.choose(measured, num_peers=num_peers)
+            self.chosen = self.choose(measured, num_peers)
             log.info("decode lanes chosen", decode_lanes=self.chosen, num_peers=num_peers,
                      measured=str(measured))  # fmt: skip
         return self.chosen or 1

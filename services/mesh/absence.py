@@ -12,7 +12,7 @@ sooner than that, so the wait delays no failover that matters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Sequence, Set
 
 ABSENT_CONFIRM_S = 2.0
 
@@ -35,9 +35,13 @@ class Absences:
             self.missing_since.setdefault(service_id, now)
         return {s for s, since in self.missing_since.items() if now - since >= self.confirm_s}
 
-    def undecided(self, now: float) -> bool:
-        """Whether an id is missing but not yet for `confirm_s` (wait before acting on it)."""
-        return any(now - since < self.confirm_s for since in self.missing_since.values())
+    def lost(self, held: Sequence[str], present: Set[str], now: float) -> tuple[str, ...] | None:
+        """What a keeper of `held` acts on: those gone (`gone`), in `held`'s order; None while
+        one is missing but not yet for `confirm_s` (decide nothing: ask again later)."""
+        gone = self.gone(held, present, now)
+        if any(now - since < self.confirm_s for since in self.missing_since.values()):
+            return None
+        return tuple(s for s in held if s in gone)
 
 
 __all__ = ["ABSENT_CONFIRM_S", "Absences"]

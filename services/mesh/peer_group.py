@@ -67,11 +67,9 @@ class ModelPeerKeeper:
         if self.num_peers == 0:
             return None
         ready = {e.service_id for e in self.registry.live() if e.state == "ready"}
-        now = self.clock()
-        gone = self._absences.gone(_ids(self.peers), ready, now)
-        if self._absences.undecided(now):
+        lost = self._absences.lost(_ids(self.peers), ready, self.clock())
+        if lost is None:
             return None  # one is missing, maybe only from a restarted registry: ask again later
-        lost = tuple(s for s in _ids(self.peers) if s in gone)
         if not lost and len(self.peers) == self.num_peers:
             return None
         claimed = tuple(self.registry.claim_peers(self.token_id, self.num_peers))

@@ -59,11 +59,9 @@ class ShardGroupKeeper:
         if self.num_slots == 0:
             return None
         ready = {e.service_id for e in self.registry.live() if e.state == "ready"}
-        now = self.clock()
-        gone = self._absences.gone(_ids(self.group), ready, now)
-        if self._absences.undecided(now):
+        lost = self._absences.lost(_ids(self.group), ready, self.clock())
+        if lost is None:
             return None  # one is missing, maybe only from a restarted registry: ask again later
-        lost = tuple(s for s in _ids(self.group) if s in gone)
         if not lost and len(self.group) == self.num_slots:
             return None
         claimed = tuple(self.registry.claim_group(self.token_id, self.num_slots) or ())
