@@ -73,7 +73,14 @@ from bench.serve_clients import (  # noqa: E402
     prompts_for,
     ray_pid,
     served_batch,
-    threads_cpu_s,
+    threads_cpu_and_preemptions,
+)
+from bench.serve_report import (  # noqa: E402
+    TARGETS,
+    engine_efficiency,
+    judge,
+    rate_ratios,
+    record,
 )
 from common.engine.core import LLMEngine  # noqa: E402
 from common.model.default import default_model_path  # noqa: E402
@@ -87,12 +94,6 @@ IDLE_S = 3.0  # how long the Router's CPU is sampled with no request in flight
 ENGINE_THREAD = "engine-loop"  # the OS name of the local engine's thread and its torch threads
 ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048,
                "max_num_seqs": 64}  # fmt: skip
-TARGETS = {
-    "local_ratio_batch8_min": 0.85,
-    "local_ratio_batch32_min": 0.85,
-    "mesh_ratio_batch32_small_min": 0.6,
-    "router_cpu_ms_per_token_max": 0.3,
-}
 
 
 def in_process(preset: str, batches: list[int], tokens: int) -> dict[int, dict[str, float]]:
@@ -107,11 +108,11 @@ def in_process(preset: str, batches: list[int], tokens: int) -> dict[int, dict[s
     for batch in batches:
         runs = []
         for _ in range(REPEATS):  # the best of a few: a shared machine's noise only slows runs
-            cpu_before, preempted_before = threads_cpu_s(os.getpid())
+            cpu_before, preempted_before = threads_cpu_and_preemptions(os.getpid())
             start = time.perf_counter()
             engine.generate(prompts_for(batch, vocab), params)
             seconds = time.perf_counter() - start
-            cpu, preempted = threads_cpu_s(os.getpid())
+            cpu, preempted = threads_cpu_and_preemptions(os.getpid())
             runs.append((seconds, cpu - cpu_before, preempted - preempted_before))
         seconds, cpu, preempted = min(runs)
         result[batch] = {"tok_s": batch * tokens / seconds,
@@ -190,11 +191,11 @@ def served(
             result: dict[str, dict[int, dict[str, float]]] = {}
             for mode, batch in ((m, b) for m in modes for b in batches):
                 cpu_before = process_cpu_s(pid)
-                engine_before, preempted_before = threads_cpu_s(pid, ENGINE_THREAD)
+                engine_before, preempted_before = threads_cpu_and_preemptions(pid, ENGINE_THREAD)
                 proxy_before = process_cpu_s(proxy) if proxy else 0.0
                 prompts = prompts_for(batch, vocab)
                 figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode))
-                engine, preempted = threads_cpu_s(pid, ENGINE_THREAD)
+                engine, preempted = threads_cpu_and_preemptions(pid, ENGINE_THREAD)
                 engine, preempted = engine - engine_before, preempted - preempted_before
                 cpu = process_cpu_s(pid) - cpu_before - engine  # the router's own
                 figures["router_cpu_ms_per_token"] = 1e3 * cpu / (batch * tokens)
@@ -237,39 +238,6 @@ def ceiling(
                                  tuple(args.modes))  # fmt: skip
                 record(results, name, by_mode, engine_tok_s)
     return results
-
-
-def record(
-    results: dict[str, Any],
-    name: str,
-    by_mode: dict[str, dict[int, dict[str, float]]],
-    engine_tok_s: dict[int, float],
-) -> None:
-    """Each mode's figures as `results[name]` (streamed) and `results[name + "_plain"]`, with
-    their first ratios (against the first in-process run; `rate_ratios` redoes them at the end)."""
-    for mode, figures in by_mode.items():
-        key = name + ("" if mode == "stream" else f"_{mode}")
-        for batch, f in figures.items():
-            if batch in engine_tok_s:
-                f["ratio"] = f["tok_s"] / engine_tok_s[batch]
-            print(f"  {key} batch {batch}: " + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))
-        results[key] = figures
-
-
-def reachable(results: dict[str, Any], suffix: str = "") -> dict[str, bool]:
-    """Whether the front end alone (the ceiling at the engine's rate) passes the local target."""
-    ratios = {b: f["ratio"] for b, f in results.get("ceiling_direct" + suffix, {}).items()}
-    return {f"batch{b}": ratios[b] >= TARGETS[f"local_ratio_batch{b}_min"]
-            for b in (8, 32) if b in ratios}  # fmt: skip
-
-
-def rate_ratios(results: dict[str, Any], engine_tok_s: dict[int, float]) -> None:
-    """Every served figure's `ratio`, against the engine's best of its two measurements."""
-    for figures in results.values():
-        if isinstance(figures, dict) and all(isinstance(f, dict) for f in figures.values()):
-            for batch, f in figures.items():
-                if "tok_s" in f and batch in engine_tok_s:
-                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
 
 
 def model_vocab(preset: str) -> int:
@@ -355,40 +323,6 @@ def main() -> None:
     print(json.dumps(results))
 
 
-def engine_efficiency(results: dict[str, Any]) -> dict[str, dict[int, float]]:
-    """`local_<ingress>[_plain]_engine_cpu_over_inprocess`: CPU per token of the served engine's
-    threads over the in-process engine's, per batch (1.0: the replica costs the engine nothing;
-    above it, the same tokens took more CPU: time its threads spun at OpenMP barriers while one
-    of them was preempted, `engine_preemptions_per_s` against `inprocess.preemptions_per_s`)."""
-    inprocess = results.get("inprocess", {})
-    out = {}
-    for name, figures in results.items():
-        if name.startswith("local_") and isinstance(figures, dict):
-            out[f"{name}_engine_cpu_over_inprocess"] = {
-                b: f["engine_cpu_ms_per_token"] / inprocess[b]["cpu_ms_per_token"]
-                for b, f in figures.items()
-                if isinstance(f, dict) and "engine_cpu_ms_per_token" in f and b in inprocess
-            }
-    return {k: v for k, v in out.items() if v}
-
-
-def judge(results: dict[str, Any], args: argparse.Namespace) -> None:
-    """The ceiling's reach and every `targets_met*` map, added to `results`."""
-    if 1 in args.ceiling_speedup:
-        for suffix in ("", "_plain"):
-            if "ceiling_direct" + suffix in results:
-                results["ceiling_local_ratio_reachable" + suffix] = reachable(results, suffix)
-    for ingress in args.ingress:  # direct: what users run; the proxy's for comparison
-        name = "targets_met" + ("" if ingress == "direct" else f"_{ingress}")
-        results[name] = targets_met(results, args.preset, f"_{ingress}")
-        if "plain" in args.modes:  # the issue's table: non-streaming requests
-            results[name + "_plain"] = targets_met(results, args.preset, f"_{ingress}_plain")
-        if args.stream_interval:
-            results[name + "_stream_interval"] = targets_met(
-                results, args.preset, f"_{ingress}_si{args.stream_interval}"
-            )
-
-
 def serve_paths(
     args: argparse.Namespace,
     app_args: dict[str, Any],
@@ -424,27 +358,6 @@ def serve_paths(
                             b: direct[b]["tok_s"] / proxy[b]["tok_s"] for b in batches
                         }
     return results
-
-
-def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[str, bool | None]:
-    """The targets of the runs named `<path><suffix>` (`_<ingress>[_si<N>]`)."""
-
-    def ratio(path: str, batch: int) -> float | None:
-        return results.get(path + suffix, {}).get(batch, {}).get("ratio")
-
-    def at_least(value: float | None, bound: float) -> bool | None:
-        return None if value is None else value >= bound
-
-    cpu = [f["router_cpu_ms_per_token"] for p in ("local", "mesh")
-           for f in results.get(p + suffix, {}).values()]  # fmt: skip
-    return {
-        "local_ratio_batch8_min": at_least(ratio("local", 8), 0.85),
-        "local_ratio_batch32_min": at_least(ratio("local", 32), 0.85),
-        "mesh_ratio_batch32_small_min": (
-            at_least(ratio("mesh", 32), 0.6) if preset == "small" else None
-        ),
-        "router_cpu_ms_per_token_max": (max(cpu) <= 0.3) if cpu else None,
-    }
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ async def served_batch(
     }  # fmt: skip
 
 
-def threads_cpu_s(pid: int, comm: str | None = None) -> tuple[float, int]:
+def threads_cpu_and_preemptions(pid: int, comm: str | None = None) -> tuple[float, int]:
     """CPU seconds (user + system) of `pid`'s live threads whose OS name is `comm` (all of them
     when None), and how often they were preempted (involuntary context switches): on a machine
     whose every core the engine's threads use, each preemption stalls the others at their next

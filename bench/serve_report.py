@@ -1,0 +1,103 @@
+"""How `bench/serve.py` judges its figures: each served path's ratio to the in-process engine, the
+served engine's CPU per token over the in-process one's, the ceiling's reach, and `targets_met`
+against issue 20's targets (on direct ingress, what users run; the proxy's for comparison)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+TARGETS = {
+    "local_ratio_batch8_min": 0.85,
+    "local_ratio_batch32_min": 0.85,
+    "mesh_ratio_batch32_small_min": 0.6,
+    "router_cpu_ms_per_token_max": 0.3,
+}
+
+
+def record(
+    results: dict[str, Any],
+    name: str,
+    by_mode: dict[str, dict[int, dict[str, float]]],
+    engine_tok_s: dict[int, float],
+) -> None:
+    """Each mode's figures as `results[name]` (streamed) and `results[name + "_plain"]`, with
+    their first ratios (against the first in-process run; `rate_ratios` redoes them at the end)."""
+    for mode, figures in by_mode.items():
+        key = name + ("" if mode == "stream" else f"_{mode}")
+        for batch, f in figures.items():
+            if batch in engine_tok_s:
+                f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+            print(f"  {key} batch {batch}: " + ", ".join(f"{k} {v:.3g}" for k, v in f.items()))
+        results[key] = figures
+
+
+def reachable(results: dict[str, Any], suffix: str = "") -> dict[str, bool]:
+    """Whether the front end alone (the ceiling at the engine's rate) passes the local target."""
+    ratios = {b: f["ratio"] for b, f in results.get("ceiling_direct" + suffix, {}).items()}
+    return {f"batch{b}": ratios[b] >= TARGETS[f"local_ratio_batch{b}_min"]
+            for b in (8, 32) if b in ratios}  # fmt: skip
+
+
+def rate_ratios(results: dict[str, Any], engine_tok_s: dict[int, float]) -> None:
+    """Every served figure's `ratio`, against the engine's best of its two measurements."""
+    for figures in results.values():
+        if isinstance(figures, dict) and all(isinstance(f, dict) for f in figures.values()):
+            for batch, f in figures.items():
+                if "tok_s" in f and batch in engine_tok_s:
+                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+
+
+def engine_efficiency(results: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """`local_<ingress>[_plain]_engine_cpu_over_inprocess`: CPU per token of the served engine's
+    threads over the in-process engine's, per batch (1.0: the replica costs the engine nothing;
+    above it, the same tokens took more CPU: time its threads spun at OpenMP barriers while one
+    of them was preempted, `engine_preemptions_per_s` against `inprocess.preemptions_per_s`)."""
+    inprocess = results.get("inprocess", {})
+    out = {}
+    for name, figures in results.items():
+        if name.startswith("local_") and isinstance(figures, dict):
+            out[f"{name}_engine_cpu_over_inprocess"] = {
+                b: f["engine_cpu_ms_per_token"] / inprocess[b]["cpu_ms_per_token"]
+                for b, f in figures.items()
+                if isinstance(f, dict) and "engine_cpu_ms_per_token" in f and b in inprocess
+            }
+    return {k: v for k, v in out.items() if v}
+
+
+def judge(results: dict[str, Any], args: argparse.Namespace) -> None:
+    """The ceiling's reach and every `targets_met*` map, added to `results`."""
+    if 1 in args.ceiling_speedup:
+        for suffix in ("", "_plain"):
+            if "ceiling_direct" + suffix in results:
+                results["ceiling_local_ratio_reachable" + suffix] = reachable(results, suffix)
+    for ingress in args.ingress:  # direct: what users run; the proxy's for comparison
+        name = "targets_met" + ("" if ingress == "direct" else f"_{ingress}")
+        results[name] = targets_met(results, args.preset, f"_{ingress}")
+        if "plain" in args.modes:  # the issue's table: non-streaming requests
+            results[name + "_plain"] = targets_met(results, args.preset, f"_{ingress}_plain")
+        if args.stream_interval:
+            results[name + "_stream_interval"] = targets_met(
+                results, args.preset, f"_{ingress}_si{args.stream_interval}"
+            )
+
+
+def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[str, bool | None]:
+    """The targets of the runs named `<path><suffix>` (`_<ingress>[_si<N>]`)."""
+
+    def ratio(path: str, batch: int) -> float | None:
+        return results.get(path + suffix, {}).get(batch, {}).get("ratio")
+
+    def at_least(value: float | None, bound: float) -> bool | None:
+        return None if value is None else value >= bound
+
+    cpu = [f["router_cpu_ms_per_token"] for p in ("local", "mesh")
+           for f in results.get(p + suffix, {}).values()]  # fmt: skip
+    return {
+        "local_ratio_batch8_min": at_least(ratio("local", 8), 0.85),
+        "local_ratio_batch32_min": at_least(ratio("local", 32), 0.85),
+        "mesh_ratio_batch32_small_min": (
+            at_least(ratio("mesh", 32), 0.6) if preset == "small" else None
+        ),
+        "router_cpu_ms_per_token_max": (max(cpu) <= 0.3) if cpu else None,
+    }
