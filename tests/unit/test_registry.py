@@ -146,3 +146,21 @@ def test_a_token_engine_claims_only_shards_and_peers_of_its_own_generation() -> 
     group = registry.claim_group("t-old", 1)
     assert group is not None and [e.service_id for e in group] == ["s-old"]
     assert [e.service_id for e in registry.claim_peers("t-old", 2)] == ["p-old"]
+
+
+def test_an_entry_listing_another_engines_shard_and_peer_does_not_take_them() -> None:
+    # A claim restored from an entry (`register`) never displaces the engine holding it: a stale
+    # or wrong entry cannot steal a running engine's group or peer.
+    registry = Registry(clock=Clock())
+    registry.register(ServiceEntry(role=Role.SHARD, service_id="s0", state="ready", slot=0))
+    registry.register(ServiceEntry(role=Role.MODEL_PEER, service_id="p0", state="ready"))
+    group = registry.claim_group("t0", 1)
+    assert group is not None and [e.service_id for e in registry.claim_peers("t0", 1)] == ["p0"]
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t1", state="ready",
+                                   shards=(group[0].shard_address(),), peers=("p0",)))  # fmt: skip
+    assert registry.claim_group("t1", 1) is None and registry.claim_peers("t1", 1) == []
+    assert registry.claim_group("t0", 1) is not None  # still t0's
+    # An entry naming replicas that do not exist claims nothing anyone could use.
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t2", state="ready",
+                                   peers=("no-such-peer",)))  # fmt: skip
+    assert registry.shard_census() == (1, 0)
