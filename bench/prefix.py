@@ -120,7 +120,7 @@ def run_arm(
     return figures, sent_s, ttfts, outputs
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default=str(shared_dir() / "traces/conversation_trace.jsonl"))
     parser.add_argument("--conversations", type=int, default=40)
@@ -129,7 +129,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per engine")
     parser.add_argument("--weight", type=float, default=1.0, help="arm (c)'s routing weight")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     rows = list(read_trace(args.trace))
     specs = list(plan_requests(rows, ArrivalConfig(token_scale=args.token_scale)))
     chosen = conversations(specs, args.conversations)
