@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -88,7 +89,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
             )
 
         threads = e.num_threads or machine_threads()
-        _check_openmp_threads(os.environ.get("OMP_NUM_THREADS", ""), threads)
+        _check_openmp(os.environ, threads, "Router")
         return InProcessEngineClient(build=build, num_threads=threads)
     registry = RayRegistry.for_app(serve.get_replica_context().app_name)
     return MeshEngineClient(
@@ -104,19 +105,41 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
     )
 
 
-def _check_openmp_threads(omp_num_threads: str, engine_threads: int) -> bool:
-    """Warn (and say False) when this process's OpenMP started with fewer threads than the local
-    engine decodes on: Ray sets `OMP_NUM_THREADS` to the replica's `num_cpus`, and libgomp, which
-    reads it once at load, then waits between parallel regions in a way that cost an engine of 2
-    threads 25-40% of its tokens here (docs/serving.md)."""
+def _check_openmp(
+    env: Mapping[str, str],
+    engine_threads: int,
+    deployment: str,
+    waits_on_shards: bool = False,
+    cores: int | None = None,
+) -> bool:
+    """Warn (and say False) where this process's OpenMP settings will cost its engine tokens.
+    libgomp reads them once, at load, and Ray starts a replica with `OMP_NUM_THREADS` = its
+    `num_cpus` unless its runtime_env says otherwise:
+    - `OMP_NUM_THREADS` below the engine's threads: libgomp then waits between parallel regions
+      in a way that cost an engine of 2 threads 25-40% of its tokens here (docs/serving.md);
+    - a token engine whose threads take every core (`cores`: this process's) and that waits on
+      its shards every layer, with OpenMP's default wait (spinning): its idle threads spin
+      through every wait on the cores its shards need (docs/mesh.md)."""
+    omp_num_threads = env.get("OMP_NUM_THREADS", "")
+    ok = True
     if omp_num_threads.isdigit() and int(omp_num_threads) < engine_threads:
         log.warning(
             "OMP_NUM_THREADS is below the engine's torch threads: decoding will be slower; "
-            "give the Router deployment num_cpus equal to engine.num_threads",
+            f"give the {deployment} deployment OMP_NUM_THREADS (or num_cpus) equal to them",
             omp_num_threads=int(omp_num_threads), engine_threads=engine_threads,
         )  # fmt: skip
-        return False
-    return True
+        ok = False
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    spins = env.get("OMP_WAIT_POLICY", "").lower() != "passive"
+    if waits_on_shards and 1 < engine_threads and cores <= engine_threads and spins:
+        log.warning(
+            "this token engine's threads take every core and spin on them while it waits on "
+            f"its shards: set OMP_WAIT_POLICY=passive in the {deployment} deployment's "
+            "runtime_env (deploy/local.yaml)",
+            engine_threads=engine_threads, cores=cores,
+        )  # fmt: skip
+        ok = False
+    return ok
 
 
 def _bind_host(mesh: MeshArgs) -> str:
@@ -215,6 +238,10 @@ class _MeshService:
         registry = RayRegistry.for_app(serve.get_replica_context().app_name)
         base, mesh = _worker_config(parsed, _mesh_key(parsed.mesh, registry)), parsed.mesh
         service_id = _service_id(self.role)
+        if self.role == Role.TOKEN:
+            base = replace_cfg(base, num_threads=mesh.threads_of(self.role))
+            _check_openmp(os.environ, base.num_threads, "TokenEngine",
+                          waits_on_shards=mesh.shards_per_group > 0)  # fmt: skip
         _configure_observability(replace_cfg(base, role=self.role).telemetry_name, service_id)
         generation = _generation(args)
         if self.role == Role.SHARD:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from common.config import env
 from common.model.default import PRESETS, default_model_path
+from common.roles import Role
 from common.scheduling.cluster import PoolThresholds
 from common.scheduling.tiers import tier_policy
 from services.router.mesh_client import MAX_MIGRATIONS, PREFIX_ROUTING_WEIGHT
@@ -68,6 +69,10 @@ class MeshArgs(_Args):
     layer_wise_min_tokens: int = Field(default=256, ge=1)
     attention_backend: str = "auto"
     num_threads: int = Field(default=1, ge=1)  # torch threads per replica
+    # A token engine's torch threads (None: num_threads). It blocks on its shards once per layer,
+    # so more threads pay only if they sleep meanwhile: its replica needs OMP_WAIT_POLICY=passive
+    # and OMP_NUM_THREADS to match (its runtime_env, as deploy/local.yaml; docs/mesh.md).
+    token_engine_threads: int | None = Field(default=None, ge=1)
     enable_prefix_caching: bool = True  # prompt and mixed engines; docs/prefix_caching.md
     # How prefill KV reaches shards: pushed while prefilling, or held by the prompt engine and
     # pulled by the shards between decode steps (docs/kv_pull.md).
@@ -117,6 +122,12 @@ class MeshArgs(_Args):
         if lanes != "auto" and int(lanes) < 1:
             raise ValueError(f"decode_lanes must be at least 1 or auto, got {lanes}")
         return lanes
+
+    def threads_of(self, role: Role) -> int:
+        """Torch threads of a mesh replica of this role."""
+        if role == Role.TOKEN and self.token_engine_threads is not None:
+            return self.token_engine_threads
+        return self.num_threads
 
     def worker_decode_lanes(self) -> int:
         """`WorkerConfig.decode_lanes`: 0 is auto."""

@@ -252,8 +252,40 @@ def test_the_commented_model_peer_switch_deploys_when_turned_on(name: str) -> No
 
 
 def test_a_local_engine_with_more_threads_than_openmp_started_with_is_warned_about() -> None:
-    from services.app import _check_openmp_threads
+    from services.app import _check_openmp
 
-    assert not _check_openmp_threads("1", 2)  # Ray's default for a Router of num_cpus 1
-    assert _check_openmp_threads("2", 2) and _check_openmp_threads("4", 2)
-    assert _check_openmp_threads("", 2)  # unset: OpenMP starts with every core
+    def check(omp: str, threads: int) -> bool:
+        return _check_openmp({"OMP_NUM_THREADS": omp} if omp else {}, threads, "Router", cores=2)
+
+    assert not check("1", 2)  # Ray's default for a Router of num_cpus 1
+    assert check("2", 2) and check("4", 2)
+    assert check("", 2)  # unset: OpenMP starts with every core
+
+
+def test_a_token_engine_spinning_on_its_shards_cores_is_warned_about() -> None:
+    from services.app import _check_openmp
+
+    spinning = {"OMP_NUM_THREADS": "2"}
+    passive = spinning | {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert not _check_openmp(spinning, 2, "TokenEngine", waits_on_shards=True, cores=2)
+    assert _check_openmp(passive, 2, "TokenEngine", waits_on_shards=True, cores=2)
+    # Local attention (no shards to wait on), one thread, or cores to spare: spinning is fine.
+    assert _check_openmp(spinning, 2, "TokenEngine", waits_on_shards=False, cores=2)
+    assert _check_openmp({}, 1, "TokenEngine", waits_on_shards=True, cores=2)
+    assert _check_openmp({"OMP_NUM_THREADS": "8"}, 8, "TokenEngine", waits_on_shards=True,
+                         cores=16)  # fmt: skip
+
+
+def test_local_config_gives_its_token_engine_the_threads_and_openmp_it_asks_for() -> None:
+    """deploy/local.yaml: 2 token-engine threads (measured faster on 2 cores, docs/mesh.md) with
+    OpenMP told as much in the replica's runtime_env, and sleeping while the shards attend."""
+    from common.roles import Role
+
+    [app] = CONFIGS["local.yaml"]["applications"]
+    mesh = AppArgs.model_validate(app["args"]).mesh
+    token = {d["name"]: d for d in app["deployments"]}["TokenEngine"]
+    env = token["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert mesh.threads_of(Role.TOKEN) == int(env["OMP_NUM_THREADS"]) == 2
+    assert mesh.threads_of(Role.SHARD) == mesh.threads_of(Role.PROMPT) == mesh.num_threads == 1
+    assert env["OMP_WAIT_POLICY"].lower() == "passive"
+    assert AppArgs.model_validate({"mesh": {"num_threads": 3}}).mesh.threads_of(Role.TOKEN) == 3
