@@ -4,6 +4,7 @@
                           [--paths inprocess client local mesh ceiling] [--stream-interval 8]
                           [--ingress direct proxy] [--ceiling-speedup 1 4]
                           [--worker-niceness 0] [--modes stream plain]
+                          [--mesh-args '{"token_engine_threads": 1}']
 
 For each batch size, `batch` requests are sent together (greedy, `ignore_eos`, `--tokens` new
 tokens each, the same prompts on every path) to:
@@ -14,7 +15,8 @@ tokens each, the same prompts on every path) to:
 - `local`: `serve run deploy/single.yaml` (`topology: local`: the engine inside the Router
   replica), over HTTP with the official `openai` streaming client;
 - `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards),
-  over HTTP the same way;
+  over HTTP the same way; `--mesh-args` (JSON) changes its `mesh:` args, e.g. to compare a
+  setting against the file's in two runs;
 - `ceiling`: the front end alone (`bench/null_engine.py`): the real Router and HTTP path over
   `NullEngineFake`, an engine of no compute that offers the in-process engine's tok/s at each
   batch (times each `--ceiling-speedup`), as `ceiling_<ingress>[_x<speedup>]`. Its ratio is the
@@ -240,6 +242,12 @@ def ceiling(
     return results
 
 
+def yaml_mesh_args() -> dict[str, Any]:
+    """deploy/local.yaml's `mesh:` args (a served config's args are replaced key by key)."""
+    config = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
+    return dict(config["applications"][0]["args"]["mesh"])
+
+
 def model_vocab(preset: str) -> int:
     config = json.loads((default_model_path(preset) / "config.json").read_text())
     return int(config["vocab_size"])
@@ -274,6 +282,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=["stream", "plain"],
                         choices=["stream", "plain"],
                         help="streamed requests, and/or plain (non-streaming) ones")  # fmt: skip
+    parser.add_argument("--mesh-args", type=json.loads, default={},
+                        help="JSON: deploy/local.yaml's mesh args to change")  # fmt: skip
     return parser.parse_args()
 
 
@@ -293,6 +303,7 @@ def main() -> None:
                                "stream_interval": args.stream_interval,
                                "worker_niceness": args.worker_niceness,
                                "served_omp_num_threads": threads,
+                               "mesh_args": args.mesh_args,
                                "load_avg_start": os.getloadavg()}  # fmt: skip
     engine = in_process(args.preset, batches, tokens) if "inprocess" in args.paths else {}
     results["inprocess"] = engine
@@ -340,7 +351,7 @@ def serve_paths(
         modes = tuple(args.modes) if interval == 1 else ("stream",)
         for path, config, extra in (
             ("local", "single.yaml", {"engine": ENGINE_ARGS | {"num_threads": threads}}),
-            ("mesh", "local.yaml", {}),
+            ("mesh", "local.yaml", {"mesh": yaml_mesh_args() | args.mesh_args}),
         ):
             if path not in args.paths:
                 continue

@@ -51,7 +51,12 @@ from services.mesh.replica import (
     start_model_peer,
     start_shard,
 )
-from services.router.engine_client import EngineClient, InProcessEngineClient, machine_threads
+from services.router.engine_client import (
+    EngineClient,
+    InProcessEngineClient,
+    machine_threads,
+    usable_cores,
+)
 from services.router.mesh_client import MeshEngineClient
 from services.router.server import Router
 from services.router.streams import AdmissionLimits, StreamInterval
@@ -129,7 +134,7 @@ def _check_openmp(
             omp_num_threads=int(omp_num_threads), engine_threads=engine_threads,
         )  # fmt: skip
         ok = False
-    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    cores = cores if cores is not None else usable_cores()
     spins = env.get("OMP_WAIT_POLICY", "").lower() != "passive"
     if waits_on_shards and 1 < engine_threads and cores <= engine_threads and spins:
         log.warning(

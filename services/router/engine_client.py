@@ -49,8 +49,13 @@ def machine_threads() -> int:
     which the router's event loop and Ray's HTTP proxy need. (On 2 cores, `bench/serve.py` served
     2,600 tok/s at batch 32 with 1 engine thread and 1,790 with 2: the threads and the front end
     fought over both cores.)"""
+    return max(usable_cores() - 1, 1)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max((cores or 1) - 1, 1)
+    return cores or 1
 
 
 @dataclass(frozen=True)
