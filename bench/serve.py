@@ -87,6 +87,7 @@ from bench.serve_report import (  # noqa: E402
 from common.engine.core import LLMEngine  # noqa: E402
 from common.model.default import default_model_path  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
+from services.app_args import MeshArgs  # noqa: E402
 from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
 REPEATS = 3
@@ -284,7 +285,14 @@ def parse_args() -> argparse.Namespace:
                         help="streamed requests, and/or plain (non-streaming) ones")  # fmt: skip
     parser.add_argument("--mesh-args", type=json.loads, default={},
                         help="JSON: deploy/local.yaml's mesh args to change")  # fmt: skip
-    return parser.parse_args()
+    args = parser.parse_args()
+    try:  # here, not after minutes of benching and a server that never comes up
+        if not isinstance(args.mesh_args, dict):
+            raise ValueError("a JSON object of mesh args")
+        MeshArgs.model_validate(yaml_mesh_args() | args.mesh_args)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        parser.error(f"--mesh-args: {exc}")
+    return args
 
 
 def main() -> None:

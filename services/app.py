@@ -243,10 +243,10 @@ class _MeshService:
         registry = RayRegistry.for_app(serve.get_replica_context().app_name)
         base, mesh = _worker_config(parsed, _mesh_key(parsed.mesh, registry)), parsed.mesh
         service_id = _service_id(self.role)
-        if self.role == Role.TOKEN:
-            base = replace_cfg(base, num_threads=mesh.threads_of(self.role))
-            _check_openmp(os.environ, base.num_threads, "TokenEngine",
-                          waits_on_shards=mesh.shards_per_group > 0)  # fmt: skip
+        base = replace_cfg(base, num_threads=mesh.threads_of(self.role))
+        waits_on_shards = self.role == Role.TOKEN and mesh.shards_per_group > 0
+        _check_openmp(os.environ, base.num_threads, serve.get_replica_context().deployment,
+                      waits_on_shards)  # fmt: skip
         _configure_observability(replace_cfg(base, role=self.role).telemetry_name, service_id)
         generation = _generation(args)
         if self.role == Role.SHARD:

@@ -165,6 +165,8 @@ def test_mesh_switches_reach_the_workers_config() -> None:
         ({"model_peers": 1, "shard_partition": "request"}, "head-split shard group"),
         ({"model_peers": 1, "shards_per_group": 0}, "head-split shard group"),
         ({"model_peers": -1}, "model_peers"),
+        ({"token_engine_threads": 0}, "token_engine_threads"),
+        ({"token_engine_threads": "two"}, "token_engine_threads"),
     ],
 )
 def test_mesh_args_refuse_what_the_workers_would(mesh: dict[str, Any], error: str) -> None:
@@ -211,14 +213,16 @@ def test_model_peers_reach_the_token_engines(
     import services.app as app
 
     started: list[tuple[str, tuple[Any, ...]]] = []
-    monkeypatch.setattr(app.serve, "get_replica_context", lambda: SimpleNamespace(app_name="a"))
+    context = SimpleNamespace(app_name="a", deployment=deployment.removesuffix("Deployment"))
+    monkeypatch.setattr(app.serve, "get_replica_context", lambda: context)
     registry = SimpleNamespace(agree_key=lambda proposed: "ab" * 32)
     monkeypatch.setattr(app.RayRegistry, "for_app", classmethod(lambda cls, name: registry))
     monkeypatch.setattr(app, "_service_id", lambda role: f"{role}-1")
     monkeypatch.setattr(app, "_configure_observability", lambda *a: None)
     monkeypatch.setattr(app, "start_engine", lambda *a: started.append(("engine", a)))
     monkeypatch.setattr(app, "start_model_peer", lambda *a: started.append(("peer", a)))
-    args = {"topology": "mesh", "mesh": {"host": "127.0.0.1", "model_peers": 2}}
+    mesh = {"host": "127.0.0.1", "model_peers": 2, "token_engine_threads": 3}
+    args = {"topology": "mesh", "mesh": mesh}
     replica = getattr(app, deployment).func_or_class(args)
     replica.replica = None  # nothing to shut down
     [(kind, call)] = started
@@ -232,6 +236,7 @@ def test_model_peers_reach_the_token_engines(
     assert call[-1] == app._generation(args) != app._generation(args | {"model": "small"})
     base = call[3] if role == "token" else call[2]
     assert base.mesh_key == "ab" * 32  # the application's, from its registry
+    assert base.num_threads == (3 if role == "token" else 1)  # token_engine_threads: its own
 
 
 @pytest.mark.parametrize("name", ["local.yaml", "cluster.yaml"])

@@ -87,10 +87,30 @@ def test_streams_survive_a_killed_replica(
     with ThreadPoolExecutor(1) as runner:
         texts = runner.submit(stream_all, server, prompt_ids, started)
         started.wait(timeout=120)  # every stream is decoding now
-        os.kill(replica_pid(server, victim), signal.SIGKILL)
+        killed = replica_pid(server, victim)
+        os.kill(killed, signal.SIGKILL)
         results = texts.result(timeout=600)
     for text, ids, ref in zip(results, prompt_ids, expected, strict=True):
         assert_text_greedy_close(text, ids, ref, tokenizer, Path(default_model_path("tiny")))
     current = wait_idle(server)
     assert current["kv_blocks_used"] == 0 and current["num_engine_requests"] == 0, current
     assert all(s["kv_blocks_used"] == 0 for s in current["services"].values()), current
+    if victim == "TokenEngine":  # Serve's replacement keeps its OpenMP settings (runtime_env)
+        env = replacement_environ(server, victim, killed)
+        assert env.get("OMP_WAIT_POLICY") == "passive" and env.get("OMP_NUM_THREADS") == "2"
+
+
+def replacement_environ(server: ServeRun, deployment: str, killed: int) -> dict[str, str]:
+    """The start environment of the replica Serve started in place of `killed`."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            pid = replica_pid(server, deployment)
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except (LookupError, OSError):
+            pid = killed  # not (yet) there, or gone meanwhile
+        if pid != killed:
+            pairs = (item.split("=", 1) for item in raw.decode(errors="replace").split("\0"))
+            return {p[0]: p[1] for p in pairs if len(p) == 2}
+        assert time.monotonic() < deadline, f"no {deployment} replica replaced {killed}"
+        time.sleep(0.5)
