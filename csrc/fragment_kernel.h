@@ -37,6 +37,10 @@
 // 128), 8 side by side with the next group prefetched as here, reads 19-22 GB/s at 1 thread where
 // the sequential read probe reads 31 (8 KiB tiles 22, 32 KiB 25; 4 side by side ~+7%); at 2
 // threads (load ~11) 34 against 43-49. The kernel is at ~0.9 of that pattern's rate.
+// NOTE: not so on Intel. On a 16-core Xeon host (bench/attention.py, 2026-11-26), at 1 thread GQA
+// 4:1 bf16 read 12.4-12.6 GB/s paged and 12.8-12.9 contiguous, MHA bf16 14.9-16.8 and the read
+// probe 18-19: there the paged layout costs ~2%, and GQA's 4 FMAs per widened K/V value are what
+// hold bf16 GQA at ~0.66 of the probe (2 threads too: 22.6-23.5 against 34-36).
 //
 // NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: paired A/B at
 // 1 thread (3 runs, load 5-9), bf16 64-token steps against 128: GQA 4:1 b1 x 32768 +1.8, +9.6,
