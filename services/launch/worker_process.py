@@ -17,6 +17,7 @@ import msgspec
 import torch
 import zmq
 
+from common.gc_heap import freeze_startup_heap
 from common.roles import Role
 from common.telemetry import configure_logging, configure_telemetry
 from common.transport.zmq_sockets import connect
@@ -45,6 +46,7 @@ def main() -> None:
     ready.send(msgspec.msgpack.encode(worker.ready()))
     ready.close(linger=1000)
     _exit_with_parent(cfg.parent_pid)
+    freeze_startup_heap()  # no full collection over the start-up heap mid-step (common/gc_heap.py)
     worker.run()
 
 
