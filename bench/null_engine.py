@@ -67,6 +67,7 @@ class NullEngineFake:
         self.rates_tok_s = {int(b): float(r) * speedup for b, r in (rates_tok_s or {}).items()}
         self.requests: dict[str, _FakeRequest] = {}
         self.blocks = _NoBlocks()
+        self.tokenizer = None  # its outputs carry their own text (FAKE_TEXT): the router makes none
         self._next_step_at = time.monotonic()
 
     def add_request(

@@ -51,6 +51,7 @@ class StandInEngine:
     """What `InProcessEngineClient` needs of an `LLMEngine`: one token per request per step."""
 
     max_model_len = 1 << 16
+    tokenizer = None  # its outputs carry their own text: the client makes none
 
     def __init__(self) -> None:
         self.requests: dict[str, list[int]] = {}  # id: [prompt tokens, output tokens, max]

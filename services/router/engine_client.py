@@ -13,6 +13,7 @@ and refuse with `Overloaded`, which the router turns into a 429.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import queue
 import threading
@@ -28,6 +29,7 @@ from common.engine.request import RequestOutput
 from common.sampling import SamplingParams
 from services.router.coalesce import coalesce
 from services.router.streams import AdmissionLimits, Stream, StreamTable, next_items
+from services.router.token_text import LoopText
 
 log = structlog.get_logger(__name__)
 
@@ -190,6 +192,12 @@ class InProcessEngineClient:
                 req_id=req_id, num_prompt_tokens=len(prompt_token_ids), hold_to_end=hold_to_end
             ),
         )  # fmt: skip
+        text: LoopText | None = None
+        if params.detokenize and not params.stop and self.engine.tokenizer is not None:
+            # A stop string is the one finish that needs text in the engine; otherwise the text
+            # is made here, from what each wake-up brings (`LoopText`), not on the engine thread.
+            text = LoopText(self.engine.tokenizer)
+            params = dataclasses.replace(params, detokenize=False)
         self._commands.put(_Add(req_id, list(prompt_token_ids), params))
         finished = False
         try:
@@ -198,6 +206,8 @@ class InProcessEngineClient:
                 outputs = [i for i in items if not isinstance(i, Exception)]
                 if outputs:  # NOTE: nothing follows a finished output or an exception
                     out = coalesce(outputs)
+                    if text is not None:
+                        out = text.fill(out)
                     finished = out.finished
                     yield out
                 if len(outputs) < len(items):

@@ -1,9 +1,11 @@
-"""The router's side of a mesh request's output: the token ids its engines stream, as text.
+"""The router's side of a request's output: the token ids its engine streams, as text.
 
-Engines know token ids only and decide every token-level finish (EOS, stop token ids, lengths;
-`common.engine.request.Request`). The router turns their `TokenOutput`s into `RequestOutput`s:
-incremental detokenization, hold-back and stop strings (`OutputText`). A stop string is the one
-finish decided here, because only text can show it; the caller then aborts the engines.
+Mesh engines know token ids only and decide every token-level finish (EOS, stop token ids,
+lengths; `common.engine.request.Request`). The router turns their `TokenOutput`s into
+`RequestOutput`s: incremental detokenization, hold-back and stop strings (`OutputText`). A stop
+string is the one finish decided here, because only text can show it; the caller then aborts the
+engines. The in-process engine's outputs get their text here too when no stop string needs it
+in the engine (`LoopText`): off the engine's thread, and once per batch of outputs.
 """
 
 from __future__ import annotations
@@ -77,6 +79,25 @@ class StreamedText:
             self.req_id, token_ids, delta, reason, self.num_prompt_tokens,
             len(self.output_token_ids),
         )  # fmt: skip
+
+
+class LoopText:
+    """The text of one request whose engine sends token ids only (`detokenize` off), made where
+    its outputs are read: on the router's event loop, from each batch of outputs it takes at
+    once (a plain response's tokens all come together at its end: one decode, not two per token
+    on the engine's thread, which is what they cost there: docs/serving.md). Without stop strings
+    no text can end the request, so the text is the same as the engine's token by token."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.output_token_ids: list[int] = []
+        self.text = OutputText([])
+
+    def fill(self, out: RequestOutput) -> RequestOutput:
+        """`out` (the request's outputs since the last call, coalesced) with its new text."""
+        self.output_token_ids += out.new_token_ids
+        out.new_text = self.text.update(self.output_token_ids, self.tokenizer, out.finished)
+        return out
 
 
 def _reason(engine_reason: str) -> FinishReason:
