@@ -131,11 +131,12 @@ def engine_client(
     """The `client` path: the Router's `InProcessEngineClient` in this process (the engine built
     and stepped on its own thread, outputs through the `StreamTable` to this event loop; no
     HTTP, no Ray): what the served engine would do with the front end's threads alone. `plain`
-    requests hold their tokens to the end, as the Router does for them."""
+    requests hold their tokens to the end, as the Router does for them, and get their text as
+    the Router's do (made on this loop: `token_text.LoopText`)."""
     from services.router.engine_client import InProcessEngineClient
 
     vocab = model_vocab(preset)
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     client = InProcessEngineClient(
         build=lambda: LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS),  # type: ignore[arg-type]
         num_threads=threads,
