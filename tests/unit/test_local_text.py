@@ -86,8 +86,9 @@ def test_text_made_on_the_loop_matches_the_engines(
     assert (text, reason) == engine_text(reference, prompt, params)
     assert text  # the model writes something: the comparison is not of two empty strings
     assert ENGINE_THREAD_NAME not in decoded_on
-    if hold:  # the first output at once, the rest at the end: two decodes of the window each
-        assert outputs == 2 and len(decoded_on) <= 4
+    if hold:  # the first output at once, the rest at the end (one output if they met): two
+        # decodes each, where text made per token would take two per token (80 here)
+        assert outputs <= 2 and len(decoded_on) <= 2 * outputs
 
 
 def test_a_stop_string_is_still_decided_in_the_engine(
