@@ -177,7 +177,13 @@ class ClusterScheduler:
 
     def _rebalance(self, policy: JSQPoolPolicy, now: float) -> None:
         self._pools.sync(policy.pools, now)
-        self._pools.ask(policy.rebalance(self._loads, now), now)
+        moves = policy.rebalance(self._loads, now)
+        # A return home judged on a report that may predate the borrowed work is not sent; the
+        # table goes back to the engines' word (the policy applied every move it returned).
+        sent = [m for m in moves if m.repurposed or self._pools.releasable(m.machine_id)]
+        self._pools.ask(sent, now)
+        if len(sent) < len(moves):
+            self._pools.sync(policy.pools, now)
         self._pools.renew(policy.pools, now)
 
     def cached_blocks(self) -> dict[str, int]:

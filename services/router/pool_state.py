@@ -8,7 +8,12 @@ so sees the same pools; two of them asking for the same change converge (it is i
 
 A change is assumed for `CONFIRM_S` after it was asked (placements meanwhile count on it), then
 only the engine's word counts: a command lost on the way is asked for again by the next
-placement that needs it. Not thread-safe: `ClusterScheduler` holds its lock around it.
+placement that needs it. A lent engine is sent home only on the word of a report made after the
+one that first said it serves mixed (`releasable`): a report sent before the engine took the
+loan, or in the same breath, predates the borrowed work the router placed with it, and judged
+drained on it the engine came home before that work began (tests/integration/test_jsq_placement.py
+caught this: the borrowed engine never reported mixed at all). Not thread-safe:
+`ClusterScheduler` holds its lock around it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from common.scheduling.role_lease import LENDABLE
 
 CONFIRM_S = 1.0  # many load reports (50 ms apart): an unconfirmed change has been lost by then
 RENEW_FRACTION = 3  # a lease is renewed every third of its length (two renewals may be lost)
+# Reports in a row saying mixed before a lent engine's load may send it home: the first one may
+# have been made before the work lent for reached it (it came after the `SetRole`).
+RELEASE_AFTER_MIXED_REPORTS = 2
 
 
 class ReportedPools:
@@ -32,15 +40,22 @@ class ReportedPools:
         self.reported: dict[int, tuple[Role, Role]] = {}
         self._asked: dict[int, tuple[Role, float]] = {}  # machine -> (role, when asked)
         self._renewed: dict[int, float] = {}
+        self._mixed_reports: dict[int, int] = {}  # machine -> its reports in a row saying mixed
         self.outbox: list[tuple[int, SetRole]] = []  # taken by the router, which sends them
 
     def on_report(self, machine_id: int, report: LoadReport) -> None:
         if not report.role:  # says nothing of its pool: the registry's (home) role stands
             return
         self.reported[machine_id] = (Role(report.home_role or report.role), Role(report.role))
+        in_a_row = self._mixed_reports.get(machine_id, 0) + 1 if report.role == Role.MIXED else 0
+        self._mixed_reports[machine_id] = in_a_row
+
+    def releasable(self, machine_id: int) -> bool:
+        """Whether this lent engine's reported load may send it home (see the module's doc)."""
+        return self._mixed_reports.get(machine_id, 0) >= RELEASE_AFTER_MIXED_REPORTS
 
     def forget_all_but(self, machine_ids: Mapping[int, object]) -> None:
-        for table in (self.reported, self._asked, self._renewed):
+        for table in (self.reported, self._asked, self._renewed, self._mixed_reports):
             for gone in [m for m in table if m not in machine_ids]:
                 del table[gone]
 

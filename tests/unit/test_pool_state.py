@@ -109,12 +109,31 @@ def test_a_drained_lent_engine_is_sent_home_by_every_router_alike() -> None:
     routers = [router(*full_prompt_pool()) for _ in range(2)]
     for r in routers:
         r.on_load(report("t1", Role.MIXED, Role.TOKEN, pending=0))  # its prompts are done
+        r.on_load(report("t1", Role.MIXED, Role.TOKEN, pending=0))  # ... said twice: drained
         r.rebalance()
         assert changes(r) == [("t1", SetRole("token"))]  # both ask the same: they converge
         r.on_load(report("t1", Role.TOKEN, Role.TOKEN))
         assert r.pools()["t1"] == "token"
         r.rebalance()
         assert changes(r) == []  # home and reported home: nothing more to ask
+
+
+def test_a_report_older_than_the_borrowed_work_does_not_send_the_engine_home() -> None:
+    # The router lends t1 and places a prompt on it. t1's next reports may have been made before
+    # the prompt reached it: the one from before the loan (token, nothing pending), then its
+    # first as mixed. Neither shows the prompt, so neither may send t1 home; the one after does.
+    scheduler = router(*full_prompt_pool())
+    prompt, _ = scheduler.choose(100)
+    assert prompt.service_id == "t1"
+    assert changes(scheduler) == [("t1", SetRole("mixed", LEASE_S))]
+    for stale in (report("t1", Role.TOKEN, Role.TOKEN), report("t1", Role.MIXED, Role.TOKEN)):
+        scheduler.on_load(stale)
+        scheduler.rebalance()
+        assert changes(scheduler) == []
+        assert scheduler.pools()["t1"] == "mixed"
+    scheduler.on_load(report("t1", Role.MIXED, Role.TOKEN))  # made after the prompt: drained
+    scheduler.rebalance()
+    assert changes(scheduler) == [("t1", SetRole("token"))]
 
 
 def test_a_lent_engine_with_borrowed_work_has_its_lease_renewed() -> None:
