@@ -202,7 +202,9 @@ def served(
                 figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode))
                 engine, preempted = threads_cpu_and_preemptions(pid, ENGINE_THREAD)
                 engine, preempted = engine - engine_before, preempted - preempted_before
-                cpu = process_cpu_s(pid) - cpu_before - engine  # the router's own
+                # The router's own; /proc counts in clock ticks (10 ms), per thread and per
+                # process apart, so a short batch's difference can round below zero.
+                cpu = max(0.0, process_cpu_s(pid) - cpu_before - engine)
                 figures["router_cpu_ms_per_token"] = 1e3 * cpu / (batch * tokens)
                 figures["router_cpu_ms_per_request"] = 1e3 * cpu / batch
                 if proxy:  # Serve's HTTP proxy (idle with direct ingress): its share, per chunk
