@@ -132,7 +132,7 @@ def engine_client(
     and stepped on its own thread, outputs through the `StreamTable` to this event loop; no
     HTTP, no Ray): what the served engine would do with the front end's threads alone. `plain`
     requests hold their tokens to the end, as the Router does for them, and get their text as
-    the Router's do (made on this loop: `token_text.LoopText`)."""
+    the Router's do (made on this loop: `token_text.TokenText`)."""
     from services.router.engine_client import InProcessEngineClient
 
     vocab = model_vocab(preset)

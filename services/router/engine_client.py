@@ -29,7 +29,7 @@ from common.engine.request import RequestOutput
 from common.sampling import SamplingParams
 from services.router.coalesce import coalesce
 from services.router.streams import AdmissionLimits, Stream, StreamTable, next_items
-from services.router.token_text import LoopText
+from services.router.token_text import TokenText
 
 log = structlog.get_logger(__name__)
 
@@ -192,11 +192,11 @@ class InProcessEngineClient:
                 req_id=req_id, num_prompt_tokens=len(prompt_token_ids), hold_to_end=hold_to_end
             ),
         )  # fmt: skip
-        text: LoopText | None = None
+        text: TokenText | None = None
         if params.detokenize and not params.stop and self.engine.tokenizer is not None:
             # A stop string is the one finish that needs text in the engine; otherwise the text
-            # is made here, from what each wake-up brings (`LoopText`), not on the engine thread.
-            text = LoopText(self.engine.tokenizer)
+            # is made here, from what each wake-up brings (`TokenText`), not on the engine thread.
+            text = TokenText(self.engine.tokenizer)
             params = dataclasses.replace(params, detokenize=False)
         self._commands.put(_Add(req_id, list(prompt_token_ids), params))
         finished = False
@@ -207,7 +207,7 @@ class InProcessEngineClient:
                 if outputs:  # NOTE: nothing follows a finished output or an exception
                     out = coalesce(outputs)
                     if text is not None:
-                        out = text.fill(out)
+                        out.new_text = text.add(out.new_token_ids, out.finished)
                     finished = out.finished
                     yield out
                 if len(outputs) < len(items):

@@ -5,7 +5,7 @@ lengths; `common.engine.request.Request`). The router turns their `TokenOutput`s
 `RequestOutput`s: incremental detokenization, hold-back and stop strings (`OutputText`). A stop
 string is the one finish decided here, because only text can show it; the caller then aborts the
 engines. The in-process engine's outputs get their text here too when no stop string needs it
-in the engine (`LoopText`): off the engine's thread, and once per batch of outputs.
+in the engine (`TokenText`): off the engine's thread, and once per batch of outputs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,25 @@ from common.protocol import TokenOutput
 from common.tokenizer import Tokenizer
 
 
+class TokenText:
+    """One request's output token ids so far and their text (`OutputText`: incremental
+    detokenization, hold-back, stop strings): the one text maker of both router clients. The
+    in-process client makes it on its loop, from each batch of outputs it takes at once, when no
+    stop string needs the text in the engine: a plain response's tokens all come together at
+    its end (one decode, not two per token on the engine's thread: docs/serving.md)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.output = OutputText(stop or [])
+
+    def add(self, token_ids: list[int], finished: bool) -> str:
+        """The new text safe to send once `token_ids` follow the ones so far (all of it when
+        `finished` or a stop string matched)."""
+        self.token_ids += token_ids
+        return self.output.update(self.token_ids, self.tokenizer, finished)
+
+
 class StreamedText:
     """One request's streamed token ids and their text."""
 
@@ -27,24 +46,26 @@ class StreamedText:
     ) -> None:
         self.req_id = req_id
         self.num_prompt_tokens = num_prompt_tokens
-        self.tokenizer = tokenizer
-        self.output_token_ids: list[int] = []
-        self.text = OutputText(stop)
+        self.text = TokenText(tokenizer, stop)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens streamed so far (a migrated request goes on after them)."""
+        return self.text.token_ids
 
     def on_tokens(self, msg: TokenOutput) -> list[RequestOutput]:
         """The outputs for one engine message, in order; the last one is finished if either the
         engine finished the request or a stop string did (later tokens are then dropped)."""
         if msg.error or msg.finish_reason == "error":
             raise RuntimeError(f"generation failed: {msg.error or 'engine error'}")
-        if not self.text.stop and msg.token_ids:
+        if not self.text.output.stop and msg.token_ids:
             return [self._at_once(msg)]
         outs: list[RequestOutput] = []
         for i, token_id in enumerate(msg.token_ids):
-            self.output_token_ids.append(token_id)
             last = i == len(msg.token_ids) - 1
             engine_done = bool(msg.finish_reason) and last
-            delta = self.text.update(self.output_token_ids, self.tokenizer, engine_done)
-            reason = FinishReason.STOP if self.text.stopped else None
+            delta = self.text.add([token_id], engine_done)
+            reason = FinishReason.STOP if self.text.output.stopped else None
             if engine_done and reason is None:
                 reason = _reason(msg.finish_reason)
             out = self._output([token_id], delta, reason)
@@ -55,16 +76,15 @@ class StreamedText:
             if reason is not None:
                 return outs
         if msg.finish_reason:  # an end with no token (an engine that stopped on its own)
-            delta = self.text.update(self.output_token_ids, self.tokenizer, finished=True)
+            delta = self.text.add([], finished=True)
             outs.append(self._output([], delta, _reason(msg.finish_reason)))
         return outs
 
     def _at_once(self, msg: TokenOutput) -> RequestOutput:
         """All of a message's tokens in one decode: without stop strings no token's text can end
         the request early, and the text is the same as token by token's."""
-        self.output_token_ids += msg.token_ids
         engine_done = bool(msg.finish_reason)
-        delta = self.text.update(self.output_token_ids, self.tokenizer, engine_done)
+        delta = self.text.add(list(msg.token_ids), engine_done)
         out = self._output(list(msg.token_ids), delta,
                            _reason(msg.finish_reason) if engine_done else None)  # fmt: skip
         out.logprobs = list(msg.logprobs)
@@ -79,25 +99,6 @@ class StreamedText:
             self.req_id, token_ids, delta, reason, self.num_prompt_tokens,
             len(self.output_token_ids),
         )  # fmt: skip
-
-
-class LoopText:
-    """The text of one request whose engine sends token ids only (`detokenize` off), made where
-    its outputs are read: on the router's event loop, from each batch of outputs it takes at
-    once (a plain response's tokens all come together at its end: one decode, not two per token
-    on the engine's thread, which is what they cost there: docs/serving.md). Without stop strings
-    no text can end the request, so the text is the same as the engine's token by token."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.output_token_ids: list[int] = []
-        self.text = OutputText([])
-
-    def fill(self, out: RequestOutput) -> RequestOutput:
-        """`out` (the request's outputs since the last call, coalesced) with its new text."""
-        self.output_token_ids += out.new_token_ids
-        out.new_text = self.text.update(self.output_token_ids, self.tokenizer, out.finished)
-        return out
 
 
 def _reason(engine_reason: str) -> FinishReason:

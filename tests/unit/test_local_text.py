@@ -1,4 +1,4 @@
-"""The in-process engine's text is made on the router's loop (`LoopText`) unless a stop string
+"""The in-process engine's text is made on the router's loop (`TokenText`) unless a stop string
 needs it in the engine: the same text as the engine's own, token by token, streamed or held to
 the end, and no decode on the engine thread for it."""
 
