@@ -20,10 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import structlog
+
 from common.protocol import LoadReport, SetRole
 from common.roles import Role
 from common.scheduling.cluster import PoolMove, PoolTable
 from common.scheduling.role_lease import LENDABLE
+
+log = structlog.get_logger(__name__)
 
 CONFIRM_S = 1.0  # many load reports (50 ms apart): an unconfirmed change has been lost by then
 RENEW_FRACTION = 3  # a lease is renewed every third of its length (two renewals may be lost)
@@ -46,7 +50,13 @@ class ReportedPools:
     def on_report(self, machine_id: int, report: LoadReport) -> None:
         if not report.role:  # says nothing of its pool: the registry's (home) role stands
             return
-        self.reported[machine_id] = (Role(report.home_role or report.role), Role(report.role))
+        try:
+            home, current = Role(report.home_role or report.role), Role(report.role)
+        except ValueError:  # another version's engine, or a broken one: not the router's to die of
+            log.warning("load report with an unknown pool ignored", engine_id=report.engine_id,
+                        role=report.role, home_role=report.home_role)  # fmt: skip
+            return
+        self.reported[machine_id] = (home, current)
         in_a_row = self._mixed_reports.get(machine_id, 0) + 1 if report.role == Role.MIXED else 0
         self._mixed_reports[machine_id] = in_a_row
 

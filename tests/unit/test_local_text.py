@@ -114,3 +114,45 @@ def test_token_ids_only_callers_get_no_text(
     text, reason, _ = served_text(c, PROMPTS[0], params, hold=True)
     assert (text, reason) == ("", FinishReason.LENGTH)
     assert decoded_on == []
+
+
+def test_a_failing_decode_fails_its_request_alone(
+    tiny_model_path: Path, reference: LLMEngine
+) -> None:
+    # A decode that raises for one request's tokens (a broken tokenizer, a hostile id): that
+    # request fails on the loop; the one beside it and the engine thread go on.
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ids_a, ids_b = (reference.generate([p], params)[0] for p in PROMPTS[:2])
+    poison = next(t for t in ids_a if t not in ids_b)
+
+    def build() -> LLMEngine:
+        engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
+        assert engine.tokenizer is not None
+        decode = engine.tokenizer.decode
+
+        def poisoned_decode(token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            if poison in token_ids:
+                raise ValueError(f"cannot decode {poison}")
+            return decode(token_ids, skip_special_tokens)
+
+        engine.tokenizer.decode = poisoned_decode  # type: ignore[method-assign]
+        return engine
+
+    c = InProcessEngineClient(build=build, num_threads=1)
+
+    async def one(req_id: str, prompt: list[int]) -> str:
+        return "".join([o.new_text async for o in c.generate(req_id, prompt, params)])
+
+    async def both() -> list[str | BaseException]:
+        return await asyncio.gather(one("a", PROMPTS[0]), one("b", PROMPTS[1]),
+                                    return_exceptions=True)  # fmt: skip
+
+    try:
+        failed, text_b = asyncio.run(both())
+        assert isinstance(failed, ValueError) and str(poison) in str(failed)
+        assert text_b == engine_text(reference, PROMPTS[1], params)[0]
+        assert c.alive() and len(c.streams) == 0  # nothing left behind
+        assert asyncio.run(one("c", PROMPTS[1])) == text_b
+        assert not c.engine.requests  # the failed request was aborted: its KV is free
+    finally:
+        c.shutdown()

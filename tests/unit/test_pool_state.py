@@ -136,6 +136,28 @@ def test_a_report_older_than_the_borrowed_work_does_not_send_the_engine_home() -
     assert changes(scheduler) == [("t1", SetRole("token"))]
 
 
+def test_an_engine_that_leaves_and_comes_back_counts_its_mixed_reports_again() -> None:
+    scheduler = router(*full_prompt_pool())
+    scheduler.on_load(report("t1", Role.MIXED, Role.TOKEN))
+    scheduler.set_engines([e for e in ENGINES if e.service_id != "t1"])  # gone (killed)
+    scheduler.set_engines(ENGINES)  # back, with the same id
+    scheduler.on_load(report("t1", Role.MIXED, Role.TOKEN))  # its first since it came back
+    scheduler.rebalance()
+    assert ("t1", SetRole("token")) not in changes(scheduler)  # kept (and its lease renewed)
+    scheduler.on_load(report("t1", Role.MIXED, Role.TOKEN))
+    scheduler.rebalance()
+    assert changes(scheduler) == [("t1", SetRole("token"))]
+
+
+def test_a_report_with_an_unknown_pool_is_ignored_not_fatal() -> None:
+    scheduler = router(*full_prompt_pool())
+    scheduler.on_load(LoadReport("t1", "bogus", 0, 0, 0, 0, 1000, home_role="token"))
+    scheduler.on_load(LoadReport("t0", "mixed", 0, 0, 0, 0, 1000, home_role="nonsense"))
+    assert scheduler.pools() == {"p0": "prompt", "t0": "token", "t1": "token"}
+    scheduler.rebalance()
+    assert changes(scheduler) == []
+
+
 def test_a_lent_engine_with_borrowed_work_has_its_lease_renewed() -> None:
     scheduler = router(*full_prompt_pool())
     scheduler.on_load(report("t1", Role.MIXED, Role.TOKEN, pending=100))
