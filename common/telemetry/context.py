@@ -1,6 +1,6 @@
 """W3C trace context carried inside msgspec messages as one string field.
 
-A message between services holds `traceparent: str = ""` (common/protocol.py), filled by
+A message between services holds `traceparent: str = ""` (common/protocol/), filled by
 `inject_context()` on the sender and turned back into an OpenTelemetry `Context` by
 `extract_context()` on the receiver, so one request is one trace across the router, engines and
 shards.

@@ -1,0 +1,250 @@
+"""Control messages: router and engine commands, the token stream and stats, load reports."""
+
+from __future__ import annotations
+
+import msgspec
+
+from common.protocol.base import SamplingSpec, ShardAddress, TokenLogprobs, _Msg
+
+# -- router -> prompt engine (commands) ------------------------------------------------------------
+
+
+class GenerateRequest(_Msg, tag="generate"):
+    """Prefill this prompt, stream the first token to `reply_to`, hand decode to `token_engine`.
+
+    KV goes to `shards` (split by KV head) or, when there are none, to the token engine's
+    `token_kv_endpoint`. The router picks every destination at admission (Splitwise §IV-A).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    reply_to: str
+    token_engine: str  # the token engine's command endpoint
+    token_kv_endpoint: str  # its local-KV ingress (ZeroMQ: frees)
+    shards: list[ShardAddress] = []
+    traceparent: str = ""
+    # A migrated request (its engines died): the tokens it already streamed. The prompt engine
+    # prefills prompt + these and samples the next one, so the stream continues where it was.
+    output_token_ids: list[int] = []
+    token_kv_address: str = ""  # its KV listener over UCX (empty: KV pages on token_kv_endpoint)
+
+
+class AbortRequest(_Msg, tag="abort"):
+    req_id: str
+
+
+class StatsRequest(_Msg, tag="stats"):
+    pass
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    pass
+
+
+# -- prompt engine -> token engine (commands) ------------------------------------------------------
+
+
+class DecodeHandoff(_Msg, tag="handoff"):
+    """A prefilled request: its tokens so far (prompt + first token) and where its KV went."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingSpec
+    reply_to: str
+    num_kv_layers: int  # layers of KV the token engine must see before decoding locally
+    shards: list[ShardAddress] = []  # empty: the KV went to the token engine itself
+    traceparent: str = ""
+
+
+class LinkShards(_Msg, tag="link_shards"):
+    """The token engine's shard group from now on (empty: local attention until a new one).
+
+    Sent by whoever keeps the group whole (`services.mesh.shard_group`): the engine drops links
+    to shards not in it, links to the new ones, and requests decoding against a lost shard end
+    with a retryable error so the router re-runs them elsewhere.
+    """
+
+    shards: list[ShardAddress]
+
+
+class LinkPeers(_Msg, tag="link_peers"):
+    """The token engine's model peers from now on, by UCX address, in rotation order (Lamina 4.3;
+    services/engine/rotation.py). Idempotent: links to listed peers stay, unlisted ones close,
+    and a listed peer that is not linked (new, or dropped for a fault) is linked again. Sent by
+    whoever keeps the peers (`services.mesh.peer_group`, the local supervisor), also as a
+    periodic reminder, so that a dropped peer that is still alive rejoins."""
+
+    peers: list[str]
+
+
+class SetRole(_Msg, tag="set_role"):
+    """Router -> engine: serve in `role` (its home role, or mixed) from now on. Idempotent.
+
+    Lending an engine to the mixed pool (Splitwise §IV-A) is a lease: the engine goes home by
+    itself `lease_s` after the last `SetRole(mixed)`, so a router that dies mid-borrow strands
+    nothing; the routers that still want it mixed renew. Running requests and their KV stay.
+    """
+
+    role: str
+    lease_s: float = 0.0
+
+
+EngineCommand = (
+    GenerateRequest
+    | DecodeHandoff
+    | AbortRequest
+    | StatsRequest
+    | Shutdown
+    | LinkShards
+    | SetRole
+    | LinkPeers
+)
+
+
+# -- engines -> router (token stream) --------------------------------------------------------------
+
+
+class TokenOutput(_Msg, tag="tokens"):
+    """New tokens of one request; `finish_reason` set on the last message ('' while running).
+
+    NOTE: the first token comes from the prompt engine and the rest from the token engine, on
+    different connections, so they can arrive out of order: `index` (the position of
+    `token_ids[0]` in the output) lets the receiver restore the order (`TokenStreamOrderer`).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    finish_reason: str = ""
+    num_prompt_tokens: int = 0
+    error: str = ""
+    index: int = 0
+    # The error is the service's, not the request's (a shard link broke): the router may re-run
+    # the request elsewhere from its tokens instead of failing it.
+    retryable: bool = False
+    # Requests that ask for them: one per token of `token_ids`, and (with the first token) one
+    # per prompt token after the first. Empty, and not sent, otherwise.
+    logprobs: list[TokenLogprobs] = []
+    prompt_logprobs: list[TokenLogprobs] = []
+
+
+class TokenBatch(_Msg, tag="token_batch"):
+    """One engine step's plain outputs for one router: one token each, as parallel arrays (one
+    message and one decode per step, not one per token per request). Entry `i` means
+    `TokenOutput(req_ids[i], [token_ids[i]], finish_reasons[i], num_prompt_tokens[i],
+    index=indexes[i])`; what else an output may carry (an error, logprobs, several tokens)
+    travels as its own `TokenOutput`. Arrays of different lengths fail decoding: the batch is
+    dropped whole (and logged) by the receiving socket."""
+
+    req_ids: list[str]
+    token_ids: list[int]
+    indexes: list[int]
+    finish_reasons: list[str]
+    num_prompt_tokens: list[int]
+
+    def __post_init__(self) -> None:
+        num = len(self.req_ids)
+        lengths = (len(self.token_ids), len(self.indexes), len(self.finish_reasons),
+                   len(self.num_prompt_tokens))  # fmt: skip
+        if any(n != num for n in lengths):
+            raise ValueError(f"token batch arrays differ in length: {num}, {lengths}")
+
+    def outputs(self) -> list[TokenOutput]:
+        return [
+            TokenOutput(req_id, [token], reason, num_prompt, index=index)
+            for req_id, token, index, reason, num_prompt in zip(
+                self.req_ids, self.token_ids, self.indexes, self.finish_reasons,
+                self.num_prompt_tokens, strict=True,
+            )
+        ]  # fmt: skip
+
+
+class KvEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """When KV of a request moved: `received` (layer_start landed) or `prefilled` (its last
+    layer was computed). Services keep the most recent ones, for tests and benchmarks."""
+
+    what: str
+    req_id: str
+    layer_start: int
+    time: float  # time.monotonic(), comparable across processes of one host
+    # `received`: when the sender handed these pages to the transport (`KvPages.sent_at`), so
+    # the overlap of a transfer with its prefill is seen apart from when the receiver ran.
+    sent_at: float = 0.0
+
+
+class DecodeBreakdown(msgspec.Struct, array_like=True, gc=False):
+    """A token engine's sharded decode steps since start, in seconds summed over steps (Lamina
+    Fig. 12): the steps, the engine blocked on shard replies (idle; the rest is model time), and
+    per layer the slowest shard's attention and the rest of its round trip (network)."""
+
+    num_steps: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    attend_s: float = 0.0
+    network_s: float = 0.0
+
+
+class EngineStats(_Msg, tag="engine_stats"):
+    """Reply to StatsRequest: what a service holds right now (tests use it to prove no leaks)."""
+
+    service_id: str
+    role: str
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_requests: int
+    kv_events: list[KvEvent] = []
+    # Prompt tokens prefilled here, and those found in the prefix cache instead (since start).
+    num_prefill_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    home_role: str = ""  # an engine's configured pool; `role` is the one it serves in now
+    num_loans: int = 0  # times it was lent to the mixed pool (since start)
+    decode_breakdown: DecodeBreakdown | None = None  # token engines with a shard group
+    # A token engine's decode steps, and those run as two sub-batches (Neo §3.1), since start.
+    num_decode_steps: int = 0
+    num_two_batch_steps: int = 0
+    # Its recent decode steps' [predicted s, measured s, kind], when its tier policy predicts step
+    # times (Neo); kind 0.0: local rows only, 1.0: one batch with shard rows, 2.0: two sub-batches.
+    step_times_s: list[list[float]] = []
+    # Decode lanes' layer slices its model peers ran, and peers it lost, since start (Lamina 4.3).
+    num_peer_slices: int = 0
+    num_peers_lost: int = 0
+    # Peer links made since start, the first ones included: more than its peers means re-links
+    # (a peer back after a loss, or a replacement: `LinkPeers`).
+    num_peers_joined: int = 0
+    # Times a token engine's shard group changed since start: its link to a shard failed, or
+    # its keeper sent a `LinkShards` (a shard lost, its replacement claimed).
+    num_group_relinks: int = 0
+
+
+ServiceReply = TokenOutput | TokenBatch | EngineStats
+
+
+# -- engines -> routers (load reports, PUB/SUB) ----------------------------------------------------
+
+
+class LoadReport(_Msg, tag="load"):
+    """What JSQ needs (Splitwise §IV-A): pending prompt tokens, decode tokens, free KV blocks."""
+
+    engine_id: str
+    role: str  # the pool it serves in now: every router's pool view is these reports
+    pending_prompt_tokens: int
+    running_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    free_kv_blocks: int
+    time: float = 0.0
+    # A token engine's linked shard group (KV endpoints): it knows of a lost shard before the
+    # registry does, and the router places on it with local attention until it is whole again.
+    shard_endpoints: list[str] = []
+    # Its prefix cache's news since the last report (`common.kv_events.CacheDigest`): block hashes
+    # stored and evicted, or all it holds when `kv_snapshot`; `kv_seq` numbers the digests so a
+    # router notices one lost on the way (PUB/SUB drops under load) and waits for a snapshot.
+    kv_seq: int = 0
+    kv_snapshot: bool = False
+    kv_added: list[int] = []
+    kv_removed: list[int] = []
+    home_role: str = ""  # its configured pool, where it returns from mixed; empty: `role`
+    # With request-level shard partitioning: the KV tokens each shard of `shard_endpoints` holds
+    # for it (whole-length reservations), which the router balances new requests by.
+    shard_kv_tokens: list[int] = []
