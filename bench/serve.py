@@ -1,14 +1,18 @@
 """The served path against the in-process engine, in one run: what the front end costs.
 
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
-                          [--paths inprocess client local mesh ceiling] [--stream-interval 8]
-                          [--ingress direct proxy] [--ceiling-speedup 1 4]
+                          [--paths inprocess neighbor client local mesh ceiling]
+                          [--stream-interval 8] [--ingress direct proxy] [--ceiling-speedup 1 4]
+                          [--neighbor-cores 0.1 0.2 0.3 0.5 0.7]
                           [--worker-niceness 0] [--modes stream plain]
                           [--mesh-args '{"token_engine_threads": 1}']
 
 For each batch size, `batch` requests are sent together (greedy, `ignore_eos`, `--tokens` new
 tokens each, the same prompts on every path) to:
 - `inprocess`: one `LLMEngine` in this process (`bench/engine.py`'s engine, no front end);
+- `neighbor`: the in-process engine again, beside `--neighbor-cores` cores of synthetic load
+  each (`bench/cpu_load.py`: processes burning CPU in 300 us bursts), as
+  `inprocess_beside_<cores>`: what others' CPU alone costs an engine on this machine;
 - `client`: the Router's `InProcessEngineClient` in this process (engine on its own thread,
   outputs to this event loop; no HTTP, no Ray): the front end's threading alone, beside the
   served paths that add uvicorn, the Router and Ray's runtime on the same cores;
@@ -38,10 +42,15 @@ token that reached the router together) p50/p90, and the Router replica process'
 user+system time before and after each batch, less the threads of a local engine: the engine's is
 `engine_cpu_ms_per_token`, with `engine_preemptions_per_s`: how often its threads were preempted)
 per streamed token and per request (and its CPU with no request in flight, per second, which those
-include), Serve's HTTP proxy's CPU per token, and the chunks each request got. The in-process engine
-reports the same two (`inprocess.<batch>`), and `local_<ingress>[_plain]_engine_cpu_over_inprocess`
-is the served engine's CPU per token over it. Ratios are served / in-process tok/s of the same run:
-the in-process engine runs before the served paths and again after them, and `ratio` is against the
+include), what everything but the engine's threads took meanwhile, in cores (`others_cores`: the
+client, Ray, the Router's own threads, its front end included) and, with the `neighbor` path,
+`ratio_bound`: the in-process engine's ratio beside that much synthetic load (interpolated), what
+the served engine would reach if the others' CPU were all it cost (what is left below it: the
+replica's own process, its GIL and caches, beside the engine), Serve's HTTP proxy's CPU per
+token, and the chunks each request got. The in-process engine reports the same two
+(`inprocess.<batch>`), and `local_<ingress>[_plain]_engine_cpu_over_inprocess` is the served
+engine's CPU per token over it. Ratios are served / in-process tok/s of the same run: the
+in-process engine runs before the served paths and again after them, and `ratio` is against the
 better of the two (`inprocess_tok_s_best`; the ceiling is paced by the first). Ray starts its
 workers (replicas, proxy) at nice 15: on a shared machine every other process, this bench's own
 clients and in-process engine included, would preempt the served path, so `--worker-niceness`
@@ -55,6 +64,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -70,7 +80,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
 
-from bench.host_cpu import process_cpu_s, process_tree, stop_survivors  # noqa: E402
+from bench.cpu_load import BurstLoad  # noqa: E402
+from bench.host_cpu import box_busy_s, process_cpu_s, process_tree, stop_survivors  # noqa: E402
 from bench.serve_clients import (  # noqa: E402
     prompts_for,
     ray_pid,
@@ -78,9 +89,11 @@ from bench.serve_clients import (  # noqa: E402
     threads_cpu_and_preemptions,
 )
 from bench.serve_report import (  # noqa: E402
+    BESIDE,
     TARGETS,
     engine_efficiency,
     judge,
+    neighbor_bounds,
     rate_ratios,
     record,
 )
@@ -92,6 +105,8 @@ from services.app_args import MeshArgs  # noqa: E402
 from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
 REPEATS = 3
+PATHS = ["inprocess", "neighbor", "client", "local", "mesh", "ceiling"]
+NEIGHBOR_CORES = [0.1, 0.2, 0.3, 0.5, 0.7]  # the others took 0.2 (plain) to 0.7 (streamed) here
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
 PROXY_TITLE = "ProxyActor"
 IDLE_S = 3.0  # how long the Router's CPU is sampled with no request in flight
@@ -100,14 +115,24 @@ ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2
                "max_num_seqs": 64}  # fmt: skip
 
 
-def in_process(preset: str, batches: list[int], tokens: int) -> dict[int, dict[str, float]]:
+def in_process(
+    preset: str, batches: list[int], tokens: int, load_cores: float | None = None
+) -> dict[int, dict[str, float]]:
     """One `LLMEngine` generating each batch (token ids only: no front end), the best of
     `REPEATS` runs: its tok/s, the CPU its threads took per token, and how often they were
-    preempted per second (what `local` reports for its engine threads, to compare)."""
+    preempted per second (what `local` reports for its engine threads, to compare). With
+    `load_cores`, beside a `BurstLoad` of that many cores (the `neighbor` path)."""
     engine = LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS)  # type: ignore[arg-type]
     vocab = model_vocab(preset)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     engine.generate(prompts_for(2, vocab, seed=99), params)  # warm-up
+    with BurstLoad(load_cores) if load_cores else contextlib.nullcontext():
+        return _batches(engine, vocab, params, batches, tokens)
+
+
+def _batches(
+    engine: LLMEngine, vocab: int, params: SamplingParams, batches: list[int], tokens: int
+) -> dict[int, dict[str, float]]:
     result = {}
     for batch in batches:
         runs = []
@@ -199,7 +224,9 @@ def served(
                 engine_before, preempted_before = threads_cpu_and_preemptions(pid, ENGINE_THREAD)
                 proxy_before = process_cpu_s(proxy) if proxy else 0.0
                 prompts = prompts_for(batch, vocab)
+                box_before, started = box_busy_s(), time.perf_counter()
                 figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode))
+                box, wall = box_busy_s() - box_before, time.perf_counter() - started
                 engine, preempted = threads_cpu_and_preemptions(pid, ENGINE_THREAD)
                 engine, preempted = engine - engine_before, preempted - preempted_before
                 # The router's own; /proc counts in clock ticks (10 ms), per thread and per
@@ -212,8 +239,10 @@ def served(
                     figures["proxy_cpu_ms_per_token"] = 1e3 * proxy_cpu / (batch * tokens)
                 if engine:  # `topology: local`: the engine's threads, told apart by their name
                     figures["engine_cpu_ms_per_token"] = 1e3 * engine / (batch * tokens)
-                    wall = batch * tokens / figures["tok_s"]
                     figures["engine_preemptions_per_s"] = preempted / wall
+                    # Everything else the machine ran meanwhile (the client, Ray, the Router's
+                    # other threads), in cores: the `neighbor` path's load to compare with.
+                    figures["others_cores"] = max(0.0, box - engine) / wall
                 figures["router_idle_cpu_ms_per_s"] = idle_ms_per_s
                 result.setdefault(mode, {})[batch] = figures
             return result
@@ -264,8 +293,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 64 tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--paths", nargs="+",
-                        default=["inprocess", "client", "local", "mesh", "ceiling"])  # fmt: skip
+    parser.add_argument("--paths", nargs="+", default=PATHS)
     parser.add_argument(
         "--ceiling-speedup",
         type=float,
@@ -287,6 +315,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=["stream", "plain"],
                         choices=["stream", "plain"],
                         help="streamed requests, and/or plain (non-streaming) ones")  # fmt: skip
+    parser.add_argument("--neighbor-cores", type=float, nargs="+", default=NEIGHBOR_CORES,
+                        help="the neighbor path: the in-process engine beside this many cores "
+                             "of synthetic load (bench/cpu_load.py), each")  # fmt: skip
     parser.add_argument("--mesh-args", type=json.loads, default={},
                         help="JSON: deploy/local.yaml's mesh args to change")  # fmt: skip
     args = parser.parse_args()
@@ -323,6 +354,16 @@ def main() -> None:
     engine = in_process(args.preset, batches, tokens) if "inprocess" in args.paths else {}
     results["inprocess"] = engine
     engine_tok_s = results["inprocess_tok_s"] = {b: f["tok_s"] for b, f in engine.items()}
+    if "neighbor" in args.paths and engine_tok_s:
+        for cores in args.neighbor_cores:
+            beside = in_process(args.preset, batches, tokens, load_cores=cores)
+            for batch, figures in beside.items():
+                figures["ratio"] = figures["tok_s"] / engine_tok_s[batch]
+            results[f"{BESIDE}{cores:g}"] = beside
+            print(
+                f"  in-process beside {cores:g} cores of load: "
+                + ", ".join(f"batch {b} ratio {f['ratio']:.3g}" for b, f in beside.items())
+            )
     if "client" in args.paths:
         # In a fresh process, as in a replica: this one's main thread has run the in-process
         # engine, and a second OpenMP team would slow the client's engine thread (its class's
@@ -341,6 +382,7 @@ def main() -> None:
         best = {b: max(r, results["inprocess_tok_s_end"][b]) for b, r in engine_tok_s.items()}
         results["inprocess_tok_s_best"] = best
         rate_ratios(results, best)
+        neighbor_bounds(results)
         print(f"  inprocess tok/s: start {engine_tok_s}, end {results['inprocess_tok_s_end']}")
     results["load_avg_end"] = os.getloadavg()
     results.update(engine_efficiency(results))

@@ -48,6 +48,40 @@ def rate_ratios(results: dict[str, Any], engine_tok_s: dict[int, float]) -> None
                     f["ratio"] = f["tok_s"] / engine_tok_s[batch]
 
 
+BESIDE = "inprocess_beside_"  # + cores: the `neighbor` path's figures (bench/cpu_load.py)
+
+
+def neighbor_bounds(results: dict[str, Any]) -> None:
+    """`ratio_bound` of each `local` figure: the in-process engine's ratio beside a synthetic load
+    of as many cores as that run's `others_cores` (all but the engine's threads: the client, Ray,
+    the Router's front end), interpolated linearly over the `neighbor` path's loads (no load:
+    1.0), extrapolated past the last from the last two: the served ratio if the others' CPU were
+    all the served path cost its engine."""
+    loads = sorted((float(name[len(BESIDE):]), figures) for name, figures in results.items()
+                   if name.startswith(BESIDE))  # fmt: skip
+    if not loads:
+        return
+    for name, figures in results.items():
+        if not name.startswith("local_") or not isinstance(figures, dict):
+            continue
+        for batch, f in figures.items():
+            if not isinstance(f, dict) or "others_cores" not in f:
+                continue
+            points = [(0.0, 1.0)] + [(c, by_batch[batch]["ratio"]) for c, by_batch in loads
+                                     if batch in by_batch]  # fmt: skip
+            if len(points) > 1:
+                f["ratio_bound"] = interpolate(points, f["others_cores"])
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """y at x on the polyline through `points` (sorted by x, two or more), extended past the
+    last segment's end along it."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1 or (x1, y1) == points[-1]:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1
+    return points[-1][1]
+
+
 def engine_efficiency(results: dict[str, Any]) -> dict[str, dict[int, float]]:
     """`local_<ingress>[_plain]_engine_cpu_over_inprocess`: CPU per token of the served engine's
     threads over the in-process engine's, per batch (1.0: the replica costs the engine nothing;
