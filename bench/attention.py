@@ -49,7 +49,11 @@ BLOCK_SIZE = 16  # the engine's default (`--block-size` to measure others)
 # NOTE: huge pages were tried for the paged caches, whose scattered 4-8 KiB tiles each cost a TLB
 # miss: an mmap'd, MADV_HUGEPAGE'd copy (THP is `madvise` here) got no huge page on these VMs
 # (AnonHugePages stayed 0 kB after writing it) and read as fast as the plain one (2 threads, GQA
-# b1 x 32768 bf16: 0.772 against 0.768 of the read probe).
+# b1 x 32768 bf16: 0.772 against 0.768 of the read probe). On a later VM huge pages were granted
+# (THP_MEM_ALLOC_ENABLE=1: torch's CPU allocator madvises them, AnonHugePages grew by every
+# buffer) and changed nothing (2 alternations each: kernel 15.6-23.6 GB/s at 1 thread against
+# 18.1-21.9 without, min kernel / read probe at 2 threads 0.74 / 0.62 against 0.75 / 0.79): the
+# scattered tiles' page walks are not what holds the kernel.
 MIN_PROBE_BYTES = 256 << 20
 TARGETS = {"kernel_over_mem_2t": 0.70, "over_torch_gqa": 2.0, "over_torch_mha": 1.5}
 TARGETS["paged_over_contig"] = 0.85
