@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from common.protocol.base import SamplingSpec, ShardAddress, TokenLogprobs, _Msg
@@ -223,16 +225,22 @@ ServiceReply = TokenOutput | TokenBatch | EngineStats
 # -- engines -> routers (load reports, PUB/SUB) ----------------------------------------------------
 
 
+# A count or a size in a report: a negative one fails decoding, so the receiving socket drops the
+# report (logged) instead of JSQ sending every request to an engine that says it holds less than
+# nothing.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class LoadReport(_Msg, tag="load"):
     """What JSQ needs (Splitwise §IV-A): pending prompt tokens, decode tokens, free KV blocks."""
 
     engine_id: str
     role: str  # the pool it serves in now: every router's pool view is these reports
-    pending_prompt_tokens: int
-    running_decode_tokens: int
-    num_running: int
-    num_waiting: int
-    free_kv_blocks: int
+    pending_prompt_tokens: Count
+    running_decode_tokens: Count
+    num_running: Count
+    num_waiting: Count
+    free_kv_blocks: Count
     time: float = 0.0
     # A token engine's linked shard group (KV endpoints): it knows of a lost shard before the
     # registry does, and the router places on it with local attention until it is whole again.
@@ -247,4 +255,9 @@ class LoadReport(_Msg, tag="load"):
     home_role: str = ""  # its configured pool, where it returns from mixed; empty: `role`
     # With request-level shard partitioning: the KV tokens each shard of `shard_endpoints` holds
     # for it (whole-length reservations), which the router balances new requests by.
-    shard_kv_tokens: list[int] = []
+    shard_kv_tokens: list[Count] = []
+    # The requests it holds to prefill and hand off: their tokens (prompt + output so far), by
+    # the command endpoint of the token engine each goes to. They are that engine's decode load
+    # before its own reports can count them (until the hand-off lands), so a router adds them to
+    # its reports instead of forgetting its placements at that engine's next report.
+    handoff_tokens: dict[str, Count] = {}

@@ -17,7 +17,7 @@ from common.protocol import EngineStats, KvEvent, LoadReport, ShardAddress
 from common.scheduling.batching import EngineScheduler
 from common.scheduling.role_lease import RoleLease
 from services.engine.admission import DecodeAdmission
-from services.engine.routing import EngineRole, kv_endpoints, shard_kv_tokens
+from services.engine.routing import EngineRole, RequestRoute, kv_endpoints, shard_kv_tokens
 from services.engine.runner import MeshModelRunner
 
 
@@ -35,6 +35,7 @@ class EngineReports:
     runner: MeshModelRunner
     shards: tuple[ShardAddress, ...]
     requests: dict[str, Request]
+    routing: dict[str, RequestRoute]
     kv_events: deque[KvEvent]
     num_prefill_tokens: int
     num_decode_steps: int
@@ -86,7 +87,17 @@ class EngineReports:
             time=now,
             shard_endpoints=kv_endpoints(self.shards),
             shard_kv_tokens=shard_kv_tokens(self.shards, self.admission.reserved_tokens()),
+            handoff_tokens=self._handoff_tokens(),
         )
+
+    def _handoff_tokens(self) -> dict[str, int]:
+        """The tokens of the prompts it will hand off, by the token engine each goes to."""
+        bound: dict[str, int] = {}
+        for req_id, seq in self.ship_queue.seqs.items():
+            route = self.routing.get(req_id)
+            if route is not None and route.token_engine:
+                bound[route.token_engine] = bound.get(route.token_engine, 0) + seq.num_tokens
+        return bound
 
 
 __all__ = ["EngineReports"]

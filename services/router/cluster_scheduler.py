@@ -12,7 +12,12 @@ before each decision, a borrow or return becomes a `SetRole` the router sends
 
 Load reports arrive every 50 ms per engine; between two reports the router adds what it just
 placed to its copy of the chosen engines' load, so a burst of admissions does not all land on the
-engine that looked shortest in the last report.
+engine that looked shortest in the last report. A request's decode load belongs to its token
+engine long before that engine can report it: while the prompt engine prefills it, the prompt
+engine reports it (`LoadReport.handoff_tokens`, by token engine), and a token engine's load is
+its own report plus what every prompt engine holds for it. So the router's placement lasts until
+the prompt engine's next report, not the token engine's: a token engine's report, made before the
+hand-offs it is about to get, no longer erases them and sends the next requests to it as well.
 
 KV-aware routing (docs/prefix_caching.md): each report also carries the engine's prefix-cache
 news (`common.kv_events`), replayed into one `CachedBlocks` per engine. With a positive
@@ -67,7 +72,11 @@ class ClusterScheduler:
         self._machine_ids: dict[str, int] = {}  # service id -> machine id, stable for its life
         self._next_id = itertools.count()
         self._engines: dict[int, ServiceEntry] = {}
-        self._loads: dict[int, MachineLoad] = {}
+        self._loads: dict[int, MachineLoad] = {}  # each engine's own report (+ placements since)
+        # Decode tokens each prompt engine holds for each token engine (its report, + placements
+        # since): a token engine's load before its hand-offs land.
+        self._handoffs: dict[int, dict[int, int]] = {}
+        self._by_endpoint: dict[str, int] = {}  # command endpoint -> machine id
         self._policy: JSQPoolPolicy | None = None
         self._req_ids = itertools.count()
         self._linked: dict[int, list[str]] = {}  # each token engine's group, as it last reported
@@ -85,6 +94,9 @@ class ClusterScheduler:
             changed = engines.keys() != self._engines.keys()
             self._engines = engines
             self._loads = {m: self._loads.get(m, MachineLoad(m)) for m in engines}
+            self._by_endpoint = {e.command_endpoint: m for m, e in engines.items()}
+            self._handoffs = {p: {t: n for t, n in held.items() if t in engines}
+                              for p, held in self._handoffs.items() if p in engines}  # fmt: skip
             self._cached = {m: self._cached.get(m) or CachedBlocks() for m in engines}
             self._pools.forget_all_but(engines)
             if changed:
@@ -107,6 +119,11 @@ class ClusterScheduler:
                 decode_tokens=report.running_decode_tokens,
                 free_kv_tokens=report.free_kv_blocks * self.block_size,
             )
+            self._handoffs[machine_id] = {
+                self._by_endpoint[endpoint]: tokens
+                for endpoint, tokens in report.handoff_tokens.items()
+                if endpoint in self._by_endpoint  # a token engine gone meanwhile: nothing lands
+            }
             self._linked[machine_id] = report.shard_endpoints
             if report.shard_kv_tokens:
                 self._shard_loads.on_report(report.shard_endpoints, report.shard_kv_tokens)
@@ -134,7 +151,7 @@ class ClusterScheduler:
             request = RouteRequest(next(self._req_ids), prompt_len, cached)
             now = time.monotonic()
             self._rebalance(self._policy, now)
-            decision = self._policy.route(request, self._loads, now)
+            decision = self._policy.route(request, self._with_handoffs(), now)
             self._pools.ask(decision.moves, now)
             prompt_id, token_id = decision.prompt_machine_id, decision.token_machine_id
             self._account(prompt_id, token_id, prompt_len, request.cached_on(prompt_id))
@@ -177,7 +194,7 @@ class ClusterScheduler:
 
     def _rebalance(self, policy: JSQPoolPolicy, now: float) -> None:
         self._pools.sync(policy.pools, now)
-        moves = policy.rebalance(self._loads, now)
+        moves = policy.rebalance(self._with_handoffs(), now)
         # A return home judged on a report that may predate the borrowed work is not sent; the
         # table goes back to the engines' word (the policy applied every move it returned).
         sent = [m for m in moves if m.repurposed or self._pools.releasable(m.machine_id)]
@@ -200,16 +217,34 @@ class ClusterScheduler:
     def loads(self) -> dict[str, MachineLoad]:
         """The current estimate per engine service id (for stats and tests)."""
         with self._lock:
-            return {e.service_id: self._loads[m] for m, e in self._engines.items()}
+            loads = self._with_handoffs()
+            return {e.service_id: loads[m] for m, e in self._engines.items()}
+
+    def _with_handoffs(self) -> dict[int, MachineLoad]:
+        """Each engine's load with the decode tokens prompt engines hold for it added."""
+        coming: dict[int, int] = {}
+        for held in self._handoffs.values():
+            for token_id, tokens in held.items():
+                coming[token_id] = coming.get(token_id, 0) + tokens
+        if not coming:
+            return self._loads
+        return {m: replace(load, decode_tokens=load.decode_tokens + coming[m]) if m in coming
+                else load for m, load in self._loads.items()}  # fmt: skip
 
     def _account(self, prompt_id: int, token_id: int, prompt_len: int, cached: int) -> None:
-        # Until the next report: the prompt (less its cached prefix) is pending on one, its KV
-        # will decode on the other.
+        # Until the prompt engine's next report: the prompt (less its cached prefix) is pending
+        # there, and will decode on the token engine: held for it (`_handoffs`) if the prompt
+        # engine hands it off, on the engine itself if it decodes it there (a mixed engine
+        # without shards: it reports the request as its own, pending, then running).
         p = self._loads[prompt_id]
         pending = p.pending_prompt_tokens + prompt_len - cached
         self._loads[prompt_id] = replace(p, pending_prompt_tokens=pending)
-        t = self._loads[token_id]
-        self._loads[token_id] = replace(t, decode_tokens=t.decode_tokens + prompt_len)
+        if prompt_id == token_id and not self._engines[token_id].shards:
+            t = self._loads[token_id]
+            self._loads[token_id] = replace(t, decode_tokens=t.decode_tokens + prompt_len)
+            return
+        held = self._handoffs.setdefault(prompt_id, {})
+        held[token_id] = held.get(token_id, 0) + prompt_len
 
     def _linked_group(self, machine_id: int) -> ServiceEntry:
         """The token engine's entry with the shard group it has linked: its registry entry lags

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
 import pytest
+import zmq
 
 from common.protocol import LoadReport, ShardAddress
 from common.roles import Role
+from common.transport.zmq_sockets import TypedSocket
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler, NoEngines
 
@@ -128,3 +131,77 @@ def test_a_token_engine_that_reports_a_broken_group_decodes_locally() -> None:
 def shard(service_id: str) -> ServiceEntry:
     return ServiceEntry(role=Role.SHARD, service_id=service_id, state="ready",
                         kv_endpoint=f"tcp://{service_id}")  # fmt: skip
+
+
+def handoffs(engine_id: str, **held: int) -> LoadReport:
+    """A prompt engine's report holding `held` decode tokens for token engines (by service id)."""
+    return msgspec.structs.replace(
+        report(engine_id), handoff_tokens={f"tcp://{t}": n for t, n in held.items()}
+    )
+
+
+def test_a_token_engines_report_made_before_its_hand_offs_does_not_erase_them() -> None:
+    p = scheduler(PROMPTS[0], *TOKENS)
+    first = chosen(p, prompt_len=100)[1]
+    # The first request is still prefilling: the token engine's next report does not hold it.
+    p.on_load(report(first, decode=0))
+    assert chosen(p, prompt_len=100)[1] != first  # it still counts where it will decode
+    assert p.loads()[first].decode_tokens == 100
+
+
+def test_prompt_engines_say_what_they_hold_for_each_token_engine() -> None:
+    p = scheduler(*PROMPTS, *TOKENS)
+    p.on_load(report("t0", decode=300))
+    p.on_load(report("t1", decode=100))
+    p.on_load(handoffs("p0", t1=250))  # t1's next 250 tokens are prefilling on p0
+    p.on_load(handoffs("p1", t1=50, nowhere=10_000))  # an endpoint no engine has: nothing lands
+    assert p.loads()["t1"].decode_tokens == 400 and p.loads()["t0"].decode_tokens == 300
+    assert chosen(p)[1] == "t0"
+    # Handed off: p0 holds nothing now, and t1 reports the request as its own (no double count).
+    p.on_load(handoffs("p0"))
+    p.on_load(report("t1", decode=350))
+    assert p.loads()["t1"].decode_tokens == 400
+
+
+def test_what_a_gone_prompt_engine_held_leaves_with_it() -> None:
+    p = scheduler(*PROMPTS, *TOKENS)
+    p.on_load(handoffs("p0", t0=1000))
+    assert chosen(p)[1] == "t1"
+    p.set_engines([PROMPTS[1], *TOKENS])  # p0 died: its prompts will be re-run elsewhere
+    assert p.loads()["t0"].decode_tokens == 0
+
+
+def test_a_mixed_engine_decoding_its_own_prompt_counts_it_as_its_own() -> None:
+    p = scheduler(engine("m0", "mixed"))
+    assert chosen(p, prompt_len=64) == ("m0", "m0")
+    assert p.loads()["m0"].decode_tokens == 64
+    p.on_load(report("m0", pending=64))  # its own report: pending now, decoding later
+    assert p.loads()["m0"].decode_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        {"pending_prompt_tokens": -1},
+        {"running_decode_tokens": -10_000},
+        {"free_kv_blocks": -1},
+        {"handoff_tokens": {"tcp://t0": -50}},
+    ],
+)
+def test_a_report_with_a_negative_count_is_dropped_by_the_socket(wrong: dict) -> None:
+    """An engine saying it holds less than nothing would win every JSQ choice: such a report
+    fails decoding, and the router's socket drops it (logged) and takes the next one."""
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://reports")
+    push.connect("inproc://reports")
+    reports: TypedSocket[LoadReport] = TypedSocket(pull, LoadReport)
+    try:
+        push.send(msgspec.msgpack.encode(msgspec.structs.replace(report("t0"), **wrong)))
+        push.send(msgspec.msgpack.encode(report("t1", decode=7)))
+        got = reports.recv(timeout_s=5.0)
+        assert got is not None and got[1].engine_id == "t1" and got[1].running_decode_tokens == 7
+    finally:
+        push.close(0)
+        reports.close()
+        ctx.term()

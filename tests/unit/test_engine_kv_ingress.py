@@ -122,3 +122,44 @@ def test_a_lost_router_ends_only_its_own_requests(tiny_model_path: Path) -> None
     pair.run()
     assert [t for o in pair.outputs["theirs"] for t in o.token_ids] == expected
     assert pair.token.blocks.num_used_blocks == 0 and not pair.token.requests
+
+
+def test_a_requests_decode_load_is_reported_by_one_engine_or_the_other(
+    tiny_model_path: Path,
+) -> None:
+    """From its arrival at the prompt engine to its end, a request's decode tokens are in the
+    prompt engine's `handoff_tokens` (for its token engine) or in the token engine's own
+    `running_decode_tokens`: a router that adds the first to the second never loses it between
+    the two engines' reports (services/router/cluster_scheduler.py)."""
+    (prompt,) = random_prompts([40], vocab=2048, seed=6)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    pair = InProcessPair(tiny_model_path)
+
+    def reported() -> tuple[int, int]:
+        now = time.time()
+        held = pair.prompt.load_report(now).handoff_tokens
+        assert set(held) <= {"t-cmd"}  # keyed by the token engine's command endpoint
+        return held.get("t-cmd", 0), pair.token.load_report(now).running_decode_tokens
+
+    def finished() -> bool:
+        return bool(pair.outputs["r"]) and bool(pair.outputs["r"][-1].finish_reason)
+
+    pair.submit("r", prompt, greedy)
+    assert reported() == (len(prompt), 0)
+    seen = []
+    for _ in range(100):
+        if finished():
+            break
+        if pair.prompt.has_work():
+            pair.deliver(pair.prompt.step())
+        while pair.kv:
+            pair.deliver(pair.token.on_kv(*pair.kv.pop(0)))
+        held, running = reported()
+        seen.append((held, running))
+        if not finished():
+            assert held + running >= len(prompt), seen
+        if pair.token.has_work():
+            pair.deliver(pair.token.step())
+    assert pair.outputs["r"][-1].finish_reason == "length"
+    assert any(running and not held for held, running in seen)  # it did move to the token engine
+    assert reported() == (0, 0)
