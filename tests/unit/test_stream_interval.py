@@ -150,17 +150,43 @@ def test_in_process_client_holds_a_plain_requests_tokens_to_its_end(tiny_model_p
     assert len(outputs) <= 2 and len(outputs[-1]) >= 9  # two wake-ups: the first token, the rest
 
 
+class FirstTokenGate:
+    """The engine, whose second step waits until the reader has the first token: the first
+    output is then that token alone however late the event loop runs (a loop slower than the
+    engine thread would otherwise get the first tokens together, which is right, but not what
+    this test can tell from holding the first token back)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.first_read = threading.Event()
+        self.steps = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+    def step(self) -> list[RequestOutput]:
+        if self.steps == 1:
+            assert self.first_read.wait(30), "the first token never reached the reader"
+        self.steps += 1
+        return self.engine.step()
+
+
 def test_in_process_client_streams_the_engines_tokens_in_intervals(
     tiny_model_path: Path,
 ) -> None:
     engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     expected = engine.generate([[5, 6, 7]], params)  # before the client's thread owns it
-    client = InProcessEngineClient(engine, num_threads=1)
+    gate = FirstTokenGate(engine)
+    client = InProcessEngineClient(gate, num_threads=1)  # type: ignore[arg-type]
     client.streams.interval = StreamInterval(tokens=4)
 
     async def run() -> list[list[int]]:
-        return [o.new_token_ids async for o in client.generate("r", [5, 6, 7], params)]
+        outputs = []
+        async for o in client.generate("r", [5, 6, 7], params):
+            outputs.append(o.new_token_ids)
+            gate.first_read.set()
+        return outputs
 
     try:
         outputs = asyncio.run(run())
