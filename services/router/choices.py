@@ -93,6 +93,12 @@ def best(collected: list[Collected], n: int) -> list[Collected]:
 
 async def merge(choices: list[Outputs]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(choice index, output) as each choice's outputs arrive; a failing choice raises here."""
+    if len(choices) == 1:  # n = 1, nearly every request: its outputs as they come, no task and
+        # no queue hop per output (each a wake-up of the loop, per streamed chunk)
+        async with aclosing(choices[0]) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, outputs: Outputs) -> None:

@@ -175,12 +175,14 @@ def test_every_choice_counts_for_admission(tiny_model_path: Path) -> None:
         router.client.shutdown()  # type: ignore[attr-defined]
 
 
-def test_closing_the_merged_stream_aborts_every_choice(router: Router) -> None:
+@pytest.mark.parametrize("n", [1, 3])  # one choice is read without a task or queue (merge)
+def test_closing_the_merged_stream_aborts_every_choice(router: Router, n: int) -> None:
     async def scenario() -> None:
         params = SamplingParams(max_tokens=500, ignore_eos=True)
-        choices = [router.client.generate(f"merged-{i}", [4, 5, 6], params) for i in range(3)]
+        choices = [router.client.generate(f"merged-{n}-{i}", [4, 5, 6], params) for i in range(n)]
         merged = merge(choices)
-        await anext(merged)
+        index, first = await anext(merged)
+        assert 0 <= index < n and first.new_token_ids and not first.finished
         await merged.aclose()
 
     asyncio.run(scenario())
