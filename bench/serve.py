@@ -46,7 +46,8 @@ include), what everything but the engine's threads took meanwhile, in cores (`ot
 client, Ray, the Router's own threads, its front end included) and, with the `neighbor` path,
 `ratio_bound`: the in-process engine's ratio beside that much synthetic load (interpolated), what
 the served engine would reach if the others' CPU were all it cost (what is left below it: the
-replica's own process, its GIL and caches, beside the engine), Serve's HTTP proxy's CPU per
+replica's own process, its GIL and caches, beside the engine; `bound_local_ratio_reachable[_plain]`
+says per batch whether that bound passes the local target at all), Serve's HTTP proxy's CPU per
 token, and the chunks each request got. The in-process engine reports the same two
 (`inprocess.<batch>`), and `local_<ingress>[_plain]_engine_cpu_over_inprocess` is the served
 engine's CPU per token over it. Ratios are served / in-process tok/s of the same run: the

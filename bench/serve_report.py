@@ -99,12 +99,24 @@ def engine_efficiency(results: dict[str, Any]) -> dict[str, dict[int, float]]:
     return {k: v for k, v in out.items() if v}
 
 
+def bound_reachable(results: dict[str, Any], suffix: str = "") -> dict[str, bool]:
+    """Whether the served engine's `ratio_bound` (what the others' CPU alone leaves it) passes
+    the local target: False says no front end could meet it on this machine in that run."""
+    figures = results.get("local_direct" + suffix, {})
+    return {f"batch{b}": f["ratio_bound"] >= TARGETS[f"local_ratio_batch{b}_min"]
+            for b, f in figures.items() if b in (8, 32) and "ratio_bound" in f}  # fmt: skip
+
+
 def judge(results: dict[str, Any], args: argparse.Namespace) -> None:
-    """The ceiling's reach and every `targets_met*` map, added to `results`."""
+    """The ceiling's and the neighbour bound's reach and every `targets_met*` map, added to
+    `results`."""
     if 1 in args.ceiling_speedup:
         for suffix in ("", "_plain"):
             if "ceiling_direct" + suffix in results:
                 results["ceiling_local_ratio_reachable" + suffix] = reachable(results, suffix)
+    for suffix in ("", "_plain"):
+        if reach := bound_reachable(results, suffix):
+            results["bound_local_ratio_reachable" + suffix] = reach
     for ingress in args.ingress:  # direct: what users run; the proxy's for comparison
         name = "targets_met" + ("" if ingress == "direct" else f"_{ingress}")
         results[name] = targets_met(results, args.preset, f"_{ingress}")

@@ -11,7 +11,7 @@ import pytest
 
 from bench.cpu_load import BurstLoad
 from bench.host_cpu import process_cpu_s
-from bench.serve_report import interpolate, neighbor_bounds
+from bench.serve_report import bound_reachable, interpolate, neighbor_bounds
 
 
 def test_a_load_burns_cpu_in_its_own_processes_and_stops_with_the_block() -> None:
@@ -54,3 +54,12 @@ def test_each_local_figure_gets_the_bound_at_its_own_others_cores() -> None:
     assert results["local_direct_plain"][32]["ratio_bound"] == pytest.approx(0.9)
     assert "ratio_bound" not in results["local_direct"][8]
     assert "ratio_bound" not in results["mesh_direct"][32]
+
+
+def test_the_bound_says_where_no_front_end_could_meet_the_local_target() -> None:
+    results = {
+        "local_direct_plain": {8: {"ratio_bound": 0.9}, 32: {"ratio_bound": 0.8}, 1: {}},
+        "local_direct": {32: {"ratio": 0.3}},  # no bound measured: nothing said
+    }
+    assert bound_reachable(results, "_plain") == {"batch8": True, "batch32": False}
+    assert bound_reachable(results) == {}
