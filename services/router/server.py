@@ -25,8 +25,9 @@ import inspect
 import re
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import structlog
 from fastapi import Depends, FastAPI, Request
@@ -68,6 +69,7 @@ from services.router.tokenize_api import (
 )
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 # NOTE: recent FastAPI traces every request natively (an HTTP SERVER span, plus endpoint and
 # dependency spans) with the global tracer. `router.request` is this service's SERVER span and
@@ -109,6 +111,24 @@ class _Job:
     req_id: str
     num_prompt_tokens: int
     choices: list[Outputs]
+
+
+# A prompt this long (characters, or token ids) is tokenized or checked off the event loop; a
+# shorter one on it: a thread hop (submit, wake, hand the result back to the loop) costs more
+# than tokenizing a few hundred tokens.
+INLINE_PROMPT_LIMIT = 4096
+
+
+def _long(prompt: str | list[Any]) -> bool:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    return len(prompt) > INLINE_PROMPT_LIMIT
+
+
+async def off_loop_if(heavy: bool, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a worker thread when `heavy` (the loop serves every stream meanwhile), on the
+    loop itself when not (no thread hop for work shorter than the hop)."""
+    return await asyncio.to_thread(fn, *args) if heavy else fn(*args)
 
 
 class Router:
@@ -197,7 +217,9 @@ class Router:
         self._check_request(request)
         request.reject_unsupported()
         # Tokenizing a long prompt takes long: off the event loop, which serves every stream.
-        prompt_ids = await asyncio.to_thread(self._completion_prompt_ids, request.prompt)
+        prompt_ids = await off_loop_if(
+            _long(request.prompt), self._completion_prompt_ids, request.prompt
+        )
         max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
         arrival = _Arrival.of(http, "text_completion")
         job = await self._start("cmpl", prompt_ids, request, max_tokens, arrival)
@@ -319,7 +341,9 @@ class Router:
         """Admit the request's choices (each an engine request) and wait for each one's first
         output, so refusals get a real status."""
         # Off the event loop: a structured-output request's grammar is built to validate it.
-        params = await asyncio.to_thread(request.sampling_params, max_tokens)
+        params = await off_loop_if(
+            request.asks_structured_output, request.sampling_params, max_tokens
+        )
         try:
             params.check_vocab(self.model_config.vocab_size)
         except ValueError as exc:

@@ -46,6 +46,12 @@ class StructuredOutputFields(BaseModel):
         | None
     ) = None
 
+    @property
+    def asks_structured_output(self) -> bool:
+        """Whether any field is set (cheap: nothing parsed; `structured_output` says what)."""
+        fields = (self.response_format, self.guided_json, self.guided_regex, self.guided_choice)
+        return any(f is not None for f in fields)
+
     def structured_output(self) -> str | None:
         """The canonical spec for the engines, or None for free text. Raises ValueError
         ("invalid sampling parameter <field>: ...") for a malformed or unenforceable request."""
