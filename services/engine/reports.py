@@ -10,6 +10,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+import structlog
+
 from common.block_manager import BlockManager
 from common.engine.request import Request
 from common.kv_ingress import KvIngress
@@ -19,6 +21,8 @@ from common.scheduling.role_lease import RoleLease
 from services.engine.admission import DecodeAdmission
 from services.engine.routing import EngineRole, RequestRoute, kv_endpoints, shard_kv_tokens
 from services.engine.runner import MeshModelRunner
+
+log = structlog.get_logger(__name__)
 
 
 class EngineReports:
@@ -73,8 +77,7 @@ class EngineReports:
             engine_id=self.engine_id,
             role=self.pool.current(time.monotonic()),
             home_role=self.role.name,
-            pending_prompt_tokens=self.ship_queue.pending_prompt_tokens()
-            + self.local.pending_prompt_tokens(),
+            pending_prompt_tokens=self._pending_prompt_tokens(),
             running_decode_tokens=sum(
                 s.num_tokens for s in self.local.running + self.admission.sharded
             ),
@@ -89,6 +92,15 @@ class EngineReports:
             shard_kv_tokens=shard_kv_tokens(self.shards, self.admission.reserved_tokens()),
             handoff_tokens=self._handoff_tokens(),
         )
+
+    def _pending_prompt_tokens(self) -> int:
+        """The schedulers' running counts of prompt tokens to prefill, never below 0: a router
+        drops a report with a negative count (common/protocol/control.py `Count`), and an engine
+        whose reports all dropped would keep its last load in every router's view."""
+        pending = self.ship_queue.pending_prompt_tokens() + self.local.pending_prompt_tokens()
+        if pending < 0:
+            log.error("pending prompt tokens below zero; reported as 0", pending=pending)
+        return max(pending, 0)
 
     def _handoff_tokens(self) -> dict[str, int]:
         """The tokens of the prompts it will hand off, by the token engine each goes to."""

@@ -10,11 +10,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
 import torch
 
 from common.config import CacheConfig, EngineConfig
 from common.engine.core import LLMEngine
-from common.protocol import GenerateRequest, ShardAddress, TokenOutput
+from common.protocol import GenerateRequest, LoadReport, ShardAddress, TokenOutput
 from common.sampling import SamplingParams
 from services.engine.engine import Engine, EngineRole
 from services.engine.faults import HANDOFF_KV_WAIT_S
@@ -163,3 +164,14 @@ def test_a_requests_decode_load_is_reported_by_one_engine_or_the_other(
     assert pair.outputs["r"][-1].finish_reason == "length"
     assert any(running and not held for held, running in seen)  # it did move to the token engine
     assert reported() == (0, 0)
+
+
+def test_a_count_gone_below_zero_is_reported_as_zero_and_the_report_still_decodes(
+    tiny_model_path: Path,
+) -> None:
+    """A router drops a report with a negative count; an engine whose own running count went
+    wrong must still be heard (with 0), not go silent with its last load in every router."""
+    pair = InProcessPair(tiny_model_path)
+    pair.prompt.ship_queue.policy.pending_prompt_tokens = -5  # a bookkeeping bug, simulated
+    wire = msgspec.msgpack.encode(pair.prompt.load_report(time.time()))
+    assert msgspec.msgpack.decode(wire, type=LoadReport).pending_prompt_tokens == 0
