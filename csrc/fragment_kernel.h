@@ -23,6 +23,9 @@
 // blocks, so the hardware prefetcher cannot guess the next tile: while scoring K the kernel
 // prefetches the step's V tiles, and while accumulating V it prefetches the next step's K tiles,
 // one line per load, spread over the loops rather than in a burst that would stall on fill buffers.
+// Those prefetches go to L1 (T0): to L2 only (T1, whose misses an L2 queue tracks rather than L1's
+// fill buffers) ran bf16 5-10% slower and float32 within 2% (bench/attention_ab.py, 1 thread, 4
+// shapes, Zen 5, 2026-11-26).
 //
 // NOTE: bfloat16 tried and left out (paired A/B at 1 thread, bench/attention_ab.py, load 4-6, Zen 5
 // with AVX512_BF16; the code is on branch kernel3-bf16dot): (1) scoring with vdpbf16ps on K
