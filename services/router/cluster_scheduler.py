@@ -154,11 +154,14 @@ class ClusterScheduler:
             decision = self._policy.route(request, self._with_handoffs(), now)
             self._pools.ask(decision.moves, now)
             prompt_id, token_id = decision.prompt_machine_id, decision.token_machine_id
-            self._account(prompt_id, token_id, prompt_len, request.cached_on(prompt_id))
+            token = self._one_shard(self._linked_group(token_id), prompt_len)
+            # A mixed engine decodes its own prompt where its KV is: itself, when the request
+            # goes to no shards (its `Engine.on_generate` decides the same from the request).
+            decodes_there = prompt_id == token_id and not token.shards
+            self._account(prompt_id, token_id, prompt_len, request.cached_on(prompt_id),
+                          decodes_there)  # fmt: skip
             self._cached[prompt_id].expect(hashes)
-            return self._engines[prompt_id], self._one_shard(
-                self._linked_group(token_id), prompt_len
-            )
+            return self._engines[prompt_id], token
 
     def _one_shard(self, token: ServiceEntry, prompt_len: int) -> ServiceEntry:
         """A token engine whose group holds whole requests (`shard_partition: request`): the
@@ -231,15 +234,17 @@ class ClusterScheduler:
         return {m: replace(load, decode_tokens=load.decode_tokens + coming[m]) if m in coming
                 else load for m, load in self._loads.items()}  # fmt: skip
 
-    def _account(self, prompt_id: int, token_id: int, prompt_len: int, cached: int) -> None:
+    def _account(
+        self, prompt_id: int, token_id: int, prompt_len: int, cached: int, decodes_there: bool
+    ) -> None:
         # Until the prompt engine's next report: the prompt (less its cached prefix) is pending
         # there, and will decode on the token engine: held for it (`_handoffs`) if the prompt
-        # engine hands it off, on the engine itself if it decodes it there (a mixed engine
-        # without shards: it reports the request as its own, pending, then running).
+        # engine hands it off, on the engine itself if it decodes it there (`decodes_there`: it
+        # reports the request as its own, pending, then running).
         p = self._loads[prompt_id]
         pending = p.pending_prompt_tokens + prompt_len - cached
         self._loads[prompt_id] = replace(p, pending_prompt_tokens=pending)
-        if prompt_id == token_id and not self._engines[token_id].shards:
+        if decodes_there:
             t = self._loads[token_id]
             self._loads[token_id] = replace(t, decode_tokens=t.decode_tokens + prompt_len)
             return
