@@ -59,10 +59,14 @@ Worker = EngineWorker | ShardWorker | ModelPeerWorker
 
 
 class WorkerThread:
-    """Builds a worker on its own thread and runs it there; the constructor waits for the build."""
+    """Builds a worker on its own thread and runs it there, on `num_threads` torch threads; the
+    constructor waits for the build."""
 
-    def __init__(self, build: Callable[[], Worker], name: str, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, build: Callable[[], Worker], name: str, num_threads: int, timeout_s: float = 600.0
+    ) -> None:
         self._build = build
+        self._num_threads = num_threads
         self._built = threading.Event()
         self._error: BaseException | None = None
         self.worker: Worker | None = None
@@ -74,6 +78,9 @@ class WorkerThread:
             raise RuntimeError(f"{name}: worker failed to start") from self._error
 
     def _main(self) -> None:
+        # On this thread, before its first torch op: OpenMP's thread count is per calling
+        # thread, and Ray starts a replica with OMP_NUM_THREADS = its num_cpus.
+        torch.set_num_threads(self._num_threads)
         try:
             self.worker = self._build()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the constructor's thread
@@ -218,7 +225,6 @@ def start_engine(
 ) -> MeshReplica:
     """A prompt or token engine: claim shards and model peers (token), start the worker,
     register as ready. `generation`: its application's version (it claims only its own)."""
-    torch.set_num_threads(base.num_threads)
     group: list[ServiceEntry] = []
     peers: list[ServiceEntry] = []
     # Registered (starting: not routable) and heartbeating before it claims anything: claims end
@@ -238,7 +244,7 @@ def start_engine(
         links = [s.shard_address() for s in group]
         cfg = replace_cfg(base, service_id=service_id, role=role, shards=links,
                           model_peers=[e.link_address for e in peers])  # fmt: skip
-        thread = WorkerThread(lambda: EngineWorker(cfg), name=f"{service_id}-loop")
+        thread = WorkerThread(lambda: EngineWorker(cfg), f"{service_id}-loop", cfg.num_threads)
     except BaseException:
         # Unregistered, its shards and peers are free now, not when its entry expires (Serve's
         # retry would find no free group meanwhile).
@@ -276,7 +282,6 @@ def start_shard(
     generation: str = "",
 ) -> MeshReplica:
     """An attention shard: take a head-range slot, start the worker, register as ready."""
-    torch.set_num_threads(base.num_threads)
     num_slots = max(shards_per_group, 1)
     num_kv_heads = ModelConfig.from_folder(base.model_path).num_key_value_heads
     by_request = base.shard_partition == "request"  # every shard holds every head
@@ -292,7 +297,7 @@ def start_shard(
         base, service_id=service_id, role=Role.SHARD,
         num_blocks=base.shard_num_blocks, head_start=head_start, head_end=head_end,
     )  # fmt: skip
-    thread = WorkerThread(lambda: ShardWorker(cfg), name=f"{service_id}-loop")
+    thread = WorkerThread(lambda: ShardWorker(cfg), f"{service_id}-loop", cfg.num_threads)
     assert isinstance(thread.worker, ShardWorker)
     ready = thread.worker.ready()
     membership.alive = thread.alive
@@ -309,9 +314,8 @@ def start_model_peer(
     service_id: str, registry: RegistryClient, base: WorkerConfig, generation: str = ""
 ) -> MeshReplica:
     """A model peer: start the worker (it loads the model), register as ready (claimable)."""
-    torch.set_num_threads(base.num_threads)
     cfg = replace_cfg(base, service_id=service_id, role=Role.MODEL_PEER)
-    thread = WorkerThread(lambda: ModelPeerWorker(cfg), name=f"{service_id}-loop")
+    thread = WorkerThread(lambda: ModelPeerWorker(cfg), f"{service_id}-loop", cfg.num_threads)
     assert isinstance(thread.worker, ModelPeerWorker)
     entry = ServiceEntry(role=Role.MODEL_PEER, service_id=service_id, state="ready",
                          link_address=thread.worker.ready().link_address,

@@ -28,7 +28,7 @@ def test_a_frozen_loop_fails_health_while_its_thread_lives(
     cfg = WorkerConfig(service_id="mixed-0", role=Role.MIXED, model_path=str(tiny_model_path),
                        ready_endpoint="", parent_pid=os.getpid(), num_blocks=64,
                        mesh_key=secrets.token_hex(16))  # fmt: skip
-    thread = WorkerThread(lambda: EngineWorker(cfg), name="engine")
+    thread = WorkerThread(lambda: EngineWorker(cfg), "engine", cfg.num_threads)
     registry_says_healthy = SimpleNamespace(
         healthy=lambda: True, entry=SimpleNamespace(service_id="mixed-0")
     )  # the heartbeat thread's view: fine
