@@ -43,7 +43,8 @@ user+system time before and after each batch, less the threads of a local engine
 `engine_cpu_ms_per_token`, with `engine_preemptions_per_s`: how often its threads were preempted)
 per streamed token and per request (and its CPU with no request in flight, per second, which those
 include), what everything but the engine's threads took meanwhile, in cores (`others_cores`: the
-client, Ray, the Router's own threads, its front end included) and, with the `neighbor` path,
+client, Ray, the Router's own threads, its front end included; `client_cores`: the client's
+share, this process's) and, with the `neighbor` path,
 `ratio_bound`: the in-process engine's ratio beside that much synthetic load (interpolated), what
 the served engine would reach if the others' CPU were all it cost (what is left below it: the
 replica's own process, its GIL and caches, beside the engine; `bound_local_ratio_reachable[_plain]`
@@ -225,9 +226,11 @@ def served(
                 engine_before, preempted_before = threads_cpu_and_preemptions(pid, ENGINE_THREAD)
                 proxy_before = process_cpu_s(proxy) if proxy else 0.0
                 prompts = prompts_for(batch, vocab)
-                box_before, started = box_busy_s(), time.perf_counter()
+                box_before, client_before = box_busy_s(), process_cpu_s(os.getpid())
+                started = time.perf_counter()
                 figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode))
                 box, wall = box_busy_s() - box_before, time.perf_counter() - started
+                client = process_cpu_s(os.getpid()) - client_before
                 engine, preempted = threads_cpu_and_preemptions(pid, ENGINE_THREAD)
                 engine, preempted = engine - engine_before, preempted - preempted_before
                 # The router's own; /proc counts in clock ticks (10 ms), per thread and per
@@ -244,6 +247,7 @@ def served(
                     # Everything else the machine ran meanwhile (the client, Ray, the Router's
                     # other threads), in cores: the `neighbor` path's load to compare with.
                     figures["others_cores"] = max(0.0, box - engine) / wall
+                    figures["client_cores"] = client / wall  # this process: the `openai` client
                 figures["router_idle_cpu_ms_per_s"] = idle_ms_per_s
                 result.setdefault(mode, {})[batch] = figures
             return result
