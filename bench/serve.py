@@ -66,7 +66,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import contextlib
 import json
 import multiprocessing
 import os
@@ -82,14 +81,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
 
-from bench.cpu_load import BurstLoad  # noqa: E402
-from bench.host_cpu import box_busy_s, process_cpu_s, process_tree, stop_survivors  # noqa: E402
-from bench.serve_clients import (  # noqa: E402
-    prompts_for,
-    ray_pid,
-    served_batch,
-    threads_cpu_and_preemptions,
-)
+from bench.host_cpu import process_cpu_s, process_tree, stop_survivors  # noqa: E402
+from bench.serve_clients import ServedCpu, prompts_for, ray_pid, served_batch  # noqa: E402
+from bench.serve_engine import ENGINE_ARGS, engine_client, in_process, model_vocab  # noqa: E402
 from bench.serve_report import (  # noqa: E402
     BESIDE,
     TARGETS,
@@ -99,95 +93,16 @@ from bench.serve_report import (  # noqa: E402
     rate_ratios,
     record,
 )
-from common.engine.core import LLMEngine  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
-from common.model.default import default_model_path  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
 from services.app_args import MeshArgs  # noqa: E402
 from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
-REPEATS = 3
 PATHS = ["inprocess", "neighbor", "client", "local", "mesh", "ceiling"]
 NEIGHBOR_CORES = [0.1, 0.2, 0.3, 0.5, 0.7]  # the others took 0.2 (plain) to 0.7 (streamed) here
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
 PROXY_TITLE = "ProxyActor"
 IDLE_S = 3.0  # how long the Router's CPU is sampled with no request in flight
 ENGINE_THREAD = "engine-loop"  # the OS name of the local engine's thread and its torch threads
-ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048,
-               "max_num_seqs": 64}  # fmt: skip
-
-
-def in_process(
-    preset: str, batches: list[int], tokens: int, load_cores: float | None = None
-) -> dict[int, dict[str, float]]:
-    """One `LLMEngine` generating each batch (token ids only: no front end), the best of
-    `REPEATS` runs: its tok/s, the CPU its threads took per token, and how often they were
-    preempted per second (what `local` reports for its engine threads, to compare). With
-    `load_cores`, beside a `BurstLoad` of that many cores (the `neighbor` path)."""
-    engine = LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS)  # type: ignore[arg-type]
-    vocab = model_vocab(preset)
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-    engine.generate(prompts_for(2, vocab, seed=99), params)  # warm-up
-    with BurstLoad(load_cores) if load_cores else contextlib.nullcontext():
-        return _batches(engine, vocab, params, batches, tokens)
-
-
-def _batches(
-    engine: LLMEngine, vocab: int, params: SamplingParams, batches: list[int], tokens: int
-) -> dict[int, dict[str, float]]:
-    result = {}
-    for batch in batches:
-        runs = []
-        for _ in range(REPEATS):  # the best of a few: a shared machine's noise only slows runs
-            cpu_before, preempted_before = threads_cpu_and_preemptions(os.getpid())
-            start = time.perf_counter()
-            engine.generate(prompts_for(batch, vocab), params)
-            seconds = time.perf_counter() - start
-            cpu, preempted = threads_cpu_and_preemptions(os.getpid())
-            runs.append((seconds, cpu - cpu_before, preempted - preempted_before))
-        seconds, cpu, preempted = min(runs)
-        result[batch] = {"tok_s": batch * tokens / seconds,
-                         "cpu_ms_per_token": 1e3 * cpu / (batch * tokens),
-                         "preemptions_per_s": preempted / seconds}  # fmt: skip
-    return result
-
-
-def engine_client(
-    preset: str, batches: list[int], tokens: int, modes: list[str], threads: int
-) -> dict[str, dict[int, dict[str, float]]]:
-    """The `client` path: the Router's `InProcessEngineClient` in this process (the engine built
-    and stepped on its own thread, outputs through the `StreamTable` to this event loop; no
-    HTTP, no Ray): what the served engine would do with the front end's threads alone. `plain`
-    requests hold their tokens to the end, as the Router does for them, and get their text as
-    the Router's do (made on this loop: `token_text.TokenText`)."""
-    from services.router.engine_client import InProcessEngineClient
-
-    vocab = model_vocab(preset)
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    client = InProcessEngineClient(
-        build=lambda: LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS),  # type: ignore[arg-type]
-        num_threads=threads,
-    )
-
-    async def one_batch(batch: int, hold: bool, tag: str) -> float:
-        async def one(i: int, prompt: list[int]) -> None:
-            async for _ in client.generate(f"{tag}-{i}", prompt, params, hold_to_end=hold):
-                pass
-
-        start = time.perf_counter()
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts_for(batch, vocab))))
-        return batch * tokens / (time.perf_counter() - start)
-
-    result: dict[str, dict[int, dict[str, float]]] = {}
-    try:
-        asyncio.run(one_batch(2, False, "warm"))
-        for mode, batch in ((m, b) for m in modes for b in batches):
-            runs = [asyncio.run(one_batch(batch, mode == "plain", f"{mode}{batch}-{r}"))
-                    for r in range(REPEATS)]  # fmt: skip
-            result.setdefault(mode, {})[batch] = {"tok_s": max(runs)}
-    finally:
-        client.shutdown()
-    return result
 
 
 def served(
@@ -220,34 +135,13 @@ def served(
             idle_before = process_cpu_s(pid)
             time.sleep(IDLE_S)
             idle_ms_per_s = 1e3 * (process_cpu_s(pid) - idle_before) / IDLE_S
+            cpu = ServedCpu(pid, proxy, ENGINE_THREAD)
             result: dict[str, dict[int, dict[str, float]]] = {}
             for mode, batch in ((m, b) for m in modes for b in batches):
-                cpu_before = process_cpu_s(pid)
-                engine_before, preempted_before = threads_cpu_and_preemptions(pid, ENGINE_THREAD)
-                proxy_before = process_cpu_s(proxy) if proxy else 0.0
                 prompts = prompts_for(batch, vocab)
-                box_before, client_before = box_busy_s(), process_cpu_s(os.getpid())
-                started = time.perf_counter()
+                before = cpu.snapshot()
                 figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode))
-                box, wall = box_busy_s() - box_before, time.perf_counter() - started
-                client = process_cpu_s(os.getpid()) - client_before
-                engine, preempted = threads_cpu_and_preemptions(pid, ENGINE_THREAD)
-                engine, preempted = engine - engine_before, preempted - preempted_before
-                # The router's own; /proc counts in clock ticks (10 ms), per thread and per
-                # process apart, so a short batch's difference can round below zero.
-                cpu = max(0.0, process_cpu_s(pid) - cpu_before - engine)
-                figures["router_cpu_ms_per_token"] = 1e3 * cpu / (batch * tokens)
-                figures["router_cpu_ms_per_request"] = 1e3 * cpu / batch
-                if proxy:  # Serve's HTTP proxy (idle with direct ingress): its share, per chunk
-                    proxy_cpu = process_cpu_s(proxy) - proxy_before
-                    figures["proxy_cpu_ms_per_token"] = 1e3 * proxy_cpu / (batch * tokens)
-                if engine:  # `topology: local`: the engine's threads, told apart by their name
-                    figures["engine_cpu_ms_per_token"] = 1e3 * engine / (batch * tokens)
-                    figures["engine_preemptions_per_s"] = preempted / wall
-                    # Everything else the machine ran meanwhile (the client, Ray, the Router's
-                    # other threads), in cores: the `neighbor` path's load to compare with.
-                    figures["others_cores"] = max(0.0, box - engine) / wall
-                    figures["client_cores"] = client / wall  # this process: the `openai` client
+                figures.update(cpu.figures(before, cpu.snapshot(), batch, batch * tokens))
                 figures["router_idle_cpu_ms_per_s"] = idle_ms_per_s
                 result.setdefault(mode, {})[batch] = figures
             return result
@@ -285,11 +179,6 @@ def yaml_mesh_args() -> dict[str, Any]:
     """deploy/local.yaml's `mesh:` args (a served config's args are replaced key by key)."""
     config = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
     return dict(config["applications"][0]["args"]["mesh"])
-
-
-def model_vocab(preset: str) -> int:
-    config = json.loads((default_model_path(preset) / "config.json").read_text())
-    return int(config["vocab_size"])
 
 
 def parse_args() -> argparse.Namespace:

@@ -7,12 +7,13 @@ import asyncio
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.host_cpu import process_tree
+from bench.host_cpu import box_busy_s, process_cpu_s, process_tree
 
 
 def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -113,3 +114,50 @@ def ray_pid(root: int, title_part: str) -> int | None:
         if title.startswith("ray::") and title_part in title:
             return pid
     return None
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """Cumulative CPU seconds of the served processes, the machine and this client, at `at`."""
+
+    at: float
+    router: float  # the Router replica process, engine threads included
+    engine: float  # a local engine's threads (by their OS name), 0 without one
+    preempted: int  # how often those were preempted
+    proxy: float
+    box: float  # every core of the machine
+    client: float  # this process: the `openai` client
+
+
+class ServedCpu:
+    """Where the CPU went over one served batch: the Router replica (`router_pid`) less its
+    engine's threads (`engine_thread`, their OS name), those threads, Serve's proxy, the client,
+    and everything else the machine ran."""
+
+    def __init__(self, router_pid: int, proxy_pid: int | None, engine_thread: str) -> None:
+        self.router_pid, self.proxy_pid, self.engine_thread = router_pid, proxy_pid, engine_thread
+
+    def snapshot(self) -> CpuSnapshot:
+        engine, preempted = threads_cpu_and_preemptions(self.router_pid, self.engine_thread)
+        proxy = process_cpu_s(self.proxy_pid) if self.proxy_pid else 0.0
+        return CpuSnapshot(time.perf_counter(), process_cpu_s(self.router_pid), engine, preempted,
+                           proxy, box_busy_s(), process_cpu_s(os.getpid()))  # fmt: skip
+
+    def figures(self, a: CpuSnapshot, b: CpuSnapshot, requests: int, tokens: int) -> dict:
+        """The batch's CPU figures from the snapshots before (`a`) and after (`b`) it."""
+        wall, engine = b.at - a.at, b.engine - a.engine
+        # The router's own; /proc counts in clock ticks (10 ms), per thread and per process
+        # apart, so a short batch's difference can round below zero.
+        router = max(0.0, b.router - a.router - engine)
+        figures = {"router_cpu_ms_per_token": 1e3 * router / tokens,
+                   "router_cpu_ms_per_request": 1e3 * router / requests}  # fmt: skip
+        if self.proxy_pid:  # Serve's HTTP proxy (idle with direct ingress): its share, per chunk
+            figures["proxy_cpu_ms_per_token"] = 1e3 * (b.proxy - a.proxy) / tokens
+        if engine:  # `topology: local`: the engine's threads, told apart by their name
+            figures["engine_cpu_ms_per_token"] = 1e3 * engine / tokens
+            figures["engine_preemptions_per_s"] = (b.preempted - a.preempted) / wall
+            # Everything else the machine ran meanwhile (the client, Ray, the Router's other
+            # threads), in cores: the `neighbor` path's load to compare with.
+            figures["others_cores"] = max(0.0, b.box - a.box - engine) / wall
+            figures["client_cores"] = (b.client - a.client) / wall
+        return figures

@@ -1,0 +1,98 @@
+"""`bench/serve.py`'s paths with no server: the in-process engine (`inprocess`, and beside a
+synthetic load, `neighbor`) and the Router's engine client alone (`client`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+
+from bench.cpu_load import BurstLoad
+from bench.serve_clients import prompts_for, threads_cpu_and_preemptions
+from common.engine.core import LLMEngine
+from common.model.default import default_model_path
+from common.sampling import SamplingParams
+
+REPEATS = 3
+ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048,
+               "max_num_seqs": 64}  # fmt: skip
+
+
+def in_process(
+    preset: str, batches: list[int], tokens: int, load_cores: float | None = None
+) -> dict[int, dict[str, float]]:
+    """One `LLMEngine` generating each batch (token ids only: no front end), the best of
+    `REPEATS` runs: its tok/s, the CPU its threads took per token, and how often they were
+    preempted per second (what `local` reports for its engine threads, to compare). With
+    `load_cores`, beside a `BurstLoad` of that many cores (the `neighbor` path)."""
+    engine = LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS)  # type: ignore[arg-type]
+    vocab = model_vocab(preset)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    engine.generate(prompts_for(2, vocab, seed=99), params)  # warm-up
+    with BurstLoad(load_cores) if load_cores else contextlib.nullcontext():
+        return _batches(engine, vocab, params, batches, tokens)
+
+
+def _batches(
+    engine: LLMEngine, vocab: int, params: SamplingParams, batches: list[int], tokens: int
+) -> dict[int, dict[str, float]]:
+    result = {}
+    for batch in batches:
+        runs = []
+        for _ in range(REPEATS):  # the best of a few: a shared machine's noise only slows runs
+            cpu_before, preempted_before = threads_cpu_and_preemptions(os.getpid())
+            start = time.perf_counter()
+            engine.generate(prompts_for(batch, vocab), params)
+            seconds = time.perf_counter() - start
+            cpu, preempted = threads_cpu_and_preemptions(os.getpid())
+            runs.append((seconds, cpu - cpu_before, preempted - preempted_before))
+        seconds, cpu, preempted = min(runs)
+        result[batch] = {"tok_s": batch * tokens / seconds,
+                         "cpu_ms_per_token": 1e3 * cpu / (batch * tokens),
+                         "preemptions_per_s": preempted / seconds}  # fmt: skip
+    return result
+
+
+def engine_client(
+    preset: str, batches: list[int], tokens: int, modes: list[str], threads: int
+) -> dict[str, dict[int, dict[str, float]]]:
+    """The `client` path: the Router's `InProcessEngineClient` in this process (the engine built
+    and stepped on its own thread, outputs through the `StreamTable` to this event loop; no
+    HTTP, no Ray): what the served engine would do with the front end's threads alone. `plain`
+    requests hold their tokens to the end, as the Router does for them, and get their text as
+    the Router's do (made on this loop: `token_text.TokenText`)."""
+    from services.router.engine_client import InProcessEngineClient
+
+    vocab = model_vocab(preset)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    client = InProcessEngineClient(
+        build=lambda: LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS),  # type: ignore[arg-type]
+        num_threads=threads,
+    )
+
+    async def one_batch(batch: int, hold: bool, tag: str) -> float:
+        async def one(i: int, prompt: list[int]) -> None:
+            async for _ in client.generate(f"{tag}-{i}", prompt, params, hold_to_end=hold):
+                pass
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts_for(batch, vocab))))
+        return batch * tokens / (time.perf_counter() - start)
+
+    result: dict[str, dict[int, dict[str, float]]] = {}
+    try:
+        asyncio.run(one_batch(2, False, "warm"))
+        for mode, batch in ((m, b) for m in modes for b in batches):
+            runs = [asyncio.run(one_batch(batch, mode == "plain", f"{mode}{batch}-{r}"))
+                    for r in range(REPEATS)]  # fmt: skip
+            result.setdefault(mode, {})[batch] = {"tok_s": max(runs)}
+    finally:
+        client.shutdown()
+    return result
+
+
+def model_vocab(preset: str) -> int:
+    config = json.loads((default_model_path(preset) / "config.json").read_text())
+    return int(config["vocab_size"])
