@@ -150,8 +150,9 @@ class ClusterScheduler:
             cached = {m: c.prefix_blocks(hashes) * self.block_size for m, c in self._cached.items()}
             request = RouteRequest(next(self._req_ids), prompt_len, cached)
             now = time.monotonic()
-            self._rebalance(self._policy, now)
-            decision = self._policy.route(request, self._with_handoffs(), now)
+            loads = self._with_handoffs()  # once: rebalancing moves pools, not loads
+            self._rebalance(self._policy, now, loads)
+            decision = self._policy.route(request, loads, now)
             self._pools.ask(decision.moves, now)
             prompt_id, token_id = decision.prompt_machine_id, decision.token_machine_id
             token = self._one_shard(self._linked_group(token_id), prompt_len)
@@ -176,7 +177,7 @@ class ClusterScheduler:
         between placements too, so an idle router still returns what it borrowed)."""
         with self._lock:
             if self._policy is not None:
-                self._rebalance(self._policy, time.monotonic())
+                self._rebalance(self._policy, time.monotonic(), self._with_handoffs())
 
     def take_role_changes(self) -> list[tuple[ServiceEntry, SetRole]]:
         """The `SetRole`s asked since the last call, for the router to send."""
@@ -195,9 +196,9 @@ class ClusterScheduler:
             current = self._policy.pools.current
             return {e.service_id: current[m].value for m, e in self._engines.items()}
 
-    def _rebalance(self, policy: JSQPoolPolicy, now: float) -> None:
+    def _rebalance(self, policy: JSQPoolPolicy, now: float, loads: dict[int, MachineLoad]) -> None:
         self._pools.sync(policy.pools, now)
-        moves = policy.rebalance(self._with_handoffs(), now)
+        moves = policy.rebalance(loads, now)
         # A return home judged on a report that may predate the borrowed work is not sent; the
         # table goes back to the engines' word (the policy applied every move it returned).
         sent = [m for m in moves if m.repurposed or self._pools.releasable(m.machine_id)]
