@@ -46,6 +46,7 @@ class EngineReports:
     num_group_relinks: int
     num_two_batch_steps: int
     step_times: deque[tuple[float, float, int]]
+    _told_negative_pending = False  # its own: set on the engine the first time it logs
 
     if TYPE_CHECKING:  # the engine's own, or another mixin's: no runtime stub to shadow it
 
@@ -98,7 +99,8 @@ class EngineReports:
         drops a report with a negative count (common/protocol/control.py `Count`), and an engine
         whose reports all dropped would keep its last load in every router's view."""
         pending = self.ship_queue.pending_prompt_tokens() + self.local.pending_prompt_tokens()
-        if pending < 0:
+        if pending < 0 and not self._told_negative_pending:  # once, not every 50 ms
+            self._told_negative_pending = True
             log.error("pending prompt tokens below zero; reported as 0", pending=pending)
         return max(pending, 0)
 

@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import msgspec
+import structlog
 import torch
 
 from common.config import CacheConfig, EngineConfig
@@ -173,5 +174,7 @@ def test_a_count_gone_below_zero_is_reported_as_zero_and_the_report_still_decode
     wrong must still be heard (with 0), not go silent with its last load in every router."""
     pair = InProcessPair(tiny_model_path)
     pair.prompt.ship_queue.policy.pending_prompt_tokens = -5  # a bookkeeping bug, simulated
-    wire = msgspec.msgpack.encode(pair.prompt.load_report(time.time()))
-    assert msgspec.msgpack.decode(wire, type=LoadReport).pending_prompt_tokens == 0
+    with structlog.testing.capture_logs() as logs:
+        wires = [msgspec.msgpack.encode(pair.prompt.load_report(time.time())) for _ in range(3)]
+    assert all(msgspec.msgpack.decode(w, type=LoadReport).pending_prompt_tokens == 0 for w in wires)
+    assert [e["log_level"] for e in logs if "below zero" in e["event"]] == ["error"]  # said once
