@@ -12,6 +12,7 @@ because while one of its threads is preempted the others wait at the next barrie
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -22,9 +23,9 @@ BURST_US = 300.0  # a Ray thread's wake-up or a client's request: a few hundred 
 PROCESSES = 2  # one per vCPU of the machines this is run on: bursts land on either core
 
 
-def _burn(burst_s: float, sleep_s: float) -> None:
+def _burn(burst_s: float, sleep_s: float, parent_pid: int) -> None:
     print("burning", flush=True)  # the parent waits for this line
-    while True:
+    while os.getppid() == parent_pid:  # a parent killed outright cannot kill us: we stop then
         end = time.perf_counter() + burst_s
         while time.perf_counter() < end:
             pass  # NOTE: busy on purpose: this is the load
@@ -33,7 +34,8 @@ def _burn(burst_s: float, sleep_s: float) -> None:
 
 class BurstLoad:
     """`cores` cores of CPU on average, taken by `processes` processes in `burst_us` bursts,
-    while the `with` block runs (the processes are killed on exit).
+    while the `with` block runs (the processes are killed on exit, and stop by themselves within
+    a burst and a sleep if this process dies first).
 
     NOTE: each is `python bench/cpu_load.py`, which imports nothing but the standard library: a
     `multiprocessing` child would import its parent's main module (torch), a few seconds of
@@ -53,7 +55,7 @@ class BurstLoad:
 
     def __enter__(self) -> BurstLoad:
         command = [sys.executable, str(Path(__file__).resolve()), str(self._burst_s),
-                   str(self._sleep_s)]  # fmt: skip
+                   str(self._sleep_s), str(os.getpid())]  # fmt: skip
         for _ in range(self._processes):
             proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
             self._running.append(proc)
@@ -78,4 +80,4 @@ class BurstLoad:
 
 
 if __name__ == "__main__":
-    _burn(float(sys.argv[1]), float(sys.argv[2]))
+    _burn(float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]))

@@ -171,6 +171,15 @@ def test_what_a_gone_prompt_engine_held_leaves_with_it() -> None:
     assert p.loads()["t0"].decode_tokens == 0
 
 
+def test_what_prompt_engines_held_for_a_gone_token_engine_lands_nowhere() -> None:
+    p = scheduler(*PROMPTS, *TOKENS)
+    p.on_load(handoffs("p0", t0=1000, t1=5))
+    p.set_engines([*PROMPTS, TOKENS[1]])  # t0 killed mid-request: its hand-offs will fail over
+    assert set(p.loads()) == {"p0", "p1", "t1"} and p.loads()["t1"].decode_tokens == 5
+    p.on_load(handoffs("p0", t0=1000, t1=5))  # a report made before p0 heard of it
+    assert p.loads()["t1"].decode_tokens == 5 and {chosen(p)[1] for _ in range(3)} == {"t1"}
+
+
 def test_a_mixed_engine_decoding_its_own_prompt_counts_it_as_its_own() -> None:
     p = scheduler(engine("m0", "mixed"))
     assert chosen(p, prompt_len=64) == ("m0", "m0")

@@ -4,6 +4,8 @@ turns the in-process engine's ratios beside it into each served run's `ratio_bou
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -63,3 +65,35 @@ def test_the_bound_says_where_no_front_end_could_meet_the_local_target() -> None
     }
     assert bound_reachable(results, "_plain") == {"batch8": True, "batch32": False}
     assert bound_reachable(results) == {}
+
+
+def test_a_load_whose_parent_is_killed_stops_by_itself(tmp_path: Path) -> None:
+    """A benchmark killed outright (SIGKILL: no `__exit__`) must not leave CPU burners behind."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        "from bench.cpu_load import BurstLoad\n"
+        "with BurstLoad(0.2) as load:\n"
+        "    print(*[p.pid for p in load._running], flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    burners = [int(p) for p in parent.stdout.readline().split()]
+    assert len(burners) == 2 and all(Path(f"/proc/{p}").exists() for p in burners)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while any(_running(p) for p in burners) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_running(p) for p in burners)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan is reaped by init, but not at once)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
