@@ -42,8 +42,17 @@
 // threads (load ~11) 34 against 43-49. The kernel is at ~0.9 of that pattern's rate.
 // NOTE: not so on Intel. On a 16-core Xeon host (bench/attention.py, 2026-11-26), at 1 thread GQA
 // 4:1 bf16 read 12.4-12.6 GB/s paged and 12.8-12.9 contiguous, MHA bf16 14.9-16.8 and the read
-// probe 18-19: there the paged layout costs ~2%, and GQA's 4 FMAs per widened K/V value are what
-// hold bf16 GQA at ~0.66 of the probe (2 threads too: 22.6-23.5 against 34-36).
+// probe 18-19: there the paged layout costs ~2%, and GQA's 4 FMAs per widened K/V value looked
+// like what holds bf16 GQA at ~0.66 of the probe (2 threads too: 22.6-23.5 against 34-36).
+// Measured since on a 2-vCPU Intel Xeon (Emerald Rapids, family 6 model 207, AVX512_BF16 and AMX;
+// 2026-11-26), it is not the FMAs: (1) scoring bf16 K with vdpbf16ps (one 64-byte load of K rows
+// d and d + 1, one vpermw to pair them, one vdpbf16ps per query row: 5 vector ops per 32 K values
+// for 4 rows where the widening path takes 12) ran GQA 4:1 bf16 0.93x from memory and 0.95x from
+// cache (bench/attention_ab.py, 1 thread, thread clock; MHA 0.97x); (2) with 16 MiB of K/V (in
+// L3, not L2) a 1-thread call reads GQA 4:1 bf16 at 13-15 GB/s and MHA at 18-19, what the same
+// shapes read from memory (bench/attention.py: 14.1 and 17.2). So on that core the kernel runs at
+// the rate its outstanding line fills allow, from L3 as from memory; that GQA's longer compute
+// between a tile's loads leaves fewer of them in flight is a guess (no hardware counters there).
 //
 // NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: paired A/B at
 // 1 thread (3 runs, load 5-9), bf16 64-token steps against 128: GQA 4:1 b1 x 32768 +1.8, +9.6,
