@@ -35,6 +35,13 @@ from torch import nn
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Below this many rows, MKL's GEMM on the column-major weight beats oneDNN's fixed call cost
 # (measured at 1 row: 64 vs 84 us for the tiny model's five projections on 2 threads).
+# NOTE: not raised for Intel CPUs, where MKL runs AVX-512: on a 2-vCPU Xeon (Emerald Rapids,
+# 2026-11-26) MKL ran four of the tiny model's five projections 1.2-2x faster than the packed
+# weights at 8 rows (the LM head about even; oneDNN 1.2-1.6x faster at 32 rows), and there
+# bench/engine.py's batch 8 stayed under 2x transformers (1.70-1.75). But MKL's rows from a call
+# of 10 rows or fewer are not bitwise the same rows of a 40-row call, where oneDNN's are
+# (test_a_row_does_not_depend_on_its_batch_mates): a request's greedy tokens would then depend
+# on how many others share its step.
 MIN_PACKED_ROWS = 2
 
 
