@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,26 @@ SECOND_CONFIG = dict(
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
     },
 )  # fmt: skip
+
+
+LOCAL_SERVE = "tests/e2e/local_serve"  # one package server for its modules (its conftest.py)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test` runs two pytest-xdist workers. Each takes whole modules, so that a module's
+    server or mesh starts once, and tests/e2e/local_serve goes to one worker whole, in the order
+    its conftest.py sets (its one server is killed last). NOTE: a scheduler of our own rather than
+    `--dist loadgroup`, whose groups pytest-xdist 3.8 marks by rewriting `item._nodeid`, which
+    pytest 9 no longer reads (every test then went its own way)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return LOCAL_SERVE if module.startswith(LOCAL_SERVE + "/") else module
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture
