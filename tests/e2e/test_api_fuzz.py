@@ -140,9 +140,12 @@ def test_soak_of_mixed_and_hostile_traffic_leaves_everything_idle(server: ServeR
         assert response.status_code == 200, response.text
 
     async def cut_off(http: httpx.AsyncClient, i: int) -> None:
+        # 32 tokens after a 26-token chat prompt: within the 64-token context (50 were not, and
+        # every such request got its 400 instead of being cut off mid-stream).
         body = {"messages": [{"role": "user", "content": f"go on {i}"}], "stream": True,
-                "max_tokens": 50, "ignore_eos": True}  # fmt: skip
+                "max_tokens": 32, "ignore_eos": True}  # fmt: skip
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200, await response.aread()
             async for _ in response.aiter_lines():
                 break  # the client leaves after the first event
 
