@@ -48,11 +48,12 @@
 // 2026-11-26), it is not the FMAs: (1) scoring bf16 K with vdpbf16ps (one 64-byte load of K rows
 // d and d + 1, one vpermw to pair them, one vdpbf16ps per query row: 5 vector ops per 32 K values
 // for 4 rows where the widening path takes 12) ran GQA 4:1 bf16 0.93x from memory and 0.95x from
-// cache (bench/attention_ab.py, 1 thread, thread clock; MHA 0.97x); (2) with 16 MiB of K/V (in
-// L3, not L2) a 1-thread call reads GQA 4:1 bf16 at 13-15 GB/s and MHA at 18-19, what the same
-// shapes read from memory (bench/attention.py: 14.1 and 17.2). So on that core the kernel runs at
-// the rate its outstanding line fills allow, from L3 as from memory; that GQA's longer compute
-// between a tile's loads leaves fewer of them in flight is a guess (no hardware counters there).
+// cache (bench/attention_ab.py, 1 thread, thread clock; MHA 0.97x); (2) a 1-thread call reads
+// GQA 4:1 bf16 at about the same rate from L2 (1 MiB of K/V: ~16.6 GB/s, its ~18 us fixed cost
+// taken off), from L3 (16 MiB: 13-15) and from memory (bench/attention.py: 14.1), MHA bf16 at
+// 18-19 from L3. So there bf16 GQA is held by the core's own work, and not by the score FMAs
+// that vdpbf16ps halved: the V pass (a widen and 4 FMAs per 16 values) or the softmax, untested
+// (the VM has no hardware counters).
 //
 // NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: paired A/B at
 // 1 thread (3 runs, load 5-9), bf16 64-token steps against 128: GQA 4:1 b1 x 32768 +1.8, +9.6,
