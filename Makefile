@@ -57,7 +57,7 @@ typecheck: install
 
 # pytest-xdist workers for `make test`: whole modules each (tests/conftest.py). Most e2e and
 # integration time is spent waiting on Ray, servers and sockets: two workers on CI's two cores
-# took a 2-vCPU Intel Xeon's pytest from 19 minutes to 14-15.5. `make test TEST_WORKERS=0`: one
+# took a 2-vCPU Intel Xeon's pytest from 19 minutes to 14-16.5. `make test TEST_WORKERS=0`: one
 # process.
 TEST_WORKERS ?= 2
 test: model lint typecheck
