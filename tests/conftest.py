@@ -32,6 +32,12 @@ SECOND_CONFIG = dict(
 LOCAL_SERVE = "tests/e2e/local_serve"  # one package server for its modules (its conftest.py)
 
 
+def xdist_scope(nodeid: str) -> str:
+    """The unit a pytest-xdist worker takes whole: the test's module, or tests/e2e/local_serve."""
+    module = nodeid.split("::", 1)[0]
+    return LOCAL_SERVE if module.startswith(LOCAL_SERVE + "/") else module
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`make test` runs two pytest-xdist workers. Each takes whole modules, so that a module's
@@ -42,9 +48,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return LOCAL_SERVE if module.startswith(LOCAL_SERVE + "/") else module
+        def _split_scope(self, nodeid: str) -> str:  # what LoadFileScheduling overrides too
+            return xdist_scope(nodeid)
 
     return ModuleScheduling(config, log)
 
