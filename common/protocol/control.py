@@ -261,3 +261,7 @@ class LoadReport(_Msg, tag="load"):
     # before its own reports can count them (until the hand-off lands), so a router adds them to
     # its reports instead of forgetting its placements at that engine's next report.
     handoff_tokens: dict[str, Count] = {}
+    # The `GenerateRequest`s it has received, by the router that sent them (`reply_to`): a router
+    # keeps counting its placements made after the report (those still on the way, or queued
+    # behind the engine's step) instead of forgetting them until the next one.
+    received_requests: dict[str, Count] = {}

@@ -123,11 +123,16 @@ class Engine(
         self.step_times: deque[tuple[float, float, int]] = deque(maxlen=4096)
         self.num_decode_steps = self.num_two_batch_steps = 0  # the schedules chosen (bench)
         self.num_group_relinks = 0  # shard group changes since start (a fault, a `LinkShards`)
+        # `GenerateRequest`s received, by the router (`reply_to`) that sent them: each router's
+        # placements its reports hold already (`LoadReport.received_requests`).
+        self.received_requests: dict[str, int] = {}
 
     # -- inputs -----------------------------------------------------------------------------------
 
     def on_generate(self, msg: GenerateRequest) -> Outbox:
         """A new prompt. Invalid requests are answered with an error, never raised."""
+        # Counted before it is checked: the router counts it placed whatever becomes of it.
+        self.received_requests[msg.reply_to] = self.received_requests.get(msg.reply_to, 0) + 1
         try:
             params = SamplingParams.from_spec(msg.sampling)
             params.check_vocab(self.model.config.vocab_size)

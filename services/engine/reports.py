@@ -44,6 +44,7 @@ class EngineReports:
     num_prefill_tokens: int
     num_decode_steps: int
     num_group_relinks: int
+    received_requests: dict[str, int]
     num_two_batch_steps: int
     step_times: deque[tuple[float, float, int]]
     _told_negative_pending = False  # its own: set on the engine the first time it logs
@@ -92,6 +93,7 @@ class EngineReports:
             shard_endpoints=kv_endpoints(self.shards),
             shard_kv_tokens=shard_kv_tokens(self.shards, self.admission.reserved_tokens()),
             handoff_tokens=self._handoff_tokens(),
+            received_requests=dict(self.received_requests),
         )
 
     def _pending_prompt_tokens(self) -> int:

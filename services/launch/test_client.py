@@ -41,7 +41,9 @@ class MeshTestClient:
         sock, self.reply_endpoint = bind_random(ctx, zmq.PULL, auth=mesh.auth)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(sock, ServiceReply)
         self.push: PushPool[object] = PushPool(ctx, object, auth=mesh.auth)
-        self.scheduler = ClusterScheduler(mesh.topology.block_size, thresholds)
+        self.scheduler = ClusterScheduler(
+            mesh.topology.block_size, thresholds, reply_endpoint=self.reply_endpoint
+        )
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -12,7 +12,12 @@ before each decision, a borrow or return becomes a `SetRole` the router sends
 
 Load reports arrive every 50 ms per engine; between two reports the router adds what it just
 placed to its copy of the chosen engines' load, so a burst of admissions does not all land on the
-engine that looked shortest in the last report. A request's decode load belongs to its token
+engine that looked shortest in the last report. A report holds only the requests the engine had
+read when it made it, and an engine reads its commands between steps: a placement still on the
+way, or queued behind a step, would vanish from the router's view until the next report. So each
+report counts the requests it received from each router (`LoadReport.received_requests`), and a
+router re-adds its placements past that count (`_Placement`) to what the report says. A
+request's decode load belongs to its token
 engine long before that engine can report it: while the prompt engine prefills it, the prompt
 engine reports it (`LoadReport.handoff_tokens`, by token engine), and a token engine's load is
 its own report plus what every prompt engine holds for it. So the router's placement lasts until
@@ -31,8 +36,9 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from common.block_hash import block_hashes, namespace_seed
 from common.kv_events import CachedBlocks, CacheDigest, reusable_blocks
@@ -48,9 +54,28 @@ from common.scheduling.shard_choice import ShardKvLoads, holds_whole_requests
 from services.mesh.registry import ServiceEntry
 from services.router.pool_state import ReportedPools
 
+# A placement no report has counted after this long was never received (its send failed, or
+# the engine is stuck and about to leave the registry): it stops counting.
+PLACEMENT_TTL_S = 5.0
+
 
 class NoEngines(LookupError):
     """No ready prompt engine or no ready token engine to place a request on."""
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """What one request placed on a prompt engine adds to the loads until a report holds it: its
+    prompt (less the cached prefix) pending there, and its tokens' decode load on the token
+    engine, held by the prompt engine for it or, where it decodes there itself, its own."""
+
+    seq: int  # the router's count of requests sent to that prompt engine, this one included
+    at: float  # time.monotonic() when placed
+    prompt_id: int
+    token_id: int
+    pending_tokens: int
+    decode_tokens: int
+    decodes_there: bool
 
 
 class ClusterScheduler:
@@ -63,8 +88,11 @@ class ClusterScheduler:
         *,
         prefix_weight: float = 0.0,
         cache_namespace: str = "",
+        reply_endpoint: str = "",
     ) -> None:
         self.block_size = block_size
+        # This router's inbox: the key of its requests in the engines' `received_requests`.
+        self.reply_endpoint = reply_endpoint
         self.thresholds = thresholds or PoolThresholds()
         self.prefix_weight = prefix_weight  # 0: plain JSQ, prompts are not even hashed
         self.seed = namespace_seed(cache_namespace)  # the engines' (their model folder's name)
@@ -84,6 +112,9 @@ class ClusterScheduler:
         self._cached: dict[int, CachedBlocks] = {}  # each engine's prefix cache, from its reports
         self._pools = ReportedPools(self.thresholds.role_lease_s)
         self._shard_loads = ShardKvLoads()  # request-partitioned groups: KV tokens per shard
+        # Per prompt engine: requests sent to it, and those its last report did not hold yet.
+        self._num_placed: dict[int, int] = {}
+        self._unreported: dict[int, deque[_Placement]] = {}
 
     def set_engines(self, entries: list[ServiceEntry]) -> None:
         """The registry's ready services now (shards included: a token engine's group must be
@@ -98,6 +129,11 @@ class ClusterScheduler:
             self._handoffs = {p: {t: n for t, n in held.items() if t in engines}
                               for p, held in self._handoffs.items() if p in engines}  # fmt: skip
             self._cached = {m: self._cached.get(m) or CachedBlocks() for m in engines}
+            self._num_placed = {m: n for m, n in self._num_placed.items() if m in engines}
+            self._unreported = {
+                p: deque(x for x in placed if x.token_id in engines)
+                for p, placed in self._unreported.items() if p in engines
+            }  # fmt: skip
             self._pools.forget_all_but(engines)
             if changed:
                 homes = {m: Role(e.role) for m, e in engines.items()}
@@ -124,6 +160,7 @@ class ClusterScheduler:
                 for endpoint, tokens in report.handoff_tokens.items()
                 if endpoint in self._by_endpoint  # a token engine gone meanwhile: nothing lands
             }
+            self._readd_unreported(machine_id, report)
             self._linked[machine_id] = report.shard_endpoints
             if report.shard_kv_tokens:
                 self._shard_loads.on_report(report.shard_endpoints, report.shard_kv_tokens)
@@ -238,19 +275,44 @@ class ClusterScheduler:
     def _account(
         self, prompt_id: int, token_id: int, prompt_len: int, cached: int, decodes_there: bool
     ) -> None:
-        # Until the prompt engine's next report: the prompt (less its cached prefix) is pending
-        # there, and will decode on the token engine: held for it (`_handoffs`) if the prompt
-        # engine hands it off, on the engine itself if it decodes it there (`decodes_there`: it
-        # reports the request as its own, pending, then running).
+        seq = self._num_placed.get(prompt_id, 0) + 1
+        self._num_placed[prompt_id] = seq
+        placement = _Placement(seq, time.monotonic(), prompt_id, token_id, prompt_len - cached,
+                               prompt_len, decodes_there)  # fmt: skip
+        self._unreported.setdefault(prompt_id, deque()).append(placement)
+        self._add(placement)
+
+    def _add(self, placement: _Placement) -> None:
+        # Until a report of the prompt engine holds it: the prompt is pending there, and will
+        # decode on the token engine: held for it (`_handoffs`) if the prompt engine hands it
+        # off, on the engine itself if it decodes it there (`decodes_there`: it reports the
+        # request as its own, pending, then running).
+        prompt_id, token_id = placement.prompt_id, placement.token_id
         p = self._loads[prompt_id]
-        pending = p.pending_prompt_tokens + prompt_len - cached
+        pending = p.pending_prompt_tokens + placement.pending_tokens
         self._loads[prompt_id] = replace(p, pending_prompt_tokens=pending)
-        if decodes_there:
+        if placement.decodes_there:
             t = self._loads[token_id]
-            self._loads[token_id] = replace(t, decode_tokens=t.decode_tokens + prompt_len)
+            decode = t.decode_tokens + placement.decode_tokens
+            self._loads[token_id] = replace(t, decode_tokens=decode)
             return
         held = self._handoffs.setdefault(prompt_id, {})
-        held[token_id] = held.get(token_id, 0) + prompt_len
+        held[token_id] = held.get(token_id, 0) + placement.decode_tokens
+
+    def _readd_unreported(self, prompt_id: int, report: LoadReport) -> None:
+        """The placements on `prompt_id` that its fresh `report` does not hold, added back to it:
+        those past the count of this router's requests it had received (FIFO: the router sends
+        them in placement order, give or take threads racing to send), unless too old."""
+        placed = self._unreported.get(prompt_id)
+        if not placed:
+            return
+        received = report.received_requests.get(self.reply_endpoint, 0)
+        oldest = time.monotonic() - PLACEMENT_TTL_S
+        while placed and (placed[0].seq <= received or placed[0].at < oldest):
+            placed.popleft()
+        for placement in placed:
+            if placement.token_id in self._loads:
+                self._add(placement)
 
     def _linked_group(self, machine_id: int) -> ServiceEntry:
         """The token engine's entry with the shard group it has linked: its registry entry lags

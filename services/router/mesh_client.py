@@ -109,6 +109,8 @@ class MeshEngineClient:
             auth=auth,
         )
         self.reply_endpoint = self.inbox.reply_endpoint
+        # The engines count this router's requests by it (`LoadReport.received_requests`).
+        self.scheduler.reply_endpoint = self.reply_endpoint
         self._orderer = self.inbox.orderer
         self._push: PushPool[EngineCommand] = PushPool(self.ctx, EngineCommand, auth=auth)
         self._push_lock = threading.Lock()

@@ -9,6 +9,7 @@ engines that leave never are.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import msgspec
@@ -19,7 +20,8 @@ from common.protocol import LoadReport, ShardAddress
 from common.roles import Role
 from common.transport.zmq_sockets import TypedSocket
 from services.mesh.registry import ServiceEntry
-from services.router.cluster_scheduler import ClusterScheduler, NoEngines
+from services.router import cluster_scheduler
+from services.router.cluster_scheduler import PLACEMENT_TTL_S, ClusterScheduler, NoEngines
 
 
 def engine(service_id: str, role: str) -> ServiceEntry:
@@ -27,10 +29,15 @@ def engine(service_id: str, role: str) -> ServiceEntry:
                         command_endpoint=f"tcp://{service_id}")  # fmt: skip
 
 
+ROUTER = "tcp://router:1"  # the scheduler's router: its reply endpoint
+
+
 def report(
-    engine_id: str, pending: int = 0, decode: int = 0, free_blocks: int = 1000
+    engine_id: str, pending: int = 0, decode: int = 0, free_blocks: int = 1000, received: int = 0
 ) -> LoadReport:
-    return LoadReport(engine_id, "", pending, decode, 0, 0, free_blocks)
+    """A report made after the engine had received `received` of this router's requests."""
+    return LoadReport(engine_id, "", pending, decode, 0, 0, free_blocks,
+                      received_requests={ROUTER: received})  # fmt: skip
 
 
 PROMPTS = [engine("p0", "prompt"), engine("p1", "prompt")]
@@ -38,7 +45,7 @@ TOKENS = [engine("t0", "token"), engine("t1", "token")]
 
 
 def scheduler(*entries: ServiceEntry) -> ClusterScheduler:
-    p = ClusterScheduler(block_size=16)
+    p = ClusterScheduler(block_size=16, reply_endpoint=ROUTER)
     p.set_engines(list(entries))
     return p
 
@@ -63,8 +70,42 @@ def test_placements_count_until_the_next_report() -> None:
         p.on_load(r)
     assert chosen(p, prompt_len=50) == ("p0", "t0")  # now p0: 150 pending, t0: 90 decode
     assert chosen(p, prompt_len=50) == ("p1", "t1")  # p1: 120 < 150, t1: 60 < 90
-    p.on_load(report("p0", 0))  # a fresh report replaces the estimate
+    p.on_load(report("p0", 0, received=1))  # a fresh report that holds it replaces the estimate
     assert chosen(p)[0] == "p0"
+
+
+def test_a_report_made_before_a_placement_arrived_does_not_erase_it() -> None:
+    p = scheduler(*PROMPTS, TOKENS[0])
+    p.on_load(report("p0", 100, received=0))
+    p.on_load(report("p1", 120, received=0))
+    assert chosen(p, prompt_len=50) == ("p0", "t0")  # 1st on p0: 150 pending
+    assert chosen(p, prompt_len=50) == ("p1", "t0")  # 1st on p1: 170
+    assert chosen(p, prompt_len=50) == ("p0", "t0")  # 2nd on p0: 200
+    # p0's report was made when it had read only its 1st (prefilling: 100 + 50 pending, its 50
+    # tokens held for t0).
+    held = {"tcp://t0": 50}
+    p.on_load(msgspec.structs.replace(report("p0", 150, received=1), handoff_tokens=held))
+    assert p.loads()["p0"].pending_prompt_tokens == 200  # the 2nd still counts, once
+    assert p.loads()["t0"].decode_tokens == 150  # all three, held for it by p0 and p1
+    # Another router's requests are not this one's: its count confirms none of ours.
+    other = LoadReport("p1", "", 120, 0, 0, 0, 1000, received_requests={"tcp://other:2": 9})
+    p.on_load(other)
+    assert p.loads()["p1"].pending_prompt_tokens == 170
+    assert chosen(p, prompt_len=50)[0] == "p1"  # 170 < 200
+    p.on_load(report("p0", 200, received=2))
+    p.on_load(report("p1", 220, received=2))
+    assert [p.loads()[e].pending_prompt_tokens for e in ("p0", "p1")] == [200, 220]
+
+
+def test_a_placement_no_report_ever_holds_stops_counting(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = scheduler(PROMPTS[0], TOKENS[0])
+    chosen(p, prompt_len=64)  # sent, never received (say its send failed)
+    p.on_load(report("p0", 0))
+    assert p.loads()["p0"].pending_prompt_tokens == 64
+    later = time.monotonic() + PLACEMENT_TTL_S + 1
+    monkeypatch.setattr(cluster_scheduler.time, "monotonic", lambda: later)
+    p.on_load(report("p0", 0))
+    assert p.loads()["p0"].pending_prompt_tokens == 0
 
 
 def test_a_new_engine_joins_at_once_and_a_gone_one_leaves() -> None:
@@ -184,7 +225,7 @@ def test_a_mixed_engine_decoding_its_own_prompt_counts_it_as_its_own() -> None:
     p = scheduler(engine("m0", "mixed"))
     assert chosen(p, prompt_len=64) == ("m0", "m0")
     assert p.loads()["m0"].decode_tokens == 64
-    p.on_load(report("m0", pending=64))  # its own report: pending now, decoding later
+    p.on_load(report("m0", pending=64, received=1))  # its own: pending now, decoding later
     assert p.loads()["m0"].decode_tokens == 0
 
 

@@ -167,6 +167,24 @@ def test_a_requests_decode_load_is_reported_by_one_engine_or_the_other(
     assert reported() == (0, 0)
 
 
+def test_reports_count_each_routers_requests_received_rejected_ones_too(
+    tiny_model_path: Path,
+) -> None:
+    """A router re-adds its placements past this count to the report (cluster_scheduler.py): a
+    request the engine refused was still received, and must not count as on its way forever."""
+    pair = InProcessPair(tiny_model_path)
+    assert pair.prompt.load_report(time.time()).received_requests == {}
+    prompts = random_prompts([20, 20, 20], vocab=2048, seed=8)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    pair.submit("a", prompts[0], params, reply_to="tcp://r1")
+    pair.submit("b", prompts[1], params, reply_to="tcp://r2")
+    pair.submit("c", [10**9], params, reply_to="tcp://r1")  # refused: a token id past the vocab
+    assert pair.outputs["c"][0].finish_reason == "error"
+    report = pair.prompt.load_report(time.time())
+    assert report.received_requests == {"tcp://r1": 2, "tcp://r2": 1}
+    assert report.pending_prompt_tokens == 40
+
+
 def test_a_count_gone_below_zero_is_reported_as_zero_and_the_report_still_decodes(
     tiny_model_path: Path,
 ) -> None:
