@@ -2,9 +2,10 @@
 
 Coverage and fuzzing phases, more than a thousand generated requests in all, checked for server
 errors, undocumented status codes and responses that do not match the documented schema. The
-router's context is capped (`max_model_len: 64`) so that each accepted request generates a few
-dozen tokens at most: the run stays within a couple of minutes on two cores. Afterwards the mesh
-still serves a normal request, and every engine and shard is back to idle.
+router's context is capped (`max_model_len: 48`) so that each accepted request generates a couple
+dozen tokens at most (a chat prompt's template alone is 26): the run stays within a couple of
+minutes on two cores. Afterwards the mesh still serves a normal request, and every engine and
+shard is back to idle.
 
 The same application checks what is closed by default: it runs with an API key (401 without it,
 `/health` open), and no socket PhaseMesh opens in its replicas listens beyond loopback. Last, a
@@ -32,6 +33,11 @@ from tests.e2e.serve_process import ServeRun, descendants, served
 pytestmark = pytest.mark.timeout(600)
 
 MIN_CASES = 1000
+# Every token a fuzzed request may generate is served by the mesh on CI's two cores: at 64 the
+# fuzz took 138 s alone and ~200 s beside another module, at 32 97 s alone.
+MAX_MODEL_LEN = 48
+CHAT_PROMPT_TOKENS = 26  # "go on {i}" as a one-message chat prompt, template included
+CUT_OFF_TOKENS = MAX_MODEL_LEN - CHAT_PROMPT_TOKENS - 4
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
@@ -39,7 +45,7 @@ SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
-    args = {"max_model_len": 64, "api_key": API_KEY}
+    args = {"max_model_len": MAX_MODEL_LEN, "api_key": API_KEY}
     with served("local.yaml", tmp_path_factory.mktemp("serve"), args) as run:
         yield run
 
@@ -140,10 +146,10 @@ def test_soak_of_mixed_and_hostile_traffic_leaves_everything_idle(server: ServeR
         assert response.status_code == 200, response.text
 
     async def cut_off(http: httpx.AsyncClient, i: int) -> None:
-        # 32 tokens after a 26-token chat prompt: within the 64-token context (50 were not, and
-        # every such request got its 400 instead of being cut off mid-stream).
+        # Within the context after the chat prompt (a request that is not gets its 400 instead
+        # of being cut off mid-stream), and many steps longer than the client stays.
         body = {"messages": [{"role": "user", "content": f"go on {i}"}], "stream": True,
-                "max_tokens": 32, "ignore_eos": True}  # fmt: skip
+                "max_tokens": CUT_OFF_TOKENS, "ignore_eos": True}  # fmt: skip
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             assert response.status_code == 200, await response.aread()
             async for _ in response.aiter_lines():
