@@ -119,10 +119,15 @@ class _Job:
 INLINE_PROMPT_LIMIT = 4096
 
 
-def _long(prompt: str | list[Any]) -> bool:
+def _one_prompt(prompt: str | list[Any]) -> str | list[Any]:
+    """A completion's `prompt`: text or token ids, alone or as a list of one of them."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    return len(prompt) > INLINE_PROMPT_LIMIT
+        return prompt[0]
+    return prompt
+
+
+def _long(prompt: str | list[Any]) -> bool:
+    return len(_one_prompt(prompt)) > INLINE_PROMPT_LIMIT
 
 
 async def off_loop_if(heavy: bool, fn: Callable[..., T], *args: Any) -> T:
@@ -280,14 +285,13 @@ class Router:
 
     def _completion_prompt_ids(self, prompt: str | list[Any]) -> list[int]:
         """Text or token ids, alone or as a list of one prompt."""
+        prompt = _one_prompt(prompt)
         if isinstance(prompt, str):
             check_unicode("prompt", [prompt])
             ids = self.tokenizer.encode(prompt)
             if not ids:
                 raise APIError(400, "prompt must not be empty", "prompt")
             return ids
-        if len(prompt) == 1 and isinstance(prompt[0], str | list):
-            return self._completion_prompt_ids(prompt[0])
         if prompt and all(isinstance(t, int) for t in prompt):
             try:
                 check_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
