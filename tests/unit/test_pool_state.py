@@ -29,8 +29,12 @@ def engine(service_id: str, role: Role) -> ServiceEntry:
 ENGINES = [engine("p0", Role.PROMPT), engine("t0", Role.TOKEN), engine("t1", Role.TOKEN)]
 
 
-def report(engine_id: str, role: Role, home: Role, pending: int = 0, decode: int = 0) -> LoadReport:
-    return LoadReport(engine_id, role.value, pending, decode, 0, 0, 1000, home_role=home.value)
+def report(
+    engine_id: str, role: Role, home: Role, pending: int = 0, decode: int = 0, received: int = 0
+) -> LoadReport:
+    """A report made after the engine had received `received` of the router's requests."""
+    return LoadReport(engine_id, role.value, pending, decode, 0, 0, 1000, home_role=home.value,
+                      received_requests={"": received})  # fmt: skip
 
 
 def router(*reports: LoadReport) -> ClusterScheduler:
@@ -131,7 +135,8 @@ def test_a_report_older_than_the_borrowed_work_does_not_send_the_engine_home() -
         scheduler.rebalance()
         assert changes(scheduler) == []
         assert scheduler.pools()["t1"] == "mixed"
-    scheduler.on_load(report("t1", Role.MIXED, Role.TOKEN))  # made after the prompt: drained
+    # Made after the prompt came and went: drained.
+    scheduler.on_load(report("t1", Role.MIXED, Role.TOKEN, received=1))
     scheduler.rebalance()
     assert changes(scheduler) == [("t1", SetRole("token"))]
 
