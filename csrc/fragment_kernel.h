@@ -53,7 +53,15 @@
 // taken off), from L3 (16 MiB: 13-15) and from memory (bench/attention.py: 14.1), MHA bf16 at
 // 18-19 from L3. So there bf16 GQA is held by the core's own work, and not by the score FMAs
 // that vdpbf16ps halved: the V pass (a widen and 4 FMAs per 16 values) or the softmax, untested
-// (the VM has no hardware counters).
+// (the VM has no hardware counters). Not the V pass's widening either: widening a V pair of
+// vectors from one 64-byte load (a shift for the even elements, a mask for the odd, the
+// accumulators kept in that order until the end; 2 ops per 32 values where load() takes 4) ran
+// GQA 4:1 bf16 0.99x / 1.04x (b32 / b1) from memory and 0.97x from cache, MHA 1.00x / 0.98x
+// (bench/attention_ab.py, 1 thread, thread clock, same bits out; 2026-11-26). A 1-thread AVX-512
+// FMA loop there runs 4.1 G zmm FMAs/s, and two at once 7.9: the two vCPUs do not share FMA
+// ports, and bf16 GQA 4:1 uses 38-51% of one core's (4 FMAs per K and per V value, at its
+// 12.4 GB/s from memory and 16.6 from L2). The AVX2 build there runs every shape slower than
+// the AVX-512 one (0.58-0.85x, bf16 GQA 0.58x), the 16-lane AVX2 build far slower still.
 //
 // NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: paired A/B at
 // 1 thread (3 runs, load 5-9), bf16 64-token steps against 128: GQA 4:1 b1 x 32768 +1.8, +9.6,
