@@ -16,13 +16,14 @@ engine that looked shortest in the last report. A report holds only the requests
 read when it made it, and an engine reads its commands between steps: a placement still on the
 way, or queued behind a step, would vanish from the router's view until the next report. So each
 report counts the requests it received from each router (`LoadReport.received_requests`), and a
-router re-adds its placements past that count (`_Placement`) to what the report says. A
-request's decode load belongs to its token
-engine long before that engine can report it: while the prompt engine prefills it, the prompt
-engine reports it (`LoadReport.handoff_tokens`, by token engine), and a token engine's load is
-its own report plus what every prompt engine holds for it. So the router's placement lasts until
-the prompt engine's next report, not the token engine's: a token engine's report, made before the
-hand-offs it is about to get, no longer erases them and sends the next requests to it as well.
+router re-adds its placements past that count (`_Placement`) to what the report says.
+
+A request's decode load belongs to its token engine long before that engine can report it:
+while the prompt engine prefills it, the prompt engine reports it (`LoadReport.handoff_tokens`,
+by token engine), and a token engine's load is its own report plus what every prompt engine
+holds for it. So the router's placement lasts until a report of the prompt engine holds it, not
+the token engine's: a token engine's report, made before the hand-offs it is about to get, no
+longer erases them and sends the next requests to it as well.
 
 KV-aware routing (docs/prefix_caching.md): each report also carries the engine's prefix-cache
 news (`common.kv_events`), replayed into one `CachedBlocks` per engine. With a positive
