@@ -51,6 +51,7 @@ class MeshTestClient:
         self.load_reports: TypedSocket[LoadReport] = TypedSocket(sub, LoadReport)
         self._subscribed: set[str] = set()
         self.reported: set[str] = set()  # engines whose load report has come in
+        self.last_reports: dict[str, LoadReport] = {}  # each engine's latest
         self.roles_seen: dict[str, list[str]] = {}  # each engine's reported pools, in order
         self.placement: dict[str, tuple[ServiceEntry, ServiceEntry]] = {}
         self.orderer = TokenStreamOrderer()
@@ -68,6 +69,7 @@ class MeshTestClient:
         while (report := self.load_reports.recv_nowait()) is not None:
             self.scheduler.on_load(report[1])
             self.reported.add(report[1].engine_id)
+            self.last_reports[report[1].engine_id] = report[1]
             seen = self.roles_seen.setdefault(report[1].engine_id, [])
             if not seen or seen[-1] != report[1].role:
                 seen.append(report[1].role)

@@ -7,6 +7,7 @@ stay equal. An engine lent with a lease nobody renews goes home by itself."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from common.engine.core import LLMEngine
 from common.protocol import LoadReport, SamplingSpec, SetRole
@@ -73,6 +74,12 @@ def test_a_prompt_burst_borrows_the_least_loaded_token_engine(tiny_model_path) -
             lambda _: client.roles_seen[t1.service_id] == ["token", "mixed", "token"]
         )
         assert client.roles_seen[p0.service_id] == ["prompt"]
+        # Each engine's reports count the requests it received from this client (as a router):
+        # the placements the client re-adds to a report that was made before they arrived.
+        placed = Counter(pe.service_id for pe, _ in client.placement.values())
+        for engine in engines:
+            want = {client.reply_endpoint: placed[engine]} if placed[engine] else {}
+            assert client.last_reports[engine].received_requests == want, (engine, placed)
         assert client.roles_seen[t0.service_id] == ["token"]
         assert_no_kv_held(mesh)
 
