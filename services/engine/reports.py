@@ -80,9 +80,7 @@ class EngineReports:
             role=self.pool.current(time.monotonic()),
             home_role=self.role.name,
             pending_prompt_tokens=self._pending_prompt_tokens(),
-            running_decode_tokens=sum(
-                s.num_tokens for s in self.local.running + self.admission.sharded
-            ),
+            running_decode_tokens=self._decode_tokens(),
             num_running=len(self.local.running) + len(self.admission.sharded),
             num_waiting=self.ship_queue.num_unfinished + len(self.admission.waiting),
             # Where its decode KV lives: the shard group (as this engine accounts it) or its own.
@@ -95,6 +93,13 @@ class EngineReports:
             handoff_tokens=self._handoff_tokens(),
             received_requests=dict(self.received_requests),
         )
+
+    def _decode_tokens(self) -> int:
+        """The tokens of the requests it decodes or holds to decode: hand-offs waiting for their
+        KV (or room) too. Their prompt engine stopped reporting them when it handed them off,
+        and a router must not see this engine as free of them meanwhile."""
+        decoding = sum(s.num_tokens for s in self.local.running + self.admission.sharded)
+        return decoding + sum(len(h.token_ids) for h in self.admission.waiting)
 
     def _pending_prompt_tokens(self) -> int:
         """The schedulers' running counts of prompt tokens to prefill, never below 0: a router

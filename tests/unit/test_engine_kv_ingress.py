@@ -131,8 +131,9 @@ def test_a_requests_decode_load_is_reported_by_one_engine_or_the_other(
 ) -> None:
     """From its arrival at the prompt engine to its end, a request's decode tokens are in the
     prompt engine's `handoff_tokens` (for its token engine) or in the token engine's own
-    `running_decode_tokens`: a router that adds the first to the second never loses it between
-    the two engines' reports (services/router/cluster_scheduler.py)."""
+    `running_decode_tokens` (from its hand-off on, its KV landed or not): a router that adds
+    the first to the second never loses it between the two engines' reports
+    (services/router/cluster_scheduler.py)."""
     (prompt,) = random_prompts([40], vocab=2048, seed=6)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     pair = InProcessPair(tiny_model_path)
@@ -154,6 +155,10 @@ def test_a_requests_decode_load_is_reported_by_one_engine_or_the_other(
             break
         if pair.prompt.has_work():
             pair.deliver(pair.prompt.step())
+            # Handed off, its KV not landed yet: the token engine holds it, waiting.
+            held, running = reported()
+            seen.append((held, running))
+            assert finished() or held + running >= len(prompt), seen
         while pair.kv:
             pair.deliver(pair.token.on_kv(*pair.kv.pop(0)))
         held, running = reported()
