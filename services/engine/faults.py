@@ -39,6 +39,7 @@ class EngineFaults:
     num_group_relinks: int
     requests: dict[str, Request]
     routing: dict[str, RequestRoute]
+    received_requests: dict[str, int]
 
     def on_abort(self, req_id: str) -> Outbox:
         raise NotImplementedError  # Engine's
@@ -76,7 +77,11 @@ class EngineFaults:
 
     def lost_reply_to(self, reply_to: str) -> Outbox:
         """A router this engine reports to is gone (its connection down for a while): end its
-        requests here, retryably; the error waits in its queue in case it comes back."""
+        requests here, retryably; the error waits in its queue in case it comes back. Its count
+        of received requests goes too, so the reports stay one entry per live router (one that
+        does come back counts its next placements as on their way for at most the router's
+        `PLACEMENT_TTL_S`)."""
+        self.received_requests.pop(reply_to, None)
         lost = [req_id for req_id, route in self.routing.items() if route.reply_to == reply_to]
         if lost:
             log.warning("router lost; ending its requests", engine=self.engine_id,

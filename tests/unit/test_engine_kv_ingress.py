@@ -119,6 +119,8 @@ def test_a_lost_router_ends_only_its_own_requests(tiny_model_path: Path) -> None
     while pair.kv:
         pair.deliver(pair.token.on_kv(*pair.kv.pop(0)))
     pair.deliver(pair.token.lost_reply_to("router-a"))  # router-a's connection stayed down
+    pair.deliver(pair.prompt.lost_reply_to("router-a"))
+    assert pair.prompt.load_report(time.time()).received_requests == {"router-b": 1}
     lost = pair.outputs["mine"][-1]
     assert lost.retryable and "lost its router" in lost.error
     pair.run()
