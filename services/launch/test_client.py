@@ -50,8 +50,7 @@ class MeshTestClient:
         mesh.auth.join(sub)
         self.load_reports: TypedSocket[LoadReport] = TypedSocket(sub, LoadReport)
         self._subscribed: set[str] = set()
-        self.reported: set[str] = set()  # engines whose load report has come in
-        self.last_reports: dict[str, LoadReport] = {}  # each engine's latest
+        self.last_reports: dict[str, LoadReport] = {}  # each engine's latest, once one came in
         self.roles_seen: dict[str, list[str]] = {}  # each engine's reported pools, in order
         self.placement: dict[str, tuple[ServiceEntry, ServiceEntry]] = {}
         self.orderer = TokenStreamOrderer()
@@ -68,7 +67,6 @@ class MeshTestClient:
                 self._subscribed.add(e.load_endpoint)
         while (report := self.load_reports.recv_nowait()) is not None:
             self.scheduler.on_load(report[1])
-            self.reported.add(report[1].engine_id)
             self.last_reports[report[1].engine_id] = report[1]
             seen = self.roles_seen.setdefault(report[1].engine_id, [])
             if not seen or seen[-1] != report[1].role:

@@ -311,9 +311,8 @@ class ClusterScheduler:
         oldest = time.monotonic() - PLACEMENT_TTL_S
         while placed and (placed[0].seq <= received or placed[0].at < oldest):
             placed.popleft()
-        for placement in placed:
-            if placement.token_id in self._loads:
-                self._add(placement)
+        for placement in placed:  # their token engines are live: `set_engines` keeps no other
+            self._add(placement)
 
     def _linked_group(self, machine_id: int) -> ServiceEntry:
         """The token engine's entry with the shard group it has linked: its registry entry lags

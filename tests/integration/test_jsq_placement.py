@@ -31,7 +31,7 @@ def test_a_prompt_burst_borrows_the_least_loaded_token_engine(tiny_model_path) -
     try:
         (p0,), (t0, t1) = mesh.prompt, mesh.token
         engines = {p0.service_id, t0.service_id, t1.service_id}
-        client.wait_for_loads(lambda _: engines <= client.reported)
+        client.wait_for_loads(lambda _: engines <= client.last_reports.keys())
         prompts = random_prompts([LONG_LEN] + [BURST_LEN] * NUM_BURST, 2048, seed=5)
         lengths = [300] + [8] * NUM_BURST
         specs = [SamplingSpec(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]

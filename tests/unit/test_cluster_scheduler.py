@@ -108,6 +108,30 @@ def test_a_placement_no_report_ever_holds_stops_counting(monkeypatch: pytest.Mon
     assert p.loads()["p0"].pending_prompt_tokens == 0
 
 
+def test_placements_not_yet_reported_leave_with_their_engines() -> None:
+    p = scheduler(*PROMPTS, *TOKENS)
+    for r in (report("p0", 0), report("p1", 10), report("t0", decode=0), report("t1", decode=5)):
+        p.on_load(r)
+    assert chosen(p, prompt_len=40) == ("p0", "t0")
+    assert chosen(p, prompt_len=40) == ("p1", "t1")
+    # t0 killed: what p0 holds for it lands nowhere, also after p0's next (older) report.
+    p.set_engines([*PROMPTS, TOKENS[1]])
+    p.on_load(report("p0", 0))
+    assert p.loads()["p0"].pending_prompt_tokens == 0
+    assert p.loads()["t1"].decode_tokens == 45  # its own 5 and p1's unreported 40
+    # p1 killed: its unreported placement goes with it; t1 is back to its own report.
+    p.set_engines([PROMPTS[0], TOKENS[1]])
+    assert p.loads()["t1"].decode_tokens == 5
+    # p1 back under its id (a registry that forgot it briefly): the router counts afresh while
+    # p1 goes on counting, so its reports confirm the new placements at once (the old way).
+    p.set_engines([*PROMPTS, TOKENS[1]])
+    p.on_load(report("p1", 0))
+    assert p.loads()["p1"].pending_prompt_tokens == 0
+    assert [chosen(p, prompt_len=40)[0] for _ in range(2)] == ["p0", "p1"]  # ties: lowest id
+    p.on_load(report("p1", 40, received=2))  # its 2nd from this router, the router's 1st
+    assert p.loads()["p1"].pending_prompt_tokens == 40
+
+
 def test_a_new_engine_joins_at_once_and_a_gone_one_leaves() -> None:
     p = scheduler(PROMPTS[0], TOKENS[0])
     p.on_load(report("t0", decode=300))
@@ -236,6 +260,7 @@ def test_a_mixed_engine_decoding_its_own_prompt_counts_it_as_its_own() -> None:
         {"running_decode_tokens": -10_000},
         {"free_kv_blocks": -1},
         {"handoff_tokens": {"tcp://t0": -50}},
+        {"received_requests": {ROUTER: -1}},
     ],
 )
 def test_a_report_with_a_negative_count_is_dropped_by_the_socket(wrong: dict) -> None:
