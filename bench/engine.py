@@ -1,9 +1,11 @@
 """Decode throughput: PhaseMesh's engine against `transformers` generate, same weights, same run.
 
     python bench/engine.py [--model PATH] [--batches 1 8 32] [--repeats 5] [--no-unpacked]
+                           [--no-onednn]
 
-A third side, `engine_unpacked`, is the same engine with its projections on plain `F.linear`
-(MKL) instead of oneDNN-packed weights (common/model/linear.py): what the packing alone gives.
+Two more sides are the same engine with other projections (common/model/linear.py):
+`engine_unpacked` on plain `F.linear` (MKL), what the packing alone gives, and `engine_onednn` on
+oneDNN-packed weights (float32 models, where the extension's panel GEMM is the default).
 
 Per-step decode time is measured by differencing two generation lengths (64 and 16 new tokens)
 so that prefill cancels out; tokens/s = batch / step time. Prompts have mixed lengths (16-128).
@@ -33,7 +35,7 @@ import torch
 
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
-from common.model.linear import unpack_linears
+from common.model.linear import kernel_gemm_available, pack_linears, unpack_linears
 from common.sampling import SamplingParams
 from common.scheduling.batching import Phase
 
@@ -172,6 +174,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-unpacked", action="store_true", help="skip the F.linear engine")
+    parser.add_argument("--no-onednn", action="store_true", help="skip the oneDNN engine")
     args = parser.parse_args()
     # NOTE: run as a script, Python puts bench/ first on sys.path, where bench/profile.py would
     # shadow the standard library's `profile` (which cProfile, imported by transformers, needs).
@@ -186,6 +189,10 @@ def main() -> None:
     if not args.no_unpacked:
         unpacked = LLMEngine.from_path(path, num_blocks=2048)
         unpack_linears(unpacked.model)
+    onednn = None
+    if not args.no_onednn and kernel_gemm_available() and engine.model_config.dtype == "float32":
+        onednn = LLMEngine.from_path(path, num_blocks=2048)
+        pack_linears(onednn.model, backend="onednn")
     vocab = engine.model_config.vocab_size
     results: dict[str, Any] = {
         "model": path, "threads": torch.get_num_threads(), "batches": {},
@@ -199,6 +206,8 @@ def main() -> None:
         }
         if unpacked is not None:
             runs["engine_unpacked"] = lambda p, n: engine_seconds(unpacked, p, n)
+        if onednn is not None:
+            runs["engine_onednn"] = lambda p, n: engine_seconds(onednn, p, n)
         rates = decode_tokens_per_s(runs, prompts, args.repeats)
         ours, theirs = rates["engine"], rates["transformers"]
         breakdown = engine_breakdown(path, prompts)
@@ -215,6 +224,10 @@ def main() -> None:
             row |= {"engine_unpacked_tok_s": round(plain, 1),
                     "packed_vs_unpacked": round(ours / plain, 2)}  # fmt: skip
             line += f"  (unpacked engine {plain:9.1f} tok/s: packing x{ours / plain:4.2f})"
+        if onednn is not None:
+            dnn = rates["engine_onednn"]
+            row |= {"engine_onednn_tok_s": round(dnn, 1), "kernel_vs_onednn": round(ours / dnn, 2)}
+            line += f"  (oneDNN engine {dnn:9.1f} tok/s: kernel GEMM x{ours / dnn:4.2f})"
         print(line)
         print("  engine us/step: " + "  ".join(f"{k} {v:.0f}" for k, v in breakdown.items()))
     results["loadavg_after"] = os.getloadavg()[0]

@@ -147,6 +147,35 @@ void silu_and_mul(const RowsIn& x, const RowsOut& out) {
   pm::best_isa().silu_and_mul(x.data(), out.data(), rows, inter);
 }
 
+using Panels = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu, nb::c_contig>;
+
+void linear(const RowsIn& x, const Panels& panels, const RowsOut& out,
+            const std::optional<RowsIn>& residual, int64_t panel_start, int num_threads,
+            const std::string& isa) {
+  const int64_t rows = x.shape(0), in_features = x.shape(1), out_features = out.shape(1);
+  const pm::IsaKernels& kernels = isa == "auto" ? pm::best_isa() : pm::select_isa(isa, 0, 0);
+  const int64_t width = kernels.linear_panel_width;
+  if (panels.shape(1) != static_cast<size_t>(in_features) ||
+      panels.shape(2) != static_cast<size_t>(width))
+    throw std::invalid_argument("linear: panels must be [P, " + std::to_string(in_features) +
+                                ", " + std::to_string(width) + "] for x of " +
+                                std::to_string(in_features) + " columns");
+  const int64_t num_panels = (out_features + width - 1) / width;
+  if (panel_start < 0 || panel_start + num_panels > static_cast<int64_t>(panels.shape(0)))
+    throw std::invalid_argument("linear: " + std::to_string(out_features) +
+                                " output columns from panel " + std::to_string(panel_start) +
+                                " overrun the weight's " + std::to_string(panels.shape(0)) +
+                                " panels");
+  expect_rows("out", out.shape(0), out_features, rows, out_features);
+  if (residual) expect_rows("residual", residual->shape(0), residual->shape(1), rows, out_features);
+  if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
+  const pm::LinearArgs a{x.data(), panels.data() + panel_start * in_features * width, out.data(),
+                         residual ? residual->data() : nullptr, rows, in_features, out_features,
+                         in_features, out_features, out_features};
+  nb::gil_scoped_release no_gil;
+  pm::linear(a, kernels, num_panels, num_threads);
+}
+
 using StridedKv = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu>;
 using CacheLayer = nb::ndarray<float, nb::ndim<4>, nb::device::cpu, nb::c_contig>;
 
@@ -220,6 +249,17 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         "Rotates the first num_heads heads of each row in place by its position (RoPE).");
   m.def("silu_and_mul", &silu_and_mul, nb::arg("x").noconvert(), nb::arg("out").noconvert(),
         "out = silu(x[:, :I]) * x[:, I:] (float32, x [T, 2I]).");
+  m.def("linear", &linear, nb::arg("x").noconvert(), nb::arg("panels").noconvert(),
+        nb::arg("out").noconvert(), nb::arg("residual").noconvert().none(),
+        nb::arg("panel_start") = 0, nb::arg("num_threads") = 1, nb::arg("isa") = "auto",
+        "out = x @ w.T (+ residual), float32, w packed as panels [P, in, linear_panel_width()] "
+        "(common/model/linear.py), from panel panel_start on; rows never depend on each other.");
+  m.def(
+      "linear_panel_width",
+      [](const std::string& isa) {
+        return (isa == "auto" ? pm::best_isa() : pm::select_isa(isa, 0, 0)).linear_panel_width;
+      },
+      nb::arg("isa") = "auto", "Weight columns per panel of `linear` for an ISA (auto: the best).");
   m.def("write_kv", &write_kv, nb::arg("key_cache").noconvert(),
         nb::arg("value_cache").noconvert(), nb::arg("k").noconvert(), nb::arg("v").noconvert(),
         nb::arg("slots").noconvert(),

@@ -44,6 +44,18 @@ struct FragmentState {
 };
 
 using FragmentFn = void (*)(const FragmentArgs&, const FragmentState&);
+
+// A projection on a panel-packed weight (linear_kernel.h): out = x @ w.T (+ residual).
+struct LinearArgs {
+  const float* x;         // [rows, in_features], rows x_stride floats apart
+  const float* panels;    // [num_panels, in_features, panel_width], from the first panel used
+  float* out;             // [rows, out_features], rows out_stride floats apart
+  const float* residual;  // like out, or nullptr
+  int64_t rows, in_features, out_features;  // out_features: columns from the first panel used
+  int64_t x_stride, out_stride, res_stride;
+};
+// Writes the columns of panels [panel_begin, panel_end) (relative to `panels`) for every row.
+using LinearPanelsFn = void (*)(const LinearArgs&, int64_t panel_begin, int64_t panel_end);
 // out[r] = silu(x[r, :inter]) * x[r, inter:] for rows r (x [rows, 2 * inter], out [rows, inter]).
 using SiluAndMulFn = void (*)(const float* x, float* out, int64_t rows, int64_t inter);
 
@@ -54,6 +66,8 @@ struct IsaKernels {
   FragmentFn attend_f32;
   FragmentFn attend_bf16;
   SiluAndMulFn silu_and_mul;  // the MLP's activation, with this ISA's vector exp
+  LinearPanelsFn linear_panels;
+  int linear_panel_width;  // columns per weight panel (2 vectors)
 };
 
 namespace isa_generic { extern const IsaKernels kernels; }

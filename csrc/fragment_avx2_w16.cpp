@@ -9,6 +9,7 @@
 #define PM_LANES 16
 #define PM_ACC_BUDGET 8
 #define PM_ISA_NAME "avx2_w16"
+#define PM_LINEAR_ROWS 2  // rows per GEMM tile: rows x 2 vector accumulators in registers
 
 namespace pm::isa_avx2_w16 {
 #include "fragment_kernel.h"

@@ -6,6 +6,7 @@
 #define PM_LANES 4
 #define PM_ACC_BUDGET 8
 #define PM_ISA_NAME "generic"
+#define PM_LINEAR_ROWS 4  // rows per GEMM tile: rows x 2 vector accumulators in registers
 
 namespace pm::isa_generic {
 #include "fragment_kernel.h"

@@ -437,6 +437,9 @@ void silu_and_mul(const float* x, float* out, int64_t rows, int64_t inter) {
   }
 }
 
+#include "linear_kernel.h"  // the projections' GEMM (inside this unnamed namespace too)
+
 }  // namespace
 
-const IsaKernels kernels = {PM_ISA_NAME, kLanes, attend<float>, attend<uint16_t>, silu_and_mul};
+const IsaKernels kernels = {PM_ISA_NAME,  kLanes,        attend<float>, attend<uint16_t>,
+                            silu_and_mul, linear_panels, kPanelWidth};

@@ -1,8 +1,10 @@
 // Fused elementwise steps of a decoder layer (layer_ops.cpp) and the paged KV write
-// (kv_write.cpp); float32.
+// (kv_write.cpp), and the projections' GEMM (linear.cpp); float32.
 #pragma once
 
 #include <cstdint>
+
+#include "fragment.h"
 
 namespace pm {
 
@@ -31,5 +33,9 @@ struct KvRowStrides {
 void write_kv(float* key_cache, float* value_cache, const float* k, const float* v,
               const int64_t* slots, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
               int64_t block_size, const KvRowStrides& strides);
+
+// out = x @ w.T (+ residual) on a weight packed into `num_panels` column panels of
+// isa.linear_panel_width columns (linear_kernel.h), split by panels over num_threads threads.
+void linear(const LinearArgs& a, const IsaKernels& isa, int64_t num_panels, int num_threads);
 
 }  // namespace pm

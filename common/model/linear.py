@@ -1,28 +1,32 @@
-"""The model's projections, with their weights packed once for oneDNN.
+"""The model's projections, with their weights packed once at load.
 
-`F.linear` runs the process's BLAS (MKL), which repacks the weight on every call. At decode
-shapes (one to a few dozen rows against a few hundred thousand weights) that repacking is most of
-the work, and on AMD CPUs MKL also leaves AVX-512 unused. oneDNN's matmul on a weight reordered
-once at load (the layout torch.compile's CPU freezing pass uses) runs the tiny model's projections
-2-2.9x faster at 8 and 32 rows on this machine's Zen 4 (bench/engine.py prints the breakdown).
-Its result rows do not depend on the batch's other rows, as greedy parity across batch
-compositions wants.
+`F.linear` runs the process's BLAS (MKL), which repacks the weight on every call, and the rows of
+its calls of 10 rows or fewer are not bitwise the same rows of a larger call (it changes kernels
+with the row count): a request's greedy tokens would depend on how many others share its step.
+Two packed paths avoid both:
+
+- float32 (the default): the csrc extension's GEMM (`csrc/linear_kernel.h`) on a weight packed
+  into column panels. Every output is one FMA chain over the inputs in order, whatever the row
+  count or thread split, so a row's result depends on that row alone by construction. It costs a
+  few microseconds a call where oneDNN through torch costs 20-40 (its primitive is set up again on
+  every call), and ran the tiny model's projections faster than oneDNN and MKL at 1 to 32 rows on
+  a 2-vCPU Xeon (bench/engine.py prints the breakdown; numbers in the kernel's NOTE).
+- bfloat16, or float32 without the extension: oneDNN's matmul on a weight reordered once (the
+  layout torch.compile's CPU freezing pass uses); its rows do not depend on the batch either.
 
 `PackedLinear` is an `nn.Linear` (same `weight` parameter and state_dict name, so checkpoints,
 `transformers`-style access and the loader's checks are unchanged) with a packed copy beside it,
 made by `pack()` after the weights are final: a weight changed later must be packed again.
-Without a packed copy (never packed, oneDNN missing, a dtype it does not take, or
+Without a packed copy (never packed, neither path available, a dtype neither takes, or
 PHASEMESH_PACKED_WEIGHTS=0 at load) it is `F.linear`. The copy doubles the projections' memory.
 
 `forward_rows(x, start, end)` is `forward`'s outputs start..end alone (Lamina's early q computes
-the fused QKV's q rows before its k/v rows). A packed projection packs each row slice it is asked
-for on first use, a copy of those rows beside the fused one: oneDNN cannot run a column range of
-a packed weight, and `F.linear` on the slice (MKL, repacking every call) cost the early-q step
-its packed speed-up. Packing on first use keeps the memory off every engine that never splits:
-for attention_overlap that is one more copy of the QKV weights (`small`: 3.9 MB a layer, 47 MB
-float32 in all), packed when the engine starts (`pack_rows`, `LlamaDecoderLayer.pack_halves`;
-~0.1 s on `small`) or else on the first overlapped step. On this machine's oneDNN a slice's
-outputs equal the fused ones bitwise.
+the fused QKV's q rows before its k/v rows). The kernel runs a slice that starts on a panel
+boundary on the fused panels themselves; any other slice, and any oneDNN slice (oneDNN cannot run
+a column range of a packed weight), gets a packed copy of its own rows on first use (`pack_rows`,
+`LlamaDecoderLayer.pack_halves` do it at start-up). Packing on first use keeps the memory off
+every engine that never splits. A slice's outputs equal the fused ones bitwise on both paths
+(the kernel's by construction, oneDNN's as measured on this machine).
 """
 
 from __future__ import annotations
@@ -30,51 +34,84 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.dlpack import to_dlpack
 
-# Which weight dtypes get a packed copy: oneDNN's float32 and bfloat16 matmuls.
-_PACKED_DTYPES = (torch.float32, torch.bfloat16)
+from common.attention.cpu_kernel import extension
+
+_EXT = extension()
+# Columns per weight panel of the extension's GEMM (0: no GEMM in this build).
+PANEL_WIDTH: int = _EXT.linear_panel_width() if hasattr(_EXT, "linear_panel_width") else 0
+
+# Which weight dtypes get a oneDNN copy: its float32 and bfloat16 matmuls.
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # Below this many rows, MKL's GEMM on the column-major weight beats oneDNN's fixed call cost
-# (measured at 1 row: 64 vs 84 us for the tiny model's five projections on 2 threads).
-# NOTE: not raised for Intel CPUs, where MKL runs AVX-512: on a 2-vCPU Xeon (Emerald Rapids,
-# 2026-11-26) MKL ran four of the tiny model's five projections 1.2-2x faster than the packed
-# weights at 8 rows (the LM head about even; oneDNN 1.2-1.6x faster at 32 rows), and there
-# bench/engine.py's batch 8 stayed under 2x transformers (1.70-1.75). But MKL's rows from a call
-# of 10 rows or fewer are not bitwise the same rows of a 40-row call, where oneDNN's are
-# (test_a_row_does_not_depend_on_its_batch_mates): a request's greedy tokens would then depend
-# on how many others share its step.
+# (measured at 1 row: 64 vs 84 us for the tiny model's five projections on 2 threads). The
+# kernel's panels take every row count.
 MIN_PACKED_ROWS = 2
+_F32 = torch.float32
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-class PackedLinear(nn.Linear):
-    """A bias-free projection x @ weight.T, through a oneDNN-packed weight once `pack()` ran."""
+def kernel_gemm_available() -> bool:
+    """True when the csrc extension carries the panel GEMM (float32 weights use it)."""
+    return PANEL_WIDTH > 0
 
-    # NOTE: plain attributes, not buffers: an opaque oneDNN tensor has no state_dict form, and
+
+def pack_panels(weight: torch.Tensor, width: int = PANEL_WIDTH) -> torch.Tensor:
+    """weight [out, in] -> panels [ceil(out / W), in, W] (W = `width`, the GEMM's panel width):
+    panel p holds outputs p*W .. p*W+W-1 as [in][W] floats, the last one zero-padded."""
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // width)
+    padded = weight.new_zeros(num_panels * width, in_features)
+    padded[:out_features] = weight
+    return padded.view(num_panels, width, in_features).transpose(1, 2).contiguous()
+
+
+class PackedLinear(nn.Linear):
+    """A bias-free projection x @ weight.T, through a packed weight once `pack()` ran."""
+
+    # NOTE: plain attributes, not buffers: a packed copy has no state_dict form of its own, and
     # nn.Module's __getattr__ (parameters, buffers) costs about a microsecond a lookup.
-    packed: torch.Tensor | None = None
+    panels: torch.Tensor | None = None  # the extension GEMM's column panels (float32)
+    packed: torch.Tensor | None = None  # oneDNN's reordered weight
     dense: torch.Tensor | None = None  # `weight` itself, reachable without __getattr__
     rows_hint = 32
-    # Row slices (start, end) of the weight packed on their own by `forward_rows`; reset by
-    # `pack()` so that they follow the weight.
+    # Row slices (start, end) of the weight packed on their own by `forward_rows` (panels or a
+    # oneDNN weight, as the whole is); reset by `pack()` so that they follow the weight.
     packed_rows: dict[tuple[int, int], torch.Tensor] | None = None
 
-    def pack(self, rows_hint: int = 32) -> None:
-        """Reorder the weight for oneDNN (`rows_hint`: the row count to tune the layout for; any
-        row count runs). A no-op where oneDNN or the dtype is not supported."""
+    def pack(self, rows_hint: int = 32, backend: str = "auto") -> None:
+        """Pack the weight: the extension's panels for float32 where it is built, else oneDNN
+        (`rows_hint`: the row count oneDNN tunes its layout for; any row count runs).
+        `backend` "kernel" or "onednn" asks for one path only (benchmarks compare them). A no-op
+        where the asked path is missing or does not take the dtype."""
+        if backend not in ("auto", "kernel", "onednn"):
+            raise ValueError(f"unknown backend {backend!r}: auto, kernel or onednn")
         weight = self.weight.detach()
         self.dense, self.rows_hint, self.packed_rows = weight, rows_hint, {}
-        if onednn_available() and weight.dtype in _PACKED_DTYPES and self.bias is None:
+        self.panels = self.packed = None
+        if self.bias is not None:
+            return
+        if backend != "onednn" and kernel_gemm_available() and weight.dtype == _F32:
+            self.panels = pack_panels(weight)
+        elif backend != "kernel" and onednn_available() and weight.dtype in _ONEDNN_DTYPES:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.panels is not None or self.packed is not None
 
     def unpack(self) -> None:
         """Back to F.linear: drop the packed copies (the row slices' too)."""
-        self.packed, self.packed_rows = None, None
+        self.panels, self.packed, self.packed_rows = None, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] (x may be any 2-D view)."""
+        if self.panels is not None and x.dim() == 2 and x.dtype == _F32:
+            return _kernel_linear(x, self.panels, 0, self.out_features, None)
         if self.packed is not None and x.dim() == 2 and x.shape[0] >= MIN_PACKED_ROWS:
             if x.dtype != self.packed.dtype:
                 x = x.to(self.packed.dtype)
@@ -83,7 +120,12 @@ class PackedLinear(nn.Linear):
 
     def forward_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """x [T, in] -> [T, end - start]: `forward(x)[:, start:end]` without the other rows' work.
-        Packed where the whole weight is (the slice packed on its first call)."""
+        Packed where the whole weight is (a slice off a panel boundary, or any oneDNN slice,
+        packed on its first call)."""
+        if self.panels is not None and x.dim() == 2 and x.dtype == _F32:
+            if start % PANEL_WIDTH == 0 and 0 <= start < end <= self.out_features:
+                return _kernel_linear(x, self.panels, start // PANEL_WIDTH, end - start, None)
+            return _kernel_linear(x, self._packed_slice(start, end), 0, end - start, None)
         if self.packed is not None and x.dim() == 2 and x.shape[0] >= MIN_PACKED_ROWS:
             packed = self._packed_slice(start, end)
             if x.dtype != packed.dtype:
@@ -93,8 +135,11 @@ class PackedLinear(nn.Linear):
 
     def pack_rows(self, start: int, end: int) -> None:
         """Pack the row slice `forward_rows(x, start, end)` runs on now rather than on its first
-        call. A no-op where the whole weight is not packed."""
-        if self.packed is not None:
+        call. A no-op where the whole weight is not packed, or where the kernel runs the slice on
+        the whole weight's panels."""
+        if self.panels is not None and start % PANEL_WIDTH == 0:
+            return
+        if self.is_packed:
             self._packed_slice(start, end)
 
     def _packed_slice(self, start: int, end: int) -> torch.Tensor:
@@ -105,18 +150,44 @@ class PackedLinear(nn.Linear):
             if not 0 <= start < end <= self.out_features:
                 raise ValueError(f"rows {start}:{end} outside a weight of {self.out_features}")
             rows = self.weight.detach()[start:end].contiguous()
-            packed = torch.ops.mkldnn._reorder_linear_weight(rows, self.rows_hint)
+            if self.panels is not None:
+                packed = pack_panels(rows)
+            else:
+                packed = torch.ops.mkldnn._reorder_linear_weight(rows, self.rows_hint)
             self.packed_rows[(start, end)] = packed
         return packed
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T, the add fused into the matmul where packed."""
-        if self.packed is not None and x.dim() == 2 and x.shape[0] >= MIN_PACKED_ROWS:
+        if self.panels is not None and x.dim() == 2 and x.dtype == _F32:
+            if residual.dtype == _F32 and residual.shape == (x.shape[0], self.out_features):
+                return _kernel_linear(x, self.panels, 0, self.out_features, residual)
+        elif self.packed is not None and x.dim() == 2 and x.shape[0] >= MIN_PACKED_ROWS:
             if residual.dtype == self.packed.dtype and x.dtype == self.packed.dtype:
                 return torch.ops.mkldnn._linear_pointwise.binary(
                     x, residual, self.packed, None, "add"
                 )
         return residual + self.forward(x)
+
+
+def _kernel_linear(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    panel_start: int,
+    out_features: int,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """The extension's GEMM: x [T, in] float32 -> [T, out_features] (+ residual), outputs from
+    panel `panel_start` on. The binding checks every shape."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=_F32)
+    res = None if residual is None else to_dlpack(residual.contiguous())
+    _EXT.linear(
+        to_dlpack(x), to_dlpack(panels), to_dlpack(out), res, panel_start,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def unpack_linears(module: nn.Module) -> None:
@@ -126,11 +197,12 @@ def unpack_linears(module: nn.Module) -> None:
             sub.unpack()
 
 
-def pack_linears(module: nn.Module, rows_hint: int = 32) -> int:
-    """Pack every `PackedLinear` under `module`; return how many got a oneDNN copy."""
+def pack_linears(module: nn.Module, rows_hint: int = 32, backend: str = "auto") -> int:
+    """Pack every `PackedLinear` under `module` (`backend` as `PackedLinear.pack` takes it);
+    return how many got a packed copy."""
     count = 0
     for sub in module.modules():
         if isinstance(sub, PackedLinear):
-            sub.pack(rows_hint)
-            count += sub.packed is not None
+            sub.pack(rows_hint, backend)
+            count += sub.is_packed
     return count

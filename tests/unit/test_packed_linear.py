@@ -1,4 +1,5 @@
-"""PackedLinear: the oneDNN-packed projection against F.linear on the same weight."""
+"""PackedLinear: the packed projections (the extension's panel GEMM, oneDNN) against F.linear and a
+float64 reference on the same weight."""
 
 from __future__ import annotations
 
@@ -6,9 +7,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model.linear import MIN_PACKED_ROWS, PackedLinear, onednn_available, pack_linears
+from common.model.linear import (
+    MIN_PACKED_ROWS,
+    PANEL_WIDTH,
+    PackedLinear,
+    kernel_gemm_available,
+    onednn_available,
+    pack_linears,
+)
+from tests.kernel_gate import kernel_gate
 
-needs_onednn = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+needs_kernel = kernel_gate("csrc extension not built", built=kernel_gemm_available())
+
+BACKENDS = [
+    pytest.param("kernel", marks=needs_kernel),
+    pytest.param(
+        "onednn", marks=pytest.mark.skipif(not onednn_available(), reason="torch without oneDNN")
+    ),
+]
 
 
 def _linear(out_features: int = 96, in_features: int = 64) -> PackedLinear:
@@ -16,12 +32,18 @@ def _linear(out_features: int = 96, in_features: int = 64) -> PackedLinear:
     return PackedLinear(in_features, out_features, bias=False).requires_grad_(False)
 
 
-@needs_onednn
+def _packed(backend: str, out_features: int = 96, in_features: int = 64) -> PackedLinear:
+    layer = _linear(out_features, in_features)
+    layer.pack(backend=backend)
+    assert (layer.panels is not None) == (backend == "kernel")
+    assert (layer.packed is not None) == (backend == "onednn")
+    return layer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS, 7, 32, 300])
-def test_packed_matches_f_linear(rows):
-    layer = _linear()
-    layer.pack()
-    assert layer.packed is not None
+def test_packed_matches_f_linear(backend, rows):
+    layer = _packed(backend)
     x = torch.randn(rows, 64)
     torch.testing.assert_close(layer.forward(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
     residual = torch.randn(rows, 96)
@@ -30,25 +52,103 @@ def test_packed_matches_f_linear(rows):
     )
 
 
-@needs_onednn
-def test_a_row_does_not_depend_on_its_batch_mates():
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 1), (PANEL_WIDTH, 3), (PANEL_WIDTH + 1, 70), (257, 768)])
+def test_kernel_gemm_against_float64(shape):
+    """Every column (the last, partly filled panel too) and every row-tile tail, against a
+    float64 reference, with the residual added after the sum."""
+    out_features, in_features = shape
+    layer = _packed("kernel", out_features, in_features)
+    for rows in (1, 5, 13, 64, 77):
+        x = torch.randn(rows, in_features)
+        want = x.double() @ layer.weight.double().T
+        got = layer.forward(x).double()
+        assert (got - want).abs().max() <= 1e-6 * in_features * (1 + want.abs().max())
+        residual = torch.randn(rows, out_features)
+        assert torch.equal(layer.forward_add(x, residual), residual + layer.forward(x))
+
+
+@needs_kernel
+def test_kernel_gemm_on_every_isa_this_cpu_runs():
+    """Each ISA's build of the GEMM (the engine runs the best; the others serve other CPUs):
+    against float64, every row-tile tail, rows alone bitwise."""
+    from torch.utils.dlpack import to_dlpack
+
+    from common.attention.cpu_kernel import extension, supported_isas
+    from common.model.linear import pack_panels
+
+    torch.manual_seed(1)
+    weight, x = torch.randn(75, 40), torch.randn(30, 40)
+    want = x.double() @ weight.double().T
+    for isa in supported_isas():
+        panels = pack_panels(weight, extension().linear_panel_width(isa))
+        outs = []
+        for rows in (30, 1, 7, 13):
+            out = torch.empty(rows, 75)
+            extension().linear(to_dlpack(x[:rows].clone()), to_dlpack(panels), to_dlpack(out),
+                               None, 0, 2, isa)  # fmt: skip
+            outs.append(out)
+        assert (outs[0].double() - want).abs().max() < 1e-4, isa
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0][: out.shape[0]]), isa
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_does_not_depend_on_its_batch_mates(backend):
     """Greedy parity across batch compositions wants each row's result alone."""
-    layer = _linear()
-    layer.pack()
-    x = torch.randn(33, 64)
+    layer = _packed(backend, 200, 96)
+    x = torch.randn(80, 96)
     full = layer.forward(x)
-    for rows in (MIN_PACKED_ROWS, 8, 32):
-        assert torch.equal(layer.forward(x[:rows]), full[:rows])
+    smallest = 1 if backend == "kernel" else MIN_PACKED_ROWS  # 1 row is MKL's with oneDNN
+    for rows in range(smallest, 80):
+        assert torch.equal(layer.forward(x[:rows].clone()), full[:rows]), rows
 
 
-@needs_onednn
-def test_non_contiguous_input_and_bfloat16():
-    layer = _linear()
-    layer.pack()
+@needs_kernel
+def test_kernel_rows_do_not_depend_on_the_thread_count():
+    layer = _packed("kernel", 300, 64)
+    x = torch.randn(40, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = layer.forward(x)
+        torch.set_num_threads(3)
+        assert torch.equal(layer.forward(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_kernel_refuses_mismatched_shapes():
+    from torch.utils.dlpack import to_dlpack
+
+    from common.attention.cpu_kernel import extension
+
+    layer = _packed("kernel")
+    out = torch.empty(4, 96)
+    with pytest.raises(ValueError, match="panels must be"):
+        extension().linear(to_dlpack(torch.randn(4, 63)), to_dlpack(layer.panels),
+                           to_dlpack(out), None, 0, 1)  # fmt: skip
+    with pytest.raises(ValueError, match="overrun"):
+        extension().linear(to_dlpack(torch.randn(4, 64)), to_dlpack(layer.panels),
+                           to_dlpack(out), None, 1, 1)  # fmt: skip
+    with pytest.raises(ValueError, match="residual"):
+        extension().linear(to_dlpack(torch.randn(4, 64)), to_dlpack(layer.panels),
+                           to_dlpack(out), to_dlpack(torch.randn(3, 96)), 0, 1)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_input(backend):
+    layer = _packed(backend)
     wide = torch.randn(8, 128)
     torch.testing.assert_close(layer.forward(wide[:, :64]), F.linear(wide[:, :64], layer.weight))
+
+
+@pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+def test_bfloat16_takes_onednn():
     bf16 = _linear().to(torch.bfloat16)
-    bf16.pack()
+    bf16.pack()  # the kernel is float32 only
+    assert bf16.panels is None and bf16.packed is not None
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     out = bf16.forward(x)
     assert out.dtype == torch.bfloat16
@@ -56,12 +156,14 @@ def test_non_contiguous_input_and_bfloat16():
 
 
 def test_unpacked_is_f_linear():
-    """Never packed (or no oneDNN): plain F.linear on the weight."""
+    """Never packed: plain F.linear on the weight."""
     layer = _linear()
     x = torch.randn(5, 64)
-    assert layer.packed is None
+    assert not layer.is_packed
     assert torch.equal(layer.forward(x), F.linear(x, layer.weight))
     assert torch.equal(layer.forward_add(x, x.new_ones(5, 96)), 1 + F.linear(x, layer.weight))
+    with pytest.raises(ValueError, match="unknown backend"):
+        layer.pack(backend="mkl")
 
 
 def test_pack_linears_packs_every_projection(tiny_model_path):
@@ -70,44 +172,50 @@ def test_pack_linears_packs_every_projection(tiny_model_path):
     model = load_model(tiny_model_path)
     projections = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(projections) == 4 * model.config.num_hidden_layers + 1  # + the LM head
-    assert pack_linears(model) == (len(projections) if onednn_available() else 0)
+    expected = len(projections) if kernel_gemm_available() or onednn_available() else 0
+    assert pack_linears(model) == expected
 
 
-@needs_onednn
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rows", [1, MIN_PACKED_ROWS, 8, 33])
-def test_a_row_slice_is_the_fused_projections_columns(rows):
-    """Early q computes the fused QKV's q rows, then its k/v rows: each slice, packed on its own,
-    gives the fused projection's columns (bitwise on this oneDNN; 1e-5 is the contract)."""
-    layer = _linear()
-    layer.pack()
+def test_a_row_slice_is_the_fused_projections_columns(backend, rows):
+    """Early q computes the fused QKV's q rows, then its k/v rows: each slice gives the fused
+    projection's columns (bitwise for both paths here; 1e-5 is the contract). The kernel runs a
+    slice that starts on a panel boundary on the fused panels, and packs any other."""
+    layer = _packed(backend)
     x = torch.randn(rows, 64)
     full = layer.forward(x)
-    for start, end in ((0, 64), (64, 96), (16, 48)):
+    slices = ((0, 64), (64, 96), (16, 48))
+    for start, end in slices:
         part = layer.forward_rows(x, start, end)
         torch.testing.assert_close(part, full[:, start:end], atol=1e-5, rtol=1e-5)
-    assert layer.packed_rows is not None and len(layer.packed_rows) == (3 if rows > 1 else 0)
+    if backend == "kernel":
+        own = {s for s in slices if s[0] % PANEL_WIDTH}
+        assert layer.packed_rows is not None and layer.packed_rows.keys() == own
+    else:
+        assert layer.packed_rows is not None and len(layer.packed_rows) == (3 if rows > 1 else 0)
 
 
-@needs_onednn
-def test_pack_again_repacks_the_slices_and_unpack_drops_them():
-    layer = _linear()
-    layer.pack()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pack_again_repacks_the_slices_and_unpack_drops_them(backend):
+    layer = _packed(backend)
     x = torch.randn(8, 64)
-    layer.forward_rows(x, 0, 32)
+    layer.forward_rows(x, 16, 48)
     layer.weight.mul_(2)  # a weight changed after packing is packed again
-    layer.pack()
+    layer.pack(backend=backend)
     assert layer.packed_rows == {}
+    torch.testing.assert_close(layer.forward_rows(x, 16, 48), F.linear(x, layer.weight[16:48]))
     torch.testing.assert_close(layer.forward_rows(x, 0, 32), F.linear(x, layer.weight[:32]))
     layer.unpack()
-    assert layer.packed is None and layer.packed_rows is None
+    assert not layer.is_packed and layer.packed_rows is None
     assert torch.equal(layer.forward_rows(x, 0, 32), F.linear(x, layer.weight[:32]))
-    layer.pack()
+    layer.pack(backend=backend)
     with pytest.raises(ValueError, match="outside"):
         layer.forward_rows(x, 90, 100)
 
 
 def test_unpacked_row_slice_is_f_linear_on_the_slice():
-    """PHASEMESH_PACKED_WEIGHTS=0 (or no oneDNN): F.linear on the weight's rows."""
+    """PHASEMESH_PACKED_WEIGHTS=0 (or no packed path): F.linear on the weight's rows."""
     layer = _linear()
     x = torch.randn(5, 64)
     assert torch.equal(layer.forward_rows(x, 10, 40), F.linear(x, layer.weight[10:40]))
@@ -122,9 +230,13 @@ def test_early_q_halves_equal_the_fused_pre_attention(tiny_model_path, monkeypat
     monkeypatch.setenv("PHASEMESH_PACKED_WEIGHTS", "1" if packed else "0")
     model = load_model(tiny_model_path)
     model.layers[0].pack_halves()  # as an engine with early q does at start-up
-    assert (model.layers[0].self_attn.qkv_proj.packed_rows or {}).keys() == (
-        {(0, 256), (256, 384)} if packed and onednn_available() else set()
-    )
+    qkv = model.layers[0].self_attn.qkv_proj
+    if not packed or not qkv.is_packed:
+        assert not qkv.packed_rows
+    elif qkv.panels is not None:  # both halves start on a panel boundary: no copies
+        assert qkv.packed_rows == {}
+    else:
+        assert qkv.packed_rows is not None and qkv.packed_rows.keys() == {(0, 256), (256, 384)}
     for rows in (1, 8, 32):
         x = torch.randn(rows, model.config.hidden_size)
         rope = model.rotary_at(torch.arange(rows) * 3)

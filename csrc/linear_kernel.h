@@ -1,0 +1,100 @@
+// NOTE: no include guard on purpose: fragment_kernel.h includes it inside each ISA's namespace,
+// after its vector types (VecF, kLanes) and before the ISA's kernel table.
+//
+// The model's projections at decode shapes: out[r, c] = sum_k x[r, k] * w[c, k] (+ residual[r, c])
+// on a weight packed once into column panels (common/model/linear.py packs; linear.cpp threads).
+//
+// NOTE: why a GEMM of our own. oneDNN through torch (`mkldnn._linear_pointwise` on a reordered
+// weight) costs 20-40 us a call on a 2-vCPU Intel Xeon (Emerald Rapids) whatever the size: its
+// primitive descriptor, attributes and scratchpad are made again on every call (perf: malloc,
+// dnnl_primitive_attr_create, memory_desc_init), where oneDNN's own exec takes ~11 us for 8 x 256 x
+// 256. A tiny-model decode step makes 17 such calls. MKL's sgemm is cheap to call, but the rows of
+// a call of 10 rows or fewer are not bitwise the rows of a larger call (it changes kernels), so a
+// request's greedy tokens would depend on how many others share its step. Here every output is
+// one FMA chain over k in order, whatever the row tiling, the thread split or the row count: a
+// row's result depends on that row and the weight alone, by construction.
+//
+// Layout: panel p holds columns [p * W, p * W + W) (W = kPanelVecs * kLanes) as [K][W] floats
+// (column c of the panel at offset k * W + c); the last panel is zero-padded. A tile of R rows
+// keeps R x kPanelVecs accumulators in registers over the whole of K: each k loads the panel's
+// W floats once and broadcasts one x value per row. Tiles walk a thread's panels row chunk by row
+// chunk, so a chunk of x (64 rows) stays in L1/L2 while its panels stream by.
+//
+// Measured (2-vCPU Xeon, family 6 model 207, 2 threads, tiny model's shapes, us a call, this
+// kernel / oneDNN via torch / MKL F.linear): gate_up [1536 x 256] at 1 row 12 / 30 / 20, 8 rows
+// 24 / 42 / 48, 32 rows 88 / 104 / 182; down [256 x 768] 8 / 25 / 11, 15 / 33 / 17, 47 / 90 / 68;
+// LM head [2048 x 256] 18 / 35 / 29, 48 / 61 / 49, 140 / 387 / 239. At prefill sizes (256-1024
+// rows) it runs at oneDNN's rate at 1 thread (120-158 GFLOP/s both; the inner loop is 12
+// broadcasts and 24 FMAs on zmm registers per k, no spills) and within +-10% at 2 threads.
+// bench/engine.py runs the engine on both side by side (`kernel_vs_onednn`).
+
+constexpr int kPanelVecs = 2;
+constexpr int kPanelWidth = kPanelVecs * kLanes;
+constexpr int64_t kRowChunk = 64;
+
+inline VecF load_panel_vec(const float* p) {
+  VecF v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <int R>
+void linear_tile(const LinearArgs& a, int64_t row, const float* panel, int64_t col, int cols) {
+  VecF acc[R][kPanelVecs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = VecF{};
+  const float* x = a.x + row * a.x_stride;
+  for (int64_t k = 0; k < a.in_features; ++k) {
+    VecF w[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) w[v] = load_panel_vec(panel + k * kPanelWidth + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * a.x_stride + k];
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += w[v] * xv;  // one FMA (-ffp-contract)
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out = a.out + (row + r) * a.out_stride + col;
+    const float* res = a.residual ? a.residual + (row + r) * a.res_stride + col : nullptr;
+    if (cols == kPanelWidth) {
+      for (int v = 0; v < kPanelVecs; ++v) {
+        VecF y = acc[r][v];
+        if (res) y += load_panel_vec(res + v * kLanes);
+        __builtin_memcpy(out + v * kLanes, &y, sizeof(y));
+      }
+    } else {  // the weight's last, partly filled panel
+      float tmp[kPanelWidth];
+      __builtin_memcpy(tmp, acc[r], sizeof(tmp));
+      for (int c = 0; c < cols; ++c) out[c] = res ? tmp[c] + res[c] : tmp[c];
+    }
+  }
+}
+
+// Tiles of fewer rows than the widest: the row count's tail.
+template <int R>
+void linear_tail(int rows, const LinearArgs& a, int64_t row, const float* panel, int64_t col,
+                 int cols) {
+  if (rows == R) {
+    linear_tile<R>(a, row, panel, col, cols);
+  } else if constexpr (R > 1) {
+    linear_tail<R - 1>(rows, a, row, panel, col, cols);
+  }
+}
+
+// Columns of panels [panel_begin, panel_end) for every row.
+void linear_panels(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) {
+  for (int64_t chunk = 0; chunk < a.rows; chunk += kRowChunk) {
+    const int64_t chunk_end = chunk + kRowChunk < a.rows ? chunk + kRowChunk : a.rows;
+    for (int64_t p = panel_begin; p < panel_end; ++p) {
+      const float* panel = a.panels + p * a.in_features * kPanelWidth;
+      const int64_t col = p * kPanelWidth;
+      const int cols = static_cast<int>(
+          a.out_features - col < kPanelWidth ? a.out_features - col : kPanelWidth);
+      int64_t row = chunk;
+      for (; row + PM_LINEAR_ROWS <= chunk_end; row += PM_LINEAR_ROWS)
+        linear_tile<PM_LINEAR_ROWS>(a, row, panel, col, cols);
+      if (row < chunk_end)
+        linear_tail<PM_LINEAR_ROWS - 1>(static_cast<int>(chunk_end - row), a, row, panel, col,
+                                        cols);
+    }
+  }
+}
