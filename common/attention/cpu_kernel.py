@@ -39,7 +39,8 @@ _EXTENSION = _load_extension()
 
 
 def extension() -> Any:
-    """The compiled module (it also holds the fused layer ops), or None when it is not built."""
+    """The compiled module (it also holds the fused layer ops and the projections' GEMM), or None
+    when it is not built."""
     return _EXTENSION
 
 
