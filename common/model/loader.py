@@ -3,7 +3,8 @@
 Tensors are read by their Hugging Face names, checked against the shapes the config implies, and
 fused on the way in (gpt-fast's load hook): q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`.
 Projection weights are then stored column-major (see `column_major`) and get a packed copy (the
-extension's GEMM panels for float32, oneDNN's layout otherwise: `common.model.linear`). Errors name the folder and the missing or mismatched tensor.
+extension's GEMM panels for float32, oneDNN's layout otherwise: `common.model.linear`). Errors
+name the folder and the missing or mismatched tensor.
 """
 
 from __future__ import annotations
