@@ -9,7 +9,7 @@
 #define PM_LANES 16
 #define PM_ACC_BUDGET 16
 #define PM_ISA_NAME "avx512"
-#define PM_LINEAR_ROWS 12
+#define PM_LINEAR_ROWS 12  // rows per GEMM tile: rows x 2 vector accumulators in registers
 
 namespace pm::isa_avx512 {
 #include "fragment_kernel.h"
