@@ -110,7 +110,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] (x may be any 2-D view)."""
-        if self.panels is not None and x.dim() == 2 and x.dtype == _F32:
+        if self.panels is not None and x.dim() == 2:
             return _kernel_linear(x, self.panels, 0, self.out_features, None)
         if self.packed is not None and x.dim() == 2 and x.shape[0] >= MIN_PACKED_ROWS:
             if x.dtype != self.packed.dtype:
@@ -122,7 +122,7 @@ class PackedLinear(nn.Linear):
         """x [T, in] -> [T, end - start]: `forward(x)[:, start:end]` without the other rows' work.
         Packed where the whole weight is (a slice off a panel boundary, or any oneDNN slice,
         packed on its first call)."""
-        if self.panels is not None and x.dim() == 2 and x.dtype == _F32:
+        if self.panels is not None and x.dim() == 2:
             if start % PANEL_WIDTH == 0 and 0 <= start < end <= self.out_features:
                 return _kernel_linear(x, self.panels, start // PANEL_WIDTH, end - start, None)
             return _kernel_linear(x, self._packed_slice(start, end), 0, end - start, None)
@@ -159,7 +159,7 @@ class PackedLinear(nn.Linear):
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T, the add fused into the matmul where packed."""
-        if self.panels is not None and x.dim() == 2 and x.dtype == _F32:
+        if self.panels is not None and x.dim() == 2:
             if residual.dtype == _F32 and residual.shape == (x.shape[0], self.out_features):
                 return _kernel_linear(x, self.panels, 0, self.out_features, residual)
         elif self.packed is not None and x.dim() == 2 and x.shape[0] >= MIN_PACKED_ROWS:
@@ -177,8 +177,11 @@ def _kernel_linear(
     out_features: int,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The extension's GEMM: x [T, in] float32 -> [T, out_features] (+ residual), outputs from
-    panel `panel_start` on. The binding checks every shape."""
+    """The extension's GEMM: x [T, in] -> [T, out_features] float32 (+ residual), outputs from
+    panel `panel_start` on; x of another dtype is cast first, as oneDNN's path does. The binding
+    checks every shape."""
+    if x.dtype != _F32:
+        x = x.to(_F32)
     if not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty(x.shape[0], out_features, dtype=_F32)

@@ -138,10 +138,13 @@ def test_kernel_refuses_mismatched_shapes():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_non_contiguous_input(backend):
+def test_non_contiguous_or_other_dtype_input(backend):
+    """A view is made contiguous, and an input of another dtype cast to the weight's."""
     layer = _packed(backend)
     wide = torch.randn(8, 128)
     torch.testing.assert_close(layer.forward(wide[:, :64]), F.linear(wide[:, :64], layer.weight))
+    half = torch.randn(8, 64).to(torch.bfloat16)
+    assert torch.equal(layer.forward(half), layer.forward(half.float()))
 
 
 @pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
