@@ -10,8 +10,8 @@ round (median of `--repeats`):
   overlap runs;
 - `split_before`: the halves as they were before `PackedLinear.forward_rows`: `F.linear` (MKL,
   repacking the weight every call) on the fused weight's q rows, then on its k/v rows;
-- `split_packed`: `pre_attention_q` + `pre_attention_kv` as they are now: each half on its own
-  oneDNN-packed copy of its rows.
+- `split_packed`: `pre_attention_q` + `pre_attention_kv` as they are now: each half on the fused
+  weight's panels (float32, the extension's GEMM) or on its own oneDNN-packed copy of its rows.
 
 And the whole dense part of a step (every layer's pre-attention and `post_attention`, attention
 skipped: its output is q) with the fused and the packed split pre-attention, the step's "model"

@@ -156,8 +156,8 @@ def served(
                     runs.append(figures)
                 best = max(runs, key=lambda figures: figures["tok_s"])
                 # A server's first batch of a size pays what the in-process engine's first run
-                # does and its best leaves out (oneDNN's kernels for the GEMM shapes it has not
-                # seen yet, among others): reported, not compared.
+                # does and its best leaves out (the first touches of each new shape's buffers,
+                # among others): reported, not compared.
                 best["first_run_tok_s"] = runs[0]["tok_s"]
                 best["router_idle_cpu_ms_per_s"] = idle_ms_per_s
                 result.setdefault(mode, {})[batch] = best
