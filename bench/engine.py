@@ -21,6 +21,7 @@ sides, their ratio and the engine's breakdown per batch size, `targets` and `tar
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -168,6 +169,45 @@ def engine_breakdown(path: str, prompts: list[list[int]]) -> dict[str, float]:
     return timer.us_per_step()
 
 
+# The engine's other sides: (name in the printed line, the ratio's JSON key, what it measures).
+ALTERNATES = {
+    "engine_unpacked": ("unpacked engine", "packed_vs_unpacked", "packing"),
+    "engine_onednn": ("oneDNN engine", "kernel_vs_onednn", "kernel GEMM"),
+}
+
+
+def engines(path: str, unpacked: bool, onednn: bool) -> dict[str, LLMEngine]:
+    """The engine, and the alternates asked for: on plain `F.linear`, on oneDNN's packing (a
+    float32 model, where the kernel GEMM is the default)."""
+    sides = {"engine": LLMEngine.from_path(path, num_blocks=2048)}
+    if unpacked:
+        sides["engine_unpacked"] = LLMEngine.from_path(path, num_blocks=2048)
+        unpack_linears(sides["engine_unpacked"].model)
+    if onednn and kernel_gemm_available() and sides["engine"].model_config.dtype == "float32":
+        sides["engine_onednn"] = LLMEngine.from_path(path, num_blocks=2048)
+        pack_linears(sides["engine_onednn"].model, backend="onednn")
+    return sides
+
+
+def batch_row(batch: int, rates: dict[str, float], breakdown: dict) -> tuple[dict, str]:
+    """One batch's JSON row and printed line."""
+    ours, theirs = rates["engine"], rates["transformers"]
+    row = {
+        "engine_tok_s": round(ours, 1),
+        "transformers_tok_s": round(theirs, 1),
+        "ratio": round(ours / theirs, 2),
+        "engine_us_per_decode_step": breakdown,
+    }
+    line = f"batch {batch:3d}: engine {ours:9.1f} tok/s  transformers {theirs:9.1f} tok/s  "
+    line += f"ratio {ours / theirs:5.2f}"
+    for side, (label, key, what) in ALTERNATES.items():
+        if side in rates:
+            other = rates[side]
+            row |= {f"{side}_tok_s": round(other, 1), key: round(ours / other, 2)}
+            line += f"  ({label} {other:9.1f} tok/s: {what} x{ours / other:4.2f})"
+    return row, line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
@@ -183,51 +223,21 @@ def main() -> None:
     from transformers import LlamaForCausalLM
 
     path = args.model or str(default_model_path())
-    engine = LLMEngine.from_path(path, num_blocks=2048)
+    sides = engines(path, unpacked=not args.no_unpacked, onednn=not args.no_onednn)
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    unpacked = None
-    if not args.no_unpacked:
-        unpacked = LLMEngine.from_path(path, num_blocks=2048)
-        unpack_linears(unpacked.model)
-    onednn = None
-    if not args.no_onednn and kernel_gemm_available() and engine.model_config.dtype == "float32":
-        onednn = LLMEngine.from_path(path, num_blocks=2048)
-        pack_linears(onednn.model, backend="onednn")
-    vocab = engine.model_config.vocab_size
     results: dict[str, Any] = {
         "model": path, "threads": torch.get_num_threads(), "batches": {},
         "loadavg_before": os.getloadavg()[0],
     }  # fmt: skip
     for batch in args.batches:
-        prompts = prompts_for(batch, vocab)
+        prompts = prompts_for(batch, sides["engine"].model_config.vocab_size)
         runs: dict[str, Callable] = {
-            "engine": lambda p, n: engine_seconds(engine, p, n),
-            "transformers": lambda p, n: hf_seconds(hf, p, n),
+            name: functools.partial(engine_seconds, engine) for name, engine in sides.items()
         }
-        if unpacked is not None:
-            runs["engine_unpacked"] = lambda p, n: engine_seconds(unpacked, p, n)
-        if onednn is not None:
-            runs["engine_onednn"] = lambda p, n: engine_seconds(onednn, p, n)
+        runs["transformers"] = functools.partial(hf_seconds, hf)
         rates = decode_tokens_per_s(runs, prompts, args.repeats)
-        ours, theirs = rates["engine"], rates["transformers"]
         breakdown = engine_breakdown(path, prompts)
-        row = results["batches"][str(batch)] = {
-            "engine_tok_s": round(ours, 1),
-            "transformers_tok_s": round(theirs, 1),
-            "ratio": round(ours / theirs, 2),
-            "engine_us_per_decode_step": breakdown,
-        }
-        line = f"batch {batch:3d}: engine {ours:9.1f} tok/s  transformers {theirs:9.1f} tok/s  "
-        line += f"ratio {ours / theirs:5.2f}"
-        if unpacked is not None:
-            plain = rates["engine_unpacked"]
-            row |= {"engine_unpacked_tok_s": round(plain, 1),
-                    "packed_vs_unpacked": round(ours / plain, 2)}  # fmt: skip
-            line += f"  (unpacked engine {plain:9.1f} tok/s: packing x{ours / plain:4.2f})"
-        if onednn is not None:
-            dnn = rates["engine_onednn"]
-            row |= {"engine_onednn_tok_s": round(dnn, 1), "kernel_vs_onednn": round(ours / dnn, 2)}
-            line += f"  (oneDNN engine {dnn:9.1f} tok/s: kernel GEMM x{ours / dnn:4.2f})"
+        results["batches"][str(batch)], line = batch_row(batch, rates, breakdown)
         print(line)
         print("  engine us/step: " + "  ".join(f"{k} {v:.0f}" for k, v in breakdown.items()))
     results["loadavg_after"] = os.getloadavg()[0]

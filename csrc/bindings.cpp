@@ -149,11 +149,18 @@ void silu_and_mul(const RowsIn& x, const RowsOut& out) {
 
 using Panels = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu, nb::c_contig>;
 
+// The GEMM's kernels for `isa`: "auto" is the best this CPU runs (what the engine uses); the
+// others, for tests and other CPUs, are checked as the attention kernel's are (the GEMM has no
+// shape constraint, hence the zero head_dim and block_size).
+const pm::IsaKernels& gemm_isa(const std::string& isa) {
+  return isa == "auto" ? pm::best_isa() : pm::select_isa(isa, 0, 0);
+}
+
 void linear(const RowsIn& x, const Panels& panels, const RowsOut& out,
             const std::optional<RowsIn>& residual, int64_t panel_start, int num_threads,
             const std::string& isa) {
   const int64_t rows = x.shape(0), in_features = x.shape(1), out_features = out.shape(1);
-  const pm::IsaKernels& kernels = isa == "auto" ? pm::best_isa() : pm::select_isa(isa, 0, 0);
+  const pm::IsaKernels& kernels = gemm_isa(isa);
   const int64_t width = kernels.linear_panel_width;
   if (panels.shape(1) != static_cast<size_t>(in_features) ||
       panels.shape(2) != static_cast<size_t>(width))
@@ -256,9 +263,7 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         "(common/model/linear.py), from panel panel_start on; rows never depend on each other.");
   m.def(
       "linear_panel_width",
-      [](const std::string& isa) {
-        return (isa == "auto" ? pm::best_isa() : pm::select_isa(isa, 0, 0)).linear_panel_width;
-      },
+      [](const std::string& isa) { return gemm_isa(isa).linear_panel_width; },
       nb::arg("isa") = "auto", "Weight columns per panel of `linear` for an ISA (auto: the best).");
   m.def("write_kv", &write_kv, nb::arg("key_cache").noconvert(),
         nb::arg("value_cache").noconvert(), nb::arg("k").noconvert(), nb::arg("v").noconvert(),

@@ -1,8 +1,10 @@
 // The projections' GEMM (linear_kernel.h) split over threads by column panels: each thread owns
 // whole panels, so a row's outputs do not depend on the split.
-#include <omp.h>
-
 #include <cstdint>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "layer_ops.h"
 
@@ -14,11 +16,15 @@ void linear(const LinearArgs& a, const IsaKernels& isa, int64_t num_panels, int 
     isa.linear_panels(a, 0, num_panels);
     return;
   }
+#ifdef _OPENMP
 #pragma omp parallel num_threads(static_cast<int>(threads))
   {
     const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
     isa.linear_panels(a, num_panels * t / n, num_panels * (t + 1) / n);
   }
+#else
+  isa.linear_panels(a, 0, num_panels);  // a build without OpenMP runs on the calling thread
+#endif
 }
 
 }  // namespace pm

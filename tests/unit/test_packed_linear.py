@@ -118,6 +118,66 @@ def test_kernel_rows_do_not_depend_on_the_thread_count():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_non_finite_row_leaves_its_batch_mates_alone(backend):
+    """An edge-value request's NaN or inf activations stay in its own rows: its batch mates get
+    the bits they get without it."""
+    layer = _packed(backend, 200, 96)
+    x = torch.randn(9, 96)
+    alone = layer.forward(x[1:].clone())
+    for poison in (float("nan"), float("inf"), -float("inf"), 3e38):
+        hostile = x.clone()
+        hostile[0, 5] = poison
+        out = layer.forward(hostile)
+        assert torch.equal(out[1:], alone), poison
+        assert not torch.isfinite(out[0]).all() or poison == 3e38
+
+
+@needs_kernel
+def test_concurrent_callers_get_their_own_results():
+    """The kernel keeps no state between calls: two threads at once (an engine's step and
+    another engine's in the same process) each get what they get alone."""
+    import threading
+
+    layer = _packed("kernel", 300, 64)
+    inputs = [torch.randn(rows, 64) for rows in (1, 8, 33, 70)]
+    expected = [layer.forward(x) for x in inputs]
+    failures: list[int] = []
+
+    def run(index: int) -> None:
+        for _ in range(50):
+            if not torch.equal(layer.forward(inputs[index]), expected[index]):
+                failures.append(index)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
+@needs_kernel
+def test_kernel_refuses_wrong_dtypes_layouts_and_isas():
+    from torch.utils.dlpack import to_dlpack
+
+    from common.attention.cpu_kernel import extension
+
+    layer = _packed("kernel")
+    out = torch.empty(4, 96)
+    x = torch.randn(4, 64)
+    for bad_x in (x.double(), x.to(torch.bfloat16), torch.randn(64, 4).t()):
+        with pytest.raises(TypeError):
+            extension().linear(to_dlpack(bad_x), to_dlpack(layer.panels), to_dlpack(out), None)
+    with pytest.raises(TypeError):  # panels of another dtype
+        extension().linear(to_dlpack(x), to_dlpack(layer.panels.double()), to_dlpack(out), None)
+    with pytest.raises(ValueError, match="unknown isa"):
+        extension().linear(to_dlpack(x), to_dlpack(layer.panels), to_dlpack(out), None, 0, 1,
+                           "sse9")  # fmt: skip
+    with pytest.raises(ValueError, match="num_threads"):
+        extension().linear(to_dlpack(x), to_dlpack(layer.panels), to_dlpack(out), None, 0, 0)
+
+
 @needs_kernel
 def test_kernel_refuses_mismatched_shapes():
     from torch.utils.dlpack import to_dlpack
