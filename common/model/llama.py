@@ -62,10 +62,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, head_dim]
+        # NOTE: on the CPU even where the model's skeleton is built on the meta device
+        # (`load_model`): the tables are not in the checkpoint, and ops on meta tensors go through
+        # torch's Python reference ops, whose first call imports torch._dynamo (1.2-1.5 s).
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+            positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)  # [max_pos, head_dim / 2]
+            emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
@@ -206,7 +210,10 @@ def causal_attention(
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # NOTE: `_weight`: no random init, which the checkpoint's weights replace anyway; on the
+        # meta device (`load_model`) Embedding's `normal_` would import torch._dynamo (above).
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)

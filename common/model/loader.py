@@ -149,7 +149,6 @@ def load_model(folder: str | Path, dtype: str | None = None) -> LlamaForCausalLM
         if name != "lm_head.weight" or not config.tie_word_embeddings:  # the embedding gathers rows
             state[name] = column_major(state[name])
     model.load_state_dict(state, strict=True, assign=True)
-    model.model.rotary = type(model.model.rotary)(config)  # its tables are not in the checkpoint
     # Last: the packed copies must see the final weights. They double the projections' memory:
     # PHASEMESH_PACKED_WEIGHTS=0 keeps one copy (plain F.linear, slower at decode shapes).
     if env("PACKED_WEIGHTS", "1") != "0":

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +120,28 @@ def test_projections_load_column_major_with_their_values(tiny_model_path):
     q = tensors["model.layers.1.self_attn.q_proj.weight"]
     assert torch.equal(qkv[: q.shape[0]], q)
     assert torch.equal(down, tensors["model.layers.1.mlp.down_proj.weight"])
+
+
+def test_loading_builds_no_throwaway_tensors_through_torch_dynamo(tiny_model_path):
+    """The skeleton is built on the meta device: an op there (a random init, RoPE's tables) goes
+    through torch's Python reference ops, whose first call imports torch._dynamo, 1.2-1.5 s of
+    every engine process's start. A fresh interpreter loads the model without it, and the RoPE
+    tables, which are not in the checkpoint, are real CPU tensors."""
+    script = f"""
+import sys
+import torch
+from common.model.loader import load_model
+from common.model.llama import RotaryEmbedding
+model = load_model({str(tiny_model_path)!r})
+assert "torch._dynamo" not in sys.modules, "loading the model imported torch._dynamo"
+rotary = model.model.rotary
+fresh = RotaryEmbedding(model.config)
+assert rotary.cos.device.type == "cpu" and torch.equal(rotary.cos, fresh.cos)
+assert torch.equal(rotary.sin, fresh.sin) and rotary.cos[0].eq(1).all()
+assert model.model.embed_tokens.weight.device.type == "cpu"
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
