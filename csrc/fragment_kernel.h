@@ -25,7 +25,14 @@
 // one line per load, spread over the loops rather than in a burst that would stall on fill buffers.
 // Those prefetches go to L1 (T0): to L2 only (T1, whose misses an L2 queue tracks rather than L1's
 // fill buffers) ran bf16 5-10% slower and float32 within 2% (bench/attention_ab.py, 1 thread, 4
-// shapes, Zen 5, 2026-11-26).
+// shapes, Zen 5, 2026-11-26). On a 2-vCPU Emerald Rapids the V pass's next-K prefetches to L2
+// ran GQA 4:1 float32 b32 1.09x, b1 1.00x, bf16 0.98-1.01x, MHA 0.93-0.97x (same A/B,
+// 2026-11-26): not kept either. There a cpu-clock profile of GQA 4:1 float32 (b32 x 2048, 1
+// thread; perf, addresses mapped with objdump) put ~45% of the kernel's samples in the score
+// loop, ~52% in the V loop and ~2% in the softmax, the samples on the K and V loads; and from
+// cache (`attention_ab.py --batch 4 --rotation-mib 8`) GQA float32 read 0.79 of the memory probe
+// where MHA read 0.97: GQA is held by the core (its 4 FMAs per K and V value, and the loads
+// around them), not by memory.
 //
 // NOTE: bfloat16 tried and left out (paired A/B at 1 thread, bench/attention_ab.py, load 4-6, Zen 5
 // with AVX512_BF16; the code is on branch kernel3-bf16dot): (1) scoring with vdpbf16ps on K
