@@ -11,20 +11,20 @@
 namespace pm {
 
 void linear(const LinearArgs& a, const IsaKernels& isa, int64_t num_panels, int num_threads) {
+#ifdef _OPENMP
   const int64_t threads = num_threads < num_panels ? num_threads : num_panels;
-  if (threads <= 1 || a.rows == 0) {
-    isa.linear_panels(a, 0, num_panels);
+  if (threads > 1 && a.rows > 0) {
+#pragma omp parallel num_threads(static_cast<int>(threads))
+    {
+      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+      isa.linear_panels(a, num_panels * t / n, num_panels * (t + 1) / n);
+    }
     return;
   }
-#ifdef _OPENMP
-#pragma omp parallel num_threads(static_cast<int>(threads))
-  {
-    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    isa.linear_panels(a, num_panels * t / n, num_panels * (t + 1) / n);
-  }
 #else
-  isa.linear_panels(a, 0, num_panels);  // a build without OpenMP runs on the calling thread
+  (void)num_threads;  // a build without OpenMP runs on the calling thread
 #endif
+  isa.linear_panels(a, 0, num_panels);
 }
 
 }  // namespace pm
