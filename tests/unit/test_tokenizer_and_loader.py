@@ -145,3 +145,48 @@ assert model.model.embed_tokens.weight.device.type == "cpu"
         cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_embedding_is_the_checkpoints_tied_head_included(model_path):
+    """The skeleton's embedding is never initialized (`LlamaModel`): what a loaded model holds
+    there, and in a tied LM head, is the checkpoint's tensor, on the CPU."""
+    tensors = load_file(model_path / "model.safetensors")
+    model = load_model(model_path)
+    embedding = model.model.embed_tokens.weight
+    assert embedding.device.type == "cpu"
+    assert torch.equal(embedding, tensors["model.embed_tokens.weight"])
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == embedding.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "edit, error",
+    [
+        (lambda t: t.pop("model.embed_tokens.weight"), r"missing tensor model\.embed_tokens"),
+        (
+            lambda t: t.update({"model.embed_tokens.weight": torch.zeros(7, 256)}),
+            r"embed_tokens\.weight has shape \(7, 256\)",
+        ),
+    ],
+    ids=["missing", "wrong-shape"],
+)
+def test_an_embedding_the_checkpoint_lacks_or_misshapes_is_named(model_copy, edit, error):
+    """Nothing else fills the uninitialized embedding: a checkpoint without a usable one fails
+    to load, naming it, rather than serving from uninitialized memory."""
+    _edit_weights(model_copy, edit)
+    with pytest.raises(CheckpointError, match=error):
+        load_model(model_copy)
+
+
+def test_a_checkpoints_rope_inv_freq_is_ignored_for_the_computed_tables(model_copy):
+    """Older checkpoints carry `rotary_emb.inv_freq`: it is skipped, and the tables stay the ones
+    computed from the config (a hostile value there changes nothing)."""
+    reference = load_model(model_copy).model.rotary
+    _edit_weights(
+        model_copy,
+        lambda t: t.update(
+            {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.full((16,), 9e9)}
+        ),
+    )
+    rotary = load_model(model_copy).model.rotary
+    assert torch.equal(rotary.cos, reference.cos) and torch.equal(rotary.sin, reference.sin)
