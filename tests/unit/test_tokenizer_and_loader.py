@@ -182,11 +182,7 @@ def test_a_checkpoints_rope_inv_freq_is_ignored_for_the_computed_tables(model_co
     """Older checkpoints carry `rotary_emb.inv_freq`: it is skipped, and the tables stay the ones
     computed from the config (a hostile value there changes nothing)."""
     reference = load_model(model_copy).model.rotary
-    _edit_weights(
-        model_copy,
-        lambda t: t.update(
-            {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.full((16,), 9e9)}
-        ),
-    )
+    hostile = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.full((16,), 9e9)}
+    _edit_weights(model_copy, lambda t: t.update(hostile))
     rotary = load_model(model_copy).model.rotary
     assert torch.equal(rotary.cos, reference.cos) and torch.equal(rotary.sin, reference.sin)
