@@ -133,6 +133,7 @@ class MeshEngineClient:
         *,
         hold_to_end: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
+        self.inbox.attach()  # its replies are drained on this loop
         stream = self._admit(req_id, prompt_token_ids, params, hold_to_end)
         text = StreamedText(req_id, len(prompt_token_ids), list(params.stop), self.tokenizer)
         engine_done = finished = False

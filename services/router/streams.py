@@ -191,8 +191,8 @@ class StreamTable(Generic[S]):
         """`deliver` for one engine step's outputs: `(req_id, item, num_tokens, final)` each
         (`final`: the request's last output, or an error), under one lock, and one wake-up of
         each event loop for them all (not one per token: each wake-up is a write to the loop's
-        self-pipe and a turn of the loop). Outputs the `interval` or a stream's `hold_to_end`
-        holds back wake nothing."""
+        self-pipe and a turn of the loop), none for the loop it is called on. Outputs the
+        `interval` or a stream's `hold_to_end` holds back wake nothing."""
         streams: list[S | None] = []
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], object]]] = {}
         interval = self.interval
@@ -218,7 +218,11 @@ class StreamTable(Generic[S]):
                         continue
                 puts = by_loop.setdefault(stream.loop, [])
                 puts.extend((stream.outputs, i) for i in stream.take_held(item))
+        running = _running_loop()
         for loop, puts in by_loop.items():
+            if loop is running:
+                _put_all(puts)  # called on the streams' own loop (the mesh's inbox): no wake-up
+                continue
             try:
                 loop.call_soon_threadsafe(_put_all, puts)
             except RuntimeError:
@@ -242,6 +246,13 @@ class StreamTable(Generic[S]):
         except RuntimeError:
             pass  # the request's event loop is closed: nobody is listening
         return stream
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None  # an engine's or the inbox's thread
 
 
 def _put_all(puts: list[tuple[asyncio.Queue[Any], object]]) -> None:

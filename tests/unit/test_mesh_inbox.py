@@ -1,0 +1,223 @@
+"""`MeshInbox` (services/router/mesh_inbox.py): token replies drained on the requests' event loop,
+over real ZeroMQ sockets; what happens when that loop closes, stops, or another thread closes it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from secrets import token_hex
+
+import msgspec
+import pytest
+import zmq
+
+from common.protocol import LoadReport, TokenBatch, TokenOutput
+from common.transport.zmq_auth import CurveKeys
+from common.transport.zmq_sockets import connect
+from services.router.mesh_inbox import MeshInbox
+from services.router.streams import Stream, StreamTable
+
+AUTH = CurveKeys.from_mesh_key(token_hex(32))
+
+
+class Recorder:
+    """The inbox's callbacks: what it handed over, and on which thread."""
+
+    def __init__(self) -> None:
+        self.outputs: list[TokenOutput] = []
+        self.threads: set[int] = set()
+        self.arrived = threading.Event()
+
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        self.outputs += outputs
+        self.threads.add(threading.get_ident())
+        self.arrived.set()
+
+    def on_load(self, report: LoadReport) -> None:
+        pass
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def make_inbox(ctx: zmq.Context, recorder: Recorder) -> MeshInbox:
+    inbox = MeshInbox(ctx, "127.0.0.1", recorder.on_outputs, recorder.on_load, auth=AUTH)
+    inbox.orderer.expect("a", 0)
+    inbox.start()
+    return inbox
+
+
+def engine_socket(ctx: zmq.Context, inbox: MeshInbox) -> zmq.Socket:
+    return connect(ctx, zmq.PUSH, inbox.reply_endpoint, auth=AUTH)
+
+
+def batch(index: int) -> bytes:
+    return msgspec.msgpack.encode(TokenBatch(["a"], [100 + index], [index], [""], [3]))
+
+
+async def wait_outputs(recorder: Recorder, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(recorder.outputs) < count:
+        assert time.monotonic() < deadline, f"{len(recorder.outputs)} of {count} outputs came"
+        await asyncio.sleep(0.005)
+
+
+def test_replies_are_drained_on_the_loop_that_attached_in_token_order(ctx: zmq.Context) -> None:
+    recorder = Recorder()
+    inbox = make_inbox(ctx, recorder)
+    engine = engine_socket(ctx, inbox)
+    try:
+
+        async def run() -> int:
+            inbox.attach()
+            for index in (1, 0, 2):  # the second token overtakes the first (two engines)
+                engine.send(batch(index))
+            engine.send(b"not a message")  # dropped, the next one still arrives
+            engine.send(batch(3))
+            await wait_outputs(recorder, 4)
+            return threading.get_ident()
+
+        loop_thread = asyncio.run(run())
+        assert [o.token_ids[0] for o in recorder.outputs] == [100, 101, 102, 103]
+        assert recorder.threads == {loop_thread}  # not the inbox's thread: no hop per step
+        assert inbox.thread.is_alive()
+    finally:
+        engine.close()
+        inbox.close()
+
+
+def test_a_closed_loop_hands_the_replies_to_the_next(ctx: zmq.Context) -> None:
+    recorder = Recorder()
+    inbox = make_inbox(ctx, recorder)
+    engine = engine_socket(ctx, inbox)
+    try:
+
+        async def one(index: int) -> None:
+            inbox.attach()
+            engine.send(batch(index))
+            await wait_outputs(recorder, index + 1)
+
+        asyncio.run(one(0))
+        engine.send(batch(1))  # between loops: waits in the socket
+        asyncio.run(one(2))  # a new loop drains what waited, then what comes
+        assert [o.token_ids[0] for o in recorder.outputs] == [100, 101, 102]
+    finally:
+        engine.close()
+        inbox.close()
+
+
+def test_a_stopped_loop_hands_over_and_never_drains_again(ctx: zmq.Context) -> None:
+    recorder = Recorder()
+    inbox = make_inbox(ctx, recorder)
+    engine = engine_socket(ctx, inbox)
+    first = asyncio.new_event_loop()
+    try:
+
+        async def attach_only() -> None:
+            inbox.attach()
+
+        first.run_until_complete(attach_only())  # stopped, not closed
+
+        async def one() -> None:
+            inbox.attach()
+            engine.send(batch(0))
+            await wait_outputs(recorder, 1)
+
+        asyncio.run(one())
+        engine.send(batch(1))
+        first.run_until_complete(asyncio.sleep(0.2))  # it runs again: it no longer drains
+        assert [o.token_ids[0] for o in recorder.outputs] == [100]
+    finally:
+        first.close()
+        engine.close()
+        inbox.close()
+
+
+def test_a_running_loop_keeps_draining_for_requests_on_another(ctx: zmq.Context) -> None:
+    """Two loops in two threads: the first to attach drains; outputs of streams on the second
+    reach them through the second loop (as a router's outputs reach a stream)."""
+    table: StreamTable[Stream] = StreamTable()
+    recorder = Recorder()
+
+    def on_outputs(outputs: list[TokenOutput]) -> None:
+        recorder.on_outputs(outputs)
+        table.deliver_many([(o.req_id, o, len(o.token_ids), False) for o in outputs])
+
+    inbox = MeshInbox(ctx, "127.0.0.1", on_outputs, recorder.on_load, auth=AUTH)
+    inbox.orderer.expect("a", 0)
+    inbox.start()
+    engine = engine_socket(ctx, inbox)
+    drainer = asyncio.new_event_loop()
+    drainer_thread = threading.Thread(target=drainer.run_forever, daemon=True)
+    drainer_thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(_attach(inbox), drainer).result(10)
+
+        async def consume() -> list[int]:
+            stream = table.admit("a", 3, lambda: Stream(req_id="a", num_prompt_tokens=3))
+            inbox.attach()  # another loop drains: this one does not take over
+            for index in range(3):
+                engine.send(batch(index))
+            got = [await asyncio.wait_for(stream.outputs.get(), 10) for _ in range(3)]
+            return [o.token_ids[0] for o in got]
+
+        assert asyncio.run(consume()) == [100, 101, 102]
+        assert recorder.threads == {drainer_thread.ident}
+    finally:
+        drainer.call_soon_threadsafe(drainer.stop)
+        drainer_thread.join(5)
+        engine.close()
+        inbox.close()
+        drainer.close()
+
+
+def test_close_from_another_thread_while_the_loop_runs(ctx: zmq.Context) -> None:
+    recorder = Recorder()
+    inbox = make_inbox(ctx, recorder)
+    engine = engine_socket(ctx, inbox)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(_attach(inbox), loop).result(10)
+        engine.send(batch(0))
+        assert recorder.arrived.wait(10)
+        inbox.close()  # the loop lets go of the socket before it closes
+        assert not inbox.thread.is_alive()
+        engine.send(batch(1))
+        assert asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2, "alive"), loop).result(10)
+        assert [o.token_ids[0] for o in recorder.outputs] == [100]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+        engine.close()
+
+
+def test_outputs_delivered_on_their_own_loop_need_no_wake_up() -> None:
+    """`deliver_many` on the stream's loop puts at once; from a thread, through the loop."""
+
+    async def run() -> None:
+        table: StreamTable[Stream] = StreamTable()
+        stream = table.admit("a", 1, lambda: Stream(req_id="a", num_prompt_tokens=1))
+        table.deliver_many([("a", "on the loop", 1, False)])
+        assert stream.outputs.get_nowait() == "on the loop"
+        other = threading.Thread(
+            target=table.deliver_many, args=([("a", "from a thread", 1, False)],)
+        )
+        other.start()
+        other.join()
+        assert stream.outputs.empty()  # not yet: the loop runs the put
+        assert await asyncio.wait_for(stream.outputs.get(), 10) == "from a thread"
+
+    asyncio.run(run())
+
+
+async def _attach(inbox: MeshInbox) -> None:
+    inbox.attach()
