@@ -217,8 +217,9 @@ class MeshEngineClient:
         return self.alive() and self.scheduler.can_place()
 
     def alive(self) -> bool:
-        """The router's own threads run (engines may still be starting)."""
-        return all(t.is_alive() for t in self._threads)
+        """The router's own threads run and its replies are drained (engines may still be
+        starting)."""
+        return all(t.is_alive() for t in self._threads) and self.inbox.healthy()
 
     def shutdown(self) -> None:
         self.membership.close()

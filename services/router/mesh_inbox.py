@@ -64,10 +64,17 @@ class MeshInbox:
         # The engines' load endpoints to subscribe to; replaced whole by the membership thread.
         self.load_endpoints: frozenset[str] = frozenset()
         self._closed = threading.Event()
+        self.drain_error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="mesh-inbox", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
+
+    def healthy(self) -> bool:
+        """Load reports are read and no drain of replies failed. A failed drain may have lost
+        outputs that streams wait for: the router is unhealthy, and Serve replaces it, as when
+        the thread that drained the replies died."""
+        return self.thread.is_alive() and self.drain_error is None
 
     def attach(self) -> None:
         """Drain token replies on the running event loop from now on, unless another loop that
@@ -98,6 +105,13 @@ class MeshInbox:
     def _drain_replies(self, loop: asyncio.AbstractEventLoop) -> None:
         """On `loop`: every queued reply, in token order, to the streams. ZeroMQ's descriptor is
         edge-triggered, so this reads until the socket says it has nothing more."""
+        try:
+            self._drain(loop)
+        except Exception as exc:  # a bug: say so in the health check, keep the loop serving
+            log.exception("draining the router's replies failed")
+            self.drain_error = exc
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
         with self._replies_lock:
             if self._loop is not loop:
                 return  # left behind by a move to another loop

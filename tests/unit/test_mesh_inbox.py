@@ -221,3 +221,33 @@ def test_outputs_delivered_on_their_own_loop_need_no_wake_up() -> None:
 
 async def _attach(inbox: MeshInbox) -> None:
     inbox.attach()
+
+
+def test_a_failed_drain_makes_the_inbox_unhealthy_and_spares_the_loop(ctx: zmq.Context) -> None:
+    """A drain that raises may have lost outputs a stream waits for: the router must say so in
+    its health check (Serve then replaces it) instead of leaving that stream hanging."""
+
+    def broken(outputs: list[TokenOutput]) -> None:
+        raise RuntimeError("a bug in delivery")
+
+    inbox = MeshInbox(ctx, "127.0.0.1", broken, Recorder().on_load, auth=AUTH)
+    inbox.orderer.expect("a", 0)
+    inbox.start()
+    engine = engine_socket(ctx, inbox)
+    try:
+
+        async def run() -> str:
+            inbox.attach()
+            assert inbox.healthy()
+            engine.send(batch(0))
+            deadline = time.monotonic() + 10
+            while inbox.healthy():
+                assert time.monotonic() < deadline, "the failed drain went unnoticed"
+                await asyncio.sleep(0.005)
+            return await asyncio.sleep(0.01, "the loop still runs")
+
+        assert asyncio.run(run()) == "the loop still runs"
+        assert isinstance(inbox.drain_error, RuntimeError)
+    finally:
+        engine.close()
+        inbox.close()
