@@ -9,8 +9,8 @@ start): the loop wakes on the socket itself (its ZeroMQ file descriptor, `add_re
 each request's token order (`TokenStreamOrderer`: a request's first token comes from its prompt
 engine, the rest from its token engine, on different connections) and puts the outputs straight
 into their streams. A thread in between (as before) cost a wake-up of that thread and then one of
-the loop per engine step: ~0.3 ms of the router's CPU per streamed chunk at batch 1 on a 2-vCPU
-VM, where the loop's own work on a chunk is a fraction of that (docs/serving.md).
+the loop per engine step: at batch 1 on a 2-vCPU VM, ~0.1 ms of the Router's CPU per streamed
+chunk and ~1.7 ms of each gap between tokens (docs/serving.md, "The per-step path of tokens").
 
 Load reports come at a fixed rate, with or without requests (the scheduler needs them before the
 first), so the SUB socket stays on a thread that blocks in `zmq.Poller.poll`.
