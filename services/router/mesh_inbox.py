@@ -29,6 +29,7 @@ from common.protocol import LoadReport, ServiceReply, TokenBatch, TokenOutput
 from common.token_stream import TokenStreamOrderer
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import TypedSocket, bind_random
+from services.router.streams import running_loop
 
 log = structlog.get_logger(__name__)
 
@@ -144,11 +145,7 @@ class MeshInbox:
 
 def _remove_reader(loop: asyncio.AbstractEventLoop, fd: int) -> None:
     """Stop `loop` watching `fd`, from any thread, before the socket behind it closes."""
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop or not loop.is_running():
+    if running_loop() is loop or not loop.is_running():
         loop.remove_reader(fd)
         return
     done = threading.Event()

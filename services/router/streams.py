@@ -218,7 +218,7 @@ class StreamTable(Generic[S]):
                         continue
                 puts = by_loop.setdefault(stream.loop, [])
                 puts.extend((stream.outputs, i) for i in stream.take_held(item))
-        running = _running_loop()
+        running = running_loop()
         for loop, puts in by_loop.items():
             if loop is running:
                 _put_all(puts)  # called on the streams' own loop (the mesh's inbox): no wake-up
@@ -248,7 +248,8 @@ class StreamTable(Generic[S]):
         return stream
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running on this thread, or None on a thread without one."""
     try:
         return asyncio.get_running_loop()
     except RuntimeError:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from secrets import token_hex
 
 import msgspec
@@ -46,15 +47,34 @@ def ctx() -> Iterator[zmq.Context]:
     context.destroy(linger=0)
 
 
-def make_inbox(ctx: zmq.Context, recorder: Recorder) -> MeshInbox:
-    inbox = MeshInbox(ctx, "127.0.0.1", recorder.on_outputs, recorder.on_load, auth=AUTH)
+@contextmanager
+def wired(
+    ctx: zmq.Context, on_outputs: Callable[[list[TokenOutput]], None]
+) -> Iterator[tuple[MeshInbox, zmq.Socket]]:
+    """A started inbox expecting request "a", and an engine's PUSH socket connected to it."""
+    inbox = MeshInbox(ctx, "127.0.0.1", on_outputs, Recorder().on_load, auth=AUTH)
     inbox.orderer.expect("a", 0)
     inbox.start()
-    return inbox
+    engine = connect(ctx, zmq.PUSH, inbox.reply_endpoint, auth=AUTH)
+    try:
+        yield inbox, engine
+    finally:
+        engine.close()
+        inbox.close()
 
 
-def engine_socket(ctx: zmq.Context, inbox: MeshInbox) -> zmq.Socket:
-    return connect(ctx, zmq.PUSH, inbox.reply_endpoint, auth=AUTH)
+@contextmanager
+def loop_in_thread() -> Iterator[tuple[asyncio.AbstractEventLoop, threading.Thread]]:
+    """An event loop running forever on a thread of its own (as Serve's user-code loop does)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop, thread
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
 
 
 def batch(index: int) -> bytes:
@@ -70,9 +90,7 @@ async def wait_outputs(recorder: Recorder, count: int) -> None:
 
 def test_replies_are_drained_on_the_loop_that_attached_in_token_order(ctx: zmq.Context) -> None:
     recorder = Recorder()
-    inbox = make_inbox(ctx, recorder)
-    engine = engine_socket(ctx, inbox)
-    try:
+    with wired(ctx, recorder.on_outputs) as (inbox, engine):
 
         async def run() -> int:
             inbox.attach()
@@ -87,16 +105,11 @@ def test_replies_are_drained_on_the_loop_that_attached_in_token_order(ctx: zmq.C
         assert [o.token_ids[0] for o in recorder.outputs] == [100, 101, 102, 103]
         assert recorder.threads == {loop_thread}  # not the inbox's thread: no hop per step
         assert inbox.thread.is_alive()
-    finally:
-        engine.close()
-        inbox.close()
 
 
 def test_a_closed_loop_hands_the_replies_to_the_next(ctx: zmq.Context) -> None:
     recorder = Recorder()
-    inbox = make_inbox(ctx, recorder)
-    engine = engine_socket(ctx, inbox)
-    try:
+    with wired(ctx, recorder.on_outputs) as (inbox, engine):
 
         async def one(index: int) -> None:
             inbox.attach()
@@ -107,36 +120,30 @@ def test_a_closed_loop_hands_the_replies_to_the_next(ctx: zmq.Context) -> None:
         engine.send(batch(1))  # between loops: waits in the socket
         asyncio.run(one(2))  # a new loop drains what waited, then what comes
         assert [o.token_ids[0] for o in recorder.outputs] == [100, 101, 102]
-    finally:
-        engine.close()
-        inbox.close()
 
 
 def test_a_stopped_loop_hands_over_and_never_drains_again(ctx: zmq.Context) -> None:
     recorder = Recorder()
-    inbox = make_inbox(ctx, recorder)
-    engine = engine_socket(ctx, inbox)
-    first = asyncio.new_event_loop()
-    try:
+    with wired(ctx, recorder.on_outputs) as (inbox, engine):
+        first = asyncio.new_event_loop()
+        try:
 
-        async def attach_only() -> None:
-            inbox.attach()
+            async def attach_only() -> None:
+                inbox.attach()
 
-        first.run_until_complete(attach_only())  # stopped, not closed
+            first.run_until_complete(attach_only())  # stopped, not closed
 
-        async def one() -> None:
-            inbox.attach()
-            engine.send(batch(0))
-            await wait_outputs(recorder, 1)
+            async def one() -> None:
+                inbox.attach()
+                engine.send(batch(0))
+                await wait_outputs(recorder, 1)
 
-        asyncio.run(one())
-        engine.send(batch(1))
-        first.run_until_complete(asyncio.sleep(0.2))  # it runs again: it no longer drains
-        assert [o.token_ids[0] for o in recorder.outputs] == [100]
-    finally:
-        first.close()
-        engine.close()
-        inbox.close()
+            asyncio.run(one())
+            engine.send(batch(1))
+            first.run_until_complete(asyncio.sleep(0.2))  # it runs again: it no longer drains
+            assert [o.token_ids[0] for o in recorder.outputs] == [100]
+        finally:
+            first.close()
 
 
 def test_a_running_loop_keeps_draining_for_requests_on_another(ctx: zmq.Context) -> None:
@@ -149,14 +156,7 @@ def test_a_running_loop_keeps_draining_for_requests_on_another(ctx: zmq.Context)
         recorder.on_outputs(outputs)
         table.deliver_many([(o.req_id, o, len(o.token_ids), False) for o in outputs])
 
-    inbox = MeshInbox(ctx, "127.0.0.1", on_outputs, recorder.on_load, auth=AUTH)
-    inbox.orderer.expect("a", 0)
-    inbox.start()
-    engine = engine_socket(ctx, inbox)
-    drainer = asyncio.new_event_loop()
-    drainer_thread = threading.Thread(target=drainer.run_forever, daemon=True)
-    drainer_thread.start()
-    try:
+    with wired(ctx, on_outputs) as (inbox, engine), loop_in_thread() as (drainer, drainer_thread):
         asyncio.run_coroutine_threadsafe(_attach(inbox), drainer).result(10)
 
         async def consume() -> list[int]:
@@ -169,22 +169,11 @@ def test_a_running_loop_keeps_draining_for_requests_on_another(ctx: zmq.Context)
 
         assert asyncio.run(consume()) == [100, 101, 102]
         assert recorder.threads == {drainer_thread.ident}
-    finally:
-        drainer.call_soon_threadsafe(drainer.stop)
-        drainer_thread.join(5)
-        engine.close()
-        inbox.close()
-        drainer.close()
 
 
 def test_close_from_another_thread_while_the_loop_runs(ctx: zmq.Context) -> None:
     recorder = Recorder()
-    inbox = make_inbox(ctx, recorder)
-    engine = engine_socket(ctx, inbox)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
+    with wired(ctx, recorder.on_outputs) as (inbox, engine), loop_in_thread() as (loop, _):
         asyncio.run_coroutine_threadsafe(_attach(inbox), loop).result(10)
         engine.send(batch(0))
         assert recorder.arrived.wait(10)
@@ -193,11 +182,6 @@ def test_close_from_another_thread_while_the_loop_runs(ctx: zmq.Context) -> None
         engine.send(batch(1))
         assert asyncio.run_coroutine_threadsafe(asyncio.sleep(0.2, "alive"), loop).result(10)
         assert [o.token_ids[0] for o in recorder.outputs] == [100]
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
-        engine.close()
 
 
 def test_outputs_delivered_on_their_own_loop_need_no_wake_up() -> None:
@@ -230,11 +214,7 @@ def test_a_failed_drain_makes_the_inbox_unhealthy_and_spares_the_loop(ctx: zmq.C
     def broken(outputs: list[TokenOutput]) -> None:
         raise RuntimeError("a bug in delivery")
 
-    inbox = MeshInbox(ctx, "127.0.0.1", broken, Recorder().on_load, auth=AUTH)
-    inbox.orderer.expect("a", 0)
-    inbox.start()
-    engine = engine_socket(ctx, inbox)
-    try:
+    with wired(ctx, broken) as (inbox, engine):
 
         async def run() -> str:
             inbox.attach()
@@ -248,6 +228,3 @@ def test_a_failed_drain_makes_the_inbox_unhealthy_and_spares_the_loop(ctx: zmq.C
 
         assert asyncio.run(run()) == "the loop still runs"
         assert isinstance(inbox.drain_error, RuntimeError)
-    finally:
-        engine.close()
-        inbox.close()
