@@ -16,7 +16,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     role: Role = Role.MIXED  # what the worker runs: an engine in this role, or a shard
     model_path: str
     ready_endpoint: str
-    parent_pid: int
     host: str = "127.0.0.1"
     block_size: int = 16
     num_blocks: int = 1024

@@ -42,7 +42,8 @@ from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
 from services.app_args import AppArgs, EngineArgs, MeshArgs, PoolArgs
-from services.mesh.registry import RayRegistry, RegistryClient
+from services.mesh.ray_registry import RayRegistry
+from services.mesh.registry import RegistryClient
 from services.mesh.replica import (
     MeshReplica,
     base_worker_config,

@@ -2,20 +2,22 @@
 
 Starts N prompt engines, M token engines and S attention shards (S/M shards per token engine,
 split by KV heads; S = 0 is local attention), each a `services.launch.worker_process` child that
-reports its endpoints when ready. Decode groups are pinned to cores (`core_pinning`). Tests,
+reports its endpoints when ready, forked from a server that imported the worker's code once
+(`fork_server`). Decode groups are pinned to cores (`core_pinning`). Tests,
 benches and `python -m services.launch` (the demo) use it; Ray Serve replicas are wired by
 `services.mesh` instead.
+
+As with any `multiprocessing` start method but "fork", a worker imports the launcher's main
+module: a script that starts a `LocalMesh` runs it under `if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from multiprocessing.process import BaseProcess
 
 import msgspec
 import structlog
@@ -28,11 +30,11 @@ from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
 from services.launch.core_pinning import GroupPlacement, place_decode_groups
+from services.launch.fork_server import start_worker
 from services.launch.supervisor import Supervisor
 from services.mesh.registry import Registry, ServiceEntry
 
 log = structlog.get_logger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class LocalWorker:
     """One worker process: the config it was started with, the process, what it reported."""
 
     cfg: WorkerConfig
-    proc: subprocess.Popen[bytes]
+    proc: BaseProcess
     ready: WorkerReady
 
     @property
@@ -135,7 +137,7 @@ class LocalMesh:
         t = self.topology
         base = WorkerConfig(
             service_id="", model_path=t.model_path,
-            ready_endpoint=self._ready_endpoint, parent_pid=os.getpid(), num_blocks=t.num_blocks,
+            ready_endpoint=self._ready_endpoint, num_blocks=t.num_blocks,
             block_size=t.block_size, attention_backend=t.attention_backend,
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
             mesh_key=self.mesh_key, shard_reply_timeout_s=t.shard_reply_timeout_s,
@@ -221,31 +223,44 @@ class LocalMesh:
     ) -> list[LocalWorker]:
         """Start workers and wait until each has reported its endpoints; they join `into`
         (default: `workers`, the supervised ones)."""
-        procs = {
-            cfg.service_id: subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "services.launch.worker_process",
-                    msgspec.json.encode(cfg).decode(),
-                ],
-                cwd=REPO_ROOT,
-                env=self._env(cfg),
-            )  # fmt: skip
-            for cfg in cfgs
-        }
-        readies: dict[str, WorkerReady] = {}
-        deadline = time.monotonic() + timeout
-        while len(readies) < len(cfgs):
-            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if self._ready_sock.poll(left_ms) == 0:
-                raise TimeoutError(f"services not ready in {timeout} s: {len(readies)}/{len(cfgs)}")
-            ready = msgspec.msgpack.decode(self._ready_sock.recv(), type=WorkerReady)
-            if ready.service_id in procs:  # NOTE: a late report of an earlier, dead start is not
-                readies[ready.service_id] = ready
+        procs = {cfg.service_id: start_worker(cfg, self._env(cfg)) for cfg in cfgs}
+        try:
+            readies = self._wait_ready(procs, timeout)
+        except BaseException:
+            for proc in procs.values():
+                proc.kill()
+            raise
         workers = [LocalWorker(c, procs[c.service_id], readies[c.service_id]) for c in cfgs]
         (self.workers if into is None else into).update((w.service_id, w) for w in workers)
         return workers
+
+    def _wait_ready(self, procs: dict[str, BaseProcess], timeout: float) -> dict[str, WorkerReady]:
+        """Each started worker's `WorkerReady`; raises at once if one exits before sending it."""
+        poller = zmq.Poller()
+        poller.register(self._ready_sock, zmq.POLLIN)
+        starting = {proc.sentinel: service_id for service_id, proc in procs.items()}
+        for sentinel in starting:  # readable once its process has exited
+            poller.register(sentinel, zmq.POLLIN)
+        readies: dict[str, WorkerReady] = {}
+        deadline = time.monotonic() + timeout
+        while len(readies) < len(procs):
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            events = dict(poller.poll(left_ms))
+            if not events:
+                raise TimeoutError(f"not ready in {timeout} s: {len(readies)}/{len(procs)}")
+            while self._ready_sock.poll(0):
+                ready = msgspec.msgpack.decode(self._ready_sock.recv(), type=WorkerReady)
+                if ready.service_id in procs:  # a late report of an earlier, dead start is not
+                    readies[ready.service_id] = ready
+                    sentinel = procs[ready.service_id].sentinel
+                    if starting.pop(sentinel, None) is not None:
+                        poller.unregister(sentinel)
+            for sentinel, service_id in starting.items():
+                if sentinel in events:
+                    code = procs[service_id].exitcode
+                    raise RuntimeError(f"{service_id} exited with code {code} before it was "
+                                       "ready: its output says why")  # fmt: skip
+        return readies
 
     def restart(self, dead: LocalWorker, timeout: float = 120.0) -> LocalWorker:
         """Replace a worker whose process exited, as Serve replaces a replica: a new service id
@@ -288,11 +303,11 @@ class LocalMesh:
         return peer
 
     def _env(self, cfg: WorkerConfig) -> dict[str, str]:
-        env = os.environ | {"PYTHONPATH": str(REPO_ROOT)}
-        if self.topology.otel_exporter:
-            exporter = self.topology.otel_exporter.replace("{service_id}", cfg.service_id)
-            env["PHASEMESH_OTEL_EXPORTER"] = exporter
-        return env
+        """A worker's own environment variables, over this process's."""
+        if not self.topology.otel_exporter:
+            return {}
+        exporter = self.topology.otel_exporter.replace("{service_id}", cfg.service_id)
+        return {"PHASEMESH_OTEL_EXPORTER": exporter}
 
     # -- views for tests, benches and the direct client ---------------------------------------
 
@@ -303,7 +318,7 @@ class LocalMesh:
         ]  # fmt: skip
 
     @property
-    def procs(self) -> list[subprocess.Popen[bytes]]:
+    def procs(self) -> list[BaseProcess]:
         """Every process, shards first, then token engines, then prompt engines."""
         return [w.proc for w in self.workers.values()]
 
@@ -352,11 +367,10 @@ class LocalMesh:
         for peer in self.model_peers.values():  # stateless: nothing to flush (model_peer.py)
             peer.proc.terminate()
         for proc in self.procs + [w.proc for w in self.model_peers.values()]:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
+            proc.join(timeout=5)
+            if proc.exitcode is None:
                 proc.kill()
-                proc.wait()
+                proc.join()
         self._ready_sock.close(linger=0)
 
 

@@ -10,8 +10,10 @@ Every `interval_s` the supervisor thread
   its peers' addresses (`LinkPeers`), then and every `PEER_REMIND_S` (a peer the engine dropped
   for a fault but still running rejoins the rotation: services/engine/rotation.py).
 
-A dead launcher takes its workers with it (`worker_process` exits with its parent), so nothing
-here outlives the mesh. A restart blocks the loop while the new worker loads (seconds).
+A dead launcher takes its workers with it (each exits at the end of its launcher's pipe:
+`fork_server.py`), so nothing here outlives the mesh. A restart blocks the loop while the new
+worker, forked from the launcher's fork server, loads its weights (a fraction of a second for
+the tiny model).
 """
 
 from __future__ import annotations
@@ -70,13 +72,13 @@ class Supervisor:
     def _tick(self) -> None:
         dead = []
         for worker in list(self.mesh.workers.values()):
-            if worker.proc.poll() is None:
+            if worker.proc.is_alive():
                 self.mesh.registry.heartbeat(worker.service_id)
             else:
                 dead.append(worker)
         for worker in dead:
             log.warning("worker exited; restarting it", service_id=worker.service_id,
-                        returncode=worker.proc.returncode)  # fmt: skip
+                        returncode=worker.proc.exitcode)  # fmt: skip
             self.mesh.registry.unregister(worker.service_id)
             self.keepers.pop(worker.service_id, None)
         if dead:
@@ -91,25 +93,25 @@ class Supervisor:
 
     def _keep_peers(self) -> None:
         """Restart dead model peers; tell their engines (all engines, every PEER_REMIND_S)."""
-        dead = [p for p in list(self.mesh.model_peers.values()) if p.proc.poll() is not None]
+        dead = [p for p in list(self.mesh.model_peers.values()) if not p.proc.is_alive()]
         for peer in dead:
             if self._stopped.is_set():
                 return
             log.warning("model peer exited; restarting it", service_id=peer.service_id,
-                        returncode=peer.proc.returncode)  # fmt: skip
+                        returncode=peer.proc.exitcode)  # fmt: skip
             self.mesh.restart_peer(peer)
             self.num_restarts += 1
         now = time.monotonic()
         if dead or now - self._peers_told >= PEER_REMIND_S:
             self._peers_told = now
             for worker in list(self.mesh.workers.values()):
-                if worker.cfg.model_peers and worker.proc.poll() is None:
+                if worker.cfg.model_peers and worker.proc.is_alive():
                     command = LinkPeers(list(worker.cfg.model_peers))
                     self._push.get(worker.ready.command_endpoint).send(command)
 
     def _keep_groups(self) -> None:
         for worker in list(self.mesh.workers.values()):
-            if worker.cfg.role == Role.TOKEN and worker.proc.poll() is None:
+            if worker.cfg.role == Role.TOKEN and worker.proc.is_alive():
                 change = self._keeper(worker).check()
                 if change is not None:
                     self._relink(worker, change)

@@ -1,17 +1,16 @@
 """One mesh service (engine, attention shard, model peer) as an OS process, started by `LocalMesh`.
 
-`python -m services.launch.worker_process CONFIG_JSON` pins itself to the cores it was given,
-builds the worker the `WorkerConfig` describes, reports its endpoints with a `WorkerReady` on
-`ready_endpoint`, and runs the worker's loop until told to shut down or its launcher dies.
+`run(cfg, launcher_fd)` pins the process to the cores it was given, builds the worker the
+`WorkerConfig` describes, reports its endpoints with a `WorkerReady` on `ready_endpoint`, and runs
+the worker's loop until told to shut down or its launcher dies. `LocalMesh` forks it from a server
+that imported this module once (`fork_server.py`).
 """
 
 from __future__ import annotations
 
 import faulthandler
 import os
-import sys
 import threading
-import time
 
 import msgspec
 import torch
@@ -28,12 +27,13 @@ from services.launch.core_pinning import pin_this_process
 from services.shard.worker import ShardWorker
 
 
-def main() -> None:
+def run(cfg: WorkerConfig, launcher_fd: int) -> None:
+    """Run the worker `cfg` describes until it is told to shut down, or until `launcher_fd` (the
+    read end of a pipe that only the launcher holds open for writing) says the launcher is gone."""
     faulthandler.enable()  # a crash in native code (UCX, the kernel) still leaves a stack
-    cfg = msgspec.json.decode(sys.argv[1], type=WorkerConfig)
     if cfg.cpus:  # before the worker starts threads: they inherit the mask
         pin_this_process(cfg.cpus)
-    configure_telemetry(cfg.telemetry_name, instance_id=cfg.service_id)  # PHASEMESH_OTEL_EXPORTER
+    telemetry = configure_telemetry(cfg.telemetry_name, instance_id=cfg.service_id)
     configure_logging()
     torch.set_num_threads(cfg.num_threads)
     worker: EngineWorker | ShardWorker | ModelPeerWorker
@@ -45,22 +45,21 @@ def main() -> None:
     ready = connect(ctx, zmq.PUSH, cfg.ready_endpoint, auth=cfg.curve_keys)
     ready.send(msgspec.msgpack.encode(worker.ready()))
     ready.close(linger=1000)
-    _exit_with_parent(cfg.parent_pid)
+    _exit_with_launcher(launcher_fd)
     freeze_startup_heap()  # no full collection over the start-up heap mid-step (common/gc_heap.py)
-    worker.run()
+    try:
+        worker.run()
+    finally:
+        # NOTE: a forked process ends in `os._exit` (multiprocessing's), which runs no atexit
+        # hook: what the exporters (PHASEMESH_OTEL_EXPORTER) still buffer is flushed here.
+        telemetry.shutdown()
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def _exit_with_launcher(launcher_fd: int) -> None:
     """A worker whose launcher died must not linger (tests kill launchers)."""
 
     def watch() -> None:
-        while True:
-            time.sleep(1.0)  # NOTE: a watchdog thread, off the hot path
-            if os.getppid() != parent_pid:
-                os._exit(0)
+        os.read(launcher_fd, 1)  # NOTE: blocks until end of file: the launcher has exited
+        os._exit(0)
 
-    threading.Thread(target=watch, daemon=True).start()
-
-
-if __name__ == "__main__":
-    main()
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

@@ -26,7 +26,8 @@ peer is one more replica in the rotation), so a claim takes what there is; the e
 claims again until it has them all. A claim ends with the peer or with its token engine.
 
 `Registry` is a plain class (unit-testable, injected clock); on Ray it runs as a named detached
-actor, one per Serve application (`registry_handle`), created by whichever replica comes first.
+actor, one per Serve application, created by whichever replica comes first (`ray_registry.py`).
+A `LocalMesh` keeps one in its own process, without Ray.
 """
 
 from __future__ import annotations
@@ -37,16 +38,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-import ray
 import structlog
-from ray.experimental import internal_kv
 
 from common.protocol import ShardAddress
 from common.roles import Role
 
 log = structlog.get_logger(__name__)
 
-REGISTRY_NAMESPACE = "phasemesh"
 HEARTBEAT_INTERVAL_S = 1.0
 MAX_HEARTBEAT_AGE_S = 5.0
 
@@ -229,65 +227,6 @@ class RegistryClient(Protocol):
     def agree_key(self, proposed: str) -> str: ...
 
     def shard_census(self) -> tuple[int, int]: ...
-
-
-class RayRegistry:
-    """The registry actor behind `Registry`'s method names; every call waits at most `timeout_s`."""
-
-    def __init__(self, handle: Any, app_name: str, timeout_s: float = 10.0) -> None:
-        self.handle = handle
-        self.app_name = app_name
-        self.timeout_s = timeout_s
-
-    @classmethod
-    def for_app(cls, app_name: str) -> RayRegistry:
-        """This application's registry actor, created on first use (no CPU: it keeps a dict)."""
-        actor = ray.remote(num_cpus=0, max_restarts=-1)(Registry)
-        handle = actor.options(  # type: ignore[attr-defined]
-            name=f"registry-{app_name}",
-            namespace=REGISTRY_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-        ).remote()
-        return cls(handle, app_name)
-
-    def _call(self, method: str, *args: Any) -> Any:
-        return ray.get(getattr(self.handle, method).remote(*args), timeout=self.timeout_s)
-
-    def register(self, entry: ServiceEntry) -> None:
-        self._call("register", entry)
-
-    def heartbeat(self, service_id: str) -> bool:
-        return bool(self._call("heartbeat", service_id))
-
-    def unregister(self, service_id: str) -> None:
-        self._call("unregister", service_id)
-
-    def live(self) -> list[ServiceEntry]:
-        return list(self._call("live"))
-
-    def take_shard_slot(self, entry: ServiceEntry, num_slots: int) -> int:
-        return int(self._call("take_shard_slot", entry, num_slots))
-
-    def claim_group(self, token_id: str, num_slots: int) -> list[ServiceEntry] | None:
-        group = self._call("claim_group", token_id, num_slots)
-        return None if group is None else list(group)
-
-    def claim_peers(self, token_id: str, num_peers: int) -> list[ServiceEntry]:
-        return list(self._call("claim_peers", token_id, num_peers))
-
-    def agree_key(self, proposed: str) -> str:
-        """`Registry.agree_key`'s rule, kept in the GCS key-value store rather than in the actor:
-        the actor restarts (`max_restarts=-1`) with an empty dict, and replicas that asked it
-        after that would hold another key than those running. The first put wins (no
-        overwrite); the key lasts as long as the cluster."""
-        name = f"mesh-key-{self.app_name}"
-        internal_kv._internal_kv_put(name, proposed, overwrite=False, namespace=REGISTRY_NAMESPACE)
-        return internal_kv._internal_kv_get(name, namespace=REGISTRY_NAMESPACE).decode()
-
-    def shard_census(self) -> tuple[int, int]:
-        num_live, num_unclaimed = self._call("shard_census")
-        return int(num_live), int(num_unclaimed)
 
 
 class Membership:

@@ -19,7 +19,6 @@ that come later are claimed by its watch) and its `GroupWatch` keeps them claime
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -374,5 +373,5 @@ def base_worker_config(model_path: str, host: str, **knobs: object) -> WorkerCon
     """The settings every mesh worker of an application shares."""
     return WorkerConfig(
         service_id="", model_path=model_path, ready_endpoint="",
-        parent_pid=os.getpid(), host=host, **knobs,  # type: ignore[arg-type]
+        host=host, **knobs,  # type: ignore[arg-type]
     )  # fmt: skip

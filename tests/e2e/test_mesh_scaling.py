@@ -38,7 +38,7 @@ from common.tokenizer import Tokenizer
 from common.transport.service_stats import request_stats
 from common.transport.zmq_auth import CurveKeys
 from services.mesh.absence import ABSENT_CONFIRM_S
-from services.mesh.registry import RayRegistry
+from services.mesh.ray_registry import RayRegistry
 from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.serve_process import (
     REPO,

@@ -5,7 +5,6 @@ is frozen on purpose by a test hook in its periodic tick."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import time
@@ -26,7 +25,7 @@ def test_a_frozen_loop_fails_health_while_its_thread_lives(
 ) -> None:
     monkeypatch.setattr(replica, "STALL_S", 1.0)
     cfg = WorkerConfig(service_id="mixed-0", role=Role.MIXED, model_path=str(tiny_model_path),
-                       ready_endpoint="", parent_pid=os.getpid(), num_blocks=64,
+                       ready_endpoint="", num_blocks=64,
                        mesh_key=secrets.token_hex(16))  # fmt: skip
     thread = WorkerThread(lambda: EngineWorker(cfg), "engine", cfg.num_threads)
     registry_says_healthy = SimpleNamespace(

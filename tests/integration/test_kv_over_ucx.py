@@ -86,7 +86,7 @@ def test_a_receiver_killed_mid_transfer_costs_only_its_requests(mesh, tiny_model
         client.submit(f"k{i}", prompt, GREEDY, token_engine=live if i % 2 == 0 else doomed)
     victim = mesh.workers[doomed.service_id].proc
     victim.kill()  # SIGKILL: its KV links drop mid-transfer
-    victim.wait(timeout=10)
+    victim.join(timeout=10)
     # After the kill: one more for the dead engine (its transfer fails), then two for the live one.
     client.submit("after-dead", prompts[6], GREEDY, token_engine=doomed)
     client.submit("after-0", prompts[6], GREEDY, token_engine=live)
@@ -104,5 +104,5 @@ def test_a_receiver_killed_mid_transfer_costs_only_its_requests(mesh, tiny_model
                 finished.add(out.req_id)
     assert {r: tokens[r] for r in expected} == expected
     prompt_proc = mesh.workers[mesh.prompt[0].service_id].proc
-    assert prompt_proc.poll() is None, "the sender must outlive its receiver"
+    assert prompt_proc.is_alive(), "the sender must outlive its receiver"
     client.close()

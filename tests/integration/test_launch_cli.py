@@ -11,14 +11,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_workers_start_from_the_launchers_own_checkout() -> None:
-    # Children run `python -m services.launch.worker_process` from REPO_ROOT: pointing anywhere
-    # else would import another checkout's code (an editable install's) without a word.
-    from services.launch.local_mesh import REPO_ROOT
-
-    assert REPO_ROOT == REPO
-
-
 def test_readme_launch_command_serves_the_demo_request(tiny_model_path: Path) -> None:
     readme = (REPO / "README.md").read_text()
     assert "python -m services.launch --prompt 1 --token 1 --shards 2" in readme

@@ -105,7 +105,7 @@ def test_malformed_and_unknown_messages_are_dropped(mesh):
     tokens, out = client.finish("after")
     assert (tokens, out.finish_reason) == (expected, "length")
     assert_no_kv_held(mesh)
-    assert all(proc.poll() is None for proc in mesh.procs)  # nothing died of it
+    assert all(proc.is_alive() for proc in mesh.procs)  # nothing died of it
 
 
 def test_a_process_without_the_mesh_key_is_not_heard(mesh):
@@ -133,7 +133,7 @@ def test_a_process_without_the_mesh_key_is_not_heard(mesh):
     tokens, _ = client.finish("outsiders")
     assert tokens == expected
     assert len(mesh.stats()) == len(mesh.control_endpoints())  # every service still answers
-    assert all(proc.poll() is None for proc in mesh.procs)
+    assert all(proc.is_alive() for proc in mesh.procs)
 
 
 def test_every_mesh_socket_listens_on_loopback_only(mesh):
@@ -168,7 +168,7 @@ def test_shard_outlives_its_token_engine_and_frees_its_requests(tiny_model_path)
         assert shard_stats.kv_blocks_used > 0
         token_proc = mesh.procs[mesh.topology.num_shards]  # shards start first, then token engines
         token_proc.kill()
-        token_proc.wait(timeout=10)
+        token_proc.join(timeout=10)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             shard_stats = request_stats([shard.control_endpoint], 10.0, auth=mesh.auth)[
@@ -178,7 +178,7 @@ def test_shard_outlives_its_token_engine_and_frees_its_requests(tiny_model_path)
                 break
             time.sleep(0.2)
         assert shard_stats.kv_blocks_used == 0 and shard_stats.num_requests == 0
-        assert mesh.procs[0].poll() is None, "the shard process must outlive its token engine"
+        assert mesh.procs[0].is_alive(), "the shard process must outlive its token engine"
         client.close()
     finally:
         mesh.close()

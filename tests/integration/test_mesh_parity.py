@@ -140,7 +140,7 @@ def _check_a_killed_peer_is_replaced(mesh, client, hf, prompts, reference) -> No
     the single-process engine's, and nothing fell back to the engine."""
     [peer] = mesh.model_peers.values()
     peer.proc.kill()
-    peer.proc.wait()
+    peer.proc.join()
     deadline = time.monotonic() + 60
     while (engine := _token_stats(mesh)).num_peers_joined < 2:  # the first link, then the new
         assert time.monotonic() < deadline, "the engine was not re-linked to the new peer"

@@ -119,6 +119,6 @@ def test_more_requests_than_the_shards_hold_fail_only_before_they_decode(
             else:  # refused before decoding: at most the prompt engine's first token
                 assert out.retryable and len(tokens[req_id]) <= 1, out
         assert_no_kv_held(mesh)
-        assert all(proc.poll() is None for proc in mesh.procs)
+        assert all(proc.is_alive() for proc in mesh.procs)
     finally:
         mesh.close()

@@ -1,7 +1,9 @@
-"""Transport across real OS processes (spawn) over tcp://127.0.0.1 and UCX (tcp).
+"""Transport across real OS processes over tcp://127.0.0.1 and UCX (tcp).
 
 Each test starts one peer process running the other end with the real wrappers; messages are a
-sample tagged union defined here (the project's own protocol is tested with the services).
+sample tagged union defined here (the project's own protocol is tested with the services). Peers
+are forked by multiprocessing's fork server, as `LocalMesh` workers are: a fresh interpreter
+would spend seconds importing torch and ucxx for each.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.transport.zmq_tensor import ZmqTensorChannel
 
 pytestmark = pytest.mark.timeout(60)
+PEERS = mp.get_context("forkserver")
 T = TypeVar("T")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
@@ -59,7 +62,7 @@ UNKNOWN = msgspec.msgpack.encode(Unknown(7))
 MESH = CurveKeys.from_mesh_key("5a" * 32)
 
 
-# ---- peer processes (module-level so that spawn can import them) ----
+# ---- peer processes (module-level so that the forked peers can import them) ----
 
 
 def bound(kind: int, message_type: Any = Message) -> tuple[TypedSocket[Any], str]:
@@ -163,17 +166,29 @@ def tensor_echo(transport: str, queue: Any) -> None:
     channel.close()
 
 
+def run_peer(target: Callable[..., None], *args: Any) -> None:
+    """A peer's whole life: `target`, then its ZeroMQ context ended, which waits out what its
+    closed sockets still hold (linger). NOTE: a forked process ends in `os._exit`, with no
+    interpreter exit to do that."""
+    try:
+        target(*args)
+    finally:
+        zmq.Context.instance().term()
+
+
 # ---- helpers ----
 
 
 @pytest.fixture
 def spawn() -> Iterator[Callable[..., Any]]:
     """Start peer processes; on teardown they must have exited 0 (killed if still alive)."""
-    ctx = mp.get_context("spawn")
+    # If no fork server runs in this process yet (`LocalMesh` starts one that imported its
+    # workers' code), the one started now imports this module and its dependencies, once.
+    PEERS.set_forkserver_preload([__name__])
     procs: list[Any] = []
 
     def start(target: Callable[..., None], *args: Any) -> Any:
-        proc = ctx.Process(target=target, args=args, daemon=True)
+        proc = PEERS.Process(target=run_peer, args=(target, *args), daemon=True)
         proc.start()
         procs.append(proc)
         return proc
@@ -187,7 +202,7 @@ def spawn() -> Iterator[Callable[..., Any]]:
 
 
 def started_endpoint(spawn: Callable[..., Any], target: Callable[..., None], *args: Any) -> str:
-    queue = mp.get_context("spawn").Queue()
+    queue = PEERS.Queue()
     spawn(target, *args, queue)
     return str(queue.get(timeout=30))
 
@@ -277,7 +292,7 @@ def test_recv_times_out_without_busy_waiting() -> None:
 def test_request_stats_asks_every_endpoint_at_once(spawn: Callable[..., Any]) -> None:
     """Stats from the endpoint that answers with them; the one answering something else and two
     silent ones are left out, and the silent ones share one timeout instead of one each."""
-    queue = mp.get_context("spawn").Queue()
+    queue = PEERS.Queue()
     spawn(stats_service, queue)
     answers, not_stats = queue.get(timeout=30)
     silent = [bound(zmq.ROUTER) for _ in range(2)]  # bound, never read

@@ -236,7 +236,7 @@ def test_a_restarted_engine_gets_its_peer_back_over_ucx(model, prompts, local):
 
     key = b"k" * 16
     cfg = WorkerConfig(service_id="peer-0", role=Role.MODEL_PEER, model_path="", mesh_key=key.hex(),
-                       ready_endpoint="", parent_pid=0)  # fmt: skip
+                       ready_endpoint="")  # fmt: skip
     worker = ModelPeerWorker(cfg, model)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
