@@ -29,23 +29,30 @@ SECOND_CONFIG = dict(
 )  # fmt: skip
 
 
-LOCAL_SERVE = "tests/e2e/local_serve"  # one package server for its modules (its conftest.py)
+E2E = "tests/e2e"  # each module (tests/e2e/local_serve: its package) starts a Ray cluster
 
 
 def xdist_scope(nodeid: str) -> str:
-    """The unit a pytest-xdist worker takes whole: the test's module, or tests/e2e/local_serve."""
+    """The unit a pytest-xdist worker takes whole: the test's module, or every e2e test."""
     module = nodeid.split("::", 1)[0]
-    return LOCAL_SERVE if module.startswith(LOCAL_SERVE + "/") else module
+    return E2E if module.startswith(E2E + "/") else module
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`make test` runs two pytest-xdist workers. Each takes whole modules, so that a module's
-    server or mesh starts once, and tests/e2e/local_serve goes to one worker whole, in the order
-    its conftest.py sets (its one server is killed last). NOTE: a scheduler of our own rather than
-    `--dist loadgroup`, whose groups pytest-xdist 3.8 marks by rewriting `item._nodeid`, which
-    pytest 9 no longer reads (every test then went its own way)."""
+    server or mesh starts once, and one worker takes every e2e module, first and one after
+    another: each starts a Ray cluster (tens of seconds of CPU), and two at once on CI's two cores
+    slowed both by a third, while the other worker runs the rest. The local_serve package keeps
+    the order its conftest.py sets (its one server is killed last).
+
+    NOTE: a scheduler of our own rather than `--dist loadgroup`, whose groups pytest-xdist 3.8
+    marks by rewriting `item._nodeid`, which pytest 9 no longer reads (every test then went its
+    own way). Units go out in collection order (tests/e2e first), not reordered by their number of
+    tests, which would send the e2e unit after the largest unit-test modules."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:  # what LoadFileScheduling overrides too

@@ -1,9 +1,9 @@
-"""`make test`'s two workers each take whole units (tests/conftest.py): a module, or every module
-of tests/e2e/local_serve together (one package server, killed last in its conftest's order)."""
+"""`make test`'s two workers each take whole units (tests/conftest.py): a module, or every e2e
+module together (each starts a Ray cluster: one at a time)."""
 
 from __future__ import annotations
 
-from tests.conftest import LOCAL_SERVE, xdist_scope
+from tests.conftest import E2E, xdist_scope
 
 
 def test_a_module_is_one_unit_whatever_its_tests_and_parameters() -> None:
@@ -13,16 +13,15 @@ def test_a_module_is_one_unit_whatever_its_tests_and_parameters() -> None:
     assert xdist_scope("tests/unit/test_b.py::test_x") == "tests/unit/test_b.py"
 
 
-def test_every_local_serve_module_is_one_unit() -> None:
-    ids = [f"{LOCAL_SERVE}/test_openai_e2e.py::test_a",
-           f"{LOCAL_SERVE}/test_self_healing.py::test_b[TokenEngine]",
-           f"{LOCAL_SERVE}/test_loadgen_replay.py::test_server_killed_mid_replay"]  # fmt: skip
-    assert {xdist_scope(i) for i in ids} == {LOCAL_SERVE}
+def test_every_e2e_module_is_one_unit() -> None:
+    ids = [f"{E2E}/local_serve/test_openai_e2e.py::test_a",
+           f"{E2E}/local_serve/test_self_healing.py::test_b[TokenEngine]",
+           f"{E2E}/test_api_fuzz.py::test_fuzzed",
+           f"{E2E}/test_mesh_scaling.py::test_x"]  # fmt: skip
+    assert {xdist_scope(i) for i in ids} == {E2E}
 
 
 def test_a_look_alike_folder_and_odd_ids_are_their_own_units() -> None:
-    assert xdist_scope("tests/e2e/local_serve_other/test_a.py::t") == (
-        "tests/e2e/local_serve_other/test_a.py"
-    )
-    assert xdist_scope("tests/e2e/test_api_fuzz.py") == "tests/e2e/test_api_fuzz.py"  # no "::"
+    assert xdist_scope("tests/e2e_other/test_a.py::t") == "tests/e2e_other/test_a.py"
+    assert xdist_scope("tests/integration/test_a.py") == "tests/integration/test_a.py"  # no "::"
     assert xdist_scope("") == ""
