@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -82,6 +83,19 @@ def router_spans(span_exporter: InMemorySpanExporter) -> Iterator[InMemorySpanEx
     span_exporter.clear()
     yield span_exporter
     span_exporter.clear()
+
+
+@pytest.fixture(autouse=True)
+def prompt_gil_handoff() -> Iterator[None]:
+    """The client and the router share this process's GIL: a client thread waiting for it behind
+    the router's threads (its loop, the mesh inbox, the membership watch) would read each chunk up
+    to the 5 ms switch interval late, which on a loaded machine put the median request's TTFT
+    outside the tolerance `check_latencies` holds spans to. A short interval makes the holder let
+    go soon after the client wants the GIL."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)
+    yield
+    sys.setswitchinterval(interval)
 
 
 def serve(router: Router) -> tuple[uvicorn.Server, threading.Thread, str]:
