@@ -1,6 +1,6 @@
 """How `LocalMesh` starts a worker process: a fork of a server that imported the worker's code once.
 
-A fresh `python -m services.launch.worker_process` spends ~4.7 s of CPU importing torch, ucxx,
+A fresh interpreter running `worker_process` spends ~4.7 s of CPU importing torch, ucxx,
 numpy and the services before it builds anything (2-vCPU Intel Xeon): a mesh of four workers
 paid ~19 s of CPU to start, and the replacement of a dead worker ~5 s before it could load its
 weights. The standard library's fork server (`multiprocessing`'s "forkserver" start method)
@@ -17,7 +17,8 @@ What a worker gets from its launcher, as a `subprocess.Popen` child did:
   that started it, not in whichever test happened to start the server;
 - its end with the launcher: a worker reads a pipe that only the launcher holds open for writing
   and exits at its end of file (`worker_process.run`); the server exits once the launcher and its
-  workers have.
+  workers have. A worker also exits with the server: the launcher learns its workers' exits from
+  it, and without it would count them dead while they ran on.
 """
 
 from __future__ import annotations

@@ -304,10 +304,8 @@ class LocalMesh:
 
     def _env(self, cfg: WorkerConfig) -> dict[str, str]:
         """A worker's own environment variables, over this process's."""
-        if not self.topology.otel_exporter:
-            return {}
         exporter = self.topology.otel_exporter.replace("{service_id}", cfg.service_id)
-        return {"PHASEMESH_OTEL_EXPORTER": exporter}
+        return {"PHASEMESH_OTEL_EXPORTER": exporter} if exporter else {}
 
     # -- views for tests, benches and the direct client ---------------------------------------
 

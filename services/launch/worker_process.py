@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import select
 import threading
 
 import msgspec
@@ -29,7 +30,9 @@ from services.shard.worker import ShardWorker
 
 def run(cfg: WorkerConfig, launcher_fd: int) -> None:
     """Run the worker `cfg` describes until it is told to shut down, or until `launcher_fd` (the
-    read end of a pipe that only the launcher holds open for writing) says the launcher is gone."""
+    read end of a pipe that only the launcher holds open for writing) says the launcher is gone,
+    or its parent (the fork server) is gone."""
+    parent_pid = os.getppid()
     faulthandler.enable()  # a crash in native code (UCX, the kernel) still leaves a stack
     if cfg.cpus:  # before the worker starts threads: they inherit the mask
         pin_this_process(cfg.cpus)
@@ -45,7 +48,7 @@ def run(cfg: WorkerConfig, launcher_fd: int) -> None:
     ready = connect(ctx, zmq.PUSH, cfg.ready_endpoint, auth=cfg.curve_keys)
     ready.send(msgspec.msgpack.encode(worker.ready()))
     ready.close(linger=1000)
-    _exit_with_launcher(launcher_fd)
+    _exit_with_launcher(launcher_fd, parent_pid)
     freeze_startup_heap()  # no full collection over the start-up heap mid-step (common/gc_heap.py)
     try:
         worker.run()
@@ -55,11 +58,16 @@ def run(cfg: WorkerConfig, launcher_fd: int) -> None:
         telemetry.shutdown()
 
 
-def _exit_with_launcher(launcher_fd: int) -> None:
-    """A worker whose launcher died must not linger (tests kill launchers)."""
+def _exit_with_launcher(launcher_fd: int, parent_pid: int) -> None:
+    """A worker whose launcher died must not linger (tests kill launchers). Nor one whose fork
+    server died: the launcher learns a worker's exit from that server, so it counts every worker
+    as dead (exit code 255) and its supervisor starts replacements through a new server."""
 
     def watch() -> None:
-        os.read(launcher_fd, 1)  # NOTE: blocks until end of file: the launcher has exited
+        # NOTE: end of file on the pipe (the launcher has exited), or a second's timeout to look
+        # at the parent: nothing to block on for a parent's death.
+        while not select.select([launcher_fd], [], [], 1.0)[0] and os.getppid() == parent_pid:
+            pass
         os._exit(0)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

@@ -85,3 +85,45 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_killed_fork_server_takes_its_workers_and_the_supervisor_replaces_them(
+    tiny_model_path: Path,
+) -> None:
+    """The launcher hears of its workers' exits through their fork server: with the server gone,
+    every worker counts as dead. So they exit with it (none left running unsupervised), the
+    supervisor starts each again through a new server, and the mesh serves the single-process
+    engine's greedy tokens."""
+    from common.engine.core import LLMEngine
+    from common.protocol import SamplingSpec
+    from common.sampling import SamplingParams
+    from services.launch.test_client import MeshTestClient
+    from tests.conftest import random_prompts
+
+    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2, pin_decode_groups=False))
+    try:
+        old = {w.service_id: w.proc.pid for w in mesh.workers.values()}
+        [server] = {psutil.Process(pid).ppid() for pid in old.values()}
+        os.kill(server, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while (alive := [p for p in old.values() if running(p)]) or len(
+            {e.service_id for e in mesh.registry.live()} - set(old)
+        ) < len(old):
+            assert time.monotonic() < deadline, (alive, mesh.registry.live())
+            time.sleep(0.2)  # waiting on other processes' exits and starts
+        prompt = random_prompts([40], 2048, seed=5)[0]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        [expected] = LLMEngine.from_path(tiny_model_path, num_blocks=64).generate([prompt], params)
+        client = MeshTestClient(mesh)
+        client.submit("after", prompt, SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True))
+        tokens: list[int] = []
+        while True:
+            out = client.recv(timeout=120)
+            assert not out.error, out.error
+            tokens += out.token_ids
+            if out.finish_reason:
+                break
+        assert tokens == expected
+        client.close()
+    finally:
+        mesh.close()
