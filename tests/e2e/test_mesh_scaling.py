@@ -1,17 +1,12 @@
 """Scaling the mesh on a running application: TokenEngine 1 -> 2 replicas with `serve deploy`.
 
 A Ray cluster with the dashboard is started in this process (`serve deploy` talks to the dashboard's
-REST API), and `deploy/local.yaml` is deployed on a free port with its ModelPeer block on (Lamina
-4.3's rotation over model replicas: one peer, `model_peers: 1`, 3 decode lanes). Client threads
-stream requests the whole time while the YAML is re-deployed with `TokenEngine.num_replicas: 2`:
-the second token engine (no shard group is left for it: it decodes with local attention) must come
-into routing (it receives requests: the router's per-engine counter in `/stats`) without a single
-failed request: every stream answers 200, the exact number of tokens, usage and `[DONE]`. Later
-the engine that holds the group rotates over its peer, whose replica is killed.
-
-NOTE: the peers are on from the first deploy: turning them on later changes the application's
-args, and Serve then replaces every replica (a rolling update; the registry's generations keep
-the old and new meshes apart: tests/unit/test_registry.py), a minute and a half of CI's two cores.
+REST API), `deploy/local.yaml` is deployed on a free port, and client threads stream requests the
+whole time. Re-deploying the YAML with `TokenEngine.num_replicas: 2` must bring a second token
+engine into routing (it receives requests: the router's per-engine counter in `/stats`) without a
+single failed request: every stream answers 200, the exact number of tokens, usage and `[DONE]`.
+Last, the same YAML with its ModelPeer block on (Lamina 4.3's rotation over model replicas) is
+deployed over the running application, and a peer replica killed.
 """
 
 from __future__ import annotations
@@ -62,7 +57,6 @@ pytestmark = [
 NUM_TOKENS = 8
 NUM_CLIENTS = 2
 PROMPT_POOL_FULL = 64
-MODEL_PEERS = 1
 
 
 class Cluster:
@@ -95,25 +89,28 @@ class Cluster:
             dashboard_port=self.dashboard_port, log_to_driver=False,
         )  # fmt: skip
 
-    def deploy(self, num_token_engines: int) -> None:
-        """`serve deploy` deploy/local.yaml on our port with this many token engines, its
-        commented ModelPeer block turned on (one peer replica: one shard group to rotate)."""
+    def deploy(
+        self, num_token_engines: int, model_peers: int = 0, mesh: dict[str, Any] | None = None
+    ) -> None:
+        """`serve deploy` deploy/local.yaml on our port with this many token engines; with
+        `model_peers`, its commented ModelPeer block turned on (that many per token engine), and
+        `mesh` args set over the file's."""
         text = (REPO / "deploy" / "local.yaml").read_text()
-        config = yaml.safe_load(uncomment_model_peers(text))
+        config = yaml.safe_load(uncomment_model_peers(text) if model_peers else text)
         config["http_options"]["port"] = self.http_port
         [app] = config["applications"]
         for deployment in app["deployments"]:
             if deployment["name"] == "TokenEngine":
                 deployment["num_replicas"] = num_token_engines
             if deployment["name"] == "ModelPeer":
-                deployment["num_replicas"] = MODEL_PEERS
+                deployment["num_replicas"] = num_token_engines * model_peers
         # A prompt engine counts as full past 64 pending prompt tokens: the steady 4-token load
         # never gets there, a burst of long prompts does (a token engine is lent to the mixed pool).
         app["args"]["mesh"]["pools"] = {"prompt_tokens": PROMPT_POOL_FULL, "lease_s": 10.0}
         # No `key`: every deploy's replicas take the application's from its registry, so a
         # deploy that rolls every replica stays one mesh (a key drawn per deploy split it).
-        app["args"]["mesh"] |= {"model_peers": MODEL_PEERS, "decode_lanes": MODEL_PEERS + 2}
-        path = self.workdir / f"local-{num_token_engines}.yaml"
+        app["args"]["mesh"] |= {"model_peers": model_peers} | (mesh or {})
+        path = self.workdir / f"local-{num_token_engines}-{model_peers}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         address = f"http://127.0.0.1:{self.dashboard_port}"
         subprocess.run(
@@ -355,13 +352,13 @@ def test_a_token_engine_rotates_over_a_model_peer_replica_and_claims_its_replace
     registry and runs slices on it (its `EngineStats`), greedy text equal to the single-process
     engine's; the peer's process is killed, Serve replaces it, the engine's watch claims and
     links the replacement (`LinkPeers`), and the next requests run on it, still equal."""
-    # Back to one token engine, so that every request decodes on the one that rotates (the other
-    # has no shard group). Whichever replica Serve stops, the one left holds the group and peer.
-    cluster.deploy(num_token_engines=1)
+    # One token engine: a second would find the shard group taken and decode locally, no peers.
+    cluster.deploy(num_token_engines=1, model_peers=1, mesh={"decode_lanes": 3})
     want = {"Router": 1, "PromptEngine": 1, "TokenEngine": 1, "AttentionShard": 2, "ModelPeer": 1}
     running = {name: {"RUNNING": n} for name, n in want.items()}
-    wait_for("one token engine", lambda: replica_states() == running, 120)
-    base_url = cluster.base_url
+    wait_for("the redeployed application", lambda: replica_states() == running, 240)
+    base_url = cluster.proxy_url  # the Router replica was replaced: its own port may differ
+    wait_for("a healthy application", lambda: healthy(base_url), 60)
     path = default_model_path("tiny")
     engine, tokenizer = LLMEngine.from_path(path, num_blocks=512), Tokenizer(path)
     prompts = [[(11 * i + j) % 1500 + 100 for j in range(24)] for i in range(4)]
@@ -375,7 +372,8 @@ def test_a_token_engine_rotates_over_a_model_peer_replica_and_claims_its_replace
 
     linked = wait_for("the token engine linked to its peer", lambda: peered_token_engine(1), 60)
 
-    # The token engine holds only shards and a peer of its own generation (its deploy's args).
+    # The redeploy changed the args, so Serve replaced every mesh replica: the token engine
+    # holds only shards and a peer of its own generation, never an old one Serve is stopping.
     live = {e.service_id: e for e in RayRegistry.for_app("phasemesh").live()}
     [token] = [e for e in live.values() if e.service_id == linked.service_id]
     held = [s.service_id for s in token.shards] + list(token.peers)
