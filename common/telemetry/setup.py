@@ -10,6 +10,8 @@ The exporter is chosen by argument or by `PHASEMESH_OTEL_EXPORTER`, never hard-w
 | `jsonl:PATH` | PATH, one JSON object per line (spans, then metric snapshots)         |
 | `memory`     | in-memory exporter and reader, for tests (`Telemetry.span_exporter`)  |
 | `none`       | nowhere; spans still get ids so logs and messages carry trace ids     |
+|              | (not sampled: nothing records what nobody reads; a caller's sampled   |
+|              | trace is continued)                                                   |
 | `off`        | nothing installed: the no-op API, no ids, no Ray metrics (benchmarks) |
 
 Unset, it is `otlp-http` (or `otlp-grpc` when `OTEL_EXPORTER_OTLP_PROTOCOL=grpc`) if
@@ -45,6 +47,7 @@ from opentelemetry.sdk.trace.export import (
     SpanProcessor,
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
 from common.config import env
 
@@ -171,7 +174,12 @@ def _install(service_name: str, spec: ExporterSpec, instance_id: str = "") -> Te
     limits = SpanLimits(
         max_events=None if "OTEL_SPAN_EVENT_COUNT_LIMIT" in os.environ else DEFAULT_MAX_SPAN_EVENTS
     )
-    tracer_provider = TracerProvider(resource=resource, span_limits=limits)
+    # NOTE: `none` exports nothing, so its own traces start unsampled: their spans still get ids
+    # (logs, messages) but record nothing; a recording span would keep every token's event in
+    # memory until its end, for nobody. A context a caller sampled is continued (ParentBased),
+    # so services with an exporter downstream still see it.
+    sampler = ParentBased(ALWAYS_OFF) if spec.kind == "none" else None
+    tracer_provider = TracerProvider(resource=resource, span_limits=limits, sampler=sampler)
     if span_exporter is not None:
         tracer_provider.add_span_processor(_processor_for(spec, span_exporter))
     readers = [metric_reader] if metric_reader is not None else []

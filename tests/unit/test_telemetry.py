@@ -458,6 +458,38 @@ def test_memory_exporter_in_a_fresh_process_and_idempotent_configure() -> None:
     assert "gen_ai.server.request.duration" in report["metrics"]
 
 
+CHILD_NONE = """
+import json
+from common.telemetry import configure_telemetry, inject_context, request_span, trace_id_of
+configure_telemetry("router")
+with request_span("own", model="tiny", num_prompt_tokens=2, max_tokens=2) as own:
+    own_recording = own.is_recording()
+    own_context = own.get_span_context()
+    carried = inject_context()
+caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+with request_span("theirs", model="t", num_prompt_tokens=2, max_tokens=2, parent=caller) as theirs:
+    continued, continued_recording = theirs.get_span_context(), theirs.is_recording()
+print(json.dumps({
+    "own_recording": own_recording, "own_valid": own_context.is_valid,
+    "own_sampled": own_context.trace_flags.sampled, "carried_trace": trace_id_of(carried),
+    "own_trace": f"{own_context.trace_id:032x}", "continued_recording": continued_recording,
+    "continued_trace": f"{continued.trace_id:032x}",
+}))
+"""
+
+
+def test_none_exporter_gives_ids_but_records_only_a_callers_sampled_trace() -> None:
+    # `none` exports nothing: a trace it starts is not sampled (its spans keep no events, such as
+    # a decode span's one per token) but still has ids for logs and messages; a trace a caller
+    # sampled goes on sampled, for services downstream that export.
+    report = json.loads(run_child(CHILD_NONE, {"PHASEMESH_OTEL_EXPORTER": "none"}).stdout)
+    assert report["own_recording"] is False
+    assert report["own_valid"] is True and report["own_sampled"] is False
+    assert report["carried_trace"] == report["own_trace"] != "0" * 32
+    assert report["continued_recording"] is True
+    assert report["continued_trace"] == "0af7651916cd43dd8448eb211c80319c"
+
+
 class OtlpReceiver(BaseHTTPRequestHandler):
     """A minimal OTLP/HTTP endpoint: keeps every POST body by path."""
 
