@@ -5,13 +5,15 @@
 Two meshes of the same topology run at once as OS processes (1 prompt engine, 1 token engine,
 `--shards` attention shards): one with telemetry on, every service exporting its spans and metrics
 to its own JSON-lines file (`jsonl:`, a real exporter that serializes and writes every span, token
-events included; `--exporter none` records spans and exports nothing), one with
+events included; `--exporter none` records the traced arm's spans and exports nothing: what
+recording cost before `none` stopped sampling its own traces), one with
 `PHASEMESH_OTEL_EXPORTER=off` (OpenTelemetry's no-op API: no spans, no ids, no metrics). Each round
 runs three arms, in an order that turns every round:
 
 - traced: the telemetry mesh, sampled requests. This process plays the router: a
-  `router.request` span per request, its context in the `GenerateRequest`, and
-  `RequestTrace.on_output` (TTFT/TBT histograms) on every token it receives;
+  `router.request` span per request (continuing a caller's sampled context), its context in the
+  `GenerateRequest`, and `RequestTrace.on_output` (TTFT/TBT histograms) on every token it
+  receives;
 - untraced: the same mesh and processes, requests whose trace context says "not sampled", so
   every span of theirs is a no-op, and no router-side records;
 - off: the other mesh.
@@ -93,9 +95,10 @@ def router_telemetry() -> RouterTelemetry:
     return RouterTelemetry("bench", metrics=Metrics(model_name="bench", meter=meter, use_ray=False))
 
 
-def unsampled_traceparent() -> str:
-    """A W3C context whose flags say "not sampled": every span under it is a no-op."""
-    return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-00"
+def caller_traceparent(sampled: bool) -> str:
+    """A caller's W3C context: "sampled" is continued sampled under any exporter (`none` starts
+    its own traces unsampled); "not sampled" makes every span under it a no-op."""
+    return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-{'01' if sampled else '00'}"
 
 
 def decode_gaps(arm: Arm, batch: int, tokens: int, tag: str) -> list[float]:
@@ -106,11 +109,12 @@ def decode_gaps(arm: Arm, batch: int, tokens: int, tag: str) -> list[float]:
     for i in range(batch):
         req_id = f"{tag}-{i}"
         arrivals[req_id] = []
-        traceparent = "" if arm.sampled else unsampled_traceparent()
+        traceparent = "" if arm.sampled else caller_traceparent(sampled=False)
         if arm.router is not None:
             traces[req_id] = trace = arm.router.start(
                 req_id, operation="text_completion", num_prompt_tokens=PROMPT_LEN,
                 max_tokens=tokens, start_ns=time.time_ns(),
+                traceparent=caller_traceparent(sampled=True),
             )  # fmt: skip
             traceparent = inject_context(otel_trace.set_span_in_context(trace.span))
         prompt = [(7 * i + j) % 2000 + 8 for j in range(PROMPT_LEN)]
@@ -179,7 +183,7 @@ def per_call_us(fn: Callable[[], object], n: int = 20000) -> float:
 def hot_path_costs() -> dict[str, float]:
     """`DecodeSpan.token()` (the engine's per-token span event) and `RequestTrace.on_output()`
     (the router's per-token TBT record), alone, with this process's real providers."""
-    decode = DecodeSpan("", token_engine="bench")
+    decode = DecodeSpan(caller_traceparent(sampled=True), token_engine="bench")
     event_us = per_call_us(decode.token, 5000)
     decode.finish("length")
     trace = router_telemetry().start(
