@@ -20,6 +20,7 @@ from opentelemetry.trace import StatusCode
 from common.engine.request import FinishReason, RequestOutput
 from common.sampling import SamplingParams
 from common.telemetry import Metrics
+from services.router import telemetry as router_telemetry
 from services.router.engine_client import EngineClientStats
 from services.router.server import Router
 from services.router.streams import Overloaded
@@ -180,3 +181,50 @@ def test_a_client_that_leaves_ends_the_request_as_abort(
     assert span.attributes["gen_ai.usage.output_tokens"] == 2
     success = counts(reader, "phasemesh_request_success_total")
     assert ("finished_reason", "abort") in next(iter(success))
+
+
+def test_tbt_samples_reach_the_histogram_in_batches_and_all_by_the_request_end(
+    tiny_model_path: Path,
+    spans: InMemorySpanExporter,
+    reader: InMemoryMetricReader,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each gap is kept until `TBT_BATCH_SAMPLES` are pending, or one comes `TBT_BATCH_S` after the
+    oldest pending one, or the request ends: none is lost and none is recorded twice."""
+    clock = [0]
+    monkeypatch.setattr(router_telemetry.time, "time_ns", lambda: clock[0])
+    router = make_router(tiny_model_path, FakeBackend(), reader)
+    trace = router.telemetry.start(
+        "r-gaps", operation="text_completion", num_prompt_tokens=3, max_tokens=10**4, start_ns=0
+    )
+
+    def tokens(n: int, gap_ms: int) -> None:
+        for _ in range(n):
+            clock[0] += gap_ms * 1_000_000
+            trace.on_output(RequestOutput("r-gaps", [7], "x", None, 3, 1))
+
+    def recorded() -> float:
+        return sum(counts(reader, "phasemesh_inter_token_latency_seconds").values())
+
+    batch = router_telemetry.TBT_BATCH_SAMPLES
+    tokens(1 + batch - 1, gap_ms=5)  # the first token (TTFT), then one gap short of a batch
+    assert recorded() == 0
+    tokens(1, gap_ms=5)
+    assert recorded() == batch
+    tokens(3, gap_ms=5)
+    assert recorded() == batch
+    tokens(1, gap_ms=int(router_telemetry.TBT_BATCH_S * 1000))  # the oldest pending is 1 s old
+    assert recorded() == batch + 4
+    tokens(2, gap_ms=5)
+    trace.end()
+    assert recorded() == batch + 6
+    data = reader.get_metrics_data()
+    (point,) = [
+        p
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "phasemesh_inter_token_latency_seconds"
+        for p in m.data.data_points
+    ]
+    assert point.sum == pytest.approx((batch + 5) * 0.005 + router_telemetry.TBT_BATCH_S)
