@@ -135,7 +135,8 @@ ATTEND_WHOLE, ATTEND_PREV, ATTEND_NEW = 0, 1, 2  # `AttendBatch.part`
 
 
 class AttendResult(_Msg, tag="attend_result"):
-    """Buffers: out [N, Hq_shard, D] float32 and lse [N, Hq_shard] float32."""
+    """Buffer: out [N, Hq_shard, D] float32. Not the softmax denominators: the shard combines
+    its own partials (overlap), and a token engine has no use for them."""
 
     step: int
     layer: int

@@ -66,7 +66,7 @@ def array_view(tensor: torch.Tensor) -> np.ndarray:
     wire moves bytes). Built with numpy, not torch, ops: each torch view op costs microseconds of
     dispatch.
     """
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise ValueError(f"only CPU tensors travel here, got {tensor.device}")
     if tensor.requires_grad:
         tensor = tensor.detach()

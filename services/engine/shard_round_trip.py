@@ -172,7 +172,6 @@ def collect_layer(
     `ShardLinkFault` for a reply that did not come or answers something else, RuntimeError for a
     shard's error."""
     out, n = flight.out, flight.num_local
-    lse = torch.empty(out.shape[:2], dtype=torch.float32)  # the engine has no use for it
     started = time.perf_counter()
     attend_s = network_s = 0.0
     # Every shard's reply is read before anything is raised: one left queued would be taken for
@@ -185,9 +184,9 @@ def collect_layer(
             if not sent.replied:  # an ATTEND_PREV: its ATTEND_NEW gets the reply
                 continue
             if sent.row_index is None:  # each shard's heads land in place, no staging
-                result, _ = sent.link.recv([out[n:, sent.heads], lse[n:, sent.heads]], timeout)
+                result, _ = sent.link.recv([out[n:, sent.heads]], timeout)
             else:
-                result, (rows_out, _) = sent.link.recv(None, timeout)
+                result, (rows_out,) = sent.link.recv(None, timeout)
         except TimeoutError:
             faults.append(f"shard {sent.shard}: no reply in {timeout} s")
             continue

@@ -200,18 +200,18 @@ class ShardWorker:
             if batch.part == ATTEND_NEW:
                 if (error := self._prev_errors.pop(batch.lane, None)) is not None:
                     raise error
-                out, lse, failed = self.shard.attend_new(batch, *bufs)
+                out, _, failed = self.shard.attend_new(batch, *bufs)
             else:
                 if traced:
                     self.telemetry.layer_started(batch)
-                out, lse, failed = self.shard.attend(batch, *bufs)
+                out, _, failed = self.shard.attend(batch, *bufs)
             if traced:
                 self.telemetry.layer_done(batch, len(failed), self.shard.blocks.num_used_blocks)
             attend_s = time.perf_counter() - started + self._prev_s.pop(batch.lane, 0.0)
             landed, lost = self.news.drain()
             reply = AttendResult(batch.step, batch.layer, failed=failed, lane=batch.lane,
                                  attend_s=attend_s, kv_landed=landed, kv_lost=lost)  # fmt: skip
-            link.send(reply, [out, lse])
+            link.send(reply, [out])
             if traced:
                 self.telemetry.flush()
         except Exception as exc:  # noqa: BLE001 - the engine must get an answer, not a hang
@@ -220,7 +220,7 @@ class ShardWorker:
             log.exception("attention failed", step=batch.step, layer=batch.layer)
             n, hq, d = bufs[0].shape  # q, or k: then the query heads are `group` per KV head
             hq *= 1 if batch.part == ATTEND_WHOLE else self.shard.spec.num_queries_per_kv
-            empty = [torch.zeros(n, hq, d), torch.zeros(n, hq)]
+            empty = [torch.zeros(n, hq, d)]
             link.send(AttendResult(batch.step, batch.layer, error=repr(exc), lane=batch.lane),
                       empty)  # fmt: skip
         # NOTE: with decode lanes, the first lane to finish its last layer ends the step.

@@ -71,7 +71,7 @@ class EchoLink:
 
     def recv(self, out: Any = None, timeout: float | None = None) -> tuple[AttendResult, list]:
         header, (q, _, _) = self.sent[-1]
-        return AttendResult(header.step, header.layer), [q.float(), torch.zeros(q.shape[:2])]
+        return AttendResult(header.step, header.layer), [q.float()]
 
 
 def test_each_shard_gets_only_its_requests_rows_and_their_outputs_land_in_their_rows():
