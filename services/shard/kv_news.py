@@ -32,6 +32,10 @@ class KvNews:
 
     def drain(self, wait_s: float = 0.0) -> tuple[list[str], list[str]]:
         """(landed, lost) since the last drain, waiting up to `wait_s` for some if there is none."""
+        if wait_s <= 0 and not self._landed and not self._lost:
+            # Nearly every reply of a decode step: nothing new, and no lock taken for it (the
+            # writers only append; news that lands just after this look goes with the next).
+            return [], []
         with self._cond:
             if wait_s > 0:
                 self._cond.wait_for(lambda: bool(self._landed or self._lost), timeout=wait_s)
