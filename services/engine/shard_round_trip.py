@@ -169,8 +169,8 @@ def collect_layer(
     """Each shard's reply to a layer: its heads land in place in `flight.out[num_local:]`; the
     requests a shard could not attend for go to `failed`; the shards' news of KV that landed
     (shard index, request ids) and was lost go to `kv_news` (`AttendResult.kv_landed`). Raises
-    `ShardLinkFault` for a reply that did not come or answers something else, RuntimeError for a
-    shard's error."""
+    `ShardLinkFault` for a reply that did not come, does not fit or answers something else,
+    RuntimeError for a shard's error."""
     out, n = flight.out, flight.num_local
     started = time.perf_counter()
     attend_s = network_s = 0.0
@@ -189,6 +189,9 @@ def collect_layer(
                 result, (rows_out,) = sent.link.recv(None, timeout)
         except TimeoutError:
             faults.append(f"shard {sent.shard}: no reply in {timeout} s")
+            continue
+        except ValueError as exc:  # malformed, or buffers of other shapes (another version?)
+            faults.append(f"shard {sent.shard}: reply does not fit: {exc}")
             continue
         round_trip = time.perf_counter() - sent.sent_at
         attend_s = max(attend_s, result.attend_s)

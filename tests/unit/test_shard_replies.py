@@ -35,6 +35,8 @@ class ScriptedLink:
         self.received += 1
         if self.script == "silent":
             raise TimeoutError
+        if self.script == "misfit":  # as the channel says of a reply of other shapes or count
+            raise ValueError("message has 2 tensors, 1 receive buffers given")
         header = self.sent[-1]
         out[0].fill_(self.value)
         step = header.step - 1 if self.script == "stale" else header.step
@@ -73,6 +75,7 @@ def test_requests_a_shard_could_not_attend_for_are_named_not_raised():
     [
         (("stale", "ok"), ShardLinkFault),
         (("ok", "silent"), ShardLinkFault),
+        (("misfit", "ok"), ShardLinkFault),  # never data, never one step's error: the links go
         (("error", "ok"), RuntimeError),
         (("error", "stale"), ShardLinkFault),  # a link fault wins: the links go, not only a step
     ],
