@@ -20,6 +20,7 @@ from common.protocol import (
     ATTEND_NEW,
     ATTEND_PREV,
     AttendBatch,
+    AttendResult,
     DecodeBreakdown,
     KvReadyQuery,
     ShardAddress,
@@ -180,19 +181,16 @@ def collect_layer(
     errors, faults = [], []
     for sent in flight.sends:
         try:
-            sent.link.wait(sent.handle, timeout)
-            if not sent.replied:  # an ATTEND_PREV: its ATTEND_NEW gets the reply
-                continue
-            if sent.row_index is None:  # each shard's heads land in place, no staging
-                result, _ = sent.link.recv([out[n:, sent.heads]], timeout)
-            else:
-                result, (rows_out,) = sent.link.recv(None, timeout)
+            reply = _receive_reply(sent, out, n, timeout)
         except TimeoutError:
             faults.append(f"shard {sent.shard}: no reply in {timeout} s")
             continue
         except ValueError as exc:  # malformed, or buffers of other shapes (another version?)
             faults.append(f"shard {sent.shard}: reply does not fit: {exc}")
             continue
+        if reply is None:  # an ATTEND_PREV: its ATTEND_NEW gets the reply
+            continue
+        result, rows_out = reply
         round_trip = time.perf_counter() - sent.sent_at
         attend_s = max(attend_s, result.attend_s)
         network_s = max(network_s, round_trip - result.attend_s)
@@ -205,7 +203,7 @@ def collect_layer(
                           f"layer {expected[1]} lane {expected[2]}")  # fmt: skip
         elif result.error:
             errors.append(f"shard {sent.shard}: {result.error}")
-        elif sent.row_index is not None:
+        elif rows_out is not None:
             out[sent.row_index] = rows_out
         failed.update(result.failed)
         if kv_news is not None and (result.kv_landed or result.kv_lost):
@@ -219,6 +217,21 @@ def collect_layer(
         raise ShardLinkFault("; ".join(faults))
     if errors:
         raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
+
+
+def _receive_reply(
+    sent: ShardSend, out: torch.Tensor, num_local: int, timeout: float
+) -> tuple[AttendResult, torch.Tensor | None] | None:
+    """`sent`'s reply once its send is done: its heads landed in place in `out[num_local:]`, or
+    (a request-partitioned group) with its rows' output to scatter; None for an ATTEND_PREV."""
+    sent.link.wait(sent.handle, timeout)
+    if not sent.replied:
+        return None
+    if sent.row_index is None:  # no staging
+        result, _ = sent.link.recv([out[num_local:, sent.heads]], timeout)
+        return result, None
+    result, (rows_out,) = sent.link.recv(None, timeout)
+    return result, rows_out
 
 
 def ask_kv_news(
