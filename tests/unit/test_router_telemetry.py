@@ -181,6 +181,8 @@ def test_a_client_that_leaves_ends_the_request_as_abort(
     assert span.attributes["gen_ai.usage.output_tokens"] == 2
     success = counts(reader, "phasemesh_request_success_total")
     assert ("finished_reason", "abort") in next(iter(success))
+    # the one gap it saw was still pending when the client left: recorded at the end all the same
+    assert list(counts(reader, "phasemesh_inter_token_latency_seconds").values()) == [1]
 
 
 def test_tbt_samples_reach_the_histogram_in_batches_and_all_by_the_request_end(

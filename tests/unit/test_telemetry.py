@@ -469,11 +469,14 @@ with request_span("own", model="tiny", num_prompt_tokens=2, max_tokens=2) as own
 caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 with request_span("theirs", model="t", num_prompt_tokens=2, max_tokens=2, parent=caller) as theirs:
     continued, continued_recording = theirs.get_span_context(), theirs.is_recording()
+with request_span("forged", model="t", num_prompt_tokens=2, max_tokens=2, parent="00-zz-01") as bad:
+    forged_recording, forged_valid = bad.is_recording(), bad.get_span_context().is_valid
 print(json.dumps({
     "own_recording": own_recording, "own_valid": own_context.is_valid,
     "own_sampled": own_context.trace_flags.sampled, "carried_trace": trace_id_of(carried),
     "own_trace": f"{own_context.trace_id:032x}", "continued_recording": continued_recording,
     "continued_trace": f"{continued.trace_id:032x}",
+    "forged_recording": forged_recording, "forged_valid": forged_valid,
 }))
 """
 
@@ -488,6 +491,8 @@ def test_none_exporter_gives_ids_but_records_only_a_callers_sampled_trace() -> N
     assert report["carried_trace"] == report["own_trace"] != "0" * 32
     assert report["continued_recording"] is True
     assert report["continued_trace"] == "0af7651916cd43dd8448eb211c80319c"
+    # a malformed caller's context is no caller: a trace of its own, unsampled, with ids
+    assert report["forged_recording"] is False and report["forged_valid"] is True
 
 
 class OtlpReceiver(BaseHTTPRequestHandler):
