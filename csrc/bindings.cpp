@@ -144,7 +144,7 @@ void silu_and_mul(const RowsIn& x, const RowsOut& out) {
   const size_t rows = x.shape(0), inter = x.shape(1) / 2;
   if (x.shape(1) % 2 != 0) throw std::invalid_argument("silu_and_mul: x needs an even width");
   expect_rows("out", out.shape(0), out.shape(1), rows, inter);
-  pm::best_isa().silu_and_mul(x.data(), out.data(), rows, inter);
+  pm::best_isa().silu_and_mul(x.data(), out.data(), rows, inter, 0, inter);
 }
 
 using Panels = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu, nb::c_contig>;
@@ -181,6 +181,30 @@ void linear(const RowsIn& x, const Panels& panels, const RowsOut& out,
                          in_features, out_features, out_features};
   nb::gil_scoped_release no_gil;
   pm::linear(a, kernels, num_panels, num_threads);
+}
+
+void linear_silu_and_mul(const RowsIn& x, const Panels& panels, const RowsOut& gate_up,
+                         const RowsOut& act, int num_threads, const std::string& isa) {
+  const int64_t rows = x.shape(0), in_features = x.shape(1), inter = act.shape(1);
+  const pm::IsaKernels& kernels = gemm_isa(isa);
+  const int64_t width = kernels.linear_panel_width;
+  if (inter % width != 0)
+    throw std::invalid_argument("linear_silu_and_mul: the intermediate size " +
+                                std::to_string(inter) + " is not a multiple of the panel width " +
+                                std::to_string(width));
+  if (panels.shape(0) != static_cast<size_t>(2 * inter / width) ||
+      panels.shape(1) != static_cast<size_t>(in_features) ||
+      panels.shape(2) != static_cast<size_t>(width))
+    throw std::invalid_argument("linear_silu_and_mul: panels must be [" +
+                                std::to_string(2 * inter / width) + ", " +
+                                std::to_string(in_features) + ", " + std::to_string(width) + "]");
+  expect_rows("gate_up", gate_up.shape(0), gate_up.shape(1), rows, 2 * inter);
+  expect_rows("act", act.shape(0), act.shape(1), rows, inter);
+  if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
+  const pm::LinearArgs a{x.data(), panels.data(), gate_up.data(), nullptr, rows, in_features,
+                         2 * inter, in_features, 2 * inter, 0};
+  nb::gil_scoped_release no_gil;
+  pm::linear_silu_and_mul(a, act.data(), kernels, inter / width, num_threads);
 }
 
 using StridedKv = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu>;
@@ -261,6 +285,12 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         nb::arg("panel_start") = 0, nb::arg("num_threads") = 1, nb::arg("isa") = "auto",
         "out = x @ w.T (+ residual), float32, w packed as panels [P, in, linear_panel_width()] "
         "(common/model/linear.py), from panel panel_start on; rows never depend on each other.");
+  m.def("linear_silu_and_mul", &linear_silu_and_mul, nb::arg("x").noconvert(),
+        nb::arg("panels").noconvert(), nb::arg("gate_up").noconvert(), nb::arg("act").noconvert(),
+        nb::arg("num_threads") = 1, nb::arg("isa") = "auto",
+        "gate_up = x @ w.T and act = silu(gate_up[:, :I]) * gate_up[:, I:] in one pass, each "
+        "thread activating the columns it computed; I (act's width) a multiple of the panel "
+        "width; values equal linear() then silu_and_mul().");
   m.def(
       "linear_panel_width",
       [](const std::string& isa) { return gemm_isa(isa).linear_panel_width; },

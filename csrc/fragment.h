@@ -56,8 +56,10 @@ struct LinearArgs {
 };
 // Writes the columns of panels [panel_begin, panel_end) (relative to `panels`) for every row.
 using LinearPanelsFn = void (*)(const LinearArgs&, int64_t panel_begin, int64_t panel_end);
-// out[r] = silu(x[r, :inter]) * x[r, inter:] for rows r (x [rows, 2 * inter], out [rows, inter]).
-using SiluAndMulFn = void (*)(const float* x, float* out, int64_t rows, int64_t inter);
+// out[r, c] = silu(x[r, c]) * x[r, inter + c] for rows r and columns c in [col_begin, col_end)
+// (x [rows, 2 * inter], out [rows, inter]).
+using SiluAndMulFn = void (*)(const float* x, float* out, int64_t rows, int64_t inter,
+                              int64_t col_begin, int64_t col_end);
 
 // The two entry points every ISA translation unit provides.
 struct IsaKernels {

@@ -428,19 +428,22 @@ void attend(const FragmentArgs& a, const FragmentState& st) {
   for (int g = 0; g < G; ++g) st.row_sum[g] = hsum(load(lane_sums + g * kLanes));
 }
 
-// silu(g) * u = g * u / (1 + exp(-g)), a vector at a time; exp(-g) saturates to 2^128-ish for
-// g < -88 (the quotient is then ~0, as it should be) and to ~0 for large g.
-void silu_and_mul(const float* x, float* out, int64_t rows, int64_t inter) {
+// silu(g) * u = g * u / (1 + exp(-g)), a vector at a time over columns [col_begin, col_end) of
+// each row; exp(-g) saturates to 2^128-ish for g < -88 (the quotient is then ~0, as it should be)
+// and to ~0 for large g. A column's result does not depend on the range it is computed in (the
+// scalar tail runs the vector exp's polynomial too).
+void silu_and_mul(const float* x, float* out, int64_t rows, int64_t inter, int64_t col_begin,
+                  int64_t col_end) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* gate = x + r * 2 * inter;
     const float* up = gate + inter;
     float* o = out + r * inter;
-    int64_t i = 0;
-    for (; i + kLanes <= inter; i += kLanes) {
+    int64_t i = col_begin;
+    for (; i + kLanes <= col_end; i += kLanes) {
       const VecF g = load(gate + i);
       store(o + i, g * load(up + i) / (1.0f + vexp(-g)));
     }
-    for (; i < inter; ++i) o[i] = gate[i] * up[i] / (1.0f + scalar_exp(-gate[i]));
+    for (; i < col_end; ++i) o[i] = gate[i] * up[i] / (1.0f + scalar_exp(-gate[i]));
   }
 }
 

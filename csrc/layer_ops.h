@@ -38,4 +38,12 @@ void write_kv(float* key_cache, float* value_cache, const float* k, const float*
 // isa.linear_panel_width columns (linear_kernel.h), split by panels over num_threads threads.
 void linear(const LinearArgs& a, const IsaKernels& isa, int64_t num_panels, int num_threads);
 
+// The MLP's gate|up projection and its activation in one pass: a.out [rows, 2 * inter] receives
+// x @ w.T (gate columns, then up columns; inter = num_gate_panels panels, so the up half starts
+// on a panel boundary) and act [rows, inter] = silu(gate) * up. Each thread takes a range of
+// gate panels with the up panels of the same columns and applies the activation to them itself,
+// so no output crosses to another core; every value equals linear() then silu_and_mul().
+void linear_silu_and_mul(const LinearArgs& a, float* act, const IsaKernels& isa,
+                         int64_t num_gate_panels, int num_threads);
+
 }  // namespace pm

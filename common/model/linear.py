@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.dlpack import to_dlpack
 
 from common.attention.cpu_kernel import extension
+from common.model import layer_ops
 
 _EXT = extension()
 # Columns per weight panel of the extension's GEMM (0: no GEMM in this build).
@@ -156,6 +157,31 @@ class PackedLinear(nn.Linear):
                 packed = torch.ops.mkldnn._reorder_linear_weight(rows, self.rows_hint)
             self.packed_rows[(start, end)] = packed
         return packed
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """A gate|up projection and the MLP's activation: silu(gate) * up [T, out / 2] of
+        `forward(x)` = gate | up. Where the kernel's panels hold it and the halves split on a
+        panel boundary, in one call: each thread activates the columns it just computed (no
+        output crosses cores, no second call), the same values as the two steps."""
+        inter = self.out_features // 2
+        if (
+            self.panels is not None
+            and x.dim() == 2
+            and self.out_features % 2 == 0
+            and inter % PANEL_WIDTH == 0
+        ):
+            if x.dtype != _F32:
+                x = x.to(_F32)
+            if not x.is_contiguous():
+                x = x.contiguous()
+            gate_up = torch.empty(x.shape[0], self.out_features, dtype=_F32)
+            act = torch.empty(x.shape[0], inter, dtype=_F32)
+            _EXT.linear_silu_and_mul(
+                to_dlpack(x), to_dlpack(self.panels), to_dlpack(gate_up), to_dlpack(act),
+                torch.get_num_threads(),
+            )  # fmt: skip
+            return act
+        return layer_ops.silu_and_mul(self.forward(x))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T, the add fused into the matmul where packed."""

@@ -113,13 +113,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj.forward(x)  # [T, 2 * intermediate]: gate | up
-        return self.down_proj.forward(layer_ops.silu_and_mul(gate_up))
+        # gate_up_proj's outputs are gate | up, [T, 2 * intermediate]
+        return self.down_proj.forward(self.gate_up_proj.forward_silu_and_mul(x))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + mlp(x), the add fused into the down projection where it can be."""
-        gate_up = self.gate_up_proj.forward(x)
-        return self.down_proj.forward_add(layer_ops.silu_and_mul(gate_up), residual)
+        return self.down_proj.forward_add(self.gate_up_proj.forward_silu_and_mul(x), residual)
 
 
 class LlamaDecoderLayer(nn.Module):

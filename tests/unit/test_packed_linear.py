@@ -309,3 +309,68 @@ def test_early_q_halves_equal_the_fused_pre_attention(tiny_model_path, monkeypat
             k_late, v_late = layer.pre_attention_kv(h, rope)
             for fused, split in ((q, q_early), (k, k_late), (v, v_late)):
                 assert torch.equal(fused, split)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("inter", [2 * PANEL_WIDTH, 3 * PANEL_WIDTH + 5])
+def test_gate_up_with_its_activation_equals_the_two_steps(backend, inter):
+    """`forward_silu_and_mul`, fused in the kernel's threads where the halves split on a panel
+    boundary (else the two steps): bitwise what the projection then `silu_and_mul` give, at
+    every row count and thread count, and against float64."""
+    from common.model import layer_ops
+
+    layer = _packed(backend, 2 * inter, 64)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for rows in (1, 7, 32, 77):
+                x = torch.randn(rows, 64) * 2
+                two_steps = layer_ops.silu_and_mul(layer.forward(x))
+                assert torch.equal(layer.forward_silu_and_mul(x), two_steps), (num_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+    gate, up = (x.double() @ layer.weight.double().T).chunk(2, dim=-1)
+    want = gate * torch.sigmoid(gate) * up
+    torch.testing.assert_close(layer.forward_silu_and_mul(x).double(), want, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_fused_activation_on_every_isa_and_its_refusals():
+    """Each ISA's fused gate|up + activation equals its own GEMM then the activation computed
+    column range by column range; shapes that do not split on a panel boundary are refused."""
+    from torch.utils.dlpack import to_dlpack
+
+    from common.attention.cpu_kernel import extension, supported_isas
+    from common.model.linear import pack_panels
+
+    ext = extension()
+    torch.manual_seed(2)
+    for isa in supported_isas():
+        width = ext.linear_panel_width(isa)
+        inter = 3 * width
+        weight, x = torch.randn(2 * inter, 40), torch.randn(13, 40)
+        panels = pack_panels(weight, width)
+        gate_up, act = torch.empty(13, 2 * inter), torch.empty(13, inter)
+        ext.linear_silu_and_mul(to_dlpack(x), to_dlpack(panels), to_dlpack(gate_up),
+                                to_dlpack(act), 2, isa)  # fmt: skip
+        plain = torch.empty(13, 2 * inter)
+        ext.linear(to_dlpack(x), to_dlpack(panels), to_dlpack(plain), None, 0, 1, isa)
+        assert torch.equal(gate_up, plain), isa
+        g, u = plain.double().chunk(2, dim=-1)
+        torch.testing.assert_close(act.double(), g * torch.sigmoid(g) * u, rtol=1e-4, atol=1e-5)
+    width = ext.linear_panel_width("auto")
+    panels = pack_panels(torch.randn(2 * width + 2, 40), width)
+    with pytest.raises(ValueError, match="not a multiple of the panel width"):
+        ext.linear_silu_and_mul(to_dlpack(torch.randn(4, 40)), to_dlpack(panels),
+                                to_dlpack(torch.empty(4, 2 * width + 2)),
+                                to_dlpack(torch.empty(4, width + 1)), 1)  # fmt: skip
+    panels = pack_panels(torch.randn(2 * width, 40), width)
+    with pytest.raises(ValueError, match="act has shape"):
+        ext.linear_silu_and_mul(to_dlpack(torch.randn(4, 40)), to_dlpack(panels),
+                                to_dlpack(torch.empty(4, 2 * width)),
+                                to_dlpack(torch.empty(3, width)), 1)  # fmt: skip
+    with pytest.raises(ValueError, match="panels must be"):
+        ext.linear_silu_and_mul(to_dlpack(torch.randn(4, 40)), to_dlpack(panels),
+                                to_dlpack(torch.empty(4, 4 * width)),
+                                to_dlpack(torch.empty(4, 2 * width)), 1)  # fmt: skip
