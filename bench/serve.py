@@ -1,7 +1,7 @@
 """The served path against the in-process engine, in one run: what the front end costs.
 
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
-                          [--paths inprocess neighbor client local mesh ceiling]
+                          [--paths inprocess neighbor client local mesh mesh_processes ceiling]
                           [--stream-interval 8] [--ingress direct proxy] [--ceiling-speedup 1 4]
                           [--neighbor-cores 0.1 0.2 0.3 0.5 0.7]
                           [--worker-niceness 0] [--modes stream plain]
@@ -21,6 +21,10 @@ tokens each, the same prompts on every path) to:
 - `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards),
   over HTTP the same way; `--mesh-args` (JSON) changes its `mesh:` args, e.g. to compare a
   setting against the file's in two runs;
+- `mesh_processes`: the same mesh (deploy/local.yaml's `mesh:` args, `--mesh-args` too) as
+  plain OS processes without Ray (`services.launch.LocalMesh`, unpinned), plain requests through
+  the Router's own `MeshEngineClient` in a process of its own: no Ray runtime, Serve or HTTP on
+  the cores; `mesh_direct_plain_over_processes` is the served mesh's tok/s over it per batch;
 - `ceiling`: the front end alone (`bench/null_engine.py`): the real Router and HTTP path over
   `NullEngineFake`, an engine of no compute that offers the in-process engine's tok/s at each
   batch (times each `--ceiling-speedup`), as `ceiling_<ingress>[_x<speedup>]`. Its ratio is the
@@ -69,12 +73,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +97,7 @@ from bench.serve_engine import (  # noqa: E402
     REPEATS,
     engine_client,
     in_process,
+    mesh_processes,
     model_vocab,
 )
 from bench.serve_report import (  # noqa: E402
@@ -106,7 +113,7 @@ from common.gc_heap import freeze_startup_heap  # noqa: E402
 from services.app_args import MeshArgs  # noqa: E402
 from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
-PATHS = ["inprocess", "neighbor", "client", "local", "mesh", "ceiling"]
+PATHS = ["inprocess", "neighbor", "client", "local", "mesh", "mesh_processes", "ceiling"]
 NEIGHBOR_CORES = [0.1, 0.2, 0.3, 0.5, 0.7]  # the others took 0.2 (plain) to 0.7 (streamed) here
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
 PROXY_TITLE = "ProxyActor"
@@ -284,7 +291,24 @@ def main() -> None:
             by_mode = pool.submit(engine_client, args.preset, batches, tokens, args.modes,
                                   threads)  # fmt: skip
             record(results, "client", by_mode.result(), engine_tok_s)
+    if "mesh_processes" in args.paths:
+        # The token engine's replica gets OMP_WAIT_POLICY=passive (deploy/local.yaml); libgomp
+        # reads it once, at load: in the launched mesh, in its fork server, which a process of
+        # its own started with it in its environment starts too.
+        spawn = multiprocessing.get_context("spawn")
+        with (
+            environ(OMP_WAIT_POLICY="passive"),
+            concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool,
+        ):
+            by_mode = pool.submit(mesh_processes, args.preset, batches, tokens,
+                                  yaml_mesh_args() | args.mesh_args)  # fmt: skip
+            record(results, "mesh_processes", by_mode.result(), engine_tok_s)
     results.update(serve_paths(args, app_args, engine_tok_s, batches, tokens, threads))
+    launched, served_mesh = results.get("mesh_processes_plain"), results.get("mesh_direct_plain")
+    if launched and served_mesh:
+        results["mesh_direct_plain_over_processes"] = {
+            b: served_mesh[b]["tok_s"] / f["tok_s"] for b, f in launched.items() if b in served_mesh
+        }
     if "ceiling" in args.paths and engine_tok_s:
         results.update(ceiling(args, engine_tok_s, batches, tokens))
     if engine_tok_s:  # again: a shared machine's load moves while the servers run
@@ -300,6 +324,22 @@ def main() -> None:
     results["targets"] = TARGETS
     judge(results, args)
     print(json.dumps(results))
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """`values` in this process's environment (for the processes it starts meanwhile), then as
+    they were."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def serve_paths(

@@ -1,5 +1,6 @@
 """`bench/serve.py`'s paths with no server: the in-process engine (`inprocess`, and beside a
-synthetic load, `neighbor`) and the Router's engine client alone (`client`)."""
+synthetic load, `neighbor`), the Router's engine client alone (`client`) and the mesh's own
+processes without Ray (`mesh_processes`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import json
 import os
 import time
+from typing import Any
 
 from bench.cpu_load import BurstLoad
 from bench.serve_clients import prompts_for, threads_cpu_and_preemptions
@@ -91,6 +93,59 @@ def engine_client(
     finally:
         client.shutdown()
     return result
+
+
+def mesh_processes(
+    preset: str, batches: list[int], tokens: int, mesh: dict[str, Any]
+) -> dict[str, dict[int, dict[str, float]]]:
+    """The `mesh_processes` path: the mesh `serve run deploy/local.yaml` starts, as the same OS
+    processes without Ray (`services.launch.LocalMesh`: a prompt engine, a token engine of
+    `token_engine_threads` and its `shards_per_group` shards, unpinned as Ray leaves replicas),
+    driven by the Router's own `MeshEngineClient` in this process with plain requests (tokens
+    held to the end, as the Router holds a plain request's). Against the served `mesh` path it
+    says what Ray's runtime, Serve and HTTP on the same cores cost the mesh. Run it in a process
+    whose environment has `OMP_WAIT_POLICY=passive`, as the token engine's replica gets it
+    (deploy/local.yaml's runtime_env; libgomp reads it once, in the fork server that every
+    worker comes from)."""
+    from services.launch.local_mesh import LocalMesh, Topology
+    from services.router.mesh_client import MeshEngineClient
+
+    vocab = model_vocab(preset)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    topology = Topology(
+        str(default_model_path(preset)), num_shards=mesh["shards_per_group"],
+        num_blocks=max(mesh["num_blocks"], mesh["shard_num_blocks"]),
+        block_size=mesh["block_size"], num_threads=mesh["num_threads"],
+        token_engine_threads=mesh.get("token_engine_threads") or 0, pin_decode_groups=False,
+        kv_transfer=mesh["kv_transfer"], shard_partition=mesh["shard_partition"],
+        attention_overlap=mesh["attention_overlap"],
+    )  # fmt: skip
+    launched = LocalMesh.start(topology)
+    client = MeshEngineClient(str(topology.model_path), launched.registry.live, auth=launched.auth)
+
+    async def one_batch(prompts: list[list[int]], tag: str) -> float:
+        async def one(i: int, prompt: list[int]) -> None:
+            async for _ in client.generate(f"{tag}-{i}", prompt, params, hold_to_end=True):
+                pass
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return len(prompts) * tokens / (time.perf_counter() - start)
+
+    async def run_all() -> dict[int, dict[str, float]]:
+        await one_batch(prompts_for(2, vocab, seed=99), "warm")
+        result = {}
+        for batch in batches:
+            runs = [await one_batch(prompts_for(batch, vocab), f"b{batch}-{r}")
+                    for r in range(REPEATS)]  # fmt: skip
+            result[batch] = {"tok_s": max(runs)}
+        return result
+
+    try:
+        return {"plain": asyncio.run(run_all())}
+    finally:
+        client.shutdown()
+        launched.close()
 
 
 def model_vocab(preset: str) -> int:

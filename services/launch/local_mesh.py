@@ -50,6 +50,7 @@ class Topology:
     layer_wise_min_tokens: int = 256
     attention_backend: str = "auto"
     num_threads: int = 1
+    token_engine_threads: int = 0  # a token engine's torch threads; 0: num_threads (as MeshArgs)
     # Pin each token engine and its shards to cores (core_pinning.py); prompt engines float.
     pin_decode_groups: bool = True
     # PHASEMESH_OTEL_EXPORTER for every service ("" keeps this process's environment);
@@ -156,6 +157,7 @@ class LocalMesh:
                 base,
                 service_id=f"token-{e}",
                 role=Role.TOKEN,
+                num_threads=t.token_engine_threads or t.num_threads,
                 shard_num_blocks=t.num_blocks,
                 cpus=list(placements[e].engine),
                 local_kv_blocks=t.local_kv_blocks,

@@ -12,6 +12,7 @@ import pytest
 
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
+from common.roles import Role
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.launch.test_client import MeshTestClient
@@ -53,29 +54,34 @@ def hf(tiny_model_path):
 # one mesh (overlap and lanes alone are token-checked in process, test_decode_overlap.py). A
 # single shard holding every head is the 2-2 case's groups. Lamina 4.3 over replicas rides on
 # the pull case: 3 lanes rotating their layer slices over the token engine and one model peer
-# process (R = 2; the peer's slices go to the shards whole, the engine's overlapped).
+# process (R = 2; the peer's slices go to the shards whole, the engine's overlapped). The 1-2
+# token engine decodes on 2 torch threads, as deploy/local.yaml's does (`token_engine_threads`).
 @pytest.mark.parametrize(
-    "num_token, num_shards, kv_transfer, partition, overlap, lanes, peers",
+    "num_token, num_shards, kv_transfer, partition, overlap, lanes, peers, threads",
     [
-        (1, 0, "push", "head", False, 1, 0), (1, 2, "push", "head", False, 1, 0),
-        (2, 2, "push", "head", False, 2, 0), (1, 2, "pull", "head", True, 3, 1),
-        (1, 2, "push", "request", False, 1, 0), (1, 2, "pull", "request", False, 1, 0),
+        (1, 0, "push", "head", False, 1, 0, 1), (1, 2, "push", "head", False, 1, 0, 2),
+        (2, 2, "push", "head", False, 2, 0, 1), (1, 2, "pull", "head", True, 3, 1, 1),
+        (1, 2, "push", "request", False, 1, 0, 1), (1, 2, "pull", "request", False, 1, 0, 1),
     ],
     ids=["1-0", "1-2", "2-2-2lanes", "1-2-pull-overlap-3lanes-1peer", "1-2-request",
          "1-2-pull-request"],
 )  # fmt: skip
 def test_mesh_matches_single_process_engine(
     tiny_model_path, prompts, reference, hf, num_token, num_shards, kv_transfer, partition,
-    overlap, lanes, peers,
+    overlap, lanes, peers, threads,
 ):  # fmt: skip
     topology = Topology(
         str(tiny_model_path), num_prompt=1, num_token=num_token, num_shards=num_shards,
         layer_wise_min_tokens=LAYER_WISE_MIN, kv_transfer=kv_transfer, shard_partition=partition,
         attention_overlap=overlap, decode_lanes=lanes, model_peers=peers,
+        token_engine_threads=threads,
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:
         assert_decode_groups_pinned(mesh)
+        assert {w.cfg.num_threads for w in mesh.workers.values() if w.cfg.role == Role.TOKEN} == {
+            threads
+        }
         client = MeshTestClient(mesh)
         outputs = run_staggered(client, prompts, GREEDY)
         for i, prompt in enumerate(prompts):

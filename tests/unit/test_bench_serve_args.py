@@ -38,3 +38,20 @@ def test_wrong_mesh_args_are_refused_before_anything_runs(
         parse(monkeypatch, "--mesh-args", value)
     assert exit_info.value.code == 2
     assert error in capsys.readouterr().err
+
+
+def test_environ_sets_for_the_processes_started_meanwhile_then_restores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The `mesh_processes` path starts its launcher with the token engine's OpenMP wait policy;
+    the served paths after it must not inherit it."""
+    import os
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with serve.environ(OMP_WAIT_POLICY="passive", OMP_NUM_THREADS="1"):
+        assert os.environ["OMP_WAIT_POLICY"] == "passive" and os.environ["OMP_NUM_THREADS"] == "1"
+    assert "OMP_WAIT_POLICY" not in os.environ and os.environ["OMP_NUM_THREADS"] == "2"
+    with pytest.raises(RuntimeError), serve.environ(OMP_WAIT_POLICY="passive"):
+        raise RuntimeError("a path that fails")
+    assert "OMP_WAIT_POLICY" not in os.environ
