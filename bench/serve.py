@@ -80,9 +80,9 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import yaml
@@ -113,6 +113,7 @@ from common.gc_heap import freeze_startup_heap  # noqa: E402
 from services.app_args import MeshArgs  # noqa: E402
 from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
+T = TypeVar("T")
 PATHS = ["inprocess", "neighbor", "client", "local", "mesh", "mesh_processes", "ceiling"]
 NEIGHBOR_CORES = [0.1, 0.2, 0.3, 0.5, 0.7]  # the others took 0.2 (plain) to 0.7 (streamed) here
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
@@ -273,42 +274,24 @@ def main() -> None:
     results["inprocess"] = engine
     engine_tok_s = results["inprocess_tok_s"] = {b: f["tok_s"] for b, f in engine.items()}
     if "neighbor" in args.paths and engine_tok_s:
-        for cores in args.neighbor_cores:
-            beside = in_process(args.preset, batches, tokens, load_cores=cores)
-            for batch, figures in beside.items():
-                figures["ratio"] = figures["tok_s"] / engine_tok_s[batch]
-            results[f"{BESIDE}{cores:g}"] = beside
-            print(
-                f"  in-process beside {cores:g} cores of load: "
-                + ", ".join(f"batch {b} ratio {f['ratio']:.3g}" for b, f in beside.items())
-            )
+        results.update(neighbor(args, batches, tokens, engine_tok_s))
     if "client" in args.paths:
         # In a fresh process, as in a replica: this one's main thread has run the in-process
         # engine, and a second OpenMP team would slow the client's engine thread (its class's
         # docstring), which no server has.
-        spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
-            by_mode = pool.submit(engine_client, args.preset, batches, tokens, args.modes,
-                                  threads)  # fmt: skip
-            record(results, "client", by_mode.result(), engine_tok_s)
+        by_mode = in_fresh_process(engine_client, args.preset, batches, tokens, args.modes,
+                                   threads)  # fmt: skip
+        record(results, "client", by_mode, engine_tok_s)
     if "mesh_processes" in args.paths:
         # The token engine's replica gets OMP_WAIT_POLICY=passive (deploy/local.yaml); libgomp
-        # reads it once, at load: in the launched mesh, in its fork server, which a process of
-        # its own started with it in its environment starts too.
-        spawn = multiprocessing.get_context("spawn")
-        with (
-            environ(OMP_WAIT_POLICY="passive"),
-            concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool,
-        ):
-            by_mode = pool.submit(mesh_processes, args.preset, batches, tokens,
-                                  yaml_mesh_args() | args.mesh_args)  # fmt: skip
-            record(results, "mesh_processes", by_mode.result(), engine_tok_s)
+        # reads it once, at load: in the launched mesh, in its fork server, which a process
+        # started with it in its environment starts too.
+        by_mode = in_fresh_process(mesh_processes, args.preset, batches, tokens,
+                                   yaml_mesh_args() | args.mesh_args,
+                                   env={"OMP_WAIT_POLICY": "passive"})  # fmt: skip
+        record(results, "mesh_processes", by_mode, engine_tok_s)
     results.update(serve_paths(args, app_args, engine_tok_s, batches, tokens, threads))
-    launched, served_mesh = results.get("mesh_processes_plain"), results.get("mesh_direct_plain")
-    if launched and served_mesh:
-        results["mesh_direct_plain_over_processes"] = {
-            b: served_mesh[b]["tok_s"] / f["tok_s"] for b, f in launched.items() if b in served_mesh
-        }
+    results.update(mesh_over_processes(results))
     if "ceiling" in args.paths and engine_tok_s:
         results.update(ceiling(args, engine_tok_s, batches, tokens))
     if engine_tok_s:  # again: a shared machine's load moves while the servers run
@@ -326,6 +309,32 @@ def main() -> None:
     print(json.dumps(results))
 
 
+def neighbor(
+    args: argparse.Namespace, batches: list[int], tokens: int, engine_tok_s: dict[int, float]
+) -> dict[str, Any]:
+    """The in-process engine beside each `--neighbor-cores` of synthetic load, with its ratio."""
+    results: dict[str, Any] = {}
+    for cores in args.neighbor_cores:
+        beside = in_process(args.preset, batches, tokens, load_cores=cores)
+        for batch, figures in beside.items():
+            figures["ratio"] = figures["tok_s"] / engine_tok_s[batch]
+        results[f"{BESIDE}{cores:g}"] = beside
+        print(
+            f"  in-process beside {cores:g} cores of load: "
+            + ", ".join(f"batch {b} ratio {f['ratio']:.3g}" for b, f in beside.items())
+        )
+    return results
+
+
+def in_fresh_process(fn: Callable[..., T], *args: Any, env: dict[str, str] | None = None) -> T:
+    """`fn(*args)` in a process spawned for it, with `env` over this process's environment
+    (what the processes it starts inherit too); this process's environment is left as it was."""
+    with environ(**(env or {})):
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            return pool.submit(fn, *args).result()
+
+
 @contextlib.contextmanager
 def environ(**values: str) -> Iterator[None]:
     """`values` in this process's environment (for the processes it starts meanwhile), then as
@@ -340,6 +349,16 @@ def environ(**values: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def mesh_over_processes(results: dict[str, Any]) -> dict[str, Any]:
+    """The served mesh's tok/s over its processes' without Ray, per batch both ran (plain)."""
+    launched, served_mesh = results.get("mesh_processes_plain"), results.get("mesh_direct_plain")
+    if not launched or not served_mesh:
+        return {}
+    return {"mesh_direct_plain_over_processes": {
+        b: served_mesh[b]["tok_s"] / f["tok_s"] for b, f in launched.items() if b in served_mesh
+    }}  # fmt: skip
 
 
 def serve_paths(

@@ -55,3 +55,15 @@ def test_environ_sets_for_the_processes_started_meanwhile_then_restores(
     with pytest.raises(RuntimeError), serve.environ(OMP_WAIT_POLICY="passive"):
         raise RuntimeError("a path that fails")
     assert "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_a_fresh_process_gets_the_environment_asked_and_this_one_keeps_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    monkeypatch.delenv("PHASEMESH_BENCH_PROBE", raising=False)
+    probe = "PHASEMESH_BENCH_PROBE"
+    assert serve.in_fresh_process(os.getenv, probe, env={probe: "passive"}) == "passive"
+    assert "PHASEMESH_BENCH_PROBE" not in os.environ
+    assert serve.in_fresh_process(os.getenv, "PHASEMESH_BENCH_PROBE") is None
