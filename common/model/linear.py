@@ -170,10 +170,7 @@ class PackedLinear(nn.Linear):
             and self.out_features % 2 == 0
             and inter % PANEL_WIDTH == 0
         ):
-            if x.dtype != _F32:
-                x = x.to(_F32)
-            if not x.is_contiguous():
-                x = x.contiguous()
+            x = _kernel_input(x)
             gate_up = torch.empty(x.shape[0], self.out_features, dtype=_F32)
             act = torch.empty(x.shape[0], inter, dtype=_F32)
             _EXT.linear_silu_and_mul(
@@ -206,10 +203,7 @@ def _kernel_linear(
     """The extension's GEMM: x [T, in] -> [T, out_features] float32 (+ residual), outputs from
     panel `panel_start` on; x of another dtype is cast first, as oneDNN's path does. The binding
     checks every shape."""
-    if x.dtype != _F32:
-        x = x.to(_F32)
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = _kernel_input(x)
     out = torch.empty(x.shape[0], out_features, dtype=_F32)
     res = None if residual is None else to_dlpack(residual.contiguous())
     _EXT.linear(
@@ -217,6 +211,14 @@ def _kernel_linear(
         torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def _kernel_input(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel takes it: float32 (another dtype is cast, as oneDNN's path does), rows
+    contiguous."""
+    if x.dtype != _F32:
+        x = x.to(_F32)
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def unpack_linears(module: nn.Module) -> None:

@@ -75,6 +75,8 @@ class Topology:
             raise ValueError("a topology needs at least one prompt and one token engine")
         if self.num_shards % self.num_token:
             raise ValueError("num_shards must be a multiple of num_token (equal shard groups)")
+        if self.token_engine_threads < 0:
+            raise ValueError(f"token_engine_threads must be >= 0, got {self.token_engine_threads}")
         if self.decode_lanes < 1:
             raise ValueError(f"decode_lanes must be at least 1, got {self.decode_lanes}")
         if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes > 1):
@@ -312,10 +314,7 @@ class LocalMesh:
     # -- views for tests, benches and the direct client ---------------------------------------
 
     def _of(self, *roles: Role) -> list[LocalWorker]:
-        return [
-            w for w in self.workers.values()
-            if w.cfg.role in roles
-        ]  # fmt: skip
+        return [w for w in self.workers.values() if w.cfg.role in roles]
 
     @property
     def procs(self) -> list[BaseProcess]:

@@ -336,6 +336,18 @@ def test_gate_up_with_its_activation_equals_the_two_steps(backend, inter):
 
 
 @needs_kernel
+def test_a_non_finite_row_leaves_its_batch_mates_activations_alone():
+    """The fused gate|up + activation: an edge-value request's NaN or inf stays in its own row."""
+    layer = _packed("kernel", 4 * PANEL_WIDTH, 96)
+    x = torch.randn(9, 96)
+    alone = layer.forward_silu_and_mul(x[1:].clone())
+    for poison in (float("nan"), float("inf"), -float("inf"), 3e38):
+        hostile = x.clone()
+        hostile[0, 5] = poison
+        assert torch.equal(layer.forward_silu_and_mul(hostile)[1:], alone), poison
+
+
+@needs_kernel
 def test_fused_activation_on_every_isa_and_its_refusals():
     """Each ISA's fused gate|up + activation equals its own GEMM then the activation computed
     column range by column range; shapes that do not split on a panel boundary are refused."""
