@@ -205,6 +205,11 @@ def test_non_contiguous_or_other_dtype_input(backend):
     torch.testing.assert_close(layer.forward(wide[:, :64]), F.linear(wide[:, :64], layer.weight))
     half = torch.randn(8, 64).to(torch.bfloat16)
     assert torch.equal(layer.forward(half), layer.forward(half.float()))
+    gate_up = _packed(backend, 2 * PANEL_WIDTH, 64)  # the fused activation's input alike
+    assert torch.equal(gate_up.forward_silu_and_mul(wide[:, :64]),
+                       gate_up.forward_silu_and_mul(wide[:, :64].contiguous()))  # fmt: skip
+    assert torch.equal(gate_up.forward_silu_and_mul(half),
+                       gate_up.forward_silu_and_mul(half.float()))  # fmt: skip
 
 
 @pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
