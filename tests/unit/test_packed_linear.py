@@ -205,7 +205,7 @@ def test_non_contiguous_or_other_dtype_input(backend):
     torch.testing.assert_close(layer.forward(wide[:, :64]), F.linear(wide[:, :64], layer.weight))
     half = torch.randn(8, 64).to(torch.bfloat16)
     assert torch.equal(layer.forward(half), layer.forward(half.float()))
-    gate_up = _packed(backend, 2 * PANEL_WIDTH, 64)  # the fused activation's input alike
+    gate_up = _packed(backend, 2 * max(PANEL_WIDTH, 8), 64)  # the fused activation's input too
     assert torch.equal(gate_up.forward_silu_and_mul(wide[:, :64]),
                        gate_up.forward_silu_and_mul(wide[:, :64].contiguous()))  # fmt: skip
     assert torch.equal(gate_up.forward_silu_and_mul(half),
