@@ -16,13 +16,25 @@ namespace pm {
 
 namespace {
 
-// out[i] = x[i] / rms(x) * weight[i] over one row; the sum of squares is accumulated in double,
-// so the result does not depend on the vector width the compiler picks.
+// Independent partial sums of a row's squares: one running sum is a chain of dependent double
+// adds (~4 cycles each: ~1 us for a row of 768, 25 us for 32 rows, where the rest of the norm
+// takes a few); kSumLanes of them, each over every kSumLanes-th element and added in a fixed order
+// at the end, run side by side. The order is this source's, not the vector width's: no
+// -ffast-math here, so the compiler keeps each chain as written and the bits do not depend on it.
+constexpr int64_t kSumLanes = 8;
+
+// out[i] = x[i] / rms(x) * weight[i] over one row; the sum of squares is accumulated in double.
 void norm_row(const float* x, const float* weight, float* out, int64_t hidden, float eps) {
+  double partial[kSumLanes] = {};
+  int64_t i = 0;
+  for (; i + kSumLanes <= hidden; i += kSumLanes)
+    for (int64_t j = 0; j < kSumLanes; ++j)
+      partial[j] += static_cast<double>(x[i + j]) * x[i + j];
+  for (; i < hidden; ++i) partial[i % kSumLanes] += static_cast<double>(x[i]) * x[i];
   double sum_sq = 0.0;
-  for (int64_t i = 0; i < hidden; ++i) sum_sq += static_cast<double>(x[i]) * x[i];
+  for (int64_t j = 0; j < kSumLanes; ++j) sum_sq += partial[j];
   const float inv_rms = static_cast<float>(1.0 / std::sqrt(sum_sq / hidden + eps));
-  for (int64_t i = 0; i < hidden; ++i) out[i] = weight[i] * (x[i] * inv_rms);
+  for (i = 0; i < hidden; ++i) out[i] = weight[i] * (x[i] * inv_rms);
 }
 
 }  // namespace
