@@ -358,16 +358,20 @@ inline uint32_t slots_of_pass(int pass, int passes) {
 template <typename KV>
 void accumulate_step(float* acc, const float* probs, int stride, const float* alpha,
                      const Step<KV>& step, int group_size, int head_dim, int block_size) {
-  // float32 V goes to rows in pairs: each pass then reads whole V rows in order (VT = 8 covers
-  // head_dim 128), where 4 rows at a time (VT = 4) split every row over two passes, the second
-  // probably finding much of the step's 64 KiB of V gone from L1. bf16 keeps 4 rows: it widens
-  // each V vector once per 4 rows instead of twice (pairs: -6% on b32 in one A/B). The next
+  // V goes to 4 rows at a time (VT = 4 vectors of head_dim per pass, two passes over each row's
+  // halves for head_dim 128): every V value is read from cache once per 4 rows, where rows in
+  // pairs (VT = 8, whole rows in order) read the step's V twice, the second pass from L2 for a
+  // float32 step (64 KiB of V), and bf16 widens each V vector once per 4 rows instead of twice.
+  // Measured both ways, paired A/B (bench/attention_ab.py, GQA 4:1 float32, same bits out): on
+  // a 2-vCPU AMD EPYC (an earlier stop) pairs ran +2% at 1 thread (4 runs, b32 x 2048
+  // +1.7..+5.5%, b1 x 32768 -2.3..+3.6%); on a 2-vCPU Intel Xeon (Emerald Rapids, 2026-11-27) fours ran +3..+8% at
+  // 2 threads (wall clock, 2 runs: b32 1.078 / 1.040, b1 1.031 / 1.062) and +3..+5% at 1 thread
+  // (thread clock: 1.034 / 1.053), taking GQA float32 to ~0.80 of that tool's read probe. bf16
+  // was fours already (pairs: -6% on b32 in one A/B). The next
   // step's K is prefetched over all passes (pass i: the slots s with s % passes == i); with it
-  // in the first pass only, the later passes ran with no request going to memory. Paired A/B at
-  // 1 thread (bench/attention_ab.py, load 3-17), GQA 4:1 float32 median speedup: pairs +2% (4
-  // runs, b32 x 2048 +1.7..+5.5%, b1 x 32768 -2.3..+3.6%), spreading the prefetch a further
-  // +2.6..+6.4% (6 runs, both shapes); MHA within +-2%; same bits out.
-  const int fours = sizeof(KV) == 2 ? group_size / 4 : 0;
+  // in the first pass only, the later passes ran with no request going to memory (+2.6..+6.4%
+  // at 1 thread, 6 runs, both shapes); MHA (one row) takes none of this.
+  const int fours = group_size / 4;
   const int pairs = (group_size - 4 * fours) / 2;
   const int passes = fours + pairs + (group_size - 4 * fours - 2 * pairs);
   int g = 0, pass = 0;

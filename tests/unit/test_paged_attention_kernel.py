@@ -187,12 +187,14 @@ def test_every_isa_matches_reference(
 
 @pytest.mark.parametrize(
     ("group", "dtype"),
-    [(2, torch.float32), (3, torch.bfloat16), (6, torch.float32), (6, torch.bfloat16)],
-    ids=["g2-f32", "g3-bf16", "g6-f32", "g6-bf16"],
-)
+    [(2, torch.float32), (3, torch.bfloat16), (5, torch.float32), (6, torch.float32),
+     (6, torch.bfloat16)],
+    ids=["g2-f32", "g3-bf16", "g5-f32", "g6-f32", "g6-bf16"],
+)  # fmt: skip
 def test_group_sizes_off_the_row_tiles(group: int, dtype: torch.dtype) -> None:
-    """Groups the kernel scores in row tiles of 4, 2 and 1 (4 + 2, 2 + 1, one tile of 2) and with
-    8 or 4 K tiles side by side: every remainder path meets the float64 reference."""
+    """Groups the kernel scores and accumulates V in row tiles of 4, 2 and 1 (4 + 2, 4 + 1,
+    2 + 1, one tile of 2) and with 8 or 4 K tiles side by side: every remainder path meets the
+    float64 reference."""
     case = make_case(random_lengths(16, 1200), head_dim=64, group=group, block_size=16, dtype=dtype)
     got = run_kernel(CpuKernelAttention(num_threads=2), case)
     assert_close(case, got, TOLERANCE[dtype])
