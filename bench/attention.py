@@ -63,8 +63,8 @@ TARGETS["paged_over_contig"] = 0.85
 # Measured on three machine kinds (docs in csrc/fragment_kernel.h): met on MHA shapes, not on GQA
 # bf16 (AMD EPYC 2 vCPUs 0.55-0.78 across runs; a 16-core Intel Xeon host 0.66; a 2-vCPU Intel
 # Xeon, Emerald Rapids, 0.61-0.69, where GQA float32 reads 0.73-0.80 since its V pass went to 4
-# rows at a time, and MHA 0.78-1.05: a cpu-clock profile puts bf16 GQA's time on its prefetches,
-# the core's line fill buffers full while its FMAs wait, 2026-11-27).
+# rows at a time, and MHA 0.78-1.05; a cpu-clock profile there put ~40% of the bf16 GQA kernel's
+# samples right after its prefetch instructions, 2026-11-27).
 TARGETS["kernel_over_read_2t"] = 0.80
 TARGETS["over_torch"] = 1.0
 # summary key (the worst case) -> target key; every target is a lower bound

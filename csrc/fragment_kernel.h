@@ -70,6 +70,14 @@
 // 12.4 GB/s from memory and 16.6 from L2). The AVX2 build there runs every shape slower than
 // the AVX-512 one (0.58-0.85x, bf16 GQA 0.58x), the 16-lane AVX2 build far slower still.
 //
+// Later the same day a cpu-clock profile (perf, 1 thread, GQA 4:1 bf16 b32 x 2048, addresses
+// mapped with objdump) put ~40% of the kernel's samples on the instructions right after the score
+// loop's V prefetches and the V loop's next-K prefetches: a prefetch that finds no free line fill
+// buffer holds the core, so there bf16 GQA waits on the misses it has in flight per core. Halving
+// the prefetches (one per 128 bytes, for the adjacent-line prefetcher to complete) ran every shape
+// 9-15% slower (paired A/B, 2 threads); specializing the V loop for steps without a partial slot
+// range or a missing next block, within +-2.5%.
+//
 // NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: paired A/B at
 // 1 thread (3 runs, load 5-9), bf16 64-token steps against 128: GQA 4:1 b1 x 32768 +1.8, +9.6,
 // +10.7%; b32 x 2048 +7.8, +1.3, -1.2%; MHA b32 +1.8..+2.6%, b1 -1.2..+1.0%. float32 at 64 tokens:
