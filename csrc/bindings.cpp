@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "frame_copy.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
 
@@ -231,6 +232,61 @@ void write_kv(const CacheLayer& key_cache, const CacheLayer& value_cache, const 
                heads, dim, block_size, strides);
 }
 
+// Any dtype, any strides: the tensors a message carries (frame_copy.h).
+using StridedArray = nb::ndarray<nb::device::cpu>;
+
+pm::StridedBytes strided_of(const StridedArray& a) {
+  if (a.ndim() > static_cast<size_t>(pm::kMaxFrameDims))
+    throw std::invalid_argument("a frame tensor has " + std::to_string(a.ndim()) +
+                                " dimensions; at most " + std::to_string(pm::kMaxFrameDims));
+  if (a.dtype().bits % 8 != 0 || a.dtype().lanes != 1)
+    throw std::invalid_argument("frame tensors must have whole-byte elements");
+  pm::StridedBytes t{};
+  t.data = static_cast<char*>(a.data());
+  t.itemsize = a.dtype().bits / 8;
+  t.ndim = static_cast<int>(a.ndim());
+  for (int d = 0; d < t.ndim; ++d) {
+    t.shape[d] = static_cast<int64_t>(a.shape(d));
+    t.strides[d] = a.stride(d);
+    if (t.strides[d] < 0) throw std::invalid_argument("frame tensors must not have negative strides");
+  }
+  return t;
+}
+
+// Checks that [offset, offset + bytes) of a buffer of `size` bytes exists, for every tensor.
+std::vector<pm::StridedBytes> frames_in(size_t size, const std::vector<int64_t>& offsets,
+                                        const std::vector<StridedArray>& tensors) {
+  if (offsets.size() != tensors.size())
+    throw std::invalid_argument("one offset per tensor: got " + std::to_string(offsets.size()) +
+                                " offsets for " + std::to_string(tensors.size()) + " tensors");
+  std::vector<pm::StridedBytes> frames;
+  frames.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    frames.push_back(strided_of(tensors[i]));
+    const int64_t end = offsets[i] + pm::dense_bytes(frames.back());
+    if (offsets[i] < 0 || end > static_cast<int64_t>(size))
+      throw std::invalid_argument("frame " + std::to_string(i) + " at [" +
+                                  std::to_string(offsets[i]) + ", " + std::to_string(end) +
+                                  ") is outside a buffer of " + std::to_string(size) + " bytes");
+  }
+  return frames;
+}
+
+void pack_frames(const nb::ndarray<uint8_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>& buffer,
+                 const std::vector<int64_t>& offsets, const std::vector<StridedArray>& tensors) {
+  const std::vector<pm::StridedBytes> frames = frames_in(buffer.size(), offsets, tensors);
+  for (size_t i = 0; i < frames.size(); ++i)
+    pm::strided_to_dense(frames[i], reinterpret_cast<char*>(buffer.data()) + offsets[i]);
+}
+
+void unpack_frames(
+    const nb::ndarray<const uint8_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>& buffer,
+    const std::vector<int64_t>& offsets, const std::vector<StridedArray>& tensors) {
+  const std::vector<pm::StridedBytes> frames = frames_in(buffer.size(), offsets, tensors);
+  for (size_t i = 0; i < frames.size(); ++i)
+    pm::dense_to_strided(reinterpret_cast<const char*>(buffer.data()) + offsets[i], frames[i]);
+}
+
 }  // namespace
 
 NB_MODULE(phasemesh_attention_kernel, m) {
@@ -299,6 +355,14 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         nb::arg("value_cache").noconvert(), nb::arg("k").noconvert(), nb::arg("v").noconvert(),
         nb::arg("slots").noconvert(),
         "Writes k/v [T, H, D] (float32) into one layer's paged caches at flat slots [T] (int64).");
+  m.def("pack_frames", &pack_frames, nb::arg("buffer").noconvert(), nb::arg("offsets"),
+        nb::arg("tensors"),
+        "buffer[offsets[i]:] = tensors[i]'s bytes in C order (any dtype and strides; uint8 "
+        "buffer); every frame checked to fit before anything is written.");
+  m.def("unpack_frames", &unpack_frames, nb::arg("buffer").noconvert(), nb::arg("offsets"),
+        nb::arg("tensors"),
+        "tensors[i] (any dtype and strides, written in place) = buffer[offsets[i]:]'s bytes in "
+        "C order; every frame checked to fit before anything is written.");
   m.def("supported_isas", &pm::supported_isas,
         "Kernel ISAs this CPU can run, best first (the first is what 'auto' prefers).");
 }

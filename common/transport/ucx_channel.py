@@ -76,10 +76,10 @@ from common.transport.tensor_frames import (  # noqa: E402
     HeaderT,
     ReceiveInto,
     byte_view,
-    copy_bytes_into,
-    copy_tensor_into,
     empty_like_spec,
+    pack_frames,
     receive_targets,
+    unpack_frames,
 )
 from common.transport.ucx_handshake import (  # noqa: E402
     ACK,
@@ -363,15 +363,16 @@ def _pack_inline(
     message = buffer[:offset]
     _PREFIX.pack_into(message.data, 0, len(envelope), int(inline))
     message[_PREFIX.size : _PREFIX.size + len(envelope)] = np.frombuffer(envelope, np.uint8)
-    for (start, end), tensor in zip(spans, tensors, strict=True):
-        copy_tensor_into(message[start:end], tensor)
+    if tensors:
+        pack_frames(message, [start for start, _ in spans], tensors)
     return message
 
 
 def _unpack_inline(inbox: np.ndarray, offset: int, targets: Sequence[torch.Tensor]) -> None:
     """Copy each inline tensor out of `inbox` into its target (the inbox is reused at once)."""
+    offsets = []
     for target in targets:
         offset = _aligned(offset)
-        size = _nbytes(target)
-        copy_bytes_into(target, inbox[offset : offset + size])
-        offset += size
+        offsets.append(offset)
+        offset += _nbytes(target)
+    unpack_frames(inbox, offsets, targets)
