@@ -104,7 +104,7 @@ async def run(router: Router, batch: int, tokens: int, profile: bool) -> dict[st
             profiler.disable()
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
     if profiler:
-        pstats.Stats(profiler).sort_stats(os.environ.get("PSORT", "tottime")).print_stats(int(os.environ.get("PROWS", "12")))
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
     return {
         "loop_cpu_ms_per_token": 1e3 * cpu / (batch * tokens),
         "chunks_per_request": sum(chunks) / batch,

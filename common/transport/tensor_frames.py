@@ -24,7 +24,8 @@ from common.attention.cpu_kernel import extension
 
 HeaderT = TypeVar("HeaderT")
 # The csrc extension's strided frame copies (`pack_frames`); None: the numpy path.
-_FRAMES = extension() if hasattr(extension(), "pack_frames") else None
+_FRAMES = extension()
+_FRAMES = _FRAMES if hasattr(_FRAMES, "pack_frames") else None
 
 # Names on the wire (stable strings, not torch reprs) and the torch dtype each one means.
 DTYPES: dict[str, torch.dtype] = {

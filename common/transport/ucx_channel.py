@@ -352,19 +352,18 @@ def _pack_inline(
     buffer: np.ndarray, envelope: bytes, tensors: Sequence[torch.Tensor], inline: bool = True
 ) -> np.ndarray:
     """Write `[prefix | envelope | tensor bytes, each 64-byte aligned]` at the start of `buffer`
-    and return that part of it; strided tensors (slices of a larger one) are copied in place, in
-    one pass each."""
+    and return that part of it; strided tensors (slices of a larger one) are copied in, in one
+    pass each (`pack_frames`)."""
     offset = _PREFIX.size + len(envelope)
-    spans = []
+    starts = []
     for tensor in tensors:
-        start = _aligned(offset)
-        offset = start + _nbytes(tensor)
-        spans.append((start, offset))
+        starts.append(_aligned(offset))
+        offset = starts[-1] + _nbytes(tensor)
     message = buffer[:offset]
     _PREFIX.pack_into(message.data, 0, len(envelope), int(inline))
     message[_PREFIX.size : _PREFIX.size + len(envelope)] = np.frombuffer(envelope, np.uint8)
     if tensors:
-        pack_frames(message, [start for start, _ in spans], tensors)
+        pack_frames(message, starts, tensors)
     return message
 
 
