@@ -75,8 +75,9 @@
 // loop's V prefetches and the V loop's next-K prefetches: a prefetch that finds no free line fill
 // buffer holds the core, so there bf16 GQA waits on the misses it has in flight per core. Halving
 // the prefetches (one per 128 bytes, for the adjacent-line prefetcher to complete) ran every shape
-// 9-15% slower (paired A/B, 2 threads); specializing the V loop for steps without a partial slot
-// range or a missing next block, within +-2.5%.
+// 9-15% slower (paired A/B, 2 threads); only each tile's first 512 bytes (for the L2 streamer
+// to take the rest) 0.80-0.94x; the score loop's V prefetches to L2 (T1) 0.92-0.98x; specializing
+// the V loop for steps without a partial slot range or a missing next block, within +-2.5%.
 //
 // NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: paired A/B at
 // 1 thread (3 runs, load 5-9), bf16 64-token steps against 128: GQA 4:1 b1 x 32768 +1.8, +9.6,
