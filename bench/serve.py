@@ -72,17 +72,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
-import contextlib
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import yaml
@@ -96,6 +92,7 @@ from bench.serve_engine import (  # noqa: E402
     ENGINE_ARGS,
     REPEATS,
     engine_client,
+    in_fresh_process,
     in_process,
     mesh_processes,
     model_vocab,
@@ -105,6 +102,7 @@ from bench.serve_report import (  # noqa: E402
     TARGETS,
     engine_efficiency,
     judge,
+    mesh_over_processes,
     neighbor_bounds,
     rate_ratios,
     record,
@@ -113,7 +111,6 @@ from common.gc_heap import freeze_startup_heap  # noqa: E402
 from services.app_args import MeshArgs  # noqa: E402
 from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
-T = TypeVar("T")
 PATHS = ["inprocess", "neighbor", "client", "local", "mesh", "mesh_processes", "ceiling"]
 NEIGHBOR_CORES = [0.1, 0.2, 0.3, 0.5, 0.7]  # the others took 0.2 (plain) to 0.7 (streamed) here
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
@@ -324,41 +321,6 @@ def neighbor(
             + ", ".join(f"batch {b} ratio {f['ratio']:.3g}" for b, f in beside.items())
         )
     return results
-
-
-def in_fresh_process(fn: Callable[..., T], *args: Any, env: dict[str, str] | None = None) -> T:
-    """`fn(*args)` in a process spawned for it, with `env` over this process's environment
-    (what the processes it starts inherit too); this process's environment is left as it was."""
-    with environ(**(env or {})):
-        spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
-            return pool.submit(fn, *args).result()
-
-
-@contextlib.contextmanager
-def environ(**values: str) -> Iterator[None]:
-    """`values` in this process's environment (for the processes it starts meanwhile), then as
-    they were."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def mesh_over_processes(results: dict[str, Any]) -> dict[str, Any]:
-    """The served mesh's tok/s over its processes' without Ray, per batch both ran (plain)."""
-    launched, served_mesh = results.get("mesh_processes_plain"), results.get("mesh_direct_plain")
-    if not launched or not served_mesh:
-        return {}
-    return {"mesh_direct_plain_over_processes": {
-        b: served_mesh[b]["tok_s"] / f["tok_s"] for b, f in launched.items() if b in served_mesh
-    }}  # fmt: skip
 
 
 def serve_paths(

@@ -1,15 +1,18 @@
 """`bench/serve.py`'s paths with no server: the in-process engine (`inprocess`, and beside a
 synthetic load, `neighbor`), the Router's engine client alone (`client`) and the mesh's own
-processes without Ray (`mesh_processes`)."""
+processes without Ray (`mesh_processes`); `in_fresh_process` runs one in a process of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import os
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from bench.cpu_load import BurstLoad
 from bench.serve_clients import prompts_for, threads_cpu_and_preemptions
@@ -17,6 +20,7 @@ from common.engine.core import LLMEngine
 from common.model.default import default_model_path
 from common.sampling import SamplingParams
 
+T = TypeVar("T")
 REPEATS = 3
 ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048,
                "max_num_seqs": 64}  # fmt: skip
@@ -102,11 +106,10 @@ def mesh_processes(
     processes without Ray (`services.launch.LocalMesh`: a prompt engine, a token engine of
     `token_engine_threads` and its `shards_per_group` shards, unpinned as Ray leaves replicas;
     its KV sizes, KV transfer, partition, overlap, lanes (`auto`: 1) and local KV tier; no model
-    peers),
-    driven by the Router's own `MeshEngineClient` in this process with plain requests (tokens
-    held to the end, as the Router holds a plain request's). Against the served `mesh` path it
-    says what Ray's runtime, Serve and HTTP on the same cores cost the mesh. Run it in a process
-    whose environment has `OMP_WAIT_POLICY=passive`, as the token engine's replica gets it
+    peers), driven by the Router's own `MeshEngineClient` in this process with plain requests
+    (tokens held to the end, as the Router holds a plain request's). Against the served `mesh`
+    path it says what Ray's runtime, Serve and HTTP on the same cores cost the mesh. Run it in a
+    process whose environment has `OMP_WAIT_POLICY=passive`, as the token engine's replica gets it
     (deploy/local.yaml's runtime_env; libgomp reads it once, in the fork server that every
     worker comes from)."""
     from services.launch.local_mesh import LocalMesh, Topology
@@ -155,3 +158,28 @@ def mesh_processes(
 def model_vocab(preset: str) -> int:
     config = json.loads((default_model_path(preset) / "config.json").read_text())
     return int(config["vocab_size"])
+
+
+def in_fresh_process(fn: Callable[..., T], *args: Any, env: dict[str, str] | None = None) -> T:
+    """`fn(*args)` in a process spawned for it, with `env` over this process's environment
+    (what the processes it starts inherit too); this process's environment is left as it was."""
+    with environ(**(env or {})):
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            return pool.submit(fn, *args).result()
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """`values` in this process's environment (for the processes it starts meanwhile), then as
+    they were."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

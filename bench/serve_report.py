@@ -147,3 +147,13 @@ def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[
         ),
         "router_cpu_ms_per_token_max": (max(cpu) <= 0.3) if cpu else None,
     }
+
+
+def mesh_over_processes(results: dict[str, Any]) -> dict[str, Any]:
+    """The served mesh's tok/s over its processes' without Ray, per batch both ran (plain)."""
+    launched, served_mesh = results.get("mesh_processes_plain"), results.get("mesh_direct_plain")
+    if not launched or not served_mesh:
+        return {}
+    return {"mesh_direct_plain_over_processes": {
+        b: served_mesh[b]["tok_s"] / f["tok_s"] for b, f in launched.items() if b in served_mesh
+    }}  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import serve
+from bench import serve, serve_engine
 
 
 def parse(monkeypatch: pytest.MonkeyPatch, *argv: str) -> dict:
@@ -49,10 +49,10 @@ def test_environ_sets_for_the_processes_started_meanwhile_then_restores(
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    with serve.environ(OMP_WAIT_POLICY="passive", OMP_NUM_THREADS="1"):
+    with serve_engine.environ(OMP_WAIT_POLICY="passive", OMP_NUM_THREADS="1"):
         assert os.environ["OMP_WAIT_POLICY"] == "passive" and os.environ["OMP_NUM_THREADS"] == "1"
     assert "OMP_WAIT_POLICY" not in os.environ and os.environ["OMP_NUM_THREADS"] == "2"
-    with pytest.raises(RuntimeError), serve.environ(OMP_WAIT_POLICY="passive"):
+    with pytest.raises(RuntimeError), serve_engine.environ(OMP_WAIT_POLICY="passive"):
         raise RuntimeError("a path that fails")
     assert "OMP_WAIT_POLICY" not in os.environ
 
@@ -64,6 +64,6 @@ def test_a_fresh_process_gets_the_environment_asked_and_this_one_keeps_its_own(
 
     monkeypatch.delenv("PHASEMESH_BENCH_PROBE", raising=False)
     probe = "PHASEMESH_BENCH_PROBE"
-    assert serve.in_fresh_process(os.getenv, probe, env={probe: "passive"}) == "passive"
+    assert serve_engine.in_fresh_process(os.getenv, probe, env={probe: "passive"}) == "passive"
     assert "PHASEMESH_BENCH_PROBE" not in os.environ
-    assert serve.in_fresh_process(os.getenv, "PHASEMESH_BENCH_PROBE") is None
+    assert serve_engine.in_fresh_process(os.getenv, "PHASEMESH_BENCH_PROBE") is None
