@@ -354,12 +354,8 @@ def _pack_inline(
     """Write `[prefix | envelope | tensor bytes, each 64-byte aligned]` at the start of `buffer`
     and return that part of it; strided tensors (slices of a larger one) are copied in, in one
     pass each (`pack_frames`)."""
-    offset = _PREFIX.size + len(envelope)
-    starts = []
-    for tensor in tensors:
-        starts.append(_aligned(offset))
-        offset = starts[-1] + _nbytes(tensor)
-    message = buffer[:offset]
+    starts, end = _frame_starts(_PREFIX.size + len(envelope), tensors)
+    message = buffer[:end]
     _PREFIX.pack_into(message.data, 0, len(envelope), int(inline))
     message[_PREFIX.size : _PREFIX.size + len(envelope)] = np.frombuffer(envelope, np.uint8)
     if tensors:
@@ -369,9 +365,14 @@ def _pack_inline(
 
 def _unpack_inline(inbox: np.ndarray, offset: int, targets: Sequence[torch.Tensor]) -> None:
     """Copy each inline tensor out of `inbox` into its target (the inbox is reused at once)."""
-    offsets = []
-    for target in targets:
-        offset = _aligned(offset)
-        offsets.append(offset)
-        offset += _nbytes(target)
-    unpack_frames(inbox, offsets, targets)
+    unpack_frames(inbox, _frame_starts(offset, targets)[0], targets)
+
+
+def _frame_starts(offset: int, tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Where each tensor's bytes start after `offset` (each 64-byte aligned), and where the last
+    ends: the one layout both ends of an inline message compute."""
+    starts = []
+    for tensor in tensors:
+        starts.append(_aligned(offset))
+        offset = starts[-1] + _nbytes(tensor)
+    return starts, offset
