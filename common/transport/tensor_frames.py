@@ -72,13 +72,17 @@ def array_view(tensor: torch.Tensor) -> np.ndarray:
     wire moves bytes). Built with numpy, not torch, ops: each torch view op costs microseconds of
     dispatch.
     """
-    if not tensor.is_cpu:
-        raise ValueError(f"only CPU tensors travel here, got {tensor.device}")
-    if tensor.requires_grad:
-        tensor = tensor.detach()
+    tensor = _travelling(tensor)
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     return tensor.numpy()
+
+
+def _travelling(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as its bytes are read or written on the wire: on the CPU, detached."""
+    if not tensor.is_cpu:
+        raise ValueError(f"only CPU tensors travel here, got {tensor.device}")
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def byte_view(tensor: torch.Tensor) -> np.ndarray:
@@ -131,9 +135,7 @@ def unpack_frames(
 
 
 def _dlpack(tensor: torch.Tensor) -> Any:
-    if not tensor.is_cpu:
-        raise ValueError(f"only CPU tensors travel here, got {tensor.device}")
-    return to_dlpack(tensor.detach() if tensor.requires_grad else tensor)
+    return to_dlpack(_travelling(tensor))
 
 
 def empty_like_spec(spec: TensorSpec) -> torch.Tensor:
