@@ -95,3 +95,26 @@ def test_extension_refuses_frames_outside_the_buffer_before_writing() -> None:
         pack_frames(buffer, offsets[:1], tensors)
     with pytest.raises(ValueError, match="outside a buffer"):
         unpack_frames(buffer, [-1], tensors[:1])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["extension", "numpy"])
+def test_a_tensor_off_the_cpu_is_refused(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    if native and tensor_frames._FRAMES is None:
+        pytest.skip("csrc extension not built")
+    if not native:
+        monkeypatch.setattr(tensor_frames, "_FRAMES", None)
+    buffer = np.zeros(256, np.uint8)
+    with pytest.raises(ValueError, match="only CPU tensors"):
+        pack_frames(buffer, [0], [torch.empty(4, device="meta")])
+    with pytest.raises(ValueError, match="only CPU tensors"):
+        unpack_frames(buffer, [0], [torch.empty(4, device="meta")])
+    assert not buffer.any()
+
+
+@kernel_gate("csrc extension not built")
+def test_extension_refuses_more_dimensions_than_it_walks() -> None:
+    buffer = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match="at most 8"):
+        pack_frames(buffer, [0], [torch.zeros([1] * 9)])
+    pack_frames(buffer, [0], [torch.ones([1] * 8)])  # 8 is fine
+    assert buffer[:4].view(np.float32)[0] == 1.0
