@@ -335,6 +335,16 @@ class UcxTensorChannel(Generic[HeaderT]):
             log.debug("ucx_close_failed", error=str(exc))
 
 
+def refuse(link: UcxTensorChannel[Any], reply: Any, timeout: float = 1.0) -> None:
+    """Answer a message `link` could not receive with `reply` (no tensors) before closing it: the
+    peer is not told that this end closed (its receive waits on), so a peer waiting for a reply
+    would otherwise wait out its own timeout. Best effort."""
+    try:
+        link.send(reply, [], timeout=timeout)
+    except (ChannelClosed, TimeoutError, ValueError) as exc:
+        log.debug("refusal not delivered", error=repr(exc))
+
+
 def _tag(channel_id: int, direction: int, kind: int) -> int:
     # [channel id: 56 bits][direction: 1 bit][kind: 1 bit]
     return (channel_id << 2) | (direction << 1) | kind

@@ -17,13 +17,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import msgspec
 import structlog
 
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.protocol import PeerLinkMessage, SliceRequest, SliceResult
-from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
+from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel, refuse
 from common.transport.ucx_listener import UcxListener
 from common.worker_config import WorkerConfig, WorkerReady
 from services.engine.model_peer import ModelPeer
@@ -83,7 +82,7 @@ def serve_link(
     link: UcxTensorChannel[PeerLinkMessage],
     running: Callable[[], bool] = lambda: True,
 ) -> bool:
-    """Answer slices on `link` until it ends (False: closed, or a malformed message came) or
+    """Answer slices on `link` until it ends (False: closed, or a message it could not receive) or
     `running()` turns false (True: the link may be served on). `running` is asked before each
     message and at least every POLL_S."""
     while running():
@@ -94,9 +93,10 @@ def serve_link(
         except ChannelClosed:
             log.info("token engine link closed; waiting for the next")
             return False
-        except msgspec.DecodeError:
-            log.exception("malformed message on the link; closing it")
-            return False
+        except Exception as exc:  # noqa: BLE001 - malformed, or tensors that do not fit
+            log.exception("message on the link not received; closing it")
+            refuse(link, SliceResult(-1, -1, -1, error=f"message not received: {exc!r}"))
+            return False  # answered for no step: the engine drops this peer at once
         if isinstance(header, SliceRequest):
             reply, outputs = peer.answer(header, tensors)
             if reply.error:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 import time
 
-import msgspec
 import structlog
 import torch
 import zmq
@@ -46,7 +45,7 @@ from common.protocol import (
 )
 from common.telemetry import Metrics
 from common.transport.kv_links import KvReceiver, KvSender
-from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
+from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel, refuse
 from common.transport.ucx_listener import UcxListener
 from common.transport.zmq_sockets import TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
@@ -145,9 +144,14 @@ class ShardWorker:
                 freed = self.shard.free_decoded()
                 log.warning("token engine link closed; its requests freed", freed=freed)
                 break
-            except msgspec.DecodeError:  # the stream may be misaligned now: drop the link
+            except Exception as exc:  # noqa: BLE001 - one it cannot take must not stop the shard
+                # Malformed (the stream may be misaligned now), or tensors that fit neither the
+                # message nor memory. Answered for no step, so that the engine relinks at once
+                # instead of waiting out its reply timeout (a closed endpoint tells it nothing);
+                # then this link closes and its requests here are freed.
                 freed = self.shard.free_decoded()
-                log.exception("malformed message on the link; closing it", freed=freed)
+                log.exception("message on the link not received; closing it", freed=freed)
+                refuse(link, AttendResult(-1, -1, error=f"message not received: {exc!r}"))
                 break
             if isinstance(header, AttendBatch) and len(tensors) == NUM_BUFFERS.get(header.part):
                 if header.part == ATTEND_PREV:

@@ -257,15 +257,17 @@ def test_a_restarted_engine_gets_its_peer_back_over_ucx(model, prompts, local):
         with pytest.raises(ChannelClosed):
             UcxTensorChannel.connect(address, PeerLinkMessage, key=b"x" * 16, timeout=1)
         assert not one_slice(old).error  # the bad hello did not cost the link
-        # A process with the key that sends what no peer takes (a shard's message) gets no
-        # answer (the peer closes that link; over TCP the far end may only see silence), and the
-        # peer serves the next link (the restarted engine's, below).
+        # A process with the key that sends what no peer takes (a shard's message) is refused
+        # for no step (a closed link alone would leave it waiting: over TCP the far end only
+        # sees silence), and the peer serves the next link (the restarted engine's, below).
         from common.protocol import AttendBatch, ShardLinkMessage
 
-        rogue = UcxTensorChannel.connect(address, ShardLinkMessage, key=key, timeout=5)
+        rogue = UcxTensorChannel.connect(address, ShardLinkMessage | PeerLinkMessage, key=key,
+                                         timeout=5)  # fmt: skip
         rogue.send(AttendBatch(0, 0), [torch.zeros(1)])
-        with pytest.raises((ChannelClosed, TimeoutError)):
-            rogue.recv(timeout=2)
+        refusal, _ = rogue.recv(timeout=2)
+        assert isinstance(refusal, SliceResult) and refusal.step == -1
+        assert "message not received" in refusal.error
         rogue.close()
         # `old` is abandoned here, open: its engine "died". The restarted engine links.
         peers = ModelPeers([], heads_of(model), reply_timeout_s=10)

@@ -1,0 +1,139 @@
+"""A shard and a model peer, given a message on their UCX link that they cannot receive (from a
+member of the mesh gone wrong: its hello is signed, its envelope describes other tensors than the
+message carries), answer it for no step (their token engine drops the link at once instead of
+waiting out its reply timeout: a closed endpoint tells it nothing), close that link and serve the
+next one. The error used to end the shard's serving loop."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from common.attention import select_backend
+from common.protocol import (
+    AttendBatch,
+    AttendResult,
+    KvReadyQuery,
+    PeerLinkMessage,
+    ShardLinkMessage,
+    SliceRequest,
+    SliceResult,
+)
+from common.transport.tensor_frames import EnvelopeCodec
+from common.transport.ucx_channel import UcxTensorChannel
+from common.transport.ucx_listener import UcxListener
+from services.engine.model_peer_worker import serve_link
+from services.shard.kv_news import KvNews
+from services.shard.shard import AttentionShard, ShardSpec
+from services.shard.step_gate import StepGate
+from services.shard.telemetry import ShardTelemetry
+from services.shard.worker import ShardWorker
+
+KEY = b"mesh key"
+
+# What the lying envelope claims the message carries (the message itself carries no tensor):
+# more than any machine can allocate, or more than an inline message can hold.
+CLAIMS = {
+    "unallocatable": [torch.empty(1 << 42, device="meta")],  # 16 TiB of float32
+    "overruns_the_message": [torch.empty(3, 1 << 18, device="meta")],  # 3 MiB, nothing sent
+}
+
+
+class LyingCodec(EnvelopeCodec[Any]):
+    """Describes `claimed` in every envelope it encodes, whatever the message carries."""
+
+    def __init__(self, header_type: Any, claimed: Sequence[torch.Tensor]) -> None:
+        super().__init__(header_type)
+        self.claimed = list(claimed)
+
+    def encode(self, header: Any, tensors: Sequence[torch.Tensor]) -> bytes:
+        return super().encode(header, self.claimed)
+
+
+def lying_link(address: str, header_type: Any, claim: str) -> UcxTensorChannel[Any]:
+    link = UcxTensorChannel.connect(address, header_type, key=KEY)
+    link._codec = LyingCodec(header_type, CLAIMS[claim])
+    return link
+
+
+def shard_loop_only() -> ShardWorker:
+    """A `ShardWorker`'s link loop with a real shard behind it, without its other sockets."""
+    spec = ShardSpec(num_layers=2, head_start=0, head_end=1, num_queries_per_kv=2, head_dim=16,
+                     num_blocks=4, block_size=16, dtype=torch.float32, scale=1.0)  # fmt: skip
+    worker = ShardWorker.__new__(ShardWorker)
+    worker.shard = AttentionShard("s0", spec, select_backend("auto"))
+    worker.telemetry = ShardTelemetry("s0", spec.num_layers)
+    worker.gate, worker.news = StepGate(), KvNews()
+    worker._prev_errors, worker._prev_s = {}, {}
+    worker.running = True
+    return worker
+
+
+@pytest.mark.parametrize("claim", sorted(CLAIMS))
+def test_a_shard_closes_a_link_it_cannot_receive_from_and_serves_the_next(claim: str) -> None:
+    listener = UcxListener(ShardLinkMessage, "127.0.0.1", KEY)
+    worker = shard_loop_only()
+    served: list[str] = []
+
+    def serve() -> None:  # the shard's main thread: one link after another (ShardWorker.run)
+        for name in ("hostile", "next"):
+            link = listener.accept(timeout=10)
+            worker._serve(link)
+            served.append(name)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        hostile = lying_link(listener.address, ShardLinkMessage, claim)
+        hostile.send(AttendBatch(0, 0, req_ids=["r"], context_lens=[1]))
+        refusal, tensors = hostile.recv(timeout=10)
+        assert isinstance(refusal, AttendResult) and (refusal.step, refusal.layer) == (-1, -1)
+        assert "message not received" in refusal.error and tensors == []
+        hostile.close()
+        link = UcxTensorChannel.connect(listener.address, ShardLinkMessage, key=KEY)
+        link.send(KvReadyQuery(step=7))
+        reply, tensors = link.recv(timeout=10)
+        assert isinstance(reply, AttendResult) and (reply.step, reply.layer) == (7, -1)
+        assert tensors == [] and not reply.error
+        link.close()
+    finally:
+        worker.running = False  # ends the next link's loop (ShardWorker.close)
+        thread.join(timeout=10)
+        listener.close()
+    assert served == ["hostile", "next"] and not thread.is_alive()
+
+
+class NeverAsked:
+    """A model peer that a message which never arrived must not reach."""
+
+    def answer(self, *args: Any) -> Any:
+        raise AssertionError("answered a message it could not have received")
+
+
+@pytest.mark.parametrize("claim", sorted(CLAIMS))
+def test_a_model_peer_closes_a_link_it_cannot_receive_from(claim: str) -> None:
+    listener = UcxListener(PeerLinkMessage, "127.0.0.1", KEY)
+    ended: list[bool] = []
+
+    def serve() -> None:
+        link = listener.accept(timeout=10)
+        ended.append(serve_link(NeverAsked(), link))  # type: ignore[arg-type]
+        link.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        hostile = lying_link(listener.address, PeerLinkMessage, claim)
+        hostile.send(SliceRequest(0, 0, 0))
+        refusal, tensors = hostile.recv(timeout=10)
+        assert isinstance(refusal, SliceResult) and refusal.step == -1 and tensors == []
+        assert "message not received" in refusal.error
+        hostile.close()
+        thread.join(timeout=10)
+    finally:
+        listener.close()
+    assert ended == [False]  # the link is over; the worker accepts the next
