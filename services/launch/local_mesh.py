@@ -150,7 +150,9 @@ class LocalMesh:
             decode_lanes=t.decode_lanes,
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
-        placements = place_decode_groups(t.num_token, self.shards_per_group, cores)
+        placements = place_decode_groups(
+            t.num_token, self.shards_per_group, cores, t.token_engine_threads or t.num_threads
+        )
         for worker in self.spawn(self._shard_configs(base, placements), timeout):
             self.registry.register(entry_of(worker))
         peers = self._spawn_model_peers(base, timeout)

@@ -31,6 +31,25 @@ def test_local_attention_engines_get_their_own_cores():
     ]
 
 
+def test_an_engine_of_several_threads_gets_a_core_per_thread():
+    # Two OpenMP threads held to one core would take turns through every GEMM.
+    assert place_decode_groups(1, 2, cores=[0, 1], engine_threads=2) == [
+        GroupPlacement((1, 0), ((0,), (1,)))
+    ]
+    assert place_decode_groups(2, 1, cores=[0, 1, 2, 3], engine_threads=2) == [
+        GroupPlacement((0, 1), ((0,),)),
+        GroupPlacement((1, 2), ((1,),)),
+    ]
+    # Local attention: cores of its own, the next group after them; never more than there are.
+    assert place_decode_groups(2, 0, cores=[0, 1, 2], engine_threads=2) == [
+        GroupPlacement((0, 1), ()),
+        GroupPlacement((2, 0), ()),
+    ]
+    assert place_decode_groups(1, 1, cores=[0, 1], engine_threads=8) == [
+        GroupPlacement((0, 1), ((0,),))
+    ]
+
+
 def test_one_core_places_nothing():
     assert place_decode_groups(1, 2, cores=[3]) == [GroupPlacement((), ((), ()))]
     assert place_decode_groups(2, 0, cores=[]) == [GroupPlacement((), ())] * 2
