@@ -118,8 +118,7 @@ class ShardWorker:
     def run(self) -> None:
         ingress = threading.Thread(target=self._ingress_loop, name="kv-ingress", daemon=True)
         ingress.start()
-        while self.running and (link := self._accept()) is not None:
-            self._serve(link)
+        self.serve_links()
         ingress.join(timeout=2)
         self.puller.close()
         if self.kv_receiver is not None:
@@ -127,11 +126,22 @@ class ShardWorker:
         if self.swap_sender is not None:
             self.swap_sender.close()
 
-    def _serve(self, link: UcxTensorChannel[ShardLinkMessage]) -> None:
-        """Answer one token engine's round trips until shutdown or until that engine is gone.
+    def serve_links(self) -> None:
+        """The main thread: one token engine's link after another, until shutdown."""
+        link = self._accept()
+        while link is not None:
+            link = self._serve(link) or self._accept()
+
+    def _serve(
+        self, link: UcxTensorChannel[ShardLinkMessage]
+    ) -> UcxTensorChannel[ShardLinkMessage] | None:
+        """Answer one token engine's round trips until shutdown, until that engine is gone, or
+        until a newer link (returned) takes over an idle one.
 
         A token engine that dies leaves its requests' KV here: free it, and wait for the next
-        token engine (a restarted replica) to connect.
+        token engine (a restarted replica) to connect. Newest link wins, as on a model peer: an
+        engine that gives its links up (`ShardLinkFault`) and links again closes the old one on
+        its side only, which this side is not told of while the engine's process lives.
         """
         while self.running:
             self.last_pass = time.monotonic()
@@ -139,6 +149,11 @@ class ShardWorker:
                 header, tensors = link.recv(timeout=POLL_S)
             except TimeoutError:
                 self.gate.end_step()  # an idle link: no step is in progress (step_gate.py)
+                if (newer := self._newer_link()) is not None:
+                    freed = self.shard.free_decoded()
+                    log.warning("a new token engine link; closing the idle old one", freed=freed)
+                    link.close()
+                    return newer
                 continue
             except ChannelClosed:
                 freed = self.shard.free_decoded()
@@ -165,6 +180,17 @@ class ShardWorker:
                 log.warning("dropped unexpected link message", kind=type(header).__name__)
         self.gate.end_step()
         link.close()
+        return None
+
+    def _newer_link(self) -> UcxTensorChannel[ShardLinkMessage] | None:
+        """A link that has said hello meanwhile, once its hello checks out (a hello without the
+        mesh's key is dropped and costs the current link nothing)."""
+        if not self.listener.has_hello():
+            return None
+        try:
+            return self.listener.accept(timeout=0)
+        except TimeoutError:
+            return None
 
     def _accept(self) -> UcxTensorChannel[ShardLinkMessage] | None:
         while self.running:

@@ -1,13 +1,16 @@
-"""A shard and a model peer, given a message on their UCX link that they cannot receive (from a
-member of the mesh gone wrong: its hello is signed, its envelope describes other tensors than the
-message carries), answer it for no step (their token engine drops the link at once instead of
-waiting out its reply timeout: a closed endpoint tells it nothing), close that link and serve the
-next one. The error used to end the shard's serving loop."""
+"""What a shard and a model peer take on their UCX link. Given a message they cannot receive
+(from a member of the mesh gone wrong: its hello is signed, its envelope describes other tensors
+than the message carries), they answer it for no step (their token engine drops the link at once
+instead of waiting out its reply timeout: a closed endpoint tells it nothing), close that link and
+serve the next one; the error used to end the shard's serving loop. And a shard serves the newest
+link, as a model peer does, so that a token engine that relinks is not left waiting."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -31,7 +34,8 @@ from services.shard.kv_news import KvNews
 from services.shard.shard import AttentionShard, ShardSpec
 from services.shard.step_gate import StepGate
 from services.shard.telemetry import ShardTelemetry
-from services.shard.worker import ShardWorker
+from services.shard.worker import POLL_S, ShardWorker
+from tests.integration.test_transport import send_rogue_hellos
 
 KEY = b"mesh key"
 
@@ -60,11 +64,13 @@ def lying_link(address: str, header_type: Any, claim: str) -> UcxTensorChannel[A
     return link
 
 
-def shard_loop_only() -> ShardWorker:
-    """A `ShardWorker`'s link loop with a real shard behind it, without its other sockets."""
+def shard_loop_only(listener: UcxListener) -> ShardWorker:
+    """A `ShardWorker`'s link loop (`serve_links`) with a real shard behind it, without its
+    other sockets."""
     spec = ShardSpec(num_layers=2, head_start=0, head_end=1, num_queries_per_kv=2, head_dim=16,
                      num_blocks=4, block_size=16, dtype=torch.float32, scale=1.0)  # fmt: skip
     worker = ShardWorker.__new__(ShardWorker)
+    worker.listener = listener
     worker.shard = AttentionShard("s0", spec, select_backend("auto"))
     worker.telemetry = ShardTelemetry("s0", spec.num_layers)
     worker.gate, worker.news = StepGate(), KvNews()
@@ -73,38 +79,62 @@ def shard_loop_only() -> ShardWorker:
     return worker
 
 
-@pytest.mark.parametrize("claim", sorted(CLAIMS))
-def test_a_shard_closes_a_link_it_cannot_receive_from_and_serves_the_next(claim: str) -> None:
+@contextmanager
+def serving_shard() -> Iterator[str]:
+    """A shard's link loop on its own thread, as its main thread runs it; yields its address."""
     listener = UcxListener(ShardLinkMessage, "127.0.0.1", KEY)
-    worker = shard_loop_only()
-    served: list[str] = []
-
-    def serve() -> None:  # the shard's main thread: one link after another (ShardWorker.run)
-        for name in ("hostile", "next"):
-            link = listener.accept(timeout=10)
-            worker._serve(link)
-            served.append(name)
-
-    thread = threading.Thread(target=serve, daemon=True)
+    worker = shard_loop_only(listener)
+    thread = threading.Thread(target=worker.serve_links, daemon=True)
     thread.start()
     try:
-        hostile = lying_link(listener.address, ShardLinkMessage, claim)
+        yield listener.address
+    finally:
+        worker.running = False  # ShardWorker.close
+        thread.join(timeout=10)
+        listener.close()
+    assert not thread.is_alive()
+
+
+def answers(link: UcxTensorChannel[Any], step: int, timeout: float = 10) -> bool:
+    """Whether the shard behind `link` answers a `KvReadyQuery` for `step`."""
+    link.send(KvReadyQuery(step=step))
+    reply, tensors = link.recv(timeout=timeout)
+    return (
+        isinstance(reply, AttendResult)
+        and (reply.step, reply.layer) == (step, -1)
+        and (not reply.error and tensors == [])
+    )
+
+
+@pytest.mark.parametrize("claim", sorted(CLAIMS))
+def test_a_shard_closes_a_link_it_cannot_receive_from_and_serves_the_next(claim: str) -> None:
+    with serving_shard() as address:
+        hostile = lying_link(address, ShardLinkMessage, claim)
         hostile.send(AttendBatch(0, 0, req_ids=["r"], context_lens=[1]))
         refusal, tensors = hostile.recv(timeout=10)
         assert isinstance(refusal, AttendResult) and (refusal.step, refusal.layer) == (-1, -1)
         assert "message not received" in refusal.error and tensors == []
         hostile.close()
-        link = UcxTensorChannel.connect(listener.address, ShardLinkMessage, key=KEY)
-        link.send(KvReadyQuery(step=7))
-        reply, tensors = link.recv(timeout=10)
-        assert isinstance(reply, AttendResult) and (reply.step, reply.layer) == (7, -1)
-        assert tensors == [] and not reply.error
+        link = UcxTensorChannel.connect(address, ShardLinkMessage, key=KEY)
+        assert answers(link, 7)
         link.close()
-    finally:
-        worker.running = False  # ends the next link's loop (ShardWorker.close)
-        thread.join(timeout=10)
-        listener.close()
-    assert served == ["hostile", "next"] and not thread.is_alive()
+
+
+def test_a_newer_link_takes_over_an_idle_one_and_a_bad_hello_does_not() -> None:
+    """A token engine that gave its links up (`ShardLinkFault`) links again while its old link
+    is still open on its side (closing an endpoint tells the shard nothing): the shard serves
+    the newer link within a poll instead of leaving the engine's connect to time out. A hello
+    without the mesh's key costs the idle link nothing."""
+    with serving_shard() as address:
+        old = UcxTensorChannel.connect(address, ShardLinkMessage, key=KEY)
+        assert answers(old, 1)
+        send_rogue_hellos(address)
+        time.sleep(3 * POLL_S)  # idle polls with the rogue hellos pending
+        assert answers(old, 2)
+        new = UcxTensorChannel.connect(address, ShardLinkMessage, key=KEY, timeout=5)
+        assert answers(new, 3)
+        old.close()
+        new.close()
 
 
 class NeverAsked:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -85,6 +86,39 @@ def test_a_stopped_shard_does_not_hang_its_token_engine(mesh: LocalMesh) -> None
         assert streams == expected
     finally:
         os.kill(shard.proc.pid, signal.SIGCONT)
+
+
+def test_a_shard_that_stopped_briefly_is_linked_again_at_once(mesh: LocalMesh) -> None:
+    """A shard stopped past the reply timeout, then continued: its token engine gives the
+    group's links up (`ShardLinkFault`) and links the same shards again, which each serves at
+    once (newest link wins: neither side hears of the old link's close), so the engine never
+    falls back to local attention. Its requests are re-run and finish with the single-process
+    engine's tokens, and the next request's KV lands on both shards of the group."""
+    prompts = random_prompts([25, 60], 2048, seed=44)
+    expected = reference(mesh.topology.model_path, prompts, 40)
+    shard = next(w for w in mesh.workers.values() if w.service_id == mesh.shards[1].service_id)
+
+    def stop_past_the_reply_timeout() -> None:
+        os.kill(shard.proc.pid, signal.SIGSTOP)
+        threading.Timer(
+            mesh.topology.shard_reply_timeout_s + 1.0, os.kill, (shard.proc.pid, signal.SIGCONT)
+        ).start()
+
+    try:
+        assert migrating_streams(mesh, prompts, 40, stop_past_the_reply_timeout) == expected
+    finally:
+        time.sleep(mesh.topology.shard_reply_timeout_s + 1.5)  # the timer's SIGCONT went
+        os.kill(shard.proc.pid, signal.SIGCONT)
+    [token] = [s for s in mesh.stats() if s.role == "token"]
+    assert token.num_group_relinks == 1  # to the same group: never local, never again
+    client = MeshTestClient(mesh)
+    client.submit("after", prompts[0], SamplingSpec(max_tokens=8, temperature=0.0))
+    tokens, out = client.finish("after")
+    assert (tokens, out.finish_reason) == (expected[0][:8], "length")
+    landed = {s.service_id for s in mesh.stats() if s.role == "shard"
+              for e in s.kv_events if e.req_id == "after" and e.what == "received"}  # fmt: skip
+    assert landed == {s.service_id for s in mesh.shards}
+    assert_no_kv_held(mesh)
 
 
 def test_more_requests_than_the_shards_hold_fail_only_before_they_decode(
