@@ -25,7 +25,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 import structlog
 import torch
 
@@ -165,9 +164,10 @@ class KvReceiver:
         while link.has_message():
             try:
                 header, tensors = link.recv(timeout=SEND_TIMEOUT_S)
-            except (ChannelClosed, TimeoutError, msgspec.DecodeError) as exc:
-                # Its sender died (or sent garbage: the stream may be misaligned): drop the link;
-                # the KV it had begun is freed by its lease.
+            except Exception as exc:  # noqa: BLE001 - one link's fault must not stop the thread
+                # Its sender died, or sent what cannot be received (garbage, tensors that fit
+                # neither the message nor memory: the stream may be misaligned): drop the link;
+                # the KV it had begun is freed by its lease. The other links are served on.
                 log.warning("KV link dropped", error=repr(exc))
                 self._links.remove(link)
                 link.close()

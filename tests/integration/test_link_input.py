@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -20,12 +21,16 @@ from common.attention import select_backend
 from common.protocol import (
     AttendBatch,
     AttendResult,
+    KvPages,
     KvReadyQuery,
     PeerLinkMessage,
+    ShardIngress,
     ShardLinkMessage,
     SliceRequest,
     SliceResult,
 )
+from common.transport.kv_links import POLL_S as KV_POLL_S
+from common.transport.kv_links import KvReceiver
 from common.transport.tensor_frames import EnvelopeCodec
 from common.transport.ucx_channel import UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
@@ -135,6 +140,38 @@ def test_a_newer_link_takes_over_an_idle_one_and_a_bad_hello_does_not() -> None:
         assert answers(new, 3)
         old.close()
         new.close()
+
+
+@pytest.mark.parametrize("claim", sorted(CLAIMS))
+def test_a_kv_receiver_drops_a_link_it_cannot_receive_from_and_serves_the_others(
+    claim: str,
+) -> None:
+    """One prompt engine's link gone wrong must not stop a shard's or token engine's KV
+    receiver (its thread serves every prompt engine's link): that link is dropped, another
+    link's pages land."""
+    landed: list[tuple[str, list[torch.Tensor]]] = []
+    arrived = threading.Event()
+
+    def deliver(header: Any, tensors: list[torch.Tensor]) -> None:
+        landed.append((header.req_id, tensors))
+        arrived.set()
+
+    receiver = KvReceiver("127.0.0.1", KEY, deliver)
+    try:
+        hostile = lying_link(receiver.address, ShardIngress, claim)
+        good = UcxTensorChannel.connect(receiver.address, ShardIngress, key=KEY)
+        k = torch.arange(2 * 3 * 1 * 4, dtype=torch.float32).view(2, 3, 1, 4)
+        pages = KvPages("r", 0, 2, 3, 0, 1, total_layers=2)
+        hostile.send(msgspec.structs.replace(pages, req_id="evil"), [k, k])
+        time.sleep(3 * KV_POLL_S)  # the receiver takes the lie first
+        good.send(pages, [k, -k])
+        assert arrived.wait(timeout=10)
+        [(req_id, (got_k, got_v))] = landed
+        assert req_id == "r" and torch.equal(got_k, k) and torch.equal(got_v, -k)
+        hostile.close()
+        good.close()
+    finally:
+        receiver.close()
 
 
 class NeverAsked:
