@@ -139,7 +139,12 @@ class MeshInbox:
             if not sub.poll(IO_POLL_MS):
                 continue
             while (report := loads.recv_nowait()) is not None:
-                self.on_load(report[1])
+                try:
+                    self.on_load(report[1])
+                except Exception:  # noqa: BLE001 - one report must not blind the router
+                    # (a dead thread would fail the health check: Serve would replace the
+                    # router, and every stream on it with it)
+                    log.exception("load report not applied", engine_id=report[1].engine_id)
         sub.close(linger=0)
 
 

@@ -228,3 +228,37 @@ def test_a_failed_drain_makes_the_inbox_unhealthy_and_spares_the_loop(ctx: zmq.C
 
         assert asyncio.run(run()) == "the loop still runs"
         assert isinstance(inbox.drain_error, RuntimeError)
+
+
+def test_a_load_report_that_fails_to_apply_is_dropped_and_the_next_applied(
+    ctx: zmq.Context,
+) -> None:
+    """Whatever applying one report raises, the load thread lives on (the inbox stays healthy,
+    so Serve does not replace the router and its streams) and applies the next report."""
+    applied: list[str] = []
+    second = threading.Event()
+
+    def on_load(report: LoadReport) -> None:
+        if report.engine_id == "bad":
+            raise RuntimeError("a report the scheduler cannot take")
+        applied.append(report.engine_id)
+        second.set()
+
+    inbox = MeshInbox(ctx, "127.0.0.1", Recorder().on_outputs, on_load, auth=AUTH)
+    pub = ctx.socket(zmq.PUB)
+    AUTH.serve(pub)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    inbox.load_endpoints = frozenset([f"tcp://127.0.0.1:{port}"])
+    inbox.start()
+    try:
+        report = LoadReport("bad", "token", 0, 0, 0, 0, 10)
+        deadline = time.monotonic() + 10
+        while not second.is_set():  # PUB drops until the subscription lands: send until heard
+            assert time.monotonic() < deadline, "no report applied"
+            pub.send(msgspec.msgpack.encode(report))
+            pub.send(msgspec.msgpack.encode(msgspec.structs.replace(report, engine_id="good")))
+            second.wait(0.1)
+        assert applied and set(applied) == {"good"} and inbox.healthy()
+    finally:
+        pub.close(linger=0)
+        inbox.close()
