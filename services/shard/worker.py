@@ -168,19 +168,32 @@ class ShardWorker:
                 log.exception("message on the link not received; closing it", freed=freed)
                 refuse(link, AttendResult(-1, -1, error=f"message not received: {exc!r}"))
                 break
-            if isinstance(header, AttendBatch) and len(tensors) == NUM_BUFFERS.get(header.part):
-                if header.part == ATTEND_PREV:
-                    self._attend_prev(header, tensors[0])
-                else:
-                    self._answer(link, header, tensors)
-            elif isinstance(header, KvReadyQuery):
-                landed, lost = self.news.drain(min(header.wait_s, NEWS_WAIT_MAX_S))
-                link.send(AttendResult(header.step, -1, kv_landed=landed, kv_lost=lost), [])
-            else:
-                log.warning("dropped unexpected link message", kind=type(header).__name__)
+            try:
+                self._handle(link, header, tensors)
+            except (ChannelClosed, TimeoutError) as exc:  # the engine died after asking
+                freed = self.shard.free_decoded()
+                log.warning("token engine link lost while replying; its requests freed",
+                            freed=freed, error=repr(exc))  # fmt: skip
+                break
         self.gate.end_step()
         link.close()
         return None
+
+    def _handle(
+        self, link: UcxTensorChannel[ShardLinkMessage], header: object, tensors: list[torch.Tensor]
+    ) -> None:
+        """One message of the link; a reply that cannot be sent raises ChannelClosed or
+        TimeoutError (the link is over)."""
+        if isinstance(header, AttendBatch) and len(tensors) == NUM_BUFFERS.get(header.part):
+            if header.part == ATTEND_PREV:
+                self._attend_prev(header, tensors[0])
+            else:
+                self._answer(link, header, tensors)
+        elif isinstance(header, KvReadyQuery):
+            landed, lost = self.news.drain(min(header.wait_s, NEWS_WAIT_MAX_S))
+            link.send(AttendResult(header.step, -1, kv_landed=landed, kv_lost=lost), [])
+        else:
+            log.warning("dropped unexpected link message", kind=type(header).__name__)
 
     def _newer_link(self) -> UcxTensorChannel[ShardLinkMessage] | None:
         """A link that has said hello meanwhile, once its hello checks out (a hello without the
@@ -244,6 +257,8 @@ class ShardWorker:
             link.send(reply, [out])
             if traced:
                 self.telemetry.flush()
+        except ChannelClosed:
+            raise  # no engine left to answer (`_serve` ends the link)
         except Exception as exc:  # noqa: BLE001 - the engine must get an answer, not a hang
             if traced:
                 self.telemetry.layer_failed(batch, exc)

@@ -32,9 +32,10 @@ from common.protocol import (
 from common.transport.kv_links import POLL_S as KV_POLL_S
 from common.transport.kv_links import KvReceiver
 from common.transport.tensor_frames import EnvelopeCodec
-from common.transport.ucx_channel import UcxTensorChannel
+from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
 from services.engine.model_peer_worker import serve_link
+from services.shard import shard as shard_module
 from services.shard.kv_news import KvNews
 from services.shard.shard import AttentionShard, ShardSpec
 from services.shard.step_gate import StepGate
@@ -204,3 +205,46 @@ def test_a_model_peer_closes_a_link_it_cannot_receive_from(claim: str) -> None:
     finally:
         listener.close()
     assert ended == [False]  # the link is over; the worker accepts the next
+
+
+class DeadPeerLink:
+    """A link whose token engine died after its message came: each reply raises ChannelClosed
+    (a stand-in for that timing window, which real processes hit only by chance)."""
+
+    def __init__(self, messages: list[tuple[Any, list[torch.Tensor]]]) -> None:
+        self.messages = messages
+        self.closed = False
+
+    def recv(self, out: Any = None, timeout: float | None = None) -> tuple[Any, list]:
+        return self.messages.pop(0)
+
+    def send(self, header: Any, tensors: Any = (), timeout: float | None = None) -> None:
+        raise ChannelClosed("UCX peer gone: Connection reset by remote peer")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("asked", ["kv_news", "attention", "failed_attention"])
+def test_a_shard_whose_engine_dies_before_its_reply_ends_that_link_only(
+    asked: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reply to a token engine that died after asking cannot be sent: that link is over
+    (its requests freed), and the shard's loop goes on to the next link instead of ending."""
+    monkeypatch.setattr(shard_module, "KV_WAIT_S", 0.0)  # KV that never comes fails at once
+    listener = UcxListener(ShardLinkMessage, "127.0.0.1", KEY)
+    worker = shard_loop_only(listener)
+    q, kv = torch.zeros(1, 2, 16), torch.zeros(1, 1, 16)
+    message = {
+        "kv_news": (KvReadyQuery(step=1), []),
+        # A request the shard holds no KV for: answered with its row failed.
+        "attention": (AttendBatch(1, 0, req_ids=["r"], context_lens=[1]), [q, kv, kv]),
+        # Buffers of the wrong shapes: answered with an error.
+        "failed_attention": (AttendBatch(1, 0, req_ids=["r"], context_lens=[1]), [kv, kv, q]),
+    }[asked]
+    dead = DeadPeerLink([message])
+    try:
+        assert worker._serve(dead) is None  # type: ignore[arg-type]
+        assert dead.closed and worker.running
+    finally:
+        listener.close()
