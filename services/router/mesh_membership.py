@@ -65,7 +65,10 @@ class MeshMembership:
     def _watch_loop(self) -> None:
         # NOTE: a timer (Event.wait), reading another process's state: the registry actor.
         while not self._closed.wait(self.refresh_s):
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - a dead thread would get the router replaced
+                log.exception("membership refresh failed; the next one may apply")
 
     def refresh(self) -> None:
         try:

@@ -5,6 +5,7 @@ per attempt, and only after the registry has missed it for `ABSENT_CONFIRM_S`.""
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -122,3 +123,28 @@ def test_a_refresh_keeps_the_last_view_when_the_registry_read_fails_and_fails_or
         assert isinstance(lost, EngineLost) and lost.wire_id == "r1" and stream.lost
 
     asyncio.run(run())
+
+
+def test_a_refresh_that_fails_leaves_the_watch_thread_running() -> None:
+    """Whatever one refresh raises past the registry read, the next one runs (a dead watch
+    thread fails the router's health check: Serve would replace it, and its streams)."""
+    failures = [RuntimeError("a role change that cannot be sent")]
+    refreshed = threading.Event()
+
+    def send_role_changes() -> None:
+        if failures:
+            raise failures.pop()
+        refreshed.set()
+
+    inbox: Any = SimpleNamespace(load_endpoints=frozenset())
+    requests = MeshRequests(None, max_migrations=2)
+    watch = MeshMembership(
+        lambda: [PROMPT, TOKEN], requests, ClusterScheduler(16), inbox, send_role_changes,
+        refresh_s=0.01,
+    )  # fmt: skip
+    watch.thread.start()
+    try:
+        assert refreshed.wait(timeout=10) and watch.thread.is_alive() and not failures
+    finally:
+        watch.close()
+        watch.thread.join(timeout=5)
