@@ -59,9 +59,8 @@ def assert_decode_groups_pinned(mesh: LocalMesh) -> None:
     t = mesh.topology
     everywhere = os.sched_getaffinity(0)
     placements = place_decode_groups(
-        t.num_token, t.num_shards // t.num_token, sorted(everywhere),
-        t.token_engine_threads or t.num_threads,
-    )  # fmt: skip
+        t.num_token, t.num_shards // t.num_token, sorted(everywhere), t.engine_threads
+    )
     expected = [set(c) or everywhere for p in placements for c in p.shards]
     expected += [set(p.engine) or everywhere for p in placements]
     expected += [everywhere] * t.num_prompt
