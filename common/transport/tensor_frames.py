@@ -119,7 +119,7 @@ def pack_frames(
         _FRAMES.pack_frames(buffer, offsets, [_dlpack(t) for t in tensors])
         return
     for offset, tensor in zip(offsets, tensors, strict=True):
-        copy_tensor_into(buffer[offset : offset + tensor.numel() * tensor.element_size()], tensor)
+        copy_tensor_into(buffer[offset : offset + nbytes(tensor)], tensor)
 
 
 def unpack_frames(
@@ -131,7 +131,12 @@ def unpack_frames(
         _FRAMES.unpack_frames(buffer, offsets, [_dlpack(t) for t in targets])
         return
     for offset, target in zip(offsets, targets, strict=True):
-        copy_bytes_into(target, buffer[offset : offset + target.numel() * target.element_size()])
+        copy_bytes_into(target, buffer[offset : offset + nbytes(target)])
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """The bytes `tensor`'s elements take on the wire (dense, whatever its strides)."""
+    return tensor.numel() * tensor.element_size()
 
 
 def _dlpack(tensor: torch.Tensor) -> Any:

@@ -77,6 +77,7 @@ from common.transport.tensor_frames import (  # noqa: E402
     ReceiveInto,
     byte_view,
     empty_like_spec,
+    nbytes,
     pack_frames,
     receive_targets,
     unpack_frames,
@@ -242,7 +243,7 @@ class UcxTensorChannel(Generic[HeaderT]):
         envelope = self._codec.encode(header, tensors)
         if len(envelope) > MAX_ENVELOPE_BYTES - _PREFIX.size:
             raise ValueError(f"envelope of {len(envelope)} B exceeds {MAX_ENVELOPE_BYTES} B")
-        if sum(_nbytes(t) + _ALIGN for t in tensors) <= INLINE_LIMIT:  # with worst-case padding
+        if sum(nbytes(t) + _ALIGN for t in tensors) <= INLINE_LIMIT:  # with worst-case padding
             return self._send_inline(envelope, tensors)
         views = [byte_view(t) for t in tensors]  # strided tensors: a contiguous copy, kept alive
         message = _pack_inline(np.empty(MAX_ENVELOPE_BYTES, np.uint8), envelope, [], inline=False)
@@ -354,10 +355,6 @@ def _aligned(offset: int) -> int:
     return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _pack_inline(
     buffer: np.ndarray, envelope: bytes, tensors: Sequence[torch.Tensor], inline: bool = True
 ) -> np.ndarray:
@@ -384,5 +381,5 @@ def _frame_starts(offset: int, tensors: Sequence[torch.Tensor]) -> tuple[list[in
     starts = []
     for tensor in tensors:
         starts.append(_aligned(offset))
-        offset = starts[-1] + _nbytes(tensor)
+        offset = starts[-1] + nbytes(tensor)
     return starts, offset

@@ -150,34 +150,37 @@ class ShardWorker:
             except TimeoutError:
                 self.gate.end_step()  # an idle link: no step is in progress (step_gate.py)
                 if (newer := self._newer_link()) is not None:
-                    freed = self.shard.free_decoded()
-                    log.warning("a new token engine link; closing the idle old one", freed=freed)
+                    self._link_over("a new token engine link; closing the idle old one")
                     link.close()
                     return newer
                 continue
             except ChannelClosed:
-                freed = self.shard.free_decoded()
-                log.warning("token engine link closed; its requests freed", freed=freed)
+                self._link_over("token engine link closed; its requests freed")
                 break
             except Exception as exc:  # noqa: BLE001 - one it cannot take must not stop the shard
                 # Malformed (the stream may be misaligned now), or tensors that fit neither the
                 # message nor memory. Answered for no step, so that the engine relinks at once
                 # instead of waiting out its reply timeout (a closed endpoint tells it nothing);
                 # then this link closes and its requests here are freed.
-                freed = self.shard.free_decoded()
-                log.exception("message on the link not received; closing it", freed=freed)
+                self._link_over("message on the link not received; closing it", exc, trace=True)
                 refuse(link, AttendResult(-1, -1, error=f"message not received: {exc!r}"))
                 break
             try:
                 self._handle(link, header, tensors)
             except (ChannelClosed, TimeoutError) as exc:  # the engine died after asking
-                freed = self.shard.free_decoded()
-                log.warning("token engine link lost while replying; its requests freed",
-                            freed=freed, error=repr(exc))  # fmt: skip
+                self._link_over("token engine link lost while replying; its requests freed", exc)
                 break
         self.gate.end_step()
         link.close()
         return None
+
+    def _link_over(
+        self, event: str, error: BaseException | None = None, trace: bool = False
+    ) -> None:
+        """A link ends: the requests its engine decoded here are freed (it re-runs them)."""
+        freed = self.shard.free_decoded()
+        error_repr = None if error is None else repr(error)
+        log.warning(event, freed=freed, error=error_repr, exc_info=error if trace else None)
 
     def _handle(
         self, link: UcxTensorChannel[ShardLinkMessage], header: object, tensors: list[torch.Tensor]
