@@ -126,6 +126,18 @@ def test_a_shard_closes_a_link_it_cannot_receive_from_and_serves_the_next(claim:
         link.close()
 
 
+def test_the_engine_receives_a_refusal_as_a_reply_that_does_not_fit() -> None:
+    """What the token engine does with a refusal: it receives each reply into its output rows, and
+    a refusal carries none, so the receive raises the ValueError that `collect_layer` turns into
+    `ShardLinkFault` at once (tests/unit/test_shard_replies.py, "misfit"): the group is relinked."""
+    with serving_shard() as address:
+        engine = lying_link(address, ShardLinkMessage, "unallocatable")
+        engine.send(AttendBatch(0, 0, req_ids=["r"], context_lens=[1]))
+        with pytest.raises(ValueError, match="0 tensors, 1 receive buffers"):
+            engine.recv([torch.empty(1, 2, 16)], timeout=10)
+        engine.close()
+
+
 def test_a_newer_link_takes_over_an_idle_one_and_a_bad_hello_does_not() -> None:
     """A token engine that gave its links up (`ShardLinkFault`) links again while its old link
     is still open on its side (closing an endpoint tells the shard nothing): the shard serves
