@@ -37,6 +37,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # dropped before anything it sent is read (common/transport/ucx_handshake.py, zmq_auth.py).
     mesh_key: str
     shard_reply_timeout_s: float = 30.0  # token engines: a shard link that stays silent this long
+    # Token engines: one try at linking to a shard waits this long for its answer (at start,
+    # tries go on until SHARD_LINK_START_DEADLINE_S: a shard starved of CPU answers late).
+    shard_link_timeout_s: float = 10.0
     enable_prefix_caching: bool = True  # prompt and mixed engines (docs/prefix_caching.md)
     # Receivers (token and mixed engines, shards): take KV pages over UCX (a `KvReceiver`, its
     # address in `WorkerReady.kv_address`) or, off, on the ZeroMQ KV-ingress socket as before.

@@ -63,6 +63,10 @@ log = structlog.get_logger(__name__)
 IDLE_POLL_MS = 200  # an idle loop wakes this often to notice a dead parent; never busy-polls
 LOAD_REPORT_INTERVAL_S = 0.05
 PEER_CONNECT_TIMEOUT_S = 2.0  # a model peer that does not answer a new link is left out
+# At start, a shard that does not answer a link is tried again until this deadline: on a loaded
+# machine (every service of a mesh starting at once on 2 cores) a live shard can be slow to get
+# to its listener, and giving up would end the engine (its process exits, its replica restarts).
+SHARD_LINK_START_DEADLINE_S = 60.0
 
 
 class EngineWorker:
@@ -88,7 +92,7 @@ class EngineWorker:
         self.peers = PeerWatch()  # routers lost: their requests end here (peer_watch.py)
         self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch, auth=auth)
         self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress, auth=auth)
-        self.links = {s.link_address: self._connect(s) for s in cfg.shards}
+        self.links = self._link_at_start(cfg.shards)
         # `kv_transfer: pull`: shards' KV is held here and pulled by them (kv_hold_server.py).
         pulls = cfg.kv_transfer == "pull" and cfg.role in (Role.PROMPT, Role.MIXED)
         self.kv_hold = KvHoldServer(KvHold(cfg.kv_hold_bytes), cfg.host, auth) if pulls else None
@@ -155,9 +159,30 @@ class EngineWorker:
 
     def _connect(self, shard: ShardAddress) -> UcxTensorChannel[ShardLinkMessage]:
         return UcxTensorChannel.connect(
-            shard.link_address, ShardLinkMessage, host=self.cfg.host,
-            key=bytes.fromhex(self.cfg.mesh_key),
+            shard.link_address, ShardLinkMessage, timeout=self.cfg.shard_link_timeout_s,
+            host=self.cfg.host, key=bytes.fromhex(self.cfg.mesh_key),
         )  # fmt: skip
+
+    def _link_at_start(
+        self, shards: list[ShardAddress]
+    ) -> dict[str, UcxTensorChannel[ShardLinkMessage]]:
+        """A link to every shard of the group, each tried again until the start deadline (the
+        shard serves the newest hello it checks, so a late answer to an earlier try is harmless);
+        past it, ChannelClosed (another mesh's key, a shard gone)."""
+        deadline = time.monotonic() + SHARD_LINK_START_DEADLINE_S
+        links: dict[str, UcxTensorChannel[ShardLinkMessage]] = {}
+        for shard in shards:
+            while shard.link_address not in links:
+                try:
+                    links[shard.link_address] = self._connect(shard)
+                except ChannelClosed as exc:
+                    if time.monotonic() >= deadline:
+                        for link in links.values():
+                            link.close()
+                        raise
+                    log.warning("shard did not answer the link yet; trying again",
+                                shard=shard.service_id, error=repr(exc))  # fmt: skip
+        return links
 
     def _send_kv(
         self, dest: ShardAddress, pages: KvPages, k: torch.Tensor, v: torch.Tensor

@@ -95,6 +95,7 @@ class LocalMesh:
             block_size=t.block_size, attention_backend=t.attention_backend,
             num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
             mesh_key=self.mesh_key, shard_reply_timeout_s=t.shard_reply_timeout_s,
+            shard_link_timeout_s=t.shard_link_timeout_s,
             enable_prefix_caching=t.enable_prefix_caching,
             kv_over_ucx=t.kv_over_ucx, kv_transfer=t.kv_transfer,
             shard_partition=t.shard_partition, attention_overlap=t.attention_overlap,

@@ -26,6 +26,7 @@ class Topology:
     # `{service_id}` is replaced, so `jsonl:/tmp/t/{service_id}.jsonl` gives each its own file.
     otel_exporter: str = ""
     shard_reply_timeout_s: float = 30.0  # a token engine gives a silent shard link up after this
+    shard_link_timeout_s: float = 10.0  # one try at a shard link (WorkerConfig's)
     enable_prefix_caching: bool = True  # prompt engines' (docs/prefix_caching.md)
     kv_over_ucx: bool = True  # KV pages over UCX links; off: over ZeroMQ (benches compare both)
     local_kv_blocks: int = 0  # token engines' local KV tier beside their shards (Neo); 0: none

@@ -24,6 +24,7 @@ import pytest
 from common.config import EngineConfig
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec, TokenOutput
+from common.roles import Role
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.launch.test_client import MeshTestClient
@@ -119,6 +120,47 @@ def test_a_shard_that_stopped_briefly_is_linked_again_at_once(mesh: LocalMesh) -
               for e in s.kv_events if e.req_id == "after" and e.what == "received"}  # fmt: skip
     assert landed == {s.service_id for s in mesh.shards}
     assert_no_kv_held(mesh)
+
+
+def test_a_token_engine_links_to_shards_that_answer_late_at_start(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every shard stopped from just before its token engine starts until past two of the
+    engine's tries at a link (a mesh starting on a loaded machine: a live shard slow to get to its
+    listener): the engine tries again instead of exiting, links the whole group, and decodes
+    through it with the single-process engine's tokens; no relink, nothing left behind."""
+    topology = Topology(str(tiny_model_path), num_shards=2, shard_link_timeout_s=1.0)
+    spawn_model_peers = LocalMesh._spawn_model_peers
+    stopped: list[int] = []
+
+    def stop_the_shards_first(self: LocalMesh, *args: object) -> object:
+        stopped.extend(w.proc.pid for w in self.workers.values() if w.cfg.role == Role.SHARD)
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        for pid in stopped:
+            threading.Timer(2.5, os.kill, (pid, signal.SIGCONT)).start()
+        return spawn_model_peers(self, *args)
+
+    monkeypatch.setattr(LocalMesh, "_spawn_model_peers", stop_the_shards_first)
+    mesh = LocalMesh.start(topology)
+    try:
+        assert len(stopped) == 2
+        prompts = random_prompts([30], 2048, seed=45)
+        expected = reference(mesh.topology.model_path, prompts, 12)
+        client = MeshTestClient(mesh)
+        client.submit(
+            "late", prompts[0], SamplingSpec(max_tokens=12, temperature=0.0, ignore_eos=True)
+        )
+        tokens, out = client.finish("late")
+        assert (tokens, out.finish_reason) == (expected[0], "length")
+        [token] = [s for s in mesh.stats() if s.role == "token"]
+        assert token.num_group_relinks == 0
+        landed = {s.service_id for s in mesh.stats() if s.role == "shard"
+                  for e in s.kv_events if e.req_id == "late" and e.what == "received"}  # fmt: skip
+        assert landed == {s.service_id for s in mesh.shards}
+        assert_no_kv_held(mesh)
+    finally:
+        mesh.close()
 
 
 def test_more_requests_than_the_shards_hold_fail_only_before_they_decode(
