@@ -125,10 +125,11 @@ def test_a_shard_that_stopped_briefly_is_linked_again_at_once(mesh: LocalMesh) -
 def test_a_token_engine_links_to_shards_that_answer_late_at_start(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every shard stopped from just before its token engine starts until past two of the
-    engine's tries at a link (a mesh starting on a loaded machine: a live shard slow to get to its
-    listener): the engine tries again instead of exiting, links the whole group, and decodes
-    through it with the single-process engine's tokens; no relink, nothing left behind."""
+    """Every shard stopped from just before its token engine starts, for 3.5 s: past the
+    engine's first tries at a link, 1 s each (a mesh starting on a loaded machine: a live shard
+    slow to get to its listener). The engine tries again instead of exiting, links the whole
+    group, and decodes through it with the single-process engine's tokens; no relink, nothing
+    left behind."""
     topology = Topology(str(tiny_model_path), num_shards=2, shard_link_timeout_s=1.0)
     spawn_model_peers = LocalMesh._spawn_model_peers
     stopped: list[int] = []
@@ -138,7 +139,7 @@ def test_a_token_engine_links_to_shards_that_answer_late_at_start(
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
         for pid in stopped:
-            threading.Timer(2.5, os.kill, (pid, signal.SIGCONT)).start()
+            threading.Timer(3.5, os.kill, (pid, signal.SIGCONT)).start()
         return spawn_model_peers(self, *args)
 
     monkeypatch.setattr(LocalMesh, "_spawn_model_peers", stop_the_shards_first)
