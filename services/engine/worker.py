@@ -74,6 +74,8 @@ class EngineWorker:
 
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
+        # First: a start that fails here (no shard answered in time) leaves no socket behind.
+        self.links = self._link_at_start(cfg.shards)
         self.ctx = zmq.Context()
         auth = cfg.curve_keys  # every socket: only the mesh's members get through (zmq_auth.py)
         cmd, self.command_endpoint = bind_random(self.ctx, zmq.PULL, cfg.host, auth=auth)
@@ -92,7 +94,6 @@ class EngineWorker:
         self.peers = PeerWatch()  # routers lost: their requests end here (peer_watch.py)
         self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch, auth=auth)
         self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress, auth=auth)
-        self.links = self._link_at_start(cfg.shards)
         # `kv_transfer: pull`: shards' KV is held here and pulled by them (kv_hold_server.py).
         pulls = cfg.kv_transfer == "pull" and cfg.role in (Role.PROMPT, Role.MIXED)
         self.kv_hold = KvHoldServer(KvHold(cfg.kv_hold_bytes), cfg.host, auth) if pulls else None
@@ -166,23 +167,34 @@ class EngineWorker:
     def _link_at_start(
         self, shards: list[ShardAddress]
     ) -> dict[str, UcxTensorChannel[ShardLinkMessage]]:
-        """A link to every shard of the group, each tried again until the start deadline (the
-        shard serves the newest hello it checks, so a late answer to an earlier try is harmless);
-        past it, ChannelClosed (another mesh's key, a shard gone)."""
+        """A link to every shard of the group; past the start deadline, ChannelClosed (a shard
+        that never answers: stopped, another mesh's key). A shard that is gone (its address
+        unreachable) or an address that is not one raises at once, as `connect` does."""
         deadline = time.monotonic() + SHARD_LINK_START_DEADLINE_S
         links: dict[str, UcxTensorChannel[ShardLinkMessage]] = {}
-        for shard in shards:
-            while shard.link_address not in links:
-                try:
-                    links[shard.link_address] = self._connect(shard)
-                except ChannelClosed as exc:
-                    if time.monotonic() >= deadline:
-                        for link in links.values():
-                            link.close()
-                        raise
-                    log.warning("shard did not answer the link yet; trying again",
-                                shard=shard.service_id, error=repr(exc))  # fmt: skip
+        try:
+            for shard in shards:
+                links[shard.link_address] = self._connect_by(shard, deadline)
+        except BaseException:
+            for link in links.values():
+                link.close()
+            raise
         return links
+
+    def _connect_by(
+        self, shard: ShardAddress, deadline: float
+    ) -> UcxTensorChannel[ShardLinkMessage]:
+        """`_connect`, tried again while it times out and `deadline` has not passed. A late
+        answer to an earlier try is harmless: the shard serves the newest hello that checks out
+        and drops one whose peer gave up."""
+        while True:
+            try:
+                return self._connect(shard)
+            except ChannelClosed as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("shard did not answer the link yet; trying again",
+                            shard=shard.service_id, error=repr(exc))  # fmt: skip
 
     def _send_kv(
         self, dest: ShardAddress, pages: KvPages, k: torch.Tensor, v: torch.Tensor
