@@ -1,7 +1,8 @@
 """The served path against the in-process engine, in one run: what the front end costs.
 
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
-                          [--paths inprocess neighbor client local mesh mesh_processes ceiling]
+                          [--paths inprocess neighbor client local mesh mesh_processes
+                                   mesh_processes_beside_served ceiling]
                           [--stream-interval 8] [--ingress direct proxy] [--ceiling-speedup 1 4]
                           [--neighbor-cores 0.1 0.2 0.3 0.5 0.7]
                           [--worker-niceness 0] [--modes stream plain]
@@ -25,6 +26,12 @@ tokens each, the same prompts on every path) to:
   plain OS processes without Ray (`services.launch.LocalMesh`, unpinned), plain requests through
   the Router's own `MeshEngineClient` in a process of its own: no Ray runtime, Serve or HTTP on
   the cores; `mesh_direct_plain_over_processes` is the served mesh's tok/s over it per batch;
+- `mesh_processes_beside_served`: the `mesh_processes` path again, run while the served `mesh`
+  (the first `--ingress`) is still up and idle, after its batches: Ray's runtime, Serve and the
+  idle replicas on the same cores, no request through them. Against `mesh_processes` it is what
+  their presence alone costs the mesh's processes (`mesh_processes_beside_served_over_alone`);
+  against the served `mesh`, what serving through them adds
+  (`mesh_direct_plain_over_beside_served`);
 - `ceiling`: the front end alone (`bench/null_engine.py`): the real Router and HTTP path over
   `NullEngineFake`, an engine of no compute that offers the in-process engine's tok/s at each
   batch (times each `--ceiling-speedup`), as `ceiling_<ingress>[_x<speedup>]`. Its ratio is the
@@ -77,6 +84,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +119,8 @@ from common.gc_heap import freeze_startup_heap  # noqa: E402
 from services.app_args import MeshArgs  # noqa: E402
 from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
-PATHS = ["inprocess", "neighbor", "client", "local", "mesh", "mesh_processes", "ceiling"]
+PATHS = ["inprocess", "neighbor", "client", "local", "mesh", "mesh_processes",
+         "mesh_processes_beside_served", "ceiling"]  # fmt: skip
 NEIGHBOR_CORES = [0.1, 0.2, 0.3, 0.5, 0.7]  # the others took 0.2 (plain) to 0.7 (streamed) here
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
 PROXY_TITLE = "ProxyActor"
@@ -127,9 +136,11 @@ def served(
     tokens: int,
     ingress: Ingress,
     modes: tuple[str, ...] = ("stream",),
+    while_up: Callable[[], None] | None = None,
 ) -> dict[str, dict[int, dict[str, float]]]:
     """Start `serve run <config>`, then run every batch through it with the `openai` client,
-    once per mode (`stream`, `plain`): {mode: {batch: figures}}."""
+    once per mode (`stream`, `plain`): {mode: {batch: figures}}. `while_up` runs after the
+    batches, the server still up and idle."""
     vocab = model_vocab(preset)
     with tempfile.TemporaryDirectory() as workdir:
         server = ServeRun(config, Path(workdir), args, ingress)
@@ -166,6 +177,8 @@ def served(
                 best["first_run_tok_s"] = runs[0]["tok_s"]
                 best["router_idle_cpu_ms_per_s"] = idle_ms_per_s
                 result.setdefault(mode, {})[batch] = best
+            if while_up is not None:
+                while_up()
             return result
         finally:
             tree = process_tree(server.pid) if server.pid else set()
@@ -280,13 +293,7 @@ def main() -> None:
                                    threads)  # fmt: skip
         record(results, "client", by_mode, engine_tok_s)
     if "mesh_processes" in args.paths:
-        # The token engine's replica gets OMP_WAIT_POLICY=passive (deploy/local.yaml); libgomp
-        # reads it once, at load: in the launched mesh, in its fork server, which a process
-        # started with it in its environment starts too.
-        by_mode = in_fresh_process(mesh_processes, args.preset, batches, tokens,
-                                   yaml_mesh_args() | args.mesh_args,
-                                   env={"OMP_WAIT_POLICY": "passive"})  # fmt: skip
-        record(results, "mesh_processes", by_mode, engine_tok_s)
+        record(results, "mesh_processes", run_mesh_processes(args, batches, tokens), engine_tok_s)
     results.update(serve_paths(args, app_args, engine_tok_s, batches, tokens, threads))
     results.update(mesh_over_processes(results))
     if "ceiling" in args.paths and engine_tok_s:
@@ -304,6 +311,18 @@ def main() -> None:
     results["targets"] = TARGETS
     judge(results, args)
     print(json.dumps(results))
+
+
+def run_mesh_processes(
+    args: argparse.Namespace, batches: list[int], tokens: int
+) -> dict[str, dict[int, dict[str, float]]]:
+    """The `mesh_processes` path, in a fresh process. The token engine's replica gets
+    OMP_WAIT_POLICY=passive (deploy/local.yaml); libgomp reads it once, at load: in the
+    launched mesh, in its fork server, which a process started with it in its environment
+    starts too."""
+    return in_fresh_process(mesh_processes, args.preset, batches, tokens,
+                            yaml_mesh_args() | args.mesh_args,
+                            env={"OMP_WAIT_POLICY": "passive"})  # fmt: skip
 
 
 def neighbor(
@@ -346,8 +365,16 @@ def serve_paths(
                 continue
             config_args = app_args | extra | {"stream_interval": interval}
             for ingress in args.ingress:
+                beside = None
+                if path == "mesh" and interval == 1 and ingress == args.ingress[0] and \
+                        "mesh_processes_beside_served" in args.paths:  # fmt: skip
+
+                    def beside() -> None:
+                        by_mode = run_mesh_processes(args, batches, tokens)
+                        record(results, "mesh_processes_beside_served", by_mode, engine_tok_s)
+
                 by_mode = served(REPO / "deploy" / config, config_args, args.preset, batches,
-                                 tokens, ingress, modes)  # fmt: skip
+                                 tokens, ingress, modes, while_up=beside)  # fmt: skip
                 record(results, f"{path}_{ingress}{suffix}", by_mode, engine_tok_s)
             if {"direct", "proxy"} <= set(args.ingress):  # side by side, same run
                 for mode_suffix in ("", "_plain") if interval == 1 else ("",):

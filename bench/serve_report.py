@@ -150,10 +150,19 @@ def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[
 
 
 def mesh_over_processes(results: dict[str, Any]) -> dict[str, Any]:
-    """The served mesh's tok/s over its processes' without Ray, per batch both ran (plain)."""
-    launched, served_mesh = results.get("mesh_processes_plain"), results.get("mesh_direct_plain")
-    if not launched or not served_mesh:
-        return {}
-    return {"mesh_direct_plain_over_processes": {
-        b: served_mesh[b]["tok_s"] / f["tok_s"] for b, f in launched.items() if b in served_mesh
-    }}  # fmt: skip
+    """Per batch both ran (plain): the served mesh's tok/s over its processes' without Ray
+    (`..._over_processes`), and over the same processes beside the idle served mesh
+    (`..._over_beside_served`); those over the processes alone (`..._beside_served_over_alone`)."""
+    pairs = {
+        "mesh_direct_plain_over_processes": ("mesh_direct_plain", "mesh_processes_plain"),
+        "mesh_direct_plain_over_beside_served": (
+            "mesh_direct_plain", "mesh_processes_beside_served_plain"),
+        "mesh_processes_beside_served_over_alone": (
+            "mesh_processes_beside_served_plain", "mesh_processes_plain"),
+    }  # fmt: skip
+    ratios = {}
+    for name, (top, bottom) in pairs.items():
+        over, under = results.get(top), results.get(bottom)
+        if over and under:
+            ratios[name] = {b: over[b]["tok_s"] / f["tok_s"] for b, f in under.items() if b in over}
+    return ratios

@@ -67,3 +67,22 @@ def test_a_fresh_process_gets_the_environment_asked_and_this_one_keeps_its_own(
     assert serve_engine.in_fresh_process(os.getenv, probe, env={probe: "passive"}) == "passive"
     assert "PHASEMESH_BENCH_PROBE" not in os.environ
     assert serve_engine.in_fresh_process(os.getenv, "PHASEMESH_BENCH_PROBE") is None
+
+
+def test_the_mesh_is_compared_with_its_processes_alone_and_beside_the_idle_served_mesh() -> None:
+    """`mesh_over_processes`: the served mesh over its processes without Ray and over the same
+    processes beside the idle served mesh, and those over the processes alone, per batch that
+    both sides ran; a side that did not run gives no ratio."""
+    from bench.serve_report import mesh_over_processes
+
+    results = {
+        "mesh_direct_plain": {8: {"tok_s": 60.0}, 32: {"tok_s": 80.0}},
+        "mesh_processes_plain": {32: {"tok_s": 100.0}},
+        "mesh_processes_beside_served_plain": {32: {"tok_s": 85.0}},
+    }
+    ratios = mesh_over_processes(results)
+    assert ratios["mesh_direct_plain_over_processes"] == {32: pytest.approx(0.8)}
+    assert ratios["mesh_direct_plain_over_beside_served"] == {32: pytest.approx(80 / 85)}
+    assert ratios["mesh_processes_beside_served_over_alone"] == {32: pytest.approx(0.85)}
+    del results["mesh_processes_beside_served_plain"]
+    assert set(mesh_over_processes(results)) == {"mesh_direct_plain_over_processes"}
