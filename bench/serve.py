@@ -250,6 +250,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mesh-args", type=json.loads, default={},
                         help="JSON: deploy/local.yaml's mesh args to change")  # fmt: skip
     args = parser.parse_args()
+    if "mesh_processes_beside_served" in args.paths and "mesh" not in args.paths:
+        parser.error("--paths mesh_processes_beside_served runs beside the served mesh: add mesh")
     try:  # here, not after minutes of benching and a server that never comes up
         if not isinstance(args.mesh_args, dict):
             raise ValueError("a JSON object of mesh args")

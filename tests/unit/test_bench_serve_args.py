@@ -86,3 +86,15 @@ def test_the_mesh_is_compared_with_its_processes_alone_and_beside_the_idle_serve
     assert ratios["mesh_processes_beside_served_over_alone"] == {32: pytest.approx(0.85)}
     del results["mesh_processes_beside_served_plain"]
     assert set(mesh_over_processes(results)) == {"mesh_direct_plain_over_processes"}
+
+
+def test_the_processes_beside_the_served_mesh_need_the_served_mesh(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`mesh_processes_beside_served` runs while the served mesh is up: without `mesh` in the
+    paths it would silently not run, so it is refused before anything starts."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(monkeypatch, "--paths", "inprocess", "mesh_processes_beside_served")
+    assert exit_info.value.code == 2
+    assert "add mesh" in capsys.readouterr().err
+    parse(monkeypatch, "--paths", "mesh", "mesh_processes_beside_served")  # accepted
