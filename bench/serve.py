@@ -1,8 +1,8 @@
 """The served path against the in-process engine, in one run: what the front end costs.
 
     python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
-                          [--paths inprocess neighbor client local mesh mesh_processes
-                                   mesh_processes_beside_served ceiling]
+                          [--paths inprocess neighbor client local engine_beside_served mesh
+                                   mesh_processes mesh_processes_beside_served ceiling]
                           [--stream-interval 8] [--ingress direct proxy] [--ceiling-speedup 1 4]
                           [--neighbor-cores 0.1 0.2 0.3 0.5 0.7]
                           [--worker-niceness 0] [--modes stream plain]
@@ -19,6 +19,10 @@ tokens each, the same prompts on every path) to:
   served paths that add uvicorn, the Router and Ray's runtime on the same cores;
 - `local`: `serve run deploy/single.yaml` (`topology: local`: the engine inside the Router
   replica), over HTTP with the official `openai` streaming client;
+- `engine_beside_served`: the `inprocess` engine again, run while the served `local` (the first
+  `--ingress`) is still up and idle, after its batches: its `ratio` is what Ray's runtime and the
+  idle replica beside it cost an engine that serves nothing through them, and
+  `local_<ingress>[_plain]_over_engine_beside_served` what serving through them adds;
 - `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards),
   over HTTP the same way; `--mesh-args` (JSON) changes its `mesh:` args, e.g. to compare a
   setting against the file's in two runs;
@@ -110,17 +114,19 @@ from bench.serve_report import (  # noqa: E402
     TARGETS,
     engine_efficiency,
     judge,
-    mesh_over_processes,
     neighbor_bounds,
     rate_ratios,
     record,
+    served_over_baselines,
 )
 from common.gc_heap import freeze_startup_heap  # noqa: E402
 from services.app_args import MeshArgs  # noqa: E402
 from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
-PATHS = ["inprocess", "neighbor", "client", "local", "mesh", "mesh_processes",
-         "mesh_processes_beside_served", "ceiling"]  # fmt: skip
+PATHS = ["inprocess", "neighbor", "client", "local", "engine_beside_served", "mesh",
+         "mesh_processes", "mesh_processes_beside_served", "ceiling"]  # fmt: skip
+# A path run while a served one is up and idle, and the served path it needs.
+BESIDE_SERVED = {"engine_beside_served": "local", "mesh_processes_beside_served": "mesh"}
 NEIGHBOR_CORES = [0.1, 0.2, 0.3, 0.5, 0.7]  # the others took 0.2 (plain) to 0.7 (streamed) here
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
 PROXY_TITLE = "ProxyActor"
@@ -250,8 +256,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mesh-args", type=json.loads, default={},
                         help="JSON: deploy/local.yaml's mesh args to change")  # fmt: skip
     args = parser.parse_args()
-    if "mesh_processes_beside_served" in args.paths and "mesh" not in args.paths:
-        parser.error("--paths mesh_processes_beside_served runs beside the served mesh: add mesh")
+    for path, served_path in BESIDE_SERVED.items():
+        if path in args.paths and served_path not in args.paths:
+            parser.error(f"--paths {path} runs beside the served {served_path}: add {served_path}")
     try:  # here, not after minutes of benching and a server that never comes up
         if not isinstance(args.mesh_args, dict):
             raise ValueError("a JSON object of mesh args")
@@ -297,7 +304,7 @@ def main() -> None:
     if "mesh_processes" in args.paths:
         record(results, "mesh_processes", run_mesh_processes(args, batches, tokens), engine_tok_s)
     results.update(serve_paths(args, app_args, engine_tok_s, batches, tokens, threads))
-    results.update(mesh_over_processes(results))
+    results.update(served_over_baselines(results))
     if "ceiling" in args.paths and engine_tok_s:
         results.update(ceiling(args, engine_tok_s, batches, tokens))
     if engine_tok_s:  # again: a shared machine's load moves while the servers run
@@ -325,6 +332,38 @@ def run_mesh_processes(
     return in_fresh_process(mesh_processes, args.preset, batches, tokens,
                             yaml_mesh_args() | args.mesh_args,
                             env={"OMP_WAIT_POLICY": "passive"})  # fmt: skip
+
+
+def beside_served(
+    args: argparse.Namespace,
+    served_path: str,
+    results: dict[str, Any],
+    engine_tok_s: dict[int, float],
+    batches: list[int],
+    tokens: int,
+) -> Callable[[], None] | None:
+    """What to run while `served_path` is up and idle (`BESIDE_SERVED`), recording into
+    `results`; None when no such path was asked for."""
+    if served_path == "local" and "engine_beside_served" in args.paths:
+
+        def engine() -> None:
+            figures = in_process(args.preset, batches, tokens)
+            for batch, f in figures.items():
+                if batch in engine_tok_s:
+                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+            results["engine_beside_served"] = figures
+            print("  engine beside the idle served local: " + ", ".join(
+                f"batch {b} tok_s {f['tok_s']:.3g}" for b, f in figures.items()))  # fmt: skip
+
+        return engine
+    if served_path == "mesh" and "mesh_processes_beside_served" in args.paths:
+
+        def processes() -> None:
+            by_mode = run_mesh_processes(args, batches, tokens)
+            record(results, "mesh_processes_beside_served", by_mode, engine_tok_s)
+
+        return processes
+    return None
 
 
 def neighbor(
@@ -368,13 +407,8 @@ def serve_paths(
             config_args = app_args | extra | {"stream_interval": interval}
             for ingress in args.ingress:
                 beside = None
-                if path == "mesh" and interval == 1 and ingress == args.ingress[0] and \
-                        "mesh_processes_beside_served" in args.paths:  # fmt: skip
-
-                    def beside() -> None:
-                        by_mode = run_mesh_processes(args, batches, tokens)
-                        record(results, "mesh_processes_beside_served", by_mode, engine_tok_s)
-
+                if interval == 1 and ingress == args.ingress[0]:
+                    beside = beside_served(args, path, results, engine_tok_s, batches, tokens)
                 by_mode = served(REPO / "deploy" / config, config_args, args.preset, batches,
                                  tokens, ingress, modes, while_up=beside)  # fmt: skip
                 record(results, f"{path}_{ingress}{suffix}", by_mode, engine_tok_s)

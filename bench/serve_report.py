@@ -149,10 +149,12 @@ def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[
     }
 
 
-def mesh_over_processes(results: dict[str, Any]) -> dict[str, Any]:
+def served_over_baselines(results: dict[str, Any]) -> dict[str, Any]:
     """Per batch both ran (plain): the served mesh's tok/s over its processes' without Ray
     (`..._over_processes`), and over the same processes beside the idle served mesh
-    (`..._over_beside_served`); those over the processes alone (`..._beside_served_over_alone`)."""
+    (`..._over_beside_served`); those over the processes alone (`..._beside_served_over_alone`);
+    and the served local engine's over the in-process engine beside the idle served local
+    (`local_<ingress>[_plain]_over_engine_beside_served`), per mode."""
     pairs = {
         "mesh_direct_plain_over_processes": ("mesh_direct_plain", "mesh_processes_plain"),
         "mesh_direct_plain_over_beside_served": (
@@ -160,6 +162,8 @@ def mesh_over_processes(results: dict[str, Any]) -> dict[str, Any]:
         "mesh_processes_beside_served_over_alone": (
             "mesh_processes_beside_served_plain", "mesh_processes_plain"),
     }  # fmt: skip
+    for key in ("local_direct", "local_direct_plain", "local_proxy", "local_proxy_plain"):
+        pairs[f"{key}_over_engine_beside_served"] = (key, "engine_beside_served")
     ratios = {}
     for name, (top, bottom) in pairs.items():
         over, under = results.get(top), results.get(bottom)

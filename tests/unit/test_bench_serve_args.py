@@ -70,22 +70,38 @@ def test_a_fresh_process_gets_the_environment_asked_and_this_one_keeps_its_own(
 
 
 def test_the_mesh_is_compared_with_its_processes_alone_and_beside_the_idle_served_mesh() -> None:
-    """`mesh_over_processes`: the served mesh over its processes without Ray and over the same
+    """`served_over_baselines`: the served mesh over its processes without Ray and over the same
     processes beside the idle served mesh, and those over the processes alone, per batch that
     both sides ran; a side that did not run gives no ratio."""
-    from bench.serve_report import mesh_over_processes
+    from bench.serve_report import served_over_baselines
 
     results = {
         "mesh_direct_plain": {8: {"tok_s": 60.0}, 32: {"tok_s": 80.0}},
         "mesh_processes_plain": {32: {"tok_s": 100.0}},
         "mesh_processes_beside_served_plain": {32: {"tok_s": 85.0}},
     }
-    ratios = mesh_over_processes(results)
+    ratios = served_over_baselines(results)
     assert ratios["mesh_direct_plain_over_processes"] == {32: pytest.approx(0.8)}
     assert ratios["mesh_direct_plain_over_beside_served"] == {32: pytest.approx(80 / 85)}
     assert ratios["mesh_processes_beside_served_over_alone"] == {32: pytest.approx(0.85)}
     del results["mesh_processes_beside_served_plain"]
-    assert set(mesh_over_processes(results)) == {"mesh_direct_plain_over_processes"}
+    assert set(served_over_baselines(results)) == {"mesh_direct_plain_over_processes"}
+
+
+def test_the_local_engine_is_compared_with_the_engine_beside_the_idle_served_local() -> None:
+    """Each mode of the served `local` over the in-process engine run beside it while it idled."""
+    from bench.serve_report import served_over_baselines
+
+    results = {
+        "local_direct": {8: {"tok_s": 70.0}},
+        "local_direct_plain": {8: {"tok_s": 80.0}},
+        "engine_beside_served": {8: {"tok_s": 100.0}, 32: {"tok_s": 200.0}},
+    }
+    ratios = served_over_baselines(results)
+    assert ratios == {
+        "local_direct_over_engine_beside_served": {8: pytest.approx(0.7)},
+        "local_direct_plain_over_engine_beside_served": {8: pytest.approx(0.8)},
+    }
 
 
 def test_the_processes_beside_the_served_mesh_need_the_served_mesh(
@@ -98,3 +114,7 @@ def test_the_processes_beside_the_served_mesh_need_the_served_mesh(
     assert exit_info.value.code == 2
     assert "add mesh" in capsys.readouterr().err
     parse(monkeypatch, "--paths", "mesh", "mesh_processes_beside_served")  # accepted
+    with pytest.raises(SystemExit):
+        parse(monkeypatch, "--paths", "inprocess", "mesh", "engine_beside_served")
+    assert "add local" in capsys.readouterr().err
+    parse(monkeypatch, "--paths", "inprocess", "local", "engine_beside_served")
