@@ -106,11 +106,11 @@ from bench.serve_engine import (  # noqa: E402
     engine_client,
     in_fresh_process,
     in_process,
-    mesh_processes,
+    mesh_processes_apart,
     model_vocab,
+    neighbor,
 )
 from bench.serve_report import (  # noqa: E402
-    BESIDE,
     TARGETS,
     engine_efficiency,
     judge,
@@ -222,13 +222,18 @@ def yaml_mesh_args() -> dict[str, Any]:
     return dict(config["applications"][0]["args"]["mesh"])
 
 
+def mesh_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The mesh args of this run: deploy/local.yaml's, changed by `--mesh-args`."""
+    return yaml_mesh_args() | args.mesh_args
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 64 tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--paths", nargs="+", default=PATHS)
+    parser.add_argument("--paths", nargs="+", default=PATHS, choices=PATHS)
     parser.add_argument(
         "--ceiling-speedup",
         type=float,
@@ -262,7 +267,7 @@ def parse_args() -> argparse.Namespace:
     try:  # here, not after minutes of benching and a server that never comes up
         if not isinstance(args.mesh_args, dict):
             raise ValueError("a JSON object of mesh args")
-        MeshArgs.model_validate(yaml_mesh_args() | args.mesh_args)
+        MeshArgs.model_validate(mesh_args(args))
     except ValueError as exc:  # pydantic's ValidationError is one
         parser.error(f"--mesh-args: {exc}")
     return args
@@ -293,7 +298,7 @@ def main() -> None:
     results["inprocess"] = engine
     engine_tok_s = results["inprocess_tok_s"] = {b: f["tok_s"] for b, f in engine.items()}
     if "neighbor" in args.paths and engine_tok_s:
-        results.update(neighbor(args, batches, tokens, engine_tok_s))
+        results.update(neighbor(args.preset, batches, tokens, engine_tok_s, args.neighbor_cores))
     if "client" in args.paths:
         # In a fresh process, as in a replica: this one's main thread has run the in-process
         # engine, and a second OpenMP team would slow the client's engine thread (its class's
@@ -302,7 +307,8 @@ def main() -> None:
                                    threads)  # fmt: skip
         record(results, "client", by_mode, engine_tok_s)
     if "mesh_processes" in args.paths:
-        record(results, "mesh_processes", run_mesh_processes(args, batches, tokens), engine_tok_s)
+        by_mode = mesh_processes_apart(args.preset, batches, tokens, mesh_args(args))
+        record(results, "mesh_processes", by_mode, engine_tok_s)
     results.update(serve_paths(args, app_args, engine_tok_s, batches, tokens, threads))
     results.update(served_over_baselines(results))
     if "ceiling" in args.paths and engine_tok_s:
@@ -322,18 +328,6 @@ def main() -> None:
     print(json.dumps(results))
 
 
-def run_mesh_processes(
-    args: argparse.Namespace, batches: list[int], tokens: int
-) -> dict[str, dict[int, dict[str, float]]]:
-    """The `mesh_processes` path, in a fresh process. The token engine's replica gets
-    OMP_WAIT_POLICY=passive (deploy/local.yaml); libgomp reads it once, at load: in the
-    launched mesh, in its fork server, which a process started with it in its environment
-    starts too."""
-    return in_fresh_process(mesh_processes, args.preset, batches, tokens,
-                            yaml_mesh_args() | args.mesh_args,
-                            env={"OMP_WAIT_POLICY": "passive"})  # fmt: skip
-
-
 def beside_served(
     args: argparse.Namespace,
     served_path: str,
@@ -342,45 +336,26 @@ def beside_served(
     batches: list[int],
     tokens: int,
 ) -> Callable[[], None] | None:
-    """What to run while `served_path` is up and idle (`BESIDE_SERVED`), recording into
-    `results`; None when no such path was asked for."""
-    if served_path == "local" and "engine_beside_served" in args.paths:
+    """The path of `BESIDE_SERVED` to run while `served_path` is up and idle, as a call that
+    records into `results` (its ratios come with every other's, `rate_ratios`); None when none
+    was asked for."""
+    path = next((p for p, s in BESIDE_SERVED.items() if s == served_path and p in args.paths), None)
+    if path == "engine_beside_served":
 
         def engine() -> None:
-            figures = in_process(args.preset, batches, tokens)
-            for batch, f in figures.items():
-                if batch in engine_tok_s:
-                    f["ratio"] = f["tok_s"] / engine_tok_s[batch]
-            results["engine_beside_served"] = figures
-            print("  engine beside the idle served local: " + ", ".join(
-                f"batch {b} tok_s {f['tok_s']:.3g}" for b, f in figures.items()))  # fmt: skip
+            figures = results[path] = in_process(args.preset, batches, tokens)
+            print(f"  {path}: " + ", ".join(f"batch {b} tok_s {f['tok_s']:.3g}"
+                                            for b, f in figures.items()))  # fmt: skip
 
         return engine
-    if served_path == "mesh" and "mesh_processes_beside_served" in args.paths:
+    if path == "mesh_processes_beside_served":
 
         def processes() -> None:
-            by_mode = run_mesh_processes(args, batches, tokens)
-            record(results, "mesh_processes_beside_served", by_mode, engine_tok_s)
+            by_mode = mesh_processes_apart(args.preset, batches, tokens, mesh_args(args))
+            record(results, path, by_mode, engine_tok_s)
 
         return processes
     return None
-
-
-def neighbor(
-    args: argparse.Namespace, batches: list[int], tokens: int, engine_tok_s: dict[int, float]
-) -> dict[str, Any]:
-    """The in-process engine beside each `--neighbor-cores` of synthetic load, with its ratio."""
-    results: dict[str, Any] = {}
-    for cores in args.neighbor_cores:
-        beside = in_process(args.preset, batches, tokens, load_cores=cores)
-        for batch, figures in beside.items():
-            figures["ratio"] = figures["tok_s"] / engine_tok_s[batch]
-        results[f"{BESIDE}{cores:g}"] = beside
-        print(
-            f"  in-process beside {cores:g} cores of load: "
-            + ", ".join(f"batch {b} ratio {f['ratio']:.3g}" for b, f in beside.items())
-        )
-    return results
 
 
 def serve_paths(
@@ -400,7 +375,7 @@ def serve_paths(
         modes = tuple(args.modes) if interval == 1 else ("stream",)
         for path, config, extra in (
             ("local", "single.yaml", {"engine": ENGINE_ARGS | {"num_threads": threads}}),
-            ("mesh", "local.yaml", {"mesh": yaml_mesh_args() | args.mesh_args}),
+            ("mesh", "local.yaml", {"mesh": mesh_args(args)}),
         ):
             if path not in args.paths:
                 continue

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from bench.cpu_load import BurstLoad
 from bench.serve_clients import prompts_for, threads_cpu_and_preemptions
+from bench.serve_report import BESIDE
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
 from common.sampling import SamplingParams
@@ -39,6 +40,28 @@ def in_process(
     engine.generate(prompts_for(2, vocab, seed=99), params)  # warm-up
     with BurstLoad(load_cores) if load_cores else contextlib.nullcontext():
         return _batches(engine, vocab, params, batches, tokens)
+
+
+def neighbor(
+    preset: str,
+    batches: list[int],
+    tokens: int,
+    engine_tok_s: dict[int, float],
+    neighbor_cores: list[float],
+) -> dict[str, Any]:
+    """The `neighbor` path: the in-process engine beside each of `neighbor_cores` cores of
+    synthetic load, with its ratio to `engine_tok_s`, as `inprocess_beside_<cores>`."""
+    results: dict[str, Any] = {}
+    for cores in neighbor_cores:
+        beside = in_process(preset, batches, tokens, load_cores=cores)
+        for batch, figures in beside.items():
+            figures["ratio"] = figures["tok_s"] / engine_tok_s[batch]
+        results[f"{BESIDE}{cores:g}"] = beside
+        print(
+            f"  in-process beside {cores:g} cores of load: "
+            + ", ".join(f"batch {b} ratio {f['ratio']:.3g}" for b, f in beside.items())
+        )
+    return results
 
 
 def _batches(
@@ -97,6 +120,15 @@ def engine_client(
     finally:
         client.shutdown()
     return result
+
+
+def mesh_processes_apart(
+    preset: str, batches: list[int], tokens: int, mesh: dict[str, Any]
+) -> dict[str, dict[int, dict[str, float]]]:
+    """`mesh_processes` in a fresh process whose environment has `OMP_WAIT_POLICY=passive`, as
+    its docstring asks."""
+    return in_fresh_process(mesh_processes, preset, batches, tokens, mesh,
+                            env={"OMP_WAIT_POLICY": "passive"})  # fmt: skip
 
 
 def mesh_processes(

@@ -118,3 +118,31 @@ def test_the_processes_beside_the_served_mesh_need_the_served_mesh(
         parse(monkeypatch, "--paths", "inprocess", "mesh", "engine_beside_served")
     assert "add local" in capsys.readouterr().err
     parse(monkeypatch, "--paths", "inprocess", "local", "engine_beside_served")
+
+
+def test_a_path_the_bench_does_not_have_is_refused_before_anything_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A misspelt path would otherwise run nothing for it and say nothing."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(monkeypatch, "--paths", "inprocess", "mesh_procesess")
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'mesh_procesess'" in capsys.readouterr().err
+
+
+def test_each_served_path_gets_the_path_asked_to_run_beside_it_and_no_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`beside_served`: the path of `BESIDE_SERVED` that needs the served path, when asked for."""
+    monkeypatch.setattr("sys.argv", ["serve.py", "--paths", "inprocess", "local", "mesh",
+                                     "engine_beside_served"])  # fmt: skip
+    args = serve.parse_args()
+    ran: list[tuple] = []
+    monkeypatch.setattr(serve, "in_process", lambda *a: ran.append(a) or {8: {"tok_s": 5.0}})
+    results: dict = {}
+    assert serve.beside_served(args, "mesh", results, {8: 10.0}, [8], 16) is None
+    run = serve.beside_served(args, "local", results, {8: 10.0}, [8], 16)
+    assert run is not None and not ran  # nothing runs until the served path calls it
+    run()
+    assert ran == [(args.preset, [8], 16)]
+    assert results == {"engine_beside_served": {8: {"tok_s": 5.0}}}
