@@ -3,11 +3,14 @@
 `CompletionShapes` and `ChatShapes` hold what a request's bodies share (id, model, which
 logprobs it asked for) and build the response from every choice's `Collected` output, or the
 chunks from the choices' merged stream (each chunk names its choice's `index`). Usage counts the
-prompt once and sums the completion tokens of the choices returned.
+prompt once and sums the completion tokens of the choices returned. A stream's chunks share one
+`created` (as OpenAI's do); those with text only (no logprobs) are written from a `ChunkTemplate`
+instead of a model each.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
@@ -16,6 +19,7 @@ from pydantic import BaseModel
 from common.engine.request import RequestOutput
 from common.protocol import TokenLogprobs
 from services.router.choices import Collected
+from services.router.chunk_json import ChunkTemplate
 from services.router.logprobs_format import ChatLogprobs, CompletionLogprobs, LogprobsFormatter
 from services.router.openai_api import (
     AssistantMessage,
@@ -32,6 +36,8 @@ from services.router.openai_api import (
 )
 
 Merged = AsyncGenerator[tuple[int, RequestOutput], None]
+# A chunk: its model, or (text only) its JSON already written.
+Chunks = AsyncGenerator[BaseModel | bytes, None]
 
 
 def usage(num_prompt_tokens: int, lasts: list[RequestOutput]) -> UsageInfo:
@@ -54,6 +60,19 @@ class CompletionShapes:
         self.num_top = request.logprobs  # None: no logprobs in the response
         self.include_usage = request.include_usage
         self.prompt_ids, self.echo = prompt_ids, echo
+        self.created = int(time.time())
+        self.template = ChunkTemplate(self._text_chunk)
+
+    def _text_chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+        return self._chunk([choice])
+
+    def _chunk(
+        self, choices: list[CompletionChoice], usage: UsageInfo | None = None
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.req_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
 
     def response(self, collected: list[Collected]) -> CompletionResponse:
         choices = [
@@ -85,7 +104,7 @@ class CompletionShapes:
             lps = [None, *prompt_logprobs, *lps]
         return self.formatter.completion(ids, lps, self.num_top, text_offset)
 
-    async def chunks(self, merged: Merged) -> AsyncGenerator[BaseModel, None]:
+    async def chunks(self, merged: Merged) -> Chunks:
         lasts: dict[int, RequestOutput] = {}
         offsets: dict[int, int] = {}  # per choice: where its next token's text starts
         async with aclosing(merged):
@@ -96,18 +115,14 @@ class CompletionShapes:
                 logprobs = self._logprobs(out.new_token_ids, out.logprobs,
                                           out.prompt_logprobs if first else None,
                                           offsets.get(index, 0))  # fmt: skip
-                if logprobs is not None:
-                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs.tokens))
-                choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                          finish_reason=out.finish_reason)  # fmt: skip
-                yield CompletionResponse(id=self.req_id, model=self.model, choices=[choice])
+                if logprobs is None:
+                    yield self.template.encode(index, text, out.finish_reason)
+                    continue
+                offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs.tokens))
+                yield self._chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                    finish_reason=out.finish_reason)])  # fmt: skip
         if self.include_usage and lasts:
-            yield CompletionResponse(
-                id=self.req_id,
-                model=self.model,
-                choices=[],
-                usage=usage(len(self.prompt_ids), list(lasts.values())),
-            )
+            yield self._chunk([], usage=usage(len(self.prompt_ids), list(lasts.values())))
 
 
 class ChatShapes:
@@ -126,6 +141,13 @@ class ChatShapes:
         self.include_usage = request.include_usage
         self.n = request.n
         self.num_prompt_tokens = num_prompt_tokens
+        self.created = int(time.time())
+        self.template = ChunkTemplate(self._text_chunk)
+
+    def _text_chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
+        return self._chunk(ChatChunkChoice(
+            index=index, delta=DeltaMessage(content=text), finish_reason=finish_reason
+        ))  # fmt: skip
 
     def _logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs]) -> ChatLogprobs | None:
         if self.num_top is None:
@@ -146,10 +168,15 @@ class ChatShapes:
             usage=usage(self.num_prompt_tokens, [c.last for c in collected]),
         )  # fmt: skip
 
-    def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.req_id, model=self.model, choices=[choice])
+    def _chunk(
+        self, *choices: ChatChunkChoice, usage: UsageInfo | None = None
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.req_id, created=self.created, model=self.model, choices=list(choices),
+            usage=usage,
+        )  # fmt: skip
 
-    async def chunks(self, merged: Merged) -> AsyncGenerator[BaseModel, None]:
+    async def chunks(self, merged: Merged) -> Chunks:
         for index in range(self.n):
             yield self._chunk(
                 ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
@@ -158,15 +185,13 @@ class ChatShapes:
         async with aclosing(merged):
             async for index, out in merged:
                 lasts[index] = out
+                logprobs = self._logprobs(out.new_token_ids, out.logprobs)
+                if logprobs is None:
+                    yield self.template.encode(index, out.new_text, out.finish_reason)
+                    continue
                 yield self._chunk(ChatChunkChoice(
-                    index=index, delta=DeltaMessage(content=out.new_text),
-                    logprobs=self._logprobs(out.new_token_ids, out.logprobs),
+                    index=index, delta=DeltaMessage(content=out.new_text), logprobs=logprobs,
                     finish_reason=out.finish_reason,
                 ))  # fmt: skip
         if self.include_usage and lasts:
-            yield ChatCompletionChunk(
-                id=self.req_id,
-                model=self.model,
-                choices=[],
-                usage=usage(self.num_prompt_tokens, list(lasts.values())),
-            )
+            yield self._chunk(usage=usage(self.num_prompt_tokens, list(lasts.values())))

@@ -37,7 +37,7 @@ class _SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its event generator, so a client that goes away
     aborts its request at once (Starlette leaves the iterator to the garbage collector)."""
 
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
@@ -49,17 +49,19 @@ class _SSEResponse(StreamingResponse):
             await self._events.aclose()
 
 
-def sse_response(events: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
+def sse_response(events: AsyncGenerator[BaseModel | bytes, None]) -> StreamingResponse:
+    """Events are models, or their JSON already written (responses.ChunkTemplate)."""
     return _SSEResponse(_sse(events))
 
 
-async def _sse(events: AsyncGenerator[BaseModel, None]) -> AsyncGenerator[str, None]:
+async def _sse(events: AsyncGenerator[BaseModel | bytes, None]) -> AsyncGenerator[bytes, None]:
     """`data: <json>` per event, an in-band error if generation fails, then `data: [DONE]`."""
     try:
         async with aclosing(events):
             async for event in events:
-                yield f"data: {event.model_dump_json()}\n\n"
+                body = event if isinstance(event, bytes) else event.model_dump_json().encode()
+                yield b"data: " + body + b"\n\n"
     except Exception as exc:  # after the first byte the status is sent: report in-band
         log.exception("stream failed")
-        yield f"data: {json.dumps(error_body(500, f'generation failed: {exc}'))}\n\n"
-    yield "data: [DONE]\n\n"
+        yield f"data: {json.dumps(error_body(500, f'generation failed: {exc}'))}\n\n".encode()
+    yield b"data: [DONE]\n\n"
