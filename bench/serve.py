@@ -60,9 +60,10 @@ token that reached the router together) p50/p90, and the Router replica process'
 user+system time before and after each batch, less the threads of a local engine: the engine's is
 `engine_cpu_ms_per_token`, with `engine_preemptions_per_s`: how often its threads were preempted)
 per streamed token and per request (and its CPU with no request in flight, per second, which those
-include), what everything but the engine's threads took meanwhile, in cores (`others_cores`: the
-client, Ray, the Router's own threads, its front end included; `client_cores`: the client's
-share, this process's) and, with the `neighbor` path,
+include, beside `server_idle_box_cores`: the whole machine's busy cores meanwhile), what
+everything but the engine's threads took meanwhile, in cores (`others_cores`: the client, Ray,
+the Router's own threads, its front end included; `client_cores`: the client's share, this
+process's) and, with the `neighbor` path,
 `ratio_bound`: the in-process engine's ratio beside that much synthetic load (interpolated), what
 the served engine would reach if the others' CPU were all it cost (what is left below it: the
 replica's own process, its GIL and caches, beside the engine; `bound_local_ratio_reachable[_plain]`
@@ -98,7 +99,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
 
-from bench.host_cpu import process_cpu_s, process_tree, stop_survivors  # noqa: E402
+from bench.host_cpu import box_busy_s, process_cpu_s, process_tree, stop_survivors  # noqa: E402
 from bench.serve_clients import ServedCpu, prompts_for, ray_pid, served_batch  # noqa: E402
 from bench.serve_engine import (  # noqa: E402
     ENGINE_ARGS,
@@ -163,9 +164,12 @@ def served(
             asyncio.run(served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens))
             # What the Router process burns with no request (Ray's threads, health checks): part
             # of every figure below, most of it at batch 1, where a batch is long and light.
-            idle_before = process_cpu_s(pid)
+            idle_before, box_before = process_cpu_s(pid), box_busy_s()
             time.sleep(IDLE_S)
             idle_ms_per_s = 1e3 * (process_cpu_s(pid) - idle_before) / IDLE_S
+            # And the whole machine meanwhile: Ray's runtime and the idle replicas, what every
+            # served path shares its cores with (docs/mesh.md: its presence, not its share).
+            idle_box_cores = (box_busy_s() - box_before) / IDLE_S
             cpu = ServedCpu(pid, proxy, ENGINE_THREAD)
             result: dict[str, dict[int, dict[str, float]]] = {}
             for mode, batch in ((m, b) for m in modes for b in batches):
@@ -182,6 +186,7 @@ def served(
                 # among others): reported, not compared.
                 best["first_run_tok_s"] = runs[0]["tok_s"]
                 best["router_idle_cpu_ms_per_s"] = idle_ms_per_s
+                best["server_idle_box_cores"] = idle_box_cores
                 result.setdefault(mode, {})[batch] = best
             if while_up is not None:
                 while_up()

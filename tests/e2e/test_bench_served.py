@@ -95,5 +95,7 @@ def test_a_served_path_records_its_batches_and_then_runs_its_side_path_once(
                            ("stream", "plain"), while_up=side_path)  # fmt: skip
     assert set(by_mode) == {"stream", "plain"}
     assert all(by_mode[mode][1]["tok_s"] > 0 for mode in by_mode)
+    # The idle server's whole machine: Ray's runtime is never fully asleep (nor more than the box).
+    assert all(0 < by_mode[mode][1]["server_idle_box_cores"] <= os.cpu_count() for mode in by_mode)
     assert len(calls) == 1
     assert wait_gone(calls[0]) == set()
