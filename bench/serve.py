@@ -83,12 +83,10 @@ requests and, as `..._plain`, for plain ones. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -99,16 +97,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
 
-from bench.host_cpu import box_busy_s, process_cpu_s, process_tree, stop_survivors  # noqa: E402
-from bench.serve_clients import ServedCpu, prompts_for, ray_pid, served_batch  # noqa: E402
 from bench.serve_engine import (  # noqa: E402
     ENGINE_ARGS,
-    REPEATS,
     engine_client,
     in_fresh_process,
     in_process,
     mesh_processes_apart,
-    model_vocab,
     neighbor,
 )
 from bench.serve_report import (  # noqa: E402
@@ -120,81 +114,15 @@ from bench.serve_report import (  # noqa: E402
     record,
     served_over_baselines,
 )
+from bench.serve_server import served  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
 from services.app_args import MeshArgs  # noqa: E402
-from tests.e2e.serve_process import Ingress, ServeRun  # noqa: E402
 
 PATHS = ["inprocess", "neighbor", "client", "local", "engine_beside_served", "mesh",
          "mesh_processes", "mesh_processes_beside_served", "ceiling"]  # fmt: skip
 # A path run while a served one is up and idle, and the served path it needs.
 BESIDE_SERVED = {"engine_beside_served": "local", "mesh_processes_beside_served": "mesh"}
 NEIGHBOR_CORES = [0.1, 0.2, 0.3, 0.5, 0.7]  # the others took 0.2 (plain) to 0.7 (streamed) here
-ROUTER_TITLE = "ServeReplica:phasemesh:Router"
-PROXY_TITLE = "ProxyActor"
-IDLE_S = 3.0  # how long the Router's CPU is sampled with no request in flight
-ENGINE_THREAD = "engine-loop"  # the OS name of the local engine's thread and its torch threads
-
-
-def served(
-    config: Path,
-    args: dict,
-    preset: str,
-    batches: list[int],
-    tokens: int,
-    ingress: Ingress,
-    modes: tuple[str, ...] = ("stream",),
-    while_up: Callable[[], None] | None = None,
-) -> dict[str, dict[int, dict[str, float]]]:
-    """Start `serve run <config>`, then run every batch through it with the `openai` client,
-    once per mode (`stream`, `plain`): {mode: {batch: figures}}. `while_up` runs after the
-    batches, the server still up and idle."""
-    vocab = model_vocab(preset)
-    with tempfile.TemporaryDirectory() as workdir:
-        server = ServeRun(config, Path(workdir), args, ingress)
-        started = time.monotonic()
-        try:
-            url = server.start()
-            print(f"  {config.name} ({ingress}): up in {time.monotonic() - started:.0f} s at {url}",
-                  flush=True)  # fmt: skip
-            assert server.pid is not None
-            pid = ray_pid(server.pid, ROUTER_TITLE)
-            if pid is None:
-                raise RuntimeError("no Router replica process below serve run")
-            proxy = ray_pid(server.pid, PROXY_TITLE)
-            asyncio.run(served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens))
-            # What the Router process burns with no request (Ray's threads, health checks): part
-            # of every figure below, most of it at batch 1, where a batch is long and light.
-            idle_before, box_before = process_cpu_s(pid), box_busy_s()
-            time.sleep(IDLE_S)
-            idle_ms_per_s = 1e3 * (process_cpu_s(pid) - idle_before) / IDLE_S
-            # And the whole machine meanwhile: Ray's runtime and the idle replicas, what every
-            # served path shares its cores with (docs/mesh.md: its presence, not its share).
-            idle_box_cores = (box_busy_s() - box_before) / IDLE_S
-            cpu = ServedCpu(pid, proxy, ENGINE_THREAD)
-            result: dict[str, dict[int, dict[str, float]]] = {}
-            for mode, batch in ((m, b) for m in modes for b in batches):
-                prompts = prompts_for(batch, vocab)
-                runs = []
-                for _ in range(REPEATS):  # the best of a few, as the in-process engine's
-                    before = cpu.snapshot()
-                    figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode))
-                    figures.update(cpu.figures(before, cpu.snapshot(), batch, batch * tokens))
-                    runs.append(figures)
-                best = max(runs, key=lambda figures: figures["tok_s"])
-                # A server's first batch of a size pays what the in-process engine's first run
-                # does and its best leaves out (the first touches of each new shape's buffers,
-                # among others): reported, not compared.
-                best["first_run_tok_s"] = runs[0]["tok_s"]
-                best["router_idle_cpu_ms_per_s"] = idle_ms_per_s
-                best["server_idle_box_cores"] = idle_box_cores
-                result.setdefault(mode, {})[batch] = best
-            if while_up is not None:
-                while_up()
-            return result
-        finally:
-            tree = process_tree(server.pid) if server.pid else set()
-            server.stop()
-            stop_survivors({p for p in tree if Path(f"/proc/{p}").exists()})
 
 
 def ceiling(

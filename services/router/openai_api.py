@@ -218,7 +218,8 @@ class UsageInfo(BaseModel):
         )
 
 
-def _now() -> int:
+def unix_now() -> int:
+    """Whole seconds since the epoch, as the API's `created` fields carry them."""
     return int(time.time())
 
 
@@ -234,7 +235,7 @@ class CompletionResponse(BaseModel):
 
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
@@ -255,7 +256,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
@@ -276,7 +277,7 @@ class ChatChunkChoice(BaseModel):
 class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
@@ -285,7 +286,7 @@ class ChatCompletionChunk(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_now)
     owned_by: str = "phasemesh"
     root: str
     max_model_len: int

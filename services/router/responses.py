@@ -10,7 +10,6 @@ instead of a model each.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
@@ -33,6 +32,7 @@ from services.router.openai_api import (
     CompletionResponse,
     DeltaMessage,
     UsageInfo,
+    unix_now,
 )
 
 Merged = AsyncGenerator[tuple[int, RequestOutput], None]
@@ -60,7 +60,7 @@ class CompletionShapes:
         self.num_top = request.logprobs  # None: no logprobs in the response
         self.include_usage = request.include_usage
         self.prompt_ids, self.echo = prompt_ids, echo
-        self.created = int(time.time())
+        self.created = unix_now()
         self.template = ChunkTemplate(self._text_chunk)
 
     def _text_chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
@@ -141,7 +141,7 @@ class ChatShapes:
         self.include_usage = request.include_usage
         self.n = request.n
         self.num_prompt_tokens = num_prompt_tokens
-        self.created = int(time.time())
+        self.created = unix_now()
         self.template = ChunkTemplate(self._text_chunk)
 
     def _text_chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:

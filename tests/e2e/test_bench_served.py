@@ -1,6 +1,7 @@
-"""`bench/serve.py`'s `served`: a real `serve run deploy/single.yaml` (tiny), and what runs while
-it is up (`while_up`, the `*_beside_served` paths) failing or being killed. The bench must not
-leave a Ray behind on the machine it measures, whatever its side path did."""
+"""`bench/serve_server.py`'s `served`, behind `bench/serve.py`'s served paths: a real `serve run
+deploy/single.yaml` (tiny), and what runs while it is up (`while_up`, the `*_beside_served`
+paths) failing or being killed. The bench must not leave a Ray behind on the machine it
+measures, whatever its side path did."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import serve
+from bench import serve_server
 from bench.host_cpu import process_tree
 from bench.serve_clients import ray_pid
 from tests.e2e.serve_process import REPO, ServeRun
@@ -52,14 +53,14 @@ def test_a_side_path_that_fails_or_is_killed_leaves_no_served_process(
     """While the served `local` is up, the side path (1) finds its Router replica, (2) kills a
     process of its own that it started (as a mesh worker or fresh process dying mid-run would),
     then (3) fails. The failure reaches the caller, and no process of that `serve run` is left."""
-    monkeypatch.setattr(serve, "ServeRun", RecordedServeRun)
+    monkeypatch.setattr(serve_server, "ServeRun", RecordedServeRun)
     RecordedServeRun.started.clear()
     seen: dict[str, set[int]] = {}
 
     def side_path() -> None:
         server = RecordedServeRun.started[-1]
         assert server.pid is not None
-        assert ray_pid(server.pid, serve.ROUTER_TITLE) is not None  # still up and serving
+        assert ray_pid(server.pid, serve_server.ROUTER_TITLE) is not None  # still up and serving
         seen["tree"] = process_tree(server.pid)
         pid = os.fork()  # a process of the side path's own, killed mid-run
         if pid == 0:
@@ -70,8 +71,8 @@ def test_a_side_path_that_fails_or_is_killed_leaves_no_served_process(
         raise RuntimeError("the side path failed")
 
     with pytest.raises(RuntimeError, match="the side path failed"):
-        serve.served(REPO / "deploy" / "single.yaml", APP_ARGS, "tiny", [1], 8, "direct",
-                     ("plain",), while_up=side_path)  # fmt: skip
+        serve_server.served(REPO / "deploy" / "single.yaml", APP_ARGS, "tiny", [1], 8, "direct",
+                            ("plain",), while_up=side_path)  # fmt: skip
     assert len(seen["tree"]) > 3  # serve run, its Ray and the replicas were found
     assert wait_gone(seen["tree"]) == set()
 
@@ -82,17 +83,17 @@ def test_a_served_path_records_its_batches_and_then_runs_its_side_path_once(
 ) -> None:
     """The side path runs after every batch was measured (each mode's figures are there), once,
     with the server up; then the server is stopped."""
-    monkeypatch.setattr(serve, "ServeRun", RecordedServeRun)
+    monkeypatch.setattr(serve_server, "ServeRun", RecordedServeRun)
     RecordedServeRun.started.clear()
     calls: list[set[int]] = []
 
     def side_path() -> None:
         server = RecordedServeRun.started[-1]
-        assert server.pid is not None and ray_pid(server.pid, serve.ROUTER_TITLE) is not None
+        assert server.pid is not None and ray_pid(server.pid, serve_server.ROUTER_TITLE) is not None
         calls.append(process_tree(server.pid))
 
-    by_mode = serve.served(REPO / "deploy" / "single.yaml", APP_ARGS, "tiny", [1], 8, "direct",
-                           ("stream", "plain"), while_up=side_path)  # fmt: skip
+    by_mode = serve_server.served(REPO / "deploy" / "single.yaml", APP_ARGS, "tiny", [1], 8,
+                                  "direct", ("stream", "plain"), while_up=side_path)  # fmt: skip
     assert set(by_mode) == {"stream", "plain"}
     assert all(by_mode[mode][1]["tok_s"] > 0 for mode in by_mode)
     # The idle server's whole machine: Ray's runtime is never fully asleep (nor more than the box).

@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -23,6 +24,7 @@ from services.router.openai_api import (
     DeltaMessage,
 )
 from services.router.responses import ChatShapes, CompletionShapes
+from services.router.sse import _sse
 
 FINISH = st.one_of(st.none(), st.sampled_from(list(FinishReason)), st.text())  # enum members too
 
@@ -112,3 +114,23 @@ def test_chat_stream_chunks_parse_as_the_model() -> None:
     ]
     assert parsed[-1]["choices"][0]["finish_reason"] == "length"
     assert {p["created"] for p in parsed} == {chunks[0].created}
+
+
+def test_text_json_cannot_write_fails_as_the_model_and_the_stream_says_so_in_band() -> None:
+    """A text the serializer refuses (a lone surrogate) fails the template as it fails the model,
+    and the stream reports it in-band and still ends with [DONE]: the client is not left hanging."""
+    bad = "a\ud800b"
+    build = completion_builder("cmpl-1", "m", 1)
+    with pytest.raises(Exception) as from_model:
+        build(0, bad, None).model_dump_json()
+    with pytest.raises(Exception) as from_template:
+        ChunkTemplate(build).encode(0, bad, None)
+    assert type(from_template.value) is type(from_model.value)
+
+    request = CompletionRequest(model="m", prompt="x", stream=True)
+    shapes = CompletionShapes("cmpl-1", "m", LogprobsFormatter(None), request, [1, 2], "")
+    events = asyncio.run(_collect(_sse(shapes.chunks(_outputs(["ok", bad, "never"])))))
+    first = CompletionResponse.model_validate_json(events[0].removeprefix(b"data: "))
+    assert first.choices[0].text == "ok"
+    assert b"generation failed" in events[1] and b"error" in events[1]
+    assert events[2:] == [b"data: [DONE]\n\n"]
