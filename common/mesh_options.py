@@ -17,7 +17,7 @@ import msgspec
 
 from common.roles import Role
 from common.scheduling.cluster import PoolThresholds
-from common.scheduling.tiers import tier_policy
+from common.scheduling.tiers import is_neo, tier_policy
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -33,7 +33,7 @@ class _Options(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pass
 
 
-class PoolOptions(_Options):
+class PoolOptions(_Options, frozen=True):
     """Splitwise's pools (docs/serving.md): when JSQ's best engine counts as full, so that an
     engine of the other pool is lent to the mixed pool, and how long a loan lasts unrenewed."""
 
@@ -49,7 +49,7 @@ class PoolOptions(_Options):
         )  # fmt: skip
 
 
-class MeshOptions(_Options):
+class MeshOptions(_Options, frozen=True):
     """The mesh deployments' knobs (`topology: mesh`): KV sizes, batching, shard groups, the
     papers' switches, sockets and fault bounds. Every worker reads the fields of its role."""
 
@@ -112,7 +112,8 @@ class MeshOptions(_Options):
     shard_link_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # one try at a link
 
     def __post_init__(self) -> None:
-        tier_policy(self.tier_policy)  # raises ValueError naming an unknown one
+        if not is_neo(self.tier_policy):  # Neo's needs its cost tables: the engine builds it
+            tier_policy(self.tier_policy)  # raises ValueError naming an unknown one
         by_request = self.shard_partition == "request"
         if by_request and (self.attention_overlap or self.decode_lanes != 1):
             # NOTE: the by-request round trip has one part and one lane (runner.py).

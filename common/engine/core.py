@@ -20,6 +20,7 @@ from common.engine.request import FinishReason, Request, RequestOutput, check_pr
 from common.engine.runner import Inputs, ModelRunner, StepInputs
 from common.kv_cache import KVCache
 from common.model.loader import load_model
+from common.protocol import TokenLogprobs
 from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import EngineScheduler, Phase, Sequence
 from common.tokenizer import Tokenizer
@@ -186,12 +187,24 @@ def forward_and_sample(
     prompt_top = [r.prompt_logprobs_wanted for r in reqs] if phase is Phase.PREFILL else []
     keep_hidden = any(k is not None for k in prompt_top)
     logits = runner.run(inputs, keep_hidden=keep_hidden)
+    prompt = runner.prompt_logprobs(inputs, prompt_top) if keep_hidden else []
+    return sample_rows(sampler, logits, reqs, prompt)
+
+
+def sample_rows(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    reqs: list[Request],
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None,
+) -> list[SampledRow]:
+    """Each request's next token from its row of `logits` [N, vocab] (a row whose sampling
+    failed carries the exception instead), with its logprobs and the prompt's, if given."""
     sampled = sampler.sample(
         logits, [r.params for r in reqs], [len(r.output_token_ids) for r in reqs],
         [(r.prompt_token_ids, r.output_token_ids) for r in reqs],
         grammars=[r.grammar for r in reqs],
     )  # fmt: skip
-    return sampled.rows(runner.prompt_logprobs(inputs, prompt_top) if keep_hidden else [])
+    return sampled.rows(prompt_logprobs or [])
 
 
-__all__ = ["FinishReason", "LLMEngine", "RequestOutput", "forward_and_sample"]
+__all__ = ["FinishReason", "LLMEngine", "RequestOutput", "forward_and_sample", "sample_rows"]

@@ -157,7 +157,7 @@ class EngineScheduler:
 
     def detach(self, req_id: str) -> Sequence | None:
         """Take a sequence out without freeing its blocks: its KV is moving to another tier,
-        which frees them once it has landed there (services/engine/tiers.py)."""
+        which frees them once it has landed there (services/engine/kv_swaps.py)."""
         seq = self.seqs.pop(req_id, None)
         self.policy.remove(req_id)
         for batch in self._rest:

@@ -10,7 +10,7 @@ ways, each mapped conservatively:
   is kept only while its whole length fits what the local tier has unpromised (Neo counts its
   context); preemption (dropping KV to recompute) does not exist here, so a preempted request
   stays where it is (its room was reserved), and the shard group's room is the shards' to refuse
-  (a refused swap-out ends that request alone, retryably: services/engine/tiers.py).
+  (a refused swap-out ends that request alone, retryably: services/engine/kv_swaps.py).
 - It cannot defer an offloaded decode: every request on the shards steps every iteration. Neo's
   `two_batch` (step 6) picks the schedule: True runs the local rows as batch-0 and every
   offloaded row as batch-1 (§3.1), False one batch with both tiers.

@@ -32,6 +32,16 @@ class Outbox:
     def free(cls, req_id: str, kv_endpoints: Iterable[str]) -> Outbox:
         return cls(frees=[(endpoint, FreeRequest(req_id)) for endpoint in kv_endpoints])
 
+    @classmethod
+    def refusal(cls, handoff: DecodeHandoff, error: str, retryable: bool = True) -> Outbox:
+        """A hand-off that will not decode here: its router re-runs the request (a retryable
+        error, unless the request itself is at fault), and its shards' KV is freed (a token
+        engine's own lease frees local KV)."""
+        message = TokenOutput(handoff.req_id, [], "error", handoff.num_prompt_tokens, error=error,
+                              retryable=retryable)  # fmt: skip
+        frees = cls.free(handoff.req_id, [s.kv_endpoint for s in handoff.shards])
+        return cls.output(handoff.reply_to, message) + frees
+
     def wire_outputs(self) -> list[tuple[str, TokenOutput | TokenBatch]]:
         """`outputs` as they go on the wire: each router's plain ones (one token, no error, no
         logprobs) in one `TokenBatch`, sent where the first of them was; the rest as they are."""

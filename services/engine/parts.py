@@ -1,11 +1,10 @@
-"""What an engine's config and shard group build before any request arrives: the model, its paged
-KV (the cache and the block manager over it), the runner that steps it against local KV and the
-shard group, the grammar compiler its requests' matchers come from, and Neo's tier policy and KV
-swaps (when the engine has a local tier beside its shards). `Engine.__init__` (engine.py) takes
-these and adds the per-request state, which starts empty.
+"""What an engine is made of, built once from its options before any request arrives: the model
+and its paged KV, the runner that steps it against local KV and the shard group, the request
+table, the prefill, the two schedulers, decode admission, Neo's KV tiers, its pool lease,
+telemetry and reports. `Engine` (engine.py) coordinates them; each owns its state.
 
-A config error (an unreadable model, unknown attention backend or tier policy, a Neo cost table
-that cannot be read or probed) raises here, so the engine never starts half-built.
+A config error (an unreadable model, an unknown attention backend or tier policy, a Neo cost
+table that cannot be read or probed) raises here, so the engine never starts half-built.
 """
 
 from __future__ import annotations
@@ -18,61 +17,100 @@ import torch
 
 from common.attention import select_backend
 from common.block_manager import BlockManager
-from common.config import EngineConfig
+from common.config import SchedulerConfig
 from common.engine.grammars import EngineGrammars
 from common.kv_cache import KVCache
-from common.model.llama import LlamaForCausalLM
+from common.kv_ingress import KvIngress
+from common.mesh_options import MeshOptions
 from common.model.loader import load_model
 from common.protocol import ShardAddress
-from common.scheduling.tiers import TierPolicy
+from common.roles import Role
+from common.sampling import Sampler
+from common.scheduling.batching import EngineScheduler
+from common.scheduling.role_lease import RoleLease
+from common.scheduling.shard_choice import holds_whole_requests
+from services.engine.admission import DecodeAdmission
 from services.engine.kv_shipper import KvSend
-from services.engine.routing import EngineRole
+from services.engine.kv_swaps import KvSwaps
+from services.engine.kv_tiers import KvTiers, build_tier_policy
+from services.engine.prefill_ship import Prefill
+from services.engine.reports import EngineReports
+from services.engine.requests import RequestTable
 from services.engine.runner import MeshModelRunner, ShardLink
-from services.engine.tiering import build_tier_policy
-from services.engine.tiers import KvSwaps
+from services.engine.telemetry import EngineTelemetry
 
 
 @dataclass(frozen=True)
 class EngineParts:
-    model: LlamaForCausalLM
-    blocks: BlockManager
-    kv: KVCache
+    engine_id: str
+    role: Role
+    command_endpoint: str  # how others address this engine: a mixed engine's own prompts
     runner: MeshModelRunner
-    grammars: EngineGrammars  # matchers live on each `Request`, rebuilt from its tokens
-    tier_policy: TierPolicy
-    swaps: KvSwaps | None  # None: one tier (no local budget, or no KV listener for replies)
+    blocks: BlockManager
+    sampler: Sampler
+    table: RequestTable
+    prefill: Prefill
+    ship_queue: EngineScheduler  # prompts whose decode happens elsewhere (each leaves shipped)
+    local: EngineScheduler  # requests decoding here with local KV (preempted and recomputed)
+    kv_ingress: KvIngress  # KV shipped here by prompt engines (no shard group)
+    admission: DecodeAdmission  # hand-offs waiting for their KV, and the sharded requests
+    tiers: KvTiers
+    pool: RoleLease  # the pool it serves in (home, or lent to mixed): what routers place by
+    telemetry: EngineTelemetry
+    reports: EngineReports
 
 
 def build_engine_parts(
-    config: EngineConfig,
-    role: EngineRole,
+    engine_id: str,
+    role: Role,
+    options: MeshOptions,
+    model_path: str,
     kv_send: KvSend,
-    shard_links: Seq[ShardLink],
-    shards: Seq[ShardAddress],
+    *,
+    command_endpoint: str = "",
+    kv_address: str = "",
+    shard_links: Seq[ShardLink] = (),
+    shards: Seq[ShardAddress] = (),
+    telemetry: EngineTelemetry | None = None,
 ) -> EngineParts:
-    """The parts of an engine in `role` whose runner reaches `shards` through `shard_links`."""
-    model = load_model(config.model_path, config.dtype)
-    mc, c = model.config, config.cache
-    blocks = BlockManager(
-        c.num_blocks, c.block_size, c.enable_prefix_caching, Path(config.model_path).name
-    )
-    kv = KVCache(
-        mc.num_hidden_layers, c.num_blocks, c.block_size, mc.num_key_value_heads,
-        mc.head_dim, getattr(torch, mc.dtype),
-    )  # fmt: skip
+    """The parts of engine `engine_id` in `role`, whose runner reaches `shards` through
+    `shard_links` (in head order), whose KV listener is `kv_address` (Neo's swaps need one)."""
+    o = options
+    model = load_model(model_path, None)
+    mc = model.config
+    num_blocks = o.blocks_of(role)
+    blocks = BlockManager(num_blocks, o.block_size, o.enable_prefix_caching, Path(model_path).name)
+    kv = KVCache(mc.num_hidden_layers, num_blocks, o.block_size, mc.num_key_value_heads,
+                 mc.head_dim, getattr(torch, mc.dtype))  # fmt: skip
     runner = MeshModelRunner(
-        model, kv, blocks, select_backend(config.attention_backend),
-        shard_links=shard_links, shards=shards,
+        model, kv, blocks, select_backend(o.attention_backend), shard_links=shard_links,
+        shards=shards, reply_timeout_s=o.shard_reply_timeout_s,
+        attention_overlap=o.attention_overlap, decode_lanes=o.decode_lanes,
     )  # fmt: skip
-    grammars = EngineGrammars(config.model_path, mc.vocab_size, mc.eos_token_ids)
-    # Neo's local tier beside the shard group: swaps need a budget and a KV listener.
-    tier_policy = build_tier_policy(role.tier_policy, runner, len(shards))
-    swaps = (
-        KvSwaps(blocks, kv, kv_send, role.kv_address)
-        if role.local_kv_blocks and role.kv_address
-        else None
-    )
-    return EngineParts(model, blocks, kv, runner, grammars, tier_policy, swaps)
+    telemetry = telemetry or EngineTelemetry(engine_id, Path(model_path).name)
+    sampler = Sampler()
+    table = RequestTable(mc, EngineGrammars(model_path, mc.vocab_size, mc.eos_token_ids))
+    prefill = Prefill(runner, sampler, kv_send, telemetry, o.layer_wise_min_tokens)
+    scheduler = SchedulerConfig(o.max_num_batched_tokens, o.max_num_seqs, o.max_preemptions,
+                                o.starvation_s)  # fmt: skip
+    ship_queue, local = EngineScheduler(blocks, scheduler), EngineScheduler(blocks, scheduler)
+    # Landing KV leaves free what the local requests may still grow into, each up to its whole
+    # length, so no local decode step runs out of blocks.
+    kv_ingress = KvIngress(blocks, kv, keep_free=lambda: local.blocks_to_grow(table.whole_len))
+    # A request-partitioned group holds each request on one shard: its room is the sum.
+    group_blocks = o.shard_num_blocks * (len(shards) if holds_whole_requests(shards) else 1)
+    admission = DecodeAdmission(group_blocks, o.block_size, o.kv_transfer == "pull")
+    swaps = None
+    if o.local_kv_blocks and kv_address and role in (Role.TOKEN, Role.MIXED):
+        swaps = KvSwaps(blocks, kv, kv_send, kv_address)
+    policy = build_tier_policy(o.tier_policy, runner, len(shards))
+    tiers = KvTiers(policy, swaps, o.local_kv_blocks, runner)
+    pool = RoleLease(role)
+    reports = EngineReports(engine_id, role, pool, table, blocks, kv_ingress, (ship_queue, local),
+                            admission, prefill, tiers, runner, telemetry)  # fmt: skip
+    return EngineParts(engine_id, role, command_endpoint, runner, blocks, sampler, table, prefill,
+                       ship_queue, local, kv_ingress, admission, tiers, pool, telemetry,
+                       reports)  # fmt: skip
 
 
 __all__ = ["EngineParts", "build_engine_parts"]

@@ -1,68 +1,80 @@
-"""What an engine tells the mesh about itself: `EngineStats` (its counters, KV events and step
-times, for tests, benches and the router's `/stats`) and the `LoadReport` routers place by (its
-pool, queues and free KV where its decode KV lives). A mixin of `Engine` (engine.py): reading
-only, it changes no state; the state it reads is the engine's (declared here).
+"""What an engine tells the mesh about itself: `EngineStats` (its counters and KV events, for
+tests, benches and the router's `/stats`) and the `LoadReport` routers place by (its pool, queues
+and free KV where its decode KV lives). `EngineReports` reads the engine's parts and changes none
+of them; the one state it keeps is the count of requests each router placed here.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Sequence as Seq
 
 import structlog
 
 from common.block_manager import BlockManager
-from common.engine.request import Request
 from common.kv_ingress import KvIngress
-from common.protocol import EngineStats, KvEvent, LoadReport, ShardAddress
+from common.protocol import EngineStats, LoadReport, ShardAddress
+from common.roles import Role
 from common.scheduling.batching import EngineScheduler
 from common.scheduling.role_lease import RoleLease
 from services.engine.admission import DecodeAdmission
-from services.engine.routing import EngineRole, RequestRoute, kv_endpoints, shard_kv_tokens
+from services.engine.kv_tiers import KvTiers
+from services.engine.prefill_ship import Prefill
+from services.engine.requests import RequestTable
+from services.engine.routing import kv_endpoints, shard_kv_tokens
 from services.engine.runner import MeshModelRunner
+from services.engine.telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
 
 
 class EngineReports:
-    """`Engine`'s reports; the state they read is the engine's (declared here)."""
+    """Stats and load reports of one engine, read from its parts."""
 
-    engine_id: str
-    role: EngineRole
-    pool: RoleLease
-    blocks: BlockManager
-    kv_ingress: KvIngress
-    admission: DecodeAdmission
-    ship_queue: EngineScheduler
-    local: EngineScheduler
-    runner: MeshModelRunner
-    shards: tuple[ShardAddress, ...]
-    requests: dict[str, Request]
-    routing: dict[str, RequestRoute]
-    kv_events: deque[KvEvent]
-    num_prefill_tokens: int
-    num_decode_steps: int
-    num_group_relinks: int
-    received_requests: dict[str, int]
-    num_two_batch_steps: int
-    step_times: deque[tuple[float, float, int]]
-    _told_negative_pending = False  # its own: set on the engine the first time it logs
+    def __init__(
+        self,
+        engine_id: str,
+        role: Role,
+        pool: RoleLease,
+        table: RequestTable,
+        blocks: BlockManager,
+        kv_ingress: KvIngress,
+        queues: tuple[EngineScheduler, EngineScheduler],
+        admission: DecodeAdmission,
+        prefill: Prefill,
+        tiers: KvTiers,
+        runner: MeshModelRunner,
+        telemetry: EngineTelemetry,
+    ) -> None:
+        self.engine_id, self.role, self.pool, self.table = engine_id, role, pool, table
+        self.blocks, self.kv_ingress, self.admission = blocks, kv_ingress, admission
+        self.ship_queue, self.local = queues  # prompts to hand off, requests decoding here
+        self.prefill, self.tiers, self.runner, self.telemetry = prefill, tiers, runner, telemetry
+        # `GenerateRequest`s received, by the router (`reply_to`) that sent them: each router's
+        # placements its reports hold already (`LoadReport.received_requests`).
+        self.received_requests: dict[str, int] = {}
+        self._told_negative_pending = False
 
-    if TYPE_CHECKING:  # the engine's own, or another mixin's: no runtime stub to shadow it
+    def received(self, reply_to: str) -> None:
+        self.received_requests[reply_to] = self.received_requests.get(reply_to, 0) + 1
 
-        def _local_growth(self) -> int: ...  # Engine's
+    def forget_router(self, reply_to: str) -> None:
+        """A router is gone: one that comes back counts its next placements as on their way for
+        at most its `PLACEMENT_TTL_S`."""
+        self.received_requests.pop(reply_to, None)
 
-    def stats(self) -> EngineStats:
+    def stats(self, shards: Seq[ShardAddress]) -> EngineStats:
         used = self.blocks.num_used_blocks + self.admission.shard_blocks.num_used_blocks
+        t = self.telemetry
         return EngineStats(
             self.engine_id, self.pool.current(time.monotonic()), used, self.blocks.num_blocks,
-            len(self.requests), [*self.kv_ingress.events, *self.kv_events],
-            self.num_prefill_tokens, self.blocks.num_hit_tokens, home_role=self.role.name,
-            num_loans=self.pool.num_loans, num_decode_steps=self.num_decode_steps,
-            num_two_batch_steps=self.num_two_batch_steps, num_group_relinks=self.num_group_relinks,
-            step_times_s=[[p, m, float(kind)] for p, m, kind in self.step_times],
-            decode_breakdown=self.runner.times.report() if self.shards else None,
+            len(self.table.requests),
+            [*self.kv_ingress.events, *self.prefill.kv_events, *self.tiers.kv_events],
+            self.prefill.num_computed_tokens, self.blocks.num_hit_tokens, home_role=self.role,
+            num_loans=self.pool.num_loans, num_decode_steps=t.num_decode_steps,
+            num_two_batch_steps=t.num_two_batch_steps, num_group_relinks=self.runner.num_relinks,
+            step_times_s=[[p, m, float(kind)] for p, m, kind in t.step_times],
+            decode_breakdown=self.runner.times.report() if shards else None,
             **self._peer_counts(),
         )  # fmt: skip
 
@@ -74,25 +86,35 @@ class EngineReports:
                 "num_peers_lost": peers.counts.num_lost,
                 "num_peers_joined": peers.counts.num_joined}  # fmt: skip
 
-    def load_report(self, now: float) -> LoadReport:
+    def load_report(self, now: float, shards: Seq[ShardAddress]) -> LoadReport:
         return LoadReport(
             engine_id=self.engine_id,
             role=self.pool.current(time.monotonic()),
-            home_role=self.role.name,
+            home_role=self.role,
             pending_prompt_tokens=self._pending_prompt_tokens(),
             running_decode_tokens=self._decode_tokens(),
             num_running=len(self.local.running) + len(self.admission.sharded),
             num_waiting=self.ship_queue.num_unfinished + len(self.admission.waiting),
             # Where its decode KV lives: the shard group (as this engine accounts it) or its own.
             free_kv_blocks=self.admission.free_shard_blocks()
-            if self.shards
-            else max(self.blocks.num_free_blocks - self._local_growth(), 0),
+            if shards
+            else max(
+                self.blocks.num_free_blocks - self.local.blocks_to_grow(self.table.whole_len), 0
+            ),
             time=now,
-            shard_endpoints=kv_endpoints(self.shards),
-            shard_kv_tokens=shard_kv_tokens(self.shards, self.admission.reserved_tokens()),
+            shard_endpoints=kv_endpoints(shards),
+            shard_kv_tokens=shard_kv_tokens(shards, self.admission.reserved_tokens()),
             handoff_tokens=self._handoff_tokens(),
             received_requests=dict(self.received_requests),
         )
+
+    def _free_kv_blocks(self, shards: Seq[ShardAddress]) -> int:
+        """Where its decode KV lives: the shard group (as this engine accounts it), or its own
+        cache less what its local requests may still grow into."""
+        if shards:
+            return self.admission.free_shard_blocks()
+        growth = self.local.blocks_to_grow(self.table.whole_len)
+        return max(self.blocks.num_free_blocks - growth, 0)
 
     def _decode_tokens(self) -> int:
         """The tokens of the requests it decodes or holds to decode: hand-offs waiting for their
@@ -106,7 +128,7 @@ class EngineReports:
         drops a report with a negative count (common/protocol/control.py `Count`), and an engine
         whose reports all dropped would keep its last load in every router's view."""
         pending = self.ship_queue.pending_prompt_tokens() + self.local.pending_prompt_tokens()
-        if pending < 0 and not self._told_negative_pending:  # once, not every 50 ms
+        if pending < 0 and not self._told_negative_pending:  # once, not every report
             self._told_negative_pending = True
             log.error("pending prompt tokens below zero; reported as 0", pending=pending)
         return max(pending, 0)
@@ -115,7 +137,7 @@ class EngineReports:
         """The tokens of the prompts it will hand off, by the token engine each goes to."""
         bound: dict[str, int] = {}
         for req_id, seq in self.ship_queue.seqs.items():
-            route = self.routing.get(req_id)
+            route = self.table.routes.get(req_id)
             if route is not None and route.token_engine:
                 bound[route.token_engine] = bound.get(route.token_engine, 0) + seq.num_tokens
         return bound

@@ -1,4 +1,4 @@
-"""Where an engine's requests go: its role's knobs, and each request's destinations."""
+"""Where an engine's requests go: each request's destinations, and its shard group's shape."""
 
 from __future__ import annotations
 
@@ -8,29 +8,6 @@ from dataclasses import dataclass
 from common.protocol import ShardAddress
 from common.scheduling.batching import Sequence as Seq
 from common.scheduling.shard_choice import holds_whole_requests
-
-
-@dataclass(frozen=True)
-class EngineRole:
-    """Role plus the knobs that differ between roles."""
-
-    name: str  # prompt | token | mixed
-    command_endpoint: str  # how others address this engine (handoffs, self-detection)
-    layer_wise_min_tokens: int = 256  # prompts this long ship KV layer by layer (§IV-C)
-    shard_num_blocks: int = 0  # KV capacity of the shard group this engine decodes against
-    # "pull": a sharded hand-off joins decode steps only once every shard said its KV landed
-    # (`DecodeAdmission`); "push": at once (a shard's step then waits for KV still in flight).
-    kv_transfer: str = "push"
-    # Neo's two tiers (token engines with a shard group): the local tier's budget in blocks (0:
-    # no local tier, every hand-off with shards decodes there), the `TierPolicy` by config name
-    # (common/scheduling/tiers.py), and this engine's UCX KV listener (swaps need it).
-    local_kv_blocks: int = 0
-    tier_policy: str = ""
-    kv_address: str = ""
-
-    def __post_init__(self) -> None:
-        if self.name not in ("prompt", "token", "mixed"):
-            raise ValueError(f"engine role must be prompt, token or mixed, got {self.name!r}")
 
 
 @dataclass

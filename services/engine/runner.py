@@ -11,8 +11,9 @@ collected (Lamina). Variants, each a switch: q before k/v (`attention_overlap`, 
 staggered lanes (`decode_lanes`, §4.3, lanes.py), a request-partitioned group (each shard only its
 requests' rows), and Neo's two sub-batches (`StepPlan.batch_1`, Neo §3.1).
 
-Everything a step needs beyond its tensors travels in its `StepPlan` (the engine plans, the runner
-runs, the engine updates): the runner keeps no per-step state.
+Everything a step needs beyond its tensors travels in its `StepPlan`, and what a decode step learns
+beside its logits comes back in its `StepResult` (the engine plans, the runner runs, the engine
+applies the result): the runner keeps no per-step state, and its options are set once, when built.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -62,24 +63,31 @@ class StepPlan(StepInputs):
     """One step's inputs and where its attention goes.
 
     Prefill: `kv_shipper` (if any) sends each layer's k/v on. Decode: rows `[0, num_local)` attend
-    over this engine's cache, `sharded` (if any) on the shard group; `round_trips`, when a list,
-    collects (shard index, seconds from send to reply) per shard and layer, for telemetry. After
-    the run, `failed` names the sharded requests a shard could not attend for (their tokens are
-    meaningless: each ends alone). `kv_landed` (shard index, request ids) and `kv_lost` are the
-    shards' news about KV arriving (`AttendResult.kv_landed`), for the engine's admission.
+    over this engine's cache, `sharded` (if any) on the shard group; `trace_round_trips` asks for
+    each shard's round-trip times (telemetry). Neo's asymmetric pipelining (§3.1): `batch_1` holds
+    the offloaded rows and this plan the local ones, run interleaved per layer; logits come back
+    as [batch-0 rows | batch-1 rows].
     """
 
     num_local: int = 0
     sharded: ShardedRows | None = None
     kv_shipper: KvShipper | None = None
-    round_trips: list[tuple[int, float]] | None = None
+    trace_round_trips: bool = False
+    batch_1: StepPlan | None = None
+
+
+@dataclass
+class StepResult:
+    """A decode step's logits and what its shards said beside them: the sharded requests a shard
+    could not attend for (`failed`: their tokens are meaningless, each ends alone), the shards'
+    news about KV arriving (`kv_landed`: shard index and request ids; `kv_lost`), and, when the
+    plan asked, (shard index, seconds from send to reply) per shard and layer."""
+
+    logits: torch.Tensor
     failed: set[str] = field(default_factory=set)
     kv_landed: list[tuple[int, list[str]]] = field(default_factory=list)
     kv_lost: set[str] = field(default_factory=set)
-    # Neo's asymmetric pipelining (§3.1): this plan is batch-0 (local rows only) and `batch_1`
-    # the offloaded rows, run interleaved per layer (`MeshModelRunner.run`); logits come back
-    # as [batch-0 rows | batch-1 rows], and `failed` is shared by both.
-    batch_1: StepPlan | None = None
+    round_trips: list[tuple[int, float]] | None = None
 
 
 class MeshModelRunner(ModelRunner[StepPlan]):
@@ -90,21 +98,35 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         *args: Any,
         shard_links: Seq[ShardLink] = (),
         shards: Seq[ShardAddress] = (),
+        reply_timeout_s: float = SHARD_REPLY_TIMEOUT_S,
+        attention_overlap: bool = False,
+        decode_lanes: int | Literal["auto"] = 1,
         **kwargs: Any,
     ) -> None:
-        """`shard_links[i]` reaches `shards[i]`, the group's members in head order."""
+        """`shard_links[i]` reaches `shards[i]`, the group's members in head order.
+        `attention_overlap`: q goes to the shards before k/v are computed (Lamina 4.2.2, two
+        messages per layer). `decode_lanes`: a decode step's sharded rows run as this many
+        staggered lanes (Lamina 4.3, lanes.py); `auto` starts at one and chooses from the steps'
+        breakdown (`AutoLanes`)."""
         super().__init__(*args, **kwargs)
         self.shard_links = list(shard_links)
         self.shards = list(shards)
-        self.reply_timeout_s = SHARD_REPLY_TIMEOUT_S
-        # Lamina 4.2.2: q goes to the shards before k/v are computed (two messages per layer).
-        self.attention_overlap = False
-        # Lamina 4.3: a decode step's sharded rows run as this many staggered lanes (lanes.py).
-        self.decode_lanes = 1
-        self.auto_lanes: AutoLanes | None = None  # `decode_lanes: auto`: sets decode_lanes
+        self.reply_timeout_s = reply_timeout_s
+        self.attention_overlap = attention_overlap
+        if attention_overlap:  # early q's halves packed now, not in the first decode step
+            for layer in self.model.layers:
+                layer.pack_halves()
+        self.auto_lanes = AutoLanes(len(self.model.layers)) if decode_lanes == "auto" else None
+        self.decode_lanes = 1 if decode_lanes == "auto" else decode_lanes
         self.times = DecodeTimes()  # sharded decode steps' breakdown (Lamina Fig. 12)
         # Lamina 4.3 across replicas: lanes' layer slices rotate over these peers (rotation.py).
         self.model_peers: ModelPeers | None = None
+        self.num_relinks = 0  # shard group changes since start (a fault, a `LinkShards`)
+
+    def relink(self, links: Seq[ShardLink], shards: Seq[ShardAddress]) -> None:
+        """Decode against `shards` through `links` from the next step on (empty: local only)."""
+        self.shard_links, self.shards = list(links), list(shards)
+        self.num_relinks += 1
 
     def plan_prefill(
         self, batch: Batch, token_ids: dict[str, list[int]], kv_shipper: KvShipper | None = None
@@ -118,12 +140,33 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         sharded: list[Sequence],
         token_ids: dict[str, list[int]],
         step: int,
-        round_trips: list[tuple[int, float]] | None = None,
         traceparent: str = "",
         shard_of: list[int] | None = None,
+        two_batches: bool = False,
+        trace_round_trips: bool = False,
     ) -> StepPlan:
         """A decode step over `[local rows | sharded rows]`; only local rows get slots and block
-        tables. `shard_of`: a request-partitioned group's shard of each sharded row."""
+        tables. `shard_of`: a request-partitioned group's shard of each sharded row.
+        `two_batches`: Neo's sub-batches, the local rows and the sharded ones interleaved per
+        layer (head-split groups with both kinds of rows only; otherwise one batch).
+        `trace_round_trips`: the result carries the shards' round-trip times (telemetry)."""
+        if two_batches and local and sharded and shard_of is None:
+            plan = self._decode_rows(local, [], token_ids, step, "", None)
+            plan.batch_1 = self._decode_rows([], sharded, token_ids, step, traceparent, None)
+        else:
+            plan = self._decode_rows(local, sharded, token_ids, step, traceparent, shard_of)
+        plan.trace_round_trips = trace_round_trips
+        return plan
+
+    def _decode_rows(
+        self,
+        local: list[Sequence],
+        sharded: list[Sequence],
+        token_ids: dict[str, list[int]],
+        step: int,
+        traceparent: str,
+        shard_of: list[int] | None,
+    ) -> StepPlan:
         seqs = local + sharded
         req_ids = [s.req_id for s in seqs]
         positions = [s.num_tokens - 1 for s in seqs]
@@ -148,15 +191,48 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             last_token_index=torch.arange(len(seqs)),
             num_local=len(local),
             sharded=rows if sharded else None,
-            round_trips=round_trips,
         )
 
+    @torch.inference_mode()
+    def run_decode(self, plan: StepPlan) -> StepResult:
+        """A decode step. Sharded rows run as lanes when overlap, staggering or model peers are
+        on, or as Neo's two sub-batches when the plan has a `batch_1`."""
+        result = StepResult(torch.empty(0), round_trips=[] if plan.trace_round_trips else None)
+        if plan.sharded is None and plan.batch_1 is None:
+            result.logits = self.run(plan)
+            return result
+        started = time.perf_counter()
+        if plan.batch_1 is not None:
+            result.logits = self._run_two_batches(plan, plan.batch_1, result)
+        elif not self.attention_overlap and self.decode_lanes == 1 and not self._rotates(plan):
+            result.logits = self._run_one_lane(plan, result)
+        else:
+            result.logits = self._run_lanes(plan, result)
+        self.times.num_steps += 1
+        self.times.step_s += time.perf_counter() - started
+        if self.auto_lanes is not None:
+            num_peers = len(self.model_peers) if self.model_peers is not None else 0
+            self.decode_lanes = self.auto_lanes.lanes(self.times, num_peers)
+        return result
+
+    def _run_one_lane(self, plan: StepPlan, result: StepResult) -> torch.Tensor:
+        """Every layer's round trip in one piece: local rows attend while the shards work."""
+        assert plan.sharded is not None
+        x = self.model.embed(plan.input_ids)  # [N, hidden]
+        rope = self.model.rotary_at(plan.positions)
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.pre_attention(x, rope)  # [N, H, D]
+            x = layer.post_attention(x, self._attend_sharded(i, q, k, v, plan, result))
+        self.hidden = None
+        return self.model.compute_logits(x)  # [N, vocab]
+
     def _run_two_batches(
-        self, batch_0: StepPlan, batch_1: StepPlan, sharded: ShardedRows
+        self, batch_0: StepPlan, batch_1: StepPlan, result: StepResult
     ) -> torch.Tensor:
         """Per layer: batch-1's q/k/v go to the shards first, batch-0's whole layer (dense work
         and local attention) runs while the shards attend, then batch-1's replies finish its
         layer. Each row goes through the same math as in the one-batch step."""
+        assert batch_1.sharded is not None
         x0, x1 = self.model.embed(batch_0.input_ids), self.model.embed(batch_1.input_ids)
         rope0, rope1 = (
             self.model.rotary_at(batch_0.positions),
@@ -165,11 +241,11 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         group = self.model.config.num_queries_per_kv
         for i, layer in enumerate(self.model.layers):
             q1, k1, v1 = layer.pre_attention(x1, rope1)  # [N1, H, D]
-            sends = self._send(i, sharded, ATTEND_WHOLE, group, q1, (k1, v1))
+            sends = self._send(i, batch_1.sharded, ATTEND_WHOLE, group, q1, (k1, v1))
             flight = LayerInFlight(sends, torch.empty(q1.shape, dtype=torch.float32), 0)
             q0, k0, v0 = layer.pre_attention(x0, rope0)
             x0 = layer.post_attention(x0, super().attend(i, q0, k0, v0, batch_0))
-            self._collect(flight, batch_1)
+            self._collect(flight, result)
             x1 = layer.post_attention(x1, flight.out)
         self.hidden = None
         return self.model.compute_logits(torch.cat([x0, x1]))  # [N0 + N1, vocab]
@@ -177,67 +253,45 @@ class MeshModelRunner(ModelRunner[StepPlan]):
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: StepPlan
     ) -> torch.Tensor:
-        if inputs.phase is Phase.PREFILL:
-            out = super().attend(layer, q, k, v, inputs)
-            if inputs.kv_shipper is not None:
-                # The receiver needs the whole prompt's KV, cached prefix included.
-                k_all, v_all, lens = with_cached_prefixes(
-                    k, v, self.kv_cache.key[layer], self.kv_cache.value[layer], inputs.seq_lens,
-                    inputs.prefix_lens, inputs.block_tables,
-                )  # fmt: skip
-                inputs.kv_shipper.on_layer(layer, k_all, v_all, lens)
-            return out
-        if inputs.sharded is None:
-            return super().attend(layer, q, k, v, inputs)
-        if inputs.sharded.shard_rows is not None:
-            return self._attend_by_request(layer, q, k, v, inputs, inputs.sharded)
-        return self._attend_split(layer, q, k, v, inputs, inputs.sharded)
+        """A prefill's attention (its KV shipped on, when it decodes elsewhere), or a decode
+        step's with local rows only; sharded rows go through `run_decode`."""
+        out = super().attend(layer, q, k, v, inputs)
+        if inputs.phase is Phase.PREFILL and inputs.kv_shipper is not None:
+            # The receiver needs the whole prompt's KV, cached prefix included.
+            k_all, v_all, lens = with_cached_prefixes(
+                k, v, self.kv_cache.key[layer], self.kv_cache.value[layer], inputs.seq_lens,
+                inputs.prefix_lens, inputs.block_tables,
+            )  # fmt: skip
+            inputs.kv_shipper.on_layer(layer, k_all, v_all, lens)
+        return out
 
-    def _attend_split(
+    def _attend_sharded(
         self,
         layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        inputs: StepPlan,
-        sharded: ShardedRows,
+        plan: StepPlan,
+        result: StepResult,
     ) -> torch.Tensor:
-        """One layer's round trip as one message per shard (q, k, v), local rows meanwhile."""
-        n, group = inputs.num_local, q.shape[1] // k.shape[1]
-        sends = self._send(layer, sharded, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
-        flight = LayerInFlight(sends, self._attend_rows_local(layer, q, k, v, inputs, n), n)
-        self._collect(flight, inputs)
-        return flight.out
-
-    @torch.inference_mode()
-    def run(self, inputs: StepPlan, keep_hidden: bool = False) -> torch.Tensor:
-        """Decode steps with sharded rows run as lanes when overlap or staggering is on, or as
-        Neo's two sub-batches when the plan has a `batch_1` (head-partitioned groups only)."""
-        b1 = inputs.batch_1
-        two_batches = b1 is not None and b1.sharded is not None and b1.sharded.shard_rows is None
-        if inputs.sharded is None and not two_batches:
-            return super().run(inputs, keep_hidden)
-        started = time.perf_counter()
-        if two_batches:
-            assert b1 is not None and b1.sharded is not None
-            logits = self._run_two_batches(inputs, b1, b1.sharded)
-        elif not self.attention_overlap and self.decode_lanes == 1 and not self._rotates(inputs):
-            logits = super().run(inputs, keep_hidden)
+        """One layer's round trip as one message per shard, local rows meanwhile: each shard
+        a slice of heads of every row, or (a request-partitioned group) its requests' rows."""
+        assert plan.sharded is not None
+        n, rows, group = plan.num_local, plan.sharded, q.shape[1] // k.shape[1]
+        if rows.shard_rows is not None:
+            sends = send_by_request(self.shard_links, layer, rows, q, k, v, n)
         else:
-            logits = self._run_lanes(inputs)
-        self.times.num_steps += 1
-        self.times.step_s += time.perf_counter() - started
-        if self.auto_lanes is not None:
-            num_peers = len(self.model_peers) if self.model_peers is not None else 0
-            self.decode_lanes = self.auto_lanes.lanes(self.times, num_peers)
-        return logits
+            sends = self._send(layer, rows, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
+        flight = LayerInFlight(sends, self._attend_rows_local(layer, q, k, v, plan, n), n)
+        self._collect(flight, result)
+        return flight.out
 
     def _rotates(self, inputs: StepPlan) -> bool:
         """Whether the step's lanes rotate over model peers (head-split groups only)."""
         sharded = inputs.sharded
         return bool(self.model_peers) and sharded is not None and sharded.shard_rows is None
 
-    def _run_lanes(self, inputs: StepPlan) -> torch.Tensor:
+    def _run_lanes(self, inputs: StepPlan, result: StepResult) -> torch.Tensor:
         assert inputs.sharded is not None
         if self.model_peers is not None:
             self.model_peers.prune()
@@ -252,12 +306,18 @@ class MeshModelRunner(ModelRunner[StepPlan]):
                 rows.step, rows.req_ids[c:d], rows.context_lens[c:d], traceparent, lane.lane
             )
             lane_rope = rope._replace(positions=rope.positions[a:b])
-            lanes.append(self._lane(x[a:b], lane_rope, inputs, lane_rows, lane.num_local))
+            lanes.append(self._lane(x[a:b], lane_rope, inputs, result, lane_rows, lane.num_local))
         self.hidden = None
         return self.model.compute_logits(torch.cat(run_lanes(lanes, self._drain)))
 
     def _lane(
-        self, x: torch.Tensor, rope: RopeAt, inputs: StepPlan, rows: ShardedRows, n: int
+        self,
+        x: torch.Tensor,
+        rope: RopeAt,
+        inputs: StepPlan,
+        result: StepResult,
+        rows: ShardedRows,
+        n: int,
     ) -> LaneRun:
         """One lane's layers (lanes.py): its first `n` rows attend locally, the rest on shards.
         With `attention_overlap`, q leaves before k/v are computed (Lamina 4.2.2). With model
@@ -280,7 +340,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
                 x, q, k, v, sends = self._local_slice(i, x, rope, out, rows, n)
             flight = LayerInFlight(sends, self._attend_rows_local(i, q, k, v, inputs, n), n)
             yield flight  # another lane's dense part runs while the shards work
-            self._collect(flight, inputs)
+            self._collect(flight, result)
             out = flight.out
         assert out is not None
         return self.model.layers[-1].post_attention(x, out)
@@ -318,9 +378,9 @@ class MeshModelRunner(ModelRunner[StepPlan]):
     ) -> list[ShardSend]:
         return send_layer(self.shard_links, self.shards, layer, rows, part, group, q, kv)
 
-    def _collect(self, flight: LayerInFlight, inputs: StepPlan) -> None:
-        collect_layer(flight, self.reply_timeout_s, inputs.failed, inputs.round_trips, self.times,
-                      (inputs.kv_landed, inputs.kv_lost))  # fmt: skip
+    def _collect(self, flight: LayerInFlight, result: StepResult) -> None:
+        collect_layer(flight, self.reply_timeout_s, result.failed, result.round_trips, self.times,
+                      (result.kv_landed, result.kv_lost))  # fmt: skip
 
     def _attend_rows_local(
         self,
@@ -336,22 +396,6 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         if n:
             out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
         return out
-
-    def _attend_by_request(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        inputs: StepPlan,
-        sharded: ShardedRows,
-    ) -> torch.Tensor:
-        """A request-partitioned group: each shard gets only its requests' rows, all heads."""
-        n = inputs.num_local
-        sends = send_by_request(self.shard_links, layer, sharded, q, k, v, n)
-        flight = LayerInFlight(sends, self._attend_rows_local(layer, q, k, v, inputs, n), n)
-        self._collect(flight, inputs)
-        return flight.out
 
     def ask_kv_news(
         self, step: int, wait_s: float, shards: Seq[int] | None = None

@@ -25,6 +25,7 @@ Gauges (running, waiting, KV blocks, batch sizes) are set from the load report, 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -95,6 +96,10 @@ class EngineTelemetry:
         self._last_gauges = 0.0
         self._last_round_trips = float("-inf")
         self._joined: list[str] = []  # decoding since the last traced step, newest last
+        # Decode steps since start, those run as Neo's two sub-batches, and the recent ones'
+        # (predicted s, measured s, kind) when a tier policy predicts them (`EngineStats`).
+        self.num_decode_steps = self.num_two_batch_steps = 0
+        self.step_times: deque[tuple[float, float, int]] = deque(maxlen=4096)
 
     # -- arrivals ---------------------------------------------------------------------------------
 
@@ -185,8 +190,15 @@ class EngineTelemetry:
         if span is not None:
             span.token()
 
-    def decode_step(self, batch_size: int) -> None:
+    def decode_step(self, batch_size: int, two_batches: bool) -> None:
         self.batch_sizes["decode"] = batch_size
+        self.num_decode_steps += 1
+        self.num_two_batch_steps += two_batches
+
+    def step_timed(self, predicted_s: float, measured_s: float, kind: int) -> None:
+        """A decode step its tier policy predicted (`kind`: 0 local rows only, 1 one batch with
+        shard rows, 2 two sub-batches)."""
+        self.step_times.append((predicted_s, measured_s, kind))
 
     def trace_step(self, step: int, sharded: Sequence[Seq]) -> StepTrace:
         """What decode step `step` over the `sharded` rows records (see the module docstring)."""
@@ -209,12 +221,12 @@ class EngineTelemetry:
             trace.traceparent = context_of(trace.span)
         return trace
 
-    def step_done(self, trace: StepTrace) -> None:
+    def step_done(self, trace: StepTrace, round_trips: Sequence[tuple[int, float]] | None) -> None:
         """The step ran: end its `token.step` span, record its round trips if they are due."""
         if trace.span is not None:
             trace.span.end()
         if trace.to_histogram:
-            self.record_round_trips(trace.round_trips or ())
+            self.record_round_trips(round_trips or ())
 
     def record_round_trips(self, round_trips: Sequence[tuple[int, float]]) -> None:
         """(shard index in the group, seconds from its send to its reply), per shard and layer."""

@@ -18,9 +18,9 @@ import torch
 import zmq
 
 from common.block_manager import BlockManager
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.kv_events import CacheDigests
 from common.kv_hold import KvHold
+from common.mesh_options import MeshOptions
 from common.protocol import (
     AbortRequest,
     DecodeHandoff,
@@ -48,11 +48,12 @@ from common.roles import Role
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
-from services.engine.engine import Engine, EngineRole
+from services.engine.engine import Engine
+from services.engine.faults import EngineFaults
 from services.engine.kv_hold_server import KvHoldServer
 from services.engine.kv_ports import EngineKvPorts
-from services.engine.lanes import AutoLanes
 from services.engine.outbox import Outbox
+from services.engine.parts import build_engine_parts
 from services.engine.peer_watch import PeerWatch
 from services.engine.rotation import ModelPeers
 from services.engine.runner import ShardLinkFault
@@ -97,27 +98,16 @@ class EngineWorker:
         # `kv_transfer: pull`: shards' KV is held here and pulled by them (kv_hold_server.py).
         pulls = cfg.kv_transfer == "pull" and cfg.role in (Role.PROMPT, Role.MIXED)
         self.kv_hold = KvHoldServer(KvHold(cfg.kv_hold_bytes), cfg.host, auth) if pulls else None
-        role = EngineRole(
-            cfg.role, self.command_endpoint, cfg.layer_wise_min_tokens, cfg.shard_num_blocks,
-            # NOTE: swaps move a request's heads across the whole group: head-partitioned only.
-            cfg.kv_transfer, cfg.local_kv_blocks if cfg.shard_partition == "head" else 0,
-            cfg.tier_policy, self.kv_ports.address,
-        )  # fmt: skip
         telemetry = EngineTelemetry(
             cfg.service_id, cfg.model_name, shards=[s.service_id for s in cfg.shards]
         )
-        self.engine = Engine(
-            cfg.service_id, role, _engine_config(cfg), self._send_kv,
-            list(self.links.values()), cfg.shards, telemetry,
+        parts = build_engine_parts(
+            cfg.service_id, cfg.role, _options_of(cfg), cfg.model_path, self._send_kv,
+            command_endpoint=self.command_endpoint, kv_address=self.kv_ports.address,
+            shard_links=list(self.links.values()), shards=cfg.shards, telemetry=telemetry,
         )  # fmt: skip
-        self.engine.runner.reply_timeout_s = cfg.shard_reply_timeout_s
-        self.engine.runner.attention_overlap = cfg.attention_overlap
-        if cfg.attention_overlap:  # early q's halves packed now, not in the first decode step
-            for layer in self.engine.runner.model.layers:
-                layer.pack_halves()
-        self.engine.runner.decode_lanes = max(cfg.decode_lanes, 1)
-        if cfg.decode_lanes == 0:  # auto: one lane until measured (lanes.py)
-            self.engine.runner.auto_lanes = AutoLanes(len(self.engine.runner.model.layers))
+        self.engine = Engine(parts)
+        self.faults = EngineFaults(self.engine)  # its fault inputs, called from this loop
         if cfg.model_peers:  # Lamina 4.3 over replicas: lanes' slices rotate (rotation.py)
             self.engine.runner.model_peers = self._link_peers(cfg.model_peers)
         self.running = True
@@ -255,7 +245,7 @@ class EngineWorker:
             self._relink(list(self.engine.shards), f"its shard links failed: {exc}")
         except Exception as exc:  # noqa: BLE001 - fail the requests, keep the service alive
             log.exception("engine step failed; failing its requests")
-            self._send(self.engine.fail_all(f"engine {self.cfg.service_id}: {exc!r}"))
+            self._send(self.faults.fail_all(f"engine {self.cfg.service_id}: {exc!r}"))
 
     def _relink(self, shards: list[ShardAddress], reason: str) -> None:
         """Link to exactly `shards`: keep the links that stay, close the rest, connect the new."""
@@ -271,7 +261,7 @@ class EngineWorker:
             self._relink([], "its new shard group could not be reached")
             return
         links = [self.links[s.link_address] for s in shards]
-        self._send(self.engine.relink(links, shards, reason))
+        self._send(self.faults.relink(links, shards, reason))
 
     def _drain(self) -> None:
         # A message that fails (well-formed on the wire, wrong inside: KV pages whose tensors do
@@ -329,7 +319,7 @@ class EngineWorker:
                     fallout += self.engine.on_abort(req_id)
         for endpoint, handoff in outbox.handoffs:
             if not self._delivered(endpoint, handoff):
-                fallout += self.engine.undelivered_handoff(handoff)
+                fallout += self.faults.undelivered_handoff(handoff)
         for endpoint, free in outbox.frees:  # KV-ingress sockets take tensor messages only
             self._delivered(endpoint, free, tensors=[])
         if fallout and retry:
@@ -356,11 +346,11 @@ class EngineWorker:
         now = time.monotonic()
         if now - self._last_report >= LOAD_REPORT_INTERVAL_S:
             self._last_report = now
-            self._send(self.engine.expire(now))
+            self._send(self.faults.expire(now))
             for req_id in self.kv_ports.undelivered():
-                self._send(self.engine.kv_undelivered(req_id))
+                self._send(self.faults.kv_undelivered(req_id))
             for endpoint in self.peers.lost(now):
-                self._send(self.engine.lost_reply_to(endpoint))
+                self._send(self.faults.lost_reply_to(endpoint))
             report = self.engine.load_report(time.time())
             self.load_pub.send(with_cache_digest(report, self.digests, self.engine.blocks))
             self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)
@@ -377,12 +367,20 @@ def with_cache_digest(
     )  # fmt: skip
 
 
-def _engine_config(cfg: WorkerConfig) -> EngineConfig:
-    return EngineConfig(
-        model_path=cfg.model_path,
-        cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_caching),
-        scheduler=SchedulerConfig(
-            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_preemptions, cfg.starvation_s
-        ),
-        attention_backend=cfg.attention_backend,
-    )
+def _options_of(cfg: WorkerConfig) -> MeshOptions:
+    # TODO(options): the worker config carries `MeshOptions` whole once the launchers send it.
+    return MeshOptions(
+        num_blocks=cfg.num_blocks, shard_num_blocks=max(cfg.shard_num_blocks, 1),
+        block_size=cfg.block_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs, max_preemptions=cfg.max_preemptions,
+        starvation_s=cfg.starvation_s, attention_backend=cfg.attention_backend,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        layer_wise_min_tokens=cfg.layer_wise_min_tokens,
+        kv_transfer=cfg.kv_transfer,  # type: ignore[arg-type]
+        shard_partition=cfg.shard_partition,  # type: ignore[arg-type]
+        attention_overlap=cfg.attention_overlap,
+        decode_lanes="auto" if cfg.decode_lanes == 0 else cfg.decode_lanes,
+        local_kv_blocks=cfg.local_kv_blocks if cfg.shard_partition == "head" else 0,
+        tier_policy=cfg.tier_policy, shard_reply_timeout_s=cfg.shard_reply_timeout_s,
+        shard_link_timeout_s=cfg.shard_link_timeout_s,
+    )  # fmt: skip

@@ -203,7 +203,7 @@ class MeshReplica:
                 log.warning("could not mark draining", error=repr(exc))
             deadline = time.monotonic() + drain_s
             # NOTE: bounded wait at shutdown; the engine loop owns the state, we only read a size.
-            while worker.engine.requests and time.monotonic() < deadline:
+            while worker.engine.table.requests and time.monotonic() < deadline:
                 time.sleep(DRAIN_POLL_S)
         if self.group_watch is not None:
             self.group_watch.stop()

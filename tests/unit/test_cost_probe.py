@@ -67,7 +67,7 @@ def test_step_overhead_follows_what_earlier_predictions_missed():
 def test_a_bad_cost_table_stops_the_engine_at_start(tmp_path):
     from types import SimpleNamespace
 
-    from services.engine.tiering import build_tier_policy
+    from services.engine.kv_tiers import build_tier_policy
 
     runner = SimpleNamespace(model=None, backend=None)
     with pytest.raises(ValueError, match="no cost tables"):

@@ -14,12 +14,14 @@ import msgspec
 import structlog
 import torch
 
-from common.config import CacheConfig, EngineConfig
+from common.config import EngineConfig
 from common.engine.core import LLMEngine
 from common.protocol import GenerateRequest, LoadReport, ShardAddress, TokenOutput
 from common.sampling import SamplingParams
-from services.engine.engine import Engine, EngineRole
-from services.engine.faults import HANDOFF_KV_WAIT_S
+from common.mesh_options import MeshOptions
+from common.roles import Role
+from services.engine.engine import Engine
+from services.engine.faults import HANDOFF_KV_WAIT_S, EngineFaults
 from services.engine.outbox import Outbox
 from tests.conftest import random_prompts
 
@@ -36,10 +38,12 @@ class InProcessPair:
     def __init__(self, model_path: Path) -> None:
         self.outputs: dict[str, list[TokenOutput]] = defaultdict(list)
         self.kv: list[tuple] = []
-        self.prompt = Engine("p", EngineRole("prompt", "p-cmd", layer_wise_min_tokens=32),
-                             EngineConfig(str(model_path)), self._ship)  # fmt: skip
-        small = EngineConfig(str(model_path), cache=CacheConfig(block_size=16, num_blocks=8))
-        self.token = Engine("t", EngineRole("token", "t-cmd"), small, self._ship)
+        prompt = MeshOptions(num_blocks=1024, layer_wise_min_tokens=32)
+        self.prompt = Engine.build("p", Role.PROMPT, prompt, str(model_path), self._ship,
+                                   command_endpoint="p-cmd")  # fmt: skip
+        small = MeshOptions(num_blocks=8, block_size=16)
+        self.token = Engine.build("t", Role.TOKEN, small, str(model_path), self._ship,
+                                  command_endpoint="t-cmd")  # fmt: skip
 
     def _ship(self, dest: ShardAddress, pages, k: torch.Tensor, v: torch.Tensor) -> None:
         assert dest.kv_endpoint == "t-kv"
@@ -87,7 +91,7 @@ def test_kv_that_does_not_fit_fails_its_request_alone(tiny_model_path: Path) -> 
     assert large_out[-1].error and large_out[-1].retryable and "no room" in large_out[-1].error
     assert [t for o in pair.outputs["small"] for t in o.token_ids] == expected
     assert pair.outputs["small"][-1].finish_reason == "length"
-    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.requests
+    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.table.requests
 
 
 def test_a_hand_off_whose_kv_never_lands_does_not_hold_the_queue(tiny_model_path: Path) -> None:
@@ -101,7 +105,7 @@ def test_a_hand_off_whose_kv_never_lands_does_not_hold_the_queue(tiny_model_path
     pair.submit("second", second, greedy)
     pair.run()  # "second" waits behind "lost" (FCFS) ...
     assert pair.outputs["second"][-1].finish_reason == ""
-    pair.deliver(pair.token.expire(time.monotonic() + HANDOFF_KV_WAIT_S + 1))
+    pair.deliver(EngineFaults(pair.token).expire(time.monotonic() + HANDOFF_KV_WAIT_S + 1))
     assert pair.outputs["lost"][-1].retryable and "did not arrive" in pair.outputs["lost"][-1].error
     pair.run()  # ... until "lost" is given up
     assert [t for o in pair.outputs["second"] for t in o.token_ids] == expected
@@ -118,14 +122,14 @@ def test_a_lost_router_ends_only_its_own_requests(tiny_model_path: Path) -> None
     pair.deliver(pair.prompt.step())
     while pair.kv:
         pair.deliver(pair.token.on_kv(*pair.kv.pop(0)))
-    pair.deliver(pair.token.lost_reply_to("router-a"))  # router-a's connection stayed down
-    pair.deliver(pair.prompt.lost_reply_to("router-a"))
+    pair.deliver(EngineFaults(pair.token).lost_reply_to("router-a"))  # router-a's connection stayed down
+    pair.deliver(EngineFaults(pair.prompt).lost_reply_to("router-a"))
     assert pair.prompt.load_report(time.time()).received_requests == {"router-b": 1}
     lost = pair.outputs["mine"][-1]
     assert lost.retryable and "lost its router" in lost.error
     pair.run()
     assert [t for o in pair.outputs["theirs"] for t in o.token_ids] == expected
-    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.requests
+    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.table.requests
 
 
 def test_a_requests_decode_load_is_reported_by_one_engine_or_the_other(

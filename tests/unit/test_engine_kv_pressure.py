@@ -11,11 +11,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from common.config import CacheConfig, EngineConfig
+from common.config import EngineConfig
+from common.mesh_options import MeshOptions
+from common.roles import Role
 from common.engine.core import LLMEngine
 from common.protocol import GenerateRequest
 from common.sampling import SamplingParams
-from services.engine.engine import Engine, EngineRole
+from services.engine.engine import Engine
+from services.engine.faults import EngineFaults
 from tests.conftest import random_prompts
 from tests.unit.test_engine_kv_ingress import InProcessPair
 
@@ -53,7 +56,7 @@ def test_hand_offs_that_do_not_fit_wait_or_end_alone(tiny_model_path: Path) -> N
     for req_id in finished:
         assert tokens_of(pair, req_id) == expected[int(req_id[1:])]
     assert pair.token.local.num_preemptions == 0  # nothing was started that did not fit
-    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.requests
+    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.table.requests
     assert not pair.token.admission.waiting and not pair.token.has_work()
 
 
@@ -62,8 +65,9 @@ def test_a_mixed_engine_under_kv_pressure_preempts_and_recomputes(tiny_model_pat
     fit, as the single-process engine does; the tokens are the same. Before, its policy's plan
     counted each admitted prefill without the token it generates, the next prefill took that
     block too, and the step raised `NoFreeBlocksError`."""
-    config = EngineConfig(str(tiny_model_path), cache=CacheConfig(block_size=16, num_blocks=8))
-    engine = Engine("m", EngineRole("mixed", "m-cmd"), config, lambda *args: None)
+    options = MeshOptions(block_size=16, num_blocks=8)
+    engine = Engine.build("m", Role.MIXED, options, str(tiny_model_path), lambda *args: None,
+                          command_endpoint="m-cmd")  # fmt: skip
     prompts = random_prompts([30, 30, 30, 30], vocab=2048, seed=7)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
@@ -79,7 +83,7 @@ def test_a_mixed_engine_under_kv_pressure_preempts_and_recomputes(tiny_model_pat
     assert engine.local.num_preemptions > 0
     expected = single_process_tokens(tiny_model_path, prompts, greedy)
     assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
-    assert engine.blocks.num_used_blocks == 0 and not engine.requests
+    assert engine.blocks.num_used_blocks == 0 and not engine.table.requests
 
 
 def test_a_waiting_hand_off_starts_once_an_abort_frees_its_room(tiny_model_path: Path) -> None:
@@ -93,8 +97,8 @@ def test_a_waiting_hand_off_starts_once_an_abort_frees_its_room(tiny_model_path:
         pair.deliver(pair.token.on_kv(*pair.kv.pop(0)))
     assert [h.req_id for h in pair.token.admission.waiting] == ["second"]  # first may grow
     pair.deliver(pair.token.on_abort("first"))  # its client went away: no step runs after
-    pair.deliver(pair.token.expire(time.monotonic()))  # the worker's next tick (50 ms)
+    pair.deliver(EngineFaults(pair.token).expire(time.monotonic()))  # the worker's next tick (50 ms)
     assert [s.req_id for s in pair.token.local.running] == ["second"]
     pair.run()
     assert tokens_of(pair, "second") == single_process_tokens(tiny_model_path, [second], greedy)[0]
-    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.requests
+    assert pair.token.blocks.num_used_blocks == 0 and not pair.token.table.requests

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.config import EngineConfig
+from common.mesh_options import MeshOptions
+from common.roles import Role
 from common.protocol import AttendResult, DecodeHandoff, KvReadyQuery, SamplingSpec, ShardAddress
-from services.engine.engine import Engine, EngineRole
+from services.engine.engine import Engine
+from services.engine.faults import EngineFaults
 
 SHARDS = [ShardAddress("tcp://s0", 0, 1), ShardAddress("tcp://s1", 1, 2)]
 
@@ -43,8 +45,17 @@ def handoff(req_id: str) -> DecodeHandoff:
 
 def test_a_pulled_request_decodes_once_every_shard_has_its_kv(tiny_model_path):
     links = [NewsLink(), NewsLink()]
-    role = EngineRole("token", "t-cmd", shard_num_blocks=64, kv_transfer="pull")
-    engine = Engine("t", role, EngineConfig(str(tiny_model_path)), lambda *a: None, links, SHARDS)
+    options = MeshOptions(num_blocks=1024, shard_num_blocks=64, kv_transfer="pull")
+    engine = Engine.build(
+        "t",
+        Role.TOKEN,
+        options,
+        str(tiny_model_path),
+        lambda *a: None,
+        command_endpoint="t-cmd",
+        shard_links=links,
+        shards=SHARDS,
+    )
     engine.on_handoff(handoff("a"))
     engine.on_handoff(handoff("b"))
     assert engine.has_work() and not engine.admission.sharded
@@ -59,13 +70,22 @@ def test_a_pulled_request_decodes_once_every_shard_has_its_kv(tiny_model_path):
     assert (reply_to, error.req_id, error.retryable) == ("router", "b", True)
     assert "lost the request's KV" in error.error
     assert sorted(endpoint for endpoint, _ in out.frees) == ["tcp://s0", "tcp://s1"]
-    assert "b" not in engine.requests
+    assert "b" not in engine.table
 
 
 def test_a_pushed_request_decodes_at_once(tiny_model_path):
     links = [NewsLink(), NewsLink()]
-    role = EngineRole("token", "t-cmd", shard_num_blocks=64)
-    engine = Engine("t", role, EngineConfig(str(tiny_model_path)), lambda *a: None, links, SHARDS)
+    options = MeshOptions(num_blocks=1024, shard_num_blocks=64)
+    engine = Engine.build(
+        "t",
+        Role.TOKEN,
+        options,
+        str(tiny_model_path),
+        lambda *a: None,
+        command_endpoint="t-cmd",
+        shard_links=links,
+        shards=SHARDS,
+    )
     engine.on_handoff(handoff("a"))
     assert [s.req_id for s in engine.admission.sharded] == ["a"]
 
@@ -75,12 +95,21 @@ def test_a_shard_dying_mid_pull_ends_the_waiting_request_retryably(tiny_model_pa
     ends retryably and its KV is freed on every shard of the old group (the live ones may have
     pulled it); the prompt engine's hold frees its copy when its lease runs out."""
     links = [NewsLink(), NewsLink()]
-    role = EngineRole("token", "t-cmd", shard_num_blocks=64, kv_transfer="pull")
-    engine = Engine("t", role, EngineConfig(str(tiny_model_path)), lambda *a: None, links, SHARDS)
+    options = MeshOptions(num_blocks=1024, shard_num_blocks=64, kv_transfer="pull")
+    engine = Engine.build(
+        "t",
+        Role.TOKEN,
+        options,
+        str(tiny_model_path),
+        lambda *a: None,
+        command_endpoint="t-cmd",
+        shard_links=links,
+        shards=SHARDS,
+    )
     engine.on_handoff(handoff("a"))
     links[0].landed = ["a"]
     engine.step()  # landed on s0 only; s1 dies before its pull
-    out = engine.relink([], [], "a shard of its group stopped answering")
+    out = EngineFaults(engine).relink([], [], "a shard of its group stopped answering")
     [(_, error)] = out.outputs
     assert (error.req_id, error.retryable) == ("a", True)
     assert sorted(endpoint for endpoint, _ in out.frees) == ["tcp://s0", "tcp://s1"]

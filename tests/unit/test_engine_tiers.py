@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import EngineConfig
+from common.mesh_options import MeshOptions
+from common.roles import Role
 from common.protocol import (
     DecodeHandoff,
     FreeRequest,
@@ -19,9 +20,10 @@ from common.protocol import (
     SamplingSpec,
     ShardAddress,
 )
-from services.engine.engine import Engine, EngineRole
+from services.engine.engine import Engine
+from services.engine.faults import EngineFaults
 from services.engine.outbox import Outbox
-from services.engine.tiers import SWAP_TIMEOUT_S
+from services.engine.kv_swaps import SWAP_TIMEOUT_S
 
 SHARDS = [ShardAddress("s0-kv", 0, 1, "s0-link", "s0", "s0-ucx"),
           ShardAddress("s1-kv", 1, 2, "s1-link", "s1", "s1-ucx")]  # fmt: skip
@@ -40,10 +42,19 @@ class Sent:
 def swapping_out(model_path: Path) -> tuple[Engine, Sent]:
     """A token engine whose one request (local KV) has just started swapping out."""
     sent = Sent()
-    role = EngineRole("token", "t-cmd", local_kv_blocks=64, tier_policy="alternate:1",
-                      kv_address="t-ucx")  # fmt: skip
-    engine = Engine("t", role, EngineConfig(str(model_path)), sent, [object(), object()], SHARDS)  # type: ignore[list-item]
-    mc = engine.model.config
+    options = MeshOptions(num_blocks=1024, local_kv_blocks=64, tier_policy="alternate:1")
+    engine = Engine.build(
+        "t",
+        Role.TOKEN,
+        options,
+        str(model_path),
+        sent,
+        command_endpoint="t-cmd",
+        kv_address="t-ucx",
+        shard_links=[object(), object()],
+        shards=SHARDS,
+    )
+    mc = engine.runner.model.config
     layers, heads = mc.num_hidden_layers, mc.num_key_value_heads
     greedy = SamplingSpec(max_tokens=8, temperature=0.0)
     handoff = DecodeHandoff("r", list(range(10, 30)), 19, greedy, "router", num_kv_layers=layers)
@@ -63,7 +74,7 @@ def assert_ended_retryably_and_freed(engine: Engine, out: Outbox) -> None:
     assert error.error and error.retryable and error.finish_reason == "error"
     frees = {endpoint for endpoint, m in out.frees if isinstance(m, FreeRequest)}
     assert frees == {"s0-kv", "s1-kv"}  # the shards may hold some of it
-    assert engine.blocks.num_used_blocks == 0 and not engine.requests
+    assert engine.blocks.num_used_blocks == 0 and not engine.table.requests
     assert not engine.has_work()
 
 
@@ -73,7 +84,7 @@ def test_a_swap_out_completes_only_when_every_shard_acknowledged(tiny_model_path
     assert engine.blocks.has("r") and not engine.admission.sharded
     engine.on_swap_ack(KvSwapAck("r", 1, 2))
     assert not engine.blocks.has("r") and [s.req_id for s in engine.admission.sharded] == ["r"]
-    assert [e.what for e in engine.kv_events][-1] == "swapped_out"
+    assert [e.what for e in engine.stats().kv_events][-1] == "swapped_out"
 
 
 def test_a_refused_swap_out_ends_its_request_retryably(tiny_model_path):
@@ -88,7 +99,7 @@ def test_a_refused_swap_out_ends_its_request_retryably(tiny_model_path):
 def test_a_swap_cut_off_by_a_lost_shard_ends_its_request_retryably(tiny_model_path, fault):
     engine, _ = swapping_out(tiny_model_path)
     if fault == "stalled":  # a shard died before acknowledging: no answer ever comes
-        out = engine.expire(time.monotonic() + SWAP_TIMEOUT_S + 1)
+        out = EngineFaults(engine).expire(time.monotonic() + SWAP_TIMEOUT_S + 1)
     else:  # the registry dropped a shard: the worker relinks to no group
-        out = engine.relink([], [], "a shard of its group stopped answering")
+        out = EngineFaults(engine).relink([], [], "a shard of its group stopped answering")
     assert_ended_retryably_and_freed(engine, out)

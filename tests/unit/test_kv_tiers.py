@@ -22,7 +22,7 @@ from common.scheduling.tiers import (
     TierState,
     tier_policy,
 )
-from services.engine.tiers import SWAP_TIMEOUT_S, KvSwaps, SwapFailed
+from services.engine.kv_swaps import SWAP_TIMEOUT_S, KvSwaps, SwapFailed
 from services.shard.shard import AttentionShard, ShardSpec
 
 LAYERS, HEADS, DIM, BLOCK = 2, 4, 8, 4

@@ -1,6 +1,6 @@
 """Moving one decode request's KV between a token engine's two tiers (Neo §3): its own local KV
 and its attention-shard group. `KvSwaps` does the moves; which request moves when is a pure
-`TierPolicy`'s call (common/scheduling/tiers.py), made by the engine (`tiering.py`).
+`TierPolicy`'s call (common/scheduling/tiers.py), made by the engine's `KvTiers` (`kv_tiers.py`).
 
 - swap-out (local -> shards): the request's local KV (every layer, the tokens it computed) goes
   to every shard of the group, layer by layer, each shard its heads (as `KvShipper` splits them),
