@@ -221,7 +221,9 @@ class EngineTelemetry:
             trace.traceparent = context_of(trace.span)
         return trace
 
-    def step_done(self, trace: StepTrace, round_trips: Sequence[tuple[int, float]] | None) -> None:
+    def step_done(
+        self, trace: StepTrace, round_trips: Sequence[tuple[int, float]] | None = None
+    ) -> None:
         """The step ran: end its `token.step` span, record its round trips if they are due."""
         if trace.span is not None:
             trace.span.end()

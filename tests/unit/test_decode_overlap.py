@@ -134,9 +134,10 @@ def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | N
     addresses = [ShardAddress("s0", 0, half), ShardAddress("s1", half, mc.num_key_value_heads)]
     links = links if links is not None else []
     links += [InProcessLink(s, fail_lane, lane_swap) for s in shards]
-    runner = make_runner(model, MeshModelRunner, shard_links=links, shards=addresses)
-    runner.attention_overlap, runner.decode_lanes = overlap, lanes
-    runner.auto_lanes, runner.model_peers = auto_lanes, model_peers
+    runner = make_runner(model, MeshModelRunner, shard_links=links, shards=addresses,
+                         attention_overlap=overlap, decode_lanes=lanes)  # fmt: skip
+    runner.auto_lanes = auto_lanes  # a test's own, to see what it chooses from
+    runner.model_peers = model_peers  # linked after start, as a worker links them
 
     def send(dest: ShardAddress, header: KvPages, k: torch.Tensor, v: torch.Tensor) -> None:
         shards[addresses.index(dest)].receive_kv(header, k, v)
@@ -157,7 +158,7 @@ def greedy_sharded(model, prompts, overlap: bool, lanes: int, fail_lane: int | N
         if between_steps is not None:
             between_steps(step)
         plan = runner.plan_decode([], seqs, tokens, step)
-        logits = runner.run(plan)
+        logits = runner.run_decode(plan).logits
         steps.append(logits)
     return [tokens[s.req_id] for s in seqs], steps, links
 

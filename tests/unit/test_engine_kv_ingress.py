@@ -16,10 +16,10 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.core import LLMEngine
-from common.protocol import GenerateRequest, LoadReport, ShardAddress, TokenOutput
-from common.sampling import SamplingParams
 from common.mesh_options import MeshOptions
+from common.protocol import GenerateRequest, LoadReport, ShardAddress, TokenOutput
 from common.roles import Role
+from common.sampling import SamplingParams
 from services.engine.engine import Engine
 from services.engine.faults import HANDOFF_KV_WAIT_S, EngineFaults
 from services.engine.outbox import Outbox
@@ -122,7 +122,9 @@ def test_a_lost_router_ends_only_its_own_requests(tiny_model_path: Path) -> None
     pair.deliver(pair.prompt.step())
     while pair.kv:
         pair.deliver(pair.token.on_kv(*pair.kv.pop(0)))
-    pair.deliver(EngineFaults(pair.token).lost_reply_to("router-a"))  # router-a's connection stayed down
+    pair.deliver(
+        EngineFaults(pair.token).lost_reply_to("router-a")
+    )  # router-a's connection stayed down
     pair.deliver(EngineFaults(pair.prompt).lost_reply_to("router-a"))
     assert pair.prompt.load_report(time.time()).received_requests == {"router-b": 1}
     lost = pair.outputs["mine"][-1]

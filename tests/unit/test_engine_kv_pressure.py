@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 from common.config import EngineConfig
-from common.mesh_options import MeshOptions
-from common.roles import Role
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.protocol import GenerateRequest
+from common.roles import Role
 from common.sampling import SamplingParams
 from services.engine.engine import Engine
 from services.engine.faults import EngineFaults
@@ -97,7 +97,9 @@ def test_a_waiting_hand_off_starts_once_an_abort_frees_its_room(tiny_model_path:
         pair.deliver(pair.token.on_kv(*pair.kv.pop(0)))
     assert [h.req_id for h in pair.token.admission.waiting] == ["second"]  # first may grow
     pair.deliver(pair.token.on_abort("first"))  # its client went away: no step runs after
-    pair.deliver(EngineFaults(pair.token).expire(time.monotonic()))  # the worker's next tick (50 ms)
+    pair.deliver(
+        EngineFaults(pair.token).expire(time.monotonic())
+    )  # the worker's next tick (50 ms)
     assert [s.req_id for s in pair.token.local.running] == ["second"]
     pair.run()
     assert tokens_of(pair, "second") == single_process_tokens(tiny_model_path, [second], greedy)[0]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from common.mesh_options import MeshOptions
-from common.roles import Role
 from common.protocol import AttendResult, DecodeHandoff, KvReadyQuery, SamplingSpec, ShardAddress
+from common.roles import Role
 from services.engine.engine import Engine
 from services.engine.faults import EngineFaults
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from common.mesh_options import MeshOptions
-from common.roles import Role
 from common.protocol import (
     DecodeHandoff,
     FreeRequest,
@@ -20,10 +19,11 @@ from common.protocol import (
     SamplingSpec,
     ShardAddress,
 )
+from common.roles import Role
 from services.engine.engine import Engine
 from services.engine.faults import EngineFaults
-from services.engine.outbox import Outbox
 from services.engine.kv_swaps import SWAP_TIMEOUT_S
+from services.engine.outbox import Outbox
 
 SHARDS = [ShardAddress("s0-kv", 0, 1, "s0-link", "s0", "s0-ucx"),
           ShardAddress("s1-kv", 1, 2, "s1-link", "s1", "s1-ucx")]  # fmt: skip

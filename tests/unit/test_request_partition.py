@@ -75,7 +75,7 @@ class EchoLink:
 
 
 def test_each_shard_gets_only_its_requests_rows_and_their_outputs_land_in_their_rows():
-    from services.engine.runner import MeshModelRunner, ShardedRows, StepPlan
+    from services.engine.runner import MeshModelRunner, ShardedRows, StepPlan, StepResult
 
     links = [EchoLink(), EchoLink(), EchoLink()]
     shards = [ShardAddress(f"tcp://s{i}", 0, 2) for i in range(3)]
@@ -89,7 +89,7 @@ def test_each_shard_gets_only_its_requests_rows_and_their_outputs_land_in_their_
     )  # fmt: skip
     q = torch.arange(n, dtype=torch.float32).view(n, 1, 1).expand(n, 4, 8).contiguous()
     kv = torch.randn(n, 2, 8)
-    out = runner.attend(0, q, kv, kv.clone(), plan)
+    out = runner._attend_sharded(0, q, kv, kv.clone(), plan, StepResult(torch.empty(0)))
     assert torch.equal(out, q)  # every row's output came back to its own row
     (h0, t0), (h1, _) = links[0].sent[0], links[1].sent[0]
     assert (h0.req_ids, h0.context_lens, h1.req_ids) == (["a", "c"], [5, 7], ["b"])

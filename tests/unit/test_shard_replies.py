@@ -12,7 +12,13 @@ import torch
 
 from common.protocol import AttendBatch, AttendResult, ShardAddress
 from common.scheduling.batching import Phase
-from services.engine.runner import MeshModelRunner, ShardedRows, ShardLinkFault, StepPlan
+from services.engine.runner import (
+    MeshModelRunner,
+    ShardedRows,
+    ShardLinkFault,
+    StepPlan,
+    StepResult,
+)
 
 N, HQ, HKV, D = 3, 4, 2, 8
 
@@ -45,7 +51,7 @@ class ScriptedLink:
         return AttendResult(step, header.layer, error, failed), out
 
 
-def attend(*scripts: str) -> tuple[torch.Tensor, StepPlan]:
+def attend(*scripts: str) -> tuple[torch.Tensor, StepResult]:
     links = [ScriptedLink(s, float(i + 1)) for i, s in enumerate(scripts)]
     shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(len(links))]
     runner = MeshModelRunner(None, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
@@ -55,19 +61,20 @@ def attend(*scripts: str) -> tuple[torch.Tensor, StepPlan]:
         torch.zeros(0, 1), torch.zeros(0), torch.arange(N), num_local=0, sharded=rows,
     )  # fmt: skip
     q, kv = torch.randn(N, HQ, D), torch.randn(N, HKV, D)
-    return runner._attend_split(0, q, kv, kv.clone(), plan, rows), plan
+    result = StepResult(torch.empty(0))
+    return runner._attend_sharded(0, q, kv, kv.clone(), plan, result), result
 
 
 def test_each_shards_heads_land_in_place():
-    out, plan = attend("ok", "ok")
+    out, result = attend("ok", "ok")
     group = HQ // HKV
     assert torch.all(out[:, :group] == 1.0) and torch.all(out[:, group:] == 2.0)
-    assert plan.failed == set()
+    assert result.failed == set()
 
 
 def test_requests_a_shard_could_not_attend_for_are_named_not_raised():
-    _, plan = attend("ok", "failed_b")
-    assert plan.failed == {"b"}  # the engine ends b alone; a and c go on
+    _, result = attend("ok", "failed_b")
+    assert result.failed == {"b"}  # the engine ends b alone; a and c go on
 
 
 @pytest.mark.parametrize(
@@ -97,5 +104,5 @@ def test_a_stale_reply_leaves_no_reply_queued():
                     sharded=rows)  # fmt: skip
     kv = torch.randn(1, HKV, D)
     with pytest.raises(ShardLinkFault, match="step 2 layer 0 lane 0, expected step 3"):
-        runner._attend_split(0, torch.randn(1, HQ, D), kv, kv.clone(), plan, rows)
+        runner._attend_sharded(0, torch.randn(1, HQ, D), kv, kv.clone(), plan, StepResult(kv))
     assert [link.received for link in links] == [1, 1]  # the good shard's reply was read too

@@ -83,11 +83,11 @@ def build(model_path) -> tuple[MeshModelRunner, list[Sequence], list[Sequence], 
 
 def test_two_sub_batches_interleaved_per_layer_give_the_one_batch_logits(tiny_model_path):
     runner, local, sharded, token_ids = build(tiny_model_path)
-    one = runner.run(runner.plan_decode(local, sharded, token_ids, step=1))
+    one = runner.run_decode(runner.plan_decode(local, sharded, token_ids, step=1)).logits
     runner, local, sharded, token_ids = build(tiny_model_path)  # the same state, afresh
-    plan = runner.plan_decode(local, [], token_ids, step=1)
-    plan.batch_1 = runner.plan_decode([], sharded, token_ids, step=1)
-    two = runner.run(plan)
+    plan = runner.plan_decode(local, sharded, token_ids, step=1, two_batches=True)
+    assert plan.batch_1 is not None and plan.num_local == len(local)
+    two = runner.run_decode(plan).logits
     assert two.shape == one.shape == (4, runner.model.config.vocab_size)
     torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-4)
     assert torch.equal(two.argmax(-1), one.argmax(-1))
