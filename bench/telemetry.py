@@ -1,4 +1,4 @@
-"""What telemetry costs on the decode path, measured side by side in one run on this machine.
+"""What telemetry costs on the decode path, measured side by side in one run.
 
     python bench/telemetry.py [--rounds 40] [--batch 8] [--tokens 24] [--exporter jsonl]
 
