@@ -32,8 +32,8 @@ Also printed: quiet gaps, which touch no newcomer at all. Figures are medians ov
 the per-window mean (and max), at the mesh's own client.
 
 The last line is JSON with the ratios and `targets`: pull's isolated admission gap within 10% of
-the gap with no admission. Timings on a shared 2-core machine are noisy: the load average is
-printed beside them.
+the gap with no admission. Timings on a shared machine with few cores are noisy: the load
+average is printed beside them.
 """
 
 from __future__ import annotations

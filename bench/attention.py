@@ -4,22 +4,21 @@ Measures, in one run (the machine is shared, so only same-run ratios mean anythi
 - memory bandwidth as issue 3 defines it: a large copy, bytes read plus bytes written per second.
   Two ordinary large copies are timed and the faster one is the ceiling: torch's `copy_` and a
   C copy (streaming stores per thread, so the bytes moved are the bytes counted). A C read probe
-  (8 interleaved streams per thread with software prefetch, the fastest read-only pattern
-  measured here) is reported beside it, with the kernel's ratio to it: on these VMs a copy with
-  streaming stores moves ~1.3-1.45x the bytes per second that any read-only stream reaches, so
-  the copy is the stricter ceiling;
+  (8 interleaved streams per thread with software prefetch, the fastest read-only pattern found)
+  is reported beside it, with the kernel's ratio to it: a copy with streaming stores moves more
+  bytes per second than any read-only stream reaches, so the copy is the stricter ceiling;
 - the kernel's effective bandwidth (K/V bytes it must read / time) at 1 and 2 threads, for
   batch 32 x context 2048 and batch 1 x context 32768, GQA 4:1 and MHA, float32 and bfloat16,
   on a shuffled block table (paged) and on one block table in order (contiguous);
 - torch's best path on the same data gathered contiguously: the faster of
   scaled_dot_product_attention and matmul -> softmax(float32) -> matmul with GQA by reshaping q.
-Every buffer is allocated and touched before timing and reused (first touch runs at ~0.35 GB/s
-here, and allocations over 32 MiB fault again on every call). Each figure is the median of
+Every buffer is allocated and touched before timing and reused (a first touch is slow, and
+allocations over 32 MiB fault again on every call). Each figure is the median of
 `--repeats` calls after two warm-up rounds, timed round-robin with the copy probes at the same
 thread count, so each case's ceiling is measured under the same load as the kernel. Nothing is
 timed from cache: the calls rotate over as many KV sets as it takes to cover twice the last-level
-cache, and the probes' buffers are twice its size too (machines here have reported 32 MiB and
-480 MiB of L3; with two 34 MB sets on the latter the kernel read 27-31 GB/s, with 24 sets 20.5).
+cache, and the probes' buffers are twice its size too (last-level caches range from tens to
+hundreds of MiB, and a run that fits in one reads far faster than memory allows).
 The last line is one JSON object with the figures, the ratios kernel/memory-bandwidth (the
 copy ceiling above), kernel/read-probe, kernel/torch-best and paged/contiguous, `targets` and
 `targets_met` (each target against its worst case).
@@ -60,11 +59,8 @@ TARGETS["paged_over_contig"] = 0.85
 # Issue 20 item 3: at 2 threads the kernel reads K/V at >= 0.80 of the same-run read probe on
 # every shape (GQA like MHA: a K/V byte serving 4 query heads costs no more time), and it is
 # never slower than torch's best path on the same data.
-# Measured on three machine kinds (docs in csrc/fragment_kernel.h): met on MHA shapes, not on GQA
-# bf16 (AMD EPYC 2 vCPUs 0.55-0.78 across runs; a 16-core Intel Xeon host 0.66; a 2-vCPU Intel
-# Xeon, Emerald Rapids, 0.61-0.69, where GQA float32 reads 0.73-0.80 since its V pass went to 4
-# rows at a time, and MHA 0.78-1.05; a cpu-clock profile there put ~40% of the bf16 GQA kernel's
-# samples right after its prefetch instructions, 2026-11-27).
+# The MHA shapes meet it; GQA bfloat16 falls short of it (csrc/fragment_kernel.h's notes say
+# where its time goes), and docs/benchmarks.md keeps the figures per machine.
 TARGETS["kernel_over_read_2t"] = 0.80
 TARGETS["over_torch"] = 1.0
 # summary key (the worst case) -> target key; every target is a lower bound

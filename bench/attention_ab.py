@@ -1,6 +1,6 @@
 """Paired A/B of two builds of the csrc decode-attention kernel, in one process.
 
-The shared 2-core machine runs at load 5-15, so timings from two separate runs differ by more
+On a shared machine the load comes and goes, so timings from two separate runs differ by more
 than the few percent a kernel change is worth. This tool builds each source tree as its own
 module (`phasemesh_attention_kernel_<tag>`, its own nanobind domain and C++ namespace, so both
 load side by side), then times the two kernels call by call, alternating which goes first, on the
@@ -8,8 +8,8 @@ same KV sets (rotated over 256 MiB, so nothing is timed from cache), with the C 
 each pair. It prints medians and minima of kernel/read-probe per build and the speed ratio b/a.
 
 With `--clock thread` and 1 thread the kernel runs on the calling thread and is timed in CPU
-time, which leaves out the time the scheduler gives to other processes: on this machine at load
-8-12 two identical builds then agree within ~2% (wall-clock medians: within ~30%).
+time, which leaves out the time the scheduler gives to other processes: under load two identical
+builds then agree far more closely than their wall-clock medians do.
 
     PYTHONPATH=. .venv/bin/python bench/attention_ab.py BASE_CSRC_DIR csrc \
         --shapes gqa_b32,mha_b32 --dtypes float32 --threads 1 --clock thread

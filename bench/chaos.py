@@ -5,7 +5,7 @@ with the same slice and no faults, in one run.
 
 Starts `serve run deploy/local.yaml` on a free port (as the e2e tests do), then replays the first
 `--seconds` of the Azure conversation trace twice through the OpenAI API (loadgen's open-loop
-replay, token counts scaled by `--token-scale` so the tiny model keeps up on 2 cores):
+replay, token counts scaled by `--token-scale` so the tiny model keeps up on a few cores):
 
 1. no faults;
 2. every `--kill-every` seconds, SIGKILL a random replica of a random role (PromptEngine,

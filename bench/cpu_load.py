@@ -5,9 +5,9 @@ GCS, the Serve controller, the proxy) and the Router's own threads run on the sa
 hundreds of times a second. `BurstLoad(cores)` stands in for them with nothing of theirs: a few
 processes that each spin for `burst_us`, then sleep, so that together they keep `cores` cores
 busy on average. The in-process engine measured beside it answers what the served path's ratio
-can reach at best on this machine once that much CPU is taken by others, whatever the front end
-does: an engine whose threads meet at OpenMP barriers loses more than the CPU it is denied,
-because while one of its threads is preempted the others wait at the next barrier.
+can reach at best on the machine it runs on once that much CPU is taken by others, whatever the
+front end does: an engine whose threads meet at OpenMP barriers loses more than the CPU it is
+denied, because while one of its threads is preempted the others wait at the next barrier.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 
 BURST_US = 300.0  # a Ray thread's wake-up or a client's request: a few hundred microseconds
-PROCESSES = 2  # one per vCPU of the machines this is run on: bursts land on either core
+PROCESSES = 2  # so that bursts can land on two cores at once
 
 
 def _burn(burst_s: float, sleep_s: float, parent_pid: int) -> None:

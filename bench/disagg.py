@@ -27,12 +27,13 @@ The last line is one JSON object: the figures, shards/local TBT ratios, n = 2 ag
 
 Which model decides the ratio: Lamina's budget assumes a layer's dense compute dwarfs a network
 round trip. The default `small` preset (12 layers, hidden 768, ~100 M parameters; written on first
-use) computes a layer in ~4.5 ms at batch 8 on the session-14 VM, against 0.6-0.8 ms for a
-layer's visit to two shards. `--model tiny` (4 layers, hidden 256) computes a layer in ~0.4 ms, so
-its ratio stays above 1.4 even with zero software cost: a model for tests, not for this budget.
-On this 2-vCPU machine the engine and its shards share two cores: overlap and lanes can only
-reclaim the engine's idle time (the breakdown's idle_ms), not run attention beside dense compute
-on hardware of its own as Lamina's separate machines do.
+use) takes several times as long to compute a layer as a layer's visit to two shards takes.
+`--model tiny` (4 layers, hidden 256) computes a layer in less than that visit, so its ratio
+stays high even with zero software cost: a model for tests, not for this budget (the breakdown
+printed shows both).
+Where the engine and its shards share a few cores, overlap and lanes can only reclaim the
+engine's idle time (the breakdown's idle_ms), not run attention beside dense compute on hardware
+of its own as Lamina's separate machines do.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def judge(figures: dict, batches: list[int]) -> dict:
             if column != ROTATION
         ),
     }
-    why = ("2 vCPUs shared by every process: the shards' attention and the engine's dense part "
+    why = ("the cores shared by every process: the shards' attention and the engine's dense part "
            "take turns on the same cores, so overlapping them saves only what was idle; the "
            "breakdown's idle_ms is the most overlap or a second lane can win here")  # fmt: skip
     return {"tbt_ratio_shards_local": ratios, "n2_vs_n1_at_batch": {big: gains},

@@ -17,7 +17,7 @@ And the whole dense part of a step (every layer's pre-attention and `post_attent
 skipped: its output is q) with the fused and the packed split pre-attention, the step's "model"
 time of bench/disagg.py's breakdown less the runner's Python.
 
-`--threads 1` is the engine's default on this 2-core machine (every core but one). Targets:
+`--threads 1` is the engine's default on a 2-core machine (every core but one). Targets:
 split_packed / fused <= 1.10 at every row count (the halves cost what the fused call costs),
 split_packed / split_before < 1 (the packed halves are faster than the F.linear ones), and the
 dense step with the packed halves within 1.05x of the fused one. The last line is one JSON

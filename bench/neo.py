@@ -28,7 +28,7 @@ sub-batches, and per iteration the policy's predicted step time against the meas
 relative error, target <= 15%; `neo` only: `fill_local` predicts nothing); and greedy outputs
 equal between the arms at the lowest rate. The last line is one JSON object.
 
-NOTE: on a 2-core machine shared with other work, the shards' attention runs on the same cores as
+NOTE: on a machine with few cores shared with other work, the shards' attention runs on the cores of
 the token engine: the "hidden" offload is not free there, and timings are noisy (loadavg beside).
 """
 

@@ -76,7 +76,7 @@ def fit_prefill(
     slope, intercept = statistics.linear_regression(lens, fastest)
     slope, intercept = max(slope, 1e-6), max(intercept, 0.0)
     prefill = PiecewiseLinear((0.0, 4096.0), (intercept, intercept + slope * 4096))
-    # The token machine's decode step (not compared; the tiny mesh's TBT p50 is 22-44 ms,
+    # The token machine's decode step (not compared; of the tiny mesh's TBT's order,
     # docs/simulator.md). NOTE: never 0: a decode run is cut at iteration boundaries.
     decode = PiecewiseLinear((1.0, 64.0), (0.03, 0.03))
     return PerfModel(prefill, decode)

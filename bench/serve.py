@@ -217,7 +217,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     print(f"preset {args.preset}, batches {batches}, {tokens} tokens, {threads} torch threads, "
           f"load {os.getloadavg()}")  # fmt: skip
-    # The client's own full collections (torch and ~300,000 objects here: 164 ms one) would land
+    # The client's own full collections (torch and hundreds of thousands of objects) would land
     # in the served figures; Serve freezes its replicas' heaps likewise (common/gc_heap.py).
     freeze_startup_heap()
     app_args = {"model": args.preset, "served_model_name": args.preset}

@@ -1,4 +1,4 @@
-"""What telemetry costs on the decode path, measured side by side in one run on this machine.
+"""What telemetry costs on the decode path, measured side by side in one run.
 
     python bench/telemetry.py [--rounds 40] [--batch 8] [--tokens 24] [--exporter jsonl]
 
@@ -29,8 +29,8 @@ the results (target < 1.05):
   request or periodic, never per token, and run in both arms);
 - `tbt_ratio_on_off`: traced / off, everything on against everything off, across two meshes;
 - `tbt_ratio_mesh_bias`: untraced / off, what the two meshes differ by without tracing. On a
-  shared 2-core machine two identical meshes differ by several percent either way (run twice and
-  it moves), so `on_off` carries that bias; `tracing` does not.
+  shared machine with few cores two identical meshes differ by several percent either way (run
+  twice and it moves), so `on_off` carries that bias; `tracing` does not.
 
 NOTE: other people's work on a shared machine moves single rounds by tens of percent, hence many
 short rounds and medians of paired ratios. The bench also measures the work itself: the CPU time

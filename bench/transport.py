@@ -46,7 +46,7 @@ from services.launch.core_pinning import pin_this_process  # noqa: E402
 NUM_SEQS, NUM_HEADS, HEAD_DIM = 32, 2, 64
 # A per-layer round trip over UCX within 1.5x of plain zmq's (shared/reference/
 # performance-limits.md, row 4). CURVE: a control message's round trip within 1.5x of plain zmq's;
-# its bulk rate is the cipher's (~1 GB/s a core here), a guard against falling further while KV
+# its bulk rate is the cipher's (a core's worth), a guard against falling further while KV
 # pages still travel over ZeroMQ (issue 25 moves them to UCX, authenticated but not encrypted).
 TARGETS = {
     "ucx_rtt_vs_plain_zmq": 1.5,
@@ -244,9 +244,9 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    # Where the two ends run decides the round trip more than the transport does (on the
-    # session-14 VM a cross-core hand-off costs ~50 us more each way than a same-core one); left
-    # to the OS, each transport would draw its own placement.
+    # Where the two ends run decides the round trip more than the transport does (a cross-core
+    # hand-off costs more each way than a same-core one); left to the OS, each transport would
+    # draw its own placement.
     available = sorted(os.sched_getaffinity(0))
     client_core, server_core = args.cores or (available[-1], available[0])
     pin = len(available) > 1 or args.cores is not None

@@ -28,7 +28,7 @@ class KVCache:
         dtype: torch.dtype,
     ) -> None:
         self.block_size = block_size
-        # NOTE: torch.zeros touches every page now; a first touch mid-decode costs ~3 s per GiB.
+        # NOTE: torch.zeros touches every page now; a first touch mid-decode would stall its step.
         self.key = torch.zeros(
             num_layers, num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype
         )

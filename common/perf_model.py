@@ -8,9 +8,10 @@ extrapolate linearly past the last profiled point. A mixed iteration (prompts an
 batch) costs the prefill of all its tokens times a small interference factor, as in the Splitwise
 simulator.
 
-The profile table is `/work/shared/perf/splitwise_perf_model.csv` (columns `model, hardware,
-prompt_size, batch_size, token_size, ..., prompt_time, token_time, ..., tensor_parallel`, times in
-milliseconds); `bench/profile.py` writes the same table for PhaseMesh's own engine.
+The profile table is Splitwise's `splitwise_perf_model.csv` (`loadgen.sim.config.profile_path`
+finds it; columns `model, hardware, prompt_size, batch_size, token_size, ..., prompt_time,
+token_time, ..., tensor_parallel`, times in milliseconds); `bench/profile.py` writes the same
+table for PhaseMesh's own engine.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tokenizer: a Hugging Face `tokenizer.json` plus the chat template from `tokenizer_config.json`.
 
 `build_byte_level_bpe` makes the default model's tokenizer: byte-level BPE, so any UTF-8 text
-round-trips, trained on a seeded synthetic corpus because no text corpus can be downloaded here.
+round-trips, trained on a seeded synthetic corpus so that building it needs no download.
 """
 
 from __future__ import annotations

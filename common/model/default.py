@@ -24,7 +24,7 @@ from common.config import env
 from common.tokenizer import BOS, EOS, EOT, LLAMA3_CHAT_TEMPLATE, build_byte_level_bpe
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Fast on 2 cores: 3.4 M parameters.
+    # Small enough for a few CPU cores: 3.4 M parameters.
     "tiny": dict(
         vocab_size=2048,
         hidden_size=256,

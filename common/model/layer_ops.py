@@ -1,7 +1,7 @@
 """A decoder layer's small elementwise steps, fused in C++ where the csrc extension is built.
 
-At decode shapes every torch op costs several microseconds here, and RMSNorm, RoPE and SwiGLU are
-several ops each, paid per layer per step (csrc/layer_ops.cpp says what was measured). These
+At decode shapes every torch op costs microseconds of dispatch, and RMSNorm, RoPE and SwiGLU are
+several ops each, paid per layer per step (bench/engine.py prints the step's breakdown). These
 functions take the extension's one-pass versions for contiguous float32 tensors and fall back to
 the torch formulas, which are the reference, for anything else (bfloat16, an unbuilt extension).
 """

@@ -7,10 +7,9 @@ Two packed paths avoid both:
 
 - float32 (the default): the csrc extension's GEMM (`csrc/linear_kernel.h`) on a weight packed
   into column panels. Every output is one FMA chain over the inputs in order, whatever the row
-  count or thread split, so a row's result depends on that row alone by construction. It costs a
-  few microseconds a call where oneDNN through torch costs 20-40 (its primitive is set up again on
-  every call), and ran the tiny model's projections faster than oneDNN and MKL at 1 to 32 rows on
-  a 2-vCPU Xeon (bench/engine.py prints the breakdown; numbers in the kernel's NOTE).
+  count or thread split, so a row's result depends on that row alone by construction. Its call
+  overhead is small (oneDNN through torch sets its primitive up again on every call), which at
+  decode row counts makes it faster than both oneDNN and MKL (bench/engine.py prints the breakdown).
 - bfloat16, or float32 without the extension: oneDNN's matmul on a weight reordered once (the
   layout torch.compile's CPU freezing pass uses); its rows do not depend on the batch either.
 
@@ -25,8 +24,8 @@ the fused QKV's q rows before its k/v rows). The kernel runs a slice that starts
 boundary on the fused panels themselves; any other slice, and any oneDNN slice (oneDNN cannot run
 a column range of a packed weight), gets a packed copy of its own rows on first use (`pack_rows`,
 `LlamaDecoderLayer.pack_halves` do it at start-up). Packing on first use keeps the memory off
-every engine that never splits. A slice's outputs equal the fused ones bitwise on both paths
-(the kernel's by construction, oneDNN's as measured on this machine).
+every engine that never splits. A slice's outputs equal the fused ones to 1e-5, the contract
+(the kernel's bitwise, by construction).
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ PANEL_WIDTH: int = _EXT.linear_panel_width() if hasattr(_EXT, "linear_panel_widt
 # Which weight dtypes get a oneDNN copy: its float32 and bfloat16 matmuls.
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # Below this many rows, MKL's GEMM on the column-major weight beats oneDNN's fixed call cost
-# (measured at 1 row: 64 vs 84 us for the tiny model's five projections on 2 threads). The
-# kernel's panels take every row count.
+# (a single row is too little work to pay for it). The kernel's panels take every row count.
 MIN_PACKED_ROWS = 2
 _F32 = torch.float32
 

@@ -64,7 +64,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         # NOTE: on the CPU even where the model's skeleton is built on the meta device
         # (`load_model`): the tables are not in the checkpoint, and ops on meta tensors go through
-        # torch's Python reference ops, whose first call imports torch._dynamo (1.2-1.5 s).
+        # torch's Python reference ops, whose first call imports torch._dynamo, a slow import that
+        # every start-up would pay.
         with torch.device("cpu"):
             inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
             positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)

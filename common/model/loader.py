@@ -128,9 +128,9 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
     """The same [out, in] matrix, its storage laid out as [in, out] (so `weight.t()` is contiguous).
 
     NOTE: `F.linear(x, w)` computes x @ w.T. With w row-major, MKL runs a transposed-B GEMM, which
-    at decode shapes (a few dozen rows) is 2.5-3x slower on 2 threads here than the plain GEMM it
-    runs when w.T is contiguous (measured: [32, 256] x [256, 1536] 430-470 us vs 160-190 us;
-    1 thread about even). Same values, same memory, same state_dict names: only the strides move.
+    at decode shapes (a few dozen rows) and more than one thread is several times slower than the
+    plain GEMM it runs when w.T is contiguous (on one thread the two are about even). Same values,
+    same memory, same state_dict names: only the strides move.
     """
     return weight.t().contiguous().t()
 

@@ -166,7 +166,7 @@ class EngineScheduler:
 
     def schedule(self) -> Batch | None:
         """The next batch: the rest of the current plan, else the first of a new plan; None when
-        there is nothing this machine can run now."""
+        there is nothing to run now."""
         while self._rest:
             batch = self._rest.popleft()
             if batch.seqs:

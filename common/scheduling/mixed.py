@@ -64,13 +64,13 @@ class MixedPolicyConfig:
 
 @dataclass(eq=False)
 class SeqState:
-    """One request on this machine. Its KV holds `prompt_len + generated` tokens; a prefill here
+    """One request on the machine. Its KV holds `prompt_len + generated` tokens; a prefill here
     computes `prompt_len + gen_base` (the prompt, plus the generated tokens after a preemption)."""
 
     req_id: ReqId
     prompt_len: int
     arrival_s: float
-    order: int = 0  # arrival order on this machine: breaks ties between equal arrival times
+    order: int = 0  # arrival order on the machine: breaks ties between equal arrival times
     num_preemptions: int = 0
     gen_base: int = 0
     join_step: int = 0
@@ -107,7 +107,7 @@ class MixedBatchPolicy:
         self.arrived_decodes: deque[SeqState] = deque()  # KV landed from elsewhere, FCFS
         self.running: dict[ReqId, SeqState] = {}
         self.pending_prompt_tokens = 0  # prefill tokens waiting (prompts and resumes)
-        self.external_blocks = 0  # KV blocks of this machine held outside this policy
+        self.external_blocks = 0  # KV blocks of the machine held outside this policy
         self.num_preemptions = 0  # in all, for metrics and tests
         self._kv_offset = 0  # sum over running of (prompt_len + gen_base - join_step)
         self._prefilling: set[ReqId] = set()
@@ -125,7 +125,7 @@ class MixedBatchPolicy:
     ) -> None:
         """A request prefilled elsewhere (first token generated there), `prompt_len` tokens before
         that token. In the simulator its KV lands here when memory allows (FCFS); an engine's
-        arrives before the hand-off (`resident`: already in this machine's blocks), so it joins
+        arrives before the hand-off (`resident`: already in the machine's blocks), so it joins
         the running decodes at once."""
         seq = SeqState(req_id, prompt_len, arrival_s, next(self._order), gen_base=1,
                        waiting_since_s=now)  # fmt: skip

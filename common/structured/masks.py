@@ -35,8 +35,8 @@ def apply_masks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None])
     forbidden = np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     forbidden = forbidden.view(np.bool_)  # [R, vocab]
     if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
-        # NOTE: through numpy, in place: a torch op costs ~10 us of dispatch, which on a small
-        # vocabulary is most of the mask's cost; the array shares the tensor's memory.
+        # NOTE: through numpy, in place: a torch op's dispatch, on a small vocabulary, is most of
+        # the mask's cost; the array shares the tensor's memory.
         view = logits.detach().numpy()
         for k, (row, _) in enumerate(grammar_rows):
             np.copyto(view[row], -np.inf, where=forbidden[k])

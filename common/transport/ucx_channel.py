@@ -8,22 +8,21 @@ Two wire forms, chosen per message by size:
   last send is done, and received into a buffer that is always pre-posted. Tensors may be strided
   (a token engine's head slices): each is copied into or out of the message in one pass.
   Per-layer q / attention-output messages take this form: one message per direction is the
-  cheapest round trip here (each extra UCX message costs a wake-up on 2 vCPUs: two messages per
-  direction measured 3-5x slower than one), and the two memcpys of <= 192 KiB cost microseconds.
+  cheapest round trip (each extra UCX message costs a thread wake-up, dearer on a few busy cores
+  than a copy), and the two memcpys of <= 192 KiB cost microseconds.
 - zero-copy (larger): the envelope message, then one tag message per tensor sent straight from the
   tensor's memory and received straight into the destination (UCX rendezvous: no copy at all).
 
 Why the core API, progressed by the calling thread in UCX's blocking mode: the engine's loop is a
-plain thread running torch, and on this 2-vCPU VM each wake-up of a blocked thread costs ~25 us and
+plain thread running torch, and on a few cores each wake-up of a blocked thread is costly and
 spinning starves the model. A caller waiting on a request runs `progress_worker_event`, which
 progresses the worker and, when nothing is left, sleeps in `epoll_wait` on the worker's event fd:
 one wake-up per message, as with a blocking socket, and no busy-polling. The alternatives cost more
 hops: ucxx's progress thread hands completions to Python only through asyncio futures (progress
-thread -> notifier thread -> event loop -> caller; >10 us per asyncio task, ucxx issue #305) or by
-spinning on `request.completed` (ucxx-core's default thread mode measured ~2.4-4 ms RTT here); the
-ucxx asyncio API adds tasks, and on a background loop two thread hand-offs per call. Measured with
-ucxx's own send_recv bench (16 KiB, tuned tcp, this VM under load): core + blocking progress 44-51
-us per half round trip vs 121-133 us for ucxx-async. The price: a large send moves
+thread -> notifier thread -> event loop -> caller, an asyncio task each, ucxx issue #305) or by
+spinning on `request.completed` (ucxx-core's default thread mode, whose spinning takes the cores
+the model needs); the ucxx asyncio API adds tasks, and on a background loop two thread hand-offs
+per call (ucxx's own send_recv bench compares it with the core API). The price: a large send moves
 only while some channel of the same worker is inside `send`/`recv`/`wait`, which is what a
 synchronous engine loop does anyway.
 
@@ -33,7 +32,7 @@ host and across hosts).
 Connections: a `UcxListener` (ucx_listener.py) publishes its UCX *worker address* (hex), not a
 host:port, and `connect` meets it with a signed hello (ucx_handshake.py). There is no sockaddr
 listener (ucxx's binds every interface): each worker listens only on the network device of the
-host it is given (`lo` for a loopback mesh), so a loopback mesh is reachable from this machine
+host it is given (`lo` for a loopback mesh), so a loopback mesh is reachable from its own host
 alone.
 
 NOTE: a worker (a listener and the channels it accepts, or one connected channel) is not thread
@@ -57,10 +56,10 @@ import torch
 
 DEFAULT_UCX_TLS = "tcp"
 # UCX's tcp defaults (8 KiB segments; rendezvous from 8 KiB, which ucxx sets) turn a 16 KiB message
-# into several wake-ups per direction; measured here, one 256 KiB eager segment cut a 16 KiB RTT
-# from ~250-430 us to ~90-150 us. Larger messages still go zero-copy by rendezvous.
+# into several wake-ups per direction; one 256 KiB eager segment sends it whole, for a fraction of
+# the round trip. Larger messages still go zero-copy by rendezvous.
 # NOTE: set in os.environ, before ucxx is imported: `import ucxx` writes its own UCX_RNDV_THRESH,
-# and transport options passed in UCXContext's config_dict did not take effect (measured). A value
+# and transport options passed in UCXContext's config_dict do not take effect. A value
 # the user already set wins.
 DEFAULT_UCX_TUNING = {"TCP_TX_SEG_SIZE": "256k", "TCP_RX_SEG_SIZE": "256k", "RNDV_THRESH": "256k"}
 for _name, _value in DEFAULT_UCX_TUNING.items():

@@ -10,7 +10,8 @@ not in Table V; it uses the prompt-machine H100 figures. Bandwidths are the Infi
 engine with a 2-shard attention group) serving the tiny default model on one CPU machine, for
 checking the simulator against the real mesh (`bench/sim_validation.py`). Its profile comes from
 `bench/profile.py --hardware cpu-local-mesh` (`$PHASEMESH_PERF_PROFILE`); its KV pools are the
-engines' block pools; its link is loopback ZeroMQ (about 1.3 GB/s in `bench/transport.py`).
+engines' block pools; its link is loopback ZeroMQ, modelled as 10 Gbps (`bench/transport.py`
+measures the real one).
 """
 
 from __future__ import annotations

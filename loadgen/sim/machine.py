@@ -58,7 +58,7 @@ class SimMachine:
         self.perf = perf
         self.run: Run | None = None
         self.version = 0  # bumps whenever the pending end-of-run event is superseded
-        self.inbound_kv_tokens = 0  # KV in flight towards this machine
+        self.inbound_kv_tokens = 0  # KV in flight towards this SimMachine
         self.busy_s = 0.0
         self.max_run_steps = 0  # > 0: decode runs end after this many iterations
         self.pending_stall_s = 0.0  # the next run waits this long first (hand-offs landed)
@@ -188,7 +188,7 @@ class SimMachine:
         return done
 
     def forget(self, req_id: int) -> None:
-        """The request's KV left this machine (for its token machine)."""
+        """The request's KV left this SimMachine (for its token machine)."""
         self.policy.finish(req_id)
         self._tracked.pop(req_id, None)
         if self.cache is not None:

@@ -66,7 +66,7 @@ class SimPrefixCache:
         return len(self._owners) + len(self._evictable)
 
     def routing_blocks(self, keys: Sequence[BlockKey]) -> int:
-        """Leading blocks the router credits this machine with: cached, or expected here."""
+        """Leading blocks the router credits its machine with: cached, or expected here."""
         count = 0
         for key in keys:
             if key not in self and key not in self._expected:
@@ -103,7 +103,7 @@ class SimPrefixCache:
                 held.append(key)
 
     def release(self, req_id: int) -> None:
-        """`req_id` left this machine (finished, shipped, preempted): its blocks lose a reference;
+        """`req_id` left its machine (finished, shipped, preempted): its blocks lose a reference;
         those nobody holds become evictable, tail first (a prefix's tail goes before its head)."""
         self._drop_expected(req_id)
         for key in reversed(self._held.pop(req_id, [])):

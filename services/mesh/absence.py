@@ -12,7 +12,9 @@ sooner than that, so the wait delays no failover that matters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Sequence, Set
+
+from services.mesh.registry import RegistryClient, ServiceEntry
 
 ABSENT_CONFIRM_S = 2.0
 
@@ -44,4 +46,34 @@ class Absences:
         return tuple(s for s in held if s in gone)
 
 
-__all__ = ["ABSENT_CONFIRM_S", "Absences"]
+def recheck(
+    absences: Absences,
+    registry: RegistryClient,
+    held: Sequence[ServiceEntry],
+    num_wanted: int,
+    claim: Callable[[], Sequence[ServiceEntry]],
+    clock: Callable[[], float],
+) -> tuple[tuple[str, ...], tuple[ServiceEntry, ...]] | None:
+    """One check of a keeper that holds `held` and wants `num_wanted` entries: None while
+    nothing changed (all held and present, one missing not yet for `confirm_s`, or still short
+    with nothing new to claim); else the ids lost, in `held`'s order, and what `claim()` returns
+    now, the entries to hold from then on."""
+    if num_wanted == 0:
+        return None
+    ready = {e.service_id for e in registry.live() if e.state == "ready"}
+    lost = absences.lost(_ids(held), ready, clock())
+    if lost is None:
+        return None  # one is missing, maybe only from a restarted registry: ask again later
+    if not lost and len(held) == num_wanted:
+        return None
+    claimed = tuple(claim())
+    if not lost and _ids(claimed) == _ids(held):
+        return None  # still short, nothing new
+    return lost, claimed
+
+
+def _ids(entries: Sequence[ServiceEntry]) -> list[str]:
+    return [e.service_id for e in entries]
+
+
+__all__ = ["ABSENT_CONFIRM_S", "Absences", "recheck"]

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.mesh.absence import Absences
+from services.mesh.absence import Absences, recheck
 from services.mesh.registry import RegistryClient, ServiceEntry
 
 REMIND_INTERVAL_S = 5.0  # how often the current list is repeated to the engine
@@ -64,17 +64,13 @@ class ModelPeerKeeper:
         still held first, in their order, then new ones). A peer missing for
         `ABSENT_CONFIRM_S` is lost and reported then, without a replacement if none is ready; a
         later check adds the replacement."""
-        if self.num_peers == 0:
+        found = recheck(
+            self._absences, self.registry, self.peers, self.num_peers,
+            lambda: self.registry.claim_peers(self.token_id, self.num_peers), self.clock,
+        )  # fmt: skip
+        if found is None:
             return None
-        ready = {e.service_id for e in self.registry.live() if e.state == "ready"}
-        lost = self._absences.lost(_ids(self.peers), ready, self.clock())
-        if lost is None:
-            return None  # one is missing, maybe only from a restarted registry: ask again later
-        if not lost and len(self.peers) == self.num_peers:
-            return None
-        claimed = tuple(self.registry.claim_peers(self.token_id, self.num_peers))
-        if not lost and _ids(claimed) == _ids(self.peers):
-            return None  # still short of peers, nothing new
+        lost, claimed = found
         self.peers = claimed
         self._last_told = self.clock()
         return PeerChange(lost, claimed)
@@ -85,10 +81,6 @@ class ModelPeerKeeper:
             return None
         self._last_told = self.clock()
         return [e.link_address for e in self.peers]
-
-
-def _ids(peers: Sequence[ServiceEntry]) -> list[str]:
-    return [e.service_id for e in peers]
 
 
 __all__ = ["ModelPeerKeeper", "PeerChange"]

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.mesh.absence import ABSENT_CONFIRM_S, Absences
+from services.mesh.absence import ABSENT_CONFIRM_S, Absences, recheck
 from services.mesh.registry import RegistryClient, ServiceEntry
 
 
@@ -56,20 +56,12 @@ class ShardGroupKeeper:
         `group=()` when no replacement is ready yet; a later check reports the whole group when
         the replacement has registered.
         """
-        if self.num_slots == 0:
+        found = recheck(
+            self._absences, self.registry, self.group, self.num_slots,
+            lambda: self.registry.claim_group(self.token_id, self.num_slots) or (), self.clock,
+        )  # fmt: skip
+        if found is None:
             return None
-        ready = {e.service_id for e in self.registry.live() if e.state == "ready"}
-        lost = self._absences.lost(_ids(self.group), ready, self.clock())
-        if lost is None:
-            return None  # one is missing, maybe only from a restarted registry: ask again later
-        if not lost and len(self.group) == self.num_slots:
-            return None
-        claimed = tuple(self.registry.claim_group(self.token_id, self.num_slots) or ())
-        if not lost and _ids(claimed) == _ids(self.group):
-            return None  # still no (whole) group, nothing new
+        lost, claimed = found
         self.group = claimed
         return GroupChange(lost, claimed)
-
-
-def _ids(group: Sequence[ServiceEntry]) -> list[str]:
-    return [e.service_id for e in group]

@@ -48,9 +48,9 @@ def name_os_thread(name: str) -> None:
 
 def machine_threads() -> int:
     """The local engine's default torch threads: every core this process may run on but one,
-    which the router's event loop and Ray's HTTP proxy need. (On 2 cores, `bench/serve.py` served
-    2,600 tok/s at batch 32 with 1 engine thread and 1,790 with 2: the threads and the front end
-    fought over both cores.)"""
+    which the router's event loop and Ray's HTTP proxy need. (Given every core, the engine's
+    threads and the front end fight over them, and a served batch streams fewer tokens:
+    `bench/serve.py` shows it.)"""
     return max(usable_cores() - 1, 1)
 
 
@@ -143,8 +143,7 @@ class InProcessEngineClient:
     one thread. libgomp keeps an OpenMP team per thread that ever ran a parallel region, and
     once its teams hold more threads than there are cores it stops spinning between regions
     (throttled wait): a model loaded and packed on the caller's thread and stepped on another
-    ran its small GEMMs at half speed (2,700 against 5,900 tok/s at batch 8, tiny model, 2
-    cores; docs/serving.md).
+    runs its small GEMMs far slower (docs/serving.md).
     """
 
     def __init__(

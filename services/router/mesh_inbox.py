@@ -8,9 +8,9 @@ Token replies are drained on the event loop the requests run on (`attach`, at ea
 start): the loop wakes on the socket itself (its ZeroMQ file descriptor, `add_reader`), restores
 each request's token order (`TokenStreamOrderer`: a request's first token comes from its prompt
 engine, the rest from its token engine, on different connections) and puts the outputs straight
-into their streams. A thread in between (as before) cost a wake-up of that thread and then one of
-the loop per engine step: at batch 1 on a 2-vCPU VM, ~0.1 ms of the Router's CPU per streamed
-chunk and ~1.7 ms of each gap between tokens (docs/serving.md, "The per-step path of tokens").
+into their streams. A thread in between would cost a wake-up of that thread and then one of the
+loop per engine step: Router CPU on every streamed chunk and, on a few busy cores, a longer gap
+between tokens (docs/serving.md, "The per-step path of tokens").
 
 Load reports come at a fixed rate, with or without requests (the scheduler needs them before the
 first), so the SUB socket stays on a thread that blocks in `zmq.Poller.poll`.

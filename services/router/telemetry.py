@@ -12,8 +12,9 @@ returns follows that request:
   except for a request whose tokens the router holds to its end (`token_gaps=False`: its gaps
   are not seen here; TPOT still is). TBT samples go to the histogram in batches
   (`TBT_BATCH_SAMPLES`, at least every `TBT_BATCH_S`, and at the request's end): recorded one
-  per streamed chunk, each record ran Ray's and OpenTelemetry's Python from cold caches, ~8% of
-  the Router's event-loop CPU per chunk at batch 1 (py-spy); a batch runs them warm, ~9 us each;
+  per streamed chunk, each record ran Ray's and OpenTelemetry's Python from cold caches, a share
+  of the Router's event-loop CPU per chunk that shows in a profile at batch 1; a batch runs them
+  warm;
 - `observe()` wraps the output stream and ends the span however the stream ends: finished,
   failed (`error.type`, `request_errors_total{kind="generation"}`), or closed early by a client
   that went away (finish reason `abort`).
