@@ -41,8 +41,8 @@ from common.roles import Role
 from common.sampling import SampledRow
 from common.scheduling.batching import Batch, Phase, Sequence
 from services.engine import kv_news
-from services.engine.outbox import Outbox
 from services.engine.kv_shipper import KvSend
+from services.engine.outbox import Outbox
 from services.engine.parts import EngineParts, build_engine_parts
 from services.engine.prefill_ship import free_shipped
 from services.engine.requests import ShardRowFailed
