@@ -7,6 +7,7 @@ from typing import Annotated
 import msgspec
 
 from common.protocol.base import SamplingSpec, ShardAddress, TokenLogprobs, _Msg
+from common.roles import Role
 
 # -- router -> prompt engine (commands) ------------------------------------------------------------
 
@@ -89,7 +90,7 @@ class SetRole(_Msg, tag="set_role"):
     nothing; the routers that still want it mixed renew. Running requests and their KV stay.
     """
 
-    role: str
+    role: Role
     lease_s: float = 0.0
 
 
@@ -191,7 +192,7 @@ class EngineStats(_Msg, tag="engine_stats"):
     """Reply to StatsRequest: what a service holds right now (tests use it to prove no leaks)."""
 
     service_id: str
-    role: str
+    role: Role
     kv_blocks_used: int
     kv_blocks_total: int
     num_requests: int
@@ -199,7 +200,7 @@ class EngineStats(_Msg, tag="engine_stats"):
     # Prompt tokens prefilled here, and those found in the prefix cache instead (since start).
     num_prefill_tokens: int = 0
     num_prefix_hit_tokens: int = 0
-    home_role: str = ""  # an engine's configured pool; `role` is the one it serves in now
+    home_role: Role | None = None  # an engine's configured pool; `role`: the one it serves in now
     num_loans: int = 0  # times it was lent to the mixed pool (since start)
     decode_breakdown: DecodeBreakdown | None = None  # token engines with a shard group
     # A token engine's decode steps, and those run as two sub-batches (Neo §3.1), since start.
@@ -235,7 +236,9 @@ class LoadReport(_Msg, tag="load"):
     """What JSQ needs (Splitwise §IV-A): pending prompt tokens, decode tokens, free KV blocks."""
 
     engine_id: str
-    role: str  # the pool it serves in now: every router's pool view is these reports
+    # The pool it serves in now: every router's pool view is these reports (None: it does not
+    # say; the registry's role stands).
+    role: Role | None
     pending_prompt_tokens: Count
     running_decode_tokens: Count
     num_running: Count
@@ -252,7 +255,7 @@ class LoadReport(_Msg, tag="load"):
     kv_snapshot: bool = False
     kv_added: list[int] = []
     kv_removed: list[int] = []
-    home_role: str = ""  # its configured pool, where it returns from mixed; empty: `role`
+    home_role: Role | None = None  # its configured pool, where it returns from mixed; None: `role`
     # With request-level shard partitioning: the KV tokens each shard of `shard_endpoints` holds
     # for it (whole-length reservations), which the router balances new requests by.
     shard_kv_tokens: list[Count] = []

@@ -1,7 +1,7 @@
 """Neo's cost tables (T_l, T_ga, T_ca) for this engine, measured in-process at start-up or read
 from `bench/profile.py --attention`'s CSV (`tier_policy: neo:<csv>`).
 
-The probe is short (well under a second for the tiny model): the dense part of a decode step by
+The probe is short (a fraction of a second for a small model): the dense part of a decode step by
 batch tokens (every layer's pre- and post-attention, the LM head and greedy sampling, on random
 hidden states), local decode attention by context tokens (the engine's attention backend), and
 offloaded attention by context tokens (the shards' CPU kernel at one thread, the group splitting
@@ -10,9 +10,9 @@ engine's own: `EngineNeoCosts` adds the mean of its recent sharded steps' round-
 (`DecodeTimes.network_s`, per step, all layers) to T_ca, starting from `ROUND_TRIP_S` per layer
 until a sharded step has run. Times are whole-model seconds, as `NeoCostModel` wants.
 
-NOTE: on a machine whose cores the shards share with the engine (CI, this 2-core box) the
-"hidden" offload attention is not free; the tables say what each part costs alone, and the bench
-reports how far the sum lands from the measured step.
+NOTE: where the shards share the engine's cores, the "hidden" offload attention is not free; the
+tables say what each part costs alone, and `bench/neo.py` reports how far their sum lands from
+the step the engine timed.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from common.perf_model import NeoCostTables, PiecewiseLinear, read_attention_tab
 PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 PROBE_CONTEXTS = (64, 512, 2048, 8192)
 PROBE_BATCH = 4  # requests per attention call: the context is split among them
-# One layer's round-trip overhead to the shards before any was measured: a guess (loopback
-# ZeroMQ + UCX on an idle machine is ~0.1-0.3 ms); the engine's own replace it after one step.
+# One layer's round-trip overhead to the shards before the engine has timed one: a guess of
+# the order of a loopback message pair; the engine's own steps replace it after one step.
 ROUND_TRIP_S = 200e-6
 RECENT_WEIGHT = 0.2  # of the latest sharded steps in the running round-trip estimate
 BLOCK = 16

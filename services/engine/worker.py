@@ -64,9 +64,9 @@ log = structlog.get_logger(__name__)
 IDLE_POLL_MS = 200  # an idle loop wakes this often to notice a dead parent; never busy-polls
 LOAD_REPORT_INTERVAL_S = 0.05
 PEER_CONNECT_TIMEOUT_S = 2.0  # a model peer that does not answer a new link is left out
-# At start, a shard that does not answer a link is tried again until this deadline: on a loaded
-# machine (every service of a mesh starting at once on 2 cores) a live shard can be slow to get
-# to its listener, and giving up would end the engine (its process exits, its replica restarts).
+# At start, a shard that does not answer a link is tried again until this deadline: while every
+# service of a mesh starts at once on few cores, a live shard can be slow to get to its listener,
+# and giving up would end the engine (its process exits, its replica restarts).
 SHARD_LINK_START_DEADLINE_S = 60.0
 
 

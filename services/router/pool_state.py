@@ -98,7 +98,7 @@ class ReportedPools:
 
     def _send(self, machine_id: int, role: Role, now: float) -> None:
         lease_s = self.lease_s if role == Role.MIXED else 0.0
-        self.outbox.append((machine_id, SetRole(role.value, lease_s)))
+        self.outbox.append((machine_id, SetRole(role, lease_s)))
         self._asked[machine_id] = (role, now)
         if role == Role.MIXED:
             self._renewed[machine_id] = now

@@ -24,6 +24,7 @@ from common.engine.runner import pad_block_tables
 from common.kv_cache import KVCache
 from common.kv_ingress import KV_LEASE_S, KvIngress, Landed
 from common.protocol import AttendBatch, EngineStats, KvPages
+from common.roles import Role
 
 log = structlog.get_logger(__name__)
 
@@ -251,7 +252,7 @@ class AttentionShard:
         with self.ingress.lock:
             return EngineStats(
                 self.shard_id,
-                "shard",
+                Role.SHARD,
                 self.blocks.num_used_blocks,
                 self.blocks.num_blocks,
                 len(self.blocks.req_ids()),

@@ -36,7 +36,7 @@ def report(
     engine_id: str, pending: int = 0, decode: int = 0, free_blocks: int = 1000, received: int = 0
 ) -> LoadReport:
     """A report made after the engine had received `received` of this router's requests."""
-    return LoadReport(engine_id, "", pending, decode, 0, 0, free_blocks,
+    return LoadReport(engine_id, None, pending, decode, 0, 0, free_blocks,
                       received_requests={ROUTER: received})  # fmt: skip
 
 
@@ -88,7 +88,7 @@ def test_a_report_made_before_a_placement_arrived_does_not_erase_it() -> None:
     assert p.loads()["p0"].pending_prompt_tokens == 200  # the 2nd still counts, once
     assert p.loads()["t0"].decode_tokens == 150  # all three, held for it by p0 and p1
     # Another router's requests are not this one's: its count confirms none of ours.
-    other = LoadReport("p1", "", 120, 0, 0, 0, 1000, received_requests={"tcp://other:2": 9})
+    other = LoadReport("p1", None, 120, 0, 0, 0, 1000, received_requests={"tcp://other:2": 9})
     p.on_load(other)
     assert p.loads()["p1"].pending_prompt_tokens == 170
     assert chosen(p, prompt_len=50)[0] == "p1"  # 170 < 200

@@ -118,7 +118,7 @@ def test_a_big_diff_goes_out_as_a_snapshot():
 
 
 def kv_report(engine_id: str, seq: int, hashes: list[int], pending: int = 0) -> LoadReport:
-    return LoadReport(engine_id, "", pending, 0, 0, 0, 1000, kv_seq=seq, kv_snapshot=True,
+    return LoadReport(engine_id, None, pending, 0, 0, 0, 1000, kv_seq=seq, kv_snapshot=True,
                       kv_added=hashes)  # fmt: skip
 
 

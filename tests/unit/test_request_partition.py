@@ -46,7 +46,7 @@ def test_the_router_sends_a_request_to_one_shard_of_a_whole_request_group():
     ]  # fmt: skip
     p = ClusterScheduler(block_size=16)
     p.set_engines(entries)
-    report = LoadReport("t0", "", 0, 0, 0, 0, 1000, shard_endpoints=["tcp://s0", "tcp://s1"],
+    report = LoadReport("t0", None, 0, 0, 0, 0, 1000, shard_endpoints=["tcp://s0", "tcp://s1"],
                         shard_kv_tokens=[800, 100])  # fmt: skip
     p.on_load(report)
     assert p.choose(500)[1].shards == (WHOLE[1],)  # 100 < 800
