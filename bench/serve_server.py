@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -62,9 +63,11 @@ def served(
 def idle_box_cores() -> float:
     """The whole machine's busy cores over `IDLE_S` with the server up and no request in flight:
     Ray's runtime and the idle replicas, what every served path shares its cores with."""
-    before = box_busy_s()
+    before, start = box_busy_s(), time.perf_counter()
     time.sleep(IDLE_S)
-    return (box_busy_s() - before) / IDLE_S
+    cores = (box_busy_s() - before) / (time.perf_counter() - start)
+    # NOTE: /proc/stat counts in clock ticks: a box busy throughout can read a hair over its cores.
+    return min(cores, float(os.cpu_count() or 1))
 
 
 def timed_batch(
