@@ -29,7 +29,8 @@ carries less contention); `isolated_vs_elsewhere` = raw ratio / the elsewhere co
 low). Either says what admitting into this group (KV landing in its shards mid-step or between
 steps, the token engine's admission) adds beyond the machine prefilling a newcomer somewhere.
 Also printed: quiet gaps, which touch no newcomer at all. Figures are medians over newcomers of
-the per-window mean (and max), at the mesh's own client.
+the per-window mean (and max), at the router's own client: one over each group (a view of the
+mesh without the other group's token engine), so JSQ places every request where it belongs.
 
 The last line is JSON with the ratios and `targets`: pull's isolated admission gap within 10% of
 the gap with no admission. Timings on a shared machine with few cores are noisy: the load
@@ -39,26 +40,29 @@ average is printed beside them.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.model.default import default_model_path  # noqa: E402
-from common.protocol import SamplingSpec  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
 from services.launch.local_mesh import LocalMesh, Topology  # noqa: E402
-from services.launch.test_client import MeshTestClient  # noqa: E402
 from services.mesh.registry import ServiceEntry  # noqa: E402
+from services.router.mesh_client import MeshEngineClient  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
 
 Span = tuple[float, float]
-NEWCOMER = SamplingSpec(max_tokens=5, ignore_eos=True)  # 1 from prefill, then 4 decode steps
-ELSEWHERE = SamplingSpec(max_tokens=2, ignore_eos=True)  # one decode step, in the other group
-PREFILL_ONLY = SamplingSpec(max_tokens=1, ignore_eos=True)  # done at its first token
+NEWCOMER = SamplingParams(max_tokens=5, ignore_eos=True)  # 1 from prefill, then 4 decode steps
+ELSEWHERE = SamplingParams(max_tokens=2, ignore_eos=True)  # one decode step, in the other group
+PREFILL_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)  # done at its first token
+TIMEOUT_S = 120.0  # the most a wait for tokens may take
 
 
 def run_arm(args: argparse.Namespace, kv_transfer: str) -> dict[str, float]:
@@ -69,43 +73,90 @@ def run_arm(args: argparse.Namespace, kv_transfer: str) -> dict[str, float]:
     mesh = LocalMesh.start(topology)
     try:
         ours, elsewhere = mesh.token
-        return measure(MeshTestClient(mesh), args, ours, elsewhere)
+        here = mesh.engine_client(without(mesh, elsewhere))
+        there = mesh.engine_client(without(mesh, ours))
+        try:
+            return asyncio.run(measure(here, there, args))
+        finally:
+            here.shutdown()
+            there.shutdown()
     finally:
         mesh.close()
 
 
-def measure(
-    client: MeshTestClient, args: argparse.Namespace, ours: ServiceEntry, elsewhere: ServiceEntry
+def without(mesh: LocalMesh, token: ServiceEntry) -> Callable[[], list[ServiceEntry]]:
+    """The mesh's live services but token engine `token`: a client over them never places there."""
+    return lambda: [s for s in mesh.registry.live() if s.service_id != token.service_id]
+
+
+class TokenTimes:
+    """Each request's token arrival times (`time.monotonic`), and a wait on them."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+        self.error: BaseException | None = None  # a request that failed: every wait raises it
+        self._changed = asyncio.Condition()
+
+    async def run(
+        self, client: MeshEngineClient, req_id: str, prompt: list[int], params: SamplingParams
+    ) -> list[float]:
+        """Run one request to its end (or until cancelled: an abort), stamping its tokens."""
+        stamps = self.times.setdefault(req_id, [])
+        try:
+            async for out in client.generate(req_id, prompt, params):
+                if out.error:
+                    raise RuntimeError(f"{req_id} failed: {out.error}")
+                stamps += [time.monotonic()] * len(out.new_token_ids)
+                async with self._changed:
+                    self._changed.notify_all()
+        except Exception as exc:
+            self.error = exc
+            async with self._changed:
+                self._changed.notify_all()
+            raise
+        return stamps
+
+    async def wait(self, done: Callable[[], bool]) -> None:
+        async with asyncio.timeout(TIMEOUT_S), self._changed:
+            await self._changed.wait_for(lambda: self.error is not None or done())
+        if self.error is not None:
+            raise self.error
+
+
+async def measure(
+    ours: MeshEngineClient, elsewhere: MeshEngineClient, args: argparse.Namespace
 ) -> dict[str, float]:
-    """Residents decode on `ours`; admitted newcomers join them; the controls, alternating with
-    them, decode on `elsewhere` (see the module docstring)."""
+    """Residents decode on `ours`'s group; admitted newcomers join them; the controls,
+    alternating with them, decode on `elsewhere`'s (see the module docstring)."""
     n, k = args.residents, args.newcomers
     lengths = [args.resident_prompt] * n + [args.newcomer_prompt] * (3 * k)
     prompts = random_prompts(lengths, 2048, seed=7)  # all different: no prefix cache hits
-    endless = SamplingSpec(max_tokens=4000, temperature=0.0, ignore_eos=True)
-    for i in range(n):
-        client.submit(f"resident-{i}", prompts[i], endless, token_engine=ours)
-    times: dict[str, list[float]] = {f"resident-{i}": [] for i in range(n)}
-    _receive(client, times, until=lambda: min(map(len, times.values())) >= 16)
+    endless = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    stamps = TokenTimes()
+    resident_times: list[list[float]] = [stamps.times.setdefault(f"resident-{i}", [])
+                                         for i in range(n)]  # fmt: skip
+    residents = [asyncio.create_task(stamps.run(ours, f"resident-{i}", prompts[i], endless))
+                 for i in range(n)]  # fmt: skip
+    await stamps.wait(lambda: min(map(len, resident_times)) >= 16)
     windows: list[list[float]] = []
     controls: dict[str, list[list[float]]] = {"elsewhere": [], "prefill_only": []}
     busy = []
     for j in range(3 * k):
         kind = ("admitted", "elsewhere", "prefill_only")[j % 3]
-        req_id = f"{kind}-{j}"
-        sampling = {"admitted": NEWCOMER, "elsewhere": ELSEWHERE}.get(kind, PREFILL_ONLY)
-        times[req_id] = []
+        params = {"admitted": NEWCOMER, "elsewhere": ELSEWHERE}.get(kind, PREFILL_ONLY)
         submitted = time.monotonic()
-        engine = ours if kind == "admitted" else elsewhere
-        client.submit(req_id, prompts[n + j], sampling, token_engine=engine)
-        _receive(client, times, until=lambda r=req_id, m=sampling.max_tokens: len(times[r]) >= m)  # type: ignore[misc]
-        (windows if kind == "admitted" else controls[kind]).append(times[req_id])
-        busy.append((submitted, times[req_id][-1]))
-        quiet_until = time.monotonic() + args.quiet_s
-        _receive(client, times, until=lambda t=quiet_until: time.monotonic() >= t)  # type: ignore[misc]
-    for i in range(n):
-        client.abort(f"resident-{i}")
-    gaps = [(a, b) for i in range(n) for a, b in _pairs(times[f"resident-{i}"])]
+        client = ours if kind == "admitted" else elsewhere
+        async with asyncio.timeout(TIMEOUT_S):
+            times = await stamps.run(client, f"{kind}-{j}", prompts[n + j], params)
+        (windows if kind == "admitted" else controls[kind]).append(times)
+        busy.append((submitted, times[-1]))
+        await asyncio.sleep(args.quiet_s)  # the residents decode on, with nothing admitted
+    if stamps.error is not None:
+        raise stamps.error
+    for task in residents:
+        task.cancel()  # each aborts its request at its engines
+    await asyncio.gather(*residents, return_exceptions=True)
+    gaps = [(a, b) for times in resident_times for a, b in _pairs(times)]
     return summarize(gaps, windows, busy, controls)
 
 
@@ -165,15 +216,6 @@ def _gaps_ending(gaps: list[Span], start: float, end: float) -> list[float]:
 
 def _median_arm(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: round(statistics.median(run[key] for run in runs), 4) for key in runs[0]}
-
-
-def _receive(client: MeshTestClient, times: dict[str, list[float]], until) -> None:  # noqa: ANN001
-    while not until():
-        out = client.recv(timeout=120)
-        if out.error:
-            raise RuntimeError(f"{out.req_id} failed: {out.error}")
-        if out.req_id in times:
-            times[out.req_id] += [time.monotonic()] * len(out.token_ids)
 
 
 def _pairs(stamps: list[float]) -> list[Span]:

@@ -39,6 +39,7 @@ of its own as Lamina's separate machines do.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import subprocess
@@ -48,9 +49,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.model.default import PRESETS, default_model_path
-from common.protocol import DecodeBreakdown, SamplingSpec
+from common.protocol import DecodeBreakdown
+from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
+from services.router.mesh_client import MeshEngineClient
 
 PROMPT_LEN = 64
 
@@ -84,22 +86,25 @@ class Sample:
         return self.batch * len(self.gaps) / max(sum(self.gaps), 1e-9)
 
 
-def decode_sample(client: MeshTestClient, batch: int, tokens: int, tag: str) -> Sample:
+def decode_sample(client: MeshEngineClient, batch: int, tokens: int, tag: str) -> Sample:
     """`batch` concurrent requests; gaps skip each one's first two tokens (first token and the
     prefill/handoff hop), and so does the throughput."""
-    sampling = SamplingSpec(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    arrivals: dict[str, list[float]] = {}
-    for i in range(batch):
-        req_id = f"{tag}-{i}"
-        arrivals[req_id] = []
-        client.submit(req_id, [(7 * i + j) % 2000 + 8 for j in range(PROMPT_LEN)], sampling)
-    live = batch
-    while live:
-        out = client.recv(timeout=300)
-        arrivals[out.req_id].extend([time.perf_counter()] * max(len(out.token_ids), 1))
-        live -= bool(out.finish_reason)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    async def arrivals(i: int) -> list[float]:
+        prompt = [(7 * i + j) % 2000 + 8 for j in range(PROMPT_LEN)]
+        times: list[float] = []
+        async for out in client.generate(f"{tag}-{i}", prompt, params):
+            if out.error:
+                raise RuntimeError(f"{tag}-{i} failed: {out.error}")
+            times += [time.perf_counter()] * max(len(out.new_token_ids), 1)
+        return times
+
+    async def run() -> list[list[float]]:
+        return list(await asyncio.gather(*(arrivals(i) for i in range(batch))))
+
     sample = Sample(batch)
-    for times in arrivals.values():
+    for times in asyncio.run(run()):
         sample.gaps += [b - a for a, b in zip(times[2:], times[3:], strict=False)]
     return sample
 
@@ -138,7 +143,7 @@ def measure(
                                 pin_decode_groups=pin, attention_overlap=overlap,
                                 decode_lanes=lanes, model_peers=peers)  # fmt: skip
             meshes[name] = LocalMesh.start(topology)
-        clients = {name: MeshTestClient(mesh) for name, mesh in meshes.items()}
+        clients = {name: mesh.engine_client() for name, mesh in meshes.items()}
         for name, client in clients.items():
             decode_sample(client, 2, 8, f"warmup-{name}")
         runs = [(name, name, 1) for name in meshes] + [(TWICE, TWO_LANES, 2)]
@@ -158,7 +163,7 @@ def measure(
                           f"{1e3 * statistics.median(sample.gaps):.2f} ms, {rate:.0f} tok/s, "
                           f"{parts}")  # fmt: skip
         for client in clients.values():
-            client.close()
+            client.shutdown()
     finally:
         for mesh in meshes.values():
             mesh.close()

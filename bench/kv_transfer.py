@@ -19,6 +19,7 @@ The last line is one JSON object: medians per path, the visible/prefill ratios, 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -28,30 +29,27 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.model.default import PRESETS, default_model_path  # noqa: E402
-from common.protocol import SamplingSpec  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
 from services.launch.local_mesh import LocalMesh, Topology  # noqa: E402
-from services.launch.test_client import MeshTestClient  # noqa: E402
+from services.router.mesh_client import MeshEngineClient  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
 
 # UCX's visible transfer no longer than ZeroMQ's (it moves the bytes without the cipher), and a
 # small part of the prefill it follows.
 TARGETS = {"ucx_visible_vs_zmq": 1.0, "ucx_visible_over_prefill": 0.25}
-ONE_TOKEN = SamplingSpec(max_tokens=2, temperature=0.0, ignore_eos=True)
+ONE_TOKEN = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
-def run_one(mesh: LocalMesh, client: MeshTestClient, req_id: str, prompt: list[int]) -> float:
-    """Submit one request, wait for it to finish; returns its time to first token."""
+async def run_one(client: MeshEngineClient, req_id: str, prompt: list[int]) -> float:
+    """Run one request to its end; returns its time to first token."""
     start = time.monotonic()
-    client.submit(req_id, prompt, ONE_TOKEN)
     ttft = None
-    while True:
-        out = client.recv(timeout=300)
+    async for out in client.generate(req_id, prompt, ONE_TOKEN):
         if out.error:
             raise RuntimeError(out.error)
-        if ttft is None and out.token_ids:
+        if ttft is None and out.new_token_ids:
             ttft = time.monotonic() - start
-        if out.finish_reason:
-            return ttft or 0.0
+    return ttft or 0.0
 
 
 def visible_transfer(mesh: LocalMesh, req_ids: list[str]) -> dict[str, float]:
@@ -83,7 +81,7 @@ def main() -> None:
         )  # fmt: skip
         for name, on in paths.items()
     }
-    clients = {name: MeshTestClient(mesh) for name, mesh in meshes.items()}
+    clients = {name: mesh.engine_client() for name, mesh in meshes.items()}
     ttft: dict[str, list[float]] = {name: [] for name in paths}
     ids: dict[str, list[str]] = {name: [] for name in paths}
     try:
@@ -91,14 +89,14 @@ def main() -> None:
         for i, prompt in enumerate(prompts):
             for name in paths:  # interleaved: noise from other work hits both alike
                 req_id = f"{name}-{i}"
-                t = run_one(meshes[name], clients[name], req_id, prompt)
+                t = asyncio.run(run_one(clients[name], req_id, prompt))
                 if i:  # the first round warms up (links connect, caches fill)
                     ttft[name].append(t)
                     ids[name].append(req_id)
         visible = {name: visible_transfer(meshes[name], ids[name]) for name in paths}
     finally:
         for name in paths:
-            clients[name].close()
+            clients[name].shutdown()
             meshes[name].close()
     summary: dict[str, object] = {"model": args.model, "prompt_tokens": args.tokens,
                                   "rounds": args.rounds, "loadavg": os.getloadavg()[0]}  # fmt: skip

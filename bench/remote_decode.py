@@ -1,6 +1,6 @@
 """`bench/profile.py`'s decode timed outside its process: B concurrent requests' token times.
 
-`--decode mesh` launches a mesh (`services.launch`) and times tokens at the mesh's own client
+`--decode mesh` launches a mesh (`services.launch`) and times tokens at the router's own client
 (`MeshDecode`); `--decode URL` streams from a running server's OpenAI API with loadgen's HTTP
 client (`HttpDecode`). Either way a decode step is the steady gap between tokens while the whole
 batch decodes (`steady_gaps`): requests join one prefill batch after another, so each runs a join
@@ -12,6 +12,11 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.sampling import SamplingParams
+    from services.router.mesh_client import MeshEngineClient
 
 
 def steady_gaps(token_times: list[list[float]]) -> list[float]:
@@ -24,40 +29,44 @@ def steady_gaps(token_times: list[list[float]]) -> list[float]:
 
 
 class MeshDecode:
-    """Decode through a launched mesh (`services.launch`), timed at the mesh's own client."""
+    """Decode through a launched mesh (`services.launch`), timed at the router's own client."""
 
     def __init__(self, model_path: str, num_shards: int, num_blocks: int) -> None:
         from services.launch.local_mesh import LocalMesh, Topology
-        from services.launch.test_client import MeshTestClient
 
         topology = Topology(model_path, 1, 1, num_shards, num_blocks=num_blocks)
         self.mesh = LocalMesh.start(topology)
-        self.client = MeshTestClient(self.mesh)
+        self.client = self.mesh.engine_client()
         self._num_batches = 0
 
     def token_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
-        from common.protocol import SamplingSpec
+        from common.sampling import SamplingParams
 
-        sampling = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self._num_batches += 1
-        times: dict[str, list[float]] = {}
-        for i, prompt in enumerate(prompts):
-            req_id = f"profile-{self._num_batches}-{i}"
-            times[req_id] = []
-            self.client.submit(req_id, prompt, sampling)
-        live = len(prompts)
-        while live:
-            out = self.client.recv(timeout=300)
-            if out.error:
-                raise RuntimeError(f"mesh request {out.req_id} failed: {out.error}")
-            now = time.monotonic()
-            times[out.req_id] += [now] * len(out.token_ids)
-            live -= bool(out.finish_reason)
-        return list(times.values())
+        tag = f"profile-{self._num_batches}"
+        return asyncio.run(stream_token_times(self.client, prompts, params, tag))
 
     def close(self) -> None:
-        self.client.close()
+        self.client.shutdown()
         self.mesh.close()
+
+
+async def stream_token_times(
+    client: MeshEngineClient, prompts: list[list[int]], params: SamplingParams, tag: str
+) -> list[list[float]]:
+    """Each request's token arrival times (`time.monotonic`), the prompts sent at once through
+    the router's client (request `<tag>-<i>`)."""
+
+    async def one(i: int, prompt: list[int]) -> list[float]:
+        times: list[float] = []
+        async for out in client.generate(f"{tag}-{i}", prompt, params):
+            if out.error:
+                raise RuntimeError(f"mesh request {tag}-{i} failed: {out.error}")
+            times += [time.monotonic()] * len(out.new_token_ids)
+        return times
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
 class HttpDecode:

@@ -1,70 +1,58 @@
 """`bench/serve.py`'s served paths: one `serve run` started, measured batch by batch with the
-`openai` client, and stopped with every process below it, whatever happened meanwhile."""
+official `openai` client (streamed or plain requests), and stopped with every process below it,
+whatever happened meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from bench.host_cpu import box_busy_s, process_cpu_s, process_tree, stop_survivors
-from bench.serve_clients import ServedCpu, prompts_for, ray_pid, served_batch
-from bench.serve_engine import REPEATS, model_vocab
+import torch
+
+from bench.host_cpu import CLK_TCK, box_busy_s, process_cpu_s, process_tree, stop_survivors
+from common.model.default import default_model_path
 from services.router.engine_client import ENGINE_THREAD_NAME
-from tests.e2e.serve_process import Ingress, ServeRun
+from tests.e2e.serve_process import ServeRun
 
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
-PROXY_TITLE = "ProxyActor"
-IDLE_S = 3.0  # how long the Router's CPU is sampled with no request in flight
+IDLE_S = 3.0  # how long the idle server's machine is sampled
+REPEATS = 3  # each batch's figures are its best of this many runs
 
 ByMode = dict[str, dict[int, dict[str, float]]]  # {mode: {batch: figures}}
 
 
 def served(
-    config: Path,
-    args: dict,
-    preset: str,
-    batches: list[int],
-    tokens: int,
-    ingress: Ingress,
+    config: Path, args: dict[str, Any], preset: str, batches: list[int], tokens: int,
     modes: tuple[str, ...] = ("stream",),
-    while_up: Callable[[], None] | None = None,
-) -> ByMode:
-    """Start `serve run <config>`, then run every batch through it with the `openai` client,
-    once per mode (`stream`, `plain`): {mode: {batch: figures}}. `while_up` runs after the
-    batches, the server still up and idle."""
+) -> ByMode:  # fmt: skip
+    """Start `serve run <config>` (its app's `args` changed by `args`; direct ingress, as
+    `make run`), then run every batch through it once per mode (`stream`, `plain`): {mode:
+    {batch: figures}}, each with the idle server's `server_idle_box_cores`."""
     with tempfile.TemporaryDirectory() as workdir:
-        server = ServeRun(config, Path(workdir), args, ingress)
+        server = ServeRun(config, Path(workdir), args)
         started = time.monotonic()
         try:
             url = server.start()
-            print(f"  {config.name} ({ingress}): up in {time.monotonic() - started:.0f} s at {url}",
-                  flush=True)  # fmt: skip
+            print(f"  {config.name}: up in {time.monotonic() - started:.0f} s at {url}", flush=True)
             assert server.pid is not None
-            pid = ray_pid(server.pid, ROUTER_TITLE)
-            if pid is None:
+            router_pid = ray_pid(server.pid, ROUTER_TITLE)
+            if router_pid is None:
                 raise RuntimeError("no Router replica process below serve run")
-            cpu = ServedCpu(pid, ray_pid(server.pid, PROXY_TITLE), ENGINE_THREAD_NAME)
             vocab = model_vocab(preset)
             asyncio.run(served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens))
-            idle = idle_figures(pid)
+            idle = {"server_idle_box_cores": idle_box_cores()}
             result: ByMode = {}
             for mode, batch in ((m, b) for m in modes for b in batches):
                 prompts = prompts_for(batch, vocab)
-                # The best of a few, as the in-process engine's.
-                runs = [
-                    _timed_batch(url, preset, prompts, tokens, mode, cpu) for _ in range(REPEATS)
-                ]
-                best = max(runs, key=lambda figures: figures["tok_s"])
-                # A server's first batch of a size pays what the in-process engine's first run
-                # does and its best leaves out (the first touches of each new shape's buffers,
-                # among others): reported, not compared.
-                best["first_run_tok_s"] = runs[0]["tok_s"]
-                result.setdefault(mode, {})[batch] = best | idle
-            if while_up is not None:
-                while_up()
+                runs = [timed_batch(url, preset, prompts, tokens, mode, router_pid)
+                        for _ in range(REPEATS)]  # fmt: skip
+                result.setdefault(mode, {})[batch] = max(runs, key=lambda f: f["tok_s"]) | idle
             return result
         finally:
             tree = process_tree(server.pid) if server.pid else set()
@@ -72,24 +60,127 @@ def served(
             stop_survivors({p for p in tree if Path(f"/proc/{p}").exists()})
 
 
-def idle_figures(router_pid: int) -> dict[str, float]:
-    """With no request in flight, over `IDLE_S`: what the Router process burns (Ray's threads,
-    health checks: part of every served figure, most of it at batch 1, where a batch is long and
-    light), and the whole machine's busy cores (Ray's runtime and the idle replicas: what every
-    served path shares its cores with; docs/mesh.md, its presence, not its share)."""
-    router_before, box_before = process_cpu_s(router_pid), box_busy_s()
+def idle_box_cores() -> float:
+    """The whole machine's busy cores over `IDLE_S` with the server up and no request in flight:
+    Ray's runtime and the idle replicas, what every served path shares its cores with."""
+    before, start = box_busy_s(), time.perf_counter()
     time.sleep(IDLE_S)
-    return {
-        "router_idle_cpu_ms_per_s": 1e3 * (process_cpu_s(router_pid) - router_before) / IDLE_S,
-        "server_idle_box_cores": (box_busy_s() - box_before) / IDLE_S,
-    }
+    cores = (box_busy_s() - before) / (time.perf_counter() - start)
+    # NOTE: /proc/stat counts in clock ticks: a box busy throughout can read a hair over its cores.
+    return min(cores, float(os.cpu_count() or 1))
 
 
-def _timed_batch(
-    url: str, preset: str, prompts: list[list[int]], tokens: int, mode: str, cpu: ServedCpu
+def timed_batch(
+    url: str, preset: str, prompts: list[list[int]], tokens: int, mode: str, router_pid: int
 ) -> dict[str, float]:
-    """One batch's client figures and the Router's (and proxy's, engine's) CPU over it."""
-    before = cpu.snapshot()
+    """One batch's client figures and the Router process's CPU per token over it, less a local
+    engine's threads (`topology: local` runs the engine inside the Router)."""
+    before = process_cpu_s(router_pid) - threads_cpu_s(router_pid, ENGINE_THREAD_NAME)
     figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode))
-    figures.update(cpu.figures(before, cpu.snapshot(), len(prompts), len(prompts) * tokens))
+    after = process_cpu_s(router_pid) - threads_cpu_s(router_pid, ENGINE_THREAD_NAME)
+    # NOTE: /proc counts in clock ticks, per thread and per process apart: a short batch's
+    # difference can round below zero.
+    figures["router_cpu_ms_per_token"] = 1e3 * max(0.0, after - before) / (len(prompts) * tokens)
     return figures
+
+
+async def served_batch(
+    url: str, model: str, prompts: list[list[int]], tokens: int, mode: str = "stream"
+) -> dict[str, float]:
+    """The prompts sent together: tok/s, and TTFT and the gaps between streamed chunks (TBT)
+    p50/p90, or a plain request's latency p50/p90."""
+    import openai
+
+    one = one_stream if mode == "stream" else one_plain
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+        start = time.perf_counter()
+        runs = await asyncio.gather(*(one(client, model, p, tokens) for p in prompts))
+        wall = time.perf_counter() - start
+    figures = {"tok_s": len(prompts) * tokens / wall}
+    if mode == "plain":
+        latencies = [r["latency"] for r in runs]
+        return figures | {"latency_ms_p50": 1e3 * percentile(latencies, 0.5),
+                          "latency_ms_p90": 1e3 * percentile(latencies, 0.9)}  # fmt: skip
+    ttfts = [r["ttft"] for r in runs]
+    gaps = [g for r in runs for g in r["gaps"]]
+    return figures | {
+        "ttft_ms_p50": 1e3 * percentile(ttfts, 0.5), "ttft_ms_p90": 1e3 * percentile(ttfts, 0.9),
+        "tbt_ms_p50": 1e3 * percentile(gaps, 0.5), "tbt_ms_p90": 1e3 * percentile(gaps, 0.9),
+        "chunks_per_request": statistics.mean(r["chunks"] for r in runs),
+    }  # fmt: skip
+
+
+async def one_stream(client: Any, model: str, prompt: list[int], tokens: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    stamps: list[float] = []
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    num_tokens = 0
+    async for chunk in stream:
+        if chunk.usage is not None:
+            num_tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+    if num_tokens != tokens:
+        raise RuntimeError(f"asked {tokens} tokens, got {num_tokens}")
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {"ttft": stamps[0] - start, "gaps": gaps, "chunks": len(stamps)}
+
+
+async def one_plain(client: Any, model: str, prompt: list[int], tokens: int) -> dict[str, Any]:
+    """A non-streaming request: one response, its latency."""
+    start = time.perf_counter()
+    response = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=tokens, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    if response.usage is None or response.usage.completion_tokens != tokens:
+        raise RuntimeError(f"asked {tokens} tokens, got {response.usage}")
+    return {"latency": time.perf_counter() - start}
+
+
+def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`batch` random prompts of 16 to 64 tokens, the same for a seed on every path."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 65, (batch,), generator=gen).tolist()
+    return [torch.randint(8, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def model_vocab(preset: str) -> int:
+    config = json.loads((default_model_path(preset) / "config.json").read_text())
+    return int(config["vocab_size"])
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def threads_cpu_s(pid: int, comm: str) -> float:
+    """CPU seconds (user + system) of `pid`'s live threads whose OS name is `comm`."""
+    ticks = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            if (task / "comm").read_text().strip() != comm:
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / CLK_TCK
+
+
+def ray_pid(root: int, title_part: str) -> int | None:
+    """The Ray worker below `root` whose process title holds `title_part`."""
+    for pid in process_tree(root):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if title.startswith("ray::") and title_part in title:
+            return pid
+    return None

@@ -38,35 +38,39 @@ short rounds and medians of paired ratios. The bench also measures the work itse
 its shards) spends per decoded token (`decode_cpu_ratio_*`, same pairing). Also printed:
 `DecodeSpan.token()` and `RequestTrace.on_output()` timed alone, against the TBT.
 
-The last line is one JSON object.
+The last line is one JSON object, with `targets` and `targets_met`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opentelemetry import trace as otel_trace
+from opentelemetry import context as otel_context
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from common.engine.request import FinishReason, RequestOutput
+from common.engine.request import RequestOutput
 from common.model.default import default_model_path
-from common.protocol import SamplingSpec
-from common.telemetry import DecodeSpan, Metrics, configure_telemetry, inject_context
+from common.sampling import SamplingParams
+from common.telemetry import DecodeSpan, Metrics, configure_telemetry, extract_context
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
-from services.router.telemetry import RequestTrace, RouterTelemetry
+from services.router.mesh_client import MeshEngineClient
+from services.router.sse import prepend
+from services.router.telemetry import RouterTelemetry
 
 PROMPT_LEN = 64
 ARMS = ("traced", "untraced", "off")
+TRACING_TBT_TARGET = 1.05  # traced / untraced decode TBT: what telemetry may cost (see above)
 RATIOS = {"tracing": ("traced", "untraced"), "on_off": ("traced", "off"),
           "mesh_bias": ("untraced", "off")}  # fmt: skip
 
@@ -76,7 +80,7 @@ class Arm:
     """A way to send requests, and what its rounds measured."""
 
     mesh: LocalMesh
-    client: MeshTestClient
+    client: MeshEngineClient
     router: RouterTelemetry | None  # traced: the router's spans and records
     sampled: bool = True
     round_tbt: list[float] = field(default_factory=list)  # each round's median TBT
@@ -103,44 +107,56 @@ def caller_traceparent(sampled: bool) -> str:
 
 def decode_gaps(arm: Arm, batch: int, tokens: int, tag: str) -> list[float]:
     """Inter-token gaps (s) of `batch` concurrent requests, each request's first two skipped."""
-    sampling = SamplingSpec(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    arrivals: dict[str, list[float]] = {}
-    traces: dict[str, RequestTrace] = {}
-    for i in range(batch):
-        req_id = f"{tag}-{i}"
-        arrivals[req_id] = []
-        traceparent = "" if arm.sampled else caller_traceparent(sampled=False)
-        if arm.router is not None:
-            traces[req_id] = trace = arm.router.start(
-                req_id, operation="text_completion", num_prompt_tokens=PROMPT_LEN,
-                max_tokens=tokens, start_ns=time.time_ns(),
-                traceparent=caller_traceparent(sampled=True),
-            )  # fmt: skip
-            traceparent = inject_context(otel_trace.set_span_in_context(trace.span))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    async def arrivals(i: int) -> list[float]:
         prompt = [(7 * i + j) % 2000 + 8 for j in range(PROMPT_LEN)]
-        arm.client.submit(req_id, prompt, sampling, traceparent)
-    live = batch
-    while live:
-        out = arm.client.recv(timeout=300)
-        arrivals[out.req_id].append(time.perf_counter())
-        if arm.router is not None:
-            record_output(traces[out.req_id], out.token_ids, out.finish_reason, arrivals)
-        live -= bool(out.finish_reason)
+        times = []
+        async for out in await traced_outputs(arm, f"{tag}-{i}", prompt, params):
+            if out.error:
+                raise RuntimeError(f"{tag}-{i} failed: {out.error}")
+            times.append(time.perf_counter())
+        return times
+
+    async def run() -> list[list[float]]:
+        return list(await asyncio.gather(*(arrivals(i) for i in range(batch))))
+
     gaps = []
-    for times in arrivals.values():
+    for times in asyncio.run(run()):
         gaps += [b - a for a, b in zip(times[2:], times[3:], strict=False)]
     return gaps
 
 
-def record_output(
-    trace: RequestTrace, token_ids: list[int], reason: str, arrivals: dict[str, list[float]]
-) -> None:
-    """What the router does per output: the TTFT or TBT record, the span's end at the last."""
-    finish = FinishReason(reason) if reason else None
-    count = len(arrivals[trace.req_id])
-    trace.on_output(RequestOutput(trace.req_id, token_ids, "", finish, 0, count))
-    if finish is not None:
-        trace.end()
+async def traced_outputs(
+    arm: Arm, req_id: str, prompt: list[int], params: SamplingParams
+) -> AsyncGenerator[RequestOutput, None]:
+    """One request's outputs through the arm's client. Traced, as the router runs it
+    (`services/router/server.py`): its span current while the client admits (the engines get its
+    context), every output recorded (`RequestTrace.observe`: TTFT/TBT) as it leaves. Untraced:
+    a caller's "not sampled" context current while the client admits."""
+    outputs = arm.client.generate(req_id, prompt, params)
+    if arm.router is None:
+        with current_context(caller_traceparent(sampled=False) if not arm.sampled else ""):
+            first = await anext(outputs)
+        return prepend(first, outputs)
+    trace = arm.router.start(
+        req_id, operation="text_completion", num_prompt_tokens=len(prompt),
+        max_tokens=params.max_tokens, start_ns=time.time_ns(),
+        traceparent=caller_traceparent(sampled=True),
+    )  # fmt: skip
+    with trace.admission():
+        first = await anext(outputs)
+    return trace.observe(prepend(first, outputs))
+
+
+@contextmanager
+def current_context(traceparent: str) -> Iterator[None]:
+    """The caller's trace context (`traceparent`; "" none) current inside the block."""
+    token = otel_context.attach(extract_context(traceparent))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def cpu_ns(pids: list[int]) -> int:
@@ -225,6 +241,8 @@ def summarize(arms: dict[str, Arm], costs: dict[str, float], args: argparse.Name
         "decode_cpu_us_per_token": {name: round(v, 1) for name, v in cpu_us.items()},
         **costs,
         "per_token_cost_fraction_of_tbt": round(per_token_us / (1e3 * p50_ms["off"]), 5),
+        "targets": {"tbt_ratio_tracing": f"< {TRACING_TBT_TARGET}"},
+        "targets_met": {"tbt_ratio_tracing": tbt["tracing"] < TRACING_TBT_TARGET},
     }
 
 
@@ -244,15 +262,15 @@ def main() -> None:
     meshes = [LocalMesh.start(Topology(model, num_shards=args.shards, otel_exporter=e))
               for e in (exporter, "off")]  # fmt: skip
     try:
-        on, off = MeshTestClient(meshes[0]), MeshTestClient(meshes[1])
+        on, off = meshes[0].engine_client(), meshes[1].engine_client()
         arms = {
             "traced": Arm(meshes[0], on, router_telemetry()),
             "untraced": Arm(meshes[0], on, None, sampled=False),
             "off": Arm(meshes[1], off, None),
         }
         run_rounds(arms, args)
-        on.close()
-        off.close()
+        on.shutdown()
+        off.shutdown()
     finally:
         for mesh in meshes:
             mesh.close()

@@ -10,10 +10,12 @@ shards); its decode lanes default to N + 2 (one more lane than replicas, docs/me
 from __future__ import annotations
 
 import argparse
+import asyncio
 
-from common.protocol import SamplingSpec
+from common.engine.request import RequestOutput
+from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
+from services.router.mesh_client import MeshEngineClient
 
 
 def main() -> None:
@@ -45,19 +47,27 @@ def main() -> None:
         parser.error(str(exc))
     mesh = LocalMesh.start(topology)
     try:
-        client = MeshTestClient(mesh)
-        client.submit("demo", list(range(10, 60)), SamplingSpec(max_tokens=16, temperature=0))
-        tokens: list[int] = []
-        while True:
-            out = client.recv()
-            tokens += out.token_ids
-            if out.finish_reason:
-                break
-        print(f"demo request: {len(tokens)} tokens {tokens}, finish: {out.finish_reason}")
+        client = mesh.engine_client()
+        try:
+            tokens, last = asyncio.run(demo_request(client))
+        finally:
+            client.shutdown()
+        print(f"demo request: {len(tokens)} tokens {tokens}, finish: {last.finish_reason}")
         for stats in mesh.stats():
             print(stats)
     finally:
         mesh.close()
+
+
+async def demo_request(client: MeshEngineClient) -> tuple[list[int], RequestOutput]:
+    """One greedy request through the router's client: its tokens and its last output."""
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    tokens: list[int] = []
+    async for out in client.generate("demo", list(range(10, 60)), params):
+        if out.error:
+            raise RuntimeError(f"the demo request failed: {out.error}")
+        tokens += out.new_token_ids
+    return tokens, out
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import msgspec
 import structlog
@@ -34,6 +36,7 @@ from services.launch.fork_server import start_worker
 from services.launch.supervisor import Supervisor
 from services.launch.topology import Topology
 from services.mesh.registry import Registry, ServiceEntry
+from services.router.mesh_client import MeshEngineClient
 
 log = structlog.get_logger(__name__)
 
@@ -292,6 +295,21 @@ class LocalMesh:
     @property
     def shards(self) -> list[ServiceEntry]:
         return self._entries(Role.SHARD)
+
+    def engine_client(
+        self, list_services: Callable[[], list[ServiceEntry]] | None = None, **options: Any
+    ) -> MeshEngineClient:
+        """The router's own client over this mesh, built as a router replica builds it
+        (`services/app.py`): JSQ placement over the services `list_services` lists (default
+        `registry.live`; a bench may narrow it), the mesh's keys and block size, `RequestOutput`
+        streams. `options`: `MeshEngineClient`'s keywords (`refresh_s`, `limits`, ...). Every
+        engine is registered ready once `start` returns, so it places at once; the caller shuts
+        it down."""
+        t = self.topology
+        return MeshEngineClient(
+            t.model_path, list_services or self.registry.live, auth=self.auth,
+            block_size=t.block_size, **options,
+        )  # fmt: skip
 
     def control_endpoints(self) -> list[str]:
         return [w.ready.control_endpoint for w in self._of(Role.PROMPT, Role.TOKEN, Role.MIXED)] + [

@@ -1,7 +1,6 @@
 """`bench/serve_server.py`'s `served`, behind `bench/serve.py`'s served paths: a real `serve run
-deploy/single.yaml` (tiny), and what runs while it is up (`while_up`, the `*_beside_served`
-paths) failing or being killed. The bench must not leave a Ray behind on the machine it
-measures, whatever its side path did."""
+deploy/single.yaml` (tiny) measured, and a batch through it failing or being killed. The bench
+must not leave a Ray behind on the machine it measures, whatever happened meanwhile."""
 
 from __future__ import annotations
 
@@ -10,12 +9,13 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench import serve_server
 from bench.host_cpu import process_tree
-from bench.serve_clients import ray_pid
+from bench.serve_server import ray_pid
 from tests.e2e.serve_process import REPO, ServeRun
 
 APP_ARGS = {"model": "tiny", "served_model_name": "tiny"}
@@ -47,56 +47,61 @@ def wait_gone(pids: set[int], timeout_s: float = 30.0) -> set[int]:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_a_side_path_that_fails_or_is_killed_leaves_no_served_process(
+def test_a_batch_that_fails_or_is_killed_leaves_no_served_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """While the served `local` is up, the side path (1) finds its Router replica, (2) kills a
-    process of its own that it started (as a mesh worker or fresh process dying mid-run would),
-    then (3) fails. The failure reaches the caller, and no process of that `serve run` is left."""
+    """With the served `local` up, a batch (1) finds its Router replica, (2) kills a process of
+    its own that it started (as a client dying mid-run would), then (3) fails. The failure
+    reaches the caller, and no process of that `serve run` is left."""
     monkeypatch.setattr(serve_server, "ServeRun", RecordedServeRun)
     RecordedServeRun.started.clear()
     seen: dict[str, set[int]] = {}
 
-    def side_path() -> None:
+    def failing_batch(*args: object) -> dict[str, float]:
         server = RecordedServeRun.started[-1]
         assert server.pid is not None
         assert ray_pid(server.pid, serve_server.ROUTER_TITLE) is not None  # still up and serving
         seen["tree"] = process_tree(server.pid)
-        pid = os.fork()  # a process of the side path's own, killed mid-run
+        pid = os.fork()  # a process of the batch's own, killed mid-run
         if pid == 0:
             time.sleep(60)
             os._exit(0)
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        raise RuntimeError("the side path failed")
+        raise RuntimeError("the batch failed")
 
-    with pytest.raises(RuntimeError, match="the side path failed"):
-        serve_server.served(REPO / "deploy" / "single.yaml", APP_ARGS, "tiny", [1], 8, "direct",
-                            ("plain",), while_up=side_path)  # fmt: skip
+    monkeypatch.setattr(serve_server, "timed_batch", failing_batch)
+    with pytest.raises(RuntimeError, match="the batch failed"):
+        serve_server.served(REPO / "deploy" / "single.yaml", APP_ARGS, "tiny", [1], 8, ("plain",))
     assert len(seen["tree"]) > 3  # serve run, its Ray and the replicas were found
     assert wait_gone(seen["tree"]) == set()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_a_served_path_records_its_batches_and_then_runs_its_side_path_once(
+def test_a_served_path_records_each_mode_and_the_idle_machine_then_stops_everything(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The side path runs after every batch was measured (each mode's figures are there), once,
-    with the server up; then the server is stopped."""
+    """Every batch of each mode is measured (the best of `REPEATS` runs) with the server up,
+    beside the idle server's busy cores; then every process of the server is stopped."""
     monkeypatch.setattr(serve_server, "ServeRun", RecordedServeRun)
     RecordedServeRun.started.clear()
-    calls: list[set[int]] = []
+    trees: list[set[int]] = []
+    timed_batch = serve_server.timed_batch
 
-    def side_path() -> None:
+    def recorded_batch(*args: Any) -> dict[str, float]:
         server = RecordedServeRun.started[-1]
-        assert server.pid is not None and ray_pid(server.pid, serve_server.ROUTER_TITLE) is not None
-        calls.append(process_tree(server.pid))
+        assert server.pid is not None
+        trees.append(process_tree(server.pid))
+        return timed_batch(*args)
 
+    monkeypatch.setattr(serve_server, "timed_batch", recorded_batch)
     by_mode = serve_server.served(REPO / "deploy" / "single.yaml", APP_ARGS, "tiny", [1], 8,
-                                  "direct", ("stream", "plain"), while_up=side_path)  # fmt: skip
-    assert set(by_mode) == {"stream", "plain"}
-    assert all(by_mode[mode][1]["tok_s"] > 0 for mode in by_mode)
-    # The idle server's whole machine: Ray's runtime is never fully asleep (nor more than the box).
-    assert all(0 < by_mode[mode][1]["server_idle_box_cores"] <= os.cpu_count() for mode in by_mode)
-    assert len(calls) == 1
-    assert wait_gone(calls[0]) == set()
+                                  ("stream", "plain"))  # fmt: skip
+    assert set(by_mode) == {"stream", "plain"} and len(trees) == 2 * serve_server.REPEATS
+    for figures in (by_mode[mode][1] for mode in by_mode):
+        assert figures["tok_s"] > 0 and figures["router_cpu_ms_per_token"] >= 0
+        # The idle server's whole machine: Ray's runtime is never fully asleep (nor more than
+        # the box).
+        assert 0 < figures["server_idle_box_cores"] <= (os.cpu_count() or 1)
+    assert "tbt_ms_p50" in by_mode["stream"][1] and "latency_ms_p50" in by_mode["plain"][1]
+    assert wait_gone(set().union(*trees)) == set()

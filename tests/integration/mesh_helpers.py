@@ -8,7 +8,7 @@ import time
 from common.protocol import SamplingSpec
 from services.launch.core_pinning import place_decode_groups
 from services.launch.local_mesh import LocalMesh
-from services.launch.test_client import MeshTestClient
+from tests.integration.mesh_test_client import MeshTestClient
 
 
 def run_staggered(

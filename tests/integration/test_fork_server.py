@@ -97,8 +97,8 @@ def test_a_killed_fork_server_takes_its_workers_and_the_supervisor_replaces_them
     from common.engine.core import LLMEngine
     from common.protocol import SamplingSpec
     from common.sampling import SamplingParams
-    from services.launch.test_client import MeshTestClient
     from tests.conftest import random_prompts
+    from tests.integration.mesh_test_client import MeshTestClient
 
     mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2, pin_decode_groups=False))
     try:

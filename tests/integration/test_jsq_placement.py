@@ -14,9 +14,9 @@ from common.protocol import LoadReport, SamplingSpec, SetRole
 from common.sampling import SamplingParams
 from common.scheduling.cluster import PoolThresholds
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
+from tests.integration.mesh_test_client import MeshTestClient
 
 LONG_LEN, BURST_LEN, NUM_BURST = 250, 160, 4
 # The prompt pool is full past 300 pending tokens: the long prompt fits, and so does the first of

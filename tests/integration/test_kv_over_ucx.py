@@ -17,9 +17,9 @@ from common.transport.kv_links import KvSender
 from common.transport.service_stats import request_stats
 from common.transport.zmq_sockets import PushPool
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
 from services.mesh.registry import ServiceEntry
 from tests.conftest import random_prompts
+from tests.integration.mesh_test_client import MeshTestClient
 
 GREEDY = SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True)
 

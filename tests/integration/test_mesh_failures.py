@@ -21,10 +21,10 @@ from common.transport.tensor_frames import EnvelopeCodec
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool, connect
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
 from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
+from tests.integration.mesh_test_client import MeshTestClient
 from tests.integration.test_transport import send_rogue_hellos
 
 

@@ -12,9 +12,9 @@ from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
 from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
+from tests.integration.mesh_test_client import MeshTestClient
 
 NUM_TOKENS = 4
 SHARED = 96  # 6 full blocks of 16

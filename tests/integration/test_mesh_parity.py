@@ -15,13 +15,13 @@ from common.protocol import SamplingSpec
 from common.roles import Role
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import (
     assert_decode_groups_pinned,
     assert_no_kv_held,
     run_staggered,
 )
+from tests.integration.mesh_test_client import MeshTestClient
 from tests.parity import assert_greedy_close, load_hf
 
 NUM_TOKENS = 48

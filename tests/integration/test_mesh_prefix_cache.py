@@ -8,9 +8,9 @@ from common.engine.core import LLMEngine
 from common.protocol import EngineStats, SamplingSpec
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
+from tests.integration.mesh_test_client import MeshTestClient
 
 NUM_TOKENS = 8
 BLOCK = 16

@@ -13,8 +13,8 @@ from common.sampling import SamplingParams
 from common.structured import parse_structured_output
 from common.tokenizer import Tokenizer
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
 from tests.integration.mesh_helpers import assert_no_kv_held
+from tests.integration.mesh_test_client import MeshTestClient
 from tests.unit.json_schemas import SCHEMAS, json_ending_bias
 
 NAMES = ["nested_object", "array_of_objects", "string_pattern", "recursive_tree"]

@@ -17,9 +17,9 @@ from common.engine.core import LLMEngine
 from common.protocol import EngineStats, SamplingSpec
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held, run_staggered
+from tests.integration.mesh_test_client import MeshTestClient
 from tests.parity import assert_outputs_greedy_close
 
 NUM_TOKENS = 16

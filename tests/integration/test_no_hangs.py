@@ -27,9 +27,9 @@ from common.protocol import SamplingSpec, TokenOutput
 from common.roles import Role
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
+from tests.integration.mesh_test_client import MeshTestClient
 from tests.integration.test_self_healing import migrating_streams
 
 

@@ -15,10 +15,10 @@ from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
-from services.launch.test_client import MeshTestClient
 from services.mesh.registry import ServiceEntry
 from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
+from tests.integration.mesh_test_client import MeshTestClient
 
 LONG = SamplingSpec(max_tokens=2000, temperature=0.0, ignore_eos=True)
 

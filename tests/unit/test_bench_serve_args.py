@@ -1,11 +1,13 @@
-"""`bench/serve.py --mesh-args`: a setting of deploy/local.yaml's `mesh:` changed for one run, and
-refused at once (not after minutes of benching and a server that never comes up) when wrong."""
+"""`bench/serve.py`'s arguments and judgement: `--mesh-args` changes a setting of
+deploy/local.yaml's `mesh:` for one run, and is refused at once (not after minutes of benching and
+a server that never comes up) when wrong; the targets are judged on the figures of the path and
+mode they name."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import serve, serve_engine
+from bench import serve
 
 
 def parse(monkeypatch: pytest.MonkeyPatch, *argv: str) -> dict:
@@ -40,109 +42,40 @@ def test_wrong_mesh_args_are_refused_before_anything_runs(
     assert error in capsys.readouterr().err
 
 
-def test_environ_sets_for_the_processes_started_meanwhile_then_restores(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The `mesh_processes` path starts its launcher with the token engine's OpenMP wait policy;
-    the served paths after it must not inherit it."""
-    import os
-
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    with serve_engine.environ(OMP_WAIT_POLICY="passive", OMP_NUM_THREADS="1"):
-        assert os.environ["OMP_WAIT_POLICY"] == "passive" and os.environ["OMP_NUM_THREADS"] == "1"
-    assert "OMP_WAIT_POLICY" not in os.environ and os.environ["OMP_NUM_THREADS"] == "2"
-    with pytest.raises(RuntimeError), serve_engine.environ(OMP_WAIT_POLICY="passive"):
-        raise RuntimeError("a path that fails")
-    assert "OMP_WAIT_POLICY" not in os.environ
-
-
-def test_a_fresh_process_gets_the_environment_asked_and_this_one_keeps_its_own(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import os
-
-    monkeypatch.delenv("PHASEMESH_BENCH_PROBE", raising=False)
-    probe = "PHASEMESH_BENCH_PROBE"
-    assert serve_engine.in_fresh_process(os.getenv, probe, env={probe: "passive"}) == "passive"
-    assert "PHASEMESH_BENCH_PROBE" not in os.environ
-    assert serve_engine.in_fresh_process(os.getenv, "PHASEMESH_BENCH_PROBE") is None
-
-
-def test_the_mesh_is_compared_with_its_processes_alone_and_beside_the_idle_served_mesh() -> None:
-    """`served_over_baselines`: the served mesh over its processes without Ray and over the same
-    processes beside the idle served mesh, and those over the processes alone, per batch that
-    both sides ran; a side that did not run gives no ratio."""
-    from bench.serve_report import served_over_baselines
-
-    results = {
-        "mesh_direct_plain": {8: {"tok_s": 60.0}, 32: {"tok_s": 80.0}},
-        "mesh_processes_plain": {32: {"tok_s": 100.0}},
-        "mesh_processes_beside_served_plain": {32: {"tok_s": 85.0}},
-    }
-    ratios = served_over_baselines(results)
-    assert ratios["mesh_direct_plain_over_processes"] == {32: pytest.approx(0.8)}
-    assert ratios["mesh_direct_plain_over_beside_served"] == {32: pytest.approx(80 / 85)}
-    assert ratios["mesh_processes_beside_served_over_alone"] == {32: pytest.approx(0.85)}
-    del results["mesh_processes_beside_served_plain"]
-    assert set(served_over_baselines(results)) == {"mesh_direct_plain_over_processes"}
-
-
-def test_the_local_engine_is_compared_with_the_engine_beside_the_idle_served_local() -> None:
-    """Each mode of the served `local` over the in-process engine run beside it while it idled."""
-    from bench.serve_report import served_over_baselines
-
-    results = {
-        "local_direct": {8: {"tok_s": 70.0}},
-        "local_direct_plain": {8: {"tok_s": 80.0}},
-        "engine_beside_served": {8: {"tok_s": 100.0}, 32: {"tok_s": 200.0}},
-    }
-    ratios = served_over_baselines(results)
-    assert ratios == {
-        "local_direct_over_engine_beside_served": {8: pytest.approx(0.7)},
-        "local_direct_plain_over_engine_beside_served": {8: pytest.approx(0.8)},
-    }
-
-
-def test_the_processes_beside_the_served_mesh_need_the_served_mesh(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`mesh_processes_beside_served` runs while the served mesh is up: without `mesh` in the
-    paths it would silently not run, so it is refused before anything starts."""
-    with pytest.raises(SystemExit) as exit_info:
-        parse(monkeypatch, "--paths", "inprocess", "mesh_processes_beside_served")
-    assert exit_info.value.code == 2
-    assert "add mesh" in capsys.readouterr().err
-    parse(monkeypatch, "--paths", "mesh", "mesh_processes_beside_served")  # accepted
-    with pytest.raises(SystemExit):
-        parse(monkeypatch, "--paths", "inprocess", "mesh", "engine_beside_served")
-    assert "add local" in capsys.readouterr().err
-    parse(monkeypatch, "--paths", "inprocess", "local", "engine_beside_served")
-
-
 def test_a_path_the_bench_does_not_have_is_refused_before_anything_runs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A misspelt path would otherwise run nothing for it and say nothing."""
     with pytest.raises(SystemExit) as exit_info:
-        parse(monkeypatch, "--paths", "inprocess", "mesh_procesess")
+        parse(monkeypatch, "--paths", "inprocess", "mesh_processes")
     assert exit_info.value.code == 2
-    assert "invalid choice: 'mesh_procesess'" in capsys.readouterr().err
+    assert "invalid choice: 'mesh_processes'" in capsys.readouterr().err
 
 
-def test_each_served_path_gets_the_path_asked_to_run_beside_it_and_no_other(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """`beside_served`: the path of `BESIDE_SERVED` that needs the served path, when asked for."""
-    monkeypatch.setattr("sys.argv", ["serve.py", "--paths", "inprocess", "local", "mesh",
-                                     "engine_beside_served"])  # fmt: skip
-    args = serve.parse_args()
-    ran: list[tuple] = []
-    monkeypatch.setattr(serve, "in_process", lambda *a: ran.append(a) or {8: {"tok_s": 5.0}})
-    results: dict = {}
-    assert serve.beside_served(args, "mesh", results, {8: 10.0}, [8], 16) is None
-    run = serve.beside_served(args, "local", results, {8: 10.0}, [8], 16)
-    assert run is not None and not ran  # nothing runs until the served path calls it
-    run()
-    assert ran == [(args.preset, [8], 16)]
-    assert results == {"engine_beside_served": {8: {"tok_s": 5.0}}}
+def test_ratios_are_against_the_engine_and_targets_judge_their_own_path_and_mode() -> None:
+    """Each served figure's ratio is its tok/s over the in-process engine's at its batch; the
+    targets read the streamed runs (`""`) or the plain ones (`"_plain"`), the mesh's only on
+    the small preset, and say None for a run that is not there."""
+    results: dict = {
+        "local": {8: {"tok_s": 90.0, "router_cpu_ms_per_token": 0.2},
+                  32: {"tok_s": 160.0, "router_cpu_ms_per_token": 0.1}},
+        "local_plain": {8: {"tok_s": 80.0, "router_cpu_ms_per_token": 0.4}},
+        "mesh": {32: {"tok_s": 130.0, "router_cpu_ms_per_token": 0.25}},
+        "mesh_args": {"token_engine_threads": 1},  # not a figure: left alone
+    }  # fmt: skip
+    serve.add_ratios(results, {8: 100.0, 32: 200.0})
+    assert results["local"][8]["ratio"] == pytest.approx(0.9)
+    assert results["mesh"][32]["ratio"] == pytest.approx(0.65)
+    assert serve.targets_met(results, "small") == {
+        "local_ratio_batch8_min": True,
+        "local_ratio_batch32_min": False,  # 0.8
+        "mesh_ratio_batch32_small_min": True,
+        "router_cpu_ms_per_token_max": True,
+    }
+    assert serve.targets_met(results, "tiny")["mesh_ratio_batch32_small_min"] is None
+    assert serve.targets_met(results, "small", "_plain") == {
+        "local_ratio_batch8_min": False,  # 0.8
+        "local_ratio_batch32_min": None,
+        "mesh_ratio_batch32_small_min": None,
+        "router_cpu_ms_per_token_max": False,  # 0.4 ms
+    }

@@ -1,11 +1,12 @@
-"""A client that talks to a `LocalMesh`'s engines directly, with no router: for tests and benches.
+"""A client that talks to a `LocalMesh`'s engines directly, with no router: for tests.
 
 It places requests as the router does, by JSQ: the router's `ClusterScheduler` (Splitwise's
 `JSQPoolPolicy`, with its mixed-pool borrowing) fed the engines' own `LoadReport`s, to which it
 subscribes as `services/router/mesh_inbox.py` does. Like the router, it sends the pool changes
 the scheduler asks for (`SetRole`: lend, renew, return) on every placement and refresh. It
 returns raw `TokenOutput`s, so a test can check the engines' token streams without the HTTP
-layer in between.
+layer in between. Benches and the demo drive a mesh with the router's own client instead
+(`LocalMesh.engine_client`).
 """
 
 from __future__ import annotations
