@@ -33,7 +33,7 @@ class _Options(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pass
 
 
-class PoolOptions(_Options):
+class PoolOptions(_Options, frozen=True):
     """Splitwise's pools (docs/serving.md): when JSQ's best engine counts as full, so that an
     engine of the other pool is lent to the mixed pool, and how long a loan lasts unrenewed."""
 
@@ -49,7 +49,7 @@ class PoolOptions(_Options):
         )  # fmt: skip
 
 
-class MeshOptions(_Options):
+class MeshOptions(_Options, frozen=True):
     """The mesh deployments' knobs (`topology: mesh`): KV sizes, batching, shard groups, the
     papers' switches, sockets and fault bounds. Every worker reads the fields of its role."""
 

@@ -85,7 +85,7 @@ class EngineWorker:
         self.commands: TypedSocket[EngineCommand] = TypedSocket(cmd, EngineCommand)
         # KV pages over UCX: the ZeroMQ socket then takes only frees (a KvPages there is dropped).
         self.kv_in: TypedSocket[ShardIngress] = TypedSocket(
-            kv, KvControl if cfg.kv_over_ucx else ShardIngress
+            kv, KvControl if cfg.options.kv_over_ucx else ShardIngress
         )
         self.kv_ports = EngineKvPorts(cfg)
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
@@ -95,13 +95,14 @@ class EngineWorker:
         self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch, auth=auth)
         self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress, auth=auth)
         # `kv_transfer: pull`: shards' KV is held here and pulled by them (kv_hold_server.py).
-        pulls = cfg.kv_transfer == "pull" and cfg.role in (Role.PROMPT, Role.MIXED)
-        self.kv_hold = KvHoldServer(KvHold(cfg.kv_hold_bytes), cfg.host, auth) if pulls else None
+        opts = cfg.options
+        pulls = opts.kv_transfer == "pull" and cfg.role in (Role.PROMPT, Role.MIXED)
+        self.kv_hold = KvHoldServer(KvHold(opts.kv_hold_bytes), cfg.host, auth) if pulls else None
         role = EngineRole(
-            cfg.role, self.command_endpoint, cfg.layer_wise_min_tokens, cfg.shard_num_blocks,
+            cfg.role, self.command_endpoint, opts.layer_wise_min_tokens, opts.shard_num_blocks,
             # NOTE: swaps move a request's heads across the whole group: head-partitioned only.
-            cfg.kv_transfer, cfg.local_kv_blocks if cfg.shard_partition == "head" else 0,
-            cfg.tier_policy, self.kv_ports.address,
+            opts.kv_transfer, opts.local_kv_blocks if opts.shard_partition == "head" else 0,
+            opts.tier_policy, self.kv_ports.address,
         )  # fmt: skip
         telemetry = EngineTelemetry(
             cfg.service_id, cfg.model_name, shards=[s.service_id for s in cfg.shards]
@@ -110,13 +111,13 @@ class EngineWorker:
             cfg.service_id, role, _engine_config(cfg), self._send_kv,
             list(self.links.values()), cfg.shards, telemetry,
         )  # fmt: skip
-        self.engine.runner.reply_timeout_s = cfg.shard_reply_timeout_s
-        self.engine.runner.attention_overlap = cfg.attention_overlap
-        if cfg.attention_overlap:  # early q's halves packed now, not in the first decode step
+        self.engine.runner.reply_timeout_s = opts.shard_reply_timeout_s
+        self.engine.runner.attention_overlap = opts.attention_overlap
+        if opts.attention_overlap:  # early q's halves packed now, not in the first decode step
             for layer in self.engine.runner.model.layers:
                 layer.pack_halves()
-        self.engine.runner.decode_lanes = max(cfg.decode_lanes, 1)
-        if cfg.decode_lanes == 0:  # auto: one lane until measured (lanes.py)
+        self.engine.runner.decode_lanes = opts.num_decode_lanes
+        if opts.auto_lanes:  # one lane until measured (lanes.py)
             self.engine.runner.auto_lanes = AutoLanes(len(self.engine.runner.model.layers))
         if cfg.model_peers:  # Lamina 4.3 over replicas: lanes' slices rotate (rotation.py)
             self.engine.runner.model_peers = self._link_peers(cfg.model_peers)
@@ -131,7 +132,7 @@ class EngineWorker:
         the next `LinkPeers` lists it."""
         mc = self.engine.runner.model.config
         heads = (mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim)
-        peers = ModelPeers([], heads, self.cfg.shard_reply_timeout_s)
+        peers = ModelPeers([], heads, self.cfg.options.shard_reply_timeout_s)
         peers.relink(addresses, self._connect_peer)
         return peers
 
@@ -160,7 +161,7 @@ class EngineWorker:
 
     def _connect(self, shard: ShardAddress) -> UcxTensorChannel[ShardLinkMessage]:
         return UcxTensorChannel.connect(
-            shard.link_address, ShardLinkMessage, timeout=self.cfg.shard_link_timeout_s,
+            shard.link_address, ShardLinkMessage, timeout=self.cfg.options.shard_link_timeout_s,
             host=self.cfg.host, key=bytes.fromhex(self.cfg.mesh_key),
         )  # fmt: skip
 
@@ -378,11 +379,12 @@ def with_cache_digest(
 
 
 def _engine_config(cfg: WorkerConfig) -> EngineConfig:
+    opts = cfg.options
     return EngineConfig(
         model_path=cfg.model_path,
-        cache=CacheConfig(cfg.block_size, cfg.num_blocks, cfg.enable_prefix_caching),
+        cache=CacheConfig(opts.block_size, opts.blocks_of(cfg.role), opts.enable_prefix_caching),
         scheduler=SchedulerConfig(
-            cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_preemptions, cfg.starvation_s
+            opts.max_num_batched_tokens, opts.max_num_seqs, opts.max_preemptions, opts.starvation_s
         ),
-        attention_backend=cfg.attention_backend,
+        attention_backend=opts.attention_backend,
     )
