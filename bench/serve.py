@@ -116,7 +116,7 @@ from bench.serve_report import (  # noqa: E402
 )
 from bench.serve_server import served  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
-from services.app_args import MeshArgs  # noqa: E402
+from common.mesh_options import mesh_options  # noqa: E402
 
 PATHS = ["inprocess", "neighbor", "client", "local", "engine_beside_served", "mesh",
          "mesh_processes", "mesh_processes_beside_served", "ceiling"]  # fmt: skip
@@ -200,8 +200,8 @@ def parse_args() -> argparse.Namespace:
     try:  # here, not after minutes of benching and a server that never comes up
         if not isinstance(args.mesh_args, dict):
             raise ValueError("a JSON object of mesh args")
-        MeshArgs.model_validate(mesh_args(args))
-    except ValueError as exc:  # pydantic's ValidationError is one
+        mesh_options(mesh_args(args))
+    except ValueError as exc:
         parser.error(f"--mesh-args: {exc}")
     return args
 

@@ -137,27 +137,23 @@ def mesh_processes(
     """The `mesh_processes` path: the mesh `serve run deploy/local.yaml` starts, as the same OS
     processes without Ray (`services.launch.LocalMesh`: a prompt engine, a token engine of
     `token_engine_threads` and its `shards_per_group` shards, unpinned as Ray leaves replicas;
-    its KV sizes, KV transfer, partition, overlap, lanes (`auto`: 1) and local KV tier; no model
-    peers), driven by the Router's own `MeshEngineClient` in this process with plain requests
-    (tokens held to the end, as the Router holds a plain request's). Against the served `mesh`
+    the served mesh's options as they are, but no model peers), driven by the Router's own
+    `MeshEngineClient` in this process with plain requests (tokens held to the end, as the
+    Router holds a plain request's). Against the served `mesh`
     path it says what Ray's runtime, Serve and HTTP on the same cores cost the mesh. Run it in a
     process whose environment has `OMP_WAIT_POLICY=passive`, as the token engine's replica gets it
     (deploy/local.yaml's runtime_env; libgomp reads it once, in the fork server that every
     worker comes from)."""
+    from common.mesh_options import mesh_options
     from services.launch.local_mesh import LocalMesh, Topology
     from services.router.mesh_client import MeshEngineClient
 
     vocab = model_vocab(preset)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    lanes = mesh["decode_lanes"] if isinstance(mesh["decode_lanes"], int) else 1  # "auto": 1
+    options = mesh_options(mesh | {"model_peers": 0})  # the served mesh's options, as they are
     topology = Topology(
-        str(default_model_path(preset)), num_shards=mesh["shards_per_group"],
-        num_blocks=max(mesh["num_blocks"], mesh["shard_num_blocks"]),
-        block_size=mesh["block_size"], num_threads=mesh["num_threads"],
-        token_engine_threads=mesh.get("token_engine_threads") or 0, pin_decode_groups=False,
-        kv_transfer=mesh["kv_transfer"], shard_partition=mesh["shard_partition"],
-        attention_overlap=mesh["attention_overlap"], local_kv_blocks=mesh["local_kv_blocks"],
-        decode_lanes=lanes,
+        str(default_model_path(preset)), num_shards=options.shards_per_group,
+        pin_decode_groups=False, options=options,
     )  # fmt: skip
     launched = LocalMesh.start(topology)
     client = MeshEngineClient(str(topology.model_path), launched.registry.live, auth=launched.auth)
