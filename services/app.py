@@ -116,7 +116,7 @@ def _check_openmp(
     libgomp reads them once, at load, and Ray starts a replica with `OMP_NUM_THREADS` = its
     `num_cpus` unless its runtime_env says otherwise:
     - `OMP_NUM_THREADS` below the engine's threads: libgomp then waits between parallel regions
-      in a way that cost an engine of 2 threads 25-40% of its tokens here (docs/serving.md);
+      in a way that costs a multi-threaded engine a large share of its tokens (docs/serving.md);
     - a token engine whose threads take every core (`cores`: this process's) and that waits on
       its shards every layer, with OpenMP's default wait (spinning): its idle threads spin
       through every wait on the cores its shards need (docs/mesh.md)."""

@@ -64,7 +64,7 @@ IDLE_POLL_MS = 200  # an idle loop wakes this often to notice a dead parent; nev
 LOAD_REPORT_INTERVAL_S = 0.05
 PEER_CONNECT_TIMEOUT_S = 2.0  # a model peer that does not answer a new link is left out
 # At start, a shard that does not answer a link is tried again until this deadline: on a loaded
-# machine (every service of a mesh starting at once on 2 cores) a live shard can be slow to get
+# machine (every service of a mesh starting at once on a few cores) a live shard can be slow to get
 # to its listener, and giving up would end the engine (its process exits, its replica restarts).
 SHARD_LINK_START_DEADLINE_S = 60.0
 

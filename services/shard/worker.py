@@ -8,8 +8,8 @@ engine's per-layer round trips on its UCX channel. Where prompt engines hold KV 
 (`kv_transfer: pull`), a fourth, the puller (`kv_puller.py`), fetches announced KV and lands it
 between decode steps (`step_gate.py`); every landing, pushed or pulled, is news for the token
 engine (`kv_news.py`), told in the next reply. Each blocks on its event fd or poller (no
-busy-polling: this machine has 2 vCPUs). The two ingress threads take turns (`_ingress_lock`):
-`KvIngress` serves one ingress thread.
+busy-polling: shards share their cores with the engines they serve). The two ingress threads take
+turns (`_ingress_lock`): `KvIngress` serves one ingress thread.
 """
 
 from __future__ import annotations
