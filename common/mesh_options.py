@@ -17,7 +17,7 @@ import msgspec
 
 from common.roles import Role
 from common.scheduling.cluster import PoolThresholds
-from common.scheduling.tiers import tier_policy
+from common.scheduling.tiers import is_neo, tier_policy
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -94,7 +94,7 @@ class MeshOptions(_Options, frozen=True):
 
     # -- Neo: a local KV tier beside a token engine's shards --
     local_kv_blocks: NonNegative = 0  # its budget in blocks; 0: all decode KV on the shards
-    tier_policy: str = ""  # who lives in it (common/scheduling/tiers.py: fill_local, alternate:N)
+    tier_policy: str = ""  # who lives in it (common/scheduling/tiers.py: fill_local, neo, ...)
 
     # -- the router --
     prefix_routing_weight: Annotated[float, msgspec.Meta(ge=0)] = PREFIX_ROUTING_WEIGHT
@@ -112,7 +112,8 @@ class MeshOptions(_Options, frozen=True):
     shard_link_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # one try at a link
 
     def __post_init__(self) -> None:
-        tier_policy(self.tier_policy)  # raises ValueError naming an unknown one
+        if not is_neo(self.tier_policy):  # Neo's needs a cost model: its engine builds it
+            tier_policy(self.tier_policy)  # raises ValueError naming an unknown one
         by_request = self.shard_partition == "request"
         if by_request and (self.attention_overlap or self.decode_lanes != 1):
             # NOTE: the by-request round trip has one part and one lane (runner.py).

@@ -181,6 +181,13 @@ def test_mesh_args_refuse_what_the_workers_would(mesh: dict[str, Any], error: st
         AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
 
 
+@pytest.mark.parametrize("policy", ["", "fill_local", "alternate:3", "neo", "neo:/tmp/t.csv"])
+def test_known_tier_policies_are_accepted(policy: str) -> None:
+    """Neo's policy is built by its engine (it needs a cost model), but deploys as any other."""
+    mesh = {"local_kv_blocks": 8, "tier_policy": policy}
+    assert AppArgs.model_validate({"topology": "mesh", "mesh": mesh}).mesh.tier_policy == policy
+
+
 def test_request_partition_alone_is_accepted() -> None:
     args = AppArgs.model_validate({"topology": "mesh", "mesh": {"shard_partition": "request"}})
     assert args.mesh.decode_lanes == 1 and not args.mesh.attention_overlap
