@@ -236,7 +236,8 @@ class _MeshService:
         waits_on_shards = self.role == Role.TOKEN and mesh.shards_per_group > 0
         _check_openmp(os.environ, mesh.threads_of(self.role),
                       serve.get_replica_context().deployment, waits_on_shards)  # fmt: skip
-        _configure_observability(role_config(base, self.role, "").telemetry_name, service_id)
+        own = role_config(base, self.role, service_id)
+        _configure_observability(own.telemetry_name, service_id)
         generation = _generation(args)
         if self.role == Role.SHARD:
             self.replica: MeshReplica = start_shard(service_id, registry, base, generation)

@@ -308,21 +308,13 @@ class LocalMesh:
 def entry_of(worker: LocalWorker) -> ServiceEntry:
     """The registry entry of a started worker, as a Ray replica registers itself."""
     cfg, r = worker.cfg, worker.ready
-    role = cfg.role
-    slot = -1
-    if role == Role.SHARD:
-        slot = (
-            cfg.shard_slot
-            if cfg.shard_slot >= 0
-            else cfg.head_start // (cfg.head_end - cfg.head_start)
-        )
     return ServiceEntry(
-        role=role, service_id=cfg.service_id, state="ready",
+        role=cfg.role, service_id=cfg.service_id, state="ready",
         command_endpoint=r.command_endpoint, kv_endpoint=r.kv_endpoint,
         control_endpoint=r.control_endpoint, load_endpoint=r.load_endpoint,
         link_address=r.link_address, kv_address=r.kv_address, head_start=cfg.head_start,
         head_end=cfg.head_end,
-        slot=slot, shards=tuple(cfg.shards),
+        slot=cfg.shard_slot, shards=tuple(cfg.shards),
     )  # fmt: skip
 
 
