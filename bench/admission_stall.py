@@ -51,6 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.mesh_options import MeshOptions  # noqa: E402
 from common.model.default import default_model_path  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from services.launch.local_mesh import LocalMesh, Topology  # noqa: E402
@@ -68,7 +69,7 @@ TIMEOUT_S = 120.0  # the most a wait for tokens may take
 def run_arm(args: argparse.Namespace, kv_transfer: str) -> dict[str, float]:
     topology = Topology(
         str(default_model_path(args.model)), num_prompt=1, num_token=2, num_shards=4,
-        num_blocks=2048, kv_transfer=kv_transfer,
+        options=MeshOptions(num_blocks=2048, shard_num_blocks=2048, kv_transfer=kv_transfer),
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:

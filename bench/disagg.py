@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.mesh_options import MeshOptions
 from common.model.default import PRESETS, default_model_path
 from common.protocol import DecodeBreakdown
 from common.sampling import SamplingParams
@@ -139,9 +140,9 @@ def measure(
     meshes: dict[str, LocalMesh] = {}
     try:
         for name, shards, overlap, lanes, peers in MESHES:
+            options = MeshOptions(attention_overlap=overlap, decode_lanes=lanes, model_peers=peers)
             topology = Topology(model, num_prompt=1, num_token=1, num_shards=shards,
-                                pin_decode_groups=pin, attention_overlap=overlap,
-                                decode_lanes=lanes, model_peers=peers)  # fmt: skip
+                                pin_decode_groups=pin, options=options)  # fmt: skip
             meshes[name] = LocalMesh.start(topology)
         clients = {name: mesh.engine_client() for name, mesh in meshes.items()}
         for name, client in clients.items():

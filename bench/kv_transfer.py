@@ -28,6 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.mesh_options import MeshOptions  # noqa: E402
 from common.model.default import PRESETS, default_model_path  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from services.launch.local_mesh import LocalMesh, Topology  # noqa: E402
@@ -74,9 +75,11 @@ def main() -> None:
         name: LocalMesh.start(
             Topology(
                 model,
-                layer_wise_min_tokens=64,
-                kv_over_ucx=on,
-                num_blocks=4 * args.tokens // 16 + 64,
+                options=MeshOptions(
+                    layer_wise_min_tokens=64,
+                    kv_over_ucx=on,
+                    num_blocks=4 * args.tokens // 16 + 64,
+                ),
             )
         )  # fmt: skip
         for name, on in paths.items()

@@ -44,6 +44,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
+from msgspec.structs import replace as replace_options
+
+from common.mesh_options import MeshOptions
 from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from common.telemetry.metrics import Metrics
@@ -211,9 +214,11 @@ def main() -> None:
     local_blocks = args.local_requests * -(-longest // BLOCK)
     model = str(default_model_path("tiny"))
     load_before = Path("/proc/loadavg").read_text().split()[:3]
-    base = Topology(model, num_prompt=1, num_token=1, pin_decode_groups=False, num_blocks=4096)
-    local_only = replace(base, token_num_blocks=local_blocks)
-    offload = replace(base, num_shards=2, local_kv_blocks=local_blocks, tier_policy=args.policy)
+    base = Topology(model, num_prompt=1, num_token=1, pin_decode_groups=False,
+                    options=MeshOptions(num_blocks=4096, shard_num_blocks=4096))  # fmt: skip
+    local_only = replace(base, options=replace_options(base.options, token_num_blocks=local_blocks))
+    tiered = replace_options(base.options, local_kv_blocks=local_blocks, tier_policy=args.policy)
+    offload = replace(base, num_shards=2, options=tiered)
     slo = (args.tbt_slo_ms, args.ttft_slo_ms)
     rows_l, out_l, _ = run_arm("local_only", local_only, plan, rates, slo)
     rows_o, out_o, stats_o = run_arm("offload", offload, plan, rates, slo)

@@ -44,6 +44,7 @@ from pathlib import Path
 # NOTE: bench/ is on the path as this script's folder.
 from prefix_reuse import fit_prefill, reuse_at_arrival, reuse_bound, simulate_hit_rate
 
+from common.mesh_options import MeshOptions
 from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from loadgen.arrivals import ArrivalConfig, plan_requests
@@ -90,8 +91,8 @@ def run_arm(
 ) -> tuple[dict, list[float], list[float], list[list[int]]]:  # type: ignore[type-arg]
     model = default_model_path("tiny")
     topology = Topology(
-        str(model), num_prompt=2, num_token=1, num_blocks=args.num_blocks,
-        enable_prefix_caching=cache, pin_decode_groups=False,
+        str(model), num_prompt=2, num_token=1, pin_decode_groups=False,
+        options=MeshOptions(num_blocks=args.num_blocks, enable_prefix_caching=cache),
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:

@@ -32,9 +32,11 @@ class MeshDecode:
     """Decode through a launched mesh (`services.launch`), timed at the router's own client."""
 
     def __init__(self, model_path: str, num_shards: int, num_blocks: int) -> None:
+        from common.mesh_options import MeshOptions
         from services.launch.local_mesh import LocalMesh, Topology
 
-        topology = Topology(model_path, 1, 1, num_shards, num_blocks=num_blocks)
+        blocks = MeshOptions(num_blocks=num_blocks, shard_num_blocks=num_blocks)
+        topology = Topology(model_path, 1, 1, num_shards, options=blocks)
         self.mesh = LocalMesh.start(topology)
         self.client = self.mesh.engine_client()
         self._num_batches = 0

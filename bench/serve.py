@@ -44,9 +44,9 @@ sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the s
 from bench.serve_server import REPEATS, model_vocab, prompts_for, served  # noqa: E402
 from common.engine.core import LLMEngine  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
+from common.mesh_options import mesh_options  # noqa: E402
 from common.model.default import default_model_path  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
-from services.app_args import MeshArgs  # noqa: E402
 
 PATHS = ["inprocess", "local", "mesh"]
 SERVED = ("local", "local_plain", "mesh", "mesh_plain")  # the served figures, by path and mode
@@ -168,8 +168,8 @@ def parse_args() -> argparse.Namespace:
     try:  # here, not after minutes of benching and a server that never comes up
         if not isinstance(args.mesh_args, dict):
             raise ValueError("a JSON object of mesh args")
-        MeshArgs.model_validate(mesh_args(args))
-    except ValueError as exc:  # pydantic's ValidationError is one
+        mesh_options(mesh_args(args))
+    except ValueError as exc:
         parser.error(f"--mesh-args: {exc}")
     return args
 

@@ -1,87 +1,48 @@
-"""What the launcher tells a worker process, and what the worker reports back when ready."""
+"""What a launcher tells a worker, and what the worker reports back when ready.
+
+`role_config` and `shard_config` build each worker's `WorkerConfig` from one its mesh's workers
+share: `LocalMesh` (services/launch) and the Serve replicas (services/mesh) both start workers
+through them, so a shard's heads or an engine's threads are worked out in one place.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
+from common.mesh_options import MeshOptions
 from common.protocol import ShardAddress
 from common.roles import Role
 from common.transport.zmq_auth import CurveKeys
 
 
 class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's identity and place in the mesh, with the mesh's options whole (`options`: its
+    knobs, the same for every worker of a mesh). Built by `role_config` and `shard_config`, which
+    `LocalMesh` and the Serve replicas both use."""
+
     service_id: str
     role: Role = Role.MIXED  # what the worker runs: an engine in this role, or a shard
     model_path: str
     ready_endpoint: str
-    host: str = "127.0.0.1"
-    block_size: int = 16
-    num_blocks: int = 1024
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_preemptions: int = 2  # the mixed policy's preemption cap (common/scheduling/mixed.py)
-    starvation_s: float = 1.0  # and its aging
-    layer_wise_min_tokens: int = 256
-    attention_backend: str = "auto"
-    num_threads: int = 1
+    host: str = "127.0.0.1"  # where its sockets bind
+    num_threads: int = 1  # its torch threads (`MeshOptions.threads_of` its role)
     cpus: list[int] = []  # the cores to run on (services/launch/core_pinning.py); empty: any
     shards: list[ShardAddress] = []  # token engines: their shard group
-    shard_num_blocks: int = 0
     head_start: int = 0  # shards: the KV heads they hold
     head_end: int = 0
+    shard_slot: int = -1  # shards: their place in a group, where heads do not say it
     served_model_name: str = ""  # the `model_name` label of metrics; default: the folder's name
     # The mesh's secret (hex): every UCX hello between its services is signed with it, and every
     # ZeroMQ socket is a CURVE server or client with keys derived from it, so a peer without it is
     # dropped before anything it sent is read (common/transport/ucx_handshake.py, zmq_auth.py).
     mesh_key: str
-    shard_reply_timeout_s: float = 30.0  # token engines: a shard link that stays silent this long
-    # Token engines: one try at linking to a shard waits this long for its answer (at start,
-    # tries go on until SHARD_LINK_START_DEADLINE_S: a shard starved of CPU answers late).
-    shard_link_timeout_s: float = 10.0
-    enable_prefix_caching: bool = True  # prompt and mixed engines (docs/prefix_caching.md)
-    # Receivers (token and mixed engines, shards): take KV pages over UCX (a `KvReceiver`, its
-    # address in `WorkerReady.kv_address`) or, off, on the ZeroMQ KV-ingress socket as before.
-    # Senders follow what each receiver publishes. The one switch between the two paths.
-    kv_over_ucx: bool = True
-    # Token engines with a shard group: Neo's local KV tier, its budget in blocks (0: none, all
-    # decode KV on the shards) and the policy that places requests in the two tiers
-    # (`common.scheduling.tiers.tier_policy`: fill_local, or alternate:<period> for tests).
-    local_kv_blocks: int = 0
-    tier_policy: str = ""
-    # How a request's KV reaches its shard group: "push" (the prompt engine ships it while it
-    # prefills) or "pull" (the prompt engine holds it, bounded by `kv_hold_bytes` and a lease,
-    # and announces it; each shard pulls it between decode steps; the token engine admits the
-    # request once every shard has it). Read by prompt engines (hold) and token engines (admit).
-    kv_transfer: str = "push"
-    kv_hold_bytes: int = 1 << 30
-    # How a shard group splits KV: "head" (each shard a slice of KV heads of every request) or
-    # "request" (each shard all heads of the requests placed on it, Lamina Fig. 9a).
-    shard_partition: str = "head"
-    shard_slot: int = -1  # shards: their place in a group, where heads do not say it
-    # Token engines' decode round trip (services/engine/runner.py): q leaves before k/v are
-    # computed (Lamina 4.2.2), and a step's sharded rows run as this many staggered lanes (4.3;
-    # 0: auto, chosen from the first steps' measured breakdown: services/engine/lanes.py).
-    attention_overlap: bool = False
-    decode_lanes: int = 1
     # Token engines: their model peers' UCX link addresses (hex), replicas 1.. of Lamina 4.3's
     # rotation (services/engine/rotation.py); lanes' layer slices rotate over them.
     model_peers: list[str] = []
-
-    def __post_init__(self) -> None:
-        if self.kv_transfer not in ("push", "pull"):
-            raise ValueError(f"kv_transfer must be push or pull, got {self.kv_transfer!r}")
-        if self.shard_partition not in ("head", "request"):
-            raise ValueError(f"shard_partition must be head or request, got "
-                             f"{self.shard_partition!r}")  # fmt: skip
-        if self.decode_lanes < 0:
-            raise ValueError(f"decode_lanes must be >= 1, or 0 for auto, got {self.decode_lanes}")
-        if self.shard_partition == "request" and (self.attention_overlap or self.decode_lanes != 1):
-            # NOTE: the by-request round trip (runner._attend_by_request) has one part and lane.
-            raise ValueError("shard_partition request runs without attention_overlap and lanes")
-        if self.model_peers and self.shard_partition == "request":
-            raise ValueError("model_peers rotate lanes over a head-partitioned shard group only")
+    options: MeshOptions = msgspec.field(default_factory=MeshOptions)
 
     @property
     def curve_keys(self) -> CurveKeys:
@@ -97,6 +58,38 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.role == Role.MODEL_PEER:
             return "model-peer"
         return "attention-shard" if self.role == Role.SHARD else f"{self.role}-engine"
+
+
+def role_config(base: WorkerConfig, role: Role, service_id: str, **instance: Any) -> WorkerConfig:
+    """`base` (what a mesh's workers share) as worker `service_id` in `role`, on its role's torch
+    threads; `instance`: the rest of its own fields (cpus, shards, model peers)."""
+    threads = base.options.threads_of(role)
+    return msgspec.structs.replace(
+        base, service_id=service_id, role=role, num_threads=threads, **instance
+    )
+
+
+def shard_heads(num_kv_heads: int, options: MeshOptions, slot: int) -> tuple[int, int]:
+    """The KV heads [start, end) the shard in `slot` of a group holds: its slice of the heads, or
+    every head where the group splits by request. Raises if the heads do not split evenly."""
+    if options.shard_partition == "request":
+        return 0, num_kv_heads
+    num_slots = max(options.shards_per_group, 1)
+    if num_kv_heads % num_slots:
+        raise ValueError(f"{num_kv_heads} KV heads do not split over {num_slots} shards")
+    width = num_kv_heads // num_slots
+    return slot * width, (slot + 1) * width
+
+
+def shard_config(
+    base: WorkerConfig, service_id: str, slot: int, num_kv_heads: int, **instance: Any
+) -> WorkerConfig:
+    """`base` as the attention shard `service_id` in `slot` of its group (`shard_heads`)."""
+    head_start, head_end = shard_heads(num_kv_heads, base.options, slot)
+    return role_config(
+        base, Role.SHARD, service_id, head_start=head_start, head_end=head_end, shard_slot=slot,
+        **instance,
+    )  # fmt: skip
 
 
 class WorkerReady(msgspec.Struct, frozen=True):

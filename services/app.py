@@ -37,21 +37,15 @@ from ray import serve
 from ray.serve import Application
 
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.roles import Role
 from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.transport.zmq_auth import CurveKeys
-from common.worker_config import WorkerConfig
-from services.app_args import AppArgs, EngineArgs, MeshArgs, PoolArgs
+from common.worker_config import WorkerConfig, role_config
+from services.app_args import AppArgs, EngineArgs
 from services.mesh.ray_registry import RayRegistry
 from services.mesh.registry import RegistryClient
-from services.mesh.replica import (
-    MeshReplica,
-    base_worker_config,
-    replace_cfg,
-    start_engine,
-    start_model_peer,
-    start_shard,
-)
+from services.mesh.replica import MeshReplica, start_engine, start_model_peer, start_shard
 from services.router.engine_client import (
     EngineClient,
     InProcessEngineClient,
@@ -122,7 +116,7 @@ def _check_openmp(
     libgomp reads them once, at load, and Ray starts a replica with `OMP_NUM_THREADS` = its
     `num_cpus` unless its runtime_env says otherwise:
     - `OMP_NUM_THREADS` below the engine's threads: libgomp then waits between parallel regions
-      in a way that cost an engine of 2 threads 25-40% of its tokens here (docs/serving.md);
+      in a way that costs a multi-threaded engine a large share of its tokens (docs/serving.md);
     - a token engine whose threads take every core (`cores`: this process's) and that waits on
       its shards every layer, with OpenMP's default wait (spinning): its idle threads spin
       through every wait on the cores its shards need (docs/mesh.md)."""
@@ -148,29 +142,23 @@ def _check_openmp(
     return ok
 
 
-def _bind_host(mesh: MeshArgs) -> str:
+def _bind_host(mesh: MeshOptions) -> str:
     return mesh.host or ray.util.get_node_ip_address()
 
 
-def _mesh_key(mesh: MeshArgs, registry: RegistryClient) -> str:
+def _mesh_key(mesh: MeshOptions, registry: RegistryClient) -> str:
     """The args' key, or else the one the application's registry holds (the first replica to ask
     proposes a fresh one): the same for every replica of every deploy of the application."""
     return mesh.key or registry.agree_key(secrets.token_hex(32))
 
 
 def _worker_config(args: AppArgs, mesh_key: str) -> WorkerConfig:
-    m = args.mesh
-    return base_worker_config(
-        str(args.model_path()), _bind_host(m), block_size=m.block_size, num_blocks=m.num_blocks,
-        max_num_batched_tokens=m.max_num_batched_tokens, max_num_seqs=m.max_num_seqs,
-        max_preemptions=m.max_preemptions, starvation_s=m.starvation_s,
-        layer_wise_min_tokens=m.layer_wise_min_tokens, attention_backend=m.attention_backend,
-        num_threads=m.num_threads, shard_num_blocks=m.shard_num_blocks,
-        enable_prefix_caching=m.enable_prefix_caching, served_model_name=args.model_name(),
-        mesh_key=mesh_key, kv_transfer=m.kv_transfer, shard_partition=m.shard_partition,
-        kv_hold_bytes=m.kv_hold_bytes, attention_overlap=m.attention_overlap,
-        decode_lanes=m.worker_decode_lanes(), local_kv_blocks=m.local_kv_blocks,
-        tier_policy=m.tier_policy,
+    """What every mesh worker of the application shares: `role_config` and `shard_config`
+    (common/worker_config.py) make each replica's own from it."""
+    return WorkerConfig(
+        service_id="", model_path=str(args.model_path()), ready_endpoint="",
+        host=_bind_host(args.mesh), served_model_name=args.model_name(), mesh_key=mesh_key,
+        options=args.mesh,
     )  # fmt: skip
 
 
@@ -240,27 +228,23 @@ class _MeshService:
 
     def __init__(self, args: dict[str, Any]) -> None:
         parsed = AppArgs.model_validate(args)
-        self.drain_s = parsed.mesh.drain_s
+        mesh = parsed.mesh
+        self.drain_s = mesh.drain_s
         registry = RayRegistry.for_app(serve.get_replica_context().app_name)
-        base, mesh = _worker_config(parsed, _mesh_key(parsed.mesh, registry)), parsed.mesh
+        base = _worker_config(parsed, _mesh_key(mesh, registry))
         service_id = _service_id(self.role)
-        base = replace_cfg(base, num_threads=mesh.threads_of(self.role))
         waits_on_shards = self.role == Role.TOKEN and mesh.shards_per_group > 0
-        _check_openmp(os.environ, base.num_threads, serve.get_replica_context().deployment,
-                      waits_on_shards)  # fmt: skip
-        _configure_observability(replace_cfg(base, role=self.role).telemetry_name, service_id)
+        _check_openmp(os.environ, mesh.threads_of(self.role),
+                      serve.get_replica_context().deployment, waits_on_shards)  # fmt: skip
+        own = role_config(base, self.role, service_id)
+        _configure_observability(own.telemetry_name, service_id)
         generation = _generation(args)
         if self.role == Role.SHARD:
-            self.replica: MeshReplica = start_shard(
-                service_id, registry, base, mesh.shards_per_group, generation
-            )
+            self.replica: MeshReplica = start_shard(service_id, registry, base, generation)
         elif self.role == Role.MODEL_PEER:
             self.replica = start_model_peer(service_id, registry, base, generation)
         else:
-            self.replica = start_engine(
-                self.role, service_id, registry, base, mesh.shards_per_group, mesh.shard_wait_s,
-                mesh.model_peers, generation,
-            )  # fmt: skip
+            self.replica = start_engine(self.role, service_id, registry, base, generation)
 
     def check_health(self) -> None:
         self.replica.check_health()
@@ -330,8 +314,7 @@ __all__ = [
     "DEPLOYMENT_NAMES",
     "AppArgs",
     "EngineArgs",
-    "MeshArgs",
-    "PoolArgs",
+    "MeshOptions",
     "build_app",
     "deployment_names",
 ]

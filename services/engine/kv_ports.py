@@ -19,7 +19,7 @@ from common.worker_config import WorkerConfig
 class EngineKvPorts:
     def __init__(self, cfg: WorkerConfig) -> None:
         self._host, self._key = cfg.host, bytes.fromhex(cfg.mesh_key)
-        receives = cfg.kv_over_ucx and cfg.role in (Role.TOKEN, Role.MIXED)
+        receives = cfg.options.kv_over_ucx and cfg.role in (Role.TOKEN, Role.MIXED)
         self.inbox = KvInbox() if receives else None
         self._receiver = KvReceiver(self._host, self._key, self.inbox.put) if self.inbox else None
         self.address = self._receiver.address if self._receiver else ""  # "": none here

@@ -20,7 +20,6 @@ import zmq
 from common.block_manager import BlockManager
 from common.kv_events import CacheDigests
 from common.kv_hold import KvHold
-from common.mesh_options import MeshOptions
 from common.protocol import (
     AbortRequest,
     DecodeHandoff,
@@ -86,7 +85,7 @@ class EngineWorker:
         self.commands: TypedSocket[EngineCommand] = TypedSocket(cmd, EngineCommand)
         # KV pages over UCX: the ZeroMQ socket then takes only frees (a KvPages there is dropped).
         self.kv_in: TypedSocket[ShardIngress] = TypedSocket(
-            kv, KvControl if cfg.kv_over_ucx else ShardIngress
+            kv, KvControl if cfg.options.kv_over_ucx else ShardIngress
         )
         self.kv_ports = EngineKvPorts(cfg)
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
@@ -96,13 +95,14 @@ class EngineWorker:
         self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch, auth=auth)
         self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress, auth=auth)
         # `kv_transfer: pull`: shards' KV is held here and pulled by them (kv_hold_server.py).
-        pulls = cfg.kv_transfer == "pull" and cfg.role in (Role.PROMPT, Role.MIXED)
-        self.kv_hold = KvHoldServer(KvHold(cfg.kv_hold_bytes), cfg.host, auth) if pulls else None
+        opts = cfg.options
+        pulls = opts.kv_transfer == "pull" and cfg.role in (Role.PROMPT, Role.MIXED)
+        self.kv_hold = KvHoldServer(KvHold(opts.kv_hold_bytes), cfg.host, auth) if pulls else None
         telemetry = EngineTelemetry(
             cfg.service_id, cfg.model_name, shards=[s.service_id for s in cfg.shards]
         )
         parts = build_engine_parts(
-            cfg.service_id, cfg.role, _options_of(cfg), cfg.model_path, self._send_kv,
+            cfg.service_id, cfg.role, opts, cfg.model_path, self._send_kv,
             command_endpoint=self.command_endpoint, kv_address=self.kv_ports.address,
             shard_links=list(self.links.values()), shards=cfg.shards, telemetry=telemetry,
         )  # fmt: skip
@@ -121,7 +121,7 @@ class EngineWorker:
         the next `LinkPeers` lists it."""
         mc = self.engine.runner.model.config
         heads = (mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim)
-        peers = ModelPeers([], heads, self.cfg.shard_reply_timeout_s)
+        peers = ModelPeers([], heads, self.cfg.options.shard_reply_timeout_s)
         peers.relink(addresses, self._connect_peer)
         return peers
 
@@ -150,7 +150,7 @@ class EngineWorker:
 
     def _connect(self, shard: ShardAddress) -> UcxTensorChannel[ShardLinkMessage]:
         return UcxTensorChannel.connect(
-            shard.link_address, ShardLinkMessage, timeout=self.cfg.shard_link_timeout_s,
+            shard.link_address, ShardLinkMessage, timeout=self.cfg.options.shard_link_timeout_s,
             host=self.cfg.host, key=bytes.fromhex(self.cfg.mesh_key),
         )  # fmt: skip
 
@@ -364,23 +364,4 @@ def with_cache_digest(
     return msgspec.structs.replace(
         report, kv_seq=digest.seq, kv_snapshot=digest.snapshot, kv_added=digest.added,
         kv_removed=digest.removed,
-    )  # fmt: skip
-
-
-def _options_of(cfg: WorkerConfig) -> MeshOptions:
-    # TODO(options): the worker config carries `MeshOptions` whole once the launchers send it.
-    return MeshOptions(
-        num_blocks=cfg.num_blocks, shard_num_blocks=max(cfg.shard_num_blocks, 1),
-        block_size=cfg.block_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_num_seqs=cfg.max_num_seqs, max_preemptions=cfg.max_preemptions,
-        starvation_s=cfg.starvation_s, attention_backend=cfg.attention_backend,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        layer_wise_min_tokens=cfg.layer_wise_min_tokens,
-        kv_transfer=cfg.kv_transfer,  # type: ignore[arg-type]
-        shard_partition=cfg.shard_partition,  # type: ignore[arg-type]
-        attention_overlap=cfg.attention_overlap,
-        decode_lanes="auto" if cfg.decode_lanes == 0 else cfg.decode_lanes,
-        local_kv_blocks=cfg.local_kv_blocks if cfg.shard_partition == "head" else 0,
-        tier_policy=cfg.tier_policy, shard_reply_timeout_s=cfg.shard_reply_timeout_s,
-        shard_link_timeout_s=cfg.shard_link_timeout_s,
     )  # fmt: skip

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 
 from common.engine.request import RequestOutput
+from common.mesh_options import MeshOptions
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.router.mesh_client import MeshEngineClient
@@ -41,7 +42,8 @@ def main() -> None:
     try:
         topology = Topology(
             str(args.model or default_model_path()), args.prompt, args.token, args.shards,
-            pin_decode_groups=not args.no_pin, model_peers=args.model_peers, decode_lanes=lanes,
+            pin_decode_groups=not args.no_pin,
+            options=MeshOptions(model_peers=args.model_peers, decode_lanes=lanes),
         )  # fmt: skip
     except ValueError as exc:  # a bad combination: say so, as argparse does
         parser.error(str(exc))

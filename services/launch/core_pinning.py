@@ -6,14 +6,12 @@ the shards woken by the engine's sends tend to land on the engine's own core (wa
 they wait for the engine to block and then run one after another. The placement here gives each
 shard of a group its own core, and puts the token engine on the core of its group's *last* shard:
 the first shards start the moment their message lands, while the engine is still sending, and the
-last one runs as soon as the engine blocks. Measured on the session-14 VM (2 vCPUs, `small`
-model, 2 shards): decode TBT 61-64 ms pinned against 67-69 ms unpinned at batch 8 (docs/mesh.md).
+last one runs as soon as the engine blocks, so a step waits on no shard queued behind another
+(bench/disagg.py measures both; docs/mesh.md).
 
 A token engine of several threads (`token_engine_threads`) gets as many cores: its last shard's,
 then the next ones in order. Its OpenMP threads split each GEMM evenly, so two threads held to one
-core take turns and every region waits for the slower; measured (tiny model, batch 1, 2 shards,
-2 passive engine threads, 2 vCPUs, 2026-11-27): 145-168 tok/s with the engine on one core against
-181-229 unpinned.
+core would take turns and every parallel region would wait for the slower of them.
 
 Cores are handed out round-robin, so groups beyond the core count share cores. Prompt engines are
 not pinned: they are idle while decode runs and take whichever core is free when a prompt comes.

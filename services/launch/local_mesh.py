@@ -30,7 +30,7 @@ from common.roles import Role
 from common.transport.service_stats import request_stats
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool, bind_random
-from common.worker_config import WorkerConfig, WorkerReady
+from common.worker_config import WorkerConfig, WorkerReady, role_config, shard_config
 from services.launch.core_pinning import GroupPlacement, place_decode_groups
 from services.launch.fork_server import start_worker
 from services.launch.supervisor import Supervisor
@@ -73,7 +73,7 @@ class LocalMesh:
         self.supervisor: Supervisor | None = None
         # The mesh's secret: UCX hellos are signed with it, ZeroMQ sockets use CURVE keys derived
         # from it (`auth`); a process without it cannot talk to this mesh.
-        self.mesh_key = secrets.token_hex(32)
+        self.mesh_key = topology.options.key or secrets.token_hex(32)
         self.auth = CurveKeys.from_mesh_key(self.mesh_key)
         self._ctx: zmq.Context = zmq.Context.instance()
         self._ready_sock, self._ready_endpoint = bind_random(self._ctx, zmq.PULL, auth=self.auth)
@@ -93,82 +93,60 @@ class LocalMesh:
     def _start_all(self, timeout: float) -> None:
         t = self.topology
         base = WorkerConfig(
-            service_id="", model_path=t.model_path,
-            ready_endpoint=self._ready_endpoint, num_blocks=t.num_blocks,
-            block_size=t.block_size, attention_backend=t.attention_backend,
-            num_threads=t.num_threads, layer_wise_min_tokens=t.layer_wise_min_tokens,
-            mesh_key=self.mesh_key, shard_reply_timeout_s=t.shard_reply_timeout_s,
-            shard_link_timeout_s=t.shard_link_timeout_s,
-            enable_prefix_caching=t.enable_prefix_caching,
-            kv_over_ucx=t.kv_over_ucx, kv_transfer=t.kv_transfer,
-            shard_partition=t.shard_partition, attention_overlap=t.attention_overlap,
-            decode_lanes=t.decode_lanes,
+            service_id="", model_path=t.model_path, ready_endpoint=self._ready_endpoint,
+            host=t.options.host or "127.0.0.1", mesh_key=self.mesh_key, options=t.options,
         )  # fmt: skip
         cores = sorted(os.sched_getaffinity(0)) if t.pin_decode_groups else []
         placements = place_decode_groups(
-            t.num_token, self.shards_per_group, cores, t.engine_threads
+            t.num_token, t.shards_per_group, cores, t.options.threads_of(Role.TOKEN)
         )
         for worker in self.spawn(self._shard_configs(base, placements), timeout):
             self.registry.register(entry_of(worker))
         peers = self._spawn_model_peers(base, timeout)
         token = [
-            msgspec.structs.replace(
+            role_config(
                 base,
-                service_id=f"token-{e}",
-                role=Role.TOKEN,
-                num_threads=t.engine_threads,
-                shard_num_blocks=t.num_blocks,
+                Role.TOKEN,
+                f"token-{e}",
                 cpus=list(placements[e].engine),
-                local_kv_blocks=t.local_kv_blocks,
-                num_blocks=t.token_num_blocks or t.num_blocks,
-                tier_policy=t.tier_policy,
                 model_peers=[w.ready.link_address for w in peers[e]],
             )  # fmt: skip
             for e in range(t.num_token)
         ]
         for worker in self.spawn([self.with_group(cfg) for cfg in token], timeout):
             self.registry.register(entry_of(worker))
-        prompt = [
-            msgspec.structs.replace(base, service_id=f"prompt-{i}", role=Role.PROMPT)
-            for i in range(t.num_prompt)
-        ]
+        prompt = [role_config(base, Role.PROMPT, f"prompt-{i}") for i in range(t.num_prompt)]
         for worker in self.spawn(prompt, timeout):
             self.registry.register(entry_of(worker))
 
     def _spawn_model_peers(self, base: WorkerConfig, timeout: float) -> list[list[LocalWorker]]:
         """Each token engine's model peers (`peer-{engine}-{i}`), started and ready."""
-        n = self.topology.model_peers
+        n, num_token = self.topology.options.model_peers, self.topology.num_token
         cfgs = [
-            msgspec.structs.replace(base, service_id=f"peer-{e}-{i}", role=Role.MODEL_PEER)
-            for e in range(self.topology.num_token) for i in range(n)
+            role_config(base, Role.MODEL_PEER, f"peer-{e}-{i}")
+            for e in range(num_token) for i in range(n)
         ]  # fmt: skip
         started = self.spawn(cfgs, timeout, into=self.model_peers)
-        return [started[e * n : (e + 1) * n] for e in range(self.topology.num_token)]
+        return [started[e * n : (e + 1) * n] for e in range(num_token)]
 
     @property
     def shards_per_group(self) -> int:
-        return self.topology.num_shards // self.topology.num_token
+        return self.topology.shards_per_group
 
     def _shard_configs(
         self, base: WorkerConfig, placements: list[GroupPlacement]
     ) -> list[WorkerConfig]:
-        """One config per shard; shard i holds head range i % shards_per_group."""
+        """One config per shard; shard i is slot i % shards_per_group of group i // it."""
         t, per_group = self.topology, self.shards_per_group
         if not per_group:
             return []
         num_kv_heads = _num_kv_heads(t.model_path)
-        by_request = t.shard_partition == "request"  # every shard holds every head
-        if num_kv_heads % per_group and not by_request:
-            raise ValueError(f"{num_kv_heads} KV heads do not split over {per_group} shards")
-        width = num_kv_heads if by_request else num_kv_heads // per_group
         return [
-            msgspec.structs.replace(
+            shard_config(
                 base,
-                service_id=f"shard-{i}",
-                role=Role.SHARD,
-                head_start=0 if by_request else (i % per_group) * width,
-                head_end=width if by_request else (i % per_group + 1) * width,
-                shard_slot=i % per_group,
+                f"shard-{i}",
+                i % per_group,
+                num_kv_heads,
                 cpus=list(placements[i // per_group].shards[i % per_group]),
             )  # fmt: skip
             for i in range(t.num_shards)
@@ -308,7 +286,7 @@ class LocalMesh:
         t = self.topology
         return MeshEngineClient(
             t.model_path, list_services or self.registry.live, auth=self.auth,
-            block_size=t.block_size, **options,
+            block_size=t.options.block_size, **options,
         )  # fmt: skip
 
     def control_endpoints(self) -> list[str]:
@@ -348,21 +326,13 @@ class LocalMesh:
 def entry_of(worker: LocalWorker) -> ServiceEntry:
     """The registry entry of a started worker, as a Ray replica registers itself."""
     cfg, r = worker.cfg, worker.ready
-    role = cfg.role
-    slot = -1
-    if role == Role.SHARD:
-        slot = (
-            cfg.shard_slot
-            if cfg.shard_slot >= 0
-            else cfg.head_start // (cfg.head_end - cfg.head_start)
-        )
     return ServiceEntry(
-        role=role, service_id=cfg.service_id, state="ready",
+        role=cfg.role, service_id=cfg.service_id, state="ready",
         command_endpoint=r.command_endpoint, kv_endpoint=r.kv_endpoint,
         control_endpoint=r.control_endpoint, load_endpoint=r.load_endpoint,
         link_address=r.link_address, kv_address=r.kv_address, head_start=cfg.head_start,
         head_end=cfg.head_end,
-        slot=slot, shards=tuple(cfg.shards),
+        slot=cfg.shard_slot, shards=tuple(cfg.shards),
     )  # fmt: skip
 
 

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-import msgspec
 import structlog
 import torch
 import zmq
@@ -34,7 +33,7 @@ from common.protocol import LinkPeers, LinkShards
 from common.roles import Role
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool
-from common.worker_config import WorkerConfig
+from common.worker_config import WorkerConfig, role_config, shard_config, shard_heads
 from services.engine.model_peer_worker import ModelPeerWorker
 from services.engine.worker import EngineWorker
 from services.mesh.peer_group import ModelPeerKeeper
@@ -217,13 +216,13 @@ def start_engine(
     service_id: str,
     registry: RegistryClient,
     base: WorkerConfig,
-    shards_per_group: int,
-    shard_wait_s: float,
-    num_model_peers: int = 0,
     generation: str = "",
 ) -> MeshReplica:
-    """A prompt or token engine: claim shards and model peers (token), start the worker,
-    register as ready. `generation`: its application's version (it claims only its own)."""
+    """A prompt or token engine: claim shards and model peers (token, as many as `base.options`
+    says), start the worker, register as ready. `generation`: its application's version (it
+    claims only its own)."""
+    opts = base.options
+    shards_per_group, num_model_peers = opts.shards_per_group, opts.model_peers
     group: list[ServiceEntry] = []
     peers: list[ServiceEntry] = []
     # Registered (starting: not routable) and heartbeating before it claims anything: claims end
@@ -235,13 +234,13 @@ def start_engine(
         if role == Role.TOKEN:
             membership.update()
             membership.start()
-            group = claim_shard_group(registry, service_id, shards_per_group, shard_wait_s)
+            group = claim_shard_group(registry, service_id, shards_per_group, opts.shard_wait_s)
             peers = claim_model_peers(registry, service_id, num_model_peers, PEER_WAIT_S)
         if role == Role.TOKEN and not group:
             log.warning("no free shard group: this token engine decodes with local attention",
                         service_id=service_id)  # fmt: skip
         links = [s.shard_address() for s in group]
-        cfg = replace_cfg(base, service_id=service_id, role=role, shards=links,
+        cfg = role_config(base, role, service_id, shards=links,
                           model_peers=[e.link_address for e in peers])  # fmt: skip
         thread = WorkerThread(lambda: EngineWorker(cfg), f"{service_id}-loop", cfg.num_threads)
     except BaseException:
@@ -277,25 +276,18 @@ def start_shard(
     service_id: str,
     registry: RegistryClient,
     base: WorkerConfig,
-    shards_per_group: int,
     generation: str = "",
 ) -> MeshReplica:
-    """An attention shard: take a head-range slot, start the worker, register as ready."""
-    num_slots = max(shards_per_group, 1)
+    """An attention shard: take a slot of a group (`shard_config`: its heads), start the worker,
+    register as ready."""
     num_kv_heads = ModelConfig.from_folder(base.model_path).num_key_value_heads
-    by_request = base.shard_partition == "request"  # every shard holds every head
-    if num_kv_heads % num_slots and not by_request:
-        raise ValueError(f"{num_kv_heads} KV heads do not split over {num_slots} shards")
+    shard_heads(num_kv_heads, base.options, 0)  # raises before a slot is taken if heads don't split
     entry = ServiceEntry(role=Role.SHARD, service_id=service_id, generation=generation)
-    slot = registry.take_shard_slot(entry, num_slots)
+    slot = registry.take_shard_slot(entry, max(base.options.shards_per_group, 1))
     membership = Membership(registry, replace(entry, slot=slot))
     membership.start()  # holds the slot while the shard allocates its KV
-    width = num_kv_heads // num_slots
-    head_start, head_end = (0, num_kv_heads) if by_request else (slot * width, (slot + 1) * width)
-    cfg = replace_cfg(
-        base, service_id=service_id, role=Role.SHARD,
-        num_blocks=base.shard_num_blocks, head_start=head_start, head_end=head_end,
-    )  # fmt: skip
+    cfg = shard_config(base, service_id, slot, num_kv_heads)
+    head_start, head_end = cfg.head_start, cfg.head_end
     thread = WorkerThread(lambda: ShardWorker(cfg), f"{service_id}-loop", cfg.num_threads)
     assert isinstance(thread.worker, ShardWorker)
     ready = thread.worker.ready()
@@ -313,7 +305,7 @@ def start_model_peer(
     service_id: str, registry: RegistryClient, base: WorkerConfig, generation: str = ""
 ) -> MeshReplica:
     """A model peer: start the worker (it loads the model), register as ready (claimable)."""
-    cfg = replace_cfg(base, service_id=service_id, role=Role.MODEL_PEER)
+    cfg = role_config(base, Role.MODEL_PEER, service_id)
     thread = WorkerThread(lambda: ModelPeerWorker(cfg), f"{service_id}-loop", cfg.num_threads)
     assert isinstance(thread.worker, ModelPeerWorker)
     entry = ServiceEntry(role=Role.MODEL_PEER, service_id=service_id, state="ready",
@@ -363,15 +355,3 @@ def claim_shard_group(
         # NOTE: waiting on other replicas' start-up (bounded by wait_s); nothing to block on.
         time.sleep(CLAIM_RETRY_S)
     return []
-
-
-def replace_cfg(base: WorkerConfig, **changes: object) -> WorkerConfig:
-    return msgspec.structs.replace(base, **changes)
-
-
-def base_worker_config(model_path: str, host: str, **knobs: object) -> WorkerConfig:
-    """The settings every mesh worker of an application shares."""
-    return WorkerConfig(
-        service_id="", model_path=model_path, ready_endpoint="",
-        host=host, **knobs,  # type: ignore[arg-type]
-    )  # fmt: skip

@@ -28,6 +28,7 @@ import zmq
 from opentelemetry import trace
 
 from common.engine.request import RequestOutput
+from common.mesh_options import MAX_MIGRATIONS, PREFIX_ROUTING_WEIGHT
 from common.protocol import (
     AbortRequest,
     EngineCommand,
@@ -53,15 +54,12 @@ from services.router.token_text import StreamedText, join_token_outputs
 
 log = structlog.get_logger(__name__)
 
-MAX_MIGRATIONS = 5  # re-runs of one request on other engines before it fails
 # The first re-run waits this long, each next one twice as long (at most MIGRATION_BACKOFF_MAX_S):
 # one fault often ends an attempt several times while the mesh settles (a shard dies: its group
 # is dropped, then relinked to its replacement), and a re-run placed on the view of a moment ago
 # would use up the request's migrations on the same fault.
 MIGRATION_BACKOFF_S = 0.25
 MIGRATION_BACKOFF_MAX_S = 2.0
-# A cached prefix token counts against one pending prompt token (KV-aware JSQ; 0: plain JSQ).
-PREFIX_ROUTING_WEIGHT = 1.0
 # A migrated request waits this long at most for a prompt and a token engine (a replica Serve is
 # restarting loads its model first), retrying every PLACE_RETRY_S.
 MIGRATION_WAIT_S = 60.0

@@ -8,8 +8,8 @@ engine's per-layer round trips on its UCX channel. Where prompt engines hold KV 
 (`kv_transfer: pull`), a fourth, the puller (`kv_puller.py`), fetches announced KV and lands it
 between decode steps (`step_gate.py`); every landing, pushed or pulled, is news for the token
 engine (`kv_news.py`), told in the next reply. Each blocks on its event fd or poller (no
-busy-polling: a spinning thread takes a core the mesh's other processes need). The two ingress
-threads take turns (`_ingress_lock`): `KvIngress` serves one ingress thread.
+busy-polling: shards share their cores with the engines they serve). The two ingress threads take
+turns (`_ingress_lock`): `KvIngress` serves one ingress thread.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ NUM_BUFFERS = {ATTEND_WHOLE: 3, ATTEND_PREV: 1, ATTEND_NEW: 2}  # per `AttendBat
 
 class ShardWorker:
     def __init__(self, cfg: WorkerConfig) -> None:
-        self.cfg = cfg
+        self.cfg, opts = cfg, cfg.options
         mc = ModelConfig.from_folder(cfg.model_path)
         spec = ShardSpec(
             num_layers=mc.num_hidden_layers,
@@ -73,26 +73,26 @@ class ShardWorker:
             head_end=cfg.head_end,
             num_queries_per_kv=mc.num_queries_per_kv,
             head_dim=mc.head_dim,
-            num_blocks=cfg.num_blocks,
-            block_size=cfg.block_size,
+            num_blocks=opts.shard_num_blocks,
+            block_size=opts.block_size,
             dtype=getattr(torch, mc.dtype),
             scale=mc.head_dim**-0.5,
         )
-        self.shard = AttentionShard(cfg.service_id, spec, select_backend(cfg.attention_backend))
+        self.shard = AttentionShard(cfg.service_id, spec, select_backend(opts.attention_backend))
         self.ctx = zmq.Context()
         auth = cfg.curve_keys  # only the mesh's members get through (zmq_auth.py)
         kv, self.kv_endpoint = bind_random(self.ctx, zmq.PULL, cfg.host, auth=auth)
         ctl, self.control_endpoint = bind_random(self.ctx, zmq.ROUTER, cfg.host, auth=auth)
         # KV pages over UCX: the ZeroMQ socket then takes only control (a KvPages there is dropped).
         self.kv_in: TypedSocket[ShardIngress] = TypedSocket(
-            kv, KvControl if cfg.kv_over_ucx else ShardIngress
+            kv, KvControl if opts.kv_over_ucx else ShardIngress
         )
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
         key = bytes.fromhex(cfg.mesh_key)
         self.listener = UcxListener(ShardLinkMessage, cfg.host, key)
         self._ingress_lock = threading.Lock()
-        self.kv_receiver = KvReceiver(cfg.host, key, self._on_ingress) if cfg.kv_over_ucx else None
+        self.kv_receiver = KvReceiver(cfg.host, key, self._on_ingress) if opts.kv_over_ucx else None
         self.swap_sender: KvSender | None = None  # KV swapped back to token engines (Neo)
         self.news = KvNews()
         self.gate = StepGate()

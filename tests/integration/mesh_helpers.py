@@ -6,6 +6,7 @@ import os
 import time
 
 from common.protocol import SamplingSpec
+from common.roles import Role
 from services.launch.core_pinning import place_decode_groups
 from services.launch.local_mesh import LocalMesh
 from tests.integration.mesh_test_client import MeshTestClient
@@ -59,7 +60,7 @@ def assert_decode_groups_pinned(mesh: LocalMesh) -> None:
     t = mesh.topology
     everywhere = os.sched_getaffinity(0)
     placements = place_decode_groups(
-        t.num_token, t.num_shards // t.num_token, sorted(everywhere), t.engine_threads
+        t.num_token, t.shards_per_group, sorted(everywhere), t.options.threads_of(Role.TOKEN)
     )
     expected = [set(c) or everywhere for p in placements for c in p.shards]
     expected += [set(p.engine) or everywhere for p in placements]

@@ -43,7 +43,7 @@ class MeshTestClient:
         self.replies: TypedSocket[ServiceReply] = TypedSocket(sock, ServiceReply)
         self.push: PushPool[object] = PushPool(ctx, object, auth=mesh.auth)
         self.scheduler = ClusterScheduler(
-            mesh.topology.block_size, thresholds, reply_endpoint=self.reply_endpoint
+            mesh.topology.options.block_size, thresholds, reply_endpoint=self.reply_endpoint
         )
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)

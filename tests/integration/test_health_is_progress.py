@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.mesh_options import MeshOptions
 from common.roles import Role
 from common.worker_config import WorkerConfig
 from services.engine.worker import EngineWorker
@@ -25,7 +26,7 @@ def test_a_frozen_loop_fails_health_while_its_thread_lives(
 ) -> None:
     monkeypatch.setattr(replica, "STALL_S", 1.0)
     cfg = WorkerConfig(service_id="mixed-0", role=Role.MIXED, model_path=str(tiny_model_path),
-                       ready_endpoint="", num_blocks=64,
+                       ready_endpoint="", options=MeshOptions(num_blocks=64),
                        mesh_key=secrets.token_hex(16))  # fmt: skip
     thread = WorkerThread(lambda: EngineWorker(cfg), "engine", cfg.num_threads)
     registry_says_healthy = SimpleNamespace(

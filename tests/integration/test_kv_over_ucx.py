@@ -11,6 +11,7 @@ import zmq
 
 from common.config import ModelConfig
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.protocol import FreeRequest, KvPages, SamplingSpec
 from common.sampling import SamplingParams
 from common.transport.kv_links import KvSender
@@ -28,7 +29,9 @@ GREEDY = SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True)
 def mesh(tiny_model_path):
     """One prompt engine shipping to two token engines (local KV); no supervisor, so a killed
     engine stays dead."""
-    topology = Topology(str(tiny_model_path), num_token=2, layer_wise_min_tokens=64)
+    topology = Topology(
+        str(tiny_model_path), num_token=2, options=MeshOptions(layer_wise_min_tokens=64)
+    )
     mesh = LocalMesh.start(topology, supervise=False)
     yield mesh
     mesh.close()

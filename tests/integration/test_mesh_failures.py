@@ -14,6 +14,7 @@ import zmq
 
 from common.config import EngineConfig
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.protocol import AbortRequest, KvPages, SamplingSpec, Shutdown, TokenOutput
 from common.sampling import SamplingParams
 from common.transport.service_stats import request_stats
@@ -30,7 +31,9 @@ from tests.integration.test_transport import send_rogue_hellos
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model_path):
-    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2, layer_wise_min_tokens=64))
+    mesh = LocalMesh.start(
+        Topology(str(tiny_model_path), num_shards=2, options=MeshOptions(layer_wise_min_tokens=64))
+    )
     yield mesh
     mesh.close()
 

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.protocol import SamplingSpec
 from common.roles import Role
 from common.sampling import SamplingParams
@@ -72,9 +73,11 @@ def test_mesh_matches_single_process_engine(
 ):  # fmt: skip
     topology = Topology(
         str(tiny_model_path), num_prompt=1, num_token=num_token, num_shards=num_shards,
-        layer_wise_min_tokens=LAYER_WISE_MIN, kv_transfer=kv_transfer, shard_partition=partition,
-        attention_overlap=overlap, decode_lanes=lanes, model_peers=peers,
-        token_engine_threads=threads,
+        options=MeshOptions(
+            layer_wise_min_tokens=LAYER_WISE_MIN, kv_transfer=kv_transfer,
+            shard_partition=partition, attention_overlap=overlap, decode_lanes=lanes,
+            model_peers=peers, token_engine_threads=threads,
+        ),
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:

@@ -5,6 +5,7 @@ to a token engine's shard), and decodes the same greedy tokens as the engine wit
 from __future__ import annotations
 
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.protocol import EngineStats, SamplingSpec
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
@@ -38,8 +39,9 @@ def test_a_shared_prefix_is_prefilled_once(tiny_model_path):
     plain = LLMEngine.from_path(tiny_model_path, num_blocks=512, enable_prefix_caching=False)
     reference = [plain.generate([p], params)[0] for p in prompts]
     topology = Topology(
-        str(tiny_model_path), num_prompt=1, num_token=1, num_shards=1, layer_wise_min_tokens=100
-    )
+        str(tiny_model_path), num_prompt=1, num_token=1, num_shards=1,
+        options=MeshOptions(layer_wise_min_tokens=100),
+    )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:
         client = MeshTestClient(mesh)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.protocol import EngineStats, SamplingSpec
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
@@ -36,8 +37,10 @@ def run_tiered(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     reference = LLMEngine.from_path(model_path, num_blocks=512).generate(prompts, params)
     topology = Topology(
-        str(model_path), num_prompt=1, num_token=1, num_shards=2, layer_wise_min_tokens=128,
-        local_kv_blocks=local_kv_blocks, tier_policy=tier_policy,
+        str(model_path), num_prompt=1, num_token=1, num_shards=2,
+        options=MeshOptions(
+            layer_wise_min_tokens=128, local_kv_blocks=local_kv_blocks, tier_policy=tier_policy
+        ),
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
     try:

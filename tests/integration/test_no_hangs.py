@@ -23,6 +23,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.protocol import SamplingSpec, TokenOutput
 from common.roles import Role
 from common.sampling import SamplingParams
@@ -35,7 +36,9 @@ from tests.integration.test_self_healing import migrating_streams
 
 @pytest.fixture
 def mesh(tiny_model_path: Path) -> Iterator[LocalMesh]:
-    topology = Topology(str(tiny_model_path), num_shards=2, shard_reply_timeout_s=3.0)
+    topology = Topology(
+        str(tiny_model_path), num_shards=2, options=MeshOptions(shard_reply_timeout_s=3.0)
+    )
     mesh = LocalMesh.start(topology)
     yield mesh
     mesh.close()
@@ -102,13 +105,15 @@ def test_a_shard_that_stopped_briefly_is_linked_again_at_once(mesh: LocalMesh) -
     def stop_past_the_reply_timeout() -> None:
         os.kill(shard.proc.pid, signal.SIGSTOP)
         threading.Timer(
-            mesh.topology.shard_reply_timeout_s + 1.0, os.kill, (shard.proc.pid, signal.SIGCONT)
+            mesh.topology.options.shard_reply_timeout_s + 1.0,
+            os.kill,
+            (shard.proc.pid, signal.SIGCONT),
         ).start()
 
     try:
         assert migrating_streams(mesh, prompts, 40, stop_past_the_reply_timeout) == expected
     finally:
-        time.sleep(mesh.topology.shard_reply_timeout_s + 1.5)  # the timer's SIGCONT went
+        time.sleep(mesh.topology.options.shard_reply_timeout_s + 1.5)  # the timer's SIGCONT went
         os.kill(shard.proc.pid, signal.SIGCONT)
     [token] = [s for s in mesh.stats() if s.role == "token"]
     assert token.num_group_relinks == 1  # to the same group: never local, never again
@@ -130,7 +135,9 @@ def test_a_token_engine_links_to_shards_that_answer_late_at_start(
     slow to get to its listener). The engine tries again instead of exiting, links the whole
     group, and decodes through it with the single-process engine's tokens; no relink, nothing
     left behind."""
-    topology = Topology(str(tiny_model_path), num_shards=2, shard_link_timeout_s=1.0)
+    topology = Topology(
+        str(tiny_model_path), num_shards=2, options=MeshOptions(shard_link_timeout_s=1.0)
+    )
     spawn_model_peers = LocalMesh._spawn_model_peers
     stopped: list[int] = []
 
@@ -172,7 +179,8 @@ def test_more_requests_than_the_shards_hold_fail_only_before_they_decode(
     its first KV page, so a request either gets all of it or is refused before it decodes (a
     retryable error the router re-runs); one that decodes finishes with the single-process
     engine's tokens, never failing mid-stream for want of a block. Nothing is left behind."""
-    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=1, num_blocks=48))
+    blocks = MeshOptions(num_blocks=48, shard_num_blocks=48)
+    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=1, options=blocks))
     try:
         prompts = random_prompts([200, 190, 210, 205, 195, 200], 2048, seed=44)
         expected = reference(mesh.topology.model_path, prompts, 150)

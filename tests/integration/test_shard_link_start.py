@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from common.mesh_options import MeshOptions
 from common.protocol import ShardAddress, ShardLinkMessage
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
@@ -33,7 +34,8 @@ class LinkingEngine:
     def __init__(self) -> None:
         self.worker = EngineWorker.__new__(EngineWorker)
         self.worker.cfg = WorkerConfig(service_id="token-0", model_path="", ready_endpoint="",
-                                       mesh_key=KEY.hex(), shard_link_timeout_s=TRY_S)  # fmt: skip
+                                       mesh_key=KEY.hex(),
+                                       options=MeshOptions(shard_link_timeout_s=TRY_S))  # fmt: skip
         self.tries: list[str] = []
         self.closed: list[str] = []
         self._connect = self.worker._connect

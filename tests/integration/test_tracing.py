@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common.config import ModelConfig
+from common.mesh_options import MeshOptions
 from common.telemetry import Metrics
 from services.launch.local_mesh import LocalMesh, Topology
 from services.router.mesh_client import MeshEngineClient
@@ -169,7 +170,8 @@ def test_one_connected_trace_per_request_matching_the_client(
     exporter = f"jsonl:{tmp_path}/{{service_id}}.jsonl"  # one file per service
     topology = Topology(
         str(tiny_model_path), num_prompt=1, num_token=1, num_shards=num_shards,
-        layer_wise_min_tokens=LAYER_WISE_MIN, otel_exporter=exporter, kv_transfer=kv_transfer,
+        otel_exporter=exporter,
+        options=MeshOptions(layer_wise_min_tokens=LAYER_WISE_MIN, kv_transfer=kv_transfer),
     )  # fmt: skip
     reader = InMemoryMetricReader()
     router_spans.clear()

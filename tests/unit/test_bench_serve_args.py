@@ -26,7 +26,7 @@ def test_mesh_args_change_the_files_and_keep_the_rest(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize(
     "value, error",
     [
-        ('{"token_engine_threads": 0}', "greater than or equal to 1"),
+        ('{"token_engine_threads": 0}', ">= 1 - at `$.token_engine_threads`"),
         ('{"no_such_switch": 1}', "no_such_switch"),
         ("[1]", "a JSON object of mesh args"),
         ('{"decode_lanes": "many"}', "decode_lanes"),

@@ -132,21 +132,28 @@ def test_mesh_configs_state_every_mesh_switch(name: str) -> None:
 
 
 def test_mesh_switches_reach_the_workers_config() -> None:
-    """Every `mesh:` arg that a worker reads as well goes into its config as given."""
+    """The `mesh:` args are the options every worker's config carries, whole and as given, on
+    the wire too (a worker process decodes its config from JSON); `build_app` binds a dump of
+    plain builtins that validates back to the same args."""
+    import json
+
+    import msgspec
+
     from common.worker_config import WorkerConfig
     from services.app import _worker_config
 
     mesh = dict(host="127.0.0.1", kv_transfer="pull", attention_overlap=True, decode_lanes=3,
-                local_kv_blocks=64, tier_policy="alternate:2", kv_hold_bytes=12345)  # fmt: skip
+                local_kv_blocks=64, tier_policy="alternate:2", kv_hold_bytes=12345,
+                kv_over_ucx=False, pools={"lease_s": 2.5})  # fmt: skip
     args = AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
     cfg = _worker_config(args, KEY)
-    # NOTE: `model_peers` is a count here and the claimed peers' addresses in a worker's config
-    # (test_model_peers_reach_the_token_engines below).
-    shared = set(WorkerConfig.__struct_fields__) & set(type(args.mesh).model_fields)
-    shared -= {"model_peers"}
-    assert set(mesh) - {"host"} <= shared
-    for name in shared:
-        assert getattr(cfg, name) == getattr(args.mesh, name), name
+    assert cfg.options == args.mesh and cfg.host == "127.0.0.1" and cfg.mesh_key == KEY
+    dumped = msgspec.to_builtins(cfg.options)
+    assert {name: dumped[name] for name in mesh} == mesh | {"pools": dumped["pools"]}
+    assert dumped["pools"]["lease_s"] == 2.5
+    assert msgspec.json.decode(msgspec.json.encode(cfg), type=WorkerConfig) == cfg
+    bound = json.loads(json.dumps(args.model_dump()))  # plain builtins
+    assert AppArgs.model_validate(bound) == args
 
 
 @pytest.mark.parametrize(
@@ -174,17 +181,25 @@ def test_mesh_args_refuse_what_the_workers_would(mesh: dict[str, Any], error: st
         AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
 
 
+@pytest.mark.parametrize("policy", ["", "fill_local", "alternate:3", "neo", "neo:/tmp/t.csv"])
+def test_known_tier_policies_are_accepted(policy: str) -> None:
+    """Neo's policy is built by its engine (it needs a cost model), but deploys as any other."""
+    mesh = {"local_kv_blocks": 8, "tier_policy": policy}
+    assert AppArgs.model_validate({"topology": "mesh", "mesh": mesh}).mesh.tier_policy == policy
+
+
 def test_request_partition_alone_is_accepted() -> None:
     args = AppArgs.model_validate({"topology": "mesh", "mesh": {"shard_partition": "request"}})
     assert args.mesh.decode_lanes == 1 and not args.mesh.attention_overlap
 
 
-def test_auto_lanes_reach_the_workers_as_zero() -> None:
+def test_auto_lanes_reach_the_workers_as_auto_starting_at_one() -> None:
     from services.app import _worker_config
 
     mesh = {"host": "127.0.0.1", "decode_lanes": "auto"}
     args = AppArgs.model_validate({"topology": "mesh", "mesh": mesh})
-    assert _worker_config(args, KEY).decode_lanes == 0  # WorkerConfig's auto
+    options = _worker_config(args, KEY).options
+    assert options.decode_lanes == "auto" and options.auto_lanes and options.num_decode_lanes == 1
 
 
 def bound_names(app: Application) -> list[str]:
@@ -211,6 +226,8 @@ def test_model_peers_reach_the_token_engines(
     from types import SimpleNamespace
 
     import services.app as app
+    from common.roles import Role
+    from common.worker_config import role_config
 
     started: list[tuple[str, tuple[Any, ...]]] = []
     context = SimpleNamespace(app_name="a", deployment=deployment.removesuffix("Deployment"))
@@ -227,16 +244,20 @@ def test_model_peers_reach_the_token_engines(
     replica.replica = None  # nothing to shut down
     [(kind, call)] = started
     if role == "token":
-        assert kind == "engine" and call[0] == "token" and call[-2] == 2  # num_model_peers
-        assert call[4] == 2  # shards_per_group (default)
+        assert kind == "engine" and call[0] == "token" and call[1] == "token-1"
+        base = call[3]
     else:
         assert kind == "peer" and call[0] == "model_peer-1" and call[1] is registry
-        assert call[2].model_peers == []  # a peer links to no one
+        base = call[2]
+        assert base.model_peers == []  # a peer links to no one
+    # The engine claims as many peers and shards as its options say (shards_per_group: default).
+    assert base.options.model_peers == 2 and base.options.shards_per_group == 2
     # Every replica of one deploy carries the same generation; other args, another one.
     assert call[-1] == app._generation(args) != app._generation(args | {"model": "small"})
-    base = call[3] if role == "token" else call[2]
     assert base.mesh_key == "ab" * 32  # the application's, from its registry
-    assert base.num_threads == (3 if role == "token" else 1)  # token_engine_threads: its own
+    # The worker's own config: token_engine_threads for a token engine, num_threads otherwise.
+    worker = role_config(base, Role(role), f"{role}-1")
+    assert worker.num_threads == (3 if role == "token" else 1)
 
 
 @pytest.mark.parametrize("name", ["local.yaml", "cluster.yaml"])

@@ -11,7 +11,9 @@ import functools
 import pytest
 import torch
 
+from common.mesh_options import MeshOptions
 from common.roles import Role
+from common.worker_config import WorkerConfig
 from services.mesh import replica
 from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.peer_group import ModelPeerKeeper
@@ -113,11 +115,12 @@ def test_a_token_engine_that_fails_to_start_frees_its_shards_and_peers(
 
     monkeypatch.setattr(replica, "EngineWorker", refused)
     threads = torch.get_num_threads()  # start_engine sets it: keep this process's
-    base = replica.base_worker_config(
-        "unused", "127.0.0.1", mesh_key="00" * 16, num_threads=threads
-    )
+    options = MeshOptions(shards_per_group=2, shard_wait_s=5.0, model_peers=1,
+                          token_engine_threads=threads)  # fmt: skip
+    base = WorkerConfig(service_id="", model_path="unused", ready_endpoint="", mesh_key="00" * 16,
+                        options=options)  # fmt: skip
     with pytest.raises(RuntimeError, match="failed to start"):
-        replica.start_engine(Role.TOKEN, "t0", registry, base, 2, 5.0, num_model_peers=1)
+        replica.start_engine(Role.TOKEN, "t0", registry, base)
     assert ids(tuple(registry.claim_group("t1", 2) or ())) == ["s0", "s1"]
     assert ids(tuple(registry.claim_peers("t1", 1))) == ["p0"]
 
@@ -152,11 +155,12 @@ def test_a_token_engine_killed_while_it_starts_frees_its_claims_when_its_entry_e
     # Its own heartbeat thread beats only when the test says (never): the fake clock decides.
     monkeypatch.setattr(replica, "Membership", functools.partial(Membership, interval_s=3600))
     threads = torch.get_num_threads()  # start_engine sets it: keep this process's
-    base = replica.base_worker_config(
-        "unused", "127.0.0.1", mesh_key="00" * 16, num_threads=threads
-    )
+    options = MeshOptions(shards_per_group=2, shard_wait_s=5.0, model_peers=1,
+                          token_engine_threads=threads)  # fmt: skip
+    base = WorkerConfig(service_id="", model_path="unused", ready_endpoint="", mesh_key="00" * 16,
+                        options=options)  # fmt: skip
     with pytest.raises(RuntimeError, match="failed to start"):
-        replica.start_engine(Role.TOKEN, "t0", registry, base, 2, 5.0, num_model_peers=1)
+        replica.start_engine(Role.TOKEN, "t0", registry, base)
     assert seen["state"] == "starting"
     assert seen["claims"] == {"s0": "t0", "s1": "t0", "p0": "t0"}
     assert (seen["group"], seen["peers"]) == (["s0", "s1"], ["p0"])
