@@ -268,3 +268,9 @@ class LoadReport(_Msg, tag="load"):
     # keeps counting its placements made after the report (those still on the way, or queued
     # behind the engine's step) instead of forgetting them until the next one.
     received_requests: dict[str, Count] = {}
+    # KV admission: the `DecodeHandoff`s it has received, by the router of each (a router holds
+    # the KV room of its placements on the way here until this count covers them); and the
+    # blocks where its decode KV lives (its shard group, or its own cache) in all, so a router
+    # refuses at once a request that could never fit there.
+    received_handoffs: dict[str, Count] = {}
+    total_kv_blocks: Count = 0

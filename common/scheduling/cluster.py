@@ -34,13 +34,14 @@ class MachineLoad:
 
     `pending_prompt_tokens`: prompt tokens queued or being prefilled. `decode_tokens`: KV tokens of
     the requests it is decoding or holding for decode (its "running decode tokens").
-    `free_kv_tokens`: KV capacity left.
+    `free_kv_tokens`: KV capacity left; `total_kv_tokens`: all it has.
     """
 
     machine_id: int
     pending_prompt_tokens: int = 0
     decode_tokens: int = 0
     free_kv_tokens: int = 1 << 62
+    total_kv_tokens: int = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,17 @@ def shortest(ids: Iterable[int], loads: Mapping[int, MachineLoad], key: LoadKey)
     """The id with the least `key(load)`, lowest id on ties; None for no ids."""
     best = min(ids, key=lambda m: (key(loads[m]), m), default=None)
     return best
+
+
+def with_kv_room(
+    preferred: int, candidates: Iterable[int], loads: Mapping[int, MachineLoad], kv_tokens: int
+) -> int | None:
+    """KV admission: `preferred` if its free KV holds `kv_tokens` (a request's whole length),
+    else the least decode-loaded of `candidates` that does, else None (the request waits)."""
+    if loads[preferred].free_kv_tokens >= kv_tokens:
+        return preferred
+    fits = [m for m in candidates if loads[m].free_kv_tokens >= kv_tokens]
+    return shortest(fits, loads, decode_load)
 
 
 class JSQPoolPolicy:

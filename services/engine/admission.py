@@ -115,6 +115,16 @@ class DecodeAdmission:
                 tokens[s.kv_endpoint] = tokens.get(s.kv_endpoint, 0) + _reserve(h)
         return tokens
 
+    def waiting_blocks(self, local_blocks: BlockManager) -> int:
+        """The blocks the waiting hand-offs will reserve when they start: on the shard group,
+        their whole length; locally, what their whole length needs beyond the KV landed."""
+        need = 0
+        for h in self.waiting:
+            blocks = self.shard_blocks if h.shards else local_blocks
+            held = len(blocks.block_table(h.req_id)) if blocks.has(h.req_id) else 0
+            need += max(blocks.blocks_needed(_reserve(h)) - held, 0)
+        return need
+
     def free_shard_blocks(self) -> int:
         """The group's blocks not reserved for a request decoding against it."""
         return self.shard_blocks.num_free_blocks
@@ -229,8 +239,9 @@ class DecodeAdmission:
 
 
 def _reserve(handoff: DecodeHandoff) -> int:
-    """The tokens a sharded request may hold: its tokens so far and every one it may generate."""
-    return len(handoff.token_ids) + handoff.sampling.max_tokens
+    """The tokens a request may hold: its prompt and every token it may generate (its whole
+    length, as its shards and the router's KV admission count it)."""
+    return handoff.num_prompt_tokens + handoff.sampling.max_tokens
 
 
 __all__ = ["DecodeAdmission"]

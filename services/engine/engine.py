@@ -94,6 +94,7 @@ class Engine:
 
     def on_handoff(self, msg: DecodeHandoff) -> Outbox:
         """A prefilled request to decode; it joins once its KV is in place."""
+        self.reports.received(msg.reply_to, handoff=True)  # its room is counted here from now
         if self.kv_ingress.has_ended(msg.req_id):  # aborted, or its KV refused or expired here
             return self._refuse(msg, "no KV for the request")
         if msg.shards and not placed_in(msg.shards, self.shards):

@@ -77,7 +77,7 @@ class Prefill:
             r.token_kv_endpoint, 0, self.num_kv_heads, kv_address=r.token_kv_address
         )]  # fmt: skip
         # Shards hold a request's whole length from its first page (they cannot preempt).
-        reserve = num_tokens + table.requests[req_id].params.max_tokens if r.shards else 0
+        reserve = table.whole_len(req_id) if r.shards else 0
         return KvRoute(req_id, dests, num_tokens >= self.layer_wise_min_tokens, reserve,
                        traceparent=self.telemetry.traceparent(req_id))  # fmt: skip
 

@@ -53,15 +53,18 @@ class EngineReports:
         # `GenerateRequest`s received, by the router (`reply_to`) that sent them: each router's
         # placements its reports hold already (`LoadReport.received_requests`).
         self.received_requests: dict[str, int] = {}
+        self.received_handoffs: dict[str, int] = {}  # `DecodeHandoff`s, likewise (KV admission)
         self._told_negative_pending = False
 
-    def received(self, reply_to: str) -> None:
-        self.received_requests[reply_to] = self.received_requests.get(reply_to, 0) + 1
+    def received(self, reply_to: str, handoff: bool = False) -> None:
+        counts = self.received_handoffs if handoff else self.received_requests
+        counts[reply_to] = counts.get(reply_to, 0) + 1
 
     def forget_router(self, reply_to: str) -> None:
         """A router is gone: one that comes back counts its next placements as on their way for
         at most its `PLACEMENT_TTL_S`."""
         self.received_requests.pop(reply_to, None)
+        self.received_handoffs.pop(reply_to, None)
 
     def stats(self, shards: Seq[ShardAddress]) -> EngineStats:
         used = self.blocks.num_used_blocks + self.admission.shard_blocks.num_used_blocks
@@ -95,26 +98,27 @@ class EngineReports:
             running_decode_tokens=self._decode_tokens(),
             num_running=len(self.local.running) + len(self.admission.sharded),
             num_waiting=self.ship_queue.num_unfinished + len(self.admission.waiting),
-            # Where its decode KV lives: the shard group (as this engine accounts it) or its own.
-            free_kv_blocks=self.admission.free_shard_blocks()
-            if shards
-            else max(
-                self.blocks.num_free_blocks - self.local.blocks_to_grow(self.table.whole_len), 0
-            ),
+            free_kv_blocks=self._free_kv_blocks(shards),
             time=now,
             shard_endpoints=kv_endpoints(shards),
             shard_kv_tokens=shard_kv_tokens(shards, self.admission.reserved_tokens()),
             handoff_tokens=self._handoff_tokens(),
             received_requests=dict(self.received_requests),
+            received_handoffs=dict(self.received_handoffs),
+            total_kv_blocks=self.admission.shard_blocks.num_blocks
+            if shards
+            else self.blocks.num_blocks,
         )
 
     def _free_kv_blocks(self, shards: Seq[ShardAddress]) -> int:
         """Where its decode KV lives: the shard group (as this engine accounts it), or its own
-        cache less what its local requests may still grow into."""
+        cache less what its local requests may still grow into; less, either way, the whole
+        length of the hand-offs waiting to decode here (a router must not count their room)."""
         if shards:
-            return self.admission.free_shard_blocks()
-        growth = self.local.blocks_to_grow(self.table.whole_len)
-        return max(self.blocks.num_free_blocks - growth, 0)
+            free = self.admission.free_shard_blocks()
+        else:
+            free = self.blocks.num_free_blocks - self.local.blocks_to_grow(self.table.whole_len)
+        return max(free - self.admission.waiting_blocks(self.blocks), 0)
 
     def _decode_tokens(self) -> int:
         """The tokens of the requests it decodes or holds to decode: hand-offs waiting for their

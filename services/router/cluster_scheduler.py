@@ -50,6 +50,7 @@ from common.scheduling.cluster import (
     MachineLoad,
     PoolThresholds,
     RouteRequest,
+    with_kv_room,
 )
 from common.scheduling.shard_choice import ShardKvLoads, holds_whole_requests
 from services.mesh.registry import ServiceEntry
@@ -62,6 +63,28 @@ PLACEMENT_TTL_S = 5.0
 
 class NoEngines(LookupError):
     """No ready prompt engine or no ready token engine to place a request on."""
+
+
+class NoKvRoom(LookupError):
+    """No token engine has free KV for the request's whole length now (it waits at the router);
+    `ever` False: none ever could (its whole length is more than any holds in all)."""
+
+    def __init__(self, kv_tokens: int, most_tokens: int, ever: bool) -> None:
+        where = "free now" if ever else "in all"
+        super().__init__(f"the request needs {kv_tokens} KV tokens; the most any token engine "
+                         f"has {where} is {most_tokens}")  # fmt: skip
+        self.ever = ever
+
+
+@dataclass(frozen=True)
+class _KvHold:
+    """One placement's whole-length KV, held on its token engine's free KV until a report of
+    that engine counts its hand-off (`seq`: this router's count of placements handed there)."""
+
+    seq: int
+    at: float  # time.monotonic() when placed; held at most PLACEMENT_TTL_S
+    kv_tokens: int
+    req_id: str
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,7 @@ class _Placement:
     pending_tokens: int
     decode_tokens: int
     decodes_there: bool
+    kv_tokens: int = 0  # its whole length: the KV it will hold on the token engine
 
 
 class ClusterScheduler:
@@ -105,6 +129,10 @@ class ClusterScheduler:
         # Decode tokens each prompt engine holds for each token engine (its report, + placements
         # since): a token engine's load before its hand-offs land.
         self._handoffs: dict[int, dict[int, int]] = {}
+        # KV admission: per token engine, this router's placements whose hand-off its reports do
+        # not count yet (oldest first), each holding its whole length of that engine's free KV.
+        self._kv_held: dict[int, deque[_KvHold]] = {}
+        self._num_handed: dict[int, int] = {}  # placements handed to each token engine, in all
         self._by_endpoint: dict[str, int] = {}  # command endpoint -> machine id
         self._policy: JSQPoolPolicy | None = None
         self._req_ids = itertools.count()
@@ -129,6 +157,7 @@ class ClusterScheduler:
             self._by_endpoint = {e.command_endpoint: m for m, e in engines.items()}
             self._handoffs = {p: {t: n for t, n in held.items() if t in engines}
                               for p, held in self._handoffs.items() if p in engines}  # fmt: skip
+            self._kv_held = {t: held for t, held in self._kv_held.items() if t in engines}
             self._cached = {m: self._cached.get(m) or CachedBlocks() for m in engines}
             self._num_placed = {m: n for m, n in self._num_placed.items() if m in engines}
             self._unreported = {
@@ -150,17 +179,20 @@ class ClusterScheduler:
             machine_id = self._machine_ids.get(report.engine_id)
             if machine_id is None or machine_id not in self._engines:
                 return  # not (or no longer) routable
+            total = report.total_kv_blocks * self.block_size if report.total_kv_blocks else None
             self._loads[machine_id] = MachineLoad(
                 machine_id,
                 pending_prompt_tokens=report.pending_prompt_tokens,
                 decode_tokens=report.running_decode_tokens,
                 free_kv_tokens=report.free_kv_blocks * self.block_size,
+                total_kv_tokens=1 << 62 if total is None else total,
             )
             self._handoffs[machine_id] = {
                 self._by_endpoint[endpoint]: tokens
                 for endpoint, tokens in report.handoff_tokens.items()
                 if endpoint in self._by_endpoint  # a token engine gone meanwhile: nothing lands
             }
+            self._release_kv_held(machine_id, report.received_handoffs.get(self.reply_endpoint, 0))
             self._readd_unreported(machine_id, report)
             self._linked[machine_id] = report.shard_endpoints
             if report.shard_kv_tokens:
@@ -177,10 +209,17 @@ class ClusterScheduler:
             return self._policy is not None
 
     def choose(
-        self, prompt_len: int, prompt_ids: Sequence[int] = ()
+        self,
+        prompt_len: int,
+        prompt_ids: Sequence[int] = (),
+        kv_tokens: int = 0,
+        req_id: str = "",
     ) -> tuple[ServiceEntry, ServiceEntry]:
         """(prompt engine, token engine) for a new request of `prompt_len` tokens; given its
-        `prompt_ids`, KV-aware (the prefix each engine caches is credited)."""
+        `prompt_ids`, KV-aware (the prefix each engine caches is credited). With `kv_tokens`
+        (its whole length), only a token engine with that much free KV is chosen (KV admission:
+        `NoKvRoom` when none has it now); `req_id` names its hold until the token engine counts
+        it (`released`)."""
         hashes = self._prompt_hashes(prompt_len, prompt_ids)  # outside the lock: pure work
         with self._lock:
             if self._policy is None:
@@ -190,17 +229,82 @@ class ClusterScheduler:
             now = time.monotonic()
             loads = self._with_handoffs()  # once: rebalancing moves pools, not loads
             self._rebalance(self._policy, now, loads)
+            if kv_tokens:  # before the policy moves pools: a refusal changes nothing
+                loads = self._with_held_kv(loads)
+                self._check_kv_room(loads, kv_tokens)
             decision = self._policy.route(request, loads, now)
             self._pools.ask(decision.moves, now)
             prompt_id, token_id = decision.prompt_machine_id, decision.token_machine_id
+            if kv_tokens:
+                room = with_kv_room(token_id, self._token_capable(), loads, kv_tokens)
+                token_id = token_id if room is None else room
             token = self._one_shard(self._linked_group(token_id), prompt_len)
             # A mixed engine decodes its own prompt where its KV is: itself, when the request
             # goes to no shards (its `Engine.on_generate` decides the same from the request).
             decodes_there = prompt_id == token_id and not token.shards
             self._account(prompt_id, token_id, prompt_len, request.cached_on(prompt_id),
-                          decodes_there)  # fmt: skip
+                          decodes_there, kv_tokens)  # fmt: skip
+            if kv_tokens and not decodes_there:
+                self._hold_kv(token_id, kv_tokens, req_id)
             self._cached[prompt_id].expect(hashes)
             return self._engines[prompt_id], token
+
+    def _token_capable(self) -> list[int]:
+        return [m for m, e in self._engines.items() if e.role in (Role.TOKEN, Role.MIXED)]
+
+    def check_ever_fits(self, kv_tokens: int) -> None:
+        """`NoKvRoom(ever=False)` if no token-capable engine holds `kv_tokens` of KV in all."""
+        with self._lock:
+            capable = [self._loads[m] for m in self._token_capable() if m in self._loads]
+            most = max((load.total_kv_tokens for load in capable), default=1 << 62)
+            if most < kv_tokens:
+                raise NoKvRoom(kv_tokens, most, ever=False)
+
+    def _check_kv_room(self, loads: dict[int, MachineLoad], kv_tokens: int) -> None:
+        """`NoKvRoom` unless some token-capable engine has `kv_tokens` of KV free."""
+        capable = [loads[m] for m in self._token_capable()]
+        if not capable or any(load.free_kv_tokens >= kv_tokens for load in capable):
+            return
+        most_total = max(load.total_kv_tokens for load in capable)
+        if most_total < kv_tokens:
+            raise NoKvRoom(kv_tokens, most_total, ever=False)
+        raise NoKvRoom(kv_tokens, max(load.free_kv_tokens for load in capable), ever=True)
+
+    def _with_held_kv(self, loads: dict[int, MachineLoad]) -> dict[int, MachineLoad]:
+        """Each token engine's free KV less the whole length of this router's placements its
+        reports do not count yet."""
+        oldest = time.monotonic() - PLACEMENT_TTL_S
+        held = {m: sum(h.kv_tokens for h in holds if h.at >= oldest)
+                for m, holds in self._kv_held.items()}  # fmt: skip
+        return {m: replace(load, free_kv_tokens=load.free_kv_tokens - held[m]) if held.get(m)
+                else load for m, load in loads.items()}  # fmt: skip
+
+    def _hold_kv(self, token_id: int, kv_tokens: int, req_id: str) -> None:
+        seq = self._num_handed.get(token_id, 0) + 1
+        self._num_handed[token_id] = seq
+        hold = _KvHold(seq, time.monotonic(), kv_tokens, req_id)
+        self._kv_held.setdefault(token_id, deque()).append(hold)
+
+    def _release_kv_held(self, token_id: int, received: int) -> None:
+        """A report of `token_id` counts `received` of this router's hand-offs: so many of its
+        holds, oldest first, are in its free KV now (hand-offs from several prompt engines may
+        arrive out of order: the count, not the ids, is what the report's room reflects)."""
+        held = self._kv_held.get(token_id)
+        if not held:
+            return
+        oldest = time.monotonic() - PLACEMENT_TTL_S
+        while held and (held[0].seq <= received or held[0].at < oldest):
+            held.popleft()
+
+    def released(self, req_id: str) -> None:
+        """A request ended at this router (finished, aborted, failed): a hold it still has goes
+        (one that ended before its hand-off never reaches a token engine's count)."""
+        with self._lock:
+            for held in self._kv_held.values():
+                for hold in held:
+                    if hold.req_id == req_id:
+                        held.remove(hold)
+                        return
 
     def _one_shard(self, token: ServiceEntry, prompt_len: int) -> ServiceEntry:
         """A token engine whose group holds whole requests (`shard_partition: request`): the
@@ -274,12 +378,18 @@ class ClusterScheduler:
                 else load for m, load in self._loads.items()}  # fmt: skip
 
     def _account(
-        self, prompt_id: int, token_id: int, prompt_len: int, cached: int, decodes_there: bool
+        self,
+        prompt_id: int,
+        token_id: int,
+        prompt_len: int,
+        cached: int,
+        decodes_there: bool,
+        kv_tokens: int,
     ) -> None:
         seq = self._num_placed.get(prompt_id, 0) + 1
         self._num_placed[prompt_id] = seq
         placement = _Placement(seq, time.monotonic(), prompt_id, token_id, prompt_len - cached,
-                               prompt_len, decodes_there)  # fmt: skip
+                               prompt_len, decodes_there, kv_tokens)  # fmt: skip
         self._unreported.setdefault(prompt_id, deque()).append(placement)
         self._add(placement)
 
@@ -295,7 +405,8 @@ class ClusterScheduler:
         if placement.decodes_there:
             t = self._loads[token_id]
             decode = t.decode_tokens + placement.decode_tokens
-            self._loads[token_id] = replace(t, decode_tokens=decode)
+            free = t.free_kv_tokens - placement.kv_tokens
+            self._loads[token_id] = replace(t, decode_tokens=decode, free_kv_tokens=free)
             return
         held = self._handoffs.setdefault(prompt_id, {})
         held[token_id] = held.get(token_id, 0) + placement.decode_tokens

@@ -43,9 +43,10 @@ from common.transport.service_stats import request_stats
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool
 from services.mesh.registry import ServiceEntry
-from services.router.cluster_scheduler import ClusterScheduler, NoEngines
+from services.router.cluster_scheduler import ClusterScheduler, NoEngines, NoKvRoom
 from services.router.coalesce import coalesce
 from services.router.engine_client import EngineClientStats
+from services.router.kv_queue import KvWaitQueue
 from services.router.mesh_inbox import MeshInbox
 from services.router.mesh_membership import REFRESH_S, MeshMembership
 from services.router.mesh_requests import EngineLost, MeshRequests, MeshStream
@@ -96,6 +97,9 @@ class MeshEngineClient:
         self.metrics = metrics
         self.requests = MeshRequests(limits, max_migrations)
         self.streams, self.book = self.requests.streams, self.requests.book
+        # Requests no token engine has KV room for yet, waiting in order (kv_queue.py).
+        self.kv_queue = KvWaitQueue(lambda: self.streams.limits)
+        self.num_migrations = 0  # re-runs of requests whose engines or shards failed (stats)
         # Under the streams' lock: the ledgers, the counts and the membership.
         self._lock = self.requests.lock
         self.ctx = zmq.Context()
@@ -132,7 +136,11 @@ class MeshEngineClient:
         hold_to_end: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         self.inbox.attach()  # its replies are drained on this loop
-        stream = self._admit(req_id, prompt_token_ids, params, hold_to_end)
+        kv_tokens = len(prompt_token_ids) + params.max_tokens  # its whole length
+        stream = await self.kv_queue.admit(
+            lambda: self._admit(req_id, prompt_token_ids, params, hold_to_end),
+            lambda: self.scheduler.check_ever_fits(kv_tokens),
+        )
         text = StreamedText(req_id, len(prompt_token_ids), list(params.stop), self.tokenizer)
         engine_done = finished = False
         try:
@@ -232,10 +240,11 @@ class MeshEngineClient:
         self, req_id: str, prompt_ids: list[int], params: SamplingParams, hold_to_end: bool
     ) -> MeshStream:
         num_tokens = len(prompt_ids)
+        kv_tokens = num_tokens + params.max_tokens  # its whole length: what its KV will hold
 
         def place() -> MeshStream:  # under the table's lock, once admission allows it
             try:
-                prompt, token = self.scheduler.choose(num_tokens, prompt_ids)
+                prompt, token = self.scheduler.choose(num_tokens, prompt_ids, kv_tokens, req_id)
             except NoEngines as exc:
                 raise Unavailable("no_engines", "No engine is ready. Please retry later.") from exc
             self.requests.open(req_id, prompt_ids, params.to_spec(), (prompt, token))
@@ -282,6 +291,7 @@ class MeshEngineClient:
         with bind_request(req_id, traceparent=stream.traceparent):
             log.warning("migrating request", reason=reason, attempt=replay.wire_id,
                         num_output_tokens=len(replay.output_token_ids))  # fmt: skip
+        self.num_migrations += 1
         if self.metrics is not None:
             self.metrics.count_migration("engine_lost")
         if stream.span is not None:
@@ -290,7 +300,8 @@ class MeshEngineClient:
         attempt = self.book.ledgers[req_id].attempt
         await asyncio.sleep(min(MIGRATION_BACKOFF_S * 2 ** (attempt - 1), MIGRATION_BACKOFF_MAX_S))
         num_tokens = len(replay.prompt_token_ids) + len(replay.output_token_ids)
-        prompt, token = await self._place_when_ready(num_tokens, reason)
+        kv_tokens = len(replay.prompt_token_ids) + replay.sampling.max_tokens
+        prompt, token = await self._place_when_ready(req_id, num_tokens, kv_tokens, reason)
         with self._lock:
             stream.prompt_engine, stream.token_engine = prompt, token
             stream.num_attempt_tokens, stream.lost = 0, False
@@ -308,17 +319,19 @@ class MeshEngineClient:
         self._send(prompt.command_endpoint, msg)
 
     async def _place_when_ready(
-        self, num_tokens: int, reason: str
+        self, req_id: str, num_tokens: int, kv_tokens: int, reason: str
     ) -> tuple[ServiceEntry, ServiceEntry]:
-        """A prompt and a token engine, waiting (bounded) while replacements start."""
+        """A prompt and a token engine with KV room, waiting (bounded) while replacements start
+        or room frees."""
         deadline = time.monotonic() + MIGRATION_WAIT_S
         while True:
             try:
                 with self._lock:
-                    placed = self.scheduler.choose(num_tokens)
+                    self.scheduler.released(req_id)  # the lost attempt's hold, if it has one
+                    placed = self.scheduler.choose(num_tokens, kv_tokens=kv_tokens, req_id=req_id)
                 self._send_role_changes()
                 return placed
-            except NoEngines:
+            except (NoEngines, NoKvRoom):
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"generation failed: {reason}; no engine ready in {MIGRATION_WAIT_S} s"
@@ -355,6 +368,7 @@ class MeshEngineClient:
             self._push.get(endpoint).send(msg)
 
     def _release(self, req_id: str) -> MeshStream | None:
+        self.scheduler.released(req_id)
         stream, wire_id = self.requests.release(req_id)
         self._orderer.forget(wire_id)
         return stream

@@ -44,10 +44,19 @@ class AdmissionLimits:
 
     max_num_requests: int = 256
     max_pending_prompt_tokens: int = 65536
+    # KV admission (the mesh): requests waiting at the router for KV room, at most this many,
+    # each at most this long (services/router/kv_queue.py).
+    max_waiting_requests: int = 256
+    kv_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.max_num_requests < 1 or self.max_pending_prompt_tokens < 1:
+        if (
+            min(self.max_num_requests, self.max_pending_prompt_tokens, self.max_waiting_requests)
+            < 1
+        ):
             raise ValueError("admission limits must be >= 1")
+        if self.kv_wait_s < 0:
+            raise ValueError("kv_wait_s must be >= 0")
 
 
 def check_admission(
