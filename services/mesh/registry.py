@@ -261,7 +261,17 @@ class Membership:
         self.last_ok = time.monotonic()
 
     def healthy(self) -> bool:
-        return time.monotonic() - self.last_ok < MAX_HEARTBEAT_AGE_S
+        """The heartbeat thread runs (or has not started yet). A heartbeat the registry has not
+        taken lately is the registry's trouble, not this replica's: a registry that is slow,
+        stopped or restarting must never fail a healthy replica's health check (Serve would
+        replace every replica of the mesh at once). The thread re-registers when it is back."""
+        return self._thread.is_alive() or (
+            not self._stopped.is_set() and self._thread.ident is None
+        )
+
+    def heartbeat_age_s(self) -> float:
+        """Seconds since the registry last took this replica's heartbeat (for logs and stats)."""
+        return time.monotonic() - self.last_ok
 
     def stop(self, unregister: bool = True) -> None:
         self._stopped.set()

@@ -180,7 +180,8 @@ class MeshReplica:
         self.group_watch = group_watch
 
     def check_health(self) -> None:
-        """Raise if the worker thread died or the registry has not heard from us lately."""
+        """Raise if the worker thread or the heartbeat thread died, or the loop stopped moving;
+        never for the registry's own trouble (slow, stopped, restarting)."""
         if not self.worker.alive():
             raise RuntimeError(f"{self.membership.entry.service_id}: the worker thread died")
         # Health means progress: a loop frozen (a deadlock, a wait without a deadline) fails
@@ -190,7 +191,7 @@ class MeshReplica:
                 f"{self.membership.entry.service_id}: its loop has not moved for {stalled:.0f} s"
             )
         if not self.membership.healthy():
-            raise RuntimeError(f"{self.membership.entry.service_id}: registry heartbeat is stale")
+            raise RuntimeError(f"{self.membership.entry.service_id}: its heartbeat thread died")
 
     def shutdown(self, drain_s: float = 20.0) -> None:
         """Take no new requests, let engines finish theirs (bounded), then stop."""

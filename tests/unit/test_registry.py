@@ -164,3 +164,47 @@ def test_an_entry_listing_another_engines_shard_and_peer_does_not_take_them() ->
     registry.register(ServiceEntry(role=Role.TOKEN, service_id="t2", state="ready",
                                    peers=("no-such-peer",)))  # fmt: skip
     assert registry.shard_census() == (1, 0)
+
+
+class StalledRegistry(Registry):
+    """A registry whose calls block while it is stopped (a SIGSTOPped actor: the caller waits),
+    then answers as a restarted one would: it forgot every entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.running = threading.Event()
+        self.running.set()
+
+    def heartbeat(self, service_id: str) -> bool:
+        self.running.wait()
+        return super().heartbeat(service_id)
+
+
+def test_a_stopped_registry_never_fails_a_replicas_health_and_it_re_registers_when_back() -> None:
+    import time
+
+    from services.mesh import registry as registry_module
+    from services.mesh.registry import Membership
+
+    registry = StalledRegistry()
+    entry = ServiceEntry(role=Role.TOKEN, service_id="t0", state="ready")
+    registry.register(entry)
+    membership = Membership(registry, entry, interval_s=0.01)
+    assert membership.healthy()  # not started yet
+    membership.start()
+    registry.running.clear()  # stopped: heartbeats block
+    registry.entries.clear()  # and it forgets us (a restart)
+    registry.last_seen.clear()
+    time.sleep(0.1)
+    membership.last_ok -= registry_module.MAX_HEARTBEAT_AGE_S + 1  # as if stopped that long
+    assert membership.healthy()  # its trouble, not ours: Serve must not replace us
+    assert membership.heartbeat_age_s() > registry_module.MAX_HEARTBEAT_AGE_S
+    registry.running.set()  # back
+    deadline = time.monotonic() + 5
+    while not [e for e in registry.live() if e.service_id == "t0"]:
+        assert time.monotonic() < deadline, "never re-registered"
+        time.sleep(0.01)
+    assert membership.healthy() and membership.heartbeat_age_s() < 1
+    membership.stop(unregister=False)
