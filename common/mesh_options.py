@@ -110,6 +110,9 @@ class MeshOptions(_Options, frozen=True):
     drain_s: Seconds = 20.0  # a leaving engine finishes its requests this long
     shard_reply_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # a silent shard link
     shard_link_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # one try at a link
+    # A request at the router that gets no output for this long is re-run elsewhere from its
+    # tokens (its engine dropped it, or its router was stopped while the engine gave up on it).
+    progress_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
     def __post_init__(self) -> None:
         if not is_neo(self.tier_policy):  # Neo's needs its cost tables: the engine builds it

@@ -99,6 +99,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
         host=_bind_host(args.mesh),
         block_size=args.mesh.block_size,
         max_migrations=args.mesh.max_migrations,
+        progress_timeout_s=args.mesh.progress_timeout_s,
         prefix_routing_weight=args.mesh.prefix_routing_weight,
         pool_thresholds=args.mesh.pools.thresholds(),
         metrics=Metrics(model_name=args.model_name(), engine=replica_id),

@@ -65,6 +65,7 @@ MIGRATION_BACKOFF_MAX_S = 2.0
 # restarting loads its model first), retrying every PLACE_RETRY_S.
 MIGRATION_WAIT_S = 60.0
 PLACE_RETRY_S = 0.25
+PROGRESS_TIMEOUT_S = 30.0  # `MeshOptions.progress_timeout_s`
 
 
 class MeshEngineClient:
@@ -84,6 +85,7 @@ class MeshEngineClient:
         metrics: Metrics | None = None,
         prefix_routing_weight: float = PREFIX_ROUTING_WEIGHT,
         pool_thresholds: PoolThresholds | None = None,
+        progress_timeout_s: float = PROGRESS_TIMEOUT_S,
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
         self.max_context: int | None = None  # each engine bounds its own (KV refusals)
@@ -100,6 +102,7 @@ class MeshEngineClient:
         # Requests no token engine has KV room for yet, waiting in order (kv_queue.py).
         self.kv_queue = KvWaitQueue(lambda: self.streams.limits)
         self.num_migrations = 0  # re-runs of requests whose engines or shards failed (stats)
+        self.progress_timeout_s = progress_timeout_s
         # Under the streams' lock: the ledgers, the counts and the membership.
         self._lock = self.requests.lock
         self.ctx = zmq.Context()
@@ -142,6 +145,8 @@ class MeshEngineClient:
             lambda: self.scheduler.check_ever_fits(kv_tokens),
         )
         text = StreamedText(req_id, len(prompt_token_ids), list(params.stop), self.tokenizer)
+        stream.loop.call_later(self.progress_timeout_s, self._watch_progress, req_id, stream,
+                               stream.num_delivered)  # fmt: skip
         engine_done = finished = False
         try:
             while not finished:
@@ -177,6 +182,21 @@ class MeshEngineClient:
                     log.info("aborting request in the mesh", finished=finished)
                 self._send_aborts(stream, self._wire_id(req_id))
             self._release(req_id)
+
+    def _watch_progress(self, req_id: str, stream: MeshStream, seen: int) -> None:
+        """Every `progress_timeout_s` on the request's loop: no output since the last look
+        (held ones count) means its attempt is lost. An engine that could not send its outputs
+        (the router stopped reading) gave the request up; nothing else would ever say so."""
+        if self.streams.get(req_id) is not stream:
+            return  # released: the watch ends
+        if stream.num_delivered == seen and not stream.lost:
+            wire_id = self._wire_id(req_id)
+            why = f"no output from its engines for {self.progress_timeout_s} s"
+            with self._lock:
+                stream.lost = True  # one loss told once; the re-run clears it
+            stream.outputs.put_nowait(EngineLost(why, wire_id))
+        stream.loop.call_later(self.progress_timeout_s, self._watch_progress, req_id, stream,
+                               stream.num_delivered)  # fmt: skip
 
     def abort(self, req_id: str) -> None:
         """Stop a request at its prompt and token engine; outputs in flight are dropped."""

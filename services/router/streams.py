@@ -125,6 +125,7 @@ class Stream:
     held: list[Any] = field(default_factory=list)
     held_tokens: int = 0
     held_since: float = 0.0
+    num_delivered: int = 0  # outputs delivered, held ones included: its progress
 
     def take_held(self, item: object) -> list[Any]:
         """The held outputs then `item`, in order; nothing is held after."""
@@ -212,6 +213,7 @@ class StreamTable(Generic[S]):
                 streams.append(stream)
                 if stream is None:
                     continue  # the client went away: the output is dropped
+                stream.num_delivered += 1
                 if num_tokens and not stream.first_token_out:
                     stream.first_token_out = True
                     self.num_pending_prompt_tokens -= stream.num_prompt_tokens
