@@ -123,6 +123,11 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self.model_peers: ModelPeers | None = None
         self.num_relinks = 0  # shard group changes since start (a fault, a `LinkShards`)
 
+    def use_peers(self, peers: ModelPeers) -> None:
+        """Rotate lanes' layer slices over `peers` from the next step on (Lamina 4.3; linked
+        after start: on Ray the peers may still be starting)."""
+        self.model_peers = peers
+
     def relink(self, links: Seq[ShardLink], shards: Seq[ShardAddress]) -> None:
         """Decode against `shards` through `links` from the next step on (empty: local only)."""
         self.shard_links, self.shards = list(links), list(shards)

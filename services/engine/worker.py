@@ -109,7 +109,7 @@ class EngineWorker:
         self.engine = Engine(parts)
         self.faults = EngineFaults(self.engine)  # its fault inputs, called from this loop
         if cfg.model_peers:  # Lamina 4.3 over replicas: lanes' slices rotate (rotation.py)
-            self.engine.runner.model_peers = self._link_peers(cfg.model_peers)
+            self.engine.runner.use_peers(self._link_peers(cfg.model_peers))
         self.running = True
         self.last_pass = time.monotonic()
         self._last_report = 0.0
@@ -138,7 +138,7 @@ class EngineWorker:
         become `addresses` (rotation.py `relink`)."""
         runner = self.engine.runner
         if runner.model_peers is None:  # none at start (Ray: peers still starting)
-            runner.model_peers = self._link_peers(addresses)
+            runner.use_peers(self._link_peers(addresses))
         else:
             runner.model_peers.relink(addresses, self._connect_peer)
 
