@@ -94,7 +94,7 @@ def shard_config(
 
 class WorkerReady(msgspec.Struct, frozen=True):
     service_id: str
-    role: str
+    role: Role
     command_endpoint: str = ""
     kv_endpoint: str = ""
     control_endpoint: str = ""

@@ -42,7 +42,7 @@ class ModelPeerWorker:
         self.last_pass = time.monotonic()
 
     def ready(self) -> WorkerReady:
-        return WorkerReady(self.cfg.service_id, str(self.cfg.role),
+        return WorkerReady(self.cfg.service_id, self.cfg.role,
                            link_address=self.listener.address)  # fmt: skip
 
     def run(self) -> None:

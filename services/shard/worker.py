@@ -43,6 +43,7 @@ from common.protocol import (
     Shutdown,
     StatsRequest,
 )
+from common.roles import Role
 from common.telemetry import Metrics
 from common.transport.kv_links import KvReceiver, KvSender
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel, refuse
@@ -110,7 +111,7 @@ class ShardWorker:
 
     def ready(self) -> WorkerReady:
         return WorkerReady(
-            self.cfg.service_id, "shard", kv_endpoint=self.kv_endpoint,
+            self.cfg.service_id, Role.SHARD, kv_endpoint=self.kv_endpoint,
             control_endpoint=self.control_endpoint, link_address=self.listener.address,
             kv_address=self.kv_receiver.address if self.kv_receiver else "",
         )  # fmt: skip
