@@ -44,6 +44,7 @@ from services.engine.telemetry import EngineTelemetry
 class EngineParts:
     engine_id: str
     role: Role
+    options: MeshOptions  # whole: a part (or the engine) reads the switches of its concern
     command_endpoint: str  # how others address this engine: a mixed engine's own prompts
     runner: MeshModelRunner
     blocks: BlockManager
@@ -108,7 +109,7 @@ def build_engine_parts(
     pool = RoleLease(role)
     reports = EngineReports(engine_id, role, pool, table, blocks, kv_ingress, (ship_queue, local),
                             admission, prefill, tiers, runner, telemetry)  # fmt: skip
-    return EngineParts(engine_id, role, command_endpoint, runner, blocks, sampler, table, prefill,
+    return EngineParts(engine_id, role, options, command_endpoint, runner, blocks, sampler, table, prefill,
                        ship_queue, local, kv_ingress, admission, tiers, pool, telemetry,
                        reports)  # fmt: skip
 
