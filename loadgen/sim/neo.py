@@ -37,7 +37,7 @@ from common.scheduling.neo_state import (
     blocks_for,
 )
 from loadgen.sim.config import LLAMA2_70B, ModelSpec, profile_path
-from loadgen.sim.rate_search import SearchSettings, climb_and_bisect
+from loadgen.sim.rate_search import Probe, SearchSettings, climb_and_bisect
 from loadgen.sim.simulator import SimRequest
 from loadgen.sim.workload import poisson, read_trace
 
@@ -213,7 +213,7 @@ class NeoSimMachine:
 # Poisson probes of `duration_s` (then a drain of the same length); the climb starts at 0, not
 # at `min_rate`.
 NEO_RATES = SearchSettings(
-    duration_s=120.0, warmup_s=20.0, rate_step=0.5, max_rate=40.0, num_bisections=4
+    Probe(duration_s=120.0, warmup_s=20.0), rate_step=0.5, max_rate=40.0, num_bisections=4
 )
 
 
@@ -233,13 +233,11 @@ def probe(
     # NOTE: both arms get the same requests: those the local-only machine can ever hold.
     local_only = sim if not offload else NeoSimMachine(machine, False)
     usable = [r for r in rows if local_only.fits(r.input_len)] or rows
-    rates = s.rates
-    requests = poisson(usable, rate, rates.duration_s, rates.seed)
-    result = sim.run(requests, until_s=2 * rates.duration_s)
+    p = s.rates.probe
+    requests = poisson(usable, rate, p.duration_s, p.seed)
+    result = sim.run(requests, until_s=2 * p.duration_s)
     counted = [
-        t
-        for t, r in zip(result.per_token_s, requests, strict=True)
-        if r.arrival_s >= rates.warmup_s
+        t for t, r in zip(result.per_token_s, requests, strict=True) if r.arrival_s >= p.warmup_s
     ]
     counted_result = replace(result, per_token_s=counted)
     ok = bool(counted) and counted_result.mean_per_token_s <= s.slo_per_token_s
@@ -271,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host-gbs", type=float, default=0.0, help="override host GB/s")
     args = parser.parse_args(argv)
     rows = read_trace(args.trace)
-    s = NeoSearch(args.slo, replace(NEO_RATES, duration_s=args.duration))
+    rates = replace(NEO_RATES, probe=replace(NEO_RATES.probe, duration_s=args.duration))
+    s = NeoSearch(args.slo, rates)
     started, table = time.perf_counter(), {}
     print(f"{'machine':<8} {'local KV tok':>12} {'local-only RPS':>15} {'Neo RPS':>8} {'ratio':>6}")
     for name in args.machines:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loadgen.sim.config import ClusterSpec, Design
-from loadgen.sim.rate_search import SearchSettings, climb_and_bisect
+from loadgen.sim.rate_search import Probe, SearchSettings, climb_and_bisect
 from loadgen.sim.simulator import SimOptions, simulate
 from loadgen.sim.slo import check_slos
 from loadgen.sim.workload import poisson
@@ -40,13 +40,13 @@ def meets_slos(
     cluster: ClusterSpec,
     rows: list[TraceRow],
     rate: float,
-    settings: SearchSettings,
+    probe: Probe,
     options: SimOptions | None = None,
 ) -> bool:
     """Whether `cluster` holds every SLO at `rate` requests/s."""
-    requests = poisson(rows, rate, settings.duration_s, settings.seed)
+    requests = poisson(rows, rate, probe.duration_s, probe.seed)
     result = simulate(cluster, requests, options)
-    return check_slos(result, skip_before_s=settings.warmup_s).met
+    return check_slos(result, skip_before_s=probe.warmup_s).met
 
 
 def max_rate(
@@ -61,7 +61,7 @@ def max_rate(
     s = settings or SearchSettings()
 
     def meets(rate: float) -> bool:
-        return meets_slos(cluster, rows, rate, s, options)
+        return meets_slos(cluster, rows, rate, s.probe, options)
 
     return climb_and_bisect(meets, s.min_rate, s) if meets(s.min_rate) else 0.0
 
@@ -115,7 +115,7 @@ def cheapest_for_rate(
     """Iso-throughput: the cheapest (by cost or power) mix on `grid` holding SLOs at `rate`."""
     s = settings or SearchSettings()
     evaluated = [
-        (c, meets_slos(c, rows, rate, s))
+        (c, meets_slos(c, rows, rate, s.probe))
         for c in (ClusterSpec(design, p, t) for p in grid[0] for t in grid[1])
     ]
     feasible = [c for c, ok in evaluated if ok]

@@ -14,18 +14,25 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class SearchSettings:
-    """How hard to look: simulated seconds per probe (latency counted for arrivals after
-    `warmup_s`), rate bounds, the grid the search climbs and the bisection steps that refine its
-    first miss."""
+class Probe:
+    """One simulated run at a fixed rate: Poisson arrivals for `duration_s` (from `seed`), latency
+    counted for the arrivals after `warmup_s`."""
 
     duration_s: float = 90.0
     warmup_s: float = 10.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """How hard to look: each probe, the rate bounds, the grid the search climbs and the
+    bisection steps that refine its first miss."""
+
+    probe: Probe = Probe()
     min_rate: float = 1.0
     max_rate: float = 400.0
     rate_step: float = 10.0
     num_bisections: int = 5
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.min_rate <= self.max_rate or self.rate_step <= 0:

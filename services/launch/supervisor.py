@@ -51,13 +51,12 @@ class Supervisor:
             zmq.Context.instance(), LinkShards | LinkPeers, auth=mesh.auth
         )
         self._peers_told = time.monotonic()
-        # Child processes have no event to block on here.
-        self._ticker = Ticker("local-mesh-supervisor", interval_s, self._tick)
+        # Child processes have no event to block on here. The sockets are the ticker thread's.
+        self._ticker = Ticker("local-mesh-supervisor", interval_s, self._tick, self._push.close)
         self._ticker.start()
 
     def stop(self) -> None:
         self._ticker.stop(timeout_s=150)
-        self._push.close()
 
     def _tick(self) -> None:
         dead = []

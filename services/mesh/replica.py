@@ -124,17 +124,15 @@ class GroupWatch:
         self.peer_keeper = peer_keeper
         self.membership = membership
         self.command_endpoint = command_endpoint
-        # Used on the ticker's thread only; closed once it has stopped.
+        # Its sockets are the ticker thread's: registry changes arrive by asking, not by event.
         self._push: PushPool[LinkShards | LinkPeers] = PushPool(
             zmq.Context.instance(), LinkShards | LinkPeers, auth=auth
         )
-        # Registry changes arrive by asking, not by event.
-        self._ticker = Ticker("shard-group-watch", interval_s, self._check)
+        self._ticker = Ticker("shard-group-watch", interval_s, self._check, self._push.close)
         self._ticker.start()
 
     def stop(self) -> None:
         self._ticker.stop(timeout_s=5)
-        self._push.close()
 
     def _check(self) -> None:
         try:

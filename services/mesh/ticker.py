@@ -18,12 +18,21 @@ log = structlog.get_logger(__name__)
 
 class Ticker:
     """Calls `tick()` every `interval_s` on a daemon thread named `name`, from `start()` until
-    `stop()`. A tick that raises is logged and the next one tries again: a dead thread would stop
-    the work for good. Failures a tick expects (a registry restarting) it catches itself."""
+    `stop()`, then `on_exit()` (if given) on the same thread: it closes what only the ticks use,
+    ZeroMQ sockets say, which belong to one thread. A tick that raises is logged and the next one
+    tries again: a dead thread would stop the work for good. Failures a tick expects (a registry
+    restarting) it catches itself."""
 
-    def __init__(self, name: str, interval_s: float, tick: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        interval_s: float,
+        tick: Callable[[], None],
+        on_exit: Callable[[], None] | None = None,
+    ) -> None:
         self.interval_s = interval_s
         self.tick = tick
+        self.on_exit = on_exit
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -38,9 +47,13 @@ class Ticker:
             self.thread.join(timeout_s)
 
     def _run(self) -> None:
-        # NOTE: a timer (Event.wait), not a poll of shared state: see the module docstring.
-        while not self.stopped.wait(self.interval_s):
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - keep ticking; the next tick may apply
-                log.exception("tick failed", thread=self.thread.name)
+        try:
+            # NOTE: a timer (Event.wait), not a poll of shared state: see the module docstring.
+            while not self.stopped.wait(self.interval_s):
+                try:
+                    self.tick()
+                except Exception:  # noqa: BLE001 - keep ticking; the next tick may apply
+                    log.exception("tick failed", thread=self.thread.name)
+        finally:
+            if self.on_exit is not None:
+                self.on_exit()
