@@ -16,7 +16,8 @@ import json
 import time
 
 from loadgen.sim.config import DESIGNS, ClusterSpec
-from loadgen.sim.provision import SearchSettings, best_under_budget, format_table, max_rate
+from loadgen.sim.provision import best_under_budget, format_table, max_rate
+from loadgen.sim.rate_search import Probe, SearchSettings
 from loadgen.sim.simulator import simulate
 from loadgen.sim.slo import check_slos
 from loadgen.sim.workload import as_recorded, read_trace
@@ -43,8 +44,9 @@ def main() -> None:
     )
 
     settings = SearchSettings(
-        duration_s=args.duration, min_rate=5.0, max_rate=200.0, rate_step=10.0, num_bisections=4
-    )
+        Probe(duration_s=args.duration), min_rate=5.0, max_rate=200.0, rate_step=10.0,
+        num_bisections=4,
+    )  # fmt: skip
     started = time.perf_counter()
     baseline = ClusterSpec(DESIGNS["Baseline-H100"], 40)
     baseline_rps = max_rate(baseline, rows, settings)

@@ -76,17 +76,8 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
         e = args.engine
 
         def build() -> LLMEngine:  # on the engine's thread (`InProcessEngineClient`: why)
-            return LLMEngine.from_path(
-                args.model_path(),
-                num_blocks=e.num_blocks,
-                block_size=e.block_size,
-                max_num_batched_tokens=e.max_num_batched_tokens,
-                max_num_seqs=e.max_num_seqs,
-                attention_backend=e.attention_backend,
-                enable_prefix_caching=e.enable_prefix_caching,
-                max_preemptions=e.max_preemptions,
-                starvation_s=e.starvation_s,
-            )
+            # The engine's options are `from_path`'s keywords; the threads are the client's.
+            return LLMEngine.from_path(args.model_path(), **e.model_dump(exclude={"num_threads"}))
 
         threads = e.num_threads or machine_threads()
         _check_openmp(os.environ, threads, "Router")

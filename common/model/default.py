@@ -23,27 +23,15 @@ from safetensors.torch import save_file
 from common.config import env
 from common.tokenizer import BOS, EOS, EOT, LLAMA3_CHAT_TEMPLATE, build_byte_level_bpe
 
+# A preset is a Llama shape, one row a preset: what it is for in its comment.
+PRESET_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "max_position_embeddings")  # fmt: skip
 PRESETS: dict[str, dict[str, Any]] = {
-    # Small enough for a few CPU cores: 3.4 M parameters.
-    "tiny": dict(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-    ),  # fmt: skip
-    # For benchmarks: about 100 M parameters.
-    "small": dict(
-        vocab_size=8192,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=8192,
-    ),  # fmt: skip
+    name: dict(zip(PRESET_KEYS, shape, strict=True))
+    for name, shape in {
+        "tiny": (2048, 256, 768, 4, 8, 2, 4096),  # for a few CPU cores: 3.4 M parameters
+        "small": (8192, 768, 2048, 12, 12, 4, 8192),  # for benchmarks: about 100 M parameters
+    }.items()
 }
 FORMAT_VERSION = 1  # bump when the written folder changes, so caches are rebuilt
 

@@ -23,8 +23,9 @@ that outlives its handler, or a batch step that times many requests at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import ParamSpec
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -33,6 +34,7 @@ from opentelemetry.util.types import Attributes
 
 from common.telemetry.context import extract_context
 
+P = ParamSpec("P")
 TRACER_NAME = "phasemesh"
 PROVIDER_NAME = "phasemesh"
 TOKEN_EVENT = "token"
@@ -72,26 +74,6 @@ def parent_context(parent: Parent) -> Context | None:
     return extract_context(parent) if isinstance(parent, str) else parent
 
 
-@contextmanager
-def request_span(
-    req_id: str,
-    *,
-    model: str,
-    num_prompt_tokens: int,
-    max_tokens: int,
-    operation: str = "text_completion",
-    parent: Parent = None,
-) -> Iterator[Span]:
-    """`router.request`: the root SERVER span of one request, current while the block runs.
-
-    `operation` is the GenAI operation name: `text_completion` or `chat`. Pass `parent` only to
-    continue a caller's trace (an incoming `traceparent` header).
-    """
-    attributes = _request_attributes(req_id, model, num_prompt_tokens, max_tokens, operation)
-    with _span("router.request", parent, attributes, kind=SpanKind.SERVER) as span:
-        yield span
-
-
 def start_request_span(
     req_id: str,
     *,
@@ -102,10 +84,13 @@ def start_request_span(
     parent: Parent = None,
     start_ns: int | None = None,
 ) -> Span:
-    """`router.request` started but not made current: the caller ends it (`end_request_span`).
+    """`router.request`, the root SERVER span of one request, started but not made current: the
+    caller ends it (`end_request_span`).
 
-    For a streamed response, which outlives the handler that admitted it. `start_ns` is when the
-    HTTP request arrived (`time.time_ns()`), before validation and tokenization.
+    For a streamed response, which outlives the handler that admitted it. `operation` is the
+    GenAI operation name: `text_completion` or `chat`. Pass `parent` only to continue a caller's
+    trace (an incoming `traceparent` header). `start_ns` is when the HTTP request arrived
+    (`time.time_ns()`), before validation and tokenization.
     """
     return tracer().start_span(
         "router.request",
@@ -114,6 +99,30 @@ def start_request_span(
         attributes=_request_attributes(req_id, model, num_prompt_tokens, max_tokens, operation),
         start_time=start_ns,
     )
+
+
+def _current_for_block(start: Callable[P, Span]) -> Callable[P, AbstractContextManager[Span]]:
+    """The context manager of a `start_*` function: its span, current while the block runs and
+    ended with it; an escaping exception marks it failed with `error.type`."""
+
+    @contextmanager
+    def block(*args: P.args, **kwargs: P.kwargs) -> Iterator[Span]:
+        span = start(*args, **kwargs)
+        current = trace.use_span(
+            span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+        )
+        with current:
+            try:
+                yield span
+            except BaseException as error:
+                mark_failed(span, error)
+                raise
+
+    return block
+
+
+# `router.request` (`start_request_span`'s arguments), current while the block runs.
+request_span = _current_for_block(start_request_span)
 
 
 def end_request_span(

@@ -13,7 +13,7 @@ union from `common.protocol`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 import msgspec
 import numpy as np
@@ -154,6 +154,17 @@ def empty_like_spec(spec: TensorSpec) -> torch.Tensor:
 ReceiveInto: TypeAlias = (
     Sequence[torch.Tensor] | Callable[[Any, list["TensorSpec"]], Sequence[torch.Tensor]] | None
 )
+
+
+class TensorLink(Protocol):
+    """What a tensor channel offers its user, UCX or ZeroMQ underneath: a send that returns a
+    handle to `wait` on (the tensors stay alive until then), and a receive into `out`."""
+
+    def send_async(self, header: Any, tensors: Sequence[torch.Tensor]) -> Any: ...
+    def wait(self, handle: Any, timeout: float | None = ...) -> Any: ...
+    def recv(
+        self, out: ReceiveInto = None, timeout: float | None = ...
+    ) -> tuple[Any, list[torch.Tensor]]: ...
 
 
 def receive_targets(specs: list[TensorSpec], header: Any, out: ReceiveInto) -> list[torch.Tensor]:

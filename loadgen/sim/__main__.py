@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from loadgen.sim.config import DESIGNS, parse_cluster
 from loadgen.sim.lamina_cli import add_lamina_parser
 from loadgen.sim.provision import (
-    SearchSettings,
     best_under_budget,
     cheapest_for_rate,
     format_table,
     plot_design_space,
 )
+from loadgen.sim.rate_search import Probe, SearchSettings
 from loadgen.sim.simulator import simulate
 from loadgen.sim.slo import check_slos
 from loadgen.sim.workload import as_recorded, poisson, read_trace
@@ -48,7 +48,7 @@ def _replay(args: argparse.Namespace) -> int:
 def _provision(args: argparse.Namespace) -> int:
     rows = read_trace(args.trace)
     design = DESIGNS[args.design]
-    settings = SearchSettings(duration_s=args.duration)
+    settings = SearchSettings(Probe(duration_s=args.duration))
     if args.rate:
         grid = (range(args.step, args.max_machines + 1, args.step),) * 2
         best, evaluated = cheapest_for_rate(design, rows, args.rate, grid, args.by, settings)

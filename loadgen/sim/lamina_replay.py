@@ -30,34 +30,30 @@ from common.scheduling.lamina_pipeline import (
 from loadgen.sim.lamina_config import MAX_AUTO_BATCHES, LaminaCluster
 from loadgen.sim.lamina_placement import KVPlacement
 
+# The `PipelinePlan` figures a breakdown sums: per-layer times (a token's: times the layers),
+# then per-step figures.
+PER_LAYER_TIMES = ("model_s", "attention_s", "network_s", "hidden_s", "wait_s")
+PER_STEP = ("compute_busy", "memory_busy", "num_batches")
+
 
 @dataclass
 class Breakdown:
-    """Time-weighted sums over a window, per token (Fig. 12): seconds x step seconds."""
+    """Time-weighted sums over a window, per token (Fig. 12), by figure: seconds x step seconds."""
 
-    model_s: float = 0.0
-    attention_s: float = 0.0
-    network_s: float = 0.0
-    hidden_s: float = 0.0
-    wait_s: float = 0.0
-    compute_busy: float = 0.0
-    memory_busy: float = 0.0
-    num_batches: float = 0.0
+    sums: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(PER_LAYER_TIMES + PER_STEP, 0.0)
+    )
 
     def add(self, plan: PipelinePlan, layers: int, weight_s: float) -> None:
-        self.model_s += plan.model_s * layers * weight_s
-        self.attention_s += plan.attention_s * layers * weight_s
-        self.network_s += plan.network_s * layers * weight_s
-        self.hidden_s += plan.hidden_s * layers * weight_s
-        self.wait_s += plan.wait_s * layers * weight_s
-        self.compute_busy += plan.compute_busy * weight_s
-        self.memory_busy += plan.memory_busy * weight_s
-        self.num_batches += plan.num_batches * weight_s
+        for name in PER_LAYER_TIMES:
+            self.sums[name] += getattr(plan, name) * layers * weight_s
+        for name in PER_STEP:
+            self.sums[name] += getattr(plan, name) * weight_s
 
     def mean(self, total_s: float) -> dict[str, float]:
         if total_s <= 0:
             return {}
-        return {name: value / total_s for name, value in vars(self).items()}
+        return {name: value / total_s for name, value in self.sums.items()}
 
 
 @dataclass

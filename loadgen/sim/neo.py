@@ -23,7 +23,7 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from common.perf_model import NeoCostTables, neo_costs_from_profile
@@ -37,6 +37,7 @@ from common.scheduling.neo_state import (
     blocks_for,
 )
 from loadgen.sim.config import LLAMA2_70B, ModelSpec, profile_path
+from loadgen.sim.rate_search import Probe, SearchSettings, climb_and_bisect
 from loadgen.sim.simulator import SimRequest
 from loadgen.sim.workload import poisson, read_trace
 
@@ -209,18 +210,19 @@ class NeoSimMachine:
             self.offload.pop(i, None)
 
 
+# Poisson probes of `duration_s` (then a drain of the same length); the climb starts at 0, not
+# at `min_rate`.
+NEO_RATES = SearchSettings(
+    Probe(duration_s=120.0, warmup_s=20.0), rate_step=0.5, max_rate=40.0, num_bisections=4
+)
+
+
 @dataclass(frozen=True)
 class NeoSearch:
-    """Rate search settings: Poisson probes of `duration_s` (then a drain of the same length),
-    latency counted for arrivals after `warmup_s`; climb by `rate_step`, then bisect."""
+    """The SLO, mean latency per output token, and how to search for the rate that holds it."""
 
     slo_per_token_s: float = 0.2
-    duration_s: float = 120.0
-    warmup_s: float = 20.0
-    rate_step: float = 0.5
-    max_rate: float = 40.0
-    num_bisections: int = 4
-    seed: int = 0
+    rates: SearchSettings = NEO_RATES
 
 
 def probe(
@@ -231,34 +233,21 @@ def probe(
     # NOTE: both arms get the same requests: those the local-only machine can ever hold.
     local_only = sim if not offload else NeoSimMachine(machine, False)
     usable = [r for r in rows if local_only.fits(r.input_len)] or rows
-    requests = poisson(usable, rate, s.duration_s, s.seed)
-    result = sim.run(requests, until_s=2 * s.duration_s)
+    p = s.rates.probe
+    requests = poisson(usable, rate, p.duration_s, p.seed)
+    result = sim.run(requests, until_s=2 * p.duration_s)
     counted = [
-        t for t, r in zip(result.per_token_s, requests, strict=True) if r.arrival_s >= s.warmup_s
+        t for t, r in zip(result.per_token_s, requests, strict=True) if r.arrival_s >= p.warmup_s
     ]
     counted_result = replace(result, per_token_s=counted)
     ok = bool(counted) and counted_result.mean_per_token_s <= s.slo_per_token_s
     return ok, counted_result
 
 
-def max_rate(meets: Callable[[float], bool], s: NeoSearch) -> float:
-    """The highest rate meeting the SLO with every grid rate below it meeting it too."""
-    lo = 0.0
-    hi = s.rate_step
-    while hi <= s.max_rate and meets(hi):
-        lo, hi = hi, hi + s.rate_step
-    if hi > s.max_rate:
-        return lo
-    for _ in range(s.num_bisections):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
-    return lo
-
-
 def compare(machine: NeoMachineType, rows: list, s: NeoSearch) -> dict[str, float]:
     """Sustained rate without and with offload on one machine type, and their ratio."""
-    local = max_rate(lambda rate: probe(machine, rows, rate, False, s)[0], s)
-    neo = max_rate(lambda rate: probe(machine, rows, rate, True, s)[0], s)
+    local = climb_and_bisect(lambda rate: probe(machine, rows, rate, False, s)[0], 0.0, s.rates)
+    neo = climb_and_bisect(lambda rate: probe(machine, rows, rate, True, s)[0], 0.0, s.rates)
     return {
         "local_kv_tokens": machine.local_kv_tokens(LLAMA2_70B),
         "local_only_rps": round(local, 3),
@@ -280,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host-gbs", type=float, default=0.0, help="override host GB/s")
     args = parser.parse_args(argv)
     rows = read_trace(args.trace)
-    s = NeoSearch(slo_per_token_s=args.slo, duration_s=args.duration)
+    rates = replace(NEO_RATES, probe=replace(NEO_RATES.probe, duration_s=args.duration))
+    s = NeoSearch(args.slo, rates)
     started, table = time.perf_counter(), {}
     print(f"{'machine':<8} {'local KV tok':>12} {'local-only RPS':>15} {'Neo RPS':>8} {'ratio':>6}")
     for name in args.machines:

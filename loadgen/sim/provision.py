@@ -5,10 +5,10 @@ at that rate and at every lower one (sizes drawn from the trace). Feasibility is
 the rate: with few token machines, moderate load overloads them before the router starts
 borrowing machines into the mixed pool, which heavier load triggers (Splitwise-HH 35P/5T on the
 conversation trace misses its SLOs at 20-40 RPS and meets them at 50-80), so a plain bisection can
-jump over the rates a cluster cannot serve. The search climbs a grid of rates to the first miss,
-then bisects between the last rate met and it. Constraints: a power or cost budget
-(maximize throughput) or a throughput target (minimize cost or power). Results print as a table
-and plot like Splitwise Fig. 12 (prompt machines on x, token machines on y).
+jump over the rates a cluster cannot serve: the search climbs a grid of rates to the first miss,
+then bisects below it (`rate_search.py`). Constraints: a power or cost budget (maximize
+throughput) or a throughput target (minimize cost or power). Results print as a table and plot
+like Splitwise Fig. 12 (prompt machines on x, token machines on y).
 """
 
 from __future__ import annotations
@@ -17,28 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loadgen.sim.config import ClusterSpec, Design
+from loadgen.sim.rate_search import Probe, SearchSettings, climb_and_bisect
 from loadgen.sim.simulator import SimOptions, simulate
 from loadgen.sim.slo import check_slos
 from loadgen.sim.workload import poisson
 from loadgen.traces import TraceRow
-
-
-@dataclass(frozen=True)
-class SearchSettings:
-    """How hard to look: simulated seconds per probe, rate bounds, the grid the search climbs
-    and the bisection steps that refine its first miss."""
-
-    duration_s: float = 90.0
-    warmup_s: float = 10.0
-    min_rate: float = 1.0
-    max_rate: float = 400.0
-    rate_step: float = 10.0
-    num_bisections: int = 5
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.min_rate <= self.max_rate or self.rate_step <= 0:
-            raise ValueError("search: need 0 < min_rate <= max_rate and rate_step > 0")
 
 
 @dataclass(frozen=True)
@@ -57,13 +40,13 @@ def meets_slos(
     cluster: ClusterSpec,
     rows: list[TraceRow],
     rate: float,
-    settings: SearchSettings,
+    probe: Probe,
     options: SimOptions | None = None,
 ) -> bool:
     """Whether `cluster` holds every SLO at `rate` requests/s."""
-    requests = poisson(rows, rate, settings.duration_s, settings.seed)
+    requests = poisson(rows, rate, probe.duration_s, probe.seed)
     result = simulate(cluster, requests, options)
-    return check_slos(result, skip_before_s=settings.warmup_s).met
+    return check_slos(result, skip_before_s=probe.warmup_s).met
 
 
 def max_rate(
@@ -76,20 +59,11 @@ def max_rate(
     `min_rate` in `rate_step`s to the first miss, then bisect below it (0 when `min_rate` fails;
     `max_rate` when nothing up to it does)."""
     s = settings or SearchSettings()
-    if not meets_slos(cluster, rows, s.min_rate, s, options):
-        return 0.0
-    lo = s.min_rate
-    while lo < s.max_rate:
-        hi = min(lo + s.rate_step, s.max_rate)
-        if not meets_slos(cluster, rows, hi, s, options):
-            break
-        lo = hi
-    else:
-        return lo
-    for _ in range(s.num_bisections):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if meets_slos(cluster, rows, mid, s, options) else (lo, mid)
-    return lo
+
+    def meets(rate: float) -> bool:
+        return meets_slos(cluster, rows, rate, s.probe, options)
+
+    return climb_and_bisect(meets, s.min_rate, s) if meets(s.min_rate) else 0.0
 
 
 def mixes_within(
@@ -141,7 +115,7 @@ def cheapest_for_rate(
     """Iso-throughput: the cheapest (by cost or power) mix on `grid` holding SLOs at `rate`."""
     s = settings or SearchSettings()
     evaluated = [
-        (c, meets_slos(c, rows, rate, s))
+        (c, meets_slos(c, rows, rate, s.probe))
         for c in (ClusterSpec(design, p, t) for p in grid[0] for t in grid[1])
     ]
     feasible = [c for c, ok in evaluated if ok]

@@ -139,6 +139,7 @@ class Station:
     priority: bool = False
 
 
+@dataclass(eq=False)
 class FrontEnd:
     """The front end's loops as FIFO servers, inbound order (client, proxy, router); tokens go
     through them in reverse. Times are simulated seconds.
@@ -148,22 +149,17 @@ class FrontEnd:
     (None: each station's `token_cpu_s` per token); each station takes its share of
     `token_cpu_s`."""
 
-    def __init__(
-        self,
-        stations: tuple[Station, ...],
-        delay_s: float,
-        on_path: float = 1.0,
-        chunk_cpu_s: PiecewiseLinear | None = None,
-    ) -> None:
-        self.stations = stations
-        self.delay_s = delay_s
-        self.on_path = on_path
-        self.chunk_cpu_s = chunk_cpu_s
-        total = sum(s.token_cpu_s for s in stations)
-        self._shares = [s.token_cpu_s / total if total else 0.0 for s in stations]
+    stations: tuple[Station, ...]
+    delay_s: float
+    on_path: float = 1.0
+    chunk_cpu_s: PiecewiseLinear | None = None
+
+    def __post_init__(self) -> None:
+        total = sum(s.token_cpu_s for s in self.stations)
+        self._shares = [s.token_cpu_s / total if total else 0.0 for s in self.stations]
         # Each loop's scheduled work, (start, end) in time order: a loop waiting for the one
         # before it in the pipeline is idle, not runnable.
-        self._work: list[deque[tuple[float, float]]] = [deque() for _ in stations]
+        self._work: list[deque[tuple[float, float]]] = [deque() for _ in self.stations]
 
     def busy_cores(self, now: float, horizon_s: float, priority: bool = False) -> float:
         """Cores the loops (those of `priority`) want over [now, now + horizon_s]: each, the

@@ -35,20 +35,15 @@ import structlog
 import torch
 
 from common.protocol import SliceRequest, SliceResult
-from common.transport.tensor_frames import ReceiveInto
+from common.transport.tensor_frames import TensorLink
 from services.engine.model_peer import Slice
 
 log = structlog.get_logger(__name__)
 
 
-class PeerLink(Protocol):
+class PeerLink(TensorLink, Protocol):
     """A token engine's channel to one model peer (a `UcxTensorChannel` of `PeerLinkMessage`)."""
 
-    def send_async(self, header: Any, tensors: Seq[torch.Tensor]) -> Any: ...
-    def wait(self, handle: Any, timeout: float | None = ...) -> Any: ...
-    def recv(
-        self, out: ReceiveInto = None, timeout: float | None = ...
-    ) -> tuple[Any, list[torch.Tensor]]: ...
     def close(self) -> None: ...
 
 

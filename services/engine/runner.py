@@ -243,10 +243,9 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             self.model.rotary_at(batch_0.positions),
             self.model.rotary_at(batch_1.positions),
         )
-        group = self.model.config.num_queries_per_kv
         for i, layer in enumerate(self.model.layers):
             q1, k1, v1 = layer.pre_attention(x1, rope1)  # [N1, H, D]
-            sends = self._send(i, batch_1.sharded, ATTEND_WHOLE, group, q1, (k1, v1))
+            sends = self._send(i, batch_1.sharded, ATTEND_WHOLE, q1, (k1, v1))
             flight = LayerInFlight(sends, torch.empty(q1.shape, dtype=torch.float32), 0)
             q0, k0, v0 = layer.pre_attention(x0, rope0)
             x0 = layer.post_attention(x0, super().attend(i, q0, k0, v0, batch_0))
@@ -282,11 +281,11 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         """One layer's round trip as one message per shard, local rows meanwhile: each shard
         a slice of heads of every row, or (a request-partitioned group) its requests' rows."""
         assert plan.sharded is not None
-        n, rows, group = plan.num_local, plan.sharded, q.shape[1] // k.shape[1]
+        n, rows = plan.num_local, plan.sharded
         if rows.shard_rows is not None:
             sends = send_by_request(self.shard_links, layer, rows, q, k, v, n)
         else:
-            sends = self._send(layer, rows, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
+            sends = self._send(layer, rows, ATTEND_WHOLE, q[n:], (k[n:], v[n:]))
         flight = LayerInFlight(sends, self._attend_rows_local(layer, q, k, v, plan, n), n)
         self._collect(flight, result)
         return flight.out
@@ -327,7 +326,6 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         """One lane's layers (lanes.py): its first `n` rows attend locally, the rest on shards.
         With `attention_overlap`, q leaves before k/v are computed (Lamina 4.2.2). With model
         peers, some of its slices run on them (rotation.py): it yields while a peer works."""
-        group = self.model.config.num_queries_per_kv
         out: torch.Tensor | None = None  # the previous layer's attention output
         for i in range(len(self.model.layers)):
             on_peer = None
@@ -340,7 +338,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
                     on_peer = self.model_peers.receive(flight_to_peer)
             if on_peer is not None:
                 x, q, k, v = on_peer
-                sends = self._send(i, rows, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
+                sends = self._send(i, rows, ATTEND_WHOLE, q[n:], (k[n:], v[n:]))
             else:
                 x, q, k, v, sends = self._local_slice(i, x, rope, out, rows, n)
             flight = LayerInFlight(sends, self._attend_rows_local(i, q, k, v, inputs, n), n)
@@ -360,16 +358,15 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         n: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[ShardSend]]:
         """A lane's slice `layer` here (model_peer.py's `run_slice`), its q/k/v sent on."""
-        group = self.model.config.num_queries_per_kv
         if not self.attention_overlap:
             x, q, k, v = run_slice(self.model, layer, x, rope, out)
-            return x, q, k, v, self._send(layer, rows, ATTEND_WHOLE, group, q[n:], (k[n:], v[n:]))
+            return x, q, k, v, self._send(layer, rows, ATTEND_WHOLE, q[n:], (k[n:], v[n:]))
         if out is not None:
             x = self.model.layers[layer - 1].post_attention(x, out)
         h, q = self.model.layers[layer].pre_attention_q(x, rope)  # q [rows, Hq, D]
-        sends = self._send(layer, rows, ATTEND_PREV, group, q[n:], ())
+        sends = self._send(layer, rows, ATTEND_PREV, q[n:], ())
         k, v = self.model.layers[layer].pre_attention_kv(h, rope)  # the shards attend meanwhile
-        sends += self._send(layer, rows, ATTEND_NEW, group, None, (k[n:], v[n:]))
+        sends += self._send(layer, rows, ATTEND_NEW, None, (k[n:], v[n:]))
         return x, q, k, v, sends
 
     def _send(
@@ -377,10 +374,11 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         layer: int,
         rows: ShardedRows,
         part: int,
-        group: int,
         q: torch.Tensor | None,
         kv: tuple[torch.Tensor, ...],
     ) -> list[ShardSend]:
+        """`send_layer` to this engine's shard group (the model's query heads per KV head)."""
+        group = self.model.config.num_queries_per_kv
         return send_layer(self.shard_links, self.shards, layer, rows, part, group, q, kv)
 
     def _collect(self, flight: LayerInFlight, result: StepResult) -> None:

@@ -25,17 +25,11 @@ from common.protocol import (
     KvReadyQuery,
     ShardAddress,
 )
-from common.transport.tensor_frames import ReceiveInto
+from common.transport.tensor_frames import TensorLink
 
 
-class ShardLink(Protocol):
+class ShardLink(TensorLink, Protocol):
     """A token engine's connection to one attention shard (UCX or ZeroMQ underneath)."""
-
-    def send_async(self, header: Any, tensors: Seq[torch.Tensor]) -> Any: ...
-    def wait(self, handle: Any, timeout: float | None = ...) -> Any: ...
-    def recv(
-        self, out: ReceiveInto = None, timeout: float | None = ...
-    ) -> tuple[Any, list[torch.Tensor]]: ...
 
 
 class ShardLinkFault(RuntimeError):

@@ -18,7 +18,6 @@ the tiny model).
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from common.protocol import LinkPeers, LinkShards
 from common.roles import Role
 from common.transport.zmq_sockets import PushPool
 from services.mesh.shard_group import GroupChange, ShardGroupKeeper
+from services.mesh.ticker import Ticker
 
 if TYPE_CHECKING:
     from services.launch.local_mesh import LocalMesh, LocalWorker
@@ -45,29 +45,18 @@ class Supervisor:
 
     def __init__(self, mesh: LocalMesh, interval_s: float = 0.1) -> None:
         self.mesh = mesh
-        self.interval_s = interval_s
         self.num_restarts = 0
         self.keepers: dict[str, ShardGroupKeeper] = {}
         self._push: PushPool[LinkShards | LinkPeers] = PushPool(
             zmq.Context.instance(), LinkShards | LinkPeers, auth=mesh.auth
         )
         self._peers_told = time.monotonic()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="local-mesh-supervisor", daemon=True)
-        self._thread.start()
+        # Child processes have no event to block on here. The sockets are the ticker thread's.
+        self._ticker = Ticker("local-mesh-supervisor", interval_s, self._tick, self._push.close)
+        self._ticker.start()
 
     def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join(timeout=150)
-        self._push.close()
-
-    def _run(self) -> None:
-        # NOTE: a timer loop (Event.wait): child processes have no event to block on here.
-        while not self._stopped.wait(self.interval_s):
-            try:
-                self._tick()
-            except Exception:  # noqa: BLE001 - keep supervising; the next tick tries again
-                log.exception("supervisor tick failed")
+        self._ticker.stop(timeout_s=150)
 
     def _tick(self) -> None:
         dead = []
@@ -84,7 +73,7 @@ class Supervisor:
         if dead:
             self._keep_groups()  # token engines learn of a lost shard before its restart
         for worker in dead:
-            if self._stopped.is_set():
+            if self._ticker.stopped.is_set():
                 return
             self.mesh.restart(worker)
             self.num_restarts += 1
@@ -95,7 +84,7 @@ class Supervisor:
         """Restart dead model peers; tell their engines (all engines, every PEER_REMIND_S)."""
         dead = [p for p in list(self.mesh.model_peers.values()) if not p.proc.is_alive()]
         for peer in dead:
-            if self._stopped.is_set():
+            if self._ticker.stopped.is_set():
                 return
             log.warning("model peer exited; restarting it", service_id=peer.service_id,
                         returncode=peer.proc.exitcode)  # fmt: skip

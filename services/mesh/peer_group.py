@@ -38,25 +38,20 @@ class PeerChange:
         return [e.link_address for e in self.peers]
 
 
+@dataclass(eq=False)
 class ModelPeerKeeper:
     """One token engine's view of its model peers in the registry."""
 
-    def __init__(
-        self,
-        registry: RegistryClient,
-        token_id: str,
-        num_peers: int,
-        peers: Sequence[ServiceEntry] = (),
-        remind_interval_s: float = REMIND_INTERVAL_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.registry = registry
-        self.token_id = token_id
-        self.num_peers = num_peers
-        self.peers: tuple[ServiceEntry, ...] = tuple(peers)
-        self.remind_interval_s = remind_interval_s
-        self.clock = clock
-        self._last_told = clock()
+    registry: RegistryClient
+    token_id: str
+    num_peers: int
+    peers: Sequence[ServiceEntry] = ()
+    remind_interval_s: float = REMIND_INTERVAL_S
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self.peers = tuple(self.peers)
+        self._last_told = self.clock()
         self._absences = Absences()
 
     def check(self) -> PeerChange | None:

@@ -32,7 +32,6 @@ A `LocalMesh` keeps one in its own process, without Ray.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -42,6 +41,7 @@ import structlog
 
 from common.protocol import ShardAddress
 from common.roles import Role
+from services.mesh.ticker import Ticker
 
 log = structlog.get_logger(__name__)
 
@@ -246,13 +246,11 @@ class Membership:
         self.registry = registry
         self.entry = entry
         self.alive = alive
-        self.interval_s = interval_s
         self.last_ok = time.monotonic()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._ticker = Ticker("heartbeat", interval_s, self._beat)
 
     def start(self) -> None:
-        self._thread.start()
+        self._ticker.start()
 
     def update(self, **changes: Any) -> None:
         """Change this replica's entry (state, endpoints) and publish it now."""
@@ -274,7 +272,7 @@ class Membership:
         return time.monotonic() - self.last_ok
 
     def stop(self, unregister: bool = True) -> None:
-        self._stopped.set()
+        self._ticker.stop()
         if unregister:
             try:
                 self.registry.unregister(self.entry.service_id)
@@ -282,16 +280,14 @@ class Membership:
                 log.warning("unregister failed", error=repr(exc))
 
     def _beat(self) -> None:
-        # NOTE: a timer thread (Event.wait), not a poll of shared state: it only talks to Ray.
-        while not self._stopped.wait(self.interval_s):
-            if not self.alive():
-                log.error("worker is dead; leaving the registry", service_id=self.entry.service_id)
-                self.stop()
-                return
-            try:
-                self._beat_once()
-            except Exception as exc:  # noqa: BLE001 - keep trying; health checks see staleness
-                log.warning("heartbeat failed", error=repr(exc))
+        if not self.alive():
+            log.error("worker is dead; leaving the registry", service_id=self.entry.service_id)
+            self.stop()
+            return
+        try:
+            self._beat_once()
+        except Exception as exc:  # noqa: BLE001 - keep trying; health checks see staleness
+            log.warning("heartbeat failed", error=repr(exc))
 
     def _beat_once(self) -> None:
         if not self.registry.heartbeat(self.entry.service_id):

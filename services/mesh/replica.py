@@ -39,6 +39,7 @@ from services.engine.worker import EngineWorker
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
 from services.mesh.shard_group import ShardGroupKeeper
+from services.mesh.ticker import Ticker
 from services.shard.worker import ShardWorker
 
 log = structlog.get_logger(__name__)
@@ -123,50 +124,42 @@ class GroupWatch:
         self.peer_keeper = peer_keeper
         self.membership = membership
         self.command_endpoint = command_endpoint
-        self.auth = auth
-        self.interval_s = interval_s
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="shard-group-watch", daemon=True)
-        self._thread.start()
+        # Its sockets are the ticker thread's: registry changes arrive by asking, not by event.
+        self._push: PushPool[LinkShards | LinkPeers] = PushPool(
+            zmq.Context.instance(), LinkShards | LinkPeers, auth=auth
+        )
+        self._ticker = Ticker("shard-group-watch", interval_s, self._check, self._push.close)
+        self._ticker.start()
 
     def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join(timeout=5)
+        self._ticker.stop(timeout_s=5)
 
-    def _run(self) -> None:
-        push: PushPool[LinkShards | LinkPeers] = PushPool(
-            zmq.Context.instance(), LinkShards | LinkPeers, auth=self.auth
-        )
+    def _check(self) -> None:
         try:
-            # NOTE: a timer thread (Event.wait): registry changes arrive by asking, not by event.
-            while not self._stopped.wait(self.interval_s):
-                try:
-                    self._check(push)
-                except Exception as exc:  # noqa: BLE001 - the registry may be restarting
-                    log.warning("shard group check failed", error=repr(exc))
-        finally:
-            push.close()
+            if self.peer_keeper is not None:
+                self._check_peers(self.peer_keeper)
+            self._check_shards()
+        except Exception as exc:  # noqa: BLE001 - the registry may be restarting
+            log.warning("shard group check failed", error=repr(exc))
 
-    def _check(self, push: PushPool[LinkShards | LinkPeers]) -> None:
-        if self.peer_keeper is not None:
-            self._check_peers(push, self.peer_keeper)
+    def _check_shards(self) -> None:
         change = self.keeper.check()
         if change is None:
             return
         shards = [e.shard_address() for e in change.group]
         log.warning("shard group changed", lost=change.lost, group=[s.service_id for s in shards])
-        push.get(self.command_endpoint).send(LinkShards(shards))
+        self._push.get(self.command_endpoint).send(LinkShards(shards))
         self.membership.update(shards=tuple(shards))
 
-    def _check_peers(self, push: PushPool[LinkShards | LinkPeers], keeper: ModelPeerKeeper) -> None:
+    def _check_peers(self, keeper: ModelPeerKeeper) -> None:
         change = keeper.check()
         if change is not None:
             log.warning("model peers changed", lost=change.lost,
                         peers=[e.service_id for e in change.peers])  # fmt: skip
-            push.get(self.command_endpoint).send(LinkPeers(change.addresses()))
+            self._push.get(self.command_endpoint).send(LinkPeers(change.addresses()))
             self.membership.update(peers=tuple(e.service_id for e in change.peers))
         elif (addresses := keeper.due_reminder()) is not None:
-            push.get(self.command_endpoint).send(LinkPeers(addresses))
+            self._push.get(self.command_endpoint).send(LinkPeers(addresses))
 
 
 class MeshReplica:

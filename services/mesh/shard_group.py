@@ -30,24 +30,20 @@ class GroupChange:
     group: tuple[ServiceEntry, ...]
 
 
+@dataclass(eq=False)
 class ShardGroupKeeper:
     """One token engine's view of its shard group in the registry."""
 
-    def __init__(
-        self,
-        registry: RegistryClient,
-        token_id: str,
-        num_slots: int,
-        group: Sequence[ServiceEntry] = (),
-        clock: Callable[[], float] = time.monotonic,
-        confirm_s: float = ABSENT_CONFIRM_S,
-    ) -> None:
-        self.registry = registry
-        self.token_id = token_id
-        self.num_slots = num_slots
-        self.group: tuple[ServiceEntry, ...] = tuple(group)
-        self.clock = clock
-        self._absences = Absences(confirm_s)
+    registry: RegistryClient
+    token_id: str
+    num_slots: int
+    group: Sequence[ServiceEntry] = ()
+    clock: Callable[[], float] = time.monotonic
+    confirm_s: float = ABSENT_CONFIRM_S
+
+    def __post_init__(self) -> None:
+        self.group = tuple(self.group)
+        self._absences = Absences(self.confirm_s)
 
     def check(self) -> GroupChange | None:
         """None while nothing changed; else the lost shards and the group claimed in their place.

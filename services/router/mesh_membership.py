@@ -9,7 +9,6 @@ actor may be restarting). docs/failures.md has the whole model."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import structlog
 from common.telemetry import Metrics, bind_request
 from services.mesh.absence import Absences
 from services.mesh.registry import ServiceEntry
+from services.mesh.ticker import Ticker
 from services.router.cluster_scheduler import ClusterScheduler
 from services.router.mesh_inbox import MeshInbox
 from services.router.mesh_requests import EngineLost, MeshRequests
@@ -47,12 +47,12 @@ class MeshMembership:
         self.scheduler = scheduler
         self.inbox = inbox
         self.send_role_changes = send_role_changes
-        self.refresh_s = refresh_s
         self.metrics = metrics
         self.services: list[ServiceEntry] = []
         self._absences = Absences()  # engines of our requests the registry lacks
-        self._closed = threading.Event()
-        self.thread = threading.Thread(target=self._watch_loop, name="mesh-watch", daemon=True)
+        # A dead thread would get the router replaced: the ticker outlives a failed refresh.
+        self._ticker = Ticker("mesh-watch", refresh_s, self.refresh)
+        self.thread = self._ticker.thread  # the caller starts and joins it
 
     def live_ids(self) -> set[str]:
         with self.requests.lock:
@@ -60,15 +60,7 @@ class MeshMembership:
 
     def close(self) -> None:
         """Stop the watch thread after its current read (the caller joins it)."""
-        self._closed.set()
-
-    def _watch_loop(self) -> None:
-        # NOTE: a timer (Event.wait), reading another process's state: the registry actor.
-        while not self._closed.wait(self.refresh_s):
-            try:
-                self.refresh()
-            except Exception:  # noqa: BLE001 - a dead thread would get the router replaced
-                log.exception("membership refresh failed; the next one may apply")
+        self._ticker.stop()
 
     def refresh(self) -> None:
         try:

@@ -28,6 +28,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing, contextmanager
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -71,34 +72,25 @@ class RouterTelemetry:
                             token_gaps=token_gaps)  # fmt: skip
 
 
+@dataclass(eq=False)
 class RequestTrace:
     """One request's span and latency bookkeeping; see the module docstring."""
 
-    def __init__(
-        self,
-        req_id: str,
-        span: Span,
-        metrics: Metrics,
-        operation: str,
-        start_ns: int,
-        num_prompt_tokens: int,
-        *,
-        token_gaps: bool = True,
-    ) -> None:
-        self.req_id = req_id
-        self.token_gaps = token_gaps
-        self.span = span
-        self.metrics = metrics
-        self.operation = operation
-        self.start_ns = start_ns
-        self.num_prompt_tokens = num_prompt_tokens
-        self.first_ns = 0  # when the first token reached the router
-        self.last_ns = 0
-        self.num_output_tokens = 0
-        self.finish_reason = ""
-        self.ended = False
-        self._gaps: list[float] = []  # TBT samples not yet in the histogram (seconds)
-        self._gaps_since = 0  # when the oldest of them was taken (ns)
+    req_id: str
+    span: Span
+    metrics: Metrics
+    operation: str
+    start_ns: int
+    num_prompt_tokens: int
+    token_gaps: bool = True
+    first_ns: int = field(default=0, init=False)  # when the first token reached the router
+    last_ns: int = field(default=0, init=False)
+    num_output_tokens: int = field(default=0, init=False)
+    finish_reason: str = field(default="", init=False)
+    ended: bool = field(default=False, init=False)
+    # TBT samples not yet in the histogram (seconds), and when the oldest was taken (ns).
+    _gaps: list[float] = field(default_factory=list, init=False)
+    _gaps_since: int = field(default=0, init=False)
 
     @contextmanager
     def admission(self) -> Iterator[None]:

@@ -20,6 +20,7 @@ import torch
 from common.attention import AttentionBackend
 from common.attention.base import combine_partials
 from common.block_manager import BlockManager, NoFreeBlocksError
+from common.config import ModelConfig
 from common.engine.runner import pad_block_tables
 from common.kv_cache import KVCache
 from common.kv_ingress import KV_LEASE_S, KvIngress, Landed
@@ -44,6 +45,14 @@ class ShardSpec:
     block_size: int
     dtype: torch.dtype
     scale: float
+
+    @classmethod
+    def of_model(
+        cls, mc: ModelConfig, head_start: int, head_end: int, num_blocks: int, block_size: int
+    ) -> ShardSpec:
+        """KV heads `head_start:head_end` of the model `mc` describes, in its dtype."""
+        return cls(mc.num_hidden_layers, head_start, head_end, mc.num_queries_per_kv, mc.head_dim,
+                   num_blocks, block_size, getattr(torch, mc.dtype), mc.head_dim**-0.5)  # fmt: skip
 
     @property
     def num_kv_heads(self) -> int:

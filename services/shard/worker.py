@@ -68,16 +68,8 @@ class ShardWorker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg, opts = cfg, cfg.options
         mc = ModelConfig.from_folder(cfg.model_path)
-        spec = ShardSpec(
-            num_layers=mc.num_hidden_layers,
-            head_start=cfg.head_start,
-            head_end=cfg.head_end,
-            num_queries_per_kv=mc.num_queries_per_kv,
-            head_dim=mc.head_dim,
-            num_blocks=opts.shard_num_blocks,
-            block_size=opts.block_size,
-            dtype=getattr(torch, mc.dtype),
-            scale=mc.head_dim**-0.5,
+        spec = ShardSpec.of_model(
+            mc, cfg.head_start, cfg.head_end, opts.shard_num_blocks, opts.block_size
         )
         self.shard = AttentionShard(cfg.service_id, spec, select_backend(opts.attention_backend))
         self.ctx = zmq.Context()

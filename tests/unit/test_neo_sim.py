@@ -1,12 +1,14 @@
 """Neo's cost tables from the shared GPU profile, and the simulator's Neo machine."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from common.perf_model import neo_costs_from_profile
 from loadgen.sim.config import LLAMA2_70B, profile_path
-from loadgen.sim.neo import NEO_MACHINES, NeoSearch, NeoSimMachine, probe
+from loadgen.sim.neo import NEO_MACHINES, NEO_RATES, NeoSearch, NeoSimMachine, probe
+from loadgen.sim.rate_search import Probe
 from loadgen.sim.simulator import SimRequest
 from loadgen.traces import TraceRow
 
@@ -60,7 +62,7 @@ def test_offload_sustains_a_rate_the_local_only_machine_cannot():
     # 1000-token prompts, 100 tokens out, on 2 x H100 (~12 of them fit in HBM): local-only
     # holds 4 RPS at 0.2 s per token and not 5; with offload 5 RPS holds (0.19 s).
     rows = [TraceRow(0.0, 1000, 100)] * 10
-    s = NeoSearch(duration_s=30.0, warmup_s=5.0, slo_per_token_s=0.2)
+    s = NeoSearch(0.2, replace(NEO_RATES, probe=Probe(duration_s=30.0, warmup_s=5.0)))
     local_ok, _ = probe(NEO_MACHINES["H100x2"], rows, 5.0, False, s)
     neo_ok, neo = probe(NEO_MACHINES["H100x2"], rows, 5.0, True, s)
     assert not local_ok and neo_ok and neo.num_two_batch > 0

@@ -5,6 +5,7 @@ as told; the real UCX round trip is covered by the mesh tests."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +22,8 @@ from services.engine.runner import (
 )
 
 N, HQ, HKV, D = 3, 4, 2, 8
+# All the runner reads of its model here: query heads per KV head.
+MODEL = SimpleNamespace(config=SimpleNamespace(num_queries_per_kv=HQ // HKV))
 
 
 class ScriptedLink:
@@ -54,7 +57,7 @@ class ScriptedLink:
 def attend(*scripts: str) -> tuple[torch.Tensor, StepResult]:
     links = [ScriptedLink(s, float(i + 1)) for i, s in enumerate(scripts)]
     shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(len(links))]
-    runner = MeshModelRunner(None, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
+    runner = MeshModelRunner(MODEL, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
     rows = ShardedRows(step=7, req_ids=["a", "b", "c"], context_lens=[5, 6, 7])
     plan = StepPlan(
         Phase.DECODE, rows.req_ids, torch.zeros(N), torch.zeros(N), torch.zeros(0), [1] * N,
@@ -97,7 +100,7 @@ def test_every_reply_is_read_before_a_fault_is_raised(scripts, raised):
 def test_a_stale_reply_leaves_no_reply_queued():
     links = [ScriptedLink("stale", 1.0), ScriptedLink("ok", 2.0)]
     shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(2)]
-    runner = MeshModelRunner(None, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
+    runner = MeshModelRunner(MODEL, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
     rows = ShardedRows(step=3, req_ids=["a"], context_lens=[4])
     plan = StepPlan(Phase.DECODE, ["a"], torch.zeros(1), torch.zeros(1), torch.zeros(0), [1],
                     torch.zeros(0, 1), torch.zeros(0), torch.arange(1), num_local=0,
