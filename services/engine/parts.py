@@ -109,8 +109,8 @@ def build_engine_parts(
     pool = RoleLease(role)
     reports = EngineReports(engine_id, role, pool, table, blocks, kv_ingress, (ship_queue, local),
                             admission, prefill, tiers, runner, telemetry)  # fmt: skip
-    return EngineParts(engine_id, role, options, command_endpoint, runner, blocks, sampler, table, prefill,
-                       ship_queue, local, kv_ingress, admission, tiers, pool, telemetry,
+    return EngineParts(engine_id, role, options, command_endpoint, runner, blocks, sampler, table,
+                       prefill, ship_queue, local, kv_ingress, admission, tiers, pool, telemetry,
                        reports)  # fmt: skip
 
 

@@ -263,9 +263,8 @@ class Membership:
         taken lately is the registry's trouble, not this replica's: a registry that is slow,
         stopped or restarting must never fail a healthy replica's health check (Serve would
         replace every replica of the mesh at once). The thread re-registers when it is back."""
-        return self._thread.is_alive() or (
-            not self._stopped.is_set() and self._thread.ident is None
-        )
+        thread = self._ticker.thread
+        return thread.is_alive() or thread.ident is None  # None: not started yet
 
     def heartbeat_age_s(self) -> float:
         """Seconds since the registry last took this replica's heartbeat (for logs and stats)."""
@@ -286,7 +285,7 @@ class Membership:
             return
         try:
             self._beat_once()
-        except Exception as exc:  # noqa: BLE001 - keep trying; health checks see staleness
+        except Exception as exc:  # noqa: BLE001 - keep trying; the registry may be restarting
             log.warning("heartbeat failed", error=repr(exc))
 
     def _beat_once(self) -> None:
