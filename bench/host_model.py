@@ -26,7 +26,7 @@ from typing import Any
 from host_cpu import ROLES, BackgroundMeter, CpuSampler, minus, process_nice, role_pids
 
 from common.perf_model import load_perf_model
-from loadgen.sim.config import TINY, parse_cluster
+from loadgen.sim.designs import TINY, parse_cluster
 from loadgen.sim.shared_cpu import HostModel, SharedCPU, Station
 from loadgen.stats import percentile
 

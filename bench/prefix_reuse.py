@@ -20,7 +20,7 @@ from dataclasses import replace
 from common.block_hash import block_hashes
 from common.kv_events import reusable_blocks
 from common.perf_model import PerfModel, PiecewiseLinear
-from loadgen.sim.config import CPU_MESH_PROMPT, CPU_MESH_TOKEN, TINY, ClusterSpec, Design
+from loadgen.sim.designs import CPU_MESH_PROMPT, CPU_MESH_TOKEN, TINY, ClusterSpec, Design
 from loadgen.sim.prefix_cache import leading
 from loadgen.sim.simulator import SimOptions, SimRequest, SimResult, simulate
 from loadgen.target import RequestSpec

@@ -19,7 +19,7 @@ One row per (prompt size P, batch size B, repeat), with the GPU profiles' column
 
 The remote decodes and their steady window are `bench/remote_decode.py`.
 
-`PHASEMESH_PERF_PROFILE=FILE` points the simulator at the table (`loadgen/sim/config.py`);
+`PHASEMESH_PERF_PROFILE=FILE` points the simulator at the table (`loadgen/sim/designs.py`);
 `--hardware` names the machine in it. The last line is one JSON object: the file, its row count,
 and the median prefill and decode times by batch size.
 """

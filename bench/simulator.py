@@ -15,7 +15,7 @@ import argparse
 import json
 import time
 
-from loadgen.sim.config import DESIGNS, ClusterSpec
+from loadgen.sim.designs import DESIGNS, ClusterSpec
 from loadgen.sim.provision import best_under_budget, format_table, max_rate
 from loadgen.sim.rate_search import Probe, SearchSettings
 from loadgen.sim.simulator import simulate

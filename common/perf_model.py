@@ -8,7 +8,7 @@ extrapolate linearly past the last profiled point. A mixed iteration (prompts an
 batch) costs the prefill of all its tokens times a small interference factor, as in the Splitwise
 simulator.
 
-The profile table is Splitwise's `splitwise_perf_model.csv` (`loadgen.sim.config.profile_path`
+The profile table is Splitwise's `splitwise_perf_model.csv` (`loadgen.sim.designs.profile_path`
 finds it; columns `model, hardware, prompt_size, batch_size, token_size, ..., prompt_time,
 token_time, ..., tensor_parallel`, times in milliseconds); `bench/profile.py` writes the same
 table for PhaseMesh's own engine.

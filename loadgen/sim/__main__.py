@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Sequence
 
-from loadgen.sim.config import DESIGNS, parse_cluster
+from loadgen.sim.designs import DESIGNS, parse_cluster
 from loadgen.sim.lamina_cli import add_lamina_parser
 from loadgen.sim.provision import (
     best_under_budget,

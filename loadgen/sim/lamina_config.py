@@ -29,7 +29,7 @@ from common.perf_model import (
     memory_bound_s,
 )
 from common.scheduling.lamina_pipeline import LayerCosts, default_replicas
-from loadgen.sim.config import LLAMA2_70B, ModelSpec, profile_path
+from loadgen.sim.designs import LLAMA2_70B, ModelSpec, profile_path
 from loadgen.sim.lamina_placement import Partition
 
 # Lamina's Fig. 3: attention streams KV at more than 70% of the memory bandwidth, on H100 and H20.

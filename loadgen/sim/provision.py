@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from loadgen.sim.config import ClusterSpec, Design
+from loadgen.sim.designs import ClusterSpec, Design
 from loadgen.sim.rate_search import Probe, SearchSettings, climb_and_bisect
 from loadgen.sim.simulator import SimOptions, simulate
 from loadgen.sim.slo import check_slos

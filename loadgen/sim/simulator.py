@@ -26,7 +26,7 @@ from common.kv_events import reusable_blocks
 from common.perf_model import PerfModel
 from common.scheduling.cluster import JSQPoolPolicy, PoolThresholds, RouteRequest
 from common.scheduling.mixed import MixedBatchPolicy, MixedPolicyConfig
-from loadgen.sim.config import ClusterSpec, perf_model_for
+from loadgen.sim.designs import ClusterSpec, perf_model_for
 from loadgen.sim.machine import SimMachine
 from loadgen.sim.prefix_cache import BlockKey, SimPrefixCache, chain_keys
 from loadgen.sim.shared_cpu import FrontEnd, HostModel

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loadgen.sim.config import ClusterSpec, MachineType, perf_model_for
+from loadgen.sim.designs import ClusterSpec, MachineType, perf_model_for
 from loadgen.sim.simulator import SimResult
 
 # Table VI: metric -> ((percentile, max slowdown), ...)

@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from loadgen.sim.config import parse_cluster
+from loadgen.sim.designs import parse_cluster
 from loadgen.sim.shared_cpu import HostModel
 from loadgen.sim.simulator import SimOptions, SimRequest, Simulator
 from loadgen.target import RequestSpec, StreamEvent, Usage

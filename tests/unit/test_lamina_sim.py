@@ -8,7 +8,7 @@ import pytest
 from common.perf_model import load_perf_model
 from common.scheduling.lamina_pipeline import plan_layer
 from loadgen.sim.__main__ import main
-from loadgen.sim.config import profile_path
+from loadgen.sim.designs import profile_path
 from loadgen.sim.lamina_config import H20, LLAMA_70B, Extrapolation, LaminaCluster, dense_model
 from loadgen.sim.lamina_placement import KVPlacement, Partition
 from loadgen.sim.lamina_replay import replay_decode

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from common.perf_model import neo_costs_from_profile
-from loadgen.sim.config import LLAMA2_70B, profile_path
-from loadgen.sim.neo import NEO_MACHINES, NEO_RATES, NeoSearch, NeoSimMachine, probe
+from loadgen.sim.designs import LLAMA2_70B, profile_path
+from loadgen.sim.neo_replay import NEO_MACHINES, NEO_RATES, NeoSearch, NeoSimMachine, probe
 from loadgen.sim.rate_search import Probe
 from loadgen.sim.simulator import SimRequest
 from loadgen.traces import TraceRow

@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from common.perf_model import KVTransferModel, PiecewiseLinear, TransferMode, load_perf_model
-from loadgen.sim.config import profile_path
+from loadgen.sim.designs import profile_path
 
 KEY = ("llama2-70b", "h100-80gb", 8)
 

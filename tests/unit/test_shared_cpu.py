@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from common.perf_model import PiecewiseLinear
-from loadgen.sim.config import parse_cluster, perf_model_for
+from loadgen.sim.designs import parse_cluster, perf_model_for
 from loadgen.sim.shared_cpu import FrontEnd, HostModel, SharedCPU, Station
 from loadgen.sim.simulator import SimOptions, SimRequest, simulate
 from loadgen.sim.target import parse_options

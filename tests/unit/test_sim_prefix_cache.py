@@ -6,7 +6,7 @@ import pytest
 
 from common.kv_events import reusable_blocks
 from common.perf_model import PerfModel, PiecewiseLinear
-from loadgen.sim.config import CPU_MESH_PROMPT, CPU_MESH_TOKEN, TINY, ClusterSpec, Design
+from loadgen.sim.designs import CPU_MESH_PROMPT, CPU_MESH_TOKEN, TINY, ClusterSpec, Design
 from loadgen.sim.prefix_cache import SimPrefixCache, chain_keys, leading
 from loadgen.sim.simulator import SimOptions, SimRequest, simulate
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from loadgen.sim import provision
-from loadgen.sim.config import DESIGNS, ClusterSpec, parse_cluster, perf_model_for
+from loadgen.sim.designs import DESIGNS, ClusterSpec, parse_cluster, perf_model_for
 from loadgen.sim.provision import SearchSettings, mixes_within
 from loadgen.sim.simulator import SimRequest, simulate
 from loadgen.sim.slo import check_slos

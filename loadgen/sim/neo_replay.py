@@ -14,7 +14,7 @@ probe costs O(iterations x running requests). The latency metric is Neo's: a req
 latency over its output tokens, averaged over the requests that arrived after the warm-up; a
 request still running at the end of the drain counts as infinite.
 
-    python -m loadgen.sim.neo --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv
+    python -m loadgen.sim.neo_replay --trace ../shared/traces/AzureLLMInferenceTrace_conv.csv
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from common.scheduling.neo_state import (
     PrefillRequest,
     blocks_for,
 )
-from loadgen.sim.config import LLAMA2_70B, ModelSpec, profile_path
+from loadgen.sim.designs import LLAMA2_70B, ModelSpec, profile_path
 from loadgen.sim.rate_search import Probe, SearchSettings, climb_and_bisect
 from loadgen.sim.simulator import SimRequest
 from loadgen.sim.workload import poisson, read_trace
@@ -258,7 +258,7 @@ def compare(machine: NeoMachineType, rows: list, s: NeoSearch) -> dict[str, floa
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadgen.sim.neo",
+        prog="python -m loadgen.sim.neo_replay",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
