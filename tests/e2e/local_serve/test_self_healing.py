@@ -38,14 +38,19 @@ def prompts(seed: int) -> list[list[int]]:
             range(NUM_STREAMS)]  # fmt: skip
 
 
-def stream_all(server: ServeRun, prompt_ids: list[list[int]], started: threading.Barrier) -> list:
+def stream_all(
+    server: ServeRun,
+    prompt_ids: list[list[int]],
+    started: threading.Barrier,
+    num_tokens: int = NUM_TOKENS,
+) -> list:
     """Stream every prompt concurrently; `started` trips once each has a few tokens."""
 
     def one(ids: list[int]) -> str:
         with openai.OpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0,
                            timeout=300) as client:  # fmt: skip
             chunks = client.completions.create(
-                model=MODEL, prompt=ids, max_tokens=NUM_TOKENS, temperature=0, stream=True,
+                model=MODEL, prompt=ids, max_tokens=num_tokens, temperature=0, stream=True,
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
             text, seen = "", 0
