@@ -12,6 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+import common.structured.spec as spec
 from common.tokenizer import Tokenizer
 from services.router.server import Router
 from tests.unit.json_schemas import SCHEMAS, json_ending_bias
@@ -87,3 +88,41 @@ def test_bad_structured_requests_are_400s_naming_the_field(
     response = post(router, "/v1/completions", body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def many_properties(n: int) -> dict:
+    """A schema of `n` patterned string properties: well under the spec's size limit, past the
+    grammar's symbol limit when `n` is in the hundreds."""
+    props = {f"f{i}": {"type": "string", "pattern": "^[a-z]{2,9}$"} for i in range(n)}
+    return {"type": "object", "properties": props, "additionalProperties": False}
+
+
+def test_a_grammar_past_the_size_limit_is_a_400_naming_it(router: Router) -> None:
+    schema = many_properties(600)
+    assert len(json.dumps(schema)) < spec.MAX_SPEC_CHARS
+    response_format = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+    body = {"model": MODEL, "prompt": "Answer:", "max_tokens": 8}
+    response = post(router, "/v1/completions", body | {"response_format": response_format})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "response_format"
+    assert f"limit of {spec.MAX_GRAMMAR_SYMBOLS} grammar symbols" in error["message"]
+    # A schema of the same kind, smaller, is served.
+    small = {"type": "json_schema", "json_schema": {"name": "ok", "schema": many_properties(3)}}
+    response = post(router, "/v1/completions", body | {"response_format": small})
+    assert response.status_code == 200, response.text
+
+
+def test_a_grammar_past_the_lexer_limit_is_a_400_naming_it(
+    router: Router, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short regex whose lexer is costly to build (a wide alternation): the spec's size does
+    not bound it, the lexer fuel does."""
+    monkeypatch.setattr(spec, "MAX_LEXER_FUEL", 1000, raising=False)
+    regex = "(" + "|".join(f"w{i}[a-z]{{{i % 9 + 1},40}}" for i in range(200)) + ")+"
+    body = {"model": MODEL, "prompt": "Answer:", "max_tokens": 8, "guided_regex": regex}
+    response = post(router, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "guided_regex"
+    assert "limit of 1000 units of lexer fuel" in error["message"]
