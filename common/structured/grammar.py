@@ -168,6 +168,8 @@ class GrammarCompiler:
         self.eos_token_ids = frozenset(eos)
         self._cache_size = cache_size
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        # Specs that did not compile, with why: refused again without compiling them again.
+        self._refused: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
 
     @classmethod
@@ -189,21 +191,45 @@ class GrammarCompiler:
     def cached_specs(self) -> int:
         return len(self._compiled)
 
+    def is_cached(self, spec: str) -> bool:
+        """Whether `matcher(spec)` would compile nothing (the spec compiled, or was refused)."""
+        with self._lock:
+            return spec in self._compiled or spec in self._refused
+
+    def compile(self, spec: str) -> None:
+        """Compile `spec` into the cache (a spec that does not compile is remembered as such)."""
+        try:
+            self._compiled_for(spec)
+        except ValueError:
+            pass  # `matcher` raises it, from the cache
+
     def _compiled_for(self, spec: str) -> llguidance.LLMatcher:
         with self._lock:
             compiled = self._compiled.get(spec)
             if compiled is not None:
                 self._compiled.move_to_end(spec)
                 return compiled
+            refused = self._refused.get(spec)
+            if refused is not None:
+                raise ValueError(refused)
         # Compiled outside the lock: llguidance releases the GIL while it builds a grammar, and
         # another request's cached grammar should not wait for it. Two threads compiling the same
         # new spec both succeed; the cache keeps one.
-        compiled = llguidance.LLMatcher(self._tokenizer, grammar_for_spec(spec), log_level=0)
-        if compiled.is_error():
-            raise ValueError(f"the grammar does not compile: {compiled.get_error()[:200]}")
+        try:
+            built = llguidance.LLMatcher(self._tokenizer, grammar_for_spec(spec), log_level=0)
+            error = str(built.get_error()) if built.is_error() else ""
+        except Exception as exc:  # noqa: BLE001 - a spec that is not one is refused like the rest
+            error = str(exc)
+        if error:
+            why = f"the grammar does not compile: {error[:200]}"
+            with self._lock:
+                self._refused[spec] = why
+                while len(self._refused) > self._cache_size:
+                    self._refused.popitem(last=False)
+            raise ValueError(why)
         with self._lock:
-            self._compiled[spec] = compiled
+            self._compiled[spec] = built
             self._compiled.move_to_end(spec)
             while len(self._compiled) > self._cache_size:
                 self._compiled.popitem(last=False)
-        return compiled
+        return built
