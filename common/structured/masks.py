@@ -11,7 +11,7 @@ parallel call as the others, not one by one.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
@@ -53,7 +53,7 @@ class MaskFiller:
         for vocab_size in {matchers[k].vocab_size for k in fresh}:
             rows = [k for k in fresh if matchers[k].vocab_size == vocab_size]
             filled = np.zeros((len(rows), mask_words(vocab_size)), dtype=np.int32)
-            self._fill([matchers[k].native() for k in rows], filled)
+            self._fill_call([matchers[k].native() for k in rows], filled)()
             bitmask[rows, : filled.shape[1]] = filled
         return bitmask
 
@@ -62,20 +62,30 @@ class MaskFiller:
         for vocab_size in {m.vocab_size for m in matchers}:
             group = [m for m in matchers if m.vocab_size == vocab_size]
             bitmask = np.zeros((len(group), mask_words(vocab_size)), dtype=np.int32)
-            natives = [m.native() for m in group]
-            done = self._thread.submit(self._fill, natives, bitmask)
+            # NOTE: everything but llguidance's own call is done here, not on the thread: what
+            # that thread runs in Python holds the GIL the engine's thread needs.
+            done = self._thread.submit(self._fill_call([m.native() for m in group], bitmask))
             for k, matcher in enumerate(group):
                 matcher.set_ahead(MaskAhead(done, bitmask, k))
 
-    def _fill(self, natives: list[llguidance.LLMatcher], bitmask: np.ndarray) -> None:
-        """Row k of `bitmask` [R, words] (int32, C-contiguous) <- natives[k]'s mask."""
+    def _fill_call(
+        self, natives: list[llguidance.LLMatcher], bitmask: np.ndarray
+    ) -> Callable[[], None]:
+        """The call that fills row k of `bitmask` [R, words] (int32, C-contiguous) with
+        natives[k]'s mask; llguidance releases the GIL while its threads work."""
         rows, words = bitmask.shape
         if not bitmask.flags["C_CONTIGUOUS"] or bitmask.dtype != np.int32 or rows < len(natives):
             raise ValueError("a bitmask must be C-contiguous int32 with a row per matcher")
         # NOTE: llguidance writes through the raw pointer, row k at k * words * 4 bytes: the
-        # checks above keep it in bounds. It releases the GIL while its threads work.
+        # checks above keep it in bounds, and the call holds `bitmask` so that it outlives the
+        # write (a request that ends meanwhile drops its own reference).
         pairs = [(native, k) for k, native in enumerate(natives)]
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, words * 4, rows)
+        pointer, compute = bitmask.ctypes.data, self._executor.unsafe_compute_mask_ptr
+
+        def fill(target: np.ndarray = bitmask) -> None:
+            compute(pairs, pointer, words * 4, rows)
+
+        return fill
 
 
 def apply_masks(
