@@ -65,8 +65,9 @@ class EngineGrammars:
     def compile_async(self, spec: str) -> Future[None]:
         """Compile `spec` (and the compiler, the first time) on this engine's compile pool; done
         when `is_ready(spec)`. A spec that does not compile is done too (`matcher` says why)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        with self._compiler_lock:  # the engine's loop or a router's event loop may ask first
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(COMPILE_THREADS, "grammar-compile")
         return self._pool.submit(self._compile, spec)
 
     def num_cached_specs(self) -> int:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 import pytest
 
+import common.structured.grammar as grammar_module
 import common.structured.spec as spec
 from common.tokenizer import Tokenizer
+from services.router.engine_client import ENGINE_THREAD_NAME
 from services.router.server import Router
 from tests.unit.json_schemas import SCHEMAS, json_ending_bias
 from tests.unit.test_openai_api import MODEL, post, serving_router
@@ -126,3 +129,22 @@ def test_a_grammar_past_the_lexer_limit_is_a_400_naming_it(
     error = response.json()["error"]
     assert error["param"] == "guided_regex"
     assert "limit of 1000 units of lexer fuel" in error["message"]
+
+
+def test_the_in_process_engine_thread_never_compiles_a_grammar(
+    router: Router, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spec new to the engine compiles on its grammars' pool while the request waits; the
+    engine thread, which steps every other request, only builds the matcher."""
+    compiled_on: list[str] = []
+    build = grammar_module.grammar_for_spec
+
+    def recording(spec_text: str) -> str:
+        compiled_on.append(threading.current_thread().name)
+        return build(spec_text)
+
+    monkeypatch.setattr(grammar_module, "grammar_for_spec", recording)
+    body = {"model": MODEL, "prompt": "Answer:", "max_tokens": 8, "seed": 4}
+    response = post(router, "/v1/completions", body | {"guided_regex": "[d-f]{2,6}-[0-9]{4}z"})
+    assert response.status_code == 200, response.text
+    assert compiled_on and ENGINE_THREAD_NAME not in compiled_on
