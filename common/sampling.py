@@ -14,7 +14,7 @@ from common.logits_processors import History, apply_logit_bias, apply_penalties,
 from common.logprobs import token_logprobs
 from common.protocol import SamplingSpec, TokenLogprobs
 from common.structured.grammar import GrammarMatcher
-from common.structured.masks import apply_masks
+from common.structured.masks import MaskFiller, apply_masks
 from common.structured.spec import MAX_SPEC_CHARS
 
 MAX_INT = 1 << 31  # counts and token ids
@@ -212,7 +212,13 @@ class Sampler:
     Seeded rows draw from a generator seeded by (seed, output index): the same request samples the
     same tokens whatever its batch, and a request re-run elsewhere from its tokens (token-replay
     migration) continues with exactly the draws it would have made.
+
+    Grammar rows' next masks are filled ahead (`MaskFiller.prefetch`) as soon as their tokens are
+    accepted, so the next step finds them done instead of filling them on the engine's thread.
     """
+
+    def __init__(self) -> None:
+        self._masks: MaskFiller | None = None  # built at the first grammar row (it owns threads)
 
     def sample(
         self,
@@ -247,7 +253,32 @@ class Sampler:
             except Exception as exc:  # noqa: BLE001 - that row's request alone fails
                 failures[row] = exc
         _accept(grammars, token_ids, failures)
+        self._prefetch_masks(grammars, params, output_lens, token_ids, failures)
         return SamplerOutput(token_ids, failures, _logprobs(logits, params, token_ids))
+
+    def _mask_filler(self) -> MaskFiller:
+        if self._masks is None:
+            self._masks = MaskFiller()
+        return self._masks
+
+    def _prefetch_masks(
+        self,
+        grammars: list[GrammarMatcher | None],
+        params: list[SamplingParams],
+        output_lens: list[int],
+        token_ids: list[int],
+        failures: dict[int, Exception],
+    ) -> None:
+        """Start filling the next masks of the grammar rows that go on: not failed, not ended by
+        this token (EOS, which a structured request never ignores) or by max_tokens."""
+        going_on = [
+            grammar for row, grammar in enumerate(grammars)
+            if grammar is not None and row not in failures
+            and output_lens[row] + 1 < params[row].max_tokens
+            and not grammar.is_eos(token_ids[row])
+        ]  # fmt: skip
+        if going_on:
+            self._mask_filler().prefetch(going_on)
 
     def _process(
         self,
@@ -275,7 +306,7 @@ class Sampler:
                     except Exception as exc:  # noqa: BLE001 - that row's request alone fails
                         failures[row] = exc
         if has_grammar:
-            _mask_grammar_rows(out, grammars, failures)
+            _mask_grammar_rows(out, grammars, failures, self._mask_filler())
         if allowed_mask is not None:
             out.masked_fill_(~allowed_mask, float("-inf"))
         return out
@@ -325,11 +356,14 @@ def _process_rows(
 
 
 def _mask_grammar_rows(
-    logits: torch.Tensor, grammars: list[GrammarMatcher | None], failures: dict[int, Exception]
+    logits: torch.Tensor,
+    grammars: list[GrammarMatcher | None],
+    failures: dict[int, Exception],
+    filler: MaskFiller,
 ) -> None:
     """Grammar masks in place, batched; if that raises, row by row to find the culprit."""
     try:
-        apply_masks(logits, grammars)
+        apply_masks(logits, grammars, filler)
     except Exception:  # noqa: BLE001 - the row at fault fails, the others are masked
         for row, grammar in enumerate(grammars):
             if grammar is None:

@@ -20,6 +20,10 @@ from common.model.llama import LlamaForCausalLM
 from common.protocol import TokenLogprobs
 from common.scheduling.batching import Batch, Phase
 
+# Prompt positions whose logits (and log-softmax) are held at once for prompt logprobs: two
+# [chunk, vocab] float32 tensors, a few tens of MiB at a large vocabulary.
+PROMPT_LOGPROBS_CHUNK = 64
+
 
 @dataclass
 class StepInputs:
@@ -149,11 +153,24 @@ class ModelRunner(Generic[Inputs]):
                 result.append(None)
             else:
                 # Position i's logits predict token i + 1.
-                logits = self.model.compute_logits(self.hidden[start : start + seq_len - 1])
                 chosen = inputs.input_ids[start + 1 : start + seq_len].tolist()
-                result.append(token_logprobs(logits, chosen, [k] * len(chosen)))
+                hidden = self.hidden[start : start + seq_len - 1]  # [seq_len - 1, hidden]
+                result.append(self._chunked_logprobs(hidden, chosen, k))
             start += seq_len
         return result
+
+    def _chunked_logprobs(
+        self, hidden: torch.Tensor, chosen: list[int], num_top: int
+    ) -> list[TokenLogprobs]:
+        """`token_logprobs` of `hidden`'s rows, PROMPT_LOGPROBS_CHUNK rows at a time: the logits
+        and their log-softmax are [chunk, vocab] whatever the prompt's length (a whole long
+        prompt's would be gigabytes at a large vocabulary). Each row's values are its own."""
+        out: list[TokenLogprobs] = []
+        for a in range(0, len(chosen), PROMPT_LOGPROBS_CHUNK):
+            b = min(a + PROMPT_LOGPROBS_CHUNK, len(chosen))
+            logits = self.model.compute_logits(hidden[a:b])  # [b - a, vocab]
+            out += token_logprobs(logits, chosen[a:b], [num_top] * (b - a))
+        return out
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: Inputs

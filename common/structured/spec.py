@@ -26,6 +26,13 @@ if TYPE_CHECKING:
 # A spec is compiled per engine and kept in a cache: bounded, so one request cannot make every
 # engine build (and hold) an arbitrarily large grammar.
 MAX_SPEC_CHARS = 64 * 1024
+# What a grammar may cost, in llguidance's own deterministic units (not wall-clock, which varies
+# with the machine and its load): the symbols of its productions, and the fuel spent building its
+# lexer's regexes, which is the part of compiling that grows fastest. Both grow with each engine's
+# compile time and per-token mask work; the spec's size alone does not bound them (an alternation
+# or a counted repetition is short and costly). Past either, the router answers a 400 naming it.
+MAX_GRAMMAR_SYMBOLS = 4096
+MAX_LEXER_FUEL = 50_000
 MAX_CHOICES = 256
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 # Compact JSON: "," and ":" with no whitespace around them. Flexible whitespace would let a model
@@ -77,9 +84,9 @@ def parse_structured_output(
     text = canonical(spec)
     if len(text) > MAX_SPEC_CHARS:
         raise _invalid(name, f"must be at most {MAX_SPEC_CHARS} characters of JSON")
-    error = llguidance.LLMatcher.validate_grammar(grammar_for_spec(text))
+    error = llguidance.LLMatcher.validate_grammar(grammar_for_spec(text), limits=_limits())
     if error:
-        raise _invalid(name, _first_lines(error))
+        raise _invalid(name, _too_costly(error) or _first_lines(error))
     return text
 
 
@@ -155,6 +162,25 @@ def _check_choices(choices: Any) -> list[str]:
 
 def _escape(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def _limits() -> llguidance.LLParserLimits:
+    # Read at each call, so a test can lower the module's bounds.
+    return llguidance.LLParserLimits(
+        max_grammar_size=MAX_GRAMMAR_SYMBOLS, initial_lexer_fuel=MAX_LEXER_FUEL
+    )
+
+
+def _too_costly(error: str) -> str:
+    """The limit a grammar is past, in words, or "" for any other error."""
+    if "grammar size" in error and "too big" in error:
+        return f"the grammar is too large: over the limit of {MAX_GRAMMAR_SYMBOLS} grammar symbols"
+    if "initial lexer" in error and "too big" in error:
+        return (
+            f"the grammar's lexer is too costly to build: over the limit of {MAX_LEXER_FUEL} "
+            "units of lexer fuel"
+        )
+    return ""
 
 
 def _first_lines(error: str, limit: int = 300) -> str:

@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from common.block_manager import BlockManager
+from common.engine.grammars import GrammarWaits
 from common.kv_events import CacheDigests
 from common.kv_hold import KvHold
 from common.protocol import (
@@ -108,6 +109,8 @@ class EngineWorker:
         )  # fmt: skip
         self.engine = Engine(parts)
         self.faults = EngineFaults(self.engine)  # its fault inputs, called from this loop
+        # Requests whose grammar compiles off this loop (common/engine/grammars.py).
+        self.grammar_waits: GrammarWaits[EngineCommand] = GrammarWaits(parts.table.grammars)
         if cfg.model_peers:  # Lamina 4.3 over replicas: lanes' slices rotate (rotation.py)
             self.engine.runner.use_peers(self._link_peers(cfg.model_peers))
         self.running = True
@@ -211,6 +214,7 @@ class EngineWorker:
             poller.register(sock, zmq.POLLIN)
         if self.kv_ports.inbox is not None:
             poller.register(self.kv_ports.inbox, zmq.POLLIN)
+        poller.register(self.grammar_waits.fileno(), zmq.POLLIN)
         while self.running:
             self.last_pass = time.monotonic()  # health is progress (services/mesh/replica.py)
             poller.poll(0 if self.engine.has_work() else IDLE_POLL_MS)
@@ -224,6 +228,7 @@ class EngineWorker:
         self.kv_ports.close()
         if self.kv_hold is not None:
             self.kv_hold.close()
+        self.grammar_waits.close()
         self.ctx.destroy(linger=0)
 
     def _step(self) -> None:
@@ -268,6 +273,8 @@ class EngineWorker:
         # not match their header, say) is logged and dropped: the loop and its requests go on.
         while (item := self.commands.recv_nowait()) is not None:
             self._guarded(self._on_command, item[1])
+        for command in self.grammar_waits.ready():  # its grammar compiled: quick to add now
+            self._guarded(self._dispatch, command)
         for header, tensors in self.kv_ports.received():
             self._guarded(self._on_ingress, header, tensors)
         while (kv := self.kv_in.recv_tensors_nowait()) is not None:
@@ -285,6 +292,7 @@ class EngineWorker:
         if isinstance(header, KvPages) and len(tensors) == 2:
             self._send(self.engine.on_kv(header, *tensors))
         elif isinstance(header, FreeRequest):
+            self.grammar_waits.drop(header.req_id)
             self._send(self.engine.on_abort(header.req_id))
         elif isinstance(header, KvSwapAck):
             self._send(self.engine.on_swap_ack(header))
@@ -292,6 +300,15 @@ class EngineWorker:
             log.warning("dropped unexpected ingress message", kind=type(header).__name__)
 
     def _on_command(self, msg: EngineCommand) -> None:
+        if isinstance(msg, GenerateRequest | DecodeHandoff):
+            spec = msg.sampling.structured_output or None
+            if self.grammar_waits.hold(msg.req_id, spec, msg):
+                return  # back through `_drain` once its spec is compiled
+        elif isinstance(msg, AbortRequest):
+            self.grammar_waits.drop(msg.req_id)
+        self._dispatch(msg)
+
+    def _dispatch(self, msg: EngineCommand) -> None:
         if isinstance(msg, GenerateRequest):
             self._send(self.engine.on_generate(msg))
         elif isinstance(msg, DecodeHandoff):

@@ -12,6 +12,7 @@ and refuse with `Overloaded`, which the router turns into a 429.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import dataclasses
 import os
@@ -197,9 +198,13 @@ class InProcessEngineClient:
             # is made here, from what each wake-up brings (`TokenText`), not on the engine thread.
             text = TokenText(self.engine.tokenizer)
             params = dataclasses.replace(params, detokenize=False)
-        self._commands.put(_Add(req_id, list(prompt_token_ids), params))
         finished = False
         try:
+            spec = params.structured_output
+            if spec is not None and not self.engine.grammars.is_ready(spec):
+                # Compiled on the grammars' pool: the engine thread steps its batch-mates.
+                await asyncio.wrap_future(self.engine.grammars.compile_async(spec))
+            self._commands.put(_Add(req_id, list(prompt_token_ids), params))
             while not finished:
                 items = await next_items(stream.outputs)
                 outputs = [i for i in items if not isinstance(i, Exception)]

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 import pytest
 
+import common.structured.grammar as grammar_module
+import common.structured.spec as spec
 from common.tokenizer import Tokenizer
+from services.router.engine_client import ENGINE_THREAD_NAME
 from services.router.server import Router
 from tests.unit.json_schemas import SCHEMAS, json_ending_bias
 from tests.unit.test_openai_api import MODEL, post, serving_router
@@ -87,3 +91,60 @@ def test_bad_structured_requests_are_400s_naming_the_field(
     response = post(router, "/v1/completions", body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def many_properties(n: int) -> dict:
+    """A schema of `n` patterned string properties: well under the spec's size limit, past the
+    grammar's symbol limit when `n` is in the hundreds."""
+    props = {f"f{i}": {"type": "string", "pattern": "^[a-z]{2,9}$"} for i in range(n)}
+    return {"type": "object", "properties": props, "additionalProperties": False}
+
+
+def test_a_grammar_past_the_size_limit_is_a_400_naming_it(router: Router) -> None:
+    schema = many_properties(600)
+    assert len(json.dumps(schema)) < spec.MAX_SPEC_CHARS
+    response_format = {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}
+    body = {"model": MODEL, "prompt": "Answer:", "max_tokens": 8}
+    response = post(router, "/v1/completions", body | {"response_format": response_format})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "response_format"
+    assert f"limit of {spec.MAX_GRAMMAR_SYMBOLS} grammar symbols" in error["message"]
+    # A schema of the same kind, smaller, is served.
+    small = {"type": "json_schema", "json_schema": {"name": "ok", "schema": many_properties(3)}}
+    response = post(router, "/v1/completions", body | {"response_format": small})
+    assert response.status_code == 200, response.text
+
+
+def test_a_grammar_past_the_lexer_limit_is_a_400_naming_it(
+    router: Router, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short regex whose lexer is costly to build (a wide alternation): the spec's size does
+    not bound it, the lexer fuel does."""
+    monkeypatch.setattr(spec, "MAX_LEXER_FUEL", 1000, raising=False)
+    regex = "(" + "|".join(f"w{i}[a-z]{{{i % 9 + 1},40}}" for i in range(200)) + ")+"
+    body = {"model": MODEL, "prompt": "Answer:", "max_tokens": 8, "guided_regex": regex}
+    response = post(router, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "guided_regex"
+    assert "limit of 1000 units of lexer fuel" in error["message"]
+
+
+def test_the_in_process_engine_thread_never_compiles_a_grammar(
+    router: Router, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spec new to the engine compiles on its grammars' pool while the request waits; the
+    engine thread, which steps every other request, only builds the matcher."""
+    compiled_on: list[str] = []
+    build = grammar_module.grammar_for_spec
+
+    def recording(spec_text: str) -> str:
+        compiled_on.append(threading.current_thread().name)
+        return build(spec_text)
+
+    monkeypatch.setattr(grammar_module, "grammar_for_spec", recording)
+    body = {"model": MODEL, "prompt": "Answer:", "max_tokens": 8, "seed": 4}
+    response = post(router, "/v1/completions", body | {"guided_regex": "[d-f]{2,6}-[0-9]{4}z"})
+    assert response.status_code == 200, response.text
+    assert compiled_on and ENGINE_THREAD_NAME not in compiled_on
