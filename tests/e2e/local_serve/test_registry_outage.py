@@ -26,7 +26,7 @@ from tests.e2e.serve_process import ServeRun, descendants, replica_pid
 pytestmark = pytest.mark.timeout(900)
 
 DEPLOYMENTS = ("Router", "PromptEngine", "TokenEngine", "AttentionShard")
-OUTAGE_S = 10.0
+OUTAGE_S = 15.0
 NUM_TOKENS = 300  # long enough to run through the outage
 
 
