@@ -150,7 +150,8 @@ def real_model_path(name: str, dtype: str | None = None) -> Path:
     `dtype` (default `PHASEMESH_MODEL_DTYPE`, else float32) is the stored weights'."""
     dtype = dtype or env("MODEL_DTYPE") or "float32"
     if dtype not in DTYPES:
-        raise ValueError(f"PHASEMESH_MODEL_DTYPE must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        choices = ", ".join(DTYPES)
+        raise ValueError(f"model dtype (PHASEMESH_MODEL_DTYPE) must be one of {choices}: {dtype!r}")
     folder = cache_root() / "models" / f"{name}-{dtype}-v{FORMAT_VERSION}"
     if (folder / "model.safetensors").is_file():
         return folder

