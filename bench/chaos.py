@@ -146,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     specs = trace_slice(args)
     with tempfile.TemporaryDirectory(prefix="chaos-") as workdir:
-        server = ServeRun(REPO / "deploy" / "local.yaml", Path(workdir))
+        server = ServeRun(REPO / "deploy" / "local.yaml", Path(workdir), preset="tiny")
         say(f"starting serve run deploy/local.yaml; {len(specs)} requests per replay")
         try:
             server.start()

@@ -35,7 +35,7 @@ def served(
     `make run`), then run every batch through it once per mode (`stream`, `plain`): {mode:
     {batch: figures}}, each with the idle server's `server_idle_box_cores`."""
     with tempfile.TemporaryDirectory() as workdir:
-        server = ServeRun(config, Path(workdir), args)
+        server = ServeRun(config, Path(workdir), args, preset=preset)
         started = time.monotonic()
         try:
             url = server.start()

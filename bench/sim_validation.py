@@ -277,7 +277,7 @@ def main() -> None:
     else:
         from tests.e2e.serve_process import ServeRun
 
-        run = ServeRun(REPO / "deploy" / "local.yaml", args.out)
+        run = ServeRun(REPO / "deploy" / "local.yaml", args.out, preset="tiny")
         started = time.monotonic()
         run.start()
         args.server_pid = run.pid

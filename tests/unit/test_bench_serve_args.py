@@ -20,7 +20,7 @@ def test_mesh_args_change_the_files_and_keep_the_rest(monkeypatch: pytest.Monkey
     change = parse(monkeypatch, "--mesh-args", '{"token_engine_threads": 1}')
     assert change == {"token_engine_threads": 1}
     merged = serve.yaml_mesh_args() | change
-    assert merged["token_engine_threads"] == 1 and merged["shards_per_group"] == 2
+    assert merged["token_engine_threads"] == 1 and merged["shards_per_group"] == 3  # the file's
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeRun]:
 
 @pytest.fixture(scope="package")
 def reference() -> tuple[LLMEngine, Tokenizer]:
-    """`LLMEngine` on the served model (`served_model_name: tiny` in deploy/local.yaml)."""
+    """`LLMEngine` on the served model: the tiny preset (`served` pins it over deploy/local.yaml's
+    SmolLM2, `make run`'s model)."""
     path = default_model_path("tiny")
     return LLMEngine.from_path(path, num_blocks=256), Tokenizer(path)

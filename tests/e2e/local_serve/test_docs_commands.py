@@ -4,8 +4,9 @@ Each fenced block carries a marker on the line before it:
 
 - `<!-- runnable -->`: runs on its own;
 - `<!-- runnable: served -->`: runs against the served API (`serve run deploy/local.yaml`, started
-  once for the package in `conftest.py`, on a free port; `http://127.0.0.1:8000` in the block is
-  pointed at it);
+  once for the package in `conftest.py`, on a free port and the tiny model; `http://127.0.0.1:8000`
+  in the block is pointed at it, and the model the docs name, `make run`'s `smollm2`, is the
+  served one);
 - `<!-- illustration: WHY -->`: not run here: a fragment, an output, or a command that installs,
   serves until stopped or needs other hardware, with the test that covers it in WHY.
 
@@ -36,6 +37,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!-- (runnable|runnable: served|illustration: .+) -->$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 PRINTED_URL = "http://127.0.0.1:8000"
+PRINTED_MODEL = "smollm2"  # deploy/local.yaml's served_model_name, what the docs' examples send
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,12 @@ def test_every_block_says_whether_it_runs() -> None:
     assert any("loadgen replay" in b.code for b in SERVED if b.path.name == "README.md")
 
 
-def run_block(block: Block, base_url: str | None = None) -> subprocess.CompletedProcess[str]:
-    code = block.code.replace(PRINTED_URL, base_url) if base_url else block.code
+def run_block(block: Block, server: ServeRun | None = None) -> subprocess.CompletedProcess[str]:
+    code = block.code
+    if server is not None:
+        served_name = server.config["applications"][0]["args"]["served_model_name"]
+        code = code.replace(PRINTED_URL, server.base_url)
+        code = re.sub(rf"\b{PRINTED_MODEL}\b", served_name, code)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     command = [sys.executable, "-c", code] if block.language == "python" else [
@@ -105,4 +111,4 @@ def test_runnable_block(block: Block) -> None:
 
 @pytest.mark.parametrize("block", SERVED, ids=lambda b: b.name)
 def test_served_block(block: Block, server: ServeRun) -> None:
-    check(block, run_block(block, server.base_url))
+    check(block, run_block(block, server))

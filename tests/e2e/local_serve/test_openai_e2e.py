@@ -32,7 +32,7 @@ from tests.unit.json_schemas import SCHEMAS, json_ending_bias
 
 pytestmark = pytest.mark.timeout(600)
 
-MODEL = "tiny"  # served_model_name in deploy/local.yaml
+MODEL = "tiny"  # the served model: `served` pins the tiny preset over deploy/local.yaml's
 
 
 @pytest.fixture(scope="module")
