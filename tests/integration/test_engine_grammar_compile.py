@@ -14,6 +14,7 @@ import pytest
 
 import common.structured.grammar as grammar_module
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.protocol import AbortRequest, GenerateRequest, TokenOutput
 from common.roles import Role
 from common.sampling import SamplingParams
@@ -49,7 +50,7 @@ def test_a_new_grammar_compiles_off_the_loop_and_the_output_is_the_engines(
     compiled_on.clear()  # the reference compiled on this thread: it is no engine service
 
     cfg = WorkerConfig(service_id="mixed-0", role=Role.MIXED, model_path=str(tiny_model_path),
-                       ready_endpoint="", num_blocks=64,
+                       ready_endpoint="", options=MeshOptions(num_blocks=64),
                        mesh_key=secrets.token_hex(16))  # fmt: skip
     worker = EngineWorker(cfg)
     sent: list[TokenOutput] = []
