@@ -19,15 +19,27 @@ from typing import Any
 import pytest
 import zmq
 
-from common.protocol import AbortRequest, EngineCommand
+from common.protocol import (
+    AbortRequest,
+    EngineCommand,
+    GenerateRequest,
+    SamplingSpec,
+    ServiceReply,
+    TokenBatch,
+    TokenOutput,
+)
 from common.roles import Role
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from services.engine.peer_watch import PeerWatch
+from services.launch.local_mesh import LocalMesh, Topology
 from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.registry import ServiceEntry
 from services.router import mesh_membership
 from services.router.mesh_client import MeshEngineClient
+from tests.conftest import random_prompts
+from tests.integration.mesh_helpers import assert_no_kv_held
+from tests.integration.mesh_test_client import MeshTestClient
 
 pytestmark = pytest.mark.timeout(120)
 MESH = CurveKeys.from_mesh_key(token_hex(16))
@@ -39,15 +51,15 @@ class Peer:
 
     started: list[Peer] = []  # closed after each test (the `ctx` fixture)
 
-    def __init__(self, endpoint: str = "") -> None:
+    def __init__(self, endpoint: str = "", auth: CurveKeys = MESH) -> None:
         self.ctx = zmq.Context()
         Peer.started.append(self)
         if not endpoint:
-            sock, endpoint = bind_random(self.ctx, zmq.PULL, auth=MESH)
+            sock, endpoint = bind_random(self.ctx, zmq.PULL, auth=auth)
         else:
             sock = self.ctx.socket(zmq.PULL)
             sock.setsockopt(zmq.LINGER, 0)
-            MESH.serve(sock)
+            auth.serve(sock)
             sock.bind(endpoint)
         self.inbox: TypedSocket[Any] = TypedSocket(sock, EngineCommand)
         self.endpoint = endpoint
@@ -213,3 +225,67 @@ def test_a_router_closes_its_socket_to_an_engine_the_registry_has_dropped(
         back.close()
     finally:
         client.shutdown()
+
+
+def replies_for(sock: TypedSocket[Any], timeout_s: float) -> list[str]:
+    """The req_ids of every token message that arrives on `sock` within `timeout_s` of the
+    last one (waiting `timeout_s` for the first)."""
+    got: list[str] = []
+    while (item := sock.recv(timeout_s)) is not None:
+        msg = item[1]
+        if isinstance(msg, TokenBatch):
+            got += msg.req_ids
+        elif isinstance(msg, TokenOutput):
+            got.append(msg.req_id)
+    return got
+
+
+def test_engines_close_their_socket_to_a_dead_router_and_a_new_one_there_gets_fresh_tokens(
+    tiny_model_path: Path,
+) -> None:
+    """On a `LocalMesh` (real engine processes): a router dies mid-stream; its engines keep
+    decoding into their PUSH queue to it until they lose it (`LOST_AFTER_S`), end its request,
+    and close that socket, queue and all. A router bound at the same endpoint then hears
+    nothing of the dead one's request (an open socket would deliver its queue on reconnecting),
+    and gets its own request's tokens on a fresh socket."""
+    mesh = LocalMesh.start(Topology(str(tiny_model_path)))
+    client = MeshTestClient(mesh)
+    try:
+        endpoint = client.reply_endpoint
+        prompt = random_prompts([12], 2048, seed=49)[0]
+        client.submit("dead-1", prompt, SamplingSpec(max_tokens=3000, ignore_eos=True))
+        assert client.recv(timeout=120).req_id == "dead-1"
+        engines = client.placement["dead-1"]
+        # Engines count the routers that place on them (`received_requests`) and forget one in
+        # the same step as they close their socket to it: a request placed on the token engine
+        # directly makes it count this router too, so its reports tell when it has let go.
+        te = engines[1]
+        direct = GenerateRequest(
+            req_id="dead-2", prompt_token_ids=prompt, sampling=SamplingSpec(max_tokens=8),
+            reply_to=endpoint, token_engine=te.command_endpoint,
+            token_kv_endpoint=te.kv_endpoint, token_kv_address=te.kv_address,
+        )  # fmt: skip
+        client.push.get(te.command_endpoint).send(direct)
+
+        def known(loads: Any, known: bool = True) -> bool:
+            """Whether both engines count the router's requests (they forget it when lost)."""
+            reports = [client.last_reports.get(e.service_id) for e in engines]
+            return all(r is not None and (endpoint in r.received_requests) == known
+                       for r in reports)  # fmt: skip
+
+        client.wait_for_loads(known, timeout=60)
+        client.replies.close()  # the router dies mid-stream
+        client.wait_for_loads(lambda loads: known(loads, known=False), timeout=60)
+
+        # A router at the same endpoint: the dead one's queue is gone.
+        router = Peer(endpoint, auth=mesh.auth)
+        client.replies = TypedSocket(router.inbox.sock, ServiceReply)
+        assert replies_for(client.replies, 1.0) == []
+        client.submit("back-1", prompt, SamplingSpec(max_tokens=4, temperature=0))
+        tokens, last = client.finish("back-1")
+        assert len(tokens) == 4 and last.finish_reason == "length"
+        assert not {"dead-1", "dead-2"} & set(replies_for(client.replies, 1.0))
+        assert_no_kv_held(mesh)
+    finally:
+        client.close()
+        mesh.close()
