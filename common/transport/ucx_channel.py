@@ -32,8 +32,9 @@ host and across hosts).
 Connections: a `UcxListener` (ucx_listener.py) publishes its UCX *worker address* (hex), not a
 host:port, and `connect` meets it with a signed hello (ucx_handshake.py). There is no sockaddr
 listener (ucxx's binds every interface): each worker listens only on the network device of the
-host it is given (`lo` for a loopback mesh), so a loopback mesh is reachable from its own host
-alone.
+host it is given (`lo` for a loopback mesh, IPv4 or IPv6), so a loopback mesh is reachable from
+its own host alone; a worker whose host is on no device of this machine refuses to start
+(`MeshHostError`) rather than listen on every one.
 
 NOTE: a worker (a listener and the channels it accepts, or one connected channel) is not thread
 safe; use it from one thread. Tags carry a random per-channel id so that channels accepted by one
@@ -85,8 +86,8 @@ from common.transport.ucx_handshake import (  # noqa: E402
     ACK,
     ACK_TAG,
     HELLO_TAG,
-    net_device_for,
     signed_hello,
+    ucx_device_options,
 )
 
 log = structlog.get_logger(__name__)
@@ -131,11 +132,12 @@ def ucx_settings() -> dict[str, str]:
 
 class UcxWorker:
     """One UCX context + worker in blocking progress mode, progressed by whoever waits on it.
-    `net_device`: the only device it listens and connects on (None: UCX's choice, every one)."""
+    `host`: the mesh host, whose network device alone it listens and connects on (None: every
+    device); a host on no device of this machine raises `MeshHostError` (`net_device_for`)."""
 
-    def __init__(self, net_device: str | None = None) -> None:
+    def __init__(self, host: str | None = None) -> None:
         features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
-        config = ucx_config() | ({"NET_DEVICES": net_device} if net_device else {})
+        config = ucx_config() | ucx_device_options(host)
         self.context = ucx_api.UCXContext(config_dict=config, feature_flags=features)
         self.worker = ucx_api.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
@@ -214,7 +216,7 @@ class UcxTensorChannel(Generic[HeaderT]):
         """Connect to the `UcxListener` whose `address` this is; `host`: this side's mesh host
         (its worker listens on that host's device only); `key`: the mesh's, as the listener's.
         Raises ChannelClosed if the listener does not accept the link within `timeout`."""
-        worker = UcxWorker(net_device_for(host))
+        worker = UcxWorker(host)
         remote = ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(address))
         endpoint = ucx_api.UCXEndpoint.create_from_worker_address(worker.worker, remote, True)
         channel_id = secrets.randbits(56)

@@ -10,12 +10,13 @@ never come. Pure functions; `ucx_channel.py` and `ucx_listener.py` use them.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import hmac
 import ipaddress
 import socket
 import struct
+
+import psutil
 
 HELLO = struct.Struct("<QI")  # channel id, length of the peer's worker address that follows
 HELLO_MAX_BYTES = 4096
@@ -24,30 +25,78 @@ SIGNATURE_BYTES = 32  # HMAC-SHA256 over the hello, after the peer's address
 HELLO_TAG = 1 << 63
 ACK_TAG = (1 << 63) | 1
 ACK = struct.Struct("<Q")  # the accepted channel id
-_SIOCGIFADDR = 0x8915
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class MeshHostError(ValueError):
+    """The mesh host is on no network device of this machine: a UCX worker refuses to start
+    rather than listen on every device."""
 
 
 def net_device_for(host: str | None) -> str | None:
-    """The network device a worker serving `host` should listen on: `lo` for a loopback host, the
-    interface that holds `host`'s address otherwise; None (every device) if none is found."""
+    """The network device a worker serving `host` listens on: `lo` for a loopback host, else the
+    interface that holds `host`'s address (IPv4 or IPv6; a hostname by what it resolves to).
+    None (every device) only when asked for: an empty or unspecified host (`0.0.0.0`, `::`).
+
+    Raises `MeshHostError`, naming the host and this machine's interfaces, when no interface
+    holds its address (a hostname that resolves elsewhere, a NAT'd node IP): listening on every
+    device instead would open the mesh beyond the host it was given.
+    """
+    return _device_of(host)[0]
+
+
+def ucx_device_options(host: str | None) -> dict[str, str]:
+    """The UCX options that keep a worker on `host`'s network device (`net_device_for`): the
+    device, and for an IPv6 host its IPv6 addresses (UCX's tcp prefers a device's IPv4 one)."""
+    device, address = _device_of(host)
+    if device is None:
+        return {}
+    return {"NET_DEVICES": device} | ({"TCP_AF_PRIO": "inet6"} if address.version == 6 else {})
+
+
+def _device_of(host: str | None) -> tuple[str | None, IPAddress]:
+    """`net_device_for(host)`, and the address of `host` it found there."""
     if not host:
-        return None
+        return None, ipaddress.ip_address("0.0.0.0")
+    addresses = _resolved(host)
+    for address in addresses:
+        if address.is_unspecified:
+            return None, address
+    for address in addresses:
+        if address.is_loopback:
+            return "lo", address
+    interfaces = {
+        name: [_ip(a.address) for a in found if a.family in (socket.AF_INET, socket.AF_INET6)]
+        for name, found in psutil.net_if_addrs().items()
+    }
+    for address in addresses:
+        for name, held in interfaces.items():
+            if address in held:
+                return name, address
+    listed = "; ".join(
+        f"{n}: {', '.join(map(str, a)) or 'no address'}" for n, a in interfaces.items()
+    )
+    raise MeshHostError(
+        f"mesh host {host!r} ({', '.join(map(str, addresses))}) is on no network interface of "
+        f"this machine (interfaces: {listed}); set the mesh host to one of these addresses"
+    )
+
+
+def _resolved(host: str) -> list[IPAddress]:
+    """`host`'s addresses: itself if it is one (`[::1]` too), else what it resolves to."""
     try:
-        address = ipaddress.ip_address(socket.gethostbyname(host))
-    except (OSError, ValueError):
-        return None
-    if address.is_loopback:
-        return "lo"
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:  # the interface's IPv4 address
-                request = struct.pack("256s", name[:15].encode())
-                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
-            except OSError:
-                continue
-        if socket.inet_ntoa(packed[20:24]) == str(address):
-            return name
-    return None
+        return [_ip(host.strip("[]"))]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError as exc:
+        raise MeshHostError(f"mesh host {host!r} does not resolve: {exc}") from exc
+    return list(dict.fromkeys(_ip(str(info[4][0])) for info in infos))
+
+
+def _ip(text: str) -> IPAddress:
+    return ipaddress.ip_address(text.split("%")[0])  # without an IPv6 zone (`fe80::1%eth0`)
 
 
 def signed_hello(channel_id: int, own_address: bytes, key: bytes) -> bytes:

@@ -19,7 +19,6 @@ from common.transport.ucx_handshake import (
     ACK_TAG,
     HELLO_MAX_BYTES,
     HELLO_TAG,
-    net_device_for,
     verified_hello,
 )
 
@@ -28,7 +27,8 @@ log = structlog.get_logger(__name__)
 
 class UcxListener:
     """Accepts `UcxTensorChannel`s; `address` (its worker's, hex) is what to publish through
-    discovery. `host`: the mesh host, whose network device alone it listens on; `key`: the mesh's
+    discovery. `host`: the mesh host, whose network device alone it listens on (`MeshHostError`
+    if no device of this machine holds it); `key`: the mesh's
     key, which every hello must be signed with (empty: any peer that can reach it is accepted).
 
     The listener's worker serves every channel it accepts, so use them from one thread.
@@ -37,7 +37,7 @@ class UcxListener:
     def __init__(self, header_type: Any, host: str = "127.0.0.1", key: bytes = b"") -> None:
         self._header_type = header_type
         self._key = key
-        self._worker = UcxWorker(net_device_for(host))
+        self._worker = UcxWorker(host)
         self.address = self._worker.worker.address.tobytes().hex()
         self._hello = np.empty(HELLO_MAX_BYTES, dtype=np.uint8)
         self._worker.posted_buffers.append(self._hello)

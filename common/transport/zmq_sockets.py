@@ -11,7 +11,8 @@ The one ZeroMQ wrapper set of the control plane (the tensor plane has `zmq_tenso
 - Tensor messages are `[envelope, frame, frame, ...]`: the envelope is the msgspec header plus
   tensor specs (`tensor_frames`), each frame a tensor's raw bytes, sent zero-copy (pyzmq keeps a
   reference to each buffer until libzmq has sent it).
-- `PushPool`: one PUSH socket per destination endpoint, connected on first use.
+- `PushPool`: one PUSH socket per destination endpoint, connected on first use, closed (its queue
+  with it) when its owner learns the peer is gone (`drop`).
 - Every socket of a mesh is a CURVE server (binds) or client (connects) with the mesh's keys
   (`zmq_auth.CurveKeys`): `auth=None` is plain ZeroMQ, for benches and tests of the sockets alone.
 """
@@ -113,6 +114,10 @@ class PushPool(Generic[HeaderT]):
     high-water mark, 1000 messages: a peer that died or stopped reading) raises `zmq.Again` at
     once. A caller decides what that peer's loss means; a loop that blocked there would freeze,
     while the heartbeat thread beside it kept saying it was healthy.
+
+    A socket lives until `drop` or `close`: ZeroMQ would keep reconnecting to a peer that is gone
+    (every 0.1 s) and hold what was queued for it, so its owner drops it once membership says
+    the peer is gone. A peer that comes back at the same endpoint gets a fresh socket.
     """
 
     def __init__(
@@ -143,6 +148,18 @@ class PushPool(Generic[HeaderT]):
             raw.connect(endpoint)
             sock = self._sockets[endpoint] = TypedSocket(raw, self._type)
         return sock
+
+    def endpoints(self) -> set[str]:
+        """The endpoints it holds a socket to."""
+        return set(self._sockets)
+
+    def drop(self, endpoint: str) -> bool:
+        """Close `endpoint`'s socket, if any: what was queued for it is discarded, and it stops
+        reconnecting. The next `get(endpoint)` connects a new one. Whether there was one."""
+        sock = self._sockets.pop(endpoint, None)
+        if sock is not None:
+            sock.close()
+        return sock is not None
 
     def close(self, linger_s: float = 0.0) -> None:
         for sock in self._sockets.values():

@@ -92,9 +92,11 @@ class EngineWorker:
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
         self.load_pub: TypedSocket[LoadReport] = TypedSocket(pub, LoadReport)
-        self.peers = PeerWatch()  # routers lost: their requests end here (peer_watch.py)
+        self.peers = PeerWatch()  # peers lost: routers' requests end, sockets close (peer_watch.py)
         self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch, auth=auth)
-        self.kv_push: PushPool[ShardIngress] = PushPool(self.ctx, ShardIngress, auth=auth)
+        self.kv_push: PushPool[ShardIngress] = PushPool(
+            self.ctx, ShardIngress, on_new=self.peers.watch, auth=auth
+        )
         # `kv_transfer: pull`: shards' KV is held here and pulled by them (kv_hold_server.py).
         opts = cfg.options
         pulls = opts.kv_transfer == "pull" and cfg.role in (Role.PROMPT, Role.MIXED)
@@ -368,6 +370,8 @@ class EngineWorker:
                 self._send(self.faults.kv_undelivered(req_id))
             for endpoint in self.peers.lost(now):
                 self._send(self.faults.lost_reply_to(endpoint))
+                self.push.drop(endpoint)  # the gone peer's socket and queue (peer_watch.py)
+                self.kv_push.drop(endpoint)
             report = self.engine.load_report(time.time())
             self.load_pub.send(with_cache_digest(report, self.digests, self.engine.blocks))
             self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)

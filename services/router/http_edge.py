@@ -1,14 +1,17 @@
-"""The router's HTTP edge, before an endpoint runs: ASGI middleware (arrival time, body size) and
-what the OpenAPI schema says about errors.
+"""The router's HTTP edge, before an endpoint runs: ASGI middleware (API key, arrival time, body
+size) and what the OpenAPI schema says about errors.
 
-`BodyLimit` answers a body over its bound with a 413 (OpenAI error body) before anything parses
-it; `ArrivalStamp` notes when a request reached the router (TTFT and `router.request` start
-there); `check_unicode` turns text that is not valid Unicode into a 400 instead of a 500;
-`without_422` keeps FastAPI's 422s out of /openapi.json (this API answers 400).
+`ApiKeyGate` answers a request without the API key with a 401 from its headers alone, before
+anything reads its body (/openapi.json is behind the key too); `BodyLimit` answers a body over its
+bound with a 413 (OpenAI error body) before anything parses it; `ArrivalStamp` notes when a
+request reached the router (TTFT and `router.request` start there); `check_unicode` turns text
+that is not valid Unicode into a 400 instead of a 500; `without_422` keeps FastAPI's 422s out of
+/openapi.json (this API answers 400).
 """
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -18,6 +21,39 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.router.api_errors import APIError, error_body
+
+UNAUTHORIZED = "Incorrect or missing API key: send `Authorization: Bearer <key>`."
+
+
+class ApiKeyGate:
+    """ASGI middleware: with `api_key` set, an HTTP request to any path but `open_paths` (health
+    probes carry no key) must send it as `Authorization: Bearer <key>`; one that does not is a
+    401 (OpenAI error body) decided from its headers alone. Its body is never read: a client
+    without the key costs the router no buffering or parsing, whatever it sends."""
+
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, open_paths: frozenset[str] = frozenset({"/health"})
+    ) -> None:
+        self.app, self.open_paths = app, open_paths
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.api_key is None or scope["type"] != "http" or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        if hmac.compare_digest(_bearer_token(scope), self.api_key):
+            return await self.app(scope, receive, send)
+        response = JSONResponse(error_body(401, UNAUTHORIZED), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        await response(scope, receive, send)  # a Response sends; it never calls `receive`
+
+
+def _bearer_token(scope: Scope) -> bytes:
+    """The token of the request's first `Authorization: Bearer <token>` header (b"" if none)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else b""
+    return b""
 
 
 class BodyLimit:

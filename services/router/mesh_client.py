@@ -42,6 +42,7 @@ from common.tokenizer import Tokenizer
 from common.transport.service_stats import request_stats
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool
+from services.mesh.absence import Absences
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler, NoEngines, NoKvRoom
 from services.router.coalesce import coalesce
@@ -119,9 +120,10 @@ class MeshEngineClient:
         self._orderer = self.inbox.orderer
         self._push: PushPool[EngineCommand] = PushPool(self.ctx, EngineCommand, auth=auth)
         self._push_lock = threading.Lock()
+        self._push_absences = Absences()  # engines' command endpoints the registry lacks
         self.membership = MeshMembership(
             list_services, self.requests, self.scheduler, self.inbox, self._send_role_changes,
-            refresh_s=refresh_s, metrics=metrics,
+            refresh_s=refresh_s, metrics=metrics, prune_links=self._prune_links,
         )  # fmt: skip
         self.membership.refresh()
         self._threads = [self.inbox.thread, self.membership.thread]
@@ -386,6 +388,18 @@ class MeshEngineClient:
     def _send(self, endpoint: str, msg: EngineCommand) -> None:
         with self._push_lock:
             self._push.get(endpoint).send(msg)
+
+    def _prune_links(self, live: set[str], now: float) -> None:
+        """Close the command socket of each engine missing from the registry for
+        `ABSENT_CONFIRM_S` (longer than a restarted registry actor forgets a live one): ZeroMQ
+        would reconnect to it forever and hold what was queued for it. An engine that comes
+        back at that endpoint gets a fresh socket with the next message for it."""
+        with self._push_lock:
+            gone = self._push_absences.gone(self._push.endpoints(), live, now)
+            for endpoint in gone:
+                self._push.drop(endpoint)
+        if gone:
+            log.info("closed links to engines gone from the registry", endpoints=sorted(gone))
 
     def _release(self, req_id: str) -> MeshStream | None:
         self.scheduler.released(req_id)

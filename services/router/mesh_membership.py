@@ -4,8 +4,9 @@ Each read sets the engines the scheduler places on (ready ones, and the shards: 
 the registry lost is not placed on), the load endpoints the inbox subscribes to, and the pools (an
 idle router returns what it borrowed, renews the rest). An engine a request runs on that stays
 absent from the registry `ABSENT_CONFIRM_S` has left (`services.mesh.absence`): the attempts on it
-are lost (`EngineLost`: their requests migrate). A failed read keeps the last view (the registry
-actor may be restarting). docs/failures.md has the whole model."""
+are lost (`EngineLost`: their requests migrate), and the router's sockets to engines that left
+are closed (`prune_links`). A failed read keeps the last view (the registry actor may be
+restarting). docs/failures.md has the whole model."""
 
 from __future__ import annotations
 
@@ -41,13 +42,17 @@ class MeshMembership:
         *,
         refresh_s: float = REFRESH_S,
         metrics: Metrics | None = None,
+        prune_links: Callable[[set[str], float], None] | None = None,
     ) -> None:
+        """`prune_links(live, now)`: given the command endpoints the registry lists, close the
+        sockets to the others once they have been missing long enough."""
         self.list_services = list_services
         self.requests = requests
         self.scheduler = scheduler
         self.inbox = inbox
         self.send_role_changes = send_role_changes
         self.metrics = metrics
+        self.prune_links = prune_links
         self.services: list[ServiceEntry] = []
         self._absences = Absences()  # engines of our requests the registry lacks
         # A dead thread would get the router replaced: the ticker outlives a failed refresh.
@@ -82,7 +87,10 @@ class MeshMembership:
         if now != before:
             log.info("mesh membership", joined=sorted(now - before), left=sorted(before - now),
                      ready=self.scheduler.can_place())  # fmt: skip
-        self._fail_orphans(self._confirmed_gone(now, time.monotonic()))
+        clock = time.monotonic()
+        if self.prune_links is not None:
+            self.prune_links({e.command_endpoint for e in entries if e.command_endpoint}, clock)
+        self._fail_orphans(self._confirmed_gone(now, clock))
 
     def _confirmed_gone(self, live_ids: set[str], now: float) -> set[str]:
         """Engines of our requests absent from the registry for `ABSENT_CONFIRM_S`: a registry

@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import inspect
 import re
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 
 from common.config import ModelConfig
 from common.engine.request import check_prompt
@@ -46,7 +45,13 @@ from services.router.api_errors import (
 )
 from services.router.choices import Outputs, best, choice_params, collect_all, merge, start_all
 from services.router.engine_client import EngineClient
-from services.router.http_edge import ArrivalStamp, BodyLimit, check_unicode, without_422
+from services.router.http_edge import (
+    ApiKeyGate,
+    ArrivalStamp,
+    BodyLimit,
+    check_unicode,
+    without_422,
+)
 from services.router.logprobs_format import LogprobsFormatter
 from services.router.openai_api import (
     ChatCompletionRequest,
@@ -170,9 +175,10 @@ class Router:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None, **_NO_HTTP_SPANS)
         app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
+        app.add_middleware(ApiKeyGate, api_key=self.api_key)  # outside BodyLimit: before the body
         app.add_middleware(ArrivalStamp)
         install_error_handlers(app)
-        auth = [Depends(self._authorize)]
+        auth = [Depends(_bearer)]  # documents the key in /openapi.json; `ApiKeyGate` checks it
         for path, endpoint, model in (
             ("/v1/completions", self.completions, CompletionResponse),
             ("/v1/chat/completions", self.chat_completions, ChatCompletionResponse),
@@ -205,16 +211,6 @@ class Router:
                           responses=error_responses(401))  # fmt: skip
         without_422(app)
         return app
-
-    async def _authorize(
-        self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-    ) -> None:
-        if self.api_key is None:
-            return
-        given = credentials.credentials if credentials else ""
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer "
-                           "<key>`.")  # fmt: skip
 
     # ---- endpoints ----
 

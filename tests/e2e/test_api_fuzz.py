@@ -93,6 +93,8 @@ def test_api_key_is_required_except_for_health(server: ServeRun) -> None:
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "AuthenticationError"
     assert httpx.get(f"{server.base_url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.base_url}/openapi.json").status_code == 401
+    assert httpx.get(f"{server.base_url}/openapi.json", headers=AUTH).status_code == 200
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     ok = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=AUTH, timeout=60)
     assert ok.status_code == 200

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -498,7 +499,7 @@ def send_rogue_hellos(address: str) -> None:
     from common.transport import ucx_channel as ucx
     from common.transport import ucx_handshake as handshake
 
-    worker = ucx.UcxWorker(handshake.net_device_for("127.0.0.1"))
+    worker = ucx.UcxWorker("127.0.0.1")
     remote = ucx.ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(address))
     endpoint = ucx.ucx_api.UCXEndpoint.create_from_worker_address(worker.worker, remote, True)
     rng = np.random.default_rng(0)
@@ -534,25 +535,102 @@ def test_ucx_listener_drops_rogue_hellos_and_serves_the_next_peer(
     channel.close()
 
 
-def test_ucx_workers_listen_on_the_mesh_host_only() -> None:
+def has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1",
+        pytest.param(
+            "::1",
+            marks=pytest.mark.skipif(
+                not has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)"
+            ),
+        ),
+    ],
+)
+def test_ucx_workers_listen_on_the_mesh_host_only(host: str) -> None:
+    """Both ends of a link listen on the mesh host's loopback alone, in its address family (an
+    IPv6 host: ::1, not the device's IPv4 address), and a message goes through."""
+    import ipaddress
+
     import psutil
 
     from common.transport.ucx_channel import UcxTensorChannel
     from common.transport.ucx_listener import UcxListener
 
-    listener = UcxListener(Message, host="127.0.0.1")
+    def listening() -> set[Any]:
+        connections = psutil.Process().net_connections(kind="inet")
+        return {c.laddr for c in connections if c.status == psutil.CONN_LISTEN}
+
+    before = listening()
+    listener = UcxListener(Message, host=host)
     accepted: list[Any] = []
     accepting = threading.Thread(target=lambda: accepted.append(listener.accept(timeout=30)))
     accepting.start()  # the listener's worker must progress for the hello to complete
-    client = UcxTensorChannel.connect(listener.address, Message, host="127.0.0.1")
+    client = UcxTensorChannel.connect(listener.address, Message, host=host)
     accepting.join(timeout=30)
     assert accepted
-    listening = [
-        c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"
-    ]
-    assert len(listening) >= 2  # both workers listen (each side connects back to the other)
-    assert all(ipaddress_is_loopback(addr.ip) for addr in listening), listening
+    client.send(Ping(7), [torch.arange(4.0)])
+    header, tensors = accepted[0].recv(timeout=30)
+    assert header == Ping(7) and torch.equal(tensors[0], torch.arange(4.0))
+    new = listening() - before
+    assert len(new) >= 2  # both workers listen (each side connects back to the other)
+    assert all(ipaddress.ip_address(addr.ip) == ipaddress.ip_address(host) for addr in new), new
     client.close()
+    accepted[0].close()
+
+
+@pytest.mark.parametrize(
+    "host", ["203.0.113.7", "2001:db8::7", "no-such-host.invalid"]
+)  # documentation addresses (on no machine's interface) and a name that resolves nowhere
+def test_a_ucx_worker_refuses_a_mesh_host_on_no_device_of_this_machine(host: str) -> None:
+    """Instead of listening on every device (UCX's default), a worker whose mesh host is on no
+    network interface here refuses to start, naming the host (and the interfaces found), for a
+    listener and a connecting end alike."""
+    from common.transport.ucx_channel import UcxTensorChannel
+    from common.transport.ucx_handshake import MeshHostError
+    from common.transport.ucx_listener import UcxListener
+
+    with pytest.raises(MeshHostError, match=re.escape(repr(host))) as refused:
+        UcxListener(Message, host=host)
+    if not host.endswith(".invalid"):
+        assert "interfaces: " in str(refused.value) and "127.0.0.1" in str(refused.value)
+    listener = UcxListener(Message, host="127.0.0.1")
+    with pytest.raises(MeshHostError, match=re.escape(repr(host))):
+        UcxTensorChannel.connect(listener.address, Message, timeout=5, host=host)
+
+
+def test_each_local_address_maps_to_the_device_that_holds_it() -> None:
+    """What a worker listens on, for every address of this machine's interfaces, IPv6 included
+    (psutil's view of them is the reference), and for loopback names and an unspecified host."""
+    import socket
+
+    import psutil
+
+    from common.transport.ucx_handshake import net_device_for
+
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            ip = address.address.split("%")[0]
+            if ip.startswith("fe80:"):
+                continue  # link-local: the same address may sit on several devices
+            expected = "lo" if ipaddress_is_loopback(ip) else name
+            assert net_device_for(ip) == expected, (name, ip)
+    assert net_device_for("localhost") == "lo"
+    assert net_device_for("[::1]") == "lo"
+    assert net_device_for("0.0.0.0") is None and net_device_for("::") is None  # asked for
 
 
 def ipaddress_is_loopback(ip: str) -> bool:
