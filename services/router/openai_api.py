@@ -41,6 +41,9 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MAX_CHOICES = 128  # n and best_of
+# A chat with more messages is refused before each one is validated (validation runs on the event
+# loop, which every stream waits on); a chat this long is past any context the router serves.
+MAX_MESSAGES = 16384
 
 
 class _Request(BaseModel):
@@ -187,7 +190,7 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` is OpenAI's newer `max_tokens`."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
