@@ -44,6 +44,7 @@ from services.router.api_errors import (
     error_responses,
     install_error_handlers,
 )
+from services.router.body_gate import BigBodyGate
 from services.router.choices import Outputs, best, choice_params, collect_all, merge, start_all
 from services.router.engine_client import EngineClient
 from services.router.http_edge import ArrivalStamp, BodyLimit, check_unicode, without_422
@@ -167,6 +168,7 @@ class Router:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None, **_NO_HTTP_SPANS)
+        app.add_middleware(BigBodyGate)  # inside the body limit: sees the whole body at once
         app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
         app.add_middleware(ArrivalStamp)
         install_error_handlers(app)

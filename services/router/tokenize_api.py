@@ -15,11 +15,11 @@ import asyncio
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from services.router.api_errors import APIError
 from services.router.chat_options import ChatTemplateFields
-from services.router.openai_api import MAX_MESSAGES, ChatMessage, TokenId, _Request
+from services.router.openai_api import ChatMessage, Messages, TokenId, _Request
 from services.router.prompt_work import ChatOptions, PromptWork
 
 
@@ -32,7 +32,7 @@ class TokenizeCompletionRequest(_Request):
 
 class TokenizeChatRequest(ChatTemplateFields, _Request):
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    messages: Messages
     add_special_tokens: bool = False  # the chat template writes BOS itself
     return_token_strs: bool = False
 
