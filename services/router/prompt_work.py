@@ -68,18 +68,25 @@ class BoundedPool:
                            retry_after_s=RETRY_AFTER_S)  # fmt: skip
         if self._executor is None:
             self._executor = self._make()
-        future: Future[T] = self._executor.submit(fn, *args)
-        self.num_in_flight += 1
-        # NOTE: counted until the call ends, not until its caller stops waiting: a client that
-        # went away leaves its call running, and it still holds a worker.
         loop = asyncio.get_running_loop()
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
         try:
+            future: Future[T] = self._executor.submit(fn, *args)
+            self.num_in_flight += 1
+            # NOTE: counted until the call ends, not until its caller stops waiting: a client
+            # that went away leaves its call running, and it still holds a worker.
+            future.add_done_callback(lambda _: self._done_from(loop))
             return await asyncio.wrap_future(future)
         except BrokenProcessPool as exc:
             self._executor = None
             raise APIError(503, f"the router's {self.name} workers stopped: retry shortly",
                            retry_after_s=RETRY_AFTER_S) from exc  # fmt: skip
+
+    def _done_from(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the worker's side when a call ends: count it done on the caller's loop."""
+        try:
+            loop.call_soon_threadsafe(self._done)
+        except RuntimeError:  # that loop has closed: no caller is left to race with
+            self._done()
 
     def _done(self) -> None:
         self.num_in_flight -= 1

@@ -161,7 +161,7 @@ class Router:
             self.tokenizer, self.model_path, self.max_model_len, num_chat_processes
         )
         # Each kind of off-loop work has a bounded pool of its own: none waits behind another.
-        self.grammar_pool = BoundedPool("grammar", _threads(2, "grammar"), capacity=8)
+        self.grammar_pool = BoundedPool("grammar", _threads(2, "grammar"), capacity=16)
         self.stats_pool = BoundedPool("stats", _threads(1, "stats"), capacity=4)
         self.tokenization = Tokenization(self.prompt_work, self.model_name, self.max_model_len)
         self.app = self._build_app()

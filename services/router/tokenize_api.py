@@ -11,7 +11,6 @@ tokenizer does not have is a 400.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import Request
@@ -102,9 +101,7 @@ class Tokenization:
         if unknown:
             raise APIError(400, f"token id {unknown[0]} is out of range: the tokenizer has "
                            f"{self.tokenizer.vocab_size} tokens", "tokens")  # fmt: skip
-        text = await asyncio.to_thread(
-            self.tokenizer.decode, request.tokens, skip_special_tokens=False
-        )
+        text = await self.prompt_work.text_pool.run(self.tokenizer.decode, request.tokens, False)
         return DetokenizeResponse(prompt=text)
 
     def _check_model(self, model: str | None) -> None:

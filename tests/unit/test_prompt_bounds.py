@@ -213,6 +213,22 @@ def _nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
 
+# What a deep schemathesis run sent (lone surrogates in unknown keys, developer and tool messages
+# with null content or parts carrying extra fields, many choices), and deep template kwargs.
+HOSTILE_CHAT_BODIES = [
+    '{"\\ud800": "\\udfff", "messages": [{"role": "developer", "content": null, '
+    '"\\udc00x": 1}, {"role": "tool", "content": [{"type": "text", "text": "a", '
+    '"\\ud800": {"extra": [1]}}]}], "n": 41, "max_tokens": 1}',
+    '{"messages": [{"role": "tool", "content": null}], "n": 41, "max_tokens": 1}',
+    '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+    '{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"\\ud800": "x"}}',
+    '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "nested": '
+    '[{"type": "text", "text": null}]}]}], "n": 41, "max_tokens": 1}',
+    '{"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, '
+    '"chat_template_kwargs": {"x": ' + _nested(450).decode() + "}}",
+]
+
+
 @pytest.mark.parametrize("depth", [MAX_KWARGS_DEPTH + 1, 450, 5000])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 def test_deep_chat_template_kwargs_are_a_400(router: Router, path: str, depth: int) -> None:
@@ -230,22 +246,7 @@ def test_kwargs_within_the_depth_bound_reach_the_template(router: Router) -> Non
     assert post(router, "/tokenize", json.dumps(body).encode()).status_code == 200
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        # What a deep schemathesis run sent: lone surrogates in unknown keys, developer and tool
-        # messages with null content or parts carrying extra fields, many choices.
-        '{"\\ud800": "\\udfff", "messages": [{"role": "developer", "content": null, '
-        '"\\udc00x": 1}, {"role": "tool", "content": [{"type": "text", "text": "a", '
-        '"\\ud800": {"extra": [1]}}]}], "n": 41, "max_tokens": 1}',
-        '{"messages": [{"role": "tool", "content": null}], "n": 41, "max_tokens": 1}',
-        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
-        '{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": '
-        '{"\\ud800": "x"}}',
-        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "nested": '
-        '[{"type": "text", "text": null}]}]}], "n": 41, "max_tokens": 1}',
-    ],
-)
+@pytest.mark.parametrize("body", HOSTILE_CHAT_BODIES)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 def test_hostile_chat_bodies_are_answered_without_a_server_error(
     router: Router, path: str, body: str
