@@ -99,6 +99,13 @@ def test_hostile_chat_bodies_are_4xx_never_5xx(server: ServeRun) -> None:
             response = httpx.post(f"{server.base_url}{path}", content=body.encode(),
                                   headers=headers, timeout=60)  # fmt: skip
             assert response.status_code in (200, 400, 429), (path, body[:200], response.text)
+    # A long assistant turn is no part of the length bound: the chat renders in the router's
+    # worker process, and is past the context.
+    long = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "word " * 5000}]}  # fmt: skip
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=long, headers=AUTH,
+                          timeout=120)  # fmt: skip
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 
 def test_api_key_is_required_except_for_health(server: ServeRun) -> None:
