@@ -68,16 +68,18 @@ class BoundedPool:
                            retry_after_s=RETRY_AFTER_S)  # fmt: skip
         if self._executor is None:
             self._executor = self._make()
-        loop = asyncio.get_running_loop()
+        executor, loop = self._executor, asyncio.get_running_loop()
         try:
-            future: Future[T] = self._executor.submit(fn, *args)
+            future: Future[T] = executor.submit(fn, *args)
             self.num_in_flight += 1
             # NOTE: counted until the call ends, not until its caller stops waiting: a client
             # that went away leaves its call running, and it still holds a worker.
             future.add_done_callback(lambda _: self._done_from(loop))
             return await asyncio.wrap_future(future)
         except BrokenProcessPool as exc:
-            self._executor = None
+            if self._executor is executor:  # not one a later call already made
+                executor.shutdown(wait=False)
+                self._executor = None
             raise APIError(503, f"the router's {self.name} workers stopped: retry shortly",
                            retry_after_s=RETRY_AFTER_S) from exc  # fmt: skip
 
