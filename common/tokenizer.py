@@ -65,6 +65,10 @@ class Tokenizer:
         self._control = control_pattern(_control_tokens(added, config, self.chat_template))
         self._markers = marker_pattern(t.content for t in added)
         self._newline_ids = self._template_tok.encode("\n", add_special_tokens=False).ids
+        spec = json.loads(path.read_text())
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        # None: a token may stand for any length of text (an unknown word), so no bound.
+        self.max_token_bytes = _max_token_bytes(vocab) if _covers_bounded_text(spec) else None
 
     @property
     def vocab_size(self) -> int:
@@ -73,6 +77,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` as plain text (special-token strings in it are not parsed)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_long(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`'s ids, computed without holding the GIL (tokenizers' batch call releases it,
+        its single one does not): for a long text on a worker thread, so that the event loop
+        runs meanwhile."""
+        (encoding,) = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -166,6 +177,44 @@ class Tokenizer:
         if isinstance(obj, list | tuple):
             return any(self._holds_control(v) for v in obj)
         return False
+
+
+# Normalizers and pre-tokenizers that never drop or shrink text: after them, every byte of the
+# input is still there to be covered by some token (Prepend and Replace only add or swap).
+_KEEPING_STEPS = {None, "Prepend", "Replace", "ByteLevel", "Metaspace", "Digits",
+                  "Punctuation", "Split", "UnicodeScripts"}  # fmt: skip
+
+
+def _covers_bounded_text(spec: dict[str, Any]) -> bool:
+    """Whether each token of this tokenizer stands for a bounded piece of the input: a BPE model
+    with no unknown token to swallow unknown text (or byte fallback instead), and no step before
+    it that drops text (a whitespace pre-tokenizer, a stripping normalizer) or shrinks it."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("unk_token") and not model.get("byte_fallback")):
+        return False
+    return all(_keeps_text(spec.get(part)) for part in ("normalizer", "pre_tokenizer"))
+
+
+def _keeps_text(step: dict[str, Any] | None) -> bool:
+    if step is None:
+        return True
+    kind = step.get("type")
+    if kind == "Sequence":
+        inner = step.get("normalizers") or step.get("pre_tokenizers") or []
+        return all(_keeps_text(s) for s in inner)
+    if kind == "Split":
+        return step.get("behavior") != "Removed"
+    if kind == "Replace":
+        pattern, content = step.get("pattern") or {}, step.get("content", "")
+        return "String" in pattern and len(content.encode()) >= len(pattern["String"].encode())
+    return kind in _KEEPING_STEPS
+
+
+def _max_token_bytes(vocab: dict[str, int]) -> int:
+    """At most how many input bytes one token stands for: its vocabulary string's UTF-8 length,
+    which is never less (byte-level BPE writes each byte as one character, SentencePiece a space
+    as "▁", byte fallback a byte as "<0x..>")."""
+    return max(len(token.encode()) for token in vocab)
 
 
 def _control_tokens(added: list[AddedToken], config: dict[str, Any], template: str) -> list[str]:

@@ -46,6 +46,10 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Whole across a process boundary (the chat template's worker processes).
+        return APIError, (self.status, self.message, self.param, self.retry_after_s)
+
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error envelope for an HTTP status."""

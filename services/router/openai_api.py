@@ -15,7 +15,7 @@ import time
 from typing import Annotated, Any, Literal
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from common.sampling import (
     MAX_INT,
@@ -41,6 +41,9 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MAX_CHOICES = 128  # n and best_of
+# A chat with more messages is refused before each one is validated (validation runs on the event
+# loop, which every stream waits on); a chat this long is past any context the router serves.
+MAX_MESSAGES = 16384
 
 
 class _Request(BaseModel):
@@ -184,10 +187,20 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
+def _few_enough(messages: Any) -> Any:
+    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+        raise ValueError(f"a chat holds at most {MAX_MESSAGES} messages, not {len(messages)}")
+    return messages
+
+
+# Counted before any message is validated (pydantic's own max_length counts after).
+Messages = Annotated[list[ChatMessage], BeforeValidator(_few_enough), Field(min_length=1)]
+
+
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` is OpenAI's newer `max_tokens`."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -18,15 +18,15 @@ a W3C `traceparent` header) and the TTFT, TBT and E2E metrics, recorded by
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import inspect
 import re
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 from fastapi import Depends, FastAPI, Request
@@ -43,6 +43,7 @@ from services.router.api_errors import (
     error_responses,
     install_error_handlers,
 )
+from services.router.body_gate import BigBodyGate
 from services.router.choices import Outputs, best, choice_params, collect_all, merge, start_all
 from services.router.engine_client import EngineClient
 from services.router.http_edge import (
@@ -62,6 +63,7 @@ from services.router.openai_api import (
     ModelList,
     SamplingFields,
 )
+from services.router.prompt_work import BoundedPool, PromptWork
 from services.router.responses import ChatShapes, CompletionShapes
 from services.router.sse import prepend, sse_response
 from services.router.streams import Overloaded
@@ -70,11 +72,12 @@ from services.router.tokenize_api import (
     DetokenizeResponse,
     Tokenization,
     TokenizeResponse,
-    chat_prompt_ids,
+    body_bytes,
+    chat_of,
+    chat_options,
 )
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
 
 # NOTE: recent FastAPI traces every request natively (an HTTP SERVER span, plus endpoint and
 # dependency spans) with the global tracer. `router.request` is this service's SERVER span and
@@ -118,12 +121,6 @@ class _Job:
     choices: list[Outputs]
 
 
-# A prompt this long (characters, or token ids) is tokenized or checked off the event loop; a
-# shorter one on it: a thread hop (submit, wake, hand the result back to the loop) costs more
-# than tokenizing a few hundred tokens.
-INLINE_PROMPT_LIMIT = 4096
-
-
 def _one_prompt(prompt: str | list[Any]) -> str | list[Any]:
     """A completion's `prompt`: text or token ids, alone or as a list of one of them."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -131,14 +128,8 @@ def _one_prompt(prompt: str | list[Any]) -> str | list[Any]:
     return prompt
 
 
-def _long(prompt: str | list[Any]) -> bool:
-    return len(_one_prompt(prompt)) > INLINE_PROMPT_LIMIT
-
-
-async def off_loop_if(heavy: bool, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on a worker thread when `heavy` (the loop serves every stream meanwhile), on the
-    loop itself when not (no thread hop for work shorter than the hop)."""
-    return await asyncio.to_thread(fn, *args) if heavy else fn(*args)
+def _threads(num_threads: int, name: str) -> Callable[[], ThreadPoolExecutor]:
+    return lambda: ThreadPoolExecutor(num_threads, thread_name_prefix=name)
 
 
 class Router:
@@ -153,9 +144,11 @@ class Router:
         max_model_len: int | None = None,
         api_key: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        num_chat_processes: int = 1,
     ) -> None:
         """`max_model_len`: the context a request may use (prompt + output), at most the model's;
-        `api_key`: clients must send it as a Bearer token (None: the API is open)."""
+        `api_key`: clients must send it as a Bearer token (None: the API is open);
+        `num_chat_processes`: worker processes that render long chats (`PromptWork`)."""
         self.client = client
         self.model_path = Path(model_path)
         self.tokenizer = Tokenizer(self.model_path)
@@ -169,11 +162,18 @@ class Router:
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.telemetry = RouterTelemetry(self.model_name, replica_id)
-        self.tokenization = Tokenization(self.tokenizer, self.model_name, self.max_model_len)
+        self.prompt_work = PromptWork(
+            self.tokenizer, self.model_path, self.max_model_len, num_chat_processes
+        )
+        # Each kind of off-loop work has a bounded pool of its own: none waits behind another.
+        self.grammar_pool = BoundedPool("grammar", _threads(2, "grammar"), capacity=16)
+        self.stats_pool = BoundedPool("stats", _threads(1, "stats"), capacity=4)
+        self.tokenization = Tokenization(self.prompt_work, self.model_name, self.max_model_len)
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None, **_NO_HTTP_SPANS)
+        app.add_middleware(BigBodyGate)  # inside the body limit: sees the whole body at once
         app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
         app.add_middleware(ApiKeyGate, api_key=self.api_key)  # outside BodyLimit: before the body
         app.add_middleware(ArrivalStamp)
@@ -217,10 +217,7 @@ class Router:
     async def completions(self, request: CompletionRequest, http: Request) -> Response:
         self._check_request(request)
         request.reject_unsupported()
-        # Tokenizing a long prompt takes long: off the event loop, which serves every stream.
-        prompt_ids = await off_loop_if(
-            _long(request.prompt), self._completion_prompt_ids, request.prompt
-        )
+        prompt_ids = await self._completion_prompt_ids(request.prompt)
         max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
         arrival = _Arrival.of(http, "text_completion")
         job = await self._start("cmpl", prompt_ids, request, max_tokens, arrival)
@@ -237,8 +234,8 @@ class Router:
     async def chat_completions(self, request: ChatCompletionRequest, http: Request) -> Response:
         self._check_request(request)
         request.reject_unsupported()
-        prompt_ids = await asyncio.to_thread(
-            chat_prompt_ids, self.tokenizer, request.messages, request
+        prompt_ids = await self.prompt_work.chat_ids(
+            chat_of(request.messages), chat_options(request), body_bytes(http)
         )
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", default=None)
@@ -268,7 +265,12 @@ class Router:
 
     async def stats(self) -> dict[str, Any]:
         # Asking every service can take seconds: not on the event loop.
-        return dataclasses.asdict(await asyncio.to_thread(self.client.stats))
+        return dataclasses.asdict(await self.stats_pool.run(self.client.stats))
+
+    def shutdown(self) -> None:
+        """Stop the router's worker threads and processes (the client is the caller's)."""
+        for pool in (self.prompt_work, self.grammar_pool, self.stats_pool):
+            pool.shutdown()
 
     # ---- validation and admission ----
 
@@ -279,16 +281,18 @@ class Router:
         check_unicode("stop", stop)
         check_unicode("user", [request.user])
 
-    def _completion_prompt_ids(self, prompt: str | list[Any]) -> list[int]:
+    async def _completion_prompt_ids(self, prompt: str | list[Any]) -> list[int]:
         """Text or token ids, alone or as a list of one prompt."""
         prompt = _one_prompt(prompt)
         if isinstance(prompt, str):
-            check_unicode("prompt", [prompt])
-            ids = self.tokenizer.encode(prompt)
+            ids = await self.prompt_work.text_ids(prompt)
             if not ids:
                 raise APIError(400, "prompt must not be empty", "prompt")
             return ids
         if prompt and all(isinstance(t, int) for t in prompt):
+            if len(prompt) >= self.max_model_len:  # before a scan of every id
+                raise APIError(400, f"prompt has {len(prompt)} tokens; the model's context is "
+                               f"{self.max_model_len}", "prompt")  # fmt: skip
             try:
                 check_prompt(prompt, self.model_config.vocab_size, self.max_model_len)
             except ValueError as exc:
@@ -341,9 +345,10 @@ class Router:
         """Admit the request's choices (each an engine request) and wait for each one's first
         output, so refusals get a real status."""
         # Off the event loop: a structured-output request's grammar is built to validate it.
-        params = await off_loop_if(
-            request.asks_structured_output, request.sampling_params, max_tokens
-        )
+        if request.asks_structured_output:
+            params = await self.grammar_pool.run(request.sampling_params, max_tokens)
+        else:
+            params = request.sampling_params(max_tokens)
         try:
             params.check_vocab(self.model_config.vocab_size)
         except ValueError as exc:

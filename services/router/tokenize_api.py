@@ -11,18 +11,15 @@ tokenizer does not have is a 400.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
 from typing import Any
 
-from pydantic import BaseModel, Field
+from fastapi import Request
+from pydantic import BaseModel
 
-from common.chat_template import ChatTemplateError
-from common.tokenizer import Tokenizer
 from services.router.api_errors import APIError
 from services.router.chat_options import ChatTemplateFields
-from services.router.http_edge import check_unicode
-from services.router.openai_api import ChatMessage, TokenId, _Request
+from services.router.openai_api import ChatMessage, Messages, TokenId, _Request
+from services.router.prompt_work import ChatOptions, PromptWork
 
 
 class TokenizeCompletionRequest(_Request):
@@ -34,7 +31,7 @@ class TokenizeCompletionRequest(_Request):
 
 class TokenizeChatRequest(ChatTemplateFields, _Request):
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages
     add_special_tokens: bool = False  # the chat template writes BOS itself
     return_token_strs: bool = False
 
@@ -55,50 +52,44 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def chat_prompt_ids(
-    tokenizer: Tokenizer, messages: list[ChatMessage], options: ChatTemplateFields
-) -> list[int]:
-    """The prompt ids of a chat: its messages through the model's chat template (a part list is
-    its text parts joined); a template that refuses them is a 400 with the template's message."""
-    chat = [{"role": m.role, "content": m.text()} for m in messages]
-    check_unicode("messages", (m["content"] for m in chat))
-    check_unicode("chat_template_kwargs", _strings(options.chat_template_kwargs))
-    try:
-        return tokenizer.apply_chat_template(
-            chat, options.add_generation_prompt, options.continue_final_message,
-            options.chat_template_kwargs,
-        )  # fmt: skip
-    except ChatTemplateError as exc:
-        raise APIError(400, str(exc), exc.param) from exc
+def chat_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A chat as the template takes it: a part list is its text parts joined."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
-def _strings(obj: Any) -> Iterator[str]:
-    """Every string in a JSON value, keys included."""
-    if isinstance(obj, str):
-        yield obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from _strings(key)
-            yield from _strings(value)
-    elif isinstance(obj, list):
-        for value in obj:
-            yield from _strings(value)
+def chat_options(fields: ChatTemplateFields) -> ChatOptions:
+    return ChatOptions(
+        fields.add_generation_prompt, fields.continue_final_message, fields.chat_template_kwargs
+    )
+
+
+def body_bytes(http: Request) -> int | None:
+    """The request body's declared size (None: not declared, a chunked body)."""
+    declared = http.headers.get("content-length", "")
+    return int(declared) if declared.isdigit() else None
 
 
 class Tokenization:
     """The two endpoints for one served model's tokenizer (the router checks the API key)."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, prompt_work: PromptWork, model_name: str, max_model_len: int) -> None:
+        self.prompt_work = prompt_work
+        self.tokenizer = prompt_work.tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
 
     async def tokenize(
-        self, request: TokenizeCompletionRequest | TokenizeChatRequest
+        self, request: TokenizeCompletionRequest | TokenizeChatRequest, http: Request
     ) -> TokenizeResponse:
         self._check_model(request.model)
-        # A long prompt or chat takes long to encode: off the event loop, like generation's.
-        ids = await asyncio.to_thread(self._ids, request)
+        if isinstance(request, TokenizeCompletionRequest):
+            ids = await self.prompt_work.text_ids(request.prompt, request.add_special_tokens)
+        elif request.add_special_tokens:
+            raise APIError(400, "add_special_tokens is not supported for chats: the chat "
+                           "template writes the special tokens", "add_special_tokens")  # fmt: skip
+        else:
+            chat = chat_of(request.messages)
+            ids = await self.prompt_work.chat_ids(chat, chat_options(request), body_bytes(http))
         strs = [self.tokenizer.id_to_token(i) for i in ids] if request.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
@@ -110,20 +101,9 @@ class Tokenization:
         if unknown:
             raise APIError(400, f"token id {unknown[0]} is out of range: the tokenizer has "
                            f"{self.tokenizer.vocab_size} tokens", "tokens")  # fmt: skip
-        text = await asyncio.to_thread(
-            self.tokenizer.decode, request.tokens, skip_special_tokens=False
-        )
+        text = await self.prompt_work.text_pool.run(self.tokenizer.decode, request.tokens, False)
         return DetokenizeResponse(prompt=text)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
-
-    def _ids(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
-        if isinstance(request, TokenizeCompletionRequest):
-            check_unicode("prompt", [request.prompt])
-            return self.tokenizer.encode(request.prompt, request.add_special_tokens)
-        if request.add_special_tokens:
-            raise APIError(400, "add_special_tokens is not supported for chats: the chat "
-                           "template writes the special tokens", "add_special_tokens")  # fmt: skip
-        return chat_prompt_ids(self.tokenizer, request.messages, request)

@@ -1,0 +1,266 @@
+"""No request's prompt stalls the others, and hostile chat bodies are 400s.
+
+A router with an in-process engine on a real socket (uvicorn in a thread): four greedy streams
+keep flowing (max gap between chunks under a generous bound) while an 8 MiB prompt and 8 MiB
+chat bodies are refused, each before any tokenizing. The length bound is checked against the
+tokenizer itself: a prompt it refuses really is past the context. Deep `chat_template_kwargs`
+and the body shapes a deep schemathesis run found are 400s naming the field, never 500s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from common.engine.core import LLMEngine
+from common.gc_heap import freeze_startup_heap
+from common.tokenizer import Tokenizer, _covers_bounded_text
+from services.router.engine_client import InProcessEngineClient
+from services.router.prompt_work import MAX_KWARGS_DEPTH, PromptBound
+from services.router.server import MAX_BODY_BYTES, Router
+
+MODEL = "tiny"
+MAX_GAP_S = 0.25  # between two chunks of a stream, while the big bodies are refused
+NUM_STREAMS = 4
+
+
+@pytest.fixture(scope="module")
+def router(tiny_model_path: Path) -> Iterator[Router]:
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=512)
+    router = Router(InProcessEngineClient(engine), tiny_model_path, MODEL)
+    freeze_startup_heap()  # as Serve does for its replicas: full collections stay short
+    yield router
+    router.shutdown()
+    router.client.shutdown()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def live_server(router: Router) -> Iterator[str]:
+    server = uvicorn.Server(
+        uvicorn.Config(router.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)  # uvicorn has no start event to wait on
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def big_bodies() -> list[tuple[str, bytes]]:
+    """Bodies just under the router's body limit: prompts, a chat of empty messages, and a chat
+    of one long user message."""
+    room = MAX_BODY_BYTES - 200
+    empty = {"role": "user", "content": ""}
+    prompt = {"prompt": "ab " * (room // 3), "max_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "x" * room}], "max_tokens": 2}
+    one = len(json.dumps(empty, separators=(",", ":"))) + 1  # with its comma
+    empties = {"messages": [empty] * (room // one), "max_tokens": 2}
+    return [
+        ("/v1/completions", _compact(prompt)),
+        ("/v1/chat/completions", _compact(empties)),
+        ("/v1/chat/completions", _compact(chat)),
+        ("/tokenize", _compact(chat)),
+    ]
+
+
+def _compact(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def test_streams_keep_flowing_while_8_mib_prompts_are_refused(
+    router: Router, live_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenized: list[int] = []  # the length of every text the router tokenized
+    tokenizer = router.tokenizer
+    for name in ("encode", "encode_long", "apply_chat_template"):
+        method = getattr(tokenizer, name)
+
+        def spy(text: Any, *args: Any, _method: Any = method) -> Any:
+            tokenized.append(len(text))
+            return _method(text, *args)
+
+        monkeypatch.setattr(tokenizer, name, spy)
+    bodies = big_bodies()
+    assert all(MAX_BODY_BYTES - 300 < len(body) <= MAX_BODY_BYTES for _, body in bodies)
+    refused = asyncio.Event()
+
+    async def stream(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> list[float]:
+        """Chunk arrival times, from the first until a while after the refusals."""
+        body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": 3000, "ignore_eos": True,
+                "temperature": 0, "stream": True}  # fmt: skip
+        arrivals: list[float] = []
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    arrivals.append(time.monotonic())
+                    started.set()
+                if refused.is_set() and arrivals[-1] - refused_at[0] > 0.5:
+                    break  # the client leaves: the router aborts the rest
+        return arrivals
+
+    sent_at: list[float] = []
+    refused_at: list[float] = []
+
+    async def refuse(http: httpx.AsyncClient, path: str, body: bytes) -> tuple[int, float]:
+        response = await http.post(path, content=body,
+                                   headers={"Content-Type": "application/json"})  # fmt: skip
+        return response.status_code, time.monotonic()
+
+    async def scenario() -> tuple[list[list[float]], list[tuple[int, float]]]:
+        async with httpx.AsyncClient(base_url=live_server, timeout=120) as http:
+            started = [asyncio.Event() for _ in range(NUM_STREAMS)]
+            streams = [asyncio.create_task(stream(http, i, e)) for i, e in enumerate(started)]
+            await asyncio.gather(*(e.wait() for e in started))
+            await asyncio.sleep(0.5)  # the streams' own gaps first: the machine's jitter
+            sent_at.append(time.monotonic())
+            refusals = await asyncio.gather(*(refuse(http, p, b) for p, b in bodies))
+            refused_at.append(time.monotonic())
+            refused.set()
+            return await asyncio.gather(*streams), refusals
+
+    arrivals, refusals = asyncio.run(scenario())
+    assert [status for status, _ in refusals] == [400] * len(bodies)
+    # The refusals came while every stream still ran, and no stream stopped meanwhile.
+    assert max(t for _, t in refusals) < min(a[-1] for a in arrivals)
+    assert all(len(a) < 3000 for a in arrivals)
+    pairs = [(a, b) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
+    before = max(b - a for a, b in pairs if b < sent_at[0])
+    during = max(b - a for a, b in pairs if b > sent_at[0] and a < refused_at[0])
+    # NOTE: on a machine busy with other work the streams' gaps grow before any big body is
+    # sent; the bound is on what the bodies add to that.
+    assert during < MAX_GAP_S + before, (during, before)
+    assert max(tokenized) < 1000, "a big prompt reached the tokenizer"
+
+
+def test_a_prompt_the_bound_refuses_is_past_the_context(tiny_model_path: Path) -> None:
+    """The worst case for the bound: the token standing for the most bytes, repeated."""
+    tokenizer = Tokenizer(tiny_model_path)
+    assert tokenizer.max_token_bytes is not None
+    texts = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+    longest = max(texts, key=lambda t: len(t.encode()))
+    bound = PromptBound(tokenizer, max_model_len=64)
+    for text in (longest * 64, "a" * 5000, "日本" * 800, " " * 5000):
+        refused = _refuses(bound, text)
+        if refused:
+            assert len(tokenizer.encode(text)) >= 64, text[:20]
+    assert _refuses(bound, "a" * 64 * tokenizer.max_token_bytes)
+    assert not _refuses(bound, "a" * 63 * tokenizer.max_token_bytes)
+
+
+def _refuses(bound: PromptBound, text: str) -> bool:
+    from services.router.api_errors import APIError
+
+    try:
+        bound.check_text(text, "prompt")
+    except APIError as exc:
+        assert exc.status == 400 and exc.param == "prompt"
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("spec", "bounded"),
+    [
+        ({"model": {"type": "BPE"}, "pre_tokenizer": {"type": "ByteLevel"}}, True),
+        # Llama 2's: SentencePiece spaces, byte fallback for unknown text.
+        ({"model": {"type": "BPE", "unk_token": "<unk>", "byte_fallback": True},
+          "normalizer": {"type": "Sequence", "normalizers": [
+              {"type": "Prepend", "prepend": "▁"},
+              {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}}, True),
+        ({"model": {"type": "BPE", "unk_token": "<unk>"}}, False),  # one token per unknown run
+        ({"model": {"type": "WordPiece", "unk_token": "[UNK]"}}, False),
+        ({"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Whitespace"}}, False),  # drops
+        ({"model": {"type": "BPE"}, "normalizer": {"type": "Strip"}}, False),
+        ({"model": {"type": "BPE"}, "normalizer": {"type": "NFKC"}}, False),  # may shrink
+        ({"model": {"type": "BPE"}, "normalizer": {
+            "type": "Replace", "pattern": {"String": "  "}, "content": " "}}, False),
+    ],
+)  # fmt: skip
+def test_only_a_tokenizer_whose_tokens_stand_for_bounded_text_gets_a_bound(
+    spec: dict[str, Any], bounded: bool
+) -> None:
+    assert _covers_bounded_text(spec) is bounded
+
+
+def post(router: Router, path: str, body: bytes) -> httpx.Response:
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=router.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            headers = {"Content-Type": "application/json"}
+            return await http.post(path, content=body, headers=headers, timeout=60)
+
+    return asyncio.run(main())
+
+
+def test_a_chat_with_more_turns_than_the_context_is_refused_before_rendering(
+    router: Router, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unexpected(*_: Any) -> Any:
+        raise AssertionError("rendered")
+
+    monkeypatch.setattr(router.tokenizer, "apply_chat_template", unexpected)
+    turns = [{"role": r, "content": ""} for r in ("user", "assistant")] * router.max_model_len
+    for path in ("/v1/chat/completions", "/tokenize"):
+        response = post(router, path, json.dumps({"messages": turns}).encode())
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+# What a deep schemathesis run sent (lone surrogates in unknown keys, developer and tool messages
+# with null content or parts carrying extra fields, many choices), and deep template kwargs.
+HOSTILE_CHAT_BODIES = [
+    '{"\\ud800": "\\udfff", "messages": [{"role": "developer", "content": null, '
+    '"\\udc00x": 1}, {"role": "tool", "content": [{"type": "text", "text": "a", '
+    '"\\ud800": {"extra": [1]}}]}], "n": 41, "max_tokens": 1}',
+    '{"messages": [{"role": "tool", "content": null}], "n": 41, "max_tokens": 1}',
+    '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+    '{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"\\ud800": "x"}}',
+    '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "nested": '
+    '[{"type": "text", "text": null}]}]}], "n": 41, "max_tokens": 1}',
+    '{"messages": [{"role": "user", "content": "a"}], "max_tokens": 1, '
+    '"chat_template_kwargs": {"x": ' + _nested(450).decode() + "}}",
+]
+
+
+@pytest.mark.parametrize("depth", [MAX_KWARGS_DEPTH + 1, 450, 5000])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_deep_chat_template_kwargs_are_a_400(router: Router, path: str, depth: int) -> None:
+    body = (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+            b'"chat_template_kwargs": {"x": ' + _nested(depth) + b"}}")  # fmt: skip
+    response = post(router, path, body)
+    assert response.status_code == 400, response.text
+    if depth < 1000:  # deeper still, the JSON parser refuses the body first
+        assert response.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_kwargs_within_the_depth_bound_reach_the_template(router: Router) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"x": json.loads(_nested(MAX_KWARGS_DEPTH - 1))}}  # fmt: skip
+    assert post(router, "/tokenize", json.dumps(body).encode()).status_code == 200
+
+
+@pytest.mark.parametrize("body", HOSTILE_CHAT_BODIES)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_hostile_chat_bodies_are_answered_without_a_server_error(
+    router: Router, path: str, body: str
+) -> None:
+    response = post(router, path, body.encode())
+    assert response.status_code in (200, 400, 429), response.text
+    if response.status_code == 400:
+        assert response.json()["error"]["param"] in ("messages", "chat_template_kwargs")
