@@ -1,11 +1,13 @@
 """How two UCX workers meet: which network device a worker listens on, and the signed hello.
 
 A listener publishes its worker address; a peer creates an endpoint to it and sends a hello on
-`HELLO_TAG`: `[channel id | length | its own worker address | HMAC-SHA256 of all that, keyed by
-the mesh's key]`. The listener checks the signature before UCX reads the peer's address (UCX
-aborts the process on a forged one), connects back, and acknowledges on `ACK_TAG`, so a peer
-with another mesh's key learns at once that it was refused instead of waiting for replies that
-never come. Pure functions; `ucx_channel.py` and `ucx_listener.py` use them.
+`HELLO_TAG`: `[channel id | sent at | length | its own worker address | HMAC-SHA256 of all that,
+keyed by the mesh's key]`. The listener checks the signature before UCX reads the peer's address
+(UCX aborts the process on a forged one), and refuses a hello sent more than `HELLO_MAX_AGE_S` ago
+(or ahead) or one whose random channel id it has accepted within that window (`ReplayGuard`): a
+hello captured on the wire and sent again cannot steal a link. It then connects back and
+acknowledges on `ACK_TAG`, so a peer with another mesh's key learns at once that it was refused
+instead of waiting for replies that never come. `ucx_channel.py` and `ucx_listener.py` use these.
 """
 
 from __future__ import annotations
@@ -15,10 +17,15 @@ import hmac
 import ipaddress
 import socket
 import struct
+import time
 
 import psutil
 
-HELLO = struct.Struct("<QI")  # channel id, length of the peer's worker address that follows
+# Channel id (random per link), when it was sent (Unix seconds), length of the peer's address.
+HELLO = struct.Struct("<QdI")
+# A hello older (or further ahead, clocks differ between nodes) than this is refused; within it a
+# channel id is accepted once.
+HELLO_MAX_AGE_S = 300.0
 HELLO_MAX_BYTES = 4096
 SIGNATURE_BYTES = 32  # HMAC-SHA256 over the hello, after the peer's address
 # Data tags use the low 58 bits (`ucx_channel._tag`): a hello or an ack never matches one.
@@ -99,18 +106,40 @@ def _ip(text: str) -> IPAddress:
     return ipaddress.ip_address(text.split("%")[0])  # without an IPv6 zone (`fe80::1%eth0`)
 
 
-def signed_hello(channel_id: int, own_address: bytes, key: bytes) -> bytes:
-    hello = HELLO.pack(channel_id, len(own_address)) + own_address
+def signed_hello(
+    channel_id: int, own_address: bytes, key: bytes, now: float | None = None
+) -> bytes:
+    sent_at = time.time() if now is None else now
+    hello = HELLO.pack(channel_id, sent_at, len(own_address)) + own_address
     return hello + hmac.digest(key, hello, hashlib.sha256)
 
 
-def verified_hello(hello: bytes, key: bytes) -> tuple[int, bytes]:
-    """The channel id and peer worker address of a correctly signed hello; ValueError if not."""
-    channel_id, length = HELLO.unpack_from(hello)
+class ReplayGuard:
+    """The channel ids a listener accepted within `max_age_s`: a hello is accepted once, and only
+    while fresh (a signed hello replayed later, or again, is refused)."""
+
+    def __init__(self, max_age_s: float = HELLO_MAX_AGE_S) -> None:
+        self.max_age_s = max_age_s
+        self._seen: dict[int, float] = {}  # channel id -> when its hello was sent
+
+    def check(self, channel_id: int, sent_at: float, now: float) -> None:
+        """ValueError for a stale, future or repeated hello; else remember it."""
+        if abs(now - sent_at) > self.max_age_s:
+            raise ValueError(f"a hello sent {now - sent_at:.0f} s from now (stale or replayed)")
+        self._seen = {c: t for c, t in self._seen.items() if now - t <= self.max_age_s}
+        if channel_id in self._seen:
+            raise ValueError("a hello already accepted (replayed)")
+        self._seen[channel_id] = sent_at
+
+
+def verified_hello(hello: bytes, key: bytes) -> tuple[int, float, bytes]:
+    """The channel id, send time and peer worker address of a correctly signed hello;
+    ValueError if not."""
+    channel_id, sent_at, length = HELLO.unpack_from(hello)
     end = HELLO.size + length
     if end + SIGNATURE_BYTES > HELLO_MAX_BYTES:
         raise ValueError(f"a hello announcing a peer address of {length} bytes")
     expected = hmac.digest(key, hello[:end], hashlib.sha256)
     if not hmac.compare_digest(expected, hello[end : end + SIGNATURE_BYTES]):
         raise ValueError("a hello not signed with the mesh's key")
-    return channel_id, hello[HELLO.size : end]
+    return channel_id, sent_at, hello[HELLO.size : end]

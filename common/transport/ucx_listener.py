@@ -19,6 +19,7 @@ from common.transport.ucx_handshake import (
     ACK_TAG,
     HELLO_MAX_BYTES,
     HELLO_TAG,
+    ReplayGuard,
     verified_hello,
 )
 
@@ -42,6 +43,7 @@ class UcxListener:
         self._hello = np.empty(HELLO_MAX_BYTES, dtype=np.uint8)
         self._worker.posted_buffers.append(self._hello)
         self._hello_request = self._post_hello()
+        self._replays = ReplayGuard()  # hellos accepted lately: a replayed one is refused
 
     def _post_hello(self) -> Any:
         return self._worker.worker.tag_recv(Array(self._hello), ucx_api.UCXXTag(HELLO_TAG))
@@ -64,7 +66,8 @@ class UcxListener:
             hello = self._hello.tobytes()
             self._hello_request = self._post_hello()
             try:
-                channel_id, peer = verified_hello(hello, self._key)
+                channel_id, sent_at, peer = verified_hello(hello, self._key)
+                self._replays.check(channel_id, sent_at, time.time())
                 endpoint = ucx_api.UCXEndpoint.create_from_worker_address(
                     self._worker.worker, ucx_api.UCXAddress.create_from_buffer(peer), True
                 )

@@ -505,15 +505,23 @@ def send_rogue_hellos(address: str) -> None:
     rng = np.random.default_rng(0)
     hellos = [
         rng.integers(0, 256, 7, dtype=np.uint8).tobytes(),
-        handshake.HELLO.pack(1, 1 << 30),
+        handshake.HELLO.pack(1, time.time(), 1 << 30),
         rng.integers(0, 256, 10_000, dtype=np.uint8).tobytes(),
-        handshake.HELLO.pack(2, 40) + rng.integers(0, 256, 40, dtype=np.uint8).tobytes(),
+        handshake.HELLO.pack(2, time.time(), 40)
+        + rng.integers(0, 256, 40, dtype=np.uint8).tobytes(),
     ]
-    forged = handshake.HELLO.pack(3, 40) + rng.integers(0, 256, 40, dtype=np.uint8).tobytes()
+    forged = (
+        handshake.HELLO.pack(3, time.time(), 40)
+        + rng.integers(0, 256, 40, dtype=np.uint8).tobytes()
+    )
     hellos.append(forged + hmac.digest(b"not the mesh key", forged, hashlib.sha256))
     tag = ucx.ucx_api.UCXXTag(handshake.HELLO_TAG)
     buffers = [np.frombuffer(h, dtype=np.uint8).copy() for h in hellos]
     worker.wait([endpoint.tag_send(ucx.Array(b), tag) for b in buffers], timeout=10)
+
+
+def random_bytes(rng: np.random.Generator, n: int) -> bytes:
+    return rng.integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
 def test_ucx_listener_drops_rogue_hellos_and_serves_the_next_peer(
@@ -637,3 +645,78 @@ def ipaddress_is_loopback(ip: str) -> bool:
     import ipaddress
 
     return ipaddress.ip_address(ip).is_loopback
+
+
+def test_a_hello_captured_and_sent_again_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signed hello replayed from another worker (captured on the wire) steals no link: the
+    listener accepted its channel id once, and refuses it again; a stale hello is refused too.
+    Before, the listener connected back to the hello's peer again (a forced relink)."""
+    import threading
+
+    from common.transport import ucx_channel as ucx
+    from common.transport import ucx_handshake as handshake
+    from common.transport.ucx_channel import UcxTensorChannel
+    from common.transport.ucx_listener import UcxListener
+
+    listener = UcxListener(Message, "127.0.0.1", UCX_KEY)
+    sent: list[bytes] = []
+    signed = ucx.signed_hello
+
+    def captured(*args: Any, **kwargs: Any) -> bytes:
+        sent.append(signed(*args, **kwargs))
+        return sent[-1]
+
+    monkeypatch.setattr(ucx, "signed_hello", captured)
+    links: list[Any] = []
+    peer = threading.Thread(target=lambda: links.append(
+        UcxTensorChannel.connect(listener.address, Message, timeout=10, key=UCX_KEY)
+    ))  # fmt: skip
+    peer.start()
+    accepted = listener.accept(timeout=10)
+    peer.join(timeout=10)
+    assert links and sent
+
+    def refused(hello: bytes) -> bool:
+        """Whether the listener, progressing in `accept`, refuses `hello` sent to it now."""
+        worker = ucx.UcxWorker("127.0.0.1")
+        remote = ucx.ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(listener.address))
+        endpoint = ucx.ucx_api.UCXEndpoint.create_from_worker_address(worker.worker, remote, True)
+        buffer = np.frombuffer(hello, dtype=np.uint8).copy()
+        tag = ucx.ucx_api.UCXXTag(handshake.HELLO_TAG)
+        send = endpoint.tag_send(ucx.Array(buffer), tag)
+        sender = threading.Thread(target=lambda: worker.wait([send], timeout=10), daemon=True)
+        sender.start()
+        try:
+            listener.accept(timeout=3)
+        except TimeoutError:
+            return True
+        finally:
+            sender.join(timeout=10)
+        return False
+
+    # The first peer keeps progressing its worker (as a live engine does): an accepted replay
+    # would reach it and be acknowledged.
+    def progress_peer() -> None:
+        with contextlib.suppress(Exception):
+            links[0].recv(timeout=8)
+
+    threading.Thread(target=progress_peer, daemon=True).start()
+    assert refused(sent[0])  # the very hello the peer sent
+    _, _, address = handshake.verified_hello(sent[0], UCX_KEY)  # the peer's own address
+    stale = signed(7, address, UCX_KEY, now=time.time() - 2 * handshake.HELLO_MAX_AGE_S)
+    assert refused(stale)
+    accepted.close()
+    links[0].close()
+    listener.close()
+
+
+def test_replay_guard_accepts_a_fresh_hello_once() -> None:
+    from common.transport.ucx_handshake import ReplayGuard
+
+    guard = ReplayGuard(max_age_s=60)
+    guard.check(1, sent_at=1000.0, now=1001.0)
+    guard.check(2, sent_at=1000.0, now=1001.0)  # another channel: fine
+    for channel_id, sent_at, now in ((1, 1000.0, 1002.0), (3, 900.0, 1001.0), (4, 1100.0, 1001.0)):
+        with pytest.raises(ValueError):  # again, stale, from the future
+            guard.check(channel_id, sent_at, now)
+    guard.check(1, sent_at=1100.0, now=1100.0)  # a minute on, the id may come again
