@@ -29,6 +29,7 @@ from common.protocol import (
     TokenOutput,
 )
 from common.roles import Role
+from common.token_stream import TokenStreamOrderer
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from services.engine.peer_watch import PeerWatch
@@ -280,6 +281,9 @@ def test_engines_close_their_socket_to_a_dead_router_and_a_new_one_there_gets_fr
         # A router at the same endpoint: the dead one's queue is gone.
         router = Peer(endpoint, auth=mesh.auth)
         client.replies = TypedSocket(router.inbox.sock, ServiceReply)
+        # NOTE: a new router starts with nothing: what the dead one had read (outputs of its
+        # request that came together with the one it returned) died with it.
+        client.orderer = TokenStreamOrderer()
         assert replies_for(client.replies, 1.0) == []
         client.submit("back-1", prompt, SamplingSpec(max_tokens=4, temperature=0))
         tokens, last = client.finish("back-1")
