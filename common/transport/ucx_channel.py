@@ -33,7 +33,7 @@ Connections: a `UcxListener` (ucx_listener.py) publishes its UCX *worker address
 host:port, and `connect` meets it with a signed hello (ucx_handshake.py). There is no sockaddr
 listener (ucxx's binds every interface): each worker listens only on the network device of the
 host it is given (`lo` for a loopback mesh, IPv4 or IPv6), so a loopback mesh is reachable from
-its own host alone; a worker whose host is on no device of this machine refuses to start
+its own host alone; a worker whose host is on no local device refuses to start
 (`MeshHostError`) rather than listen on every one.
 
 NOTE: a worker (a listener and the channels it accepts, or one connected channel) is not thread
@@ -133,7 +133,7 @@ def ucx_settings() -> dict[str, str]:
 class UcxWorker:
     """One UCX context + worker in blocking progress mode, progressed by whoever waits on it.
     `host`: the mesh host, whose network device alone it listens and connects on (None: every
-    device); a host on no device of this machine raises `MeshHostError` (`net_device_for`)."""
+    device); a host on no local device raises `MeshHostError` (`net_device_for`)."""
 
     def __init__(self, host: str | None = None) -> None:
         features = (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)

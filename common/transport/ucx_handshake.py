@@ -36,7 +36,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class MeshHostError(ValueError):
-    """The mesh host is on no network device of this machine: a UCX worker refuses to start
+    """The mesh host is on no local network device: a UCX worker refuses to start
     rather than listen on every device."""
 
 
@@ -45,7 +45,7 @@ def net_device_for(host: str | None) -> str | None:
     interface that holds `host`'s address (IPv4 or IPv6; a hostname by what it resolves to).
     None (every device) only when asked for: an empty or unspecified host (`0.0.0.0`, `::`).
 
-    Raises `MeshHostError`, naming the host and this machine's interfaces, when no interface
+    Raises `MeshHostError`, naming the host and the local interfaces, when no interface
     holds its address (a hostname that resolves elsewhere, a NAT'd node IP): listening on every
     device instead would open the mesh beyond the host it was given.
     """
@@ -84,8 +84,8 @@ def _device_of(host: str | None) -> tuple[str | None, IPAddress]:
         f"{n}: {', '.join(map(str, a)) or 'no address'}" for n, a in interfaces.items()
     )
     raise MeshHostError(
-        f"mesh host {host!r} ({', '.join(map(str, addresses))}) is on no network interface of "
-        f"this machine (interfaces: {listed}); set the mesh host to one of these addresses"
+        f"mesh host {host!r} ({', '.join(map(str, addresses))}) is on no local network "
+        f"interface (interfaces: {listed}); set the mesh host to one of these addresses"
     )
 
 

@@ -29,7 +29,7 @@ log = structlog.get_logger(__name__)
 class UcxListener:
     """Accepts `UcxTensorChannel`s; `address` (its worker's, hex) is what to publish through
     discovery. `host`: the mesh host, whose network device alone it listens on (`MeshHostError`
-    if no device of this machine holds it); `key`: the mesh's
+    if no local device holds it); `key`: the mesh's
     key, which every hello must be signed with (empty: any peer that can reach it is accepted).
 
     The listener's worker serves every channel it accepts, so use them from one thread.

@@ -255,20 +255,20 @@ class ClusterScheduler:
     def check_ever_fits(self, kv_tokens: int) -> None:
         """`NoKvRoom(ever=False)` if no token-capable engine holds `kv_tokens` of KV in all."""
         with self._lock:
-            capable = [self._loads[m] for m in self._token_capable() if m in self._loads]
-            most = max((load.total_kv_tokens for load in capable), default=1 << 62)
-            if most < kv_tokens:
-                raise NoKvRoom(kv_tokens, most, ever=False)
+            self._check_ever_fits(self._loads, kv_tokens)
+
+    def _check_ever_fits(self, loads: dict[int, MachineLoad], kv_tokens: int) -> None:
+        most = max((loads[m].total_kv_tokens for m in self._token_capable() if m in loads),
+                   default=1 << 62)  # fmt: skip
+        if most < kv_tokens:
+            raise NoKvRoom(kv_tokens, most, ever=False)
 
     def _check_kv_room(self, loads: dict[int, MachineLoad], kv_tokens: int) -> None:
         """`NoKvRoom` unless some token-capable engine has `kv_tokens` of KV free."""
-        capable = [loads[m] for m in self._token_capable()]
-        if not capable or any(load.free_kv_tokens >= kv_tokens for load in capable):
-            return
-        most_total = max(load.total_kv_tokens for load in capable)
-        if most_total < kv_tokens:
-            raise NoKvRoom(kv_tokens, most_total, ever=False)
-        raise NoKvRoom(kv_tokens, max(load.free_kv_tokens for load in capable), ever=True)
+        self._check_ever_fits(loads, kv_tokens)
+        free = [loads[m].free_kv_tokens for m in self._token_capable()]
+        if free and max(free) < kv_tokens:
+            raise NoKvRoom(kv_tokens, max(free), ever=True)
 
     def _with_held_kv(self, loads: dict[int, MachineLoad]) -> dict[int, MachineLoad]:
         """Each token engine's free KV less the whole length of this router's placements its

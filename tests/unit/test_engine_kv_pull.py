@@ -43,19 +43,24 @@ def handoff(req_id: str) -> DecodeHandoff:
                          num_kv_layers=4, shards=SHARDS)  # fmt: skip
 
 
-def test_a_pulled_request_decodes_once_every_shard_has_its_kv(tiny_model_path):
-    links = [NewsLink(), NewsLink()]
-    options = MeshOptions(num_blocks=1024, shard_num_blocks=64, kv_transfer="pull")
-    engine = Engine.build(
+def token_engine(model_path, links: list[NewsLink], kv_transfer: str) -> Engine:  # type: ignore[no-untyped-def]
+    """A token engine over `links` to a two-shard group, KV pushed or pulled."""
+    options = MeshOptions(num_blocks=1024, shard_num_blocks=64, kv_transfer=kv_transfer)  # type: ignore[arg-type]
+    return Engine.build(
         "t",
         Role.TOKEN,
         options,
-        str(tiny_model_path),
+        str(model_path),
         lambda *a: None,
         command_endpoint="t-cmd",
         shard_links=links,
         shards=SHARDS,
     )
+
+
+def test_a_pulled_request_decodes_once_every_shard_has_its_kv(tiny_model_path):
+    links = [NewsLink(), NewsLink()]
+    engine = token_engine(tiny_model_path, links, "pull")
     engine.on_handoff(handoff("a"))
     engine.on_handoff(handoff("b"))
     assert engine.has_work() and not engine.admission.sharded
@@ -75,17 +80,7 @@ def test_a_pulled_request_decodes_once_every_shard_has_its_kv(tiny_model_path):
 
 def test_a_pushed_request_decodes_at_once(tiny_model_path):
     links = [NewsLink(), NewsLink()]
-    options = MeshOptions(num_blocks=1024, shard_num_blocks=64)
-    engine = Engine.build(
-        "t",
-        Role.TOKEN,
-        options,
-        str(tiny_model_path),
-        lambda *a: None,
-        command_endpoint="t-cmd",
-        shard_links=links,
-        shards=SHARDS,
-    )
+    engine = token_engine(tiny_model_path, links, "push")
     engine.on_handoff(handoff("a"))
     assert [s.req_id for s in engine.admission.sharded] == ["a"]
 
@@ -95,17 +90,7 @@ def test_a_shard_dying_mid_pull_ends_the_waiting_request_retryably(tiny_model_pa
     ends retryably and its KV is freed on every shard of the old group (the live ones may have
     pulled it); the prompt engine's hold frees its copy when its lease runs out."""
     links = [NewsLink(), NewsLink()]
-    options = MeshOptions(num_blocks=1024, shard_num_blocks=64, kv_transfer="pull")
-    engine = Engine.build(
-        "t",
-        Role.TOKEN,
-        options,
-        str(tiny_model_path),
-        lambda *a: None,
-        command_endpoint="t-cmd",
-        shard_links=links,
-        shards=SHARDS,
-    )
+    engine = token_engine(tiny_model_path, links, "pull")
     engine.on_handoff(handoff("a"))
     links[0].landed = ["a"]
     engine.step()  # landed on s0 only; s1 dies before its pull
