@@ -174,6 +174,10 @@ def test_mesh_switches_reach_the_workers_config() -> None:
         ({"model_peers": -1}, "model_peers"),
         ({"token_engine_threads": 0}, "token_engine_threads"),
         ({"token_engine_threads": "two"}, "token_engine_threads"),
+        ({"progress_timeout_s": 0}, "progress_timeout_s"),
+        ({"progress_timeout_s": "soon"}, "progress_timeout_s"),
+        ({"pools": {"lease_s": 0}}, "lease_s"),
+        ({"no_such_switch": True}, "no_such_switch"),
     ],
 )
 def test_mesh_args_refuse_what_the_workers_would(mesh: dict[str, Any], error: str) -> None:
@@ -315,3 +319,13 @@ def test_local_config_gives_its_token_engine_the_threads_and_openmp_it_asks_for(
     assert mesh.threads_of(Role.SHARD) == mesh.threads_of(Role.PROMPT) == mesh.num_threads == 1
     assert env["OMP_WAIT_POLICY"].lower() == "passive"
     assert AppArgs.model_validate({"mesh": {"num_threads": 3}}).mesh.threads_of(Role.TOKEN) == 3
+
+
+@pytest.mark.parametrize(
+    "limits", [{"max_waiting_requests": 0}, {"kv_wait_s": -1}, {"max_num_requests": 0}]
+)
+def test_admission_limits_refuse_bounds_that_admit_nothing(limits: dict[str, Any]) -> None:
+    from services.router.streams import AdmissionLimits
+
+    with pytest.raises(ValueError):
+        AdmissionLimits(**limits)
