@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import secrets
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,8 @@ from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig, role_config
 from services.app_args import AppArgs, EngineArgs
+from services.engine.worker import EngineWorker
+from services.mesh.autoscaling import AGE, engine_stats, shard_stats
 from services.mesh.ray_registry import RayRegistry
 from services.mesh.registry import RegistryClient
 from services.mesh.replica import MeshReplica, start_engine, start_model_peer, start_shard
@@ -55,6 +58,7 @@ from services.router.engine_client import (
 from services.router.mesh_client import MeshEngineClient
 from services.router.server import Router
 from services.router.streams import AdmissionLimits, StreamInterval
+from services.shard.worker import ShardWorker
 
 log = structlog.get_logger(__name__)
 
@@ -231,6 +235,7 @@ class _MeshService:
         own = role_config(base, self.role, service_id)
         _configure_observability(own.telemetry_name, service_id)
         generation = _generation(args)
+        self.started_at = time.monotonic()
         if self.role == Role.SHARD:
             self.replica: MeshReplica = start_shard(service_id, registry, base, generation)
         elif self.role == Role.MODEL_PEER:
@@ -240,6 +245,17 @@ class _MeshService:
 
     def check_health(self) -> None:
         self.replica.check_health()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling hook: this replica's load (services/mesh/autoscaling.py)."""
+        age_s = time.monotonic() - self.started_at
+        worker = self.replica.worker.worker
+        if isinstance(worker, ShardWorker):
+            blocks = worker.shard.blocks  # NOTE: racy reads of two ints, for a load figure
+            return shard_stats(blocks.num_used_blocks, blocks.num_blocks, age_s)
+        if isinstance(worker, EngineWorker):
+            return engine_stats(worker.last_load, age_s)
+        return {AGE: age_s}
 
     def __del__(self) -> None:
         replica = getattr(self, "replica", None)  # absent if the constructor failed

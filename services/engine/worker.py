@@ -92,6 +92,7 @@ class EngineWorker:
         self.control: TypedSocket[StatsRequest] = TypedSocket(ctl, StatsRequest)
         self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
         self.load_pub: TypedSocket[LoadReport] = TypedSocket(pub, LoadReport)
+        self.last_load: LoadReport | None = None
         self.peers = PeerWatch()  # peers lost: routers' requests end, sockets close (peer_watch.py)
         self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch, auth=auth)
         self.kv_push: PushPool[ShardIngress] = PushPool(
@@ -373,6 +374,7 @@ class EngineWorker:
                 self.push.drop(endpoint)  # the gone peer's socket and queue (peer_watch.py)
                 self.kv_push.drop(endpoint)
             report = self.engine.load_report(time.time())
+            self.last_load = report  # read by Serve's autoscaling hook (services/mesh/autoscaling.py)
             self.load_pub.send(with_cache_digest(report, self.digests, self.engine.blocks))
             self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)
 

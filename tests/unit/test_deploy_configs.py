@@ -17,6 +17,7 @@ from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
 from services.app import DEPLOYMENT_NAMES, AppArgs, build_app, deployment_names
+from services.mesh.autoscaling import MeshAutoscalingPolicy
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEY = "ab" * 32  # a mesh key (hex)
@@ -95,6 +96,22 @@ def test_cluster_config_places_engines_and_shards_by_custom_resource() -> None:
     ]:
         assert resource in by_name[name]["ray_actor_options"]["resources"]
     assert all("autoscaling_config" in d for d in by_name.values())
+
+
+def test_cluster_engines_and_shards_scale_on_their_own_load() -> None:
+    [app] = CONFIGS["cluster.yaml"]["applications"]
+    for d in app["deployments"]:
+        if d["name"] == "Router":
+            continue  # Serve's request-based autoscaler: the Router's requests pass through Serve
+        scaling = d["autoscaling_config"]
+        policy = scaling["policy"]
+        assert policy["policy_function"] == "services.mesh.autoscaling:MeshAutoscalingPolicy"
+        built = MeshAutoscalingPolicy(**policy["policy_kwargs"])  # raises on bad kwargs
+        # Serve's own delays would stack on the policy's: they are off.
+        assert scaling["upscale_delay_s"] == scaling["downscale_delay_s"] == 0
+        if d["name"] == "AttentionShard":
+            assert built.knobs["group_size"] == app["args"]["mesh"]["shards_per_group"]
+            assert scaling["min_replicas"] % built.knobs["group_size"] == 0
 
 
 def test_rayservice_embeds_the_cluster_config() -> None:

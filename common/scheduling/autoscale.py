@@ -1,0 +1,134 @@
+"""How many replicas a mesh role needs: a pure decision over load samples (issue 50).
+
+Serve's own autoscaler counts requests that pass through Serve; engines and shards get their work
+over ZeroMQ, so each replica reports the load that matters for its role instead
+(`services/mesh/autoscaling.py`) and this policy turns those reports into a replica count. The
+simulator runs the same function, so provisioning results and the served mesh agree.
+
+What the peers' users complain about, and the rule here that prevents it:
+
+- **Flapping** (2 <-> 1 every few minutes): a dead band (`scale_down_fill`): scaling down needs
+  the load to fit the smaller size with room to spare, not merely to dip under the target; a
+  wanted change must persist (`upscale_after_s` / `downscale_after_s`), and after any change none
+  happens for `cooldown_s`.
+- **Cold-start samples inflating the count**: a replica younger than `warmup_s` is still loading
+  weights or compiling; its samples are left out (its queue is not yet the mesh's queue).
+- **Scale-downs that cannot hold the load** (consolidation-aware): the load must fit N-1 replicas
+  at `scale_down_fill` of their target, so removing one never pushes the rest past the target.
+- **Step explosions**: at most `max_step` groups per decision.
+- **Half a shard group**: shards come and go in whole groups of `group_size` (a token engine
+  claims `shards_per_group` of them), so counts are multiples of it.
+
+An SLO breach (a latency p90 over its bound) asks for one more group even when the load figure
+says the size is enough: queueing is not the only way to miss an SLO (long contexts, a slow node).
+Pure: the caller passes `now` and keeps the `ScaleState` between calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    """Targets, bounds and delays of one role (the YAML's `policy_kwargs`)."""
+
+    target_load: float  # the load one replica carries at its SLO (role's unit: tokens, blocks)
+    min_replicas: int = 1
+    max_replicas: int = 8
+    group_size: int = 1  # replicas that come and go together (a shard group)
+    max_step: int = 1  # groups added or removed per decision
+    upscale_after_s: float = 10.0  # how long more replicas must be wanted before they come
+    downscale_after_s: float = 60.0  # how long fewer must be wanted before one goes
+    cooldown_s: float = 30.0  # no change this soon after the last one
+    warmup_s: float = 30.0  # samples of a replica younger than this are ignored
+    scale_down_fill: float = 0.7  # scale down only if the load fits N-1 at this share of target
+
+    def __post_init__(self) -> None:
+        if self.target_load <= 0:
+            raise ValueError("target_load must be positive")
+        if self.group_size < 1 or self.max_step < 1:
+            raise ValueError("group_size and max_step must be at least 1")
+        if not 0 < self.scale_down_fill <= 1:
+            raise ValueError("scale_down_fill must be in (0, 1]")
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError("need 0 <= min_replicas <= max_replicas")
+        if self.min_replicas % self.group_size or self.max_replicas % self.group_size:
+            raise ValueError("min_replicas and max_replicas must be multiples of group_size")
+        for name in ("upscale_after_s", "downscale_after_s", "cooldown_s", "warmup_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """One replica's latest report."""
+
+    replica_id: str
+    load: float  # in the policy's unit (see `ScalePolicy.target_load`)
+    age_s: float  # since the replica started
+    slo_breached: bool = False  # its latency p90 is over its SLO
+
+
+@dataclass(frozen=True)
+class ScaleState:
+    """What the policy remembers between decisions."""
+
+    replicas: int  # the count it decided last
+    wanted: int = 0  # the count it has been wanting (0: none different from `replicas`)
+    wanted_since: float | None = None
+    last_change_at: float | None = None
+    num_changes: int = 0
+
+
+def wanted_replicas(policy: ScalePolicy, current: int, samples: Iterable[LoadSample]) -> int:
+    """The count the load asks for right now, before delays: up when the load exceeds the
+    target of the current size (or an SLO is breached), down only when it fits a smaller size
+    at `scale_down_fill`; otherwise the current count (the dead band). Bounded, whole groups,
+    at most `max_step` groups away."""
+    samples = list(samples)
+    warm = [s for s in samples if s.age_s >= policy.warmup_s]
+    if not warm:
+        return current  # nothing trustworthy to go on: hold
+    # A replica still starting was added for a reason: no scale-down until it reports for real.
+    warming = len(warm) < len(samples)
+    group = policy.group_size
+    total = sum(max(s.load, 0.0) for s in warm)
+    need = max(group, group * math.ceil(total / policy.target_load / group))
+    if any(s.slo_breached for s in warm):
+        need = max(need, current + group)
+    if need > current:
+        wanted = need
+    else:
+        wanted = current
+        # Consolidation: go down a group at a time while the load fits the smaller size with room.
+        while (
+            not warming
+            and wanted - group >= max(policy.min_replicas, group)
+            and total <= ((wanted - group) * policy.target_load * policy.scale_down_fill)
+        ):
+            wanted -= group
+    step = policy.max_step * group
+    wanted = min(max(wanted, current - step), current + step)
+    return min(max(wanted, policy.min_replicas), policy.max_replicas)
+
+
+def decide(
+    policy: ScalePolicy, state: ScaleState, samples: Iterable[LoadSample], now: float
+) -> ScaleState:
+    """The next state: `state.replicas` changes only once the wanted count has held for its delay
+    and the cool-down since the last change has passed."""
+    current = state.replicas
+    wanted = wanted_replicas(policy, current, samples)
+    if wanted == current:
+        return replace(state, wanted=0, wanted_since=None)
+    # A change of direction (or of size) restarts the clock; the same wish keeps it.
+    same_direction = state.wanted and (state.wanted > current) == (wanted > current)
+    since = state.wanted_since if same_direction and state.wanted_since is not None else now
+    delay = policy.upscale_after_s if wanted > current else policy.downscale_after_s
+    cooling = state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s
+    if now - since < delay or cooling:
+        return replace(state, wanted=wanted, wanted_since=since)
+    return ScaleState(replicas=wanted, last_change_at=now, num_changes=state.num_changes + 1)

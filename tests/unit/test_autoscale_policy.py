@@ -1,0 +1,155 @@
+"""The replica-count policy (common/scheduling/autoscale.py) on recorded load series."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from common.scheduling.autoscale import LoadSample, ScalePolicy, ScaleState, decide, wanted_replicas
+
+POLICY = ScalePolicy(target_load=1000, min_replicas=1, max_replicas=8, upscale_after_s=10,
+                     downscale_after_s=60, cooldown_s=30, warmup_s=30)  # fmt: skip
+
+
+def samples(*loads: float, age_s: float = 600.0) -> list[LoadSample]:
+    return [LoadSample(f"r{i}", load, age_s) for i, load in enumerate(loads)]
+
+
+def replay(
+    policy: ScalePolicy, series: list[float], start: int, period_s: float = 5.0
+) -> list[int]:
+    """Replicas after each sample of a series of total loads, spread evenly over the replicas."""
+    state = ScaleState(replicas=start)
+    counts = []
+    for i, total in enumerate(series):
+        n = state.replicas
+        state = decide(policy, state, samples(*([total / n] * n)), now=i * period_s)
+        counts.append(state.replicas)
+    return counts
+
+
+def test_load_over_the_target_scales_up_after_the_delay() -> None:
+    state = ScaleState(replicas=1)
+    state = decide(POLICY, state, samples(2500), now=0.0)
+    assert state.replicas == 1 and state.wanted == 2  # wanted, not yet for long enough
+    state = decide(POLICY, state, samples(2500), now=9.0)
+    assert state.replicas == 1
+    state = decide(POLICY, state, samples(2500), now=10.0)
+    assert state.replicas == 2 and state.num_changes == 1
+
+
+def test_step_is_capped() -> None:
+    assert wanted_replicas(POLICY, 1, samples(7000)) == 2
+    wide = ScalePolicy(target_load=1000, max_step=3)
+    assert wanted_replicas(wide, 1, samples(7000)) == 4
+    assert wanted_replicas(wide, 6, samples(10, 10, 10, 10, 10, 10)) == 3
+
+
+def test_bounds_hold() -> None:
+    assert wanted_replicas(replace_policy(max_step=8), 4, samples(*[9000] * 4)) == 8
+    assert wanted_replicas(POLICY, 2, samples(0, 0)) == 1  # min_replicas
+
+
+def replace_policy(**kw: object) -> ScalePolicy:
+    fields = {**POLICY.__dict__, **kw}
+    return ScalePolicy(**fields)  # type: ignore[arg-type]
+
+
+def test_dead_band_between_the_targets_keeps_the_size() -> None:
+    # 2 replicas, 1,500 of load: over one replica's target, under two; and not <= 0.7 x 1,000
+    # (what one replica would hold with room), so neither up nor down.
+    assert wanted_replicas(POLICY, 2, samples(750, 750)) == 2
+    # 600 fits one replica at 0.7 of its target: consolidate.
+    assert wanted_replicas(POLICY, 2, samples(300, 300)) == 1
+
+
+def test_scale_down_is_consolidation_aware() -> None:
+    # 3 replicas at 1,500 total: 2 could carry it under the target (750 each) but not at 0.7
+    # (1,400): removing one would leave the rest too close to their target, so it stays.
+    assert wanted_replicas(POLICY, 3, samples(500, 500, 500)) == 3
+    assert wanted_replicas(POLICY, 3, samples(400, 400, 400)) == 2
+
+
+def test_scale_down_waits_its_delay_and_the_cool_down() -> None:
+    state = ScaleState(replicas=2, last_change_at=0.0, num_changes=1)
+    state = decide(POLICY, state, samples(10, 10), now=5.0)
+    assert state.replicas == 2 and state.wanted == 1
+    state = decide(POLICY, state, samples(10, 10), now=64.0)
+    assert state.replicas == 2  # 59 s of wanting < 60
+    state = decide(POLICY, state, samples(10, 10), now=65.0)
+    assert state.replicas == 1
+
+
+def test_cool_down_blocks_a_change_right_after_one() -> None:
+    fast = replace_policy(upscale_after_s=0, downscale_after_s=0, cooldown_s=30)
+    state = decide(fast, ScaleState(replicas=1), samples(2500), now=0.0)
+    assert state.replicas == 2
+    state = decide(fast, state, samples(3000, 3000), now=10.0)
+    assert state.replicas == 2  # wanted 3, cooling down
+    state = decide(fast, state, samples(3000, 3000), now=30.0)
+    assert state.replicas == 3
+
+
+def test_a_change_of_mind_restarts_the_delay() -> None:
+    state = decide(POLICY, ScaleState(replicas=2), samples(2000, 2000), now=0.0)
+    assert state.wanted == 3
+    state = decide(POLICY, state, samples(800, 800), now=5.0)  # back inside the dead band
+    assert state.wanted == 0 and state.wanted_since is None
+    state = decide(POLICY, state, samples(2000, 2000), now=8.0)
+    state = decide(POLICY, state, samples(2000, 2000), now=15.0)
+    assert state.replicas == 2  # 7 s of wanting since the restart
+    state = decide(POLICY, state, samples(2000, 2000), now=18.0)
+    assert state.replicas == 3
+
+
+def test_start_up_samples_are_ignored() -> None:
+    # A new replica's queue while it loads weights is not the mesh's load.
+    cold = [LoadSample("old", 500, 600.0), LoadSample("new", 50_000, 3.0)]
+    assert wanted_replicas(POLICY, 2, cold) == 2
+    assert wanted_replicas(POLICY, 2, [LoadSample("new", 50_000, 3.0)]) == 2  # all cold: hold
+    # Nor does the mesh shrink while the new one starts (it was added for a reason).
+    assert (
+        wanted_replicas(POLICY, 2, [LoadSample("old", 10, 600.0), LoadSample("new", 0, 3.0)]) == 2
+    )
+
+
+def test_an_slo_breach_adds_a_replica_even_under_the_load_target() -> None:
+    breached = [LoadSample("r0", 100, 600.0, slo_breached=True)]
+    assert wanted_replicas(POLICY, 1, breached) == 2
+
+
+def test_shard_groups_come_and_go_whole() -> None:
+    shards = ScalePolicy(target_load=100, min_replicas=2, max_replicas=8, group_size=2)
+    assert wanted_replicas(shards, 2, samples(150, 150)) == 4  # 300 needs 3: a whole group is 4
+    assert wanted_replicas(shards, 4, samples(10, 10, 10, 10)) == 2
+    assert all(n % 2 == 0 for n in replay(shards, [50, 300, 900, 900, 10, 10] * 20, start=2))
+    with pytest.raises(ValueError, match="multiples of group_size"):
+        ScalePolicy(target_load=100, min_replicas=1, group_size=2)
+
+
+def naive(series: list[float], start: int, target: float) -> list[int]:
+    """A plain threshold policy: as many replicas as the load over the target, at once."""
+    return [max(1, math.ceil(total / target)) for total in series]
+
+
+def changes(counts: list[int], start: int) -> int:
+    return sum(a != b for a, b in zip([start, *counts], counts, strict=False))
+
+
+def test_a_series_that_makes_a_threshold_policy_flap_changes_this_one_at_most_twice() -> None:
+    # A load that wanders around one replica's target (noise on a flat load), then a real step
+    # that lasts, then the flat load again: Serve's default-like threshold policy flaps.
+    noise = [900, 1100, 950, 1080, 1020, 880, 1150, 990]
+    series = noise * 6 + [1800] * 20 + [0] * 30 + noise * 20
+    assert changes(naive(series, 1, 1000), 1) >= 20
+    counts = replay(POLICY, series, start=1)
+    assert changes(counts, 1) == 2  # up for the step, down once it ended; never for the noise
+    assert max(counts) == 2 and counts[-1] == 1
+
+
+def test_bad_policies_are_refused() -> None:
+    for kw in ({"target_load": 0}, {"scale_down_fill": 0}, {"max_step": 0}, {"cooldown_s": -1},
+               {"min_replicas": 9}):  # fmt: skip
+        with pytest.raises(ValueError):
+            replace_policy(**kw)

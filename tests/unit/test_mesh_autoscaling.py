@@ -1,0 +1,87 @@
+"""Serve's side of the autoscaling policy: replica stats, and the policy called with Ray Serve's
+own `AutoscalingContext` (and wrapped by Serve's own policy wrapper, as the controller does)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from common.protocol import LoadReport
+from common.roles import Role
+from services.mesh.autoscaling import (
+    STATE_KEY,
+    MeshAutoscalingPolicy,
+    engine_stats,
+    samples_from,
+    shard_stats,
+)
+
+DEPLOYMENT = DeploymentID(name="PromptEngine", app_name="default")
+
+
+def context(
+    metrics: dict[str, dict[str, float]], *, replicas: int, now: float,
+    state: dict[str, Any] | None = None, lo: int = 1, hi: int = 4,
+) -> AutoscalingContext:  # fmt: skip
+    ids = {r: ReplicaID(r, DEPLOYMENT) for m in metrics.values() for r in m}
+    config = AutoscalingConfig(min_replicas=lo, max_replicas=hi, upscale_delay_s=0,
+                               downscale_delay_s=0)  # fmt: skip
+    return AutoscalingContext(
+        deployment_id=DEPLOYMENT, deployment_name=DEPLOYMENT.name, app_name="default",
+        current_num_replicas=replicas, target_num_replicas=replicas,
+        running_replicas=list(ids.values()), total_num_requests=0.0, total_queued_requests=0.0,
+        aggregated_metrics={k: {ids[r]: v for r, v in m.items()} for k, m in metrics.items()},
+        raw_metrics=None, capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
+        policy_state=state or {}, last_scale_up_time=None, last_scale_down_time=None,
+        current_time=now, config=config,
+    )  # fmt: skip
+
+
+def test_engine_stats_from_a_load_report() -> None:
+    report = LoadReport(engine_id="e", role=Role.TOKEN, pending_prompt_tokens=300,
+                        running_decode_tokens=1200, num_running=3, num_waiting=0,
+                        free_kv_blocks=25, total_kv_blocks=100)  # fmt: skip
+    stats = engine_stats(report, 40.0)
+    assert stats == {"age_s": 40.0, "pending_prompt_tokens": 300.0,
+                     "running_decode_tokens": 1200.0, "kv_fill": 0.75}  # fmt: skip
+    assert engine_stats(None, 1.0) == {"age_s": 1.0}  # no report yet: no load sample
+    assert shard_stats(30, 120, 5.0) == {"age_s": 5.0, "kv_fill": 0.25}
+
+
+def test_a_replica_without_every_signal_gives_no_sample() -> None:
+    metrics = {"age_s": {"a": 90.0, "b": 1.0}, "running_decode_tokens": {"a": 2000.0, "b": 9.0},
+               "kv_fill": {"a": 0.9}}  # fmt: skip
+    (sample,) = samples_from(metrics, {"running_decode_tokens": 4000, "kv_fill": 0.6})
+    assert sample.replica_id == "a" and sample.load == pytest.approx(1.5)  # KV fill dominates
+
+
+def test_the_policy_scales_up_through_serves_wrapper_and_keeps_its_state() -> None:
+    policy = _apply_autoscaling_config(
+        MeshAutoscalingPolicy({"pending_prompt_tokens": 1000}, upscale_after_s=10, warmup_s=0)
+    )
+    busy = {"age_s": {"p0": 60.0}, "pending_prompt_tokens": {"p0": 2500.0}}
+    replicas, state = policy(context(busy, replicas=1, now=100.0))
+    assert replicas == 1 and state[STATE_KEY]["wanted"] == 2
+    replicas, state = policy(context(busy, replicas=1, now=111.0, state=state))
+    assert replicas == 2 and state[STATE_KEY]["num_changes"] == 1
+
+
+def test_shard_groups_follow_serves_bounds_in_whole_groups() -> None:
+    policy = MeshAutoscalingPolicy({"kv_fill": 0.5}, group_size=2, upscale_after_s=0,
+                                   cooldown_s=0, warmup_s=0)  # fmt: skip
+    full = {"age_s": {"s0": 60.0, "s1": 60.0}, "kv_fill": {"s0": 0.9, "s1": 0.8}}
+    replicas, _ = policy(context(full, replicas=2, now=0.0, lo=2, hi=7))
+    assert replicas == 4  # 3.4 replicas' worth, a whole group more (max rounded down to 6)
+
+
+def test_bad_policy_kwargs_fail_at_deploy_time() -> None:
+    with pytest.raises(ValueError, match="unknown autoscaling signals"):
+        MeshAutoscalingPolicy({"queue": 3})
+    with pytest.raises(ValueError, match="positive"):
+        MeshAutoscalingPolicy({"kv_fill": 0})
+    with pytest.raises(ValueError, match="scale_down_fill"):
+        MeshAutoscalingPolicy({"kv_fill": 0.5}, scale_down_fill=2)
