@@ -63,6 +63,9 @@ class AppArgs(_Args):
     # 0: one chunk per engine step. `services.router.streams.StreamInterval`.
     stream_interval: int = Field(default=1, ge=1)
     stream_interval_s: float = Field(default=0.0, ge=0)
+    # The Batch API's state (files, batches, each line's outcome): an SQLite file every Router
+    # replica can open (a shared volume on a cluster); None: no Batch API.
+    batch_store: str | None = "~/.cache/phasemesh/batches.sqlite"
     engine: EngineArgs = Field(default_factory=EngineArgs)
     mesh: MeshField = Field(default_factory=MeshOptions)
 

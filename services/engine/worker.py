@@ -374,7 +374,7 @@ class EngineWorker:
                 self.push.drop(endpoint)  # the gone peer's socket and queue (peer_watch.py)
                 self.kv_push.drop(endpoint)
             report = self.engine.load_report(time.time())
-            self.last_load = report  # read by Serve's autoscaling hook (services/mesh/autoscaling.py)
+            self.last_load = report  # for Serve's autoscaling hook (services/mesh/autoscaling.py)
             self.load_pub.send(with_cache_digest(report, self.digests, self.engine.blocks))
             self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)
 

@@ -18,12 +18,13 @@ a W3C `traceparent` header) and the TTFT, TBT and E2E metrics, recorded by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from services.router.api_errors import (
     error_responses,
     install_error_handlers,
 )
+from services.router.batch_api import BatchApi, BatchRunner, asgi_caller
+from services.router.batch_store import BatchStore
 from services.router.body_gate import BigBodyGate
 from services.router.choices import Outputs, best, choice_params, collect_all, merge, start_all
 from services.router.engine_client import EngineClient
@@ -145,10 +148,15 @@ class Router:
         api_key: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         num_chat_processes: int = 1,
+        batch_store: str | Path | None = None,
+        batch_lease_s: float = 30.0,
     ) -> None:
         """`max_model_len`: the context a request may use (prompt + output), at most the model's;
         `api_key`: clients must send it as a Bearer token (None: the API is open);
-        `num_chat_processes`: worker processes that render long chats (`PromptWork`)."""
+        `num_chat_processes`: worker processes that render long chats (`PromptWork`);
+        `batch_store`: the Batch API's SQLite file (None: no Batch API); `batch_lease_s`: how
+        long a batch stays with a runner that stopped renewing it (a dead router's batches
+        resume elsewhere after it)."""
         self.client = client
         self.model_path = Path(model_path)
         self.tokenizer = Tokenizer(self.model_path)
@@ -169,10 +177,17 @@ class Router:
         self.grammar_pool = BoundedPool("grammar", _threads(2, "grammar"), capacity=16)
         self.stats_pool = BoundedPool("stats", _threads(1, "stats"), capacity=4)
         self.tokenization = Tokenization(self.prompt_work, self.model_name, self.max_model_len)
+        self.batches: BatchApi | None = None
         self.app = self._build_app()
+        if batch_store is not None:
+            store = BatchStore(Path(batch_store).expanduser())
+            call = asgi_caller(self.app, self.api_key)
+            self.batches = BatchApi(store, BatchRunner(store, call, lease_s=batch_lease_s))
+            self.app.include_router(self.batches.routes([Depends(_bearer)]))
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None, **_NO_HTTP_SPANS)
+        app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None, lifespan=self._lifespan,
+                      **_NO_HTTP_SPANS)  # fmt: skip
         app.add_middleware(BigBodyGate)  # inside the body limit: sees the whole body at once
         app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
         app.add_middleware(ApiKeyGate, api_key=self.api_key)  # outside BodyLimit: before the body
@@ -211,6 +226,17 @@ class Router:
                           responses=error_responses(401))  # fmt: skip
         without_422(app)
         return app
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        """The app's life on its event loop: the Batch API's runner runs meanwhile."""
+        if self.batches is not None:
+            self.batches.start()
+        try:
+            yield
+        finally:
+            if self.batches is not None:
+                await self.batches.stop()
 
     # ---- endpoints ----
 

@@ -86,6 +86,8 @@ def config_on_port(
     `preset`, switching it to that random model: `on_preset`); return the copy."""
     config = yaml.safe_load(source.read_text())
     config["http_options"]["port"] = port
+    # The Batch API's store beside the config, not in the user's cache (runs never share one).
+    config["applications"][0]["args"]["batch_store"] = str(target.parent / "batches.sqlite")
     config["applications"][0]["args"].update(args or {})
     if preset is not None:
         on_preset(config, preset)

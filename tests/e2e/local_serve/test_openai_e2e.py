@@ -304,3 +304,31 @@ def test_structured_outputs_validate_over_the_mesh(client: openai.OpenAI, refere
         response_format={"type": "json_object"},
     )  # fmt: skip
     assert isinstance(json.loads(response.choices[0].message.content or ""), dict)
+
+
+def test_batch_api_gives_the_online_apis_greedy_outputs(client: openai.OpenAI) -> None:
+    """The Batch API over the served mesh: upload, create, poll, read the output, cancel."""
+    bodies = [{"model": "tiny", "messages": [{"role": "user", "content": f"item {i}"}],
+               "max_tokens": 5, "temperature": 0} for i in range(4)]  # fmt: skip
+    rows = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}
+            for i, b in enumerate(bodies)]  # fmt: skip
+    data = "\n".join(json.dumps(r) for r in rows).encode()
+    uploaded = client.files.create(file=("chat.jsonl", data), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")  # fmt: skip
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status in ("validating", "in_progress", "finalizing"), batch.status
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    assert batch.request_counts.completed == 4 and batch.error_file_id is None
+    assert batch.output_file_id is not None
+    out = [json.loads(line) for line in client.files.content(batch.output_file_id).text.split("\n")
+           if line]  # fmt: skip
+    assert [r["custom_id"] for r in out] == ["c0", "c1", "c2", "c3"]
+    for record, body in zip(out, bodies, strict=True):
+        online = client.chat.completions.create(**body)
+        batched = record["response"]["body"]["choices"][0]["message"]["content"]
+        assert batched == online.choices[0].message.content
+    # Cancelling a finished batch changes nothing; the endpoint answers with the batch.
+    assert client.batches.cancel(batch.id).status == "completed"
