@@ -1,0 +1,187 @@
+"""One worker of an offline group (Seesaw §5.1): a process with its task queue, running the
+scheduler's instructions in order on its shard of the model, over `torch.distributed` (gloo on
+CPU) with the group's other workers.
+
+KV lives in two places, both in HND layout ([layers, 2, kv heads, tokens, head_dim] per request):
+- the **buffer**, shared memory every worker maps: prefill writes each request's KV there (a PP
+  worker its layers, all heads; a TP worker its heads, all layers), so the complete KV forms there
+  whatever the prefill's sharding (Fig. 7);
+- each worker's **decode slots**: its KV heads of every layer, swapped in from the buffer (the
+  re-shard to TP) and grown by each decode step.
+
+Instructions (tuples on the task queue): `("prefill", sharding, [(buffer_slot, token_ids)])`,
+`("swap_in", [(buffer_slot, decode_slot, num_tokens)])`, `("decode", [(decode_slot, position,
+token)])`, `("stop",)`. The worker that ends an instruction with the logits (the last PP stage, or
+TP rank 0) puts `(greedy tokens, seconds)` on the result queue; rank 0 answers `swap_in`.
+
+Faults: a worker that raises puts `("error", repr)` on the result queue and exits; the group then
+stops every worker and fails the job (`OfflineGroup` raises), never hangs: its waits on results
+have a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from multiprocessing.queues import Queue
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from common.config import ModelConfig
+from common.model.llama import causal_attention
+from common.model.loader import load_model
+from services.offline.sharding import TpShard, pp_layers
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """The buffer's and the decode slots' sizes (tokens per request: `max_len`)."""
+
+    num_buffer_slots: int
+    num_decode_slots: int
+    max_len: int
+
+    def buffer_shape(self, c: ModelConfig) -> tuple[int, ...]:
+        return (self.num_buffer_slots, c.num_hidden_layers, 2, c.num_key_value_heads,
+                self.max_len, c.head_dim)  # fmt: skip
+
+    def buffer_bytes(self, c: ModelConfig) -> int:
+        return int(torch.Size(self.buffer_shape(c)).numel()) * 4
+
+
+def worker_main(rank: int, k: int, port: int, model_path: str, shm_name: str, kv: KvShape,
+                tasks: Queue, results: Queue, num_threads: int) -> None:  # fmt: skip
+    torch.set_num_threads(num_threads)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    shm = None
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=k)
+        model = load_model(model_path)
+        shm = shared_memory.SharedMemory(name=shm_name)
+        OfflineWorker(rank, k, model, shm, kv, results).serve(tasks)
+    except Exception:  # noqa: BLE001 - reported to the group, which stops the job
+        results.put(("error", f"worker {rank}: {traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if shm is not None:
+            shm.close()
+
+
+class OfflineWorker:
+    def __init__(self, rank: int, k: int, model: Any, shm: shared_memory.SharedMemory,
+                 kv: KvShape, results: Queue) -> None:  # fmt: skip
+        c = model.config
+        self.rank, self.k, self.model, self.config, self.results = rank, k, model, c, results
+        self.buffer = torch.frombuffer(shm.buf, dtype=torch.float32).view(kv.buffer_shape(c))
+        self.tp = TpShard(model, k, rank)
+        self.layers = pp_layers(c.num_hidden_layers, k, rank)
+        heads = self.tp.kv_heads
+        self.heads = slice(heads.start, heads.stop)
+        self.slots = torch.zeros(kv.num_decode_slots, c.num_hidden_layers, 2, self.tp.hk,
+                                 kv.max_len, c.head_dim)  # fmt: skip
+
+    def serve(self, tasks: Queue) -> None:
+        while True:
+            task = tasks.get()
+            kind = task[0]
+            start = time.perf_counter()
+            if kind == "stop":
+                del self.buffer  # the shared memory's views end before it closes
+                return
+            if kind == "prefill":
+                out = self.prefill_pp(task[2]) if task[1] == "pp" else self.prefill_tp(task[2])
+            elif kind == "swap_in":
+                out = self.swap_in(task[1])
+            elif kind == "decode":
+                out = self.decode(task[1])
+            else:
+                raise ValueError(f"unknown instruction {kind!r}")
+            if out is not None:
+                self.results.put((out, time.perf_counter() - start))
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t)
+
+    # ---- prefill ----
+
+    def _packed(self, batch: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, list[int], Any]:
+        seq_lens = [len(ids) for _, ids in batch]
+        ids = torch.tensor([t for _, toks in batch for t in toks], dtype=torch.long)
+        positions = torch.cat([torch.arange(n) for n in seq_lens])
+        return ids, seq_lens, self.model.rotary_at(positions)
+
+    def _store(self, batch: list[tuple[int, list[int]]], seq_lens: list[int], n: int,
+               k: torch.Tensor, v: torch.Tensor, heads: slice) -> None:  # fmt: skip
+        start = 0
+        for (slot, _), length in zip(batch, seq_lens, strict=True):
+            end = start + length
+            self.buffer[slot, n, 0, heads, :length] = k[start:end].transpose(0, 1)
+            self.buffer[slot, n, 1, heads, :length] = v[start:end].transpose(0, 1)
+            start = end
+
+    def _first_tokens(self, x: torch.Tensor, seq_lens: list[int]) -> list[int]:
+        last = torch.tensor(seq_lens).cumsum(0) - 1
+        return self.model.compute_logits(x[last]).argmax(-1).tolist()
+
+    def prefill_pp(self, batch: list[tuple[int, list[int]]]) -> list[int] | None:
+        ids, seq_lens, rope = self._packed(batch)
+        hidden = self.config.hidden_size
+        if self.rank == 0:
+            x = self.model.embed(ids)
+        else:
+            x = torch.empty(ids.shape[0], hidden)
+            dist.recv(x, self.rank - 1)
+        every = slice(0, self.config.num_key_value_heads)
+        for n in self.layers:
+            layer = self.model.layers[n]
+            q, k, v = layer.pre_attention(x, rope)
+            self._store(batch, seq_lens, n, k, v, every)
+            x = layer.post_attention(x, causal_attention(q, k, v, seq_lens, self.model.scale))
+        if self.rank < self.k - 1:
+            dist.send(x.contiguous(), self.rank + 1)
+            return None
+        return self._first_tokens(x, seq_lens)
+
+    def prefill_tp(self, batch: list[tuple[int, list[int]]]) -> list[int] | None:
+        ids, seq_lens, rope = self._packed(batch)
+        x = self.model.embed(ids)
+        for n in range(self.config.num_hidden_layers):
+            x, k, v = self.tp.prefill_layer(n, x, rope, seq_lens, self.all_reduce)
+            self._store(batch, seq_lens, n, k, v, self.heads)
+        return self._first_tokens(x, seq_lens) if self.rank == 0 else None
+
+    # ---- decode ----
+
+    def swap_in(self, moves: list[tuple[int, int, int]]) -> list[int] | None:
+        """Re-shard to TP: this worker's KV heads of each moved request, buffer -> its slot."""
+        for buffer_slot, decode_slot, length in moves:
+            self.slots[decode_slot, :, :, :, :length] = self.buffer[buffer_slot, :, :, self.heads,
+                                                                    :length]  # fmt: skip
+        return [] if self.rank == 0 else None
+
+    def decode(self, rows: list[tuple[int, int, int]]) -> list[int] | None:
+        slots = [s for s, _, _ in rows]
+        positions = torch.tensor([p for _, p, _ in rows])
+        x = self.model.embed(torch.tensor([t for _, _, t in rows], dtype=torch.long))
+        rope = self.model.rotary_at(positions)
+        tp = self.tp
+        for n in range(self.config.num_hidden_layers):
+            q, k, v = tp.qkv(n, x, rope)
+            out = torch.empty_like(q)
+            for row, (slot, pos) in enumerate(zip(slots, positions.tolist(), strict=True)):
+                self.slots[slot, n, 0, :, pos] = k[row]
+                self.slots[slot, n, 1, :, pos] = v[row]
+                keys = self.slots[slot, n, 0, :, : pos + 1]  # [hk, L, D]
+                values = self.slots[slot, n, 1, :, : pos + 1]
+                out[row] = F.scaled_dot_product_attention(
+                    q[row].unsqueeze(1), keys, values, scale=tp.scale, enable_gqa=True
+                ).squeeze(1)
+            x = tp.post_attention(n, x, out, self.all_reduce)
+        return self.model.compute_logits(x).argmax(-1).tolist() if self.rank == 0 else None
