@@ -4,6 +4,7 @@ python -m loadgen.sim replay --trace T.csv --cluster Splitwise-HH:25P15T [--rate
 python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --power 70 --plot out.png
 python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --rate 70 --by cost
 python -m loadgen.sim lamina --trace T.csv [--memory 4 8] [--batches 1 2 3 4]
+python -m loadgen.sim offline [--hardware a100-80gb] [--gpus 8] [--requests 2000]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 from loadgen.sim.designs import DESIGNS, parse_cluster
 from loadgen.sim.lamina_cli import add_lamina_parser
+from loadgen.sim.offline import add_offline_parser
 from loadgen.sim.provision import (
     best_under_budget,
     cheapest_for_rate,
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     prov.add_argument("--plot", default="", help="write a Fig. 12-style PNG here")
     prov.set_defaults(func=_provision)
     add_lamina_parser(sub)
+    add_offline_parser(sub)
     return parser
 
 
