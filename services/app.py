@@ -24,6 +24,7 @@ default none) and structlog; its metrics also go to Ray's metrics agent (docs/ob
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -49,6 +50,7 @@ from services.mesh.autoscaling import AGE, engine_stats, shard_stats
 from services.mesh.ray_registry import RayRegistry
 from services.mesh.registry import RegistryClient
 from services.mesh.replica import MeshReplica, start_engine, start_model_peer, start_shard
+from services.offline.service import OfflineOptions, OfflineService
 from services.router.engine_client import (
     EngineClient,
     InProcessEngineClient,
@@ -66,13 +68,15 @@ log = structlog.get_logger(__name__)
 # and the model peers' only with `mesh.model_peers` > 0.
 DEPLOYMENT_NAMES = ("Router", "PromptEngine", "TokenEngine", "AttentionShard")
 MODEL_PEER_DEPLOYMENT = "ModelPeer"
+OFFLINE_DEPLOYMENT = "OfflineGroup"
 
 
-def deployment_names(topology: str, model_peers: int = 0) -> tuple[str, ...]:
+def deployment_names(topology: str, model_peers: int = 0, offline: bool = False) -> tuple[str, ...]:
     """The deployments `build_app` binds for a topology: what a serve config may name."""
+    extra = (OFFLINE_DEPLOYMENT,) if offline else ()
     if topology != "mesh":
-        return ("Router",)
-    return DEPLOYMENT_NAMES + ((MODEL_PEER_DEPLOYMENT,) if model_peers else ())
+        return ("Router", *extra)
+    return DEPLOYMENT_NAMES + ((MODEL_PEER_DEPLOYMENT,) if model_peers else ()) + extra
 
 
 def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
@@ -181,7 +185,7 @@ def _configure_observability(service_name: str, service_id: str) -> None:
 class RouterDeployment:
     """HTTP ingress: `services.router.server.Router` over the configured engine client."""
 
-    def __init__(self, args: dict[str, Any], *mesh_services: Any) -> None:
+    def __init__(self, args: dict[str, Any], *mesh_services: Any, offline: Any = None) -> None:
         # `mesh_services`: handles of the mesh deployments, bound only so that they belong to this
         # application; the router finds their replicas through the registry, not through Serve.
         self.args = AppArgs.model_validate(args)
@@ -195,6 +199,7 @@ class RouterDeployment:
             self.client, self.args.model_path(), self.args.model_name(), replica_id,
             max_model_len=self.args.max_model_len, api_key=self.args.resolved_api_key(),
             batch_store=self.args.batch_store,
+            offline=None if offline is None else ServedOffline(offline, self.args.offline),
         )  # fmt: skip
         log.info("router ready", model=self.router.model_name, topology=self.args.topology)
 
@@ -301,12 +306,50 @@ class ModelPeerDeployment(_MeshService):
     role = Role.MODEL_PEER
 
 
+class ServedOffline:
+    """The offline group's deployment as the router's `OfflineBackend`."""
+
+    def __init__(self, handle: Any, options: OfflineOptions | None) -> None:
+        assert options is not None
+        self.handle, self.max_len = handle, options.max_len
+
+    async def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        return await self.handle.generate.remote(prompts, max_tokens)  # type: ignore[no-any-return]
+
+
+@serve.deployment(name=OFFLINE_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=10, graceful_shutdown_timeout_s=5)  # fmt: skip
+class OfflineGroupDeployment:
+    """Seesaw's offline group (services/offline/): one replica owning its k worker processes,
+    which the Router's Batch API runs plain greedy batches on."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        parsed = AppArgs.model_validate(args)
+        assert parsed.offline is not None
+        self.service = OfflineService.start(parsed.model_path(), parsed.offline)
+
+    async def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        return await asyncio.to_thread(self.service.generate, prompts, max_tokens)
+
+    def check_health(self) -> None:
+        if not all(p.is_alive() for p in self.service.group.procs):
+            raise RuntimeError("an offline worker process died")
+
+    def __del__(self) -> None:
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.close()
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The application builder: `import_path: services.app:build_app` in a serve config."""
     parsed = AppArgs.model_validate(args)  # fail at deploy time, before any replica starts
     bound = parsed.model_dump()
+    extra: dict[str, Any] = {}
+    if parsed.offline is not None:
+        extra["offline"] = OfflineGroupDeployment.bind(bound)  # type: ignore[attr-defined]
     if parsed.topology == "local":
-        return RouterDeployment.bind(bound)  # type: ignore[attr-defined]
+        return RouterDeployment.bind(bound, **extra)  # type: ignore[attr-defined]
     deployments: list[Any] = [
         PromptEngineDeployment,
         TokenEngineDeployment,
@@ -315,7 +358,7 @@ def build_app(args: dict[str, Any]) -> Application:
     if parsed.mesh.model_peers:
         deployments.append(ModelPeerDeployment)
     mesh = [d.bind(bound) for d in deployments]
-    return RouterDeployment.bind(bound, *mesh)  # type: ignore[attr-defined]
+    return RouterDeployment.bind(bound, *mesh, **extra)  # type: ignore[attr-defined]
 
 
 # `AppArgs` and its parts live in app_args.py; tests and tools import them from here as well.

@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 from common.config import env
 from common.mesh_options import MeshOptions, mesh_options
 from common.model.default import PRESETS, default_model_path
+from services.offline.service import OfflineOptions
 
 
 class _Args(BaseModel):
@@ -35,6 +36,22 @@ class EngineArgs(_Args):
     # Torch threads the engine decodes on; None: every core of the machine but one (the router
     # and Ray's proxy need it). Set here because Ray sets OMP_NUM_THREADS to the Router's num_cpus.
     num_threads: int | None = Field(default=None, ge=1)
+
+
+def offline_options(raw: object) -> OfflineOptions | None:
+    if raw is None or isinstance(raw, OfflineOptions):
+        return raw
+    try:
+        return msgspec.convert(raw, OfflineOptions)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"offline options: {exc}") from exc
+
+
+OfflineField = Annotated[
+    OfflineOptions | None,
+    BeforeValidator(offline_options),
+    PlainSerializer(lambda v: None if v is None else msgspec.to_builtins(v)),
+]
 
 
 # The mesh's options, validated here by `mesh_options` (a bad value is a pydantic error naming
@@ -66,6 +83,9 @@ class AppArgs(_Args):
     # The Batch API's state (files, batches, each line's outcome): an SQLite file every Router
     # replica can open (a shared volume on a cluster); None: no Batch API.
     batch_store: str | None = "~/.cache/phasemesh/batches.sqlite"
+    # Seesaw's offline group behind the Batch API (its own deployment; services/offline/); None:
+    # batches run through the online API only.
+    offline: OfflineField = None
     engine: EngineArgs = Field(default_factory=EngineArgs)
     mesh: MeshField = Field(default_factory=MeshOptions)
 

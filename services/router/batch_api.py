@@ -21,7 +21,7 @@ import contextlib
 import json
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from fastapi import APIRouter, File, Form, UploadFile
@@ -37,6 +37,34 @@ log = structlog.get_logger(__name__)
 # (status, JSON body, Retry-After seconds or None) of one request to the router's own API.
 Call = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any], float | None]]]
 CAPACITY = (429, 503)  # refused for now, not for what it asked: run it again later
+# Runs completion bodies as one offline job: each line's (status, body), or None for a line it
+# left to the online API. `Router.offline_completions`.
+OfflineJob = Callable[[list[dict[str, Any]]], Awaitable[list[tuple[int, dict[str, Any]] | None]]]
+# The fields a greedy completion may carry to go offline (anything else: the online API).
+OFFLINE_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "n", "stream", "user",
+                            "seed"})  # fmt: skip
+
+
+class OfflineBackend(Protocol):
+    """Seesaw's offline group as the router sees it (`services/offline/service.py`)."""
+
+    max_len: int  # prompt + output of one request
+
+    async def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        """Each prompt's greedy output ids."""
+        ...
+
+
+def offline_eligible(line: Line) -> bool:
+    """A plain greedy completion, one choice, nothing the offline group does not do."""
+    body = line.body
+    return (
+        line.url == "/v1/completions"
+        and set(body) <= OFFLINE_FIELDS
+        and body.get("temperature", 1.0) == 0
+        and body.get("n", 1) == 1
+        and not body.get("stream", False)
+    )
 
 
 def asgi_caller(app: ASGIApp, api_key: str | None) -> Call:
@@ -92,12 +120,15 @@ class BatchRunner:
 
     def __init__(
         self, store: BatchStore, call: Call, owner: str | None = None, concurrency: int = 8,
-        lease_s: float = 30.0, poll_s: float = 1.0,
+        lease_s: float = 30.0, poll_s: float = 1.0, offline: OfflineJob | None = None,
     ) -> None:  # fmt: skip
-        self.store, self.call = store, call
+        """`offline`: where a batch of plain greedy completions runs as one job (Seesaw's
+        group); None: every batch runs line by line through `call`."""
+        self.store, self.call, self.offline = store, call, offline
         self.owner = owner or f"runner-{secrets.token_hex(6)}"
         self.concurrency, self.lease_s, self.poll_s = concurrency, lease_s, poll_s
         self.num_lines_run = 0  # lines this runner recorded (tests, stats)
+        self.num_offline_lines = 0  # of which the offline group answered
 
     async def run_forever(self) -> None:
         while True:
@@ -121,6 +152,7 @@ class BatchRunner:
         slots = asyncio.Semaphore(self.concurrency)
         tasks: set[asyncio.Task[None]] = set()
         try:
+            lines = await self._run_offline(batch_id, lines)
             for line in lines:
                 await slots.acquire()
                 if stop.is_set():
@@ -137,6 +169,25 @@ class BatchRunner:
         batch = await asyncio.to_thread(self.store.finish, batch_id)
         log.info("batch done", batch_id=batch_id, status=batch["status"],
                  counts=batch["request_counts"])  # fmt: skip
+
+    async def _run_offline(self, batch_id: str, lines: list[Line]) -> list[Line]:
+        """The batch as one offline job when every line can go; the lines left to run online."""
+        if self.offline is None or not lines or not all(offline_eligible(x) for x in lines):
+            return lines
+        try:
+            answers = await self.offline([line.body for line in lines])
+        except Exception as exc:  # noqa: BLE001 - the online API still runs the batch
+            log.warning("offline job failed; the batch runs online", batch_id=batch_id,
+                        error=repr(exc))  # fmt: skip
+            return lines
+        left = []
+        for line, answer in zip(lines, answers, strict=True):
+            if answer is None:
+                left.append(line)
+            elif await asyncio.to_thread(self.store.record, batch_id, line.line_no, *answer):
+                self.num_lines_run += 1
+                self.num_offline_lines += 1
+        return left
 
     async def _keep_lease(self, batch_id: str, stop: asyncio.Event) -> None:
         while True:

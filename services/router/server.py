@@ -44,7 +44,7 @@ from services.router.api_errors import (
     error_responses,
     install_error_handlers,
 )
-from services.router.batch_api import BatchApi, BatchRunner, asgi_caller
+from services.router.batch_api import BatchApi, BatchRunner, OfflineBackend, asgi_caller
 from services.router.batch_store import BatchStore
 from services.router.body_gate import BigBodyGate
 from services.router.choices import Outputs, best, choice_params, collect_all, merge, start_all
@@ -60,11 +60,14 @@ from services.router.logprobs_format import LogprobsFormatter
 from services.router.openai_api import (
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
     SamplingFields,
+    UsageInfo,
+    unix_now,
 )
 from services.router.prompt_work import BoundedPool, PromptWork
 from services.router.responses import ChatShapes, CompletionShapes
@@ -150,13 +153,15 @@ class Router:
         num_chat_processes: int = 1,
         batch_store: str | Path | None = None,
         batch_lease_s: float = 30.0,
+        offline: OfflineBackend | None = None,
     ) -> None:
         """`max_model_len`: the context a request may use (prompt + output), at most the model's;
         `api_key`: clients must send it as a Bearer token (None: the API is open);
         `num_chat_processes`: worker processes that render long chats (`PromptWork`);
         `batch_store`: the Batch API's SQLite file (None: no Batch API); `batch_lease_s`: how
         long a batch stays with a runner that stopped renewing it (a dead router's batches
-        resume elsewhere after it)."""
+        resume elsewhere after it); `offline`: Seesaw's group, which takes batches of plain
+        greedy completions as one job (None: every batch runs through the online API)."""
         self.client = client
         self.model_path = Path(model_path)
         self.tokenizer = Tokenizer(self.model_path)
@@ -178,11 +183,14 @@ class Router:
         self.stats_pool = BoundedPool("stats", _threads(1, "stats"), capacity=4)
         self.tokenization = Tokenization(self.prompt_work, self.model_name, self.max_model_len)
         self.batches: BatchApi | None = None
+        self.offline = offline
         self.app = self._build_app()
         if batch_store is not None:
             store = BatchStore(Path(batch_store).expanduser())
             call = asgi_caller(self.app, self.api_key)
-            self.batches = BatchApi(store, BatchRunner(store, call, lease_s=batch_lease_s))
+            job = self.offline_completions if offline is not None else None
+            runner = BatchRunner(store, call, lease_s=batch_lease_s, offline=job)
+            self.batches = BatchApi(store, runner)
             self.app.include_router(self.batches.routes([Depends(_bearer)]))
 
     def _build_app(self) -> FastAPI:
@@ -297,6 +305,40 @@ class Router:
         """Stop the router's worker threads and processes (the client is the caller's)."""
         for pool in (self.prompt_work, self.grammar_pool, self.stats_pool):
             pool.shutdown()
+
+    async def offline_completions(
+        self, bodies: list[dict[str, Any]]
+    ) -> list[tuple[int, dict[str, Any]] | None]:
+        """Plain greedy completions as one offline job: each body's (status, response), as
+        `/v1/completions` answers it; None for one left to the online API (one it would refuse,
+        or longer than the group's `max_len`: the online API says why, or runs it)."""
+        assert self.offline is not None
+        taken: list[tuple[int, CompletionRequest, list[int], int]] = []
+        for i, body in enumerate(bodies):
+            try:
+                request = CompletionRequest.model_validate(body)
+                self._check_request(request)
+                prompt_ids = await self._completion_prompt_ids(request.prompt)
+                max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
+            except (APIError, ValueError):
+                continue
+            if len(prompt_ids) + max_tokens <= self.offline.max_len:
+                taken.append((i, request, prompt_ids, max_tokens))
+        answers: list[tuple[int, dict[str, Any]] | None] = [None] * len(bodies)
+        if not taken:
+            return answers
+        outputs = await self.offline.generate([t[2] for t in taken], [t[3] for t in taken])
+        eos = set(self.model_config.eos_token_ids)
+        for (i, _, prompt_ids, _), out in zip(taken, outputs, strict=True):
+            stopped = bool(out) and out[-1] in eos
+            choice = CompletionChoice(index=0, text=self.tokenizer.decode(out),
+                                      finish_reason="stop" if stopped else "length")  # fmt: skip
+            response = CompletionResponse(
+                id=f"cmpl-{uuid.uuid4().hex}", created=unix_now(), model=self.model_name,
+                choices=[choice], usage=UsageInfo.of(len(prompt_ids), len(out)),
+            )  # fmt: skip
+            answers[i] = (200, response.model_dump())
+        return answers
 
     # ---- validation and admission ----
 

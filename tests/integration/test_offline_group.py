@@ -4,16 +4,23 @@ single-process engine's, for every mode, including jobs that cross many stage tr
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from common.engine.core import LLMEngine
 from common.sampling import SamplingParams
 from services.offline.group import MODES, OfflineGroup, OfflineGroupError
+from services.offline.service import LocalOffline, OfflineService
+from services.router.batch_api import asgi_caller
+from services.router.engine_client import InProcessEngineClient
+from services.router.server import Router
 
 PROMPTS = [[(7 * i + j) % 2000 + 5 for j in range(3 + i % 9)] for i in range(14)]
 MAX_TOKENS = [4 + i % 7 for i in range(14)]
@@ -52,6 +59,53 @@ def test_every_mode_gives_the_single_process_greedy_tokens(
 def test_a_request_that_does_not_fit_is_refused_before_anything_runs(group: OfflineGroup) -> None:
     with pytest.raises(ValueError, match="does not fit"):
         group.generate([[5] * 60], [10])
+
+
+def test_a_batch_of_greedy_completions_runs_as_one_offline_job(
+    group: OfflineGroup, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """Seesaw behind the Batch API: a batch of greedy completions goes to the group in one job,
+    each line's response equal to the online API's for the same body (the router's own app, in
+    process); a batch with one sampled line runs online, line by line."""
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=256)
+    service = OfflineService(group)
+    router = Router(InProcessEngineClient(engine), tiny_model_path, "tiny",
+                    batch_store=tmp_path / "b.sqlite", offline=LocalOffline(service))  # fmt: skip
+    greedy = [{"model": "tiny", "prompt": f"offline line {i}", "max_tokens": 3 + i,
+               "temperature": 0} for i in range(6)]  # fmt: skip
+    sampled = {"model": "tiny", "prompt": "sampled", "max_tokens": 3}
+    assert router.batches is not None
+    store, runner = router.batches.store, router.batches.runner
+
+    def batch(bodies: list[dict[str, Any]]) -> str:
+        rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": b}
+                for i, b in enumerate(bodies)]  # fmt: skip
+        content = "\n".join(json.dumps(r) for r in rows).encode()
+        file_id = store.create_file("batch", "in.jsonl", content)["id"]
+        return str(store.create_batch(file_id, "/v1/completions", "24h", None)["id"])
+
+    async def run() -> tuple[list[Any], list[dict[str, Any]]]:
+        offline_batch = batch(greedy)
+        await runner.run_batch(offline_batch)
+        assert runner.num_offline_lines == 6 and service.num_jobs == 1
+        await runner.run_batch(batch([*greedy[:2], sampled]))
+        assert runner.num_offline_lines == 6 and runner.num_lines_run == 9  # online, 3 lines
+        call = asgi_caller(router.app, None)
+        online = [await call("/v1/completions", b) for b in greedy]
+        out = store.file_content(store.get_batch(offline_batch)["output_file_id"])
+        return online, [json.loads(x) for x in out.decode().splitlines()]
+
+    try:
+        online, lines = asyncio.run(run())
+    finally:
+        router.shutdown()
+        router.client.shutdown()  # type: ignore[attr-defined]
+    assert [x["custom_id"] for x in lines] == [f"r{i}" for i in range(6)]
+    for (status, body, _), line in zip(online, lines, strict=True):
+        offline = line["response"]["body"]
+        assert status == 200 and offline["usage"] == body["usage"]
+        assert offline["choices"][0]["text"] == body["choices"][0]["text"]
+        assert offline["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
 
 
 def test_a_killed_worker_fails_the_job_instead_of_hanging(group: OfflineGroup) -> None:

@@ -59,7 +59,9 @@ def test_config_states_what_ray_would_default(name: str) -> None:
         args = AppArgs.model_validate(app["args"])  # the builder accepts these args
         for deployment in app["deployments"]:
             # Serve refuses a config naming a deployment the app does not have.
-            assert deployment["name"] in deployment_names(args.topology, args.mesh.model_peers)
+            offline = args.offline is not None
+            names = deployment_names(args.topology, args.mesh.model_peers, offline)
+            assert deployment["name"] in names
             # A replica takes a whole CPU unless told otherwise.
             assert "num_cpus" in deployment["ray_actor_options"]
 
@@ -226,7 +228,9 @@ def test_auto_lanes_reach_the_workers_as_auto_starting_at_one() -> None:
 def bound_names(app: Application) -> list[str]:
     """The deployments an application binds: the Router and the mesh it was bound with."""
     router = app._bound_deployment
-    return [router.name] + [a._bound_deployment.name for a in router.init_args[1:]]
+    offline = router.init_kwargs.get("offline")
+    extra = [offline._bound_deployment.name] if offline is not None else []
+    return [router.name] + [a._bound_deployment.name for a in router.init_args[1:]] + extra
 
 
 def test_model_peers_bind_the_model_peer_deployment_only_when_on() -> None:
@@ -346,3 +350,11 @@ def test_admission_limits_refuse_bounds_that_admit_nothing(limits: dict[str, Any
 
     with pytest.raises(ValueError):
         AdmissionLimits(**limits)
+
+
+def test_local_yaml_binds_seesaws_offline_group_behind_the_batch_api() -> None:
+    [app] = CONFIGS["local.yaml"]["applications"]
+    assert AppArgs.model_validate(app["args"]).offline is not None
+    assert bound_names(build_app(app["args"]))[-1] == "OfflineGroup"
+    with pytest.raises(ValueError, match="offline"):
+        AppArgs.model_validate(app["args"] | {"offline": {"workers": 0}})

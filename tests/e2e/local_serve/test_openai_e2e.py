@@ -332,3 +332,29 @@ def test_batch_api_gives_the_online_apis_greedy_outputs(client: openai.OpenAI) -
         assert batched == online.choices[0].message.content
     # Cancelling a finished batch changes nothing; the endpoint answers with the batch.
     assert client.batches.cancel(batch.id).status == "completed"
+
+
+def test_a_greedy_completions_batch_runs_on_seesaws_offline_group(
+    server: ServeRun, client: openai.OpenAI
+) -> None:
+    """deploy/local.yaml's `offline:` group takes a batch of plain greedy completions as one job
+    (its replica logs it); each output equals the online API's."""
+    bodies = [{"model": "tiny", "prompt": f"offline {i} is", "max_tokens": 4 + i,
+               "temperature": 0} for i in range(5)]  # fmt: skip
+    rows = [{"custom_id": f"o{i}", "method": "POST", "url": "/v1/completions", "body": b}
+            for i, b in enumerate(bodies)]  # fmt: skip
+    uploaded = client.files.create(file=("o.jsonl", "\n".join(json.dumps(r) for r in rows)
+                                         .encode()), purpose="batch")  # fmt: skip
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions",
+                                  completion_window="24h")  # fmt: skip
+    deadline = time.monotonic() + 180
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert time.monotonic() < deadline, batch.status
+        time.sleep(0.3)
+    assert batch.output_file_id is not None
+    out = [json.loads(line) for line in client.files.content(batch.output_file_id).text.split("\n")
+           if line]  # fmt: skip
+    for record, body in zip(out, bodies, strict=True):
+        online = client.completions.create(**body)
+        assert record["response"]["body"]["choices"][0]["text"] == online.choices[0].text
+    assert "offline job done" in server.log_tail(200_000)
