@@ -63,6 +63,10 @@ class AppArgs(_Args):
     # 0: one chunk per engine step. `services.router.streams.StreamInterval`.
     stream_interval: int = Field(default=1, ge=1)
     stream_interval_s: float = Field(default=0.0, ge=0)
+    # The router's GET /metrics: series named `vllm:...` (vLLM's names: its dashboards read
+    # them unchanged) or `phasemesh:...` (docs/observability.md). Ray's agent and OTLP keep
+    # `phasemesh_...` either way.
+    metrics_names: Literal["vllm", "phasemesh"] = "vllm"
     engine: EngineArgs = Field(default_factory=EngineArgs)
     mesh: MeshField = Field(default_factory=MeshOptions)
 

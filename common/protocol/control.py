@@ -232,6 +232,20 @@ ServiceReply = TokenOutput | TokenBatch | EngineStats
 Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
+class EngineCounters(msgspec.Struct, array_like=True, gc=False):
+    """An engine's counts since it started, for the router's `/metrics` (vLLM's engine series:
+    services/router/metrics_endpoint.py). Cumulative, so a lost report loses nothing."""
+
+    prefix_cache_queries: Count = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: Count = 0  # of which found cached
+    num_preemptions: Count = 0
+    kv_blocks_used: Count = 0  # where its decode KV lives, of the report's `total_kv_blocks`
+    # Tokens per forward pass: the count in each bucket of
+    # `common.telemetry.iteration_tokens.ITERATION_TOKEN_BUCKETS` (+Inf last), not cumulative.
+    iteration_tokens: list[Count] = []
+    iteration_tokens_sum: Count = 0
+
+
 class LoadReport(_Msg, tag="load"):
     """What JSQ needs (Splitwise §IV-A): pending prompt tokens, decode tokens, free KV blocks."""
 
@@ -274,3 +288,4 @@ class LoadReport(_Msg, tag="load"):
     # refuses at once a request that could never fit there.
     received_handoffs: dict[str, Count] = {}
     total_kv_blocks: Count = 0
+    counters: EngineCounters | None = None  # for the router's /metrics; None: not reported

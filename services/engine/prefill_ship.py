@@ -66,6 +66,7 @@ class Prefill:
     def _forward(self, batch: Batch, table: RequestTable, plan: StepPlan) -> list[SampledRow]:
         start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
         self.num_computed_tokens += batch.num_tokens
+        self.telemetry.iteration_tokens.observe(batch.num_tokens)
         reqs = [table.requests[s.req_id] for s in batch.seqs]
         sampled = forward_and_sample(self.runner, self.sampler, plan, reqs, batch.phase)
         self.telemetry.prefill_done(batch.seqs, start_ns, time.time_ns())

@@ -42,6 +42,7 @@ from common.telemetry.batch_spans import (
     is_sampled,
     start_step_span,
 )
+from common.telemetry.iteration_tokens import IterationTokens
 from common.telemetry.spans import record_kv_transfer, record_prefill
 from services.engine.kv_shipper import KvRoute
 
@@ -100,6 +101,9 @@ class EngineTelemetry:
         # (predicted s, measured s, kind) when a tier policy predicts them (`EngineStats`).
         self.num_decode_steps = self.num_two_batch_steps = 0
         self.step_times: deque[tuple[float, float, int]] = deque(maxlen=4096)
+        # Tokens per forward (prefill batches: `Prefill` counts them; decode steps: here), for
+        # the load report's `EngineCounters`.
+        self.iteration_tokens = IterationTokens()
 
     # -- arrivals ---------------------------------------------------------------------------------
 
@@ -192,6 +196,7 @@ class EngineTelemetry:
 
     def decode_step(self, batch_size: int, two_batches: bool) -> None:
         self.batch_sizes["decode"] = batch_size
+        self.iteration_tokens.observe(batch_size)
         self.num_decode_steps += 1
         self.num_two_batch_steps += two_batches
 
