@@ -22,7 +22,6 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.telemetry.metrics import ROUTER_SPECS, MetricSpec, Recorder
 
@@ -31,7 +30,8 @@ from common.telemetry.metrics import ROUTER_SPECS, MetricSpec, Recorder
 disable_created_metrics()
 
 MetricsNames = Literal["vllm", "phasemesh"]
-CONTENT_TYPE = CONTENT_TYPE_LATEST  # Prometheus text format 0.0.4
+# The classic text format (vLLM's, what every Prometheus reads; `vllm:` names need nothing newer).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def prometheus_name(spec: MetricSpec, prefix: str) -> str:
