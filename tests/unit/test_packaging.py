@@ -100,14 +100,12 @@ def test_dockerfile_builds_the_image_rayservice_runs() -> None:
     package_at = next(i for i, r in enumerate(runs) if "pip install --no-cache-dir . " in r + " ")
     assert torch_at < package_at  # torch first: the package's own pin would pull CUDA's
     assert "--no-build-isolation ./csrc" in runs[package_at]  # the kernel, on that torch
-    copied = {args.split()[-2] for op, args in steps if op == "COPY"}
-    copied |= {
-        src for op, args in steps if op == "COPY" for src in args.split()[1:-1]
+    copied = {
+        src for op, args in steps if op == "COPY" for src in args.split()[:-1]
         if not src.startswith("--")
     }  # fmt: skip
-    packages = {
-        p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
-    }
+    found = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in found}
     assert packages | {"pyproject.toml", PROJECT["readme"], "csrc"} <= copied
     assert all((ROOT / src).exists() for src in copied)
     ignored = [line for line in (ROOT / ".dockerignore").read_text().splitlines()
