@@ -25,7 +25,8 @@ from common.protocol import LoadReport, TokenLogprobs
 from common.roles import Role
 from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import EngineScheduler, Phase, Sequence
-from common.telemetry.iteration_tokens import IterationTokens, engine_counters
+from common.telemetry.engine_counts import EngineHistograms, engine_counters
+from common.telemetry.metrics import ITERATION_TOKENS
 from common.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -61,7 +62,7 @@ class LLMEngine:
         self.grammars = EngineGrammars(folder, self.model_config.vocab_size,
                                        self.model_config.eos_token_ids)  # fmt: skip
         self.requests: dict[str, Request] = {}
-        self.iteration_tokens = IterationTokens()  # tokens per forward (`load_report`)
+        self.histograms = EngineHistograms()  # tokens per forward (`load_report`)
         log.info("engine ready", attention=backend.name, kv_blocks=c.num_blocks)
         if self.max_model_len < self.model_config.max_position_embeddings:
             log.warning("the KV cache holds less than the model's context: requests are capped",
@@ -138,7 +139,7 @@ class LLMEngine:
         if batch is None:
             return []
         reqs = [self.requests[s.req_id] for s in batch.seqs]
-        self.iteration_tokens.observe(batch.num_tokens)
+        self.histograms.observe(ITERATION_TOKENS, batch.num_tokens)
         inputs = self.runner.prepare(batch, {r.req_id: r.all_token_ids for r in reqs})
         rows = forward_and_sample(self.runner, self.sampler, inputs, reqs, batch.phase)
         outputs = [self._append(req, row) for req, row in zip(reqs, rows, strict=True)]
@@ -163,7 +164,7 @@ class LLMEngine:
             counters=engine_counters(
                 queried=blocks.num_queried_tokens, hits=blocks.num_hit_tokens,
                 preemptions=self.scheduler.num_preemptions, kv_blocks_used=blocks.num_used_blocks,
-                iterations=self.iteration_tokens,
+                histograms=self.histograms,
             ),
         )  # fmt: skip
 

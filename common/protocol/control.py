@@ -232,6 +232,14 @@ ServiceReply = TokenOutput | TokenBatch | EngineStats
 Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
+class HistogramCounts(msgspec.Struct, array_like=True, gc=False):
+    """One histogram's samples since start: the count in each bucket (+Inf last; not cumulative)
+    and their sum."""
+
+    counts: list[Count]
+    sum: float = 0.0
+
+
 class EngineCounters(msgspec.Struct, array_like=True, gc=False):
     """An engine's counts since it started, for the router's `/metrics` (vLLM's engine series:
     services/router/metrics_endpoint.py). Cumulative, so a lost report loses nothing."""
@@ -240,10 +248,9 @@ class EngineCounters(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_hits: Count = 0  # of which found cached
     num_preemptions: Count = 0
     kv_blocks_used: Count = 0  # where its decode KV lives, of the report's `total_kv_blocks`
-    # Tokens per forward pass: the count in each bucket of
-    # `common.telemetry.iteration_tokens.ITERATION_TOKEN_BUCKETS` (+Inf last), not cumulative.
-    iteration_tokens: list[Count] = []
-    iteration_tokens_sum: Count = 0
+    # By metric name without its prefix (`iteration_tokens_total`, `request_queue_time_seconds`,
+    # ...), in that metric's buckets (`common.telemetry.engine_counts.REPORTED_HISTOGRAMS`).
+    histograms: dict[str, HistogramCounts] = {}
 
 
 class LoadReport(_Msg, tag="load"):

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import metrics
 from opentelemetry.metrics import Meter
 
-from common.telemetry.iteration_tokens import ITERATION_TOKEN_BUCKETS
 from common.telemetry.setup import telemetry_is_off
 from common.telemetry.spans import OPERATION, PROVIDER, PROVIDER_NAME, REQUEST_MODEL
 
@@ -43,6 +42,9 @@ SHARD_RTT_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01,
 GENAI_DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))
 GENAI_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
+# Tokens per forward pass: vLLM's `iteration_tokens_total` buckets.
+ITERATION_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+                           8192.0, 16384.0)  # fmt: skip
 # Tokens of one request: vLLM's 1-2-5 buckets, here to a million.
 TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))[:19]
 
@@ -68,6 +70,11 @@ class MetricSpec:
     @property
     def labels(self) -> tuple[str, ...]:
         return BASE_LABELS + self.extra_labels
+
+
+def short_name(name: str) -> str:
+    """A metric's name without its prefix: `phasemesh:x` -> `x`."""
+    return name.split(":", 1)[1]
 
 
 def _hist(name: str, description: str, buckets: tuple[float, ...], *extra: str) -> MetricSpec:
@@ -154,7 +161,7 @@ ITERATION_TOKENS = MetricSpec(
     "histogram",
     "{token}",
     "Tokens per forward pass",
-    buckets=tuple(float(b) for b in ITERATION_TOKEN_BUCKETS),
+    buckets=ITERATION_TOKEN_BUCKETS,
 )
 REPORTED_SPECS = (
     RUNNING, WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS,

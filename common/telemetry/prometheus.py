@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from common.telemetry.metrics import ROUTER_SPECS, MetricSpec, Recorder
+from common.telemetry.metrics import ROUTER_SPECS, MetricSpec, Recorder, short_name
 
 # No `_created` series beside each counter and histogram (the series vLLM users know; Prometheus
 # needs none of them). A process-wide switch of prometheus-client, set where the router imports it.
@@ -36,7 +36,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 def prometheus_name(spec: MetricSpec, prefix: str) -> str:
     """`phasemesh:x` as served under `prefix`: `vllm:x` or `phasemesh:x`."""
-    return f"{prefix}:{spec.name.split(':', 1)[1]}"
+    return f"{prefix}:{short_name(spec.name)}"
 
 
 class PrometheusSink:

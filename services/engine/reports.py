@@ -17,7 +17,7 @@ from common.protocol import EngineStats, LoadReport, ShardAddress
 from common.roles import Role
 from common.scheduling.batching import EngineScheduler
 from common.scheduling.role_lease import RoleLease
-from common.telemetry.iteration_tokens import engine_counters
+from common.telemetry.engine_counts import engine_counters
 from services.engine.admission import DecodeAdmission
 from services.engine.kv_tiers import KvTiers
 from services.engine.prefill_ship import Prefill
@@ -116,7 +116,7 @@ class EngineReports:
                 kv_blocks_used=self.admission.shard_blocks.num_used_blocks
                 if shards
                 else self.blocks.num_used_blocks,
-                iterations=self.telemetry.iteration_tokens,
+                histograms=self.telemetry.histograms,
             ),
         )
 

@@ -2,7 +2,8 @@
 
 The router records its own series as requests pass (`common.telemetry.prometheus.PrometheusSink`);
 what the engines hold (requests running and waiting, KV cache usage, prefix-cache queries and
-hits, preemptions, tokens per forward) it reads from their latest load reports, which carry
+hits, preemptions, and the histograms of tokens per forward and of queue, prefill and decode time,
+`common.telemetry.engine_counts`) it reads from their latest load reports, which carry
 `EngineCounters` (common/protocol/control.py): `EngineSeries` is a prometheus-client collector
 over them, one series per engine (`engine` = its service id, as vLLM labels an engine by its
 index). The mesh client keeps each engine's latest report (`LatestReports`, fed by the inbox's
@@ -17,6 +18,7 @@ engine) gives its running and waiting gauges only. A collector that raises makes
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,10 +33,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from common.protocol import LoadReport
-from common.telemetry.iteration_tokens import ITERATION_TOKEN_BUCKETS
+from common.telemetry.engine_counts import REPORTED_HISTOGRAMS
 from common.telemetry.metrics import (
     BASE_LABELS,
-    ITERATION_TOKENS,
     KV_CACHE_USAGE,
     PREEMPTIONS,
     PREFIX_CACHE_HITS,
@@ -42,13 +43,13 @@ from common.telemetry.metrics import (
     RUNNING,
     WAITING,
     MetricSpec,
+    short_name,
 )
 from common.telemetry.prometheus import prometheus_name
 
 # Engines report every LOAD_REPORT_INTERVAL_S (services/engine/worker.py), busy or idle: one
 # silent this long has gone.
 REPORT_STALE_S = 5.0
-_LE = [floatToGoString(b) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
 
 
 class LatestReports:
@@ -88,9 +89,11 @@ class EngineSeries(Collector):
         queries, hits, preemptions = (
             self._counter(s) for s in (PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS)
         )
-        iterations = HistogramMetricFamily(
-            self._name(ITERATION_TOKENS), ITERATION_TOKENS.description, labels=BASE_LABELS
-        )
+        histograms = [
+            (short_name(spec.name), [*map(floatToGoString, spec.buckets), "+Inf"],
+             HistogramMetricFamily(self._name(spec), spec.description, labels=BASE_LABELS))
+            for spec in REPORTED_HISTOGRAMS
+        ]  # fmt: skip
         for report in sorted(self.reports(), key=lambda r: r.engine_id):
             values = [self.model_name, report.engine_id]
             running.add_metric(values, report.num_running)
@@ -103,13 +106,13 @@ class EngineSeries(Collector):
             queries.add_metric(values, counters.prefix_cache_queries)
             hits.add_metric(values, counters.prefix_cache_hits)
             preemptions.add_metric(values, counters.num_preemptions)
-            if len(counters.iteration_tokens) == len(_LE):  # other buckets: not comparable
-                cumulative, buckets = 0, []
-                for le, count in zip(_LE, counters.iteration_tokens, strict=True):
-                    cumulative += count
-                    buckets.append((le, cumulative))
-                iterations.add_metric(values, buckets, counters.iteration_tokens_sum)
-        yield from (running, waiting, usage, queries, hits, preemptions, iterations)
+            for name, bounds, family in histograms:
+                counts = counters.histograms.get(name)
+                if counts is not None and len(counts.counts) == len(bounds):  # else not ours
+                    cumulative = zip(bounds, itertools.accumulate(counts.counts), strict=True)
+                    family.add_metric(values, list(cumulative), counts.sum)
+        yield from (running, waiting, usage, queries, hits, preemptions)
+        yield from (family for _, _, family in histograms)
 
     def _name(self, spec: MetricSpec) -> str:
         return prometheus_name(spec, self.prefix)

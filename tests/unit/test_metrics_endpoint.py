@@ -20,7 +20,8 @@ from prometheus_client.samples import Sample
 from common.engine.core import LLMEngine
 from common.protocol import EngineCounters, LoadReport
 from common.roles import Role
-from common.telemetry.iteration_tokens import ITERATION_TOKEN_BUCKETS, IterationTokens
+from common.telemetry.engine_counts import BucketCounts, EngineHistograms
+from common.telemetry.metrics import ITERATION_TOKEN_BUCKETS, ITERATION_TOKENS, QUEUE_TIME
 from common.telemetry.prometheus import PrometheusSink
 from services.router.engine_client import InProcessEngineClient
 from services.router.metrics_endpoint import EngineSeries, LatestReports
@@ -134,13 +135,13 @@ def test_phasemesh_names_switch_every_series(tiny_model_path: Path) -> None:
 
 
 def counters(used: int, preempted: int, iteration_sizes: list[int]) -> EngineCounters:
-    iterations = IterationTokens()
+    histograms = EngineHistograms()
     for size in iteration_sizes:
-        iterations.observe(size)
+        histograms.observe(ITERATION_TOKENS, size)
+    histograms.observe(QUEUE_TIME, 0.03)
     return EngineCounters(
         prefix_cache_queries=100, prefix_cache_hits=48, num_preemptions=preempted,
-        kv_blocks_used=used, iteration_tokens=iterations.counts,
-        iteration_tokens_sum=iterations.total,
+        kv_blocks_used=used, histograms=histograms.snapshot(),
     )  # fmt: skip
 
 
@@ -177,7 +178,13 @@ def test_engine_series_one_per_reporting_engine() -> None:
     assert buckets["1.0"] == 2 and buckets["256.0"] == 2 and buckets["512.0"] == 3
     assert buckets["16384.0"] == 3 and buckets["+Inf"] == 4
     assert value(found, "vllm:iteration_tokens_total_sum", engine="token-1") == 20302
-    assert value(found, "vllm:iteration_tokens_total_count", engine="token-2") == 0
+    assert not [s for s in found["vllm:iteration_tokens_total_count"]
+                if s.labels["engine"] == "token-2"]  # fmt: skip
+    # The engines' phase histograms, in the names vLLM's dashboards query.
+    assert value(found, "vllm:request_queue_time_seconds_count", engine="token-2") == 1
+    assert value(found, "vllm:request_queue_time_seconds_bucket", engine="token-2", le="0.04") == 1
+    assert value(found, "vllm:request_queue_time_seconds_bucket", engine="token-2", le="0.02") == 0
+    assert value(found, "vllm:request_queue_time_seconds_sum", engine="token-2") == 0.03
 
     now[0] += 2.0  # token-1 and prompt-1 silent for 6 s: gone from the exposition
     found = samples(sink.render().decode())
@@ -187,11 +194,11 @@ def test_engine_series_one_per_reporting_engine() -> None:
 def test_iteration_buckets_match_vllm() -> None:
     assert ITERATION_TOKEN_BUCKETS == (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
                                        16384)  # fmt: skip
-    iterations = IterationTokens()
-    for size in (0, 1, 8, 9, 16384, 16385):
+    iterations = BucketCounts(ITERATION_TOKEN_BUCKETS)
+    for size in (1, 8, 9, 16384, 16385):
         iterations.observe(size)
     assert iterations.counts[:4] == [1, 1, 1, 0] and iterations.counts[-2:] == [1, 1]
-    assert iterations.total == 1 + 8 + 9 + 16384 + 16385  # an empty batch is no forward
+    assert iterations.total == 1 + 8 + 9 + 16384 + 16385
 
 
 def test_metrics_names_is_an_app_option() -> None:

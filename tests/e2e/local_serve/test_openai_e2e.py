@@ -287,6 +287,9 @@ def test_router_metrics_endpoint_has_vllm_series(server: ServeRun, client: opena
     # The prefill (40 tokens) on the prompt engine, 3 decode steps on the token engine.
     assert grown["vllm:iteration_tokens_total_count"] >= 4
     assert grown["vllm:iteration_tokens_total_sum"] >= 43
+    # Its phases, timed by the engines (vLLM's dashboards plot these).
+    for phase in ("queue", "prefill", "decode"):
+        assert grown[f"vllm:request_{phase}_time_seconds_count"] == 1
     # The same registry through Serve's proxy, and open like /health.
     assert vllm_totals(server.proxy_url)["vllm:request_success_total"] >= 1
 
