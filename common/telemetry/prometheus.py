@@ -11,8 +11,8 @@ read from elsewhere at scrape time (the engines' load reports) are collectors re
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 from prometheus_client import (
     CollectorRegistry,
@@ -62,12 +62,29 @@ class PrometheusSink:
         name, doc, labels, registry = self.name(spec), spec.description, spec.labels, self.registry
         if spec.kind == "histogram":
             histogram = Histogram(name, doc, labels, registry=registry, buckets=spec.buckets)
-            return lambda value, tags: histogram.labels(**tags).observe(value)
+            child = _children(histogram)
+            return lambda value, tags: child(tags).observe(value)
         if spec.kind == "gauge":
-            gauge = Gauge(name, doc, labels, registry=registry)
-            return lambda value, tags: gauge.labels(**tags).set(value)
-        counter = Counter(name, doc, labels, registry=registry)  # `_total` is added back
-        return lambda value, tags: counter.labels(**tags).inc(value)
+            gauge = _children(Gauge(name, doc, labels, registry=registry))
+            return lambda value, tags: gauge(tags).set(value)
+        counter = _children(Counter(name, doc, labels, registry=registry))  # `_total` added back
+        return lambda value, tags: counter(tags).inc(value)
+
+
+def _children(metric: Any) -> Callable[[dict[str, str]], Any]:
+    """`metric.labels(**tags)`, each label set's child looked up once: label values are fixed
+    words (docs/observability.md), so the children are few, and the per-token path (TBT) skips
+    prometheus-client's lock and label checks."""
+    children: dict[tuple[tuple[str, str], ...], Any] = {}
+
+    def child(tags: dict[str, str]) -> Any:
+        key = tuple(tags.items())
+        found = children.get(key)
+        if found is None:
+            found = children[key] = metric.labels(**tags)
+        return found
+
+    return child
 
 
 __all__ = ["CONTENT_TYPE", "MetricsNames", "PrometheusSink", "prometheus_name"]
