@@ -42,6 +42,7 @@ from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.roles import Role
 from common.telemetry import Metrics, configure_logging, configure_telemetry
+from common.telemetry.prometheus import PrometheusSink
 from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig, role_config
 from services.app_args import AppArgs, EngineArgs
@@ -79,7 +80,7 @@ def deployment_names(topology: str, model_peers: int = 0, offline: bool = False)
     return DEPLOYMENT_NAMES + ((MODEL_PEER_DEPLOYMENT,) if model_peers else ()) + extra
 
 
-def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
+def _make_client(args: AppArgs, replica_id: str, metrics: Metrics) -> EngineClient:
     if args.topology == "local":
         e = args.engine
 
@@ -89,7 +90,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
 
         threads = e.num_threads or machine_threads()
         _check_openmp(os.environ, threads, "Router")
-        return InProcessEngineClient(build=build, num_threads=threads)
+        return InProcessEngineClient(build=build, num_threads=threads, engine_id=replica_id)
     registry = RayRegistry.for_app(serve.get_replica_context().app_name)
     return MeshEngineClient(
         args.model_path(),
@@ -101,7 +102,7 @@ def _make_client(args: AppArgs, replica_id: str) -> EngineClient:
         progress_timeout_s=args.mesh.progress_timeout_s,
         prefix_routing_weight=args.mesh.prefix_routing_weight,
         pool_thresholds=args.mesh.pools.thresholds(),
-        metrics=Metrics(model_name=args.model_name(), engine=replica_id),
+        metrics=metrics,
     )
 
 
@@ -191,7 +192,11 @@ class RouterDeployment:
         self.args = AppArgs.model_validate(args)
         replica_id = _service_id("router")
         _configure_observability("router", replica_id)
-        self.client = _make_client(self.args, replica_id)
+        # /metrics: one registry for the router's series and its mesh client's (migrations, pools).
+        prometheus = PrometheusSink(self.args.metrics_names)
+        metrics = Metrics(model_name=self.args.model_name(), engine=replica_id,
+                          prometheus=prometheus)  # fmt: skip
+        self.client = _make_client(self.args, replica_id, metrics)
         self.client.streams.interval = StreamInterval(
             self.args.stream_interval, self.args.stream_interval_s
         )
@@ -200,6 +205,7 @@ class RouterDeployment:
             max_model_len=self.args.max_model_len, api_key=self.args.resolved_api_key(),
             batch_store=self.args.batch_store,
             offline=None if offline is None else ServedOffline(offline, self.args.offline),
+            prometheus=prometheus,
         )  # fmt: skip
         log.info("router ready", model=self.router.model_name, topology=self.args.topology)
 

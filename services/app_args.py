@@ -86,6 +86,10 @@ class AppArgs(_Args):
     # Seesaw's offline group behind the Batch API (its own deployment; services/offline/); None:
     # batches run through the online API only.
     offline: OfflineField = None
+    # The router's GET /metrics: series named `vllm:...` (vLLM's names: its dashboards read
+    # them unchanged) or `phasemesh:...` (docs/observability.md). Ray's agent and OTLP keep
+    # `phasemesh_...` either way.
+    metrics_names: Literal["vllm", "phasemesh"] = "vllm"
     engine: EngineArgs = Field(default_factory=EngineArgs)
     mesh: MeshField = Field(default_factory=MeshOptions)
 

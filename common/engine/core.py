@@ -6,6 +6,7 @@ compared against token for token.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,9 +21,12 @@ from common.engine.request import FinishReason, Request, RequestOutput, check_pr
 from common.engine.runner import Inputs, ModelRunner, StepInputs
 from common.kv_cache import KVCache
 from common.model.loader import load_model
-from common.protocol import TokenLogprobs
+from common.protocol import LoadReport, TokenLogprobs
+from common.roles import Role
 from common.sampling import SampledRow, Sampler, SamplingParams
 from common.scheduling.batching import EngineScheduler, Phase, Sequence
+from common.telemetry.engine_counts import EngineHistograms, engine_counters
+from common.telemetry.metrics import ITERATION_TOKENS
 from common.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -58,6 +62,7 @@ class LLMEngine:
         self.grammars = EngineGrammars(folder, self.model_config.vocab_size,
                                        self.model_config.eos_token_ids)  # fmt: skip
         self.requests: dict[str, Request] = {}
+        self.histograms = EngineHistograms()  # tokens per forward (`load_report`)
         log.info("engine ready", attention=backend.name, kv_blocks=c.num_blocks)
         if self.max_model_len < self.model_config.max_position_embeddings:
             log.warning("the KV cache holds less than the model's context: requests are capped",
@@ -134,6 +139,7 @@ class LLMEngine:
         if batch is None:
             return []
         reqs = [self.requests[s.req_id] for s in batch.seqs]
+        self.histograms.observe(ITERATION_TOKENS, batch.num_tokens)
         inputs = self.runner.prepare(batch, {r.req_id: r.all_token_ids for r in reqs})
         rows = forward_and_sample(self.runner, self.sampler, inputs, reqs, batch.phase)
         outputs = [self._append(req, row) for req, row in zip(reqs, rows, strict=True)]
@@ -142,6 +148,25 @@ class LLMEngine:
         for req_id in finished:
             del self.requests[req_id]
         return outputs
+
+    def load_report(self, engine_id: str) -> LoadReport:
+        """Its load and counters as a mesh engine reports them (the router's `/metrics`). Safe
+        from another thread than the one stepping it: counts and lengths, each read at once."""
+        blocks = self.blocks
+        running = len(self.scheduler.policy.running)
+        return LoadReport(
+            engine_id=engine_id, role=Role.MIXED,
+            pending_prompt_tokens=max(self.scheduler.pending_prompt_tokens(), 0),
+            running_decode_tokens=0, num_running=running,
+            num_waiting=max(len(self.requests) - running, 0),
+            free_kv_blocks=blocks.num_free_blocks, time=time.time(),
+            total_kv_blocks=blocks.num_blocks,
+            counters=engine_counters(
+                queried=blocks.num_queried_tokens, hits=blocks.num_hit_tokens,
+                preemptions=self.scheduler.num_preemptions, kv_blocks_used=blocks.num_used_blocks,
+                histograms=self.histograms,
+            ),
+        )  # fmt: skip
 
     def _append(self, req: Request, sampled: SampledRow) -> RequestOutput:
         """One request's token, or its end if anything about it failed (its batch-mates go on)."""

@@ -232,6 +232,27 @@ ServiceReply = TokenOutput | TokenBatch | EngineStats
 Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
+class HistogramCounts(msgspec.Struct, array_like=True, gc=False):
+    """One histogram's samples since start: the count in each bucket (+Inf last; not cumulative)
+    and their sum."""
+
+    counts: list[Count]
+    sum: float = 0.0
+
+
+class EngineCounters(msgspec.Struct, array_like=True, gc=False):
+    """An engine's counts since it started, for the router's `/metrics` (vLLM's engine series:
+    services/router/metrics_endpoint.py). Cumulative, so a lost report loses nothing."""
+
+    prefix_cache_queries: Count = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: Count = 0  # of which found cached
+    num_preemptions: Count = 0
+    kv_blocks_used: Count = 0  # where its decode KV lives, of the report's `total_kv_blocks`
+    # By metric name without its prefix (`iteration_tokens_total`, `request_queue_time_seconds`,
+    # ...), in that metric's buckets (`common.telemetry.engine_counts.REPORTED_HISTOGRAMS`).
+    histograms: dict[str, HistogramCounts] = {}
+
+
 class LoadReport(_Msg, tag="load"):
     """What JSQ needs (Splitwise §IV-A): pending prompt tokens, decode tokens, free KV blocks."""
 
@@ -274,3 +295,4 @@ class LoadReport(_Msg, tag="load"):
     # refuses at once a request that could never fit there.
     received_handoffs: dict[str, Count] = {}
     total_kv_blocks: Count = 0
+    counters: EngineCounters | None = None  # for the router's /metrics; None: not reported

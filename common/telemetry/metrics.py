@@ -1,4 +1,5 @@
-"""Serving metrics named as vLLM names them, recorded to OpenTelemetry and to Ray's metrics.
+"""Serving metrics named as vLLM names them, recorded to OpenTelemetry, to Ray's metrics and, in
+the router, to its own `/metrics` (prometheus-client, `common.telemetry.prometheus`).
 
 Names are written vLLM-style (`phasemesh:time_to_first_token_seconds`), but neither sink accepts
 the colon: OpenTelemetry instrument names must match `[a-zA-Z][-_./a-zA-Z0-9]*`, and Ray 2.60
@@ -17,7 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import metrics
 from opentelemetry.metrics import Meter
@@ -41,6 +42,12 @@ SHARD_RTT_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01,
 GENAI_DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))
 GENAI_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
+# Tokens per forward pass: vLLM's `iteration_tokens_total` buckets.
+ITERATION_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+                           8192.0, 16384.0)  # fmt: skip
+# Tokens of one request: vLLM's 1-2-5 buckets, here to a million.
+TOKEN_COUNT_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))[:19]
+
 BASE_LABELS = ("model_name", "engine")
 
 
@@ -63,6 +70,11 @@ class MetricSpec:
     @property
     def labels(self) -> tuple[str, ...]:
         return BASE_LABELS + self.extra_labels
+
+
+def short_name(name: str) -> str:
+    """A metric's name without its prefix: `phasemesh:x` -> `x`."""
+    return name.split(":", 1)[1]
 
 
 def _hist(name: str, description: str, buckets: tuple[float, ...], *extra: str) -> MetricSpec:
@@ -109,23 +121,71 @@ POOL_LOANS = _counter(
     "pool_loans_total", "{loan}", "Times an engine was lent to the mixed pool (by itself)", "home"
 )
 
+REQUEST_PROMPT_TOKENS = MetricSpec(
+    "phasemesh:request_prompt_tokens",
+    "histogram",
+    "{token}",
+    "Prompt tokens of a request",
+    buckets=TOKEN_COUNT_BUCKETS,
+)
+REQUEST_GENERATION_TOKENS = MetricSpec(
+    "phasemesh:request_generation_tokens", "histogram", "{token}",
+    "Generated tokens of a request", buckets=TOKEN_COUNT_BUCKETS,
+)  # fmt: skip
+
 METRIC_SPECS = (
     TTFT, TBT, E2E, TPOT, QUEUE_TIME, PREFILL_TIME, DECODE_TIME, KV_TRANSFER_TIME, SHARD_RTT,
     RUNNING, WAITING, KV_BLOCKS_USED, BATCH_SIZE, PROMPT_TOKENS, GENERATION_TOKENS,
     KV_TRANSFER_BYTES, REQUEST_SUCCESS, REQUEST_ERRORS, MIGRATIONS, POOL_ENGINES, POOL_LOANS,
+    REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
+)  # fmt: skip
+
+# What the router records itself, on its `/metrics` too.
+ROUTER_SPECS = (
+    TTFT, TBT, E2E, TPOT, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, REQUEST_ERRORS,
+    MIGRATIONS, POOL_ENGINES, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
+)  # fmt: skip
+
+# The router's `/metrics` only: each engine's, read from its load reports (`EngineCounters`);
+# with RUNNING and WAITING, vLLM's engine series. No OpenTelemetry or Ray instrument.
+KV_CACHE_USAGE = _gauge("kv_cache_usage_perc", "1", "KV cache usage; 1 means 100 percent")
+PREFIX_CACHE_QUERIES = _counter(
+    "prefix_cache_queries_total", "{token}", "Prefix cache queries, in prompt tokens looked up"
+)
+PREFIX_CACHE_HITS = _counter(
+    "prefix_cache_hits_total", "{token}", "Prefix cache hits, in prompt tokens found cached"
+)
+PREEMPTIONS = _counter("num_preemptions_total", "{preemption}", "Requests preempted")
+ITERATION_TOKENS = MetricSpec(
+    "phasemesh:iteration_tokens_total",
+    "histogram",
+    "{token}",
+    "Tokens per forward pass",
+    buckets=ITERATION_TOKEN_BUCKETS,
+)
+REPORTED_SPECS = (
+    RUNNING, WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS,
+    ITERATION_TOKENS,
 )  # fmt: skip
 
 Recorder = Callable[..., Any]
 
+if TYPE_CHECKING:
+    from common.telemetry.prometheus import PrometheusSink
+
 
 class _Sink:
-    """One metric, recorded to OpenTelemetry and, when Ray metrics are on, to Ray."""
+    """One metric, recorded to OpenTelemetry, when Ray metrics are on to Ray, and to the
+    router's `/metrics` when it serves this metric."""
 
-    __slots__ = ("_otel", "_ray", "_is_counter")
+    __slots__ = ("_otel", "_ray", "_prometheus", "_is_counter")
 
-    def __init__(self, spec: MetricSpec, meter: Meter, use_ray: bool):
+    def __init__(
+        self, spec: MetricSpec, meter: Meter, use_ray: bool, prometheus: PrometheusSink | None
+    ):
         self._otel = _otel_recorder(spec, meter)
         self._ray = _ray_recorder(spec) if use_ray else None
+        self._prometheus = prometheus.recorder(spec) if prometheus is not None else None
         self._is_counter = spec.kind == "counter"
 
     def record(self, value: float, labels: dict[str, str]) -> None:
@@ -134,6 +194,8 @@ class _Sink:
         self._otel(value, labels)
         if self._ray is not None:
             self._ray(value, tags=labels)
+        if self._prometheus is not None:
+            self._prometheus(value, labels)
 
 
 def _otel_recorder(spec: MetricSpec, meter: Meter) -> Recorder:
@@ -169,8 +231,9 @@ class Metrics:
     """The serving metrics of one service replica, labelled `model_name` and `engine`.
 
     Record methods take seconds, counts or bytes. `use_ray=None` records to Ray's metrics when
-    Ray is running in this process (and telemetry is not `off`). Build it after
-    `configure_telemetry` (or pass a `meter`).
+    Ray is running in this process (and telemetry is not `off`); `prometheus`: the router's
+    `/metrics` registry, which records the metrics it serves (`ROUTER_SPECS`) whatever the
+    exporter. Build it after `configure_telemetry` (or pass a `meter`).
     """
 
     def __init__(
@@ -180,11 +243,12 @@ class Metrics:
         engine: str = "",
         meter: Meter | None = None,
         use_ray: bool | None = None,
+        prometheus: PrometheusSink | None = None,
     ):
         meter = meter or metrics.get_meter("phasemesh")
         use_ray = ray_is_running() and not telemetry_is_off() if use_ray is None else use_ray
         self.labels = {"model_name": model_name, "engine": engine}
-        self._sinks = {spec.name: _Sink(spec, meter, use_ray) for spec in METRIC_SPECS}
+        self._sinks = {spec.name: _Sink(spec, meter, use_ray, prometheus) for spec in METRIC_SPECS}
         self._genai = _GenAiMetrics(meter, model_name)
 
     # Latencies (seconds).
@@ -203,6 +267,11 @@ class Metrics:
     def record_tpot(self, seconds: float, operation: str = "text_completion") -> None:
         self._sinks[TPOT.name].record(seconds, self.labels)
         self._genai.tpot.record(seconds, self._genai.attributes(operation))
+
+    def record_request_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """A prefilled request's token counts, at its end."""
+        self._sinks[REQUEST_PROMPT_TOKENS.name].record(num_prompt_tokens, self.labels)
+        self._sinks[REQUEST_GENERATION_TOKENS.name].record(num_generation_tokens, self.labels)
 
     def record_queue_time(self, seconds: float) -> None:
         self._sinks[QUEUE_TIME.name].record(seconds, self.labels)

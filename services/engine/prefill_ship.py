@@ -16,6 +16,7 @@ from common.engine.request import Request
 from common.protocol import DecodeHandoff, KvEvent, ShardAddress
 from common.sampling import SampledRow, Sampler
 from common.scheduling.batching import Batch
+from common.telemetry.metrics import ITERATION_TOKENS
 from services.engine.kv_shipper import KvRoute, KvSend, KvShipper
 from services.engine.outbox import Outbox
 from services.engine.requests import RequestTable
@@ -66,6 +67,7 @@ class Prefill:
     def _forward(self, batch: Batch, table: RequestTable, plan: StepPlan) -> list[SampledRow]:
         start_ns = self.telemetry.prefill_started(s.req_id for s in batch.seqs)
         self.num_computed_tokens += batch.num_tokens
+        self.telemetry.histograms.observe(ITERATION_TOKENS, batch.num_tokens)
         reqs = [table.requests[s.req_id] for s in batch.seqs]
         sampled = forward_and_sample(self.runner, self.sampler, plan, reqs, batch.phase)
         self.telemetry.prefill_done(batch.seqs, start_ns, time.time_ns())

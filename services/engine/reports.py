@@ -17,6 +17,7 @@ from common.protocol import EngineStats, LoadReport, ShardAddress
 from common.roles import Role
 from common.scheduling.batching import EngineScheduler
 from common.scheduling.role_lease import RoleLease
+from common.telemetry.engine_counts import engine_counters
 from services.engine.admission import DecodeAdmission
 from services.engine.kv_tiers import KvTiers
 from services.engine.prefill_ship import Prefill
@@ -108,6 +109,15 @@ class EngineReports:
             total_kv_blocks=self.admission.shard_blocks.num_blocks
             if shards
             else self.blocks.num_blocks,
+            counters=engine_counters(
+                queried=self.blocks.num_queried_tokens,
+                hits=self.blocks.num_hit_tokens,
+                preemptions=self.ship_queue.num_preemptions + self.local.num_preemptions,
+                kv_blocks_used=self.admission.shard_blocks.num_used_blocks
+                if shards
+                else self.blocks.num_used_blocks,
+                histograms=self.telemetry.histograms,
+            ),
         )
 
     def _free_kv_blocks(self, shards: Seq[ShardAddress]) -> int:

@@ -42,6 +42,8 @@ from common.telemetry.batch_spans import (
     is_sampled,
     start_step_span,
 )
+from common.telemetry.engine_counts import EngineHistograms
+from common.telemetry.metrics import DECODE_TIME, ITERATION_TOKENS, PREFILL_TIME, QUEUE_TIME
 from common.telemetry.spans import record_kv_transfer, record_prefill
 from services.engine.kv_shipper import KvRoute
 
@@ -100,6 +102,9 @@ class EngineTelemetry:
         # (predicted s, measured s, kind) when a tier policy predicts them (`EngineStats`).
         self.num_decode_steps = self.num_two_batch_steps = 0
         self.step_times: deque[tuple[float, float, int]] = deque(maxlen=4096)
+        # For the load report's `EngineCounters` (the router's /metrics): tokens per forward
+        # (prefill batches: `Prefill` counts them; decode steps: here) and the phase times.
+        self.histograms = EngineHistograms()
 
     # -- arrivals ---------------------------------------------------------------------------------
 
@@ -118,7 +123,9 @@ class EngineTelemetry:
             traced = self.requests.get(req_id)
             if traced is not None and traced.phase == QUEUED:
                 queue_span("prompt.queue", traced.traceparent, traced.arrived_ns, now)
-                self.metrics.record_queue_time((now - traced.arrived_ns) / 1e9)
+                queued_s = (now - traced.arrived_ns) / 1e9
+                self.metrics.record_queue_time(queued_s)
+                self.histograms.observe(QUEUE_TIME, queued_s)
         return now
 
     def prefill_done(self, seqs: list[Seq], start_ns: int, end_ns: int) -> None:
@@ -138,6 +145,7 @@ class EngineTelemetry:
                 batch_size=len(seqs), batch_tokens=batch_tokens,
             )  # fmt: skip
             self.metrics.record_prefill_time((end_ns - start_ns) / 1e9)
+            self.histograms.observe(PREFILL_TIME, (end_ns - start_ns) / 1e9)
 
     def kv_shipped(self, routes: list[KvRoute], num_layers: int, prefill_end_ns: int) -> None:
         """Each request's KV went out: first send to last, and how much of it prefill hid.
@@ -192,6 +200,7 @@ class EngineTelemetry:
 
     def decode_step(self, batch_size: int, two_batches: bool) -> None:
         self.batch_sizes["decode"] = batch_size
+        self.histograms.observe(ITERATION_TOKENS, batch_size)
         self.num_decode_steps += 1
         self.num_two_batch_steps += two_batches
 
@@ -242,7 +251,9 @@ class EngineTelemetry:
         if span is not None:
             span.finish(finish_reason)
         if traced is not None and traced.decode_ns:
-            self.metrics.record_decode_time((time.time_ns() - traced.decode_ns) / 1e9)
+            decode_s = (time.time_ns() - traced.decode_ns) / 1e9
+            self.metrics.record_decode_time(decode_s)
+            self.histograms.observe(DECODE_TIME, decode_s)
 
     def aborted(self, req_id: str, error: BaseException | None = None) -> None:
         """Forget the request; a decode under way ends as `abort`, or failed with `error`."""

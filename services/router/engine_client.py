@@ -27,6 +27,7 @@ import torch
 
 from common.engine.core import LLMEngine
 from common.engine.request import RequestOutput
+from common.protocol import LoadReport
 from common.sampling import SamplingParams
 from services.router.coalesce import coalesce
 from services.router.streams import AdmissionLimits, Stream, StreamTable, next_items
@@ -99,6 +100,10 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineClientStats: ...
 
+    def engine_reports(self) -> list[LoadReport]:
+        """Each engine's latest load report, with its `EngineCounters` (`/metrics`)."""
+        ...
+
     # Requests in flight and admission (`limits` replaced in place by the deployment's
     # `reconfigure`).
     streams: StreamTable[Any]
@@ -154,15 +159,18 @@ class InProcessEngineClient:
         num_threads: int | None = None,
         *,
         build: Callable[[], LLMEngine] | None = None,
+        engine_id: str = "local",
     ) -> None:
         """`engine`, or `build` to make it on the engine thread (raises what `build` raised);
-        `num_threads`: torch threads the engine thread decodes on; None: leave torch's."""
+        `num_threads`: torch threads the engine thread decodes on; None: leave torch's;
+        `engine_id`: the engine's name in `/metrics` (the router replica's)."""
         if (engine is None) == (build is None):
             raise ValueError("give an engine or a function that builds one, not both")
         if engine is not None:
             build = _already_built(engine)  # the caller's thread made it (tests, fakes)
         assert build is not None
         self.num_threads = num_threads
+        self.engine_id = engine_id
         self.streams: StreamTable[Stream] = StreamTable(limits)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._built: queue.SimpleQueue[LLMEngine | BaseException] = queue.SimpleQueue()
@@ -236,6 +244,9 @@ class InProcessEngineClient:
             engine.kv_blocks_used,
             engine.kv_blocks_total,
         )
+
+    def engine_reports(self) -> list[LoadReport]:
+        return [self.engine.load_report(self.engine_id)]
 
     def ready(self) -> bool:
         return self._thread.is_alive()

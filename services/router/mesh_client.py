@@ -33,6 +33,7 @@ from common.protocol import (
     AbortRequest,
     EngineCommand,
     GenerateRequest,
+    LoadReport,
     TokenOutput,
 )
 from common.sampling import SamplingParams
@@ -51,6 +52,7 @@ from services.router.kv_queue import KvWaitQueue
 from services.router.mesh_inbox import MeshInbox
 from services.router.mesh_membership import REFRESH_S, MeshMembership
 from services.router.mesh_requests import EngineLost, MeshRequests, MeshStream
+from services.router.metrics_endpoint import LatestReports
 from services.router.streams import AdmissionLimits, Unavailable, next_items
 from services.router.token_text import StreamedText, join_token_outputs
 
@@ -98,6 +100,7 @@ class MeshEngineClient:
             cache_namespace=Path(model_path).name,
         )  # fmt: skip
         self.metrics = metrics
+        self.reports = LatestReports()  # each engine's latest, for /metrics
         self.requests = MeshRequests(limits, max_migrations)
         self.streams, self.book = self.requests.streams, self.requests.book
         # Requests no token engine has KV room for yet, waiting in order (kv_queue.py).
@@ -111,7 +114,7 @@ class MeshEngineClient:
             self.ctx,
             host,
             self.requests.deliver_outputs,
-            self.scheduler.on_load,
+            self._on_load,
             auth=auth,
         )
         self.reply_endpoint = self.inbox.reply_endpoint
@@ -239,6 +242,9 @@ class MeshEngineClient:
                 for r in replies
             },  # fmt: skip
         )
+
+    def engine_reports(self) -> list[LoadReport]:
+        return self.reports.live()
 
     def ready(self) -> bool:
         """The router's threads run and there is a ready prompt and token engine."""
@@ -379,6 +385,11 @@ class MeshEngineClient:
                     self._send(engine.command_endpoint, AbortRequest(wire_id))
                 except zmq.Again:  # not reading: it frees on its own when it goes
                     log.warning("abort not delivered", engine=engine.service_id, req_id=wire_id)
+
+    def _on_load(self, report: LoadReport) -> None:
+        """A load report (the inbox's SUB thread): the placement view and `/metrics`."""
+        self.scheduler.on_load(report)
+        self.reports.on_report(report)
 
     def _send_role_changes(self) -> None:
         """The pool changes the scheduler asked for: lend, renew, return (`pool_state.py`)."""

@@ -6,10 +6,13 @@ starts, so bad input gets a real 4xx status with an OpenAI error body; an error 
 streamed byte is sent in-band (`data: {"error": ...}`) followed by `data: [DONE]`.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`
-(200 when the backend is ready, else 503), `GET /stats` (the backend's `EngineClientStats`) and
-vLLM's `POST /tokenize` and `POST /detokenize` (`services.router.tokenize_api`).
-With an API key set, every endpoint but `/health` wants `Authorization: Bearer <key>` (401
-otherwise); request bodies over `max_body_bytes` are a 413 before they are parsed.
+(200 when the backend is ready, else 503), `GET /stats` (the backend's `EngineClientStats`),
+`GET /metrics` (Prometheus text: the router's series and the engines', in vLLM's names or ours,
+`common.telemetry.prometheus`, `services.router.metrics_endpoint`) and vLLM's `POST /tokenize`
+and `POST /detokenize` (`services.router.tokenize_api`).
+With an API key set, every endpoint but `/health` and `/metrics` wants `Authorization: Bearer
+<key>` (401 otherwise; vLLM leaves both open too: a scraper carries no key, and neither says
+more than counts); request bodies over `max_body_bytes` are a 413 before they are parsed.
 
 Each generation request is one `router.request` span (continuing the caller's trace when it sends
 a W3C `traceparent` header) and the TTFT, TBT and E2E metrics, recorded by
@@ -37,6 +40,8 @@ from fastapi.security import HTTPBearer
 from common.config import ModelConfig
 from common.engine.request import check_prompt
 from common.sampling import SamplingParams
+from common.telemetry import Metrics
+from common.telemetry.prometheus import CONTENT_TYPE, PrometheusSink
 from common.tokenizer import Tokenizer
 from services.router.api_errors import (
     APIError,
@@ -57,6 +62,7 @@ from services.router.http_edge import (
     without_422,
 )
 from services.router.logprobs_format import LogprobsFormatter
+from services.router.metrics_endpoint import EngineSeries
 from services.router.openai_api import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -97,6 +103,7 @@ _NO_HTTP_SPANS: dict[str, Any] = (
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is a 413, never parsed
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key
 # What each endpoint may answer besides 200 (documented in /openapi.json with the error body).
 _GENERATE_ERRORS = error_responses(400, 401, 404, 413, 429, 503)
 _TOKENIZE_ERRORS = error_responses(400, 401, 404, 413)
@@ -154,6 +161,7 @@ class Router:
         batch_store: str | Path | None = None,
         batch_lease_s: float = 30.0,
         offline: OfflineBackend | None = None,
+        prometheus: PrometheusSink | None = None,
     ) -> None:
         """`max_model_len`: the context a request may use (prompt + output), at most the model's;
         `api_key`: clients must send it as a Bearer token (None: the API is open);
@@ -161,7 +169,9 @@ class Router:
         `batch_store`: the Batch API's SQLite file (None: no Batch API); `batch_lease_s`: how
         long a batch stays with a runner that stopped renewing it (a dead router's batches
         resume elsewhere after it); `offline`: Seesaw's group, which takes batches of plain
-        greedy completions as one job (None: every batch runs through the online API)."""
+        greedy completions as one job (None: every batch runs through the online API);
+        `prometheus`: what `/metrics` serves (shared with the client's `Metrics`); None: a new
+        one in vLLM's names."""
         self.client = client
         self.model_path = Path(model_path)
         self.tokenizer = Tokenizer(self.model_path)
@@ -174,7 +184,13 @@ class Router:
         )
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
-        self.telemetry = RouterTelemetry(self.model_name, replica_id)
+        self.prometheus = prometheus or PrometheusSink()
+        self.prometheus.registry.register(
+            EngineSeries(self.prometheus.prefix, self.model_name, client.engine_reports)
+        )
+        self.telemetry = RouterTelemetry(self.model_name, replica_id, Metrics(
+            model_name=self.model_name, engine=replica_id, prometheus=self.prometheus
+        ))  # fmt: skip
         self.prompt_work = PromptWork(
             self.tokenizer, self.model_path, self.max_model_len, num_chat_processes
         )
@@ -198,7 +214,8 @@ class Router:
                       **_NO_HTTP_SPANS)  # fmt: skip
         app.add_middleware(BigBodyGate)  # inside the body limit: sees the whole body at once
         app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
-        app.add_middleware(ApiKeyGate, api_key=self.api_key)  # outside BodyLimit: before the body
+        # Outside BodyLimit: before the body. /health and /metrics stay open (module docstring).
+        app.add_middleware(ApiKeyGate, api_key=self.api_key, open_paths=OPEN_PATHS)
         app.add_middleware(ArrivalStamp)
         install_error_handlers(app)
         auth = [Depends(_bearer)]  # documents the key in /openapi.json; `ApiKeyGate` checks it
@@ -232,6 +249,11 @@ class Router:
         )
         app.add_api_route("/stats", self.stats, methods=["GET"], dependencies=auth,
                           responses=error_responses(401))  # fmt: skip
+        app.add_api_route(
+            "/metrics", self.metrics, methods=["GET"], response_class=Response,
+            responses={200: {"description": "Prometheus text format",
+                             "content": {CONTENT_TYPE: {}}}},
+        )  # fmt: skip
         without_422(app)
         return app
 
@@ -296,6 +318,9 @@ class Router:
         if not self.client.ready():
             return JSONResponse(error_body(503, "the engines are not ready"), status_code=503)
         return Response(status_code=200)
+
+    async def metrics(self) -> Response:
+        return Response(self.prometheus.render(), media_type=CONTENT_TYPE)
 
     async def stats(self) -> dict[str, Any]:
         # Asking every service can take seconds: not on the event loop.

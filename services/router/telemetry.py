@@ -173,6 +173,7 @@ class RequestTrace:
         if self.first_ns:  # prefilled: refused or failed prompts are not counted
             self.metrics.add_prompt_tokens(self.num_prompt_tokens)
             self.metrics.add_generation_tokens(self.num_output_tokens)
+            self.metrics.record_request_tokens(self.num_prompt_tokens, self.num_output_tokens)
         end_request_span(
             self.span,
             num_output_tokens=self.num_output_tokens,

@@ -108,7 +108,7 @@ def test_hostile_chat_bodies_are_4xx_never_5xx(server: ServeRun) -> None:
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 
-def test_api_key_is_required_except_for_health(server: ServeRun) -> None:
+def test_api_key_is_required_except_for_health_and_metrics(server: ServeRun) -> None:
     body = {"prompt": "hello", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         response = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers)
@@ -118,6 +118,7 @@ def test_api_key_is_required_except_for_health(server: ServeRun) -> None:
     assert httpx.get(f"{server.base_url}/openapi.json").status_code == 401
     assert httpx.get(f"{server.base_url}/openapi.json", headers=AUTH).status_code == 200
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/metrics").status_code == 200  # as vLLM leaves it
     ok = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=AUTH, timeout=60)
     assert ok.status_code == 200
 

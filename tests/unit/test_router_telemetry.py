@@ -60,6 +60,9 @@ class FakeBackend:
     def stats(self) -> EngineClientStats:
         return EngineClientStats()
 
+    def engine_reports(self) -> list:
+        return []
+
     def ready(self) -> bool:
         return True
 

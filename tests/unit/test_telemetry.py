@@ -51,7 +51,7 @@ from common.telemetry import (
     set_route,
     trace_id_of,
 )
-from common.telemetry.metrics import TBT_BUCKETS, _ray_recorder
+from common.telemetry.metrics import REPORTED_SPECS, TBT_BUCKETS, _ray_recorder
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -544,11 +544,12 @@ def test_otlp_http_exporter_posts_to_the_standard_endpoint() -> None:
 
 def test_dashboard_queries_only_metrics_that_exist() -> None:
     dashboard = json.loads((REPO_ROOT / "deploy/grafana-dashboard.json").read_text())
-    exported = {spec.exported_name.removeprefix("phasemesh_") for spec in METRIC_SPECS}
+    specs = (*METRIC_SPECS, *REPORTED_SPECS)  # REPORTED_SPECS: the router's /metrics only
+    exported = {spec.exported_name.removeprefix("phasemesh_") for spec in specs}
     queried = set()
     for panel in dashboard["panels"]:
         for query in panel.get("targets", []):
-            for name in re.findall(r"\$\{prefix\}_(\w+)", query["expr"]):
+            for name in re.findall(r"\$\{prefix\}(\w+)", query["expr"]):
                 queried.add(re.sub(r"_(bucket|count|sum)$", "", name))
     assert queried == exported  # every query resolves, every metric is on the dashboard
 
@@ -564,6 +565,7 @@ def test_collector_and_prometheus_configs_wire_the_documented_ports() -> None:
         job["job_name"]: job["static_configs"][0]["targets"] for job in scrape["scrape_configs"]
     }
     assert targets == {
+        "phasemesh-router": ["localhost:8000"],  # Serve's HTTP port: the router's /metrics
         "ray": ["localhost:8080"],
         "otel-collector": [f"localhost:{prometheus_port}"],
     }

@@ -20,6 +20,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
@@ -241,6 +242,56 @@ def test_ray_metrics_endpoint_has_the_latency_histograms(
     assert len(blocks) >= 3, "the engines and both shards set the KV blocks gauge"
     trips = sample_values(exposition, "ray_phasemesh_shard_round_trip_seconds_count")
     assert len(trips) == 2, "one round-trip histogram per shard of the group"
+
+
+def vllm_totals(url: str) -> dict[str, float]:
+    """The router's /metrics, parsed (prometheus-client's parser rejects a malformed line): each
+    sample name's sum over label sets, and the engines that report gauges."""
+    exposition = httpx.get(url + "/metrics", timeout=10)
+    assert exposition.status_code == 200
+    totals: dict[str, float] = {}
+    engines = set()
+    for family in text_string_to_metric_families(exposition.text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            if sample.name == "vllm:kv_cache_usage_perc":
+                assert 0 <= sample.value <= 1
+                engines.add(sample.labels["engine"])
+    totals["engines"] = len(engines)
+    return totals
+
+
+def test_router_metrics_endpoint_has_vllm_series(server: ServeRun, client: openai.OpenAI) -> None:
+    before = vllm_totals(server.base_url)
+    prompt = [23] * 40
+    client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    # The router's own series are recorded as the response ends; the engines' arrive with their
+    # next load report (every 50 ms): poll, bounded.
+    deadline = time.monotonic() + 30
+    while True:
+        after = vllm_totals(server.base_url)
+        grown = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        if grown.get("vllm:iteration_tokens_total_count", 0) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # NOTE: waiting on the engines' report interval
+    assert grown["vllm:time_to_first_token_seconds_count"] == 1
+    assert grown["vllm:e2e_request_latency_seconds_count"] == 1
+    assert grown["vllm:prompt_tokens_total"] == 40 and grown["vllm:generation_tokens_total"] == 4
+    assert grown["vllm:request_success_total"] == 1
+    assert grown["vllm:request_prompt_tokens_sum"] == 40
+    assert after["engines"] >= 2, "the prompt and the token engine report"
+    assert after["vllm:num_requests_running"] == 0
+    assert grown["vllm:prefix_cache_queries_total"] >= 40  # the prompt engine looked it up
+    # The prefill (40 tokens) on the prompt engine, 3 decode steps on the token engine.
+    assert grown["vllm:iteration_tokens_total_count"] >= 4
+    assert grown["vllm:iteration_tokens_total_sum"] >= 43
+    # Its phases, timed by the engines (vLLM's dashboards plot these).
+    for phase in ("queue", "prefill", "decode"):
+        assert grown[f"vllm:request_{phase}_time_seconds_count"] == 1
+    # The same registry through Serve's proxy, and open like /health.
+    assert vllm_totals(server.proxy_url)["vllm:request_success_total"] >= 1
 
 
 def test_n_choices_and_logprobs_over_the_mesh(client: openai.OpenAI, reference: tuple) -> None:
