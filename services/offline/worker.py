@@ -5,7 +5,8 @@ CPU) with the group's other workers.
 KV lives in two places, both in HND layout ([layers, 2, kv heads, tokens, head_dim] per request):
 - the **buffer**, shared memory every worker maps: prefill writes each request's KV there (a PP
   worker its layers, all heads; a TP worker its heads, all layers), so the complete KV forms there
-  whatever the prefill's sharding (Fig. 7);
+  whatever the prefill's sharding (Fig. 7), copied on a swap-out thread while the next layer
+  computes (§5.2);
 - each worker's **decode slots**: its KV heads of every layer, swapped in from the buffer (the
   re-shard to TP) and grown by each decode step.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.queues import Queue
@@ -86,6 +88,10 @@ class OfflineWorker:
         self.heads = slice(heads.start, heads.stop)
         self.slots = torch.zeros(kv.num_decode_slots, c.num_hidden_layers, 2, self.tp.hk,
                                  kv.max_len, c.head_dim)  # fmt: skip
+        # Swap-out on its own thread (§5.2): a layer's KV is copied into the shared buffer while
+        # the next layer computes; `_flush` waits for the copies before anyone reads them.
+        self.swapper = ThreadPoolExecutor(1, thread_name_prefix="swap-out")
+        self.pending: list[Future[None]] = []
 
     def serve(self, tasks: Queue) -> None:
         while True:
@@ -93,6 +99,8 @@ class OfflineWorker:
             kind = task[0]
             start = time.perf_counter()
             if kind == "stop":
+                self._flush()
+                self.swapper.shutdown()
                 del self.buffer  # the shared memory's views end before it closes
                 return
             if kind == "prefill":
@@ -119,12 +127,22 @@ class OfflineWorker:
 
     def _store(self, batch: list[tuple[int, list[int]]], seq_lens: list[int], n: int,
                k: torch.Tensor, v: torch.Tensor, heads: slice) -> None:  # fmt: skip
-        start = 0
-        for (slot, _), length in zip(batch, seq_lens, strict=True):
-            end = start + length
-            self.buffer[slot, n, 0, heads, :length] = k[start:end].transpose(0, 1)
-            self.buffer[slot, n, 1, heads, :length] = v[start:end].transpose(0, 1)
-            start = end
+        """Layer n's K/V of each request into the buffer, on the swap-out thread."""
+
+        def copy() -> None:
+            start = 0
+            for (slot, _), length in zip(batch, seq_lens, strict=True):
+                end = start + length
+                self.buffer[slot, n, 0, heads, :length] = k[start:end].transpose(0, 1)
+                self.buffer[slot, n, 1, heads, :length] = v[start:end].transpose(0, 1)
+                start = end
+
+        self.pending.append(self.swapper.submit(copy))
+
+    def _flush(self) -> None:
+        for done in self.pending:
+            done.result()  # re-raises a failed copy here, on the worker's loop
+        self.pending.clear()
 
     def _first_tokens(self, x: torch.Tensor, seq_lens: list[int]) -> list[int]:
         last = torch.tensor(seq_lens).cumsum(0) - 1
@@ -160,7 +178,10 @@ class OfflineWorker:
     # ---- decode ----
 
     def swap_in(self, moves: list[tuple[int, int, int]]) -> list[int] | None:
-        """Re-shard to TP: this worker's KV heads of each moved request, buffer -> its slot."""
+        """Re-shard to TP: this worker's KV heads of each moved request, buffer -> its slot.
+        Every worker's swap-outs land first (a PP worker reads layers another one wrote)."""
+        self._flush()
+        dist.barrier()
         for buffer_slot, decode_slot, length in moves:
             self.slots[decode_slot, :, :, :, :length] = self.buffer[buffer_slot, :, :, self.heads,
                                                                     :length]  # fmt: skip
