@@ -20,6 +20,7 @@ from services.router.api_errors import APIError
 from services.router.chat_options import ChatTemplateFields
 from services.router.openai_api import ChatMessage, Messages, TokenId, _Request
 from services.router.prompt_work import ChatOptions, PromptWork
+from services.router.tools import template_tool_calls
 
 
 class TokenizeCompletionRequest(_Request):
@@ -53,13 +54,25 @@ class DetokenizeResponse(BaseModel):
 
 
 def chat_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """A chat as the template takes it: a part list is its text parts joined."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """A chat as the template takes it: a part list is its text parts joined; past tool calls
+    (their arguments as objects) and a tool result's call id kept."""
+    chat: list[dict[str, Any]] = [{"role": m.role, "content": m.text()} for m in messages]
+    for message, turn in zip(messages, chat, strict=True):
+        if message.tool_calls:
+            turn["tool_calls"] = template_tool_calls(message.tool_calls)
+        if message.tool_call_id is not None:
+            turn["tool_call_id"] = message.tool_call_id
+    return chat
 
 
-def chat_options(fields: ChatTemplateFields) -> ChatOptions:
+def chat_options(
+    fields: ChatTemplateFields, tools: list[dict[str, Any]] | None = None
+) -> ChatOptions:
     return ChatOptions(
-        fields.add_generation_prompt, fields.continue_final_message, fields.chat_template_kwargs
+        fields.add_generation_prompt,
+        fields.continue_final_message,
+        fields.chat_template_kwargs,
+        tools,
     )
 
 
