@@ -371,7 +371,8 @@ class ToolCallParser:
         call = self.calls[-1]
         call.function.arguments += text
         index = len(self.calls) - 1
-        if deltas and deltas[-1].index == index:  # this feed's delta of the same call
+        if deltas and deltas[-1].index == index and deltas[-1].id is None:
+            # this feed's fragment of the same call grows (a call's first delta stays apart)
             last = deltas[-1].function
             last.arguments = (last.arguments or "") + text
             return
