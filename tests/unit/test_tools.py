@@ -201,11 +201,12 @@ PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m['content'] }}{% endfor %}"
 
 def test_a_template_that_reads_tools_gets_them_and_the_history_as_is() -> None:
     given = tools(*FUNCTIONS)
-    chat = [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "ping", "arguments": {}}}]}]  # fmt: skip
+    ping = {"id": "1", "type": "function", "function": {"name": "ping", "arguments": {}}}
+    chat = [{"role": "assistant", "content": "", "tool_calls": [ping]}]
     prompt = ToolPrompt(QWEN_LIKE)
     assert prompt.chat(chat, given, "auto") == (
-        chat, [t.model_dump(exclude_none=True) for t in given]
+        chat,
+        [t.model_dump(exclude_none=True) for t in given],
     )
 
 
