@@ -231,10 +231,10 @@ class ToolPrompt:
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages and the template's `tools` for a chat request."""
         given = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
-        if self.reads_tools:
-            return chat, given
         if not self.reads_calls:
             chat = [self._as_text(message) for message in chat]
+        if self.reads_tools:
+            return chat, given
         if given and active(tools, tool_choice):
             chat = _with_system(chat, _TOOLS_PROMPT.format(tools="\n".join(
                 json.dumps(tool, ensure_ascii=False) for tool in given)))  # fmt: skip
