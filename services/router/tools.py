@@ -28,16 +28,18 @@ import uuid
 from typing import Any, Literal
 
 import jinja2.meta
+import llguidance
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.chat_template import compile_template
-from common.structured.spec import MAX_SPEC_CHARS, checked_spec
+from common.structured.spec import MAX_SPEC_CHARS, checked_spec, grammar_error
 from common.structured.tool_calls import (
     ARGUMENTS_KEY,
     CALL_END,
     CALL_SEPARATOR,
     CALL_TAG,
     FUNCTION_NAME,
+    arguments_schema,
     call_text,
     tool_call_spec,
 )
@@ -176,10 +178,9 @@ def tool_spec(tools: Tools, tool_choice: ToolChoice | None, parallel: bool) -> s
         if len(json.dumps(schema)) > MAX_SPEC_CHARS:
             raise ValueError(f"invalid sampling parameter tools: tool {name!r}: the schema must "
                              f"be at most {MAX_SPEC_CHARS} characters of JSON")  # fmt: skip
-        try:
-            checked_spec(tool_call_spec([(name, schema)], allow_text, False), "tools")
-        except ValueError as exc:
-            raise ValueError(str(exc).replace("tools:", f"tools: tool {name!r}:", 1)) from None
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(arguments_schema(schema))
+        if error := grammar_error(grammar):
+            raise ValueError(f"invalid sampling parameter tools: tool {name!r}: {error}")
     return checked_spec(tool_call_spec(functions, allow_text, parallel), "tools")
 
 
