@@ -115,7 +115,7 @@ def chat_prompt_ids(
     """The prompt ids of a chat (`{"role", "content"}` dicts, content a string) through the
     model's chat template; text that is not valid Unicode, kwargs nested too deep, or a template
     that refuses the chat is a 400 naming the field."""
-    check_unicode("messages", (m["content"] for m in chat))
+    check_unicode("messages", _strings(chat, "messages"))  # past tool calls and ids too
     check_unicode("chat_template_kwargs", _strings(options.template_kwargs))
     check_unicode("tools", _strings(options.tools, "tools"))
     try:

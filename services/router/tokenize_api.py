@@ -56,13 +56,22 @@ class DetokenizeResponse(BaseModel):
 def chat_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """A chat as the template takes it: a part list is its text parts joined; past tool calls
     (their arguments as objects) and a tool result's call id kept."""
-    chat: list[dict[str, Any]] = [{"role": m.role, "content": m.text()} for m in messages]
-    for message, turn in zip(messages, chat, strict=True):
-        if message.tool_calls:
-            turn["tool_calls"] = template_tool_calls(message.tool_calls)
-        if message.tool_call_id is not None:
-            turn["tool_call_id"] = message.tool_call_id
-    return chat
+    # NOTE: one pass, a dict literal per plain message: a chat may hold a hundred thousand.
+    return [
+        {"role": m.role, "content": m.text()}
+        if m.tool_calls is None and m.tool_call_id is None
+        else _turn_with_tools(m)
+        for m in messages
+    ]
+
+
+def _turn_with_tools(message: ChatMessage) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        turn["tool_calls"] = template_tool_calls(message.tool_calls)
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
 
 
 def chat_options(

@@ -232,7 +232,7 @@ class ToolPrompt:
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages and the template's `tools` for a chat request."""
         given = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
-        if not self.reads_calls:
+        if not self.reads_calls and any(m["role"] == "tool" or "tool_calls" in m for m in chat):
             chat = [self._as_text(message) for message in chat]
         if self.reads_tools:
             return chat, given

@@ -134,6 +134,9 @@ def bad(name: str = "get_weather", parameters: object = None) -> list[dict]:
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
+        ({"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [{"id": "1",
+          "function": {"name": "ping", "arguments": '{"a": "\\ud800"}'}}]}]},
+         "messages"),  # a past call's arguments, not Unicode
     ],
 )  # fmt: skip
 def test_bad_tool_requests_are_400s_naming_the_field(
