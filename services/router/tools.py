@@ -158,7 +158,7 @@ def check_tools(tools: Tools | None, tool_choice: ToolChoice | None, has_format:
         kind = (tool.function.parameters or {}).get("type", "object")
         if kind != "object":
             raise APIError(400, f"tool {tool.function.name!r}: parameters must be a JSON schema "
-                           f"of type object, not {kind!r}", "tools")  # fmt: skip
+                           f"of type object, not {str(kind)[:64]!r}", "tools")  # fmt: skip
     if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
         raise APIError(400, f"tool_choice names {tool_choice.function.name[:64]!r}, which is "
                        "not one of the tools", "tool_choice")  # fmt: skip
@@ -189,7 +189,7 @@ def _template_arguments(arguments: str) -> Any:
     transformers' convention), or the string if it is not JSON."""
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested past the parser's stack
         return arguments
 
 
