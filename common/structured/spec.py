@@ -4,7 +4,8 @@ A request asks for structure through OpenAI's `response_format` or vLLM's `guide
 `guided_regex` and `guided_choice` extras. `parse_structured_output` checks them (one at most) and
 returns the spec: compact, key-sorted JSON such as `{"schema":{...},"type":"json_schema"}`. The
 spec is what crosses the wire and what keys the compiled-grammar cache, so two requests that ask
-for the same thing share one compiled grammar whatever their key order.
+for the same thing share one compiled grammar whatever their key order. A chat's tool calls are
+one more spec type, `tool_calls` (built in `tool_calls.py`, checked by `checked_spec`).
 
 Validation compiles the grammar without a tokenizer: a schema that llguidance cannot enforce (an
 unknown type, a bad pattern, an unimplemented keyword such as `not`) is rejected here, as a
