@@ -169,8 +169,10 @@ class Router:
         # Each kind of off-loop work has a bounded pool of its own: none waits behind another.
         self.grammar_pool = BoundedPool("grammar", _threads(2, "grammar"), capacity=16)
         self.stats_pool = BoundedPool("stats", _threads(1, "stats"), capacity=4)
-        self.tokenization = Tokenization(self.prompt_work, self.model_name, self.max_model_len)
         self.tool_prompt = ToolPrompt(self.tokenizer.chat_template)
+        self.tokenization = Tokenization(
+            self.prompt_work, self.model_name, self.max_model_len, self.tool_prompt
+        )
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:

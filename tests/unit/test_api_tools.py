@@ -115,6 +115,17 @@ def test_a_history_of_calls_and_results_is_served(router: Router) -> None:
     check_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls])
 
 
+def test_tokenize_counts_the_prompt_a_chat_with_tools_runs(router: Router) -> None:
+    counts = {}
+    for tool_choice in ("required", "none"):
+        usage = create(router, tool_choice=tool_choice, max_tokens=1).usage
+        body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice}
+        counts[tool_choice] = post(router, "/tokenize", body).json()["count"]
+        assert counts[tool_choice] == usage.prompt_tokens
+    # The tiny template reads no tools: they are offered in a system message, unless "none".
+    assert counts["required"] > counts["none"]
+
+
 def bad(name: str = "get_weather", parameters: object = None) -> list[dict]:
     function = {"name": name} | ({} if parameters is None else {"parameters": parameters})
     return [{"type": "function", "function": function}]
