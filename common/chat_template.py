@@ -191,8 +191,10 @@ def render(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The chat as text, as transformers renders it (`tools` and `documents` are None).
+    """The chat as text, as transformers renders it (`documents` is None; `tools` OpenAI's
+    tool definitions or None).
 
     `continue_final_message` leaves the last message open for the model to continue (no
     end-of-turn after it), as transformers and vLLM do. Raises `ChatTemplateError`."""
@@ -210,7 +212,7 @@ def render(
     final = _tag_final_message(chat, source) if continue_final_message else None
     try:
         text = compile_template(source).render(
-            messages=chat, tools=None, documents=None,
+            messages=chat, tools=tools, documents=None,
             add_generation_prompt=add_generation_prompt, **(dict(special_tokens) | kwargs),
         )  # fmt: skip
     except jinja2.exceptions.TemplateError as exc:  # raise_exception, sandbox refusals, syntax

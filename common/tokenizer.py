@@ -101,16 +101,20 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The chat as the template renders it, control tokens in user text marked
-        (`common.chat_template`); `ChatTemplateError` when the template refuses it."""
-        if self._holds_control(messages) or self._holds_control(template_kwargs):
+        """The chat as the template renders it (with OpenAI's `tools`, if given), control
+        tokens in user text marked (`common.chat_template`); `ChatTemplateError` when the
+        template refuses it."""
+        if any(map(self._holds_control, (messages, template_kwargs, tools))):
             messages = mark_control_tokens(messages, self._control)
             template_kwargs = mark_control_tokens(template_kwargs, self._control)
+            tools = mark_control_tokens(tools, self._control)
         return render(
             self.chat_template, messages, self.special_tokens,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+            tools=tools,
         )  # fmt: skip
 
     def apply_chat_template(
@@ -119,6 +123,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render messages with the model's chat template and encode them (BOS comes from it):
         transformers' `apply_chat_template(..., tokenize=True, sanitize_control_tokens=True)`.
@@ -126,7 +131,7 @@ class Tokenizer:
         A control-token string in a message (say "<|eot_id|>") is encoded as plain text, so it
         cannot become a control token (role injection); everything else is transformers'."""
         text = self.render_chat(
-            messages, add_generation_prompt, continue_final_message, template_kwargs
+            messages, add_generation_prompt, continue_final_message, template_kwargs, tools
         )
         return self.encode_rendered_chat(text)
 

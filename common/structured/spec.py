@@ -4,7 +4,8 @@ A request asks for structure through OpenAI's `response_format` or vLLM's `guide
 `guided_regex` and `guided_choice` extras. `parse_structured_output` checks them (one at most) and
 returns the spec: compact, key-sorted JSON such as `{"schema":{...},"type":"json_schema"}`. The
 spec is what crosses the wire and what keys the compiled-grammar cache, so two requests that ask
-for the same thing share one compiled grammar whatever their key order.
+for the same thing share one compiled grammar whatever their key order. A chat's tool calls are
+one more spec type, `tool_calls` (built in `tool_calls.py`, checked by `checked_spec`).
 
 Validation compiles the grammar without a tokenizer: a schema that llguidance cannot enforce (an
 unknown type, a bad pattern, an unimplemented keyword such as `not`) is rejected here, as a
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
+
+from common.structured.tool_calls import tool_call_grammar
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict only the stubs define
@@ -80,14 +83,26 @@ def parse_structured_output(
         return None
     if spec is None:
         return None
-    name = next(iter(given))
+    return checked_spec(spec, next(iter(given)))
+
+
+def checked_spec(spec: dict[str, Any], name: str) -> str:
+    """`spec` as canonical JSON once its grammar is known to compile within the bounds; else
+    `ValueError("invalid sampling parameter <name>: ...")`."""
     text = canonical(spec)
     if len(text) > MAX_SPEC_CHARS:
         raise _invalid(name, f"must be at most {MAX_SPEC_CHARS} characters of JSON")
-    error = llguidance.LLMatcher.validate_grammar(grammar_for_spec(text), limits=_limits())
+    error = grammar_error(grammar_for_spec(text))
     if error:
-        raise _invalid(name, _too_costly(error) or _first_lines(error))
+        raise _invalid(name, error)
     return text
+
+
+def grammar_error(grammar: str) -> str:
+    """Why llguidance refuses `grammar` (or finds it past the bounds), in short; "" if it is
+    fine."""
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=_limits())
+    return error and (_too_costly(error) or _first_lines(error))
 
 
 def canonical(spec: dict[str, Any]) -> str:
@@ -107,6 +122,8 @@ def grammar_for_spec(spec: str) -> str:
         return llguidance.LLMatcher.grammar_from_regex(fields["pattern"])
     if kind == "choice":
         return llguidance.LLMatcher.grammar_from_regex("|".join(map(_escape, fields["choices"])))
+    if kind == "tool_calls":
+        return llguidance.LLMatcher.grammar_from_lark(tool_call_grammar(fields))
     raise ValueError(f"unknown structured-output spec type {kind!r}")
 
 

@@ -31,6 +31,16 @@ from services.router.api_errors import APIError
 from services.router.chat_options import ChatTemplateFields
 from services.router.logprobs_format import ChatLogprobs, CompletionLogprobs
 from services.router.structured_fields import StructuredOutputFields
+from services.router.tools import (
+    DeltaToolCall,
+    ToolCall,
+    ToolCallIn,
+    ToolChoice,
+    Tools,
+    active,
+    check_tools,
+    tool_spec,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -180,6 +190,8 @@ class ChatContentPart(_Request):
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ChatContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -204,14 +216,28 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+
+    # ---- tool calling (services/router/tools.py) ----
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
+
+    @property
+    def asks_structured_output(self) -> bool:
+        return super().asks_structured_output or active(self.tools, self.tool_choice)
+
+    def structured_output(self) -> str | None:
+        if self.tools and active(self.tools, self.tool_choice):
+            return tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+        return super().structured_output()
+
+    # ---- end of tool calling ----
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "logprobs")
-        if self.tools:
-            raise APIError(400, "tools are not supported", "tools")
+        check_tools(self.tools, self.tool_choice, super().asks_structured_output)
 
     def logprobs_wanted(self) -> tuple[int | None, int | None]:
         return (self.top_logprobs or 0) if self.logprobs else None, None
@@ -256,7 +282,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -278,6 +305,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChunkChoice(BaseModel):

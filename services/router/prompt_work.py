@@ -106,6 +106,7 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI's tool definitions, for the template
 
 
 def chat_prompt_ids(
@@ -114,20 +115,21 @@ def chat_prompt_ids(
     """The prompt ids of a chat (`{"role", "content"}` dicts, content a string) through the
     model's chat template; text that is not valid Unicode, kwargs nested too deep, or a template
     that refuses the chat is a 400 naming the field."""
-    check_unicode("messages", (m["content"] for m in chat))
+    check_unicode("messages", _strings(chat, "messages"))  # past tool calls and ids too
     check_unicode("chat_template_kwargs", _strings(options.template_kwargs))
+    check_unicode("tools", _strings(options.tools, "tools"))
     try:
         return tokenizer.apply_chat_template(
             chat, options.add_generation_prompt, options.continue_final_message,
-            options.template_kwargs,
+            options.template_kwargs, options.tools,
         )  # fmt: skip
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), exc.param) from exc
 
 
-def _strings(obj: Any) -> Iterator[str]:
-    """Every string in a JSON value, keys included; a 400 past `MAX_KWARGS_DEPTH` levels.
-    Iterative, so that no nesting can exhaust the stack."""
+def _strings(obj: Any, param: str = "chat_template_kwargs") -> Iterator[str]:
+    """Every string in a JSON value, keys included; a 400 naming `param` past
+    `MAX_KWARGS_DEPTH` levels. Iterative, so that no nesting can exhaust the stack."""
     stack = [(obj, 0)]
     while stack:
         value, depth = stack.pop()
@@ -137,8 +139,8 @@ def _strings(obj: Any) -> Iterator[str]:
         if not isinstance(value, dict | list):
             continue
         if depth >= MAX_KWARGS_DEPTH:
-            raise APIError(400, f"chat_template_kwargs nests deeper than {MAX_KWARGS_DEPTH} "
-                           "levels", "chat_template_kwargs")  # fmt: skip
+            raise APIError(400, f"{param} nests deeper than {MAX_KWARGS_DEPTH} levels",
+                           param)  # fmt: skip
         if isinstance(value, dict):
             yield from (key for key in value if isinstance(key, str))
             stack += [(v, depth + 1) for v in value.values()]

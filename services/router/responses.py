@@ -34,6 +34,7 @@ from services.router.openai_api import (
     UsageInfo,
     unix_now,
 )
+from services.router.tools import NamedToolChoice, ToolCallParser, active, finish_reason
 
 Merged = AsyncGenerator[tuple[int, RequestOutput], None]
 # A chunk: its model, or (text only) its JSON already written.
@@ -143,6 +144,9 @@ class ChatShapes:
         self.num_prompt_tokens = num_prompt_tokens
         self.created = unix_now()
         self.template = ChunkTemplate(self._text_chunk)
+        # With tools, each choice's text is read for calls (`services.router.tools`).
+        self.tool_calls = active(request.tools, request.tool_choice)
+        self.named_tool = isinstance(request.tool_choice, NamedToolChoice)
 
     def _text_chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel:
         return self._chunk(ChatChunkChoice(
@@ -157,9 +161,8 @@ class ChatShapes:
     def response(self, collected: list[Collected]) -> ChatCompletionResponse:
         choices = [
             ChatChoice(
-                index=i, message=AssistantMessage(content=c.text),
-                finish_reason=c.last.finish_reason, logprobs=self._logprobs(c.token_ids,
-                                                                             c.logprobs),
+                index=i, message=self._message(c.text), finish_reason=self._finish_reason(c),
+                logprobs=self._logprobs(c.token_ids, c.logprobs),
             )
             for i, c in enumerate(collected)
         ]  # fmt: skip
@@ -167,6 +170,42 @@ class ChatShapes:
             id=self.req_id, model=self.model, choices=choices,
             usage=usage(self.num_prompt_tokens, [c.last for c in collected]),
         )  # fmt: skip
+
+    def _message(self, text: str) -> AssistantMessage:
+        if not self.tool_calls:
+            return AssistantMessage(content=text)
+        parser = self._parsed(text)
+        if not parser.calls:
+            return AssistantMessage(content=text)
+        return AssistantMessage(content=parser.content or None, tool_calls=parser.calls)
+
+    def _finish_reason(self, collected: Collected) -> str | None:
+        reason = collected.last.finish_reason
+        if not self.tool_calls:
+            return reason
+        return finish_reason(reason, bool(self._parsed(collected.text).calls), self.named_tool)
+
+    @staticmethod
+    def _parsed(text: str) -> ToolCallParser:
+        parser = ToolCallParser()
+        parser.feed(text)
+        parser.finish()
+        return parser
+
+    def _tool_chunk(
+        self, parser: ToolCallParser, index: int, out: RequestOutput
+    ) -> ChatCompletionChunk | None:
+        """A chunk of a choice read for tool calls, or None when it adds nothing yet."""
+        content, deltas = parser.feed(out.new_text)
+        if out.finish_reason is not None:
+            content += parser.finish()[0]
+        reason = finish_reason(out.finish_reason, bool(parser.calls), self.named_tool)
+        logprobs = self._logprobs(out.new_token_ids, out.logprobs)
+        if not content and not deltas and reason is None and logprobs is None:
+            return None
+        delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
+        return self._chunk(ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                           finish_reason=reason))  # fmt: skip
 
     def _chunk(
         self, *choices: ChatChunkChoice, usage: UsageInfo | None = None
@@ -182,9 +221,14 @@ class ChatShapes:
                 ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
             )
         lasts: dict[int, RequestOutput] = {}
+        parsers = [ToolCallParser() for _ in range(self.n)] if self.tool_calls else None
         async with aclosing(merged):
             async for index, out in merged:
                 lasts[index] = out
+                if parsers is not None:
+                    if chunk := self._tool_chunk(parsers[index], index, out):
+                        yield chunk
+                    continue
                 logprobs = self._logprobs(out.new_token_ids, out.logprobs)
                 if logprobs is None:
                     yield self.template.encode(index, out.new_text, out.finish_reason)

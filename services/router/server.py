@@ -88,6 +88,7 @@ from services.router.tokenize_api import (
     chat_of,
     chat_options,
 )
+from services.router.tools import ToolPrompt
 
 log = structlog.get_logger(__name__)
 
@@ -197,7 +198,10 @@ class Router:
         # Each kind of off-loop work has a bounded pool of its own: none waits behind another.
         self.grammar_pool = BoundedPool("grammar", _threads(2, "grammar"), capacity=16)
         self.stats_pool = BoundedPool("stats", _threads(1, "stats"), capacity=4)
-        self.tokenization = Tokenization(self.prompt_work, self.model_name, self.max_model_len)
+        self.tool_prompt = ToolPrompt(self.tokenizer.chat_template)
+        self.tokenization = Tokenization(
+            self.prompt_work, self.model_name, self.max_model_len, self.tool_prompt
+        )
         self.batches: BatchApi | None = None
         self.offline = offline
         self.app = self._build_app()
@@ -290,8 +294,11 @@ class Router:
     async def chat_completions(self, request: ChatCompletionRequest, http: Request) -> Response:
         self._check_request(request)
         request.reject_unsupported()
+        chat, tools = self.tool_prompt.chat(
+            chat_of(request.messages), request.tools, request.tool_choice
+        )
         prompt_ids = await self.prompt_work.chat_ids(
-            chat_of(request.messages), chat_options(request), body_bytes(http)
+            chat, chat_options(request, tools), body_bytes(http)
         )
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", default=None)

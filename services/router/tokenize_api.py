@@ -2,7 +2,8 @@
 chat endpoint and `/tokenize` build.
 
 `/tokenize` takes a completion prompt (`{"prompt", "add_special_tokens": true}`) or a chat
-(`{"messages", "add_generation_prompt": true, ...}`) and answers `{count, max_model_len, tokens}`
+(`{"messages", "add_generation_prompt": true, ...}`, with `tools` and `tool_choice` as chat takes
+them) and answers `{count, max_model_len, tokens}`
 (and `token_strs` with `return_token_strs`): exactly the ids `/v1/completions` and
 `/v1/chat/completions` would run, so a client can count a prompt before sending it.
 `/detokenize` takes `{"tokens"}` and answers `{"prompt"}` (special tokens included); an id the
@@ -20,6 +21,7 @@ from services.router.api_errors import APIError
 from services.router.chat_options import ChatTemplateFields
 from services.router.openai_api import ChatMessage, Messages, TokenId, _Request
 from services.router.prompt_work import ChatOptions, PromptWork
+from services.router.tools import ToolChoice, ToolPrompt, Tools, template_tool_calls
 
 
 class TokenizeCompletionRequest(_Request):
@@ -32,6 +34,8 @@ class TokenizeCompletionRequest(_Request):
 class TokenizeChatRequest(ChatTemplateFields, _Request):
     model: str | None = None
     messages: Messages
+    tools: Tools | None = None  # as the chat endpoint renders them (`ToolPrompt`)
+    tool_choice: ToolChoice | None = None
     add_special_tokens: bool = False  # the chat template writes BOS itself
     return_token_strs: bool = False
 
@@ -53,13 +57,34 @@ class DetokenizeResponse(BaseModel):
 
 
 def chat_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """A chat as the template takes it: a part list is its text parts joined."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """A chat as the template takes it: a part list is its text parts joined; past tool calls
+    (their arguments as objects) and a tool result's call id kept."""
+    # NOTE: one pass, a dict literal per plain message: a chat may hold a hundred thousand.
+    return [
+        {"role": m.role, "content": m.text()}
+        if m.tool_calls is None and m.tool_call_id is None
+        else _turn_with_tools(m)
+        for m in messages
+    ]
 
 
-def chat_options(fields: ChatTemplateFields) -> ChatOptions:
+def _turn_with_tools(message: ChatMessage) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        turn["tool_calls"] = template_tool_calls(message.tool_calls)
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
+def chat_options(
+    fields: ChatTemplateFields, tools: list[dict[str, Any]] | None = None
+) -> ChatOptions:
     return ChatOptions(
-        fields.add_generation_prompt, fields.continue_final_message, fields.chat_template_kwargs
+        fields.add_generation_prompt,
+        fields.continue_final_message,
+        fields.chat_template_kwargs,
+        tools,
     )
 
 
@@ -72,8 +97,11 @@ def body_bytes(http: Request) -> int | None:
 class Tokenization:
     """The two endpoints for one served model's tokenizer (the router checks the API key)."""
 
-    def __init__(self, prompt_work: PromptWork, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self, prompt_work: PromptWork, model_name: str, max_model_len: int, tool_prompt: ToolPrompt
+    ) -> None:
         self.prompt_work = prompt_work
+        self.tool_prompt = tool_prompt
         self.tokenizer = prompt_work.tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -88,8 +116,11 @@ class Tokenization:
             raise APIError(400, "add_special_tokens is not supported for chats: the chat "
                            "template writes the special tokens", "add_special_tokens")  # fmt: skip
         else:
-            chat = chat_of(request.messages)
-            ids = await self.prompt_work.chat_ids(chat, chat_options(request), body_bytes(http))
+            chat, tools = self.tool_prompt.chat(
+                chat_of(request.messages), request.tools, request.tool_choice
+            )
+            options = chat_options(request, tools)
+            ids = await self.prompt_work.chat_ids(chat, options, body_bytes(http))
         strs = [self.tokenizer.id_to_token(i) for i in ids] if request.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs

@@ -196,3 +196,40 @@ def test_template_environment_is_transformers_sandbox(tiny_model_path, tmp_path)
     (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": escape}))
     with pytest.raises(ChatTemplateError):
         Tokenizer(folder).render_chat(messages)
+
+
+# Hermes/Qwen-style: the tools in a system turn, past calls as <tool_call> blocks.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for tool in tools %}\n{{ tool | tojson }}"
+    "{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("description", ["Weather in a city", "ends <|im_end|> here"])
+def test_tools_reach_the_template_as_transformers_passes_them(
+    tiny_model_path, tmp_path, description
+) -> None:
+    """OpenAI's tool definitions as `tools` and past calls as `tool_calls`, token for token
+    transformers' (`tools=`); a control token in a tool's description stays text."""
+    folder = write_variant(tiny_model_path, tmp_path / "tools", TOOLS_TEMPLATE)
+    ours, hf = Tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": description,
+                                               "parameters": parameters}}]  # fmt: skip
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    ids = ours.apply_chat_template(messages, tools=tools)
+    assert ids == reference_ids(hf, messages, add_generation_prompt=True, tools=tools)
+    text = ours.decode(ids, skip_special_tokens=False)
+    assert '"description": "' + description in text and '"arguments": {"city": "Paris"}' in text
+    assert ids.count(ours.token_to_id("<|im_end|>")) == 4  # the description's is not one

@@ -275,7 +275,7 @@ CHAT_ERRORS = [
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"max_tokens": 5000}, "max_tokens"),
     ({"max_completion_tokens": -3}, "max_completion_tokens"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools.0"),  # a tool without its function
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
     ({"top_logprobs": 2}, "logprobs"),
 ]

@@ -15,10 +15,12 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from typing import Literal
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -409,3 +411,36 @@ def test_a_greedy_completions_batch_runs_on_seesaws_offline_group(
         online = client.completions.create(**body)
         assert record["response"]["body"]["choices"][0]["text"] == online.choices[0].text
     assert "offline job done" in server.log_tail(200_000)
+
+
+class GetWeather(pydantic.BaseModel):
+    """A tool as the official client's docs define one (`openai.pydantic_function_tool`)."""
+
+    city: str = pydantic.Field(max_length=10)
+    unit: Literal["c", "f"]
+
+
+def test_tool_calls_validate_over_the_mesh_streamed_and_not(client: openai.OpenAI) -> None:
+    """Issue 51's acceptance: `tools` with `tool_choice="required"` and with a named function
+    return `tool_calls` whose arguments validate against the schema, streamed (the client's own
+    stream helper accumulates the deltas) and not; a grammar held across the prompt engine's
+    first token and the token engine's rest."""
+    tool = openai.pydantic_function_tool(GetWeather)
+    schema = tool["function"]["parameters"]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "GetWeather"}}
+    for seed, tool_choice in enumerate(("required", named)):
+        kwargs = dict(model=MODEL, messages=messages, tools=[tool], tool_choice=tool_choice,
+                      max_tokens=100, seed=seed)  # fmt: skip
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        with client.chat.completions.stream(**kwargs) as stream:
+            streamed = stream.get_final_completion().choices[0].message
+        for calls in (message.tool_calls, streamed.tool_calls):
+            assert calls and all(call.function.name == "GetWeather" for call in calls)
+            for call in calls:
+                jsonschema.validate(json.loads(call.function.arguments), schema)
+        # The same seed samples the same tokens: the same arguments, streamed or not.
+        assert [c.function.arguments for c in streamed.tool_calls] == [
+            c.function.arguments for c in message.tool_calls
+        ]
+        assert isinstance(streamed.tool_calls[0].function.parsed_arguments, GetWeather)
