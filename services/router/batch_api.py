@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message
 
-from services.router.api_errors import APIError
+from services.router.api_errors import APIError, error_responses
 from services.router.batch_store import BatchError, BatchStore, Line
 
 log = structlog.get_logger(__name__)
@@ -238,13 +238,17 @@ class BatchApi:
 
     def routes(self, dependencies: list[Any]) -> APIRouter:
         api = APIRouter(dependencies=dependencies)
-        api.add_api_route("/v1/files", self.create_file, methods=["POST"])
-        api.add_api_route("/v1/files/{file_id}", self.get_file, methods=["GET"])
-        api.add_api_route("/v1/files/{file_id}/content", self.file_content, methods=["GET"])
-        api.add_api_route("/v1/batches", self.create_batch, methods=["POST"])
-        api.add_api_route("/v1/batches", self.list_batches, methods=["GET"])
-        api.add_api_route("/v1/batches/{batch_id}", self.get_batch, methods=["GET"])
-        api.add_api_route("/v1/batches/{batch_id}/cancel", self.cancel, methods=["POST"])
+        for path, endpoint, method, statuses in (
+            ("/v1/files", self.create_file, "POST", (400, 401, 413)),
+            ("/v1/files/{file_id}", self.get_file, "GET", (400, 401, 404)),
+            ("/v1/files/{file_id}/content", self.file_content, "GET", (400, 401, 404)),
+            ("/v1/batches", self.create_batch, "POST", (400, 401, 404, 413)),
+            ("/v1/batches", self.list_batches, "GET", (400, 401)),
+            ("/v1/batches/{batch_id}", self.get_batch, "GET", (400, 401, 404)),
+            ("/v1/batches/{batch_id}/cancel", self.cancel, "POST", (400, 401, 404)),
+        ):
+            api.add_api_route(path, endpoint, methods=[method],
+                              responses=error_responses(*statuses))  # fmt: skip
         return api
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
