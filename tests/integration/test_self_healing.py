@@ -13,6 +13,7 @@ import pytest
 
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
+from common.roles import Role
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.mesh.registry import ServiceEntry
@@ -89,9 +90,9 @@ def test_a_killed_engine_is_replaced_under_a_new_id(mesh: LocalMesh) -> None:
 
 def migrating_streams(
     mesh: LocalMesh, prompts: list[list[int]], num_tokens: int, kill: Callable[[], None]
-) -> list[list[int]]:
+) -> tuple[list[list[int]], int]:
     """Stream every prompt through the router's `MeshEngineClient`; call `kill` once each has
-    a few tokens; return each stream's token ids."""
+    a few tokens; return each stream's token ids and the router's migrations."""
     model_path = mesh.topology.model_path
     client = MeshEngineClient(model_path, mesh.registry.live, auth=mesh.auth, refresh_s=0.1)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
@@ -115,7 +116,7 @@ def migrating_streams(
         return list(await asyncio.wait_for(asyncio.gather(*tasks), 300))
 
     try:
-        return asyncio.run(run())
+        return asyncio.run(run()), client.num_migrations
     finally:
         client.shutdown()
 
@@ -123,18 +124,27 @@ def migrating_streams(
 @pytest.mark.parametrize("victim", ["shard-1", "token-0", "prompt-0"])
 def test_streams_continue_through_a_killed_worker(tiny_model_path: Path, victim: str) -> None:
     """Six greedy streams; one worker SIGKILLed mid-stream: every stream finishes with exactly
-    the single-process engine's tokens (migrated from the tokens it had), and no KV is left."""
+    the single-process engine's tokens, and no KV is left. A dead engine's requests migrate
+    (re-run from the tokens they had); a dead shard costs only its heads: none migrates, the
+    token engine keeps every request and a prompt engine rebuilds the lost heads' KV on the
+    replacement (Lamina §5)."""
     prompts = random_prompts([20, 45, 70, 95, 120, 33], 2048, seed=50)
     reference = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(
         prompts, SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     )
     mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2))
     try:
-        outputs = migrating_streams(mesh, prompts, 120, lambda: mesh.workers[victim].proc.kill())
+        outputs, num_migrations = migrating_streams(
+            mesh, prompts, 120, lambda: mesh.workers[victim].proc.kill()
+        )
         assert outputs == reference
         supervisor = mesh.supervisor
         assert supervisor is not None
         wait_for(lambda: supervisor.num_restarts == 1)  # the streams need not wait for it
+        if victim.startswith("shard"):
+            assert num_migrations == 0
+            [token] = [s for s in mesh.stats() if s.role == Role.TOKEN]
+            assert (token.num_rebuilt, token.num_rebuild_fallbacks) == (len(prompts), 0)
         wait_for(lambda: all(s.kv_blocks_used == 0 and s.num_requests == 0 for s in mesh.stats()))
     finally:
         mesh.close()
