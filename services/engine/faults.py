@@ -104,15 +104,15 @@ class EngineFaults:
         reason = "a shard of its group stopped answering"
         if rebuilds.lost is not None:
             out = self._fall_back(f"{reason} while its lost heads were rebuilt")
-            return out + self.relink([], [], reason)
+            return out + self.relink([], [], reason, now=now)
         plan = rebuilds.first_plan(e.shards)
         if plan.choice is RebuildChoice.MIGRATE:
-            return self.relink([], [], f"{reason}; {plan.reason}")
+            return self.relink([], [], f"{reason}; {plan.reason}", now=now)
         rebuilds.lost = LostShards(e.shards, frozenset(slots), now)
         parked = e.admission.park()
         log.warning("shard lost; its heads will be rebuilt", engine=e.engine_id,
                     slots=sorted(slots), num_parked=len(parked))  # fmt: skip
-        return self.relink([], [], reason)
+        return self.relink([], [], reason, now=now)
 
     def kv_rebuilt(self, msg: KvRebuilt) -> Outbox:
         """A prompt engine rebuilt (or could not rebuild) a parked request's lost heads: it
@@ -131,7 +131,7 @@ class EngineFaults:
         rebuilds.settle(e.admission.parked)
         return out
 
-    def _rebuild_onto(self, group: Seq[ShardAddress], rebuilders: Seq[str]) -> Outbox:
+    def _rebuild_onto(self, group: Seq[ShardAddress], rebuilders: Seq[str], now: float) -> Outbox:
         """The keeper named the group (`LinkShards`): rebuild the parked requests' lost heads
         on it, wait for a whole one, or end them (`plan_rebuild`)."""
         e, rebuilds = self.engine, self.engine.rebuilds
@@ -141,7 +141,7 @@ class EngineFaults:
             if list(group) == list(rebuilds.onto):
                 return Outbox()
             return self._fall_back("its shard group changed while its lost heads were rebuilt")
-        plan = rebuilds.plan(group, len(rebuilders), time.monotonic())
+        plan = rebuilds.plan(group, len(rebuilders), now)
         if plan.choice is RebuildChoice.WAIT:
             return Outbox()
         if plan.choice is RebuildChoice.MIGRATE:
@@ -171,6 +171,7 @@ class EngineFaults:
         shards: Seq[ShardAddress],
         reason: str,
         rebuilders: Seq[str] = (),
+        now: float | None = None,
     ) -> Outbox:
         """Decode against `shards` from now on (empty: local attention only).
 
@@ -180,7 +181,7 @@ class EngineFaults:
         a dead shard is dropped with its socket), and the live ones may hold it without ever
         having decoded it (a handoff still waiting), so no other free would come. Requests
         parked for a rebuild are not tied: `rebuilders` (prompt engines) may rebuild their lost
-        heads on `shards` (`_rebuild_onto`).
+        heads on `shards` (`_rebuild_onto`; `now`: monotonic seconds, by default the clock's).
         """
         e = self.engine
         tied = [s.req_id for s in e.admission.sharded]
@@ -190,7 +191,8 @@ class EngineFaults:
         e.runner.relink(links, shards)
         log.warning("shard group relinked", engine=e.engine_id, reason=reason,
                     num_failed=len(tied), shards=[s.service_id for s in shards])  # fmt: skip
-        return out + self._rebuild_onto(shards, rebuilders)
+        now = time.monotonic() if now is None else now
+        return out + self._rebuild_onto(shards, rebuilders, now)
 
 
 __all__ = ["HANDOFF_KV_WAIT_S", "EngineFaults"]

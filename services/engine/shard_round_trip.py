@@ -78,6 +78,7 @@ class ShardSend:
     # A request-partitioned group: the batch rows this shard got (all heads), gathered; its
     # reply is scattered back to them. None: the shard got every row, `heads` of them.
     row_index: torch.Tensor | None = None
+    closed: bool = False  # its send found the link closed (no reply will come)
 
 
 @dataclass
@@ -129,12 +130,13 @@ def send_layer(
         # Strided slices: the channel copies each straight into the message, once.
         q_heads = slice(h0 * group, h1 * group)
         buffers = ([] if q is None else [q[:, q_heads]]) + [t[:, h0:h1] for t in kv]
+        handle, closed = None, False
         try:
             handle = link.send_async(header, buffers)
         except ChannelClosed:  # the others still get theirs: their replies are read in step
-            handle = None
+            closed = True
         sent.append(ShardSend(i, link, q_heads, handle, time.perf_counter(), rows, layer,
-                              replied=part != ATTEND_PREV))  # fmt: skip
+                              replied=part != ATTEND_PREV, closed=closed))  # fmt: skip
     return sent
 
 
@@ -238,7 +240,7 @@ def _receive_reply(
 ) -> tuple[AttendResult, torch.Tensor | None] | None:
     """`sent`'s reply once its send is done: its heads landed in place in `out[num_local:]`, or
     (a request-partitioned group) with its rows' output to scatter; None for an ATTEND_PREV."""
-    if sent.handle is None:  # its send found the link closed
+    if sent.closed:
         raise ChannelClosed(f"shard {sent.shard}: link closed")
     sent.link.wait(sent.handle, timeout)
     if not sent.replied:
