@@ -104,17 +104,23 @@ def test_every_reply_is_read_before_a_fault_is_raised(scripts, raised):
         assert not isinstance(info.value, ShardLinkFault)
 
 
-def test_a_stale_reply_leaves_no_reply_queued():
-    links = [ScriptedLink("stale", 1.0), ScriptedLink("ok", 2.0)]
-    shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(2)]
+def attend_one_row(links: list[ScriptedLink]) -> None:
+    """Step 3's layer 0 of one request over `links`, one KV head per shard."""
+    shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(len(links))]
     runner = MeshModelRunner(MODEL, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
     rows = ShardedRows(step=3, req_ids=["a"], context_lens=[4])
     plan = StepPlan(Phase.DECODE, ["a"], torch.zeros(1), torch.zeros(1), torch.zeros(0), [1],
                     torch.zeros(0, 1), torch.zeros(0), torch.arange(1), num_local=0,
                     sharded=rows)  # fmt: skip
-    kv = torch.randn(1, HKV, D)
+    kv = torch.randn(1, len(links), D)
+    q = torch.randn(1, len(links) * HQ // HKV, D)
+    runner._attend_sharded(0, q, kv, kv.clone(), plan, StepResult(kv))
+
+
+def test_a_stale_reply_leaves_no_reply_queued():
+    links = [ScriptedLink("stale", 1.0), ScriptedLink("ok", 2.0)]
     with pytest.raises(ShardLinkFault, match="step 2 layer 0 lane 0, expected step 3"):
-        runner._attend_sharded(0, torch.randn(1, HQ, D), kv, kv.clone(), plan, StepResult(kv))
+        attend_one_row(links)
     assert [link.received for link in links] == [1, 1]  # the good shard's reply was read too
 
 
@@ -123,14 +129,7 @@ def test_a_dead_shard_is_named_after_the_survivors_replies_are_read(dead):
     """A shard whose link closed (SIGKILLed) is named in `ShardLost`, raised only after every
     other shard's reply was read: the survivors' links stay in step, and keep their KV."""
     links = [ScriptedLink(dead, 1.0), ScriptedLink("ok", 2.0), ScriptedLink("ok", 3.0)]
-    shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(3)]
-    runner = MeshModelRunner(MODEL, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
-    rows = ShardedRows(step=3, req_ids=["a"], context_lens=[4])
-    plan = StepPlan(Phase.DECODE, ["a"], torch.zeros(1), torch.zeros(1), torch.zeros(0), [1],
-                    torch.zeros(0, 1), torch.zeros(0), torch.arange(1), num_local=0,
-                    sharded=rows)  # fmt: skip
-    kv = torch.randn(1, 3, D)
     with pytest.raises(ShardLost) as info:
-        runner._attend_sharded(0, torch.randn(1, 6, D), kv, kv.clone(), plan, StepResult(kv))
+        attend_one_row(links)
     assert info.value.shards == {0}
     assert [link.received for link in links[1:]] == [1, 1]
