@@ -21,7 +21,7 @@ from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_test_client import MeshTestClient
 
-LONG = SamplingSpec(max_tokens=120, temperature=0.0, ignore_eos=True)
+LONG = SamplingSpec(max_tokens=80, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,8 @@ def test_a_killed_shard_is_replaced_and_rejoins_its_group(
     while not (out := client.recv(timeout=120)).finish_reason:
         tokens += out.token_ids
     assert out.finish_reason == "length" and tokens + out.token_ids == reference, out
+    [token] = [s for s in mesh.stats() if s.role == Role.TOKEN]
+    assert (token.num_rebuilt, token.num_rebuild_fallbacks) == (1, 0)
     client.close()
     wait_for(lambda: "shard-1.1" in live(mesh))
     assert "shard-1" not in live(mesh)
