@@ -98,6 +98,16 @@ def migrations(server: ServeRun) -> float:
     return sum(float(v) for v in pattern.findall(text))
 
 
+def rebuilt(server: ServeRun) -> int:
+    """Requests the token engines kept through a dead shard (their lost heads rebuilt), from
+    `/stats`; a replaced token engine starts counting again."""
+    try:
+        services = httpx.get(server.base_url + "/stats", timeout=10).json()["services"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 0
+    return sum(s.get("num_rebuilt", 0) for s in services.values())
+
+
 def healthy(server: ServeRun) -> bool:
     """Every service answers /stats and a one-token request succeeds."""
     try:
@@ -111,12 +121,12 @@ def healthy(server: ServeRun) -> bool:
 
 def killer(server: ServeRun, args: argparse.Namespace, stop: threading.Event) -> list[dict]:
     """Kill a random replica every `kill_every` s until `stop`; time each recovery, and count the
-    router's migrations from the kill until then."""
+    router's migrations and the requests rebuilt from the kill until then."""
     rng = random.Random(args.seed)
     kills: list[dict] = []
     while not stop.wait(args.kill_every):
         role = rng.choice(ROLES)
-        before = migrations(server)
+        before, rebuilt_before = migrations(server), rebuilt(server)
         try:
             os.kill(replica_pid(server, role), signal.SIGKILL)
         except (LookupError, ProcessLookupError):
@@ -127,7 +137,8 @@ def killer(server: ServeRun, args: argparse.Namespace, stop: threading.Event) ->
         while not healthy(server) and time.monotonic() - killed_at < 120:
             time.sleep(0.5)
         kills.append({"role": role, "recovered_s": round(time.monotonic() - killed_at, 2),
-                      "migrated": migrations(server) - before})  # fmt: skip
+                      "migrated": migrations(server) - before,
+                      "rebuilt": max(rebuilt(server) - rebuilt_before, 0)})  # fmt: skip
         say(f"{role} recovered in {kills[-1]['recovered_s']} s")
     return kills
 
