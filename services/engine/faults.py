@@ -57,7 +57,7 @@ class EngineFaults:
         )
         e.rebuilds.settle(e.admission.parked)
         if e.rebuilds.overdue(now):
-            out += self._fall_back(f"its lost shard heads were not rebuilt within "
+            out += self.abandon_rebuild(f"its lost shard heads were not rebuilt within "
                                    f"{e.rebuilds.bound_s} s")  # fmt: skip
         return out
 
@@ -103,7 +103,7 @@ class EngineFaults:
         e, rebuilds = self.engine, self.engine.rebuilds
         reason = "a shard of its group stopped answering"
         if rebuilds.lost is not None:
-            out = self._fall_back(f"{reason} while its lost heads were rebuilt")
+            out = self.abandon_rebuild(f"{reason} while its lost heads were rebuilt")
             return out + self.relink([], [], reason, now=now)
         plan = rebuilds.first_plan(e.shards)
         if plan.choice is RebuildChoice.MIGRATE:
@@ -140,12 +140,12 @@ class EngineFaults:
         if rebuilds.onto is not None:  # under way: the same group again changes nothing
             if list(group) == list(rebuilds.onto):
                 return Outbox()
-            return self._fall_back("its shard group changed while its lost heads were rebuilt")
+            return self.abandon_rebuild("its shard group changed while its lost heads were rebuilt")
         plan = rebuilds.plan(group, len(rebuilders), now)
         if plan.choice is RebuildChoice.WAIT:
             return Outbox()
         if plan.choice is RebuildChoice.MIGRATE:
-            return self._fall_back(plan.reason)
+            return self.abandon_rebuild(plan.reason)
         parked = list(e.admission.parked)
         rebuilds.onto, rebuilds.rebuilding = tuple(group), set(parked)
         log.warning("rebuilding lost shard heads", engine=e.engine_id, num_requests=len(parked),
@@ -153,8 +153,9 @@ class EngineFaults:
         return rebuild_requests(parked, e.table, group, plan.targets, rebuilders,
                                 e.parts.command_endpoint)  # fmt: skip
 
-    def _fall_back(self, why: str) -> Outbox:
-        """End every parked request, retryably: the router re-runs it (migration)."""
+    def abandon_rebuild(self, why: str) -> Outbox:
+        """End every parked request, retryably: the router re-runs it (migration). Also the
+        worker's, when it must close the survivors' links (a link fault)."""
         e, rebuilds = self.engine, self.engine.rebuilds
         parked = list(e.admission.parked)
         rebuilds.num_fallbacks += len(parked)

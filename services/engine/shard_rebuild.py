@@ -18,6 +18,8 @@ What ends a parked request instead, retryably (the router's migration, the fallb
   that cannot compute or ship it (or that cannot be reached) says so, and the request ends then;
 - the replacement or a survivor dies mid-rebuild (a `ShardLost`, or a new group from the keeper,
   while a rebuild is under way): every request of the group ends;
+- a link fault (a late or stale reply) while the rebuild is under way: reconnecting the group
+  frees the survivors' KV, so every parked request ends (`abandon_rebuild`);
 - rebuilt KV that never lands on the replacement: the shard fails that row alone at its next step
   (`KV_WAIT_S`), retryably, as for any KV that did not land.
 """

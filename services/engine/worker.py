@@ -255,6 +255,8 @@ class EngineWorker:
             # channels to the same group (a shard that does not answer a new link either is
             # dropped with the group); the group's requests are re-run by the router.
             log.error("shard link fault; reconnecting the shard group", error=repr(exc))
+            # Closed links free the survivors' KV: a rebuild under way cannot go on.
+            self._send(self.faults.abandon_rebuild(f"its shard links failed: {exc}"))
             for link in self.links.values():
                 link.close()
             self.links.clear()
