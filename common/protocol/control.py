@@ -78,7 +78,7 @@ class LinkShards(_Msg, tag="link_shards"):
 class RebuildKv(_Msg, tag="rebuild_kv"):
     """Token engine -> prompt engine: recompute the KV of `token_ids` (a running request's
     tokens but its last, whose KV its next decode step writes) and ship only `shards`' heads to
-    them (the replacements of lost shards), layer by layer; then answer `KvRebuilt` to
+    them (the replacements of lost shards), as a prefill ships; then answer `KvRebuilt` to
     `reply_to` (the token engine's command endpoint). No token is sampled for the client."""
 
     req_id: str

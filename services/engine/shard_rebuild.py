@@ -6,10 +6,10 @@ sharded requests (`DecodeAdmission.park`: out of the steps, reservations kept) a
 to the surviving shards, which keep their heads' KV (a shard frees what a closed link decoded).
 When its keeper names the group again (`LinkShards`: the replacement in the lost slot, and the
 live prompt engines), each parked request's tokens but its last go to a prompt engine
-(`RebuildKv`): a full forward whose K/V leave for the replacement only, its heads only, layer by
-layer, then a `KvRebuilt` back. The request then decodes again where it was: no token is sampled
-from the rebuild, and its next step writes its last token's KV on every shard. Its client sees a
-longer gap between two tokens, never an error.
+(`RebuildKv`): a full forward whose K/V leave for the replacement only, its heads only, as a
+prefill's do (layer by layer for long ones), then a `KvRebuilt` back. The request then decodes
+again where it was: no token is sampled from the rebuild, and its next step writes its last
+token's KV on every shard. Its client sees a longer gap between two tokens, never an error.
 
 What ends a parked request instead, retryably (the router's migration, the fallback):
 - `plan_rebuild`'s rules: no replacement within `shard_rebuild_wait_s`, no prompt engine, a group
