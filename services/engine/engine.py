@@ -124,6 +124,13 @@ class Engine:
         self.ship_queue.add(Sequence(msg.req_id, len(msg.token_ids), token_ids=msg.token_ids))
         return Outbox()
 
+    def is_rebuild(self, req_id: str) -> bool:
+        """Whether `req_id` here is a rebuild (`on_rebuild`). Its KV is pushed, never held for
+        a pull: its token engine resumes the request once the KV has left, and a shard pulls
+        only between steps (one of those steps would wait for it until `KV_WAIT_S`)."""
+        route = self.table.routes.get(req_id)
+        return route is not None and bool(route.rebuild_for)
+
     def on_kv(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> Outbox:
         """Local KV for a request this engine will decode (no shard group). KV that does not fit
         is refused: its request ends alone, retryable, and the engine goes on."""

@@ -200,11 +200,12 @@ class EngineWorker:
         # Over UCX where the receiver listens for KV; a transfer that fails ends its request
         # retryably (`_tick`). On ZeroMQ, KV that cannot be sent is dropped: its decode step fails
         # on the shard (KV_WAIT_S) or its hand-off times out, and the request is re-run elsewhere.
-        if pages.reserve_tokens and self.kv_hold is not None and self.kv_hold.hold.put(pages, k, v):
+        hold = None if self.engine.is_rebuild(pages.req_id) else self.kv_hold
+        if pages.reserve_tokens and hold is not None and hold.hold.put(pages, k, v):
             # Held for the shard to pull; announced once whole (before the hand-off leaves).
-            if self.kv_hold.hold.is_complete(pages.req_id, dest.head_start, dest.head_end):
+            if hold.hold.is_complete(pages.req_id, dest.head_start, dest.head_end):
                 announce = KvAnnounce(
-                    pages.req_id, self.kv_hold.endpoint, dest.head_start, dest.head_end,
+                    pages.req_id, hold.endpoint, dest.head_start, dest.head_end,
                     traceparent=pages.traceparent,  # the shard's kv.pull span joins the trace
                 )  # fmt: skip
                 self._delivered(dest.kv_endpoint, announce, tensors=[])
