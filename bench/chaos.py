@@ -1,7 +1,16 @@
-"""Chaos: a trace slice replayed against a served mesh while replicas are SIGKILLed, side by side
-with the same slice and no faults, in one run.
+"""Chaos: each fault on its own, then a trace slice replayed against a served mesh while replicas
+are SIGKILLed, side by side with the same slice and no faults, in one run.
 
     python bench/chaos.py [--seconds 60] [--kill-every 15] [--seed 0] [--token-scale 1/16]
+                          [--only faults|trace] [--streams 6] [--stream-tokens 120]
+
+Per fault (`--only faults`): a `LocalMesh` (tiny model, one prompt engine, one token engine, a
+2-shard group), `--streams` greedy streams through the router's client, and one worker SIGKILLed
+once each stream has a few tokens: an attention shard through the rebuild path (its lost heads
+recomputed by a prompt engine, Lamina §5), the same kill with migration forced
+(`shard_rebuild_wait_s: 0`), the token engine, the prompt engine. For each: requests lost (failed,
+or tokens other than the single-process engine's), migrated (the router's re-runs), rebuilt (the
+token engine's count), and the longest wait from the kill to a stream's next token.
 
 Starts `serve run deploy/local.yaml` on a free port (as the e2e tests do), then replays the first
 `--seconds` of the Azure conversation trace twice through the OpenAI API (loadgen's open-loop
@@ -17,8 +26,9 @@ re-runs a request whose replicas die) and refused at admission with a 503 and Re
 no replica of a role is up (a client retries those; the figure is printed, not a target), the
 router's migrations (`/metrics`: Ray's
 `ray_phasemesh_request_migrations_total`, read before and after), each kill's recovery time, and
-TTFT / TBT p50 and p90 of the fault run against the no-fault run. The last line is one JSON object
-with the figures, its `targets` and `targets_met`.
+TTFT / TBT p50 and p90 of the fault run against the no-fault run, and per kill the migrations
+until it recovered. The last line is one JSON object with the figures, its `targets` (nothing lost
+anywhere; the rebuild path migrates nothing) and `targets_met`.
 """
 
 from __future__ import annotations
@@ -88,6 +98,16 @@ def migrations(server: ServeRun) -> float:
     return sum(float(v) for v in pattern.findall(text))
 
 
+def rebuilt(server: ServeRun) -> int:
+    """Requests the token engines kept through a dead shard (their lost heads rebuilt), from
+    `/stats`; a replaced token engine starts counting again."""
+    try:
+        services = httpx.get(server.base_url + "/stats", timeout=10).json()["services"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 0
+    return sum(s.get("num_rebuilt", 0) for s in services.values())
+
+
 def healthy(server: ServeRun) -> bool:
     """Every service answers /stats and a one-token request succeeds."""
     try:
@@ -100,11 +120,13 @@ def healthy(server: ServeRun) -> bool:
 
 
 def killer(server: ServeRun, args: argparse.Namespace, stop: threading.Event) -> list[dict]:
-    """Kill a random replica every `kill_every` s until `stop`; time each recovery."""
+    """Kill a random replica every `kill_every` s until `stop`; time each recovery, and count the
+    router's migrations and the requests rebuilt from the kill until then."""
     rng = random.Random(args.seed)
     kills: list[dict] = []
     while not stop.wait(args.kill_every):
         role = rng.choice(ROLES)
+        before, rebuilt_before = migrations(server), rebuilt(server)
         try:
             os.kill(replica_pid(server, role), signal.SIGKILL)
         except (LookupError, ProcessLookupError):
@@ -114,7 +136,9 @@ def killer(server: ServeRun, args: argparse.Namespace, stop: threading.Event) ->
         # NOTE: polling another process's recovery: there is nothing to block on.
         while not healthy(server) and time.monotonic() - killed_at < 120:
             time.sleep(0.5)
-        kills.append({"role": role, "recovered_s": round(time.monotonic() - killed_at, 2)})
+        kills.append({"role": role, "recovered_s": round(time.monotonic() - killed_at, 2),
+                      "migrated": migrations(server) - before,
+                      "rebuilt": max(rebuilt(server) - rebuilt_before, 0)})  # fmt: skip
         say(f"{role} recovered in {kills[-1]['recovered_s']} s")
     return kills
 
@@ -137,13 +161,101 @@ def summary(result: ReplayResult) -> dict[str, Any]:
             - len(refused), "refused_503": len(refused), **ms, "errors": errors[:5]}  # fmt: skip
 
 
+# (fault, the worker SIGKILLed, its mesh options): each on a fresh LocalMesh.
+FAULTS = (
+    ("shard_kill_rebuild", "shard-1", {}),
+    ("shard_kill_migrate", "shard-1", {"shard_rebuild_wait_s": 0.0}),
+    ("token_engine_kill", "token-0", {}),
+    ("prompt_engine_kill", "prompt-0", {}),
+)
+
+
+def fault_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each of FAULTS under `args.streams` greedy streams; their figures."""
+    from common.engine.core import LLMEngine
+    from common.model.default import default_model_path
+    from common.sampling import SamplingParams
+
+    model_path = default_model_path("tiny")
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(2048) for _ in range(rng.randint(16, 128))]
+               for _ in range(args.streams)]  # fmt: skip
+    params = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True)
+    reference = LLMEngine.from_path(model_path, num_blocks=512).generate(prompts, params)
+    return [one_fault(model_path, name, victim, options, prompts, params, reference)
+            for name, victim, options in FAULTS]  # fmt: skip
+
+
+def one_fault(
+    model_path: Path, name: str, victim: str, options: dict, prompts: list[list[int]],
+    params: Any, reference: list[list[int]],
+) -> dict[str, Any]:  # fmt: skip
+    from common.mesh_options import mesh_options
+    from common.roles import Role
+    from services.launch.local_mesh import LocalMesh, Topology
+
+    mesh = LocalMesh.start(Topology(str(model_path), num_shards=2, options=mesh_options(options)))
+    client = mesh.engine_client(refresh_s=0.1)
+    token_times: list[list[float]] = [[] for _ in prompts]
+    killed_at = [0.0]
+
+    async def run() -> list[list[int] | None]:
+        started = asyncio.Event()
+
+        async def one(i: int, prompt: list[int]) -> list[int] | None:
+            tokens: list[int] = []
+            try:
+                async for out in client.generate(f"c{i}", prompt, params):
+                    tokens += out.new_token_ids
+                    token_times[i].append(time.monotonic())
+                    if all(len(t) >= 5 for t in token_times):
+                        started.set()
+            except Exception as exc:  # noqa: BLE001 - a lost request is a figure, not a crash
+                say(f"{name}: stream {i} failed: {exc!r}")
+                return None
+            return tokens
+
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        await asyncio.wait_for(started.wait(), 300)
+        killed_at[0] = time.monotonic()
+        mesh.workers[victim].proc.kill()
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), 600))
+
+    try:
+        say(f"{name}: SIGKILL {victim} under {len(prompts)} streams")
+        outputs = asyncio.run(run())
+        num_migrations = client.num_migrations
+        stats = mesh.stats()
+    finally:
+        client.shutdown()
+        mesh.close()
+    gaps = [next((t for t in times if t > killed_at[0]), killed_at[0]) - killed_at[0]
+            for times in token_times]  # fmt: skip
+    token_stats = [s for s in stats if s.role == Role.TOKEN]
+    return {
+        "fault": name, "killed": victim,
+        "lost": sum(out != ref for out, ref in zip(outputs, reference, strict=True)),
+        "migrated": num_migrations, "rebuilt": sum(s.num_rebuilt for s in token_stats),
+        "max_gap_ms": round(1000 * max(gaps), 1),
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="trace slice length")
     parser.add_argument("--kill-every", type=float, default=15.0, help="seconds between kills")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token-scale", default="1/16", help="as tests/e2e/test_loadgen_replay")
+    parser.add_argument("--only", choices=("faults", "trace"), help="run one part only")
+    parser.add_argument("--streams", type=int, default=6, help="per fault")
+    parser.add_argument("--stream-tokens", type=int, default=120, help="per stream, per fault")
     args = parser.parse_args()
+    faults = fault_runs(args) if args.only != "trace" else []
+    for fault in faults:
+        say(f"{fault}")
+    if args.only == "faults":
+        report(args, faults, None)
+        return
     specs = trace_slice(args)
     with tempfile.TemporaryDirectory(prefix="chaos-") as workdir:
         server = ServeRun(REPO / "deploy" / "local.yaml", Path(workdir), preset="tiny")
@@ -164,28 +276,44 @@ def main() -> None:
             num_migrations = migrations(server) - before
         finally:
             server.stop()
-    report(args, calm, chaos, kills, num_migrations)
+    report(args, faults, (calm, chaos, kills, num_migrations))
 
 
 def report(
-    args: argparse.Namespace, calm: dict, chaos: dict, kills: list[dict], num_migrations: float
+    args: argparse.Namespace,
+    faults: list[dict[str, Any]],
+    trace: tuple[dict, dict, list[dict], float] | None,
 ) -> None:
-    print(f"no faults : {calm}")
-    print(f"with kills: {chaos}")
-    print(f"kills     : {kills}; migrations {num_migrations:g}")
-    ratios = {
-        f"{key}_ratio": round(chaos[key] / calm[key], 2)
-        for key in ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p90_ms")
-        if chaos.get(key) and calm.get(key)
-    }
-    targets = {"requests_lost": 0}
-    result = {
-        "bench": "chaos", "seconds": args.seconds, "kill_every_s": args.kill_every,
-        "seed": args.seed, "no_faults": calm, "with_kills": chaos, "kills": kills,
-        "migrations": num_migrations, **ratios, "targets": targets,
-        "targets_met": {"requests_lost": chaos["lost"] == 0 and bool(kills)},
-    }  # fmt: skip
-    print(json.dumps(result))
+    result: dict[str, Any] = {"bench": "chaos", "seed": args.seed}
+    targets: dict[str, Any] = {}
+    met: dict[str, bool] = {}
+    if faults:
+        print("fault                lost  migrated  rebuilt  max gap kill->next token (ms)")
+        for f in faults:
+            print(f"{f['fault']:<20} {f['lost']:>4} {f['migrated']:>9} {f['rebuilt']:>8}  "
+                  f"{f['max_gap_ms']:>8}")  # fmt: skip
+        rebuild = next(f for f in faults if f["fault"] == "shard_kill_rebuild")
+        result |= {"streams": args.streams, "stream_tokens": args.stream_tokens, "faults": faults}
+        targets |= {"faults_lost": 0, "rebuild_migrated": 0}
+        met["faults_lost"] = all(f["lost"] == 0 for f in faults)
+        met["rebuild_migrated"] = rebuild["migrated"] == 0 and rebuild["rebuilt"] > 0
+    if trace is not None:
+        calm, chaos, kills, num_migrations = trace
+        print(f"no faults : {calm}")
+        print(f"with kills: {chaos}")
+        print(f"kills     : {kills}; migrations {num_migrations:g}")
+        ratios = {
+            f"{key}_ratio": round(chaos[key] / calm[key], 2)
+            for key in ("ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p90_ms")
+            if chaos.get(key) and calm.get(key)
+        }
+        result |= {
+            "seconds": args.seconds, "kill_every_s": args.kill_every, "no_faults": calm,
+            "with_kills": chaos, "kills": kills, "migrations": num_migrations, **ratios,
+        }  # fmt: skip
+        targets["requests_lost"] = 0
+        met["requests_lost"] = chaos["lost"] == 0 and bool(kills)
+    print(json.dumps(result | {"targets": targets, "targets_met": met}))
 
 
 if __name__ == "__main__":

@@ -113,6 +113,11 @@ class MeshOptions(_Options, frozen=True):
     # A request at the router that gets no output for this long is re-run elsewhere from its
     # tokens (its engine dropped it, or its router was stopped while the engine gave up on it).
     progress_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # A token engine whose head-split shard group lost a shard keeps the group's requests this
+    # long for a replacement and the rebuild of the lost heads (Lamina §5; docs/failures.md);
+    # past it, or at 0, they migrate. Below `progress_timeout_s`: the router must not re-run a
+    # request that is being rebuilt.
+    shard_rebuild_wait_s: Seconds = 20.0
 
     def __post_init__(self) -> None:
         if not is_neo(self.tier_policy):  # Neo's needs its cost tables: the engine builds it
@@ -133,6 +138,11 @@ class MeshOptions(_Options, frozen=True):
             raise ValueError(
                 "local_kv_blocks is a tier beside head-split shards: shard_partition request "
                 "has none"
+            )
+        if self.shard_rebuild_wait_s >= self.progress_timeout_s:
+            raise ValueError(
+                "shard_rebuild_wait_s must be below progress_timeout_s: the router would re-run "
+                "requests still waiting for their rebuild"
             )
 
     def threads_of(self, role: Role) -> int:

@@ -65,11 +65,36 @@ class LinkShards(_Msg, tag="link_shards"):
     """The token engine's shard group from now on (empty: local attention until a new one).
 
     Sent by whoever keeps the group whole (`services.mesh.shard_group`): the engine drops links
-    to shards not in it, links to the new ones, and requests decoding against a lost shard end
-    with a retryable error so the router re-runs them elsewhere.
+    to shards not in it and links to the new ones. Requests decoding against a lost shard of a
+    head-split group wait for its replacement, whose heads' KV a prompt engine of `rebuilders`
+    recomputes from their tokens (`RebuildKv`, Lamina §5); where that cannot be, they end with a
+    retryable error so the router re-runs them elsewhere.
     """
 
     shards: list[ShardAddress]
+    rebuilders: list[str] = []  # live prompt engines' command endpoints
+
+
+class RebuildKv(_Msg, tag="rebuild_kv"):
+    """Token engine -> prompt engine: recompute the KV of `token_ids` (a running request's
+    tokens but its last, whose KV its next decode step writes) and ship only `shards`' heads to
+    them (the replacements of lost shards), as a prefill ships; then answer `KvRebuilt` to
+    `reply_to` (the token engine's command endpoint). No token is sampled for the client."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingSpec  # its `max_tokens` sizes the shards' reservation, as at its prefill
+    shards: list[ShardAddress]
+    reply_to: str
+
+
+class KvRebuilt(_Msg, tag="kv_rebuilt"):
+    """Prompt engine -> token engine: a `RebuildKv`'s KV has left for its shards (`error`: it
+    could not be computed or sent; the token engine then ends the request, retryably)."""
+
+    req_id: str
+    error: str = ""
 
 
 class LinkPeers(_Msg, tag="link_peers"):
@@ -103,6 +128,8 @@ EngineCommand = (
     | LinkShards
     | SetRole
     | LinkPeers
+    | RebuildKv
+    | KvRebuilt
 )
 
 
@@ -218,6 +245,10 @@ class EngineStats(_Msg, tag="engine_stats"):
     # Times a token engine's shard group changed since start: its link to a shard failed, or
     # its keeper sent a `LinkShards` (a shard lost, its replacement claimed).
     num_group_relinks: int = 0
+    # Requests whose lost shard heads were rebuilt on a replacement (they kept decoding here),
+    # and those that fell back to the router's migration instead, since start.
+    num_rebuilt: int = 0
+    num_rebuild_fallbacks: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats

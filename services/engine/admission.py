@@ -54,6 +54,9 @@ class DecodeAdmission:
         # for them yet): not to be swapped in, a shard may not hold it all yet (`confirm`).
         self.arriving: set[str] = set()
         self._arrived: dict[str, float] = {}  # waiting hand-offs: when each came
+        # Sharded requests out of the steps while their group's lost heads are rebuilt
+        # (shard_rebuild.py): their reservations stay, they resume where they were.
+        self.parked: dict[str, Sequence] = {}
 
     def add(self, handoff: DecodeHandoff, now: float = 0.0) -> None:
         self.waiting.append(handoff)
@@ -211,6 +214,21 @@ class DecodeAdmission:
         """A step attended for these sharded requests on every shard: their KV is there."""
         self.arriving.difference_update(req_ids)
 
+    def park(self) -> list[str]:
+        """Every sharded request leaves the steps (a shard of the group died); their ids."""
+        self.parked.update((s.req_id, s) for s in self.sharded)
+        parked, self.sharded = [s.req_id for s in self.sharded], []
+        return parked
+
+    def resume(self, req_id: str) -> bool:
+        """A parked request decodes again from the next step (its lost heads were rebuilt)."""
+        seq = self.parked.pop(req_id, None)
+        if seq is None:
+            return False
+        self.sharded.append(seq)
+        self.arriving.add(req_id)  # the rebuilt KV may still be on its way
+        return True
+
     def grow_sharded(self) -> None:
         """Account this step's new token of every sharded request (within its reservation)."""
         for seq in self.sharded:
@@ -219,14 +237,17 @@ class DecodeAdmission:
 
     def is_decoding_here(self, req_id: str) -> bool:
         """Sharded here or waiting to be: this engine then owns freeing the request's shards."""
-        return any(s.req_id == req_id for s in self.sharded) or any(
-            h.req_id == req_id for h in self.waiting
+        return (
+            req_id in self.parked
+            or any(s.req_id == req_id for s in self.sharded)
+            or any(h.req_id == req_id for h in self.waiting)
         )
 
     def remove(self, req_id: str) -> None:
         """Forget a request wherever it is here (finished or aborted): its shard reservation goes
         back."""
         self.sharded = [s for s in self.sharded if s.req_id != req_id]
+        self.parked.pop(req_id, None)
         self._sharded_handoffs.pop(req_id, None)
         self.arriving.discard(req_id)
         self.shard_blocks.free(req_id)

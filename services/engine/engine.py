@@ -31,8 +31,10 @@ from common.protocol import (
     EngineStats,
     GenerateRequest,
     KvPages,
+    KvRebuilt,
     KvSwapAck,
     LoadReport,
+    RebuildKv,
     SetRole,
     ShardAddress,
     TokenOutput,
@@ -46,7 +48,7 @@ from services.engine.outbox import Outbox
 from services.engine.parts import EngineParts, build_engine_parts
 from services.engine.prefill_ship import free_shipped
 from services.engine.requests import ShardRowFailed
-from services.engine.routing import kv_endpoints, placed_in, shard_of_rows
+from services.engine.routing import RequestRoute, kv_endpoints, placed_in, shard_of_rows
 
 
 class Engine:
@@ -60,7 +62,7 @@ class Engine:
         self.ship_queue, self.local = parts.ship_queue, parts.local
         self.admission = parts.admission
         self.pool, self.telemetry, self.reports = parts.pool, parts.telemetry, parts.reports
-        self.sampler = parts.sampler
+        self.sampler, self.rebuilds = parts.sampler, parts.rebuilds
         self.steps = itertools.count()
 
     @classmethod
@@ -110,6 +112,25 @@ class Engine:
         self.admission.add(msg, time.monotonic())
         return self.admit_handoffs()
 
+    def on_rebuild(self, msg: RebuildKv) -> Outbox:
+        """A token engine's lost shard heads to recompute (shard_rebuild.py): a prefill of the
+        request's tokens whose KV ships to `msg.shards` only, answered with a `KvRebuilt`."""
+        if msg.req_id in self.table:
+            return _rebuilt(msg.reply_to, msg.req_id, self.why("the request is here already"))
+        try:
+            self.table.add_rebuild(msg)
+        except ValueError as exc:
+            return _rebuilt(msg.reply_to, msg.req_id, self.why(str(exc)))
+        self.ship_queue.add(Sequence(msg.req_id, len(msg.token_ids), token_ids=msg.token_ids))
+        return Outbox()
+
+    def is_rebuild(self, req_id: str) -> bool:
+        """Whether `req_id` here is a rebuild (`on_rebuild`). Its KV is pushed, never held for
+        a pull: its token engine resumes the request once the KV has left, and a shard pulls
+        only between steps (one of those steps would wait for it until `KV_WAIT_S`)."""
+        route = self.table.routes.get(req_id)
+        return route is not None and bool(route.rebuild_for)
+
     def on_kv(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> Outbox:
         """Local KV for a request this engine will decode (no shard group). KV that does not fit
         is refused: its request ends alone, retryable, and the engine goes on."""
@@ -146,6 +167,7 @@ class Engine:
         if (self.admission.is_decoding_here(req_id) or moving) and route is not None:
             frees = Outbox.free(req_id, kv_endpoints(route.shards or self.shards))
         self.tiers.drop(req_id)
+        self.rebuilds.rebuilding.discard(req_id)
         self.ship_queue.remove(req_id)
         self.local.remove(req_id)
         self.admission.remove(req_id)
@@ -182,16 +204,21 @@ class Engine:
         routes = {s.req_id: self.table.routes[s.req_id] for s in batch.seqs}
         out = Outbox()
         for seq, row in zip(batch.seqs, self.prefill.run_and_ship(batch, self.table), strict=True):
-            out += self._emit(seq.req_id, row)
-            handed = self.table.pop(seq.req_id)  # still running: it decodes elsewhere
-            out += (
-                self.prefill.hand_off(*handed)
-                if handed
-                else free_shipped(seq.req_id, routes[seq.req_id])
-            )
+            out += self._shipped(seq.req_id, row, routes[seq.req_id])
             self.blocks.mark_computed(seq.req_id, seq.num_tokens)  # its prefix stays cached
             self.ship_queue.remove(seq.req_id)
         return out
+
+    def _shipped(self, req_id: str, row: SampledRow, route: RequestRoute) -> Outbox:
+        """A prefilled request whose KV left: its first token, then its hand-off (or, finished
+        at that token, its shipped KV freed). A rebuild's token engine is told instead: no token
+        goes out of a rebuild."""
+        if route.rebuild_for:
+            self.table.pop(req_id)
+            return _rebuilt(route.rebuild_for, req_id)
+        out = self._emit(req_id, row)
+        handed = self.table.pop(req_id)  # still running: it decodes elsewhere
+        return out + (self.prefill.hand_off(*handed) if handed else free_shipped(req_id, route))
 
     def _decode(self, batch: Batch | None) -> Outbox:
         local, sharded = batch.seqs if batch else [], list(self.admission.sharded)
@@ -279,6 +306,8 @@ class Engine:
     def end(self, req_id: str, error: str, retryable: bool = False) -> Outbox:
         """End one request with an error to its client, and forget it here (frees included)."""
         route = self.table.routes[req_id]
+        if route.rebuild_for:  # a rebuild has no client here: its token engine hears why
+            return _rebuilt(route.rebuild_for, req_id, error) + self.on_abort(req_id)
         self.telemetry.aborted(req_id, RuntimeError(error))
         message = TokenOutput(req_id, [], "error", route.num_prompt_tokens, error=error,
                               retryable=retryable)  # fmt: skip
@@ -300,10 +329,17 @@ class Engine:
     # -- reports ----------------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return self.reports.stats(self.shards)
+        stats = self.reports.stats(self.shards)
+        stats.num_rebuilt = self.rebuilds.num_rebuilt
+        stats.num_rebuild_fallbacks = self.rebuilds.num_fallbacks
+        return stats
 
     def load_report(self, now: float) -> LoadReport:
         return self.reports.load_report(now, self.shards)
+
+
+def _rebuilt(token_engine: str, req_id: str, error: str = "") -> Outbox:
+    return Outbox(rebuilds=[(token_engine, KvRebuilt(req_id, error))])
 
 
 __all__ = ["Engine"]

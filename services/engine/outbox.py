@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from common.protocol import DecodeHandoff, FetchKv, FreeRequest, TokenBatch, TokenOutput
+from common.protocol import (
+    DecodeHandoff,
+    FetchKv,
+    FreeRequest,
+    KvRebuilt,
+    RebuildKv,
+    TokenBatch,
+    TokenOutput,
+)
 
 
 @dataclass
@@ -17,12 +25,15 @@ class Outbox:
     - `handoffs`: prefilled requests, to their token engine's command socket;
     - `frees`: to a KV-ingress socket (a shard's, or a token engine's own). They travel there, and
       not on a command socket, so that a free can never overtake the KV pages it frees. A
-      swap-in's `FetchKv` goes the same way, so a later free cannot overtake it either.
+      swap-in's `FetchKv` goes the same way, so a later free cannot overtake it either;
+    - `rebuilds`: a lost shard's heads recomputed (Lamina §5): a token engine's `RebuildKv` to a
+      prompt engine, and its `KvRebuilt` answer, each to the other's command socket.
     """
 
     outputs: list[tuple[str, TokenOutput]] = field(default_factory=list)
     handoffs: list[tuple[str, DecodeHandoff]] = field(default_factory=list)
     frees: list[tuple[str, FreeRequest | FetchKv]] = field(default_factory=list)
+    rebuilds: list[tuple[str, RebuildKv | KvRebuilt]] = field(default_factory=list)
 
     @classmethod
     def output(cls, reply_to: str, message: TokenOutput) -> Outbox:
@@ -66,15 +77,17 @@ class Outbox:
         self.outputs += other.outputs
         self.handoffs += other.handoffs
         self.frees += other.frees
+        self.rebuilds += other.rebuilds
         return self
 
     def __add__(self, other: Outbox) -> Outbox:
         return Outbox(
-            self.outputs + other.outputs, self.handoffs + other.handoffs, self.frees + other.frees
-        )
+            self.outputs + other.outputs, self.handoffs + other.handoffs,
+            self.frees + other.frees, self.rebuilds + other.rebuilds,
+        )  # fmt: skip
 
     def __bool__(self) -> bool:
-        return bool(self.outputs or self.handoffs or self.frees)
+        return bool(self.outputs or self.handoffs or self.frees or self.rebuilds)
 
 
 def _plain(out: TokenOutput) -> bool:

@@ -37,6 +37,7 @@ from services.engine.prefill_ship import Prefill
 from services.engine.reports import EngineReports
 from services.engine.requests import RequestTable
 from services.engine.runner import MeshModelRunner, ShardLink
+from services.engine.shard_rebuild import ShardRebuilds
 from services.engine.telemetry import EngineTelemetry
 
 
@@ -59,6 +60,7 @@ class EngineParts:
     pool: RoleLease  # the pool it serves in (home, or lent to mixed): what routers place by
     telemetry: EngineTelemetry
     reports: EngineReports
+    rebuilds: ShardRebuilds  # a lost shard's heads recomputed (Lamina §5)
 
 
 def build_engine_parts(
@@ -111,7 +113,7 @@ def build_engine_parts(
                             admission, prefill, tiers, runner, telemetry)  # fmt: skip
     return EngineParts(engine_id, role, options, command_endpoint, runner, blocks, sampler, table,
                        prefill, ship_queue, local, kv_ingress, admission, tiers, pool, telemetry,
-                       reports)  # fmt: skip
+                       reports, ShardRebuilds(o.shard_rebuild_wait_s))  # fmt: skip
 
 
 __all__ = ["EngineParts", "build_engine_parts"]

@@ -13,7 +13,7 @@ import structlog
 from common.config import ModelConfig
 from common.engine.grammars import EngineGrammars
 from common.engine.request import Request, check_prompt
-from common.protocol import DecodeHandoff, GenerateRequest, TokenOutput
+from common.protocol import DecodeHandoff, GenerateRequest, RebuildKv, TokenOutput
 from common.sampling import SampledRow, SamplingParams
 from common.scheduling.batching import Sequence
 from common.structured.grammar import GrammarMatcher
@@ -79,6 +79,17 @@ class RequestTable:
         )
         prompt = msg.token_ids[: msg.num_prompt_tokens]
         return self._add(msg.req_id, prompt, output_token_ids, params, grammar, route)
+
+    def add_rebuild(self, msg: RebuildKv) -> Request:
+        """A running request's KV to recompute for its token engine (a lost shard's heads): its
+        tokens as prompt and output, answered to the token engine, never to a client.
+        ValueError when its tokens cannot be a prompt."""
+        params = SamplingParams.from_spec(msg.sampling)
+        check_prompt(msg.token_ids, self.vocab_size, self.max_model_len)
+        route = RequestRoute("", shards=tuple(msg.shards), num_prompt_tokens=msg.num_prompt_tokens,
+                             rebuild_for=msg.reply_to)  # fmt: skip
+        n = msg.num_prompt_tokens
+        return self._add(msg.req_id, msg.token_ids[:n], msg.token_ids[n:], params, None, route)
 
     def _add(
         self,

@@ -20,6 +20,8 @@ class RequestRoute:
     token_kv_address: str = ""
     shards: tuple[ShardAddress, ...] = ()
     num_prompt_tokens: int = 0
+    # A `RebuildKv` (a lost shard's heads recomputed): the token engine to answer; no client here.
+    rebuild_for: str = ""
 
 
 def kv_endpoints(shards: Sequence[ShardAddress]) -> list[str]:

@@ -46,6 +46,7 @@ from services.engine.shard_round_trip import (
     ShardedRows,
     ShardLink,
     ShardLinkFault,
+    ShardLost,
     ShardSend,
     ask_kv_news,
     collect_layer,
@@ -410,13 +411,16 @@ class MeshModelRunner(ModelRunner[StepPlan]):
 
     def _drain(self, in_flight: object, error: BaseException) -> None:
         """Another lane failed: read this lane's replies still on the links. Not after a link
-        fault: the worker drops the links, and their stale replies with them."""
-        # NOTE: ConnectionError: a link's channel closed (its shard is gone); the same holds.
+        fault: the worker drops the links, and their stale replies with them. After a lost shard
+        (`ShardLost`) the survivors' links stay (their KV is kept), so their replies are read."""
+        # NOTE: another ConnectionError: a link's channel closed; the worker drops the group.
         if isinstance(in_flight, SliceInFlight):  # peer links stay: their replies are read
             assert self.model_peers is not None
             self.model_peers.receive(in_flight)
             return
-        if isinstance(error, ShardLinkFault | ConnectionError):
+        if isinstance(error, ShardLinkFault) or (
+            isinstance(error, ConnectionError) and not isinstance(error, ShardLost)
+        ):
             return
         assert isinstance(in_flight, LayerInFlight)  # what `_lane` yields
         try:

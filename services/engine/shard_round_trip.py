@@ -26,6 +26,7 @@ from common.protocol import (
     ShardAddress,
 )
 from common.transport.tensor_frames import TensorLink
+from common.transport.ucx_channel import ChannelClosed
 
 
 class ShardLink(TensorLink, Protocol):
@@ -35,6 +36,16 @@ class ShardLink(TensorLink, Protocol):
 class ShardLinkFault(RuntimeError):
     """A shard link can no longer be trusted: a reply did not come in time, or came for another
     step, layer or lane. Its worker reconnects the group (stale replies go with the old channel)."""
+
+
+class ShardLost(ChannelClosed):
+    """Shards of the group went away mid-step (their links closed), `shards` by index. Every
+    other shard's reply to the step's layers was read, so the survivors' links stay in step and
+    their KV can be kept (a head-split group's rebuild, Lamina §5)."""
+
+    def __init__(self, shards: set[int]) -> None:
+        super().__init__(f"shard link closed: shards {sorted(shards)} of the group")
+        self.shards = shards
 
 
 @dataclass
@@ -67,6 +78,7 @@ class ShardSend:
     # A request-partitioned group: the batch rows this shard got (all heads), gathered; its
     # reply is scattered back to them. None: the shard got every row, `heads` of them.
     row_index: torch.Tensor | None = None
+    closed: bool = False  # its send found the link closed (no reply will come)
 
 
 @dataclass
@@ -118,9 +130,13 @@ def send_layer(
         # Strided slices: the channel copies each straight into the message, once.
         q_heads = slice(h0 * group, h1 * group)
         buffers = ([] if q is None else [q[:, q_heads]]) + [t[:, h0:h1] for t in kv]
-        handle = link.send_async(header, buffers)
+        handle, closed = None, False
+        try:
+            handle = link.send_async(header, buffers)
+        except ChannelClosed:  # the others still get theirs: their replies are read in step
+            closed = True
         sent.append(ShardSend(i, link, q_heads, handle, time.perf_counter(), rows, layer,
-                              replied=part != ATTEND_PREV))  # fmt: skip
+                              replied=part != ATTEND_PREV, closed=closed))  # fmt: skip
     return sent
 
 
@@ -165,17 +181,21 @@ def collect_layer(
     requests a shard could not attend for go to `failed`; the shards' news of KV that landed
     (shard index, request ids) and was lost go to `kv_news` (`AttendResult.kv_landed`). Raises
     `ShardLinkFault` for a reply that did not come, does not fit or answers something else,
-    RuntimeError for a shard's error."""
+    RuntimeError for a shard's error, `ShardLost` for links that closed (the others' replies
+    read all the same)."""
     out, n = flight.out, flight.num_local
     started = time.perf_counter()
     attend_s = network_s = 0.0
     # Every shard's reply is read before anything is raised: one left queued would be taken for
     # the next step's. Each reply must answer this step, layer and lane; anything else is a fault
     # of the link, never data. With overlap, each shard got two messages and sends one reply.
-    errors, faults = [], []
+    errors, faults, lost = [], [], set()
     for sent in flight.sends:
         try:
             reply = _receive_reply(sent, out, n, timeout)
+        except ChannelClosed:
+            lost.add(sent.shard)
+            continue
         except TimeoutError:
             faults.append(f"shard {sent.shard}: no reply in {timeout} s")
             continue
@@ -209,6 +229,8 @@ def collect_layer(
         times.network_s += network_s
     if faults:
         raise ShardLinkFault("; ".join(faults))
+    if lost:
+        raise ShardLost(lost)
     if errors:
         raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
 
@@ -218,6 +240,8 @@ def _receive_reply(
 ) -> tuple[AttendResult, torch.Tensor | None] | None:
     """`sent`'s reply once its send is done: its heads landed in place in `out[num_local:]`, or
     (a request-partitioned group) with its rows' output to scatter; None for an ATTEND_PREV."""
+    if sent.closed:
+        raise ChannelClosed(f"shard {sent.shard}: link closed")
     sent.link.wait(sent.handle, timeout)
     if not sent.replied:
         return None
@@ -258,6 +282,7 @@ __all__ = [
     "LayerInFlight",
     "ShardLink",
     "ShardLinkFault",
+    "ShardLost",
     "ShardSend",
     "ShardedRows",
     "ask_kv_news",

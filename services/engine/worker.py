@@ -10,7 +10,7 @@ It runs as an OS process (`services.launch.worker_process`) or on a Ray Serve re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import structlog
@@ -30,11 +30,13 @@ from common.protocol import (
     KvAnnounce,
     KvControl,
     KvPages,
+    KvRebuilt,
     KvSwapAck,
     LinkPeers,
     LinkShards,
     LoadReport,
     PeerLinkMessage,
+    RebuildKv,
     ServiceReply,
     SetRole,
     ShardAddress,
@@ -57,6 +59,7 @@ from services.engine.parts import build_engine_parts
 from services.engine.peer_watch import PeerWatch
 from services.engine.rotation import ModelPeers
 from services.engine.runner import ShardLinkFault
+from services.engine.shard_round_trip import ShardLost
 from services.engine.telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
@@ -198,11 +201,12 @@ class EngineWorker:
         # Over UCX where the receiver listens for KV; a transfer that fails ends its request
         # retryably (`_tick`). On ZeroMQ, KV that cannot be sent is dropped: its decode step fails
         # on the shard (KV_WAIT_S) or its hand-off times out, and the request is re-run elsewhere.
-        if pages.reserve_tokens and self.kv_hold is not None and self.kv_hold.hold.put(pages, k, v):
+        hold = None if self.engine.is_rebuild(pages.req_id) else self.kv_hold
+        if pages.reserve_tokens and hold is not None and hold.hold.put(pages, k, v):
             # Held for the shard to pull; announced once whole (before the hand-off leaves).
-            if self.kv_hold.hold.is_complete(pages.req_id, dest.head_start, dest.head_end):
+            if hold.hold.is_complete(pages.req_id, dest.head_start, dest.head_end):
                 announce = KvAnnounce(
-                    pages.req_id, self.kv_hold.endpoint, dest.head_start, dest.head_end,
+                    pages.req_id, hold.endpoint, dest.head_start, dest.head_end,
                     traceparent=pages.traceparent,  # the shard's kv.pull span joins the trace
                 )  # fmt: skip
                 self._delivered(dest.kv_endpoint, announce, tensors=[])
@@ -237,6 +241,12 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             self._send(self.engine.step())
+        except ShardLost as exc:
+            # Shards of the group died mid-step: the survivors keep their heads' KV (their
+            # links stay open) and the lost heads are rebuilt, or the group's requests re-run.
+            log.error("shard lost", shards=sorted(exc.shards), error=repr(exc))
+            self._send(self.faults.shard_lost(exc.shards, time.monotonic()))
+            self._keep_links([])
         except ChannelClosed as exc:
             # A shard died mid-step: the group is broken. Its requests are re-run elsewhere by
             # the router; this engine decodes locally until it is told of a whole group again.
@@ -247,6 +257,8 @@ class EngineWorker:
             # channels to the same group (a shard that does not answer a new link either is
             # dropped with the group); the group's requests are re-run by the router.
             log.error("shard link fault; reconnecting the shard group", error=repr(exc))
+            # Closed links free the survivors' KV: a rebuild under way cannot go on.
+            self._send(self.faults.abandon_rebuild(f"its shard links failed: {exc}"))
             for link in self.links.values():
                 link.close()
             self.links.clear()
@@ -255,11 +267,12 @@ class EngineWorker:
             log.exception("engine step failed; failing its requests")
             self._send(self.faults.fail_all(f"engine {self.cfg.service_id}: {exc!r}"))
 
-    def _relink(self, shards: list[ShardAddress], reason: str) -> None:
-        """Link to exactly `shards`: keep the links that stay, close the rest, connect the new."""
-        keep = {s.link_address for s in shards}
-        for address in [a for a in self.links if a not in keep]:
-            self.links.pop(address).close()
+    def _relink(
+        self, shards: list[ShardAddress], reason: str, rebuilders: Sequence[str] = ()
+    ) -> None:
+        """Link to exactly `shards`: keep the links that stay, close the rest, connect the new.
+        `rebuilders`: prompt engines that may rebuild lost heads (`LinkShards`)."""
+        self._keep_links(shards)
         try:
             for shard in shards:
                 if shard.link_address not in self.links:
@@ -269,7 +282,15 @@ class EngineWorker:
             self._relink([], "its new shard group could not be reached")
             return
         links = [self.links[s.link_address] for s in shards]
-        self._send(self.faults.relink(links, shards, reason))
+        self._send(self.faults.relink(links, shards, reason, rebuilders))
+        self._keep_links(shards)  # survivors a rebuild that fell back holds no longer
+
+    def _keep_links(self, shards: list[ShardAddress]) -> None:
+        """Close every link but those to `shards` and to the survivors of a group whose lost
+        heads are being rebuilt (a shard frees what a closed link decoded: shard_rebuild.py)."""
+        keep = {s.link_address for s in [*shards, *self.engine.rebuilds.held()]}
+        for address in [a for a in self.links if a not in keep]:
+            self.links.pop(address).close()
 
     def _drain(self) -> None:
         # A message that fails (well-formed on the wire, wrong inside: KV pages whose tensors do
@@ -321,7 +342,11 @@ class EngineWorker:
         elif isinstance(msg, SetRole):
             self.engine.on_set_role(msg)
         elif isinstance(msg, LinkShards):
-            self._relink(list(msg.shards), "its shard group changed")
+            self._relink(list(msg.shards), "its shard group changed", list(msg.rebuilders))
+        elif isinstance(msg, RebuildKv):
+            self._send(self.engine.on_rebuild(msg))
+        elif isinstance(msg, KvRebuilt):
+            self._send(self.faults.kv_rebuilt(msg))
         elif isinstance(msg, LinkPeers):
             self._relink_peers(list(msg.peers))
         elif isinstance(msg, Shutdown):
@@ -342,6 +367,10 @@ class EngineWorker:
                 fallout += self.faults.undelivered_handoff(handoff)
         for endpoint, free in outbox.frees:  # KV-ingress sockets take tensor messages only
             self._delivered(endpoint, free, tensors=[])
+        for endpoint, rebuild in outbox.rebuilds:  # a lost `KvRebuilt` is left to the bound
+            if not self._delivered(endpoint, rebuild) and isinstance(rebuild, RebuildKv):
+                unreachable = KvRebuilt(rebuild.req_id, "its prompt engine is unreachable")
+                fallout += self.faults.kv_rebuilt(unreachable)
         if fallout and retry:
             self._send(fallout, retry=False)
 

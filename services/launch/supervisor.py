@@ -29,7 +29,7 @@ import zmq
 from common.protocol import LinkPeers, LinkShards
 from common.roles import Role
 from common.transport.zmq_sockets import PushPool
-from services.mesh.shard_group import GroupChange, ShardGroupKeeper
+from services.mesh.shard_group import GroupChange, ShardGroupKeeper, rebuilders
 from services.mesh.ticker import Ticker
 
 if TYPE_CHECKING:
@@ -123,7 +123,8 @@ class Supervisor:
         shards = [e.shard_address() for e in change.group]
         log.info("shard group changed", token_engine=worker.service_id, lost=change.lost,
                  group=[s.service_id for s in shards])  # fmt: skip
-        self._push.get(worker.ready.command_endpoint).send(LinkShards(shards))
+        command = LinkShards(shards, rebuilders(self.mesh.registry))
+        self._push.get(worker.ready.command_endpoint).send(command)
         worker.cfg = msgspec.structs.replace(worker.cfg, shards=shards)
         entry = next(e for e in self.mesh.registry.live() if e.service_id == worker.service_id)
         self.mesh.registry.register(replace(entry, shards=tuple(shards)))

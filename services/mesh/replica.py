@@ -38,7 +38,7 @@ from services.engine.model_peer_worker import ModelPeerWorker
 from services.engine.worker import EngineWorker
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
-from services.mesh.shard_group import ShardGroupKeeper
+from services.mesh.shard_group import ShardGroupKeeper, rebuilders
 from services.mesh.ticker import Ticker
 from services.shard.worker import ShardWorker
 
@@ -148,7 +148,8 @@ class GroupWatch:
             return
         shards = [e.shard_address() for e in change.group]
         log.warning("shard group changed", lost=change.lost, group=[s.service_id for s in shards])
-        self._push.get(self.command_endpoint).send(LinkShards(shards))
+        command = LinkShards(shards, rebuilders(self.keeper.registry))
+        self._push.get(self.command_endpoint).send(command)
         self.membership.update(shards=tuple(shards))
 
     def _check_peers(self, keeper: ModelPeerKeeper) -> None:

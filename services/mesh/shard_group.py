@@ -8,6 +8,10 @@ re-runs them from their tokens). Ray Serve restarts the shard; the replacement r
 slot, and the keeper claims it, so the engine links to it and is whole again, with nothing else
 restarted.
 
+The replacement holds none of the dead shard's KV: the engine has a prompt engine recompute the lost
+heads from each request's tokens (services/engine/shard_rebuild.py), so with the group it is told
+the live prompt engines (`rebuilders`).
+
 `ShardGroupKeeper.check()` is called periodically by whoever runs the engine (the Ray replica's
 watch thread, or the local launcher's supervisor) and says what changed; it never touches links.
 """
@@ -18,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from common.roles import Role
 from services.mesh.absence import ABSENT_CONFIRM_S, Absences, recheck
 from services.mesh.registry import RegistryClient, ServiceEntry
 
@@ -61,3 +66,12 @@ class ShardGroupKeeper:
         lost, claimed = found
         self.group = claimed
         return GroupChange(lost, claimed)
+
+
+def rebuilders(registry: RegistryClient) -> list[str]:
+    """The command endpoints of the ready prompt (and mixed) engines: those that may rebuild a
+    lost shard's heads (`LinkShards.rebuilders`)."""
+    return [
+        e.command_endpoint for e in registry.live()
+        if e.role in (Role.PROMPT, Role.MIXED) and e.state == "ready"
+    ]  # fmt: skip

@@ -236,6 +236,9 @@ class MeshEngineClient:
                     "num_peers_lost": r.num_peers_lost,
                     "num_peers_joined": r.num_peers_joined,
                     "num_group_relinks": r.num_group_relinks,  # its shard group's changes
+                    # Requests kept through a dead shard (its heads rebuilt), or migrated instead.
+                    "num_rebuilt": r.num_rebuilt,
+                    "num_rebuild_fallbacks": r.num_rebuild_fallbacks,
                     "kv_blocks_used": r.kv_blocks_used,
                     "num_requests": r.num_requests,
                 }

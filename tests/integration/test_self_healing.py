@@ -13,6 +13,7 @@ import pytest
 
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
+from common.roles import Role
 from common.sampling import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.mesh.registry import ServiceEntry
@@ -20,7 +21,7 @@ from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_test_client import MeshTestClient
 
-LONG = SamplingSpec(max_tokens=2000, temperature=0.0, ignore_eos=True)
+LONG = SamplingSpec(max_tokens=80, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +45,25 @@ def live(mesh: LocalMesh) -> dict[str, ServiceEntry]:
 def test_a_killed_shard_is_replaced_and_rejoins_its_group(
     mesh: LocalMesh, tiny_model_path: Path
 ) -> None:
+    """The request in flight keeps decoding on the token engine through the kill, with no router
+    to re-run it: its lost heads' KV is rebuilt on the replacement from its tokens (Lamina §5),
+    and its greedy tokens equal the single-process engine's."""
+    prompt = random_prompts([60], 2048, seed=41)[0]
+    reference = LLMEngine.from_path(tiny_model_path, num_blocks=128).generate(
+        [prompt], SamplingParams(max_tokens=LONG.max_tokens, temperature=0.0, ignore_eos=True)
+    )[0]
     client = MeshTestClient(mesh)
-    client.submit("long", random_prompts([60], 2048, seed=41)[0], LONG)
-    num_tokens = 0
-    while num_tokens < 5:  # decoding against both shards now
-        num_tokens += len(client.recv(timeout=120).token_ids)
+    client.submit("long", prompt, LONG)
+    tokens: list[int] = []
+    while len(tokens) < 5:  # decoding against both shards now
+        tokens += client.recv(timeout=120).token_ids
     shard = mesh.workers["shard-1"]
     shard.proc.kill()
-    # The in-flight request ends with an error the router may act on: re-run it elsewhere.
     while not (out := client.recv(timeout=120)).finish_reason:
-        pass
-    assert out.finish_reason == "error" and out.retryable, out
+        tokens += out.token_ids
+    assert out.finish_reason == "length" and tokens + out.token_ids == reference, out
+    [token] = [s for s in mesh.stats() if s.role == Role.TOKEN]
+    assert (token.num_rebuilt, token.num_rebuild_fallbacks) == (1, 0)
     client.close()
     wait_for(lambda: "shard-1.1" in live(mesh))
     assert "shard-1" not in live(mesh)
@@ -88,10 +97,14 @@ def test_a_killed_engine_is_replaced_under_a_new_id(mesh: LocalMesh) -> None:
 
 
 def migrating_streams(
-    mesh: LocalMesh, prompts: list[list[int]], num_tokens: int, kill: Callable[[], None]
+    mesh: LocalMesh,
+    prompts: list[list[int]],
+    num_tokens: int,
+    kill: Callable[[], None],
+    migrations: list[int] | None = None,
 ) -> list[list[int]]:
     """Stream every prompt through the router's `MeshEngineClient`; call `kill` once each has
-    a few tokens; return each stream's token ids."""
+    a few tokens; return each stream's token ids (the router's migrations go to `migrations`)."""
     model_path = mesh.topology.model_path
     client = MeshEngineClient(model_path, mesh.registry.live, auth=mesh.auth, refresh_s=0.1)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
@@ -117,24 +130,36 @@ def migrating_streams(
     try:
         return asyncio.run(run())
     finally:
+        if migrations is not None:
+            migrations.append(client.num_migrations)
         client.shutdown()
 
 
 @pytest.mark.parametrize("victim", ["shard-1", "token-0", "prompt-0"])
 def test_streams_continue_through_a_killed_worker(tiny_model_path: Path, victim: str) -> None:
     """Six greedy streams; one worker SIGKILLed mid-stream: every stream finishes with exactly
-    the single-process engine's tokens (migrated from the tokens it had), and no KV is left."""
+    the single-process engine's tokens, and no KV is left. A dead engine's requests migrate
+    (re-run from the tokens they had); a dead shard costs only its heads: none migrates, the
+    token engine keeps every request and a prompt engine rebuilds the lost heads' KV on the
+    replacement (Lamina §5)."""
     prompts = random_prompts([20, 45, 70, 95, 120, 33], 2048, seed=50)
     reference = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(
         prompts, SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     )
     mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2))
     try:
-        outputs = migrating_streams(mesh, prompts, 120, lambda: mesh.workers[victim].proc.kill())
+        migrations: list[int] = []
+        outputs = migrating_streams(
+            mesh, prompts, 120, lambda: mesh.workers[victim].proc.kill(), migrations
+        )
         assert outputs == reference
         supervisor = mesh.supervisor
         assert supervisor is not None
         wait_for(lambda: supervisor.num_restarts == 1)  # the streams need not wait for it
+        if victim.startswith("shard"):
+            assert migrations == [0]
+            [token] = [s for s in mesh.stats() if s.role == Role.TOKEN]
+            assert (token.num_rebuilt, token.num_rebuild_fallbacks) == (len(prompts), 0)
         wait_for(lambda: all(s.kv_blocks_used == 0 and s.num_requests == 0 for s in mesh.stats()))
     finally:
         mesh.close()

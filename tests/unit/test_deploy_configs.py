@@ -195,6 +195,8 @@ def test_mesh_switches_reach_the_workers_config() -> None:
         ({"token_engine_threads": "two"}, "token_engine_threads"),
         ({"progress_timeout_s": 0}, "progress_timeout_s"),
         ({"progress_timeout_s": "soon"}, "progress_timeout_s"),
+        ({"shard_rebuild_wait_s": -1}, "shard_rebuild_wait_s"),
+        ({"shard_rebuild_wait_s": 30, "progress_timeout_s": 30}, "shard_rebuild_wait_s"),
         ({"pools": {"lease_s": 0}}, "lease_s"),
         ({"no_such_switch": True}, "no_such_switch"),
     ],

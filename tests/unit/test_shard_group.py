@@ -11,7 +11,7 @@ from common.roles import Role
 from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Registry, ServiceEntry
-from services.mesh.shard_group import ShardGroupKeeper
+from services.mesh.shard_group import ShardGroupKeeper, rebuilders
 
 
 class Clock:
@@ -144,3 +144,18 @@ def test_a_restarted_registry_breaks_no_group_and_hands_its_claims_to_no_other_e
     # Claims end with their engine as before.
     registry.unregister("t0")
     assert ids(tuple(registry.claim_group("t1", 2) or ())) == ["s0", "s1"]
+
+
+def test_the_prompt_engines_ready_now_may_rebuild_a_lost_shards_heads() -> None:
+    """`LinkShards.rebuilders`: ready prompt and mixed engines only (a starting one, a token
+    engine or a shard cannot rebuild KV for a group)."""
+    registry = Registry(clock=Clock())
+    start_shard(registry, "s0", 1)
+    entries = [
+        (Role.PROMPT, "p0", "ready"), (Role.PROMPT, "p1", "starting"),
+        (Role.MIXED, "m0", "ready"), (Role.TOKEN, "t0", "ready"),
+    ]  # fmt: skip
+    for role, service_id, state in entries:
+        registry.register(ServiceEntry(role=role, service_id=service_id, state=state,
+                                       command_endpoint=f"{service_id}-cmd"))  # fmt: skip
+    assert sorted(rebuilders(registry)) == ["m0-cmd", "p0-cmd"]

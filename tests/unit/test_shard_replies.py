@@ -13,6 +13,7 @@ import torch
 
 from common.protocol import AttendBatch, AttendResult, ShardAddress
 from common.scheduling.batching import Phase
+from common.transport.ucx_channel import ChannelClosed
 from services.engine.runner import (
     MeshModelRunner,
     ShardedRows,
@@ -20,6 +21,7 @@ from services.engine.runner import (
     StepPlan,
     StepResult,
 )
+from services.engine.shard_round_trip import ShardLost
 
 N, HQ, HKV, D = 3, 4, 2, 8
 # All the runner reads of its model here: query heads per KV head.
@@ -27,7 +29,8 @@ MODEL = SimpleNamespace(config=SimpleNamespace(num_queries_per_kv=HQ // HKV))
 
 
 class ScriptedLink:
-    """Answers each send with the reply its script says: 'ok', 'stale', 'error' or 'silent'."""
+    """Answers each send with the reply its script says: 'ok', 'stale', 'error' or 'silent';
+    'dead' (its shard died) and 'dead_on_send' raise ChannelClosed as a UCX channel does."""
 
     def __init__(self, script: str, value: float) -> None:
         self.script, self.value = script, value
@@ -35,6 +38,8 @@ class ScriptedLink:
         self.received = 0
 
     def send_async(self, header: AttendBatch, tensors: Any) -> None:
+        if self.script == "dead_on_send":
+            raise ChannelClosed("UCX peer gone")
         self.sent.append(header)
 
     def wait(self, handle: Any, timeout: float | None = None) -> None:
@@ -42,6 +47,8 @@ class ScriptedLink:
 
     def recv(self, out: Any = None, timeout: float | None = None) -> tuple[AttendResult, list]:
         self.received += 1
+        if self.script == "dead":
+            raise ChannelClosed("UCX peer gone")
         if self.script == "silent":
             raise TimeoutError
         if self.script == "misfit":  # as the channel says of a reply of other shapes or count
@@ -97,15 +104,32 @@ def test_every_reply_is_read_before_a_fault_is_raised(scripts, raised):
         assert not isinstance(info.value, ShardLinkFault)
 
 
-def test_a_stale_reply_leaves_no_reply_queued():
-    links = [ScriptedLink("stale", 1.0), ScriptedLink("ok", 2.0)]
-    shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(2)]
+def attend_one_row(links: list[ScriptedLink]) -> None:
+    """Step 3's layer 0 of one request over `links`, one KV head per shard."""
+    shards = [ShardAddress(f"tcp://s{i}", i, i + 1) for i in range(len(links))]
     runner = MeshModelRunner(MODEL, None, None, None, shard_links=links, shards=shards)  # type: ignore[arg-type]
     rows = ShardedRows(step=3, req_ids=["a"], context_lens=[4])
     plan = StepPlan(Phase.DECODE, ["a"], torch.zeros(1), torch.zeros(1), torch.zeros(0), [1],
                     torch.zeros(0, 1), torch.zeros(0), torch.arange(1), num_local=0,
                     sharded=rows)  # fmt: skip
-    kv = torch.randn(1, HKV, D)
+    kv = torch.randn(1, len(links), D)
+    q = torch.randn(1, len(links) * HQ // HKV, D)
+    runner._attend_sharded(0, q, kv, kv.clone(), plan, StepResult(kv))
+
+
+def test_a_stale_reply_leaves_no_reply_queued():
+    links = [ScriptedLink("stale", 1.0), ScriptedLink("ok", 2.0)]
     with pytest.raises(ShardLinkFault, match="step 2 layer 0 lane 0, expected step 3"):
-        runner._attend_sharded(0, torch.randn(1, HQ, D), kv, kv.clone(), plan, StepResult(kv))
+        attend_one_row(links)
     assert [link.received for link in links] == [1, 1]  # the good shard's reply was read too
+
+
+@pytest.mark.parametrize("dead", ["dead", "dead_on_send"])
+def test_a_dead_shard_is_named_after_the_survivors_replies_are_read(dead):
+    """A shard whose link closed (SIGKILLed) is named in `ShardLost`, raised only after every
+    other shard's reply was read: the survivors' links stay in step, and keep their KV."""
+    links = [ScriptedLink(dead, 1.0), ScriptedLink("ok", 2.0), ScriptedLink("ok", 3.0)]
+    with pytest.raises(ShardLost) as info:
+        attend_one_row(links)
+    assert info.value.shards == {0}
+    assert [link.received for link in links[1:]] == [1, 1]
