@@ -223,7 +223,7 @@ def test_replay_60s_of_azure_conversations(
 
     summary = result.summary
     assert summary["num_requests"] == len(window) > 0
-    assert (summary["completed"], summary["failed"], summary["errors"]) == (len(window), 0, {})
+    assert (summary["completed"], summary["failed"], summary["error_kinds"]) == (len(window), 0, {})
     assert summary["total_input_tokens"] == sum(r.input_len for r in window)
     assert summary["total_output_tokens"] == sum(r.output_len for r in window)
     check_completed_records(result.records, window, TIME_SCALE)
@@ -270,11 +270,11 @@ def test_server_killed_mid_replay_ends_with_an_error_report(
     assert summary["num_requests"] == len(window)  # every request of the schedule was sent
     assert summary["failed"] > 0
     assert summary["completed"] + summary["failed"] == len(window)
-    assert sum(summary["errors"].values()) == summary["failed"]
+    assert sum(summary["error_kinds"].values()) == summary["failed"]
     failed_records = [r for r in result.records if r["error"] is not None]
     assert len(failed_records) == summary["failed"]
     check_completed_records(result.records, window, KILL_TIME_SCALE)
     completed_failed = f"{summary['completed']} / {summary['failed']}"
     assert summary_value(result.stdout, "Requests (completed / failed):") == completed_failed
-    for kind, count in summary["errors"].items():
+    for kind, count in summary["error_kinds"].items():
         assert summary_value(result.stdout, f"Errors {kind}:") == str(count)
