@@ -15,8 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,30 +24,11 @@ from loadgen.prompts import PromptBuilder
 from loadgen.replay import ReplayResult, replay, run_one
 from loadgen.report import summarize
 from loadgen.target import RequestSpec, StreamEvent, Usage
+from tests.sse_stub_server import running_stub as sse_stub_server
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
 pytestmark = pytest.mark.timeout(120)
-
-
-@contextmanager
-def sse_stub_server(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Start `tests.sse_stub_server` on a free port; yield (process, base URL); kill it after."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.sse_stub_server", "--port", "0", *flags],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=ENV,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("LISTENING "), line
-        yield proc, f"http://127.0.0.1:{int(line.split()[1])}"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def specs(count: int, output_len: int = 5, gap_s: float = 0.0, input_len: int = 9):
