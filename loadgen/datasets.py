@@ -6,8 +6,9 @@ the report work unchanged:
 
 - **ShareGPT** (`[{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}]`):
   the first two turns of each conversation are one request, its prompt text sent as is; the
-  lengths are token counts from `count_tokens` (the prompt as the endpoint will count it, the reply
-  as plain text), so a tokenizer is needed. No timestamps: every arrival is 0 (send them at
+  lengths are token counts from `count_tokens` (as the endpoint will count the prompt; the reply
+  counted the same way, as vLLM counts both with the tokenizer's own special tokens), so a
+  tokenizer is needed. No timestamps: every arrival is 0 (send them at
   `--rate`). vLLM's filter applies: prompts or replies under 4 tokens, prompts over 1024 and
   pairs over 2048 are skipped. The file is one JSON document, so it is loaded whole.
 - **BurstGPT** (`Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type`): arrivals
