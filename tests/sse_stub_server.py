@@ -2,9 +2,10 @@
 
 It is NOT a model server: it answers `POST /v1/completions` with `max_tokens` chunks of the text
 "tok" (`POST /v1/chat/completions`: a role chunk, then `max_completion_tokens` content deltas),
-paced by `--token-delay-s`, then a usage chunk and `data: [DONE]`, over HTTP/1.1 chunked
-transfer encoding (as uvicorn sends streams), so a server killed mid-stream leaves the client a
-truncated chunked body, exactly as a dying real server would. Flags inject the other failures the
+paced by `--token-delay-s` (the first by `--first-token-delay-s`, if given), then a usage chunk
+and `data: [DONE]`, over HTTP/1.1 chunked transfer encoding (as uvicorn sends streams), so a
+server killed mid-stream leaves the client a truncated chunked body, exactly as a dying real
+server would. Flags inject the other failures the
 client must survive: an HTTP error status with an OpenAI error body, an in-band error event, a
 stall (for read timeouts), no usage chunk, and a start-up during which `/v1/models` answers 503
 (`--models-after-s`, counted from the first time it is asked). A body without `prompt`
@@ -37,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 class StubBehaviour(argparse.Namespace):
     token_delay_s: float = 0.005
+    first_token_delay_s: float | None = None  # a prefill's time; default: token_delay_s
     status: int = 200
     error_after: int | None = None
     stall_after: int | None = None
@@ -124,7 +126,8 @@ async def _stream_completion(
         if behaviour.error_after is not None and index >= behaviour.error_after:
             writer.write(_chunk({"error": {"message": "stub in-band error", "code": 500}}))
             break
-        await asyncio.sleep(behaviour.token_delay_s)
+        first = index == 0 and behaviour.first_token_delay_s is not None
+        await asyncio.sleep(behaviour.first_token_delay_s if first else behaviour.token_delay_s)
         writer.write(_chunk(_token_chunk(chat)))
         await writer.drain()
         if behaviour.announce_tokens:
@@ -221,6 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--token-delay-s", type=float, default=0.005)
+    parser.add_argument("--first-token-delay-s", type=float, default=None)
     parser.add_argument("--status", type=int, default=200, help="answer completions with this")
     parser.add_argument("--error-after", type=int, default=None, help="in-band error after N")
     parser.add_argument("--stall-after", type=int, default=None, help="go silent after N tokens")
