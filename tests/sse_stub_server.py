@@ -5,10 +5,10 @@ It is NOT a model server: it answers `POST /v1/completions` with `max_tokens` ch
 paced by `--token-delay-s` (the first by `--first-token-delay-s`, if given), then a usage chunk
 and `data: [DONE]`, over HTTP/1.1 chunked transfer encoding (as uvicorn sends streams), so a
 server killed mid-stream leaves the client a truncated chunked body, exactly as a dying real
-server would. Flags inject the other failures the
-client must survive: an HTTP error status with an OpenAI error body, an in-band error event, a
-stall (for read timeouts), no usage chunk, and a start-up during which `/v1/models` answers 503
-(`--models-after-s`, counted from the first time it is asked). A body without `prompt`
+server would. Flags inject the other failures the client must survive: an HTTP error status with
+an OpenAI error body, an in-band error event, a stall (for read timeouts), no usage chunk, and a
+start-up during which `/v1/models` answers 503 (`--models-after-s`, counted from the first time
+it is asked). A body without `prompt`
 (completions) or `messages` (chat) is a 400, as a real server answers it.
 
 `GET /stub/stats` returns what the stub saw: the most streams it had open at once
