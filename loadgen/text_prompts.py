@@ -41,12 +41,17 @@ def load_tokenizer(path_or_name: str) -> Tokenizer:
 
 def tokenizer_folder(path_or_name: str) -> Path:
     """The folder holding `tokenizer.json` and `tokenizer_config.json` (the chat template): a
-    model folder, the folder of a `tokenizer.json`, or those two files of a Hub model."""
+    model folder, the folder of a `tokenizer.json`, a PhaseMesh preset's folder (`smollm2`, what
+    `make run` serves under that name), or those two files of a Hub model."""
     path = Path(path_or_name)
     if path.is_file():
         return path.parent
     if path.is_dir():
         return path
+    from common.model.default import PRESETS, default_model_path  # imports torch: only here
+
+    if path_or_name in PRESETS:
+        return default_model_path(path_or_name)
     from huggingface_hub import snapshot_download  # only for Hub names
 
     patterns = ["tokenizer.json", "tokenizer_config.json"]
@@ -61,7 +66,7 @@ def chat_token_counter(path_or_name: str) -> Callable[[str], int]:
 
 def text_prompt_builder(path_or_name: str, seed: int, *, chat: bool) -> TextPromptBuilder:
     """Prompts of text for the completions endpoint, or for the chat endpoint (`chat`)."""
-    tokenizer = load_tokenizer(path_or_name)
+    tokenizer = load_tokenizer(str(tokenizer_folder(path_or_name)))
     count = chat_token_counter(path_or_name) if chat else None
     return TextPromptBuilder(tokenizer, seed=seed, count=count)
 

@@ -230,6 +230,37 @@ def test_replay_60s_of_azure_conversations(
     assert "Traceback" not in result.stdout + result.stderr
 
 
+def test_chat_closed_loop_of_20_requests(
+    window: list[TraceRequest], target: Server, tmp_path: Path
+) -> None:
+    """The issue's acceptance: `--endpoint chat --max-concurrency 4 --num-requests 20`, the
+    tokenizer found from the served name (a preset), settings and a CSV row per request."""
+    require_healthy(target)
+    command = [
+        sys.executable, "-m", "loadgen", "replay", "--trace", str(TRACE),
+        "--url", target.run.base_url, "--endpoint", "chat", "--max-concurrency", "4",
+        "--num-requests", "20", "--token-scale", str(TOKEN_SCALE), "--warmup", "2",
+        "--read-timeout", str(READ_TIMEOUT_S), "--out", str(tmp_path), "--no-plots",
+        "--disable-tqdm",
+    ]  # fmt: skip
+    result = run_replay(command, tmp_path, timeout_s=300)
+    summary = result.summary
+    assert (summary["completed"], summary["failed"], summary["errors"]) == (20, 0, [""] * 20)
+    assert summary["endpoint"] == "/v1/chat/completions" and summary["max_concurrency"] == 4
+    assert summary["model_id"] == target.run.config["applications"][0]["args"]["served_model_name"]
+    assert summary["base_url"] == target.run.base_url and summary["trace"] == str(TRACE)
+    assert 1 <= summary["max_concurrent_requests"] <= 4
+    with open(tmp_path / "requests.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(row["req_index"]) for row in rows] == list(range(20))
+    for row, expected in zip(rows, window, strict=False):
+        assert int(row["output_tokens"]) == expected.output_len
+    # The chat template's own tokens are part of each length: the server counts what was asked
+    # (prompts shorter than the template itself are the only exception).
+    long_enough = [r for r in result.records if r["input_len"] > 40]
+    assert long_enough and all(r["prompt_tokens"] == r["input_len"] for r in long_enough)
+
+
 def summary_value(stdout: str, label: str) -> str:
     """The value printed after `label` in the terminal summary."""
     [line] = [line for line in stdout.splitlines() if line.startswith(label)]
