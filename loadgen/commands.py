@@ -204,6 +204,7 @@ class Session:
     headers: dict[str, str]
     prompts: Prompts | None
     count_tokens: CountTokens | None
+    tokenizer: str | None = None  # what the text prompts were counted with
 
 
 def open_session(args: argparse.Namespace) -> Session:
@@ -213,7 +214,7 @@ def open_session(args: argparse.Namespace) -> Session:
         builder = (
             text_prompt_builder(args.tokenizer, args.seed, chat=chat) if args.tokenizer else None
         )
-        return Session(None, {}, builder, builder.count if builder else None)
+        return Session(None, {}, builder, builder.count if builder else None, args.tokenizer)
     if not args.url:
         raise ValueError("--url is required for the http target")
     headers = request_headers(args)
@@ -230,7 +231,7 @@ def open_session(args: argparse.Namespace) -> Session:
                 "endpoint sends text counted with the served model's tokenizer: pass --tokenizer "
                 "with its folder, tokenizer.json or Hub name"
             ) from None
-        return Session(model, headers, builder, builder.count)
+        return Session(model, headers, builder, builder.count, name)
     # Prompt token ids must be ids the served model has: its own vocabulary unless told.
     vocab_size = args.vocab_size or served.vocab_size or DEFAULT_VOCAB_SIZE
     return Session(model, headers, PromptBuilder(vocab_size=vocab_size, seed=args.seed), None)
@@ -290,7 +291,7 @@ def run_settings(
         "date": datetime.now(UTC).strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if is_chat(endpoint) else "openai",
         "model_id": session.model,
-        "tokenizer_id": args.tokenizer,
+        "tokenizer_id": session.tokenizer,
         "base_url": args.url if args.target == "http" else args.target,
         "endpoint": endpoint,
         "trace": args.trace,
