@@ -209,6 +209,8 @@ class Session:
 
 def open_session(args: argparse.Namespace) -> Session:
     """Wait for the server and take its model (http target), then build the prompts."""
+    if args.trace and not Path(args.trace).is_file():  # before waiting on a server for it
+        raise ValueError(f"no such trace file: {args.trace}")
     chat = is_chat(endpoint_path(args.endpoint))
     if args.target != "http":
         builder = (
