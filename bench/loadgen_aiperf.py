@@ -2,18 +2,24 @@
 
     python bench/loadgen_aiperf.py --url http://127.0.0.1:8000 --tokenizer MODEL_FOLDER
         [--aiperf PATH] [--num-requests 24] [--concurrency 2] [--input-len 64] [--output-len 16]
+        [--rounds 1]
 
-Against one running server (`make run`, or any OpenAI-compatible one), one tool after the other,
-each sends `--num-requests` streamed chat requests, `--concurrency` at a time (closed loop), after
+Against one running server (`make run`, or any OpenAI-compatible one), one tool after the other
+(`--rounds` times, alternating, so a machine whose load drifts weighs on both alike), each sends
+`--num-requests` streamed chat requests, `--concurrency` at a time (closed loop), after
 `--concurrency` warm-up requests: prompts of `--input-len` tokens of message text (loadgen adds
 the chat template's own tokens to its length, as AIPerf's text goes inside that template too) and
 exactly `--output-len` output tokens (`ignore_eos`, `min_tokens`). The model is the first of
 `/v1/models`; `--tokenizer` is its tokenizer (a folder with `tokenizer.json`), which both need.
 
-Figures: TTFT p50/p90 and E2E p50 by each tool and the ratio loadgen / AIPerf. Target: every
-ratio within a third of 1. AIPerf is `--aiperf`, else `$PHASEMESH_AIPERF`, else `aiperf` on PATH
-(install it in its own virtual environment: it pins many packages); without it the last line says
-`skipped` and why. The last line is one JSON object with `targets` and `targets_met`.
+Figures: TTFT p50/p90 and E2E p50 by each tool (the median over rounds; each round's too) and the
+ratio loadgen / AIPerf. Target: every ratio within a third of 1. NOTE: both tools share the
+machine with the server; on a small CPU box AIPerf's own processes (several, over ZeroMQ) take
+cores the server would use, which shows as longer latencies in its rounds.
+
+AIPerf is `--aiperf`, else `$PHASEMESH_AIPERF`, else `aiperf` on PATH (install it in its own
+virtual environment: it pins many packages); without it the last line says `skipped` and why.
+The last line is one JSON object with `targets` and `targets_met`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import asyncio
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,25 +110,35 @@ def run_aiperf(
     return export
 
 
-def agreement(loadgen: dict[str, Any], aiperf: dict[str, Any]) -> dict[str, Any]:
-    """Each tool's figures, their ratios, and whether each ratio is within `AGREEMENT` of 1."""
+def agreement(loadgen: list[dict[str, Any]], aiperf: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each tool's figures (median over its rounds), their ratios, and whether each ratio is
+    within `AGREEMENT` of 1."""
     figures: dict[str, Any] = {}
     met: dict[str, bool] = {}
     for name, loadgen_key, metric, stat in METRICS:
-        ours, theirs = float(loadgen[loadgen_key]), float(aiperf[metric][stat])
+        our_rounds = [float(run[loadgen_key]) for run in loadgen]
+        their_rounds = [float(run[metric][stat]) for run in aiperf]
+        ours, theirs = statistics.median(our_rounds), statistics.median(their_rounds)
         ratio = ours / theirs if theirs > 0 else float("inf")
         figures |= {f"loadgen_{name}_ms": ours, f"aiperf_{name}_ms": theirs, f"{name}_ratio": ratio}
+        if len(loadgen) > 1:
+            figures |= {f"loadgen_{name}_rounds_ms": our_rounds,
+                        f"aiperf_{name}_rounds_ms": their_rounds}  # fmt: skip
         met[f"{name}_ratio_within"] = abs(ratio - 1) <= AGREEMENT
-    figures["loadgen_completed"] = loadgen["completed"]
-    figures["aiperf_completed"] = int(aiperf["request_count"]["avg"])
+    figures["loadgen_completed"] = sum(run["completed"] for run in loadgen)
+    figures["aiperf_completed"] = sum(int(run["request_count"]["avg"]) for run in aiperf)
     return figures | {"targets": TARGETS, "targets_met": met}
 
 
-def compare(url: str, tokenizer: str, aiperf: str, work: Slice, workdir: Path) -> dict[str, Any]:
-    """Run both tools on `work` against `url` (AIPerf second) and compare them."""
+def compare(
+    url: str, tokenizer: str, aiperf: str, work: Slice, workdir: Path, rounds: int = 1
+) -> dict[str, Any]:
+    """Run both tools on `work` against `url`, alternating `rounds` times, and compare them."""
     model = asyncio.run(wait_for_model(url, {}, timeout_s=120.0)).name
-    ours = run_loadgen(url, tokenizer, work, workdir / "loadgen")
-    theirs = run_aiperf(aiperf, url, model, tokenizer, work, workdir / "aiperf")
+    ours, theirs = [], []
+    for index in range(rounds):
+        ours.append(run_loadgen(url, tokenizer, work, workdir / f"loadgen{index}"))
+        theirs.append(run_aiperf(aiperf, url, model, tokenizer, work, workdir / f"aiperf{index}"))
     return {"url": url, "model": model, "slice": vars(work)} | agreement(ours, theirs)
 
 
@@ -134,6 +151,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=Slice.concurrency)
     parser.add_argument("--input-len", type=int, default=Slice.input_len)
     parser.add_argument("--output-len", type=int, default=Slice.output_len)
+    parser.add_argument("--rounds", type=int, default=1, help="alternating runs of each tool")
     args = parser.parse_args()
     aiperf = find_aiperf(args.aiperf)
     if aiperf is None:
@@ -142,9 +160,10 @@ def main() -> None:
         return
     work = Slice(args.num_requests, args.concurrency, args.input_len, args.output_len)
     with tempfile.TemporaryDirectory() as workdir:
-        result = compare(args.url.rstrip("/"), args.tokenizer, aiperf, work, Path(workdir))
+        url = args.url.rstrip("/")
+        result = compare(url, args.tokenizer, aiperf, work, Path(workdir), args.rounds)
     for key, value in result.items():
-        if key.endswith("_ms") or key.endswith("_ratio"):
+        if isinstance(value, float) and (key.endswith("_ms") or key.endswith("_ratio")):
             print(f"{key:<24}{value:.1f}" if key.endswith("_ms") else f"{key:<24}{value:.3f}")
     print(json.dumps(result))
 
