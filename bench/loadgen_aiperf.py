@@ -2,7 +2,7 @@
 
     python bench/loadgen_aiperf.py --url http://127.0.0.1:8000 --tokenizer MODEL_FOLDER
         [--aiperf PATH] [--num-requests 24] [--concurrency 2] [--input-len 64] [--output-len 16]
-        [--rounds 1]
+        [--rounds 2]
 
 Against one running server (`make run`, or any OpenAI-compatible one), one tool after the other
 (`--rounds` times, alternating, so a machine whose load drifts weighs on both alike), each sends
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=Slice.concurrency)
     parser.add_argument("--input-len", type=int, default=Slice.input_len)
     parser.add_argument("--output-len", type=int, default=Slice.output_len)
-    parser.add_argument("--rounds", type=int, default=1, help="alternating runs of each tool")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each tool")
     args = parser.parse_args()
     aiperf = find_aiperf(args.aiperf)
     if aiperf is None:
