@@ -126,8 +126,10 @@ async def _stream_completion(
         if behaviour.error_after is not None and index >= behaviour.error_after:
             writer.write(_chunk({"error": {"message": "stub in-band error", "code": 500}}))
             break
-        first = index == 0 and behaviour.first_token_delay_s is not None
-        await asyncio.sleep(behaviour.first_token_delay_s if first else behaviour.token_delay_s)
+        delay = behaviour.token_delay_s
+        if index == 0 and behaviour.first_token_delay_s is not None:
+            delay = behaviour.first_token_delay_s
+        await asyncio.sleep(delay)
         writer.write(_chunk(_token_chunk(chat)))
         await writer.drain()
         if behaviour.announce_tokens:
