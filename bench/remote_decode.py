@@ -75,10 +75,10 @@ class HttpDecode:
     """Decode through a server's OpenAI API, timed by loadgen's streaming HTTP client."""
 
     def __init__(self, url: str, vocab: int) -> None:
-        from loadgen.commands import discover_model
+        from loadgen.commands import wait_for_model
 
         self.url, self.vocab = url, vocab
-        self.model, _ = asyncio.run(discover_model(url, None))
+        self.model = asyncio.run(wait_for_model(url, {}, timeout_s=120.0)).name
         self._num_batches = 0
 
     def token_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:

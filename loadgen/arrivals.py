@@ -4,7 +4,7 @@ Arrival modes:
 
 - `trace`: the trace's own timestamps, each gap multiplied by `time_scale` (2.0 = half speed, like
   SGLang's `--mooncake-slowdown-factor`; 0.5 = twice as fast).
-- `poisson`: exponential gaps at `rate` requests/s.
+- `poisson`: exponential gaps at `rate` requests/s (`inf`: every request at once, vLLM's default).
 - `gamma`: gamma gaps at `rate` with shape `burstiness` (1.0 is Poisson; below 1 is burstier),
   vLLM bench's `--burstiness` convention.
 
@@ -15,6 +15,7 @@ cycling if the schedule outlasts the trace; the seed fixes the gaps.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -75,6 +76,8 @@ class ArrivalConfig:
 
 def arrival_gaps(rate: float, burstiness: float, seed: int) -> Iterator[float]:
     """Endless gamma-distributed gaps with mean 1/rate (shape `burstiness`; 1.0 = Poisson)."""
+    if math.isinf(rate):
+        yield from itertools.repeat(0.0)
     rng = np.random.default_rng(seed)
     scale = 1.0 / (rate * burstiness)
     while True:
@@ -129,5 +132,7 @@ def plan_requests(rows: Iterable[TraceRow], config: ArrivalConfig) -> Iterator[R
             output_len=scale_tokens(row.output_len, config.effective_output_scale),
             hash_ids=row.hash_ids,
             block_len=block_len,
+            # A dataset's own text has its own length: kept only while lengths are not scaled.
+            prompt_text=row.prompt if config.token_scale == 1.0 else None,
         )
         count += 1

@@ -3,25 +3,77 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import structlog
 
 from loadgen import commands
 from loadgen.arrivals import ARRIVAL_MODES, parse_scale
+from loadgen.traces import TRACE_FORMATS
+
+
+def parse_rate(text: str) -> float:
+    """Requests/s: a positive number or `inf`."""
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"rate must be positive or inf, got {text!r}")
+    return rate
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """`--extra-body`: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object ({...})")
+    return value
+
+
+def parse_header(text: str) -> tuple[str, str]:
+    """`NAME:VALUE` or vLLM's `NAME=VALUE`: split at whichever comes first (a header name holds
+    neither; a value may hold both)."""
+    cut = min((i for i in (text.find(":"), text.find("=")) if i >= 0), default=-1)
+    name, value = text[:cut].strip(), text[cut + 1 :].strip()
+    if cut <= 0 or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME:VALUE, got {text!r}")
+    return name, value
 
 
 def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("schedule")
-    group.add_argument("--trace", required=True, help="Azure CSV or Mooncake JSONL trace")
+    group.add_argument(
+        "--trace", "--dataset-path", dest="trace", default=None,
+        help="Azure CSV, Mooncake JSONL, ShareGPT JSON or BurstGPT CSV (detected from content)",
+    )  # fmt: skip
+    group.add_argument(
+        "--dataset-name", default="auto", choices=("auto", *TRACE_FORMATS, "random"),
+        help="the trace's format (default: detected), or 'random' for fixed lengths (no trace)",
+    )  # fmt: skip
+    group.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens")
+    group.add_argument("--random-output-len", type=int, default=128, help="output tokens")
+    group.add_argument(
+        "--random-range-ratio", type=float, default=0.0,
+        help="draw lengths uniformly within ±this fraction (0: fixed)",
+    )  # fmt: skip
     group.add_argument(
         "--arrival",
         choices=ARRIVAL_MODES,
         default=None,
-        help="trace timestamps, or poisson/gamma at --rate (default: trace for "
-        "replay, poisson for sweep)",
+        help="trace timestamps, or poisson/gamma at --rate (default: poisson with --rate, "
+        "else trace, for replay; poisson for sweep)",
     )
     group.add_argument(
         "--time-scale",
@@ -29,13 +81,27 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="multiply trace inter-arrival gaps (2 = half speed)",
     )
-    group.add_argument("--rate", type=float, help="requests/s for poisson/gamma arrivals")
+    group.add_argument(
+        "--rate", "--request-rate", dest="rate", type=parse_rate, default=None,
+        help="requests/s for poisson/gamma arrivals; 'inf' sends every request at once",
+    )  # fmt: skip
     group.add_argument(
         "--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson, < 1 burstier"
     )
     group.add_argument("--start", type=float, default=0.0, help="skip arrivals before (s)")
     group.add_argument("--duration", type=float, help="keep arrivals in [start, start+duration)")
-    group.add_argument("--num-requests", type=int, help="send at most this many requests")
+    group.add_argument(
+        "--num-requests", "--num-prompts", dest="num_requests", type=int,
+        help="send at most this many requests (random: this many, default 1000)",
+    )  # fmt: skip
+    group.add_argument(
+        "--max-concurrency", type=positive_int, default=None,
+        help="closed loop: at most N requests in flight (with a rate, both apply)",
+    )  # fmt: skip
+    group.add_argument(
+        "--warmup", "--num-warmups", dest="warmup", type=int, default=0,
+        help="send N requests first, all at once, and leave them out of the results",
+    )  # fmt: skip
     group.add_argument(
         "--token-scale",
         type=parse_scale,
@@ -60,7 +126,22 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
         help="'http' (default, needs --url) or 'sim:CONFIG' for the simulator",
     )
     group.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
-    group.add_argument("--endpoint", default="/v1/completions")
+    group.add_argument(
+        "--endpoint", default="completions",
+        help="'completions' (/v1/completions), 'chat' (/v1/chat/completions) or a path",
+    )  # fmt: skip
+    group.add_argument(
+        "--extra-body", type=json_object, default=None, metavar="JSON",
+        help="a JSON object merged into every request body (last: it may replace any field)",
+    )  # fmt: skip
+    group.add_argument(
+        "--header", action="append", type=parse_header, default=[], metavar="NAME:VALUE",
+        help="an HTTP header for every request (NAME=VALUE also works); repeatable",
+    )  # fmt: skip
+    group.add_argument(
+        "--ready-timeout", "--ready-check-timeout-sec", dest="ready_timeout", type=float,
+        default=600.0, help="seconds to wait for GET /v1/models to list a model before starting",
+    )  # fmt: skip
     group.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     group.add_argument(
         "--vocab-size", type=int, default=None,
@@ -70,7 +151,8 @@ def _add_target_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tokenizer", default=None, metavar="PATH_OR_NAME",
         help="send text prompts that this tokenizer (a model folder, a tokenizer.json or a Hub "
-        "name: the served model's) encodes to exactly the trace's lengths, instead of token ids",
+        "name: the served model's) encodes to exactly the trace's lengths, instead of token ids; "
+        "chat counts them with its chat template (default for chat: the served model's name)",
     )  # fmt: skip
     group.add_argument(
         "--no-min-tokens",
@@ -103,7 +185,10 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--baseline-ttft", type=float, default=None, help="ms, instead of a run")
     group.add_argument("--baseline-tbt", type=float, default=None, help="ms, instead of a run")
-    group.add_argument("--out", default=None, help="folder for results.json, requests.jsonl, PNGs")
+    group.add_argument(
+        "--out", default=None, help="folder for results.json, requests.jsonl/.csv, PNGs"
+    )
+    group.add_argument("--csv", default=None, help="also write the per-request CSV here")
     group.add_argument("--no-plots", action="store_true")
     group.add_argument("--disable-tqdm", action="store_true")
 
@@ -130,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=commands.cmd_convert)
     stats = sub.add_parser("stats", help="request count, span, rate and token statistics")
     stats.add_argument("--trace", required=True)
+    stats.add_argument("--tokenizer", default=None, help="counts a ShareGPT dataset's tokens")
     stats.add_argument("--json", action="store_true", help="last line: one JSON object")
     stats.set_defaults(func=commands.cmd_stats)
     return parser

@@ -1,12 +1,13 @@
-"""Streaming OpenAI completions client: the HTTP implementation of `loadgen.target.Target`.
+"""Streaming OpenAI client: the HTTP implementation of `loadgen.target.Target`.
 
 Sends `POST {base_url}/v1/completions` with a token-id prompt (or text of the same token count,
-`loadgen.text_prompts`), `stream: true`,
-`stream_options.include_usage`, `ignore_eos` and `max_tokens` (+ `min_tokens`) equal to the
-requested output length, then parses the SSE stream. Every failure raises, so the driver records
-it against the request: HTTP error statuses (with the server's error message), in-band
-`data: {"error": ...}` events, connect errors, reset or truncated connections, read timeouts, and
-a stream that ends without `data: [DONE]`.
+`loadgen.text_prompts`), or `POST {base_url}/v1/chat/completions` with that text as one user
+message, with `stream: true`, `stream_options.include_usage`, `ignore_eos` and `max_tokens`
+(chat: `max_completion_tokens`; + `min_tokens`) equal to the requested output length, the
+`--extra-body` fields merged last, then parses the SSE stream. Every failure raises, so the
+driver records it against the request: HTTP error statuses (with the server's error message),
+in-band `data: {"error": ...}` events, connect errors, reset or truncated connections, read
+timeouts, and a stream that ends without `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,27 @@ class Prompts(Protocol):
     """Builds a request's `prompt`: token ids (`PromptBuilder`) or text (`TextPromptBuilder`)."""
 
     def prompt(self, spec: RequestSpec) -> list[int] | str: ...
+
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def endpoint_path(endpoint: str) -> str:
+    """`completions`, `chat` or a path (`/v1/chat/completions`) as the path to POST to."""
+    path = ENDPOINTS.get(endpoint, endpoint)
+    if not path.startswith("/"):
+        raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)} or a path: {endpoint!r}")
+    return path
+
+
+def is_chat(path: str) -> bool:
+    return path.rstrip("/").endswith("chat/completions")
+
+
+def request_id(spec: RequestSpec) -> str:
+    """The `X-Request-Id` of a request; warm-ups (negative index) are named apart."""
+    index = spec.req_index
+    return f"loadgen-{index}" if index >= 0 else f"loadgen-warmup-{-index - 1}"
 
 
 class ServerError(Exception):
@@ -63,7 +85,12 @@ def chunk_token_count(chunk: dict[str, Any]) -> int:
     choice = choices[0]
     text = choice.get("text")
     if text is None and "delta" in choice:  # chat-style chunk
-        text = (choice.get("delta") or {}).get("content")
+        delta = choice.get("delta") or {}
+        text = delta.get("content")
+        if not text and "role" in delta:
+            return 0  # the opening chunk names the role, before any token (PhaseMesh sends it
+            # as soon as the request is accepted): TTFT must not stop there
+        text = text or delta.get("reasoning_content") or delta.get("tool_calls")
     if not text and choice.get("finish_reason") is not None:
         return 0
     return 1
@@ -77,7 +104,9 @@ def usage_of(chunk: dict[str, Any]) -> Usage | None:
 
 
 class OpenAIStreamingTarget:
-    """Streams completions from an OpenAI-compatible server over one pooled httpx client."""
+    """Streams completions or chat completions from an OpenAI-compatible server over one pooled
+    httpx client. `headers` go with every request (after the API key's, so they may replace it);
+    `extra_body` is merged into every body last (so it may replace any field)."""
 
     def __init__(
         self,
@@ -92,14 +121,16 @@ class OpenAIStreamingTarget:
         max_connections: int | None = None,
         send_min_tokens: bool = True,
         extra_body: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.clock = WallClock()
         self.model = model
-        self.endpoint = endpoint
+        self.endpoint = endpoint_path(endpoint)
+        self.chat = is_chat(self.endpoint)
         self.prompts: Prompts = prompts or PromptBuilder()
         self.send_min_tokens = send_min_tokens
         self.extra_body = dict(extra_body or {})
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = ({"Authorization": f"Bearer {api_key}"} if api_key else {}) | (headers or {})
         # NOTE: pool=None: in an open loop a request waiting for a connection is queueing, which
         # TTFT should show, not an error. Connect and read timeouts bound a dead server.
         timeout = httpx.Timeout(
@@ -112,10 +143,17 @@ class OpenAIStreamingTarget:
 
     def request_body(self, spec: RequestSpec) -> dict[str, Any]:
         """The JSON body for `spec`: exact prompt length, output length forced by ignore_eos."""
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": self.prompts.prompt(spec),
-            "max_tokens": spec.output_len,
+        prompt = spec.prompt_text if spec.prompt_text is not None else self.prompts.prompt(spec)
+        body: dict[str, Any] = {"model": self.model}
+        if self.chat:
+            if not isinstance(prompt, str):
+                raise TypeError("the chat endpoint takes text: build prompts with a tokenizer")
+            body["messages"] = [{"role": "user", "content": prompt}]
+            body["max_completion_tokens"] = spec.output_len
+        else:
+            body["prompt"] = prompt
+            body["max_tokens"] = spec.output_len
+        body |= {
             "ignore_eos": True,
             "temperature": 0.0,
             "stream": True,
@@ -129,7 +167,7 @@ class OpenAIStreamingTarget:
     async def generate(self, spec: RequestSpec) -> AsyncIterator[StreamEvent]:
         """Send `spec` and yield one event per streamed chunk (see `loadgen.target`)."""
         content = msgspec.json.encode(self.request_body(spec))
-        headers = {"Content-Type": "application/json", "X-Request-Id": f"loadgen-{spec.req_index}"}
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id(spec)}
         async with self._client.stream(
             "POST", self.endpoint, content=content, headers=headers
         ) as response:

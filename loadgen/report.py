@@ -1,11 +1,14 @@
 """Turn a replay's records into the results dict, the JSON files and the terminal summary.
 
-Keys follow vLLM bench's (`request_throughput`, `output_throughput`, `mean_ttft_ms`,
-`p99_itl_ms`, `request_goodput`, ...). ITL is the papers' TBT: every gap between streamed chunks.
+Keys follow vLLM bench's (`completed`, `failed`, `errors` (one string per request, empty for a
+completed one), `request_throughput`, `output_throughput`, `mean_ttft_ms`, `p99_itl_ms`,
+`request_goodput`, `max_concurrent_requests`, ...). ITL is the papers' TBT: every gap between
+streamed chunks. `requests.csv` holds one row per request, for spreadsheets.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections import Counter
@@ -77,7 +80,11 @@ def summarize(
         "num_requests": len(records),
         "completed": len(done),
         "failed": len(records) - len(done),
-        "errors": error_counts(records),
+        "errors": [r.error or "" for r in sorted(records, key=lambda r: r.req_index)],
+        "error_kinds": error_counts(records),
+        "max_concurrent_requests": result.peak_in_flight,
+        "num_warmups": len(result.warmup_records),
+        "warmup_failed": sum(not r.ok for r in result.warmup_records),
         "duration": duration,
         "offered_rate": len(records) / last_arrival if last_arrival > 0 else float("nan"),
         "total_input_tokens": input_tokens,
@@ -113,14 +120,47 @@ def json_safe(value: Any) -> Any:
 
 
 def write_results(out_dir: Path, summary: dict[str, Any], records: Sequence[RequestRecord]) -> Path:
-    """Write `results.json` (the summary) and `requests.jsonl` (one record per request)."""
+    """Write `results.json` (the summary), `requests.jsonl` (one record per request, every gap)
+    and `requests.csv` (one row per request)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.json"
     results_path.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
     with open(out_dir / "requests.jsonl", "w") as out:
         for record in records:
             out.write(json.dumps(json_safe(asdict(record))) + "\n")
+    write_requests_csv(out_dir / "requests.csv", records)
     return results_path
+
+
+CSV_COLUMNS = (
+    "req_index", "scheduled_s", "send_s", "input_len", "output_len", "prompt_tokens",
+    "output_tokens", "ttft_ms", "tpot_ms", "mean_itl_ms", "max_itl_ms", "e2el_ms", "error",
+)  # fmt: skip
+
+
+def csv_row(record: RequestRecord) -> tuple[Any, ...]:
+    """One request as `CSV_COLUMNS` (times in ms, blank where not measured)."""
+
+    def ms(value_s: float | None) -> str:
+        return "" if value_s is None else f"{value_s * 1000.0:.3f}"
+
+    gaps = record.itl_s
+    return (
+        record.req_index, f"{record.scheduled_s:.6f}", f"{record.send_s:.6f}", record.input_len,
+        record.output_len, "" if record.prompt_tokens is None else record.prompt_tokens,
+        record.output_tokens, ms(record.ttft_s), ms(record.tpot_s),
+        ms(sum(gaps) / len(gaps) if gaps else None), ms(max(gaps, default=None)),
+        ms(record.e2e_s), record.error or "",
+    )  # fmt: skip
+
+
+def write_requests_csv(path: Path, records: Sequence[RequestRecord]) -> None:
+    """One row per request, in request order, under a `CSV_COLUMNS` header."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(CSV_COLUMNS)
+        writer.writerows(csv_row(r) for r in sorted(records, key=lambda r: r.req_index))
 
 
 def read_records(path: Path) -> list[RequestRecord]:
@@ -136,6 +176,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         "{s:=^60}".format(s=" Serving Benchmark Result "),
         f"{'Requests (completed / failed):':<40}{summary['completed']} / {summary['failed']}",
+        f"{'Peak concurrent requests:':<40}{summary['max_concurrent_requests']}",
         f"{'Duration (s):':<40}{summary['duration']:.2f}",
         f"{'Offered rate (req/s):':<40}{summary['offered_rate']:.2f}",
         f"{'Request throughput (req/s):':<40}{summary['request_throughput']:.2f}",
@@ -152,7 +193,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     for field, count in summary.get("usage_mismatches", {}).items():
         if count:
             lines.append(f"{'Usage mismatches (' + field + '):':<40}{count}")
-    for kind, count in summary["errors"].items():
+    if summary.get("max_concurrency") is not None:
+        lines.insert(3, f"{'Maximum request concurrency:':<40}{summary['max_concurrency']}")
+    if summary["num_warmups"]:
+        warm = f"{summary['num_warmups']} ({summary['warmup_failed']} failed)"
+        lines.append(f"{'Warm-up requests (left out):':<40}{warm}")
+    for kind, count in summary["error_kinds"].items():
         lines.append(f"{'Errors ' + kind + ':':<40}{count}")
     for slo in summary.get("slos", []):
         verdict = "met" if slo.get("met", True) else "MISSED"

@@ -49,6 +49,7 @@ class RequestSpec:
     output_len: int
     hash_ids: tuple[int, ...] = field(default=())
     block_len: int = 512
+    prompt_text: str | None = None  # the dataset's own prompt (ShareGPT), else one is built
 
 
 @dataclass(frozen=True)

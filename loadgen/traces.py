@@ -1,4 +1,5 @@
-"""Streaming readers for production request traces: Azure CSV and Mooncake JSONL.
+"""Streaming readers for production request traces: Azure CSV and Mooncake JSONL (and, through
+`loadgen.datasets`, ShareGPT JSON and BurstGPT CSV; `read_trace` detects which).
 
 Both readers yield one `TraceRow` per request, in file order, without loading the file. Arrival
 times are seconds relative to the first row. A malformed row raises `TraceFormatError` whose message
@@ -10,7 +11,7 @@ from __future__ import annotations
 import calendar
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,7 @@ class TraceRow:
     input_len: int
     output_len: int
     hash_ids: tuple[int, ...] = field(default=())
+    prompt: str | None = None  # the dataset's own prompt text (ShareGPT), sent as is
 
 
 def shared_dir() -> Path:
@@ -148,19 +150,42 @@ def read_mooncake_jsonl(path: str | os.PathLike[str]) -> Iterator[TraceRow]:
             yield TraceRow(arrival_s, row.input_length, row.output_length, tuple(row.hash_ids))
 
 
+TRACE_FORMATS = ("azure", "mooncake", "sharegpt", "burstgpt")
+
+
 def trace_format(path: str | os.PathLike[str]) -> str:
-    """`"azure"` or `"mooncake"`, from the file's first non-blank character (extension-agnostic)."""
+    """One of `TRACE_FORMATS`, from the file's first non-blank bytes (extension-agnostic)."""
     with open(path, "rb") as f:
         head = f.read(256).lstrip()
     if head.startswith(b"{"):
         return "mooncake"
+    if head.startswith(b"["):
+        return "sharegpt"
     if head.upper().startswith(b"TIMESTAMP"):
-        return "azure"
-    raise TraceFormatError(path, 1, "neither an Azure CSV header nor a Mooncake JSON object")
+        return "burstgpt" if head.startswith(b"Timestamp,Model") else "azure"
+    raise TraceFormatError(
+        path, 1, "not an Azure or BurstGPT CSV header, a Mooncake JSON object or a ShareGPT list"
+    )
 
 
-def read_trace(path: str | os.PathLike[str]) -> Iterator[TraceRow]:
-    """Yield the rows of a trace in either format, detected from its content."""
-    if trace_format(path) == "mooncake":
+def read_trace(
+    path: str | os.PathLike[str],
+    count_tokens: Callable[[str], int] | None = None,
+    kind: str | None = None,
+) -> Iterator[TraceRow]:
+    """Yield the rows of a trace in any of `TRACE_FORMATS` (`kind`, else detected from its
+    content). `count_tokens` measures ShareGPT's texts (the served model's tokenizer)."""
+    from loadgen import datasets  # it builds on this module's rows
+
+    kind = kind or trace_format(path)
+    if kind not in TRACE_FORMATS:
+        raise ValueError(f"unknown trace format {kind!r}: one of {', '.join(TRACE_FORMATS)}")
+    if kind == "sharegpt":
+        if count_tokens is None:
+            raise ValueError(f"{path}: a ShareGPT dataset needs --tokenizer to count its tokens")
+        return datasets.read_sharegpt_json(path, count_tokens)
+    if kind == "burstgpt":
+        return datasets.read_burstgpt_csv(path)
+    if kind == "mooncake":
         return read_mooncake_jsonl(path)
     return read_azure_csv(path)

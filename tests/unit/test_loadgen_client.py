@@ -15,8 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,30 +24,11 @@ from loadgen.prompts import PromptBuilder
 from loadgen.replay import ReplayResult, replay, run_one
 from loadgen.report import summarize
 from loadgen.target import RequestSpec, StreamEvent, Usage
+from tests.sse_stub_server import running_stub as sse_stub_server
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
 pytestmark = pytest.mark.timeout(120)
-
-
-@contextmanager
-def sse_stub_server(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Start `tests.sse_stub_server` on a free port; yield (process, base URL); kill it after."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.sse_stub_server", "--port", "0", *flags],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=ENV,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("LISTENING "), line
-        yield proc, f"http://127.0.0.1:{int(line.split()[1])}"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def specs(count: int, output_len: int = 5, gap_s: float = 0.0, input_len: int = 9):
@@ -93,7 +72,7 @@ def test_http_error_status_becomes_a_request_error_with_the_message() -> None:
     with sse_stub_server("--status", "503") as (_, url):
         result = run(url, specs(3))
     summary = summarize(result)
-    assert summary["failed"] == 3 and summary["errors"] == {"ServerError: HTTP 503": 3}
+    assert summary["failed"] == 3 and summary["error_kinds"] == {"ServerError: HTTP 503": 3}
     assert "stub status 503" in (result.records[0].error or "")
 
 
@@ -108,7 +87,7 @@ def test_in_band_error_event_fails_the_request() -> None:
 def test_stalled_stream_hits_the_read_timeout() -> None:
     with sse_stub_server("--stall-after", "2") as (_, url):
         result = run(url, specs(2, output_len=6), read_timeout_s=0.5)
-    assert summarize(result)["errors"] == {"ReadTimeout": 2}
+    assert summarize(result)["error_kinds"] == {"ReadTimeout": 2}
 
 
 def test_nothing_listening_gives_connect_errors() -> None:
@@ -116,7 +95,7 @@ def test_nothing_listening_gives_connect_errors() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     result = run(f"http://127.0.0.1:{port}", specs(3), connect_timeout_s=2.0)
-    assert summarize(result)["errors"] == {"ConnectError": 3}
+    assert summarize(result)["error_kinds"] == {"ConnectError": 3}
 
 
 def kill_after_tokens(proc: subprocess.Popen[str], num_tokens: int) -> threading.Thread:
@@ -146,7 +125,7 @@ def test_server_killed_mid_stream_gives_counted_errors_and_returns() -> None:
     assert proc.poll() is not None  # it really died
     assert summary["num_requests"] == 20
     assert summary["failed"] >= 1 and summary["completed"] + summary["failed"] == 20
-    assert sum(summary["errors"].values()) == summary["failed"]
+    assert sum(summary["error_kinds"].values()) == summary["failed"]
     mid_stream = [r for r in result.records if r.error and r.ttft_s is not None]
     assert mid_stream, "some request must have been cut off after its first token"
     assert all(r.e2e_s is None for r in result.records if r.error)

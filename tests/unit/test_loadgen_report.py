@@ -40,7 +40,7 @@ def test_percentiles_throughput_and_errors() -> None:
     summary = summarize(ReplayResult(make_records(), duration_s=20.0))
     ttfts = np.arange(1, 101, dtype=float)
     assert summary["completed"] == 100 and summary["failed"] == 2
-    assert summary["errors"] == {"ConnectError": 1, "ServerError: HTTP 503": 1}
+    assert summary["error_kinds"] == {"ConnectError": 1, "ServerError: HTTP 503": 1}
     for pct in (50, 90, 99):
         assert summary[f"p{pct}_ttft_ms"] == pytest.approx(np.percentile(ttfts, pct))
     assert summary["p50_ttft_ms"] == pytest.approx(50.5)

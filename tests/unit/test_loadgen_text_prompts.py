@@ -22,7 +22,7 @@ from loadgen.http_target import OpenAIStreamingTarget
 from loadgen.replay import ReplayResult, RequestRecord, replay
 from loadgen.report import format_summary, summarize, usage_mismatches
 from loadgen.target import RequestSpec
-from loadgen.text_prompts import TextPromptBuilder, load_tokenizer
+from loadgen.text_prompts import TextPromptBuilder, load_tokenizer, text_prompt_builder
 from services.router.engine_client import InProcessEngineClient
 from services.router.server import Router
 
@@ -65,9 +65,13 @@ def live_router(tiny_model_path: Path) -> Iterator[str]:
     router.client.shutdown()  # type: ignore[attr-defined]
 
 
-def run_text_replay(url: str, builder: TextPromptBuilder, specs: list[RequestSpec]) -> ReplayResult:
+def run_text_replay(
+    url: str, builder: TextPromptBuilder, specs: list[RequestSpec], endpoint: str = "completions"
+) -> ReplayResult:
     async def go() -> ReplayResult:
-        target = OpenAIStreamingTarget(url, "tiny", prompts=builder, read_timeout_s=60)
+        target = OpenAIStreamingTarget(
+            url, "tiny", endpoint=endpoint, prompts=builder, read_timeout_s=60
+        )
         try:
             return await replay(specs, target, progress=False)
         finally:
@@ -89,6 +93,18 @@ def test_text_replay_matches_the_servers_usage(live_router, builder) -> None:
     by_index = {r.req_index: r for r in result.records}
     assert [by_index[i].prompt_tokens for i in range(4)] == [n for n, _ in lengths]
     assert [by_index[i].output_tokens for i in range(4)] == [m for _, m in lengths]
+
+
+def test_chat_replay_counts_the_template_as_the_server_does(live_router, tiny_model_path) -> None:
+    builder = text_prompt_builder(str(tiny_model_path), seed=5, chat=True)
+    lengths = [(24, 3), (90, 2), (300, 4)]  # each above the template's own tokens
+    specs = [RequestSpec(i, 0.05 * i, n, m, (1,), 64) for i, (n, m) in enumerate(lengths)]
+    result = run_text_replay(live_router, builder, specs, endpoint="chat")
+    assert all(r.ok for r in result.records), [r.error for r in result.records]
+    by_index = {r.req_index: r for r in result.records}
+    assert [by_index[i].prompt_tokens for i in range(3)] == [n for n, _ in lengths]
+    assert [by_index[i].output_tokens for i in range(3)] == [m for _, m in lengths]
+    assert builder.num_added > 2  # the template's scaffolding was counted in
 
 
 def test_usage_mismatches_count_each_kind() -> None:

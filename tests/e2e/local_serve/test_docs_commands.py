@@ -98,7 +98,7 @@ def check(block: Block, result: subprocess.CompletedProcess[str]) -> None:
     assert '"error"' not in result.stdout, f"{block.name}: {result.stdout[-3000:]}"
     if "loadgen replay" in block.code:
         summary = json.loads(result.stdout.strip().splitlines()[-1])
-        assert summary["num_requests"] > 0 and summary["failed"] == 0, summary["errors"]
+        assert summary["num_requests"] > 0 and summary["failed"] == 0, summary["error_kinds"]
         assert summary["completed"] == summary["num_requests"]
         assert summary["usage_mismatches"] == {"prompt_tokens": 0, "completion_tokens": 0,
                                                "no_usage": 0}  # fmt: skip
