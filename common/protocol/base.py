@@ -28,6 +28,8 @@ class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     prompt_logprobs: int | None = None  # the same for prompt tokens (completions' echo)
     # The canonical structured-output spec (`common.structured.spec`); "" for free text.
     structured_output: str = ""
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

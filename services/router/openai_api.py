@@ -3,7 +3,8 @@
 The only pydantic in the serving path; everything behind the router takes plain dataclasses
 (`SamplingParams`). Requests are strict (`"5"` is not an int, `1` is not a bool) because a
 silently coerced parameter is worse than a 400. Unknown fields are ignored, as OpenAI-compatible
-servers do, so newer clients keep working; fields we cannot honour are rejected
+servers do, so newer clients keep working, but noted (`unknown_fields`: the router logs them, lists
+them back or refuses them, `request_fields.py`); fields we cannot honour are rejected
 (`reject_unsupported`, which the router calls), and `sampling_params` turns a request into the
 engines' `SamplingParams` (a 400 naming an invalid value).
 """
@@ -15,7 +16,15 @@ import time
 from typing import Annotated, Any, Literal
 
 import structlog
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
 
 from common.sampling import (
     MAX_INT,
@@ -30,6 +39,7 @@ from common.sampling import (
 from services.router.api_errors import APIError
 from services.router.chat_options import ChatTemplateFields
 from services.router.logprobs_format import ChatLogprobs, CompletionLogprobs
+from services.router.request_fields import unknown_names
 from services.router.structured_fields import StructuredOutputFields
 
 log = structlog.get_logger(__name__)
@@ -90,6 +100,20 @@ class SamplingFields(_Request, StructuredOutputFields):
         | None
     ) = None
     user: str | None = Field(default=None, max_length=256)
+    _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unknown_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        model = handler(data)
+        if isinstance(model, SamplingFields):
+            model._unknown_fields = unknown_names(type(model), data)
+        return model
+
+    @property
+    def unknown_fields(self) -> tuple[str, ...]:
+        """The body's top-level keys this API does not read (ignored unless `strict_fields`)."""
+        return self._unknown_fields
 
     def reject_unsupported(self) -> None:
         """A 400 for fields we cannot honour (rather than silently ignoring them), or that
