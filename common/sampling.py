@@ -78,6 +78,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] = ()  # empty: every token
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # vLLM's request priority (lower: sooner): orders the mesh router's KV wait queue; not sent
+    # to the engines (their schedulers do not read it).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # NOTE: integers are bounded so that every value crosses the wire (msgpack carries at most
@@ -136,6 +139,8 @@ class SamplingParams:
                     for w in self.bad_words),
             "bad_words", f"at most {MAX_BAD_WORDS} sequences of 1 to {MAX_BAD_WORD_TOKENS} ids",
         )  # fmt: skip
+        _check(isinstance(self.priority, int) and -MAX_INT < self.priority < MAX_INT, "priority",
+               f"an int in (-{MAX_INT}, {MAX_INT})")  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),

@@ -39,6 +39,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, frozen=
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0  # 1 + how many tokens the model finds likelier (0: not known)
 
 
 class ShardAddress(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -145,6 +145,7 @@ class MeshEngineClient:
         stream = await self.kv_queue.admit(
             lambda: self._admit(req_id, prompt_token_ids, params, hold_to_end),
             lambda: self.scheduler.check_ever_fits(kv_tokens),
+            params.priority,
         )
         text = StreamedText(req_id, len(prompt_token_ids), OutputText.of(params), self.tokenizer)
         stream.loop.call_later(self.progress_timeout_s, self._watch_progress, req_id, stream,
