@@ -190,6 +190,7 @@ class RouterDeployment:
         self.router = Router(
             self.client, self.args.model_path(), self.args.model_name(), replica_id,
             max_model_len=self.args.max_model_len, api_key=self.args.resolved_api_key(),
+            strict_fields=self.args.strict_fields,
         )  # fmt: skip
         log.info("router ready", model=self.router.model_name, topology=self.args.topology)
 

@@ -63,6 +63,9 @@ class AppArgs(_Args):
     # 0: one chunk per engine step. `services.router.streams.StreamInterval`.
     stream_interval: int = Field(default=1, ge=1)
     stream_interval_s: float = Field(default=0.0, ge=0)
+    # An unknown request body field is a 400 naming it; false: ignored, logged once per name and
+    # listed back in the response's X-Ignored-Fields header (services/router/request_fields.py).
+    strict_fields: bool = False
     engine: EngineArgs = Field(default_factory=EngineArgs)
     mesh: MeshField = Field(default_factory=MeshOptions)
 

@@ -3,9 +3,10 @@
 A request asks for structure through OpenAI's `response_format`, vLLM's current
 `structured_outputs` object (`json`, `regex`, `choice`, `grammar`, `json_object`,
 `structural_tag`) or its older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`
-extras. `parse_structured_output` checks them (one constraint at most) and returns the spec: compact, key-sorted JSON such as `{"schema":{...},"type":"json_schema"}`. The
-spec is what crosses the wire and what keys the compiled-grammar cache, so two requests that ask
-for the same thing share one compiled grammar whatever their key order.
+extras. `parse_structured_output` checks them (one constraint at most) and returns the spec:
+compact, key-sorted JSON such as `{"schema":{...},"type":"json_schema"}`. The spec is what crosses
+the wire and what keys the compiled-grammar cache, so two requests that ask for the same thing
+share one compiled grammar whatever their key order.
 
 Validation compiles the grammar without a tokenizer: a schema that llguidance cannot enforce (an
 unknown type, a bad pattern, an unimplemented keyword such as `not`) is rejected here, as a

@@ -12,8 +12,8 @@ bounded, so a client inventing names cannot grow the router's memory or flood it
 
 from __future__ import annotations
 
-import re
 import functools
+import re
 from collections.abc import Iterable
 from typing import Any
 

@@ -1,10 +1,10 @@
 """The structured-output request fields, shared by `/v1/completions` and `/v1/chat/completions`.
 
 OpenAI's `response_format`, vLLM's `structured_outputs` object and its older `guided_json`,
-`guided_regex`, `guided_choice` and `guided_grammar` (docs/structured_outputs.md). Their shapes and sizes are bounded here, for the OpenAPI schema
-(and the fuzzer that generates from it); what they mean is checked by
-`common.structured.parse_structured_output`, which turns them into the one spec the engines
-compile (a ValueError naming the field, which the caller makes a 400).
+`guided_regex`, `guided_choice` and `guided_grammar` (docs/structured_outputs.md). Their shapes
+and sizes are bounded here, for the OpenAPI schema (and the fuzzer that generates from it); what
+they mean is checked by `common.structured.parse_structured_output`, which turns them into the
+one spec the engines compile (a ValueError naming the field, which the caller makes a 400).
 """
 
 from __future__ import annotations
