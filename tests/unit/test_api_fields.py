@@ -82,8 +82,9 @@ def test_structured_outputs_each_constraint(router: Router) -> None:
         "choices"][0]["text"])  # fmt: skip
     gbnf = 'root ::= "go" [a-c]+ "!"'
     assert re.fullmatch("go[a-c]+!", complete(router, guided_grammar=gbnf)["choices"][0]["text"])
+    structured = {"json_object": True, "disable_any_whitespace": True}  # vLLM's switch: ignored
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30,
-            "structured_outputs": {"json_object": True, "disable_any_whitespace": True}}  # fmt: skip
+            "structured_outputs": structured}  # fmt: skip
     content = post(router, "/v1/chat/completions", body).json()["choices"][0]["message"]
     assert content["content"].startswith("{")
     tag = {"structures": [{"begin": "<f=a>", "schema": {"type": "integer"}, "end": "</f>"}],
@@ -203,8 +204,13 @@ def test_continuous_usage_stats(router: Router) -> None:
         ("/v1/completions", {"prompt": "hi"}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ):
-        body = body | {"model": MODEL, "max_tokens": 6, "stream": True, "ignore_eos": True,
-                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        body = body | {
+            "model": MODEL,
+            "max_tokens": 6,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
         events = [json.loads(e) for e in sse_events(post(router, path, body))[:-1]]
         usages = [e["usage"] for e in events]
         assert all(u is not None for u in usages)
@@ -309,5 +315,5 @@ def test_batched_prompts_index_choices_as_openai(router: Router, reference: LLME
     for event in sse_events(post(router, "/v1/completions", body))[:-1]:
         for c in json.loads(event)["choices"]:
             texts[c["index"]] = texts.get(c["index"], "") + c["text"]
-    for i, p in enumerate(prompts):
+    for i in range(len(prompts)):
         assert texts[i] == router.tokenizer.decode(ids[i]) + greedy_text(reference, ids[i], 3)
