@@ -78,8 +78,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] = ()  # empty: every token
     bad_words: tuple[tuple[int, ...], ...] = ()
-    # vLLM's request priority (lower: sooner): orders the mesh router's KV wait queue; not sent
-    # to the engines (their schedulers do not read it).
+    # vLLM's request priority (lower: sooner): orders the mesh router's KV wait queue and every
+    # engine's queue of prompts waiting for a prefill.
     priority: int = 0
 
     def __post_init__(self) -> None:

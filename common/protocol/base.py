@@ -30,6 +30,7 @@ class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     structured_output: str = ""
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    priority: int = 0  # lower: prefilled sooner
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):

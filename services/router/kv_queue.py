@@ -6,7 +6,8 @@ its shards would refuse it mid-stream. The queue is bounded in length (a request
 before the request's first byte, with Retry-After. A request that could never fit (more than any
 token engine holds in all) is refused at once (400, naming `max_tokens`).
 
-Waiters live on the router's event loop; only the head of the queue tries to place, every
+A low-priority waiter is bounded all the same: it leaves with a 503 after `wait_s`, however many
+higher-priority requests keep arriving. Waiters live on the router's event loop; only the head of the queue tries to place, every
 `retry_s`, as the engines' load reports (every 50 ms) and this router's own releases free room.
 """
 

@@ -274,7 +274,19 @@ def test_priority_orders_the_kv_wait_queue() -> None:
 
     asyncio.run(scenario())
     assert placed == ["urgent", "plain", "late"]
-    assert SamplingParams(priority=-3).to_spec() == SamplingParams().to_spec()  # router's only
+
+
+def test_priority_orders_the_engines_prompts(tiny_model_path: Path) -> None:
+    """An engine prefills the waiting prompt of the lowest priority first (FCFS within one): a
+    batch holds one prompt here, so the order of first tokens is the order of prefills."""
+    assert SamplingParams.from_spec(SamplingParams(priority=-3).to_spec()).priority == -3
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64, max_num_batched_tokens=40)
+    for k, (name, priority) in enumerate((("first", 0), ("late", 5), ("urgent", -1),
+                                          ("second", 0))):  # fmt: skip
+        params = SamplingParams(max_tokens=1, temperature=0.0, priority=priority)
+        engine.add_request(name, list(range(5 + 40 * k, 35 + 40 * k)), params)  # no shared prefix
+    order = [out.req_id for _ in range(4) for out in engine.step()]
+    assert order == ["urgent", "first", "second", "late"]
 
 
 def test_request_id_header_is_the_id_and_echoed(router: Router) -> None:
