@@ -50,8 +50,8 @@ class SamplingParams:
     string in the text; `skip_special_tokens=False` decodes special tokens as text (both vLLM's,
     for whoever makes the text). `allowed_token_ids` restricts every step to those ids;
     `bad_words` are token sequences whose last token is banned wherever the output so far ends
-    with the rest (vLLM's: the router tokenizes the words). `structured_output` is a canonical
-    spec from
+    with the rest (vLLM's: the router tokenizes the words); neither goes with a structured
+    output. `structured_output` is a canonical spec from
     `common.structured.parse_structured_output` (validated there; the engine compiles it): the
     grammar decides where the output ends, so it excludes `ignore_eos` and `min_tokens`.
     """
@@ -156,6 +156,10 @@ class SamplingParams:
         # before min_tokens) would leave no token to sample.
         _check(not self.ignore_eos, "ignore_eos", "False when the output is structured")
         _check(self.min_tokens == 0, "min_tokens", "0 when the output is structured")
+        # NOTE: a token list or ban on top of the grammar's mask could leave no token at all.
+        _check(not self.allowed_token_ids, "allowed_token_ids", "empty when the output is "
+               "structured")  # fmt: skip
+        _check(not self.bad_words, "bad_words", "empty when the output is structured")
 
     def check_vocab(self, vocab_size: int) -> None:
         """The checks that need the model: logit_bias and allowed_token_ids ids must be its

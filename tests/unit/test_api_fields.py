@@ -103,6 +103,9 @@ def test_structured_outputs_each_constraint(router: Router) -> None:
         ({"structured_outputs": {"grammar": "start: (((("}}, "structured_outputs", ["grammar"]),
         ({"structured_outputs": {"structural_tag": {"structures": []}}}, "structured_outputs",
          ["structural tag"]),
+        # The grammar's mask and a token list could leave no token at all (found by the fuzzer).
+        ({"guided_choice": ["0"], "allowed_token_ids": [5]}, "allowed_token_ids", ["structured"]),
+        ({"structured_outputs": {"regex": "a"}, "bad_words": ["b"]}, "bad_words", ["structured"]),
     ],
 )  # fmt: skip
 def test_structured_outputs_conflicts_and_bad_grammars_are_400s(
