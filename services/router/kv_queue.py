@@ -7,8 +7,9 @@ before the request's first byte, with Retry-After. A request that could never fi
 token engine holds in all) is refused at once (400, naming `max_tokens`).
 
 A low-priority waiter is bounded all the same: it leaves with a 503 after `wait_s`, however many
-higher-priority requests keep arriving. Waiters live on the router's event loop; only the head of the queue tries to place, every
-`retry_s`, as the engines' load reports (every 50 ms) and this router's own releases free room.
+higher-priority requests keep arriving. Waiters live on the router's event loop; only the head of
+the queue tries to place, every `retry_s`, as the engines' load reports (every 50 ms) and this
+router's own releases free room.
 """
 
 from __future__ import annotations
