@@ -6,6 +6,9 @@ never a Python loop over the vocabulary. The formulas are vLLM's (`vllm/model_ex
 utils.py` `apply_penalties`, v1's `min_p` and `logit_bias`), which are OpenAI's for the penalties:
 
 - `logit_bias`: logit[id] += bias.
+- `allowed_token_ids` (vLLM): every other token's logit is -inf.
+- `bad_words` (vLLM, as token sequences): a sequence's last token is -inf wherever the output so
+  far ends with the tokens before it (a one-token word: always).
 - `repetition_penalty` (HF/vLLM), over prompt and output tokens: a seen token's logit is divided
   by the penalty when positive, multiplied by it when not.
 - `frequency_penalty`, `presence_penalty` (OpenAI), over output tokens only:
@@ -36,6 +39,36 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     values = [bias for p in params for _, bias in p.logit_bias]
     index = (torch.tensor(rows), torch.tensor(ids))
     logits.index_put_(index, torch.tensor(values, dtype=logits.dtype), accumulate=True)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """logits [R, vocab]: rows with `allowed_token_ids` keep those ids' logits, the rest -inf."""
+    rows = [r for r, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return
+    keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool)  # [A, vocab]
+    row_index = [k for k, r in enumerate(rows) for _ in params[r].allowed_token_ids]
+    ids = [t for r in rows for t in params[r].allowed_token_ids]
+    keep[torch.tensor(row_index), torch.tensor(ids)] = True
+    index = torch.tensor(rows)
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+
+
+def apply_bad_words(
+    logits: torch.Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]]
+) -> None:
+    """logits [R, vocab]: each row's banned next tokens (its `bad_words` whose prefix ends its
+    output `outputs[r]`) to -inf. A word is a few tokens: plain Python, no vocabulary loop."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for r, p in enumerate(params):
+        for word in p.bad_words:
+            prefix = word[:-1]
+            if not prefix or tuple(outputs[r][-len(prefix) :]) == prefix:
+                rows.append(r)
+                ids.append(word[-1])
+    if rows:
+        logits[torch.tensor(rows), torch.tensor(ids)] = float("-inf")
 
 
 def token_counts(

@@ -17,12 +17,15 @@ from common.protocol import TokenLogprobs
 def token_logprobs(
     logits: torch.Tensor, chosen_ids: Sequence[int], num_top: Sequence[int]
 ) -> list[TokenLogprobs]:
-    """logits [R, vocab] -> per row the chosen id's logprob and the `num_top[row]` best ones."""
+    """logits [R, vocab] -> per row the chosen id's logprob, its rank (1: the most likely) and
+    the `num_top[row]` best ones."""
     if not chosen_ids:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, vocab]
     chosen = torch.tensor(list(chosen_ids), dtype=torch.long)[:, None]
-    chosen_lps = logprobs.gather(1, chosen)[:, 0].tolist()
+    chosen_col = logprobs.gather(1, chosen)  # [R, 1]
+    chosen_lps = chosen_col[:, 0].tolist()
+    ranks = ((logprobs > chosen_col).sum(dim=-1) + 1).tolist()
     k = min(max(num_top, default=0), logprobs.shape[-1])
     top_ids: list[list[int]] = [[] for _ in chosen_lps]
     top_lps: list[list[float]] = [[] for _ in chosen_lps]
@@ -30,7 +33,7 @@ def token_logprobs(
         top = logprobs.topk(k, dim=-1)
         top_ids, top_lps = top.indices.tolist(), top.values.tolist()
     return [
-        TokenLogprobs(lp, tuple(top_ids[r][:n]), tuple(top_lps[r][:n]))
+        TokenLogprobs(lp, tuple(top_ids[r][:n]), tuple(top_lps[r][:n]), ranks[r])
         for r, (lp, n) in enumerate(zip(chosen_lps, num_top, strict=True))
     ]
 

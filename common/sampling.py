@@ -10,7 +10,14 @@ from typing import NamedTuple
 import msgspec
 import torch
 
-from common.logits_processors import History, apply_logit_bias, apply_penalties, min_p_mask
+from common.logits_processors import (
+    History,
+    apply_allowed_tokens,
+    apply_bad_words,
+    apply_logit_bias,
+    apply_penalties,
+    min_p_mask,
+)
 from common.logprobs import token_logprobs
 from common.protocol import SamplingSpec, TokenLogprobs
 from common.structured.grammar import GrammarMatcher
@@ -26,6 +33,10 @@ MAX_STOP_LENGTH = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI allows
+# vLLM's allowed_token_ids and bad_words: bounded like the other lists (each is checked per step).
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_BAD_WORDS = 128  # token sequences (a word makes one or two: with and without a space)
+MAX_BAD_WORD_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -35,7 +46,12 @@ class SamplingParams:
     `temperature == 0` is greedy. `seed` makes sampling reproducible regardless of what else is in
     the batch. `ignore_eos` keeps generating past EOS (trace replay forces output lengths).
     `detokenize=False` (vLLM's option) skips the text for callers that want token ids only; stop
-    strings need the text, so they require it. `structured_output` is a canonical spec from
+    strings need the text, so they require it. `include_stop_str_in_output` keeps a matched stop
+    string in the text; `skip_special_tokens=False` decodes special tokens as text (both vLLM's,
+    for whoever makes the text). `allowed_token_ids` restricts every step to those ids;
+    `bad_words` are token sequences whose last token is banned wherever the output so far ends
+    with the rest (vLLM's: the router tokenizes the words); neither goes with a structured
+    output. `structured_output` is a canonical spec from
     `common.structured.parse_structured_output` (validated there; the engine compiles it): the
     grammar decides where the output ends, so it excludes `ignore_eos` and `min_tokens`.
     """
@@ -58,6 +74,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every token
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    # vLLM's request priority (lower: sooner): orders the mesh router's KV wait queue and every
+    # engine's queue of prompts waiting for a prefill.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # NOTE: integers are bounded so that every value crosses the wire (msgpack carries at most
@@ -105,6 +128,19 @@ class SamplingParams:
             "logit_bias",
             f"at most {MAX_LOGIT_BIAS} distinct token ids in [0, {MAX_INT}), biases in [-100, 100]",
         )
+        _check(
+            len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+            and all(isinstance(t, int) and 0 <= t < MAX_INT for t in self.allowed_token_ids),
+            "allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids in [0, {MAX_INT})",
+        )  # fmt: skip
+        _check(
+            len(self.bad_words) <= MAX_BAD_WORDS
+            and all(0 < len(w) <= MAX_BAD_WORD_TOKENS and all(0 <= t < MAX_INT for t in w)
+                    for w in self.bad_words),
+            "bad_words", f"at most {MAX_BAD_WORDS} sequences of 1 to {MAX_BAD_WORD_TOKENS} ids",
+        )  # fmt: skip
+        _check(isinstance(self.priority, int) and -MAX_INT < self.priority < MAX_INT, "priority",
+               f"an int in (-{MAX_INT}, {MAX_INT})")  # fmt: skip
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
@@ -120,16 +156,29 @@ class SamplingParams:
         # before min_tokens) would leave no token to sample.
         _check(not self.ignore_eos, "ignore_eos", "False when the output is structured")
         _check(self.min_tokens == 0, "min_tokens", "0 when the output is structured")
+        # NOTE: a token list or ban on top of the grammar's mask could leave no token at all.
+        _check(not self.allowed_token_ids, "allowed_token_ids", "empty when the output is "
+               "structured")  # fmt: skip
+        _check(not self.bad_words, "bad_words", "empty when the output is structured")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """The checks that need the model: logit_bias ids must be its token ids."""
+        """The checks that need the model: logit_bias and allowed_token_ids ids must be its
+        token ids."""
         _check(all(t < vocab_size for t, _ in self.logit_bias), "logit_bias",
                f"keyed by token ids in [0, {vocab_size})")  # fmt: skip
+        _check(all(t < vocab_size for t in self.allowed_token_ids), "allowed_token_ids",
+               f"token ids in [0, {vocab_size})")  # fmt: skip
+        _check(all(t < vocab_size for w in self.bad_words for t in w), "bad_words",
+               f"token ids in [0, {vocab_size})")  # fmt: skip
 
     @property
     def has_processors(self) -> bool:
-        """Whether the logits need more than temperature/top-k/top-p (bias, penalties, min_p)."""
-        return bool(self.logit_bias) or self.needs_history or self.min_p > 0.0
+        """Whether the logits need more than temperature/top-k/top-p (bias, allowed ids, bad
+        words, penalties, min_p)."""
+        return (
+            bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
+            or self.needs_history or self.min_p > 0.0
+        )  # fmt: skip
 
     @property
     def needs_history(self) -> bool:
@@ -150,7 +199,8 @@ class SamplingParams:
         return cls(**fields)
 
     def to_spec(self) -> SamplingSpec:
-        """The engines' part, for the wire (stop strings stay with the router)."""
+        """The engines' part, for the wire (stop strings and how text is made stay with the
+        router)."""
         fields = {name: getattr(self, name) for name in SamplingSpec.__struct_fields__}
         fields["structured_output"] = self.structured_output or ""
         return SamplingSpec(**fields)
@@ -335,7 +385,8 @@ def _process_rows(
     params: list[SamplingParams],
     histories: Sequence[History] | None,
 ) -> None:
-    """Bias then penalties for `rows` of `logits` [N, vocab], in place."""
+    """Bias, allowed ids, bad words then penalties for `rows` of `logits` [N, vocab], in
+    place."""
     vocab_size = logits.shape[-1]
     for row in rows:  # checked where the vocabulary is known; here in case it was not
         params[row].check_vocab(vocab_size)
@@ -343,6 +394,11 @@ def _process_rows(
     selected = logits[index]  # [R, vocab], a copy
     row_params = [params[r] for r in rows]
     apply_logit_bias(selected, row_params)
+    apply_allowed_tokens(selected, row_params)
+    if any(p.bad_words for p in row_params):
+        if histories is None:
+            raise ValueError("bad_words need the request's tokens")
+        apply_bad_words(selected, row_params, [histories[r][1] for r in rows])
     penalized = [i for i, p in enumerate(row_params) if p.needs_history]
     if penalized:
         if histories is None:

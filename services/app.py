@@ -206,6 +206,7 @@ class RouterDeployment:
             batch_store=self.args.batch_store,
             offline=None if offline is None else ServedOffline(offline, self.args.offline),
             prometheus=prometheus,
+            strict_fields=self.args.strict_fields,
         )  # fmt: skip
         log.info("router ready", model=self.router.model_name, topology=self.args.topology)
 

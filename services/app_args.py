@@ -90,6 +90,9 @@ class AppArgs(_Args):
     # them unchanged) or `phasemesh:...` (docs/observability.md). Ray's agent and OTLP keep
     # `phasemesh_...` either way.
     metrics_names: Literal["vllm", "phasemesh"] = "vllm"
+    # An unknown request body field is a 400 naming it; false: ignored, logged once per name and
+    # listed back in the response's X-Ignored-Fields header (services/router/request_fields.py).
+    strict_fields: bool = False
     engine: EngineArgs = Field(default_factory=EngineArgs)
     mesh: MeshField = Field(default_factory=MeshOptions)
 

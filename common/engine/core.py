@@ -122,7 +122,8 @@ class LLMEngine:
         # Prompt logprobs need every prompt position's logits: such a prompt computes them all.
         wants_all = self.requests[req_id].prompt_logprobs_wanted is not None
         reusable = None if wants_all else list(prompt_token_ids)
-        self.scheduler.add(Sequence(req_id, len(prompt_token_ids), token_ids=reusable))
+        self.scheduler.add(Sequence(req_id, len(prompt_token_ids), token_ids=reusable,
+                                    priority=params.priority))  # fmt: skip
 
     def abort(self, req_id: str) -> bool:
         """Drop a request and free its KV; False if it was unknown or already finished."""

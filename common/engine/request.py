@@ -62,6 +62,8 @@ class OutputText:
     """
 
     stop: list[str]
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: a matched stop string stays
+    skip_special_tokens: bool = True  # decode special tokens as nothing (vLLM's default)
     text: str = ""
     num_emitted_chars: int = 0
     stopped: bool = False  # a stop string matched: `text` ends before it
@@ -97,8 +99,9 @@ class OutputText:
         A multi-byte character split across tokens decodes to U+FFFD until it is complete: such
         text is returned (the caller holds it back) but not committed.
         """
-        context = tokenizer.decode(tokens[self._prefix_offset : self._read_offset])
-        window = tokenizer.decode(tokens[self._prefix_offset :])
+        skip = self.skip_special_tokens
+        context = tokenizer.decode(tokens[self._prefix_offset : self._read_offset], skip)
+        window = tokenizer.decode(tokens[self._prefix_offset :], skip)
         # Decoding with the context, then cutting it off, keeps tokenizers that treat a leading
         # space specially (SentencePiece) right at the window's start.
         new = window[len(context) :]
@@ -108,13 +111,23 @@ class OutputText:
             return ""
         return new
 
+    @classmethod
+    def of(cls, params: SamplingParams) -> OutputText:
+        """The text maker a request's parameters ask for."""
+        return cls(list(params.stop), params.include_stop_str_in_output,
+                   params.skip_special_tokens)  # fmt: skip
+
     def _find_stop_string(self, text: str) -> int | None:
+        """Where the text ends at the first stop string (after it with `include_stop`)."""
         if not self.stop:
             return None
         # Only new text can hold a new match: start one stop-length before what was emitted.
         start = max(0, self.num_emitted_chars - max(map(len, self.stop)))
-        hits = [i for s in self.stop if (i := text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+        hits = [(i, len(s)) for s in self.stop if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        at, length = min(hits)
+        return at + length if self.include_stop else at
 
 
 @dataclass(eq=False)
@@ -152,7 +165,7 @@ class Request:
         self.finish_reason = self._finish_by_token(token_id) or self._finish_by_length()
         new_text = ""
         if tokenizer is not None:
-            self.output_text = self.output_text or OutputText(list(self.params.stop))
+            self.output_text = self.output_text or OutputText.of(self.params)
             finished = self.finish_reason is not None
             new_text = self.output_text.update(self.output_token_ids, tokenizer, finished)
             if self.output_text.stopped:

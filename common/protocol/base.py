@@ -28,6 +28,9 @@ class SamplingSpec(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     prompt_logprobs: int | None = None  # the same for prompt tokens (completions' echo)
     # The canonical structured-output spec (`common.structured.spec`); "" for free text.
     structured_output: str = ""
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    priority: int = 0  # lower: prefilled sooner
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
@@ -37,6 +40,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, frozen=
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0  # 1 + how many tokens the model finds likelier (0: not known)
 
 
 class ShardAddress(msgspec.Struct, array_like=True, frozen=True, gc=False):

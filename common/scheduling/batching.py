@@ -46,6 +46,7 @@ class Sequence:
     # Its tokens when known (the prompt): with prefix caching, the prefill starts after the
     # longest cached prefix of them (docs/prefix_caching.md). None: never looked up or cached.
     token_ids: list[int] | None = None
+    priority: int = 0  # vLLM's request priority: a lower one waits less for its prefill
 
 
 @dataclass
@@ -135,7 +136,7 @@ class EngineScheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a sequence for prefill."""
         self.seqs[seq.req_id] = seq
-        self.policy.add_prompt(seq.req_id, seq.num_tokens, self.clock())
+        self.policy.add_prompt(seq.req_id, seq.num_tokens, self.clock(), seq.priority)
 
     def add_running(self, seq: Sequence) -> None:
         """Admit a sequence whose KV is already in its blocks (prefilled elsewhere)."""

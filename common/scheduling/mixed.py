@@ -76,6 +76,7 @@ class SeqState:
     join_step: int = 0
     waiting_since_s: float = 0.0
     is_resume: bool = field(default=False)
+    priority: int = 0  # vLLM's request priority: a lower one is prefilled sooner
 
     @property
     def prefill_len(self) -> int:
@@ -102,7 +103,7 @@ class MixedBatchPolicy:
     def __init__(self, config: MixedPolicyConfig) -> None:
         self.config = config
         self.step = 0
-        self.prompts: deque[SeqState] = deque()  # new prompts, FCFS
+        self.prompts: deque[SeqState] = deque()  # new prompts, by priority then FCFS
         self.resumes: list[SeqState] = []  # preempted, oldest arrival first
         self.arrived_decodes: deque[SeqState] = deque()  # KV landed from elsewhere, FCFS
         self.running: dict[ReqId, SeqState] = {}
@@ -115,9 +116,18 @@ class MixedBatchPolicy:
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def add_prompt(self, req_id: ReqId, prompt_len: int, arrival_s: float) -> None:
-        seq = SeqState(req_id, prompt_len, arrival_s, next(self._order), waiting_since_s=arrival_s)
-        self.prompts.append(seq)
+    def add_prompt(
+        self, req_id: ReqId, prompt_len: int, arrival_s: float, priority: int = 0
+    ) -> None:
+        """A new prompt; it waits behind those of its `priority` or lower that came first, ahead
+        of those of a higher one (vLLM's: lower is sooner). Resumes keep their place."""
+        seq = SeqState(req_id, prompt_len, arrival_s, next(self._order), waiting_since_s=arrival_s,
+                       priority=priority)  # fmt: skip
+        if not self.prompts or self.prompts[-1].priority <= priority:
+            self.prompts.append(seq)  # the common case: no priorities, O(1)
+        else:
+            at = next(i for i, s in enumerate(self.prompts) if s.priority > priority)
+            self.prompts.insert(at, seq)
         self.pending_prompt_tokens += prompt_len
 
     def add_decode(

@@ -89,7 +89,8 @@ class Engine:
         self.telemetry.on_prompt(msg.req_id, msg.traceparent)
         # Its tokens, to reuse a cached prefix; not when it wants every prompt position's logprobs.
         tokens = None if req.prompt_logprobs_wanted is not None else req.all_token_ids
-        seq = Sequence(msg.req_id, len(req.all_token_ids), token_ids=tokens)
+        seq = Sequence(msg.req_id, len(req.all_token_ids), token_ids=tokens,
+                       priority=req.params.priority)  # fmt: skip
         decode_here = msg.token_engine == self.parts.command_endpoint and not msg.shards
         (self.local if decode_here else self.ship_queue).add(seq)
         return Outbox()

@@ -26,7 +26,7 @@ import structlog
 import torch
 
 from common.engine.core import LLMEngine
-from common.engine.request import RequestOutput
+from common.engine.request import OutputText, RequestOutput
 from common.protocol import LoadReport
 from common.sampling import SamplingParams
 from services.router.coalesce import coalesce
@@ -204,7 +204,7 @@ class InProcessEngineClient:
         if params.detokenize and not params.stop and self.engine.tokenizer is not None:
             # A stop string is the one finish that needs text in the engine; otherwise the text
             # is made here, from what each wake-up brings (`TokenText`), not on the engine thread.
-            text = TokenText(self.engine.tokenizer)
+            text = TokenText(self.engine.tokenizer, OutputText.of(params))
             params = dataclasses.replace(params, detokenize=False)
         finished = False
         try:

@@ -1,19 +1,23 @@
 """KV admission at the router: a request whose whole length (prompt + max_tokens) no token
-engine has free KV for now waits here, first come first served, instead of being placed where
+engine has free KV for now waits here, in order of vLLM's `priority` (lower first), first come
+first served within a priority, instead of being placed where
 its shards would refuse it mid-stream. The queue is bounded in length (a request past it gets
 `Overloaded`, 429) and in time (one that waits past `wait_s` gets `Unavailable`, 503); both leave
 before the request's first byte, with Retry-After. A request that could never fit (more than any
 token engine holds in all) is refused at once (400, naming `max_tokens`).
 
-Waiters live on the router's event loop; only the head of the queue tries to place, every
-`retry_s`, as the engines' load reports (every 50 ms) and this router's own releases free room.
+A low-priority waiter is bounded all the same: it leaves with a 503 after `wait_s`, however many
+higher-priority requests keep arriving. Waiters live on the router's event loop; only the head of
+the queue tries to place, every `retry_s`, as the engines' load reports (every 50 ms) and this
+router's own releases free room.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -26,20 +30,25 @@ RETRY_S = 0.05  # a load report's period: room shows up no faster
 
 
 class KvWaitQueue:
-    """Requests waiting for KV room, in arrival order."""
+    """Requests waiting for KV room, by (priority, arrival)."""
 
     def __init__(self, limits: Callable[[], AdmissionLimits], retry_s: float = RETRY_S) -> None:
         self.limits, self.retry_s = limits, retry_s  # read at each admission: reconfigurable
-        self._waiting: deque[object] = deque()
+        self._waiting: list[tuple[int, int]] = []  # (priority, arrival number), sorted
+        self._arrivals = itertools.count()
         self.num_waited = 0  # requests that had to wait, since start (stats, tests)
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    async def admit(self, place: Callable[[], T], ever_fits: Callable[[], None]) -> T:
+    async def admit(
+        self, place: Callable[[], T], ever_fits: Callable[[], None], priority: int = 0
+    ) -> T:
         """`place()` once no one waits ahead and it finds room (it raises `NoKvRoom` until it
         does); the refusals above otherwise. `ever_fits` raises `NoKvRoom` for a request that
-        could never fit, before it joins the queue."""
+        could never fit, before it joins the queue. A waiter with a lower `priority` goes ahead
+        of those with a higher one, even if they came first (a full queue refuses it all the
+        same)."""
         try:
             ever_fits()
         except NoKvRoom as exc:
@@ -53,14 +62,14 @@ class KvWaitQueue:
         if len(self._waiting) >= limits.max_waiting_requests:
             raise Overloaded("max_waiting_requests", f"The server is busy: {len(self._waiting)} "
                              "requests are waiting for KV room. Please retry later.")  # fmt: skip
-        ticket = object()
-        self._waiting.append(ticket)
+        ticket = (priority, next(self._arrivals))
+        bisect.insort(self._waiting, ticket)
         self.num_waited += 1
         deadline = time.monotonic() + limits.kv_wait_s
         try:
             while True:
                 await asyncio.sleep(self.retry_s)
-                if self._waiting[0] is ticket:
+                if self._waiting[0] == ticket:
                     try:
                         return place()
                     except NoKvRoom as exc:

@@ -4,7 +4,10 @@ Chat: `choices[].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [
 bytes}]}]}`. Completions (the legacy shape): `choices[].logprobs = {tokens, token_logprobs,
 top_logprobs: [{token: logprob}], text_offset}`, with `null` for the first prompt token under
 `echo` (nothing predicts it). A token's string is its own decode (a byte-level BPE piece that ends
-inside a UTF-8 character reads as U+FFFD, as in vLLM); `bytes` are that string's UTF-8.
+inside a UTF-8 character reads as U+FFFD, as in vLLM); `bytes` are that string's UTF-8. vLLM's
+`prompt_logprobs`: `[null, {"<id>": {logprob, rank, decoded_token}}, ...]`, one per prompt token,
+the prompt's own token and its top ones. With vLLM's `return_tokens_as_token_ids`
+(`TokenIdLogprobsFormatter`) a token's string is `token_id:<id>`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None  # 1: the model's most likely token
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionLogprobs(BaseModel):
@@ -72,6 +84,25 @@ class LogprobsFormatter:
             content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
         return ChatLogprobs(content=content)
 
+    def prompt(
+        self, prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], num_top: int
+    ) -> PromptLogprobs:
+        """vLLM's `prompt_logprobs`: None for the first token (nothing predicts it), then each
+        token's own entry and its `num_top` likeliest, keyed by token id."""
+        shaped: PromptLogprobs = [None]
+        for token_id, lp in zip(prompt_ids[1:], logprobs, strict=True):
+            pairs = list(zip(lp.top_ids[:num_top], lp.top_logprobs[:num_top], strict=True))
+            entries = {
+                str(t): PromptLogprob(logprob=_finite(v), rank=rank, decoded_token=self.token(t))
+                for rank, (t, v) in enumerate(pairs, start=1)
+            }
+            entries[str(token_id)] = PromptLogprob(
+                logprob=_finite(lp.logprob), rank=lp.rank or None,
+                decoded_token=self.token(token_id),
+            )  # fmt: skip
+            shaped.append(entries)
+        return shaped
+
     def completion(
         self,
         token_ids: Sequence[int],
@@ -101,3 +132,11 @@ class LogprobsFormatter:
             top_logprobs=top,
             text_offset=offsets,
         )
+
+
+class TokenIdLogprobsFormatter(LogprobsFormatter):
+    """vLLM's `return_tokens_as_token_ids`: each token's string is `token_id:<id>`, which a
+    client can map back to the id even where a token is not valid UTF-8 on its own."""
+
+    def token(self, token_id: int) -> str:
+        return f"token_id:{token_id}"

@@ -27,7 +27,7 @@ import structlog
 import zmq
 from opentelemetry import trace
 
-from common.engine.request import RequestOutput
+from common.engine.request import OutputText, RequestOutput
 from common.mesh_options import MAX_MIGRATIONS, PREFIX_ROUTING_WEIGHT
 from common.protocol import (
     AbortRequest,
@@ -148,8 +148,9 @@ class MeshEngineClient:
         stream = await self.kv_queue.admit(
             lambda: self._admit(req_id, prompt_token_ids, params, hold_to_end),
             lambda: self.scheduler.check_ever_fits(kv_tokens),
+            params.priority,
         )
-        text = StreamedText(req_id, len(prompt_token_ids), list(params.stop), self.tokenizer)
+        text = StreamedText(req_id, len(prompt_token_ids), OutputText.of(params), self.tokenizer)
         stream.loop.call_later(self.progress_timeout_s, self._watch_progress, req_id, stream,
                                stream.num_delivered)  # fmt: skip
         engine_done = finished = False

@@ -3,7 +3,8 @@
 The only pydantic in the serving path; everything behind the router takes plain dataclasses
 (`SamplingParams`). Requests are strict (`"5"` is not an int, `1` is not a bool) because a
 silently coerced parameter is worse than a 400. Unknown fields are ignored, as OpenAI-compatible
-servers do, so newer clients keep working; fields we cannot honour are rejected
+servers do, so newer clients keep working, but noted (`unknown_fields`: the router logs them, lists
+them back or refuses them, `request_fields.py`); fields we cannot honour are rejected
 (`reject_unsupported`, which the router calls), and `sampling_params` turns a request into the
 engines' `SamplingParams` (a 400 naming an invalid value).
 """
@@ -15,9 +16,19 @@ import time
 from typing import Annotated, Any, Literal
 
 import structlog
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
 
 from common.sampling import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_INT,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -29,7 +40,8 @@ from common.sampling import (
 )
 from services.router.api_errors import APIError
 from services.router.chat_options import ChatTemplateFields
-from services.router.logprobs_format import ChatLogprobs, CompletionLogprobs
+from services.router.logprobs_format import ChatLogprobs, CompletionLogprobs, PromptLogprobs
+from services.router.request_fields import unknown_names
 from services.router.structured_fields import StructuredOutputFields
 from services.router.tools import (
     DeltaToolCall,
@@ -54,6 +66,8 @@ MAX_CHOICES = 128  # n and best_of
 # A chat with more messages is refused before each one is validated (validation runs on the event
 # loop, which every stream waits on); a chat this long is past any context the router serves.
 MAX_MESSAGES = 16384
+MAX_PROMPTS = 256  # prompts in one batched completions request (each takes n engine requests)
+MAX_BAD_WORD_CHARS = 256
 
 
 class _Request(BaseModel):
@@ -63,6 +77,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (with include_usage)
 
 
 class SamplingFields(_Request, StructuredOutputFields):
@@ -100,6 +115,37 @@ class SamplingFields(_Request, StructuredOutputFields):
         | None
     ) = None
     user: str | None = Field(default=None, max_length=256)
+    # vLLM's extras (docs/serving.md has what each does here).
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    allowed_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
+    ) = None
+    bad_words: (
+        Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]],
+            Field(max_length=MAX_BAD_WORDS // 2),  # a word may make two token sequences
+        ]
+        | None
+    ) = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, lt=MAX_INT)
+    priority: int = Field(default=0, gt=-MAX_INT, lt=MAX_INT)  # lower: served first
+    return_tokens_as_token_ids: bool = False
+    _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unknown_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        model = handler(data)
+        if isinstance(model, SamplingFields):
+            model._unknown_fields = unknown_names(type(model), data)
+        return model
+
+    @property
+    def unknown_fields(self) -> tuple[str, ...]:
+        """The body's top-level keys this API does not read (ignored unless `strict_fields`)."""
+        return self._unknown_fields
 
     def reject_unsupported(self) -> None:
         """A 400 for fields we cannot honour (rather than silently ignoring them), or that
@@ -110,15 +156,24 @@ class SamplingFields(_Request, StructuredOutputFields):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (vLLM: `include_usage` and `continuous_usage_stats`)."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
+
+    @property
     def num_engine_requests(self) -> int:
         """How many engine requests the choices take (`best_of` for completions)."""
         return self.n
 
     def logprobs_wanted(self) -> tuple[int | None, int | None]:
         """(top logprobs per output token, per prompt token); None: not asked."""
-        return None, None
+        return None, self.prompt_logprobs
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, bad_words: tuple[tuple[int, ...], ...] = ()
+    ) -> SamplingParams:
         """The engine's parameters; an invalid value is a 400 naming it."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         try:
@@ -142,6 +197,11 @@ class SamplingFields(_Request, StructuredOutputFields):
                 logprobs=self.logprobs_wanted()[0],
                 prompt_logprobs=self.logprobs_wanted()[1],
                 structured_output=self.structured_output(),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+                allowed_token_ids=tuple(self.allowed_token_ids or ()),
+                bad_words=bad_words,
+                priority=self.priority,
             )
         except ValueError as exc:
             match = re.search(r"parameter (\w+)", str(exc))
@@ -149,13 +209,14 @@ class SamplingFields(_Request, StructuredOutputFields):
 
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`. The prompt is text or token ids, alone or in a list of one."""
+    """`POST /v1/completions`. The prompt is text or token ids, or a list of several (a batch:
+    choice `i * n + j` is prompt i's choice j, as OpenAI numbers them)."""
 
     prompt: (
         str
         | TokenIds
-        | Annotated[list[str], Field(min_length=1)]
-        | Annotated[list[TokenIds], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -179,7 +240,9 @@ class CompletionRequest(SamplingFields):
         # best_of ranks its candidates by cumulative logprob: each one computes its tokens'.
         ranked = self.num_engine_requests > self.n
         output = 0 if ranked and self.logprobs is None else self.logprobs
-        return output, self.logprobs if self.echo else None
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                  if k is not None]  # fmt: skip
+        return output, max(wanted, default=None)
 
 
 class ChatContentPart(_Request):
@@ -240,7 +303,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         check_tools(self.tools, self.tool_choice, super().asks_structured_output)
 
     def logprobs_wanted(self) -> tuple[int | None, int | None]:
-        return (self.top_logprobs or 0) if self.logprobs else None, None
+        return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
 
 
 class UsageInfo(BaseModel):
@@ -267,6 +330,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -300,6 +364,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class DeltaMessage(BaseModel):

@@ -14,6 +14,11 @@ With an API key set, every endpoint but `/health` and `/metrics` wants `Authoriz
 <key>` (401 otherwise; vLLM leaves both open too: a scraper carries no key, and neither says
 more than counts); request bodies over `max_body_bytes` are a 413 before they are parsed.
 
+A generation request's id is `cmpl-<X-Request-Id>` / `chatcmpl-<X-Request-Id>` when the client
+sends that header (vLLM's), else a random one; the response echoes it in `X-Request-Id`. Unknown
+body fields are logged once per name and listed back in `X-Ignored-Fields`, or refused with
+`strict_fields` (`request_fields.py`).
+
 Each generation request is one `router.request` span (continuing the caller's trace when it sends
 a W3C `traceparent` header) and the TTFT, TBT and E2E metrics, recorded by
 `services.router.telemetry` as the router hands each output on.
@@ -39,7 +44,7 @@ from fastapi.security import HTTPBearer
 
 from common.config import ModelConfig
 from common.engine.request import check_prompt
-from common.sampling import SamplingParams
+from common.sampling import MAX_BAD_WORD_TOKENS, SamplingParams
 from common.telemetry import Metrics
 from common.telemetry.prometheus import CONTENT_TYPE, PrometheusSink
 from common.tokenizer import Tokenizer
@@ -76,6 +81,7 @@ from services.router.openai_api import (
     unix_now,
 )
 from services.router.prompt_work import BoundedPool, PromptWork
+from services.router.request_fields import UnknownFields
 from services.router.responses import ChatShapes, CompletionShapes
 from services.router.sse import prepend, sse_response
 from services.router.streams import Overloaded
@@ -105,6 +111,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is a 413, never parsed
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(rf"^[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}$")  # printable ASCII
 # What each endpoint may answer besides 200 (documented in /openapi.json with the error body).
 _GENERATE_ERRORS = error_responses(400, 401, 404, 413, 429, 503)
 _TOKENIZE_ERRORS = error_responses(400, 401, 404, 413)
@@ -125,21 +134,34 @@ class _Arrival:
         return cls(operation, arrived_ns, http.headers.get("traceparent", ""))
 
 
-@dataclasses.dataclass
-class _Job:
-    """One admitted request: its id, its prompt's size, and each choice's outputs (the first of
-    each already received)."""
+@dataclasses.dataclass(frozen=True)
+class _Ids:
+    """A generation request's id in its body (`<prefix>-<base>`), the base the response's
+    `X-Request-Id` header carries, and the prefix of its engine requests' ids (the body's id,
+    made unique with a random suffix when the client chose it)."""
 
     req_id: str
-    num_prompt_tokens: int
-    choices: list[Outputs]
+    base: str
+    engine_id: str
+
+    @classmethod
+    def of(cls, http: Request, prefix: str) -> _Ids:
+        given = http.headers.get(REQUEST_ID_HEADER)
+        if given is None:
+            base = uuid.uuid4().hex
+            return cls(f"{prefix}-{base}", base, f"{prefix}-{base}")
+        if not _REQUEST_ID.match(given):
+            raise APIError(400, f"{REQUEST_ID_HEADER} must be 1 to {MAX_REQUEST_ID_CHARS} "
+                           "printable ASCII characters", REQUEST_ID_HEADER)  # fmt: skip
+        # NOTE: two clients may send the same id; the engines need distinct ones.
+        return cls(f"{prefix}-{given}", given, f"{prefix}-{given}-{uuid.uuid4().hex[:8]}")
 
 
-def _one_prompt(prompt: str | list[Any]) -> str | list[Any]:
-    """A completion's `prompt`: text or token ids, alone or as a list of one of them."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        return prompt[0]
-    return prompt
+def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """A completion's `prompt` as a list of prompts: text or token ids, alone or several."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
 
 
 def _threads(num_threads: int, name: str) -> Callable[[], ThreadPoolExecutor]:
@@ -163,6 +185,7 @@ class Router:
         batch_lease_s: float = 30.0,
         offline: OfflineBackend | None = None,
         prometheus: PrometheusSink | None = None,
+        strict_fields: bool = False,
     ) -> None:
         """`max_model_len`: the context a request may use (prompt + output), at most the model's;
         `api_key`: clients must send it as a Bearer token (None: the API is open);
@@ -172,7 +195,8 @@ class Router:
         resume elsewhere after it); `offline`: Seesaw's group, which takes batches of plain
         greedy completions as one job (None: every batch runs through the online API);
         `prometheus`: what `/metrics` serves (shared with the client's `Metrics`); None: a new
-        one in vLLM's names."""
+        one in vLLM's names; `strict_fields`: an unknown body field is a 400 naming it (else
+        ignored and listed back in `X-Ignored-Fields`)."""
         self.client = client
         self.model_path = Path(model_path)
         self.tokenizer = Tokenizer(self.model_path)
@@ -192,6 +216,7 @@ class Router:
         self.telemetry = RouterTelemetry(self.model_name, replica_id, Metrics(
             model_name=self.model_name, engine=replica_id, prometheus=self.prometheus
         ))  # fmt: skip
+        self.unknown_fields = UnknownFields(strict_fields)
         self.prompt_work = PromptWork(
             self.tokenizer, self.model_path, self.max_model_len, num_chat_processes
         )
@@ -275,41 +300,56 @@ class Router:
     # ---- endpoints ----
 
     async def completions(self, request: CompletionRequest, http: Request) -> Response:
-        self._check_request(request)
+        headers = self._check_request(request, http, "/v1/completions")
         request.reject_unsupported()
-        prompt_ids = await self._completion_prompt_ids(request.prompt)
-        max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
+        ids = _Ids.of(http, "cmpl")
+        prompts = [await self._completion_prompt_ids(p, request.truncate_prompt_tokens)
+                   for p in _prompts(request.prompt)]  # fmt: skip
         arrival = _Arrival.of(http, "text_completion")
-        job = await self._start("cmpl", prompt_ids, request, max_tokens, arrival)
-        echo = self.tokenizer.decode(prompt_ids) if request.echo else ""
-        shapes = CompletionShapes(job.req_id, self.model_name, self.logprobs_format, request,
-                                  prompt_ids, echo)  # fmt: skip
+        choices: list[Outputs] = []
+        try:
+            for i, prompt_ids in enumerate(prompts):
+                max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
+                engine_id = ids.engine_id if len(prompts) == 1 else f"{ids.engine_id}-p{i}"
+                choices += await self._start(engine_id, prompt_ids, request, max_tokens, arrival)
+        except BaseException:
+            for outputs in choices:  # a later prompt refused: the started ones are aborted
+                await outputs.aclose()
+            raise
+        echoes = [self.tokenizer.decode(p) if request.echo else "" for p in prompts]
+        shapes = CompletionShapes(ids.req_id, self.model_name, self.logprobs_format, request,
+                                  prompts, echoes)  # fmt: skip
         if request.stream:
-            return sse_response(shapes.chunks(merge(job.choices)))
-        collected = await collect_all(job.choices)
-        if request.num_engine_requests > request.n:
-            collected = best(collected, request.n)
-        return JSONResponse(shapes.response(collected).model_dump())
+            return sse_response(shapes.chunks(merge(choices)), headers)
+        collected = await collect_all(choices)
+        if request.num_engine_requests > request.n:  # best_of: each prompt's best n
+            per = request.num_engine_requests
+            collected = [c for i in range(0, len(collected), per)
+                         for c in best(collected[i : i + per], request.n)]  # fmt: skip
+        return JSONResponse(shapes.response(collected).model_dump(), headers=headers)
 
     async def chat_completions(self, request: ChatCompletionRequest, http: Request) -> Response:
-        self._check_request(request)
+        headers = self._check_request(request, http, "/v1/chat/completions")
         request.reject_unsupported()
+        ids = _Ids.of(http, "chatcmpl")
         chat, tools = self.tool_prompt.chat(
             chat_of(request.messages), request.tools, request.tool_choice
         )
         prompt_ids = await self.prompt_work.chat_ids(
             chat, chat_options(request, tools), body_bytes(http)
         )
+        prompt_ids = self._truncated(prompt_ids, request.truncate_prompt_tokens)
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self._max_tokens(requested, len(prompt_ids), "messages", default=None)
-        job = await self._start(
-            "chatcmpl", prompt_ids, request, max_tokens, _Arrival.of(http, "chat")
+        choices = await self._start(
+            ids.engine_id, prompt_ids, request, max_tokens, _Arrival.of(http, "chat")
         )
-        shapes = ChatShapes(job.req_id, self.model_name, self.logprobs_format, request,
-                            len(prompt_ids))  # fmt: skip
+        shapes = ChatShapes(ids.req_id, self.model_name, self.logprobs_format, request,
+                            prompt_ids)  # fmt: skip
         if request.stream:
-            return sse_response(shapes.chunks(merge(job.choices)))
-        return JSONResponse(shapes.response(await collect_all(job.choices)).model_dump())
+            return sse_response(shapes.chunks(merge(choices)), headers)
+        response = shapes.response(await collect_all(choices))
+        return JSONResponse(response.model_dump(), headers=headers)
 
     async def models(self) -> dict[str, Any]:
         card = ModelCard(
@@ -349,8 +389,10 @@ class Router:
         for i, body in enumerate(bodies):
             try:
                 request = CompletionRequest.model_validate(body)
-                self._check_request(request)
-                prompt_ids = await self._completion_prompt_ids(request.prompt)
+                prompts = _prompts(request.prompt)
+                if len(prompts) != 1 or request.model not in (None, self.model_name):
+                    continue  # the online API answers it (several prompts; a 404)
+                prompt_ids = await self._completion_prompt_ids(prompts[0])
                 max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
             except (APIError, ValueError):
                 continue
@@ -374,21 +416,57 @@ class Router:
 
     # ---- validation and admission ----
 
-    def _check_request(self, request: SamplingFields) -> None:
+    def _check_request(
+        self, request: SamplingFields, http: Request, endpoint: str
+    ) -> dict[str, str]:
+        """The checks every generation request gets; returns the response's headers (its
+        `X-Request-Id` echo, any ignored fields)."""
+        headers = self.unknown_fields.check(request.unknown_fields, endpoint)
         if request.model is not None and request.model != self.model_name:
             raise APIError(404, f"The model `{request.model}` does not exist.", "model")
         stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
         check_unicode("stop", stop)
         check_unicode("user", [request.user])
+        check_unicode("bad_words", request.bad_words or [])
+        given = http.headers.get(REQUEST_ID_HEADER)
+        return headers | ({REQUEST_ID_HEADER: given} if given else {})
 
-    async def _completion_prompt_ids(self, prompt: str | list[Any]) -> list[int]:
-        """Text or token ids, alone or as a list of one prompt."""
-        prompt = _one_prompt(prompt)
+    def _truncated(self, prompt_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: the context's
+        worth); None: the whole prompt."""
+        if keep is None:
+            return prompt_ids
+        keep = self.max_model_len if keep == -1 else keep
+        if not 0 < keep <= self.max_model_len:
+            why = f"must be -1 or in [1, {self.max_model_len}] (max_model_len)"
+            raise APIError(400, f"truncate_prompt_tokens {why}", "truncate_prompt_tokens")
+        return prompt_ids[-keep:]
+
+    def _bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """vLLM's `bad_words` as token sequences: each word as tokenized alone, and with a
+        leading space where that tokenizes differently (a word inside a sentence)."""
+        sequences: list[tuple[int, ...]] = []
+        for word in words or []:
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (bare, spaced):
+                if ids and ids not in sequences and len(ids) <= MAX_BAD_WORD_TOKENS:
+                    sequences.append(ids)
+                elif len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise APIError(400, f"a bad word may be at most {MAX_BAD_WORD_TOKENS} "
+                                   "tokens", "bad_words")  # fmt: skip
+        return tuple(sequences)
+
+    async def _completion_prompt_ids(
+        self, prompt: str | list[int], truncate: int | None = None
+    ) -> list[int]:
+        """One prompt's ids: text or token ids, truncated as `truncate_prompt_tokens` says."""
         if isinstance(prompt, str):
-            ids = await self.prompt_work.text_ids(prompt)
+            ids = self._truncated(await self.prompt_work.text_ids(prompt), truncate)
             if not ids:
                 raise APIError(400, "prompt must not be empty", "prompt")
             return ids
+        prompt = self._truncated(prompt, truncate)
         if prompt and all(isinstance(t, int) for t in prompt):
             if len(prompt) >= self.max_model_len:  # before a scan of every id
                 raise APIError(400, f"prompt has {len(prompt)} tokens; the model's context is "
@@ -398,11 +476,7 @@ class Router:
             except ValueError as exc:
                 raise APIError(400, str(exc), "prompt") from exc
             return list(prompt)
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        raise APIError(
-            400, "batched prompts are not supported: send one prompt per request", "prompt"
-        )
+        raise APIError(400, "prompt must not be empty", "prompt")
 
     def _max_tokens(
         self,
@@ -436,24 +510,25 @@ class Router:
 
     async def _start(
         self,
-        prefix: str,
+        req_id: str,
         prompt_ids: list[int],
         request: SamplingFields,
         max_tokens: int,
         arrival: _Arrival,
-    ) -> _Job:
-        """Admit the request's choices (each an engine request) and wait for each one's first
-        output, so refusals get a real status."""
+    ) -> list[Outputs]:
+        """Admit one prompt's choices (each an engine request: `req_id`, or `<req_id>-<index>`
+        for several) and wait for each one's first output, so refusals get a real status."""
+        bad_words = self._bad_words(request.bad_words)
         # Off the event loop: a structured-output request's grammar is built to validate it.
         if request.asks_structured_output:
-            params = await self.grammar_pool.run(request.sampling_params, max_tokens)
+            params = await self.grammar_pool.run(request.sampling_params, max_tokens, bad_words)
         else:
-            params = request.sampling_params(max_tokens)
+            params = request.sampling_params(max_tokens, bad_words)
         try:
             params.check_vocab(self.model_config.vocab_size)
         except ValueError as exc:
-            raise APIError(400, str(exc), "logit_bias") from exc
-        req_id = f"{prefix}-{uuid.uuid4().hex}"
+            named = re.search(r"parameter (\w+)", str(exc))
+            raise APIError(400, str(exc), named.group(1) if named else None) from exc
         count = request.num_engine_requests
         # A plain response's client takes nothing before the end: unless the router must read
         # the text as it comes (stop strings), its tokens wait in the stream, not on this loop.
@@ -465,7 +540,7 @@ class Router:
             return await self._start_choice(choice_id, prompt_ids, choice_params(params, index),
                                             arrival, hold_to_end)  # fmt: skip
 
-        return _Job(req_id, len(prompt_ids), await start_all(start, count))
+        return await start_all(start, count)
 
     async def _start_choice(
         self,

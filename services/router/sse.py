@@ -37,8 +37,10 @@ class _SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its event generator, so a client that goes away
     aborts its request at once (Starlette leaves the iterator to the garbage collector)."""
 
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    def __init__(
+        self, events: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None
+    ) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
 
@@ -49,9 +51,12 @@ class _SSEResponse(StreamingResponse):
             await self._events.aclose()
 
 
-def sse_response(events: AsyncGenerator[BaseModel | bytes, None]) -> StreamingResponse:
-    """Events are models, or their JSON already written (responses.ChunkTemplate)."""
-    return _SSEResponse(_sse(events))
+def sse_response(
+    events: AsyncGenerator[BaseModel | bytes, None], headers: dict[str, str] | None = None
+) -> StreamingResponse:
+    """Events are models, or their JSON already written (responses.ChunkTemplate); `headers`
+    go with the response's own."""
+    return _SSEResponse(_sse(events), headers)
 
 
 async def _sse(events: AsyncGenerator[BaseModel | bytes, None]) -> AsyncGenerator[bytes, None]:

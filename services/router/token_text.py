@@ -26,10 +26,11 @@ class TokenText:
     stop string needs the text in the engine: a plain response's tokens all come together at
     its end (one decode, not two per token on the engine's thread: docs/serving.md)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, output: OutputText | None = None) -> None:
+        """`output`: the request's text maker (`OutputText.of(params)`); none: plain text."""
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
-        self.output = OutputText(stop or [])
+        self.output = output or OutputText([])
 
     def add(self, token_ids: list[int], finished: bool) -> str:
         """The new text safe to send once `token_ids` follow the ones so far (all of it when
@@ -42,11 +43,11 @@ class StreamedText:
     """One request's streamed token ids and their text."""
 
     def __init__(
-        self, req_id: str, num_prompt_tokens: int, stop: list[str], tokenizer: Tokenizer
+        self, req_id: str, num_prompt_tokens: int, output: OutputText, tokenizer: Tokenizer
     ) -> None:
         self.req_id = req_id
         self.num_prompt_tokens = num_prompt_tokens
-        self.text = TokenText(tokenizer, stop)
+        self.text = TokenText(tokenizer, output)
 
     @property
     def output_token_ids(self) -> list[int]:

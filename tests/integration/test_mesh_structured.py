@@ -1,6 +1,8 @@
 """Structured outputs across the mesh: the prompt engine samples the first token under the
 grammar, the token engine rebuilds the matcher from the hand-off's tokens and decodes against two
-attention shards. The output validates (`jsonschema`) and equals the single-process engine's."""
+attention shards. The output validates (`jsonschema`) and equals the single-process engine's; so
+do a Lark grammar's, and vLLM's `allowed_token_ids` and `bad_words` (which cross the wire in the
+sampling spec)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,18 @@ def test_json_schema_handed_off_validates_and_matches_engine(tiny_model_path) ->
         )  # fmt: skip
         for name in NAMES
     }
+    plain = reference.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    extras = {
+        "lark": SamplingParams(max_tokens=20, temperature=0.0, structured_output=(
+            parse_structured_output(guided_grammar='start: "ok " NUM\nNUM: /[0-9]{2}/'))),
+        "allowed": SamplingParams(max_tokens=12, temperature=0.0, allowed_token_ids=(40, 41, 42)),
+        "bad_words": SamplingParams(max_tokens=12, temperature=0.0,
+                                    bad_words=((plain[0], plain[1]), (plain[3],))),
+    }  # fmt: skip
+    params |= extras
     expected = {name: reference.generate([prompt], p)[0] for name, p in params.items()}
+    assert set(expected["allowed"]) <= {40, 41, 42} and plain[3] not in expected["bad_words"]
+    assert expected["bad_words"][:2] != plain[:2]
     # Past the HTTP edge's validation: the engine that compiles it fails this request alone.
     broken = SamplingParams(structured_output='{"schema":{"type":"bogus"},"type":"json_schema"}')
     mesh = LocalMesh.start(Topology(str(tiny_model_path), num_token=1, num_shards=2))
@@ -61,6 +74,9 @@ def test_json_schema_handed_off_validates_and_matches_engine(tiny_model_path) ->
             assert outputs[name][-1] in eos  # ended by the grammar, not by max_tokens
             text = tokenizer.decode(outputs[name][:-1])
             jsonschema.validate(json.loads(text), SCHEMAS[name])
+        for name in extras:
+            assert outputs[name] == expected[name], name
+        assert tokenizer.decode(outputs["lark"][:-1]).startswith("ok ")
         assert_no_kv_held(mesh)
     finally:
         mesh.close()

@@ -90,7 +90,7 @@ async def _collect(chunks: AsyncGenerator) -> list:
 def test_completion_stream_chunks_parse_as_the_model_and_share_created() -> None:
     request = CompletionRequest(model="m", prompt="x", stream=True,
                                 stream_options={"include_usage": True})  # fmt: skip
-    shapes = CompletionShapes("cmpl-1", "m", LogprobsFormatter(None), request, [1, 2], "")
+    shapes = CompletionShapes("cmpl-1", "m", LogprobsFormatter(None), request, [[1, 2]], [""])
     chunks = asyncio.run(_collect(shapes.chunks(_outputs(["a", "é\n", "\x00"]))))
     text = [c for c in chunks if isinstance(c, bytes)]
     assert len(text) == 3  # every text chunk from the template; the usage one from its model
@@ -104,7 +104,7 @@ def test_completion_stream_chunks_parse_as_the_model_and_share_created() -> None
 def test_chat_stream_chunks_parse_as_the_model() -> None:
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
                                     stream=True)  # fmt: skip
-    shapes = ChatShapes("chatcmpl-1", "m", LogprobsFormatter(None), request, 2)
+    shapes = ChatShapes("chatcmpl-1", "m", LogprobsFormatter(None), request, [1, 2])
     chunks = asyncio.run(_collect(shapes.chunks(_outputs(["a", "b"]))))
     assert chunks[0].choices[0].delta.role == "assistant"  # the role chunk: from its model
     parsed = [json.loads(c) for c in chunks[1:]]
@@ -128,7 +128,7 @@ def test_text_json_cannot_write_fails_as_the_model_and_the_stream_says_so_in_ban
     assert type(from_template.value) is type(from_model.value)
 
     request = CompletionRequest(model="m", prompt="x", stream=True)
-    shapes = CompletionShapes("cmpl-1", "m", LogprobsFormatter(None), request, [1, 2], "")
+    shapes = CompletionShapes("cmpl-1", "m", LogprobsFormatter(None), request, [[1, 2]], [""])
     events = asyncio.run(_collect(_sse(shapes.chunks(_outputs(["ok", bad, "never"])))))
     first = CompletionResponse.model_validate_json(events[0].removeprefix(b"data: "))
     assert first.choices[0].text == "ok"

@@ -196,3 +196,25 @@ def test_an_allowed_mask_limits_every_row_to_its_tokens() -> None:
     out = Sampler().sample(logits, params, [0, 0, 0], allowed_mask=allowed)
     assert out.token_ids[0] == (5 if logits[0, 5] >= logits[0, 9] else 9)
     assert out.token_ids[1] == 30 and out.token_ids[2] == int(logits[2].argmax())
+
+
+def test_allowed_token_ids_and_bad_words_in_a_mixed_batch() -> None:
+    """vLLM's meanings: `allowed_token_ids` leaves only those ids; a bad word's last token is
+    banned where the output ends with the rest of it (a one-token word always); rows without
+    either are untouched, and the fields cross the wire."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(7))
+    params = [
+        SamplingParams(allowed_token_ids=(3, 9)),
+        SamplingParams(bad_words=((5,), (1, 2, 7), (4, 8))),
+        SamplingParams(),
+    ]
+    histories = [([1], []), ([0], [6, 1, 2]), ([0], [])]
+    out = Sampler().sample(logits, params, [0, 3, 0], histories)
+    assert out.token_ids[0] in (3, 9) and not out.failures
+    processed = Sampler()._process(logits, params, histories, None, [None] * 3, {})
+    assert torch.isinf(processed[0]).sum() == VOCAB - 2
+    assert math.isinf(processed[1, 5]) and math.isinf(processed[1, 7])  # (1, 2) ends the output
+    assert not math.isinf(processed[1, 8])  # the output does not end with 4
+    assert torch.equal(processed[2], logits[2])
+    for p in params:
+        assert SamplingParams.from_spec(p.to_spec()) == p

@@ -229,7 +229,17 @@ COMPLETION_ERRORS = [
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [2048]}, 400, "prompt"),
     ({"prompt": [-1]}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ["a"] * 257}, 400, "prompt"),  # a batch of at most 256 prompts
+    ({"prompt": ["a", [5]]}, 400, "prompt"),  # a batch is all text or all token ids
+    # vLLM's extras, out of range
+    ({"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 5000}, 400, "truncate_prompt_tokens"),
+    ({"prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ({"allowed_token_ids": [2048]}, 400, "allowed_token_ids"),  # past the vocabulary
+    ({"allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"bad_words": [""]}, 400, "bad_words.0"),
+    ({"priority": 2**31}, 400, "priority"),
+    ({"skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     ({"prompt": None}, 400, "prompt"),
     ({"prompt": [5] * 4096}, 400, "prompt"),
     ({"prompt": [5] * 4000, "max_tokens": 97}, 400, "max_tokens"),

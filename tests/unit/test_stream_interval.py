@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.engine.core import LLMEngine
-from common.engine.request import FinishReason, RequestOutput
+from common.engine.request import FinishReason, OutputText, RequestOutput
 from common.protocol import TokenOutput
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
@@ -211,7 +211,7 @@ def test_held_mesh_messages_decode_as_one_with_the_same_text(tiny_model_path: Pa
     assert join_token_outputs([msgs[0], msgs[2]]) == [msgs[0], msgs[2]]  # not contiguous
 
     def text_of(messages: list[TokenOutput], stop: list[str]) -> tuple[str, list[int]]:
-        streamed = StreamedText("r", 4, stop, tokenizer)
+        streamed = StreamedText("r", 4, OutputText(stop), tokenizer)
         outs = [o for m in messages for o in streamed.on_tokens(m)]
         assert outs[-1].finish_reason == "length"
         return "".join(o.new_text for o in outs), [t for o in outs for t in o.new_token_ids]

@@ -444,3 +444,39 @@ def test_tool_calls_validate_over_the_mesh_streamed_and_not(client: openai.OpenA
             c.function.arguments for c in message.tool_calls
         ]
         assert isinstance(streamed.tool_calls[0].function.parsed_arguments, GetWeather)
+
+
+def test_vllm_structured_outputs_and_unknown_fields(
+    server: ServeRun, client: openai.OpenAI, reference: tuple
+) -> None:
+    """vLLM's current `structured_outputs` through the official client's `extra_body`, over the
+    mesh: a schema's JSON validates, a regex matches, a choice is one of them, a Lark grammar's
+    text parses. An unknown field is answered (200), listed back in `X-Ignored-Fields` and logged
+    by the router (`strict_fields` refuses it instead: tests/unit/test_api_fields.py)."""
+    engine, tokenizer = reference
+    bias = json_ending_bias(tokenizer, engine.model_config.eos_token_ids)
+    logit_bias = {str(token_id): int(b) for token_id, b in bias.items()}
+    messages = [{"role": "user", "content": "Reply"}]
+    schema = SCHEMAS["nested_object"]
+
+    def chat(structured: dict, **fields: object) -> str:
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=200, temperature=0,
+            extra_body={"structured_outputs": structured}, **fields,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return response.choices[0].message.content or ""
+
+    jsonschema.validate(json.loads(chat({"json": schema}, logit_bias=logit_bias)), schema)
+    assert re.fullmatch(r"[a-f]{2,4}-[0-9]{3}", chat({"regex": r"[a-f]{2,4}-[0-9]{3}"}))
+    assert chat({"choice": ["alpha", "beta", "gamma"]}) in ("alpha", "beta", "gamma")
+    lark = 'start: "x=" NUM ("," NUM)*\nNUM: /[0-9]{1,3}/'
+    assert re.fullmatch(r"x=[0-9]{1,3}(,[0-9]{1,3})*", chat({"grammar": lark}))
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="hi", max_tokens=2, extra_body={"e2e_unknown_field": 1}
+    )
+    assert raw.http_response.status_code == 200
+    assert raw.headers["X-Ignored-Fields"] == "e2e_unknown_field"
+    deadline = time.monotonic() + 30
+    while "e2e_unknown_field" not in server.log_tail(200_000) and time.monotonic() < deadline:
+        time.sleep(0.5)  # the replica's log reaches `serve run`'s output a moment later
+    assert "request fields ignored" in server.log_tail(200_000)
