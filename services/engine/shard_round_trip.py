@@ -31,6 +31,8 @@ from common.transport.tensor_frames import TensorLink
 class ShardLink(TensorLink, Protocol):
     """A token engine's connection to one attention shard (UCX or ZeroMQ underneath)."""
 
+    def close(self) -> None: ...
+
 
 class ShardLinkFault(RuntimeError):
     """A shard link can no longer be trusted: a reply did not come in time, or came for another

@@ -56,7 +56,8 @@ from services.engine.outbox import Outbox
 from services.engine.parts import build_engine_parts
 from services.engine.peer_watch import PeerWatch
 from services.engine.rotation import ModelPeers
-from services.engine.runner import ShardLinkFault
+from services.engine.runner import ShardLink, ShardLinkFault
+from services.engine.shard_linker import ShardLinker
 from services.engine.telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
@@ -76,7 +77,12 @@ class EngineWorker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         # First: a start that fails here (no shard answered in time) leaves no socket behind.
-        self.links = self._link_at_start(cfg.shards)
+        self.links: dict[str, ShardLink] = dict(self._link_at_start(cfg.shards))
+        # Later links are made off the loop (shard_linker.py): a group asked for (`_target`)
+        # is swapped in once all its links are at hand; the links made so far wait in `_spare`.
+        self.linker = ShardLinker(self._connect)
+        self._spare: dict[str, ShardLink] = {}
+        self._target: tuple[list[ShardAddress], str] | None = None
         self.ctx = zmq.Context()
         auth = cfg.curve_keys  # every socket: only the mesh's members get through (zmq_auth.py)
         cmd, self.command_endpoint = bind_random(self.ctx, zmq.PULL, cfg.host, auth=auth)
@@ -217,6 +223,7 @@ class EngineWorker:
         if self.kv_ports.inbox is not None:
             poller.register(self.kv_ports.inbox, zmq.POLLIN)
         poller.register(self.grammar_waits.fileno(), zmq.POLLIN)
+        poller.register(self.linker.fileno(), zmq.POLLIN)
         while self.running:
             self.last_pass = time.monotonic()  # health is progress (services/mesh/replica.py)
             poller.poll(0 if self.engine.has_work() else IDLE_POLL_MS)
@@ -225,6 +232,9 @@ class EngineWorker:
                 self._step()
             self._tick()
         self.peers.close()
+        self.linker.close()
+        for link in [*self.links.values(), *self._spare.values()]:
+            link.close()
         if self.engine.runner.model_peers is not None:
             self.engine.runner.model_peers.close()
         self.kv_ports.close()
@@ -236,37 +246,54 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             self._send(self.engine.step())
-        except ChannelClosed as exc:
-            # A shard died mid-step: the group is broken. Its requests are re-run elsewhere by
-            # the router; this engine decodes locally until it is told of a whole group again.
-            log.error("shard link lost; dropping the shard group", error=repr(exc))
-            self._relink([], "a shard of its group stopped answering")
-        except ShardLinkFault as exc:
-            # A late or stale reply: the links cannot be trusted, the shards may be fine. Fresh
-            # channels to the same group (a shard that does not answer a new link either is
-            # dropped with the group); the group's requests are re-run by the router.
-            log.error("shard link fault; reconnecting the shard group", error=repr(exc))
-            for link in self.links.values():
-                link.close()
-            self.links.clear()
-            self._relink(list(self.engine.shards), f"its shard links failed: {exc}")
+        except (ChannelClosed, ShardLinkFault) as exc:
+            # A shard died mid-step (ChannelClosed), or a reply came late or stale (the links
+            # cannot be trusted; the shards may be fine). The group's requests end retryably
+            # (the router re-runs them), this engine decodes locally, and fresh links to the
+            # same shards are made off this loop: a shard that still runs (its link broke, it
+            # was stopped for a while) is linked again; one that died is replaced by its keeper.
+            log.error("shard link failed; dropping the group and linking it again",
+                      error=repr(exc))  # fmt: skip
+            group = self._target[0] if self._target is not None else list(self.engine.shards)
+            self._relink([], f"its shard links failed: {exc!r}")
+            self._relink(group, "its shard links were made again")
         except Exception as exc:  # noqa: BLE001 - fail the requests, keep the service alive
             log.exception("engine step failed; failing its requests")
             self._send(self.faults.fail_all(f"engine {self.cfg.service_id}: {exc!r}"))
 
     def _relink(self, shards: list[ShardAddress], reason: str) -> None:
-        """Link to exactly `shards`: keep the links that stay, close the rest, connect the new."""
+        """The group becomes `shards`: at once when every link is at hand, else once the links
+        it lacks are made off this loop (`ShardLinker`); the current group serves meanwhile.
+        Links the new group does not use are closed when it is swapped in."""
+        self._target = (list(shards), reason)
+        missing = [s for s in shards if s.link_address not in self.links | self._spare]
+        for address in [a for a in self._spare if a not in {s.link_address for s in shards}]:
+            self._spare.pop(address).close()
+        self.linker.want(missing)
+        if not missing:
+            self._swap_in()
+
+    def _take_links(self) -> None:
+        """Links the linker made: kept until their group is whole, then swapped in."""
+        made = self.linker.ready()
+        self._spare.update(made)
+        if made and self._target is not None:
+            missing = [s for s in self._target[0] if s.link_address not in self.links | self._spare]
+            if not missing:
+                self._swap_in()
+
+    def _swap_in(self) -> None:
+        """Between steps: decode against the target group from now on (`faults.relink` ends
+        the requests tied to the old one)."""
+        assert self._target is not None
+        shards, reason = self._target
+        self._target = None
         keep = {s.link_address for s in shards}
         for address in [a for a in self.links if a not in keep]:
             self.links.pop(address).close()
-        try:
-            for shard in shards:
-                if shard.link_address not in self.links:
-                    self.links[shard.link_address] = self._connect(shard)
-        except Exception as exc:  # noqa: BLE001 - a shard gone again: stay local, say why
-            log.error("could not link to the new shard group", error=repr(exc))
-            self._relink([], "its new shard group could not be reached")
-            return
+        for shard in shards:
+            if shard.link_address not in self.links:
+                self.links[shard.link_address] = self._spare.pop(shard.link_address)
         links = [self.links[s.link_address] for s in shards]
         self._send(self.faults.relink(links, shards, reason))
 
@@ -275,6 +302,7 @@ class EngineWorker:
         # not match their header, say) is logged and dropped: the loop and its requests go on.
         while (item := self.commands.recv_nowait()) is not None:
             self._guarded(self._on_command, item[1])
+        self._take_links()
         for command in self.grammar_waits.ready():  # its grammar compiled: quick to add now
             self._guarded(self._dispatch, command)
         for header, tensors in self.kv_ports.received():

@@ -1,0 +1,151 @@
+"""A token engine's shard links are made off its decode loop (`services/engine/shard_linker.py`).
+
+- A shard that is stopped (SIGSTOP) when the engine is told to link to it holds no stream: the
+  connect waits on a thread of its own while the engine's local requests decode on, and the
+  group is swapped in once the shard answers (after SIGCONT).
+- A link that breaks while its shard stays registered (another peer took the shard's link over)
+  is made again: the requests on it end retryably, and later requests decode against the group.
+
+A real `LocalMesh` (processes, ZeroMQ, UCX), greedy tokens against the single-process engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from common.config import EngineConfig
+from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
+from common.protocol import LinkShards, SamplingSpec, ShardAddress, ShardLinkMessage
+from common.sampling import SamplingParams
+from common.transport.ucx_channel import UcxTensorChannel
+from services.launch.local_mesh import LocalMesh, Topology
+from tests.conftest import random_prompts
+from tests.integration.mesh_helpers import assert_no_kv_held
+from tests.integration.mesh_test_client import MeshTestClient
+
+LINK_TIMEOUT_S = 4.0  # one try at a link: how long a connect to a stopped shard waits
+
+
+@pytest.fixture
+def mesh(tiny_model_path: Path) -> Iterator[LocalMesh]:
+    options = MeshOptions(shard_link_timeout_s=LINK_TIMEOUT_S, shard_reply_timeout_s=3.0)
+    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2, options=options))
+    yield mesh
+    mesh.close()
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
+        time.sleep(0.2)  # polling other processes' state
+
+
+def reference(model_path: str, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model_path), with_tokenizer=False)
+    return engine.generate(
+        prompts, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    )
+
+
+def relinks(mesh: LocalMesh) -> int:
+    [token] = [s for s in mesh.stats() if s.role == "token"]
+    return token.num_group_relinks
+
+
+def group_of(mesh: LocalMesh) -> list[ShardAddress]:
+    return list(mesh.token[0].shards)
+
+
+def test_a_stopped_shard_named_in_a_relink_does_not_stall_other_streams(mesh: LocalMesh) -> None:
+    client = MeshTestClient(mesh)
+    token = mesh.token[0]
+    group = group_of(mesh)
+    push = client.push.get(token.command_endpoint)
+    push.send(LinkShards([]))  # local attention: the next group needs new links
+    wait_for(lambda: relinks(mesh) == 1, 30, "the group dropped")
+    local = dataclasses.replace(token, shards=[])  # these requests keep their KV on the engine
+    prompts = random_prompts([20, 33], 2048, seed=61)
+    long = SamplingSpec(max_tokens=4000, temperature=0.0, ignore_eos=True)
+    stopped = mesh.workers[group[1].service_id].proc.pid
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        for (req_id, _), prompt in zip(tokens.items(), prompts, strict=True):
+            client.submit(req_id, prompt, long, token_engine=local)
+
+        def decode_until(end: float) -> float:
+            """Receive until `end` (or until each stream has 10 tokens, end=0); the longest gap
+            between two tokens of one stream."""
+            last: dict[str, float] = {}
+            longest = 0.0
+            while (end and time.monotonic() < end) or (
+                not end and min(map(len, tokens.values())) < 10
+            ):
+                out = client.recv(timeout=30)
+                assert not out.error, out.error
+                now = time.monotonic()
+                if out.req_id in last:
+                    longest = max(longest, now - last[out.req_id])
+                last[out.req_id] = now
+                tokens[out.req_id] += out.token_ids
+            return longest
+
+        decode_until(0)  # both decoding
+        baseline = decode_until(time.monotonic() + 1.0)
+        push.send(LinkShards(group))  # one of its shards is stopped: its connect waits
+        during = decode_until(time.monotonic() + LINK_TIMEOUT_S + 1.0)
+        # Before, the loop waited out the connect (LINK_TIMEOUT_S) with every stream stopped.
+        assert during < baseline + 1.0, (during, baseline)
+        for req_id in tokens:
+            client.abort(req_id)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    expected = reference(mesh.topology.model_path, prompts, min(map(len, tokens.values())))
+    for got, want in zip(tokens.values(), expected, strict=True):
+        assert got[: len(want)] == want
+    # The shard answers now: the connect tried again is swapped in, the whole group.
+    wait_for(lambda: relinks(mesh) == 2, 60, "the group linked once the shard answered")
+    assert_no_kv_held(mesh)
+
+
+def test_a_link_broken_while_its_shard_stays_registered_is_made_again(
+    mesh: LocalMesh,
+) -> None:
+    client = MeshTestClient(mesh)
+    group = group_of(mesh)
+    prompt = random_prompts([27], 2048, seed=62)[0]
+    [expected] = reference(mesh.topology.model_path, [prompt], 12)
+    # Another peer of the mesh takes the shard's link over (newest link wins): the token
+    # engine's link to it is broken, and the shard stays up and registered.
+    thief: UcxTensorChannel[ShardLinkMessage] = UcxTensorChannel.connect(
+        group[1].link_address, ShardLinkMessage, host="127.0.0.1",
+        key=bytes.fromhex(mesh.mesh_key),
+    )  # fmt: skip
+    try:
+        time.sleep(1.0)  # the shard serves the newest link once the old one idles (0.2 s)
+        greedy = SamplingSpec(max_tokens=12, temperature=0.0, ignore_eos=True)
+        client.submit("on-the-broken-link", prompt, greedy)
+        out = client.recv(timeout=60)
+        while not (out.error or out.finish_reason):
+            out = client.recv(timeout=60)
+        assert out.error and out.retryable, out  # its step found the link broken
+        wait_for(lambda: relinks(mesh) == 2, 60, "the group linked again (dropped, then back)")
+        wait_for(lambda: list(mesh.token[0].shards) == group, 10, "the group registered")
+        client.submit("after", prompt, greedy)
+        tokens, last = client.finish("after")
+        assert (tokens, last.finish_reason) == (expected, "length")
+        landed = {s.service_id for s in mesh.stats() if s.role == "shard"
+                  for e in s.kv_events if e.req_id == "after" and e.what == "received"}  # fmt: skip
+        assert landed == {s.service_id for s in group}  # decoded against the group, not locally
+    finally:
+        thief.close()
+    assert_no_kv_held(mesh)
