@@ -3,8 +3,8 @@
 - A shard that is stopped (SIGSTOP) when the engine is told to link to it holds no stream: the
   connect waits on a thread of its own while the engine's local requests decode on, and the
   group is swapped in once the shard answers (after SIGCONT).
-- A link that breaks while its shard stays registered (another peer took the shard's link over)
-  is made again: the requests on it end retryably, and later requests decode against the group.
+- A link that breaks while its shard stays registered (its TCP connections reset) is made again:
+  the requests on it end retryably, and later requests decode against the group.
 
 A real `LocalMesh` (processes, ZeroMQ, UCX), greedy tokens against the single-process engine.
 """
@@ -14,24 +14,25 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from common.config import EngineConfig
 from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
-from common.protocol import LinkShards, SamplingSpec, ShardAddress, ShardLinkMessage
+from common.protocol import LinkShards, SamplingSpec, ShardAddress
 from common.sampling import SamplingParams
-from common.transport.ucx_channel import UcxTensorChannel
 from services.launch.local_mesh import LocalMesh, Topology
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
 from tests.integration.mesh_test_client import MeshTestClient
 
-LINK_TIMEOUT_S = 4.0  # one try at a link: how long a connect to a stopped shard waits
+LINK_TIMEOUT_S = 3.0  # one try at a link: how long a connect to a stopped shard waits
 
 
 @pytest.fixture
@@ -109,43 +110,55 @@ def test_a_stopped_shard_named_in_a_relink_does_not_stall_other_streams(mesh: Lo
             client.abort(req_id)
     finally:
         os.kill(stopped, signal.SIGCONT)
-    expected = reference(mesh.topology.model_path, prompts, min(map(len, tokens.values())))
+    expected = reference(mesh.topology.model_path, prompts, 32)
     for got, want in zip(tokens.values(), expected, strict=True):
-        assert got[: len(want)] == want
+        assert got[:32] == want
     # The shard answers now: the connect tried again is swapped in, the whole group.
     wait_for(lambda: relinks(mesh) == 2, 60, "the group linked once the shard answered")
     assert_no_kv_held(mesh)
 
 
+def cut_connections(a: int, b: int) -> int:
+    """Abort every TCP connection between processes `a` and `b` (`ss -K`: the kernel resets
+    them, as a network fault would); how many it cut."""
+    ports_b = {c.laddr.port for c in psutil.Process(b).net_connections("tcp")}
+    cut = 0
+    for conn in psutil.Process(a).net_connections("tcp"):
+        if conn.raddr and conn.raddr.port in ports_b and conn.status == psutil.CONN_ESTABLISHED:
+            filters = ["sport", "=", f":{conn.laddr.port}", "dport", "=", f":{conn.raddr.port}"]
+            done = subprocess.run(["ss", "-K", *filters], capture_output=True, check=False)
+            cut += done.returncode == 0
+    return cut
+
+
 def test_a_link_broken_while_its_shard_stays_registered_is_made_again(
     mesh: LocalMesh,
 ) -> None:
+    """The token engine's TCP connections to one shard are reset (the shard runs on, still
+    registered): the request decoding against it ends retryably, the engine links the group
+    again off its loop, and the next request decodes against the group. Before, the engine
+    dropped the group on the broken link and decoded locally for good (nothing relinked it: no
+    membership change)."""
     client = MeshTestClient(mesh)
     group = group_of(mesh)
     prompt = random_prompts([27], 2048, seed=62)[0]
-    [expected] = reference(mesh.topology.model_path, [prompt], 12)
-    # Another peer of the mesh takes the shard's link over (newest link wins): the token
-    # engine's link to it is broken, and the shard stays up and registered.
-    thief: UcxTensorChannel[ShardLinkMessage] = UcxTensorChannel.connect(
-        group[1].link_address, ShardLinkMessage, host="127.0.0.1",
-        key=bytes.fromhex(mesh.mesh_key),
-    )  # fmt: skip
-    try:
-        time.sleep(1.0)  # the shard serves the newest link once the old one idles (0.2 s)
-        greedy = SamplingSpec(max_tokens=12, temperature=0.0, ignore_eos=True)
-        client.submit("on-the-broken-link", prompt, greedy)
+    [expected] = reference(mesh.topology.model_path, [prompt], 40)
+    token_pid = mesh.workers[mesh.token[0].service_id].proc.pid
+    shard_pid = mesh.workers[group[1].service_id].proc.pid
+    greedy = SamplingSpec(max_tokens=40, temperature=0.0, ignore_eos=True)
+    client.submit("on-the-broken-link", prompt, greedy)
+    out = client.recv(timeout=60)
+    if not cut_connections(token_pid, shard_pid):
+        pytest.skip("cannot reset TCP connections here (`ss -K` needs CAP_NET_ADMIN)")
+    while not (out.error or out.finish_reason):
         out = client.recv(timeout=60)
-        while not (out.error or out.finish_reason):
-            out = client.recv(timeout=60)
-        assert out.error and out.retryable, out  # its step found the link broken
-        wait_for(lambda: relinks(mesh) == 2, 60, "the group linked again (dropped, then back)")
-        wait_for(lambda: list(mesh.token[0].shards) == group, 10, "the group registered")
-        client.submit("after", prompt, greedy)
-        tokens, last = client.finish("after")
-        assert (tokens, last.finish_reason) == (expected, "length")
-        landed = {s.service_id for s in mesh.stats() if s.role == "shard"
-                  for e in s.kv_events if e.req_id == "after" and e.what == "received"}  # fmt: skip
-        assert landed == {s.service_id for s in group}  # decoded against the group, not locally
-    finally:
-        thief.close()
+    assert out.error and out.retryable, out  # its step found the link broken
+    wait_for(lambda: relinks(mesh) == 2, 60, "the group linked again (dropped, then back)")
+    short = SamplingSpec(max_tokens=12, temperature=0.0, ignore_eos=True)
+    client.submit("after", prompt, short)
+    tokens, last = client.finish("after")
+    assert (tokens, last.finish_reason) == (expected[:12], "length")
+    landed = {s.service_id for s in mesh.stats() if s.role == "shard"
+              for e in s.kv_events if e.req_id == "after" and e.what == "received"}  # fmt: skip
+    assert landed == {s.service_id for s in group}  # decoded against the group, not locally
     assert_no_kv_held(mesh)
