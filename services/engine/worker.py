@@ -48,6 +48,7 @@ from common.roles import Role
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
+from services.engine.dropped_outputs import DroppedOutputs
 from services.engine.engine import Engine
 from services.engine.faults import EngineFaults
 from services.engine.kv_hold_server import KvHoldServer
@@ -99,6 +100,7 @@ class EngineWorker:
         self.replies: TypedSocket[ServiceReply] = TypedSocket(ctl, ServiceReply)
         self.load_pub: TypedSocket[LoadReport] = TypedSocket(pub, LoadReport)
         self.peers = PeerWatch()  # peers lost: routers' requests end, sockets close (peer_watch.py)
+        self.dropped = DroppedOutputs(self.ctx, auth, cfg.service_id)  # routers' given-up requests
         self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch, auth=auth)
         self.kv_push: PushPool[ShardIngress] = PushPool(
             self.ctx, ShardIngress, on_new=self.peers.watch, auth=auth
@@ -232,6 +234,7 @@ class EngineWorker:
                 self._step()
             self._tick()
         self.peers.close()
+        self.dropped.close()
         self.linker.close()
         for link in [*self.links.values(), *self._spare.values()]:
             link.close()
@@ -356,14 +359,16 @@ class EngineWorker:
 
     def _send(self, outbox: Outbox, retry: bool = True) -> None:
         """Send without ever blocking the loop (`PushPool`). What a peer cannot take means it is
-        gone or stopped reading: a router's request is aborted here (its KV freed), a token
-        engine's hand-off goes back to the router as a retryable error, and a free is left to
-        the shard's lease."""
+        gone or stopped reading: a router's request is aborted here (its KV freed) and the
+        router told on a socket of its own (`DroppedOutputs`), a token engine's hand-off goes
+        back to the router as a retryable error, and a free is left to the shard's lease."""
         fallout = Outbox()
         for endpoint, output in outbox.wire_outputs():
             if not self._delivered(endpoint, output):
-                for req_id in output.req_ids if isinstance(output, TokenBatch) else [output.req_id]:
+                req_ids = output.req_ids if isinstance(output, TokenBatch) else [output.req_id]
+                for req_id in req_ids:
                     fallout += self.engine.on_abort(req_id)
+                self.dropped.add(endpoint, req_ids)  # the router hears of it (dropped_outputs.py)
         for endpoint, handoff in outbox.handoffs:
             if not self._delivered(endpoint, handoff):
                 fallout += self.faults.undelivered_handoff(handoff)
@@ -371,6 +376,8 @@ class EngineWorker:
             self._delivered(endpoint, free, tensors=[])
         if fallout and retry:
             self._send(fallout, retry=False)
+        if self.dropped:
+            self.dropped.flush()
 
     def _delivered(
         self, endpoint: str, message: object, tensors: list[torch.Tensor] | None = None
@@ -393,12 +400,15 @@ class EngineWorker:
         now = time.monotonic()
         if now - self._last_report >= LOAD_REPORT_INTERVAL_S:
             self._last_report = now
+            if self.dropped:  # a router that was not taking the notice may take it now
+                self.dropped.flush()
             self._send(self.faults.expire(now))
             for req_id in self.kv_ports.undelivered():
                 self._send(self.faults.kv_undelivered(req_id))
             for endpoint in self.peers.lost(now):
                 self._send(self.faults.lost_reply_to(endpoint))
                 self.push.drop(endpoint)  # the gone peer's socket and queue (peer_watch.py)
+                self.dropped.forget(endpoint)
                 self.kv_push.drop(endpoint)
             report = self.engine.load_report(time.time())
             self.load_pub.send(with_cache_digest(report, self.digests, self.engine.blocks))
