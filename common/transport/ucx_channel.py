@@ -113,7 +113,7 @@ _PREFIX = struct.Struct("<II")  # envelope length, 1 if the tensors are inline
 _ALIGN = 64
 _KIND_ENVELOPE, _KIND_DATA = 0, 1
 _MAX_OUTBOX_ARRAYS = 64
-PAYLOAD_TIMEOUT_S = 30.0  # `recv`: a zero-copy message's tensors, once its envelope came
+TENSORS_TIMEOUT_S = 30.0  # `recv`: a zero-copy message's tensors, once its envelope came
 # Upper bound on one epoll sleep, so that a deadline is noticed even if no event comes.
 _MAX_EPOLL_MS = 100
 
@@ -298,7 +298,7 @@ class UcxTensorChannel(Generic[HeaderT]):
         left in flight and the channel is unusable.
         """
         pending = self.recv_start(out, timeout)
-        self._worker.wait(pending.requests, timeout=PAYLOAD_TIMEOUT_S)
+        self._worker.wait(pending.requests, timeout=TENSORS_TIMEOUT_S)
         return self.recv_finish(pending)
 
     def recv_start(
@@ -326,7 +326,7 @@ class UcxTensorChannel(Generic[HeaderT]):
             targets = receive_targets(specs, header, out)
         except ValueError:
             scratch = self._post_payload(header, [empty_like_spec(s) for s in specs])
-            self._worker.wait(scratch.requests, timeout=PAYLOAD_TIMEOUT_S)  # stream aligned
+            self._worker.wait(scratch.requests, timeout=TENSORS_TIMEOUT_S)  # stream aligned
             raise
         return self._post_payload(header, targets)
 
