@@ -190,6 +190,17 @@ class TokenBatch(_Msg, tag="token_batch"):
         ]  # fmt: skip
 
 
+class OutputsDropped(_Msg, tag="outputs_dropped"):
+    """An engine could not queue these requests' outputs for this router (its inbox was full:
+    the router stopped reading for a while) and gave the requests up. Sent on a socket of its
+    own (its own queue, apart from the tokens'), and again until it is queued, so the router
+    learns it as soon as it reads again: it re-runs each request from the tokens it has (a
+    retryable error of its current attempt) instead of waiting out its progress deadline."""
+
+    req_ids: list[str]
+    error: str = ""
+
+
 class KvEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """When KV of a request moved: `received` (layer_start landed) or `prefilled` (its last
     layer was computed). Services keep the most recent ones, for tests and benchmarks."""
@@ -251,7 +262,7 @@ class EngineStats(_Msg, tag="engine_stats"):
     num_rebuild_fallbacks: int = 0
 
 
-ServiceReply = TokenOutput | TokenBatch | EngineStats
+ServiceReply = TokenOutput | TokenBatch | EngineStats | OutputsDropped
 
 
 # -- engines -> routers (load reports, PUB/SUB) ----------------------------------------------------

@@ -11,8 +11,10 @@ stopped receiver fails the requests whose KV was for it (`take_failed`), never t
 
 Receiver: one thread owns a `UcxListener` and every link it accepted (one per prompt engine, all
 on the listener's one worker), progresses them in epoll, receives each message into fresh tensors
-and hands it to `deliver`. A link whose sender died is dropped; its request's KV is freed by the
-lease (`KvIngress`), as before.
+and hands it to `deliver`. A large message's tensors arrive after its header: the thread serves
+the other links meanwhile, and a link whose message is not whole within `PAYLOAD_TIMEOUT_S` (its
+sender stopped mid-message) is dropped alone. A link whose sender died is dropped; its request's
+KV is freed by the lease (`KvIngress`), as before.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
 
 from common.protocol import FetchKv, KvPages, KvSwapAck, ShardIngress
-from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
+from common.transport.ucx_channel import ChannelClosed, PendingReceive, UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
 
 log = structlog.get_logger(__name__)
@@ -38,6 +41,7 @@ MAX_QUEUED = 256  # messages queued for the sender thread (layers x destinations
 QUEUE_WAIT_S = 5.0  # how long `send` waits for room before that request's transfer fails
 CONNECT_TIMEOUT_S = 5.0  # a receiver that does not accept a link within this is taken as dead
 SEND_TIMEOUT_S = 10.0  # one message; a receiver that stops reading fails the transfer after this
+PAYLOAD_TIMEOUT_S = SEND_TIMEOUT_S  # a sender whose message stops half-way loses its link then
 DEAD_HOLD_S = 30.0  # a receiver that failed is not retried for this long (its KV fails at once)
 POLL_S = 0.2  # idle wake-up of both threads, to notice `close`
 
@@ -138,6 +142,8 @@ class KvReceiver:
         self.address = self._listener.address
         self._deliver = deliver
         self._links: list[UcxTensorChannel[ShardIngress]] = []
+        # Per link, a message whose tensors are on their way, and until when they may be.
+        self._pending: dict[UcxTensorChannel[ShardIngress], tuple[PendingReceive[Any], float]] = {}
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
         self._thread.start()
@@ -161,13 +167,29 @@ class KvReceiver:
         self._listener.close()
 
     def _drain(self, link: UcxTensorChannel[ShardIngress]) -> None:
-        while link.has_message():
+        """Every message of `link` that has arrived whole; one whose tensors are still on their
+        way waits for them (`_pending`) while the other links are served, up to
+        `PAYLOAD_TIMEOUT_S`: a sender stopped mid-message costs its own link only."""
+        while True:
+            pending = self._pending.pop(link, None)
             try:
-                header, tensors = link.recv(timeout=SEND_TIMEOUT_S)
+                if pending is None:
+                    if not link.has_message():
+                        return
+                    pending = (link.recv_start(timeout=0.0), time.monotonic() + PAYLOAD_TIMEOUT_S)
+                receive, deadline = pending
+                if not receive.done():
+                    if time.monotonic() > deadline:
+                        link.give_up(receive)
+                        raise TimeoutError(f"a message unfinished after {PAYLOAD_TIMEOUT_S} s")
+                    self._pending[link] = pending
+                    return
+                header, tensors = link.recv_finish(receive)
             except Exception as exc:  # noqa: BLE001 - one link's fault must not stop the thread
-                # Its sender died, or sent what cannot be received (garbage, tensors that fit
-                # neither the message nor memory: the stream may be misaligned): drop the link;
-                # the KV it had begun is freed by its lease. The other links are served on.
+                # Its sender died or stopped mid-message, or sent what cannot be received
+                # (garbage, tensors that fit neither the message nor memory: the stream may be
+                # misaligned): drop the link; the KV it had begun is freed by its lease. The
+                # other links are served on.
                 log.warning("KV link dropped", error=repr(exc))
                 self._links.remove(link)
                 link.close()

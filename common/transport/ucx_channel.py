@@ -113,6 +113,7 @@ _PREFIX = struct.Struct("<II")  # envelope length, 1 if the tensors are inline
 _ALIGN = 64
 _KIND_ENVELOPE, _KIND_DATA = 0, 1
 _MAX_OUTBOX_ARRAYS = 64
+TENSORS_TIMEOUT_S = 30.0  # `recv`: a zero-copy message's tensors, once its envelope came
 # Upper bound on one epoll sleep, so that a deadline is noticed even if no event comes.
 _MAX_EPOLL_MS = 100
 
@@ -165,6 +166,19 @@ class UcxWorker:
                 raise TimeoutError("UCX operation timed out")
             epoll_ms = min(epoll_ms, left_ms)
         self.worker.progress_worker_event(epoll_timeout=epoll_ms)
+
+
+@dataclass
+class PendingReceive(Generic[HeaderT]):
+    """A received message whose tensors may still be arriving (`UcxTensorChannel.recv_start`)."""
+
+    header: HeaderT
+    targets: list[torch.Tensor]
+    staging: list[torch.Tensor]  # where the bytes land: a target, or a contiguous copy of it
+    requests: list[Any]
+
+    def done(self) -> bool:
+        return all(r.completed for r in self.requests)
 
 
 @dataclass
@@ -283,6 +297,19 @@ class UcxTensorChannel(Generic[HeaderT]):
         A malformed envelope raises msgspec.DecodeError; a zero-copy message's payload is then
         left in flight and the channel is unusable.
         """
+        pending = self.recv_start(out, timeout)
+        self._worker.wait(pending.requests, timeout=TENSORS_TIMEOUT_S)
+        return self.recv_finish(pending)
+
+    def recv_start(
+        self, out: ReceiveInto = None, timeout: float | None = None
+    ) -> PendingReceive[HeaderT]:
+        """`recv`'s first half: wait (up to `timeout`) for a message's envelope and post the
+        receives of its tensors; an inline message's are done at once. For a loop that serves
+        several channels of one worker (kv_links.py): it progresses the worker while the tensors
+        arrive, finishes with `recv_finish` once `done()`, and bounds the wait per channel (a
+        sender stopped mid-message: `give_up`, then close the channel). Raises as `recv`; an
+        `out` that does not match waits for the payload here, to drop it."""
         self._worker.wait([self._inbox_request], timeout)
         try:
             env_len, inline = _PREFIX.unpack_from(self._inbox_bytes, 0)
@@ -292,31 +319,44 @@ class UcxTensorChannel(Generic[HeaderT]):
             if inline:
                 targets = receive_targets(specs, header, out)
                 _unpack_inline(self._inbox, _PREFIX.size + env_len, targets)
-                return header, targets
+                return PendingReceive(header, targets, targets, [])
         finally:
             self._inbox_request = self._post_inbox()
         try:
             targets = receive_targets(specs, header, out)
         except ValueError:
-            self._receive_payload([empty_like_spec(s) for s in specs])  # keep the stream aligned
+            scratch = self._post_payload(header, [empty_like_spec(s) for s in specs])
+            self._worker.wait(scratch.requests, timeout=TENSORS_TIMEOUT_S)  # stream aligned
             raise
-        self._receive_payload(targets)
-        return header, targets
+        return self._post_payload(header, targets)
+
+    def recv_finish(self, pending: PendingReceive[HeaderT]) -> tuple[HeaderT, list[torch.Tensor]]:
+        """The message of a `recv_start` whose tensors have all arrived (ChannelClosed if the
+        peer went away meanwhile)."""
+        self._worker.wait(pending.requests, timeout=0.0)
+        for target, staged in zip(pending.targets, pending.staging, strict=True):
+            if staged is not target:
+                target.copy_(staged)
+        return pending.header, pending.targets
+
+    def give_up(self, pending: PendingReceive[HeaderT]) -> None:
+        """A `recv_start` that will not be finished: its buffers live as long as the worker
+        (UCX may still write into them)."""
+        self._worker.posted_buffers.extend(byte_view(t) for t in pending.staging)
 
     def has_message(self) -> bool:
         """Whether a message has arrived (or the peer has gone): `recv` would not wait for one.
         For a loop that serves several channels of one worker (`common/transport/kv_links.py`)."""
         return bool(self._inbox_request.completed)
 
-    def _receive_payload(self, targets: Sequence[torch.Tensor]) -> None:
+    def _post_payload(
+        self, header: HeaderT, targets: list[torch.Tensor]
+    ) -> PendingReceive[HeaderT]:
         # Straight into each target's memory; a strided target through a contiguous staging copy.
         staging = [t if t.is_contiguous() else torch.empty_like(t) for t in targets]
         views = [byte_view(t) for t in staging]
         requests = [self._endpoint.tag_recv(Array(v), self._recv_tags[1]) for v in views if v.size]
-        self._worker.wait(requests, timeout=30.0)
-        for target, staged in zip(targets, staging, strict=True):
-            if staged is not target:
-                target.copy_(staged)
+        return PendingReceive(header, targets, staging, requests)
 
     def _post_inbox(self) -> Any:
         # Always posted, so an incoming small message lands here without UCX's unexpected queue.

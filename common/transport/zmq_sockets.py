@@ -127,8 +127,11 @@ class PushPool(Generic[HeaderT]):
         on_new: Callable[[zmq.Socket], None] | None = None,
         *,
         auth: CurveKeys | None,
+        hwm: int | None = None,
     ) -> None:
-        """`on_new(socket)` runs for each new socket before it connects (to monitor it, say)."""
+        """`on_new(socket)` runs for each new socket before it connects (to monitor it, say).
+        `hwm`: each socket's send queue, in messages (ZeroMQ's 1000 by default)."""
+        self._hwm = hwm
         self._ctx = ctx
         self._type = message_type
         self._on_new = on_new
@@ -141,6 +144,8 @@ class PushPool(Generic[HeaderT]):
             raw = self._ctx.socket(zmq.PUSH)
             raw.setsockopt(zmq.LINGER, 0)
             raw.setsockopt(zmq.SNDTIMEO, 0)
+            if self._hwm is not None:
+                raw.setsockopt(zmq.SNDHWM, self._hwm)
             if self._auth is not None:
                 self._auth.join(raw)
             if self._on_new is not None:

@@ -32,6 +32,8 @@ from common.transport.ucx_channel import ChannelClosed
 class ShardLink(TensorLink, Protocol):
     """A token engine's connection to one attention shard (UCX or ZeroMQ underneath)."""
 
+    def close(self) -> None: ...
+
 
 class ShardLinkFault(RuntimeError):
     """A shard link can no longer be trusted: a reply did not come in time, or came for another

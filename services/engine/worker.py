@@ -50,6 +50,7 @@ from common.roles import Role
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel
 from common.transport.zmq_sockets import PushPool, TypedSocket, bind_random
 from common.worker_config import WorkerConfig, WorkerReady
+from services.engine.dropped_outputs import DroppedOutputs
 from services.engine.engine import Engine
 from services.engine.faults import EngineFaults
 from services.engine.kv_hold_server import KvHoldServer
@@ -58,7 +59,8 @@ from services.engine.outbox import Outbox
 from services.engine.parts import build_engine_parts
 from services.engine.peer_watch import PeerWatch
 from services.engine.rotation import ModelPeers
-from services.engine.runner import ShardLinkFault
+from services.engine.runner import ShardLink, ShardLinkFault
+from services.engine.shard_linker import ShardLinker
 from services.engine.shard_round_trip import ShardLost
 from services.engine.telemetry import EngineTelemetry
 
@@ -79,7 +81,13 @@ class EngineWorker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         # First: a start that fails here (no shard answered in time) leaves no socket behind.
-        self.links = self._link_at_start(cfg.shards)
+        self.links: dict[str, ShardLink] = dict(self._link_at_start(cfg.shards))
+        # Later links are made off the loop (shard_linker.py): a group asked for (`_target`)
+        # is swapped in once all its links are at hand; the links made so far wait in `_spare`.
+        self.linker = ShardLinker(self._connect)
+        self._spare: dict[str, ShardLink] = {}
+        self._target: tuple[list[ShardAddress], str, tuple[str, ...]] | None = None
+        self._rebuilders: list[str] = []  # prompt engines that may rebuild lost heads (last told)
         self.ctx = zmq.Context()
         auth = cfg.curve_keys  # every socket: only the mesh's members get through (zmq_auth.py)
         cmd, self.command_endpoint = bind_random(self.ctx, zmq.PULL, cfg.host, auth=auth)
@@ -97,6 +105,7 @@ class EngineWorker:
         self.load_pub: TypedSocket[LoadReport] = TypedSocket(pub, LoadReport)
         self.last_load: LoadReport | None = None
         self.peers = PeerWatch()  # peers lost: routers' requests end, sockets close (peer_watch.py)
+        self.dropped = DroppedOutputs(self.ctx, auth, cfg.service_id)  # routers' given-up requests
         self.push: PushPool[object] = PushPool(self.ctx, object, on_new=self.peers.watch, auth=auth)
         self.kv_push: PushPool[ShardIngress] = PushPool(
             self.ctx, ShardIngress, on_new=self.peers.watch, auth=auth
@@ -222,6 +231,7 @@ class EngineWorker:
         if self.kv_ports.inbox is not None:
             poller.register(self.kv_ports.inbox, zmq.POLLIN)
         poller.register(self.grammar_waits.fileno(), zmq.POLLIN)
+        poller.register(self.linker.fileno(), zmq.POLLIN)
         while self.running:
             self.last_pass = time.monotonic()  # health is progress (services/mesh/replica.py)
             poller.poll(0 if self.engine.has_work() else IDLE_POLL_MS)
@@ -230,6 +240,10 @@ class EngineWorker:
                 self._step()
             self._tick()
         self.peers.close()
+        self.dropped.close()
+        self.linker.close()
+        for link in [*self.links.values(), *self._spare.values()]:
+            link.close()
         if self.engine.runner.model_peers is not None:
             self.engine.runner.model_peers.close()
         self.kv_ports.close()
@@ -245,24 +259,26 @@ class EngineWorker:
             # Shards of the group died mid-step: the survivors keep their heads' KV (their
             # links stay open) and the lost heads are rebuilt, or the group's requests re-run.
             log.error("shard lost", shards=sorted(exc.shards), error=repr(exc))
+            group = list(self.engine.shards)
             self._send(self.faults.shard_lost(exc.shards, time.monotonic()))
             self._keep_links([])
-        except ChannelClosed as exc:
-            # A shard died mid-step: the group is broken. Its requests are re-run elsewhere by
-            # the router; this engine decodes locally until it is told of a whole group again.
-            log.error("shard link lost; dropping the shard group", error=repr(exc))
-            self._relink([], "a shard of its group stopped answering")
-        except ShardLinkFault as exc:
-            # A late or stale reply: the links cannot be trusted, the shards may be fine. Fresh
-            # channels to the same group (a shard that does not answer a new link either is
-            # dropped with the group); the group's requests are re-run by the router.
-            log.error("shard link fault; reconnecting the shard group", error=repr(exc))
+            # A lost shard may still run (only its link broke): the same group is linked again
+            # off this loop, and the lost heads rebuilt onto it; a dead one's replacement comes
+            # from its keeper (`LinkShards`) and takes the place of this target.
+            self._relink(group, "its shard links were made again", self._rebuilders)
+        except (ChannelClosed, ShardLinkFault) as exc:
+            # A shard died mid-step (ChannelClosed), or a reply came late or stale (the links
+            # cannot be trusted; the shards may be fine). The group's requests end retryably
+            # (the router re-runs them), this engine decodes locally, and fresh links to the
+            # same shards are made off this loop: a shard that still runs (its link broke, it
+            # was stopped for a while) is linked again; one that died is replaced by its keeper.
+            log.error("shard link failed; dropping the group and linking it again",
+                      error=repr(exc))  # fmt: skip
             # Closed links free the survivors' KV: a rebuild under way cannot go on.
-            self._send(self.faults.abandon_rebuild(f"its shard links failed: {exc}"))
-            for link in self.links.values():
-                link.close()
-            self.links.clear()
-            self._relink(list(self.engine.shards), f"its shard links failed: {exc}")
+            self._send(self.faults.abandon_rebuild(f"its shard links failed: {exc!r}"))
+            group = self._target[0] if self._target is not None else list(self.engine.shards)
+            self._relink([], f"its shard links failed: {exc!r}")
+            self._relink(group, "its shard links were made again")
         except Exception as exc:  # noqa: BLE001 - fail the requests, keep the service alive
             log.exception("engine step failed; failing its requests")
             self._send(self.faults.fail_all(f"engine {self.cfg.service_id}: {exc!r}"))
@@ -270,17 +286,37 @@ class EngineWorker:
     def _relink(
         self, shards: list[ShardAddress], reason: str, rebuilders: Sequence[str] = ()
     ) -> None:
-        """Link to exactly `shards`: keep the links that stay, close the rest, connect the new.
-        `rebuilders`: prompt engines that may rebuild lost heads (`LinkShards`)."""
+        """The group becomes `shards`: at once when every link is at hand, else once the links
+        it lacks are made off this loop (`ShardLinker`); the current group serves meanwhile.
+        Links the new group does not use are closed when it is swapped in. `rebuilders`: prompt
+        engines that may rebuild lost heads (`LinkShards`)."""
+        self._target = (list(shards), reason, tuple(rebuilders))
+        missing = [s for s in shards if s.link_address not in self.links | self._spare]
+        for address in [a for a in self._spare if a not in {s.link_address for s in shards}]:
+            self._spare.pop(address).close()
+        self.linker.want(missing)
+        if not missing:
+            self._swap_in()
+
+    def _take_links(self) -> None:
+        """Links the linker made: kept until their group is whole, then swapped in."""
+        made = self.linker.ready()
+        self._spare.update(made)
+        if made and self._target is not None:
+            missing = [s for s in self._target[0] if s.link_address not in self.links | self._spare]
+            if not missing:
+                self._swap_in()
+
+    def _swap_in(self) -> None:
+        """Between steps: decode against the target group from now on (`faults.relink` ends
+        the requests tied to the old one, or resumes a rebuild)."""
+        assert self._target is not None
+        shards, reason, rebuilders = self._target
+        self._target = None
         self._keep_links(shards)
-        try:
-            for shard in shards:
-                if shard.link_address not in self.links:
-                    self.links[shard.link_address] = self._connect(shard)
-        except Exception as exc:  # noqa: BLE001 - a shard gone again: stay local, say why
-            log.error("could not link to the new shard group", error=repr(exc))
-            self._relink([], "its new shard group could not be reached")
-            return
+        for shard in shards:
+            if shard.link_address not in self.links:
+                self.links[shard.link_address] = self._spare.pop(shard.link_address)
         links = [self.links[s.link_address] for s in shards]
         self._send(self.faults.relink(links, shards, reason, rebuilders))
         self._keep_links(shards)  # survivors a rebuild that fell back holds no longer
@@ -297,6 +333,7 @@ class EngineWorker:
         # not match their header, say) is logged and dropped: the loop and its requests go on.
         while (item := self.commands.recv_nowait()) is not None:
             self._guarded(self._on_command, item[1])
+        self._take_links()
         for command in self.grammar_waits.ready():  # its grammar compiled: quick to add now
             self._guarded(self._dispatch, command)
         for header, tensors in self.kv_ports.received():
@@ -342,7 +379,8 @@ class EngineWorker:
         elif isinstance(msg, SetRole):
             self.engine.on_set_role(msg)
         elif isinstance(msg, LinkShards):
-            self._relink(list(msg.shards), "its shard group changed", list(msg.rebuilders))
+            self._rebuilders = list(msg.rebuilders)
+            self._relink(list(msg.shards), "its shard group changed", self._rebuilders)
         elif isinstance(msg, RebuildKv):
             self._send(self.engine.on_rebuild(msg))
         elif isinstance(msg, KvRebuilt):
@@ -354,14 +392,16 @@ class EngineWorker:
 
     def _send(self, outbox: Outbox, retry: bool = True) -> None:
         """Send without ever blocking the loop (`PushPool`). What a peer cannot take means it is
-        gone or stopped reading: a router's request is aborted here (its KV freed), a token
-        engine's hand-off goes back to the router as a retryable error, and a free is left to
-        the shard's lease."""
+        gone or stopped reading: a router's request is aborted here (its KV freed) and the
+        router told on a socket of its own (`DroppedOutputs`), a token engine's hand-off goes
+        back to the router as a retryable error, and a free is left to the shard's lease."""
         fallout = Outbox()
         for endpoint, output in outbox.wire_outputs():
             if not self._delivered(endpoint, output):
-                for req_id in output.req_ids if isinstance(output, TokenBatch) else [output.req_id]:
+                req_ids = output.req_ids if isinstance(output, TokenBatch) else [output.req_id]
+                for req_id in req_ids:
                     fallout += self.engine.on_abort(req_id)
+                self.dropped.add(endpoint, req_ids)  # the router hears of it (dropped_outputs.py)
         for endpoint, handoff in outbox.handoffs:
             if not self._delivered(endpoint, handoff):
                 fallout += self.faults.undelivered_handoff(handoff)
@@ -373,6 +413,8 @@ class EngineWorker:
                 fallout += self.faults.kv_rebuilt(unreachable)
         if fallout and retry:
             self._send(fallout, retry=False)
+        if self.dropped:
+            self.dropped.flush()
 
     def _delivered(
         self, endpoint: str, message: object, tensors: list[torch.Tensor] | None = None
@@ -395,12 +437,15 @@ class EngineWorker:
         now = time.monotonic()
         if now - self._last_report >= LOAD_REPORT_INTERVAL_S:
             self._last_report = now
+            if self.dropped:  # a router that was not taking the notice may take it now
+                self.dropped.flush()
             self._send(self.faults.expire(now))
             for req_id in self.kv_ports.undelivered():
                 self._send(self.faults.kv_undelivered(req_id))
             for endpoint in self.peers.lost(now):
                 self._send(self.faults.lost_reply_to(endpoint))
                 self.push.drop(endpoint)  # the gone peer's socket and queue (peer_watch.py)
+                self.dropped.forget(endpoint)
                 self.kv_push.drop(endpoint)
             report = self.engine.load_report(time.time())
             self.last_load = report  # for Serve's autoscaling hook (services/mesh/autoscaling.py)

@@ -1,8 +1,9 @@
 """What reaches the router from the mesh: token streams on the event loop, load reports on a thread.
 
 `MeshInbox` owns the router's PULL socket (every engine pushes a `TokenBatch` per step, and
-`TokenOutput`s for outputs with more, to its `reply_endpoint`) and a SUB socket connected to
-every engine's load publisher.
+`TokenOutput`s for outputs with more, to its `reply_endpoint`; an `OutputsDropped` when it gave
+requests up for want of room in this inbox, each then a retryable error) and a SUB socket
+connected to every engine's load publisher.
 
 Token replies are drained on the event loop the requests run on (`attach`, at each request's
 start): the loop wakes on the socket itself (its ZeroMQ file descriptor, `add_reader`), restores
@@ -25,7 +26,7 @@ from collections.abc import Callable
 import structlog
 import zmq
 
-from common.protocol import LoadReport, ServiceReply, TokenBatch, TokenOutput
+from common.protocol import LoadReport, OutputsDropped, ServiceReply, TokenBatch, TokenOutput
 from common.token_stream import TokenStreamOrderer
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import TypedSocket, bind_random
@@ -122,6 +123,11 @@ class MeshInbox:
                         self.orderer.push(out)
                 elif isinstance(reply[1], TokenOutput):
                     self.orderer.push(reply[1])
+                elif isinstance(reply[1], OutputsDropped):  # re-run at once (mesh_client.py)
+                    for req_id in reply[1].req_ids:
+                        self.orderer.push(
+                            TokenOutput(req_id, [], "error", error=reply[1].error, retryable=True)
+                        )
         if self.orderer.ready:
             ready = list(self.orderer.ready)
             self.orderer.ready.clear()

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from common.protocol import LoadReport, TokenBatch, TokenOutput
+from common.protocol import LoadReport, OutputsDropped, TokenBatch, TokenOutput
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import connect
 from services.router.mesh_inbox import MeshInbox
@@ -105,6 +105,32 @@ def test_replies_are_drained_on_the_loop_that_attached_in_token_order(ctx: zmq.C
         assert [o.token_ids[0] for o in recorder.outputs] == [100, 101, 102, 103]
         assert recorder.threads == {loop_thread}  # not the inbox's thread: no hop per step
         assert inbox.thread.is_alive()
+
+
+def test_an_engines_dropped_outputs_notice_ends_the_attempt_retryably(ctx: zmq.Context) -> None:
+    """An engine that gave request "a" up (its outputs found no room here) says so: the held
+    token behind the lost one is let go and "a" gets a retryable error (its stream re-runs it,
+    `mesh_client.py`), not a wait for tokens that never come."""
+    recorder = Recorder()
+    with wired(ctx, recorder.on_outputs) as (inbox, engine):
+
+        async def run() -> None:
+            inbox.attach()
+            engine.send(batch(0))
+            engine.send(batch(2))  # held: index 1 was dropped at the engine
+            await wait_outputs(recorder, 1)
+            notice = OutputsDropped(["a"], notice_error())
+            engine.send(msgspec.msgpack.encode(notice))
+            await wait_outputs(recorder, 2)
+
+        asyncio.run(run())
+        first, lost = recorder.outputs
+        assert first.token_ids == [100]
+        assert (lost.req_id, lost.retryable, lost.error) == ("a", True, notice_error())
+
+
+def notice_error() -> str:
+    return "engine e could not queue its outputs"
 
 
 def test_a_closed_loop_hands_the_replies_to_the_next(ctx: zmq.Context) -> None:
