@@ -13,9 +13,9 @@ keeps the three rules that make KV arriving from another process safe to hold:
   hand-off arrives, a shard when a decode step first names it;
 - **refusals**: a request whose KV does not fit is refused, not a crash: its blocks stay free, its
   later pages are dropped and `receive` says `REFUSED`, so its hand-off can fail alone. On a shard
-  "fits" means the request's whole length (`KvPages.reserve_tokens`): blocks for every token it
-  may generate are held from its first page, so it never fails mid-stream for want of one. On a
-  token engine, "fits" also leaves free the blocks its running requests may still grow into
+  "fits" means the tokens shipped (`KvPages.reserve_tokens`); decode steps grow them, and the
+  token engine preempts before the shards run out (services/engine/admission.py). On a token
+  engine, "fits" also leaves free the blocks its running requests may still grow into
   (`keep_free`), so landing KV never takes the room a decode step needs.
 
 Thread-safe for one ingress thread (`receive`, `free`, `expire_leases`) and one decode thread

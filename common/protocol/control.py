@@ -218,6 +218,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     # Times a token engine's shard group changed since start: its link to a shard failed, or
     # its keeper sent a `LinkShards` (a shard lost, its replacement claimed).
     num_group_relinks: int = 0
+    # Decodes this engine preempted for KV (its own cache's, or its shard group's) and
+    # recomputed, since start (Splitwise's memory-aware batching).
+    num_preemptions: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats

@@ -233,6 +233,8 @@ class MeshEngineClient:
                     "num_peers_lost": r.num_peers_lost,
                     "num_peers_joined": r.num_peers_joined,
                     "num_group_relinks": r.num_group_relinks,  # its shard group's changes
+                    # Requests it preempted for KV and recomputed (memory-aware batching).
+                    "num_preemptions": r.num_preemptions,
                     "kv_blocks_used": r.kv_blocks_used,
                     "num_requests": r.num_requests,
                 }

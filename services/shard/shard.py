@@ -127,8 +127,10 @@ class AttentionShard:
                 f"KV for heads [{pages.head_start}, {pages.head_end}) sent to a shard holding "
                 f"[{self.spec.head_start}, {self.spec.head_end})"
             )
-        if pages.ack_to and pages.layer_start == 0 and not self.blocks.has(pages.req_id):
-            self.ingress.revive(pages.req_id)  # swapped out again after a swap-in freed it here
+        revives = pages.ack_to or pages.revive
+        if revives and pages.layer_start == 0 and not self.blocks.has(pages.req_id):
+            # Swapped out again after a swap-in freed it here, or recomputed after a preemption.
+            self.ingress.revive(pages.req_id)
         landed = self.ingress.receive(pages, k, v)
         if landed is Landed.REFUSED:
             log.warning("KV refused: no free blocks", shard=self.shard_id, req_id=pages.req_id)
