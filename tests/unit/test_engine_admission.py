@@ -27,29 +27,23 @@ def local_scheduler(num_blocks: int = 64) -> EngineScheduler:
     return EngineScheduler(BlockManager(num_blocks, BLOCK), SchedulerConfig())
 
 
-def test_sharded_requests_start_at_once_and_the_mirror_counts_what_the_shards_hold():
-    """Shards hold a request's whole length from its first KV page or refuse it then
-    (`KvPages.reserve_tokens`), so a sharded hand-off never waits: one the shards refused fails at
-    its first step. Waiting instead would deadlock: a refused request's reservation never comes
-    back. The mirror reserves the same whole lengths for the room reported to the router, and
-    leaves out a request it cannot fit (the shards cannot have taken it either)."""
-    admission = DecodeAdmission(shard_num_blocks=6, block_size=BLOCK)  # 96 tokens
-    admission.add(handoff("a", tokens=20, max_tokens=20, sharded=True))  # 40 -> 3 blocks
-    admission.add(handoff("b", tokens=10, max_tokens=20, sharded=True))  # 30 -> 2 blocks
-    admission.add(handoff("c", tokens=1, max_tokens=20, sharded=True))  # 21 -> 2: refused there
+def test_sharded_requests_start_at_once_and_the_count_holds_their_tokens_so_far():
+    """A sharded hand-off never waits (its KV is on the shards already): it starts at once and
+    the group's count holds its tokens so far, not its whole length, even past capacity (the
+    next step's `fit_growth` then preempts)."""
+    admission = DecodeAdmission(shard_num_blocks=4, block_size=BLOCK)  # 64 tokens
+    admission.add(handoff("a", tokens=20, max_tokens=200, sharded=True))  # 2 blocks
+    admission.add(handoff("b", tokens=10, max_tokens=200, sharded=True))  # 1 block
+    admission.add(handoff("c", tokens=17, max_tokens=200, sharded=True))  # 2 blocks: 5 > 4
     assert admission.admit(local_scheduler(), nothing_landed) == ["a", "b", "c"]
     assert not admission.waiting
-    assert admission.shard_blocks.req_ids() == ["a", "b"]
-    assert admission.free_shard_blocks() == 1
+    assert admission.shard_blocks.num_used_blocks == 5 and admission.free_shard_blocks() == 0
     seq = admission.sharded[0]
     assert (seq.num_tokens, seq.num_computed) == (20, 19)  # its last token is decoded next
-    for s in admission.sharded:  # every one steps; the uncounted one grows nothing
-        s.num_tokens += 1
-    admission.grow_sharded()
-    assert admission.shard_blocks.num_used_blocks == 5
-    admission.remove("c")  # failed at its first step
+    assert admission.fit_growth(now=1.0) == ["c"]  # the youngest gives way
+    assert admission.shard_blocks.num_used_blocks == 3
     admission.remove("a")  # finished
-    assert admission.free_shard_blocks() == 4
+    assert admission.free_shard_blocks() == 3
 
 
 def test_local_requests_wait_for_every_layer_of_their_kv():
@@ -79,13 +73,13 @@ def test_remove_forgets_a_request_wherever_it_is():
     assert admission.waiting_for("w") is None
 
 
-def test_growing_stays_within_the_reservation():
+def test_growth_takes_a_block_when_the_last_one_fills():
     admission = DecodeAdmission(shard_num_blocks=2, block_size=BLOCK)
     admission.add(handoff("a", tokens=16, max_tokens=16, sharded=True))
     admission.admit(local_scheduler(), nothing_landed)
-    for _ in range(15):
-        admission.sharded[0].num_tokens += 1
-        admission.grow_sharded()
+    assert admission.shard_blocks.num_used_blocks == 1
+    admission.sharded[0].num_tokens += 1  # the 17th token's KV is written by the next step
+    assert admission.fit_growth(now=0.0) == []
     assert admission.shard_blocks.num_used_blocks == 2
 
 
