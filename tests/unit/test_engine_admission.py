@@ -164,3 +164,57 @@ def test_a_head_without_room_is_starved_after_its_bound():
     starved = admission.starved(31.0, 30.0, local, lambda r: True, whole_len(lengths))
     assert [h.req_id for h in starved] == ["a"]
     assert admission.stalled(31.0, 30.0, lambda r: True) == []  # its KV is all there
+
+
+def sharded_admission(arrivals: dict[str, tuple[float, int]], **knobs: float) -> DecodeAdmission:
+    """A group of 4 blocks (64 tokens) decoding `arrivals`: req_id -> (arrival time, tokens)."""
+    admission = DecodeAdmission(shard_num_blocks=4, block_size=BLOCK, **knobs)  # type: ignore[arg-type]
+    for req_id, (at, tokens) in arrivals.items():
+        admission.add(handoff(req_id, tokens=tokens, max_tokens=200, sharded=True), now=at)
+    admission.admit(local_scheduler(), nothing_landed)
+    return admission
+
+
+def step(admission: DecodeAdmission, **tokens: int) -> None:
+    """The given requests hold so many tokens at the next step (the others as they are)."""
+    for seq in admission.sharded:
+        seq.num_tokens = tokens.get(seq.req_id, seq.num_tokens)
+
+
+def test_growth_preempts_the_youngest_first_and_counts_it():
+    admission = sharded_admission({"a": (0.0, 16), "b": (1.0, 16), "c": (2.0, 16), "d": (3.0, 16)})
+    step(admission, a=17, b=17, c=17, d=17)  # every one needs a second block: 8 > 4
+    assert admission.fit_growth(now=10.0) == ["d", "c"]
+    assert [s.req_id for s in admission.sharded] == ["a", "b"]
+    assert admission.shard_blocks.num_used_blocks == 4 and admission.num_preemptions == 2
+    assert [s.req_id for _, s in admission.preempted] == ["c", "d"]  # oldest resumes first
+    assert admission.is_decoding_here("c")  # its shards are still this engine's to free
+
+
+def test_growth_spares_a_request_at_the_preemption_cap_unless_nothing_else_is_left():
+    admission = sharded_admission({"b": (1.0, 32), "c": (2.0, 16)}, max_preemptions=1)
+    admission.preempt("c", now=2.0)  # once: at the cap now
+    assert [s.req_id for s in admission.resumable(now=2.0)[0]] == ["c"]
+    admission.resumed("c", 17)  # recomputed: its 16 tokens shipped, the 17th sampled
+    step(admission, b=33)  # b needs a third block, c a second one: 5 > 4
+    assert admission.fit_growth(now=3.0) == ["b"]  # c is younger, but capped
+    last_resort = sharded_admission({"a": (0.0, 16), "b": (1.0, 16)}, max_preemptions=0)
+    step(last_resort, a=64, b=17)  # 4 + 2 > 4, and both are at the cap (0)
+    assert last_resort.fit_growth(now=1.0) == ["b"]
+
+
+def test_a_starved_preempted_request_preempts_younger_ones_to_resume():
+    """The mixed policy's aging: a preempted request that has waited `starvation_s` goes before
+    younger ones (they are preempted for it, the youngest first); before that it waits for room."""
+    admission = sharded_admission({"b": (1.0, 16), "c": (2.0, 16)}, starvation_s=1.0)
+    admission.preempt("c", now=2.0)
+    admission.add(handoff("d", tokens=16, max_tokens=200, sharded=True), now=5.0)
+    admission.add(handoff("e", tokens=16, max_tokens=200, sharded=True), now=6.0)
+    admission.admit(local_scheduler(), nothing_landed)  # b, d, e: 3 blocks; c needs 2
+    assert admission.resumable(now=2.5) == ([], [])  # not starved yet: it waits for room
+    resumed, preempted = admission.resumable(now=3.0)
+    assert [s.req_id for s in resumed] == ["c"] and preempted == ["e"]
+    assert admission.resuming == {"c"} and [s.req_id for s in admission.sharded] == ["b", "d"]
+    admission.remove("c")  # ended while it was recomputed: nothing of it is left
+    admission.resumed("c", 17)
+    assert not admission.is_decoding_here("c") and admission.shard_blocks.num_used_blocks == 2
