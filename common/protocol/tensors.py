@@ -32,15 +32,19 @@ class KvPages(_Msg, tag="kv"):
     # shard's UCX KV listener to answer with a `KvSwapAck` once all layers landed (or were
     # refused). Also lets the KV land after the request was freed here before (swapped in).
     ack_to: str = ""
-    # A preempted request's KV recomputed by its token engine: it lands though the shard freed
-    # the request before (its tombstone is lifted on the first page).
-    revive: bool = False
+    # 0: the request's first KV here. n >= 1: its KV recomputed by its token engine after its
+    # n-th preemption (engine/admission.py): it lands though the shard freed the request, and
+    # replaces an older generation still held (that preemption's free has not come yet).
+    kv_generation: int = 0
 
 
 class FreeRequest(_Msg, tag="free"):
-    """Drop a request's KV (finished or aborted); idempotent, and arrives-before-KV safe."""
+    """Drop a request's KV (finished or aborted); idempotent, and arrives-before-KV safe.
+    `kv_generation` set: a preemption frees the KV of that generation only (`KvPages`), and the
+    request's next generation is coming (a decode step naming it waits for that one)."""
 
     req_id: str
+    kv_generation: int | None = None
 
 
 class FetchKv(_Msg, tag="fetch_kv"):

@@ -29,7 +29,7 @@ A `DecodeHandoff` waits, first come first served, until its KV is in place:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from itertools import count
 
 from common.block_manager import BlockManager
@@ -38,6 +38,9 @@ from common.scheduling.batching import EngineScheduler, Sequence
 from common.scheduling.mixed import SeqState, next_victim, preemption_order
 
 LANDED_MEMORY = 4096  # requests whose landing news is kept before their hand-off comes
+# A sharded request its shards failed this often (refused or could not grow its KV) ends,
+# retryably, instead of being recomputed here once more: its shards disagree with this count.
+MAX_RECOMPUTES = 8
 
 
 class ShardGroupBlocks:
@@ -361,6 +364,21 @@ class DecodeAdmission:
             self.preempt(str(victim.req_id), now)
             out.append(str(victim.req_id))
         return self._room_for(need)
+
+    def kv_generation(self, req_id: str) -> int:
+        """The generation of a sharded request's KV on the group: how often it was preempted
+        (`KvPages.kv_generation`)."""
+        age = self._ages.get(req_id) or next((a for a, s in self.preempted if s.req_id == req_id),
+                                             None)  # fmt: skip
+        return 0 if age is None else age.num_preemptions
+
+    def recomputes(self, req_id: str, failed: Collection[str]) -> bool:
+        """Whether a sharded request a shard failed (`failed`: could not grow or hold its KV)
+        is preempted and recomputed here; False, ending it, when it is not failed, when shards
+        report landing (`await_landing`: their news ends it), or past `MAX_RECOMPUTES`."""
+        if req_id not in failed or (self.await_landing and req_id in self.arriving):
+            return False
+        return self.kv_generation(req_id) < MAX_RECOMPUTES
 
     def resumed(self, req_id: str, num_tokens: int) -> None:
         """A recomputed request's KV (`num_tokens - 1` tokens) is shipped to the group again and

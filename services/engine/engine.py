@@ -189,8 +189,8 @@ class Engine:
         recomputed from its tokens when room returns (`_resume`)."""
         out = Outbox()
         for req_id in req_ids:
-            out += Outbox.free(req_id, kv_endpoints(self.table.routes[req_id].shards
-                                                    or self.shards))  # fmt: skip
+            shards = kv_endpoints(self.table.routes[req_id].shards or self.shards)
+            out += Outbox.free(req_id, shards, self.admission.kv_generation(req_id) - 1)
         return out
 
     def _resume(self) -> Outbox:
@@ -206,8 +206,9 @@ class Engine:
     def _prefill_and_ship(self, batch: Batch) -> Outbox:
         routes = {s.req_id: self.table.routes[s.req_id] for s in batch.seqs}
         resumes = {s.req_id for s in batch.seqs} & self.admission.resuming
+        gens = {req_id: self.admission.kv_generation(req_id) for req_id in resumes}
         out = Outbox()
-        sampled = self.prefill.run_and_ship(batch, self.table, resumes)
+        sampled = self.prefill.run_and_ship(batch, self.table, gens)
         for seq, row in zip(batch.seqs, sampled, strict=True):
             out += self._emit(seq.req_id, row)
             if seq.req_id in self.admission.resuming:  # a preempted request: it decodes here
@@ -237,11 +238,10 @@ class Engine:
         self._step_timed(time.perf_counter() - started, plan.batch_1 is not None, bool(sharded))
         self.telemetry.step_done(trace, result.round_trips)
         out = self._emit_all(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
-        # A shard that could not grow (or lost) the KV of a request it attended for before:
-        # that request is preempted and recomputed, its token not taken. One whose KV never
-        # landed there ends alone, retryably (the router re-runs it elsewhere).
-        failed, arriving = result.failed, self.admission.arriving
-        regrown = [s.req_id for s in sharded if s.req_id in failed and s.req_id not in arriving]
+        # A shard that could not grow, or hold, a request's KV: the request is preempted and
+        # recomputed here, its token not taken (one preempted too often ends alone, retryably:
+        # the router re-runs it elsewhere).
+        regrown = [s.req_id for s in sharded if self.admission.recomputes(s.req_id, result.failed)]
         for req_id in regrown:
             self.admission.preempt(req_id, time.monotonic())
         out += self._preempted(regrown)

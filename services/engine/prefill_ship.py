@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Set
+from collections.abc import Mapping
 
 from common.engine.core import forward_and_sample
 from common.engine.request import Request
@@ -51,12 +51,13 @@ class Prefill:
         )
 
     def run_and_ship(
-        self, batch: Batch, table: RequestTable, resumes: Set[str] = frozenset()
+        self, batch: Batch, table: RequestTable, generations: Mapping[str, int] | None = None
     ) -> list[SampledRow]:
         """Prefill prompts that decode elsewhere, each one's KV shipped as it is computed.
-        `resumes`: preempted requests recomputed by their token engine, whose shards freed
-        their KV before (`KvPages.revive`)."""
-        routes = [self._kv_route(s.req_id, s.num_tokens, table, s.req_id in resumes)
+        `generations`: preempted requests recomputed by their token engine, each with the
+        generation of its new KV (`KvPages.kv_generation`)."""
+        gens = generations or {}
+        routes = [self._kv_route(s.req_id, s.num_tokens, table, gens.get(s.req_id, 0))
                   for s in batch.seqs]  # fmt: skip
         shipper = KvShipper(routes, self.num_layers, self.kv_send)
         plan = self.runner.plan_prefill(batch, table.token_ids(batch.seqs), shipper)
@@ -78,7 +79,7 @@ class Prefill:
         return sampled
 
     def _kv_route(
-        self, req_id: str, num_tokens: int, table: RequestTable, revive: bool = False
+        self, req_id: str, num_tokens: int, table: RequestTable, kv_generation: int = 0
     ) -> KvRoute:
         r = table.routes[req_id]
         dests = list(r.shards) or [ShardAddress(
@@ -88,7 +89,8 @@ class Prefill:
         # when they would run out (admission.py).
         reserve = num_tokens if r.shards else 0
         return KvRoute(req_id, dests, num_tokens >= self.layer_wise_min_tokens, reserve,
-                       traceparent=self.telemetry.traceparent(req_id), revive=revive)  # fmt: skip
+                       traceparent=self.telemetry.traceparent(req_id),
+                       kv_generation=kv_generation)  # fmt: skip
 
     def hand_off(self, req: Request, route: RequestRoute) -> Outbox:
         """The prefilled request, to its token engine."""
