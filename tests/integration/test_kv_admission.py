@@ -115,11 +115,11 @@ def test_requests_that_outgrow_the_shards_together_are_preempted_and_recomputed(
     cannot grow one, the token engine preempts the youngest (the mixed policy's rules), frees
     its KV on the shards and later prefills its prompt and tokens so far again: every request
     finishes, token for token as the single-process engine decodes it, none migrated."""
-    greedy = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)  # 140: 9 blocks
-    prompts = random_prompts([20] * 4, vocab=2048, seed=13)
+    greedy = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)  # 112: 7 blocks
+    prompts = random_prompts([12] * 4, vocab=2048, seed=13)
     reference = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False)
     expected = reference.generate(prompts, greedy)
-    options = MeshOptions(shard_num_blocks=12)  # one request's whole length, not two
+    options = MeshOptions(shard_num_blocks=8)  # one request's whole length, not two
     mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2, options=options))
     client = mesh.engine_client()
 
