@@ -2,14 +2,27 @@
 
 A `DecodeHandoff` waits, first come first served, until its KV is in place:
 
-- with a shard group: not at all. Shards cannot preempt, so each shard holds blocks for
-  `prompt + max_tokens` from the request's first KV page on, or refuses the request then
-  (`KvPages.reserve_tokens`): a request the shards took never fails for want of a block, and one
-  they refused fails alone at its first step (retryable: the router re-runs it). The engine
-  cannot tell the two apart before that step, and must not wait for room that a refused request
-  would never release. It keeps a mirror of the shards' accounting (`shard_blocks`) for the room
-  it reports to the router (`free_shard_blocks`), reserving the same whole length; a request the
-  mirror cannot fit (the shards surely refused it) is not counted there;
+- with a shard group: not at all (its KV is on the shards already). The shards hold a request's
+  tokens so far: its prompt's from its first KV page, then one more per decode step. The engine
+  counts the same (`shard_blocks`, `ShardGroupBlocks`) and reports the room left to the router,
+  which admits by a request's tokens plus a bounded headroom, not its whole length. The KV grows
+  on demand, so before each step `fit_growth` makes room for every sharded request's next token
+  by Splitwise's memory-aware batching, the mixed policy's rules (`next_victim`,
+  common/scheduling/mixed.py): the youngest decode is preempted first, one preempted
+  `max_preemptions` times only as a last resort. A preempted request's shard KV is freed; it
+  waits, oldest first, until the group has room for its tokens and every running request's next
+  one (`resumable`; one that has waited `starvation_s` preempts younger ones under the cap, the
+  policy's aging), and is then recomputed: the engine prefills its prompt and tokens so far
+  itself, ships that KV to the shards as a new `kv_generation` (a preemption's free and the new
+  KV may land in either order) and decodes on (`resumed`). Its client sees a longer gap between
+  two tokens, never an error; greedy output is unchanged; the router sees no migration. A shard
+  that still cannot grow or hold a request's KV (the engine's count and its own disagree: a
+  prompt's KV landed before its hand-off came) fails that row alone, and the request is
+  recomputed the same way (`recomputes`), or, after `MAX_RECOMPUTES`, ends retryably.
+  Faults: a shard that dies ends every request tied to the group, preempted ones included
+  (faults.py `relink`), and the router re-runs them; a token engine that dies takes its
+  preempted requests' state with it, and the router re-runs them like its others, from the
+  tokens it streamed; wrong counts cost a recompute, not a request;
 - with a shard group on `kv_transfer: pull` (`await_landing`): until every shard of the group
   said the request's KV landed there (`note_landed`, from their replies), in any order: a step
   never names a request whose KV a shard still lacks, so no step waits at layer 0 for it
