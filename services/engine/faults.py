@@ -86,10 +86,11 @@ class EngineFaults:
         """Decode against `shards` from now on (empty: local attention only).
 
         Every request tied to the old group (decoding against it, or waiting to, preempted
-        included) ends with a retryable error: the router re-runs it from its tokens on a whole group. Its KV is freed
-        on every shard of the old group: this engine cannot tell which one died (a free sent to
-        a dead shard is dropped with its socket), and the live ones may hold it without ever
-        having decoded it (a handoff still waiting), so no other free would come.
+        included) ends with a retryable error: the router re-runs it from its tokens on a whole
+        group. Its KV is freed on every shard of the old group: this engine cannot tell which
+        one died (a free sent to a dead shard is dropped with its socket), and the live ones may
+        hold it without ever having decoded it (a handoff still waiting), so no other free
+        would come.
         """
         e = self.engine
         tied = [s.req_id for s in e.admission.sharded]
