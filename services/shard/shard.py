@@ -10,7 +10,9 @@ lands while decode runs.
 
 from __future__ import annotations
 
+import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +25,7 @@ from common.block_manager import BlockManager, NoFreeBlocksError
 from common.config import ModelConfig
 from common.engine.runner import pad_block_tables
 from common.kv_cache import KVCache
-from common.kv_ingress import KV_LEASE_S, KvIngress, Landed
+from common.kv_ingress import KV_LEASE_S, TOMBSTONES, KvIngress, Landed
 from common.protocol import AttendBatch, EngineStats, KvPages
 from common.roles import Role
 
@@ -31,6 +33,7 @@ log = structlog.get_logger(__name__)
 
 KV_WAIT_S = 30.0  # how long a decode step waits for KV still in flight before failing
 GROW_WAIT_S = 1.0  # how long it waits for room to grow a request (frees in flight) before failing
+ENDED_GENERATION = sys.maxsize  # a request freed for good: every later generation is stale
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ class AttentionShard:
         self._steps: dict[int, _StepTables] = {}
         self._prev: dict[int, _PrevPartial] = {}  # per lane, between ATTEND_PREV and ATTEND_NEW
         # Preempted requests' KV generations held (`KvPages.kv_generation`); ingress thread only.
-        self._generations: dict[str, int] = {}
+        self._generations: OrderedDict[str, int] = OrderedDict()
 
     # -- KV ingress ----------------------------------------------------------------------------
 
@@ -155,8 +158,11 @@ class AttentionShard:
 
     def free(self, req_id: str, kv_generation: int | None = None) -> None:
         """Free a request's KV (`FreeRequest`): a preemption's frees its generation only."""
-        if kv_generation is None:
-            self._generations.pop(req_id, None)
+        if kv_generation is None:  # no generation of it lands after this (a resume in flight)
+            self._generations[req_id] = ENDED_GENERATION
+            self._generations.move_to_end(req_id)
+            while len(self._generations) > TOMBSTONES:
+                self._generations.popitem(last=False)
             self.ingress.free(req_id)
         elif kv_generation >= self._generations.get(req_id, 0):
             self.ingress.free(req_id, coming_back=True)
