@@ -126,6 +126,7 @@ class DecodeAdmission:
         self._order = count()
         self.preempted: list[tuple[SeqState, Sequence]] = []
         self.resuming: set[str] = set()  # given back to be recomputed (`resumable`)
+        self._told: dict[str, float] = {}  # preempted or resuming: when its router last heard
         self.num_preemptions = 0  # in all, for metrics and tests
 
     def add(self, handoff: DecodeHandoff, now: float = 0.0) -> None:
@@ -333,6 +334,7 @@ class DecodeAdmission:
         self.preempted.append((age, seq))
         self.preempted.sort(key=lambda p: (p[0].arrival_s, p[0].order))
         self.num_preemptions += 1
+        self._told.setdefault(req_id, now)
 
     def resumable(self, now: float) -> tuple[list[Sequence], list[str]]:
         """The preempted requests to recompute now, oldest first while the group has room for
@@ -393,12 +395,22 @@ class DecodeAdmission:
             return False
         return self.kv_generation(req_id) < MAX_RECOMPUTES
 
+    def quiet(self, now: float, every_s: float) -> list[str]:
+        """Preempted requests (waiting, or being recomputed) that have streamed nothing for
+        `every_s`: their router must hear that they live (an empty output), or its progress
+        deadline would re-run them elsewhere."""
+        due = [r for r, at in self._told.items() if now - at >= every_s]
+        for req_id in due:
+            self._told[req_id] = now
+        return due
+
     def resumed(self, req_id: str, num_tokens: int) -> None:
         """A recomputed request's KV (`num_tokens - 1` tokens) is shipped to the group again and
         its next token sampled: it decodes against the group from the next step."""
         if req_id not in self.resuming:
             return  # it ended meanwhile
         self.resuming.discard(req_id)
+        self._told.pop(req_id, None)
         seq = Sequence(req_id, num_tokens)
         seq.num_computed = num_tokens - 1
         self.sharded.append(seq)
@@ -423,6 +435,7 @@ class DecodeAdmission:
         self.shard_blocks.free(req_id)
         self.preempted = [(a, s) for a, s in self.preempted if s.req_id != req_id]
         self.resuming.discard(req_id)
+        self._told.pop(req_id, None)
         self._ages.pop(req_id, None)
         self.waiting = [h for h in self.waiting if h.req_id != req_id]
         self._arrived.pop(req_id, None)

@@ -182,6 +182,18 @@ class Engine:
             out += self.admit_handoffs()
         if self.admission.preempted:  # and for preempted ones
             out += self._resume()
+        return out + self._still_alive()
+
+    def _still_alive(self) -> Outbox:
+        """An empty output for each preempted request quiet for a third of the router's progress
+        deadline (`MeshOptions.progress_timeout_s`): it lives, and is not to be re-run."""
+        out = Outbox()
+        every_s = self.parts.options.progress_timeout_s / 3
+        for req_id in self.admission.quiet(time.monotonic(), every_s):
+            req, route = self.table.requests[req_id], self.table.routes[req_id]
+            alive = TokenOutput(req_id, [], "", route.num_prompt_tokens,
+                                index=len(req.output_token_ids))  # fmt: skip
+            out += Outbox.output(route.reply_to, alive)
         return out
 
     def _preempted(self, req_ids: list[str]) -> Outbox:

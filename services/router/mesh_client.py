@@ -366,9 +366,11 @@ class MeshEngineClient:
                 self._send_role_changes()
                 return placed
             except (NoEngines, NoKvRoom):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"generation failed: {reason}; no engine ready in {MIGRATION_WAIT_S} s"
+                if time.monotonic() > deadline:  # a 503 where nothing was sent yet
+                    raise Unavailable(
+                        "no_engines",
+                        f"generation failed: {reason}; no engine with room in "
+                        f"{MIGRATION_WAIT_S} s. Please retry later.",
                     ) from None
             # NOTE: membership changes arrive by the watch thread's registry reads; a short
             # asyncio sleep keeps this request's coroutine off the event loop meanwhile.

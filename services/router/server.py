@@ -38,6 +38,7 @@ from common.engine.request import check_prompt
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from services.router.api_errors import (
+    RETRY_AFTER_S,
     APIError,
     error_body,
     error_responses,
@@ -89,7 +90,6 @@ _NO_HTTP_SPANS: dict[str, Any] = (
 )
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is a 413, never parsed
 # What each endpoint may answer besides 200 (documented in /openapi.json with the error body).
 _GENERATE_ERRORS = error_responses(400, 401, 404, 413, 429, 503)
