@@ -218,3 +218,17 @@ def test_a_starved_preempted_request_preempts_younger_ones_to_resume():
     admission.remove("c")  # ended while it was recomputed: nothing of it is left
     admission.resumed("c", 17)
     assert not admission.is_decoding_here("c") and admission.shard_blocks.num_used_blocks == 2
+
+
+def test_a_preempted_request_is_told_alive_to_its_router_until_it_decodes_again():
+    """Its router re-runs a request that streams nothing for its progress deadline: a preempted
+    one is named (for an empty output) once per `every_s` while it waits or is recomputed."""
+    admission = sharded_admission({"a": (0.0, 16), "b": (1.0, 16)})
+    admission.preempt("b", now=10.0)
+    assert admission.quiet(now=14.0, every_s=5.0) == []
+    assert admission.quiet(now=15.0, every_s=5.0) == ["b"]
+    assert admission.quiet(now=19.0, every_s=5.0) == []
+    admission.resumable(now=19.0)  # room: it is recomputed now, still quiet
+    assert admission.quiet(now=20.0, every_s=5.0) == ["b"]
+    admission.resumed("b", 17)
+    assert admission.quiet(now=30.0, every_s=5.0) == []
