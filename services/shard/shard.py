@@ -32,7 +32,7 @@ from common.roles import Role
 log = structlog.get_logger(__name__)
 
 KV_WAIT_S = 30.0  # how long a decode step waits for KV still in flight before failing
-GROW_WAIT_S = 1.0  # how long it waits for room to grow a request (frees in flight) before failing
+GROW_WAIT_S = 1.0  # how long a step waits for room to grow its requests (frees in flight)
 ENDED_GENERATION = sys.maxsize  # a request freed for good: every later generation is stale
 
 
@@ -117,7 +117,11 @@ class AttentionShard:
         )
         # A request's KV is claimed (off its lease) when a decode step first names it: its token
         # engine frees it from then on.
-        self.ingress = KvIngress(self.blocks, self.kv, lease_s, clock, receiver=shard_id)
+        # New KV leaves free a block per request decoding here (`claimed`), the most the next
+        # step's growth takes: a prompt whose hand-off its token engine has not counted yet must
+        # not take the room that engine counted on (it is refused, and recomputed there).
+        self.ingress = KvIngress(self.blocks, self.kv, lease_s, clock, receiver=shard_id,
+                                 keep_free=lambda: len(self.ingress.claimed()))  # fmt: skip
         # One step's tables per lane (`AttendBatch.lane`): concurrent sub-batches of one engine.
         self._steps: dict[int, _StepTables] = {}
         self._prev: dict[int, _PrevPartial] = {}  # per lane, between ATTEND_PREV and ATTEND_NEW
@@ -237,10 +241,12 @@ class AttentionShard:
             step = self._steps[batch.lane] = self._prepare_step(batch)
         return step
 
-    def _wait_room(self, req_id: str, num_tokens: int) -> bool:
-        """Whether `req_id` can grow to `num_tokens` within `GROW_WAIT_S` (frees landing)."""
+    def _wait_room(self, req_id: str, num_tokens: int, deadline: float) -> bool:
+        """Whether `req_id` can grow to `num_tokens` by `deadline` (time.monotonic(): frees
+        landing meanwhile)."""
         return self.ingress.lock.wait_for(
-            lambda: self.blocks.can_grow(req_id, num_tokens), timeout=GROW_WAIT_S
+            lambda: self.blocks.can_grow(req_id, num_tokens),
+            timeout=max(deadline - time.monotonic(), 0.0),
         )
 
     def _decode(
@@ -258,6 +264,7 @@ class AttentionShard:
         # A request this shard cannot attend for (its KV refused, missing, or out of room to
         # grow) fails alone: its row points at the scratch block and it is named in `failed`.
         failed: list[str] = []
+        grow_deadline = time.monotonic() + GROW_WAIT_S  # for the whole step, not per request
         with self.ingress.lock:
             for req_id, ctx in zip(batch.req_ids, batch.context_lens, strict=True):
                 # Its KV up to the token before this step's (fewer: an older generation).
@@ -270,7 +277,7 @@ class AttentionShard:
                 self.ingress.claim(req_id)
                 # The token engine preempts before the shards run out, but its frees travel
                 # apart from its steps: room they free is waited for, a bounded while.
-                if not self._wait_room(req_id, ctx):
+                if not self._wait_room(req_id, ctx, grow_deadline):
                     log.warning("no room to grow", shard=self.shard_id, req_id=req_id)
                     failed.append(req_id)
                     continue
