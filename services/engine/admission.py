@@ -53,7 +53,9 @@ from common.scheduling.mixed import SeqState, next_victim, preemption_order
 LANDED_MEMORY = 4096  # requests whose landing news is kept before their hand-off comes
 # A sharded request its shards failed this often (refused or could not grow its KV) ends,
 # retryably, instead of being recomputed here once more: its shards disagree with this count.
+# After its n-th such failure it waits at least RECOMPUTE_BACKOFF_S * 2**(n-1) to be recomputed.
 MAX_RECOMPUTES = 8
+RECOMPUTE_BACKOFF_S = 0.05
 
 
 class ShardGroupBlocks:
@@ -127,6 +129,7 @@ class DecodeAdmission:
         self.preempted: list[tuple[SeqState, Sequence]] = []
         self.resuming: set[str] = set()  # given back to be recomputed (`resumable`)
         self._told: dict[str, float] = {}  # preempted or resuming: when its router last heard
+        self._failures: dict[str, int] = {}  # sharded requests' rows its shards failed
         self.num_preemptions = 0  # in all, for metrics and tests
 
     def add(self, handoff: DecodeHandoff, now: float = 0.0) -> None:
@@ -346,6 +349,9 @@ class DecodeAdmission:
         preempted: list[str] = []
         while self.preempted:
             age, seq = self.preempted[0]
+            failures = self._failures.get(seq.req_id, 0)
+            if failures and now - age.waiting_since_s < RECOMPUTE_BACKOFF_S * 2 ** (failures - 1):
+                break  # its shards failed it: not at once again
             need = self.shard_blocks.blocks_needed(seq.num_tokens + 1)
             if not self._room_for(need) and not (
                 now - age.waiting_since_s >= self.starvation_s
@@ -360,7 +366,9 @@ class DecodeAdmission:
         return resumed, preempted
 
     def _room_for(self, blocks: int) -> bool:
-        used = self.shard_blocks.num_used_blocks + self._growth() + blocks
+        """Whether `blocks` more fit beside the sharded requests' next tokens, and a block for
+        each of them that the shards keep free when new KV lands (services/shard/shard.py)."""
+        used = self.shard_blocks.num_used_blocks + self._growth() + blocks + len(self.sharded)
         return used <= self.shard_blocks.num_blocks
 
     def _preempt_younger(self, age: SeqState, need: int, now: float, out: list[str]) -> bool:
@@ -393,7 +401,9 @@ class DecodeAdmission:
         report landing (`await_landing`: their news ends it), or past `MAX_RECOMPUTES`."""
         if req_id not in failed or (self.await_landing and req_id in self.arriving):
             return False
-        return self.kv_generation(req_id) < MAX_RECOMPUTES
+        failures = self._failures.get(req_id, 0) + 1
+        self._failures[req_id] = failures
+        return failures <= MAX_RECOMPUTES
 
     def quiet(self, now: float, every_s: float) -> list[str]:
         """Preempted requests (waiting, or being recomputed) that have streamed nothing for
@@ -436,6 +446,7 @@ class DecodeAdmission:
         self.preempted = [(a, s) for a, s in self.preempted if s.req_id != req_id]
         self.resuming.discard(req_id)
         self._told.pop(req_id, None)
+        self._failures.pop(req_id, None)
         self._ages.pop(req_id, None)
         self.waiting = [h for h in self.waiting if h.req_id != req_id]
         self._arrived.pop(req_id, None)

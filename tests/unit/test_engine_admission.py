@@ -6,7 +6,7 @@ from common.block_manager import BlockManager
 from common.config import SchedulerConfig
 from common.protocol import DecodeHandoff, SamplingSpec, ShardAddress
 from common.scheduling.batching import EngineScheduler, Sequence
-from services.engine.admission import DecodeAdmission
+from services.engine.admission import MAX_RECOMPUTES, RECOMPUTE_BACKOFF_S, DecodeAdmission
 
 BLOCK = 16
 SHARDS = [ShardAddress("tcp://shard-0", 0, 1), ShardAddress("tcp://shard-1", 1, 2)]
@@ -166,9 +166,11 @@ def test_a_head_without_room_is_starved_after_its_bound():
     assert admission.stalled(31.0, 30.0, lambda r: True) == []  # its KV is all there
 
 
-def sharded_admission(arrivals: dict[str, tuple[float, int]], **knobs: float) -> DecodeAdmission:
-    """A group of 4 blocks (64 tokens) decoding `arrivals`: req_id -> (arrival time, tokens)."""
-    admission = DecodeAdmission(shard_num_blocks=4, block_size=BLOCK, **knobs)  # type: ignore[arg-type]
+def sharded_admission(
+    arrivals: dict[str, tuple[float, int]], num_blocks: int = 4, **knobs: float
+) -> DecodeAdmission:
+    """A group of `num_blocks` decoding `arrivals`: req_id -> (arrival time, tokens)."""
+    admission = DecodeAdmission(num_blocks, BLOCK, **knobs)  # type: ignore[arg-type]
     for req_id, (at, tokens) in arrivals.items():
         admission.add(handoff(req_id, tokens=tokens, max_tokens=200, sharded=True), now=at)
     admission.admit(local_scheduler(), nothing_landed)
@@ -192,11 +194,12 @@ def test_growth_preempts_the_youngest_first_and_counts_it():
 
 
 def test_growth_spares_a_request_at_the_preemption_cap_unless_nothing_else_is_left():
-    admission = sharded_admission({"b": (1.0, 32), "c": (2.0, 16)}, max_preemptions=1)
+    admission = sharded_admission({"b": (1.0, 32), "c": (2.0, 16)}, 5, max_preemptions=1)
     admission.preempt("c", now=2.0)  # once: at the cap now
+    # Room for its 17 tokens (2 blocks) beside b's 2 and a block the shards keep free for b.
     assert [s.req_id for s in admission.resumable(now=2.0)[0]] == ["c"]
     admission.resumed("c", 17)  # recomputed: its 16 tokens shipped, the 17th sampled
-    step(admission, b=33)  # b needs a third block, c a second one: 5 > 4
+    step(admission, b=49)  # b needs a fourth block, c a second one: 6 > 5
     assert admission.fit_growth(now=3.0) == ["b"]  # c is younger, but capped
     last_resort = sharded_admission({"a": (0.0, 16), "b": (1.0, 16)}, max_preemptions=0)
     step(last_resort, a=64, b=17)  # 4 + 2 > 4, and both are at the cap (0)
@@ -206,11 +209,11 @@ def test_growth_spares_a_request_at_the_preemption_cap_unless_nothing_else_is_le
 def test_a_starved_preempted_request_preempts_younger_ones_to_resume():
     """The mixed policy's aging: a preempted request that has waited `starvation_s` goes before
     younger ones (they are preempted for it, the youngest first); before that it waits for room."""
-    admission = sharded_admission({"b": (1.0, 16), "c": (2.0, 16)}, starvation_s=1.0)
+    admission = sharded_admission({"b": (1.0, 16), "c": (2.0, 16)}, 6, starvation_s=1.0)
     admission.preempt("c", now=2.0)
     admission.add(handoff("d", tokens=16, max_tokens=200, sharded=True), now=5.0)
     admission.add(handoff("e", tokens=16, max_tokens=200, sharded=True), now=6.0)
-    admission.admit(local_scheduler(), nothing_landed)  # b, d, e: 3 blocks; c needs 2
+    admission.admit(local_scheduler(), nothing_landed)  # b, d, e: 3 blocks (+3 kept free)
     assert admission.resumable(now=2.5) == ([], [])  # not starved yet: it waits for room
     resumed, preempted = admission.resumable(now=3.0)
     assert [s.req_id for s in resumed] == ["c"] and preempted == ["e"]
@@ -232,3 +235,17 @@ def test_a_preempted_request_is_told_alive_to_its_router_until_it_decodes_again(
     assert admission.quiet(now=20.0, every_s=5.0) == ["b"]
     admission.resumed("b", 17)
     assert admission.quiet(now=30.0, every_s=5.0) == []
+
+
+def test_a_request_its_shards_keep_failing_backs_off_then_ends():
+    """A row a shard fails (it refused or could not grow the request's KV: its count and the
+    engine's disagree) is recomputed, each time a while later; past `MAX_RECOMPUTES` it ends."""
+    admission = sharded_admission({"a": (0.0, 16)}, 8)
+    for n in range(1, MAX_RECOMPUTES + 1):
+        assert admission.recomputes("a", {"a"}) and not admission.recomputes("b", {"a"})
+        admission.preempt("a", now=0.0)
+        backoff = RECOMPUTE_BACKOFF_S * 2 ** (n - 1)
+        assert admission.resumable(now=backoff - 0.01) == ([], [])
+        assert [s.req_id for s in admission.resumable(now=backoff)[0]] == ["a"]
+        admission.resumed("a", 17)
+    assert not admission.recomputes("a", {"a"})  # its shards disagree for good: it ends
