@@ -17,8 +17,13 @@ A `DecodeHandoff` waits, first come first served, until its KV is in place:
   KV may land in either order) and decodes on (`resumed`). Its client sees a longer gap between
   two tokens, never an error; greedy output is unchanged; the router sees no migration. A shard
   that still cannot grow or hold a request's KV (the engine's count and its own disagree: a
-  prompt's KV landed before its hand-off came) fails that row alone, and the request is
-  recomputed the same way (`recomputes`), or, after `MAX_RECOMPUTES`, ends retryably.
+  prompt's KV landed before its hand-off came, a free is still in flight) fails that row
+  alone, and the request is recomputed the same way (`recomputes`), each time after a longer
+  wait (`RECOMPUTE_BACKOFF_S`), or, after `MAX_RECOMPUTES` such failures, ends retryably. The
+  shards keep a block free per request decoding there when new KV lands, so the room counted
+  here for the next step is there (`_room_for` leaves it too). While preempted, a request
+  sends its router an empty output now and then (`quiet`): its progress deadline would
+  otherwise re-run it elsewhere.
   Faults: a shard that dies ends every request tied to the group, preempted ones included
   (faults.py `relink`), and the router re-runs them; a token engine that dies takes its
   preempted requests' state with it, and the router re-runs them like its others, from the
