@@ -13,9 +13,9 @@ keeps the three rules that make KV arriving from another process safe to hold:
   hand-off arrives, a shard when a decode step first names it;
 - **refusals**: a request whose KV does not fit is refused, not a crash: its blocks stay free, its
   later pages are dropped and `receive` says `REFUSED`, so its hand-off can fail alone. On a shard
-  "fits" means the request's whole length (`KvPages.reserve_tokens`): blocks for every token it
-  may generate are held from its first page, so it never fails mid-stream for want of one. On a
-  token engine, "fits" also leaves free the blocks its running requests may still grow into
+  "fits" means the tokens shipped (`KvPages.reserve_tokens`); decode steps grow them, and the
+  token engine preempts before the shards run out (services/engine/admission.py). On a token
+  engine, "fits" also leaves free the blocks its running requests may still grow into
   (`keep_free`), so landing KV never takes the room a decode step needs.
 
 Thread-safe for one ingress thread (`receive`, `free`, `expire_leases`) and one decode thread
@@ -79,6 +79,7 @@ class KvIngress:
         self._unclaimed: dict[str, float] = {}  # req_id -> when its first page came
         self._claimed: set[str] = set()
         self._ended: OrderedDict[str, Landed] = OrderedDict()  # DROPPED (freed) or REFUSED
+        self._reviving: set[str] = set()  # of `_ended`: freed for a preemption, KV coming back
 
     def receive(self, pages: KvPages, k: torch.Tensor, v: torch.Tensor) -> Landed:
         """Store `pages` (k/v [num_layers, num_tokens, heads, head_dim]) for its request.
@@ -147,14 +148,22 @@ class KvIngress:
         with self.lock:
             return self._layers.get(req_id, 0) >= self.num_layers
 
-    def wait_complete(self, req_id: str, timeout: float) -> bool:
+    def wait_complete(self, req_id: str, timeout: float, min_tokens: int = 0) -> bool:
         """Whether all of `req_id`'s KV landed within `timeout` (KV and the decode step that needs
-        it travel on different sockets; the step may win the race)."""
+        it travel on different sockets; the step may win the race), holding `min_tokens` at
+        least (fewer: an older generation, the new one still on its way). A request freed for a
+        preemption is waited for too: its next generation is coming (`free`)."""
+
+        def landed() -> bool:
+            held = self.blocks.has(req_id) and self.blocks.num_tokens(req_id) >= min_tokens
+            return self.is_complete(req_id) and held
+
         with self.lock:
-            landed = self.lock.wait_for(
-                lambda: self.is_complete(req_id) or req_id in self._ended, timeout=timeout
+            done = self.lock.wait_for(
+                lambda: landed() or (req_id in self._ended and req_id not in self._reviving),
+                timeout=timeout,
             )
-            return bool(landed) and self.is_complete(req_id)
+            return bool(done) and landed()
 
     def claim(self, req_id: str) -> None:
         """Whoever will free `req_id` knows of it now: its KV is no longer on a lease."""
@@ -175,17 +184,23 @@ class KvIngress:
         with self.lock:
             return req_id in self._ended
 
-    def free(self, req_id: str) -> None:
-        """The request ended: its blocks go back and later pages for it are dropped."""
+    def free(self, req_id: str, coming_back: bool = False) -> None:
+        """The request ended: its blocks go back and later pages for it are dropped.
+        `coming_back`: it was preempted, and its KV will be shipped again (`revive`)."""
         with self.lock:
             self.blocks.free(req_id)
             self._end(req_id, Landed.DROPPED)
+            if coming_back:
+                self._reviving.add(req_id)
+            self.lock.notify_all()  # a decode step may wait for room to grow
 
     def revive(self, req_id: str) -> None:
-        """Take KV for an ended `req_id` again: its token engine swaps it back here (Neo). A
-        swap racing the request's abort lands after its free then: the lease frees it."""
+        """Take KV for an ended `req_id` again: its token engine swaps it back here (Neo), or
+        recomputed it after a preemption. A swap racing the request's abort lands after its
+        free then: the lease frees it."""
         with self.lock:
             self._ended.pop(req_id, None)
+            self._reviving.discard(req_id)
 
     def forget(self, req_id: str) -> None:
         """Stop tracking `req_id`'s landing; its blocks now belong to whoever decodes it."""
@@ -205,6 +220,7 @@ class KvIngress:
 
     def _end(self, req_id: str, how: Landed) -> None:
         self.forget(req_id)
+        self._reviving.discard(req_id)
         self.spans.ended(req_id)
         self._ended[req_id] = how
         self._ended.move_to_end(req_id)

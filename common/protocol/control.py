@@ -260,6 +260,9 @@ class EngineStats(_Msg, tag="engine_stats"):
     # and those that fell back to the router's migration instead, since start.
     num_rebuilt: int = 0
     num_rebuild_fallbacks: int = 0
+    # Decodes this engine preempted for KV (its own cache's, or its shard group's) and
+    # recomputed, since start (Splitwise's memory-aware batching).
+    num_preemptions: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats | OutputsDropped

@@ -13,9 +13,9 @@ class KvPages(_Msg, tag="kv"):
     """K/V of `num_tokens` tokens for layers [layer_start, layer_start + num_layers), heads
     [head_start, head_end). Buffers: k, v, each [num_layers, num_tokens, num_heads, head_dim].
     `total_layers` tells the receiver when the request's KV is complete. `reserve_tokens`: the
-    request's whole length (prompt + max_tokens) when it will decode against the receiver (a
-    shard): the receiver holds blocks for all of it from the first page on, or refuses it then,
-    because a shard cannot preempt and a request it could not grow would fail mid-stream.
+    tokens shipped when the request will decode against the receiver (a shard): it holds blocks
+    for them from the first page on (or refuses the request then) and grows them per decode
+    step; its token engine preempts requests before the group runs out (engine/admission.py).
     `traceparent` is the request's trace context: the receiver's `kv.receive` span joins it."""
 
     req_id: str
@@ -32,12 +32,19 @@ class KvPages(_Msg, tag="kv"):
     # shard's UCX KV listener to answer with a `KvSwapAck` once all layers landed (or were
     # refused). Also lets the KV land after the request was freed here before (swapped in).
     ack_to: str = ""
+    # 0: the request's first KV here. n >= 1: its KV recomputed by its token engine after its
+    # n-th preemption (engine/admission.py): it lands though the shard freed the request, and
+    # replaces an older generation still held (that preemption's free has not come yet).
+    kv_generation: int = 0
 
 
 class FreeRequest(_Msg, tag="free"):
-    """Drop a request's KV (finished or aborted); idempotent, and arrives-before-KV safe."""
+    """Drop a request's KV (finished or aborted); idempotent, and arrives-before-KV safe.
+    `kv_generation` set: a preemption frees the KV of that generation only (`KvPages`), and the
+    request's next generation is coming (a decode step naming it waits for that one)."""
 
     req_id: str
+    kv_generation: int | None = None
 
 
 class FetchKv(_Msg, tag="fetch_kv"):

@@ -165,13 +165,22 @@ def shortest(ids: Iterable[int], loads: Mapping[int, MachineLoad], key: LoadKey)
 
 
 def with_kv_room(
-    preferred: int, candidates: Iterable[int], loads: Mapping[int, MachineLoad], kv_tokens: int
+    preferred: int,
+    candidates: Iterable[int],
+    loads: Mapping[int, MachineLoad],
+    kv_tokens: int | Mapping[int, int],
 ) -> int | None:
-    """KV admission: `preferred` if its free KV holds `kv_tokens` (a request's whole length),
-    else the least decode-loaded of `candidates` that does, else None (the request waits)."""
-    if loads[preferred].free_kv_tokens >= kv_tokens:
+    """KV admission: `preferred` if its free KV holds what a request needs there (`kv_tokens`,
+    or `kv_tokens[m]` where machines differ), else the least decode-loaded of `candidates` that
+    does, else None (the request waits)."""
+
+    def fits_on(m: int) -> bool:
+        need = kv_tokens.get(m, 1 << 62) if isinstance(kv_tokens, Mapping) else kv_tokens
+        return loads[m].free_kv_tokens >= need
+
+    if fits_on(preferred):
         return preferred
-    fits = [m for m in candidates if loads[m].free_kv_tokens >= kv_tokens]
+    fits = [m for m in candidates if fits_on(m)]
     return shortest(fits, loads, decode_load)
 
 

@@ -33,7 +33,7 @@ Time is counted in iterations (`step`), so that many decode-only iterations can 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, count
 
@@ -95,6 +95,26 @@ class MixedPlan:
     @property
     def is_empty(self) -> bool:
         return not self.prefill_ids and not self.decode_ids
+
+
+def preemption_order(
+    running: Iterable[SeqState], max_preemptions: int, ignore_cap: bool = False
+) -> list[SeqState]:
+    """Running decodes in preemption order: the youngest (lowest age priority: latest arrival)
+    first; one already preempted `max_preemptions` times is left out unless `ignore_cap`."""
+    eligible = [s for s in running if ignore_cap or s.num_preemptions < max_preemptions]
+    return sorted(eligible, key=lambda s: (-s.arrival_s, -s.order))
+
+
+def next_victim(running: Iterable[SeqState], max_preemptions: int) -> SeqState | None:
+    """The decode to preempt when memory runs out for growth (rule 5): the youngest under the
+    cap, else, as a last resort, the youngest of all; None when nothing runs. The token engine's
+    sharded decodes take the same choice (services/engine/admission.py)."""
+    running = list(running)
+    victims = preemption_order(running, max_preemptions) or preemption_order(
+        running, max_preemptions, ignore_cap=True
+    )
+    return victims[0] if victims else None
 
 
 class MixedBatchPolicy:
@@ -299,10 +319,11 @@ class MixedBatchPolicy:
     def _fit_growth(self, now: float, preempted: list[ReqId]) -> None:
         """Make room for one more token per running decode."""
         while self.running and self.free_blocks < self._growth_blocks():
-            victims = self._victims(ignore_cap=False) or self._victims(ignore_cap=True)
-            if not victims:
+            running = [s for s in self.running.values() if s.req_id not in self._prefilling]
+            victim = next_victim(running, self.config.max_preemptions)
+            if victim is None:
                 return
-            self._preempt(victims[0], now, preempted)
+            self._preempt(victim, now, preempted)
 
     def _growth_blocks(self) -> int:
         """New blocks one more token for every running request takes (decodes, and this
@@ -312,14 +333,10 @@ class MixedBatchPolicy:
         return sum(1 for r in self.running if self.num_tokens(r) % self.config.block_size == 0)
 
     def _victims(self, ignore_cap: bool) -> list[SeqState]:
-        """Running decodes in preemption order: youngest (lowest age priority) first."""
-        cap = self.config.max_preemptions
-        eligible = [
-            s
-            for s in self.running.values()
-            if s.req_id not in self._prefilling and (ignore_cap or s.num_preemptions < cap)
-        ]
-        return sorted(eligible, key=lambda s: (-s.arrival_s, -s.order))
+        """Running decodes in preemption order (`preemption_order`); this iteration's prefills
+        are never preempted."""
+        running = [s for s in self.running.values() if s.req_id not in self._prefilling]
+        return preemption_order(running, self.config.max_preemptions, ignore_cap)
 
     def _preempt_for(self, need: int, now: float, preempted: list[ReqId]) -> bool:
         """Preempt youngest eligible decodes until `need` KV tokens fit; False (and no

@@ -180,7 +180,8 @@ class Engine:
 
     def has_work(self) -> bool:
         busy = self.ship_queue.num_unfinished or self.local.num_unfinished
-        return bool(busy or self.admission.sharded) or self.admission.awaiting_landing()
+        sharded = self.admission.sharded or self.admission.preempted
+        return bool(busy or sharded) or self.admission.awaiting_landing()
 
     @torch.inference_mode()
     def step(self) -> Outbox:
@@ -193,19 +194,62 @@ class Engine:
             out += self._emit_all(batch, self.prefill.run(batch, self.table))
             for seq in batch.seqs:  # new prompts decode here next (mixed role)
                 self.telemetry.decode_started(seq.req_id)
-        elif batch is not None or self.admission.sharded:
-            out += self._decode(batch)
-        elif self.admission.awaiting_landing():  # nothing to run: ask the shards for news
-            out += self._take_kv_news(*kv_news.ask(self.runner, next(self.steps)))
+        else:
+            if self.admission.sharded:  # room on the group for this step's tokens
+                out += self._preempted(self.admission.fit_growth(time.monotonic()))
+            if batch is not None or self.admission.sharded:
+                out += self._decode(batch)
+            elif self.admission.awaiting_landing():  # nothing to run: ask the shards for news
+                out += self._take_kv_news(*kv_news.ask(self.runner, next(self.steps)))
         if self.admission.waiting:  # requests may have finished: room for waiting hand-offs
             out += self.admit_handoffs()
+        if self.admission.preempted:  # and for preempted ones
+            out += self._resume()
+        return out + self._still_alive()
+
+    def _still_alive(self) -> Outbox:
+        """An empty output for each preempted request quiet for a third of the router's progress
+        deadline (`MeshOptions.progress_timeout_s`): it lives, and is not to be re-run."""
+        out = Outbox()
+        every_s = self.parts.options.progress_timeout_s / 3
+        for req_id in self.admission.quiet(time.monotonic(), every_s):
+            req, route = self.table.requests[req_id], self.table.routes[req_id]
+            alive = TokenOutput(req_id, [], "", route.num_prompt_tokens,
+                                index=len(req.output_token_ids))  # fmt: skip
+            out += Outbox.output(route.reply_to, alive)
         return out
+
+    def _preempted(self, req_ids: list[str]) -> Outbox:
+        """Sharded requests preempted (admission.py): their KV on the shards is freed; each is
+        recomputed from its tokens when room returns (`_resume`)."""
+        out = Outbox()
+        for req_id in req_ids:
+            shards = kv_endpoints(self.table.routes[req_id].shards or self.shards)
+            out += Outbox.free(req_id, shards, self.admission.kv_generation(req_id) - 1)
+        return out
+
+    def _resume(self) -> Outbox:
+        """Preempted requests with room again go to the prefill queue (first in a step): their
+        prompt and tokens so far are prefilled again here and shipped to the shards, then they
+        decode on (`_prefill_and_ship`). Not a migration: the router sees a gap, not a loss."""
+        resumed, preempted = self.admission.resumable(time.monotonic())
+        for seq in resumed:
+            tokens = self.table.requests[seq.req_id].all_token_ids
+            self.ship_queue.add(Sequence(seq.req_id, len(tokens)))
+        return self._preempted(preempted)
 
     def _prefill_and_ship(self, batch: Batch) -> Outbox:
         routes = {s.req_id: self.table.routes[s.req_id] for s in batch.seqs}
+        resumes = {s.req_id for s in batch.seqs} & self.admission.resuming
+        gens = {req_id: self.admission.kv_generation(req_id) for req_id in resumes}
         out = Outbox()
-        for seq, row in zip(batch.seqs, self.prefill.run_and_ship(batch, self.table), strict=True):
-            out += self._shipped(seq.req_id, row, routes[seq.req_id])
+        sampled = self.prefill.run_and_ship(batch, self.table, gens)
+        for seq, row in zip(batch.seqs, sampled, strict=True):
+            if seq.req_id in self.admission.resuming:  # a preempted request: it decodes here
+                out += self._emit(seq.req_id, row)
+                self.admission.resumed(seq.req_id, seq.num_tokens + 1)
+            else:
+                out += self._shipped(seq.req_id, row, routes[seq.req_id])
             self.blocks.mark_computed(seq.req_id, seq.num_tokens)  # its prefix stays cached
             self.ship_queue.remove(seq.req_id)
         return out
@@ -223,7 +267,6 @@ class Engine:
 
     def _decode(self, batch: Batch | None) -> Outbox:
         local, sharded = batch.seqs if batch else [], list(self.admission.sharded)
-        self.admission.grow_sharded()
         step = next(self.steps)
         trace = self.telemetry.trace_step(step, sharded)  # sampled: token.step, round trips
         plan = self.runner.plan_decode(
@@ -239,8 +282,17 @@ class Engine:
         self._step_timed(time.perf_counter() - started, plan.batch_1 is not None, bool(sharded))
         self.telemetry.step_done(trace, result.round_trips)
         out = self._emit_all(batch or Batch(Phase.DECODE, []), sampled[: len(local)])
+        # A shard that could not grow, or hold, a request's KV: the request is preempted and
+        # recomputed here, its token not taken (one preempted too often ends alone, retryably:
+        # the router re-runs it elsewhere).
+        regrown = [s.req_id for s in sharded if self.admission.recomputes(s.req_id, result.failed)]
+        for req_id in regrown:
+            self.admission.preempt(req_id, time.monotonic())
+        out += self._preempted(regrown)
         self.admission.confirm([s.req_id for s in sharded if s.req_id not in result.failed])
         for seq, row in zip(sharded, sampled[len(local) :], strict=True):
+            if seq.req_id in regrown:
+                continue
             seq.num_computed, seq.num_tokens = seq.num_tokens, seq.num_tokens + 1
             if seq.req_id in result.failed:  # a shard could not attend for it: it alone re-runs
                 row = SampledRow(ShardRowFailed(f"a shard of engine {self.engine_id} lost its KV"))

@@ -176,17 +176,20 @@ class EngineFaults:
     ) -> Outbox:
         """Decode against `shards` from now on (empty: local attention only).
 
-        Every request tied to the old group (decoding against it, or waiting to) ends with a
-        retryable error: the router re-runs it from its tokens on a whole group. Its KV is freed
-        on every shard of the old group: this engine cannot tell which one died (a free sent to
-        a dead shard is dropped with its socket), and the live ones may hold it without ever
-        having decoded it (a handoff still waiting), so no other free would come. Requests
+        Every request tied to the old group (decoding against it, or waiting to, preempted
+        included) ends with a retryable error: the router re-runs it from its tokens on a whole
+        group. Its KV is freed on every shard of the old group: this engine cannot tell which
+        one died (a free sent to a dead shard is dropped with its socket), and the live ones may
+        hold it without ever having decoded it (a handoff still waiting), so no other free
+        would come. Requests
         parked for a rebuild are not tied: `rebuilders` (prompt engines) may rebuild their lost
         heads on `shards` (`_rebuild_onto`; `now`: monotonic seconds, by default the clock's).
         """
         e = self.engine
         tied = [s.req_id for s in e.admission.sharded]
         tied += [h.req_id for h in e.admission.waiting if h.shards]
+        tied += [s.req_id for _, s in e.admission.preempted]  # to be recomputed on the old group
+        tied += sorted(e.admission.resuming)
         tied += e.tiers.moving()  # mid-swap, to or from the old group
         out = e.end_all(tied, e.why(reason))
         e.runner.relink(links, shards)

@@ -38,6 +38,7 @@ class KvRoute:
     last_sent_ns: int = 0
     traceparent: str = ""
     sends: list[tuple[int, int, int, int]] = field(default_factory=list)
+    kv_generation: int = 0  # `KvPages.kv_generation`
 
 
 class KvShipper:
@@ -87,6 +88,7 @@ class KvShipper:
                 sent_at=time.monotonic(),
                 reserve_tokens=route.reserve_tokens,
                 traceparent=route.traceparent,
+                kv_generation=route.kv_generation,
             )
             heads = slice(dest.head_start, dest.head_end)
             k_dest, v_dest = k[:, :, heads].contiguous(), v[:, :, heads].contiguous()

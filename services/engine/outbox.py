@@ -40,8 +40,12 @@ class Outbox:
         return cls(outputs=[(reply_to, message)])
 
     @classmethod
-    def free(cls, req_id: str, kv_endpoints: Iterable[str]) -> Outbox:
-        return cls(frees=[(endpoint, FreeRequest(req_id)) for endpoint in kv_endpoints])
+    def free(
+        cls, req_id: str, kv_endpoints: Iterable[str], kv_generation: int | None = None
+    ) -> Outbox:
+        """Free a request's KV where it is (`kv_generation`: a preemption's, `FreeRequest`)."""
+        message = FreeRequest(req_id, kv_generation)
+        return cls(frees=[(endpoint, message) for endpoint in kv_endpoints])
 
     @classmethod
     def refusal(cls, handoff: DecodeHandoff, error: str, retryable: bool = True) -> Outbox:

@@ -102,7 +102,8 @@ def build_engine_parts(
     kv_ingress = KvIngress(blocks, kv, keep_free=lambda: local.blocks_to_grow(table.whole_len))
     # A request-partitioned group holds each request on one shard: its room is the sum.
     group_blocks = o.shard_num_blocks * (len(shards) if holds_whole_requests(shards) else 1)
-    admission = DecodeAdmission(group_blocks, o.block_size, o.kv_transfer == "pull")
+    admission = DecodeAdmission(group_blocks, o.block_size, o.kv_transfer == "pull",
+                                o.max_preemptions, o.starvation_s)  # fmt: skip
     swaps = None
     if o.local_kv_blocks and kv_address and role in (Role.TOKEN, Role.MIXED):
         swaps = KvSwaps(blocks, kv, kv_send, kv_address)

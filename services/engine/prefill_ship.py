@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 
 from common.engine.core import forward_and_sample
 from common.engine.request import Request
@@ -50,9 +51,15 @@ class Prefill:
             batch, table, self.runner.plan_prefill(batch, table.token_ids(batch.seqs))
         )
 
-    def run_and_ship(self, batch: Batch, table: RequestTable) -> list[SampledRow]:
-        """Prefill prompts that decode elsewhere, each one's KV shipped as it is computed."""
-        routes = [self._kv_route(s.req_id, s.num_tokens, table) for s in batch.seqs]
+    def run_and_ship(
+        self, batch: Batch, table: RequestTable, generations: Mapping[str, int] | None = None
+    ) -> list[SampledRow]:
+        """Prefill prompts that decode elsewhere, each one's KV shipped as it is computed.
+        `generations`: preempted requests recomputed by their token engine, each with the
+        generation of its new KV (`KvPages.kv_generation`)."""
+        gens = generations or {}
+        routes = [self._kv_route(s.req_id, s.num_tokens, table, gens.get(s.req_id, 0))
+                  for s in batch.seqs]  # fmt: skip
         shipper = KvShipper(routes, self.num_layers, self.kv_send)
         plan = self.runner.plan_prefill(batch, table.token_ids(batch.seqs), shipper)
         sampled = self._forward(batch, table, plan)
@@ -73,15 +80,19 @@ class Prefill:
         self.telemetry.prefill_done(batch.seqs, start_ns, time.time_ns())
         return sampled
 
-    def _kv_route(self, req_id: str, num_tokens: int, table: RequestTable) -> KvRoute:
+    def _kv_route(
+        self, req_id: str, num_tokens: int, table: RequestTable, kv_generation: int = 0
+    ) -> KvRoute:
         r = table.routes[req_id]
         dests = list(r.shards) or [ShardAddress(
             r.token_kv_endpoint, 0, self.num_kv_heads, kv_address=r.token_kv_address
         )]  # fmt: skip
-        # Shards hold a request's whole length from its first page (they cannot preempt).
-        reserve = table.whole_len(req_id) if r.shards else 0
+        # Shards hold the KV shipped and grow it per decode step; the token engine preempts
+        # when they would run out (admission.py).
+        reserve = num_tokens if r.shards else 0
         return KvRoute(req_id, dests, num_tokens >= self.layer_wise_min_tokens, reserve,
-                       traceparent=self.telemetry.traceparent(req_id))  # fmt: skip
+                       traceparent=self.telemetry.traceparent(req_id),
+                       kv_generation=kv_generation)  # fmt: skip
 
     def hand_off(self, req: Request, route: RequestRoute) -> Outbox:
         """The prefilled request, to its token engine."""

@@ -77,6 +77,7 @@ class EngineReports:
             self.prefill.num_computed_tokens, self.blocks.num_hit_tokens, home_role=self.role,
             num_loans=self.pool.num_loans, num_decode_steps=t.num_decode_steps,
             num_two_batch_steps=t.num_two_batch_steps, num_group_relinks=self.runner.num_relinks,
+            num_preemptions=self.admission.num_preemptions + self.local.num_preemptions,
             step_times_s=[[p, m, float(kind)] for p, m, kind in t.step_times],
             decode_breakdown=self.runner.times.report() if shards else None,
             **self._peer_counts(),
@@ -98,7 +99,7 @@ class EngineReports:
             pending_prompt_tokens=self._pending_prompt_tokens(),
             running_decode_tokens=self._decode_tokens(),
             num_running=len(self.local.running) + len(self.admission.sharded),
-            num_waiting=self.ship_queue.num_unfinished + len(self.admission.waiting),
+            num_waiting=self._num_waiting(),
             free_kv_blocks=self._free_kv_blocks(shards),
             time=now,
             shard_endpoints=kv_endpoints(shards),
@@ -121,21 +122,27 @@ class EngineReports:
         )
 
     def _free_kv_blocks(self, shards: Seq[ShardAddress]) -> int:
-        """Where its decode KV lives: the shard group (as this engine accounts it), or its own
-        cache less what its local requests may still grow into; less, either way, the whole
-        length of the hand-offs waiting to decode here (a router must not count their room)."""
+        """Where its decode KV lives: the shard group (as this engine accounts it: its requests'
+        tokens so far), or its own cache less what its local requests may still grow into;
+        less, either way, what the hand-offs waiting to decode here and the preempted requests
+        will take (a router must not count their room: preempted ones go first)."""
         if shards:
             free = self.admission.free_shard_blocks()
         else:
             free = self.blocks.num_free_blocks - self.local.blocks_to_grow(self.table.whole_len)
         return max(free - self.admission.waiting_blocks(self.blocks), 0)
 
+    def _num_waiting(self) -> int:
+        a = self.admission
+        return self.ship_queue.num_unfinished + len(a.waiting) + len(a.preempted)
+
     def _decode_tokens(self) -> int:
         """The tokens of the requests it decodes or holds to decode: hand-offs waiting for their
         KV (or room) too. Their prompt engine stopped reporting them when it handed them off,
         and a router must not see this engine as free of them meanwhile."""
         decoding = sum(s.num_tokens for s in self.local.running + self.admission.sharded)
-        return decoding + sum(len(h.token_ids) for h in self.admission.waiting)
+        preempted = sum(s.num_tokens for _, s in self.admission.preempted)
+        return decoding + preempted + sum(len(h.token_ids) for h in self.admission.waiting)
 
     def _pending_prompt_tokens(self) -> int:
         """The schedulers' running counts of prompt tokens to prefill, never below 0: a router

@@ -18,6 +18,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from services.router.streams import Overloaded
+
+RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After), in seconds
+
 log = structlog.get_logger(__name__)
 
 ERROR_TYPES = {
@@ -103,6 +107,9 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error_response)  # type: ignore[arg-type]
+    # A refusal after admission (a plain response's re-run found no engine with room in time):
+    # its status (429/503) and Retry-After, as at admission, not a 500.
+    app.add_exception_handler(Overloaded, _overloaded_response)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _internal_error_response)
 
 
@@ -137,6 +144,11 @@ def _param_path(loc: Sequence[Any]) -> str | None:
         if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or p.startswith(_TAG_PREFIXES)))
     ]
     return ".".join(parts) or None
+
+
+async def _overloaded_response(_: Request, exc: Overloaded) -> Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return JSONResponse(error_body(exc.status, str(exc)), status_code=exc.status, headers=headers)
 
 
 async def _http_error_response(_: Request, exc: HTTPException) -> Response:

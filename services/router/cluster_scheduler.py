@@ -61,6 +61,19 @@ from services.router.pool_state import ReportedPools
 PLACEMENT_TTL_S = 5.0
 
 
+# KV admission on a token engine with a shard group counts a request's tokens now and at most
+# this many more: its KV there grows on demand, and the token engine preempts (and recomputes)
+# requests when the group runs out (services/engine/admission.py). One without counts its whole
+# length (its own cache admits a hand-off only when the whole length fits).
+KV_GROW_HEADROOM_TOKENS = 64
+
+
+def kv_grow_tokens(num_tokens: int, max_new_tokens: int) -> int:
+    """What a request of `num_tokens` tokens that may generate `max_new_tokens` more needs on a
+    shard group to be admitted."""
+    return num_tokens + min(max_new_tokens, KV_GROW_HEADROOM_TOKENS)
+
+
 class NoEngines(LookupError):
     """No ready prompt engine or no ready token engine to place a request on."""
 
@@ -214,12 +227,14 @@ class ClusterScheduler:
         prompt_ids: Sequence[int] = (),
         kv_tokens: int = 0,
         req_id: str = "",
+        kv_grow: int = 0,
     ) -> tuple[ServiceEntry, ServiceEntry]:
         """(prompt engine, token engine) for a new request of `prompt_len` tokens; given its
         `prompt_ids`, KV-aware (the prefix each engine caches is credited). With `kv_tokens`
-        (its whole length), only a token engine with that much free KV is chosen (KV admission:
-        `NoKvRoom` when none has it now); `req_id` names its hold until the token engine counts
-        it (`released`)."""
+        (its whole length), only a token engine with room for it is chosen (KV admission:
+        `NoKvRoom` when none has it now): `kv_grow` free KV tokens on one with a shard group
+        (`kv_grow_tokens`; 0: the whole length there too), the whole length on one without;
+        `req_id` names its hold until the token engine counts it (`released`)."""
         hashes = self._prompt_hashes(prompt_len, prompt_ids)  # outside the lock: pure work
         with self._lock:
             if self._policy is None:
@@ -229,14 +244,15 @@ class ClusterScheduler:
             now = time.monotonic()
             loads = self._with_handoffs()  # once: rebalancing moves pools, not loads
             self._rebalance(self._policy, now, loads)
+            need = self._kv_need(kv_tokens, kv_grow) if kv_tokens else {}
             if kv_tokens:  # before the policy moves pools: a refusal changes nothing
                 loads = self._with_held_kv(loads)
-                self._check_kv_room(loads, kv_tokens)
+                self._check_kv_room(loads, kv_tokens, need)
             decision = self._policy.route(request, loads, now)
             self._pools.ask(decision.moves, now)
             prompt_id, token_id = decision.prompt_machine_id, decision.token_machine_id
             if kv_tokens:
-                room = with_kv_room(token_id, self._token_capable(), loads, kv_tokens)
+                room = with_kv_room(token_id, self._token_capable(), loads, need)
                 token_id = token_id if room is None else room
             token = self._one_shard(self._linked_group(token_id), prompt_len)
             # A mixed engine decodes its own prompt where its KV is: itself, when the request
@@ -245,7 +261,7 @@ class ClusterScheduler:
             self._account(prompt_id, token_id, prompt_len, request.cached_on(prompt_id),
                           decodes_there, kv_tokens)  # fmt: skip
             if kv_tokens and not decodes_there:
-                self._hold_kv(token_id, kv_tokens, req_id)
+                self._hold_kv(token_id, need[token_id], req_id)
             self._cached[prompt_id].expect(hashes)
             return self._engines[prompt_id], token
 
@@ -263,12 +279,19 @@ class ClusterScheduler:
         if most < kv_tokens:
             raise NoKvRoom(kv_tokens, most, ever=False)
 
-    def _check_kv_room(self, loads: dict[int, MachineLoad], kv_tokens: int) -> None:
-        """`NoKvRoom` unless some token-capable engine has `kv_tokens` of KV free."""
+    def _kv_need(self, kv_tokens: int, kv_grow: int) -> dict[int, int]:
+        """The free KV tokens each token-capable engine must have to take a request (`choose`)."""
+        grows = {m: bool(kv_grow and self._linked_group(m).shards) for m in self._token_capable()}
+        return {m: kv_grow if g else kv_tokens for m, g in grows.items()}
+
+    def _check_kv_room(
+        self, loads: dict[int, MachineLoad], kv_tokens: int, need: dict[int, int]
+    ) -> None:
+        """`NoKvRoom` unless some token-capable engine has the free KV it `need`s."""
         self._check_ever_fits(loads, kv_tokens)
-        free = [loads[m].free_kv_tokens for m in self._token_capable()]
-        if free and max(free) < kv_tokens:
-            raise NoKvRoom(kv_tokens, max(free), ever=True)
+        if need and not any(loads[m].free_kv_tokens >= n for m, n in need.items()):
+            free = max(loads[m].free_kv_tokens for m in need)
+            raise NoKvRoom(min(need.values()), free, ever=True)
 
     def _with_held_kv(self, loads: dict[int, MachineLoad]) -> dict[int, MachineLoad]:
         """Each token engine's free KV less the whole length of this router's placements its

@@ -45,7 +45,12 @@ from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool
 from services.mesh.absence import Absences
 from services.mesh.registry import ServiceEntry
-from services.router.cluster_scheduler import ClusterScheduler, NoEngines, NoKvRoom
+from services.router.cluster_scheduler import (
+    ClusterScheduler,
+    NoEngines,
+    NoKvRoom,
+    kv_grow_tokens,
+)
 from services.router.coalesce import coalesce
 from services.router.engine_client import EngineClientStats
 from services.router.kv_queue import KvWaitQueue
@@ -240,6 +245,8 @@ class MeshEngineClient:
                     # Requests kept through a dead shard (its heads rebuilt), or migrated instead.
                     "num_rebuilt": r.num_rebuilt,
                     "num_rebuild_fallbacks": r.num_rebuild_fallbacks,
+                    # Requests it preempted for KV and recomputed (memory-aware batching).
+                    "num_preemptions": r.num_preemptions,
                     "kv_blocks_used": r.kv_blocks_used,
                     "num_requests": r.num_requests,
                 }
@@ -272,11 +279,13 @@ class MeshEngineClient:
         self, req_id: str, prompt_ids: list[int], params: SamplingParams, hold_to_end: bool
     ) -> MeshStream:
         num_tokens = len(prompt_ids)
-        kv_tokens = num_tokens + params.max_tokens  # its whole length: what its KV will hold
+        kv_tokens = num_tokens + params.max_tokens  # its whole length: what its KV may hold
+        kv_grow = kv_grow_tokens(num_tokens, params.max_tokens)  # what a shard group needs now
 
         def place() -> MeshStream:  # under the table's lock, once admission allows it
             try:
-                prompt, token = self.scheduler.choose(num_tokens, prompt_ids, kv_tokens, req_id)
+                prompt, token = self.scheduler.choose(num_tokens, prompt_ids, kv_tokens, req_id,
+                                                      kv_grow)  # fmt: skip
             except NoEngines as exc:
                 raise Unavailable("no_engines", "No engine is ready. Please retry later.") from exc
             self.requests.open(req_id, prompt_ids, params.to_spec(), (prompt, token))
@@ -333,7 +342,9 @@ class MeshEngineClient:
         await asyncio.sleep(min(MIGRATION_BACKOFF_S * 2 ** (attempt - 1), MIGRATION_BACKOFF_MAX_S))
         num_tokens = len(replay.prompt_token_ids) + len(replay.output_token_ids)
         kv_tokens = len(replay.prompt_token_ids) + replay.sampling.max_tokens
-        prompt, token = await self._place_when_ready(req_id, num_tokens, kv_tokens, reason)
+        kv_grow = kv_grow_tokens(num_tokens, kv_tokens - num_tokens)
+        prompt, token = await self._place_when_ready(req_id, num_tokens, (kv_tokens, kv_grow),
+                                                     reason)  # fmt: skip
         with self._lock:
             stream.prompt_engine, stream.token_engine = prompt, token
             stream.num_attempt_tokens, stream.lost = 0, False
@@ -351,7 +362,7 @@ class MeshEngineClient:
         self._send(prompt.command_endpoint, msg)
 
     async def _place_when_ready(
-        self, req_id: str, num_tokens: int, kv_tokens: int, reason: str
+        self, req_id: str, num_tokens: int, kv: tuple[int, int], reason: str
     ) -> tuple[ServiceEntry, ServiceEntry]:
         """A prompt and a token engine with KV room, waiting (bounded) while replacements start
         or room frees."""
@@ -360,13 +371,16 @@ class MeshEngineClient:
             try:
                 with self._lock:
                     self.scheduler.released(req_id)  # the lost attempt's hold, if it has one
-                    placed = self.scheduler.choose(num_tokens, kv_tokens=kv_tokens, req_id=req_id)
+                    placed = self.scheduler.choose(num_tokens, kv_tokens=kv[0], req_id=req_id,
+                                                   kv_grow=kv[1])  # fmt: skip
                 self._send_role_changes()
                 return placed
             except (NoEngines, NoKvRoom):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"generation failed: {reason}; no engine ready in {MIGRATION_WAIT_S} s"
+                if time.monotonic() > deadline:  # a 503 where nothing was sent yet
+                    raise Unavailable(
+                        "no_engines",
+                        f"generation failed: {reason}; no engine with room in "
+                        f"{MIGRATION_WAIT_S} s. Please retry later.",
                     ) from None
             # NOTE: membership changes arrive by the watch thread's registry reads; a short
             # asyncio sleep keeps this request's coroutine off the event loop meanwhile.

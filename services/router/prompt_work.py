@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from common.chat_template import ChatTemplateError
 from common.tokenizer import Tokenizer
-from services.router.api_errors import APIError
+from services.router.api_errors import RETRY_AFTER_S, APIError
 from services.router.http_edge import check_unicode
 
 T = TypeVar("T")
@@ -43,7 +43,6 @@ INLINE_CHAT_BYTES = 16 << 10
 # chat_template_kwargs deeper than this is a 400: templates read flags and short lists, and the
 # walks over the value (control-token marking, Unicode checks) must not run out of stack.
 MAX_KWARGS_DEPTH = 32
-RETRY_AFTER_S = 1
 # Roles whose text a template writes out whole (trimmed at most), checked per template at start:
 # assistant turns (templates drop past reasoning) and tool results are not counted.
 _TEXT_ROLES = ("system", "developer", "user")

@@ -49,6 +49,7 @@ from common.telemetry import Metrics
 from common.telemetry.prometheus import CONTENT_TYPE, PrometheusSink
 from common.tokenizer import Tokenizer
 from services.router.api_errors import (
+    RETRY_AFTER_S,
     APIError,
     error_body,
     error_responses,
@@ -108,7 +109,6 @@ _NO_HTTP_SPANS: dict[str, Any] = (
 )
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 8 << 20  # a request body larger than this is a 413, never parsed
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key
 REQUEST_ID_HEADER = "X-Request-Id"

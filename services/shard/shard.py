@@ -10,7 +10,9 @@ lands while decode runs.
 
 from __future__ import annotations
 
+import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,13 +25,15 @@ from common.block_manager import BlockManager, NoFreeBlocksError
 from common.config import ModelConfig
 from common.engine.runner import pad_block_tables
 from common.kv_cache import KVCache
-from common.kv_ingress import KV_LEASE_S, KvIngress, Landed
+from common.kv_ingress import KV_LEASE_S, TOMBSTONES, KvIngress, Landed
 from common.protocol import AttendBatch, EngineStats, KvPages
 from common.roles import Role
 
 log = structlog.get_logger(__name__)
 
 KV_WAIT_S = 30.0  # how long a decode step waits for KV still in flight before failing
+GROW_WAIT_S = 1.0  # how long a step waits for room to grow its requests (frees in flight)
+ENDED_GENERATION = sys.maxsize  # a request freed for good: every later generation is stale
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,16 @@ class AttentionShard:
         )
         # A request's KV is claimed (off its lease) when a decode step first names it: its token
         # engine frees it from then on.
-        self.ingress = KvIngress(self.blocks, self.kv, lease_s, clock, receiver=shard_id)
+        # New KV leaves free a block per request decoding here (`claimed`), the most the next
+        # step's growth takes: a prompt whose hand-off its token engine has not counted yet must
+        # not take the room that engine counted on (it is refused, and recomputed there).
+        self.ingress = KvIngress(self.blocks, self.kv, lease_s, clock, receiver=shard_id,
+                                 keep_free=lambda: len(self.ingress.claimed()))  # fmt: skip
         # One step's tables per lane (`AttendBatch.lane`): concurrent sub-batches of one engine.
         self._steps: dict[int, _StepTables] = {}
         self._prev: dict[int, _PrevPartial] = {}  # per lane, between ATTEND_PREV and ATTEND_NEW
+        # Preempted requests' KV generations held (`KvPages.kv_generation`); ingress thread only.
+        self._generations: OrderedDict[str, int] = OrderedDict()
 
     # -- KV ingress ----------------------------------------------------------------------------
 
@@ -127,6 +137,8 @@ class AttentionShard:
                 f"KV for heads [{pages.head_start}, {pages.head_end}) sent to a shard holding "
                 f"[{self.spec.head_start}, {self.spec.head_end})"
             )
+        if pages.kv_generation and not self._new_generation(pages):
+            return Landed.DROPPED  # an older generation's page, late
         if pages.ack_to and pages.layer_start == 0 and not self.blocks.has(pages.req_id):
             self.ingress.revive(pages.req_id)  # swapped out again after a swap-in freed it here
         landed = self.ingress.receive(pages, k, v)
@@ -134,8 +146,30 @@ class AttentionShard:
             log.warning("KV refused: no free blocks", shard=self.shard_id, req_id=pages.req_id)
         return landed
 
-    def free(self, req_id: str) -> None:
-        self.ingress.free(req_id)
+    def _new_generation(self, pages: KvPages) -> bool:
+        """A preempted request's KV recomputed (`KvPages.kv_generation`): its first page lifts the
+        tombstone its preemption's free left, or replaces the older generation still held (that
+        free has not come yet, and is ignored when it does). False: pages of an older one."""
+        held = self._generations.get(pages.req_id, 0)
+        if pages.kv_generation < held:
+            return False
+        if pages.kv_generation > held and pages.layer_start == 0:
+            if self.blocks.has(pages.req_id):
+                self.ingress.free(pages.req_id)
+            self.ingress.revive(pages.req_id)
+            self._generations[pages.req_id] = pages.kv_generation
+        return True
+
+    def free(self, req_id: str, kv_generation: int | None = None) -> None:
+        """Free a request's KV (`FreeRequest`): a preemption's frees its generation only."""
+        if kv_generation is None:  # no generation of it lands after this (a resume in flight)
+            self._generations[req_id] = ENDED_GENERATION
+            self._generations.move_to_end(req_id)
+            while len(self._generations) > TOMBSTONES:
+                self._generations.popitem(last=False)
+            self.ingress.free(req_id)
+        elif kv_generation >= self._generations.get(req_id, 0):
+            self.ingress.free(req_id, coming_back=True)
 
     def read_kv(self, req_id: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A request's first `num_tokens` tokens of KV, every layer: k, v [layers, T, heads, D]
@@ -207,6 +241,14 @@ class AttentionShard:
             step = self._steps[batch.lane] = self._prepare_step(batch)
         return step
 
+    def _wait_room(self, req_id: str, num_tokens: int, deadline: float) -> bool:
+        """Whether `req_id` can grow to `num_tokens` by `deadline` (time.monotonic(): frees
+        landing meanwhile)."""
+        return self.ingress.lock.wait_for(
+            lambda: self.blocks.can_grow(req_id, num_tokens),
+            timeout=max(deadline - time.monotonic(), 0.0),
+        )
+
     def _decode(
         self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,20 +264,24 @@ class AttentionShard:
         # A request this shard cannot attend for (its KV refused, missing, or out of room to
         # grow) fails alone: its row points at the scratch block and it is named in `failed`.
         failed: list[str] = []
+        grow_deadline = time.monotonic() + GROW_WAIT_S  # for the whole step, not per request
         with self.ingress.lock:
             for req_id, ctx in zip(batch.req_ids, batch.context_lens, strict=True):
-                if not self.ingress.wait_complete(req_id, KV_WAIT_S):
+                # Its KV up to the token before this step's (fewer: an older generation).
+                if not self.ingress.wait_complete(req_id, KV_WAIT_S, ctx - 1):
                     why = "refused (no room)" if self.ingress.was_refused(req_id) else "missing"
                     log.warning("request's KV unusable", shard=self.shard_id, req_id=req_id,
                                 why=why)  # fmt: skip
                     failed.append(req_id)
                     continue
                 self.ingress.claim(req_id)
-                try:
-                    self.blocks.grow(req_id, ctx)
-                except NoFreeBlocksError:
+                # The token engine preempts before the shards run out, but its frees travel
+                # apart from its steps: room they free is waited for, a bounded while.
+                if not self._wait_room(req_id, ctx, grow_deadline):
                     log.warning("no room to grow", shard=self.shard_id, req_id=req_id)
                     failed.append(req_id)
+                    continue
+                self.blocks.grow(req_id, ctx)
             unusable = set(failed)
             tables, context_lens, slots = [], [], []
             for req_id, ctx in zip(batch.req_ids, batch.context_lens, strict=True):

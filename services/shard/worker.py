@@ -312,7 +312,7 @@ class ShardWorker:
             elif isinstance(header, FetchKv):
                 self._fetch(header)
             elif isinstance(header, FreeRequest):
-                self.shard.free(header.req_id)
+                self.shard.free(header.req_id, header.kv_generation)
             elif isinstance(header, Shutdown):
                 self.running = False
             else:

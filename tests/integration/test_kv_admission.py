@@ -25,10 +25,10 @@ MAX_TOKENS = 60  # with a 20-token prompt: 80 tokens, 5 blocks of 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-async def run_all(client, prompts):  # type: ignore[no-untyped-def]
+async def run_all(client, prompts, params=GREEDY):  # type: ignore[no-untyped-def]
     async def one(i: int, prompt: list[int]) -> tuple[list[int], str, str]:
         tokens, reason, error = [], "", ""
-        async for out in client.generate(f"r{i}", prompt, GREEDY):
+        async for out in client.generate(f"r{i}", prompt, params):
             tokens += out.new_token_ids
             reason, error = str(out.finish_reason or ""), out.error or error
         return tokens, reason, error
@@ -107,3 +107,34 @@ async def until(condition, timeout_s: float = 30.0) -> None:  # type: ignore[no-
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "timed out"
         await asyncio.sleep(0.02)
+
+
+def test_requests_that_outgrow_the_shards_together_are_preempted_and_recomputed(tiny_model_path):
+    """Shard KV grows on demand (issue 49 item 1): each request fits the group alone, four do not
+    at their whole length, and the router admits them by what they hold now. When a decode step
+    cannot grow one, the token engine preempts the youngest (the mixed policy's rules), frees
+    its KV on the shards and later prefills its prompt and tokens so far again: every request
+    finishes, token for token as the single-process engine decodes it, none migrated."""
+    greedy = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)  # 112: 7 blocks
+    prompts = random_prompts([12] * 4, vocab=2048, seed=13)
+    reference = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False)
+    expected = reference.generate(prompts, greedy)
+    options = MeshOptions(shard_num_blocks=8)  # one request's whole length, not two
+    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2, options=options))
+    client = mesh.engine_client()
+
+    async def scenario():  # type: ignore[no-untyped-def]
+        await until(lambda: knows_kv_room(client))
+        return await run_all(client, prompts, greedy)
+
+    try:
+        results = asyncio.run(scenario())
+        assert [error for _, _, error in results] == [""] * 4
+        assert [tokens for tokens, _, _ in results] == expected
+        preemptions = [s["num_preemptions"] for s in client.stats().services.values()]
+        assert sum(preemptions) > 0
+        assert client.num_migrations == 0  # recomputed where it was, not re-run elsewhere
+        assert_no_kv_held(mesh)
+    finally:
+        client.shutdown()
+        mesh.close()

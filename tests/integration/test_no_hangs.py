@@ -176,10 +176,11 @@ def test_more_requests_than_the_shards_hold_fail_only_before_they_decode(
     tiny_model_path: Path,
 ) -> None:
     """Six concurrent ~200-token prompts with 150 tokens each to generate, against one shard of 48
-    blocks (768 tokens: room for two whole requests). Shards hold each request's whole length from
-    its first KV page, so a request either gets all of it or is refused before it decodes (a
-    retryable error the router re-runs); one that decodes finishes with the single-process
-    engine's tokens, never failing mid-stream for want of a block. Nothing is left behind."""
+    blocks (768 tokens: room for two whole requests). Shards hold each request's tokens so far and
+    grow them per step; what they refuse or cannot grow, the token engine preempts and recomputes
+    (engine/admission.py), or, refused too often, ends before it decodes (a retryable error the
+    router re-runs). One that decodes finishes with the single-process engine's tokens, never
+    failing mid-stream for want of a block. Nothing is left behind."""
     blocks = MeshOptions(num_blocks=48, shard_num_blocks=48)
     mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=1, options=blocks))
     try:

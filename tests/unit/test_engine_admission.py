@@ -6,7 +6,7 @@ from common.block_manager import BlockManager
 from common.config import SchedulerConfig
 from common.protocol import DecodeHandoff, SamplingSpec, ShardAddress
 from common.scheduling.batching import EngineScheduler, Sequence
-from services.engine.admission import DecodeAdmission
+from services.engine.admission import MAX_RECOMPUTES, RECOMPUTE_BACKOFF_S, DecodeAdmission
 
 BLOCK = 16
 SHARDS = [ShardAddress("tcp://shard-0", 0, 1), ShardAddress("tcp://shard-1", 1, 2)]
@@ -27,29 +27,23 @@ def local_scheduler(num_blocks: int = 64) -> EngineScheduler:
     return EngineScheduler(BlockManager(num_blocks, BLOCK), SchedulerConfig())
 
 
-def test_sharded_requests_start_at_once_and_the_mirror_counts_what_the_shards_hold():
-    """Shards hold a request's whole length from its first KV page or refuse it then
-    (`KvPages.reserve_tokens`), so a sharded hand-off never waits: one the shards refused fails at
-    its first step. Waiting instead would deadlock: a refused request's reservation never comes
-    back. The mirror reserves the same whole lengths for the room reported to the router, and
-    leaves out a request it cannot fit (the shards cannot have taken it either)."""
-    admission = DecodeAdmission(shard_num_blocks=6, block_size=BLOCK)  # 96 tokens
-    admission.add(handoff("a", tokens=20, max_tokens=20, sharded=True))  # 40 -> 3 blocks
-    admission.add(handoff("b", tokens=10, max_tokens=20, sharded=True))  # 30 -> 2 blocks
-    admission.add(handoff("c", tokens=1, max_tokens=20, sharded=True))  # 21 -> 2: refused there
+def test_sharded_requests_start_at_once_and_the_count_holds_their_tokens_so_far():
+    """A sharded hand-off never waits (its KV is on the shards already): it starts at once and
+    the group's count holds its tokens so far, not its whole length, even past capacity (the
+    next step's `fit_growth` then preempts)."""
+    admission = DecodeAdmission(shard_num_blocks=4, block_size=BLOCK)  # 64 tokens
+    admission.add(handoff("a", tokens=20, max_tokens=200, sharded=True))  # 2 blocks
+    admission.add(handoff("b", tokens=10, max_tokens=200, sharded=True))  # 1 block
+    admission.add(handoff("c", tokens=17, max_tokens=200, sharded=True))  # 2 blocks: 5 > 4
     assert admission.admit(local_scheduler(), nothing_landed) == ["a", "b", "c"]
     assert not admission.waiting
-    assert admission.shard_blocks.req_ids() == ["a", "b"]
-    assert admission.free_shard_blocks() == 1
+    assert admission.shard_blocks.num_used_blocks == 5 and admission.free_shard_blocks() == 0
     seq = admission.sharded[0]
     assert (seq.num_tokens, seq.num_computed) == (20, 19)  # its last token is decoded next
-    for s in admission.sharded:  # every one steps; the uncounted one grows nothing
-        s.num_tokens += 1
-    admission.grow_sharded()
-    assert admission.shard_blocks.num_used_blocks == 5
-    admission.remove("c")  # failed at its first step
+    assert admission.fit_growth(now=1.0) == ["c"]  # the youngest gives way
+    assert admission.shard_blocks.num_used_blocks == 3
     admission.remove("a")  # finished
-    assert admission.free_shard_blocks() == 4
+    assert admission.free_shard_blocks() == 3
 
 
 def test_local_requests_wait_for_every_layer_of_their_kv():
@@ -79,13 +73,13 @@ def test_remove_forgets_a_request_wherever_it_is():
     assert admission.waiting_for("w") is None
 
 
-def test_growing_stays_within_the_reservation():
+def test_growth_takes_a_block_when_the_last_one_fills():
     admission = DecodeAdmission(shard_num_blocks=2, block_size=BLOCK)
     admission.add(handoff("a", tokens=16, max_tokens=16, sharded=True))
     admission.admit(local_scheduler(), nothing_landed)
-    for _ in range(15):
-        admission.sharded[0].num_tokens += 1
-        admission.grow_sharded()
+    assert admission.shard_blocks.num_used_blocks == 1
+    admission.sharded[0].num_tokens += 1  # the 17th token's KV is written by the next step
+    assert admission.fit_growth(now=0.0) == []
     assert admission.shard_blocks.num_used_blocks == 2
 
 
@@ -170,3 +164,88 @@ def test_a_head_without_room_is_starved_after_its_bound():
     starved = admission.starved(31.0, 30.0, local, lambda r: True, whole_len(lengths))
     assert [h.req_id for h in starved] == ["a"]
     assert admission.stalled(31.0, 30.0, lambda r: True) == []  # its KV is all there
+
+
+def sharded_admission(
+    arrivals: dict[str, tuple[float, int]], num_blocks: int = 4, **knobs: float
+) -> DecodeAdmission:
+    """A group of `num_blocks` decoding `arrivals`: req_id -> (arrival time, tokens)."""
+    admission = DecodeAdmission(num_blocks, BLOCK, **knobs)  # type: ignore[arg-type]
+    for req_id, (at, tokens) in arrivals.items():
+        admission.add(handoff(req_id, tokens=tokens, max_tokens=200, sharded=True), now=at)
+    admission.admit(local_scheduler(), nothing_landed)
+    return admission
+
+
+def step(admission: DecodeAdmission, **tokens: int) -> None:
+    """The given requests hold so many tokens at the next step (the others as they are)."""
+    for seq in admission.sharded:
+        seq.num_tokens = tokens.get(seq.req_id, seq.num_tokens)
+
+
+def test_growth_preempts_the_youngest_first_and_counts_it():
+    admission = sharded_admission({"a": (0.0, 16), "b": (1.0, 16), "c": (2.0, 16), "d": (3.0, 16)})
+    step(admission, a=17, b=17, c=17, d=17)  # every one needs a second block: 8 > 4
+    assert admission.fit_growth(now=10.0) == ["d", "c"]
+    assert [s.req_id for s in admission.sharded] == ["a", "b"]
+    assert admission.shard_blocks.num_used_blocks == 4 and admission.num_preemptions == 2
+    assert [s.req_id for _, s in admission.preempted] == ["c", "d"]  # oldest resumes first
+    assert admission.is_decoding_here("c")  # its shards are still this engine's to free
+
+
+def test_growth_spares_a_request_at_the_preemption_cap_unless_nothing_else_is_left():
+    admission = sharded_admission({"b": (1.0, 32), "c": (2.0, 16)}, 5, max_preemptions=1)
+    admission.preempt("c", now=2.0)  # once: at the cap now
+    # Room for its 17 tokens (2 blocks) beside b's 2 and a block the shards keep free for b.
+    assert [s.req_id for s in admission.resumable(now=2.0)[0]] == ["c"]
+    admission.resumed("c", 17)  # recomputed: its 16 tokens shipped, the 17th sampled
+    step(admission, b=49)  # b needs a fourth block, c a second one: 6 > 5
+    assert admission.fit_growth(now=3.0) == ["b"]  # c is younger, but capped
+    last_resort = sharded_admission({"a": (0.0, 16), "b": (1.0, 16)}, max_preemptions=0)
+    step(last_resort, a=64, b=17)  # 4 + 2 > 4, and both are at the cap (0)
+    assert last_resort.fit_growth(now=1.0) == ["b"]
+
+
+def test_a_starved_preempted_request_preempts_younger_ones_to_resume():
+    """The mixed policy's aging: a preempted request that has waited `starvation_s` goes before
+    younger ones (they are preempted for it, the youngest first); before that it waits for room."""
+    admission = sharded_admission({"b": (1.0, 16), "c": (2.0, 16)}, 6, starvation_s=1.0)
+    admission.preempt("c", now=2.0)
+    admission.add(handoff("d", tokens=16, max_tokens=200, sharded=True), now=5.0)
+    admission.add(handoff("e", tokens=16, max_tokens=200, sharded=True), now=6.0)
+    admission.admit(local_scheduler(), nothing_landed)  # b, d, e: 3 blocks (+3 kept free)
+    assert admission.resumable(now=2.5) == ([], [])  # not starved yet: it waits for room
+    resumed, preempted = admission.resumable(now=3.0)
+    assert [s.req_id for s in resumed] == ["c"] and preempted == ["e"]
+    assert admission.resuming == {"c"} and [s.req_id for s in admission.sharded] == ["b", "d"]
+    admission.remove("c")  # ended while it was recomputed: nothing of it is left
+    admission.resumed("c", 17)
+    assert not admission.is_decoding_here("c") and admission.shard_blocks.num_used_blocks == 2
+
+
+def test_a_preempted_request_is_told_alive_to_its_router_until_it_decodes_again():
+    """Its router re-runs a request that streams nothing for its progress deadline: a preempted
+    one is named (for an empty output) once per `every_s` while it waits or is recomputed."""
+    admission = sharded_admission({"a": (0.0, 16), "b": (1.0, 16)})
+    admission.preempt("b", now=10.0)
+    assert admission.quiet(now=14.0, every_s=5.0) == []
+    assert admission.quiet(now=15.0, every_s=5.0) == ["b"]
+    assert admission.quiet(now=19.0, every_s=5.0) == []
+    admission.resumable(now=19.0)  # room: it is recomputed now, still quiet
+    assert admission.quiet(now=20.0, every_s=5.0) == ["b"]
+    admission.resumed("b", 17)
+    assert admission.quiet(now=30.0, every_s=5.0) == []
+
+
+def test_a_request_its_shards_keep_failing_backs_off_then_ends():
+    """A row a shard fails (it refused or could not grow the request's KV: its count and the
+    engine's disagree) is recomputed, each time a while later; past `MAX_RECOMPUTES` it ends."""
+    admission = sharded_admission({"a": (0.0, 16)}, 8)
+    for n in range(1, MAX_RECOMPUTES + 1):
+        assert admission.recomputes("a", {"a"}) and not admission.recomputes("b", {"a"})
+        admission.preempt("a", now=0.0)
+        backoff = RECOMPUTE_BACKOFF_S * 2 ** (n - 1)
+        assert admission.resumable(now=backoff - 0.01) == ([], [])
+        assert [s.req_id for s in admission.resumable(now=backoff)[0]] == ["a"]
+        admission.resumed("a", 17)
+    assert not admission.recomputes("a", {"a"})  # its shards disagree for good: it ends

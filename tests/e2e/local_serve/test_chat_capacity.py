@@ -2,12 +2,17 @@
 each may use the rest of the context) on deploy/local.yaml's sizes, where the shard group holds
 four such requests at their whole length. Every chat ends with `finish_reason` `length` or `stop`,
 or is refused (429/503) before its first chunk; none fails mid-stream. Before KV admission, the
-ones past the group's room got a few tokens and then an in-band error."""
+ones past the group's room got a few tokens and then an in-band error. And 300 concurrent
+completions that outgrow the group together get 200, 429 or 503, never a 500: the token engine
+preempts and recomputes what its shards cannot grow (issue 49's acceptance)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -46,3 +51,37 @@ def test_chats_without_max_tokens_finish_or_are_refused_before_streaming(
     allowed = {"length", "stop", "refused 429", "refused 503"}
     assert set(ends) <= allowed, ends
     assert ends.count("length") + ends.count("stop") >= 4, ends  # the group's room was used
+
+
+def num_preemptions(server: ServeRun) -> int:
+    stats = httpx.get(server.base_url + "/stats", timeout=60).json()
+    return sum(s.get("num_preemptions", 0) for s in stats["services"].values())
+
+
+def test_300_concurrent_completions_that_outgrow_the_shards_get_200_429_or_503(
+    server: ServeRun,
+) -> None:
+    """The group holds 16,384 tokens; the router admits each request by its prompt and a bounded
+    headroom (about 75 tokens here), so some 200 run at once and grow to ~95 each: past the group,
+    so decodes are preempted and recomputed. Up to `max_num_requests` are admitted (the rest are
+    429s) and the ones without room wait at the router (429 when its queue is full)."""
+    before = num_preemptions(server)
+    body = {"model": MODEL, "prompt": "Once upon a time, in a land far away,", "max_tokens": 80,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+
+    async def all_at_once() -> Counter[int]:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.base_url, limits=limits,
+                                     timeout=600) as client:  # fmt: skip
+            replies = await asyncio.gather(
+                *(client.post("/v1/completions", json=body) for _ in range(300))
+            )
+        for reply in replies:
+            if reply.status_code == 200:
+                assert reply.json()["choices"][0]["finish_reason"] == "length"
+        return Counter(reply.status_code for reply in replies)
+
+    statuses = asyncio.run(all_at_once())
+    assert set(statuses) <= {200, 429, 503}, statuses
+    assert statuses[200] >= 100, statuses  # the group's room was used, not refused at once
+    assert num_preemptions(server) > before  # the shards were overrun and recomputed
