@@ -240,7 +240,10 @@ class MixedBatchPolicy:
         prefill = self._admit_prefills(now, preempted)  # (req_id, prefill tokens)
         self._admit_arrived_decodes()
         self._fit_growth(now, preempted)
-        decode_ids = tuple(r for r in self.running if r not in self._prefilling)
+        if self._prefilling:
+            decode_ids = tuple(r for r in self.running if r not in self._prefilling)
+        else:
+            decode_ids = tuple(self.running)
         if prefill or decode_ids:
             self.step += 1  # an empty plan is not an iteration
         return MixedPlan(
@@ -257,6 +260,8 @@ class MixedBatchPolicy:
         return chain(starved, self.prompts, fresh)
 
     def _admit_prefills(self, now: float, preempted: list[ReqId]) -> list[tuple[ReqId, int]]:
+        if not self.prompts and not self.resumes:
+            return []
         admitted: list[SeqState] = []
         lengths: list[tuple[ReqId, int]] = []
         budget = self.config.prompt_token_cap

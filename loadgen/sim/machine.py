@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -64,6 +65,7 @@ class SimMachine:
         self.pending_stall_s = 0.0  # the next run waits this long first (hand-offs landed)
         self._finish_heap: list[tuple[int, int]] = []  # (policy step when done, req_id)
         self._tracked: dict[int, int] = {}  # req_id -> join_step already in the heap
+        self._landed: deque[int] = deque()  # decodes whose KV landed, waiting to join (FCFS)
         self.cache = cache
         # req_id -> its full prompt blocks' keys (the simulator's dict, filled as requests come)
         self.block_keys = {} if block_keys is None else block_keys
@@ -84,13 +86,24 @@ class SimMachine:
             free_kv_tokens=policy.kv_free - self.inbound_kv_tokens,
         )
 
+    def add_decode(self, req_id: int, prompt_len: int, arrival_s: float, now: float) -> None:
+        """A request's KV landed from its prompt machine: it joins when memory allows."""
+        self.policy.add_decode(req_id, prompt_len, arrival_s, now)
+        self._landed.append(req_id)
+
     def start(self, now: float, output_len: dict[int, int]) -> Run | None:
         """Plan and start the next iteration or decode run; None when there is nothing to do."""
-        plan = self.policy.schedule(now)
+        policy = self.policy
+        plan = policy.schedule(now)
+        # The plan's joins: its prefills, and the landed decodes it admitted (the policy takes
+        # them FCFS, so they are the head of `_landed`).
+        joined = list(plan.prefill_ids)
+        for _ in range(len(self._landed) - len(policy.arrived_decodes)):
+            joined.append(self._landed.popleft())
         if plan.is_empty:
             self.run = None
             return None
-        self._track(plan, output_len)
+        self._track(joined, output_len)
         stall_s, self.pending_stall_s = self.pending_stall_s, 0.0
         if plan.prefill_ids:
             num_computed = self._computed_prefill_tokens(plan)
@@ -157,11 +170,13 @@ class SimMachine:
         steps = max(1, min(until_finish, self.policy.max_decode_steps() + 1))
         return min(steps, self.max_run_steps) if self.max_run_steps else steps
 
-    def _track(self, plan: MixedPlan, output_len: dict[int, int]) -> None:
+    def _track(self, joined: list[int], output_len: dict[int, int]) -> None:
         """Put newly (re)joined requests on the finish heap, keyed by the policy step at which
-        they will have generated all their tokens."""
+        they will have generated all their tokens. NOTE: a running request's finish step holds
+        while it runs (its `join_step` and `gen_base` change only when it joins again), so
+        only the requests a plan joined need a look."""
         running, tracked = self.policy.running, self._tracked
-        for req_id in plan.prefill_ids + plan.decode_ids:
+        for req_id in joined:
             seq = running.get(req_id)
             if seq is None:
                 continue

@@ -25,6 +25,7 @@ from common.config import SchedulerConfig
 from common.kv_events import reusable_blocks
 from common.perf_model import PerfModel
 from common.scheduling.cluster import JSQPoolPolicy, PoolThresholds, RouteRequest
+from common.scheduling.load_board import LoadBoard
 from common.scheduling.mixed import MixedBatchPolicy, MixedPolicyConfig
 from loadgen.sim.designs import ClusterSpec, perf_model_for
 from loadgen.sim.machine import SimMachine
@@ -164,6 +165,10 @@ class Simulator:
             {i: home for i, (_, home) in enumerate(types)}, options.thresholds,
             options.prefix_weight,
         )  # fmt: skip
+        # The machines' loads as the router sees them, refreshed for the machines an event
+        # touched (`_changed`) before each routing: a few per request, not the whole cluster.
+        self.loads = LoadBoard(self.router.pools)
+        self._changed: set[int] = set(range(len(self.machines)))
         self.records: list[RequestRecord] = []
         self.output_len: dict[int, int] = {}
         self._events: list[tuple[float, int, int, int, int]] = []
@@ -259,7 +264,7 @@ class Simulator:
         if record.output_len <= 0 or record.prompt_len <= 0:
             record.first_token_s = record.done_s = now  # nothing to compute
             return
-        loads = {m.machine_id: m.load() for m in self.machines}
+        loads = self._refreshed_loads()
         self._num_moves += len(self.router.rebalance(loads, now))
         keys = self._usable_keys(req_id, record.prompt_len)
         decision = self.router.route(self._route_request(req_id, record, keys), loads, now)
@@ -272,7 +277,16 @@ class Simulator:
         machine.policy.add_prompt(req_id, record.prompt_len, record.arrival_s)
         if record.token_machine != record.prompt_machine:
             self.machines[record.token_machine].inbound_kv_tokens += record.prompt_len
+            self._changed.add(record.token_machine)
         self._kick(machine, now)
+
+    def _refreshed_loads(self) -> LoadBoard:
+        """The board, with the loads of the machines changed since the last routing."""
+        machines, loads = self.machines, self.loads
+        for machine_id in self._changed:
+            loads.update(machines[machine_id].load())
+        self._changed.clear()
+        return loads
 
     def _usable_keys(self, req_id: int, prompt_len: int) -> tuple[BlockKey, ...]:
         """The blocks of a prompt a lookup may reuse (its last token is always computed)."""
@@ -326,6 +340,7 @@ class Simulator:
             return True
         if req_id in finished:  # a one-token output: no KV to send after all
             self.machines[record.token_machine].inbound_kv_tokens -= record.prompt_len
+            self._changed.add(record.token_machine)
             return True
         machine.forget(req_id)  # the KV leaves for the token machine
         delay = self.transfer.visible_s(record.prompt_len)
@@ -336,14 +351,16 @@ class Simulator:
         record = self.records[req_id]
         machine = self.machines[machine_id]
         machine.inbound_kv_tokens -= record.prompt_len
-        machine.policy.add_decode(req_id, record.prompt_len, record.arrival_s, now)
+        machine.add_decode(req_id, record.prompt_len, record.arrival_s, now)
         if self.options.host is not None:
             # The step that admits it waits for its KV on the shards: the whole batch stalls.
             machine.pending_stall_s += self.options.host.handoff_s
         self._kick(machine, now)
 
     def _kick(self, machine: SimMachine, now: float) -> None:
-        """New work for `machine`: start it if idle, else end its decode run early."""
+        """New work for `machine`: start it if idle, else end its decode run early. Every
+        event that changes a machine's load kicks it, or marks it `_changed` itself."""
+        self._changed.add(machine.machine_id)
         if machine.run is None:
             run = machine.start(now, self.output_len)
             if run is not None:
