@@ -22,27 +22,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from common.roles import Role
-from common.scheduling.load_board import DECODE_FIGURE, PROMPT_FIGURE, TOTAL_FIGURE, LoadBoard
+from common.scheduling.load_board import (
+    DECODE_FIGURE,
+    PROMPT_FIGURE,
+    TOTAL_FIGURE,
+    LoadBoard,
+    MachineLoad,
+)
 
 # Machine pools are engine roles: a split design's machines have home PROMPT or TOKEN; a
 # baseline's, MIXED.
 OPPOSITE = {Role.PROMPT: Role.TOKEN, Role.TOKEN: Role.PROMPT}
-
-
-@dataclass(frozen=True)
-class MachineLoad:
-    """One machine's latest load report.
-
-    `pending_prompt_tokens`: prompt tokens queued or being prefilled. `decode_tokens`: KV tokens of
-    the requests it is decoding or holding for decode (its "running decode tokens").
-    `free_kv_tokens`: KV capacity left; `total_kv_tokens`: all it has.
-    """
-
-    machine_id: int
-    pending_prompt_tokens: int = 0
-    decode_tokens: int = 0
-    free_kv_tokens: int = 1 << 62
-    total_kv_tokens: int = 1 << 62
 
 
 @dataclass(frozen=True)

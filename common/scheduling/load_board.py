@@ -9,87 +9,117 @@ the machines that changed, and passes the board as the policy's `loads` (a board
 a pool's least-loaded machine and makes the same decision either way: the least figure, then the
 lowest id, exactly as `shortest` picks.
 
-Each (pool, figure) that JSQ has asked for is a heap of (figure, machine id, stamp) entries,
-kept lazily: an update pushes a fresh entry, and an entry whose stamp is not its machine's
-latest is dropped when it reaches the top. A heap is rebuilt from its pool's members once stale
-entries outnumber live ones, so memory stays proportional to machines. Pure.
+Each (pool, figure) that JSQ has asked for is a heap of (figure, machine id) entries, kept
+lazily: a report pushes an entry for each figure that changed, and an entry that no longer
+matches its machine (another figure now, or another pool) is dropped when it reaches the top.
+A heap is rebuilt from its pool's members once it holds four entries per member, so memory
+stays proportional to machines. Pure.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.roles import Role
 
 if TYPE_CHECKING:
-    from common.scheduling.cluster import MachineLoad, PoolTable
+    from common.scheduling.cluster import PoolTable
 
 # The figures JSQ ranks machines by: pending prompt tokens, decode tokens, and their sum.
 PROMPT_FIGURE, DECODE_FIGURE, TOTAL_FIGURE = 0, 1, 2
 
-Entry = tuple[int, int, int]  # (figure, machine id, stamp)
+Entry = tuple[int, int]  # (figure, machine id)
 
 
-class LoadBoard(Mapping[int, "MachineLoad"]):
+@dataclass(frozen=True)
+class MachineLoad:
+    """One machine's latest load report.
+
+    `pending_prompt_tokens`: prompt tokens queued or being prefilled. `decode_tokens`: KV tokens of
+    the requests it is decoding or holding for decode (its "running decode tokens").
+    `free_kv_tokens`: KV capacity left; `total_kv_tokens`: all it has.
+    """
+
+    machine_id: int
+    pending_prompt_tokens: int = 0
+    decode_tokens: int = 0
+    free_kv_tokens: int = 1 << 62
+    total_kv_tokens: int = 1 << 62
+
+
+class LoadBoard(Mapping[int, MachineLoad]):
     """Loads by machine id, and each pool's least-loaded machine by a figure (see the module).
 
-    Bound to the policy's `PoolTable`, whose moves it hears of (`PoolTable.on_move`)."""
+    Bound to the policy's `PoolTable`, whose moves it hears of (`PoolTable.on_move`). Every
+    machine of the table must be reported before the first query."""
 
     def __init__(self, pools: PoolTable) -> None:
         self._pools = pools
-        self._loads: dict[int, MachineLoad] = {}
-        self._figures: dict[int, tuple[int, int, int]] = {}
-        self._stamps: dict[int, int] = {}
-        self._next_stamp = 0
+        # machine id -> (pending prompt, decode, total, free KV) tokens, as last reported
+        self._reports: dict[int, tuple[int, int, int, int]] = {}
+        self._loads: dict[int, MachineLoad] = {}  # built from reports when asked for
         self._heaps: dict[tuple[Role, int], list[Entry]] = {}
+        self._pool_heaps: dict[Role, list[tuple[int, list[Entry]]]] = {pool: [] for pool in Role}
         pools.on_move = self._refile
 
     # -- Mapping --------------------------------------------------------------------------------
 
     def __getitem__(self, machine_id: int) -> MachineLoad:
-        return self._loads[machine_id]
+        load = self._loads.get(machine_id)
+        if load is None:
+            pending, decode, _, free = self._reports[machine_id]
+            load = self._loads[machine_id] = MachineLoad(machine_id, pending, decode, free)
+        return load
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._loads)
+        return iter(self._reports)
 
     def __len__(self) -> int:
-        return len(self._loads)
+        return len(self._reports)
 
     # -- updates --------------------------------------------------------------------------------
 
-    def update(self, load: MachineLoad) -> None:
-        """A machine's latest load (a machine of the pool table; its first report files it)."""
-        machine_id = load.machine_id
-        self._loads[machine_id] = load
-        figures = (load.pending_prompt_tokens, load.decode_tokens,
-                   load.pending_prompt_tokens + load.decode_tokens)  # fmt: skip
-        if self._figures.get(machine_id) != figures:
-            self._figures[machine_id] = figures
-            self._refile(machine_id)
+    def report(
+        self, machine_id: int, pending_prompt_tokens: int, decode_tokens: int, free_kv_tokens: int
+    ) -> None:
+        """A machine's latest load (of a machine in the pool table)."""
+        report = (pending_prompt_tokens, decode_tokens, pending_prompt_tokens + decode_tokens,
+                  free_kv_tokens)  # fmt: skip
+        before = self._reports.get(machine_id)
+        if before == report:
+            return
+        self._reports[machine_id] = report
+        self._loads.pop(machine_id, None)
+        pool = self._pools.current[machine_id]
+        for figure, heap in self._pool_heaps[pool]:
+            if before is None or before[figure] != report[figure]:
+                self._push(pool, figure, heap, (report[figure], machine_id))
 
     def _refile(self, machine_id: int) -> None:
-        """New entries for the machine in its current pool's heaps; older ones go stale."""
-        figures = self._figures.get(machine_id)
-        if figures is None:
+        """The machine moved: entries in its new pool's heaps (its old ones go stale)."""
+        report = self._reports.get(machine_id)
+        if report is None:
             return  # not reported yet
-        self._next_stamp += 1
-        stamp = self._stamps[machine_id] = self._next_stamp
         pool = self._pools.current[machine_id]
-        for figure in (PROMPT_FIGURE, DECODE_FIGURE, TOTAL_FIGURE):
-            heap = self._heaps.get((pool, figure))
-            if heap is not None:
-                heapq.heappush(heap, (figures[figure], machine_id, stamp))
-                if len(heap) > 4 * self._pools.size(pool) + 64:
-                    self._rebuild(pool, figure)
+        for figure, heap in self._pool_heaps[pool]:
+            self._push(pool, figure, heap, (report[figure], machine_id))
+
+    def _push(self, pool: Role, figure: int, heap: list[Entry], entry: Entry) -> None:
+        heapq.heappush(heap, entry)
+        if len(heap) > 4 * self._pools.size(pool) + 64:
+            self._rebuild(pool, figure)
 
     def _rebuild(self, pool: Role, figure: int) -> list[Entry]:
-        stamps, figures = self._stamps, self._figures
-        heap = [(figures[m][figure], m, stamps[m]) for m in self._pools.members(pool)
-                if m in figures]  # fmt: skip
+        """The heap of live entries only (all of them, for a heap asked for the first time)."""
+        reports = self._reports
+        heap = [(reports[m][figure], m) for m in self._pools.members(pool)]
         heapq.heapify(heap)
         self._heaps[pool, figure] = heap
+        others = [(f, h) for f, h in self._pool_heaps[pool] if f != figure]
+        self._pool_heaps[pool] = others + [(figure, heap)]
         return heap
 
     # -- queries --------------------------------------------------------------------------------
@@ -106,18 +136,21 @@ class LoadBoard(Mapping[int, "MachineLoad"]):
         heap = self._heaps.get((pool, figure))
         if heap is None:
             heap = self._rebuild(pool, figure)
-        stamps = self._stamps
-        while heap and heap[0][2] != stamps[heap[0][1]]:
+        reports, current = self._reports, self._pools.current
+        # An entry is live while its machine is in the pool with that figure; a machine may have
+        # two live entries (a figure that came back), which name the same machine anyway.
+        while heap:
+            value, best_id = heap[0]
+            if current[best_id] is pool and reports[best_id][figure] == value:
+                break
             heapq.heappop(heap)
-        if not heap:
+        else:
             return None
-        best_id = heap[0][1]
         if not credit or weight == 0:
             return best_id
         # Only credited machines can undercut the uncredited least (credits only lower a key).
-        figures, current = self._figures, self._pools.current
-        best = (figures[best_id][figure] - weight * credit.get(best_id, 0), best_id)
+        best = (value - weight * credit.get(best_id, 0), best_id)
         for machine_id, cached in credit.items():
-            if current.get(machine_id) is pool and machine_id in figures:
-                best = min(best, (figures[machine_id][figure] - weight * cached, machine_id))
+            if current.get(machine_id) is pool:
+                best = min(best, (reports[machine_id][figure] - weight * cached, machine_id))
         return best[1]

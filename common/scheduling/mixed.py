@@ -96,6 +96,9 @@ class MixedPlan:
         return not self.prefill_ids and not self.decode_ids
 
 
+EMPTY_PLAN = MixedPlan()
+
+
 class MixedBatchPolicy:
     """Mixed continuous batching with prompt priority, aging and a preemption cap (see module)."""
 
@@ -235,6 +238,9 @@ class MixedBatchPolicy:
         Prefilled sequences join `running` at once (their KV is reserved) and decode from the next
         iteration; the iteration itself counts as one step.
         """
+        if not self.running and not self.has_waiting:
+            self._prefilling.clear()
+            return EMPTY_PLAN  # an idle machine (a prompt machine between prompts)
         preempted: list[ReqId] = []
         self._prefilling = set()
         prefill = self._admit_prefills(now, preempted)  # (req_id, prefill tokens)

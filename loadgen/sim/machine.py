@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from common.kv_events import reusable_blocks
 from common.perf_model import PerfModel
 from common.roles import Role
-from common.scheduling.cluster import MachineLoad
 from common.scheduling.mixed import MixedBatchPolicy, MixedPlan
 from loadgen.sim.prefix_cache import BlockKey, SimPrefixCache
 
@@ -74,16 +73,18 @@ class SimMachine:
         self.num_hit_tokens = 0
         self.num_computed_tokens = 0  # prefill tokens computed (the uncached suffixes)
 
-    def load(self) -> MachineLoad:
+    def load(self) -> tuple[int, int, int]:
+        """What its load report would say: (pending prompt tokens, decode tokens, free KV
+        tokens), a `MachineLoad`'s figures."""
         policy, run = self.policy, self.run
         # NOTE: a prefill in progress is still pending work for JSQ; without it every busy
         # machine would look idle between batches.
         running_prefill = run.plan.num_prefill_tokens if run is not None else 0
-        return MachineLoad(
-            self.machine_id,
-            pending_prompt_tokens=policy.pending_prompt_tokens + running_prefill,
-            decode_tokens=policy.kv_used + self.inbound_kv_tokens,
-            free_kv_tokens=policy.kv_free - self.inbound_kv_tokens,
+        kv_used = policy.kv_used
+        return (
+            policy.pending_prompt_tokens + running_prefill,
+            kv_used + self.inbound_kv_tokens,
+            policy.config.kv_capacity_tokens - kv_used - self.inbound_kv_tokens,
         )
 
     def add_decode(self, req_id: int, prompt_len: int, arrival_s: float, now: float) -> None:

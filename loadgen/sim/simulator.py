@@ -284,7 +284,7 @@ class Simulator:
         """The board, with the loads of the machines changed since the last routing."""
         machines, loads = self.machines, self.loads
         for machine_id in self._changed:
-            loads.update(machines[machine_id].load())
+            loads.report(machine_id, *machines[machine_id].load())
         self._changed.clear()
         return loads
 
