@@ -12,7 +12,7 @@ lowest id, exactly as `shortest` picks.
 Each (pool, figure) that JSQ has asked for is a heap of (figure, machine id) entries, kept
 lazily: a report pushes an entry for each figure that changed, and an entry that no longer
 matches its machine (another figure now, or another pool) is dropped when it reaches the top.
-A heap is rebuilt from its pool's members once it holds four entries per member, so memory
+A heap is rebuilt from its pool's members once it holds eight entries per member, so memory
 stays proportional to machines. Pure.
 """
 
@@ -94,23 +94,29 @@ class LoadBoard(Mapping[int, MachineLoad]):
         self._reports[machine_id] = report
         self._loads.pop(machine_id, None)
         pool = self._pools.current[machine_id]
+        if before is None:
+            self._refile(machine_id)
+            return
         for figure, heap in self._pool_heaps[pool]:
-            if before is None or before[figure] != report[figure]:
-                self._push(pool, figure, heap, (report[figure], machine_id))
+            if before[figure] != report[figure]:
+                heapq.heappush(heap, (report[figure], machine_id))
+                if len(heap) > self._heap_bound(pool):
+                    self._rebuild(pool, figure)
 
     def _refile(self, machine_id: int) -> None:
-        """The machine moved: entries in its new pool's heaps (its old ones go stale)."""
+        """The machine moved (or is new): entries in its pool's heaps (old ones go stale)."""
         report = self._reports.get(machine_id)
         if report is None:
             return  # not reported yet
         pool = self._pools.current[machine_id]
         for figure, heap in self._pool_heaps[pool]:
-            self._push(pool, figure, heap, (report[figure], machine_id))
+            heapq.heappush(heap, (report[figure], machine_id))
+            if len(heap) > self._heap_bound(pool):
+                self._rebuild(pool, figure)
 
-    def _push(self, pool: Role, figure: int, heap: list[Entry], entry: Entry) -> None:
-        heapq.heappush(heap, entry)
-        if len(heap) > 4 * self._pools.size(pool) + 64:
-            self._rebuild(pool, figure)
+    def _heap_bound(self, pool: Role) -> int:
+        """Entries a pool's heap may hold before it is rebuilt: eight per member."""
+        return 8 * self._pools.size(pool) + 64
 
     def _rebuild(self, pool: Role, figure: int) -> list[Entry]:
         """The heap of live entries only (all of them, for a heap asked for the first time)."""

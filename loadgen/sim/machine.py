@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.kv_events import reusable_blocks
@@ -24,7 +24,30 @@ from common.scheduling.mixed import MixedBatchPolicy, MixedPlan
 from loadgen.sim.prefix_cache import BlockKey, SimPrefixCache
 
 
-@dataclass
+class StepTimes:
+    """A performance model's iteration times, memoized: machines ask for the same batch sizes
+    and prefill lengths over and over, and the lookups are pure (the same floats)."""
+
+    def __init__(self, perf: PerfModel) -> None:
+        self.perf = perf
+        self._decode: dict[int, float] = {}
+        self._iteration: dict[tuple[int, int], float] = {}
+
+    def decode_s(self, batch_size: int) -> float:
+        step_s = self._decode.get(batch_size)
+        if step_s is None:
+            step_s = self._decode[batch_size] = self.perf.decode_s(batch_size)
+        return step_s
+
+    def iteration_s(self, num_prefill_tokens: int, num_decodes: int) -> float:
+        key = (num_prefill_tokens, num_decodes)
+        step_s = self._iteration.get(key)
+        if step_s is None:
+            step_s = self._iteration[key] = self.perf.iteration_s(*key)
+        return step_s
+
+
+@dataclass(slots=True)
 class Run:
     """The iteration (or run of decode-only iterations) in progress."""
 
@@ -51,11 +74,14 @@ class SimMachine:
         cache: SimPrefixCache | None = None,
         block_keys: Mapping[int, tuple[BlockKey, ...]] | None = None,
         block_len: int = 0,
+        step_times: StepTimes | None = None,
     ) -> None:
         self.machine_id = machine_id
         self.home = home
         self.policy = policy
         self.perf = perf
+        # Shared by the machines of one type (the simulator's), or this machine's own.
+        self.step_times = step_times or StepTimes(perf)
         self.run: Run | None = None
         self.version = 0  # bumps whenever the pending end-of-run event is superseded
         self.inbound_kv_tokens = 0  # KV in flight towards this SimMachine
@@ -92,7 +118,7 @@ class SimMachine:
         self.policy.add_decode(req_id, prompt_len, arrival_s, now)
         self._landed.append(req_id)
 
-    def start(self, now: float, output_len: dict[int, int]) -> Run | None:
+    def start(self, now: float, output_len: Sequence[int]) -> Run | None:
         """Plan and start the next iteration or decode run; None when there is nothing to do."""
         policy = self.policy
         plan = policy.schedule(now)
@@ -108,10 +134,10 @@ class SimMachine:
         stall_s, self.pending_stall_s = self.pending_stall_s, 0.0
         if plan.prefill_ids:
             num_computed = self._computed_prefill_tokens(plan)
-            step_s = self.perf.iteration_s(num_computed, len(plan.decode_ids))
+            step_s = self.step_times.iteration_s(num_computed, len(plan.decode_ids))
             self.run = Run(plan, now, step_s, 1, stall_s)
         else:
-            step_s = self.perf.decode_s(len(plan.decode_ids))
+            step_s = self.step_times.decode_s(len(plan.decode_ids))
             self.run = Run(plan, now, step_s, self._run_len(), stall_s)
         self.version += 1
         return self.run
@@ -171,7 +197,7 @@ class SimMachine:
         steps = max(1, min(until_finish, self.policy.max_decode_steps() + 1))
         return min(steps, self.max_run_steps) if self.max_run_steps else steps
 
-    def _track(self, joined: list[int], output_len: dict[int, int]) -> None:
+    def _track(self, joined: list[int], output_len: Sequence[int]) -> None:
         """Put newly (re)joined requests on the finish heap, keyed by the policy step at which
         they will have generated all their tokens. NOTE: a running request's finish step holds
         while it runs (its `join_step` and `gen_base` change only when it joins again), so

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,16 +29,17 @@ from common.scheduling.cluster import JSQPoolPolicy, PoolThresholds, RouteReques
 from common.scheduling.load_board import LoadBoard
 from common.scheduling.mixed import MixedBatchPolicy, MixedPolicyConfig
 from loadgen.sim.designs import ClusterSpec, perf_model_for
-from loadgen.sim.machine import SimMachine
+from loadgen.sim.machine import SimMachine, StepTimes
 from loadgen.sim.prefix_cache import BlockKey, SimPrefixCache, chain_keys
 from loadgen.sim.shared_cpu import FrontEnd, HostModel
 
 log = structlog.get_logger(__name__)
 
 ARRIVAL, RUN_END, KV_LANDED, FRONTEND = 0, 1, 2, 3
+Event = tuple[float, int, int, int, int]  # (time, sequence number, kind, a, b)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SimRequest:
     """One request to simulate: arrival time (s), prompt and output lengths (tokens), and its
     prompt's prefix-block ids (a Mooncake trace's `hash_ids`; empty: nothing shared)."""
@@ -48,7 +50,7 @@ class SimRequest:
     hash_ids: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     """Per-request outcome; times are seconds of simulated time, NaN until they happen."""
 
@@ -141,13 +143,15 @@ class Simulator:
         self.transfer = cluster.transfer_model()
         types = cluster.machine_types()
         self.block_keys: dict[int, tuple[BlockKey, ...]] = {}  # req_id -> its blocks' keys
-        self.machines = [
-            SimMachine(
-                i, home, self._policy_for(t), options.perf or perf_model_for(t, cluster.model),
-                self._cache_for(t), self.block_keys, options.prefix_block_len,
-            )
-            for i, (t, home) in enumerate(types)
-        ]  # fmt: skip
+        step_times: dict[int, StepTimes] = {}  # id(perf model) -> its memo, for each type
+        self.machines = []
+        for i, (machine_type, home) in enumerate(types):
+            perf = options.perf or perf_model_for(machine_type, cluster.model)
+            times = step_times.setdefault(id(perf), StepTimes(perf))
+            self.machines.append(SimMachine(
+                i, home, self._policy_for(machine_type), perf, self._cache_for(machine_type),
+                self.block_keys, options.prefix_block_len, times,
+            ))  # fmt: skip
         self.cpu = options.host.cpu if options.host else None
         # The front end's per-request excess (measured), drawn seeded: the same input, the same run.
         self._frontend_jitter = options.host.frontend_jitter_s if options.host else ()
@@ -170,8 +174,11 @@ class Simulator:
         self.loads = LoadBoard(self.router.pools)
         self._changed: set[int] = set(range(len(self.machines)))
         self.records: list[RequestRecord] = []
-        self.output_len: dict[int, int] = {}
-        self._events: list[tuple[float, int, int, int, int]] = []
+        self.output_len: list[int] = []  # by req_id
+        self._events: list[Event] = []
+        # Submitted requests' first events, in time order, kept out of the heap (a replay
+        # submits every arrival up front): the heap holds only what machines have scheduled.
+        self._arrivals: deque[Event] = deque()
         self._seq = 0
         self._num_moves = 0
         self.now = 0.0
@@ -196,26 +203,43 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._events, (time_s, self._seq, kind, a, b))
 
+    def _push_arrival(self, time_s: float, kind: int, req_id: int) -> None:
+        """A request's first event: on the time-ordered stream, or on the heap when it comes
+        earlier than the stream's last (either way ordered by (time, submission) as one heap)."""
+        self._seq += 1
+        event = (time_s, self._seq, kind, req_id, 0)
+        if self._arrivals and time_s < self._arrivals[-1][0]:
+            heapq.heappush(self._events, event)
+        else:
+            self._arrivals.append(event)
+
     def submit(self, req: SimRequest) -> int:
         """Queue one request's arrival; its id indexes `records`."""
         req_id = len(self.records)
         self.records.append(RequestRecord(req.arrival_s, req.prompt_len, req.output_len))
-        self.output_len[req_id] = req.output_len
+        self.output_len.append(req.output_len)
         if self.options.prefix_block_len > 0 and req.hash_ids:
             num_full = req.prompt_len // self.options.prefix_block_len
             self.block_keys[req_id] = chain_keys(req.hash_ids, num_full)
         if self.cpu is not None:
-            self._push(req.arrival_s, FRONTEND, req_id)
+            self._push_arrival(req.arrival_s, FRONTEND, req_id)
         else:
-            self._push(req.arrival_s + self.options.frontend_s, ARRIVAL, req_id)
+            self._push_arrival(req.arrival_s + self.options.frontend_s, ARRIVAL, req_id)
         return req_id
 
     def advance_until(self, time_s: float) -> float:
         """Process every event up to `time_s`; the time of the last one processed."""
         handlers = (self._on_arrival, self._on_run_end, self._on_kv_landed, self._on_frontend)
-        events = self._events
-        while events and events[0][0] <= time_s:
-            self.now, _, kind, a, b = heapq.heappop(events)
+        events, arrivals, pop = self._events, self._arrivals, heapq.heappop
+        while True:
+            if arrivals and (not events or arrivals[0] < events[0]):
+                if arrivals[0][0] > time_s:
+                    break
+                self.now, _, kind, a, b = arrivals.popleft()
+            elif events and events[0][0] <= time_s:
+                self.now, _, kind, a, b = pop(events)
+            else:
+                break
             handlers[kind](self.now, a, b)
             self.num_events += 1
         return self.now
