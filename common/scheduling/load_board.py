@@ -63,6 +63,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
         self._loads: dict[int, MachineLoad] = {}  # built from reports when asked for
         self._heaps: dict[tuple[Role, int], list[Entry]] = {}
         self._pool_heaps: dict[Role, list[tuple[int, list[Entry]]]] = {pool: [] for pool in Role}
+        self._bounds = {pool: 8 * pools.size(pool) + 64 for pool in Role}
         pools.on_move = self._refile
 
     # -- Mapping --------------------------------------------------------------------------------
@@ -93,30 +94,29 @@ class LoadBoard(Mapping[int, MachineLoad]):
             return
         self._reports[machine_id] = report
         self._loads.pop(machine_id, None)
-        pool = self._pools.current[machine_id]
         if before is None:
             self._refile(machine_id)
             return
+        pool = self._pools.current[machine_id]
         for figure, heap in self._pool_heaps[pool]:
-            if before[figure] != report[figure]:
-                heapq.heappush(heap, (report[figure], machine_id))
-                if len(heap) > self._heap_bound(pool):
+            value = report[figure]
+            if before[figure] != value:
+                heapq.heappush(heap, (value, machine_id))
+                if len(heap) > self._bounds[pool]:
                     self._rebuild(pool, figure)
 
     def _refile(self, machine_id: int) -> None:
         """The machine moved (or is new): entries in its pool's heaps (old ones go stale)."""
+        for pool in Role:  # pools' sizes changed: entries each heap may hold before a rebuild
+            self._bounds[pool] = 8 * self._pools.size(pool) + 64
         report = self._reports.get(machine_id)
         if report is None:
             return  # not reported yet
         pool = self._pools.current[machine_id]
         for figure, heap in self._pool_heaps[pool]:
             heapq.heappush(heap, (report[figure], machine_id))
-            if len(heap) > self._heap_bound(pool):
+            if len(heap) > self._bounds[pool]:
                 self._rebuild(pool, figure)
-
-    def _heap_bound(self, pool: Role) -> int:
-        """Entries a pool's heap may hold before it is rebuilt: eight per member."""
-        return 8 * self._pools.size(pool) + 64
 
     def _rebuild(self, pool: Role, figure: int) -> list[Entry]:
         """The heap of live entries only (all of them, for a heap asked for the first time)."""

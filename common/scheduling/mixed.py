@@ -247,7 +247,8 @@ class MixedBatchPolicy:
             return EMPTY_PLAN  # an idle machine (a prompt machine between prompts)
         preempted: list[ReqId] = []
         self._prefilling = set()
-        prefill = self._admit_prefills(now, preempted)  # (req_id, prefill tokens)
+        # (req_id, prefill tokens) admitted
+        prefill = self._admit_prefills(now, preempted) if self.prompts or self.resumes else []
         if self.arrived_decodes:
             self._admit_arrived_decodes()
         self._fit_growth(now, preempted)
@@ -273,8 +274,6 @@ class MixedBatchPolicy:
         return chain(starved, self.prompts, fresh)
 
     def _admit_prefills(self, now: float, preempted: list[ReqId]) -> list[tuple[ReqId, int]]:
-        if not self.prompts and not self.resumes:
-            return []
         admitted: list[SeqState] = []
         lengths: list[tuple[ReqId, int]] = []
         budget = self.config.prompt_token_cap

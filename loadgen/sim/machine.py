@@ -120,14 +120,16 @@ class SimMachine:
 
     def start(self, now: float, output_len: Sequence[int]) -> Run | None:
         """Plan and start the next iteration or decode run; None when there is nothing to do."""
-        policy = self.policy
+        policy, landed = self.policy, self._landed
         plan = policy.schedule(now)
         # The plan's joins: its prefills, and the landed decodes it admitted (the policy takes
         # them FCFS, so they are the head of `_landed`).
-        joined = list(plan.prefill_ids)
-        for _ in range(len(self._landed) - len(policy.arrived_decodes)):
-            joined.append(self._landed.popleft())
-        if plan.is_empty:
+        joined: Sequence[int] = plan.prefill_ids
+        if len(landed) > len(policy.arrived_decodes):
+            joined = list(joined)
+            for _ in range(len(landed) - len(policy.arrived_decodes)):
+                joined.append(landed.popleft())
+        if not plan.prefill_ids and not plan.decode_ids:
             self.run = None
             return None
         self._track(joined, output_len)
@@ -197,12 +199,12 @@ class SimMachine:
         steps = max(1, min(until_finish, self.policy.max_decode_steps() + 1))
         return min(steps, self.max_run_steps) if self.max_run_steps else steps
 
-    def _track(self, joined: list[int], output_len: Sequence[int]) -> None:
+    def _track(self, joined: Sequence[int], output_len: Sequence[int]) -> None:
         """Put newly (re)joined requests on the finish heap, keyed by the policy step at which
         they will have generated all their tokens. NOTE: a running request's finish step holds
         while it runs (its `join_step` and `gen_base` change only when it joins again), so
         only the requests a plan joined need a look."""
-        running, tracked = self.policy.running, self._tracked
+        running, tracked, heap = self.policy.running, self._tracked, self._finish_heap
         for req_id in joined:
             seq = running.get(req_id)
             if seq is None:
@@ -210,9 +212,12 @@ class SimMachine:
             finish_step = seq.join_step + output_len[req_id] - seq.gen_base
             if tracked.get(req_id) != finish_step:
                 tracked[req_id] = finish_step
-                heapq.heappush(self._finish_heap, (finish_step, req_id))
-        heap = self._finish_heap
-        while heap and not self._is_current(*heap[0]):
+                heapq.heappush(heap, (finish_step, req_id))
+        # The top must be current: `_run_len` reads the next finish from it.
+        while heap:
+            finish_step, req_id = heap[0]
+            if req_id in running and tracked.get(req_id) == finish_step:
+                break
             heapq.heappop(heap)
 
     def _is_current(self, finish_step: int, req_id: int) -> bool:

@@ -334,7 +334,8 @@ class Simulator:
             return  # superseded by an interrupt
         plan, finished = machine.complete()
         first = [r for r in plan.prefill_ids if self._after_prefill(machine, r, now, finished)]
-        decoded_s = self._client_time(now, len(plan.decode_ids))
+        if finished or self.frontend is not None:  # (the front end streams every token out)
+            decoded_s = self._client_time(now, len(plan.decode_ids))
         for req_id in finished:
             record = self.records[req_id]
             if req_id in first:  # done at its first token
