@@ -10,13 +10,10 @@ a pool's least-loaded machine and makes the same decision either way: the least 
 lowest id, exactly as `shortest` picks.
 
 Each (pool, figure) that JSQ has asked for is a heap of (figure, machine id) entries, kept
-lazily, with one invariant: each member has an entry no greater than its figure. A report
-pushes an entry only when a figure falls; a figure that rose leaves its older, lower entry in
-place. A query looks at the top: an entry of a machine now elsewhere, or above its machine's
-figure, is dropped; one below it is raised to it; one equal to it is the least (every other
-member's figure is at least its own entry, which is at least the top). A heap is rebuilt from
-its pool's members once it holds eight entries per member, so memory stays proportional to
-machines. Pure.
+lazily: a report pushes an entry for each figure that changed, and an entry that no longer
+matches its machine (another figure now, or another pool) is dropped when it reaches the top.
+A heap is rebuilt from its pool's members once it holds eight entries per member, so memory
+stays proportional to machines. Pure.
 """
 
 from __future__ import annotations
@@ -103,7 +100,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
         pool = self._pools.current[machine_id]
         for figure, heap in self._pool_heaps[pool]:
             value = report[figure]
-            if value < before[figure]:  # (a rise keeps its lower entry: see the module)
+            if before[figure] != value:
                 heapq.heappush(heap, (value, machine_id))
                 if len(heap) > self._bounds[pool]:
                     self._rebuild(pool, figure)
@@ -124,7 +121,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
     def _rebuild(self, pool: Role, figure: int) -> list[Entry]:
         """The heap of live entries only (all of them, for a heap asked for the first time)."""
         reports = self._reports
-        heap = [(reports[m][figure], m) for m in self._pools.member_set(pool)]
+        heap = [(reports[m][figure], m) for m in self._pools.members(pool)]
         heapq.heapify(heap)
         self._heaps[pool, figure] = heap
         others = [(f, h) for f, h in self._pool_heaps[pool] if f != figure]
@@ -146,16 +143,13 @@ class LoadBoard(Mapping[int, MachineLoad]):
         if heap is None:
             heap = self._rebuild(pool, figure)
         reports, current = self._reports, self._pools.current
+        # An entry is live while its machine is in the pool with that figure; a machine may have
+        # two live entries (a figure that came back), which name the same machine anyway.
         while heap:
             value, best_id = heap[0]
-            if current[best_id] is pool:
-                figure_now = reports[best_id][figure]
-                if figure_now == value:
-                    break
-                if figure_now > value:  # it rose since: its entry goes up to its figure
-                    heapq.heapreplace(heap, (figure_now, best_id))
-                    continue
-            heapq.heappop(heap)  # elsewhere now, or an entry above its figure (a lower exists)
+            if current[best_id] is pool and reports[best_id][figure] == value:
+                break
+            heapq.heappop(heap)
         else:
             return None
         if not credit or weight == 0:
