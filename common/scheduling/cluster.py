@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from common.roles import Role
@@ -110,6 +111,10 @@ class PoolTable:
 
     def members(self, pool: Role) -> list[int]:
         return sorted(self._members[pool], key=self._position.__getitem__)
+
+    def member_set(self, pool: Role) -> AbstractSet[int]:
+        """The pool's members, unordered (not to be changed)."""
+        return self._members[pool]
 
     def size(self, pool: Role) -> int:
         return len(self._members[pool])

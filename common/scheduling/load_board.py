@@ -121,7 +121,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
     def _rebuild(self, pool: Role, figure: int) -> list[Entry]:
         """The heap of live entries only (all of them, for a heap asked for the first time)."""
         reports = self._reports
-        heap = [(reports[m][figure], m) for m in self._pools.members(pool)]
+        heap = [(reports[m][figure], m) for m in self._pools.member_set(pool)]
         heapq.heapify(heap)
         self._heaps[pool, figure] = heap
         others = [(f, h) for f, h in self._pool_heaps[pool] if f != figure]
