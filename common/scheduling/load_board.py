@@ -13,7 +13,8 @@ Each (pool, figure) that JSQ has asked for is a heap of (figure, machine id) ent
 lazily: a report pushes an entry for each figure that changed, and an entry that no longer
 matches its machine (another figure now, or another pool) is dropped when it reaches the top.
 A heap is rebuilt from its pool's members once it holds eight entries per member, so memory
-stays proportional to machines. Pure.
+stays proportional to machines; or dropped then, if JSQ has not asked for it meanwhile (its next
+query builds it again): what JSQ asks for only under overload costs nothing in between. Pure.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
         self._heaps: dict[tuple[Role, int], list[Entry]] = {}
         self._pool_heaps: dict[Role, list[tuple[int, list[Entry]]]] = {pool: [] for pool in Role}
         self._bounds = {pool: 8 * pools.size(pool) + 64 for pool in Role}
+        self._asked: set[tuple[Role, int]] = set()  # heaps queried since built
         pools.on_move = self._refile
 
     # -- Mapping --------------------------------------------------------------------------------
@@ -103,7 +105,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
             if before[figure] != value:
                 heapq.heappush(heap, (value, machine_id))
                 if len(heap) > self._bounds[pool]:
-                    self._rebuild(pool, figure)
+                    self._renew(pool, figure)
 
     def _refile(self, machine_id: int) -> None:
         """The machine moved (or is new): entries in its pool's heaps (old ones go stale)."""
@@ -116,16 +118,27 @@ class LoadBoard(Mapping[int, MachineLoad]):
         for figure, heap in self._pool_heaps[pool]:
             heapq.heappush(heap, (report[figure], machine_id))
             if len(heap) > self._bounds[pool]:
-                self._rebuild(pool, figure)
+                self._renew(pool, figure)
+
+    def _renew(self, pool: Role, figure: int) -> None:
+        """A heap full of stale entries: rebuilt if JSQ asked for it since it was built, else
+        dropped (JSQ asks for some only under overload; building one again when asked costs
+        what a scan of the pool would)."""
+        if (pool, figure) in self._asked:
+            self._rebuild(pool, figure)
+        else:
+            del self._heaps[pool, figure]
+            self._pool_heaps[pool] = [(f, h) for f, h in self._pool_heaps[pool] if f != figure]
 
     def _rebuild(self, pool: Role, figure: int) -> list[Entry]:
-        """The heap of live entries only (all of them, for a heap asked for the first time)."""
+        """The heap of live entries only."""
         reports = self._reports
         heap = [(reports[m][figure], m) for m in self._pools.member_set(pool)]
         heapq.heapify(heap)
         self._heaps[pool, figure] = heap
         others = [(f, h) for f, h in self._pool_heaps[pool] if f != figure]
         self._pool_heaps[pool] = others + [(figure, heap)]
+        self._asked.discard((pool, figure))
         return heap
 
     # -- queries --------------------------------------------------------------------------------
@@ -142,6 +155,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
         heap = self._heaps.get((pool, figure))
         if heap is None:
             heap = self._rebuild(pool, figure)
+        self._asked.add((pool, figure))
         reports, current = self._reports, self._pools.current
         # An entry is live while its machine is in the pool with that figure; a machine may have
         # two live entries (a figure that came back), which name the same machine anyway.

@@ -268,6 +268,8 @@ class MixedBatchPolicy:
         )
 
     def _waiting_order(self, now: float) -> Iterator[SeqState]:
+        if not self.resumes:
+            return iter(self.prompts)
         starvation = self.config.starvation_s
         starved = [s for s in self.resumes if now - s.waiting_since_s >= starvation]
         fresh = [s for s in self.resumes if now - s.waiting_since_s < starvation]

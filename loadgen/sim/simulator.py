@@ -17,8 +17,9 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import structlog
 
@@ -37,6 +38,7 @@ log = structlog.get_logger(__name__)
 
 ARRIVAL, RUN_END, KV_LANDED, FRONTEND = 0, 1, 2, 3
 Event = tuple[float, int, int, int, int]  # (time, sequence number, kind, a, b)
+NO_PREFIX: Mapping[int, int] = MappingProxyType({})  # a request no machine caches any of
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,17 +233,20 @@ class Simulator:
         """Process every event up to `time_s`; the time of the last one processed."""
         handlers = (self._on_arrival, self._on_run_end, self._on_kv_landed, self._on_frontend)
         events, arrivals, pop = self._events, self._arrivals, heapq.heappop
+        num_events = 0
         while True:
             if arrivals and (not events or arrivals[0] < events[0]):
                 if arrivals[0][0] > time_s:
                     break
-                self.now, _, kind, a, b = arrivals.popleft()
+                now, _, kind, a, b = arrivals.popleft()
             elif events and events[0][0] <= time_s:
-                self.now, _, kind, a, b = pop(events)
+                now, _, kind, a, b = pop(events)
             else:
                 break
-            handlers[kind](self.now, a, b)
-            self.num_events += 1
+            self.now = now
+            handlers[kind](now, a, b)
+            num_events += 1
+        self.num_events += num_events
         return self.now
 
     def run(self, requests: Iterable[SimRequest]) -> SimResult:
@@ -322,7 +327,7 @@ class Simulator:
     ) -> RouteRequest:
         """What the router knows: with KV-aware routing, each machine's cached prefix tokens."""
         if not keys or self.options.prefix_weight == 0:
-            return RouteRequest(req_id, record.prompt_len)
+            return RouteRequest(req_id, record.prompt_len, NO_PREFIX)
         block_len = self.options.prefix_block_len
         cached = {m.machine_id: m.cache.routing_blocks(keys) * block_len
                   for m in self.machines if m.cache is not None}  # fmt: skip
