@@ -34,9 +34,13 @@ def last_json(command: list[str]) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("bench", sorted(SMOKE_RUNS))
-def test_the_bench_prints_figures_and_its_targets(bench: str) -> None:
-    result = last_json(SMOKE_RUNS[bench])
+@pytest.mark.parametrize("bench", sorted(SMOKE_RUNS) + ["engine"])
+def test_the_bench_prints_figures_and_its_targets(bench: str, tiny_model_path: Path) -> None:
+    command = SMOKE_RUNS.get(bench) or [
+        "bench/engine.py", "--model", str(tiny_model_path), "--batches", "1", "--repeats", "1",
+        "--no-unpacked", "--no-onednn",
+    ]  # fmt: skip
+    result = last_json(command)
     targets, met = result["targets"], result["targets_met"]
     assert targets and isinstance(met, dict) and met
     assert set(met) <= set(targets)  # every verdict is on a stated target
