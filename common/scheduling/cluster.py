@@ -186,7 +186,9 @@ def total_load(load: MachineLoad) -> int:
 
 # The load keys by the figure a `LoadBoard` files them under.
 FIGURE_KEYS: dict[int, LoadKey] = {
-    PROMPT_FIGURE: prompt_load, DECODE_FIGURE: decode_load, TOTAL_FIGURE: total_load
+    PROMPT_FIGURE: prompt_load,
+    DECODE_FIGURE: decode_load,
+    TOTAL_FIGURE: total_load,
 }
 
 
