@@ -55,7 +55,8 @@ class LoadBoard(Mapping[int, MachineLoad]):
     """Loads by machine id, and each pool's least-loaded machine by a figure (see the module).
 
     Bound to the policy's `PoolTable`, whose moves it hears of (`PoolTable.on_move`). Every
-    machine of the table must be reported before the first query."""
+    machine of the table must be reported before the first query; a report or query of a
+    machine the table does not hold raises KeyError (a board never guesses a load)."""
 
     def __init__(self, pools: PoolTable) -> None:
         self._pools = pools
