@@ -2,8 +2,8 @@
 it was made fast (indexed JSQ loads, no per-arrival scan of every machine): routing, first-token
 and finish times, prefix hits and the cluster counters must be exactly what they were.
 
-`tests/unit/sim_results.json` was written by this module's `main` at the commit before that
-change (`python -m tests.unit.test_sim_equivalence --write`). Rewrite it only for a change
+`tests/unit/sim_results.json` was written by this module's `main` with the simulator of
+bbcd222, before that change (`python -m tests.unit.test_sim_equivalence --write`). Rewrite it only for a change
 meant to move results, and say so in that commit.
 """
 
