@@ -3,8 +3,8 @@ it was made fast (indexed JSQ loads, no per-arrival scan of every machine): rout
 and finish times, prefix hits and the cluster counters must be exactly what they were.
 
 `tests/unit/sim_results.json` was written by this module's `main` with the simulator of
-bbcd222, before that change (`python -m tests.unit.test_sim_equivalence --write`). Rewrite it only for a change
-meant to move results, and say so in that commit.
+bbcd222, before that change (`python -m tests.unit.test_sim_equivalence --write`). Rewrite it
+only for a change meant to move results, and say so in that commit.
 """
 
 from __future__ import annotations
