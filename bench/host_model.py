@@ -25,6 +25,7 @@ from typing import Any
 
 from host_cpu import ROLES, BackgroundMeter, CpuSampler, minus, process_nice, role_pids
 
+from bench.remote_decode import steady_token_times
 from common.perf_model import load_perf_model
 from loadgen.sim.designs import TINY, parse_cluster
 from loadgen.sim.shared_cpu import HostModel, SharedCPU, Station
@@ -142,7 +143,7 @@ def measure_decode(
         cell = bench_profile.Cell(TINY.decode_context, batch_size)
         prompts = bench_profile.prompt_ids(cell, vocab_size(), 7)
         with CpuSampler(pids) as sampler:
-            times, allowance = bench_profile.steady_token_times(probe, prompts, 32, allowance)
+            times, allowance = steady_token_times(probe, prompts, 32, allowance)
         start, end = max(t[1] for t in times), min(t[-1] for t in times)
         cores = sampler.cores(start, end)
         points.append((batch_size, round(minus(cores, idle, DECODE), 3)))

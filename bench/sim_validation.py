@@ -179,9 +179,13 @@ def measure(args: argparse.Namespace, url: str) -> tuple[Path, Path, float]:
     if args.profile:
         profile_csv = args.profile
     else:
+        # NOTE: at most 2048 prompt tokens a cell: its decode runs its join allowance past
+        # them, doubled until the batch decodes together, and a batch that outgrows the token
+        # engine's 8192 KV tokens (deploy/local.yaml) never does.
         load_profile_bench().main(
             ["--decode", url, "--hardware", HARDWARE, "--repeats", str(args.repeats),
-             "--prompt-sizes", "16", "64", "256", "--out", str(profile_csv)]
+             "--prompt-sizes", "16", "64", "256", "--max-batch-tokens", "2048",
+             "--out", str(profile_csv)]
         )  # fmt: skip
     host, idle_mesh = measure_host(
         url, args.server_pid, profile_csv, slice_sizes(args, 24), meter, args.idle_s,

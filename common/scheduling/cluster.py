@@ -19,29 +19,21 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from common.roles import Role
+from common.scheduling.load_board import (
+    DECODE_FIGURE,
+    PROMPT_FIGURE,
+    TOTAL_FIGURE,
+    LoadBoard,
+    MachineLoad,
+)
 
 # Machine pools are engine roles: a split design's machines have home PROMPT or TOKEN; a
 # baseline's, MIXED.
 OPPOSITE = {Role.PROMPT: Role.TOKEN, Role.TOKEN: Role.PROMPT}
-
-
-@dataclass(frozen=True)
-class MachineLoad:
-    """One machine's latest load report.
-
-    `pending_prompt_tokens`: prompt tokens queued or being prefilled. `decode_tokens`: KV tokens of
-    the requests it is decoding or holding for decode (its "running decode tokens").
-    `free_kv_tokens`: KV capacity left; `total_kv_tokens`: all it has.
-    """
-
-    machine_id: int
-    pending_prompt_tokens: int = 0
-    decode_tokens: int = 0
-    free_kv_tokens: int = 1 << 62
-    total_kv_tokens: int = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -97,7 +89,11 @@ class PoolThresholds:
 
 
 class PoolTable:
-    """Home and current pool of every machine, and when each entered the mixed pool."""
+    """Home and current pool of every machine, and when each entered the mixed pool.
+
+    Members are kept per pool (machines move rarely; routing asks for a pool's members on every
+    request). `on_move`, when set, hears of every machine whose current pool changed (a
+    `LoadBoard` re-files it)."""
 
     def __init__(self, homes: Mapping[int, Role]) -> None:
         if not homes:
@@ -105,21 +101,58 @@ class PoolTable:
         self.home: dict[int, Role] = dict(homes)
         self.current: dict[int, Role] = dict(homes)
         self.mixed_since: dict[int, float] = {}
+        self.on_move: Callable[[int], None] | None = None
+        self._position = {m: i for i, m in enumerate(self.current)}  # members keep this order
+        self._members: dict[Role, set[int]] = {pool: set() for pool in Role}
+        for machine_id, pool in self.current.items():
+            self._members[pool].add(machine_id)
+        self._num_split_homes = sum(p != Role.MIXED for p in self.home.values())
+        self._lent: set[int] = set()  # in the mixed pool, away from another home
 
     def members(self, pool: Role) -> list[int]:
-        return [m for m, p in self.current.items() if p is pool]
+        return sorted(self._members[pool], key=self._position.__getitem__)
+
+    def member_set(self, pool: Role) -> AbstractSet[int]:
+        """The pool's members, unordered (not to be changed)."""
+        return self._members[pool]
+
+    def size(self, pool: Role) -> int:
+        return len(self._members[pool])
+
+    def lent(self) -> list[int]:
+        """The mixed pool's members whose home is another pool, in `members` order."""
+        return sorted(self._lent, key=self._position.__getitem__)
 
     def home_members(self, pool: Role) -> list[int]:
         return [m for m, p in self.home.items() if p is pool]
 
     def apply(self, move: PoolMove, now: float) -> None:
+        machine_id = move.machine_id
         if move.repurposed:
-            self.home[move.machine_id] = move.to_pool
-        if move.to_pool == Role.MIXED and self.home[move.machine_id] != Role.MIXED:
-            self.mixed_since[move.machine_id] = now
+            self._set_home(machine_id, move.to_pool)
+        if move.to_pool == Role.MIXED and self.home[machine_id] != Role.MIXED:
+            self.mixed_since[machine_id] = now
         else:
-            self.mixed_since.pop(move.machine_id, None)
-        self.current[move.machine_id] = move.to_pool
+            self.mixed_since.pop(machine_id, None)
+        before = self.current[machine_id]
+        self.current[machine_id] = move.to_pool
+        self._file_lent(machine_id)
+        if before != move.to_pool:
+            self._members[before].discard(machine_id)
+            self._members[move.to_pool].add(machine_id)
+            if self.on_move is not None:
+                self.on_move(machine_id)
+
+    def _set_home(self, machine_id: int, pool: Role) -> None:
+        self._num_split_homes += (pool != Role.MIXED) - (self.home[machine_id] != Role.MIXED)
+        self.home[machine_id] = pool
+        self._file_lent(machine_id)
+
+    def _file_lent(self, machine_id: int) -> None:
+        if self.current[machine_id] == Role.MIXED and self.home[machine_id] != Role.MIXED:
+            self._lent.add(machine_id)
+        else:
+            self._lent.discard(machine_id)
 
     def sync(self, reported: Mapping[int, tuple[Role, Role]], now: float) -> None:
         """Take each machine's (home, current) pool as it says it is: in the live mesh the pools
@@ -127,13 +160,13 @@ class PoolTable:
         for machine_id, (home, current) in reported.items():
             if machine_id not in self.current:
                 continue
-            self.home[machine_id] = home
+            self._set_home(machine_id, home)
             if current != self.current[machine_id]:
                 self.apply(PoolMove(machine_id, current), now)
 
     @property
     def is_split(self) -> bool:
-        return any(p != Role.MIXED for p in self.home.values())
+        return self._num_split_homes > 0
 
 
 LoadKey = Callable[[MachineLoad], float]
@@ -149,6 +182,14 @@ def decode_load(load: MachineLoad) -> int:
 
 def total_load(load: MachineLoad) -> int:
     return load.pending_prompt_tokens + load.decode_tokens
+
+
+# The load keys by the figure a `LoadBoard` files them under.
+FIGURE_KEYS: dict[int, LoadKey] = {
+    PROMPT_FIGURE: prompt_load,
+    DECODE_FIGURE: decode_load,
+    TOTAL_FIGURE: total_load,
+}
 
 
 def prefix_credited(key: LoadKey, request: RouteRequest, weight: float) -> LoadKey:
@@ -202,16 +243,33 @@ class JSQPoolPolicy:
     def route(
         self, request: RouteRequest, loads: Mapping[int, MachineLoad], now: float
     ) -> RouteDecision:
-        """Pick the prompt and token machine together; borrow machines into mixed if needed."""
+        """Pick the prompt and token machine together; borrow machines into mixed if needed.
+        `loads`: every machine's, a dict or a `LoadBoard` (the same decision, found faster)."""
         if not self.pools.is_split:
-            key = prefix_credited(total_load, request, self.prefix_weight)
-            target = shortest(self.pools.members(Role.MIXED), loads, key)
+            target = self._least(Role.MIXED, loads, TOTAL_FIGURE, request)
             assert target is not None
             return RouteDecision(target, target)
         moves: list[PoolMove] = []
         prompt_id = self._pick(Role.PROMPT, request, loads, now, moves)
         token_id = self._pick(Role.TOKEN, request, loads, now, moves)
         return RouteDecision(prompt_id, token_id, tuple(moves))
+
+    def _least(
+        self,
+        pool: Role,
+        loads: Mapping[int, MachineLoad],
+        figure: int,
+        request: RouteRequest | None = None,
+    ) -> int | None:
+        """The pool's least-loaded member by `figure`, credited with the prefix each caches
+        when `request` is given (KV-aware JSQ); lowest id on ties."""
+        credit = request.cached_prefix_tokens if request is not None else None
+        if isinstance(loads, LoadBoard):
+            return loads.least(pool, figure, credit, self.prefix_weight)
+        key = FIGURE_KEYS[figure]
+        if request is not None:
+            key = prefix_credited(key, request, self.prefix_weight)
+        return shortest(self.pools.members(pool), loads, key)
 
     def _pick(
         self,
@@ -223,24 +281,27 @@ class JSQPoolPolicy:
     ) -> int:
         # Only prefill reuses a cache: token machines keep none (their KV arrives shipped).
         if kind == Role.PROMPT:
-            key = prefix_credited(prompt_load, request, self.prefix_weight)
+            figure, credited = PROMPT_FIGURE, request
         else:
-            key = decode_load
-        own = shortest(self.pools.members(kind), loads, key)
+            figure, credited = DECODE_FIGURE, None
+        own = self._least(kind, loads, figure, credited)
         if own is not None and not self._full(kind, loads[own], request):
             return own
-        mixed = shortest(self.pools.members(Role.MIXED), loads, key)
+        mixed = self._least(Role.MIXED, loads, figure, credited)
         if mixed is not None and not self._full(kind, loads[mixed], request):
             return mixed
         # Both full: borrow from the opposite pool, keeping at least one machine there.
-        donors = self.pools.members(OPPOSITE[kind])
+        donors = OPPOSITE[kind]
         # The donor is the machine least busy with anything (its own work included).
-        borrowed = shortest(donors, loads, total_load) if len(donors) > 1 else None
+        borrowed = self._least(donors, loads, TOTAL_FIGURE) if self.pools.size(donors) > 1 else None
         if borrowed is not None:
             move = PoolMove(borrowed, Role.MIXED)
             self.pools.apply(move, now)
             moves.append(move)
             return borrowed
+        key = FIGURE_KEYS[figure]
+        if credited is not None:
+            key = prefix_credited(key, credited, self.prefix_weight)
         fallback = shortest(
             [m for m in (own, mixed) if m is not None] or list(self.pools.current), loads, key
         )
@@ -257,7 +318,7 @@ class JSQPoolPolicy:
     def rebalance(self, loads: Mapping[int, MachineLoad], now: float) -> list[PoolMove]:
         """Send drained mixed machines home; re-purpose machines mixed for too long."""
         moves: list[PoolMove] = []
-        for machine_id in self.pools.members(Role.MIXED):
+        for machine_id in self.pools.lent():  # a machine whose home is mixed stays there
             move = self._release(machine_id, loads[machine_id], now)
             if move is not None:
                 self.pools.apply(move, now)

@@ -62,7 +62,7 @@ class MixedPolicyConfig:
             raise ValueError("mixed policy: max_preemptions and starvation_s must be >= 0")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SeqState:
     """One request on the machine. Its KV holds `prompt_len + generated` tokens; a prefill here
     computes `prompt_len + gen_base` (the prompt, plus the generated tokens after a preemption)."""
@@ -83,7 +83,7 @@ class SeqState:
         return self.prompt_len + self.gen_base
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MixedPlan:
     """One iteration: prompts to prefill, decodes to step, and requests preempted to make room."""
 
@@ -95,6 +95,9 @@ class MixedPlan:
     @property
     def is_empty(self) -> bool:
         return not self.prefill_ids and not self.decode_ids
+
+
+EMPTY_PLAN = MixedPlan()
 
 
 def preemption_order(
@@ -133,6 +136,8 @@ class MixedBatchPolicy:
         self._kv_offset = 0  # sum over running of (prompt_len + gen_base - join_step)
         self._prefilling: set[ReqId] = set()
         self._order = count()
+        self._capacity_blocks = config.kv_capacity_tokens // config.block_size
+        self._exact_tokens = config.block_size == 1  # a block per token: counts in O(1)
 
     # -- inputs ---------------------------------------------------------------------------------
 
@@ -212,17 +217,19 @@ class MixedBatchPolicy:
 
     @property
     def capacity_blocks(self) -> int:
-        return self.config.kv_capacity_tokens // self.config.block_size
+        return self._capacity_blocks
 
     @property
     def used_blocks(self) -> int:
         """Blocks the running requests hold (external ones not counted)."""
-        if self.config.block_size == 1:
+        if self._exact_tokens:
             return self._kv_offset + len(self.running) * self.step
         return sum(self.blocks_for(self.num_tokens(r)) for r in self.running)
 
     @property
     def kv_used(self) -> int:
+        if self._exact_tokens:  # the simulator's, asked for every load report
+            return self._kv_offset + len(self.running) * self.step + self.external_blocks
         return (self.used_blocks + self.external_blocks) * self.config.block_size
 
     @property
@@ -231,7 +238,7 @@ class MixedBatchPolicy:
 
     @property
     def free_blocks(self) -> int:
-        return self.capacity_blocks - self.used_blocks - self.external_blocks
+        return self._capacity_blocks - self.used_blocks - self.external_blocks
 
     def _fits(self, num_tokens: int) -> bool:
         """Whether `num_tokens` more fit in this iteration's plan so far."""
@@ -241,7 +248,7 @@ class MixedBatchPolicy:
         """Blocks this iteration's prefills take at the token each generates. NOTE: while a plan
         is made they are counted at their prefill length (the iteration has not run), so
         without this each admission would see the room of the ones before it twice."""
-        if self.config.block_size == 1:
+        if self._exact_tokens:
             return len(self._prefilling)
         bs = self.config.block_size
         return sum(1 for r in self._prefilling if self.num_tokens(r) % bs == 0)
@@ -265,14 +272,24 @@ class MixedBatchPolicy:
         Prefilled sequences join `running` at once (their KV is reserved) and decode from the next
         iteration; the iteration itself counts as one step.
         """
+        if not self.running and not self.has_waiting:
+            self._prefilling.clear()
+            return EMPTY_PLAN  # an idle machine (a prompt machine between prompts)
         preempted: list[ReqId] = []
         self._prefilling = set()
-        prefill = self._admit_prefills(now, preempted)  # (req_id, prefill tokens)
-        self._admit_arrived_decodes()
+        # (req_id, prefill tokens) admitted
+        prefill = self._admit_prefills(now, preempted) if self.prompts or self.resumes else []
+        if self.arrived_decodes:
+            self._admit_arrived_decodes()
         self._fit_growth(now, preempted)
-        decode_ids = tuple(r for r in self.running if r not in self._prefilling)
+        if self._prefilling:
+            decode_ids = tuple(r for r in self.running if r not in self._prefilling)
+        else:
+            decode_ids = tuple(self.running)
         if prefill or decode_ids:
             self.step += 1  # an empty plan is not an iteration
+        if not prefill:
+            return MixedPlan(decode_ids=decode_ids, preempted_ids=tuple(preempted))
         return MixedPlan(
             prefill_ids=tuple(req_id for req_id, _ in prefill),
             num_prefill_tokens=sum(num_tokens for _, num_tokens in prefill),
@@ -281,6 +298,8 @@ class MixedBatchPolicy:
         )
 
     def _waiting_order(self, now: float) -> Iterator[SeqState]:
+        if not self.resumes:
+            return iter(self.prompts)
         starvation = self.config.starvation_s
         starved = [s for s in self.resumes if now - s.waiting_since_s >= starvation]
         fresh = [s for s in self.resumes if now - s.waiting_since_s < starvation]
@@ -328,7 +347,7 @@ class MixedBatchPolicy:
     def _growth_blocks(self) -> int:
         """New blocks one more token for every running request takes (decodes, and this
         iteration's prefills at the token they generate): one each whose last block is full."""
-        if self.config.block_size == 1:
+        if self._exact_tokens:
             return len(self.running)
         return sum(1 for r in self.running if self.num_tokens(r) % self.config.block_size == 0)
 

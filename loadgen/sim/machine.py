@@ -13,18 +13,41 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.kv_events import reusable_blocks
 from common.perf_model import PerfModel
 from common.roles import Role
-from common.scheduling.cluster import MachineLoad
 from common.scheduling.mixed import MixedBatchPolicy, MixedPlan
 from loadgen.sim.prefix_cache import BlockKey, SimPrefixCache
 
 
-@dataclass
+class StepTimes:
+    """A performance model's iteration times, memoized: machines ask for the same batch sizes
+    and prefill lengths over and over, and the lookups are pure (the same floats)."""
+
+    def __init__(self, perf: PerfModel) -> None:
+        self.perf = perf
+        self._decode: dict[int, float] = {}
+        self._iteration: dict[tuple[int, int], float] = {}
+
+    def decode_s(self, batch_size: int) -> float:
+        step_s = self._decode.get(batch_size)
+        if step_s is None:
+            step_s = self._decode[batch_size] = self.perf.decode_s(batch_size)
+        return step_s
+
+    def iteration_s(self, num_prefill_tokens: int, num_decodes: int) -> float:
+        key = (num_prefill_tokens, num_decodes)
+        step_s = self._iteration.get(key)
+        if step_s is None:
+            step_s = self._iteration[key] = self.perf.iteration_s(*key)
+        return step_s
+
+
+@dataclass(slots=True)
 class Run:
     """The iteration (or run of decode-only iterations) in progress."""
 
@@ -51,11 +74,14 @@ class SimMachine:
         cache: SimPrefixCache | None = None,
         block_keys: Mapping[int, tuple[BlockKey, ...]] | None = None,
         block_len: int = 0,
+        step_times: StepTimes | None = None,
     ) -> None:
         self.machine_id = machine_id
         self.home = home
         self.policy = policy
         self.perf = perf
+        # Shared by the machines of one type (the simulator's), or this machine's own.
+        self.step_times = step_times or StepTimes(perf)
         self.run: Run | None = None
         self.version = 0  # bumps whenever the pending end-of-run event is superseded
         self.inbound_kv_tokens = 0  # KV in flight towards this SimMachine
@@ -64,6 +90,7 @@ class SimMachine:
         self.pending_stall_s = 0.0  # the next run waits this long first (hand-offs landed)
         self._finish_heap: list[tuple[int, int]] = []  # (policy step when done, req_id)
         self._tracked: dict[int, int] = {}  # req_id -> join_step already in the heap
+        self._landed: deque[int] = deque()  # decodes whose KV landed, waiting to join (FCFS)
         self.cache = cache
         # req_id -> its full prompt blocks' keys (the simulator's dict, filled as requests come)
         self.block_keys = {} if block_keys is None else block_keys
@@ -72,32 +99,47 @@ class SimMachine:
         self.num_hit_tokens = 0
         self.num_computed_tokens = 0  # prefill tokens computed (the uncached suffixes)
 
-    def load(self) -> MachineLoad:
+    def load(self) -> tuple[int, int, int]:
+        """What its load report would say: (pending prompt tokens, decode tokens, free KV
+        tokens), a `MachineLoad`'s figures."""
         policy, run = self.policy, self.run
         # NOTE: a prefill in progress is still pending work for JSQ; without it every busy
         # machine would look idle between batches.
         running_prefill = run.plan.num_prefill_tokens if run is not None else 0
-        return MachineLoad(
-            self.machine_id,
-            pending_prompt_tokens=policy.pending_prompt_tokens + running_prefill,
-            decode_tokens=policy.kv_used + self.inbound_kv_tokens,
-            free_kv_tokens=policy.kv_free - self.inbound_kv_tokens,
+        kv_used = policy.kv_used
+        return (
+            policy.pending_prompt_tokens + running_prefill,
+            kv_used + self.inbound_kv_tokens,
+            policy.config.kv_capacity_tokens - kv_used - self.inbound_kv_tokens,
         )
 
-    def start(self, now: float, output_len: dict[int, int]) -> Run | None:
+    def add_decode(self, req_id: int, prompt_len: int, arrival_s: float, now: float) -> None:
+        """A request's KV landed from its prompt machine: it joins when memory allows."""
+        self.policy.add_decode(req_id, prompt_len, arrival_s, now)
+        self._landed.append(req_id)
+
+    def start(self, now: float, output_len: Sequence[int]) -> Run | None:
         """Plan and start the next iteration or decode run; None when there is nothing to do."""
-        plan = self.policy.schedule(now)
-        if plan.is_empty:
+        policy, landed = self.policy, self._landed
+        plan = policy.schedule(now)
+        # The plan's joins: its prefills, and the landed decodes it admitted (the policy takes
+        # them FCFS, so they are the head of `_landed`).
+        joined: Sequence[int] = plan.prefill_ids
+        if len(landed) > len(policy.arrived_decodes):
+            joined = list(joined)
+            for _ in range(len(landed) - len(policy.arrived_decodes)):
+                joined.append(landed.popleft())
+        if not plan.prefill_ids and not plan.decode_ids:
             self.run = None
             return None
-        self._track(plan, output_len)
+        self._track(joined, output_len)
         stall_s, self.pending_stall_s = self.pending_stall_s, 0.0
         if plan.prefill_ids:
             num_computed = self._computed_prefill_tokens(plan)
-            step_s = self.perf.iteration_s(num_computed, len(plan.decode_ids))
+            step_s = self.step_times.iteration_s(num_computed, len(plan.decode_ids))
             self.run = Run(plan, now, step_s, 1, stall_s)
         else:
-            step_s = self.perf.decode_s(len(plan.decode_ids))
+            step_s = self.step_times.decode_s(len(plan.decode_ids))
             self.run = Run(plan, now, step_s, self._run_len(), stall_s)
         self.version += 1
         return self.run
@@ -157,20 +199,25 @@ class SimMachine:
         steps = max(1, min(until_finish, self.policy.max_decode_steps() + 1))
         return min(steps, self.max_run_steps) if self.max_run_steps else steps
 
-    def _track(self, plan: MixedPlan, output_len: dict[int, int]) -> None:
+    def _track(self, joined: Sequence[int], output_len: Sequence[int]) -> None:
         """Put newly (re)joined requests on the finish heap, keyed by the policy step at which
-        they will have generated all their tokens."""
-        running, tracked = self.policy.running, self._tracked
-        for req_id in plan.prefill_ids + plan.decode_ids:
+        they will have generated all their tokens. NOTE: a running request's finish step holds
+        while it runs (its `join_step` and `gen_base` change only when it joins again), so
+        only the requests a plan joined need a look."""
+        running, tracked, heap = self.policy.running, self._tracked, self._finish_heap
+        for req_id in joined:
             seq = running.get(req_id)
             if seq is None:
                 continue
             finish_step = seq.join_step + output_len[req_id] - seq.gen_base
             if tracked.get(req_id) != finish_step:
                 tracked[req_id] = finish_step
-                heapq.heappush(self._finish_heap, (finish_step, req_id))
-        heap = self._finish_heap
-        while heap and not self._is_current(*heap[0]):
+                heapq.heappush(heap, (finish_step, req_id))
+        # The top must be current: `_run_len` reads the next finish from it.
+        while heap:
+            finish_step, req_id = heap[0]
+            if req_id in running and tracked.get(req_id) == finish_step:
+                break
             heapq.heappop(heap)
 
     def _is_current(self, finish_step: int, req_id: int) -> bool:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import structlog
 
@@ -25,18 +27,21 @@ from common.config import SchedulerConfig
 from common.kv_events import reusable_blocks
 from common.perf_model import PerfModel
 from common.scheduling.cluster import JSQPoolPolicy, PoolThresholds, RouteRequest
+from common.scheduling.load_board import LoadBoard
 from common.scheduling.mixed import MixedBatchPolicy, MixedPolicyConfig
 from loadgen.sim.designs import ClusterSpec, perf_model_for
-from loadgen.sim.machine import SimMachine
+from loadgen.sim.machine import SimMachine, StepTimes
 from loadgen.sim.prefix_cache import BlockKey, SimPrefixCache, chain_keys
 from loadgen.sim.shared_cpu import FrontEnd, HostModel
 
 log = structlog.get_logger(__name__)
 
 ARRIVAL, RUN_END, KV_LANDED, FRONTEND = 0, 1, 2, 3
+Event = tuple[float, int, int, int, int]  # (time, sequence number, kind, a, b)
+NO_PREFIX: Mapping[int, int] = MappingProxyType({})  # a request no machine caches any of
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SimRequest:
     """One request to simulate: arrival time (s), prompt and output lengths (tokens), and its
     prompt's prefix-block ids (a Mooncake trace's `hash_ids`; empty: nothing shared)."""
@@ -47,7 +52,7 @@ class SimRequest:
     hash_ids: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     """Per-request outcome; times are seconds of simulated time, NaN until they happen."""
 
@@ -140,13 +145,15 @@ class Simulator:
         self.transfer = cluster.transfer_model()
         types = cluster.machine_types()
         self.block_keys: dict[int, tuple[BlockKey, ...]] = {}  # req_id -> its blocks' keys
-        self.machines = [
-            SimMachine(
-                i, home, self._policy_for(t), options.perf or perf_model_for(t, cluster.model),
-                self._cache_for(t), self.block_keys, options.prefix_block_len,
-            )
-            for i, (t, home) in enumerate(types)
-        ]  # fmt: skip
+        step_times: dict[int, StepTimes] = {}  # id(perf model) -> its memo, for each type
+        self.machines = []
+        for i, (machine_type, home) in enumerate(types):
+            perf = options.perf or perf_model_for(machine_type, cluster.model)
+            times = step_times.setdefault(id(perf), StepTimes(perf))
+            self.machines.append(SimMachine(
+                i, home, self._policy_for(machine_type), perf, self._cache_for(machine_type),
+                self.block_keys, options.prefix_block_len, times,
+            ))  # fmt: skip
         self.cpu = options.host.cpu if options.host else None
         # The front end's per-request excess (measured), drawn seeded: the same input, the same run.
         self._frontend_jitter = options.host.frontend_jitter_s if options.host else ()
@@ -164,9 +171,16 @@ class Simulator:
             {i: home for i, (_, home) in enumerate(types)}, options.thresholds,
             options.prefix_weight,
         )  # fmt: skip
+        # The machines' loads as the router sees them, refreshed for the machines an event
+        # touched (`_changed`) before each routing: a few per request, not the whole cluster.
+        self.loads = LoadBoard(self.router.pools)
+        self._changed: set[int] = set(range(len(self.machines)))
         self.records: list[RequestRecord] = []
-        self.output_len: dict[int, int] = {}
-        self._events: list[tuple[float, int, int, int, int]] = []
+        self.output_len: list[int] = []  # by req_id
+        self._events: list[Event] = []
+        # Submitted requests' first events, in time order, kept out of the heap (a replay
+        # submits every arrival up front): the heap holds only what machines have scheduled.
+        self._arrivals: deque[Event] = deque()
         self._seq = 0
         self._num_moves = 0
         self.now = 0.0
@@ -191,28 +205,48 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._events, (time_s, self._seq, kind, a, b))
 
+    def _push_arrival(self, time_s: float, kind: int, req_id: int) -> None:
+        """A request's first event: on the time-ordered stream, or on the heap when it comes
+        earlier than the stream's last (either way ordered by (time, submission) as one heap)."""
+        self._seq += 1
+        event = (time_s, self._seq, kind, req_id, 0)
+        if self._arrivals and time_s < self._arrivals[-1][0]:
+            heapq.heappush(self._events, event)
+        else:
+            self._arrivals.append(event)
+
     def submit(self, req: SimRequest) -> int:
         """Queue one request's arrival; its id indexes `records`."""
         req_id = len(self.records)
         self.records.append(RequestRecord(req.arrival_s, req.prompt_len, req.output_len))
-        self.output_len[req_id] = req.output_len
+        self.output_len.append(req.output_len)
         if self.options.prefix_block_len > 0 and req.hash_ids:
             num_full = req.prompt_len // self.options.prefix_block_len
             self.block_keys[req_id] = chain_keys(req.hash_ids, num_full)
         if self.cpu is not None:
-            self._push(req.arrival_s, FRONTEND, req_id)
+            self._push_arrival(req.arrival_s, FRONTEND, req_id)
         else:
-            self._push(req.arrival_s + self.options.frontend_s, ARRIVAL, req_id)
+            self._push_arrival(req.arrival_s + self.options.frontend_s, ARRIVAL, req_id)
         return req_id
 
     def advance_until(self, time_s: float) -> float:
         """Process every event up to `time_s`; the time of the last one processed."""
         handlers = (self._on_arrival, self._on_run_end, self._on_kv_landed, self._on_frontend)
-        events = self._events
-        while events and events[0][0] <= time_s:
-            self.now, _, kind, a, b = heapq.heappop(events)
-            handlers[kind](self.now, a, b)
-            self.num_events += 1
+        events, arrivals, pop = self._events, self._arrivals, heapq.heappop
+        num_events = 0
+        while True:
+            if arrivals and (not events or arrivals[0] < events[0]):
+                if arrivals[0][0] > time_s:
+                    break
+                now, _, kind, a, b = arrivals.popleft()
+            elif events and events[0][0] <= time_s:
+                now, _, kind, a, b = pop(events)
+            else:
+                break
+            self.now = now
+            handlers[kind](now, a, b)
+            num_events += 1
+        self.num_events += num_events
         return self.now
 
     def run(self, requests: Iterable[SimRequest]) -> SimResult:
@@ -259,7 +293,7 @@ class Simulator:
         if record.output_len <= 0 or record.prompt_len <= 0:
             record.first_token_s = record.done_s = now  # nothing to compute
             return
-        loads = {m.machine_id: m.load() for m in self.machines}
+        loads = self._refreshed_loads()
         self._num_moves += len(self.router.rebalance(loads, now))
         keys = self._usable_keys(req_id, record.prompt_len)
         decision = self.router.route(self._route_request(req_id, record, keys), loads, now)
@@ -272,7 +306,16 @@ class Simulator:
         machine.policy.add_prompt(req_id, record.prompt_len, record.arrival_s)
         if record.token_machine != record.prompt_machine:
             self.machines[record.token_machine].inbound_kv_tokens += record.prompt_len
+            self._changed.add(record.token_machine)
         self._kick(machine, now)
+
+    def _refreshed_loads(self) -> LoadBoard:
+        """The board, with the loads of the machines changed since the last routing."""
+        machines, loads = self.machines, self.loads
+        for machine_id in self._changed:
+            loads.report(machine_id, *machines[machine_id].load())
+        self._changed.clear()
+        return loads
 
     def _usable_keys(self, req_id: int, prompt_len: int) -> tuple[BlockKey, ...]:
         """The blocks of a prompt a lookup may reuse (its last token is always computed)."""
@@ -284,7 +327,7 @@ class Simulator:
     ) -> RouteRequest:
         """What the router knows: with KV-aware routing, each machine's cached prefix tokens."""
         if not keys or self.options.prefix_weight == 0:
-            return RouteRequest(req_id, record.prompt_len)
+            return RouteRequest(req_id, record.prompt_len, NO_PREFIX)
         block_len = self.options.prefix_block_len
         cached = {m.machine_id: m.cache.routing_blocks(keys) * block_len
                   for m in self.machines if m.cache is not None}  # fmt: skip
@@ -296,7 +339,8 @@ class Simulator:
             return  # superseded by an interrupt
         plan, finished = machine.complete()
         first = [r for r in plan.prefill_ids if self._after_prefill(machine, r, now, finished)]
-        decoded_s = self._client_time(now, len(plan.decode_ids))
+        if finished or self.frontend is not None:  # (the front end streams every token out)
+            decoded_s = self._client_time(now, len(plan.decode_ids))
         for req_id in finished:
             record = self.records[req_id]
             if req_id in first:  # done at its first token
@@ -326,6 +370,7 @@ class Simulator:
             return True
         if req_id in finished:  # a one-token output: no KV to send after all
             self.machines[record.token_machine].inbound_kv_tokens -= record.prompt_len
+            self._changed.add(record.token_machine)
             return True
         machine.forget(req_id)  # the KV leaves for the token machine
         delay = self.transfer.visible_s(record.prompt_len)
@@ -336,14 +381,16 @@ class Simulator:
         record = self.records[req_id]
         machine = self.machines[machine_id]
         machine.inbound_kv_tokens -= record.prompt_len
-        machine.policy.add_decode(req_id, record.prompt_len, record.arrival_s, now)
+        machine.add_decode(req_id, record.prompt_len, record.arrival_s, now)
         if self.options.host is not None:
             # The step that admits it waits for its KV on the shards: the whole batch stalls.
             machine.pending_stall_s += self.options.host.handoff_s
         self._kick(machine, now)
 
     def _kick(self, machine: SimMachine, now: float) -> None:
-        """New work for `machine`: start it if idle, else end its decode run early."""
+        """New work for `machine`: start it if idle, else end its decode run early. Every
+        event that changes a machine's load kicks it, or marks it `_changed` itself."""
+        self._changed.add(machine.machine_id)
         if machine.run is None:
             run = machine.start(now, self.output_len)
             if run is not None:
