@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,3 +130,65 @@ def test_a_leaving_token_engine_takes_no_new_work_and_finishes_what_it_holds(
     assert client.requests.by_engine[other] >= draining_seen["by_engine"].get(other, 0) + len(later)
     assert name not in {e.service_id for e in registry.live()}  # gone once drained
     assert not held(started[name])
+
+
+def test_requests_placed_just_before_a_router_sees_draining_finish_on_the_leaving_engine(
+    replicas: Replicas, tiny_model_path: Path
+) -> None:
+    """A router reads the registry every so often: requests it places on an engine just as that
+    engine turns `draining` still arrive there, after its table was last empty. The engine
+    serves on for `DRAIN_NOTICE_S`, so they finish on it instead of being re-run elsewhere.
+    Here the router's view is stale for a second after the engine starts to leave: it still
+    lists the leaving engine as the only token engine (the other one is news to it)."""
+    registry, base, started = replicas
+    stale_until = [float("inf")]
+    stale = [e for e in registry.live() if e.service_id != "token-b"]
+
+    def registry_view() -> list[Any]:
+        return stale if time.monotonic() < stale_until[0] else registry.live()
+
+    client = MeshEngineClient(tiny_model_path, registry_view, host="127.0.0.1", refresh_s=0.1,
+                              auth=CurveKeys.from_mesh_key(base.mesh_key))  # fmt: skip
+    migrations: list[str] = []
+    migrate = client._migrate
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        migrations.append(str(args[:1]))
+        return await migrate(*args, **kwargs)
+
+    client._migrate = counted  # type: ignore[method-assign]
+    prompts = random_prompts([20, 35, 50, 65], 2048, seed=73)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(prompts, params)
+
+    async def run() -> list[list[int]]:
+        while not client.ready():
+            await asyncio.sleep(0.05)
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            tokens: list[int] = []
+            async for out in client.generate(f"s{i}", prompt, params):
+                tokens += out.new_token_ids
+            return tokens
+
+        leaving = started["token-a"]
+        assert not held(leaving)  # idle: the old drain stopped it at once
+        stale_until[0] = time.monotonic() + 1.0
+        stopper = threading.Thread(target=leaving.shutdown, kwargs={"drain_s": 60})
+        stopper.start()
+        while any(e.service_id == "token-a" and e.state == "ready" for e in registry.live()):
+            await asyncio.sleep(0.01)  # until it has begun to leave
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        outputs = list(await asyncio.wait_for(asyncio.gather(*tasks), 120))
+        await asyncio.to_thread(stopper.join, 60)
+        assert not stopper.is_alive()
+        return outputs
+
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        client.shutdown()
+    assert outputs == expected
+    assert client.requests.by_engine["token-a"] == len(prompts)  # all placed on the leaving one
+    assert migrations == []  # ... and all finished there
+    assert "token-a" not in {e.service_id for e in registry.live()}
