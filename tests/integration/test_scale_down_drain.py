@@ -15,7 +15,7 @@ import asyncio
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,11 @@ from common.sampling import SamplingParams
 from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
 from services.engine.worker import EngineWorker
-from services.mesh.registry import Registry
+from services.mesh.registry import Registry, ServiceEntry
 from services.mesh.replica import MeshReplica, start_engine
 from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
+from tests.integration.mesh_helpers import collect, count_migrations
 
 NUM_TOKENS = 48
 Replicas = tuple[Registry, WorkerConfig, dict[str, MeshReplica]]
@@ -62,20 +63,39 @@ def held(replica: MeshReplica) -> set[str]:
     return set(worker.engine.table.requests)  # a racy read of a dict's keys: a test's glance
 
 
+def router_client(
+    list_services: Callable[[], list[ServiceEntry]], base: WorkerConfig
+) -> MeshEngineClient:
+    """The router's own client over the registry view `list_services`, reading it often."""
+    return MeshEngineClient(base.model_path, list_services, host="127.0.0.1", refresh_s=0.1,
+                            auth=CurveKeys.from_mesh_key(base.mesh_key))  # fmt: skip
+
+
+def run_then_close(
+    client: MeshEngineClient, main: Coroutine[Any, Any, list[list[int]]]
+) -> list[list[int]]:
+    try:
+        return asyncio.run(main)
+    finally:
+        client.shutdown()
+
+
+async def finished(
+    streams: list[asyncio.Task[list[int]]], stopper: threading.Thread
+) -> list[list[int]]:
+    """Every stream's tokens, then the leaving replica's `shutdown` returned (bounded)."""
+    outputs = list(await asyncio.wait_for(asyncio.gather(*streams), 180))
+    await asyncio.to_thread(stopper.join, 60)
+    assert not stopper.is_alive()
+    return outputs
+
+
 def test_a_leaving_token_engine_takes_no_new_work_and_finishes_what_it_holds(
     replicas: Replicas, tiny_model_path: Path
 ) -> None:
     registry, base, started = replicas
-    client = MeshEngineClient(tiny_model_path, registry.live, host="127.0.0.1", refresh_s=0.1,
-                              auth=CurveKeys.from_mesh_key(base.mesh_key))  # fmt: skip
-    migrations: list[str] = []
-    migrate = client._migrate
-
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        migrations.append(str(args[:1]))
-        return await migrate(*args, **kwargs)
-
-    client._migrate = counted  # type: ignore[method-assign]
+    client = router_client(registry.live, base)
+    migrations = count_migrations(client)
     prompts = random_prompts([24, 40, 56, 72, 30, 50, 70, 90], 2048, seed=71)
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
     expected = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(prompts, params)
@@ -83,21 +103,10 @@ def test_a_leaving_token_engine_takes_no_new_work_and_finishes_what_it_holds(
     draining_seen: dict[str, Any] = {}
 
     async def run() -> list[list[int]]:
-        counts = [0] * len(first)
-        decoding = asyncio.Event()
-
-        async def one(i: int, prompt: list[int]) -> list[int]:
-            tokens: list[int] = []
-            async for out in client.generate(f"r{i}", prompt, params):
-                tokens += out.new_token_ids
-                if i < len(first):
-                    counts[i] = len(tokens)
-                    if min(counts) >= 3:
-                        decoding.set()
-            return tokens
-
-        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(first)]
-        await asyncio.wait_for(decoding.wait(), 120)
+        tasks = [asyncio.create_task(collect(client, f"r{i}", p, params))
+                 for i, p in enumerate(first)]  # fmt: skip
+        while not (held(started["token-a"]) or held(started["token-b"])):
+            await asyncio.sleep(0.05)  # until they decode (bounded by the gather's deadline)
         # The token engine holding the most of them leaves, as Serve stops a replica.
         name = max(("token-a", "token-b"), key=lambda n: len(held(started[n])))
         leaving = started[name]
@@ -105,22 +114,15 @@ def test_a_leaving_token_engine_takes_no_new_work_and_finishes_what_it_holds(
         assert holding, "neither token engine holds a request"
         stopper = threading.Thread(target=leaving.shutdown, kwargs={"drain_s": 120})
         stopper.start()
-        while (entry := {e.service_id: e for e in registry.live()}[name]).state != "draining":
+        while {e.service_id: e for e in registry.live()}[name].state != "draining":
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)  # the router's next registry read (refresh_s 0.1)
         draining_seen.update(name=name, holding=holding, by_engine=dict(client.requests.by_engine))
-        tasks += [asyncio.create_task(one(len(first) + i, p)) for i, p in enumerate(later)]
-        outputs = list(await asyncio.wait_for(asyncio.gather(*tasks), 180))
-        assert stopper.is_alive() or name not in {e.service_id for e in registry.live()}
-        await asyncio.to_thread(stopper.join, 60)
-        assert not stopper.is_alive()
-        draining_seen["entry"] = entry
-        return outputs
+        tasks += [asyncio.create_task(collect(client, f"r{len(first) + i}", p, params))
+                  for i, p in enumerate(later)]  # fmt: skip
+        return await finished(tasks, stopper)
 
-    try:
-        outputs = asyncio.run(run())
-    finally:
-        client.shutdown()
+    outputs = run_then_close(client, run())
     assert outputs == expected
     assert migrations == []  # what the leaving engine held finished there
     name = draining_seen["name"]
@@ -144,19 +146,11 @@ def test_requests_placed_just_before_a_router_sees_draining_finish_on_the_leavin
     stale_until = [float("inf")]
     stale = [e for e in registry.live() if e.service_id != "token-b"]
 
-    def registry_view() -> list[Any]:
+    def registry_view() -> list[ServiceEntry]:
         return stale if time.monotonic() < stale_until[0] else registry.live()
 
-    client = MeshEngineClient(tiny_model_path, registry_view, host="127.0.0.1", refresh_s=0.1,
-                              auth=CurveKeys.from_mesh_key(base.mesh_key))  # fmt: skip
-    migrations: list[str] = []
-    migrate = client._migrate
-
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        migrations.append(str(args[:1]))
-        return await migrate(*args, **kwargs)
-
-    client._migrate = counted  # type: ignore[method-assign]
+    client = router_client(registry_view, base)
+    migrations = count_migrations(client)
     prompts = random_prompts([20, 35, 50, 65], 2048, seed=73)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     expected = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(prompts, params)
@@ -165,12 +159,6 @@ def test_requests_placed_just_before_a_router_sees_draining_finish_on_the_leavin
         while not client.ready():
             await asyncio.sleep(0.05)
 
-        async def one(i: int, prompt: list[int]) -> list[int]:
-            tokens: list[int] = []
-            async for out in client.generate(f"s{i}", prompt, params):
-                tokens += out.new_token_ids
-            return tokens
-
         leaving = started["token-a"]
         assert not held(leaving)  # idle: the old drain stopped it at once
         stale_until[0] = time.monotonic() + 1.0
@@ -178,16 +166,11 @@ def test_requests_placed_just_before_a_router_sees_draining_finish_on_the_leavin
         stopper.start()
         while any(e.service_id == "token-a" and e.state == "ready" for e in registry.live()):
             await asyncio.sleep(0.01)  # until it has begun to leave
-        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
-        outputs = list(await asyncio.wait_for(asyncio.gather(*tasks), 120))
-        await asyncio.to_thread(stopper.join, 60)
-        assert not stopper.is_alive()
-        return outputs
+        tasks = [asyncio.create_task(collect(client, f"s{i}", p, params))
+                 for i, p in enumerate(prompts)]  # fmt: skip
+        return await finished(tasks, stopper)
 
-    try:
-        outputs = asyncio.run(run())
-    finally:
-        client.shutdown()
+    outputs = run_then_close(client, run())
     assert outputs == expected
     assert client.requests.by_engine["token-a"] == len(prompts)  # all placed on the leaving one
     assert migrations == []  # ... and all finished there
