@@ -10,8 +10,8 @@ A burst of long prompts from many clients at once scales PromptEngine to 2 repli
 controller starts a second replica process and says so, the new engine joins routing and takes
 prompts. The burst ends; a trickle of short, decode-heavy streams keeps requests in flight while
 the pending prompt tokens fall, and the controller takes PromptEngine back to 1 (the leaving
-replica drains: `MeshReplica.shutdown`). Every request answers 200, and every greedy text equals
-the single-process engine's.
+replica drains: `MeshReplica.shutdown`). Every request answers 200, and every greedy text (every
+trickle request's, a share of the burst's) equals the single-process engine's.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ PROMPT_AUTOSCALING = {
 BURST_CLIENTS = 12
 BURST_PROMPT_LEN = 512
 BURST_TOKENS = 4
+BURST_GREEDY_EVERY = 4  # the others sample: load alike, no reference to compute for them
 TRICKLE_CLIENTS = 2
 TRICKLE_PROMPT_LEN = 8
 TRICKLE_TOKENS = 24
@@ -77,11 +78,14 @@ class Clients:
     """Threads posting greedy completions back to back until stopped; every answer is kept."""
 
     def __init__(self, base_url: str, num_clients: int, prompt_len: int, max_tokens: int,
-                 first_id: int) -> None:  # fmt: skip
+                 first_id: int, greedy_every: int = 1) -> None:  # fmt: skip
+        """Request i is greedy when `greedy_every` divides it, else sampled (seeded)."""
         self.base_url, self.prompt_len, self.max_tokens = base_url, prompt_len, max_tokens
+        self.greedy_every = greedy_every
         self.stop = threading.Event()
         self.ids = itertools.count(first_id)
-        self.texts: dict[int, str] = {}
+        self.num_ok = 0
+        self.texts: dict[int, str] = {}  # the greedy ones'
         self.failures: list[str] = []
         self.num_clients = num_clients
         self._pool = ThreadPoolExecutor(num_clients)
@@ -90,15 +94,18 @@ class Clients:
         with httpx.Client(base_url=self.base_url, timeout=180) as http:
             while not self.stop.is_set():
                 i = next(self.ids)
+                greedy = i % self.greedy_every == 0
                 body = {"model": "tiny", "prompt": prompt(i, self.prompt_len),
-                        "max_tokens": self.max_tokens, "temperature": 0,
-                        "ignore_eos": True}  # fmt: skip
+                        "max_tokens": self.max_tokens, "temperature": 0 if greedy else 1.0,
+                        "seed": i, "ignore_eos": True}  # fmt: skip
                 try:
                     response = http.post("/v1/completions", json=body)
                     if response.status_code != 200:
                         self.failures.append(f"{response.status_code}: {response.text[:200]}")
                         continue
-                    self.texts[i] = response.json()["choices"][0]["text"]
+                    self.num_ok += 1
+                    if greedy:
+                        self.texts[i] = response.json()["choices"][0]["text"]
                 except Exception as exc:  # noqa: BLE001 - every failure is reported
                     self.failures.append(repr(exc))
 
@@ -155,7 +162,8 @@ def test_a_prompt_burst_scales_prompt_engines_1_2_1_without_losing_a_request(
         assert server.pid is not None
         num_replicas = lambda: len(replica_pids_below(server.pid, "PromptEngine"))  # noqa: E731
         assert num_replicas() == 1 and len(prompt_engines(server)) == 1
-        with Clients(server.base_url, BURST_CLIENTS, BURST_PROMPT_LEN, BURST_TOKENS, 0) as burst:
+        with Clients(server.base_url, BURST_CLIENTS, BURST_PROMPT_LEN, BURST_TOKENS, 0,
+                     BURST_GREEDY_EVERY) as burst:  # fmt: skip
             wait_for("a second PromptEngine replica",
                      lambda: num_replicas() == 2 or burst.failures, 180)  # fmt: skip
             wait_for("2 prompt engines in routing",
@@ -173,21 +181,22 @@ def test_a_prompt_burst_scales_prompt_engines_1_2_1_without_losing_a_request(
             wait_for("PromptEngine back to 1 replica",
                      lambda: num_replicas() == 1 or trickle.failures, 120)  # fmt: skip
             wait_for("1 prompt engine in routing", lambda: len(prompt_engines(server)) == 1, 60)
-            num_before = len(trickle.texts)
-            wait_for("requests after the scale-down", lambda: len(trickle.texts) > num_before + 2,
+            num_before = trickle.num_ok
+            wait_for("requests after the scale-down", lambda: trickle.num_ok > num_before + 2,
                      60)  # fmt: skip
         assert not trickle.failures, trickle.failures[:5]
         assert controller_said(server, "from 2 to 1"), server.log_tail()
         print(f"autoscale e2e: ready after {ready_at - started:.0f} s, 2 prompt engines "
               f"serving {scaled_up_at - ready_at:.0f} s later, back to 1 after another "
-              f"{time.monotonic() - scaled_up_at:.0f} s; {len(burst.texts)} burst and "
-              f"{len(trickle.texts)} trickle requests")  # fmt: skip
+              f"{time.monotonic() - scaled_up_at:.0f} s; {burst.num_ok} burst and "
+              f"{trickle.num_ok} trickle requests")  # fmt: skip
 
     path = default_model_path("tiny")
     engine, tokenizer = LLMEngine.from_path(path, num_blocks=1024), Tokenizer(path)
     for clients, length, tokens in ((burst, BURST_PROMPT_LEN, BURST_TOKENS),
                                     (trickle, TRICKLE_PROMPT_LEN, TRICKLE_TOKENS)):  # fmt: skip
         ids = sorted(clients.texts)
+        assert len(ids) >= 4, ids  # greedy requests to check, from each phase
         prompts = [prompt(i, length) for i in ids]
         expected = engine.generate(
             prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
