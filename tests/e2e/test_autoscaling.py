@@ -186,6 +186,9 @@ def test_a_prompt_burst_scales_prompt_engines_1_2_1_without_losing_a_request(
                      60)  # fmt: skip
         assert not trickle.failures, trickle.failures[:5]
         assert controller_said(server, "from 2 to 1"), server.log_tail()
+        # The leaving replica drained: no request lost its engine, none outlived the drain.
+        log = server.log_path.read_text(errors="replace")
+        assert "engine left mid-request" not in log and "drain time over" not in log
         print(f"autoscale e2e: ready after {ready_at - started:.0f} s, 2 prompt engines "
               f"serving {scaled_up_at - ready_at:.0f} s later, back to 1 after another "
               f"{time.monotonic() - scaled_up_at:.0f} s; {burst.num_ok} burst and "
