@@ -51,6 +51,11 @@ STALL_S = 120.0
 ALL_CLAIMED_SETTLE_S = 3.0  # every live shard claimed for this long: stop waiting for a group
 CLAIM_RETRY_S = 0.5
 DRAIN_POLL_S = 0.1
+# A leaving engine serves on this long before an empty request table may end its drain: every
+# router reads the registry every half second (`services/router/mesh_membership.py`), so by then
+# none places here any more, and what they placed just before (a prompt still prefilling for
+# this token engine) has arrived.
+DRAIN_NOTICE_S = 2.0
 GROUP_CHECK_INTERVAL_S = 0.5  # how often a token engine replica looks for lost or new shards
 PEER_WAIT_S = 10.0  # at most this long a starting token engine waits for all its model peers
 
@@ -188,17 +193,28 @@ class MeshReplica:
             raise RuntimeError(f"{self.membership.entry.service_id}: its heartbeat thread died")
 
     def shutdown(self, drain_s: float = 20.0) -> None:
-        """Take no new requests, let engines finish theirs (bounded), then stop."""
+        """Leave routing, let an engine finish what it holds (bounded by `drain_s`), then stop.
+
+        The entry turns `draining` first: routers place nothing new here once they read it
+        (within `DRAIN_NOTICE_S`), while the engine goes on serving its requests, those that
+        arrive meanwhile included. Requests still running at `drain_s` (and any a router
+        placed here although it could not read the registry) lose their engine when it stops:
+        routers re-run them elsewhere from their tokens (migration, docs/failures.md)."""
         worker = self.worker.worker
         if isinstance(worker, EngineWorker):
             try:
                 self.membership.update(state="draining")
             except Exception as exc:  # noqa: BLE001 - shutting down anyway
                 log.warning("could not mark draining", error=repr(exc))
-            deadline = time.monotonic() + drain_s
+            started = time.monotonic()
+            deadline, noticed = started + drain_s, started + min(DRAIN_NOTICE_S, drain_s)
             # NOTE: bounded wait at shutdown; the engine loop owns the state, we only read a size.
-            while worker.engine.table.requests and time.monotonic() < deadline:
+            while time.monotonic() < deadline and (
+                time.monotonic() < noticed or worker.engine.table.requests
+            ):
                 time.sleep(DRAIN_POLL_S)
+            if left := len(worker.engine.table.requests):
+                log.warning("drain time over: the requests left migrate", num_requests=left)
         if self.group_watch is not None:
             self.group_watch.stop()
         self.membership.stop()

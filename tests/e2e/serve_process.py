@@ -81,9 +81,12 @@ def config_on_port(
     port: int,
     args: dict[str, Any] | None = None,
     preset: str | None = None,
+    deployments: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Copy a serve config, moving its HTTP port and updating its app's `args` (then, with
-    `preset`, switching it to that random model: `on_preset`); return the copy."""
+    `preset`, switching it to that random model: `on_preset`) and its deployments' options
+    (`deployments`: by name, options to set; a None value removes the option); return the
+    copy."""
     config = yaml.safe_load(source.read_text())
     config["http_options"]["port"] = port
     # The Batch API's store beside the config, not in the user's cache (runs never share one).
@@ -91,6 +94,12 @@ def config_on_port(
     config["applications"][0]["args"].update(args or {})
     if preset is not None:
         on_preset(config, preset)
+    for deployment in config["applications"][0]["deployments"]:
+        for option, value in (deployments or {}).get(deployment["name"], {}).items():
+            if value is None:
+                deployment.pop(option, None)
+            else:
+                deployment[option] = value
     target.write_text(yaml.safe_dump(config, sort_keys=False))
     return config
 
@@ -105,10 +114,13 @@ class ServeRun:
         args: dict[str, Any] | None = None,
         ingress: Ingress = "direct",
         preset: str | None = None,
+        deployments: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.port = free_port()
         self.config_path = workdir / source_config.name
-        self.config = config_on_port(source_config, self.config_path, self.port, args, preset)
+        self.config = config_on_port(
+            source_config, self.config_path, self.port, args, preset, deployments
+        )
         self.log_path = workdir / "serve-run.log"
         self.ingress = ingress
         self.proxy_url = f"http://127.0.0.1:{self.port}"
@@ -234,10 +246,11 @@ def served(
     args: dict[str, Any] | None = None,
     ingress: Ingress = "direct",
     preset: str = "tiny",
+    deployments: dict[str, dict[str, Any]] | None = None,
 ) -> Iterator[ServeRun]:
-    """`serve run deploy/<config_name>` (with `args` over its app's args) on the `preset` random
-    model for the `with` block."""
-    run = ServeRun(REPO / "deploy" / config_name, workdir, args, ingress, preset)
+    """`serve run deploy/<config_name>` (with `args` over its app's args and `deployments`' options
+    over theirs: `config_on_port`) on the `preset` random model for the `with` block."""
+    run = ServeRun(REPO / "deploy" / config_name, workdir, args, ingress, preset, deployments)
     try:
         run.start()
         yield run
@@ -270,14 +283,22 @@ def replica_pid(server: ServeRun, deployment: str) -> int:
 
 def replica_pid_below(root: int, deployment: str) -> int:
     """The process of the one `deployment` replica below `root`."""
+    for pid in replica_pids_below(root, deployment):
+        return pid
+    raise LookupError(f"no {deployment} replica under {root}")
+
+
+def replica_pids_below(root: int, deployment: str) -> list[int]:
+    """The processes of every `deployment` replica below `root` (a stopping one included)."""
+    found = []
     for pid in descendants(root):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue  # exited meanwhile
         if f"ServeReplica:phasemesh:{deployment}" in cmdline:
-            return pid
-    raise LookupError(f"no {deployment} replica under {root}")
+            found.append(pid)
+    return found
 
 
 def router_port(root: int, low: int) -> int:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from common.protocol import SamplingSpec
 from common.roles import Role
+from common.sampling import SamplingParams
 from services.launch.core_pinning import place_decode_groups
 from services.launch.local_mesh import LocalMesh
+from services.router.mesh_client import MeshEngineClient
 from tests.integration.mesh_test_client import MeshTestClient
 
 
@@ -68,3 +71,26 @@ def assert_decode_groups_pinned(mesh: LocalMesh) -> None:
     for proc, cores in zip(mesh.procs, expected, strict=True):
         for tid in os.listdir(f"/proc/{proc.pid}/task"):
             assert os.sched_getaffinity(int(tid)) == cores, (proc.args[-1][:80], tid)
+
+
+def count_migrations(client: MeshEngineClient) -> list[str]:
+    """The router client's re-runs from now on, one entry per re-run (the request it moved)."""
+    migrations: list[str] = []
+    migrate = client._migrate
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        migrations.append(str(args[:1]))
+        return await migrate(*args, **kwargs)
+
+    client._migrate = counted  # type: ignore[method-assign]
+    return migrations
+
+
+async def collect(
+    client: MeshEngineClient, req_id: str, prompt: list[int], params: SamplingParams
+) -> list[int]:
+    """One request through the router's client: every token it streams."""
+    tokens: list[int] = []
+    async for out in client.generate(req_id, prompt, params):
+        tokens += out.new_token_ids
+    return tokens

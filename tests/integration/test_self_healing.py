@@ -7,7 +7,6 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,6 +18,7 @@ from services.launch.local_mesh import LocalMesh, Topology
 from services.mesh.registry import ServiceEntry
 from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
+from tests.integration.mesh_helpers import count_migrations
 from tests.integration.mesh_test_client import MeshTestClient
 
 LONG = SamplingSpec(max_tokens=80, temperature=0.0, ignore_eos=True)
@@ -177,14 +177,7 @@ def test_a_registry_that_forgets_everyone_briefly_moves_no_request(mesh: LocalMe
     client = MeshEngineClient(
         mesh.topology.model_path, registry_view, auth=mesh.auth, refresh_s=0.1
     )
-    migrations: list[str] = []
-    migrate = client._migrate
-
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        migrations.append(str(args[:1]))
-        return await migrate(*args, **kwargs)
-
-    client._migrate = counted  # type: ignore[method-assign]
+    migrations = count_migrations(client)
     prompts = random_prompts([30, 50], 2048, seed=61)
     expected = LLMEngine.from_path(mesh.topology.model_path, num_blocks=256).generate(
         prompts, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)

@@ -18,6 +18,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from services.app import DEPLOYMENT_NAMES, AppArgs, build_app, deployment_names
 from services.mesh.autoscaling import MeshAutoscalingPolicy
+from services.mesh.replica import DRAIN_NOTICE_S
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEY = "ab" * 32  # a mesh key (hex)
@@ -114,6 +115,17 @@ def test_cluster_engines_and_shards_scale_on_their_own_load() -> None:
         if d["name"] == "AttentionShard":
             assert built.knobs["group_size"] == app["args"]["mesh"]["shards_per_group"]
             assert scaling["min_replicas"] % built.knobs["group_size"] == 0
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_mesh_replicas_get_their_drain_before_serve_kills_them(name: str) -> None:
+    """A scaled-down engine serves on `DRAIN_NOTICE_S`, then drains for up to `mesh.drain_s`
+    (`MeshReplica.shutdown`); Serve kills it at `graceful_shutdown_timeout_s`."""
+    for app in CONFIGS[name]["applications"]:
+        drain_s = AppArgs.model_validate(app["args"]).mesh.drain_s
+        for d in app.get("deployments", []):
+            if d["name"] in ("PromptEngine", "TokenEngine"):
+                assert d["graceful_shutdown_timeout_s"] > DRAIN_NOTICE_S + drain_s, d["name"]
 
 
 def test_rayservice_embeds_the_cluster_config() -> None:
