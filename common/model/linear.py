@@ -262,10 +262,9 @@ class PackedLinear(nn.Linear):
             x_in = _kernel_input(x)
             gate_up = torch.empty(x_in.shape[0], self.out_features, dtype=_F32)
             act = torch.empty(x_in.shape[0], inter, dtype=_F32)
-            scales = None if self.scales is None else to_dlpack(self.scales)
             _EXT.linear_silu_and_mul(
                 to_dlpack(x_in), to_dlpack(self.panels), to_dlpack(gate_up), to_dlpack(act),
-                torch.get_num_threads(), scales=scales,
+                torch.get_num_threads(), **_scales_arg(self.scales),
             )  # fmt: skip
             return act if self.out_dtype == _F32 else act.to(self.out_dtype)
         return layer_ops.silu_and_mul(self.forward(x))
@@ -311,9 +310,15 @@ def _kernel_linear(
     res = None if residual is None else to_dlpack(residual.contiguous())
     _EXT.linear(
         to_dlpack(x_in), to_dlpack(panels), to_dlpack(out), res, panel_start,
-        torch.get_num_threads(), scales=None if scales is None else to_dlpack(scales),
+        torch.get_num_threads(), **_scales_arg(scales),
     )  # fmt: skip
     return out if out_dtype == _F32 else out.to(out_dtype)
+
+
+def _scales_arg(scales: torch.Tensor | None) -> dict[str, object]:
+    """The GEMM's `scales` keyword for int8 panels; none otherwise (a build that predates the
+    low-precision panels takes no such keyword)."""
+    return {} if scales is None else {"scales": to_dlpack(scales)}
 
 
 def _kernel_input(x: torch.Tensor) -> torch.Tensor:
