@@ -396,3 +396,23 @@ def test_fused_activation_on_every_isa_and_its_refusals():
         ext.linear_silu_and_mul(to_dlpack(torch.randn(4, 40)), to_dlpack(panels),
                                 to_dlpack(torch.empty(4, 4 * width)),
                                 to_dlpack(torch.empty(4, 2 * width)), 1)  # fmt: skip
+
+
+@needs_kernel
+def test_a_build_without_low_precision_panels_falls_back_with_a_note(monkeypatch):
+    """An extension built before the bfloat16/int8 panels (stood in for by the dtype list it
+    reports): int8 packs float32 panels and bfloat16 oneDNN's copy, each logged once."""
+    import common.model.linear as linear
+
+    monkeypatch.setattr(linear, "KERNEL_WEIGHT_DTYPES", ("float32",))
+    monkeypatch.setattr(linear, "_NOTED", set())
+    layer = _linear()
+    layer.pack(weight_dtype="int8")
+    assert layer.weight_dtype == "float32" and layer.panels is not None
+    assert layer.panels.dtype == torch.float32 and layer.scales is None
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer.forward(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+    layer.pack(weight_dtype="bfloat16")
+    assert layer.panels is None and (layer.packed is not None) == onednn_available()
+    assert layer.forward(x).dtype == torch.float32
+    assert linear._NOTED == {"int8", "bfloat16"}
