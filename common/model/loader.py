@@ -5,8 +5,8 @@ fused on the way in (gpt-fast's load hook): q/k/v -> `qkv_proj`, gate/up -> `gat
 Projection weights are then stored column-major (see `column_major`) and get a packed copy (the
 extension's GEMM panels, oneDNN's layout where those are missing: `common.model.linear`), in the
 weight dtype asked for (`weight_dtype`, else PHASEMESH_WEIGHT_DTYPE: float32, bfloat16, or int8
-with per-output-channel scales; by default the model's dtype). Errors name the folder and the
-missing or mismatched tensor.
+with per-output-channel scales; by default the model's dtype; another value fails the load,
+naming the choices). Errors name the folder and the missing or mismatched tensor.
 """
 
 from __future__ import annotations
