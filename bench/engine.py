@@ -241,15 +241,18 @@ def weight_dtype_engines(path: str, dtypes: list[str]) -> dict[str, LLMEngine]:
     return sides
 
 
-def weight_dtype_rows(path: str, dtypes: list[str], repeats: int) -> tuple[dict, list[str]]:
-    """Batch-1 decode per weight dtype beside the read probe, alternating every repeat: median
-    tok/s, bytes per token, GB/s, its share of the probe, and tok/s over float32's."""
+def weight_dtype_rows(
+    path: str, dtypes: list[str], repeats: int, probe_bytes: int = READ_PROBE_BYTES
+) -> tuple[dict, list[str]]:
+    """Batch-1 decode per weight dtype beside the read probe (over `probe_bytes`), alternating
+    every repeat: median tok/s, bytes per token, GB/s, its share of the probe, and tok/s over
+    float32's."""
     from phasemesh_attention_kernel import read_sum
 
     sides = weight_dtype_engines(path, dtypes)
     prompts = prompts_for(1, next(iter(sides.values())).model_config.vocab_size)
     threads = torch.get_num_threads()
-    probe_buffer = torch.ones(READ_PROBE_BYTES // 4)
+    probe_buffer = torch.ones(probe_bytes // 4)
     rates: dict[str, list[float]] = {name: [] for name in sides}
     probe: list[float] = []
     for engine in sides.values():  # warm up: first-call packing, page faults
@@ -259,7 +262,7 @@ def weight_dtype_rows(path: str, dtypes: list[str], repeats: int) -> tuple[dict,
             step = engine_seconds(engine, prompts, LONG) - engine_seconds(engine, prompts, SHORT)
             rates[name].append(1 / (step / (LONG - SHORT)))
         best = min(_timed(lambda: read_sum(probe_buffer, threads)) for _ in range(3))
-        probe.append(READ_PROBE_BYTES / best / 1e9)
+        probe.append(probe_bytes / best / 1e9)
     probe_gbps = statistics.median(probe)
     rows: dict[str, Any] = {"read_probe_gbps": round(probe_gbps, 2)}
     lines = [f"read probe (readsum, {threads} threads): {probe_gbps:.1f} GB/s"]
