@@ -14,10 +14,10 @@
 // one FMA chain over k in order, whatever the row tiling, the thread split or the row count: a
 // row's result depends on that row and the weight alone, by construction.
 //
-// Layout: panel p holds columns [p * W, p * W + W) (W = kPanelVecs * kLanes) as [K][W] floats
+// Layout: panel p holds columns [p * W, p * W + W) (W = kPanelVecs * kLanes) as [K][W] weights
 // (column c of the panel at offset k * W + c); the last panel is zero-padded. A tile of R rows
 // keeps R x kPanelVecs accumulators in registers over the whole of K: each k loads the panel's
-// W floats once and broadcasts one x value per row. Tiles walk a thread's panels row chunk by row
+// W weights once and broadcasts one x value per row. Tiles walk a thread's panels row chunk by row
 // chunk, so a chunk of x (64 rows) stays in L1/L2 while its panels stream by, and it prefetches
 // the panel a few KiB ahead.
 //
