@@ -209,9 +209,9 @@ void linear(const RowsIn& x, const Panels& panels, const RowsOut& out,
   if (residual) expect_rows("residual", residual->shape(0), residual->shape(1), rows, out_features);
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
   const WeightView w = weight_view(panels, scales, panel_start);
-  const pm::LinearArgs a{x.data(),    w.panels,     out.data(),   residual ? residual->data() : nullptr,
-                         rows,        in_features,  out_features, in_features,
-                         out_features, out_features, w.dtype,     w.scales};
+  const float* res = residual ? residual->data() : nullptr;
+  const pm::LinearArgs a{x.data(),   w.panels,     out.data(),   res,     rows,    in_features,
+                         out_features, in_features, out_features, out_features, w.dtype, w.scales};
   nb::gil_scoped_release no_gil;
   pm::linear(a, kernels, num_panels, num_threads);
 }
