@@ -1,7 +1,7 @@
 """Decode throughput: PhaseMesh's engine against `transformers` generate, same weights, same run.
 
-    python bench/engine.py [--model PATH] [--batches 1 8 32] [--repeats 5] [--no-unpacked]
-                           [--no-onednn]
+    python bench/engine.py [--model PATH|PRESET] [--batches 1 8 32] [--repeats 5] [--no-unpacked]
+                           [--no-onednn] [--weight-dtypes float32 bfloat16 int8]
 
 Two more sides are the same engine with other projections (common/model/linear.py):
 `engine_unpacked` on plain `F.linear` (MKL), what the packing alone gives, and `engine_onednn` on
@@ -14,8 +14,18 @@ After the timed runs, one more engine run per batch size times the stages of eac
 (`StageTimer`: wrappers around the engine's own methods, a fraction of a microsecond each): the
 scheduler, input preparation, each layer's pre-attention (norm, QKV projection, RoPE), attention
 (KV write and paged decode), post-attention (O projection, norm, MLP), the LM head, sampling, and
-the rest (appending tokens, Python between the stages). The last line is one JSON object with both
-sides, their ratio and the engine's breakdown per batch size, `targets` and `targets_met`.
+the rest (appending tokens, Python between the stages).
+
+Then batch-1 decode per projection weight dtype (`weight_dtypes`: the same float32 model, its
+projections packed as float32, bfloat16 or int8 panels; activations float32), the engines
+alternating with the C read probe (`readsum`, as bench/attention.py runs it) in every repeat: each
+dtype's tokens/s, the projection weights' bytes a token reads (every packed panel and scale, the
+LM head's too), their GB/s and its ratio to the probe, and tokens/s over float32's. At batch 1 a
+step reads each weight once, so tokens/s x bytes <= the read bandwidth: fewer bytes per weight
+is the only way past float32's rate. `--batches` with no sizes runs this part alone.
+
+The last line is one JSON object with both sides, their ratio and the engine's breakdown per batch
+size, the weight-dtype rows, `targets` and `targets_met`.
 """
 
 from __future__ import annotations
@@ -35,13 +45,25 @@ from typing import Any
 import torch
 
 from common.engine.core import LLMEngine
-from common.model.default import default_model_path
-from common.model.linear import kernel_gemm_available, pack_linears, unpack_linears
+from common.model.default import PRESETS, default_model_path
+from common.model.linear import (
+    WEIGHT_DTYPES,
+    PackedLinear,
+    kernel_gemm_available,
+    pack_linears,
+    packed_weight_bytes,
+    unpack_linears,
+)
 from common.sampling import SamplingParams
 from common.scheduling.batching import Phase
 
 LONG, SHORT = 64, 16
 TARGET_RATIO = 2.0  # engine / transformers decode tok/s, at every batch size (issue 20)
+# Batch-1 decode tok/s over float32's, per weight dtype, and every dtype's weight GB/s over the
+# read probe's (issue 54).
+TARGET_OVER_FLOAT32 = {"bfloat16": 1.8, "int8": 3.2}
+TARGET_OVER_READ_PROBE = 0.85
+READ_PROBE_BYTES = 512 << 20  # well past the last-level cache
 
 
 def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -208,13 +230,98 @@ def batch_row(batch: int, rates: dict[str, float], breakdown: dict) -> tuple[dic
     return row, line
 
 
+def weight_dtype_engines(path: str, dtypes: list[str]) -> dict[str, LLMEngine]:
+    """One batch-1 engine per projection weight dtype (a build without its panels falls back,
+    with a logged note, and the row says which dtype it ran)."""
+    sides = {}
+    for weight_dtype in dtypes:
+        engine = LLMEngine.from_path(path, num_blocks=256)
+        pack_linears(engine.model, weight_dtype=weight_dtype)
+        sides[weight_dtype] = engine
+    return sides
+
+
+def weight_dtype_rows(
+    path: str, dtypes: list[str], repeats: int, probe_bytes: int = READ_PROBE_BYTES
+) -> tuple[dict, list[str]]:
+    """Batch-1 decode per weight dtype beside the read probe (over `probe_bytes`), alternating
+    every repeat: median tok/s, bytes per token, GB/s, its share of the probe, and tok/s over
+    float32's."""
+    from phasemesh_attention_kernel import read_sum
+
+    sides = weight_dtype_engines(path, dtypes)
+    prompts = prompts_for(1, next(iter(sides.values())).model_config.vocab_size)
+    threads = torch.get_num_threads()
+    probe_buffer = torch.ones(probe_bytes // 4)
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    probe: list[float] = []
+    for engine in sides.values():  # warm up: first-call packing, page faults
+        engine_seconds(engine, prompts, SHORT)
+    for _ in range(repeats):
+        for name, engine in sides.items():
+            step = engine_seconds(engine, prompts, LONG) - engine_seconds(engine, prompts, SHORT)
+            rates[name].append(1 / (step / (LONG - SHORT)))
+        best = min(_timed(lambda: read_sum(probe_buffer, threads)) for _ in range(3))
+        probe.append(probe_bytes / best / 1e9)
+    probe_gbps = statistics.median(probe)
+    rows: dict[str, Any] = {"read_probe_gbps": round(probe_gbps, 2)}
+    lines = [f"read probe (readsum, {threads} threads): {probe_gbps:.1f} GB/s"]
+    base = statistics.median(rates["float32"]) if "float32" in rates else None
+    for name, engine in sides.items():
+        tok_s = statistics.median(rates[name])
+        nbytes = packed_weight_bytes(engine.model)
+        gbps = tok_s * nbytes / 1e9
+        packed = {m.weight_dtype for m in engine.model.modules() if isinstance(m, PackedLinear)}
+        row = {
+            "tok_s": round(tok_s, 1),
+            "weight_mb_per_token": round(nbytes / 1e6, 1),
+            "gbps": round(gbps, 2),
+            "over_read_probe": round(gbps / probe_gbps, 3),
+            "packed_as": sorted(packed),
+        }
+        line = f"weights {name:9s}: {tok_s:7.1f} tok/s  {nbytes / 1e6:6.1f} MB/token  "
+        line += f"{gbps:5.1f} GB/s ({gbps / probe_gbps:.2f} of the probe)"
+        if base:
+            row["over_float32"] = round(tok_s / base, 2)
+            line += f"  x{tok_s / base:.2f} float32"
+        rows[name] = row
+        lines.append(line)
+    return rows, lines
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def weight_dtype_targets(rows: dict) -> tuple[dict, dict]:
+    """`targets` and `targets_met` of the weight-dtype rows."""
+    targets, met = {}, {}
+    for name in WEIGHT_DTYPES:
+        if name not in rows:
+            continue
+        targets[f"{name}_over_read_probe"] = f">= {TARGET_OVER_READ_PROBE}"
+        met[f"{name}_over_read_probe"] = rows[name]["over_read_probe"] >= TARGET_OVER_READ_PROBE
+        if name in TARGET_OVER_FLOAT32 and "over_float32" in rows[name]:
+            targets[f"{name}_over_float32"] = f">= {TARGET_OVER_FLOAT32[name]}"
+            met[f"{name}_over_float32"] = rows[name]["over_float32"] >= TARGET_OVER_FLOAT32[name]
+    return targets, met
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--model", default=None, help=f"a folder or a preset ({', '.join(PRESETS)})"
+    )
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-unpacked", action="store_true", help="skip the F.linear engine")
     parser.add_argument("--no-onednn", action="store_true", help="skip the oneDNN engine")
+    parser.add_argument(
+        "--weight-dtypes", nargs="*", choices=WEIGHT_DTYPES, default=list(WEIGHT_DTYPES),
+        help="batch-1 decode per projection weight dtype (none: skip)",
+    )  # fmt: skip
     args = parser.parse_args()
     # NOTE: run as a script, Python puts bench/ first on sys.path, where bench/profile.py would
     # shadow the standard library's `profile` (which cProfile, imported by transformers, needs).
@@ -222,13 +329,16 @@ def main() -> None:
         sys.path[0] = str(Path(__file__).resolve().parents[1])
     from transformers import LlamaForCausalLM
 
+    if args.model in PRESETS:
+        args.model = str(default_model_path(args.model))
     path = args.model or str(default_model_path())
-    sides = engines(path, unpacked=not args.no_unpacked, onednn=not args.no_onednn)
-    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     results: dict[str, Any] = {
         "model": path, "threads": torch.get_num_threads(), "batches": {},
         "loadavg_before": os.getloadavg()[0],
     }  # fmt: skip
+    if args.batches:
+        sides = engines(path, unpacked=not args.no_unpacked, onednn=not args.no_onednn)
+        hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for batch in args.batches:
         prompts = prompts_for(batch, sides["engine"].model_config.vocab_size)
         runs: dict[str, Callable] = {
@@ -240,12 +350,23 @@ def main() -> None:
         results["batches"][str(batch)], line = batch_row(batch, rates, breakdown)
         print(line)
         print("  engine us/step: " + "  ".join(f"{k} {v:.0f}" for k, v in breakdown.items()))
+    if args.batches:
+        del sides, hf  # the weight-dtype engines' memory
+    if args.weight_dtypes:
+        results["weight_dtypes_batch_1"], lines = weight_dtype_rows(
+            path, args.weight_dtypes, args.repeats
+        )
+        print("\n".join(lines))
     results["loadavg_after"] = os.getloadavg()[0]
     results["targets"] = {f"ratio_batch_{b}": f">= {TARGET_RATIO}" for b in args.batches}
     results["targets_met"] = {
         f"ratio_batch_{b}": results["batches"][str(b)]["ratio"] >= TARGET_RATIO
         for b in args.batches
     }
+    if args.weight_dtypes:
+        targets, met = weight_dtype_targets(results["weight_dtypes_batch_1"])
+        results["targets"] |= targets
+        results["targets_met"] |= met
     print(json.dumps(results))
 
 

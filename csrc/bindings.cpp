@@ -148,7 +148,9 @@ void silu_and_mul(const RowsIn& x, const RowsOut& out) {
   pm::best_isa().silu_and_mul(x.data(), out.data(), rows, inter, 0, inter);
 }
 
-using Panels = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu, nb::c_contig>;
+// Panels of any weight dtype the GEMM takes (WeightDtype): checked by `weight_dtype_of`.
+using Panels = nb::ndarray<nb::ndim<3>, nb::device::cpu, nb::c_contig>;
+using Scales = nb::ndarray<const float, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
 
 // The GEMM's kernels for `isa`: "auto" is the best this CPU runs (what the engine uses); the
 // others, for tests and other CPUs, are checked as the attention kernel's are (the GEMM has no
@@ -157,9 +159,38 @@ const pm::IsaKernels& gemm_isa(const std::string& isa) {
   return isa == "auto" ? pm::best_isa() : pm::select_isa(isa, 0, 0);
 }
 
+pm::WeightDtype weight_dtype_of(const Panels& panels) {
+  if (panels.dtype() == nb::dtype<float>()) return pm::WeightDtype::kFloat32;
+  if (panels.dtype() == kBfloat16) return pm::WeightDtype::kBfloat16;
+  if (panels.dtype() == nb::dtype<int8_t>()) return pm::WeightDtype::kInt8;
+  throw std::invalid_argument("linear: panels must be float32, bfloat16 or int8");
+}
+
+// The panels' dtype and element pointer from panel `panel_start` on, and the int8 scales' pointer
+// from that panel's first column: checks that int8 panels come with one scale per panel column
+// and that no other dtype has scales.
+struct WeightView {
+  pm::WeightDtype dtype;
+  const void* panels;
+  const float* scales;
+};
+
+WeightView weight_view(const Panels& panels, const std::optional<Scales>& scales,
+                       int64_t panel_start) {
+  const pm::WeightDtype dtype = weight_dtype_of(panels);
+  const int64_t panel_elements = panels.shape(1) * panels.shape(2);
+  const char* base = static_cast<const char*>(panels.data());
+  const void* first = base + panel_start * panel_elements * (panels.dtype().bits / 8);
+  if ((dtype == pm::WeightDtype::kInt8) != scales.has_value())
+    throw std::invalid_argument("linear: int8 panels need scales, and only int8 panels take them");
+  if (!scales) return {dtype, first, nullptr};
+  expect_rows("scales", 1, scales->shape(0), 1, panels.shape(0) * panels.shape(2));
+  return {dtype, first, scales->data() + panel_start * panels.shape(2)};
+}
+
 void linear(const RowsIn& x, const Panels& panels, const RowsOut& out,
             const std::optional<RowsIn>& residual, int64_t panel_start, int num_threads,
-            const std::string& isa) {
+            const std::string& isa, const std::optional<Scales>& scales) {
   const int64_t rows = x.shape(0), in_features = x.shape(1), out_features = out.shape(1);
   const pm::IsaKernels& kernels = gemm_isa(isa);
   const int64_t width = kernels.linear_panel_width;
@@ -177,15 +208,17 @@ void linear(const RowsIn& x, const Panels& panels, const RowsOut& out,
   expect_rows("out", out.shape(0), out_features, rows, out_features);
   if (residual) expect_rows("residual", residual->shape(0), residual->shape(1), rows, out_features);
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
-  const pm::LinearArgs a{x.data(), panels.data() + panel_start * in_features * width, out.data(),
-                         residual ? residual->data() : nullptr, rows, in_features, out_features,
-                         in_features, out_features, out_features};
+  const WeightView w = weight_view(panels, scales, panel_start);
+  const float* res = residual ? residual->data() : nullptr;
+  const pm::LinearArgs a{x.data(),   w.panels,     out.data(),   res,     rows,    in_features,
+                         out_features, in_features, out_features, out_features, w.dtype, w.scales};
   nb::gil_scoped_release no_gil;
   pm::linear(a, kernels, num_panels, num_threads);
 }
 
 void linear_silu_and_mul(const RowsIn& x, const Panels& panels, const RowsOut& gate_up,
-                         const RowsOut& act, int num_threads, const std::string& isa) {
+                         const RowsOut& act, int num_threads, const std::string& isa,
+                         const std::optional<Scales>& scales) {
   const int64_t rows = x.shape(0), in_features = x.shape(1), inter = act.shape(1);
   const pm::IsaKernels& kernels = gemm_isa(isa);
   const int64_t width = kernels.linear_panel_width;
@@ -202,8 +235,9 @@ void linear_silu_and_mul(const RowsIn& x, const Panels& panels, const RowsOut& g
   expect_rows("gate_up", gate_up.shape(0), gate_up.shape(1), rows, 2 * inter);
   expect_rows("act", act.shape(0), act.shape(1), rows, inter);
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
-  const pm::LinearArgs a{x.data(), panels.data(), gate_up.data(), nullptr, rows, in_features,
-                         2 * inter, in_features, 2 * inter, 0};
+  const WeightView w = weight_view(panels, scales, 0);
+  const pm::LinearArgs a{x.data(), w.panels,   gate_up.data(), nullptr, rows,    in_features,
+                         2 * inter, in_features, 2 * inter,     0,       w.dtype, w.scales};
   nb::gil_scoped_release no_gil;
   pm::linear_silu_and_mul(a, act.data(), kernels, inter / width, num_threads);
 }
@@ -339,11 +373,15 @@ NB_MODULE(phasemesh_attention_kernel, m) {
   m.def("linear", &linear, nb::arg("x").noconvert(), nb::arg("panels").noconvert(),
         nb::arg("out").noconvert(), nb::arg("residual").noconvert().none(),
         nb::arg("panel_start") = 0, nb::arg("num_threads") = 1, nb::arg("isa") = "auto",
-        "out = x @ w.T (+ residual), float32, w packed as panels [P, in, linear_panel_width()] "
-        "(common/model/linear.py), from panel panel_start on; rows never depend on each other.");
+        nb::arg("scales").noconvert() = nb::none(),
+        "out = x @ w.T (+ residual), x and out float32, w packed as panels [P, in, "
+        "linear_panel_width()] (common/model/linear.py) of float32, bfloat16 or int8 (then w = "
+        "panels * scales, one float32 scale per panel column), from panel panel_start on; rows "
+        "never depend on each other.");
   m.def("linear_silu_and_mul", &linear_silu_and_mul, nb::arg("x").noconvert(),
         nb::arg("panels").noconvert(), nb::arg("gate_up").noconvert(), nb::arg("act").noconvert(),
         nb::arg("num_threads") = 1, nb::arg("isa") = "auto",
+        nb::arg("scales").noconvert() = nb::none(),
         "gate_up = x @ w.T and act = silu(gate_up[:, :I]) * gate_up[:, I:] in one pass, each "
         "thread activating the columns it computed; I (act's width) a multiple of the panel "
         "width; values equal linear() then silu_and_mul().");
@@ -351,6 +389,10 @@ NB_MODULE(phasemesh_attention_kernel, m) {
       "linear_panel_width",
       [](const std::string& isa) { return gemm_isa(isa).linear_panel_width; },
       nb::arg("isa") = "auto", "Weight columns per panel of `linear` for an ISA (auto: the best).");
+  m.def(
+      "linear_weight_dtypes",
+      [] { return std::vector<std::string>{"float32", "bfloat16", "int8"}; },
+      "The panel dtypes `linear` and `linear_silu_and_mul` take.");
   m.def("write_kv", &write_kv, nb::arg("key_cache").noconvert(),
         nb::arg("value_cache").noconvert(), nb::arg("k").noconvert(), nb::arg("v").noconvert(),
         nb::arg("slots").noconvert(),

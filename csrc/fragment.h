@@ -45,14 +45,21 @@ struct FragmentState {
 
 using FragmentFn = void (*)(const FragmentArgs&, const FragmentState&);
 
+// The projections' weight element types (linear_kernel.h): float32, bfloat16 (widened exactly to
+// float32) and int8 with one float32 scale per output column (w[c, k] = q[c, k] * scale[c]).
+enum class WeightDtype { kFloat32, kBfloat16, kInt8 };
+
 // A projection on a panel-packed weight (linear_kernel.h): out = x @ w.T (+ residual).
 struct LinearArgs {
   const float* x;         // [rows, in_features], rows x_stride floats apart
-  const float* panels;    // [num_panels, in_features, panel_width], from the first panel used
+  const void* panels;     // [num_panels, in_features, panel_width] of weight_dtype, from the
+                          // first panel used
   float* out;             // [rows, out_features], rows out_stride floats apart
   const float* residual;  // like out, or nullptr
   int64_t rows, in_features, out_features;  // out_features: columns from the first panel used
   int64_t x_stride, out_stride, res_stride;
+  WeightDtype weight_dtype = WeightDtype::kFloat32;
+  const float* scales = nullptr;  // kInt8: one per column, from the first panel used's first
 };
 // Writes the columns of panels [panel_begin, panel_end) (relative to `panels`) for every row.
 using LinearPanelsFn = void (*)(const LinearArgs&, int64_t panel_begin, int64_t panel_end);

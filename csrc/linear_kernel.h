@@ -14,10 +14,10 @@
 // one FMA chain over k in order, whatever the row tiling, the thread split or the row count: a
 // row's result depends on that row and the weight alone, by construction.
 //
-// Layout: panel p holds columns [p * W, p * W + W) (W = kPanelVecs * kLanes) as [K][W] floats
+// Layout: panel p holds columns [p * W, p * W + W) (W = kPanelVecs * kLanes) as [K][W] weights
 // (column c of the panel at offset k * W + c); the last panel is zero-padded. A tile of R rows
 // keeps R x kPanelVecs accumulators in registers over the whole of K: each k loads the panel's
-// W floats once and broadcasts one x value per row. Tiles walk a thread's panels row chunk by row
+// W weights once and broadcasts one x value per row. Tiles walk a thread's panels row chunk by row
 // chunk, so a chunk of x (64 rows) stays in L1/L2 while its panels stream by, and it prefetches
 // the panel a few KiB ahead.
 //
@@ -29,30 +29,53 @@
 // broadcasts and 24 FMAs on zmm registers per k, no spills) and within +-10% at 2 threads.
 // bench/engine.py runs the engine on both side by side (`kernel_vs_onednn`).
 
+// Low-precision weights (WeightDtype): the same panels, the same tiles and the same FMA chain
+// over k, the weight widened to float32 on load (bfloat16: shift, exact; int8: sign-extend and
+// convert, exact) and, for int8, each column's sum times its scale once at the end. Activations
+// stay float32: at decode row counts a projection is held by the weight's bytes, not its FMAs, so
+// fewer bytes per weight is the gain, and no activation is rounded (vdpbf16ps and vpdpbusd would
+// round x to bfloat16 or int8 to halve FMAs that do not hold it back).
+
 constexpr int kPanelVecs = 2;
 constexpr int kPanelWidth = kPanelVecs * kLanes;
-// Panel rows (k) read ahead of use, 4 KiB: a weight streams from memory at decode sizes, and at 8
+// Bytes of panel read ahead of use, 4 KiB: a weight streams from memory at decode sizes, and at 8
 // or 32 rows a tile's FMAs between loads leave too few reads in flight without it (the small
 // model's 12 layers, cold, 2 threads, against oneDNN in the same run: 1.03-1.06x its time at 8
-// rows and 1.09-1.11x at 32 without; 0.70-0.74x and 0.77-0.81x with 32 rows ahead, 64 alike).
-constexpr int64_t kPrefetchRows = 4096 / (kPanelWidth * 4);
+// rows and 1.09-1.11x at 32 without; 0.70-0.74x and 0.77-0.81x with 32 float32 rows ahead, 64
+// alike).
+constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kRowChunk = 64;
 
-inline VecF load_panel_vec(const float* p) {
-  VecF v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
+typedef int8_t VecB __attribute__((vector_size(PM_LANES)));
+
+inline VecF load_panel_vec(const float* p) { return load(p); }
+inline VecF load_panel_vec(const uint16_t* p) { return load(p); }  // bfloat16
+inline VecF load_panel_vec(const int8_t* p) {
+#if PM_LANES == 16 && defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+#elif PM_LANES == 8 && defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+#else
+  VecB b;
+  __builtin_memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, VecF);
+#endif
 }
 
-template <int R>
-void linear_tile(const LinearArgs& a, int64_t row, const float* panel, int64_t col, int cols) {
+template <typename W, int R>
+void linear_tile(const LinearArgs& a, int64_t row, const W* panel, int64_t col, int cols) {
+  constexpr int64_t kRowBytes = kPanelWidth * sizeof(W);
+  constexpr int64_t kAhead = kPrefetchBytes / kRowBytes;
   VecF acc[R][kPanelVecs];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = VecF{};
   const float* x = a.x + row * a.x_stride;
   for (int64_t k = 0; k < a.in_features; ++k) {
-    for (int line = 0; line < kPanelWidth; line += 16)  // 16 floats: one 64-byte line
-      __builtin_prefetch(panel + (k + kPrefetchRows) * kPanelWidth + line, 0, 3);
+    for (int64_t line = 0; line < kRowBytes; line += 64)  // one prefetch per 64-byte line
+      __builtin_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead) * kPanelWidth) + line,
+                         0, 3);
     VecF w[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) w[v] = load_panel_vec(panel + k * kPanelWidth + v * kLanes);
     for (int r = 0; r < R; ++r) {
@@ -60,49 +83,68 @@ void linear_tile(const LinearArgs& a, int64_t row, const float* panel, int64_t c
       for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += w[v] * xv;  // one FMA (-ffp-contract)
     }
   }
+  const float* scale = a.scales ? a.scales + col : nullptr;  // int8 only
   for (int r = 0; r < R; ++r) {
     float* out = a.out + (row + r) * a.out_stride + col;
     const float* res = a.residual ? a.residual + (row + r) * a.res_stride + col : nullptr;
     if (cols == kPanelWidth) {
       for (int v = 0; v < kPanelVecs; ++v) {
         VecF y = acc[r][v];
-        if (res) y += load_panel_vec(res + v * kLanes);
-        __builtin_memcpy(out + v * kLanes, &y, sizeof(y));
+        if (scale) y *= load(scale + v * kLanes);
+        if (res) y += load(res + v * kLanes);
+        store(out + v * kLanes, y);
       }
     } else {  // the weight's last, partly filled panel
       float tmp[kPanelWidth];
       __builtin_memcpy(tmp, acc[r], sizeof(tmp));
-      for (int c = 0; c < cols; ++c) out[c] = res ? tmp[c] + res[c] : tmp[c];
+      for (int c = 0; c < cols; ++c) {
+        const float y = scale ? tmp[c] * scale[c] : tmp[c];
+        out[c] = res ? y + res[c] : y;
+      }
     }
   }
 }
 
 // Tiles of fewer rows than the widest: the row count's tail.
-template <int R>
-void linear_tail(int rows, const LinearArgs& a, int64_t row, const float* panel, int64_t col,
+template <typename W, int R>
+void linear_tail(int rows, const LinearArgs& a, int64_t row, const W* panel, int64_t col,
                  int cols) {
   if (rows == R) {
-    linear_tile<R>(a, row, panel, col, cols);
+    linear_tile<W, R>(a, row, panel, col, cols);
   } else if constexpr (R > 1) {
-    linear_tail<R - 1>(rows, a, row, panel, col, cols);
+    linear_tail<W, R - 1>(rows, a, row, panel, col, cols);
   }
 }
 
-// Columns of panels [panel_begin, panel_end) for every row.
-void linear_panels(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) {
+template <typename W>
+void linear_panels_of(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) {
+  const W* panels = static_cast<const W*>(a.panels);
   for (int64_t chunk = 0; chunk < a.rows; chunk += kRowChunk) {
     const int64_t chunk_end = chunk + kRowChunk < a.rows ? chunk + kRowChunk : a.rows;
     for (int64_t p = panel_begin; p < panel_end; ++p) {
-      const float* panel = a.panels + p * a.in_features * kPanelWidth;
+      const W* panel = panels + p * a.in_features * kPanelWidth;
       const int64_t col = p * kPanelWidth;
       const int cols = static_cast<int>(
           a.out_features - col < kPanelWidth ? a.out_features - col : kPanelWidth);
       int64_t row = chunk;
       for (; row + PM_LINEAR_ROWS <= chunk_end; row += PM_LINEAR_ROWS)
-        linear_tile<PM_LINEAR_ROWS>(a, row, panel, col, cols);
+        linear_tile<W, PM_LINEAR_ROWS>(a, row, panel, col, cols);
       if (row < chunk_end)
-        linear_tail<PM_LINEAR_ROWS - 1>(static_cast<int>(chunk_end - row), a, row, panel, col,
-                                        cols);
+        linear_tail<W, PM_LINEAR_ROWS - 1>(static_cast<int>(chunk_end - row), a, row, panel, col,
+                                           cols);
     }
   }
+}
+
+// Columns of panels [panel_begin, panel_end) for every row, on the weight's element type.
+void linear_panels(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) {
+  switch (a.weight_dtype) {
+    case WeightDtype::kBfloat16:
+      return linear_panels_of<uint16_t>(a, panel_begin, panel_end);
+    case WeightDtype::kInt8:
+      return linear_panels_of<int8_t>(a, panel_begin, panel_end);
+    case WeightDtype::kFloat32:
+      break;
+  }
+  linear_panels_of<float>(a, panel_begin, panel_end);
 }

@@ -3,8 +3,10 @@
 Tensors are read by their Hugging Face names, checked against the shapes the config implies, and
 fused on the way in (gpt-fast's load hook): q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`.
 Projection weights are then stored column-major (see `column_major`) and get a packed copy (the
-extension's GEMM panels for float32, oneDNN's layout otherwise: `common.model.linear`). Errors
-name the folder and the missing or mismatched tensor.
+extension's GEMM panels, oneDNN's layout where those are missing: `common.model.linear`), in the
+weight dtype asked for (`weight_dtype`, else PHASEMESH_WEIGHT_DTYPE: float32, bfloat16, or int8
+with per-output-channel scales; by default the model's dtype; another value fails the load,
+naming the choices). Errors name the folder and the missing or mismatched tensor.
 """
 
 from __future__ import annotations
@@ -135,9 +137,14 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous().t()
 
 
-def load_model(folder: str | Path, dtype: str | None = None) -> LlamaForCausalLM:
-    """Build a `LlamaForCausalLM` from a Hugging Face folder, ready for inference."""
+def load_model(
+    folder: str | Path, dtype: str | None = None, weight_dtype: str | None = None
+) -> LlamaForCausalLM:
+    """Build a `LlamaForCausalLM` from a Hugging Face folder, ready for inference. `dtype`: the
+    model's (activations' and stored weights'); `weight_dtype`: the projections' packed copy's
+    (None: PHASEMESH_WEIGHT_DTYPE, else the model's)."""
     folder = Path(folder)
+    weight_dtype = weight_dtype or env("WEIGHT_DTYPE") or None
     config = ModelConfig.from_folder(folder, dtype)
     state = fuse_projections(load_hf_state(folder, config), config.num_hidden_layers)
     with torch.device("meta"):
@@ -152,8 +159,9 @@ def load_model(folder: str | Path, dtype: str | None = None) -> LlamaForCausalLM
     # Last: the packed copies must see the final weights. They double the projections' memory:
     # PHASEMESH_PACKED_WEIGHTS=0 keeps one copy (plain F.linear, slower at decode shapes).
     if env("PACKED_WEIGHTS", "1") != "0":
-        pack_linears(model)
+        pack_linears(model, weight_dtype=weight_dtype)
     log.info(
-        "model loaded", folder=str(folder), layers=config.num_hidden_layers, dtype=config.dtype
-    )
+        "model loaded", folder=str(folder), layers=config.num_hidden_layers, dtype=config.dtype,
+        weight_dtype=weight_dtype or config.dtype,
+    )  # fmt: skip
     return model.eval().requires_grad_(False)

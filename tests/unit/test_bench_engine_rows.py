@@ -12,3 +12,31 @@ def test_a_row_carries_the_ratio_and_each_alternate_that_ran():
     assert row["engine_onednn_tok_s"] == 1600.0 and row["kernel_vs_onednn"] == 1.25
     assert "packed_vs_unpacked" not in row and "unpacked" not in line
     assert line.startswith("batch   8: engine") and "kernel GEMM x1.25" in line
+
+
+def test_weight_dtype_rows_and_their_targets(tiny_model_path, monkeypatch):
+    """The batch-1 rows per weight dtype on the tiny model (one repeat of 8 and 4 tokens, a small
+    probe): bytes a token reads shrink with the dtype, every row has its GB/s and share of the
+    probe, and each target has a boolean. Speeds are not asserted."""
+    from bench import engine
+    from bench.engine import weight_dtype_rows, weight_dtype_targets
+    from common.model.linear import kernel_gemm_available
+
+    monkeypatch.setattr(engine, "LONG", 8)
+    monkeypatch.setattr(engine, "SHORT", 4)
+
+    rows, lines = weight_dtype_rows(str(tiny_model_path), ["float32", "int8"], 1, 8 << 20)
+    assert rows["read_probe_gbps"] > 0 and len(lines) == 3
+    for name in ("float32", "int8"):
+        assert {"tok_s", "weight_mb_per_token", "gbps", "over_read_probe", "over_float32"} <= set(
+            rows[name]
+        )
+    if kernel_gemm_available("int8"):
+        assert rows["int8"]["packed_as"] == ["int8"]
+        share = rows["int8"]["weight_mb_per_token"] / rows["float32"]["weight_mb_per_token"]
+        assert 0.25 <= share <= 0.27
+    targets, met = weight_dtype_targets(rows)
+    assert set(targets) == set(met) == {
+        "float32_over_read_probe", "int8_over_read_probe", "int8_over_float32"
+    }  # fmt: skip
+    assert all(isinstance(v, bool) for v in met.values())

@@ -169,7 +169,7 @@ def test_kernel_refuses_wrong_dtypes_layouts_and_isas():
     for bad_x in (x.double(), x.to(torch.bfloat16), torch.randn(64, 4).t()):
         with pytest.raises(TypeError):
             extension().linear(to_dlpack(bad_x), to_dlpack(layer.panels), to_dlpack(out), None)
-    with pytest.raises(TypeError):  # panels of another dtype
+    with pytest.raises((TypeError, ValueError)):  # panels of a dtype the GEMM lacks
         extension().linear(to_dlpack(x), to_dlpack(layer.panels.double()), to_dlpack(out), None)
     with pytest.raises(ValueError, match="unknown isa"):
         extension().linear(to_dlpack(x), to_dlpack(layer.panels), to_dlpack(out), None, 0, 1,
@@ -212,11 +212,16 @@ def test_non_contiguous_or_other_dtype_input(backend):
                        gate_up.forward_silu_and_mul(half.float()))  # fmt: skip
 
 
-@pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
-def test_bfloat16_takes_onednn():
+@pytest.mark.skipif(
+    not onednn_available() and not kernel_gemm_available("bfloat16"), reason="no bfloat16 path"
+)
+def test_bfloat16_takes_the_kernel_or_onednn():
     bf16 = _linear().to(torch.bfloat16)
-    bf16.pack()  # the kernel is float32 only
-    assert bf16.panels is None and bf16.packed is not None
+    bf16.pack()  # the kernel's bfloat16 panels where built, else oneDNN
+    if kernel_gemm_available("bfloat16"):
+        assert bf16.panels is not None and bf16.panels.dtype == torch.bfloat16
+    else:
+        assert bf16.panels is None and bf16.packed is not None
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     out = bf16.forward(x)
     assert out.dtype == torch.bfloat16
@@ -391,3 +396,23 @@ def test_fused_activation_on_every_isa_and_its_refusals():
         ext.linear_silu_and_mul(to_dlpack(torch.randn(4, 40)), to_dlpack(panels),
                                 to_dlpack(torch.empty(4, 4 * width)),
                                 to_dlpack(torch.empty(4, 2 * width)), 1)  # fmt: skip
+
+
+@needs_kernel
+def test_a_build_without_low_precision_panels_falls_back_with_a_note(monkeypatch):
+    """An extension built before the bfloat16/int8 panels (stood in for by the dtype list it
+    reports): int8 packs float32 panels and bfloat16 oneDNN's copy, each logged once."""
+    import common.model.linear as linear
+
+    monkeypatch.setattr(linear, "KERNEL_WEIGHT_DTYPES", ("float32",))
+    monkeypatch.setattr(linear, "_NOTED", set())
+    layer = _linear()
+    layer.pack(weight_dtype="int8")
+    assert layer.weight_dtype == "float32" and layer.panels is not None
+    assert layer.panels.dtype == torch.float32 and layer.scales is None
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer.forward(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+    layer.pack(weight_dtype="bfloat16")
+    assert layer.panels is None and (layer.packed is not None) == onednn_available()
+    assert layer.forward(x).dtype == torch.float32
+    assert linear._NOTED == {"int8", "bfloat16"}

@@ -1,0 +1,201 @@
+"""Projections on bfloat16 and int8 weights (common/model/linear.py `weight_dtype`): the extension's
+panel GEMM on low-precision panels against a float64 reference, its refusals, and the tiny model
+in each weight dtype against float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from common.model.linear import (
+    PANEL_WIDTH,
+    PackedLinear,
+    kernel_gemm_available,
+    pack_linears,
+    pack_panels,
+    packed_weight_bytes,
+    quantize_int8,
+)
+from tests.kernel_gate import kernel_gate
+
+pytestmark = kernel_gate(
+    "csrc extension without bfloat16/int8 panels",
+    built=kernel_gemm_available("bfloat16") and kernel_gemm_available("int8"),
+)
+
+LOW_DTYPES = ["bfloat16", "int8"]
+
+
+def _layer(weight_dtype: str, out_features: int, in_features: int, seed: int = 0) -> PackedLinear:
+    torch.manual_seed(seed)
+    layer = PackedLinear(in_features, out_features, bias=False).requires_grad_(False)
+    layer.pack(weight_dtype=weight_dtype)
+    assert layer.panels is not None and layer.weight_dtype == weight_dtype
+    return layer
+
+
+def _stored_weight(layer: PackedLinear) -> torch.Tensor:
+    """The weight the panels hold, in float64: bfloat16-rounded, or q * scale."""
+    if layer.weight_dtype == "int8":
+        q, scales = quantize_int8(layer.weight)
+        return q.double() * scales.double()[:, None]
+    return layer.weight.to(torch.bfloat16).double()
+
+
+@pytest.mark.parametrize("weight_dtype", LOW_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (PANEL_WIDTH + 1, 70), (257, 768)])
+def test_low_precision_gemm_against_float64(weight_dtype, shape):
+    """Every column (the partly filled last panel too) and every row-tile tail against float64
+    on the stored weight (the kernel's only rounding is float32 accumulation: 1e-6 relative per
+    input), and within the quantization's own bound of the float32 weight's result."""
+    out_features, in_features = shape
+    layer = _layer(weight_dtype, out_features, in_features)
+    stored = _stored_weight(layer)
+    # bfloat16: each weight within 2^-8 relative; int8: within half its channel's scale.
+    if weight_dtype == "int8":
+        per_weight = (layer.weight.abs().amax(dim=1, keepdim=True).double() / 127 / 2).expand_as(
+            stored
+        )
+    else:
+        per_weight = layer.weight.abs().double() * 2**-8
+    assert ((stored - layer.weight.double()).abs() <= per_weight * 1.0001 + 1e-12).all()
+    for rows in (1, 5, 13, 77):
+        x = torch.randn(rows, in_features)
+        want = x.double() @ stored.T
+        got = layer.forward(x).double()
+        assert (got - want).abs().max() <= 1e-6 * in_features * (1 + want.abs().max())
+        exact = x.double() @ layer.weight.double().T
+        bound = x.double().abs() @ per_weight.T
+        assert ((got - exact).abs() <= bound * 1.001 + 1e-5).all()
+        residual = torch.randn(rows, out_features)
+        # int8's scale and the add are one FMA (one rounding where the two steps take two).
+        torch.testing.assert_close(
+            layer.forward_add(x, residual), residual + layer.forward(x), atol=1e-6, rtol=1e-6
+        )
+
+
+@pytest.mark.parametrize("weight_dtype", LOW_DTYPES)
+def test_every_isa_and_rows_alone_bitwise(weight_dtype):
+    """Each ISA's build agrees with float64 on the stored weight; a row's result is the same
+    bits alone, in a batch, on any thread count, and in a row slice or the fused activation."""
+    from common.attention.cpu_kernel import extension, supported_isas
+
+    ext = extension()
+    layer = _layer(weight_dtype, 4 * PANEL_WIDTH, 96, seed=3)
+    stored = _stored_weight(layer)
+    x = torch.randn(19, 96)
+    q, channel_scales = quantize_int8(layer.weight)
+    raw = q if weight_dtype == "int8" else layer.weight.to(torch.bfloat16)
+    want = x.double() @ stored.T
+    for isa in supported_isas():
+        width = ext.linear_panel_width(isa)
+        panels = pack_panels(raw, width)
+        scales = None
+        if weight_dtype == "int8":
+            scales = torch.zeros(panels.shape[0] * width)
+            scales[: len(channel_scales)] = channel_scales
+            scales = to_dlpack(scales)
+        out = torch.empty(19, 4 * PANEL_WIDTH)
+        ext.linear(to_dlpack(x), to_dlpack(panels), to_dlpack(out), None, 0, 2, isa,
+                   scales=scales)  # fmt: skip
+        assert (out.double() - want).abs().max() <= 1e-6 * 96 * (1 + want.abs().max()), isa
+    batch = layer.forward(x)
+    for row in (0, 11, 18):
+        assert torch.equal(layer.forward(x[row : row + 1]), batch[row : row + 1])
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(layer.forward(x), batch)
+    finally:
+        torch.set_num_threads(2)
+    cols = slice(PANEL_WIDTH + 3, 3 * PANEL_WIDTH)
+    assert torch.equal(layer.forward_rows(x, cols.start, cols.stop), batch[:, cols])
+    on_boundary = layer.forward_rows(x, PANEL_WIDTH, 2 * PANEL_WIDTH)
+    assert torch.equal(on_boundary, batch[:, PANEL_WIDTH : 2 * PANEL_WIDTH])
+    inter = 2 * PANEL_WIDTH
+    act = layer.forward_silu_and_mul(x)
+    gate, up = batch[:, :inter], batch[:, inter:]
+    torch.testing.assert_close(act, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_refusals():
+    """int8 panels without scales, scales with bfloat16 panels, a short scale vector, panels of
+    a dtype the GEMM lacks, and an unknown weight dtype at pack time."""
+    from common.attention.cpu_kernel import extension
+
+    ext = extension()
+    int8 = _layer("int8", 2 * PANEL_WIDTH, 16)
+    bf16 = _layer("bfloat16", 2 * PANEL_WIDTH, 16)
+    x, out = torch.randn(2, 16), torch.empty(2, 2 * PANEL_WIDTH)
+    with pytest.raises(ValueError, match="need scales"):
+        ext.linear(to_dlpack(x), to_dlpack(int8.panels), to_dlpack(out), None)
+    with pytest.raises(ValueError, match="need scales"):
+        ext.linear(to_dlpack(x), to_dlpack(bf16.panels), to_dlpack(out), None,
+                   scales=to_dlpack(int8.scales))  # fmt: skip
+    with pytest.raises(ValueError, match="scales"):
+        ext.linear(to_dlpack(x), to_dlpack(int8.panels), to_dlpack(out), None,
+                   scales=to_dlpack(int8.scales[:-1].contiguous()))  # fmt: skip
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
+        ext.linear(to_dlpack(x), to_dlpack(int8.panels.to(torch.int16)), to_dlpack(out), None)
+    with pytest.raises(ValueError, match="unknown weight dtype"):
+        PackedLinear(16, 16, bias=False).pack(weight_dtype="int4")
+
+
+def test_quantize_int8_zero_channel_and_extremes():
+    weight = torch.tensor([[0.0, 0.0], [1.0, -0.5], [-2.0, 2.0]])
+    q, scales = quantize_int8(weight)
+    assert q.tolist() == [[0, 0], [127, -64], [-127, 127]]
+    assert torch.equal(scales, torch.tensor([1.0, 1 / 127, 2 / 127]))
+
+
+@pytest.fixture(scope="module")
+def tiny_logits(tiny_model_path):
+    """The tiny model's prefill logits on one prompt, per weight dtype, and bytes per step."""
+    from common.model.loader import load_model
+
+    model = load_model(tiny_model_path, "float32", "float32")
+    ids = torch.randint(
+        8, model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(0)
+    )
+    logits, nbytes = {}, {}
+    for weight_dtype in ("float32", *LOW_DTYPES):
+        pack_linears(model, weight_dtype=weight_dtype)
+        nbytes[weight_dtype] = packed_weight_bytes(model)
+        with torch.inference_mode():
+            logits[weight_dtype] = model.forward_prefill(ids, [96])
+    return logits, nbytes
+
+
+# Stated tolerances for the tiny model (random weights, 4 layers): the largest logit difference
+# from float32, as a fraction of float32's logit spread (max - min per position).
+LOGIT_TOLERANCE = {"bfloat16": 0.01, "int8": 0.03}
+
+
+@pytest.mark.parametrize("weight_dtype", LOW_DTYPES)
+def test_tiny_model_logits_and_greedy_tokens_near_float32(tiny_logits, weight_dtype):
+    logits, nbytes = tiny_logits
+    ref, got = logits["float32"], logits[weight_dtype]
+    spread = (ref.amax(dim=1) - ref.amin(dim=1)).min()
+    diff = (got - ref).abs().amax(dim=1)
+    assert diff.max() <= LOGIT_TOLERANCE[weight_dtype] * spread
+    # Greedy tokens agree wherever float32's top-2 margin exceeds twice the difference.
+    top2 = ref.topk(2, dim=1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+    assert clear.sum() >= len(clear) // 2
+    assert torch.equal(got.argmax(dim=1)[clear], ref.argmax(dim=1)[clear])
+    # Fewer bytes a step: bfloat16 half of float32's, int8 a quarter plus its scales.
+    share = {"bfloat16": 0.5, "int8": 0.25}[weight_dtype]
+    assert share <= nbytes[weight_dtype] / nbytes["float32"] <= share * 1.05
+
+
+def test_a_bfloat16_model_packs_bfloat16_panels_and_keeps_its_dtype(tiny_model_path):
+    from common.model.loader import load_model
+
+    model = load_model(tiny_model_path, "bfloat16")
+    layer = model.layers[0].self_attn.qkv_proj
+    assert layer.panels is not None and layer.panels.dtype == torch.bfloat16
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    out = layer.forward(x)
+    assert out.dtype == torch.bfloat16
+    want = x.double() @ layer.weight.double().T
+    torch.testing.assert_close(out.double(), want, atol=0.05, rtol=0.02)
