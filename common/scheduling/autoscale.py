@@ -2,8 +2,8 @@
 
 Serve's own autoscaler counts requests that pass through Serve; engines and shards get their work
 over ZeroMQ, so each replica reports the load that matters for its role instead
-(`services/mesh/autoscaling.py`) and this policy turns those reports into a replica count. The
-simulator runs the same function, so provisioning results and the served mesh agree.
+(`services/mesh/autoscaling.py`) and this policy turns those reports into a replica count. It is
+pure, so a simulator can replay it on a recorded load series (tests/unit/test_autoscale_policy.py).
 
 What the peers' users complain about, and the rule here that prevents it:
 

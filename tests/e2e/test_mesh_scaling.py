@@ -112,6 +112,9 @@ class Cluster:
         # No `key`: every deploy's replicas take the application's from its registry, so a
         # deploy that rolls every replica stays one mesh (a key drawn per deploy split it).
         app["args"]["mesh"] |= {"model_peers": model_peers} | (mesh or {})
+        # No offline group (its deployment is not what these tests scale), the Batch API's store
+        # beside the config.
+        app["args"] |= {"offline": None, "batch_store": str(self.workdir / "batches.sqlite")}
         path = self.workdir / f"local-{num_token_engines}-{model_peers}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         address = f"http://127.0.0.1:{self.dashboard_port}"
