@@ -38,6 +38,7 @@ import structlog
 from ray import serve
 from ray.serve import Application
 
+from common.config import ModelConfig
 from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.roles import Role
@@ -52,6 +53,7 @@ from services.mesh.ray_registry import RayRegistry
 from services.mesh.registry import RegistryClient
 from services.mesh.replica import MeshReplica, start_engine, start_model_peer, start_shard
 from services.offline.service import OfflineOptions, OfflineService
+from services.offline.sharding import check_shardable
 from services.router.engine_client import (
     EngineClient,
     InProcessEngineClient,
@@ -353,6 +355,10 @@ def build_app(args: dict[str, Any]) -> Application:
     parsed = AppArgs.model_validate(args)  # fail at deploy time, before any replica starts
     bound = parsed.model_dump()
     extra: dict[str, Any] = {}
+    model_config = parsed.model_path() / "config.json"
+    if parsed.offline is not None and model_config.is_file():  # a preset not written yet: later
+        # Refused here, not in a replica that would restart forever.
+        check_shardable(ModelConfig.from_folder(parsed.model_path()), parsed.offline.workers)
     if parsed.offline is not None:
         extra["offline"] = OfflineGroupDeployment.bind(bound)  # type: ignore[attr-defined]
     if parsed.topology == "local":

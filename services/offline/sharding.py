@@ -20,14 +20,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.config import ModelConfig
 from common.model import layer_ops
 from common.model.llama import LlamaForCausalLM, RopeAt, causal_attention
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the workers, in place
 
 
-def check_shardable(model: LlamaForCausalLM, k: int) -> None:
-    c = model.config
+def check_shardable(config: ModelConfig, k: int) -> None:
+    """ValueError unless `k` workers split the model's layers, KV heads and MLP width evenly."""
+    c = config
     for name, n in (("num_hidden_layers", c.num_hidden_layers),
                     ("num_key_value_heads", c.num_key_value_heads),
                     ("intermediate_size", c.intermediate_size)):  # fmt: skip
@@ -57,7 +59,7 @@ class TpShard:
     """Worker `rank`'s tensor-parallel slices of every layer."""
 
     def __init__(self, model: LlamaForCausalLM, k: int, rank: int) -> None:
-        check_shardable(model, k)
+        check_shardable(model.config, k)
         c = model.config
         d = c.head_dim
         self.hq, self.hk = c.num_attention_heads // k, c.num_key_value_heads // k

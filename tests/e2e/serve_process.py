@@ -67,6 +67,8 @@ def on_preset(config: dict[str, Any], preset: str) -> dict[str, Any]:
     [app] = config["applications"]
     app["args"] |= {"model": preset, "served_model_name": preset}
     mesh = app["args"].get("mesh") or {}
+    if app["args"].get("offline"):  # the group splits the preset's layers and KV heads
+        app["args"]["offline"] = app["args"]["offline"] | {"workers": PRESET_SHARDS}
     if app["args"].get("topology") == "mesh" and mesh.get("shards_per_group", 2):
         mesh["shards_per_group"] = PRESET_SHARDS
         for deployment in app["deployments"]:

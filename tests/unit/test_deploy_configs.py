@@ -372,3 +372,7 @@ def test_local_yaml_binds_seesaws_offline_group_behind_the_batch_api() -> None:
     assert bound_names(build_app(app["args"]))[-1] == "OfflineGroup"
     with pytest.raises(ValueError, match="offline"):
         AppArgs.model_validate(app["args"] | {"offline": {"workers": 0}})
+    # Its workers split SmolLM2 evenly (`make run`'s model); a count that does not is refused at
+    # deploy time, not by a replica that would restart forever.
+    with pytest.raises(ValueError, match="num_key_value_heads = 3 does not split over 2"):
+        build_app(app["args"] | {"offline": {"workers": 2}})
