@@ -18,6 +18,7 @@ import multiprocessing
 import queue
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -135,58 +136,77 @@ class OfflineGroup:
         kv = self.kv
         state = OfflineState([Waiting(i, len(p)) for i, p in enumerate(prompts)], [], [],
                              kv.num_buffer_slots, kv.num_decode_slots)  # fmt: skip
-        free_buffer = list(range(kv.num_buffer_slots))
-        free_decode = list(range(kv.num_decode_slots))
-        buffer_slot: dict[int, int] = {}
-        decode_slot: dict[int, int] = {}
-        outputs: list[list[int]] = [[] for _ in prompts]
-        eos = set(self.config.eos_token_ids)
-        stats = JobStats()
+        job = _Job(prompts, max_tokens, kv, set(self.config.eos_token_ids))
         start = time.perf_counter()
-
-        def done(i: int) -> bool:
-            return len(outputs[i]) >= max_tokens[i] or (bool(outputs[i]) and outputs[i][-1] in eos)
-
         step: Step | None
         while (step := next_step(state, knobs)) is not None:
-            stats.num_transitions += step.transition and bool(stats.stages)
-            stats.stages.append(step.stage.value)
-            finished: list[int] = []
+            job.stats.num_transitions += step.transition and bool(job.stats.stages)
+            job.stats.stages.append(step.stage.value)
             if step.stage is Stage.PREFILL:
-                batch = []
-                for i in step.prefill:
-                    buffer_slot[i] = free_buffer.pop()
-                    batch.append((buffer_slot[i], prompts[i]))
-                self._send(("prefill", sharding, batch))
-                tokens, seconds = self._result()
-                stats.num_prefills += 1
-                stats.prefill_s += seconds
-                for i, t in zip(step.prefill, tokens, strict=True):
-                    outputs[i].append(t)
-                    if done(i):
-                        finished.append(i)
-                        free_buffer.append(buffer_slot.pop(i))
+                finished = self._prefill(job, step, sharding)
             else:
-                if step.swap_in:
-                    moves = []
-                    for i in step.swap_in:
-                        decode_slot[i] = free_decode.pop()
-                        moves.append((buffer_slot[i], decode_slot[i], len(prompts[i])))
-                        free_buffer.append(buffer_slot.pop(i))
-                    self._send(("swap_in", moves))
-                    stats.swap_s += self._result()[1]
-                rows = [i for i in state.decoding + list(step.swap_in)]
-                self._send(("decode", [(decode_slot[i], len(prompts[i]) + len(outputs[i]) - 1,
-                                        outputs[i][-1]) for i in rows]))  # fmt: skip
-                tokens, seconds = self._result()
-                stats.num_decode_steps += 1
-                stats.decode_s += seconds
-                for i, t in zip(rows, tokens, strict=True):
-                    outputs[i].append(t)
-                    if done(i):
-                        finished.append(i)
-                        free_decode.append(decode_slot.pop(i))
+                finished = self._decode(job, step, state.decoding)
             apply(state, step, finished)
-        stats.wall_s = time.perf_counter() - start
-        stats.num_tokens = sum(len(o) for o in outputs)
-        return outputs, stats
+        job.stats.wall_s = time.perf_counter() - start
+        job.stats.num_tokens = sum(len(o) for o in job.outputs)
+        return job.outputs, job.stats
+
+    def _prefill(self, job: _Job, step: Step, sharding: str) -> list[int]:
+        """Prefill `step.prefill` into buffer slots; those that ended at their first token."""
+        batch = []
+        for i in step.prefill:
+            job.buffer_slot[i] = job.free_buffer.pop()
+            batch.append((job.buffer_slot[i], job.prompts[i]))
+        self._send(("prefill", sharding, batch))
+        tokens, seconds = self._result()
+        job.stats.num_prefills += 1
+        job.stats.prefill_s += seconds
+        return job.take(step.prefill, tokens, job.buffer_slot, job.free_buffer)
+
+    def _decode(self, job: _Job, step: Step, decoding: list[int]) -> list[int]:
+        """Swap `step.swap_in` into decode slots, then one decode step of every decoding
+        request; those that ended."""
+        if step.swap_in:
+            moves = []
+            for i in step.swap_in:
+                job.decode_slot[i] = job.free_decode.pop()
+                moves.append((job.buffer_slot[i], job.decode_slot[i], len(job.prompts[i])))
+                job.free_buffer.append(job.buffer_slot.pop(i))
+            self._send(("swap_in", moves))
+            job.stats.swap_s += self._result()[1]
+        rows = [*decoding, *step.swap_in]
+        self._send(("decode", [job.decode_row(i) for i in rows]))
+        tokens, seconds = self._result()
+        job.stats.num_decode_steps += 1
+        job.stats.decode_s += seconds
+        return job.take(rows, tokens, job.decode_slot, job.free_decode)
+
+
+class _Job:
+    """One job's requests as the group runs them: outputs so far and the slots they hold."""
+
+    def __init__(self, prompts: list[list[int]], max_tokens: list[int], kv: KvShape,
+                 eos: set[int]) -> None:  # fmt: skip
+        self.prompts, self.max_tokens, self.eos = prompts, max_tokens, eos
+        self.outputs: list[list[int]] = [[] for _ in prompts]
+        self.free_buffer = list(range(kv.num_buffer_slots))
+        self.free_decode = list(range(kv.num_decode_slots))
+        self.buffer_slot: dict[int, int] = {}
+        self.decode_slot: dict[int, int] = {}
+        self.stats = JobStats()
+
+    def decode_row(self, i: int) -> tuple[int, int, int]:
+        """(decode slot, position of its last token, that token)."""
+        out = self.outputs[i]
+        return self.decode_slot[i], len(self.prompts[i]) + len(out) - 1, out[-1]
+
+    def take(self, rows: Sequence[int], tokens: list[int], slots: dict[int, int],
+             free: list[int]) -> list[int]:  # fmt: skip
+        """Each row's new token; the rows that ended (EOS or max_tokens), their slot freed."""
+        finished = []
+        for i, token in zip(rows, tokens, strict=True):
+            self.outputs[i].append(token)
+            if token in self.eos or len(self.outputs[i]) >= self.max_tokens[i]:
+                finished.append(i)
+                free.append(slots.pop(i))
+        return finished

@@ -227,16 +227,20 @@ class Router:
         self.tokenization = Tokenization(
             self.prompt_work, self.model_name, self.max_model_len, self.tool_prompt
         )
-        self.batches: BatchApi | None = None
         self.offline = offline
         self.app = self._build_app()
-        if batch_store is not None:
-            store = BatchStore(Path(batch_store).expanduser())
-            call = asgi_caller(self.app, self.api_key)
-            job = self.offline_completions if offline is not None else None
-            runner = BatchRunner(store, call, lease_s=batch_lease_s, offline=job)
-            self.batches = BatchApi(store, runner)
-            self.app.include_router(self.batches.routes([Depends(_bearer)]))
+        self.batches = None if batch_store is None else self._batch_api(batch_store, batch_lease_s)
+
+    def _batch_api(self, batch_store: str | Path, lease_s: float) -> BatchApi:
+        """The Batch API on `self.app`: its lines run through the app itself (and plain greedy
+        batches on the offline group, when there is one)."""
+        store = BatchStore(Path(batch_store).expanduser())
+        job = self.offline_completions if self.offline is not None else None
+        runner = BatchRunner(store, asgi_caller(self.app, self.api_key), lease_s=lease_s,
+                             offline=job)  # fmt: skip
+        batches = BatchApi(store, runner)
+        self.app.include_router(batches.routes([Depends(_bearer)]))
+        return batches
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None, lifespan=self._lifespan,

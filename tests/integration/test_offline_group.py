@@ -108,9 +108,32 @@ def test_a_batch_of_greedy_completions_runs_as_one_offline_job(
         assert offline["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
 
 
-def test_a_killed_worker_fails_the_job_instead_of_hanging(group: OfflineGroup) -> None:
-    """Last in this module: it breaks the module's group."""
+def test_a_killed_worker_fails_the_job_instead_of_hanging(
+    group: OfflineGroup, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """Last in this module: it breaks the module's group. The job fails (no hang), and a batch
+    sent to the broken group runs through the online API instead, every line answered."""
     group.result_timeout_s = 30
     os.kill(group.procs[1].pid, signal.SIGKILL)  # type: ignore[arg-type]
     with pytest.raises(OfflineGroupError):
         group.generate([[5, 6, 7]], [3])
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64)
+    broken = LocalOffline(OfflineService(group))
+    router = Router(InProcessEngineClient(engine), tiny_model_path, "tiny",
+                    batch_store=tmp_path / "b.sqlite", offline=broken)  # fmt: skip
+    assert router.batches is not None
+    store, runner = router.batches.store, router.batches.runner
+    rows = [{"custom_id": f"k{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "tiny", "prompt": f"k {i}", "max_tokens": 3, "temperature": 0}}
+            for i in range(3)]  # fmt: skip
+    file_id = store.create_file("batch", "k.jsonl",
+                                "\n".join(json.dumps(r) for r in rows).encode())["id"]  # fmt: skip
+    batch_id = store.create_batch(file_id, "/v1/completions", "24h", None)["id"]
+    try:
+        asyncio.run(runner.run_batch(batch_id))
+    finally:
+        router.shutdown()
+        router.client.shutdown()  # type: ignore[attr-defined]
+    counts = store.get_batch(batch_id)["request_counts"]
+    assert counts == {"total": 3, "completed": 3, "failed": 0}
+    assert runner.num_offline_lines == 0 and runner.num_lines_run == 3
