@@ -31,6 +31,7 @@ leaves routing first (state `draining`), finishes what it holds, then stops
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from typing import Any
@@ -71,15 +72,17 @@ def shard_stats(used_blocks: int, num_blocks: int, age_s: float) -> dict[str, fl
 def samples_from(
     metrics: dict[str, dict[Any, float]], targets: dict[str, float]
 ) -> list[LoadSample]:
-    """One sample per replica that reported every target's signal: its load in replicas' worth."""
+    """One sample per replica that reported every target's signal as a finite number: its load
+    in replicas' worth (a missing or garbled report counts for nothing, like none at all)."""
     ages = metrics.get(AGE, {})
     out = []
     for replica, age in ages.items():
         values = [metrics.get(name, {}).get(replica) for name in targets]
-        if any(v is None for v in values):
+        numbers = [v for v in (age, *values) if isinstance(v, int | float) and math.isfinite(v)]
+        if len(numbers) != len(values) + 1:
             continue
-        load = max(v / targets[name] for v, name in zip(values, targets, strict=True))  # type: ignore[operator]
-        out.append(LoadSample(str(replica), load, age))
+        load = max(float(v) / targets[n] for v, n in zip(values, targets, strict=True))  # type: ignore[arg-type]
+        out.append(LoadSample(str(replica), load, float(age)))
     return out
 
 

@@ -57,6 +57,10 @@ def test_a_replica_without_every_signal_gives_no_sample() -> None:
                "kv_fill": {"a": 0.9}}  # fmt: skip
     (sample,) = samples_from(metrics, {"running_decode_tokens": 4000, "kv_fill": 0.6})
     assert sample.replica_id == "a" and sample.load == pytest.approx(1.5)  # KV fill dominates
+    # Garbled reports (NaN, infinity, not a number) give no sample instead of a wrong count.
+    garbled = {"age_s": {"a": 90.0, "b": float("nan"), "c": 50.0, "d": 9.0},
+               "kv_fill": {"a": float("inf"), "b": 0.5, "c": "full", "d": 0.3}}  # fmt: skip
+    assert [s.replica_id for s in samples_from(garbled, {"kv_fill": 0.6})] == ["d"]
 
 
 def test_the_policy_scales_up_through_serves_wrapper_and_keeps_its_state() -> None:
