@@ -270,12 +270,16 @@ def test_router_metrics_endpoint_has_vllm_series(server: ServeRun, client: opena
         model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True}
     )
     # The router's own series are recorded as the response ends; the engines' arrive with their
-    # next load report (every 50 ms): poll, bounded.
+    # next load report (every 50 ms), and the report that counts the last step may still count
+    # the request as running: poll until a later one, bounded.
     deadline = time.monotonic() + 30
     while True:
         after = vllm_totals(server.base_url)
         grown = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-        if grown.get("vllm:iteration_tokens_total_count", 0) >= 4 or time.monotonic() > deadline:
+        reported = grown.get("vllm:iteration_tokens_total_count", 0) >= 4
+        if reported and after.get("vllm:num_requests_running", 1) == 0:
+            break
+        if time.monotonic() > deadline:
             break
         time.sleep(0.2)  # NOTE: waiting on the engines' report interval
     assert grown["vllm:time_to_first_token_seconds_count"] == 1
