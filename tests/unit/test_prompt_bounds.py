@@ -124,7 +124,7 @@ def test_streams_keep_flowing_while_8_mib_prompts_are_refused(
             started = [asyncio.Event() for _ in range(NUM_STREAMS)]
             streams = [asyncio.create_task(stream(http, i, e)) for i, e in enumerate(started)]
             await asyncio.gather(*(e.wait() for e in started))
-            await asyncio.sleep(0.5)  # the streams' own gaps first: the machine's jitter
+            await asyncio.sleep(1.0)  # the streams' own gaps first: the machine's jitter
             sent_at.append(time.monotonic())
             refusals = await asyncio.gather(*(refuse(http, p, b) for p, b in bodies))
             refused_at.append(time.monotonic())
@@ -139,9 +139,11 @@ def test_streams_keep_flowing_while_8_mib_prompts_are_refused(
     pairs = [(a, b) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
     before = max(b - a for a, b in pairs if b < sent_at[0])
     during = max(b - a for a, b in pairs if b > sent_at[0] and a < refused_at[0])
-    # NOTE: on a machine busy with other work the streams' gaps grow before any big body is
-    # sent; the bound is on what the bodies add to that.
-    assert during < MAX_GAP_S + before, (during, before)
+    # NOTE: on a machine busy with other work (CI runs two test workers and mypy on two cores)
+    # the streams' gaps grow before any big body is sent; the bound is on what the bodies add to
+    # that, with the machine's jitter counted twice: it comes in bursts. A freeze by the bodies
+    # (each tokenized, or parsed back to back) stops the streams for seconds.
+    assert during < MAX_GAP_S + 2 * before, (during, before)
     assert max(tokenized) < 1000, "a big prompt reached the tokenizer"
 
 
@@ -216,6 +218,24 @@ def test_a_chat_with_more_turns_than_the_context_is_refused_before_rendering(
     for path in ("/v1/chat/completions", "/tokenize"):
         response = post(router, path, json.dumps({"messages": turns}).encode())
         assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_a_big_chat_of_more_messages_than_a_chat_holds_is_refused_unparsed(
+    router: Router, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counting its role keys is a scan; parsing it would hold the event loop the longest."""
+    _, body = big_bodies()[1]  # the chat of empty messages
+    parsed: list[int] = []
+    loads = json.loads
+
+    def spy(text: Any, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(len(text))
+        return loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", spy)  # what FastAPI parses request bodies with
+    response = post(router, "/v1/chat/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert max(parsed, default=0) < 1000, "the body was parsed"
 
 
 def _nested(depth: int) -> bytes:
