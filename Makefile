@@ -60,12 +60,11 @@ typecheck: install
 
 # pytest-xdist workers for `make test`: whole modules each, and one of them every e2e module, one
 # Ray cluster at a time (tests/conftest.py). Most e2e and integration time is spent waiting on Ray,
-# servers and sockets: two workers on CI's two cores took a 2-vCPU Intel Xeon's pytest from 19
-# minutes to 14-16.5, and LocalMesh workers forked from a fork server to 10.
+# servers and sockets, so two workers on CI's two cores finish well before one.
 # `make test TEST_WORKERS=0`: one process.
 TEST_WORKERS ?= 2
-# mypy runs beside pytest: the two workers kept 1.2 of CI's two cores busy on average (a 2-vCPU
-# Intel Xeon), and mypy takes one for ~40 s. `make test` fails if either does.
+# mypy runs beside pytest: the two workers leave part of CI's two cores idle on average, and mypy
+# fills it. `make test` fails if either does.
 test: lint
 	$(MAKE) -j2 typecheck pytest
 

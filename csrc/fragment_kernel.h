@@ -13,76 +13,27 @@
 // (1) scores the query group against the K tiles [head_dim][block_size], up to 8 tiles side by
 // side (4 when the group has 4+ rows: each K vector then feeds 4 rows from registers, so a GQA
 // group reads and widens its K once; see score_step_nb): contiguous vector FMAs, one broadcast
-// q element per row, no horizontal sums; (2) updates
-// the running max and sum once for the whole step (online softmax); (3) streams the V rows
-// [block_size][head_dim] of all the step's blocks, slot by slot across the blocks, into
-// register-tiled accumulators, folding in the rescale. Reading several tiles side by side is what
-// reaches memory bandwidth here: one sequential stream per thread reads at ~10 GB/s on this VM,
-// several at ~14 (measured with a C read probe), and the kernel went from 14-18 GB/s to 21-28 GB/s
-// at 2 threads on batch 32 x context 2048 (4 tiles, then 8). Block tables scatter
-// blocks, so the hardware prefetcher cannot guess the next tile: while scoring K the kernel
-// prefetches the step's V tiles, and while accumulating V it prefetches the next step's K tiles,
-// one line per load, spread over the loops rather than in a burst that would stall on fill buffers.
-// Those prefetches go to L1 (T0): to L2 only (T1, whose misses an L2 queue tracks rather than L1's
-// fill buffers) ran bf16 5-10% slower and float32 within 2% (bench/attention_ab.py, 1 thread, 4
-// shapes, Zen 5, 2026-11-26). On a 2-vCPU Emerald Rapids the V pass's next-K prefetches to L2
-// ran GQA 4:1 float32 b32 1.09x, b1 1.00x, bf16 0.98-1.01x, MHA 0.93-0.97x (same A/B,
-// 2026-11-26): not kept either. There a cpu-clock profile of GQA 4:1 float32 (b32 x 2048, 1
-// thread; perf, addresses mapped with objdump) put ~45% of the kernel's samples in the score
-// loop, ~52% in the V loop and ~2% in the softmax, the samples on the K and V loads; and from
-// cache (`attention_ab.py --batch 4 --rotation-mib 8`) GQA float32 read 0.79 of the memory probe
-// where MHA read 0.97: GQA is held by the core (its 4 FMAs per K and V value, and the loads
-// around them), not by memory.
+// q element per row, no horizontal sums; (2) updates the running max and sum once for the whole
+// step (online softmax); (3) streams the V rows [block_size][head_dim] of all the step's blocks,
+// slot by slot across the blocks, into register-tiled accumulators, folding in the rescale.
 //
-// NOTE: bfloat16 tried and left out (paired A/B at 1 thread, bench/attention_ab.py, load 4-6, Zen 5
-// with AVX512_BF16; the code is on branch kernel3-bf16dot): (1) scoring with vdpbf16ps on K
-// d-pairs (one vpermt2w per pair of K rows, q rounded to bf16) ran GQA 4:1 13% slower; (2) V
-// through vdpbf16ps on slot pairs (vpunpck{l,h}wd, probabilities rounded to bf16) ran +1..+5%,
-// within noise of a same-build A/B, and made the output depend on the work partition by ~1e-3
-// (head ranges against one call: test_head_ranges_fill_one_output asks 1e-6); (3) 256-slot steps
-// for bf16 (float32's bytes per step): GQA 4:1 -14..-16%, MHA +3%. So at 1 thread the widening
-// and the FMAs are not what holds bf16 back from the read probe: from cache the vdpbf16ps build
-// ran GQA 4:1 bf16 at 42 GB/s against 31, from memory no faster (17-19 GB/s at 1 thread, as
-// float32). What does: the paged layout. A pure read of random 4 KiB tiles (a bf16 block of 16 x
-// 128), 8 side by side with the next group prefetched as here, reads 19-22 GB/s at 1 thread where
-// the sequential read probe reads 31 (8 KiB tiles 22, 32 KiB 25; 4 side by side ~+7%); at 2
-// threads (load ~11) 34 against 43-49. The kernel is at ~0.9 of that pattern's rate.
-// NOTE: not so on Intel. On a 16-core Xeon host (bench/attention.py, 2026-11-26), at 1 thread GQA
-// 4:1 bf16 read 12.4-12.6 GB/s paged and 12.8-12.9 contiguous, MHA bf16 14.9-16.8 and the read
-// probe 18-19: there the paged layout costs ~2%, and GQA's 4 FMAs per widened K/V value looked
-// like what holds bf16 GQA at ~0.66 of the probe (2 threads too: 22.6-23.5 against 34-36).
-// Measured since on a 2-vCPU Intel Xeon (Emerald Rapids, family 6 model 207, AVX512_BF16 and AMX;
-// 2026-11-26), it is not the FMAs: (1) scoring bf16 K with vdpbf16ps (one 64-byte load of K rows
-// d and d + 1, one vpermw to pair them, one vdpbf16ps per query row: 5 vector ops per 32 K values
-// for 4 rows where the widening path takes 12) ran GQA 4:1 bf16 0.93x from memory and 0.95x from
-// cache (bench/attention_ab.py, 1 thread, thread clock; MHA 0.97x); (2) a 1-thread call reads
-// GQA 4:1 bf16 at about the same rate from L2 (1 MiB of K/V: ~16.6 GB/s, its ~18 us fixed cost
-// taken off), from L3 (16 MiB: 13-15) and from memory (bench/attention.py: 14.1), MHA bf16 at
-// 18-19 from L3. So there bf16 GQA is held by the core's own work, and not by the score FMAs
-// that vdpbf16ps halved: the V pass (a widen and 4 FMAs per 16 values) or the softmax, untested
-// (the VM has no hardware counters). Not the V pass's widening either: widening a V pair of
-// vectors from one 64-byte load (a shift for the even elements, a mask for the odd, the
-// accumulators kept in that order until the end; 2 ops per 32 values where load() takes 4) ran
-// GQA 4:1 bf16 0.99x / 1.04x (b32 / b1) from memory and 0.97x from cache, MHA 1.00x / 0.98x
-// (bench/attention_ab.py, 1 thread, thread clock, same bits out; 2026-11-26). A 1-thread AVX-512
-// FMA loop there runs 4.1 G zmm FMAs/s, and two at once 7.9: the two vCPUs do not share FMA
-// ports, and bf16 GQA 4:1 uses 38-51% of one core's (4 FMAs per K and per V value, at its
-// 12.4 GB/s from memory and 16.6 from L2). The AVX2 build there runs every shape slower than
-// the AVX-512 one (0.58-0.85x, bf16 GQA 0.58x), the 16-lane AVX2 build far slower still.
+// Why several tiles side by side: one sequential stream per thread does not reach the memory's
+// read bandwidth, several do. Block tables scatter blocks, so the hardware prefetcher cannot
+// guess the next tile: while scoring K the kernel prefetches the step's V tiles, and while
+// accumulating V the next step's K tiles, one line per load, spread over the loops rather than
+// in a burst that would stall on fill buffers. Those prefetches go to L1 (T0); sending them to L2
+// only, halving them, or prefetching only each tile's head was slower or no faster in paired A/B
+// runs (bench/attention_ab.py) on both machine variants.
 //
-// Later the same day a cpu-clock profile (perf, 1 thread, GQA 4:1 bf16 b32 x 2048, addresses
-// mapped with objdump) put ~40% of the kernel's samples on the instructions right after the score
-// loop's V prefetches and the V loop's next-K prefetches: a prefetch that finds no free line fill
-// buffer holds the core, so there bf16 GQA waits on the misses it has in flight per core. Halving
-// the prefetches (one per 128 bytes, for the adjacent-line prefetcher to complete) ran every shape
-// 9-15% slower (paired A/B, 2 threads); only each tile's first 512 bytes (for the L2 streamer
-// to take the rest) 0.80-0.94x; the score loop's V prefetches to L2 (T1) 0.92-0.98x; specializing
-// the V loop for steps without a partial slot range or a missing next block, within +-2.5%.
+// NOTE: tried and left out, each slower or within noise in paired A/B runs, the figures in
+// docs/benchmarks.md ("Kernel design experiments"): scoring or accumulating bfloat16 with
+// vdpbf16ps (it also rounds q or the probabilities to bfloat16, so the output would depend on
+// the work partition), wider bfloat16 steps, and a V widening from one load. What holds GQA
+// below the read probe differs by machine: the paged layout's scattered tiles on one, the core's
+// own work per K/V value (4 FMAs and the widening) and its line fill buffers on the other.
 //
-// NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: paired A/B at
-// 1 thread (3 runs, load 5-9), bf16 64-token steps against 128: GQA 4:1 b1 x 32768 +1.8, +9.6,
-// +10.7%; b32 x 2048 +7.8, +1.3, -1.2%; MHA b32 +1.8..+2.6%, b1 -1.2..+1.0%. float32 at 64 tokens:
-// GQA b32 -1.9%, b1 +4.7%, MHA +-0.5% (one run), so it stays at 128.
+// NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: each
+// measured against the other size (bench/attention_ab.py), neither gained by changing.
 
 typedef float VecF __attribute__((vector_size(PM_LANES * 4)));
 typedef int32_t VecI __attribute__((vector_size(PM_LANES * 4)));
@@ -175,13 +126,11 @@ struct Step {
 
 // scores[g][n * block_size + c..] = q[g] . K_n[:, c..] for GT query rows against NB K tiles at
 // once. Reading NB tiles side by side keeps NB streams of lines in flight (the blocks are scattered,
-// and one stream per thread reads at ~1/3 of what several do here); each broadcast q element feeds
+// and one stream per thread reads well below what several do); each broadcast q element feeds
 // NB FMAs, and with few rows U partial sums over d keep enough independent FMA chains. With
 // kAhead, prefetches the NB tiles in `prefetch` at the same offsets. A compile-time choice: tested
 // per tile and per row, the null checks and their pointers spilled to the stack cost the loop
-// two branches per tile and row (objdump), and a cpu-clock profile of GQA 4:1 bf16 put its
-// samples on the prefetches; without them (paired A/B, 2-vCPU Emerald Rapids, 2 threads, same
-// bits out) GQA bf16 b32 ran 1.046-1.07x, the other shapes within +-2%.
+// two branches per tile and row (objdump); without them GQA bf16 ran faster in paired A/B runs.
 template <int GT, int NB, bool kAhead, typename KV>
 inline void score_rows(const float* q, const KV* const* tiles, const KV* const* prefetch,
                        int head_dim, int block_size, float* scores, int stride) {
@@ -383,15 +332,11 @@ void accumulate_step(float* acc, const float* probs, int stride, const float* al
   // halves for head_dim 128): every V value is read from cache once per 4 rows, where rows in
   // pairs (VT = 8, whole rows in order) read the step's V twice, the second pass from L2 for a
   // float32 step (64 KiB of V), and bf16 widens each V vector once per 4 rows instead of twice.
-  // Measured both ways, paired A/B (bench/attention_ab.py, GQA 4:1 float32, same bits out): on
-  // a 2-vCPU AMD EPYC (an earlier stop) pairs ran +2% at 1 thread (4 runs, b32 x 2048
-  // +1.7..+5.5%, b1 x 32768 -2.3..+3.6%); on a 2-vCPU Intel Xeon (Emerald Rapids, 2026-11-27) fours ran +3..+8% at
-  // 2 threads (wall clock, 2 runs: b32 1.078 / 1.040, b1 1.031 / 1.062) and +3..+5% at 1 thread
-  // (thread clock: 1.034 / 1.053), taking GQA float32 to ~0.80 of that tool's read probe. bf16
-  // was fours already (pairs: -6% on b32 in one A/B). The next
-  // step's K is prefetched over all passes (pass i: the slots s with s % passes == i); with it
-  // in the first pass only, the later passes ran with no request going to memory (+2.6..+6.4%
-  // at 1 thread, 6 runs, both shapes); MHA (one row) takes none of this.
+  // Fours ran faster than pairs in paired A/B runs on both machine variants (bench/attention_ab.py,
+  // GQA 4:1 float32, same bits out; docs/benchmarks.md), and bf16 was fours already. The next
+  // step's K is prefetched over all passes (pass i: the slots s with s % passes == i): with it
+  // in the first pass only, the later passes ran with no request going to memory. MHA (one row)
+  // takes none of this.
   const int fours = group_size / 4;
   const int pairs = (group_size - 4 * fours) / 2;
   const int passes = fours + pairs + (group_size - 4 * fours - 2 * pairs);
@@ -432,12 +377,9 @@ Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int6
 // prefetcher then fetches the rest of the tile's page on its own. The tiles of the next step
 // come to L1 line by line during this one (score_rows, accumulate_rows), one step ahead: with
 // bfloat16's 64-token steps that is ~32 KiB in flight per thread, short of what hides a
-// scattered tile's latency. Paired A/B (bench/attention_ab.py, all four shapes, 2-vCPU AMD EPYC
-// Zen 5, 2026-11-27), bfloat16 b / a at 2 threads, wall clock, seven runs (median, range): GQA
-// 4:1 b32 1.02 (0.99-1.03), b1 1.10 (0.99-1.32), MHA b32 1.01 (1.00-1.03), b1 1.04 (0.98-1.11);
-// 1 thread, thread clock, two runs: 0.99-1.29. 4 lines a tile gained less (0.99-1.04), 1 line was
-// mixed (GQA b32 0.96, b1 1.08). float32 (128-token steps: twice the bytes one step ahead) moved
-// 0.98-1.03 at either thread count, so it does not take them.
+// scattered tile's latency. bfloat16 gains from it in paired A/B runs (bench/attention_ab.py,
+// docs/benchmarks.md); float32 (128-token steps: twice the bytes one step ahead) does not, so it
+// does not take them. Two lines a tile: four gained less, one was mixed.
 template <typename KV>
 inline void prefetch_far_step(const FragmentArgs& a, const KV* keys, const KV* values, int64_t b,
                               int blocks_per_step) {

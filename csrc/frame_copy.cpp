@@ -3,9 +3,9 @@
 // slices into one buffer per shard, and unpacks a shard's reply into place).
 //
 // NOTE: why C++: the numpy form (a view of each tensor, a typed view of the buffer, a strided
-// assignment) took ~27 us to pack one layer's message of three small tensors and ~20 us to unpack
-// it (2-vCPU Xeon, warm), paid per shard per layer per decode step on both sides of the link, and
-// several times that from the cold caches of a process that just woke; the copies are ~1 us.
+// assignment) costs tens of times the copies themselves in Python and numpy overhead, paid per
+// shard per layer per decode step on both sides of the link, and more from the cold caches of a
+// process that just woke.
 #include "frame_copy.h"
 
 #include <cstring>

@@ -2,9 +2,9 @@
 // before it) and rotary position embedding applied in place. float32 only.
 //
 // NOTE: why these exist: at decode shapes (a few dozen rows of a few hundred floats) each torch op
-// costs 5-10 us of dispatch and allocation here, and with 2 intra-op threads torch's rms_norm
-// also pays an OpenMP fork/join on this VM (measured: 22-30 us at 1 thread, 45-55 us at 2, for
-// [32, 256]); torch's RoPE is six ops. One pass in C++ is ~1-3 us. vLLM's CPU backend ships the
+// costs more in dispatch and allocation than its arithmetic, and with 2 intra-op threads torch's
+// rms_norm also pays an OpenMP fork/join; torch's RoPE is six ops. One pass in C++ is a few
+// microseconds. vLLM's CPU backend ships the
 // same ops (rms_norm, fused_add_rms_norm, rotary_embedding) for the same reason. They run on the
 // calling thread: the work is smaller than a thread wake-up.
 #include <cmath>
@@ -17,8 +17,7 @@ namespace pm {
 namespace {
 
 // Independent partial sums of a row's squares: one running sum is a chain of dependent double
-// adds (~4 cycles each: ~1 us for a row of 768, 25 us for 32 rows, where the rest of the norm
-// takes a few); kSumLanes of them, each over every kSumLanes-th element and added in a fixed order
+// adds (a few cycles each, many times the rest of the norm); kSumLanes of them, each over every kSumLanes-th element and added in a fixed order
 // at the end, run side by side. The order is this source's, not the vector width's: no
 // -ffast-math here, so the compiler keeps each chain as written and the bits do not depend on it.
 constexpr int64_t kSumLanes = 8;

@@ -41,11 +41,8 @@ void linear(const LinearArgs& a, const IsaKernels& isa, int64_t num_panels, int 
               [&](int64_t begin, int64_t end) { isa.linear_panels(a, begin, end); });
 }
 
-// NOTE: measured (2-vCPU Xeon, Emerald Rapids, 2026-11-27; the two forms alternated 30 times,
-// best of each): the MLP (gate|up, activation, down) at 1 / 8 / 32 rows ran 0.95-0.99 / 0.97-1.03
-// / 0.98-1.05 of the two-call form's time, within this VM's noise; a LocalMesh of the small
-// model at batch 32 (token engine on 2 passive OpenMP threads) +4, -3, +4% tok/s in three
-// alternations. Kept because its values are the same bits and nothing crosses cores for it.
+// NOTE: the fused MLP (gate|up, activation, down) ran within noise of the two-call form in
+// alternated runs; kept because its values are the same bits and nothing crosses cores for it.
 void linear_silu_and_mul(const LinearArgs& a, float* act, const IsaKernels& isa,
                          int64_t num_gate_panels, int num_threads) {
   const int64_t width = isa.linear_panel_width, inter = num_gate_panels * width;

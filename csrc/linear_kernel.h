@@ -5,10 +5,10 @@
 // on a weight packed once into column panels (common/model/linear.py packs; linear.cpp threads).
 //
 // NOTE: why a GEMM of our own. oneDNN through torch (`mkldnn._linear_pointwise` on a reordered
-// weight) costs 20-40 us a call on a 2-vCPU Intel Xeon (Emerald Rapids) whatever the size: its
-// primitive descriptor, attributes and scratchpad are made again on every call (perf: malloc,
-// dnnl_primitive_attr_create, memory_desc_init), where oneDNN's own exec takes ~11 us for 8 x 256 x
-// 256. A tiny-model decode step makes 17 such calls. MKL's sgemm is cheap to call, but the rows of
+// weight) pays a fixed cost per call whatever the size, larger than its own exec at decode
+// shapes: its primitive descriptor, attributes and scratchpad are made again on every call (perf:
+// malloc, dnnl_primitive_attr_create, memory_desc_init). A tiny-model decode step makes 17 such
+// calls. MKL's sgemm is cheap to call, but the rows of
 // a call of 10 rows or fewer are not bitwise the rows of a larger call (it changes kernels), so a
 // request's greedy tokens would depend on how many others share its step. Here every output is
 // one FMA chain over k in order, whatever the row tiling, the thread split or the row count: a
@@ -21,12 +21,9 @@
 // chunk, so a chunk of x (64 rows) stays in L1/L2 while its panels stream by, and it prefetches
 // the panel a few KiB ahead.
 //
-// Measured (2-vCPU Xeon, family 6 model 207, 2 threads, tiny model's shapes, us a call, this
-// kernel / oneDNN via torch / MKL F.linear): gate_up [1536 x 256] at 1 row 12 / 30 / 20, 8 rows
-// 24 / 42 / 48, 32 rows 88 / 104 / 182; down [256 x 768] 8 / 25 / 11, 15 / 33 / 17, 47 / 90 / 68;
-// LM head [2048 x 256] 18 / 35 / 29, 48 / 61 / 49, 140 / 387 / 239. At prefill sizes (256-1024
-// rows) it runs at oneDNN's rate at 1 thread (120-158 GFLOP/s both; the inner loop is 12
-// broadcasts and 24 FMAs on zmm registers per k, no spills) and within +-10% at 2 threads.
+// At decode shapes it is faster than oneDNN through torch and MKL's F.linear per call, at prefill
+// sizes at oneDNN's rate (the inner loop is 12 broadcasts and 24 FMAs on zmm registers per k, no
+// spills); the per-shape figures are in docs/benchmarks.md ("Kernel design experiments").
 // bench/engine.py runs the engine on both side by side (`kernel_vs_onednn`).
 
 // Low-precision weights (WeightDtype): the same panels, the same tiles and the same FMA chain
@@ -39,10 +36,8 @@
 constexpr int kPanelVecs = 2;
 constexpr int kPanelWidth = kPanelVecs * kLanes;
 // Bytes of panel read ahead of use, 4 KiB: a weight streams from memory at decode sizes, and at 8
-// or 32 rows a tile's FMAs between loads leave too few reads in flight without it (the small
-// model's 12 layers, cold, 2 threads, against oneDNN in the same run: 1.03-1.06x its time at 8
-// rows and 1.09-1.11x at 32 without; 0.70-0.74x and 0.77-0.81x with 32 float32 rows ahead, 64
-// alike).
+// or 32 rows a tile's FMAs between loads leave too few reads in flight without it (slower than
+// oneDNN without it, well faster with it, against oneDNN in the same run).
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kRowChunk = 64;
 

@@ -1,6 +1,6 @@
 // Streaming memory probes: bench/attention.py measures the machine's memory bandwidth with them in
 // the same run as the kernel, so the kernel's bandwidth fraction is judged against a C-speed
-// ceiling measured under the same load (torch.sum is itself compute-bound at ~0.8 of it here).
+// ceiling measured under the same load (torch.sum is itself compute-bound, below it).
 #include <cstdint>
 #include <cstring>
 
@@ -19,10 +19,10 @@ namespace pm {
 typedef float Vec8 __attribute__((vector_size(32)));
 
 // NOTE: a read probe that reads the way a good kernel can: each thread walks its chunk as
-// kStreams interleaved sub-streams with software prefetch ahead of each. On this VM one
-// sequential stream per thread reads at ~10 GB/s while 8 streams with prefetch reach ~14 (1
-// thread) and ~28 (2 threads): a single-stream sum measures the core's memory-level parallelism,
-// not the memory, and a kernel reading scattered blocks side by side beats it.
+// kStreams interleaved sub-streams with software prefetch ahead of each. One sequential stream
+// per thread reads well below what several streams with prefetch do: a single-stream sum measures
+// the core's memory-level parallelism, not the memory, and a kernel reading scattered blocks side
+// by side beats it.
 double read_sum(const float* data, int64_t n, int num_threads) {
   constexpr int64_t kChunk = 1 << 16;        // floats per work item (256 KiB)
   constexpr int64_t kStreams = 8;            // interleaved sub-streams per chunk
@@ -55,9 +55,9 @@ double read_sum(const float* data, int64_t n, int num_threads) {
 
 // NOTE: each thread copies one contiguous share with non-temporal (streaming) stores, so the bytes
 // moved are the bytes counted: read + written, no read-for-ownership of the destination. Not
-// glibc's memcpy: it streams only above ~3/4 of the L3 share per thread (on a VM reporting a
-// 480 MiB L3, a 128 MiB share per thread took the cached path and measured 27 GB/s where the
-// streaming copy moves 45), so the ceiling would depend on the buffer size. SSE2 stores are
+// glibc's memcpy: it streams only above ~3/4 of the L3 share per thread (on a VM that reports a
+// large L3, a share per thread took the cached path at well under the streaming copy's rate), so
+// the ceiling would depend on the buffer size. SSE2 stores are
 // enough: the write-combining buffers fill whole lines either way.
 void copy_bytes(void* dst, const void* src, int64_t n, int num_threads) {
 #pragma omp parallel num_threads(num_threads)

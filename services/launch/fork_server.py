@@ -1,9 +1,8 @@
 """How `LocalMesh` starts a worker process: a fork of a server that imported the worker's code once.
 
-A fresh interpreter running `worker_process` spends ~4.7 s of CPU importing torch, ucxx,
-numpy and the services before it builds anything (2-vCPU Intel Xeon): a mesh of four workers
-paid ~19 s of CPU to start, and the replacement of a dead worker ~5 s before it could load its
-weights. The standard library's fork server (`multiprocessing`'s "forkserver" start method)
+A fresh interpreter running `worker_process` spends seconds of CPU importing torch, ucxx,
+numpy and the services before it builds anything: a mesh of four workers paid that four times to
+start, and the replacement of a dead worker once more before it could load its weights. The standard library's fork server (`multiprocessing`'s "forkserver" start method)
 imports `worker_process` once per launcher; each worker is then a `fork()` of that server, which
 is single-threaded and has run nothing but imports: a process of its own (its own pid, signals,
 memory and exit status), started in a fraction of a second.
