@@ -44,8 +44,9 @@ class BigBodyGate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        first: Message | None = dict(await receive())
-        body = first.get("body", b"") if first["type"] == "http.request" else b""
+        received: Message = dict(await receive())
+        body = received.get("body", b"") if received["type"] == "http.request" else b""
+        first: Message | None = received
         big = len(body) >= self.min_bytes
         if big and body.count(_ROLE_KEY) > MAX_MESSAGES:
             message = f"a chat holds at most {MAX_MESSAGES} messages"
