@@ -11,7 +11,7 @@ The mix, per sample: how full the prompt side is against how full the decode sid
 both against the deployment's provisioning (so a move does not redefine the scale it is judged on):
 
 - prompt fill: pending prompt tokens on every engine / (prompt-capable engines as deployed x
-  `prompt_tokens`, JSQ's "a prompt engine is full");
+  `PoolThresholds.prompt_tokens`, JSQ's "a prompt engine is full");
 - decode fill: running decode tokens on every engine / the KV (used + free) of the token-capable
   engines as deployed.
 
@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common.roles import Role
-from common.scheduling.cluster import PoolMove
+from common.scheduling.cluster import PoolMove, PoolThresholds
 from common.scheduling.load_board import MachineLoad
 
 # prompt <-> mixed <-> token: an engine's place on the chain its home moves along.
@@ -52,20 +52,19 @@ SAMPLES_PER_HOLD = 8
 @dataclass(frozen=True)
 class HomeRoleThresholds:
     """When the mix counts as shifted (`shift`) or settled (`settle`), for how long (`hold_s`),
-    and how long after a home change the next may come (`cooldown_s`). Fills are fractions (see
-    the module); `prompt_tokens`: a prompt engine's pending prompt tokens that count as full."""
+    and how long after a home change the next may come (`cooldown_s`). The gaps are between
+    fills, fractions (see the module). `PoolThresholds.home_roles` carries them."""
 
     shift: float = 0.5
     settle: float = 0.1
     hold_s: float = 30.0
     cooldown_s: float = 120.0
-    prompt_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if not 0 <= self.settle < self.shift:
             raise ValueError("home roles: 0 <= settle < shift (hysteresis)")
-        if self.hold_s < 0 or self.cooldown_s < 0 or self.prompt_tokens <= 0:
-            raise ValueError("home roles: hold_s, cooldown_s >= 0 and prompt_tokens > 0")
+        if self.hold_s < 0 or self.cooldown_s < 0:
+            raise ValueError("home roles: hold_s and cooldown_s must be >= 0")
 
 
 def prompt_capable(home: Role) -> bool:
@@ -79,17 +78,25 @@ def token_capable(home: Role) -> bool:
 class HomeRolePolicy:
     """Moves engines' homes as the queue mix shifts and settles (see the module)."""
 
-    def __init__(self, thresholds: HomeRoleThresholds, deployed: Mapping[int, Role]) -> None:
-        self.thresholds = thresholds
-        self.deployed = {m: home for m, home in deployed.items() if home in _POSITION}
-        self._num_prompt = sum(prompt_capable(h) for h in self.deployed.values())
-        self._token_ids = [m for m, h in self.deployed.items() if token_capable(h)]
+    def __init__(self, pool_thresholds: PoolThresholds, deployed: Mapping[int, Role]) -> None:
+        if pool_thresholds.home_roles is None:
+            raise ValueError("home roles: the pool thresholds set none")
+        self.thresholds = pool_thresholds.home_roles
+        self.prompt_tokens = pool_thresholds.prompt_tokens
+        self.set_deployed(deployed)
         self._holding: tuple[int, float] | None = None  # (direction, 0 settled; since when)
         self._last_change_s = float("-inf")
         self._last_homes: dict[int, Role] | None = None
         self._next_sample_s = float("-inf")
         self.last_gap = 0.0  # the mix at the last sample (stats, tests)
         self.num_moves = 0
+
+    def set_deployed(self, deployed: Mapping[int, Role]) -> None:
+        """The engines and the homes they were deployed with (membership changed): the hold and
+        the cool-down carry over."""
+        self.deployed = {m: home for m, home in deployed.items() if home in _POSITION}
+        self._num_prompt = sum(prompt_capable(h) for h in self.deployed.values())
+        self._token_ids = [m for m, h in self.deployed.items() if token_capable(h)]
 
     def gap(self, loads: Mapping[int, MachineLoad]) -> float:
         """Prompt fill less decode fill now (the module's `gap`)."""
@@ -98,7 +105,7 @@ class HomeRolePolicy:
         kv = sum(
             loads[m].decode_tokens + loads[m].free_kv_tokens for m in self._token_ids if m in loads
         )
-        prompt_fill = pending / max(self._num_prompt * self.thresholds.prompt_tokens, 1)
+        prompt_fill = pending / max(self._num_prompt * self.prompt_tokens, 1)
         return prompt_fill - (decode / kv if kv > 0 else 0.0)
 
     def observe(
@@ -107,8 +114,9 @@ class HomeRolePolicy:
         """The home changes to make now (at most one): `homes` are the engines' homes as they
         are (a move made elsewhere counts for the cool-down), `loads` every engine's load."""
         homes = {m: homes[m] for m in self.deployed if m in homes}
-        if self._last_homes is not None and homes != self._last_homes:
-            self._last_change_s = max(self._last_change_s, now)
+        last = self._last_homes or {}
+        if any(last.get(m, home) != home for m, home in homes.items()):  # an engine that came
+            self._last_change_s = max(self._last_change_s, now)  # or went is no move
         self._last_homes = homes
         if now < self._next_sample_s:
             return []

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from common.roles import Role
-from common.scheduling.cluster import PoolMove
+from common.scheduling.cluster import PoolMove, PoolThresholds
 from common.scheduling.home_roles import HomeRolePolicy, HomeRoleThresholds
 from common.scheduling.load_board import MachineLoad
 
 P, T, M = Role.PROMPT, Role.TOKEN, Role.MIXED
 # A prompt engine is full at 1000 pending tokens; each token engine holds 10000 KV tokens.
-THRESHOLDS = HomeRoleThresholds(shift=0.5, settle=0.1, hold_s=10.0, cooldown_s=30.0,
-                                prompt_tokens=1000)  # fmt: skip
+THRESHOLDS = HomeRoleThresholds(shift=0.5, settle=0.1, hold_s=10.0, cooldown_s=30.0)
+POOLS = PoolThresholds(prompt_tokens=1000, home_roles=THRESHOLDS)
 KV_TOKENS = 10_000
 QUIET = (0, 500)  # (pending prompt tokens, decode tokens per token engine): gap -0.05
 BURST = (3000, 500)  # prompt fill 3.0 against decode fill 0.05: gap 2.95
@@ -33,11 +33,10 @@ def loads_of(homes: dict[int, Role], pending: int, decode: int) -> dict[int, Mac
 
 def replay(
     deployed: dict[int, Role], series: list[tuple[float, tuple[int, int]]], until: float,
-    thresholds: HomeRoleThresholds = THRESHOLDS,
 ) -> tuple[dict[int, Role], list[tuple[float, PoolMove]]]:
     """Feed the policy one sample a second: `series` is [(from when, (pending, decode))]; each
     move is applied to the homes it sees next. The homes at the end, and every move."""
-    policy = HomeRolePolicy(thresholds, deployed)
+    policy = HomeRolePolicy(POOLS, deployed)
     homes, moves = dict(deployed), []
     for now in range(int(until)):
         level = [lv for start, lv in series if start <= now][-1]
@@ -110,7 +109,7 @@ def test_a_decode_heavy_mix_moves_a_prompt_engine_toward_token() -> None:
 def test_a_move_seen_in_the_homes_starts_the_cooldown() -> None:
     # Another router replica moved engine 1 at t=5, before this one's hold ran out: this one
     # waits a cool-down from then.
-    policy = HomeRolePolicy(THRESHOLDS, ONE_P_TWO_T)
+    policy = HomeRolePolicy(POOLS, ONE_P_TWO_T)
     homes = dict(ONE_P_TWO_T)
     moved_at = []
     for now in range(0, 120):
