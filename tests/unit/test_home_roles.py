@@ -32,7 +32,9 @@ def loads_of(homes: dict[int, Role], pending: int, decode: int) -> dict[int, Mac
 
 
 def replay(
-    deployed: dict[int, Role], series: list[tuple[float, tuple[int, int]]], until: float,
+    deployed: dict[int, Role],
+    series: list[tuple[float, tuple[int, int]]],
+    until: float,
 ) -> tuple[dict[int, Role], list[tuple[float, PoolMove]]]:
     """Feed the policy one sample a second: `series` is [(from when, (pending, decode))]; each
     move is applied to the homes it sees next. The homes at the end, and every move."""
