@@ -112,15 +112,16 @@ class HomeRolePolicy:
         self, homes: Mapping[int, Role], loads: Mapping[int, MachineLoad], now: float
     ) -> list[PoolMove]:
         """The home changes to make now (at most one): `homes` are the engines' homes as they
-        are (a move made elsewhere counts for the cool-down), `loads` every engine's load."""
+        are (a move made elsewhere counts for the cool-down from the sample that sees it),
+        `loads` every engine's load. Between samples it returns at once."""
+        if now < self._next_sample_s:
+            return []
+        self._next_sample_s = now + self.thresholds.hold_s / SAMPLES_PER_HOLD
         homes = {m: homes[m] for m in self.deployed if m in homes}
         last = self._last_homes or {}
         if any(last.get(m, home) != home for m, home in homes.items()):  # an engine that came
             self._last_change_s = max(self._last_change_s, now)  # or went is no move
         self._last_homes = homes
-        if now < self._next_sample_s:
-            return []
-        self._next_sample_s = now + self.thresholds.hold_s / SAMPLES_PER_HOLD
         self.last_gap = gap = self.gap(loads)
         t = self.thresholds
         direction = TOWARD_PROMPT if gap >= t.shift else TOWARD_TOKEN if gap <= -t.shift else None
