@@ -21,9 +21,9 @@ moves a displaced engine one step back toward its deployed home; in between noth
 hold starts over. At most one move per `cooldown_s`, counted from the last home change the
 policy made or saw (another router replica's move shows in the homes it is given). A move never
 leaves the cluster without a prompt-capable (prompt or mixed home) or a token-capable (token or
-mixed home) engine. Which engine: one whose step returns it toward its deployed home first, then
-the one with the fewest decode tokens (its running requests keep decoding there), then the
-lowest id.
+mixed home) engine, nor gives a `prompt_only` machine a token-capable home. Which engine: one
+whose step returns it toward its deployed home first, then the one with the fewest decode tokens
+(its running requests keep decoding there), then the lowest id.
 
 NOTE: the queue drains faster once an engine has moved, so a burst the moved engine alone
 absorbs can look settled and send it back, and the next `hold_s` of backlog moves it again: the
@@ -34,6 +34,7 @@ lengths that should not re-purpose anything).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from common.roles import Role
@@ -78,12 +79,17 @@ def token_capable(home: Role) -> bool:
 class HomeRolePolicy:
     """Moves engines' homes as the queue mix shifts and settles (see the module)."""
 
-    def __init__(self, pool_thresholds: PoolThresholds, deployed: Mapping[int, Role]) -> None:
+    def __init__(
+        self,
+        pool_thresholds: PoolThresholds,
+        deployed: Mapping[int, Role],
+        prompt_only: AbstractSet[int] = frozenset(),
+    ) -> None:
         if pool_thresholds.home_roles is None:
             raise ValueError("home roles: the pool thresholds set none")
         self.thresholds = pool_thresholds.home_roles
         self.prompt_tokens = pool_thresholds.prompt_tokens
-        self.set_deployed(deployed)
+        self.set_deployed(deployed, prompt_only)
         self._holding: tuple[int, float] | None = None  # (direction, 0 settled; since when)
         self._last_change_s = float("-inf")
         self._last_homes: dict[int, Role] | None = None
@@ -91,10 +97,14 @@ class HomeRolePolicy:
         self.last_gap = 0.0  # the mix at the last sample (stats, tests)
         self.num_moves = 0
 
-    def set_deployed(self, deployed: Mapping[int, Role]) -> None:
+    def set_deployed(
+        self, deployed: Mapping[int, Role], prompt_only: AbstractSet[int] = frozenset()
+    ) -> None:
         """The engines and the homes they were deployed with (membership changed): the hold and
-        the cool-down carry over."""
+        the cool-down carry over. `prompt_only`: machines that cannot take decode work (the
+        live mesh's prompt engines receive no KV), never given a token-capable home."""
         self.deployed = {m: home for m, home in deployed.items() if home in _POSITION}
+        self.prompt_only = frozenset(prompt_only)
         self._num_prompt = sum(prompt_capable(h) for h in self.deployed.values())
         self._token_ids = [m for m, h in self.deployed.items() if token_capable(h)]
 
@@ -156,6 +166,8 @@ class HomeRolePolicy:
             if step == 0 or not -1 <= position + step <= 1:
                 continue
             to_home = _AT[position + step]
+            if machine_id in self.prompt_only and token_capable(to_home):
+                continue
             if not self._keeps_both(homes, machine_id, to_home):
                 continue
             returning = toward_home * step > 0

@@ -193,13 +193,16 @@ class ClusterScheduler:
                 self._set_deployed(homes)
 
     def _set_deployed(self, homes: dict[int, Role]) -> None:
-        """The home-role policy over the engines now (its hold and cool-down carry over)."""
+        """The home-role policy over the engines now (its hold and cool-down carry over). A
+        prompt engine receives no KV (it is built without a receiver): it never decodes others'
+        prompts, so its home stays prompt."""
         if self.thresholds.home_roles is None or self._policy is None:
             return
+        prompt_only = {m for m, home in homes.items() if home == Role.PROMPT}
         if self._homes is None:
-            self._homes = HomeRolePolicy(self.thresholds, homes)
+            self._homes = HomeRolePolicy(self.thresholds, homes, prompt_only)
         else:
-            self._homes.set_deployed(homes)
+            self._homes.set_deployed(homes, prompt_only)
 
     def on_load(self, report: LoadReport) -> None:
         """The latest report of one engine replaces the router's estimate of its load."""

@@ -108,6 +108,14 @@ def test_a_decode_heavy_mix_moves_a_prompt_engine_toward_token() -> None:
     assert homes == {0: M, 1: P, 2: T}
 
 
+def test_a_prompt_only_engine_never_gets_a_token_capable_home() -> None:
+    # The live mesh's prompt engines receive no KV: a decode-heavy mix moves none of them.
+    policy = HomeRolePolicy(POOLS, {0: P, 1: P, 2: T}, prompt_only={0, 1})
+    homes = {0: P, 1: P, 2: T}
+    for now in range(200):
+        assert policy.observe(homes, loads_of(homes, 0, 9000), float(now)) == []
+
+
 def test_a_move_seen_in_the_homes_starts_the_cooldown() -> None:
     # Another router replica moved engine 1 at t=5, before this one's hold ran out: this one
     # waits a cool-down from then.
