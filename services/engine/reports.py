@@ -14,7 +14,6 @@ import structlog
 from common.block_manager import BlockManager
 from common.kv_ingress import KvIngress
 from common.protocol import EngineStats, LoadReport, ShardAddress
-from common.roles import Role
 from common.scheduling.batching import EngineScheduler
 from common.scheduling.role_lease import RoleLease
 from common.telemetry.engine_counts import engine_counters
@@ -35,8 +34,7 @@ class EngineReports:
     def __init__(
         self,
         engine_id: str,
-        role: Role,
-        pool: RoleLease,
+        pool: RoleLease,  # its home and current pool
         table: RequestTable,
         blocks: BlockManager,
         kv_ingress: KvIngress,
@@ -47,7 +45,7 @@ class EngineReports:
         runner: MeshModelRunner,
         telemetry: EngineTelemetry,
     ) -> None:
-        self.engine_id, self.role, self.pool, self.table = engine_id, role, pool, table
+        self.engine_id, self.pool, self.table = engine_id, pool, table
         self.blocks, self.kv_ingress, self.admission = blocks, kv_ingress, admission
         self.ship_queue, self.local = queues  # prompts to hand off, requests decoding here
         self.prefill, self.tiers, self.runner, self.telemetry = prefill, tiers, runner, telemetry
