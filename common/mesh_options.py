@@ -17,6 +17,7 @@ import msgspec
 
 from common.roles import Role
 from common.scheduling.cluster import PoolThresholds
+from common.scheduling.home_roles import HomeRoleThresholds
 from common.scheduling.tiers import is_neo, tier_policy
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -33,6 +34,23 @@ class _Options(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     pass
 
 
+class HomeRoleOptions(_Options, frozen=True):
+    """Homes that follow the queue mix (common/scheduling/home_roles.py, docs/mesh.md): a fill
+    gap of `shift` held `hold_s` moves one engine's home a step toward the busy side, one of at
+    most `settle` held as long moves it back; one move per `cooldown_s`."""
+
+    shift: Annotated[float, msgspec.Meta(gt=0)] = 0.5
+    settle: Annotated[float, msgspec.Meta(ge=0)] = 0.1
+    hold_s: Seconds = 30.0
+    cooldown_s: Seconds = 120.0
+
+    def __post_init__(self) -> None:
+        self.thresholds()  # raises ValueError where the rules between them fail
+
+    def thresholds(self) -> HomeRoleThresholds:
+        return HomeRoleThresholds(self.shift, self.settle, self.hold_s, self.cooldown_s)
+
+
 class PoolOptions(_Options, frozen=True):
     """Splitwise's pools (docs/serving.md): when JSQ's best engine counts as full, so that an
     engine of the other pool is lent to the mixed pool, and how long a loan lasts unrenewed."""
@@ -41,11 +59,14 @@ class PoolOptions(_Options, frozen=True):
     decode_tokens: NonNegative = 1 << 62  # a token engine's running decode tokens
     min_free_kv_tokens: NonNegative = 0  # KV left where the request would decode
     lease_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # a lent engine goes home unrenewed
+    home_roles: HomeRoleOptions | None = None  # None: every engine keeps its deployed home
 
     def thresholds(self) -> PoolThresholds:
+        homes = self.home_roles.thresholds() if self.home_roles is not None else None
         return PoolThresholds(
             prompt_tokens=self.prompt_tokens, decode_tokens=self.decode_tokens,
             min_free_kv_tokens=self.min_free_kv_tokens, role_lease_s=self.lease_s,
+            home_roles=homes,
         )  # fmt: skip
 
 

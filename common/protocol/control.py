@@ -113,10 +113,15 @@ class SetRole(_Msg, tag="set_role"):
     Lending an engine to the mixed pool (Splitwise §IV-A) is a lease: the engine goes home by
     itself `lease_s` after the last `SetRole(mixed)`, so a router that dies mid-borrow strands
     nothing; the routers that still want it mixed renew. Running requests and their KV stay.
+
+    `home` set: the engine's home moves there (common/scheduling/home_roles.py) and it serves
+    in it at once (`role` is the same), any loan ended; its running requests finish where they
+    are, and new work follows the routers' pools.
     """
 
     role: Role
     lease_s: float = 0.0
+    home: Role | None = None
 
 
 EngineCommand = (
@@ -263,6 +268,7 @@ class EngineStats(_Msg, tag="engine_stats"):
     # Decodes this engine preempted for KV (its own cache's, or its shard group's) and
     # recomputed, since start (Splitwise's memory-aware batching).
     num_preemptions: int = 0
+    num_home_moves: int = 0  # times its home changed since start (home_roles.py)
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats | OutputsDropped

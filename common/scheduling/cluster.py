@@ -21,6 +21,7 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.roles import Role
 from common.scheduling.load_board import (
@@ -30,6 +31,9 @@ from common.scheduling.load_board import (
     LoadBoard,
     MachineLoad,
 )
+
+if TYPE_CHECKING:
+    from common.scheduling.home_roles import HomeRoleThresholds
 
 # Machine pools are engine roles: a split design's machines have home PROMPT or TOKEN; a
 # baseline's, MIXED.
@@ -79,6 +83,8 @@ class PoolThresholds:
     # The live mesh only: how long an engine lent to mixed stays there without a renewing
     # `SetRole` (common/scheduling/role_lease.py); routers renew every third of it.
     role_lease_s: float = 10.0
+    # Homes that follow the queue mix (common/scheduling/home_roles.py); None: homes stay.
+    home_roles: HomeRoleThresholds | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0 or self.repurpose_after_s <= 0 or self.role_lease_s <= 0:

@@ -10,7 +10,9 @@ pass `now` (time.monotonic()).
 - `SetRole(home)` returns it at once.
 - A lease that runs out returns it too: a router that died mid-borrow strands nothing.
 
-Both are idempotent, so two routers sending the same change converge; a router that wants an
+- `SetRole(role, home=role)` moves its home there (`rehome`, common/scheduling/home_roles.py).
+
+All are idempotent, so two routers sending the same change converge; a router that wants an
 engine mixed while another sends it home simply borrows it again on its next placement.
 """
 
@@ -28,6 +30,15 @@ class RoleLease:
         self.home = home
         self._lent_until: float | None = None  # None: at home
         self.num_loans = 0  # stints in the mixed pool since start (stats and tests)
+        self.num_home_moves = 0  # home changes since start (stats and tests)
+
+    def rehome(self, home: Role) -> None:
+        """A new home, served in at once (a loan ends). Only an engine role is a home."""
+        if home not in (*LENDABLE, Role.MIXED):
+            raise ValueError(f"an engine's home cannot be {home}")
+        if home != self.home:
+            self.num_home_moves += 1
+        self.home, self._lent_until = home, None
 
     def set(self, role: Role, lease_s: float, now: float) -> None:
         """Apply a `SetRole`. A role other than home or mixed is refused (ValueError)."""

@@ -156,6 +156,10 @@ PREFIX_CACHE_HITS = _counter(
     "prefix_cache_hits_total", "{token}", "Prefix cache hits, in prompt tokens found cached"
 )
 PREEMPTIONS = _counter("num_preemptions_total", "{preemption}", "Requests preempted")
+ENGINE_POOL = _gauge(
+    "engine_pool", "{engine}", "1 per engine: its home pool and the pool it serves in now",
+    "home", "pool",
+)  # fmt: skip
 ITERATION_TOKENS = MetricSpec(
     "phasemesh:iteration_tokens_total",
     "histogram",
@@ -165,7 +169,7 @@ ITERATION_TOKENS = MetricSpec(
 )
 REPORTED_SPECS = (
     RUNNING, WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS,
-    ITERATION_TOKENS,
+    ITERATION_TOKENS, ENGINE_POOL,
 )  # fmt: skip
 
 Recorder = Callable[..., Any]

@@ -1,6 +1,7 @@
 """`python -m loadgen.sim`: replay a trace, or search a provisioning, with the simulator.
 
 python -m loadgen.sim replay --trace T.csv --cluster Splitwise-HH:25P15T [--rate 70]
+    [--home-roles 30,120]
 python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --power 70 --plot out.png
 python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --rate 70 --by cost
 python -m loadgen.sim lamina --trace T.csv [--memory 4 8] [--batches 1 2 3 4]
@@ -13,7 +14,9 @@ import argparse
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
+from common.scheduling.home_roles import HomeRoleThresholds
 from loadgen.sim.designs import DESIGNS, parse_cluster
 from loadgen.sim.lamina_cli import add_lamina_parser
 from loadgen.sim.offline import add_offline_parser
@@ -24,7 +27,7 @@ from loadgen.sim.provision import (
     plot_design_space,
 )
 from loadgen.sim.rate_search import Probe, SearchSettings
-from loadgen.sim.simulator import simulate
+from loadgen.sim.simulator import SimOptions, simulate
 from loadgen.sim.slo import check_slos
 from loadgen.sim.workload import as_recorded, poisson, read_trace
 
@@ -33,8 +36,13 @@ def _replay(args: argparse.Namespace) -> int:
     rows = read_trace(args.trace)
     cluster = parse_cluster(args.cluster)
     requests = poisson(rows, args.rate, args.duration) if args.rate else list(as_recorded(rows))
+    options = None
+    if args.home_roles:  # homes follow the queue mix, by the live router's policy
+        hold_s, cooldown_s = (float(x) for x in args.home_roles.split(","))
+        homes = HomeRoleThresholds(hold_s=hold_s, cooldown_s=cooldown_s)
+        options = SimOptions(thresholds=replace(SimOptions().thresholds, home_roles=homes))
     started = time.perf_counter()
-    result = simulate(cluster, requests)
+    result = simulate(cluster, requests, options)
     wall_s = time.perf_counter() - started
     check = check_slos(result)
     print(
@@ -43,7 +51,8 @@ def _replay(args: argparse.Namespace) -> int:
     )
     for key, value in check.slowdowns.items():
         print(f"  {key:<9} {value:6.2f}x  (limit {check.limits[key]:g}x)")
-    print(json.dumps({"cluster": cluster.label, "slos_met": check.met, "wall_s": round(wall_s, 2)}))
+    print(json.dumps({"cluster": cluster.label, "slos_met": check.met, "wall_s": round(wall_s, 2),
+                      "num_home_moves": result.num_home_moves}))  # fmt: skip
     return 0
 
 
@@ -91,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--rate", type=float, default=0.0, help="Poisson rate (default: as recorded)"
     )
     replay.add_argument("--duration", type=float, default=120.0, help="seconds, with --rate")
+    replay.add_argument(
+        "--home-roles", default="", metavar="HOLD_S,COOLDOWN_S",
+        help="machines' homes follow the queue mix (common/scheduling/home_roles.py)",
+    )  # fmt: skip
     replay.set_defaults(func=_replay)
     prov = sub.add_parser("provision", help="search the prompt/token machine mix")
     prov.add_argument("--trace", required=True)

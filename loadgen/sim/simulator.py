@@ -26,7 +26,9 @@ import structlog
 from common.config import SchedulerConfig
 from common.kv_events import reusable_blocks
 from common.perf_model import PerfModel
+from common.roles import Role
 from common.scheduling.cluster import JSQPoolPolicy, PoolThresholds, RouteRequest
+from common.scheduling.home_roles import HomeRolePolicy
 from common.scheduling.load_board import LoadBoard
 from common.scheduling.mixed import MixedBatchPolicy, MixedPolicyConfig
 from loadgen.sim.designs import ClusterSpec, perf_model_for
@@ -93,6 +95,10 @@ class SimResult:
     busy_s_by_machine: list[float] = field(default_factory=list)
     num_prefill_tokens: int = 0  # computed by all machines (uncached suffixes, recomputes)
     num_prefix_hit_tokens: int = 0
+    # Home changes of `SimOptions.thresholds.home_roles` (common/scheduling/home_roles.py), and
+    # each machine's home at the end.
+    num_home_moves: int = 0
+    homes: dict[int, Role] = field(default_factory=dict)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -117,7 +123,8 @@ class SimOptions:
     max_preemptions: int = _ENGINE.max_preemptions
     starvation_s: float = _ENGINE.starvation_s
     # A token machine holding ~40k KV tokens (~35 conversation requests) is "full": past that
-    # batch size its TBT passes 1.2x, so the router looks to the mixed pool.
+    # batch size its TBT passes 1.2x, so the router looks to the mixed pool. With `home_roles`,
+    # machines' homes follow the queue mix too, by the live router's policy (home_roles.py).
     thresholds: PoolThresholds = PoolThresholds(decode_tokens=40_000)
     # The front end's latency per request (HTTP, router, and the first token's way back), outside
     # every machine: a request reaches its prompt machine this long after it arrives. Zero at
@@ -171,6 +178,12 @@ class Simulator:
             {i: home for i, (_, home) in enumerate(types)}, options.thresholds,
             options.prefix_weight,
         )  # fmt: skip
+        deployed = dict(self.router.pools.home)
+        self.homes = (
+            HomeRolePolicy(options.thresholds, deployed)
+            if options.thresholds.home_roles is not None and self.router.pools.is_split
+            else None
+        )
         # The machines' loads as the router sees them, refreshed for the machines an event
         # touched (`_changed`) before each routing: a few per request, not the whole cluster.
         self.loads = LoadBoard(self.router.pools)
@@ -265,6 +278,8 @@ class Simulator:
             self.cluster, self.records, self.now, self.num_events, self._num_moves, busy,
             num_prefill_tokens=sum(m.num_computed_tokens for m in self.machines),
             num_prefix_hit_tokens=sum(m.num_hit_tokens for m in self.machines),
+            num_home_moves=self.homes.num_moves if self.homes is not None else 0,
+            homes=dict(self.router.pools.home),
         )  # fmt: skip
 
     # -- events ---------------------------------------------------------------------------------
@@ -294,6 +309,9 @@ class Simulator:
             record.first_token_s = record.done_s = now  # nothing to compute
             return
         loads = self._refreshed_loads()
+        if self.homes is not None:
+            for move in self.homes.observe(self.router.pools.home, loads, now):
+                self.router.pools.apply(move, now)
         self._num_moves += len(self.router.rebalance(loads, now))
         keys = self._usable_keys(req_id, record.prompt_len)
         decision = self.router.route(self._route_request(req_id, record, keys), loads, now)

@@ -152,7 +152,11 @@ class Engine:
         return self.end(ack.req_id, self.why(error), retryable=True) if error else Outbox()
 
     def on_set_role(self, msg: SetRole) -> None:
-        """A router lends this engine to the mixed pool, renews the lease, or sends it home."""
+        """A router lends this engine to the mixed pool, renews the lease, sends it home, or
+        moves its home (its running requests stay: nothing here depends on the home)."""
+        if msg.home is not None:
+            self.pool.rehome(Role(msg.home))
+            return
         loans = self.pool.num_loans
         self.pool.set(Role(msg.role), msg.lease_s, time.monotonic())
         if self.pool.num_loans > loans:  # a new loan, not a renewal: count it where it happens

@@ -110,7 +110,7 @@ def build_engine_parts(
     policy = build_tier_policy(o.tier_policy, runner, len(shards))
     tiers = KvTiers(policy, swaps, o.local_kv_blocks, runner)
     pool = RoleLease(role)
-    reports = EngineReports(engine_id, role, pool, table, blocks, kv_ingress, (ship_queue, local),
+    reports = EngineReports(engine_id, pool, table, blocks, kv_ingress, (ship_queue, local),
                             admission, prefill, tiers, runner, telemetry)  # fmt: skip
     return EngineParts(engine_id, role, options, command_endpoint, runner, blocks, sampler, table,
                        prefill, ship_queue, local, kv_ingress, admission, tiers, pool, telemetry,

@@ -14,7 +14,6 @@ import structlog
 from common.block_manager import BlockManager
 from common.kv_ingress import KvIngress
 from common.protocol import EngineStats, LoadReport, ShardAddress
-from common.roles import Role
 from common.scheduling.batching import EngineScheduler
 from common.scheduling.role_lease import RoleLease
 from common.telemetry.engine_counts import engine_counters
@@ -35,8 +34,7 @@ class EngineReports:
     def __init__(
         self,
         engine_id: str,
-        role: Role,
-        pool: RoleLease,
+        pool: RoleLease,  # its home and current pool
         table: RequestTable,
         blocks: BlockManager,
         kv_ingress: KvIngress,
@@ -47,7 +45,7 @@ class EngineReports:
         runner: MeshModelRunner,
         telemetry: EngineTelemetry,
     ) -> None:
-        self.engine_id, self.role, self.pool, self.table = engine_id, role, pool, table
+        self.engine_id, self.pool, self.table = engine_id, pool, table
         self.blocks, self.kv_ingress, self.admission = blocks, kv_ingress, admission
         self.ship_queue, self.local = queues  # prompts to hand off, requests decoding here
         self.prefill, self.tiers, self.runner, self.telemetry = prefill, tiers, runner, telemetry
@@ -74,8 +72,9 @@ class EngineReports:
             self.engine_id, self.pool.current(time.monotonic()), used, self.blocks.num_blocks,
             len(self.table.requests),
             [*self.kv_ingress.events, *self.prefill.kv_events, *self.tiers.kv_events],
-            self.prefill.num_computed_tokens, self.blocks.num_hit_tokens, home_role=self.role,
-            num_loans=self.pool.num_loans, num_decode_steps=t.num_decode_steps,
+            self.prefill.num_computed_tokens, self.blocks.num_hit_tokens, home_role=self.pool.home,
+            num_loans=self.pool.num_loans, num_home_moves=self.pool.num_home_moves,
+            num_decode_steps=t.num_decode_steps,
             num_two_batch_steps=t.num_two_batch_steps, num_group_relinks=self.runner.num_relinks,
             num_preemptions=self.admission.num_preemptions + self.local.num_preemptions,
             step_times_s=[[p, m, float(kind)] for p, m, kind in t.step_times],
@@ -95,7 +94,7 @@ class EngineReports:
         return LoadReport(
             engine_id=self.engine_id,
             role=self.pool.current(time.monotonic()),
-            home_role=self.role,
+            home_role=self.pool.home,
             pending_prompt_tokens=self._pending_prompt_tokens(),
             running_decode_tokens=self._decode_tokens(),
             num_running=len(self.local.running) + len(self.admission.sharded),

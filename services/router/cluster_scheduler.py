@@ -9,6 +9,9 @@ engine's own.
 Pools are the engines' state (`pool_state.py`): the policy's table is set from their reports
 before each decision, a borrow or return becomes a `SetRole` the router sends
 (`take_role_changes`), and a lent engine's lease is renewed while it still has borrowed work.
+With `PoolThresholds.home_roles`, engines' homes follow the queue mix too
+(`common.scheduling.home_roles.HomeRolePolicy`, the simulator's same policy): its moves are
+`SetRole`s with a new home, judged against the homes the registry lists (the deployments').
 
 Load reports arrive every 50 ms per engine; between two reports the router adds what it just
 placed to its copy of the chosen engines' load, so a burst of admissions does not all land on the
@@ -52,6 +55,7 @@ from common.scheduling.cluster import (
     RouteRequest,
     with_kv_room,
 )
+from common.scheduling.home_roles import HomeRolePolicy, token_capable
 from common.scheduling.shard_choice import ShardKvLoads, holds_whole_requests
 from services.mesh.registry import ServiceEntry
 from services.router.pool_state import ReportedPools
@@ -148,6 +152,7 @@ class ClusterScheduler:
         self._num_handed: dict[int, int] = {}  # placements handed to each token engine, in all
         self._by_endpoint: dict[str, int] = {}  # command endpoint -> machine id
         self._policy: JSQPoolPolicy | None = None
+        self._homes: HomeRolePolicy | None = None  # with `thresholds.home_roles`
         self._req_ids = itertools.count()
         self._linked: dict[int, list[str]] = {}  # each token engine's group, as it last reported
         self._live_shards: set[str] = set()  # the registry's shards (their KV endpoints)
@@ -185,6 +190,19 @@ class ClusterScheduler:
                     if self._can_split()
                     else None
                 )
+                self._set_deployed(homes)
+
+    def _set_deployed(self, homes: dict[int, Role]) -> None:
+        """The home-role policy over the engines now (its hold and cool-down carry over). A
+        prompt engine receives no KV (it is built without a receiver): it never decodes others'
+        prompts, so its home stays prompt."""
+        if self.thresholds.home_roles is None or self._policy is None:
+            return
+        prompt_only = {m for m, home in homes.items() if home == Role.PROMPT}
+        if self._homes is None:
+            self._homes = HomeRolePolicy(self.thresholds, homes, prompt_only)
+        else:
+            self._homes.set_deployed(homes, prompt_only)
 
     def on_load(self, report: LoadReport) -> None:
         """The latest report of one engine replaces the router's estimate of its load."""
@@ -266,7 +284,9 @@ class ClusterScheduler:
             return self._engines[prompt_id], token
 
     def _token_capable(self) -> list[int]:
-        return [m for m, e in self._engines.items() if e.role in (Role.TOKEN, Role.MIXED)]
+        if self._policy is None:
+            return [m for m, e in self._engines.items() if token_capable(Role(e.role))]
+        return [m for m in self._engines if token_capable(self._policy.pools.home[m])]
 
     def check_ever_fits(self, kv_tokens: int) -> None:
         """`NoKvRoom(ever=False)` if no token-capable engine holds `kv_tokens` of KV in all."""
@@ -363,6 +383,10 @@ class ClusterScheduler:
 
     def _rebalance(self, policy: JSQPoolPolicy, now: float, loads: dict[int, MachineLoad]) -> None:
         self._pools.sync(policy.pools, now)
+        if self._homes is not None:  # before the loans: a moved engine's loan ends with it
+            for move in self._homes.observe(policy.pools.home, loads, now):
+                policy.pools.apply(move, now)
+                self._pools.rehome(move.machine_id, move.to_pool, now)
         moves = policy.rebalance(loads, now)
         # A return home judged on a report that may predate the borrowed work is not sent; the
         # table goes back to the engines' word (the policy applied every move it returned).

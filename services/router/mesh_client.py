@@ -236,6 +236,7 @@ class MeshEngineClient:
                     "role": r.role,
                     "home_role": r.home_role or r.role,
                     "num_loans": r.num_loans,
+                    "num_home_moves": r.num_home_moves,  # its home changed (home_roles.py)
                     # A token engine's model peers (Lamina 4.3): slices they ran, peers lost
                     # and peer links made, since it started.
                     "num_peer_slices": r.num_peer_slices,

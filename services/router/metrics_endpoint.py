@@ -36,6 +36,7 @@ from common.protocol import LoadReport
 from common.telemetry.engine_counts import REPORTED_HISTOGRAMS
 from common.telemetry.metrics import (
     BASE_LABELS,
+    ENGINE_POOL,
     KV_CACHE_USAGE,
     PREEMPTIONS,
     PREFIX_CACHE_HITS,
@@ -94,10 +95,14 @@ class EngineSeries(Collector):
              HistogramMetricFamily(self._name(spec), spec.description, labels=BASE_LABELS))
             for spec in REPORTED_HISTOGRAMS
         ]  # fmt: skip
+        pools = GaugeMetricFamily(self._name(ENGINE_POOL), ENGINE_POOL.description,
+                                  labels=ENGINE_POOL.labels)  # fmt: skip
         for report in sorted(self.reports(), key=lambda r: r.engine_id):
             values = [self.model_name, report.engine_id]
             running.add_metric(values, report.num_running)
             waiting.add_metric(values, report.num_waiting)
+            if report.role:  # home_roles.py moves the home; lending, the pool it serves in
+                pools.add_metric([*values, report.home_role or report.role, report.role], 1)
             counters = report.counters
             if counters is None:
                 continue
@@ -111,7 +116,7 @@ class EngineSeries(Collector):
                 if counts is not None and len(counts.counts) == len(bounds):  # else not ours
                     cumulative = zip(bounds, itertools.accumulate(counts.counts), strict=True)
                     family.add_metric(values, list(cumulative), counts.sum)
-        yield from (running, waiting, usage, queries, hits, preemptions)
+        yield from (running, waiting, usage, queries, hits, preemptions, pools)
         yield from (family for _, _, family in histograms)
 
     def _name(self, spec: MetricSpec) -> str:

@@ -6,6 +6,9 @@ those, turns the policy's moves into `SetRole` commands, and renews the lease of
 engine that still has work of its borrowed kind. Every router replica reads the same reports and
 so sees the same pools; two of them asking for the same change converge (it is idempotent).
 
+A home change (`rehome`, the home-role policy's: common/scheduling/home_roles.py) is a `SetRole`
+with `home` set; the table assumes it, as any change, until the engine's reports say it.
+
 A change is assumed for `CONFIRM_S` after it was asked (placements meanwhile count on it), then
 only the engine's word counts: a command lost on the way is asked for again by the next
 placement that needs it. A lent engine is sent home only on the word of a report made after the
@@ -43,6 +46,7 @@ class ReportedPools:
         self.lease_s = lease_s
         self.reported: dict[int, tuple[Role, Role]] = {}
         self._asked: dict[int, tuple[Role, float]] = {}  # machine -> (role, when asked)
+        self._asked_home: dict[int, tuple[Role, float]] = {}  # machine -> (home, when asked)
         self._renewed: dict[int, float] = {}
         self._mixed_reports: dict[int, int] = {}  # machine -> its reports in a row saying mixed
         self.outbox: list[tuple[int, SetRole]] = []  # taken by the router, which sends them
@@ -65,7 +69,8 @@ class ReportedPools:
         return self._mixed_reports.get(machine_id, 0) >= RELEASE_AFTER_MIXED_REPORTS
 
     def forget_all_but(self, machine_ids: Mapping[int, object]) -> None:
-        for table in (self.reported, self._asked, self._renewed, self._mixed_reports):
+        tables = (self.reported, self._asked, self._asked_home, self._renewed, self._mixed_reports)
+        for table in tables:
             for gone in [m for m in table if m not in machine_ids]:
                 del table[gone]
 
@@ -73,9 +78,8 @@ class ReportedPools:
         """Set the policy's table to the engines' word (or to a change asked just now)."""
         views = {}
         for machine_id, (home, current) in self.reported.items():
-            asked = self._asked.get(machine_id)
-            if asked is not None and asked[0] != current and now - asked[1] < CONFIRM_S:
-                current = asked[0]
+            home = _unconfirmed(self._asked_home.get(machine_id), home, now)
+            current = _unconfirmed(self._asked.get(machine_id), current, now)
             views[machine_id] = (home, current)
         pools.sync(views, now)
 
@@ -85,6 +89,12 @@ class ReportedPools:
         for move in moves:
             if not move.repurposed:
                 self._send(move.machine_id, move.to_pool, now)
+
+    def rehome(self, machine_id: int, home: Role, now: float) -> None:
+        """Ask the engine to move its home to `home` (and serve there, any loan ended)."""
+        self.outbox.append((machine_id, SetRole(home, 0.0, home=home)))
+        self._asked[machine_id] = self._asked_home[machine_id] = (home, now)
+        self._renewed.pop(machine_id, None)
 
     def renew(self, pools: PoolTable, now: float) -> None:
         """Renew the lease of every lent engine the policy keeps in the mixed pool."""
@@ -104,3 +114,11 @@ class ReportedPools:
             self._renewed[machine_id] = now
         else:
             self._renewed.pop(machine_id, None)
+
+
+def _unconfirmed(asked: tuple[Role, float] | None, reported: Role, now: float) -> Role:
+    """What a machine's reported `reported` pool counts as: the one just asked for, within
+    `CONFIRM_S` of asking, else its word."""
+    if asked is not None and asked[0] != reported and now - asked[1] < CONFIRM_S:
+        return asked[0]
+    return reported

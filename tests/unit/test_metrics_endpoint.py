@@ -191,6 +191,23 @@ def test_engine_series_one_per_reporting_engine() -> None:
     assert [s.labels["engine"] for s in found["vllm:num_requests_running"]] == ["token-2"]
 
 
+def test_engine_pool_shows_each_engines_home_and_current_pool() -> None:
+    latest = LatestReports()
+    moved = msgspec.structs.replace(report("token-1", 0, None), role=Role.PROMPT,
+                                    home_role=Role.PROMPT)  # fmt: skip
+    lent = msgspec.structs.replace(report("token-2", 0, None), role=Role.MIXED,
+                                   home_role=Role.TOKEN)  # fmt: skip
+    for sent in (moved, lent, report("token-3", 0, None)):
+        latest.on_report(sent)
+    sink = PrometheusSink("phasemesh", specs=())
+    sink.registry.register(EngineSeries("phasemesh", "m", latest.live))
+    found = samples(sink.render().decode())
+    pools = {s.labels["engine"]: (s.labels["home"], s.labels["pool"], s.value)
+             for s in found["phasemesh:engine_pool"]}  # fmt: skip
+    assert pools == {"token-1": ("prompt", "prompt", 1), "token-2": ("token", "mixed", 1),
+                     "token-3": ("token", "token", 1)}  # fmt: skip
+
+
 def test_iteration_buckets_match_vllm() -> None:
     assert ITERATION_TOKEN_BUCKETS == (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
                                        16384)  # fmt: skip

@@ -8,11 +8,14 @@ home; a loan that is not renewed runs out on the engine by itself.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from common.protocol import LoadReport, SetRole
 from common.roles import Role
 from common.scheduling.cluster import PoolThresholds
+from common.scheduling.home_roles import HomeRoleThresholds
 from common.scheduling.role_lease import RoleLease
 from services.mesh.registry import ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler
@@ -214,3 +217,47 @@ def test_thresholds_come_from_the_serve_config() -> None:
     assert args.mesh.pools.thresholds() == PoolThresholds(prompt_tokens=300, role_lease_s=2.5)
     with pytest.raises(ValueError):
         AppArgs.model_validate({"mesh": {"pools": {"lease_s": 0}}})
+
+
+# -- home moves (common/scheduling/home_roles.py) -------------------------------------------------
+
+
+def test_a_home_move_ends_a_loan_and_is_counted() -> None:
+    lease = RoleLease(Role.TOKEN)
+    lease.set(Role.MIXED, 5.0, now=0.0)
+    lease.rehome(Role.PROMPT)
+    assert (lease.home, lease.current(1.0), lease.num_home_moves) == (Role.PROMPT, Role.PROMPT, 1)
+    lease.rehome(Role.PROMPT)  # idempotent
+    lease.set(Role.MIXED, 5.0, now=2.0)  # lendable from its new home
+    assert lease.current(3.0) == Role.MIXED and lease.num_home_moves == 1
+    with pytest.raises(ValueError):
+        lease.rehome(Role.SHARD)
+
+
+def test_the_router_asks_a_home_move_and_assumes_it_until_the_engine_reports() -> None:
+    homes = HomeRoleThresholds(hold_s=0.0, cooldown_s=600.0)
+    scheduler = ClusterScheduler(16, replace(THRESHOLDS, home_roles=homes))
+    scheduler.set_engines(ENGINES)
+    for r in (report("p0", Role.PROMPT, Role.PROMPT, pending=1000),
+              report("t0", Role.TOKEN, Role.TOKEN, decode=50),
+              report("t1", Role.TOKEN, Role.TOKEN)):  # fmt: skip
+        scheduler.on_load(r)
+    scheduler.rebalance()
+    # The prompt side is far fuller: the token engine decoding least moves one step (to mixed).
+    assert changes(scheduler) == [("t1", SetRole(Role.MIXED, 0.0, home=Role.MIXED))]
+    assert scheduler.pools()["t1"] == "mixed"  # assumed before its report says so
+    scheduler.rebalance()
+    assert changes(scheduler) == []  # one move per cool-down
+    scheduler.on_load(report("t1", Role.MIXED, Role.MIXED))
+    assert scheduler.pools() == {"p0": "prompt", "t0": "token", "t1": "mixed"}
+
+
+def test_home_roles_come_from_the_serve_config() -> None:
+    from services.app import AppArgs
+
+    homes = {"shift": 0.4, "settle": 0.05, "hold_s": 20, "cooldown_s": 90}
+    args = AppArgs.model_validate({"topology": "mesh", "mesh": {"pools": {"home_roles": homes}}})
+    assert args.mesh.pools.thresholds().home_roles == HomeRoleThresholds(0.4, 0.05, 20.0, 90.0)
+    assert AppArgs.model_validate({}).mesh.pools.thresholds().home_roles is None  # off
+    with pytest.raises(ValueError, match="hysteresis"):  # settle must stay below shift
+        AppArgs.model_validate({"mesh": {"pools": {"home_roles": {"shift": 0.1, "settle": 0.2}}}})

@@ -1,13 +1,17 @@
 """The simulator: unloaded latencies from the performance model, conservation, load response."""
 
 import math
+import random
 
 import pytest
 
+from common.roles import Role
+from common.scheduling.cluster import PoolThresholds
+from common.scheduling.home_roles import HomeRoleThresholds
 from loadgen.sim import provision
 from loadgen.sim.designs import DESIGNS, ClusterSpec, parse_cluster, perf_model_for
 from loadgen.sim.provision import SearchSettings, mixes_within
-from loadgen.sim.simulator import SimRequest, simulate
+from loadgen.sim.simulator import SimOptions, SimRequest, Simulator, simulate
 from loadgen.sim.slo import check_slos
 from loadgen.sim.workload import as_recorded, poisson, read_trace
 from loadgen.traces import shared_dir
@@ -120,3 +124,35 @@ def test_max_rate_stops_below_a_valley_a_bisection_would_jump(monkeypatch):
     assert provision.max_rate(None, [], always) == 0.0  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         SearchSettings(min_rate=0.0)
+
+
+def _shifting_mix() -> list[SimRequest]:
+    """A minute of chat (short prompts, long outputs), a minute of long prompts, two of chat."""
+    rng, requests, t = random.Random(3), [], 0.0
+    for end, prompt_len, output_len, rate in ((60, 300, 200, 5), (120, 6000, 5, 8),
+                                              (240, 300, 200, 5)):  # fmt: skip
+        while t < end:
+            requests.append(SimRequest(t, prompt_len, output_len))
+            t += rng.expovariate(rate)
+    return requests
+
+
+def test_a_prompt_heavy_phase_moves_a_token_machines_home_and_back():
+    cluster, requests = parse_cluster("Splitwise-HH:2P3T"), _shifting_mix()
+    homes = HomeRoleThresholds(hold_s=5.0, cooldown_s=15.0)
+    options = SimOptions(thresholds=PoolThresholds(decode_tokens=40_000, home_roles=homes))
+    sim = Simulator(cluster, options)
+    for request in requests:
+        sim.submit(request)
+    deployed = dict(sim.router.pools.home)
+    sim.advance_until(60.0)
+    assert sim.router.pools.home == deployed  # chat only: nothing moves
+    sim.advance_until(120.0)  # the prompt-heavy minute: token machines (2-4) moved toward prompt
+    assert any(sim.router.pools.home[m] != Role.TOKEN for m in (2, 3, 4))
+    assert all(sim.router.pools.home[m] == Role.PROMPT for m in (0, 1))
+    sim.advance_until(float("inf"))
+    result = sim.result()
+    assert result.num_completed == len(requests)
+    assert result.num_home_moves >= 2 and result.homes == deployed  # back once chat settled
+    # Without the option, homes never move.
+    assert simulate(cluster, requests).homes == deployed
