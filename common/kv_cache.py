@@ -26,15 +26,20 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        device: torch.device | None = None,
     ) -> None:
+        """`device`: where the pools live (an engine's device; None: the CPU)."""
         self.block_size = block_size
+        self.device = device or torch.device("cpu")
         # NOTE: torch.zeros touches every page now; a first touch mid-decode would stall its step.
         self.key = torch.zeros(
-            num_layers, num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype
-        )
+            num_layers, num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype,
+            device=self.device,
+        )  # fmt: skip
         self.value = torch.zeros(
-            num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype
-        )
+            num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
+            device=self.device,
+        )  # fmt: skip
         # Each layer's views, made once: indexing a 5-D tensor costs a microsecond or so, paid
         # several times per layer per step otherwise.
         self.key_layers: list[torch.Tensor] = list(self.key.unbind(0))
@@ -60,16 +65,18 @@ class KVCache:
                 to_dlpack(slot_mapping.contiguous()),
             )  # fmt: skip
             return
-        blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
+        # (on a device engine: its own k/v, or KV landing from the host, moved in here)
+        slots = slot_mapping.to(self.device)
+        blocks, offsets = slots // self.block_size, slots % self.block_size
         # Advanced indices around a slice put the token dim first: [T, num_kv_heads, head_dim].
-        self.key[layer, blocks, :, :, offsets] = k.to(self.key.dtype)
-        self.value[layer, blocks, :, offsets, :] = v.to(self.value.dtype)
+        self.key[layer, blocks, :, :, offsets] = k.to(self.device, self.key.dtype)
+        self.value[layer, blocks, :, offsets, :] = v.to(self.device, self.value.dtype)
 
     def gather(
         self, layer: int, block_table: list[int], num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Read one request's k/v back as [num_tokens, num_kv_heads, head_dim] (for KV transfer)."""
-        ids = torch.tensor(block_table, dtype=torch.long)
+        ids = torch.tensor(block_table, dtype=torch.long, device=self.device)
         num_kv_heads, head_dim = self.key.shape[2], self.key.shape[3]
         k = self.key[layer, ids].permute(0, 3, 1, 2)  # [n, block_size, Hkv, D]
         v = self.value[layer, ids].permute(0, 2, 1, 3)  # [n, block_size, Hkv, D]

@@ -23,6 +23,10 @@ from common.scheduling.batching import Batch, Phase
 # Prompt positions whose logits (and log-softmax) are held at once for prompt logprobs: two
 # [chunk, vocab] float32 tensors, a few tens of MiB at a large vocabulary.
 PROMPT_LOGPROBS_CHUNK = 64
+# A step's tensors, moved to a device runner's device once each (`ModelRunner.place`).
+STEP_TENSORS = (
+    "input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "last_token_index",
+)  # fmt: skip
 
 
 @dataclass
@@ -47,6 +51,7 @@ class StepInputs:
 
 
 Inputs = TypeVar("Inputs", bound=StepInputs)
+Placed = TypeVar("Placed", bound=StepInputs)
 
 
 class ModelRunner(Generic[Inputs]):
@@ -67,6 +72,17 @@ class ModelRunner(Generic[Inputs]):
         self.blocks = blocks
         self.backend = backend
         self.hidden: torch.Tensor | None = None  # the last step's, when it was asked to keep it
+        # The KV's device is the runner's: a step's inputs are built on the host, then moved.
+        self.device = kv_cache.device
+        self.on_device = self.device.type != "cpu"
+
+    def place(self, inputs: Placed) -> Placed:
+        """`inputs` with its tensors on this runner's device (the same object, untouched, on the
+        CPU); the copies are queued without waiting."""
+        if self.on_device:
+            for name in STEP_TENSORS:
+                setattr(inputs, name, getattr(inputs, name).to(self.device, non_blocking=True))
+        return inputs
 
     def prepare(self, batch: Batch, token_ids: dict[str, list[int]]) -> StepInputs:
         """Gather the inputs of every scheduled sequence (token_ids: all tokens so far)."""
@@ -84,7 +100,7 @@ class ModelRunner(Generic[Inputs]):
             positions += range(a, b)
             slots += self.blocks.slots(r, a, b)
         seq_lens = [b - a for a, b in spans]
-        return StepInputs(
+        inputs = StepInputs(
             phase=batch.phase,
             req_ids=req_ids,
             input_ids=torch.tensor(ids, dtype=torch.long),
@@ -96,6 +112,7 @@ class ModelRunner(Generic[Inputs]):
             last_token_index=torch.tensor(seq_lens).cumsum(0) - 1,
             prefix_lens=[a for a, _ in spans],
         )
+        return self.place(inputs)
 
     def _prepare_decode(self, batch: Batch, token_ids: dict[str, list[int]]) -> StepInputs:
         """A decode step's inputs: each sequence's last token, in one pass over the batch (this
@@ -107,7 +124,7 @@ class ModelRunner(Generic[Inputs]):
         # BlockManager.slots' formula for one token (its block's first slot plus the offset).
         slots = [t[p // size] * size + p % size for t, p in zip(tables, positions, strict=True)]
         n = len(req_ids)
-        return StepInputs(
+        inputs = StepInputs(
             phase=batch.phase,
             req_ids=req_ids,
             input_ids=torch.tensor(
@@ -122,6 +139,7 @@ class ModelRunner(Generic[Inputs]):
             last_token_index=torch.arange(n),
             prefix_lens=[],
         )
+        return self.place(inputs)
 
     @torch.inference_mode()
     def run(self, inputs: Inputs, keep_hidden: bool = False) -> torch.Tensor:

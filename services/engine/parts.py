@@ -18,6 +18,7 @@ import torch
 from common.attention import select_backend
 from common.block_manager import BlockManager
 from common.config import SchedulerConfig
+from common.device import resolve_device
 from common.engine.grammars import EngineGrammars
 from common.kv_cache import KVCache
 from common.kv_ingress import KvIngress
@@ -79,14 +80,15 @@ def build_engine_parts(
     """The parts of engine `engine_id` in `role`, whose runner reaches `shards` through
     `shard_links` (in head order), whose KV listener is `kv_address` (Neo's swaps need one)."""
     o = options
-    model = load_model(model_path, None)
+    device = resolve_device(o.device)
+    model = load_model(model_path, None, device=device)
     mc = model.config
     num_blocks = o.blocks_of(role)
     blocks = BlockManager(num_blocks, o.block_size, o.enable_prefix_caching, Path(model_path).name)
     kv = KVCache(mc.num_hidden_layers, num_blocks, o.block_size, mc.num_key_value_heads,
-                 mc.head_dim, getattr(torch, mc.dtype))  # fmt: skip
+                 mc.head_dim, getattr(torch, mc.dtype), device)  # fmt: skip
     runner = MeshModelRunner(
-        model, kv, blocks, select_backend(o.attention_backend), shard_links=shard_links,
+        model, kv, blocks, select_backend(o.attention_backend, device), shard_links=shard_links,
         shards=shards, reply_timeout_s=o.shard_reply_timeout_s,
         attention_overlap=o.attention_overlap, decode_lanes=o.decode_lanes,
     )  # fmt: skip

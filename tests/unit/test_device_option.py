@@ -1,0 +1,73 @@
+"""`device: auto | cpu | cuda[:N]`: its spelling checked at the YAML edge, resolved once per
+engine, and the CPU engine's path unchanged by it (the device-only parts are the identity or
+refuse to run there). The CUDA paths themselves run in tests/gpu/ on a machine with a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.device import HostStaging, resolve_device
+from common.engine.core import LLMEngine
+from common.mesh_options import mesh_options
+from common.sampling import SamplingParams
+from services.app_args import AppArgs
+from tests.conftest import random_prompts
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+def test_resolve_device() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cpu" if NO_CUDA else "cuda")
+    for bad in ("gpu", "cuda:", "cuda:x", "CPU", ""):
+        with pytest.raises(ValueError, match="expected auto, cpu, cuda or cuda:N"):
+            resolve_device(bad)
+    if NO_CUDA:
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda:0")
+    else:
+        with pytest.raises(ValueError, match="CUDA device"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_mesh_option_and_app_args() -> None:
+    """One field with its bound: a bad spelling is refused naming `device`; GPUs go to engine
+    replicas only when a CUDA device is asked (with `auto` Ray would give them none)."""
+    assert mesh_options({}).device == "auto"
+    assert mesh_options({}).engine_gpus == 0.0
+    opts = mesh_options({"device": "cuda:1", "engine_num_gpus": 0.25})
+    assert opts.device == "cuda:1" and opts.engine_gpus == 0.25
+    with pytest.raises(ValueError, match="device"):
+        mesh_options({"device": "tpu"})
+    with pytest.raises(ValueError, match="engine_num_gpus"):
+        mesh_options({"device": "cuda", "engine_num_gpus": 0})
+    with pytest.raises(ValueError, match="device"):
+        AppArgs.model_validate({"topology": "mesh", "mesh": {"device": "cuda:a"}})
+    assert AppArgs.model_validate({"engine": {"device": "cpu"}}).engine.device == "cpu"
+    with pytest.raises(ValueError, match="device"):
+        AppArgs.model_validate({"engine": {"device": "gpu"}})
+
+
+def test_host_staging_is_the_identity_on_cpu() -> None:
+    staging = HostStaging(torch.device("cpu"))
+    q, k = torch.randn(3, 4), torch.randn(3, 2)
+    staged = staging.to_host(q, k)
+    assert staged[0] is q and staged[1] is k  # no copy
+    assert staging.to_device(q) is q
+    buffer = staging.host_buffer((2, 3), torch.float32)
+    assert buffer.shape == (2, 3) and not buffer.is_pinned()
+
+
+def test_cpu_engine_with_the_device_backend(tiny_model_path: Path) -> None:
+    """The device engines' attention backend, run by the CPU engine: its greedy tokens equal the
+    default backend's (the runner's decode path, block tables and context lengths included)."""
+    prompts = random_prompts([5, 23, 40], 256, seed=3)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    default = LLMEngine.from_path(tiny_model_path, num_blocks=64, device="cpu")
+    paged = LLMEngine.from_path(tiny_model_path, num_blocks=64, device="cpu",
+                                attention_backend="device_paged")  # fmt: skip
+    assert paged.runner.backend.name == "device_paged" and not paged.runner.on_device
+    assert paged.generate(prompts, params) == default.generate(prompts, params)
