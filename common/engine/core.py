@@ -36,7 +36,11 @@ log = structlog.get_logger(__name__)
 class LLMEngine:
     """Continuous batching on one process: `add_request`, then `step` until nothing is left."""
 
-    def __init__(self, config: EngineConfig, with_tokenizer: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, with_tokenizer: bool = True, decode_graphs: bool | None = None
+    ) -> None:
+        """`decode_graphs`: replay decode steps from CUDA graphs (None: on a CUDA device; True on
+        the CPU runs the same padded steps eagerly, for tests)."""
         self.config = config
         self.device = resolve_device(config.device)  # decided once: nothing per step asks again
         self.model = load_model(config.model_path, config.dtype, device=self.device)
@@ -49,9 +53,10 @@ class LLMEngine:
             c.num_blocks, c.block_size, c.enable_prefix_caching, cache_namespace=folder.name
         )
         mc = self.model_config
+        graphs = self.device.type == "cuda" if decode_graphs is None else decode_graphs
         kv = KVCache(
             mc.num_hidden_layers,
-            c.num_blocks,
+            c.num_blocks + graphs,  # the graphs' padding rows write to one block past the rest
             c.block_size,
             mc.num_key_value_heads,
             mc.head_dim,
@@ -60,6 +65,9 @@ class LLMEngine:
         )
         backend = select_backend(config.attention_backend, self.device)
         self.runner: ModelRunner[StepInputs] = ModelRunner(self.model, kv, self.blocks, backend)
+        if graphs:
+            max_blocks = -(-self.max_model_len // c.block_size)
+            self.runner.use_graphs(c.num_blocks, max_blocks, capture=self.device.type == "cuda")
         self.scheduler = EngineScheduler(self.blocks, config.scheduler)
         self.sampler = Sampler()
         self.grammars = EngineGrammars(folder, self.model_config.vocab_size,

@@ -7,7 +7,7 @@ swaps in a shard round trip (services/engine/engine.py) without touching the res
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -19,6 +19,9 @@ from common.logprobs import token_logprobs
 from common.model.llama import LlamaForCausalLM
 from common.protocol import TokenLogprobs
 from common.scheduling.batching import Batch, Phase
+
+if TYPE_CHECKING:
+    from common.engine.decode_graphs import DecodeGraphs
 
 # Prompt positions whose logits (and log-softmax) are held at once for prompt logprobs: two
 # [chunk, vocab] float32 tensors, a few tens of MiB at a large vocabulary.
@@ -75,6 +78,7 @@ class ModelRunner(Generic[Inputs]):
         # The KV's device is the runner's: a step's inputs are built on the host, then moved.
         self.device = kv_cache.device
         self.on_device = self.device.type != "cpu"
+        self.graphs: DecodeGraphs | None = None  # `use_graphs`
 
     def place(self, inputs: Placed) -> Placed:
         """`inputs` with its tensors on this runner's device (the same object, untouched, on the
@@ -144,7 +148,28 @@ class ModelRunner(Generic[Inputs]):
     @torch.inference_mode()
     def run(self, inputs: Inputs, keep_hidden: bool = False) -> torch.Tensor:
         """Forward one step; return float32 logits [N, vocab] for each sequence's last token.
-        `keep_hidden`: keep every position's hidden state for `prompt_logits` (prefill only)."""
+        `keep_hidden`: keep every position's hidden state for `prompt_logits` (prefill only).
+        A decode step replays a CUDA graph where the runner has them (`use_graphs`)."""
+        if self.graphs is not None and inputs.phase is Phase.DECODE:
+            logits = self.graphs.run(inputs)
+            if logits is not None:
+                self.hidden = None
+                return logits
+        return self.forward(inputs, keep_hidden)
+
+    def use_graphs(self, scratch_block: int, max_blocks: int, capture: bool = True) -> None:
+        """Replay decode steps from CUDA graphs (common/engine/decode_graphs.py) from now on.
+        `scratch_block`: a block of the KV pools no request owns; `max_blocks`: the widest block
+        table. `capture=False`: the same padded steps, run eagerly (the CPU's tests)."""
+        from common.engine.decode_graphs import DecodeGraphs  # imports this module
+
+        self.graphs = DecodeGraphs(
+            self.forward, self.device, scratch_block, self.kv_cache.block_size, max_blocks,
+            capture=capture,
+        )  # fmt: skip
+
+    def forward(self, inputs: Inputs, keep_hidden: bool = False) -> torch.Tensor:
+        """`run`'s eager forward (what a decode graph captures)."""
         x = self.model.embed(inputs.input_ids)  # [T, hidden]
         rope = self.model.rotary_at(inputs.positions)
         for i, layer in enumerate(self.model.layers):
