@@ -31,6 +31,7 @@ class KVCache:
         """`device`: where the pools live (an engine's device; None: the CPU)."""
         self.block_size = block_size
         self.device = device or torch.device("cpu")
+        self.on_device = self.device.type != "cpu"
         # NOTE: torch.zeros touches every page now; a first touch mid-decode would stall its step.
         self.key = torch.zeros(
             num_layers, num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype,
@@ -65,12 +66,12 @@ class KVCache:
                 to_dlpack(slot_mapping.contiguous()),
             )  # fmt: skip
             return
-        # (on a device engine: its own k/v, or KV landing from the host, moved in here)
-        slots = slot_mapping.to(self.device)
-        blocks, offsets = slots // self.block_size, slots % self.block_size
+        if self.on_device:  # KV landing from the host (or its own k/v, already there)
+            slot_mapping, k, v = (t.to(self.device) for t in (slot_mapping, k, v))
+        blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
         # Advanced indices around a slice put the token dim first: [T, num_kv_heads, head_dim].
-        self.key[layer, blocks, :, :, offsets] = k.to(self.device, self.key.dtype)
-        self.value[layer, blocks, :, offsets, :] = v.to(self.device, self.value.dtype)
+        self.key[layer, blocks, :, :, offsets] = k.to(self.key.dtype)
+        self.value[layer, blocks, :, offsets, :] = v.to(self.value.dtype)
 
     def gather(
         self, layer: int, block_table: list[int], num_tokens: int

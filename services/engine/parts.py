@@ -4,7 +4,8 @@ table, the prefill, the two schedulers, decode admission, Neo's KV tiers, its po
 telemetry and reports. `Engine` (engine.py) coordinates them; each owns its state.
 
 A config error (an unreadable model, an unknown attention backend or tier policy, a Neo cost
-table that cannot be read or probed) raises here, so the engine never starts half-built.
+table that cannot be read or probed, a CUDA device this process lacks) raises here, so the
+engine never starts half-built.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def build_engine_parts(
     `shard_links` (in head order), whose KV listener is `kv_address` (Neo's swaps need one)."""
     o = options
     device = resolve_device(o.device)
+    if device.type != "cpu" and (o.local_kv_blocks or o.model_peers):
+        # NOTE: their KV swaps and slices move tensors as host memory (not staged yet).
+        raise ValueError(
+            f"local_kv_blocks and model_peers run beside CPU engines only, not {device}"
+        )
     model = load_model(model_path, None, device=device)
     mc = model.config
     num_blocks = o.blocks_of(role)
