@@ -76,7 +76,8 @@ class ModelRunner(Generic[Inputs]):
         self.backend = backend
         self.hidden: torch.Tensor | None = None  # the last step's, when it was asked to keep it
         # The KV's device is the runner's: a step's inputs are built on the host, then moved.
-        self.device = kv_cache.device
+        # (A runner without a cache, as some tests build one, is on the CPU.)
+        self.device: torch.device = getattr(kv_cache, "device", torch.device("cpu"))
         self.on_device = self.device.type != "cpu"
         self.graphs: DecodeGraphs | None = None  # `use_graphs`
 
