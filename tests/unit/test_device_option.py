@@ -4,6 +4,7 @@ refuse to run there). The CUDA paths themselves run in tests/gpu/ on a machine w
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -61,26 +62,15 @@ def test_host_staging_is_the_identity_on_cpu() -> None:
     assert buffer.shape == (2, 3) and not buffer.is_pinned()
 
 
-def test_cpu_engine_with_the_device_backend(tiny_model_path: Path) -> None:
-    """The device engines' attention backend, run by the CPU engine: its greedy tokens equal the
-    default backend's (the runner's decode path, block tables and context lengths included)."""
-    prompts = random_prompts([5, 23, 40], 256, seed=3)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    default = LLMEngine.from_path(tiny_model_path, num_blocks=64, device="cpu")
-    paged = LLMEngine.from_path(tiny_model_path, num_blocks=64, device="cpu",
-                                attention_backend="device_paged")  # fmt: skip
-    assert paged.runner.backend.name == "device_paged" and not paged.runner.on_device
-    assert paged.generate(prompts, params) == default.generate(prompts, params)
-
-
-def test_decode_graph_padding_keeps_tokens(tiny_model_path: Path) -> None:
-    """Decode steps through the graph path's padded buffers (eager on the CPU: what a CUDA graph
-    captures) give the plain engine's greedy tokens: padding rows write only the scratch block,
-    padded block-table columns are masked, each batch size lands in its bucket."""
-    config = LLMEngine.from_path(tiny_model_path, num_blocks=64, device="cpu",
-                                 attention_backend="device_paged").config  # fmt: skip
-    plain = LLMEngine(config)
+def test_device_backend_and_graph_padding_keep_tokens(tiny_model_path: Path) -> None:
+    """The device engines' decode path on the CPU: their attention backend, and decode steps
+    through the graph path's padded buffers (eager here: what a CUDA graph captures), give the
+    plain CPU engine's greedy tokens: padding rows write only the scratch block, padded
+    block-table columns are masked, each batch size lands in its bucket."""
+    plain = LLMEngine.from_path(tiny_model_path, num_blocks=64, device="cpu")
+    config = dataclasses.replace(plain.config, attention_backend="device_paged")
     padded = LLMEngine(config, decode_graphs=True)
+    assert padded.runner.backend.name == "device_paged" and not padded.runner.on_device
     graphs = padded.runner.graphs
     assert graphs is not None and graphs.scratch_block == 64
     assert padded.runner.kv_cache.key.shape[1] == 65  # one block past the manager's
@@ -90,4 +80,3 @@ def test_decode_graph_padding_keeps_tokens(tiny_model_path: Path) -> None:
     assert graphs.num_replays >= 5 and (8, 4) in graphs.captured  # 5 rows, 4 blocks wide
     scratch = padded.runner.kv_cache.key[:, 64]
     assert scratch.abs().sum() > 0  # the padding rows wrote their k/v there
-    assert padded.runner.kv_cache.key[:, : padded.blocks.num_blocks].abs().sum() > 0
