@@ -3,7 +3,8 @@
 # installs the wheels carried in .whl/ (`make device-wheels` fills it, DEVICE_UCX=1 with the
 # shards' UCX), builds the C++ attention kernel the host shards use (the image has nanobind and
 # CMake; without it they run the torch reference), prepares the random presets, runs tests/gpu
-# and `bench/engine.py --device cuda`, and writes their results as JSON to $OUT:
+# and `bench/engine.py --device cuda`, and writes their results as JSON to $OUT (6 files, within
+# what the device tool brings back), beside the logs:
 #   gpu_tests.json   pytest's outcome per test (junit XML read back), and the counts
 #   engine_cuda.json bench/engine.py's last line (engine vs transformers tok/s, batch 1-128)
 #   device_check.json the summary, also printed as the last line
@@ -24,20 +25,23 @@ else
     log "no wheels in .whl/: run make device-wheels where pip reaches a registry"; exit 1
 fi
 export PYTHONPATH="$PWD:$SITE"
-log "building the attention kernel (csrc/)"
-timeout 240 python3 -m pip install -q --no-build-isolation --no-deps --no-cache-dir \
-    --target "$SITE" ./csrc >"$OUT/kernel_build.log" 2>&1 \
-    && log "kernel built" || log "kernel not built (shards use the torch reference)"
+log "building the attention kernel (csrc/), beside the presets"
+(CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout 240 python3 -m pip install -q --no-build-isolation \
+    --no-deps --no-cache-dir --target "$SITE" ./csrc >"$OUT/kernel_build.log" 2>&1 \
+    && touch /tmp/phasemesh-kernel-built) &
+KERNEL_BUILD=$!
 timeout 120 python3 -m common.model.default --preset tiny --preset small || { log "presets failed"; exit 1; }
+wait "$KERNEL_BUILD"
+[ -f /tmp/phasemesh-kernel-built ] && log "kernel built" || log "kernel not built (shards use the torch reference)"
 
 log "tests/gpu"
 timeout 300 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/gpu \
-    --junitxml="$OUT/gpu_tests.xml" --durations=10 2>&1 | tee "$OUT/gpu_tests.log"
+    --junitxml=/tmp/phasemesh-gpu-tests.xml --durations=10 2>&1 | tee "$OUT/gpu_tests.log"
 python3 - "$OUT" <<'PY'
 import json, sys, xml.etree.ElementTree as ET
 out = sys.argv[1]
 try:
-    root = ET.parse(f"{out}/gpu_tests.xml").getroot()
+    root = ET.parse("/tmp/phasemesh-gpu-tests.xml").getroot()
 except (OSError, ET.ParseError) as exc:
     json.dump({"error": f"no junit XML: {exc}"}, open(f"{out}/gpu_tests.json", "w")); sys.exit()
 cases = {}
