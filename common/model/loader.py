@@ -150,7 +150,7 @@ def load_model(
     the packed copies are the CPU GEMM's)."""
     folder = Path(folder)
     if device is not None and device.type != "cpu":
-        return _load_on_device(folder, dtype, device)
+        return load_for_device(folder, dtype, device)
     weight_dtype = weight_dtype or env("WEIGHT_DTYPE") or None
     config = ModelConfig.from_folder(folder, dtype)
     state = fuse_projections(load_hf_state(folder, config), config.num_hidden_layers)
@@ -174,15 +174,19 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def _load_on_device(folder: Path, dtype: str | None, device: torch.device) -> LlamaForCausalLM:
+def load_for_device(
+    folder: str | Path, dtype: str | None, device: torch.device
+) -> LlamaForCausalLM:
     """`load_model` on a GPU: the checkpoint in bfloat16, row-major, moved to `device` whole (the
-    RoPE tables too).
+    RoPE tables too). On the CPU it is the GPU engine's numerics (unpacked bfloat16 `F.linear`,
+    the torch layer ops), which the CPU tests check against transformers.
 
     NOTE: bfloat16 only: the fused layer ops and the KV write take their C++ paths for float32
     tensors without looking at the device (a check per op would cost the CPU engine's steps), so
     a float32 model on a GPU would hand device memory to CPU code."""
     if dtype not in (None, "bfloat16"):
         raise ValueError(f"a model on {device} runs in bfloat16, not {dtype}")
+    folder = Path(folder)
     config = ModelConfig.from_folder(folder, "bfloat16")
     state = fuse_projections(load_hf_state(folder, config), config.num_hidden_layers)
     with torch.device("meta"):

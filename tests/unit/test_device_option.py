@@ -80,3 +80,29 @@ def test_device_backend_and_graph_padding_keep_tokens(tiny_model_path: Path) -> 
     assert graphs.num_replays >= 5 and (8, 4) in graphs.captured  # 5 rows, 4 blocks wide
     scratch = padded.runner.kv_cache.key[:, 64]
     assert scratch.abs().sum() > 0  # the padding rows wrote their k/v there
+
+
+def test_the_gpu_numerics_on_cpu(tiny_model_path: Path) -> None:
+    """A GPU engine's code path, run on the CPU: bfloat16 weights unpacked (`F.linear`), the torch
+    layer ops, the indexed KV write and the device attention backend. Its prefill logits stay
+    within transformers' own bfloat16 error, and an engine decoding through it gives
+    transformers' float32 greedy tokens up to a bfloat16 tie (tests/gpu's checks, here)."""
+    from common.attention import DevicePagedAttention
+    from common.engine.runner import ModelRunner
+    from common.kv_cache import KVCache
+    from common.model.loader import load_for_device
+    from tests.gpu.test_cuda_engine import assert_greedy_close, assert_prefill_within_bf16_error
+    from tests.parity import hf_greedy, load_hf
+
+    model = load_for_device(tiny_model_path, None, torch.device("cpu"))
+    assert model.lm_head.dense is not None and model.lm_head.panels is None  # unpacked
+    hf32, hf16 = load_hf(tiny_model_path), load_hf(tiny_model_path, torch.bfloat16)
+    assert_prefill_within_bf16_error(model, hf32, hf16, lengths=(1, 40))
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=64, device="cpu")
+    mc = model.config
+    kv = KVCache(mc.num_hidden_layers, 64, 16, mc.num_key_value_heads, mc.head_dim, torch.bfloat16)
+    engine.runner = ModelRunner(model, kv, engine.blocks, DevicePagedAttention())
+    prompts = random_prompts([7, 33], mc.vocab_size, seed=9)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for prompt, ours in zip(prompts, engine.generate(prompts, params), strict=True):
+        assert_greedy_close(hf32, hf16, prompt, ours, hf_greedy(hf32, prompt, 8))
