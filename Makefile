@@ -7,7 +7,7 @@ UV_INSTALL := $(BIN)/uv pip install --python $(BIN)/python
 STAMP := $(VENV)/.phasemesh-installed
 KERNEL_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.txt csrc/*.toml csrc/*.py)
 
-.PHONY: install kernel model run test pytest lint typecheck unit bench clean
+.PHONY: install kernel model run test pytest lint typecheck unit bench clean device-wheels
 
 $(STAMP): pyproject.toml $(KERNEL_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,28 @@ pytest: model
 
 bench: model
 	$(BIN)/python bench/engine.py
+
+# Wheels for bench/device_check.sh on a GPU machine that reaches no registry (Python 3.12 and
+# its own torch, transformers, numpy, tokenizers, safetensors there): what the engine imports and
+# that image lacks, at the versions this venv runs. DEVICE_UCX=1 adds UCX (the GPU mesh test's
+# shard links; large: the check skips that test without them). Fills .whl/ (git-ignored).
+DEVICE_WHEELS := .whl
+DEVICE_PYTHON ?= $(if $(wildcard $(BIN)/pip),$(BIN)/python,$(PYTHON))
+DEVICE_PIP = $(DEVICE_PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	--platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 \
+	--platform manylinux_2_31_x86_64 --platform manylinux_2_24_x86_64 \
+	--platform manylinux_2_17_x86_64 \
+	--platform manylinux2014_x86_64 -d $(DEVICE_WHEELS)
+DEVICE_PACKAGES := msgspec==0.22.0 structlog==26.1.0 llguidance==1.9.1 pyzmq==27.3.0 \
+	opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
+DEVICE_UCX_PACKAGES := ucxx-cu12==0.52.0 libucxx-cu12==0.52.0 libucx-cu12==1.21.0 \
+	librmm-cu12==26.10.0 rapids-logger==0.3.0
+DEVICE_UCX ?= 0
+device-wheels:
+	mkdir -p $(DEVICE_WHEELS)
+	$(DEVICE_PIP) $(DEVICE_PACKAGES) $(if $(filter 1,$(DEVICE_UCX)),$(DEVICE_UCX_PACKAGES))
+	du -sh $(DEVICE_WHEELS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -83,18 +83,21 @@ def engine_seconds(engine: LLMEngine, prompts: list[list[int]], new_tokens: int)
 
 
 def hf_seconds(model, prompts: list[list[int]], new_tokens: int) -> float:  # type: ignore[no-untyped-def]
+    device = model.device
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for row, p in enumerate(prompts):  # left padding, as batched generation needs
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(
+        out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
         )  # fmt: skip
+    out.tolist()  # on a GPU: the work is done once its tokens are on the host
     return time.perf_counter() - start
 
 
@@ -322,6 +325,10 @@ def main() -> None:
         "--weight-dtypes", nargs="*", choices=WEIGHT_DTYPES, default=list(WEIGHT_DTYPES),
         help="batch-1 decode per projection weight dtype (none: skip)",
     )  # fmt: skip
+    parser.add_argument(
+        "--device", default="cpu",
+        help="cuda[:N]: the engine and transformers (bfloat16) on that GPU, no CPU-only sides",
+    )  # fmt: skip
     args = parser.parse_args()
     # NOTE: run as a script, Python puts bench/ first on sys.path, where bench/profile.py would
     # shadow the standard library's `profile` (which cProfile, imported by transformers, needs).
@@ -332,6 +339,9 @@ def main() -> None:
     if args.model in PRESETS:
         args.model = str(default_model_path(args.model))
     path = args.model or str(default_model_path())
+    if args.device != "cpu":
+        device_bench(path, args.device, args.batches or DEVICE_BATCHES, args.repeats)
+        return
     results: dict[str, Any] = {
         "model": path, "threads": torch.get_num_threads(), "batches": {},
         "loadavg_before": os.getloadavg()[0],
@@ -367,6 +377,51 @@ def main() -> None:
         targets, met = weight_dtype_targets(results["weight_dtypes_batch_1"])
         results["targets"] |= targets
         results["targets_met"] |= met
+    print(json.dumps(results))
+
+
+DEVICE_BATCHES = [1, 8, 32, 128]
+# The engine over transformers on the same GPU, at these batches and above (issue 53).
+DEVICE_TARGET_RATIO, DEVICE_TARGET_FROM_BATCH = 2.0, 32
+
+
+def device_bench(path: str, device: str, batches: list[int], repeats: int) -> None:
+    """The engine (bfloat16, paged attention, CUDA graphs for decode) against transformers'
+    generate (bfloat16, its own eager loop and cache) on one GPU: decode tok/s per batch size,
+    each side warmed up at each batch first (the engine's graphs for that batch are captured
+    then). Prints one line per batch and the JSON object last."""
+    from transformers import LlamaForCausalLM
+
+    top = max(batches)
+    engine = LLMEngine.from_path(path, num_blocks=(top * (128 + LONG) // 16) + 64,
+                                 max_num_seqs=max(top, 64), device=device)  # fmt: skip
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    results: dict[str, Any] = {"model": path, "device": torch.cuda.get_device_name(device),
+                               "batches": {}}  # fmt: skip
+    for batch in batches:
+        prompts = prompts_for(batch, engine.model_config.vocab_size)
+        runs: dict[str, Callable] = {
+            "engine": functools.partial(engine_seconds, engine),
+            "transformers": functools.partial(hf_seconds, hf),
+        }
+        for run in runs.values():  # warm-up: graph captures, cuBLAS workspaces, the allocator
+            run(prompts, LONG)
+        rates = decode_tokens_per_s(runs, prompts, repeats)
+        ours, theirs = rates["engine"], rates["transformers"]
+        results["batches"][str(batch)] = {
+            "engine_tok_s": round(ours, 1), "transformers_tok_s": round(theirs, 1),
+            "ratio": round(ours / theirs, 2),
+        }  # fmt: skip
+        print(f"batch {batch:3d}: engine {ours:9.1f} tok/s  transformers {theirs:9.1f} tok/s  "
+              f"ratio {ours / theirs:5.2f}")  # fmt: skip
+    graphs = engine.runner.graphs
+    results["decode_graphs"] = 0 if graphs is None else len(graphs.captured)
+    timed = [b for b in batches if b >= DEVICE_TARGET_FROM_BATCH]
+    results["targets"] = {f"ratio_batch_{b}": f">= {DEVICE_TARGET_RATIO}" for b in timed}
+    results["targets_met"] = {
+        f"ratio_batch_{b}": results["batches"][str(b)]["ratio"] >= DEVICE_TARGET_RATIO
+        for b in timed
+    }
     print(json.dumps(results))
 
 

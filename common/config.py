@@ -175,4 +175,5 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     dtype: str | None = None  # None: the checkpoint's own dtype
-    attention_backend: str = "auto"  # auto | cpu_kernel | torch
+    attention_backend: str = "auto"  # auto | cpu_kernel | torch | device_paged
+    device: str = "auto"  # auto | cpu | cuda[:N] (common/device.py)

@@ -26,15 +26,21 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        device: torch.device | None = None,
     ) -> None:
+        """`device`: where the pools live (an engine's device; None: the CPU)."""
         self.block_size = block_size
+        self.device = device or torch.device("cpu")
+        self.on_device = self.device.type != "cpu"
         # NOTE: torch.zeros touches every page now; a first touch mid-decode would stall its step.
         self.key = torch.zeros(
-            num_layers, num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype
-        )
+            num_layers, num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype,
+            device=self.device,
+        )  # fmt: skip
         self.value = torch.zeros(
-            num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype
-        )
+            num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
+            device=self.device,
+        )  # fmt: skip
         # Each layer's views, made once: indexing a 5-D tensor costs a microsecond or so, paid
         # several times per layer per step otherwise.
         self.key_layers: list[torch.Tensor] = list(self.key.unbind(0))
@@ -60,6 +66,8 @@ class KVCache:
                 to_dlpack(slot_mapping.contiguous()),
             )  # fmt: skip
             return
+        if self.on_device:  # KV landing from the host (or its own k/v, already there)
+            slot_mapping, k, v = (t.to(self.device) for t in (slot_mapping, k, v))
         blocks, offsets = slot_mapping // self.block_size, slot_mapping % self.block_size
         # Advanced indices around a slice put the token dim first: [T, num_kv_heads, head_dim].
         self.key[layer, blocks, :, :, offsets] = k.to(self.key.dtype)
@@ -69,7 +77,7 @@ class KVCache:
         self, layer: int, block_table: list[int], num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Read one request's k/v back as [num_tokens, num_kv_heads, head_dim] (for KV transfer)."""
-        ids = torch.tensor(block_table, dtype=torch.long)
+        ids = torch.tensor(block_table, dtype=torch.long, device=self.device)
         num_kv_heads, head_dim = self.key.shape[2], self.key.shape[3]
         k = self.key[layer, ids].permute(0, 3, 1, 2)  # [n, block_size, Hkv, D]
         v = self.value[layer, ids].permute(0, 2, 1, 3)  # [n, block_size, Hkv, D]

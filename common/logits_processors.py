@@ -37,8 +37,9 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
         return
     ids = [token_id for p in params for token_id, _ in p.logit_bias]
     values = [bias for p in params for _, bias in p.logit_bias]
-    index = (torch.tensor(rows), torch.tensor(ids))
-    logits.index_put_(index, torch.tensor(values, dtype=logits.dtype), accumulate=True)
+    d = logits.device  # where the logits are: the CPU, or a device engine's GPU
+    index = (torch.tensor(rows, device=d), torch.tensor(ids, device=d))
+    logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=d), accumulate=True)
 
 
 def apply_allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -46,11 +47,12 @@ def apply_allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams])
     rows = [r for r, p in enumerate(params) if p.allowed_token_ids]
     if not rows:
         return
-    keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool)  # [A, vocab]
+    d = logits.device
+    keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=d)  # [A, vocab]
     row_index = [k for k, r in enumerate(rows) for _ in params[r].allowed_token_ids]
     ids = [t for r in rows for t in params[r].allowed_token_ids]
-    keep[torch.tensor(row_index), torch.tensor(ids)] = True
-    index = torch.tensor(rows)
+    keep[torch.tensor(row_index, device=d), torch.tensor(ids, device=d)] = True
+    index = torch.tensor(rows, device=d)
     logits[index] = logits[index].masked_fill(~keep, float("-inf"))
 
 
@@ -68,19 +70,23 @@ def apply_bad_words(
                 rows.append(r)
                 ids.append(word[-1])
     if rows:
-        logits[torch.tensor(rows), torch.tensor(ids)] = float("-inf")
+        d = logits.device
+        logits[torch.tensor(rows, device=d), torch.tensor(ids, device=d)] = float("-inf")
 
 
 def token_counts(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, dtype: torch.dtype
+    token_ids: Sequence[Sequence[int]],
+    vocab_size: int,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """[R, vocab] counts of each row's ids: one scatter_add over the ids padded with `vocab_size`
     (a column past the vocabulary, dropped after)."""
     width = max(max((len(ids) for ids in token_ids), default=0), 1)
     # NOTE: one tensor built from padded lists: a copy per row costs a torch call each.
     padded = torch.tensor([[*ids, *[vocab_size] * (width - len(ids))] for ids in token_ids],
-                          dtype=torch.long)  # fmt: skip
-    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=dtype)
+                          dtype=torch.long, device=device)  # fmt: skip
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=dtype, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=dtype))
     return counts[:, :vocab_size]
 
@@ -90,15 +96,16 @@ def apply_penalties(
 ) -> torch.Tensor:
     """The repetition, frequency and presence penalties of every row at once ([R, vocab])."""
     num_rows, vocab_size = logits.shape
-    output_counts = token_counts([h[1] for h in histories], vocab_size, logits.dtype)
-    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)
-    if bool((repetition != 1.0).any()):
+    d = logits.device
+    output_counts = token_counts([h[1] for h in histories], vocab_size, logits.dtype, d)
+    repetition = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=d)
+    if any(p.repetition_penalty != 1.0 for p in params):
         seen = output_counts > 0
-        seen |= token_counts([h[0] for h in histories], vocab_size, logits.dtype) > 0
+        seen |= token_counts([h[0] for h in histories], vocab_size, logits.dtype, d) > 0
         penalty = torch.where(seen, repetition[:, None], 1.0)  # [R, vocab]
         logits = torch.where(logits > 0, logits / penalty, logits * penalty)
-    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)
-    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=d)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=d)
     logits = logits - frequency[:, None] * output_counts
     return logits - presence[:, None] * (output_counts > 0).to(logits.dtype)
 

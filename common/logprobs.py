@@ -22,7 +22,7 @@ def token_logprobs(
     if not chosen_ids:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [R, vocab]
-    chosen = torch.tensor(list(chosen_ids), dtype=torch.long)[:, None]
+    chosen = torch.tensor(list(chosen_ids), dtype=torch.long, device=logits.device)[:, None]
     chosen_col = logprobs.gather(1, chosen)  # [R, 1]
     chosen_lps = chosen_col[:, 0].tolist()
     ranks = ((logprobs > chosen_col).sum(dim=-1) + 1).tolist()

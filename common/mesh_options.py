@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from common.device import DEVICE_PATTERN
 from common.roles import Role
 from common.scheduling.cluster import PoolThresholds
 from common.scheduling.home_roles import HomeRoleThresholds
@@ -85,6 +86,12 @@ class MeshOptions(_Options, frozen=True):
     max_preemptions: NonNegative = 2  # the mixed policy's preemption cap
     starvation_s: Seconds = 1.0  # and its aging (common/scheduling/mixed.py)
     attention_backend: str = "auto"
+    # Where prompt, token and mixed engines compute (common/device.py): auto (CUDA when the
+    # replica sees a GPU), cpu, cuda or cuda:N. Shards and model peers stay on the host. On Ray,
+    # a `cuda*` device gives each engine replica `engine_num_gpus` GPUs (fractional: engines share
+    # one); with `auto` they get none, so Ray hides the GPUs and `auto` is the CPU.
+    device: Annotated[str, msgspec.Meta(pattern=DEVICE_PATTERN)] = "auto"
+    engine_num_gpus: Annotated[float, msgspec.Meta(gt=0, le=8)] = 0.5
     num_threads: Positive = 1  # torch threads per replica
     # A token engine's torch threads (None: num_threads). It blocks on its shards once per layer,
     # so more threads pay only if they sleep meanwhile: its replica needs OMP_WAIT_POLICY=passive
@@ -175,6 +182,12 @@ class MeshOptions(_Options, frozen=True):
     def blocks_of(self, role: Role) -> int:
         """An engine's own KV blocks in this role."""
         return self.token_num_blocks or self.num_blocks if role == Role.TOKEN else self.num_blocks
+
+    @property
+    def engine_gpus(self) -> float:
+        """GPUs Ray gives each prompt or token engine replica: `engine_num_gpus` on a `cuda*`
+        device, none otherwise."""
+        return self.engine_num_gpus if self.device.startswith("cuda") else 0.0
 
     @property
     def auto_lanes(self) -> bool:

@@ -288,8 +288,12 @@ class Sampler:
         grammars = list(grammars) or [None] * len(params)
         processed = self._process(logits, params, histories, allowed_mask, grammars, failures)
         # NOTE: numpy's argmax, not torch's: on decode-sized float32 logits torch's costs several
-        # times numpy's; both return the first maximal index (and a NaN's first).
-        token_ids = processed.detach().cpu().numpy().argmax(axis=-1).tolist()
+        # times numpy's; both return the first maximal index (and a NaN's first). On a device,
+        # torch's there: N ids cross to the host, not [N, vocab] logits.
+        if processed.device.type == "cpu":
+            token_ids = processed.detach().numpy().argmax(axis=-1).tolist()
+        else:
+            token_ids = processed.argmax(dim=-1).tolist()
         random_rows = [
             row for row, p in enumerate(params)
             if not (p.greedy or p.temperature < MIN_TEMPERATURE) and row not in failures
@@ -369,9 +373,12 @@ class Sampler:
         rows = [row for row in random_rows if params[row].min_p > 0.0]
         if not rows:
             return logits
-        index = torch.tensor(rows)
-        min_p = torch.tensor([params[r].min_p for r in rows], dtype=logits.dtype)
-        temperature = torch.tensor([params[r].temperature for r in rows], dtype=logits.dtype)
+        d = logits.device
+        index = torch.tensor(rows, device=d)
+        min_p = torch.tensor([params[r].min_p for r in rows], dtype=logits.dtype, device=d)
+        temperature = torch.tensor(
+            [params[r].temperature for r in rows], dtype=logits.dtype, device=d
+        )
         selected = logits[index]  # [R, vocab]
         drop = min_p_mask(selected, min_p, temperature)
         out = logits.clone()  # `logits` may be the model's, which logprobs read
@@ -390,7 +397,7 @@ def _process_rows(
     vocab_size = logits.shape[-1]
     for row in rows:  # checked where the vocabulary is known; here in case it was not
         params[row].check_vocab(vocab_size)
-    index = torch.tensor(rows)
+    index = torch.tensor(rows, device=logits.device)
     selected = logits[index]  # [R, vocab], a copy
     row_params = [params[r] for r in rows]
     apply_logit_bias(selected, row_params)
@@ -403,7 +410,7 @@ def _process_rows(
     if penalized:
         if histories is None:
             raise ValueError("penalties need the request's tokens")
-        sub = torch.tensor(penalized)
+        sub = torch.tensor(penalized, device=logits.device)
         selected[sub] = apply_penalties(
             selected[sub], [row_params[i] for i in penalized],
             [histories[rows[i]] for i in penalized],
@@ -451,7 +458,8 @@ def _logprobs(
     rows = [row for row, p in enumerate(params) if p.logprobs is not None]
     if rows:
         num_top = [params[r].logprobs or 0 for r in rows]
-        found = token_logprobs(logits[torch.tensor(rows)], [token_ids[r] for r in rows], num_top)
+        picked = logits[torch.tensor(rows, device=logits.device)]
+        found = token_logprobs(picked, [token_ids[r] for r in rows], num_top)
         for row, lp in zip(rows, found, strict=True):
             result[row] = lp
     return result
@@ -478,6 +486,9 @@ def _sample_row(
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
         return top  # nothing left to draw from: the most likely token
+    if gen is not None and probs.device.type != "cpu":
+        # A seeded draw is the host generator's, on any device: the same tokens everywhere.
+        probs = probs.cpu()
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 

@@ -350,6 +350,17 @@ class OfflineGroupDeployment:
             service.close()
 
 
+def _with_gpus(deployment: Any, num_gpus: float) -> Any:
+    """An engine deployment with `num_gpus` per replica (fractional: replicas share a GPU), as
+    `mesh.device: cuda*` asks; unchanged without. A serve config's own `ray_actor_options` for
+    it replace these whole: deploy/gpu.yaml states `num_gpus` there as well."""
+    if not num_gpus:
+        return deployment
+    return deployment.options(
+        ray_actor_options={**deployment.ray_actor_options, "num_gpus": num_gpus}
+    )
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The application builder: `import_path: services.app:build_app` in a serve config."""
     parsed = AppArgs.model_validate(args)  # fail at deploy time, before any replica starts
@@ -364,10 +375,10 @@ def build_app(args: dict[str, Any]) -> Application:
     if parsed.topology == "local":
         return RouterDeployment.bind(bound, **extra)  # type: ignore[attr-defined]
     deployments: list[Any] = [
-        PromptEngineDeployment,
-        TokenEngineDeployment,
+        *(_with_gpus(d, parsed.mesh.engine_gpus) for d in (PromptEngineDeployment,
+                                                           TokenEngineDeployment)),
         AttentionShardDeployment,
-    ]
+    ]  # fmt: skip
     if parsed.mesh.model_peers:
         deployments.append(ModelPeerDeployment)
     mesh = [d.bind(bound) for d in deployments]

@@ -13,6 +13,7 @@ import msgspec
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
 
 from common.config import env
+from common.device import DEVICE_PATTERN
 from common.mesh_options import MeshOptions, mesh_options
 from common.model.default import PRESETS, default_model_path
 from services.offline.service import OfflineOptions
@@ -33,6 +34,9 @@ class EngineArgs(_Args):
     starvation_s: float = Field(default=1.0, ge=0)  # and its aging (common/scheduling/mixed.py)
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # docs/prefix_caching.md
+    # Where the engine computes (common/device.py): auto (CUDA when the Router's replica sees a
+    # GPU: give it `num_gpus` in its ray_actor_options), cpu, cuda or cuda:N.
+    device: str = Field(default="auto", pattern=DEVICE_PATTERN)
     # Torch threads the engine decodes on; None: every core of the machine but one (the router
     # and Ray's proxy need it). Set here because Ray sets OMP_NUM_THREADS to the Router's num_cpus.
     num_threads: int | None = Field(default=None, ge=1)

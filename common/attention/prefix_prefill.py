@@ -55,7 +55,8 @@ def prefix_prefill_attention(
         else:
             ks, vs = gather_context(key_cache, value_cache, block_tables[i], start + seq_len)
             # Query j (position start + j) sees keys 0 .. start + j.
-            mask = torch.ones(seq_len, start + seq_len, dtype=torch.bool).tril(diagonal=start)
+            mask = torch.ones(seq_len, start + seq_len, dtype=torch.bool, device=q.device)
+            mask = mask.tril(diagonal=start)
             o = F.scaled_dot_product_attention(
                 q[begin:end].transpose(0, 1), ks.to(q.dtype).transpose(0, 1),
                 vs.to(q.dtype).transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True,

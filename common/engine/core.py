@@ -16,6 +16,7 @@ import torch
 from common.attention import select_backend
 from common.block_manager import BlockManager
 from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common.device import resolve_device
 from common.engine.grammars import EngineGrammars
 from common.engine.request import FinishReason, Request, RequestOutput, check_prompt
 from common.engine.runner import Inputs, ModelRunner, StepInputs
@@ -35,9 +36,14 @@ log = structlog.get_logger(__name__)
 class LLMEngine:
     """Continuous batching on one process: `add_request`, then `step` until nothing is left."""
 
-    def __init__(self, config: EngineConfig, with_tokenizer: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, with_tokenizer: bool = True, decode_graphs: bool | None = None
+    ) -> None:
+        """`decode_graphs`: replay decode steps from CUDA graphs (None: on a CUDA device; True on
+        the CPU runs the same padded steps eagerly, for tests)."""
         self.config = config
-        self.model = load_model(config.model_path, config.dtype)
+        self.device = resolve_device(config.device)  # decided once: nothing per step asks again
+        self.model = load_model(config.model_path, config.dtype, device=self.device)
         self.model_config: ModelConfig = self.model.config
         folder = Path(config.model_path)
         self.tokenizer = Tokenizer(folder) if with_tokenizer else None
@@ -47,23 +53,29 @@ class LLMEngine:
             c.num_blocks, c.block_size, c.enable_prefix_caching, cache_namespace=folder.name
         )
         mc = self.model_config
+        graphs = self.device.type == "cuda" if decode_graphs is None else decode_graphs
         kv = KVCache(
             mc.num_hidden_layers,
-            c.num_blocks,
+            c.num_blocks + graphs,  # the graphs' padding rows write to one block past the rest
             c.block_size,
             mc.num_key_value_heads,
             mc.head_dim,
             getattr(torch, mc.dtype),
+            self.device,
         )
-        backend = select_backend(config.attention_backend)
+        backend = select_backend(config.attention_backend, self.device)
         self.runner: ModelRunner[StepInputs] = ModelRunner(self.model, kv, self.blocks, backend)
+        if graphs:
+            max_blocks = -(-self.max_model_len // c.block_size)
+            self.runner.use_graphs(c.num_blocks, max_blocks, capture=self.device.type == "cuda")
         self.scheduler = EngineScheduler(self.blocks, config.scheduler)
         self.sampler = Sampler()
         self.grammars = EngineGrammars(folder, self.model_config.vocab_size,
                                        self.model_config.eos_token_ids)  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.histograms = EngineHistograms()  # tokens per forward (`load_report`)
-        log.info("engine ready", attention=backend.name, kv_blocks=c.num_blocks)
+        log.info("engine ready", attention=backend.name, kv_blocks=c.num_blocks,
+                 device=str(self.device))  # fmt: skip
         if self.max_model_len < self.model_config.max_position_embeddings:
             log.warning("the KV cache holds less than the model's context: requests are capped",
                         max_model_len=self.max_model_len,
@@ -81,7 +93,9 @@ class LLMEngine:
         enable_prefix_caching: bool = True,
         max_preemptions: int = 2,
         starvation_s: float = 1.0,
+        device: str = "auto",
     ) -> LLMEngine:
+        """`device`: auto | cpu | cuda[:N] (common/device.py; auto: CUDA when there is one)."""
         return cls(
             EngineConfig(
                 model_path=str(model_path),
@@ -90,6 +104,7 @@ class LLMEngine:
                     max_num_batched_tokens, max_num_seqs, max_preemptions, starvation_s
                 ),
                 attention_backend=attention_backend,
+                device=device,
             )
         )
 

@@ -7,7 +7,7 @@ swaps in a shard round trip (services/engine/engine.py) without touching the res
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -20,9 +20,16 @@ from common.model.llama import LlamaForCausalLM
 from common.protocol import TokenLogprobs
 from common.scheduling.batching import Batch, Phase
 
+if TYPE_CHECKING:
+    from common.engine.decode_graphs import DecodeGraphs
+
 # Prompt positions whose logits (and log-softmax) are held at once for prompt logprobs: two
 # [chunk, vocab] float32 tensors, a few tens of MiB at a large vocabulary.
 PROMPT_LOGPROBS_CHUNK = 64
+# A step's tensors, moved to a device runner's device once each (`ModelRunner.place`).
+STEP_TENSORS = (
+    "input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "last_token_index",
+)  # fmt: skip
 
 
 @dataclass
@@ -47,6 +54,7 @@ class StepInputs:
 
 
 Inputs = TypeVar("Inputs", bound=StepInputs)
+Placed = TypeVar("Placed", bound=StepInputs)
 
 
 class ModelRunner(Generic[Inputs]):
@@ -67,6 +75,19 @@ class ModelRunner(Generic[Inputs]):
         self.blocks = blocks
         self.backend = backend
         self.hidden: torch.Tensor | None = None  # the last step's, when it was asked to keep it
+        # The KV's device is the runner's: a step's inputs are built on the host, then moved.
+        # (A runner without a cache, as some tests build one, is on the CPU.)
+        self.device: torch.device = getattr(kv_cache, "device", torch.device("cpu"))
+        self.on_device = self.device.type != "cpu"
+        self.graphs: DecodeGraphs | None = None  # `use_graphs`
+
+    def place(self, inputs: Placed) -> Placed:
+        """`inputs` with its tensors on this runner's device (the same object, untouched, on the
+        CPU); the copies are queued without waiting."""
+        if self.on_device:
+            for name in STEP_TENSORS:
+                setattr(inputs, name, getattr(inputs, name).to(self.device, non_blocking=True))
+        return inputs
 
     def prepare(self, batch: Batch, token_ids: dict[str, list[int]]) -> StepInputs:
         """Gather the inputs of every scheduled sequence (token_ids: all tokens so far)."""
@@ -84,7 +105,7 @@ class ModelRunner(Generic[Inputs]):
             positions += range(a, b)
             slots += self.blocks.slots(r, a, b)
         seq_lens = [b - a for a, b in spans]
-        return StepInputs(
+        inputs = StepInputs(
             phase=batch.phase,
             req_ids=req_ids,
             input_ids=torch.tensor(ids, dtype=torch.long),
@@ -96,6 +117,7 @@ class ModelRunner(Generic[Inputs]):
             last_token_index=torch.tensor(seq_lens).cumsum(0) - 1,
             prefix_lens=[a for a, _ in spans],
         )
+        return self.place(inputs)
 
     def _prepare_decode(self, batch: Batch, token_ids: dict[str, list[int]]) -> StepInputs:
         """A decode step's inputs: each sequence's last token, in one pass over the batch (this
@@ -107,7 +129,7 @@ class ModelRunner(Generic[Inputs]):
         # BlockManager.slots' formula for one token (its block's first slot plus the offset).
         slots = [t[p // size] * size + p % size for t, p in zip(tables, positions, strict=True)]
         n = len(req_ids)
-        return StepInputs(
+        inputs = StepInputs(
             phase=batch.phase,
             req_ids=req_ids,
             input_ids=torch.tensor(
@@ -122,11 +144,33 @@ class ModelRunner(Generic[Inputs]):
             last_token_index=torch.arange(n),
             prefix_lens=[],
         )
+        return self.place(inputs)
 
     @torch.inference_mode()
     def run(self, inputs: Inputs, keep_hidden: bool = False) -> torch.Tensor:
         """Forward one step; return float32 logits [N, vocab] for each sequence's last token.
-        `keep_hidden`: keep every position's hidden state for `prompt_logits` (prefill only)."""
+        `keep_hidden`: keep every position's hidden state for `prompt_logits` (prefill only).
+        A decode step replays a CUDA graph where the runner has them (`use_graphs`)."""
+        if self.graphs is not None and inputs.phase is Phase.DECODE:
+            logits = self.graphs.run(inputs)
+            if logits is not None:
+                self.hidden = None
+                return logits
+        return self.forward(inputs, keep_hidden)
+
+    def use_graphs(self, scratch_block: int, max_blocks: int, capture: bool = True) -> None:
+        """Replay decode steps from CUDA graphs (common/engine/decode_graphs.py) from now on.
+        `scratch_block`: a block of the KV pools no request owns; `max_blocks`: the widest block
+        table. `capture=False`: the same padded steps, run eagerly (the CPU's tests)."""
+        from common.engine.decode_graphs import DecodeGraphs  # imports this module
+
+        self.graphs = DecodeGraphs(
+            self.forward, self.device, scratch_block, self.kv_cache.block_size, max_blocks,
+            capture=capture,
+        )  # fmt: skip
+
+    def forward(self, inputs: Inputs, keep_hidden: bool = False) -> torch.Tensor:
+        """`run`'s eager forward (what a decode graph captures)."""
         x = self.model.embed(inputs.input_ids)  # [T, hidden]
         rope = self.model.rotary_at(inputs.positions)
         for i, layer in enumerate(self.model.layers):

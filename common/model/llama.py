@@ -251,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_prefill(self, input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         """Full-sequence logits [T, vocab] for packed fresh prompts; for tests and scoring."""
-        positions = torch.cat([torch.arange(n) for n in seq_lens])
+        positions = torch.cat([torch.arange(n) for n in seq_lens]).to(input_ids.device)
         x = self.embed(input_ids)
         rope = self.rotary_at(positions)
         for layer in self.layers:

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from common.config import ModelConfig, env
-from common.model.linear import pack_linears
+from common.model.linear import PackedLinear, pack_linears
 from common.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
@@ -138,12 +138,19 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 def load_model(
-    folder: str | Path, dtype: str | None = None, weight_dtype: str | None = None
+    folder: str | Path,
+    dtype: str | None = None,
+    weight_dtype: str | None = None,
+    device: torch.device | None = None,
 ) -> LlamaForCausalLM:
     """Build a `LlamaForCausalLM` from a Hugging Face folder, ready for inference. `dtype`: the
     model's (activations' and stored weights'); `weight_dtype`: the projections' packed copy's
-    (None: PHASEMESH_WEIGHT_DTYPE, else the model's)."""
+    (None: PHASEMESH_WEIGHT_DTYPE, else the model's). `device`: where it computes (None: the
+    CPU); on a GPU, bfloat16 unless `dtype` says otherwise, and plain `F.linear` (no packing:
+    the packed copies are the CPU GEMM's)."""
     folder = Path(folder)
+    if device is not None and device.type != "cpu":
+        return load_for_device(folder, dtype, device)
     weight_dtype = weight_dtype or env("WEIGHT_DTYPE") or None
     config = ModelConfig.from_folder(folder, dtype)
     state = fuse_projections(load_hf_state(folder, config), config.num_hidden_layers)
@@ -164,4 +171,33 @@ def load_model(
         "model loaded", folder=str(folder), layers=config.num_hidden_layers, dtype=config.dtype,
         weight_dtype=weight_dtype or config.dtype,
     )  # fmt: skip
+    return model.eval().requires_grad_(False)
+
+
+def load_for_device(
+    folder: str | Path, dtype: str | None, device: torch.device
+) -> LlamaForCausalLM:
+    """`load_model` on a GPU: the checkpoint in bfloat16, row-major, moved to `device` whole (the
+    RoPE tables too). On the CPU it is the GPU engine's numerics (unpacked bfloat16 `F.linear`,
+    the torch layer ops), which the CPU tests check against transformers.
+
+    NOTE: bfloat16 only: the fused layer ops and the KV write take their C++ paths for float32
+    tensors without looking at the device (a check per op would cost the CPU engine's steps), so
+    a float32 model on a GPU would hand device memory to CPU code."""
+    if dtype not in (None, "bfloat16"):
+        raise ValueError(f"a model on {device} runs in bfloat16, not {dtype}")
+    folder = Path(folder)
+    config = ModelConfig.from_folder(folder, "bfloat16")
+    state = fuse_projections(load_hf_state(folder, config), config.num_hidden_layers)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.to(device)
+    for sub in model.modules():
+        if isinstance(sub, PackedLinear):
+            sub.dense = sub.weight.detach()  # F.linear on it, reached without __getattr__
+    log.info("model loaded", folder=str(folder), layers=config.num_hidden_layers,
+             dtype=config.dtype, device=str(device))  # fmt: skip
     return model.eval().requires_grad_(False)

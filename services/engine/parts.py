@@ -4,7 +4,8 @@ table, the prefill, the two schedulers, decode admission, Neo's KV tiers, its po
 telemetry and reports. `Engine` (engine.py) coordinates them; each owns its state.
 
 A config error (an unreadable model, an unknown attention backend or tier policy, a Neo cost
-table that cannot be read or probed) raises here, so the engine never starts half-built.
+table that cannot be read or probed, a CUDA device this process lacks) raises here, so the
+engine never starts half-built.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from common.attention import select_backend
 from common.block_manager import BlockManager
 from common.config import SchedulerConfig
+from common.device import resolve_device
 from common.engine.grammars import EngineGrammars
 from common.kv_cache import KVCache
 from common.kv_ingress import KvIngress
@@ -79,14 +81,20 @@ def build_engine_parts(
     """The parts of engine `engine_id` in `role`, whose runner reaches `shards` through
     `shard_links` (in head order), whose KV listener is `kv_address` (Neo's swaps need one)."""
     o = options
-    model = load_model(model_path, None)
+    device = resolve_device(o.device)
+    if device.type != "cpu" and (o.local_kv_blocks or o.model_peers):
+        # NOTE: their KV swaps and slices move tensors as host memory (not staged yet).
+        raise ValueError(
+            f"local_kv_blocks and model_peers run beside CPU engines only, not {device}"
+        )
+    model = load_model(model_path, None, device=device)
     mc = model.config
     num_blocks = o.blocks_of(role)
     blocks = BlockManager(num_blocks, o.block_size, o.enable_prefix_caching, Path(model_path).name)
     kv = KVCache(mc.num_hidden_layers, num_blocks, o.block_size, mc.num_key_value_heads,
-                 mc.head_dim, getattr(torch, mc.dtype))  # fmt: skip
+                 mc.head_dim, getattr(torch, mc.dtype), device)  # fmt: skip
     runner = MeshModelRunner(
-        model, kv, blocks, select_backend(o.attention_backend), shard_links=shard_links,
+        model, kv, blocks, select_backend(o.attention_backend, device), shard_links=shard_links,
         shards=shards, reply_timeout_s=o.shard_reply_timeout_s,
         attention_overlap=o.attention_overlap, decode_lanes=o.decode_lanes,
     )  # fmt: skip

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from common.attention.prefix_prefill import with_cached_prefixes
+from common.device import HostStaging
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
 from common.model.llama import RopeAt
 from common.protocol import (
@@ -123,6 +124,10 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         # Lamina 4.3 across replicas: lanes' layer slices rotate over these peers (rotation.py).
         self.model_peers: ModelPeers | None = None
         self.num_relinks = 0  # shard group changes since start (a fault, a `LinkShards`)
+        # Lamina's split on a device engine: what goes to host shards (q/k/v, shipped KV) leaves
+        # device memory through pinned buffers and the replies come back the same way; on the
+        # CPU the identity, skipped (`on_device` is read once per layer's send).
+        self.staging = HostStaging(self.device)
 
     def use_peers(self, peers: ModelPeers) -> None:
         """Rotate lanes' layer slices over `peers` from the next step on (Lamina 4.3; linked
@@ -183,7 +188,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         if shard_of is not None:
             rows.shard_rows = [[r for r, s in enumerate(shard_of) if s == i]
                                for i in range(len(self.shard_links))]  # fmt: skip
-        return StepPlan(
+        plan = StepPlan(
             phase=Phase.DECODE,
             req_ids=req_ids,
             input_ids=torch.tensor(
@@ -198,6 +203,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             num_local=len(local),
             sharded=rows if sharded else None,
         )
+        return self.place(plan)
 
     @torch.inference_mode()
     def run_decode(self, plan: StepPlan) -> StepResult:
@@ -247,7 +253,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         for i, layer in enumerate(self.model.layers):
             q1, k1, v1 = layer.pre_attention(x1, rope1)  # [N1, H, D]
             sends = self._send(i, batch_1.sharded, ATTEND_WHOLE, q1, (k1, v1))
-            flight = LayerInFlight(sends, torch.empty(q1.shape, dtype=torch.float32), 0)
+            flight = LayerInFlight(sends, self.staging.host_buffer(q1.shape, torch.float32), 0)
             q0, k0, v0 = layer.pre_attention(x0, rope0)
             x0 = layer.post_attention(x0, super().attend(i, q0, k0, v0, batch_0))
             self._collect(flight, result)
@@ -267,6 +273,8 @@ class MeshModelRunner(ModelRunner[StepPlan]):
                 k, v, self.kv_cache.key[layer], self.kv_cache.value[layer], inputs.seq_lens,
                 inputs.prefix_lens, inputs.block_tables,
             )  # fmt: skip
+            if self.staging.on_device:  # it lands in host memory (a shard's, or a host's link)
+                k_all, v_all = self.staging.to_host(k_all, v_all)
             inputs.kv_shipper.on_layer(layer, k_all, v_all, lens)
         return out
 
@@ -284,6 +292,8 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         assert plan.sharded is not None
         n, rows = plan.num_local, plan.sharded
         if rows.shard_rows is not None:
+            if self.staging.on_device:
+                q, k, v = self.staging.to_host(q, k, v)
             sends = send_by_request(self.shard_links, layer, rows, q, k, v, n)
         else:
             sends = self._send(layer, rows, ATTEND_WHOLE, q[n:], (k[n:], v[n:]))
@@ -380,11 +390,17 @@ class MeshModelRunner(ModelRunner[StepPlan]):
     ) -> list[ShardSend]:
         """`send_layer` to this engine's shard group (the model's query heads per KV head)."""
         group = self.model.config.num_queries_per_kv
+        if self.staging.on_device:
+            staged = self.staging.to_host(*kv) if q is None else self.staging.to_host(q, *kv)
+            q, kv = (None, tuple(staged)) if q is None else (staged[0], tuple(staged[1:]))
         return send_layer(self.shard_links, self.shards, layer, rows, part, group, q, kv)
 
     def _collect(self, flight: LayerInFlight, result: StepResult) -> None:
+        """The shards' replies into `flight.out` (host memory), then `flight.out` on this
+        engine's device (the same tensor on the CPU)."""
         collect_layer(flight, self.reply_timeout_s, result.failed, result.round_trips, self.times,
                       (result.kv_landed, result.kv_lost))  # fmt: skip
+        flight.out = self.staging.to_device(flight.out)
 
     def _attend_rows_local(
         self,
@@ -395,8 +411,9 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         inputs: StepPlan,
         n: int,
     ) -> torch.Tensor:
-        """out [rows, Hq, D] float32, its first `n` rows attended over this engine's cache."""
-        out = torch.empty(q.shape, dtype=torch.float32)
+        """out [rows, Hq, D] float32 in host memory (the shards' replies land there), its first
+        `n` rows attended over this engine's cache."""
+        out = self.staging.host_buffer(q.shape, torch.float32)
         if n:
             out[:n] = self._attend_local(layer, q[:n], k[:n], v[:n], inputs)
         return out

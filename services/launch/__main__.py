@@ -1,7 +1,7 @@
 """`python -m services.launch`: start a mesh as local processes and run one demo request.
 
 python -m services.launch --prompt 1 --token 1 --shards 2 [--model PATH] [--no-pin]
-    [--model-peers N [--decode-lanes L]]
+    [--model-peers N [--decode-lanes L]] [--device auto|cpu|cuda[:N]]
 
 `--model-peers N` gives each token engine N model peer processes (Lamina 4.3's rotation; needs
 shards); its decode lanes default to N + 2 (one more lane than replicas, docs/mesh.md).
@@ -37,13 +37,18 @@ def main() -> None:
     parser.add_argument("--decode-lanes", type=int, default=None,
                         help="staggered decode lanes per token engine (default: 1, or "
                              "model peers + 2 with peers)")  # fmt: skip
+    parser.add_argument("--device", default="auto",
+                        help="where prompt and token engines compute: auto, cpu, cuda or cuda:N "
+                             "(shards stay on the host)")  # fmt: skip
     args = parser.parse_args()
     lanes = args.decode_lanes or (args.model_peers + 2 if args.model_peers else 1)
     try:
         topology = Topology(
             str(args.model or default_model_path()), args.prompt, args.token, args.shards,
             pin_decode_groups=not args.no_pin,
-            options=MeshOptions(model_peers=args.model_peers, decode_lanes=lanes),
+            options=MeshOptions(
+                model_peers=args.model_peers, decode_lanes=lanes, device=args.device
+            ),
         )  # fmt: skip
     except ValueError as exc:  # a bad combination: say so, as argparse does
         parser.error(str(exc))

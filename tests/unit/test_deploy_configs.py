@@ -22,7 +22,7 @@ from services.mesh.replica import DRAIN_NOTICE_S
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEY = "ab" * 32  # a mesh key (hex)
-EXPECTED = {"local.yaml", "single.yaml", "cluster.yaml", "rayservice.yaml"}
+EXPECTED = {"local.yaml", "single.yaml", "cluster.yaml", "rayservice.yaml", "gpu.yaml"}
 
 
 def serve_configs() -> dict[str, dict[str, Any]]:
@@ -126,6 +126,24 @@ def test_mesh_replicas_get_their_drain_before_serve_kills_them(name: str) -> Non
         for d in app.get("deployments", []):
             if d["name"] in ("PromptEngine", "TokenEngine"):
                 assert d["graceful_shutdown_timeout_s"] > DRAIN_NOTICE_S + drain_s, d["name"]
+
+
+def test_gpu_config_puts_engines_on_the_gpu_and_shards_on_the_host() -> None:
+    """deploy/gpu.yaml: engines ask for the GPU share `mesh.engine_num_gpus` says (the builder
+    binds it too, the config's options replacing it), shards for none."""
+    [app] = CONFIGS["gpu.yaml"]["applications"]
+    args = AppArgs.model_validate(app["args"])
+    assert args.mesh.device.startswith("cuda") and 0 < args.mesh.engine_gpus <= 1
+    gpus = {d["name"]: d["ray_actor_options"].get("num_gpus", 0) for d in app["deployments"]}
+    assert gpus == {"Router": 0, "PromptEngine": args.mesh.engine_gpus,
+                    "TokenEngine": args.mesh.engine_gpus, "AttentionShard": 0}  # fmt: skip
+    router = build_app(app["args"])._bound_deployment
+    bound = {a._bound_deployment.name: a._bound_deployment.ray_actor_options.get("num_gpus", 0)
+             for a in router.init_args[1:]}  # fmt: skip
+    assert bound == {"PromptEngine": 0.5, "TokenEngine": 0.5, "AttentionShard": 0}
+    cpu_only = build_app(CONFIGS["local.yaml"]["applications"][0]["args"])._bound_deployment
+    assert all("num_gpus" not in a._bound_deployment.ray_actor_options
+               for a in cpu_only.init_args[1:])  # fmt: skip
 
 
 def test_rayservice_embeds_the_cluster_config() -> None:
