@@ -2,9 +2,10 @@
 
 A fresh interpreter running `worker_process` spends seconds of CPU importing torch, ucxx,
 numpy and the services before it builds anything: a mesh of four workers paid that four times to
-start, and the replacement of a dead worker once more before it could load its weights.
-The standard library's fork server (`multiprocessing`'s "forkserver" start method) imports `worker_process` once per launcher; each worker is then a `fork()` of that
-server, which is single-threaded and has run nothing but imports: a process of its own (its own pid, signals,
+start, and the replacement of a dead worker once more before it could load its weights. The
+standard library's fork server (`multiprocessing`'s "forkserver" start method) imports
+`worker_process` once per launcher; each worker is then a `fork()` of that server, which is
+single-threaded and has run nothing but imports: a process of its own (its own pid, signals,
 memory and exit status), started in a fraction of a second.
 
 What a worker gets from its launcher, as a `subprocess.Popen` child did:
