@@ -5,6 +5,8 @@ python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --power 70 -
 python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --rate 70 --by cost
 python -m loadgen.sim lamina --trace T.csv [--memory 4 8] [--batches 1 2 3 4]
 python -m loadgen.sim offline [--hardware a100-80gb] [--gpus 8] [--requests 2000]
+python -m loadgen.sim autoscale --trace T.csv --design Splitwise-HH --max 30P10T --rate 25 \
+    --step 3x@600s+600s
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import time
 from collections.abc import Sequence
 
+from loadgen.sim.autoscale_cli import add_autoscale_parser
 from loadgen.sim.designs import DESIGNS, parse_cluster
 from loadgen.sim.lamina_cli import add_lamina_parser
 from loadgen.sim.offline import add_offline_parser
@@ -107,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     prov.set_defaults(func=_provision)
     add_lamina_parser(sub)
     add_offline_parser(sub)
+    add_autoscale_parser(sub)
     return parser
 
 

@@ -37,6 +37,7 @@ from common.scheduling.autoscale import ScalePolicy, ScaleState, decide
 from loadgen.sim.designs import ClusterSpec, Design
 from loadgen.sim.machine import SimMachine
 from loadgen.sim.simulator import SimOptions, SimRequest, SimResult, Simulator
+from loadgen.sim.slo import attainment
 from services.mesh.autoscaling import AGE, SIGNALS, samples_from
 
 # -- load steps ---------------------------------------------------------------------------------
@@ -121,15 +122,28 @@ class RoleScaling:
         return cls(targets, ScalePolicy(target_load=1.0, **knobs))
 
 
-# Defaults for the GPU designs (Llama2-70B on DGX machines): a prompt machine's worth of queue is
-# the router's own "full" threshold (8192 tokens), a token machine's the decode KV past which the
-# router looks for another (40k tokens). Prompt queues form and clear within seconds, so a
-# prompt machine scales on a short delay; a decode's KV stays for its whole output.
-DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
-    Role.PROMPT: {"targets": {"pending_prompt_tokens": 8192}},
-    Role.TOKEN: {"targets": {"running_decode_tokens": 40_000, "kv_fill": 0.8}},
-    Role.MIXED: {"targets": {"pending_prompt_tokens": 8192, "running_decode_tokens": 40_000}},
+# Defaults for the GPU designs (Llama2-70B on DGX machines, Table VI's SLOs). A prompt machine's
+# queue is its signal; it grows without bound once the load passes what the machines prefill,
+# so a load step asks for many machines at once (`max_step` lets them come in one decision), and
+# it shrinks far below a machine's worth once they have caught up, so a scale-down needs the
+# load to fit well under the target (`scale_down_fill`) or it would undershoot and come back.
+# A token machine's decode KV stops growing at the router's "full" figure (40k tokens,
+# `SimOptions.thresholds`: the rest goes to the mixed pool), so its target sits well below it.
+_SHARED_KNOBS = {
+    "max_step": 64,
+    "upscale_after_s": 20.0,
+    "downscale_after_s": 120.0,
+    "cooldown_s": 60.0,
+    "warmup_s": 30.0,
 }
+DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
+    Role.PROMPT: {"targets": {"pending_prompt_tokens": 1000}, "scale_down_fill": 0.25,
+                  **_SHARED_KNOBS},
+    Role.TOKEN: {"targets": {"running_decode_tokens": 20_000}, "scale_down_fill": 0.5,
+                 **_SHARED_KNOBS},
+    Role.MIXED: {"targets": {"pending_prompt_tokens": 1000, "running_decode_tokens": 20_000},
+                 "scale_down_fill": 0.25, **_SHARED_KNOBS},
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -450,3 +464,25 @@ def simulate_autoscaled(
 ) -> AutoscaleResult:
     """One autoscaled run of `requests` on `design`."""
     return AutoscaledCluster(design, options, sim_options).run(requests, horizon_s, progress)
+
+
+def summary(result: AutoscaleResult, horizon_s: float, steps: Sequence[LoadStep]) -> dict[str, Any]:
+    """A run's figures: replica-seconds by deployment over [0, horizon_s), scale events by
+    deployment (and the most any deployment made per load step), TTFT / TBT p90 attainment over
+    the run and within each step's window, requests finished."""
+    events = result.num_events()
+    return {
+        "requests": len(result.sim.records),
+        "completed": result.sim.num_completed,
+        "replica_s": {k: round(v, 1) for k, v in result.replica_seconds(horizon_s).items()},
+        "scale_events": events,
+        "events_per_step": max(events.values(), default=0) / max(len(steps), 1),
+        "attainment": _rounded(attainment(result.sim)),
+        "attainment_in_steps": [
+            _rounded(attainment(result.sim, step.start_s, step.end_s)) for step in steps
+        ],
+    }
+
+
+def _rounded(figures: Mapping[str, float | bool]) -> dict[str, float | bool]:
+    return {k: v if isinstance(v, bool) else round(v, 3) for k, v in figures.items()}
