@@ -44,7 +44,9 @@ def add_autoscale_parser(sub: Any) -> None:
     p.add_argument("--design", required=True, choices=sorted(DESIGNS))
     p.add_argument("--max", required=True, help="the pool: max replicas, e.g. 30P10T (or 40)")
     p.add_argument("--initial", default="", help="machines at time 0 (default: min_replicas)")
-    p.add_argument("--rate", type=float, default=0.0, help="Poisson base rate (default: as recorded)")
+    p.add_argument(
+        "--rate", type=float, default=0.0, help="Poisson base rate (default: as recorded)"
+    )
     p.add_argument("--time-scale", type=float, default=1.0, help="as recorded: time x this")
     p.add_argument("--duration", type=float, default=1800.0, help="simulated seconds of arrivals")
     p.add_argument("--step", action="append", default=[], help="e.g. 3x@600s+600s (repeatable)")

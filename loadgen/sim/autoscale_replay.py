@@ -67,7 +67,9 @@ def parse_step(text: str) -> LoadStep:
     """`3x@600s+600s` (or `3x@600+600`): 3 times the rate from 600 s for 600 s."""
     match = _STEP.match(text)
     if match is None:
-        raise ValueError(f"load step {text!r}: expected FACTORx@STARTs+DURATIONs, e.g. 3x@600s+600s")
+        raise ValueError(
+            f"load step {text!r}: expected FACTORx@STARTs+DURATIONs, e.g. 3x@600s+600s"
+        )
     factor, start, duration = (float(g) for g in match.groups())
     return LoadStep(factor, start, duration)
 
@@ -126,7 +128,7 @@ class RoleScaling:
 # bench/autoscale.py's runs. A prompt machine's pending tokens (its prefill in progress
 # included) track its offered load until it queues, then grow without bound: a load step asks
 # for many machines at once (`max_step` lets them come in one decision), and a wish must last
-# `upscale_after_s` (as long as the look-back) so that the average it reads is the step's, not
+# `upscale_after_s` (longer than the look-back) so that the average it reads is the step's, not
 # the base's. The averages of a steady load still swing by 2-3x (Poisson arrivals, long-tailed
 # prompts), so a scale-down needs the load to fit well under the target (`scale_down_fill`)
 # for minutes, or the count would follow the noise. A token machine's decode KV stops growing at
@@ -162,7 +164,9 @@ class AutoscaleOptions:
     initial: Mapping[Role, int] = field(default_factory=dict)
     startup_s: float = 60.0
     interval_s: float = 1.0
-    look_back_s: float = 30.0
+    # Serve's default is 30 s; a short window lets a step's first decision read the step's load
+    # alone and ask for all it needs at once (bench/autoscale.py).
+    look_back_s: float = 10.0
     shards_per_group: int = 0
 
     def __post_init__(self) -> None:
@@ -488,12 +492,13 @@ def summary(result: AutoscaleResult, horizon_s: float, steps: Sequence[LoadStep]
         "replica_s": {k: round(v, 1) for k, v in result.replica_seconds(horizon_s).items()},
         "scale_events": result.num_events(),
         "events_per_step": max(per_step, default=0),
-        "attainment": _rounded(attainment(result.sim)),
+        "attainment": rounded(attainment(result.sim)),
         "attainment_in_steps": [
-            _rounded(attainment(result.sim, step.start_s, step.end_s)) for step in steps
+            rounded(attainment(result.sim, step.start_s, step.end_s)) for step in steps
         ],
     }
 
 
-def _rounded(figures: Mapping[str, float | bool]) -> dict[str, float | bool]:
+def rounded(figures: Mapping[str, float | bool]) -> dict[str, float | bool]:
+    """Figures to three decimals (verdicts as they are)."""
     return {k: v if isinstance(v, bool) else round(v, 3) for k, v in figures.items()}
