@@ -3,9 +3,13 @@ on a trace with a load step; machines start after a delay and drain without drop
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from common.roles import Role
+from loadgen.sim.__main__ import main
 from loadgen.sim.autoscale_replay import (
     AutoscaleResult,
     LoadStep,
@@ -128,3 +132,24 @@ def test_bad_scaling_options_are_refused() -> None:
         default_options(HH, {Role.PROMPT: 4, Role.TOKEN: 4}, initial={Role.PROMPT: 5})
     with pytest.raises(ValueError, match="min_replicas"):
         default_options(HH, {Role.PROMPT: 4, Role.TOKEN: 4}, prompt={"min_replicas": 0})
+
+
+def test_the_command_reads_a_policy_file_and_ends_with_its_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "startup_s: 5\nprompt: {targets: {pending_prompt_tokens: 500}, upscale_after_s: 2}\n"
+    )
+    argv = ["autoscale", "--trace", str(TRACE), "--design", "Splitwise-HH", "--max", "6P3T",
+            "--initial", "1P1T", "--rate", "4", "--duration", "90", "--step", "3x@30s+30s",
+            "--policy", str(policy), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["completed"] == figures["requests"] > 0
+    assert figures["scale_events"]["prompt"] >= 1  # 1 prompt machine, a 500-token target
+    assert set(figures["replica_s"]) == {"prompt", "token"}
+    assert len(figures["attainment_in_steps"]) == 1
+    policy.write_text("prompt: {targets: {kv_fill: 0.5}}\n")
+    with pytest.raises(ValueError, match="not prompt's"):
+        main(argv)
