@@ -6,6 +6,8 @@ python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --power 70 -
 python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --rate 70 --by cost
 python -m loadgen.sim lamina --trace T.csv [--memory 4 8] [--batches 1 2 3 4]
 python -m loadgen.sim offline [--hardware a100-80gb] [--gpus 8] [--requests 2000]
+python -m loadgen.sim autoscale --trace T.csv --design Splitwise-HH --max 30P10T --rate 25 \
+    --step 3x@600s+600s
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from common.scheduling.home_roles import HomeRoleThresholds
+from loadgen.sim.autoscale_cli import add_autoscale_parser
 from loadgen.sim.designs import DESIGNS, parse_cluster
 from loadgen.sim.lamina_cli import add_lamina_parser
 from loadgen.sim.offline import add_offline_parser
@@ -120,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     prov.set_defaults(func=_provision)
     add_lamina_parser(sub)
     add_offline_parser(sub)
+    add_autoscale_parser(sub)
     return parser
 
 

@@ -113,6 +113,18 @@ class SimMachine:
             policy.config.kv_capacity_tokens - kv_used - self.inbound_kv_tokens,
         )
 
+    @property
+    def is_idle(self) -> bool:
+        """Nothing running, queued, or on its way here (KV routed to it that has not landed):
+        a draining machine may stop."""
+        policy = self.policy
+        return (
+            self.run is None
+            and self.inbound_kv_tokens == 0
+            and not policy.running
+            and not policy.has_waiting
+        )
+
     def add_decode(self, req_id: int, prompt_len: int, arrival_s: float, now: float) -> None:
         """A request's KV landed from its prompt machine: it joins when memory allows."""
         self.policy.add_decode(req_id, prompt_len, arrival_s, now)

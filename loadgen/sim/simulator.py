@@ -328,12 +328,34 @@ class Simulator:
         self._kick(machine, now)
 
     def _refreshed_loads(self) -> LoadBoard:
-        """The board, with the loads of the machines changed since the last routing."""
-        machines, loads = self.machines, self.loads
+        """The board, with the loads of the machines changed since the last routing (those the
+        router routes to: a machine out of its pools keeps no load there)."""
+        machines, loads, routable = self.machines, self.loads, self.router.pools.current
         for machine_id in self._changed:
-            loads.report(machine_id, *machines[machine_id].load())
+            if machine_id in routable:
+                loads.report(machine_id, *machines[machine_id].load())
         self._changed.clear()
         return loads
+
+    def set_routable(self, machine_ids: Iterable[int], now: float) -> None:
+        """Route only to `machine_ids` from now on (an autoscaled cluster: machines that have
+        started, less those draining). As the live router does when its set of engines
+        changes, the routing policy is rebuilt over the new set; a machine that stays keeps
+        its home and current pool (and when it was lent), one that joins starts at its type's
+        home. A machine left out still finishes what it holds: events need no routing."""
+        old = self.router.pools
+        keep = sorted(set(machine_ids))
+        if not keep:
+            raise ValueError("set_routable: at least one machine")
+        homes = {m: old.home.get(m, self.machines[m].home) for m in keep}
+        self.router = JSQPoolPolicy(homes, self.options.thresholds, self.options.prefix_weight)
+        pools = self.router.pools
+        pools.sync({m: (homes[m], old.current[m]) for m in keep if m in old.current}, now)
+        for m in keep:
+            if m in old.mixed_since and m in pools.mixed_since:
+                pools.mixed_since[m] = old.mixed_since[m]
+        self.loads = LoadBoard(pools)
+        self._changed = set(keep)
 
     def _usable_keys(self, req_id: int, prompt_len: int) -> tuple[BlockKey, ...]:
         """The blocks of a prompt a lookup may reuse (its last token is always computed)."""

@@ -43,13 +43,15 @@ def slowdowns(
     result: SimResult,
     reference: tuple[MachineType, MachineType] | None = None,
     skip_before_s: float = 0.0,
+    until_s: float = float("inf"),
 ) -> dict[str, np.ndarray]:
-    """Per-request slowdowns by metric, for requests arriving after `skip_before_s`."""
+    """Per-request slowdowns by metric, for requests arriving in [`skip_before_s`, `until_s`)."""
     cluster: ClusterSpec = result.cluster
     prompt_type, token_type = reference or (cluster.design.prompt_type, cluster.design.token_type)
     prompt_perf = perf_model_for(prompt_type, cluster.model)
     tbt0 = perf_model_for(token_type, cluster.model).decode_s(1)
-    records = [r for r in result.records if r.arrival_s >= skip_before_s and r.output_len > 0]
+    records = [r for r in result.records
+               if skip_before_s <= r.arrival_s < until_s and r.output_len > 0]  # fmt: skip
     ttft0 = np.array([prompt_perf.prefill_s(r.prompt_len) for r in records])
     out = np.array([r.output_len for r in records], dtype=float)
     ttft = np.array([r.ttft_s for r in records])
@@ -79,3 +81,24 @@ def check_slos(
             measured[key] = float(np.percentile(values, pct)) if len(values) else 0.0
             limits[key] = limit
     return SLOCheck(measured, limits)
+
+
+def attainment(
+    result: SimResult, start_s: float = 0.0, end_s: float = float("inf"), percentile: float = 90
+) -> dict[str, float | bool]:
+    """TTFT and TBT at `percentile` against Table VI's limits there, for the requests arriving
+    in [`start_s`, `end_s`): each metric's slowdown at the percentile, its limit, and the share
+    of requests within the limit (`ttft_within`); `met`: both percentiles within their limits."""
+    by_metric = slowdowns(result, skip_before_s=start_s, until_s=end_s)
+    out: dict[str, float | bool] = {}
+    met = True
+    for metric in ("ttft", "tbt"):
+        limit = dict(SPLITWISE_SLOS[metric])[percentile]
+        values = by_metric[metric]
+        at = float(np.percentile(values, percentile)) if len(values) else 0.0
+        out[f"{metric}_p{percentile:g}"] = at
+        out[f"{metric}_limit"] = limit
+        out[f"{metric}_within"] = float(np.mean(values <= limit)) if len(values) else 1.0
+        met = met and at <= limit
+    out["met"] = met
+    return out
