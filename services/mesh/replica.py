@@ -38,7 +38,7 @@ from services.engine.model_peer_worker import ModelPeerWorker
 from services.engine.worker import EngineWorker
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
-from services.mesh.shard_group import ShardGroupKeeper, rebuilders
+from services.mesh.shard_group import ShardGroupKeeper, claimant_of, rebuilders
 from services.mesh.ticker import Ticker
 from services.shard.worker import ShardWorker
 
@@ -199,8 +199,11 @@ class MeshReplica:
         (within `DRAIN_NOTICE_S`), while the engine goes on serving its requests, those that
         arrive meanwhile included. Requests still running at `drain_s` (and any a router
         placed here although it could not read the registry) lose their engine when it stops:
-        routers re-run them elsewhere from their tokens (migration, docs/failures.md)."""
+        routers re-run them elsewhere from their tokens (migration, docs/failures.md). A shard
+        first serves the draining token engine that holds it (`_outlive_draining_claimant`)."""
         worker = self.worker.worker
+        if isinstance(worker, ShardWorker):
+            self._outlive_draining_claimant(drain_s + DRAIN_NOTICE_S)
         if isinstance(worker, EngineWorker):
             try:
                 self.membership.update(state="draining")
@@ -220,6 +223,30 @@ class MeshReplica:
         self.membership.stop()
         self.worker.stop()
         log.info("mesh replica stopped", service_id=self.membership.entry.service_id)
+
+    def _outlive_draining_claimant(self, wait_s: float) -> None:
+        """A shard leaving: claimable no more, it serves the token engine that holds it while that
+        engine drains, at most `wait_s`, so that a group told to stop with its engine (one
+        scale-down) leaves after it. Its engine may mark itself draining a moment after this
+        shard was told to stop: a claimant still `ready` is waited for `DRAIN_NOTICE_S`. An
+        engine that stays keeps no shard here: its group breaks and its keeper rebuilds the lost
+        heads on a free shard of the same slot (services/mesh/autoscaling.py)."""
+        shard_id = self.membership.entry.service_id
+        started = time.monotonic()
+        claimant: ServiceEntry | None = None
+        try:
+            self.membership.update(state="draining")
+            # NOTE: bounded wait at shutdown on another replica's drain; nothing to block on.
+            while (claimant := claimant_of(self.membership.registry.live(), shard_id)) and (
+                time.monotonic() - started < (wait_s if claimant.state == "draining" else
+                                              min(DRAIN_NOTICE_S, wait_s))
+            ):  # fmt: skip
+                time.sleep(DRAIN_POLL_S)
+        except Exception as exc:  # noqa: BLE001 - the registry may be gone: stopping anyway
+            log.warning("could not wait for the shard's token engine", error=repr(exc))
+        if claimant is not None:
+            log.warning("its token engine still holds it: stopping anyway",
+                        engine=claimant.service_id, state=claimant.state)  # fmt: skip
 
 
 def start_engine(

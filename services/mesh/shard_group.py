@@ -12,6 +12,10 @@ The replacement holds none of the dead shard's KV: the engine has a prompt engin
 heads from each request's tokens (services/engine/shard_rebuild.py), so with the group it is told
 the live prompt engines (`rebuilders`).
 
+A group leaves after its token engine: a shard told to stop (scale-down) turns `draining` (no
+engine claims it any more) and serves on while the token engine that holds it drains
+(`claimant_of`); its engine's keeper counts a draining shard as present, not lost.
+
 `ShardGroupKeeper.check()` is called periodically by whoever runs the engine (the Ray replica's
 watch thread, or the local launcher's supervisor) and says what changed; it never touches links.
 """
@@ -19,7 +23,7 @@ watch thread, or the local launcher's supervisor) and says what changed; it neve
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from common.roles import Role
@@ -66,6 +70,15 @@ class ShardGroupKeeper:
         lost, claimed = found
         self.group = claimed
         return GroupChange(lost, claimed)
+
+
+def claimant_of(entries: Iterable[ServiceEntry], shard_id: str) -> ServiceEntry | None:
+    """The token engine that holds `shard_id` in its group, if any: a shard told to stop serves
+    it while it drains (`MeshReplica.shutdown`)."""
+    for e in entries:
+        if e.role == Role.TOKEN and any(s.service_id == shard_id for s in e.shards):
+            return e
+    return None
 
 
 def rebuilders(registry: RegistryClient) -> list[str]:
