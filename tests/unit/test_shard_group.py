@@ -11,7 +11,7 @@ from common.roles import Role
 from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Registry, ServiceEntry
-from services.mesh.shard_group import ShardGroupKeeper, rebuilders
+from services.mesh.shard_group import ShardGroupKeeper, claimant_of, rebuilders
 
 
 class Clock:
@@ -159,3 +159,27 @@ def test_the_prompt_engines_ready_now_may_rebuild_a_lost_shards_heads() -> None:
         registry.register(ServiceEntry(role=role, service_id=service_id, state=state,
                                        command_endpoint=f"{service_id}-cmd"))  # fmt: skip
     assert sorted(rebuilders(registry)) == ["m0-cmd", "p0-cmd"]
+
+
+def test_a_draining_shard_serves_its_engine_on_and_is_claimed_by_no_other() -> None:
+    """Scale-down: a shard told to stop turns `draining` while its engine drains: its keeper
+    does not count it lost, and a new engine's claim does not take it."""
+    clock = Clock()
+    registry = Registry(clock=clock)
+    for i in range(4):
+        start_shard(registry, f"s{i}", 2)
+    group = registry.claim_group("t0", 2) or ()
+    keeper = ShardGroupKeeper(registry, "t0", 2, group, clock=clock)
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t0", state="draining",
+                                   shards=tuple(e.shard_address() for e in group)))  # fmt: skip
+    for shard in group:
+        registry.register(ServiceEntry(role=Role.SHARD, service_id=shard.service_id,
+                                       state="draining", slot=shard.slot))  # fmt: skip
+        claimant = claimant_of(registry.live(), shard.service_id)
+        assert claimant is not None and claimant.service_id == "t0"
+    assert keeper.check() is None
+    clock.now = ABSENT_CONFIRM_S + 1  # within the registry's heartbeat age
+    assert keeper.check() is None  # its group is whole while it drains
+    other = registry.claim_group("t1", 2)
+    assert other is not None and not set(ids(tuple(other))) & set(ids(tuple(group)))
+    assert claimant_of(registry.live(), "s9") is None
