@@ -86,6 +86,7 @@ BURST_GREEDY_EVERY = 4  # the others sample: load alike, no reference to compute
 DECODE_CLIENTS = 6
 DECODE_PROMPT_LEN = 8
 DECODE_TOKENS = 96
+DECODE_GREEDY_EVERY = 4  # the others sample (seeded): the reference check stays short
 TRICKLE_CLIENTS = 2
 TRICKLE_PROMPT_LEN = 8
 TRICKLE_TOKENS = 24
@@ -206,7 +207,7 @@ def test_load_steps_scale_prompt_engines_and_token_engine_groups_1_2_1_losing_no
 
         # Long decodes of short prompts: the prompt engines idle, the token engine's KV grows.
         with Clients(server.base_url, DECODE_CLIENTS, DECODE_PROMPT_LEN, DECODE_TOKENS,
-                     1_000_000) as decodes:  # fmt: skip
+                     1_000_000, DECODE_GREEDY_EVERY) as decodes:  # fmt: skip
             wait_while(decodes, "PromptEngine back to 1, a token engine with its group added",
                        lambda: counts() == (1, 2, 2 * SHARDS_PER_GROUP), 180)  # fmt: skip
             wait_while(decodes, "2 token engines and their shards in routing", lambda: (

@@ -42,12 +42,17 @@ NUM_TOKENS = 48
 Replicas = tuple[Registry, WorkerConfig, dict[str, MeshReplica]]
 
 
-@pytest.fixture
-def replicas(tiny_model_path: Path) -> Iterator[Replicas]:
-    options = MeshOptions(num_blocks=256, shards_per_group=0, host="127.0.0.1")
-    base = WorkerConfig(service_id="", model_path=str(tiny_model_path), ready_endpoint="",
+def worker_base(model_path: Path, options: MeshOptions) -> WorkerConfig:
+    """What every replica of the test's mesh shares (`start_engine`, `start_shard`)."""
+    return WorkerConfig(service_id="", model_path=str(model_path), ready_endpoint="",
                         host="127.0.0.1", served_model_name="tiny",
                         mesh_key=secrets.token_hex(32), options=options)  # fmt: skip
+
+
+@pytest.fixture
+def replicas(tiny_model_path: Path) -> Iterator[Replicas]:
+    base = worker_base(tiny_model_path, MeshOptions(num_blocks=256, shards_per_group=0,
+                                                    host="127.0.0.1"))  # fmt: skip
     registry = Registry()
     started: dict[str, MeshReplica] = {}
     try:
@@ -65,6 +70,37 @@ def held(replica: MeshReplica) -> set[str]:
     worker = replica.worker.worker
     assert isinstance(worker, EngineWorker)
     return set(worker.engine.table.requests)  # a racy read of a dict's keys: a test's glance
+
+
+def greedy_case(
+    model_path: Path, lengths: list[int], seed: int
+) -> tuple[list[list[int]], SamplingParams, list[list[int]]]:
+    """Prompts of these lengths, greedy parameters, and the single-process engine's tokens."""
+    prompts = random_prompts(lengths, 2048, seed=seed)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    return (
+        prompts,
+        params,
+        LLMEngine.from_path(model_path, num_blocks=256).generate(prompts, params),
+    )
+
+
+def busiest(started: dict[str, MeshReplica]) -> str:
+    """The token engine holding the most requests."""
+    return max(("token-a", "token-b"), key=lambda n: len(held(started[n])))
+
+
+async def decoding(
+    client: MeshEngineClient, prefix: str, prompts: list[list[int]], params: SamplingParams,
+    started: dict[str, MeshReplica], check: Callable[[bool, bool], bool],
+) -> list[asyncio.Task[list[int]]]:  # fmt: skip
+    """The streams of `prompts`, once `check` (of whether each token engine holds one) holds
+    (bounded by the caller's gather deadline)."""
+    tasks = [asyncio.create_task(collect(client, f"{prefix}{i}", p, params))
+             for i, p in enumerate(prompts)]  # fmt: skip
+    while not check(bool(held(started["token-a"])), bool(held(started["token-b"]))):
+        await asyncio.sleep(0.05)
+    return tasks
 
 
 def router_client(
@@ -100,19 +136,14 @@ def test_a_leaving_token_engine_takes_no_new_work_and_finishes_what_it_holds(
     registry, base, started = replicas
     client = router_client(registry.live, base)
     migrations = count_migrations(client)
-    prompts = random_prompts([24, 40, 56, 72, 30, 50, 70, 90], 2048, seed=71)
-    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-    expected = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(prompts, params)
+    prompts, params, expected = greedy_case(tiny_model_path, [24, 40, 56, 72, 30, 50, 70, 90], 71)
     first, later = prompts[:4], prompts[4:]
     draining_seen: dict[str, Any] = {}
 
     async def run() -> list[list[int]]:
-        tasks = [asyncio.create_task(collect(client, f"r{i}", p, params))
-                 for i, p in enumerate(first)]  # fmt: skip
-        while not (held(started["token-a"]) or held(started["token-b"])):
-            await asyncio.sleep(0.05)  # until they decode (bounded by the gather's deadline)
+        tasks = await decoding(client, "r", first, params, started, lambda a, b: a or b)
         # The token engine holding the most of them leaves, as Serve stops a replica.
-        name = max(("token-a", "token-b"), key=lambda n: len(held(started[n])))
+        name = busiest(started)
         leaving = started[name]
         holding = held(leaving)
         assert holding, "neither token engine holds a request"
@@ -199,9 +230,7 @@ def test_a_token_engine_stopped_with_its_shard_group_leaves_first_and_finishes_o
 ) -> None:
     options = MeshOptions(num_blocks=256, shard_num_blocks=256, shards_per_group=2,
                           host="127.0.0.1", shard_wait_s=30)  # fmt: skip
-    base = WorkerConfig(service_id="", model_path=str(tiny_model_path), ready_endpoint="",
-                        host="127.0.0.1", served_model_name="tiny",
-                        mesh_key=secrets.token_hex(32), options=options)  # fmt: skip
+    base = worker_base(tiny_model_path, options)
     registry = DepartureLog()
     started: dict[str, MeshReplica] = {}
     try:
@@ -215,17 +244,12 @@ def test_a_token_engine_stopped_with_its_shard_group_leaves_first_and_finishes_o
         assert all(len(g) == 2 for g in groups.values()) and len(set.union(*groups.values())) == 4
         client = router_client(registry.live, base)
         migrations = count_migrations(client)
-        prompts = random_prompts([24, 40, 56, 72, 30, 50], 2048, seed=79)
-        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-        expected = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(prompts, params)
+        prompts, params, expected = greedy_case(tiny_model_path, [24, 40, 56, 72, 30, 50], 79)
         leaving: dict[str, Any] = {}
 
         async def run() -> list[list[int]]:
-            tasks = [asyncio.create_task(collect(client, f"g{i}", p, params))
-                     for i, p in enumerate(prompts)]  # fmt: skip
-            while not (held(started["token-a"]) and held(started["token-b"])):
-                await asyncio.sleep(0.05)  # until both decode (bounded by the gather's deadline)
-            name = max(("token-a", "token-b"), key=lambda n: len(held(started[n])))
+            tasks = await decoding(client, "g", prompts, params, started, lambda a, b: a and b)
+            name = busiest(started)
             leaving.update(name=name, shards=groups[name])
             # One scale-down: the engine and its group told to stop at once, shards first.
             stoppers = [threading.Thread(target=started[s].shutdown, kwargs={"drain_s": 120})
