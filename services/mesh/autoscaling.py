@@ -55,6 +55,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import structlog
+
 from common.protocol import LoadReport
 from common.roles import Role
 from common.scheduling.autoscale import (
@@ -65,6 +67,8 @@ from common.scheduling.autoscale import (
     decide,
     decide_groups,
 )
+
+log = structlog.get_logger(__name__)
 
 AGE = "age_s"
 SIGNALS: dict[Role, tuple[str, ...]] = {
@@ -226,6 +230,7 @@ class MeshAppAutoscalingPolicy:
                 int(shard.get("group_size", 1)), **engine,
             )  # fmt: skip
         self.roles = {name: MeshAutoscalingPolicy(**options) for name, options in kwargs.items()}
+        self._warned = False
 
     def __call__(self, contexts: dict[Any, Any]) -> tuple[dict[Any, float], dict[Any, Any]]:
         by_name = {dep.name: (dep, ctx) for dep, ctx in contexts.items()}
@@ -242,4 +247,9 @@ class MeshAppAutoscalingPolicy:
             counts, states[engine_dep] = self.group(engines, shards)
             decisions[engine_dep], decisions[shard_dep] = counts.token_engines, counts.shards
             states[shard_dep] = {}
+        elif self.group is not None and not self._warned:
+            # One of the two has no autoscaling_config: neither moves (never half a group).
+            log.warning("TokenEngine and AttentionShard scale together: give both an "
+                        "autoscaling_config; neither is scaled meanwhile")  # fmt: skip
+            self._warned = True
         return decisions, states

@@ -145,6 +145,10 @@ def test_the_app_policy_adds_and_removes_a_token_engine_with_its_shard_group() -
     # The Router keeps Serve's request-based rule: 35 ongoing requests, 10 a replica.
     decided, _ = policy(app_contexts({}, replicas, now=300.0, num_requests=35.0))
     assert by_name(decided)["Router"] == 4
+    # Shards without an autoscaling_config (Serve passes no context): no half group moves.
+    no_shards = {n: c for n, c in replicas.items() if n != "AttentionShard"}
+    decided, _ = policy(app_contexts(kv_heavy, no_shards, now=400.0))
+    assert "TokenEngine" not in by_name(decided) and by_name(decided)["PromptEngine"] == 1
 
 
 def test_app_policy_kwargs_fail_at_deploy_time() -> None:
