@@ -102,9 +102,9 @@ class Load:
         """The load of `samples`, each divided by `per` (a shard's load in groups' worth)."""
         samples = list(samples)
         warm = [s for s in samples if s.age_s >= policy.warmup_s]
-        if not warm:
-            return cls(None)
         # A replica still starting was added for a reason: no scale-down until it reports for real.
+        if not warm:
+            return cls(None, warming=bool(samples))
         total = sum(max(s.load, 0.0) for s in warm) / per
         return cls(total, len(warm) < len(samples), any(s.slo_breached for s in warm))
 

@@ -191,6 +191,12 @@ def test_a_starting_shard_holds_its_group_and_a_local_mesh_counts_engines_alone(
     for now in (0.0, 100.0):
         state = decide_groups(GROUPS, state, samples(0.1, 0.1), cold, 4, now=now)
     assert state.replicas == 2
+    # Nor while its new token engine starts (the shards' side alone would let it go).
+    state = ScaleState(replicas=2)
+    for now in (0.0, 100.0):
+        state = decide_groups(GROUPS, state, [LoadSample("new", 0.0, 3.0)],
+                              samples(*[0.0] * 8), 4, now=now)  # fmt: skip
+    assert state.replicas == 2
     # No shards (local attention): the engines' load alone; a shard sample means nothing.
     state = ScaleState(replicas=1)
     for now in (0.0, 20.0):
