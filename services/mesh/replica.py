@@ -38,7 +38,7 @@ from services.engine.model_peer_worker import ModelPeerWorker
 from services.engine.worker import EngineWorker
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
-from services.mesh.shard_group import ShardGroupKeeper, claimant_of, rebuilders
+from services.mesh.shard_group import ShardGroupKeeper, SlotBalance, claimant_of, rebuilders
 from services.mesh.ticker import Ticker
 from services.shard.worker import ShardWorker
 
@@ -172,11 +172,13 @@ class MeshReplica:
     """One running mesh service (worker thread + registry membership)."""
 
     def __init__(
-        self, worker: WorkerThread, membership: Membership, group_watch: GroupWatch | None = None
-    ) -> None:
+        self, worker: WorkerThread, membership: Membership, group_watch: GroupWatch | None = None,
+        slot_balance: SlotBalance | None = None,
+    ) -> None:  # fmt: skip
         self.worker = worker
         self.membership = membership
         self.group_watch = group_watch
+        self.slot_balance = slot_balance  # a shard's: replaced when a spare in a full slot
 
     def check_health(self) -> None:
         """Raise if the worker thread or the heartbeat thread died, or the loop stopped moving;
@@ -191,6 +193,11 @@ class MeshReplica:
             )
         if not self.membership.healthy():
             raise RuntimeError(f"{self.membership.entry.service_id}: its heartbeat thread died")
+        if self.slot_balance is not None and self.slot_balance.misplaced():
+            raise RuntimeError(
+                f"{self.membership.entry.service_id}: a spare shard in a slot with two more than "
+                "another: to be replaced in the emptiest slot (services/mesh/shard_group.py)"
+            )
 
     def shutdown(self, drain_s: float = 20.0) -> None:
         """Leave routing, let an engine finish what it holds (bounded by `drain_s`), then stop.
@@ -336,7 +343,9 @@ def start_shard(
         head_end=head_end,
     )  # fmt: skip
     log.info("shard replica ready", service_id=service_id, heads=(head_start, head_end))
-    return MeshReplica(thread, membership)
+    num_slots = base.options.shards_per_group
+    balance = SlotBalance(registry, service_id, num_slots) if num_slots > 1 else None
+    return MeshReplica(thread, membership, slot_balance=balance)
 
 
 def start_model_peer(

@@ -16,6 +16,12 @@ A group leaves after its token engine: a shard told to stop (scale-down) turns `
 engine claims it any more) and serves on while the token engine that holds it drains
 (`claimant_of`); its engine's keeper counts a draining shard as present, not lost.
 
+Serve picks which shard replicas a scale-down stops; on several nodes it may stop shards of one
+slot, so that what is left cannot form a whole group (slot counts 0 and 2). A spare shard in a
+slot with two more shards than another (`surplus`) asks to be replaced (`SlotBalance`: its
+replica fails its health check after `REBALANCE_AFTER_S`), and the replacement takes the
+emptiest slot (`Registry.take_shard_slot`).
+
 `ShardGroupKeeper.check()` is called periodically by whoever runs the engine (the Ray replica's
 watch thread, or the local launcher's supervisor) and says what changed; it never touches links.
 """
@@ -26,9 +32,15 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import structlog
+
 from common.roles import Role
 from services.mesh.absence import ABSENT_CONFIRM_S, Absences, recheck
 from services.mesh.registry import RegistryClient, ServiceEntry
+
+log = structlog.get_logger(__name__)
+
+REBALANCE_AFTER_S = 10.0  # a spare in an over-full slot this long is replaced (module docstring)
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,49 @@ def claimant_of(entries: Iterable[ServiceEntry], shard_id: str) -> ServiceEntry 
         if e.role == Role.TOKEN and any(s.service_id == shard_id for s in e.shards):
             return e
     return None
+
+
+def surplus(entries: Sequence[ServiceEntry], shard_id: str, num_slots: int) -> bool:
+    """Whether `shard_id` is a spare in an over-full slot: ready, held by no token engine, in a
+    slot with at least two more shards (starting or ready: draining ones are leaving) than
+    another. One more is the normal state of an odd count; two more means a group cannot form."""
+    shards = [e for e in entries if e.role == Role.SHARD and e.state != "draining"]
+    me = next((e for e in shards if e.service_id == shard_id), None)
+    if num_slots < 2 or me is None or me.state != "ready" or not 0 <= me.slot < num_slots:
+        return False
+    if claimant_of(entries, shard_id) is not None:
+        return False
+    counts = [0] * num_slots
+    for e in shards:
+        if 0 <= e.slot < num_slots:
+            counts[e.slot] += 1
+    return counts[me.slot] >= min(counts) + 2
+
+
+@dataclass(eq=False)
+class SlotBalance:
+    """A shard replica's check that it is not a spare in an over-full slot for long (`surplus`)."""
+
+    registry: RegistryClient
+    shard_id: str
+    num_slots: int
+    after_s: float = REBALANCE_AFTER_S
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self._since: float | None = None
+
+    def misplaced(self) -> bool:
+        """True once this shard has been surplus for `after_s`; never for the registry's own
+        trouble (a failed read counts as balanced)."""
+        try:
+            spare = surplus(self.registry.live(), self.shard_id, self.num_slots)
+        except Exception as exc:  # noqa: BLE001 - the registry may be restarting
+            log.warning("slot balance check failed", error=repr(exc))
+            spare = False
+        now = self.clock()
+        self._since = (self._since if self._since is not None else now) if spare else None
+        return self._since is not None and now - self._since >= self.after_s
 
 
 def rebuilders(registry: RegistryClient) -> list[str]:
