@@ -227,6 +227,8 @@ class MeshReplica:
                 log.warning("drain time over: the requests left migrate", num_requests=left)
         if self.group_watch is not None:
             self.group_watch.stop()
+        if self.slot_balance is not None:
+            self.slot_balance.stop()
         self.membership.stop()
         self.worker.stop()
         log.info("mesh replica stopped", service_id=self.membership.entry.service_id)
@@ -345,6 +347,8 @@ def start_shard(
     log.info("shard replica ready", service_id=service_id, heads=(head_start, head_end))
     num_slots = base.options.shards_per_group
     balance = SlotBalance(registry, service_id, num_slots) if num_slots > 1 else None
+    if balance is not None:
+        balance.start()
     return MeshReplica(thread, membership, slot_balance=balance)
 
 

@@ -37,6 +37,7 @@ import structlog
 from common.roles import Role
 from services.mesh.absence import ABSENT_CONFIRM_S, Absences, recheck
 from services.mesh.registry import RegistryClient, ServiceEntry
+from services.mesh.ticker import Ticker
 
 log = structlog.get_logger(__name__)
 
@@ -112,20 +113,30 @@ def surplus(entries: Sequence[ServiceEntry], shard_id: str, num_slots: int) -> b
 
 @dataclass(eq=False)
 class SlotBalance:
-    """A shard replica's check that it is not a spare in an over-full slot for long (`surplus`)."""
+    """A shard replica's check that it is not a spare in an over-full slot for long (`surplus`).
+
+    `observe()` reads the registry (a shard replica runs it on a thread of its own, `start`);
+    `misplaced()` only reads what it found, so a health check never waits on the registry."""
 
     registry: RegistryClient
     shard_id: str
     num_slots: int
     after_s: float = REBALANCE_AFTER_S
     clock: Callable[[], float] = time.monotonic
+    interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         self._since: float | None = None
+        self._ticker = Ticker("slot-balance", self.interval_s, self.observe)
 
-    def misplaced(self) -> bool:
-        """True once this shard has been surplus for `after_s`; never for the registry's own
-        trouble (a failed read counts as balanced)."""
+    def start(self) -> None:
+        self._ticker.start()
+
+    def stop(self) -> None:
+        self._ticker.stop(timeout_s=5)
+
+    def observe(self) -> None:
+        """One registry read; a failed one counts as balanced (the registry's own trouble)."""
         try:
             spare = surplus(self.registry.live(), self.shard_id, self.num_slots)
         except Exception as exc:  # noqa: BLE001 - the registry may be restarting
@@ -133,7 +144,10 @@ class SlotBalance:
             spare = False
         now = self.clock()
         self._since = (self._since if self._since is not None else now) if spare else None
-        return self._since is not None and now - self._since >= self.after_s
+
+    def misplaced(self) -> bool:
+        """This shard has been a spare in an over-full slot for `after_s` (at the last read)."""
+        return self._since is not None and self.clock() - self._since >= self.after_s
 
 
 def rebuilders(registry: RegistryClient) -> list[str]:

@@ -210,9 +210,11 @@ def test_a_spare_shard_in_a_slot_two_over_another_is_replaced_into_the_emptiest_
     # Both slot-0 shards stopped (still draining): t0's s1 stays held; s3, the spare, is replaced.
     registry.register(ServiceEntry(role=Role.SHARD, service_id="s0", state="draining", slot=0))
     assert surplus(registry.live(), "s3", 2) and not surplus(registry.live(), "s1", 2)
-    balance = SlotBalance(registry, "s3", 2, after_s=10.0, clock=clock)
+    balance = SlotBalance(registry, "s3", 2, after_s=10.0, clock=clock)  # observed by hand
+    balance.observe()
     assert not balance.misplaced()
     clock.now = 9.0
+    balance.observe()
     assert not balance.misplaced()  # not for long yet (a transient while replicas stop)
     clock.now = 10.0
     assert balance.misplaced()
@@ -227,4 +229,5 @@ def test_a_failed_registry_read_is_never_a_misplaced_shard() -> None:
             raise ConnectionError("registry restarting")
 
     balance = SlotBalance(Gone(), "s0", 2, after_s=0.0)  # type: ignore[arg-type]
+    balance.observe()
     assert not balance.misplaced()
