@@ -22,6 +22,11 @@ What the peers' users complain about, and the rule here that prevents it:
 An SLO breach (a latency p90 over its bound) asks for one more group even when the load figure
 says the size is enough: queueing is not the only way to miss an SLO (long contexts, a slow node).
 Pure: the caller passes `now` and keeps the `ScaleState` between calls.
+
+Token engines and their shards are one unit (`decide_groups`): a group is a token engine and the
+`shards_per_group` shards it claims, its load the larger of its engines' (running decode tokens,
+KV fill) and its shards' (KV fill), so +1 token engine comes with +`shards_per_group` shards and
+-1 with -`shards_per_group`: no token engine without its shards, no shard without a claimant.
 """
 
 from __future__ import annotations
@@ -83,21 +88,48 @@ class ScaleState:
     num_changes: int = 0
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the warm samples say: their total (in replicas' worth), whether any replica is still
+    warming up, whether any breached its SLO; None total: no warm sample to go on."""
+
+    total: float | None
+    warming: bool = False
+    slo_breached: bool = False
+
+    @classmethod
+    def of(cls, policy: ScalePolicy, samples: Iterable[LoadSample], per: float = 1.0) -> Load:
+        """The load of `samples`, each divided by `per` (a shard's load in groups' worth)."""
+        samples = list(samples)
+        warm = [s for s in samples if s.age_s >= policy.warmup_s]
+        # A replica still starting was added for a reason: no scale-down until it reports for real.
+        if not warm:
+            return cls(None, warming=bool(samples))
+        total = sum(max(s.load, 0.0) for s in warm) / per
+        return cls(total, len(warm) < len(samples), any(s.slo_breached for s in warm))
+
+    def __or__(self, other: Load) -> Load:
+        """Two loads of one unit (a group's engines and its shards): the larger asks."""
+        totals = [t for t in (self.total, other.total) if t is not None]
+        return Load(max(totals) if totals else None, self.warming or other.warming,
+                    self.slo_breached or other.slo_breached)  # fmt: skip
+
+
 def wanted_replicas(policy: ScalePolicy, current: int, samples: Iterable[LoadSample]) -> int:
     """The count the load asks for right now, before delays: up when the load exceeds the
     target of the current size (or an SLO is breached), down only when it fits a smaller size
     at `scale_down_fill`; otherwise the current count (the dead band). Bounded, whole groups,
     at most `max_step` groups away."""
-    samples = list(samples)
-    warm = [s for s in samples if s.age_s >= policy.warmup_s]
-    if not warm:
+    return wanted_for(policy, current, Load.of(policy, samples))
+
+
+def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
+    """`wanted_replicas` for a load already summed (`Load`)."""
+    if load.total is None:
         return current  # nothing trustworthy to go on: hold
-    # A replica still starting was added for a reason: no scale-down until it reports for real.
-    warming = len(warm) < len(samples)
-    group = policy.group_size
-    total = sum(max(s.load, 0.0) for s in warm)
+    group, total = policy.group_size, load.total
     need = max(group, group * math.ceil(total / policy.target_load / group))
-    if any(s.slo_breached for s in warm):
+    if load.slo_breached:
         need = max(need, current + group)
     if need > current:
         wanted = need
@@ -105,7 +137,7 @@ def wanted_replicas(policy: ScalePolicy, current: int, samples: Iterable[LoadSam
         wanted = current
         # Consolidation: go down a group at a time while the load fits the smaller size with room.
         while (
-            not warming
+            not load.warming
             and wanted - group >= max(policy.min_replicas, group)
             and total <= ((wanted - group) * policy.target_load * policy.scale_down_fill)
         ):
@@ -120,8 +152,12 @@ def decide(
 ) -> ScaleState:
     """The next state: `state.replicas` changes only once the wanted count has held for its delay
     and the cool-down since the last change has passed."""
+    return advance(policy, state, wanted_replicas(policy, state.replicas, samples), now)
+
+
+def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> ScaleState:
+    """`decide`'s delays and cool-down applied to a wanted count."""
     current = state.replicas
-    wanted = wanted_replicas(policy, current, samples)
     if wanted == current:
         return replace(state, wanted=0, wanted_since=None)
     # A change of direction (or of size) restarts the clock; the same wish keeps it.
@@ -132,3 +168,37 @@ def decide(
     if now - since < delay or cooling:
         return replace(state, wanted=wanted, wanted_since=since)
     return ScaleState(replicas=wanted, last_change_at=now, num_changes=state.num_changes + 1)
+
+
+@dataclass(frozen=True)
+class GroupReplicas:
+    """The replicas of `groups` groups: each token engine with its shard group."""
+
+    token_engines: int
+    shards: int
+
+    @classmethod
+    def of(cls, groups: int, shards_per_group: int) -> GroupReplicas:
+        return cls(groups, groups * shards_per_group)
+
+
+def decide_groups(
+    policy: ScalePolicy,
+    state: ScaleState,
+    engine_samples: Iterable[LoadSample],
+    shard_samples: Iterable[LoadSample],
+    shards_per_group: int,
+    now: float,
+) -> ScaleState:
+    """The next state of a token-engine group count (`state.replicas` counts groups; their
+    replicas: `GroupReplicas.of`). Engine samples are in token engines' worth, shard samples in
+    shards' worth (a group's is `shards_per_group` of them); the group's load is the larger of
+    the two, so a KV-heavy step on the shards adds a whole group even while the engines' decode
+    tokens are under target, and a group leaves only when both fit one group less. `policy`
+    counts groups (`group_size` 1; bounds and `max_step` in groups)."""
+    if policy.group_size != 1:
+        raise ValueError("a group policy counts groups: group_size must be 1")
+    load = Load.of(policy, engine_samples)
+    if shards_per_group:
+        load = load | Load.of(policy, shard_samples, per=shards_per_group)
+    return advance(policy, state, wanted_for(policy, state.replicas, load), now)

@@ -60,8 +60,10 @@ def recheck(
     now, the entries to hold from then on."""
     if num_wanted == 0:
         return None
-    ready = {e.service_id for e in registry.live() if e.state == "ready"}
-    lost = absences.lost(_ids(held), ready, clock())
+    # A draining entry still serves what it holds (a shard waits for its draining engine): not
+    # lost until it leaves the registry; claims take only ready ones (`Registry.claim_group`).
+    serving = {e.service_id for e in registry.live() if e.state in ("ready", "draining")}
+    lost = absences.lost(_ids(held), serving, clock())
     if lost is None:
         return None  # one is missing, maybe only from a restarted registry: ask again later
     if not lost and len(held) == num_wanted:

@@ -22,11 +22,30 @@ Signals, per replica (the load is the largest of signal / target, so 1.0 is one 
 - shards: `kv_fill`; added in whole groups (`group_size: shards_per_group`), together with the
   token engine that claims them.
 
+Token engines and their shards scale as one unit under `MeshAppAutoscalingPolicy`, Serve's
+application-level policy (the application's `autoscaling_policy`): one call sees every
+deployment, so +1 token engine comes with +`shards_per_group` shards in the same decision
+(`decide_groups`). Its `policy_kwargs` name each deployment's targets and knobs:
+
+    autoscaling_policy:
+      policy_function: services.mesh.autoscaling:MeshAppAutoscalingPolicy
+      policy_kwargs:
+        PromptEngine: {targets: {pending_prompt_tokens: 8192}}
+        TokenEngine: {targets: {running_decode_tokens: 65536, kv_fill: 0.8}, cooldown_s: 60}
+        AttentionShard: {targets: {kv_fill: 0.8}, group_size: 4}   # follows TokenEngine's
+
+A deployment it does not name (the Router, whose requests pass through Serve) keeps Serve's
+request-based rule (ongoing requests over `target_ongoing_requests`).
+
 A replica whose report is missing (starting, or its hook failed) contributes no sample; a
 replica whose worker died fails its health check and Serve replaces it, so a dead replica's last
 load never holds the count up. Scale-down goes through the replica's graceful shutdown: it
 leaves routing first (state `draining`), finishes what it holds, then stops
-(`services/mesh/replica.py`).
+(`services/mesh/replica.py`). A shard told to stop while the token engine that claims it drains
+waits for that engine to leave first, so a group leaves after its engine; a shard of an engine
+that stays (Serve picks which replicas stop: on one node, the newest, which are the leaving
+engine's) leaves that engine's group broken, and its lost heads are rebuilt on the shard of the
+same slot that the leaving engine freed (Lamina §5, docs/failures.md).
 """
 
 from __future__ import annotations
@@ -36,9 +55,20 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import structlog
+
 from common.protocol import LoadReport
 from common.roles import Role
-from common.scheduling.autoscale import LoadSample, ScalePolicy, ScaleState, decide
+from common.scheduling.autoscale import (
+    GroupReplicas,
+    LoadSample,
+    ScalePolicy,
+    ScaleState,
+    decide,
+    decide_groups,
+)
+
+log = structlog.get_logger(__name__)
 
 AGE = "age_s"
 SIGNALS: dict[Role, tuple[str, ...]] = {
@@ -48,6 +78,8 @@ SIGNALS: dict[Role, tuple[str, ...]] = {
     Role.SHARD: ("kv_fill",),
 }
 STATE_KEY = "phasemesh"  # our part of Serve's per-deployment policy state
+# A token engine and the shards it claims: the deployments that scale as one (services/app.py).
+GROUP_DEPLOYMENTS = ("TokenEngine", "AttentionShard")
 
 
 def engine_stats(report: LoadReport | None, age_s: float) -> dict[str, float]:
@@ -86,36 +118,138 @@ def samples_from(
     return out
 
 
+def check_targets(targets: dict[str, float]) -> dict[str, float]:
+    """Targets as given, or a ValueError naming what is wrong (at deploy time)."""
+    if not targets or any(t <= 0 for t in targets.values()):
+        raise ValueError("targets: at least one signal with a positive per-replica target")
+    known = {s for signals in SIGNALS.values() for s in signals}
+    if unknown := set(targets) - known:
+        raise ValueError(f"unknown autoscaling signals {sorted(unknown)}; known: {sorted(known)}")
+    return dict(targets)
+
+
+def bounded_policy(knobs: dict[str, Any], lo: int, hi: int) -> ScalePolicy:
+    """The policy of `knobs` within Serve's capacity-adjusted bounds, rounded to whole groups."""
+    group = int(knobs.get("group_size", 1))
+    low = -(-lo // group) * group
+    high = max(hi // group * group, low)
+    return ScalePolicy(target_load=1.0, **{**knobs, "min_replicas": low, "max_replicas": high})
+
+
+def saved_state(ctx: Any) -> ScaleState:
+    """The state this deployment's last decision left, following a count changed by hand."""
+    saved = ctx.policy_state.get(STATE_KEY)
+    state = ScaleState(**saved) if saved else ScaleState(replicas=ctx.target_num_replicas)
+    if state.replicas != ctx.target_num_replicas:  # changed by hand (serve deploy): follow it
+        state = ScaleState(ctx.target_num_replicas, last_change_at=state.last_change_at,
+                           num_changes=state.num_changes)  # fmt: skip
+    return state
+
+
+def now_of(ctx: Any) -> float:
+    return ctx.current_time if ctx.current_time is not None else time.time()
+
+
 class MeshAutoscalingPolicy:
     """Serve's class-callable policy (`policy_kwargs` are this constructor's arguments)."""
 
     def __init__(self, targets: dict[str, float], **knobs: Any) -> None:
-        if not targets or any(t <= 0 for t in targets.values()):
-            raise ValueError("targets: at least one signal with a positive per-replica target")
-        known = {s for signals in SIGNALS.values() for s in signals}
-        if unknown := set(targets) - known:
-            raise ValueError(
-                f"unknown autoscaling signals {sorted(unknown)}; known: {sorted(known)}"
-            )
-        self.targets = dict(targets)
+        self.targets = check_targets(targets)
         self.knobs = knobs
         # Refuse bad knobs at deploy time, not per decision (the bounds come from Serve's).
         group = int(knobs.get("group_size", 1))
-        ScalePolicy(target_load=1.0, **{"min_replicas": group, "max_replicas": group, **knobs})
+        bounded_policy(knobs, group, group)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        lo, hi = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
-        knobs = {**self.knobs}
-        group = int(knobs.get("group_size", 1))
-        # Serve's capacity-adjusted bounds, rounded to whole groups.
-        knobs["min_replicas"] = -(-lo // group) * group
-        knobs["max_replicas"] = max(hi // group * group, knobs["min_replicas"])
-        policy = ScalePolicy(target_load=1.0, **knobs)
-        saved = ctx.policy_state.get(STATE_KEY)
-        state = ScaleState(**saved) if saved else ScaleState(replicas=ctx.target_num_replicas)
-        if state.replicas != ctx.target_num_replicas:  # changed by hand (serve deploy): follow it
-            state = ScaleState(ctx.target_num_replicas, last_change_at=state.last_change_at,
-                               num_changes=state.num_changes)  # fmt: skip
-        now = ctx.current_time if ctx.current_time is not None else time.time()
-        state = decide(policy, state, samples_from(ctx.aggregated_metrics or {}, self.targets), now)
+        policy = bounded_policy(
+            self.knobs, ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
+        )
+        samples = samples_from(ctx.aggregated_metrics or {}, self.targets)
+        state = decide(policy, saved_state(ctx), samples, now_of(ctx))
         return state.replicas, {STATE_KEY: asdict(state)}
+
+
+class GroupAutoscaling:
+    """Token engines and their shard groups decided together (`decide_groups`): the token
+    engines' knobs count groups; the shards add their signal and follow."""
+
+    def __init__(
+        self, engine_targets: dict[str, float], shard_targets: dict[str, float],
+        shards_per_group: int, **knobs: Any,
+    ) -> None:  # fmt: skip
+        if "group_size" in knobs:
+            raise ValueError("TokenEngine's knobs count groups: its group_size is 1")
+        if shards_per_group < 1:
+            raise ValueError("AttentionShard's group_size (shards_per_group) must be at least 1")
+        self.engine_targets, self.shard_targets = check_targets(engine_targets), shard_targets
+        self.shards_per_group, self.knobs = shards_per_group, knobs
+        bounded_policy(knobs, 1, 1)
+
+    def __call__(self, engines: Any, shards: Any) -> tuple[GroupReplicas, dict[str, Any]]:
+        g = self.shards_per_group
+        # Whole groups within both deployments' bounds.
+        lo = max(engines.capacity_adjusted_min_replicas,
+                 -(-shards.capacity_adjusted_min_replicas // g))  # fmt: skip
+        hi = min(engines.capacity_adjusted_max_replicas, shards.capacity_adjusted_max_replicas // g)
+        policy = bounded_policy(self.knobs, lo, hi)
+        engine_samples = samples_from(engines.aggregated_metrics or {}, self.engine_targets)
+        shard_samples = samples_from(shards.aggregated_metrics or {}, self.shard_targets)
+        state = decide_groups(policy, saved_state(engines), engine_samples, shard_samples, g,
+                              now_of(engines))  # fmt: skip
+        return GroupReplicas.of(state.replicas, g), {STATE_KEY: asdict(state)}
+
+
+def requests_policy(ctx: Any) -> float:
+    """Serve's default rule, for a deployment whose requests pass through Serve (the Router):
+    its ongoing requests over `target_ongoing_requests` per replica (Serve's wrapper adds its
+    delays, bounds and cold start)."""
+    if ctx.current_num_replicas == 0:
+        return float(ctx.target_num_replicas)
+    return float(ctx.total_num_requests) / ctx.config.get_target_ongoing_requests()
+
+
+class MeshAppAutoscalingPolicy:
+    """Serve's application-level policy: `policy_kwargs` name deployments (module docstring)."""
+
+    def __init__(self, **deployments: dict[str, Any]) -> None:
+        kwargs = {name: dict(options) for name, options in deployments.items()}
+        engine_name, shard_name = GROUP_DEPLOYMENTS
+        self.group: GroupAutoscaling | None = None
+        if shard_name in kwargs:
+            shard = kwargs.pop(shard_name)
+            if engine_name not in kwargs:
+                raise ValueError(f"{shard_name} follows {engine_name}: name both")
+            if extra := set(shard) - {"targets", "group_size"}:
+                raise ValueError(
+                    f"{shard_name} takes targets and group_size only (its count follows "
+                    f"{engine_name}'s knobs), not {sorted(extra)}"
+                )
+            engine = kwargs.pop(engine_name)
+            self.group = GroupAutoscaling(
+                engine.pop("targets", {}), check_targets(shard.get("targets", {})),
+                int(shard.get("group_size", 1)), **engine,
+            )  # fmt: skip
+        self.roles = {name: MeshAutoscalingPolicy(**options) for name, options in kwargs.items()}
+        self._warned = False
+
+    def __call__(self, contexts: dict[Any, Any]) -> tuple[dict[Any, float], dict[Any, Any]]:
+        by_name = {dep.name: (dep, ctx) for dep, ctx in contexts.items()}
+        decisions: dict[Any, float] = {}
+        states: dict[Any, Any] = {}
+        for name, (dep, ctx) in by_name.items():
+            if name in self.roles:
+                decisions[dep], states[dep] = self.roles[name](ctx)
+            elif name not in GROUP_DEPLOYMENTS or self.group is None:
+                decisions[dep], states[dep] = requests_policy(ctx), {}
+        engine_name, shard_name = GROUP_DEPLOYMENTS
+        if self.group is not None and engine_name in by_name and shard_name in by_name:
+            (engine_dep, engines), (shard_dep, shards) = by_name[engine_name], by_name[shard_name]
+            counts, states[engine_dep] = self.group(engines, shards)
+            decisions[engine_dep], decisions[shard_dep] = counts.token_engines, counts.shards
+            states[shard_dep] = {}
+        elif self.group is not None and not self._warned:
+            # One of the two has no autoscaling_config: neither moves (never half a group).
+            log.warning("TokenEngine and AttentionShard scale together: give both an "
+                        "autoscaling_config; neither is scaled meanwhile")  # fmt: skip
+            self._warned = True
+        return decisions, states

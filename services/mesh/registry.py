@@ -134,11 +134,13 @@ class Registry:
         return list(self.entries.values())
 
     def take_shard_slot(self, entry: ServiceEntry, num_slots: int) -> int:
-        """Register a starting shard in the slot with the fewest live shards; return the slot."""
+        """Register a starting shard in the slot with the fewest live shards (draining ones are
+        leaving: not counted); return the slot."""
         self._expire()
         counts = [0] * num_slots
         for other in self.entries.values():
-            if other.role == Role.SHARD and 0 <= other.slot < num_slots:
+            serving = other.state != "draining"
+            if other.role == Role.SHARD and serving and 0 <= other.slot < num_slots:
                 counts[other.slot] += 1
         slot = min(range(num_slots), key=lambda s: (counts[s], s))
         self.register(replace(entry, slot=slot))

@@ -38,7 +38,7 @@ from services.engine.model_peer_worker import ModelPeerWorker
 from services.engine.worker import EngineWorker
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
-from services.mesh.shard_group import ShardGroupKeeper, rebuilders
+from services.mesh.shard_group import ShardGroupKeeper, SlotBalance, claimant_of, rebuilders
 from services.mesh.ticker import Ticker
 from services.shard.worker import ShardWorker
 
@@ -172,11 +172,13 @@ class MeshReplica:
     """One running mesh service (worker thread + registry membership)."""
 
     def __init__(
-        self, worker: WorkerThread, membership: Membership, group_watch: GroupWatch | None = None
-    ) -> None:
+        self, worker: WorkerThread, membership: Membership, group_watch: GroupWatch | None = None,
+        slot_balance: SlotBalance | None = None,
+    ) -> None:  # fmt: skip
         self.worker = worker
         self.membership = membership
         self.group_watch = group_watch
+        self.slot_balance = slot_balance  # a shard's: replaced when a spare in a full slot
 
     def check_health(self) -> None:
         """Raise if the worker thread or the heartbeat thread died, or the loop stopped moving;
@@ -191,6 +193,11 @@ class MeshReplica:
             )
         if not self.membership.healthy():
             raise RuntimeError(f"{self.membership.entry.service_id}: its heartbeat thread died")
+        if self.slot_balance is not None and self.slot_balance.misplaced():
+            raise RuntimeError(
+                f"{self.membership.entry.service_id}: a spare shard in a slot with two more than "
+                "another: to be replaced in the emptiest slot (services/mesh/shard_group.py)"
+            )
 
     def shutdown(self, drain_s: float = 20.0) -> None:
         """Leave routing, let an engine finish what it holds (bounded by `drain_s`), then stop.
@@ -199,8 +206,11 @@ class MeshReplica:
         (within `DRAIN_NOTICE_S`), while the engine goes on serving its requests, those that
         arrive meanwhile included. Requests still running at `drain_s` (and any a router
         placed here although it could not read the registry) lose their engine when it stops:
-        routers re-run them elsewhere from their tokens (migration, docs/failures.md)."""
+        routers re-run them elsewhere from their tokens (migration, docs/failures.md). A shard
+        first serves the draining token engine that holds it (`_outlive_draining_claimant`)."""
         worker = self.worker.worker
+        if isinstance(worker, ShardWorker):
+            self._outlive_draining_claimant(drain_s + DRAIN_NOTICE_S)
         if isinstance(worker, EngineWorker):
             try:
                 self.membership.update(state="draining")
@@ -217,9 +227,35 @@ class MeshReplica:
                 log.warning("drain time over: the requests left migrate", num_requests=left)
         if self.group_watch is not None:
             self.group_watch.stop()
+        if self.slot_balance is not None:
+            self.slot_balance.stop()
         self.membership.stop()
         self.worker.stop()
         log.info("mesh replica stopped", service_id=self.membership.entry.service_id)
+
+    def _outlive_draining_claimant(self, wait_s: float) -> None:
+        """A shard leaving: claimable no more, it serves the token engine that holds it while that
+        engine drains, at most `wait_s`, so that a group told to stop with its engine (one
+        scale-down) leaves after it. Its engine may mark itself draining a moment after this
+        shard was told to stop: a claimant still `ready` is waited for `DRAIN_NOTICE_S`. An
+        engine that stays keeps no shard here: its group breaks and its keeper rebuilds the lost
+        heads on a free shard of the same slot (services/mesh/autoscaling.py)."""
+        shard_id = self.membership.entry.service_id
+        started = time.monotonic()
+        claimant: ServiceEntry | None = None
+        try:
+            self.membership.update(state="draining")
+            # NOTE: bounded wait at shutdown on another replica's drain; nothing to block on.
+            while (claimant := claimant_of(self.membership.registry.live(), shard_id)) and (
+                time.monotonic() - started < (wait_s if claimant.state == "draining" else
+                                              min(DRAIN_NOTICE_S, wait_s))
+            ):  # fmt: skip
+                time.sleep(DRAIN_POLL_S)
+        except Exception as exc:  # noqa: BLE001 - the registry may be gone: stopping anyway
+            log.warning("could not wait for the shard's token engine", error=repr(exc))
+        if claimant is not None:
+            log.warning("its token engine still holds it: stopping anyway",
+                        engine=claimant.service_id, state=claimant.state)  # fmt: skip
 
 
 def start_engine(
@@ -309,7 +345,11 @@ def start_shard(
         head_end=head_end,
     )  # fmt: skip
     log.info("shard replica ready", service_id=service_id, heads=(head_start, head_end))
-    return MeshReplica(thread, membership)
+    num_slots = base.options.shards_per_group
+    balance = SlotBalance(registry, service_id, num_slots) if num_slots > 1 else None
+    if balance is not None:
+        balance.start()
+    return MeshReplica(thread, membership, slot_balance=balance)
 
 
 def start_model_peer(

@@ -84,12 +84,14 @@ def config_on_port(
     args: dict[str, Any] | None = None,
     preset: str | None = None,
     deployments: dict[str, dict[str, Any]] | None = None,
+    app_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Copy a serve config, moving its HTTP port and updating its app's `args` (then, with
-    `preset`, switching it to that random model: `on_preset`) and its deployments' options
-    (`deployments`: by name, options to set; a None value removes the option); return the
-    copy."""
+    `preset`, switching it to that random model: `on_preset`), its deployments' options
+    (`deployments`: by name, options to set; a None value removes the option) and the
+    application's own (`app_options`: `autoscaling_policy`, ...); return the copy."""
     config = yaml.safe_load(source.read_text())
+    config["applications"][0].update(app_options or {})
     config["http_options"]["port"] = port
     # The Batch API's store beside the config, not in the user's cache (runs never share one).
     config["applications"][0]["args"]["batch_store"] = str(target.parent / "batches.sqlite")
@@ -117,11 +119,12 @@ class ServeRun:
         ingress: Ingress = "direct",
         preset: str | None = None,
         deployments: dict[str, dict[str, Any]] | None = None,
+        app_options: dict[str, Any] | None = None,
     ) -> None:
         self.port = free_port()
         self.config_path = workdir / source_config.name
         self.config = config_on_port(
-            source_config, self.config_path, self.port, args, preset, deployments
+            source_config, self.config_path, self.port, args, preset, deployments, app_options
         )
         self.log_path = workdir / "serve-run.log"
         self.ingress = ingress
@@ -249,10 +252,13 @@ def served(
     ingress: Ingress = "direct",
     preset: str = "tiny",
     deployments: dict[str, dict[str, Any]] | None = None,
+    app_options: dict[str, Any] | None = None,
 ) -> Iterator[ServeRun]:
-    """`serve run deploy/<config_name>` (with `args` over its app's args and `deployments`' options
-    over theirs: `config_on_port`) on the `preset` random model for the `with` block."""
-    run = ServeRun(REPO / "deploy" / config_name, workdir, args, ingress, preset, deployments)
+    """`serve run deploy/<config_name>` (with `args` over its app's args, `deployments`' options
+    over theirs and `app_options` over the application's: `config_on_port`) on the `preset`
+    random model for the `with` block."""
+    run = ServeRun(REPO / "deploy" / config_name, workdir, args, ingress, preset, deployments,
+                   app_options)  # fmt: skip
     try:
         run.start()
         yield run

@@ -1,17 +1,25 @@
-"""Autoscaling on a real `serve run` (issue 50): PromptEngine 1 -> 2 -> 1 on its own load.
+"""Autoscaling on a real `serve run` (issue 50): PromptEngine 1 -> 2 -> 1 on its own load, and a
+token engine with its shard group 1 -> 2 -> 1 on theirs.
 
-deploy/local.yaml on the tiny preset, its PromptEngine given an `autoscaling_config` with
-`MeshAutoscalingPolicy` on `pending_prompt_tokens` (docs/deployment.md#autoscaling), its delays,
-cool-down, warm-up and Serve's look-back window short so that one test sees both changes. Serve's
-requests never reach the engines (they come over ZeroMQ), so only the replicas' own load reports
-(`record_autoscaling_stats`) can move the count.
+deploy/local.yaml on the tiny preset, its PromptEngine, TokenEngine and AttentionShard given an
+`autoscaling_config` and the application `MeshAppAutoscalingPolicy` (docs/deployment.md#autoscaling:
+pending prompt tokens for prompt engines; running decode tokens for token engines, their shards'
+KV fill beside them, a token engine and its 2 shards scaled as one), its delays, cool-down,
+warm-up and Serve's look-back window short so that one test sees every change. Serve's requests
+never reach the engines (they come over ZeroMQ), so only the replicas' own load reports
+(`record_autoscaling_stats`) can move the counts.
 
-A burst of long prompts from many clients at once scales PromptEngine to 2 replicas: Serve's
-controller starts a second replica process and says so, the new engine joins routing and takes
-prompts. The burst ends; a trickle of short, decode-heavy streams keeps requests in flight while
-the pending prompt tokens fall, and the controller takes PromptEngine back to 1 (the leaving
-replica drains: `MeshReplica.shutdown`). Every request answers 200, and every greedy text (every
-trickle request's, a share of the burst's) equals the single-process engine's.
+1. A burst of long prompts (prefill only: one token each, so no token engine holds them) from
+   many clients at once scales PromptEngine to 2 replicas: Serve's controller starts a second
+   replica process and says so, the new engine joins routing and takes prompts.
+2. The burst ends; long greedy decodes of short prompts follow (a KV-heavy step): PromptEngine
+   goes back to 1 (the leaving replica drains: `MeshReplica.shutdown`) while TokenEngine goes to
+   2 and AttentionShard to 4 in the same decision; the new token engine claims the new group and
+   takes requests.
+3. The decodes end; a trickle of short streams keeps requests in flight while the token engine
+   and its group leave again: the engine drains, its shards serve it until it has left.
+
+Every request answers 200, and every greedy text equals the single-process engine's.
 """
 
 from __future__ import annotations
@@ -40,30 +48,45 @@ pytestmark = [
 ]
 
 PROMPT_TARGET = 16  # pending prompt tokens one prompt engine carries: a burst is far above it
-# The knobs are short so that the test sees both changes; deploy/cluster.yaml has real ones.
-PROMPT_AUTOSCALING = {
-    "min_replicas": 1,
-    "max_replicas": 2,
-    "initial_replicas": 1,
+DECODE_TARGET = 192  # running decode tokens one token engine carries: the decode step is above it
+SHARDS_PER_GROUP = 2  # the tiny preset's (tests/e2e/serve_process.py PRESET_SHARDS)
+# The knobs are short so that the test sees every change; deploy/cluster.yaml has real ones.
+KNOBS = {"upscale_after_s": 1.0, "downscale_after_s": 3.0, "cooldown_s": 3.0, "warmup_s": 2.0}
+AUTOSCALING_POLICY = {
+    "policy_function": "services.mesh.autoscaling:MeshAppAutoscalingPolicy",
+    "policy_kwargs": {
+        "PromptEngine": {"targets": {"pending_prompt_tokens": PROMPT_TARGET}, **KNOBS},
+        "TokenEngine": {"targets": {"running_decode_tokens": DECODE_TARGET}, **KNOBS},
+        "AttentionShard": {"targets": {"kv_fill": 0.6}, "group_size": SHARDS_PER_GROUP},
+    },
+}
+SERVE_WINDOW = {
     "upscale_delay_s": 0,  # the policy's own delays apply
     "downscale_delay_s": 0,
     "look_back_period_s": 2.0,  # Serve averages each signal over this window
     "metrics_interval_s": 0.5,  # how often replicas push their reports (Ray 2.60 reads it here)
-    "policy": {
-        "policy_function": "services.mesh.autoscaling:MeshAutoscalingPolicy",
-        "policy_kwargs": {
-            "targets": {"pending_prompt_tokens": PROMPT_TARGET},
-            "upscale_after_s": 1.0,
-            "downscale_after_s": 3.0,
-            "cooldown_s": 3.0,
-            "warmup_s": 2.0,
-        },
-    },
 }
+
+
+def scaling(low: int, high: int) -> dict[str, Any]:
+    """A deployment's `autoscaling_config`: its bounds; the application's policy decides."""
+    return {"min_replicas": low, "max_replicas": high, "initial_replicas": low, **SERVE_WINDOW}
+
+
+DEPLOYMENTS = {
+    "PromptEngine": {"num_replicas": None, "autoscaling_config": scaling(1, 2)},
+    "TokenEngine": {"num_replicas": None, "autoscaling_config": scaling(1, 2)},
+    "AttentionShard": {"num_replicas": None,
+                       "autoscaling_config": scaling(SHARDS_PER_GROUP, 2 * SHARDS_PER_GROUP)},
+}  # fmt: skip
 BURST_CLIENTS = 12
 BURST_PROMPT_LEN = 512
-BURST_TOKENS = 4
+BURST_TOKENS = 1  # prefill only: the prompt engine's first token ends it
 BURST_GREEDY_EVERY = 4  # the others sample: load alike, no reference to compute for them
+DECODE_CLIENTS = 6
+DECODE_PROMPT_LEN = 8
+DECODE_TOKENS = 96
+DECODE_GREEDY_EVERY = 4  # the others sample (seeded): the reference check stays short
 TRICKLE_CLIENTS = 2
 TRICKLE_PROMPT_LEN = 8
 TRICKLE_TOKENS = 24
@@ -129,74 +152,106 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float) -> Any:
     raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-def prompt_engines(server: ServeRun) -> dict[str, Any]:
-    """The prompt engines the router routes to (its registry view, asked on their sockets)."""
+def wait_while(clients: Clients, what: str, check: Callable[[], Any], timeout_s: float) -> None:
+    """`wait_for` while `clients` run: a failed request ends the wait (the test then says why)."""
+    wait_for(what, lambda: check() or clients.failures, timeout_s)
+
+
+def services_of(server: ServeRun, role: str) -> dict[str, Any]:
+    """The services of a role the router routes to (its registry view, asked on their sockets)."""
     services = httpx.get(server.base_url + "/stats", timeout=30).json()["services"]
-    return {sid: s for sid, s in services.items() if s["home_role"] == "prompt"}
+    return {sid: s for sid, s in services.items() if s["home_role"] == role}
 
 
-def served_by_prompt_engines(server: ServeRun) -> dict[str, int]:
+def served_by(server: ServeRun, prefix: str) -> dict[str, int]:
+    """Requests the router placed on each engine whose id starts with `prefix`."""
     counts = httpx.get(server.base_url + "/stats", timeout=30).json()["requests_by_engine"]
-    return {e: n for e, n in counts.items() if e.startswith("prompt")}
+    return {e: n for e, n in counts.items() if e.startswith(prefix)}
 
 
-def controller_said(server: ServeRun, change: str) -> bool:
-    """Serve's controller logged this change of PromptEngine's replica count (`serve run`'s
-    output carries the controller's log)."""
+def controller_said(server: ServeRun, deployment: str, change: str) -> bool:
+    """Serve's controller logged this change of a deployment's replica count (`serve run`'s
+    output carries the controller's log; `serve status` shows the same message)."""
     return any(
-        "PromptEngine" in line and change in line
+        deployment in line and change in line
         for line in server.log_path.read_text(errors="replace").splitlines()
     )
 
 
-def test_a_prompt_burst_scales_prompt_engines_1_2_1_without_losing_a_request(
+def test_load_steps_scale_prompt_engines_and_token_engine_groups_1_2_1_losing_no_request(
     tmp_path: Path,
 ) -> None:
     started = time.monotonic()
     with served(
-        "local.yaml", tmp_path, args={"offline": None},
-        deployments={"PromptEngine": {"num_replicas": None,
-                                      "autoscaling_config": PROMPT_AUTOSCALING}},
+        "local.yaml", tmp_path, args={"offline": None}, deployments=DEPLOYMENTS,
+        app_options={"autoscaling_policy": AUTOSCALING_POLICY},
     ) as server:  # fmt: skip
         ready_at = time.monotonic()
         assert server.pid is not None
-        num_replicas = lambda: len(replica_pids_below(server.pid, "PromptEngine"))  # noqa: E731
-        assert num_replicas() == 1 and len(prompt_engines(server)) == 1
+        pid = server.pid
+        count = lambda name: len(replica_pids_below(pid, name))  # noqa: E731
+        counts = lambda: tuple(map(count, ("PromptEngine", "TokenEngine", "AttentionShard")))  # noqa: E731
+        assert counts() == (1, 1, SHARDS_PER_GROUP) and len(services_of(server, "prompt")) == 1
         with Clients(server.base_url, BURST_CLIENTS, BURST_PROMPT_LEN, BURST_TOKENS, 0,
                      BURST_GREEDY_EVERY) as burst:  # fmt: skip
-            wait_for("a second PromptEngine replica",
-                     lambda: num_replicas() == 2 or burst.failures, 180)  # fmt: skip
-            wait_for("2 prompt engines in routing",
-                     lambda: len(prompt_engines(server)) == 2 or burst.failures, 120)  # fmt: skip
-            wait_for("both prompt engines taking prompts",
-                     lambda: len(served_by_prompt_engines(server)) == 2 or burst.failures,
-                     60)  # fmt: skip
-        scaled_up_at = time.monotonic()
+            wait_while(burst, "a second PromptEngine replica",
+                       lambda: count("PromptEngine") == 2, 180)  # fmt: skip
+            wait_while(burst, "2 prompt engines in routing",
+                       lambda: len(services_of(server, "prompt")) == 2, 120)  # fmt: skip
+            wait_while(burst, "both prompt engines taking prompts",
+                       lambda: len(served_by(server, "prompt")) == 2, 60)  # fmt: skip
+        prompt_up_at = time.monotonic()
         assert not burst.failures, burst.failures[:5]
-        assert controller_said(server, "from 1 to 2"), server.log_tail()
+        assert count("TokenEngine") == 1  # prefill only: nothing for the token engines
+        assert controller_said(server, "PromptEngine", "from 1 to 2"), server.log_tail()
 
-        # The burst is over: only short prompts now, decoding while PromptEngine shrinks.
+        # Long decodes of short prompts: the prompt engines idle, the token engine's KV grows.
+        with Clients(server.base_url, DECODE_CLIENTS, DECODE_PROMPT_LEN, DECODE_TOKENS,
+                     1_000_000, DECODE_GREEDY_EVERY) as decodes:  # fmt: skip
+            wait_while(decodes, "PromptEngine back to 1, a token engine with its group added",
+                       lambda: counts() == (1, 2, 2 * SHARDS_PER_GROUP), 180)  # fmt: skip
+            wait_while(decodes, "2 token engines and their shards in routing", lambda: (
+                len(services_of(server, "token")) == 2
+                and len(services_of(server, "shard")) == 2 * SHARDS_PER_GROUP), 120)  # fmt: skip
+            wait_while(decodes, "both token engines decoding",
+                       lambda: len(served_by(server, "token")) == 2, 60)  # fmt: skip
+        group_up_at = time.monotonic()
+        assert not decodes.failures, decodes.failures[:5]
+        assert controller_said(server, "PromptEngine", "from 2 to 1"), server.log_tail()
+        assert controller_said(server, "TokenEngine", "from 1 to 2"), server.log_tail()
+        assert controller_said(server, "AttentionShard", f"from {SHARDS_PER_GROUP} to "
+                               f"{2 * SHARDS_PER_GROUP}"), server.log_tail()  # fmt: skip
+
+        # The decodes are over: short streams keep requests in flight while the group leaves.
         with Clients(server.base_url, TRICKLE_CLIENTS, TRICKLE_PROMPT_LEN, TRICKLE_TOKENS,
-                     1_000_000) as trickle:  # fmt: skip
-            wait_for("PromptEngine back to 1 replica",
-                     lambda: num_replicas() == 1 or trickle.failures, 120)  # fmt: skip
-            wait_for("1 prompt engine in routing", lambda: len(prompt_engines(server)) == 1, 60)
+                     2_000_000) as trickle:  # fmt: skip
+            wait_while(trickle, "the token engine and its group gone again",
+                       lambda: counts() == (1, 1, SHARDS_PER_GROUP), 120)  # fmt: skip
+            wait_for("1 token engine and its shards in routing", lambda: (
+                len(services_of(server, "token")) == 1
+                and len(services_of(server, "shard")) == SHARDS_PER_GROUP), 60)  # fmt: skip
             num_before = trickle.num_ok
             wait_for("requests after the scale-down", lambda: trickle.num_ok > num_before + 2,
                      60)  # fmt: skip
         assert not trickle.failures, trickle.failures[:5]
-        assert controller_said(server, "from 2 to 1"), server.log_tail()
-        # The leaving replica drained: no request lost its engine, none outlived the drain.
+        assert controller_said(server, "TokenEngine", "from 2 to 1"), server.log_tail()
+        assert controller_said(server, "AttentionShard", f"from {2 * SHARDS_PER_GROUP} to "
+                               f"{SHARDS_PER_GROUP}"), server.log_tail()  # fmt: skip
+        # The leaving replicas drained: no request lost its engine, none outlived the drain, no
+        # shard left before the token engine that held it.
         log = server.log_path.read_text(errors="replace")
-        assert "engine left mid-request" not in log and "drain time over" not in log
+        for trouble in ("engine left mid-request", "drain time over", "still holds it"):
+            assert trouble not in log, trouble
         print(f"autoscale e2e: ready after {ready_at - started:.0f} s, 2 prompt engines "
-              f"serving {scaled_up_at - ready_at:.0f} s later, back to 1 after another "
-              f"{time.monotonic() - scaled_up_at:.0f} s; {burst.num_ok} burst and "
-              f"{trickle.num_ok} trickle requests")  # fmt: skip
+              f"serving {prompt_up_at - ready_at:.0f} s later, 2 groups after another "
+              f"{group_up_at - prompt_up_at:.0f} s, back to 1 after another "
+              f"{time.monotonic() - group_up_at:.0f} s; {burst.num_ok} burst, "
+              f"{decodes.num_ok} decode and {trickle.num_ok} trickle requests")  # fmt: skip
 
     path = default_model_path("tiny")
     engine, tokenizer = LLMEngine.from_path(path, num_blocks=1024), Tokenizer(path)
     for clients, length, tokens in ((burst, BURST_PROMPT_LEN, BURST_TOKENS),
+                                    (decodes, DECODE_PROMPT_LEN, DECODE_TOKENS),
                                     (trickle, TRICKLE_PROMPT_LEN, TRICKLE_TOKENS)):  # fmt: skip
         ids = sorted(clients.texts)
         assert len(ids) >= 4, ids  # greedy requests to check, from each phase

@@ -7,6 +7,10 @@ One token engine is shut down (`MeshReplica.shutdown`, what Serve's graceful sto
 the deployment's `__del__`) while it decodes: its entry turns `draining`, every request placed
 after that goes to the other token engine, the ones it holds finish on it (no migration), and
 only then does it leave the registry. Every stream equals the single-process engine's tokens.
+
+A token engine with its shard group (two groups of two shards, two token engines) is told to stop
+together with its group, as one scale-down of both deployments stops them: the shards serve the
+draining engine until it has left, so what it holds finishes on its own group.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
 from services.engine.worker import EngineWorker
 from services.mesh.registry import Registry, ServiceEntry
-from services.mesh.replica import MeshReplica, start_engine
+from services.mesh.replica import MeshReplica, start_engine, start_shard
 from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import collect, count_migrations
@@ -38,12 +42,17 @@ NUM_TOKENS = 48
 Replicas = tuple[Registry, WorkerConfig, dict[str, MeshReplica]]
 
 
-@pytest.fixture
-def replicas(tiny_model_path: Path) -> Iterator[Replicas]:
-    options = MeshOptions(num_blocks=256, shards_per_group=0, host="127.0.0.1")
-    base = WorkerConfig(service_id="", model_path=str(tiny_model_path), ready_endpoint="",
+def worker_base(model_path: Path, options: MeshOptions) -> WorkerConfig:
+    """What every replica of the test's mesh shares (`start_engine`, `start_shard`)."""
+    return WorkerConfig(service_id="", model_path=str(model_path), ready_endpoint="",
                         host="127.0.0.1", served_model_name="tiny",
                         mesh_key=secrets.token_hex(32), options=options)  # fmt: skip
+
+
+@pytest.fixture
+def replicas(tiny_model_path: Path) -> Iterator[Replicas]:
+    base = worker_base(tiny_model_path, MeshOptions(num_blocks=256, shards_per_group=0,
+                                                    host="127.0.0.1"))  # fmt: skip
     registry = Registry()
     started: dict[str, MeshReplica] = {}
     try:
@@ -61,6 +70,37 @@ def held(replica: MeshReplica) -> set[str]:
     worker = replica.worker.worker
     assert isinstance(worker, EngineWorker)
     return set(worker.engine.table.requests)  # a racy read of a dict's keys: a test's glance
+
+
+def greedy_case(
+    model_path: Path, lengths: list[int], seed: int
+) -> tuple[list[list[int]], SamplingParams, list[list[int]]]:
+    """Prompts of these lengths, greedy parameters, and the single-process engine's tokens."""
+    prompts = random_prompts(lengths, 2048, seed=seed)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    return (
+        prompts,
+        params,
+        LLMEngine.from_path(model_path, num_blocks=256).generate(prompts, params),
+    )
+
+
+def busiest(started: dict[str, MeshReplica]) -> str:
+    """The token engine holding the most requests."""
+    return max(("token-a", "token-b"), key=lambda n: len(held(started[n])))
+
+
+async def decoding(
+    client: MeshEngineClient, prefix: str, prompts: list[list[int]], params: SamplingParams,
+    started: dict[str, MeshReplica], check: Callable[[bool, bool], bool],
+) -> list[asyncio.Task[list[int]]]:  # fmt: skip
+    """The streams of `prompts`, once `check` (of whether each token engine holds one) holds
+    (bounded by the caller's gather deadline)."""
+    tasks = [asyncio.create_task(collect(client, f"{prefix}{i}", p, params))
+             for i, p in enumerate(prompts)]  # fmt: skip
+    while not check(bool(held(started["token-a"])), bool(held(started["token-b"]))):
+        await asyncio.sleep(0.05)
+    return tasks
 
 
 def router_client(
@@ -96,19 +136,14 @@ def test_a_leaving_token_engine_takes_no_new_work_and_finishes_what_it_holds(
     registry, base, started = replicas
     client = router_client(registry.live, base)
     migrations = count_migrations(client)
-    prompts = random_prompts([24, 40, 56, 72, 30, 50, 70, 90], 2048, seed=71)
-    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-    expected = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(prompts, params)
+    prompts, params, expected = greedy_case(tiny_model_path, [24, 40, 56, 72, 30, 50, 70, 90], 71)
     first, later = prompts[:4], prompts[4:]
     draining_seen: dict[str, Any] = {}
 
     async def run() -> list[list[int]]:
-        tasks = [asyncio.create_task(collect(client, f"r{i}", p, params))
-                 for i, p in enumerate(first)]  # fmt: skip
-        while not (held(started["token-a"]) or held(started["token-b"])):
-            await asyncio.sleep(0.05)  # until they decode (bounded by the gather's deadline)
+        tasks = await decoding(client, "r", first, params, started, lambda a, b: a or b)
         # The token engine holding the most of them leaves, as Serve stops a replica.
-        name = max(("token-a", "token-b"), key=lambda n: len(held(started[n])))
+        name = busiest(started)
         leaving = started[name]
         holding = held(leaving)
         assert holding, "neither token engine holds a request"
@@ -175,3 +210,71 @@ def test_requests_placed_just_before_a_router_sees_draining_finish_on_the_leavin
     assert client.requests.by_engine["token-a"] == len(prompts)  # all placed on the leaving one
     assert migrations == []  # ... and all finished there
     assert "token-a" not in {e.service_id for e in registry.live()}
+
+
+class DepartureLog(Registry):
+    """The plain registry, noting the order in which entries leave it (unregister)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.departed: list[str] = []
+
+    def unregister(self, service_id: str) -> None:
+        if service_id in self.entries:
+            self.departed.append(service_id)
+        super().unregister(service_id)
+
+
+def test_a_token_engine_stopped_with_its_shard_group_leaves_first_and_finishes_on_it(
+    tiny_model_path: Path,
+) -> None:
+    options = MeshOptions(num_blocks=256, shard_num_blocks=256, shards_per_group=2,
+                          host="127.0.0.1", shard_wait_s=30)  # fmt: skip
+    base = worker_base(tiny_model_path, options)
+    registry = DepartureLog()
+    started: dict[str, MeshReplica] = {}
+    try:
+        for i in range(4):
+            started[f"shard-{i}"] = start_shard(f"shard-{i}", registry, base)
+        for role, service_id in ((Role.PROMPT, "prompt-0"), (Role.TOKEN, "token-a"),
+                                 (Role.TOKEN, "token-b")):  # fmt: skip
+            started[service_id] = start_engine(role, service_id, registry, base)
+        groups = {e.service_id: {s.service_id for s in e.shards}
+                  for e in registry.live() if e.role == Role.TOKEN}  # fmt: skip
+        assert all(len(g) == 2 for g in groups.values()) and len(set.union(*groups.values())) == 4
+        client = router_client(registry.live, base)
+        migrations = count_migrations(client)
+        prompts, params, expected = greedy_case(tiny_model_path, [24, 40, 56, 72, 30, 50], 79)
+        leaving: dict[str, Any] = {}
+
+        async def run() -> list[list[int]]:
+            tasks = await decoding(client, "g", prompts, params, started, lambda a, b: a and b)
+            name = busiest(started)
+            leaving.update(name=name, shards=groups[name])
+            # One scale-down: the engine and its group told to stop at once, shards first.
+            stoppers = [threading.Thread(target=started[s].shutdown, kwargs={"drain_s": 120})
+                        for s in sorted(groups[name])]  # fmt: skip
+            stoppers.append(threading.Thread(target=started[name].shutdown,
+                                             kwargs={"drain_s": 120}))  # fmt: skip
+            for stopper in stoppers:
+                stopper.start()
+            outputs = list(await asyncio.wait_for(asyncio.gather(*tasks), 180))
+            for stopper in stoppers:
+                await asyncio.to_thread(stopper.join, 60)
+                assert not stopper.is_alive()
+            [stayed] = [e for e in registry.live() if e.role == Role.TOKEN]
+            leaving["stayed_with"] = {s.service_id for s in stayed.shards}
+            return outputs
+
+        outputs = run_then_close(client, run())
+    finally:
+        for replica in started.values():
+            if replica.worker.alive():
+                replica.shutdown(drain_s=0)
+    assert outputs == expected
+    assert migrations == []  # what the leaving engine held finished on its own group
+    name, shards = leaving["name"], leaving["shards"]
+    order = registry.departed
+    assert order.index(name) < min(order.index(s) for s in shards), order
+    # The engine that stays kept its group whole throughout.
+    assert leaving["stayed_with"] == groups[next(iter(set(groups) - {name}))]

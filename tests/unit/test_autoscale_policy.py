@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from common.scheduling.autoscale import LoadSample, ScalePolicy, ScaleState, decide, wanted_replicas
+from common.scheduling.autoscale import (
+    GroupReplicas,
+    LoadSample,
+    ScalePolicy,
+    ScaleState,
+    decide,
+    decide_groups,
+    wanted_replicas,
+)
 
 POLICY = ScalePolicy(target_load=1000, min_replicas=1, max_replicas=8, upscale_after_s=10,
                      downscale_after_s=60, cooldown_s=30, warmup_s=30)  # fmt: skip
@@ -126,6 +134,77 @@ def test_shard_groups_come_and_go_whole() -> None:
     assert all(n % 2 == 0 for n in replay(shards, [50, 300, 900, 900, 10, 10] * 20, start=2))
     with pytest.raises(ValueError, match="multiples of group_size"):
         ScalePolicy(target_load=100, min_replicas=1, group_size=2)
+
+
+# Token engines with their shard groups: targets of one token engine (decode tokens) and of one
+# shard (its KV fill, as a share); 4 shards a group.
+GROUPS = ScalePolicy(target_load=1.0, min_replicas=1, max_replicas=4, upscale_after_s=10,
+                     downscale_after_s=60, cooldown_s=30, warmup_s=30)  # fmt: skip
+SHARDS_PER_GROUP = 4
+
+
+def replay_groups(series: list[tuple[float, float]], start: int = 1) -> list[GroupReplicas]:
+    """Replicas after each sample of a series of (engines' load, shards' load), each spread
+    evenly over the replicas there are; one sample every 5 s."""
+    state, out = ScaleState(replicas=start), []
+    for i, (engine_load, shard_load) in enumerate(series):
+        n = state.replicas
+        engines = samples(*([engine_load / n] * n))
+        num_shards = n * SHARDS_PER_GROUP
+        shards = samples(*([shard_load / num_shards] * num_shards))
+        state = decide_groups(GROUPS, state, engines, shards, SHARDS_PER_GROUP, now=i * 5.0)
+        out.append(GroupReplicas.of(state.replicas, SHARDS_PER_GROUP))
+    return out
+
+
+def test_a_kv_heavy_step_adds_a_token_engine_with_its_whole_shard_group_and_removes_it() -> None:
+    # Long decodes: few decode tokens on the engine's side (under its target), the shards' KV
+    # over their fill target (6 shards' worth on 4): the shards' side asks for the group.
+    series = [(0.3, 1.6)] * 10 + [(0.6, 6.0)] * 20 + [(0.2, 0.4)] * 30
+    counts = replay_groups(series)
+    assert {c.shards for c in counts} == {4, 8}
+    assert all(c.shards == SHARDS_PER_GROUP * c.token_engines for c in counts)
+    assert changes([c.token_engines for c in counts], 1) == 2  # one group in, then out
+    assert counts[-1] == GroupReplicas(1, 4)
+    # The engines' side alone asks for a group as well (decode tokens over target).
+    assert replay_groups([(2.5, 0.2)] * 4)[-1] == GroupReplicas(2, 8)
+
+
+def test_a_group_leaves_only_when_both_its_engines_and_its_shards_fit_one_group_less() -> None:
+    state = ScaleState(replicas=2)
+    cases = [((0.1, 0.1), 0.9),  # engines idle, shards still full: a group less would not hold
+             ((1.8, 0.1), 0.1)]  # shards idle, engines busy  # fmt: skip
+    for engine_loads, shard_load in cases:
+        shards = samples(*[shard_load] * 8)
+        for now in (0.0, 100.0):  # well past the delay
+            state = decide_groups(GROUPS, state, samples(*engine_loads), shards, 4, now=now)
+        assert state.replicas == 2, (engine_loads, shard_load)
+    for now in (200.0, 300.0):
+        state = decide_groups(GROUPS, state, samples(0.1, 0.1), samples(*[0.1] * 8), 4, now=now)
+    assert state.replicas == 1
+
+
+def test_a_starting_shard_holds_its_group_and_a_local_mesh_counts_engines_alone() -> None:
+    # A group whose new shards are still starting does not leave again, however idle.
+    cold = samples(*[0.0] * 4) + [LoadSample("new", 0.0, 3.0)] * 4
+    state = ScaleState(replicas=2)
+    for now in (0.0, 100.0):
+        state = decide_groups(GROUPS, state, samples(0.1, 0.1), cold, 4, now=now)
+    assert state.replicas == 2
+    # Nor while its new token engine starts (the shards' side alone would let it go).
+    state = ScaleState(replicas=2)
+    for now in (0.0, 100.0):
+        state = decide_groups(GROUPS, state, [LoadSample("new", 0.0, 3.0)],
+                              samples(*[0.0] * 8), 4, now=now)  # fmt: skip
+    assert state.replicas == 2
+    # No shards (local attention): the engines' load alone; a shard sample means nothing.
+    state = ScaleState(replicas=1)
+    for now in (0.0, 20.0):
+        state = decide_groups(GROUPS, state, samples(2.0), samples(9.0), 0, now=now)
+    assert state.replicas == 2
+    assert GroupReplicas.of(2, 0) == GroupReplicas(2, 0)
+    with pytest.raises(ValueError, match="group_size"):  # a group policy counts groups
+        decide_groups(ScalePolicy(1.0, 2, 8, group_size=2), state, [], [], 4, 0.0)
 
 
 def naive(series: list[float], start: int, target: float) -> list[int]:

@@ -17,7 +17,7 @@ from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
 from services.app import DEPLOYMENT_NAMES, AppArgs, build_app, deployment_names
-from services.mesh.autoscaling import MeshAutoscalingPolicy
+from services.mesh.autoscaling import GROUP_DEPLOYMENTS, MeshAppAutoscalingPolicy
 from services.mesh.replica import DRAIN_NOTICE_S
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -103,18 +103,23 @@ def test_cluster_config_places_engines_and_shards_by_custom_resource() -> None:
 
 def test_cluster_engines_and_shards_scale_on_their_own_load() -> None:
     [app] = CONFIGS["cluster.yaml"]["applications"]
-    for d in app["deployments"]:
-        if d["name"] == "Router":
-            continue  # Serve's request-based autoscaler: the Router's requests pass through Serve
-        scaling = d["autoscaling_config"]
-        policy = scaling["policy"]
-        assert policy["policy_function"] == "services.mesh.autoscaling:MeshAutoscalingPolicy"
-        built = MeshAutoscalingPolicy(**policy["policy_kwargs"])  # raises on bad kwargs
-        # Serve's own delays would stack on the policy's: they are off.
+    policy = app["autoscaling_policy"]
+    assert policy["policy_function"] == "services.mesh.autoscaling:MeshAppAutoscalingPolicy"
+    built = MeshAppAutoscalingPolicy(**policy["policy_kwargs"])  # raises on bad kwargs
+    assert built.group is not None and set(built.roles) == {"PromptEngine"}
+    by_name = {d["name"]: d for d in app["deployments"]}
+    for name in ("PromptEngine", *GROUP_DEPLOYMENTS):
+        scaling = by_name[name]["autoscaling_config"]
+        # Serve's own delays would stack on the policy's: they are off; and the application's
+        # policy is the one (a deployment's own would be ignored).
         assert scaling["upscale_delay_s"] == scaling["downscale_delay_s"] == 0
-        if d["name"] == "AttentionShard":
-            assert built.knobs["group_size"] == app["args"]["mesh"]["shards_per_group"]
-            assert scaling["min_replicas"] % built.knobs["group_size"] == 0
+        assert "policy" not in scaling
+    # A token engine and its group as one unit: the shards' bounds are the engines' x the group.
+    group = built.group.shards_per_group
+    assert group == app["args"]["mesh"]["shards_per_group"]
+    engines, shards = (by_name[n]["autoscaling_config"] for n in GROUP_DEPLOYMENTS)
+    for bound in ("min_replicas", "initial_replicas", "max_replicas"):
+        assert shards[bound] == engines[bound] * group, bound
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -124,7 +129,8 @@ def test_mesh_replicas_get_their_drain_before_serve_kills_them(name: str) -> Non
     for app in CONFIGS[name]["applications"]:
         drain_s = AppArgs.model_validate(app["args"]).mesh.drain_s
         for d in app.get("deployments", []):
-            if d["name"] in ("PromptEngine", "TokenEngine"):
+            # A shard serves its draining token engine on, as long (`MeshReplica.shutdown`).
+            if d["name"] in ("PromptEngine", "TokenEngine", "AttentionShard"):
                 assert d["graceful_shutdown_timeout_s"] > DRAIN_NOTICE_S + drain_s, d["name"]
 
 

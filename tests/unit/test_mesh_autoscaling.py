@@ -7,13 +7,17 @@ from typing import Any
 
 import pytest
 from ray.serve._private.common import DeploymentID, ReplicaID
-from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.autoscaling_policy import (
+    _apply_app_level_autoscaling_config,
+    _apply_autoscaling_config,
+)
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from common.protocol import LoadReport
 from common.roles import Role
 from services.mesh.autoscaling import (
     STATE_KEY,
+    MeshAppAutoscalingPolicy,
     MeshAutoscalingPolicy,
     engine_stats,
     samples_from,
@@ -26,14 +30,16 @@ DEPLOYMENT = DeploymentID(name="PromptEngine", app_name="default")
 def context(
     metrics: dict[str, dict[str, float]], *, replicas: int, now: float,
     state: dict[str, Any] | None = None, lo: int = 1, hi: int = 4,
+    deployment: DeploymentID = DEPLOYMENT, num_requests: float = 0.0,
 ) -> AutoscalingContext:  # fmt: skip
-    ids = {r: ReplicaID(r, DEPLOYMENT) for m in metrics.values() for r in m}
+    ids = {r: ReplicaID(r, deployment) for m in metrics.values() for r in m}
     config = AutoscalingConfig(min_replicas=lo, max_replicas=hi, upscale_delay_s=0,
-                               downscale_delay_s=0)  # fmt: skip
+                               downscale_delay_s=0, target_ongoing_requests=10)  # fmt: skip
     return AutoscalingContext(
-        deployment_id=DEPLOYMENT, deployment_name=DEPLOYMENT.name, app_name="default",
+        deployment_id=deployment, deployment_name=deployment.name, app_name="default",
         current_num_replicas=replicas, target_num_replicas=replicas,
-        running_replicas=list(ids.values()), total_num_requests=0.0, total_queued_requests=0.0,
+        running_replicas=list(ids.values()), total_num_requests=num_requests,
+        total_queued_requests=0.0,
         aggregated_metrics={k: {ids[r]: v for r, v in m.items()} for k, m in metrics.items()},
         raw_metrics=None, capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
         policy_state=state or {}, last_scale_up_time=None, last_scale_down_time=None,
@@ -89,3 +95,71 @@ def test_bad_policy_kwargs_fail_at_deploy_time() -> None:
         MeshAutoscalingPolicy({"kv_fill": 0})
     with pytest.raises(ValueError, match="scale_down_fill"):
         MeshAutoscalingPolicy({"kv_fill": 0.5}, scale_down_fill=2)
+
+
+GROUP_KWARGS: dict[str, Any] = {
+    "PromptEngine": {"targets": {"pending_prompt_tokens": 1000}, "upscale_after_s": 0,
+                     "warmup_s": 0},
+    "TokenEngine": {"targets": {"running_decode_tokens": 1000}, "upscale_after_s": 5,
+                    "downscale_after_s": 5, "cooldown_s": 0, "warmup_s": 0},
+    "AttentionShard": {"targets": {"kv_fill": 0.5}, "group_size": 2},
+}  # fmt: skip
+
+
+def app_contexts(
+    loads: dict[str, dict[str, dict[str, float]]], replicas: dict[str, int], now: float,
+    states: dict[DeploymentID, Any] | None = None, num_requests: float = 10.0,
+) -> dict[DeploymentID, AutoscalingContext]:  # fmt: skip
+    """Serve's contexts for one application-level call: per deployment, its replicas' metrics
+    (every replica a minute old) and its count; `num_requests`: the Router's, through Serve."""
+    out = {}
+    for name, count in replicas.items():
+        dep = DeploymentID(name=name, app_name="default")
+        metrics = loads.get(name, {})
+        metrics = {"age_s": {r: 60.0 for m in metrics.values() for r in m}, **metrics}
+        out[dep] = context(metrics, replicas=count, now=now, deployment=dep, hi=8,
+                           state=(states or {}).get(dep), num_requests=num_requests)  # fmt: skip
+    return out
+
+
+def test_the_app_policy_adds_and_removes_a_token_engine_with_its_shard_group() -> None:
+    """Through Serve's own application-level wrapper, as the controller calls it."""
+    policy = _apply_app_level_autoscaling_config(MeshAppAutoscalingPolicy(**GROUP_KWARGS))
+    replicas = {"Router": 1, "PromptEngine": 1, "TokenEngine": 1, "AttentionShard": 2}
+    # Long decodes: the engine's decode tokens under target, its shards' KV past theirs.
+    kv_heavy = {"TokenEngine": {"running_decode_tokens": {"t0": 600.0}},
+                "AttentionShard": {"kv_fill": {"s0": 0.8, "s1": 0.7}}}  # fmt: skip
+    by_name = lambda d: {dep.name: n for dep, n in d.items()}  # noqa: E731
+    decided, states = policy(app_contexts(kv_heavy, replicas, now=100.0))
+    assert by_name(decided) == replicas  # wanted, not yet for upscale_after_s
+    decided, states = policy(app_contexts(kv_heavy, replicas, now=106.0, states=states))
+    assert by_name(decided) == {**replicas, "TokenEngine": 2, "AttentionShard": 4}
+    replicas = by_name(decided)
+    idle = {
+        "TokenEngine": {"running_decode_tokens": {"t0": 10.0, "t1": 0.0}},
+        "AttentionShard": {"kv_fill": {"s0": 0.1, "s1": 0.0, "s2": 0.05, "s3": 0.0}},
+    }
+    for now in (200.0, 206.0):
+        decided, states = policy(app_contexts(idle, replicas, now=now, states=states))
+    assert by_name(decided) == {**replicas, "TokenEngine": 1, "AttentionShard": 2}
+    # The Router keeps Serve's request-based rule: 35 ongoing requests, 10 a replica.
+    decided, _ = policy(app_contexts({}, replicas, now=300.0, num_requests=35.0))
+    assert by_name(decided)["Router"] == 4
+    # Shards without an autoscaling_config (Serve passes no context): no half group moves.
+    no_shards = {n: c for n, c in replicas.items() if n != "AttentionShard"}
+    decided, _ = policy(app_contexts(kv_heavy, no_shards, now=400.0))
+    assert "TokenEngine" not in by_name(decided) and by_name(decided)["PromptEngine"] == 1
+
+
+def test_app_policy_kwargs_fail_at_deploy_time() -> None:
+    with pytest.raises(ValueError, match="name both"):
+        MeshAppAutoscalingPolicy(AttentionShard={"targets": {"kv_fill": 0.5}, "group_size": 2})
+    with pytest.raises(ValueError, match="targets and group_size only"):
+        MeshAppAutoscalingPolicy(**{**GROUP_KWARGS, "AttentionShard": {
+            "targets": {"kv_fill": 0.5}, "group_size": 2, "cooldown_s": 5}})  # fmt: skip
+    with pytest.raises(ValueError, match="count groups"):
+        MeshAppAutoscalingPolicy(**{**GROUP_KWARGS, "TokenEngine": {
+            "targets": {"kv_fill": 0.5}, "group_size": 2}})  # fmt: skip
+    with pytest.raises(ValueError, match="unknown autoscaling signals"):
+        MeshAppAutoscalingPolicy(**{**GROUP_KWARGS, "AttentionShard": {
+            "targets": {"queue": 1}, "group_size": 2}})  # fmt: skip

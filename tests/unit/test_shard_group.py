@@ -11,7 +11,13 @@ from common.roles import Role
 from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Registry, ServiceEntry
-from services.mesh.shard_group import ShardGroupKeeper, rebuilders
+from services.mesh.shard_group import (
+    ShardGroupKeeper,
+    SlotBalance,
+    claimant_of,
+    rebuilders,
+    surplus,
+)
 
 
 class Clock:
@@ -159,3 +165,69 @@ def test_the_prompt_engines_ready_now_may_rebuild_a_lost_shards_heads() -> None:
         registry.register(ServiceEntry(role=role, service_id=service_id, state=state,
                                        command_endpoint=f"{service_id}-cmd"))  # fmt: skip
     assert sorted(rebuilders(registry)) == ["m0-cmd", "p0-cmd"]
+
+
+def test_a_draining_shard_serves_its_engine_on_and_is_claimed_by_no_other() -> None:
+    """Scale-down: a shard told to stop turns `draining` while its engine drains: its keeper
+    does not count it lost, and a new engine's claim does not take it."""
+    clock = Clock()
+    registry = Registry(clock=clock)
+    for i in range(4):
+        start_shard(registry, f"s{i}", 2)
+    group = registry.claim_group("t0", 2) or ()
+    keeper = ShardGroupKeeper(registry, "t0", 2, group, clock=clock)
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t0", state="draining",
+                                   shards=tuple(e.shard_address() for e in group)))  # fmt: skip
+    for shard in group:
+        registry.register(ServiceEntry(role=Role.SHARD, service_id=shard.service_id,
+                                       state="draining", slot=shard.slot))  # fmt: skip
+        claimant = claimant_of(registry.live(), shard.service_id)
+        assert claimant is not None and claimant.service_id == "t0"
+    assert keeper.check() is None
+    clock.now = ABSENT_CONFIRM_S + 1  # within the registry's heartbeat age
+    assert keeper.check() is None  # its group is whole while it drains
+    other = registry.claim_group("t1", 2)
+    assert other is not None and not set(ids(tuple(other))) & set(ids(tuple(group)))
+    assert claimant_of(registry.live(), "s9") is None
+
+
+def test_a_spare_shard_in_a_slot_two_over_another_is_replaced_into_the_emptiest_slot() -> None:
+    """A scale-down that stopped both slot-0 shards (Serve picks which, by node): what is left
+    (two slot-1 shards) cannot form a group; the spare asks to be replaced, after a while, and
+    its replacement takes slot 0."""
+    clock = Clock()
+    registry = Registry(max_age_s=60, clock=clock)  # no heartbeats needed in this test
+    for i in range(4):
+        start_shard(registry, f"s{i}", 2)  # slots 0, 1, 0, 1
+    group = registry.claim_group("t0", 2) or ()
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t0", state="ready",
+                                   shards=tuple(e.shard_address() for e in group)))  # fmt: skip
+    assert ids(tuple(group)) == ["s0", "s1"]
+    # Balanced, or one over (an odd count): nothing to do.
+    assert not any(surplus(registry.live(), f"s{i}", 2) for i in range(4))
+    registry.register(ServiceEntry(role=Role.SHARD, service_id="s2", state="draining", slot=0))
+    assert not surplus(registry.live(), "s3", 2)
+    # Both slot-0 shards stopped (still draining): t0's s1 stays held; s3, the spare, is replaced.
+    registry.register(ServiceEntry(role=Role.SHARD, service_id="s0", state="draining", slot=0))
+    assert surplus(registry.live(), "s3", 2) and not surplus(registry.live(), "s1", 2)
+    balance = SlotBalance(registry, "s3", 2, after_s=10.0, clock=clock)  # observed by hand
+    balance.observe()
+    assert not balance.misplaced()
+    clock.now = 9.0
+    balance.observe()
+    assert not balance.misplaced()  # not for long yet (a transient while replicas stop)
+    clock.now = 10.0
+    assert balance.misplaced()
+    registry.unregister("s3")  # Serve replaced it: the replacement takes the emptiest slot,
+    # the leaving (draining) ones not counted
+    assert registry.take_shard_slot(ServiceEntry(role=Role.SHARD, service_id="s4"), 2) == 0
+
+
+def test_a_failed_registry_read_is_never_a_misplaced_shard() -> None:
+    class Gone:
+        def live(self) -> list[ServiceEntry]:
+            raise ConnectionError("registry restarting")
+
+    balance = SlotBalance(Gone(), "s0", 2, after_s=0.0)  # type: ignore[arg-type]
+    balance.observe()
+    assert not balance.misplaced()
