@@ -178,17 +178,19 @@ def group_ready() -> bool:
     return any(e.role == Role.TOKEN and e.state == "ready" and len(e.shards) == 2 for e in entries)
 
 
-def replica_nodes() -> dict[str, list[str]]:
-    """Each deployment's live replicas, by the IP of the node Ray runs them on (Ray's state API)."""
+def replica_nodes(cluster: MultiNodeCluster) -> dict[str, list[str]]:
+    """Each deployment's live replicas, by the IP of the node Ray runs them on (Ray's state API,
+    asked of this cluster's dashboard: left to find one, it takes the machine's latest)."""
     import ray
     from ray.util.state import list_actors
 
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     found: dict[str, list[str]] = {}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+    address = f"http://127.0.0.1:{cluster.dashboard_port}"
+    for actor in list_actors(address, filters=[("state", "=", "ALIVE")], limit=1000):
         prefix = "ServeReplica:phasemesh:"
         if actor.class_name.startswith(prefix):
-            found.setdefault(actor.class_name[len(prefix):], []).append(ips[actor.node_id])
+            found.setdefault(actor.class_name[len(prefix) :], []).append(ips[actor.node_id])
     return found
 
 
@@ -197,7 +199,7 @@ def host_of(endpoint: str) -> str:
 
 
 def test_replicas_land_on_the_nodes_the_yaml_resources_name(cluster: MultiNodeCluster) -> None:
-    nodes = replica_nodes()
+    nodes = replica_nodes(cluster)
     assert sorted(nodes["PromptEngine"]) == [COMPUTE_IP], nodes
     assert sorted(nodes["TokenEngine"]) == [COMPUTE_IP], nodes
     assert sorted(nodes["AttentionShard"]) == sorted(MEMORY_IPS), nodes  # spread: one each
@@ -264,7 +266,7 @@ def test_a_memory_node_stopped_mid_stream_loses_no_request(cluster: MultiNodeClu
     print(f"multinode: streams finished {time.monotonic() - started:.1f} s after the node stopped")
     assert streams.finish == dict.fromkeys(streams.ids, "length"), streams.finish
     # The lost shard came back on the surviving memory node, in the token engine's group.
-    assert sorted(replica_nodes()["AttentionShard"]) == [MEMORY_IPS[0]] * 2
+    assert sorted(replica_nodes(cluster)["AttentionShard"]) == [MEMORY_IPS[0]] * 2
 
     path = default_model_path("tiny")
     engine, tokenizer = LLMEngine.from_path(path, num_blocks=256), Tokenizer(path)
