@@ -178,9 +178,10 @@ def group_ready() -> bool:
     return any(e.role == Role.TOKEN and e.state == "ready" and len(e.shards) == 2 for e in entries)
 
 
-def replica_nodes(cluster: MultiNodeCluster) -> dict[str, list[str]]:
-    """Each deployment's live replicas, by the IP of the node Ray runs them on (Ray's state API,
-    asked of this cluster's dashboard: left to find one, it takes the machine's latest)."""
+def actor_nodes(cluster: MultiNodeCluster) -> dict[str, list[str]]:
+    """Each deployment's live replicas (and each other actor class's), by the IP of the node Ray
+    runs them on (Ray's state API, asked of this cluster's dashboard: left to find one, it takes
+    the machine's latest)."""
     import ray
     from ray.util.state import list_actors
 
@@ -188,9 +189,8 @@ def replica_nodes(cluster: MultiNodeCluster) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     address = f"http://127.0.0.1:{cluster.dashboard_port}"
     for actor in list_actors(address, filters=[("state", "=", "ALIVE")], limit=1000):
-        prefix = "ServeReplica:phasemesh:"
-        if actor.class_name.startswith(prefix):
-            found.setdefault(actor.class_name[len(prefix) :], []).append(ips[actor.node_id])
+        name = actor.class_name.removeprefix("ServeReplica:phasemesh:")
+        found.setdefault(name, []).append(ips[actor.node_id])
     return found
 
 
@@ -199,11 +199,13 @@ def host_of(endpoint: str) -> str:
 
 
 def test_replicas_land_on_the_nodes_the_yaml_resources_name(cluster: MultiNodeCluster) -> None:
-    nodes = replica_nodes(cluster)
+    nodes = actor_nodes(cluster)
     assert sorted(nodes["PromptEngine"]) == [COMPUTE_IP], nodes
     assert sorted(nodes["TokenEngine"]) == [COMPUTE_IP], nodes
     assert sorted(nodes["AttentionShard"]) == sorted(MEMORY_IPS), nodes  # spread: one each
-    assert nodes["Router"][0] not in (COMPUTE_IP, *MEMORY_IPS), nodes  # the head
+    head = cluster.cluster.head_node.node_ip_address
+    assert nodes["Router"] == [head], nodes  # the only node with a whole CPU free
+    assert nodes["Registry"] == [head], nodes  # no worker node's loss restarts it
     # No mesh host in the YAML: each replica's sockets are on its own node's IP.
     for entry in registry_entries():
         node = {Role.PROMPT: [COMPUTE_IP], Role.TOKEN: [COMPUTE_IP]}.get(entry.role, MEMORY_IPS)
@@ -259,14 +261,16 @@ class Streams:
 def test_a_memory_node_stopped_mid_stream_loses_no_request(cluster: MultiNodeCluster) -> None:
     streams = Streams(cluster.base_url, list(range(NUM_STREAMS)))
     wait_for("every stream under way", lambda: streams.all_have(TOKENS_BEFORE_KILL), 120)
-    lost_ip = MEMORY_IPS[1]
+    assert not streams.finish, "a stream ended before the node stopped: nothing was tested"
     started = time.monotonic()
-    cluster.cluster.remove_node(cluster.nodes.pop(lost_ip), allow_graceful=False)
+    cluster.cluster.remove_node(cluster.nodes.pop(MEMORY_IPS[1]), allow_graceful=False)
     streams.wait()
     print(f"multinode: streams finished {time.monotonic() - started:.1f} s after the node stopped")
     assert streams.finish == dict.fromkeys(streams.ids, "length"), streams.finish
     # The lost shard came back on the surviving memory node, in the token engine's group.
-    assert sorted(replica_nodes(cluster)["AttentionShard"]) == [MEMORY_IPS[0]] * 2
+    assert sorted(actor_nodes(cluster)["AttentionShard"]) == [MEMORY_IPS[0]] * 2
+    [token] = [e for e in registry_entries() if e.role == Role.TOKEN]
+    assert [host_of(s.kv_endpoint) for s in token.shards] == [MEMORY_IPS[0]] * 2, token
 
     path = default_model_path("tiny")
     engine, tokenizer = LLMEngine.from_path(path, num_blocks=256), Tokenizer(path)
