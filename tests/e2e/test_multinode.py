@@ -267,10 +267,14 @@ def test_a_memory_node_stopped_mid_stream_loses_no_request(cluster: MultiNodeClu
     streams.wait()
     print(f"multinode: streams finished {time.monotonic() - started:.1f} s after the node stopped")
     assert streams.finish == dict.fromkeys(streams.ids, "length"), streams.finish
-    # The lost shard came back on the surviving memory node, in the token engine's group.
     assert sorted(actor_nodes(cluster)["AttentionShard"]) == [MEMORY_IPS[0]] * 2
-    [token] = [e for e in registry_entries() if e.role == Role.TOKEN]
-    assert [host_of(s.kv_endpoint) for s in token.shards] == [MEMORY_IPS[0]] * 2, token
+
+    def group_on_surviving_node() -> bool:
+        [token] = [e for e in registry_entries() if e.role == Role.TOKEN]
+        return [host_of(s.kv_endpoint) for s in token.shards] == [MEMORY_IPS[0]] * 2
+
+    wait_for("the token engine's group whole again, on the surviving memory node",
+             group_on_surviving_node, 60)  # fmt: skip
 
     path = default_model_path("tiny")
     engine, tokenizer = LLMEngine.from_path(path, num_blocks=256), Tokenizer(path)
