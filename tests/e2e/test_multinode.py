@@ -92,6 +92,7 @@ class MultiNodeCluster:
         }
         self._saved_env = {k: os.environ.get(k) for k in self.env}
         self.nodes: dict[str, Any] = {}
+        self.cluster: Any = None
 
     def start(self) -> None:
         os.environ.update(self.env)
@@ -127,10 +128,12 @@ class MultiNodeCluster:
         from ray import serve
 
         try:
-            serve.shutdown()
+            if ray.is_initialized():
+                serve.shutdown()
         finally:
             ray.shutdown()
-            self.cluster.shutdown()
+            if self.cluster is not None:  # None: the head did not start (its processes end
+                self.cluster.shutdown()  # with this process, Ray's exit hook)
             for key, value in self._saved_env.items():
                 if value is None:
                     os.environ.pop(key, None)
