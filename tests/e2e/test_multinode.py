@@ -270,14 +270,17 @@ def test_a_memory_node_stopped_mid_stream_loses_no_request(cluster: MultiNodeClu
     streams.wait()
     print(f"multinode: streams finished {time.monotonic() - started:.1f} s after the node stopped")
     assert streams.finish == dict.fromkeys(streams.ids, "length"), streams.finish
-    assert sorted(actor_nodes(cluster)["AttentionShard"]) == [MEMORY_IPS[0]] * 2
 
     def group_on_surviving_node() -> bool:
+        """Serve restarted the lost shard on the other memory node, and the token engine's group
+        holds it (streams that waited past `shard_rebuild_wait_s` for it were re-run instead)."""
         [token] = [e for e in registry_entries() if e.role == Role.TOKEN]
-        return [host_of(s.kv_endpoint) for s in token.shards] == [MEMORY_IPS[0]] * 2
+        shards = sorted(actor_nodes(cluster).get("AttentionShard", []))
+        group = [host_of(s.kv_endpoint) for s in token.shards]
+        return shards == group == [MEMORY_IPS[0]] * 2
 
     wait_for("the token engine's group whole again, on the surviving memory node",
-             group_on_surviving_node, 60)  # fmt: skip
+             group_on_surviving_node, 90)  # fmt: skip
 
     path = default_model_path("tiny")
     engine, tokenizer = LLMEngine.from_path(path, num_blocks=256), Tokenizer(path)
