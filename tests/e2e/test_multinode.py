@@ -13,8 +13,10 @@ prefilled on the compute node, their KV shipped over UCX to the shards on the me
 every decode layer's attention crosses to them and back. One memory node is stopped mid-stream
 (`Cluster.remove_node`: its raylet and every process on it killed): its shard is lost with a share
 of each request's KV heads; Serve restarts the shard on the other memory node, the token engine
-links to it, a prompt engine recomputes the lost heads (`docs/failures.md`), and every stream
-finishes with the single-process engine's greedy text.
+links to it and a prompt engine recomputes the lost heads, or, when the replacement takes longer
+than `shard_rebuild_wait_s` to start, the router re-runs the streams from their tokens
+(`docs/failures.md#a-lost-node`). Either way every stream finishes with the single-process
+engine's greedy text, and the group ends whole on the surviving memory node.
 """
 
 from __future__ import annotations
