@@ -14,6 +14,10 @@ from ray.experimental import internal_kv
 from services.mesh.registry import Registry, ServiceEntry
 
 REGISTRY_NAMESPACE = "phasemesh"
+# The registry lives on the head node, beside the GCS and Serve's controller (what Ray's own state
+# actors do): a worker node lost never takes it along, so losing one costs only its replicas, not
+# a registry restart (every entry forgotten until the next heartbeats). A sliver: any head takes it.
+ON_HEAD_NODE = {"node:__internal_head__": 0.001}
 
 
 class RayRegistry:
@@ -26,8 +30,9 @@ class RayRegistry:
 
     @classmethod
     def for_app(cls, app_name: str) -> RayRegistry:
-        """This application's registry actor, created on first use (no CPU: it keeps a dict)."""
-        actor = ray.remote(num_cpus=0, max_restarts=-1)(Registry)
+        """This application's registry actor, created on first use (no CPU: it keeps a dict), on
+        the head node."""
+        actor = ray.remote(num_cpus=0, max_restarts=-1, resources=ON_HEAD_NODE)(Registry)
         handle = actor.options(  # type: ignore[attr-defined]
             name=f"registry-{app_name}",
             namespace=REGISTRY_NAMESPACE,

@@ -63,7 +63,9 @@ PRESET_SHARDS = 2
 
 def on_preset(config: dict[str, Any], preset: str) -> dict[str, Any]:
     """A serve config's application on a random preset model (`tiny`, `small`), served under that
-    name; a mesh with shards gets the preset's shard count, in its args and its replicas."""
+    name; a mesh with shards gets the preset's shard count, in its args and its replicas (one
+    group, fixed: an AttentionShard `autoscaling_config`, deploy/cluster.yaml's, is dropped, as
+    Serve refuses it beside `num_replicas`)."""
     [app] = config["applications"]
     app["args"] |= {"model": preset, "served_model_name": preset}
     mesh = app["args"].get("mesh") or {}
@@ -74,6 +76,7 @@ def on_preset(config: dict[str, Any], preset: str) -> dict[str, Any]:
         for deployment in app["deployments"]:
             if deployment["name"] == "AttentionShard":
                 deployment["num_replicas"] = PRESET_SHARDS
+                deployment.pop("autoscaling_config", None)
     return config
 
 
