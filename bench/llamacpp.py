@@ -30,6 +30,8 @@ import json
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -241,3 +243,50 @@ def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> list[int
             n += 1
         counts.append(n)
     return counts
+
+
+class LlamaCppSide:
+    """llama.cpp's part of one bench run: its files, its worker, its rows and targets."""
+
+    def __init__(self, threads: int, types: tuple[str, ...] = GGUF_TYPES) -> None:
+        self.files = gguf_files(types)
+        self.worker = LlamaCppWorker(threads)
+        self.results: dict[str, Any] = {
+            "llama_cpp_python": self.worker.ready["ready"],
+            "system_info": self.worker.ready["system"].strip(),
+            "files": {kind: describe_gguf(path) for kind, path in self.files.items()},
+            "batches": {},
+        }
+
+    def runs(self) -> dict[str, Callable[[list[list[int]], int], float]]:
+        """One timed generation per file, named `llamacpp_KIND` among the bench's sides."""
+        return {f"llamacpp_{k}": partial(self.worker.seconds, p) for k, p in self.files.items()}
+
+    def record(self, batch: int, rates: dict[str, float]) -> str:
+        self.results["batches"][str(batch)], line = batch_row(batch, rates)
+        return line
+
+    def agreement(
+        self, ours: dict[str, Callable[[list[list[int]], int], list[list[int]]]],
+        prompts: list[list[int]], new_tokens: int,
+    ) -> str:  # fmt: skip
+        """Greedy tokens of each PhaseMesh side in `ours` against llama.cpp's file of equal bits:
+        how many leading tokens each prompt's outputs share."""
+        shared = {}
+        for side, kind in EQUAL_BITS.items():
+            if side in ours and kind in self.files:
+                theirs = self.worker.run(self.files[kind], prompts, new_tokens)[1]
+                shared[f"{side}_vs_{kind}"] = greedy_agreement(
+                    ours[side](prompts, new_tokens), theirs
+                )
+        self.results["greedy_leading_tokens_shared"] = {"of": new_tokens} | shared
+        return "greedy tokens shared with llama.cpp: " + "  ".join(
+            f"{pair} {sorted(counts)}" for pair, counts in shared.items()
+        )
+
+    def close(self) -> tuple[dict[str, Any], dict, dict]:
+        """The `llamacpp` JSON part, `targets` and `targets_met`; the worker stops."""
+        self.results["contexts"] = self.worker.contexts
+        self.worker.close()
+        wanted, met = targets(self.results["batches"])
+        return self.results, wanted, met

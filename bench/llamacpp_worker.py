@@ -132,7 +132,7 @@ def main() -> None:
             seconds, tokens = side.generate(request["prompts"], int(request["new_tokens"]))
             answer: dict[str, Any] = {"seconds": seconds, "tokens": tokens}
             answer["context"] = side.describe()
-        except Exception as exc:  # noqa: BLE001: one bad request is answered, not fatal
+        except Exception as exc:  # noqa: BLE001 (one bad request is answered, not fatal)
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(answer))
         sys.stdout.flush()
