@@ -26,6 +26,7 @@ written whole or not at all (a temporary file renamed), so a killed bench leaves
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -181,8 +182,11 @@ class LlamaCppWorker:
     def run(self, path: Path, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
         assert self.proc.stdin is not None
         request = {"gguf": str(path), "prompts": prompts, "new_tokens": new_tokens}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # a dead worker: the end of its output, read next, says so with its log
         answer = self._answer()
         if "error" in answer:
             raise RuntimeError(f"llama.cpp on {path.name}: {answer['error']}")
@@ -194,7 +198,8 @@ class LlamaCppWorker:
 
     def close(self) -> None:
         if self.proc.stdin is not None:
-            self.proc.stdin.close()
+            with contextlib.suppress(OSError):  # a dead worker's pipe
+                self.proc.stdin.close()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
