@@ -7,7 +7,7 @@ UV_INSTALL := $(BIN)/uv pip install --python $(BIN)/python
 STAMP := $(VENV)/.phasemesh-installed
 KERNEL_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.txt csrc/*.toml csrc/*.py)
 
-.PHONY: install kernel model run test pytest lint typecheck unit bench clean device-wheels
+.PHONY: install kernel model run test pytest lint typecheck unit bench bench-llamacpp-env clean device-wheels
 
 $(STAMP): pyproject.toml $(KERNEL_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -97,6 +97,11 @@ device-wheels:
 	mkdir -p $(DEVICE_WHEELS)
 	$(DEVICE_PIP) $(DEVICE_PACKAGES) $(if $(filter 1,$(DEVICE_UCX)),$(DEVICE_UCX_PACKAGES))
 	du -sh $(DEVICE_WHEELS)
+
+# llama.cpp for bench/engine.py's side of it: llama-cpp-python built once from its sdist, CPU only,
+# into .venv-llamacpp/ (its own environment: no project dependency). Slow: one compile at a time.
+bench-llamacpp-env:
+	bench/llamacpp_env.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -24,6 +24,13 @@ LM head's too), their GB/s and its ratio to the probe, and tokens/s over float32
 step reads each weight once, so tokens/s x bytes <= the read bandwidth: fewer bytes per weight
 is the only way past float32's rate. `--batches` with no sizes runs this part alone.
 
+With `--model smollm2` and llama.cpp's environment built (bench/llamacpp_env.sh), llama.cpp runs
+in every batch's repeats too (bench/llamacpp.py): SmolLM2's F32, BF16 and shipped Q4_1 GGUF files,
+one sequence per prompt, beside a PhaseMesh engine with bfloat16 projection panels; each batch's
+row has PhaseMesh's tok/s over llama.cpp's at equal bits per weight (float32 over F32, bfloat16
+over BF16), and the leading greedy tokens each pair shares. `--no-llamacpp` skips it; without the
+environment or on another model it is skipped and the JSON says why.
+
 The last line is one JSON object with both sides, their ratio and the engine's breakdown per batch
 size, the weight-dtype rows, `targets` and `targets_met`.
 """
@@ -73,13 +80,24 @@ def prompts_for(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine_seconds(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    return engine_run(engine, prompts, new_tokens)[0]
+
+
+def engine_run(
+    engine: LLMEngine, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, list[list[int]]]:
+    """One greedy generation: its seconds and each prompt's output token ids."""
     # Token ids only, like transformers' generate: no text (a server's text is the router's job).
     params = SamplingParams(
         max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=False
     )
     start = time.perf_counter()
-    engine.generate(prompts, params)
-    return time.perf_counter() - start
+    tokens = engine.generate(prompts, params)
+    return time.perf_counter() - start, tokens
+
+
+def engine_tokens(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    return engine_run(engine, prompts, new_tokens)[1]
 
 
 def hf_seconds(model, prompts: list[list[int]], new_tokens: int) -> float:  # type: ignore[no-untyped-def]
@@ -201,10 +219,15 @@ ALTERNATES = {
 }
 
 
-def engines(path: str, unpacked: bool, onednn: bool) -> dict[str, LLMEngine]:
+def engines(
+    path: str, unpacked: bool, onednn: bool, bfloat16: bool = False
+) -> dict[str, LLMEngine]:
     """The engine, and the alternates asked for: on plain `F.linear`, on oneDNN's packing (a
-    float32 model, where the kernel GEMM is the default)."""
+    float32 model, where the kernel GEMM is the default), on bfloat16 projection panels."""
     sides = {"engine": LLMEngine.from_path(path, num_blocks=2048)}
+    if bfloat16:
+        sides["engine_bfloat16"] = LLMEngine.from_path(path, num_blocks=2048)
+        pack_linears(sides["engine_bfloat16"].model, weight_dtype="bfloat16")
     if unpacked:
         sides["engine_unpacked"] = LLMEngine.from_path(path, num_blocks=2048)
         unpack_linears(sides["engine_unpacked"].model)
@@ -329,12 +352,15 @@ def main() -> None:
         "--device", default="cpu",
         help="cuda[:N]: the engine and transformers (bfloat16) on that GPU, no CPU-only sides",
     )  # fmt: skip
+    parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp's side")
     args = parser.parse_args()
     # NOTE: run as a script, Python puts bench/ first on sys.path, where bench/profile.py would
     # shadow the standard library's `profile` (which cProfile, imported by transformers, needs).
     if sys.path[0] == str(Path(__file__).resolve().parent):
         sys.path[0] = str(Path(__file__).resolve().parents[1])
     from transformers import LlamaForCausalLM
+
+    from bench import llamacpp
 
     if args.model in PRESETS:
         args.model = str(default_model_path(args.model))
@@ -346,8 +372,13 @@ def main() -> None:
         "model": path, "threads": torch.get_num_threads(), "batches": {},
         "loadavg_before": os.getloadavg()[0],
     }  # fmt: skip
+    skipped = "--no-llamacpp" if args.no_llamacpp else llamacpp.skip_reason(path)
+    if not args.batches:
+        skipped = "no --batches"
+    llama = None if skipped else llamacpp.LlamaCppSide(torch.get_num_threads())
+    results["llamacpp"] = {"skipped": skipped}
     if args.batches:
-        sides = engines(path, unpacked=not args.no_unpacked, onednn=not args.no_onednn)
+        sides = engines(path, not args.no_unpacked, not args.no_onednn, bfloat16=bool(llama))
         hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for batch in args.batches:
         prompts = prompts_for(batch, sides["engine"].model_config.vocab_size)
@@ -355,11 +386,18 @@ def main() -> None:
             name: functools.partial(engine_seconds, engine) for name, engine in sides.items()
         }
         runs["transformers"] = functools.partial(hf_seconds, hf)
+        runs |= llama.runs() if llama else {}
         rates = decode_tokens_per_s(runs, prompts, args.repeats)
         breakdown = engine_breakdown(path, prompts)
         results["batches"][str(batch)], line = batch_row(batch, rates, breakdown)
         print(line)
         print("  engine us/step: " + "  ".join(f"{k} {v:.0f}" for k, v in breakdown.items()))
+        if llama:
+            print(llama.record(batch, rates))
+    if llama:
+        ours = {name: functools.partial(engine_tokens, e) for name, e in sides.items()}
+        print(llama.agreement(ours, prompts, SHORT))
+        results["llamacpp"], llama_targets, llama_met = llama.close()
     if args.batches:
         del sides, hf  # the weight-dtype engines' memory
     if args.weight_dtypes:
@@ -377,6 +415,9 @@ def main() -> None:
         targets, met = weight_dtype_targets(results["weight_dtypes_batch_1"])
         results["targets"] |= targets
         results["targets_met"] |= met
+    if llama:
+        results["targets"] |= llama_targets
+        results["targets_met"] |= llama_met
     print(json.dumps(results))
 
 
