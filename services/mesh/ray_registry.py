@@ -14,6 +14,10 @@ from ray.experimental import internal_kv
 from services.mesh.registry import Registry, ServiceEntry
 
 REGISTRY_NAMESPACE = "phasemesh"
+# Calls the actor serves at once, on threads of its own: every reader's long poll
+# (`wait_change`: each router, each token engine's keeper) holds one while it waits, and the
+# replicas' heartbeats and claims must never queue behind them.
+MAX_CONCURRENT_CALLS = 64
 
 
 class RayRegistry:
@@ -33,6 +37,7 @@ class RayRegistry:
             namespace=REGISTRY_NAMESPACE,
             lifetime="detached",
             get_if_exists=True,
+            max_concurrency=MAX_CONCURRENT_CALLS,
         ).remote()
         return cls(handle, app_name)
 
@@ -50,6 +55,13 @@ class RayRegistry:
 
     def live(self) -> list[ServiceEntry]:
         return list(self._call("live"))
+
+    def wait_change(self, since: str, timeout_s: float) -> tuple[str, list[ServiceEntry]]:
+        """The actor's long poll: answered at a change or at `timeout_s`, so the call waits
+        that long plus the usual bound."""
+        ref = self.handle.wait_change.remote(since, timeout_s)
+        version, entries = ray.get(ref, timeout=timeout_s + self.timeout_s)
+        return str(version), list(entries)
 
     def take_shard_slot(self, entry: ServiceEntry, num_slots: int) -> int:
         return int(self._call("take_shard_slot", entry, num_slots))

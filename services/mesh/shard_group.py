@@ -67,6 +67,11 @@ class ShardGroupKeeper:
         self.group = claimed
         return GroupChange(lost, claimed)
 
+    def confirming(self) -> bool:
+        """A held shard is missing from the registry, not yet for `confirm_s`: the next check
+        is due on the clock, not at a change."""
+        return bool(self._absences.missing_since)
+
 
 def rebuilders(registry: RegistryClient) -> list[str]:
     """The command endpoints of the ready prompt (and mixed) engines: those that may rebuild a
