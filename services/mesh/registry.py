@@ -2,8 +2,8 @@
 
 Each engine and shard replica registers a `ServiceEntry` (its ZeroMQ endpoints, UCX link address,
 KV heads) in a `Registry` and heartbeats every `HEARTBEAT_INTERVAL_S`; an entry that misses
-heartbeats for `max_age_s` is gone. Routers read `live()` and route only to `ready` entries, so replicas added by
-scaling join routing and dead ones leave it, with nothing restarted.
+heartbeats for `max_age_s` is gone. Routers follow `live()` and route only to `ready` entries, so
+replicas added by scaling join routing and dead ones leave it, with nothing restarted.
 
 Shard groups. A shard takes a head-range *slot* when it starts (the slot with the fewest live
 shards, so 2 shards of a 2-slot group take slots 0 and 1). A token engine claims one ready,

@@ -36,11 +36,11 @@ from common.transport.zmq_sockets import PushPool
 from common.worker_config import WorkerConfig, role_config, shard_config, shard_heads
 from services.engine.model_peer_worker import ModelPeerWorker
 from services.engine.worker import EngineWorker
+from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
-from services.mesh.shard_group import ShardGroupKeeper, rebuilders
-from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.registry_watch import RegistryWatch
+from services.mesh.shard_group import ShardGroupKeeper, rebuilders
 from services.shard.worker import ShardWorker
 
 log = structlog.get_logger(__name__)
