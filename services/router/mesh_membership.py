@@ -73,7 +73,6 @@ class MeshMembership:
         self.prune_links = prune_links
         self.services: list[ServiceEntry] = []
         self._absences = Absences()  # engines of our requests the registry lacks
-        self._epoch = ""  # the registry (its `version`'s epoch) the last long poll answered
         # A dead thread would get the router replaced: the watch outlives a failed refresh.
         self._watch: _Watch
         if wait_change is None:
@@ -104,13 +103,10 @@ class MeshMembership:
         self._apply(entries)
 
     def _on_view(self, version: str, entries: list[ServiceEntry]) -> None:
-        """A long poll's answer. From the registry that answered last (same epoch), an engine
-        it lacks has left (expired or unregistered): its attempts are lost at once. From a new
-        one (a restarted actor knows no one until their next heartbeats) absences are confirmed
-        as a plain read's are."""
-        epoch = version.partition(":")[0]
-        same_registry, self._epoch = epoch == self._epoch, epoch
-        self._apply(entries, left_at_once=same_registry)
+        """A long poll's answer, applied as a read's (absences confirmed over time: a registry
+        that restarted, or was itself stopped past the heartbeat age, forgets live replicas
+        until their next heartbeats)."""
+        self._apply(entries)
 
     def _lent(self) -> bool:
         """An engine is lent to another pool: its lease is renewed (or it goes home) by the
@@ -119,7 +115,7 @@ class MeshMembership:
             homes = {e.service_id: str(e.role) for e in self.services}
         return any(pool != homes.get(sid, pool) for sid, pool in self.scheduler.pools().items())
 
-    def _apply(self, entries: list[ServiceEntry], left_at_once: bool = False) -> None:
+    def _apply(self, entries: list[ServiceEntry]) -> None:
         # Ready engines, and the shards (a group with a shard the registry lost is not placed on).
         self.scheduler.set_engines([e for e in entries if e.state == "ready"])
         self.inbox.load_endpoints = frozenset(e.load_endpoint for e in entries if e.load_endpoint)
@@ -137,16 +133,13 @@ class MeshMembership:
         clock = time.monotonic()
         if self.prune_links is not None:
             self.prune_links({e.command_endpoint for e in entries if e.command_endpoint}, clock)
-        self._fail_orphans(self._confirmed_gone(now, clock, left_at_once))
+        self._fail_orphans(self._confirmed_gone(now, clock))
 
-    def _confirmed_gone(self, live_ids: set[str], now: float, at_once: bool = False) -> set[str]:
+    def _confirmed_gone(self, live_ids: set[str], now: float) -> set[str]:
         """Engines of our requests absent from the registry for `ABSENT_CONFIRM_S`: a registry
         actor that restarted knows no one until each replica's next heartbeat re-registers it,
-        and that must not make every request in flight migrate off healthy engines. `at_once`:
-        the view is known to come from the registry that listed them (`_on_view`)."""
-        watched = self.requests.engine_ids()
-        gone = self._absences.gone(watched, live_ids, now)
-        return gone | (set(watched) - live_ids) if at_once else gone
+        and that must not make every request in flight migrate off healthy engines."""
+        return self._absences.gone(self.requests.engine_ids(), live_ids, now)
 
     def _fail_orphans(self, gone: set[str]) -> None:
         """Tell requests whose token engine left, or whose prompt engine left before the token
