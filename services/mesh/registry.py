@@ -1,9 +1,9 @@
 """Discovery for the mesh on Ray: who is up, where its sockets are, and which shards are whose.
 
 Each engine and shard replica registers a `ServiceEntry` (its ZeroMQ endpoints, UCX link address,
-KV heads) in a `Registry` and heartbeats about once a second; an entry that misses heartbeats for
-`max_age_s` is gone. Routers read `live()` and route only to `ready` entries, so replicas added by
-scaling join routing and dead ones leave it, with nothing restarted.
+KV heads) in a `Registry` and heartbeats every `HEARTBEAT_INTERVAL_S`; an entry that misses
+heartbeats for `max_age_s` is gone. Routers follow `live()` and route only to `ready` entries, so
+replicas added by scaling join routing and dead ones leave it, with nothing restarted.
 
 Shard groups. A shard takes a head-range *slot* when it starts (the slot with the fewest live
 shards, so 2 shards of a 2-slot group take slots 0 and 1). A token engine claims one ready,
@@ -25,17 +25,28 @@ ones, keeping those it holds (`claim_peers`). Unlike a shard group, a partial se
 peer is one more replica in the rotation), so a claim takes what there is; the engine's keeper
 claims again until it has them all. A claim ends with the peer or with its token engine.
 
-`Registry` is a plain class (unit-testable, injected clock); on Ray it runs as a named detached
-actor, one per Serve application, created by whichever replica comes first (`ray_registry.py`).
-A `LocalMesh` keeps one in its own process, without Ray.
+Watching. Every change of the live entries (one registered, changed, unregistered or expired)
+bumps the registry's `version`; `wait_change(version, timeout_s)` returns as soon as the version
+moves past the caller's (or at the timeout) with the live entries. A router's membership waits
+there instead of reading the registry on a timer: a change reaches it at once, and an idle mesh
+costs no reads. An entry expires while nobody calls: a waiter wakes at the next expiry deadline
+and expires it itself. Heartbeats change no entry, so they wake no waiter.
+
+`Registry` is a plain class (unit-testable, injected clock; its methods take one lock, since the
+actor serves a long wait beside heartbeats on threads of its own); on Ray it runs as a named
+detached actor, one per Serve application, created by whichever replica comes first
+(`ray_registry.py`). A `LocalMesh` keeps one in its own process, without Ray.
 """
 
 from __future__ import annotations
 
+import functools
+import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import structlog
 
@@ -45,8 +56,27 @@ from services.mesh.ticker import Ticker
 
 log = structlog.get_logger(__name__)
 
-HEARTBEAT_INTERVAL_S = 1.0
-MAX_HEARTBEAT_AGE_S = 5.0
+MAX_HEARTBEAT_AGE_S = 5.0  # failure detection: an entry not heard from this long is gone
+# Tied to that bound, not faster: an entry outlives two lost or late beats, and beating more
+# often would notice a dead replica no sooner (each beat is an actor call: an idle mesh's cost).
+# Readers confirm an absence over a beat and a second (`absence.py`): with a router's long poll
+# a dead replica's requests migrate 5 + 2.5 s after its last beat, as with 1 s beats and 0.5 s
+# reads before.
+HEARTBEAT_INTERVAL_S = 1.5
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _locked(method: Callable[P, R]) -> Callable[P, R]:
+    """`method` under its registry's lock (the actor's threads, a `LocalMesh`'s callers)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with args[0]._changed:  # type: ignore[attr-defined]
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -103,15 +133,24 @@ class Registry:
         self.last_seen: dict[str, float] = {}
         self.claimed_by: dict[str, str] = {}  # shard or model peer id -> token engine id
         self.mesh_key: str | None = None  # the application's, when its args set none
+        # `wait_change`'s version: this registry's own id (a restarted actor's differs, so no
+        # reader takes its count for the old one's), and a count of changes of the live entries.
+        self.epoch = secrets.token_hex(4)
+        self.num_changes = 0
+        self._changed = threading.Condition()  # the lock of every method; notified on a change
 
+    @_locked
     def register(self, entry: ServiceEntry) -> None:
         """Add or replace an entry (a replica re-registers when its state changes). A token
         engine's entry claims the shards and peers it lists, unless another engine holds them."""
+        if self.entries.get(entry.service_id) != entry:
+            self._bump()
         self.entries[entry.service_id] = entry
         self.last_seen[entry.service_id] = self.clock()
         for held in [s.service_id for s in entry.shards] + list(entry.peers):
             self.claimed_by.setdefault(held, entry.service_id)
 
+    @_locked
     def heartbeat(self, service_id: str) -> bool:
         """Refresh an entry; False if the registry does not know it (expired, or a new registry)."""
         self._expire()
@@ -120,7 +159,10 @@ class Registry:
         self.last_seen[service_id] = self.clock()
         return True
 
+    @_locked
     def unregister(self, service_id: str) -> None:
+        if service_id in self.entries:
+            self._bump()
         self.entries.pop(service_id, None)
         self.last_seen.pop(service_id, None)
         self.claimed_by.pop(service_id, None)
@@ -128,11 +170,32 @@ class Registry:
             if owner == service_id:  # a token engine left: its shards and peers serve the next
                 del self.claimed_by[shard_id]
 
+    @_locked
     def live(self) -> list[ServiceEntry]:
         """Every entry heard from within `max_age_s`, in registration order."""
         self._expire()
         return list(self.entries.values())
 
+    @property
+    def version(self) -> str:
+        """`<epoch>:<changes>`: equal for two reads of one registry with no change between."""
+        return f"{self.epoch}:{self.num_changes}"
+
+    def wait_change(self, since: str, timeout_s: float) -> tuple[str, list[ServiceEntry]]:
+        """(version, `live()`) once the version differs from `since` (at once if it does: ""
+        for a first read), or at `timeout_s`. Entries whose heartbeats stop expire meanwhile:
+        the wait wakes at the next expiry deadline to drop them, which is a change."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                self._expire()
+                left = deadline - time.monotonic()
+                if self.version != since or left <= 0:
+                    return self.version, list(self.entries.values())
+                # NOTE: the injected clock measures ages; real time paces the wait.
+                self._changed.wait(min(left, self._next_expiry_s()))
+
+    @_locked
     def take_shard_slot(self, entry: ServiceEntry, num_slots: int) -> int:
         """Register a starting shard in the slot with the fewest live shards (draining ones are
         leaving: not counted); return the slot."""
@@ -146,6 +209,7 @@ class Registry:
         self.register(replace(entry, slot=slot))
         return slot
 
+    @_locked
     def claim_group(self, token_id: str, num_slots: int) -> list[ServiceEntry] | None:
         """One ready shard per slot for `token_id`, atomically; None if no full group.
 
@@ -164,6 +228,7 @@ class Registry:
             self.claimed_by[shard.service_id] = token_id
         return group
 
+    @_locked
     def claim_peers(self, token_id: str, num_peers: int) -> list[ServiceEntry]:
         """Up to `num_peers` ready model peers for `token_id`: the ones it holds first (in
         registration order), then unclaimed ones; each is claimed. Fewer (or none) if no more
@@ -177,6 +242,7 @@ class Registry:
             self.claimed_by[peer.service_id] = token_id
         return claimed
 
+    @_locked
     def agree_key(self, proposed: str) -> str:
         """The application's mesh key: the first one proposed, for the registry's life. Replicas
         of every version of the application then share one key (a key drawn per deploy would
@@ -185,6 +251,7 @@ class Registry:
             self.mesh_key = proposed
         return self.mesh_key
 
+    @_locked
     def shard_census(self) -> tuple[int, int]:
         """(live shards, live shards no token engine has claimed), starting ones included."""
         self._expire()
@@ -207,6 +274,18 @@ class Registry:
                 log.warning("replica stopped heartbeating", service_id=service_id)
                 self.unregister(service_id)
 
+    def _next_expiry_s(self) -> float:
+        """Seconds until the oldest entry expires (at least a little: a clock tick's rounding
+        must not spin the wait); a long while when there is none."""
+        if not self.last_seen:
+            return self.max_age_s
+        oldest = min(self.last_seen.values())
+        return max(oldest + self.max_age_s - self.clock(), 0.0) + 0.01
+
+    def _bump(self) -> None:
+        self.num_changes += 1
+        self._changed.notify_all()
+
 
 class RegistryClient(Protocol):
     """What replicas and launchers call on a registry: the plain `Registry` in-process (the local
@@ -214,11 +293,14 @@ class RegistryClient(Protocol):
 
     def register(self, entry: ServiceEntry) -> None: ...
 
+    @_locked
     def heartbeat(self, service_id: str) -> bool: ...
 
     def unregister(self, service_id: str) -> None: ...
 
     def live(self) -> list[ServiceEntry]: ...
+
+    def wait_change(self, since: str, timeout_s: float) -> tuple[str, list[ServiceEntry]]: ...
 
     def take_shard_slot(self, entry: ServiceEntry, num_slots: int) -> int: ...
 

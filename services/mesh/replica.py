@@ -36,8 +36,10 @@ from common.transport.zmq_sockets import PushPool
 from common.worker_config import WorkerConfig, role_config, shard_config, shard_heads
 from services.engine.model_peer_worker import ModelPeerWorker
 from services.engine.worker import EngineWorker
+from services.mesh.absence import ABSENT_CONFIRM_S
 from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
+from services.mesh.registry_watch import RegistryWatch
 from services.mesh.shard_group import ShardGroupKeeper, SlotBalance, claimant_of, rebuilders
 from services.mesh.ticker import Ticker
 from services.shard.worker import ShardWorker
@@ -52,9 +54,10 @@ ALL_CLAIMED_SETTLE_S = 3.0  # every live shard claimed for this long: stop waiti
 CLAIM_RETRY_S = 0.5
 DRAIN_POLL_S = 0.1
 # A leaving engine serves on this long before an empty request table may end its drain: every
-# router reads the registry every half second (`services/router/mesh_membership.py`), so by then
-# none places here any more, and what they placed just before (a prompt still prefilling for
-# this token engine) has arrived.
+# router hears of the change at once (the registry's long poll, `services/router/
+# mesh_membership.py`; a router without it reads every half second), so by then none places
+# here any more, and what they placed just before (a prompt still prefilling for this token
+# engine) has arrived.
 DRAIN_NOTICE_S = 2.0
 GROUP_CHECK_INTERVAL_S = 0.5  # how often a token engine replica looks for lost or new shards
 PEER_WAIT_S = 10.0  # at most this long a starting token engine waits for all its model peers
@@ -116,7 +119,8 @@ class WorkerThread:
 
 class GroupWatch:
     """A token engine replica's shard group kept whole, and its model peers linked: a thread
-    checks the registry every `interval_s` (`ShardGroupKeeper`, `ModelPeerKeeper`) and tells the
+    checks the registry at each change (`RegistryWatch`; `ShardGroupKeeper`, `ModelPeerKeeper`)
+    and every `interval_s` while an absence waits to be confirmed, and tells the
     engine of a change with a `LinkShards` or `LinkPeers` on its own command socket (the engine
     loop owns the UCX links), then republishes its entry (`shards`, `peers`: what it holds)."""
 
@@ -129,15 +133,21 @@ class GroupWatch:
         self.peer_keeper = peer_keeper
         self.membership = membership
         self.command_endpoint = command_endpoint
-        # Its sockets are the ticker thread's: registry changes arrive by asking, not by event.
+        # Its sockets are the watch thread's, closed on it.
         self._push: PushPool[LinkShards | LinkPeers] = PushPool(
             zmq.Context.instance(), LinkShards | LinkPeers, auth=auth
         )
-        self._ticker = Ticker("shard-group-watch", interval_s, self._check, self._push.close)
-        self._ticker.start()
+        # The registry's long poll: a change at once; `interval_s` while a lost shard's absence
+        # is being confirmed or model peers get their reminders, else the watch's idle pace.
+        self._watch = RegistryWatch(
+            "shard-group-watch", keeper.registry.wait_change, lambda _v, _e: self._check(),
+            busy_s=interval_s, settle_s=ABSENT_CONFIRM_S + 2 * interval_s,
+            busy=lambda: peer_keeper is not None or keeper.confirming(), on_exit=self._push.close,
+        )  # fmt: skip
+        self._watch.start()
 
     def stop(self) -> None:
-        self._ticker.stop(timeout_s=5)
+        self._watch.stop(timeout_s=5)
 
     def _check(self) -> None:
         try:

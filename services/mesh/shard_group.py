@@ -84,6 +84,11 @@ class ShardGroupKeeper:
         self.group = claimed
         return GroupChange(lost, claimed)
 
+    def confirming(self) -> bool:
+        """A held shard is missing from the registry, not yet for `confirm_s`: the next check
+        is due on the clock, not at a change."""
+        return bool(self._absences.missing_since)
+
 
 def claimant_of(entries: Iterable[ServiceEntry], shard_id: str) -> ServiceEntry | None:
     """The token engine that holds `shard_id` in its group, if any: a shard told to stop serves

@@ -1,9 +1,9 @@
 """A timer thread: one call every `interval_s` until stopped.
 
-For work with no event to block on: a heartbeat, or reading another process's state (the
-registry actor, child processes). The registry heartbeat (`Membership`), a token engine's shard
-group watch (`GroupWatch`), the local mesh's supervisor and the router's membership watch each run
-on one.
+For work with no event to block on: a heartbeat, or reading another process's state (child
+processes, a registry without a long poll). The registry heartbeat (`Membership`), the local
+mesh's supervisor and a router's membership read without the registry's long poll each run on
+one; readers of the registry actor wait on its changes instead (`registry_watch.py`).
 """
 
 from __future__ import annotations

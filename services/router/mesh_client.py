@@ -45,6 +45,7 @@ from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool
 from services.mesh.absence import Absences
 from services.mesh.registry import ServiceEntry
+from services.mesh.registry_watch import WaitChange
 from services.router.cluster_scheduler import (
     ClusterScheduler,
     NoEngines,
@@ -94,7 +95,10 @@ class MeshEngineClient:
         prefix_routing_weight: float = PREFIX_ROUTING_WEIGHT,
         pool_thresholds: PoolThresholds | None = None,
         progress_timeout_s: float = PROGRESS_TIMEOUT_S,
+        wait_change: WaitChange | None = None,
     ) -> None:
+        """`list_services`: the registry's live entries; `wait_change`: its long poll, which
+        the membership thread then waits on instead of reading every `refresh_s`."""
         self.tokenizer = Tokenizer(model_path)
         self.max_context: int | None = None  # each engine bounds its own (KV refusals)
         self.auth = auth  # the mesh's CURVE keys: every socket to and from it uses them
@@ -132,6 +136,7 @@ class MeshEngineClient:
         self.membership = MeshMembership(
             list_services, self.requests, self.scheduler, self.inbox, self._send_role_changes,
             refresh_s=refresh_s, metrics=metrics, prune_links=self._prune_links,
+            wait_change=wait_change,
         )  # fmt: skip
         self.membership.refresh()
         self._threads = [self.inbox.thread, self.membership.thread]

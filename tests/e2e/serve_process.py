@@ -33,6 +33,8 @@ from typing import Any, Literal
 import httpx
 import yaml
 
+from services.serve_cli import QUIET_RUNTIME_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CLI = Path(sys.executable).with_name("serve")
 Ingress = Literal["direct", "direct_thread", "proxy"]
@@ -137,7 +139,8 @@ class ServeRun:
         self._direct_low = 0
 
     def start(self, timeout_s: float = 240.0) -> str:
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        # Ray's idle timers as `make run` slows them (the caller's environment may override).
+        env = QUIET_RUNTIME_ENV | {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         # NOTE: Ray 2.60 turns token auth on for the clusters it starts; say so explicitly.
         env.setdefault("RAY_AUTH_MODE", "token")

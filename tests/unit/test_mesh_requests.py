@@ -1,18 +1,20 @@
 """The mesh client's requests and membership without sockets (`services/router/mesh_requests.py`,
 `mesh_membership.py`): only the current attempt's outputs reach a request, an engine is lost once
-per attempt, and only after the registry has missed it for `ABSENT_CONFIRM_S`."""
+per attempt, and only after the registry has missed it for `ABSENT_CONFIRM_S`; the registry's
+long poll brings changes to the router's view as they are made."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
 from common.protocol import SamplingSpec, TokenOutput
 from common.roles import Role
 from services.mesh.absence import ABSENT_CONFIRM_S
-from services.mesh.registry import ServiceEntry
+from services.mesh.registry import Registry, ServiceEntry
 from services.router.cluster_scheduler import ClusterScheduler
 from services.router.mesh_membership import MeshMembership
 from services.router.mesh_requests import EngineLost, MeshRequests, MeshStream
@@ -148,3 +150,45 @@ def test_a_refresh_that_fails_leaves_the_watch_thread_running() -> None:
     finally:
         watch.close()
         watch.thread.join(timeout=5)
+
+
+def test_membership_on_the_long_poll_hears_a_change_at_once_with_no_timer() -> None:
+    """With the registry's long poll (`wait_change`, a real `Registry` on real threads), every
+    change reaches the router's view while each of its timers is at a minute: an engine that
+    joins, one that leaves. Its requests' attempts are lost only once the absence is confirmed
+    (a restarted registry forgets live replicas for a heartbeat)."""
+    registry = Registry()
+    registry.register(PROMPT)
+
+    async def run() -> None:
+        requests = MeshRequests(None, max_migrations=2)
+        inbox: Any = SimpleNamespace(load_endpoints=frozenset())
+        watch = MeshMembership(
+            registry.live, requests, ClusterScheduler(16), inbox, lambda: None, refresh_s=60,
+            wait_change=registry.wait_change,
+        )  # fmt: skip
+        watch._watch.idle_s = 60.0  # type: ignore[attr-defined]  # no timer may notice it
+
+        async def view_is(ids: set[str]) -> None:
+            deadline = time.monotonic() + 30  # a hang guard, far below the timers' minute
+            while watch.live_ids() != ids and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert watch.live_ids() == ids
+
+        watch.thread.start()
+        try:
+            await view_is({"p0"})
+            registry.register(TOKEN)
+            await view_is({"p0", "t0"})
+            stream = admit(requests, "r1")
+            registry.unregister("t0")
+            await view_is({"p0"})
+            assert not stream.lost  # not yet: the absence is confirmed first
+            assert watch._absences.missing_since.keys() == {"t0"}
+        finally:
+            watch.close()
+            registry.register(TOKEN)  # a change: the wait ends, the thread sees it stopped
+            watch.thread.join(timeout=30)
+        assert not watch.thread.is_alive()
+
+    asyncio.run(run())

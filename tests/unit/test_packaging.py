@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import importlib
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -56,8 +57,9 @@ def test_phasemesh_serve_prepares_the_named_models_and_runs_serve(tmp_path: Path
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
     # The Makefile's `run` starts Serve with the same switches.
     makefile = (ROOT / "Makefile").read_text()
-    for name, value in serve_cli.DIRECT_INGRESS_ENV.items():
+    for name, value in (serve_cli.DIRECT_INGRESS_ENV | serve_cli.QUIET_RUNTIME_ENV).items():
         assert f"{name}={value}" in makefile
+        assert env[name] == value or name in os.environ  # the caller's own setting wins
     assert serve_cli.main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
     args = serve_cli.build_parser().parse_args(["serve"])
     assert args.config == serve_cli.DEFAULT_CONFIG and args.direct_ingress

@@ -1,8 +1,11 @@
 """`services.mesh.registry.Registry` (the plain class the registry actor runs): liveness by
-heartbeat, head-range slots for shards, atomic shard-group claims. A fake clock stands in for
-time."""
+heartbeat, head-range slots for shards, atomic shard-group claims, the long poll of changes. A
+fake clock stands in for time where ages are judged."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 from common.roles import Role
 from services.mesh.registry import Registry, ServiceEntry
@@ -208,3 +211,45 @@ def test_a_stopped_registry_never_fails_a_replicas_health_and_it_re_registers_wh
         time.sleep(0.01)
     assert membership.healthy() and membership.heartbeat_age_s() < 1
     membership.stop(unregister=False)
+
+
+def test_a_long_poll_returns_at_a_change_and_not_at_a_heartbeat() -> None:
+    """`wait_change`: at once for an old version; otherwise woken by another thread's register
+    (a real thread and the real lock, the actor's own concurrency), never by a heartbeat."""
+    registry = Registry()
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t0", state="ready"))
+    version, entries = registry.wait_change("", timeout_s=60)  # no version yet: at once
+    assert [e.service_id for e in entries] == ["t0"]
+    registry.heartbeat("t0")
+    same, _ = registry.wait_change(version, timeout_s=0.2)  # a beat changes no entry
+    assert same == version
+    registry.register(ServiceEntry(role=Role.TOKEN, service_id="t0", state="ready"))
+    assert registry.wait_change(version, timeout_s=0.2)[0] == version  # the same entry again
+
+    def later() -> None:
+        time.sleep(0.2)
+        registry.register(ServiceEntry(role=Role.TOKEN, service_id="t0", state="draining"))
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    changed, entries = registry.wait_change(version, timeout_s=60)  # 60 s: a hang guard only
+    thread.join()
+    assert changed != version and [e.state for e in entries] == ["draining"]
+
+
+def test_a_long_poll_wakes_to_expire_an_entry_that_stopped_heartbeating() -> None:
+    """Nobody calls the registry while it waits: the waiter itself drops the silent entry at
+    its expiry deadline, which is a change."""
+    registry = Registry(max_age_s=0.3)
+    registry.register(ServiceEntry(role=Role.SHARD, service_id="s0", state="ready"))
+    version, _ = registry.wait_change("", timeout_s=0)
+    changed, entries = registry.wait_change(version, timeout_s=60)  # 60 s: a hang guard only
+    assert changed != version and entries == []
+
+
+def test_a_new_registry_never_answers_with_an_old_ones_version() -> None:
+    """A restarted actor counts its changes from zero: its version names it, so a reader's
+    version from the old one is never taken for 'no change'."""
+    old, new = Registry(), Registry()
+    assert old.version != new.version
+    assert new.wait_change(old.version, timeout_s=60)[0] == new.version
