@@ -41,7 +41,6 @@ from services.mesh.peer_group import ModelPeerKeeper
 from services.mesh.registry import Membership, RegistryClient, ServiceEntry
 from services.mesh.registry_watch import RegistryWatch
 from services.mesh.shard_group import ShardGroupKeeper, SlotBalance, claimant_of, rebuilders
-from services.mesh.ticker import Ticker
 from services.shard.worker import ShardWorker
 
 log = structlog.get_logger(__name__)
