@@ -84,6 +84,11 @@ class LoadBoard(Mapping[int, MachineLoad]):
     def __len__(self) -> int:
         return len(self._reports)
 
+    def figures(self, machine_id: int) -> tuple[int, int, int, int]:
+        """(pending prompt, decode, total, free KV) tokens as last reported: the `MachineLoad`'s
+        figures without building one (JSQ's fullness test, at every routing)."""
+        return self._reports[machine_id]
+
     # -- updates --------------------------------------------------------------------------------
 
     def report(
