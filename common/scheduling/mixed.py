@@ -277,25 +277,27 @@ class MixedBatchPolicy:
         Prefilled sequences join `running` at once (their KV is reserved) and decode from the next
         iteration; the iteration itself counts as one step.
         """
-        if not self.running and not self.has_waiting:
+        running, has_prompts = self.running, self.prompts or self.resumes
+        if not running and not has_prompts and not self.arrived_decodes:
             self._prefilling.clear()
             return EMPTY_PLAN  # an idle machine (a prompt machine between prompts)
         preempted: list[ReqId] = []
         if self._prefilling:
             self._prefilling = set()
         # (req_id, prefill tokens) admitted
-        prefill = self._admit_prefills(now, preempted) if self.prompts or self.resumes else []
+        prefill = self._admit_prefills(now, preempted) if has_prompts else []
         if self.arrived_decodes:
             self._admit_arrived_decodes()
         self._fit_growth(now, preempted)
-        if self._prefilling:
-            decode_ids = tuple(r for r in self.running if r not in self._prefilling)
+        prefilling = self._prefilling
+        if prefilling:
+            decode_ids = tuple(r for r in running if r not in prefilling)
         else:
-            decode_ids = tuple(self.running)
+            decode_ids = tuple(running)
         if prefill or decode_ids:
             self.step += 1  # an empty plan is not an iteration
         if not prefill:
-            return MixedPlan(decode_ids=decode_ids, preempted_ids=tuple(preempted))
+            return MixedPlan((), 0, decode_ids, tuple(preempted) if preempted else ())
         return MixedPlan(
             prefill_ids=tuple(req_id for req_id, _ in prefill),
             num_prefill_tokens=sum(num_tokens for _, num_tokens in prefill),
@@ -315,18 +317,20 @@ class MixedBatchPolicy:
         admitted: list[SeqState] = []
         lengths: list[tuple[ReqId, int]] = []
         budget = self.config.prompt_token_cap
+        max_num_seqs = self.config.max_num_seqs
         for seq in self._waiting_order(now):
-            if admitted and seq.prefill_len > budget:
+            prefill_len = seq.prompt_len + seq.gen_base  # (`prefill_len`, read once)
+            if admitted and prefill_len > budget:
                 break  # FCFS: nothing skips ahead of a prompt that does not fit
-            if 0 < self.config.max_num_seqs <= len(self.running):
+            if 0 < max_num_seqs <= len(self.running):
                 break
-            if not self._fits(seq.prefill_len + 1) and not self._preempt_for(
-                seq.prefill_len + 1, now, preempted
+            if not self._fits(prefill_len + 1) and not self._preempt_for(
+                prefill_len + 1, now, preempted
             ):
                 break
             admitted.append(seq)
-            lengths.append((seq.req_id, seq.prefill_len))
-            budget -= seq.prefill_len
+            lengths.append((seq.req_id, prefill_len))
+            budget -= prefill_len
             # Reserve its KV now so later admissions see it.
             self._join(seq, gen_base=seq.gen_base + 1, join_step=self.step + 1)
             self._prefilling.add(seq.req_id)

@@ -30,20 +30,20 @@ class StepTimes:
 
     def __init__(self, perf: PerfModel) -> None:
         self.perf = perf
-        self._decode: dict[int, float] = {}
-        self._iteration: dict[tuple[int, int], float] = {}
+        self.decode: dict[int, float] = {}  # batch size -> step seconds, as asked so far
+        self.iteration: dict[tuple[int, int], float] = {}  # (prefill tokens, decodes) -> s
 
     def decode_s(self, batch_size: int) -> float:
-        step_s = self._decode.get(batch_size)
+        step_s = self.decode.get(batch_size)
         if step_s is None:
-            step_s = self._decode[batch_size] = self.perf.decode_s(batch_size)
+            step_s = self.decode[batch_size] = self.perf.decode_s(batch_size)
         return step_s
 
     def iteration_s(self, num_prefill_tokens: int, num_decodes: int) -> float:
         key = (num_prefill_tokens, num_decodes)
-        step_s = self._iteration.get(key)
+        step_s = self.iteration.get(key)
         if step_s is None:
-            step_s = self._iteration[key] = self.perf.iteration_s(*key)
+            step_s = self.iteration[key] = self.perf.iteration_s(*key)
         return step_s
 
 
@@ -134,12 +134,17 @@ class SimMachine:
             return None
         self._track(joined, output_len)
         stall_s, self.pending_stall_s = self.pending_stall_s, 0.0
+        times = self.step_times  # (its memos read inline: a lookup per run)
         if plan.prefill_ids:
-            num_computed = self._computed_prefill_tokens(plan)
-            step_s = self.step_times.iteration_s(num_computed, len(plan.decode_ids))
+            key = (self._computed_prefill_tokens(plan), len(plan.decode_ids))
+            step_s = times.iteration.get(key)
+            if step_s is None:
+                step_s = times.iteration_s(*key)
             self.run = Run(plan, now, step_s, 1, stall_s)
         else:
-            step_s = self.step_times.decode_s(len(plan.decode_ids))
+            step_s = times.decode.get(len(plan.decode_ids))
+            if step_s is None:
+                step_s = times.decode_s(len(plan.decode_ids))
             self.run = Run(plan, now, step_s, self._run_len(), stall_s)
         self.version += 1
         return self.run
@@ -225,8 +230,10 @@ class SimMachine:
         return req_id in self.policy.running and self._tracked.get(req_id) == finish_step
 
     def _pop_finished(self) -> list[int]:
-        done: list[int] = []
         heap, step = self._finish_heap, self.policy.step
+        if not heap or heap[0][0] > step:
+            return []  # most runs: nobody finishes (a prefill, a cut run)
+        done: list[int] = []
         while heap and heap[0][0] <= step:
             finish_step, req_id = heapq.heappop(heap)
             if self._is_current(finish_step, req_id):

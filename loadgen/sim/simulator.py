@@ -159,6 +159,7 @@ class Simulator:
         self.cluster = cluster
         self.options = options = options or SimOptions()
         self.transfer = cluster.transfer_model()
+        self._transfer_s: dict[int, float] = {}  # prompt tokens -> visible transfer s (memo)
         types = cluster.machine_types()
         self.block_keys: dict[int, tuple[BlockKey, ...]] = {}  # req_id -> its blocks' keys
         step_times: dict[int, StepTimes] = {}  # id(perf model) -> its memo, for each type
@@ -355,7 +356,9 @@ class Simulator:
         if version != machine.version or machine.run is None:
             return  # superseded by an interrupt
         plan, finished = machine.complete()
-        first = [r for r in plan.prefill_ids if self._after_prefill(machine, r, now, finished)]
+        first: Sequence[int] = ()
+        if plan.prefill_ids:
+            first = [r for r in plan.prefill_ids if self._after_prefill(machine, r, now, finished)]
         if finished or self.frontend is not None:  # (the front end streams every token out)
             decoded_s = self._client_time(now, len(plan.decode_ids))
         for req_id in finished:
@@ -382,7 +385,7 @@ class Simulator:
         record = self.records[req_id]
         if record.first_token_s == record.first_token_s:
             return False  # a recompute after preemption, not a first token
-        record.first_token_s = self._client_time(now, 1)
+        record.first_token_s = now if self.frontend is None else self._client_time(now, 1)
         if record.token_machine == machine.machine_id:
             return True
         if req_id in finished:  # a one-token output: no KV to send after all
@@ -390,7 +393,9 @@ class Simulator:
             self._changed.add(record.token_machine)
             return True
         machine.forget(req_id)  # the KV leaves for the token machine
-        delay = self.transfer.visible_s(record.prompt_len)
+        delay = self._transfer_s.get(record.prompt_len)
+        if delay is None:
+            delay = self._transfer_s[record.prompt_len] = self.transfer.visible_s(record.prompt_len)
         self._push(now + delay, KV_LANDED, req_id, record.token_machine)
         return True
 
@@ -409,6 +414,7 @@ class Simulator:
         event that changes a machine's load kicks it, or marks it `_changed` itself."""
         machine_id = machine.machine_id
         self._changed.add(machine_id)
+        end_s: float | None
         if machine.run is None:
             run = machine.start(now, self.output_len)
             if run is None:
