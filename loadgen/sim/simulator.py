@@ -356,7 +356,7 @@ class Simulator:
         if version != machine.version or machine.run is None:
             return  # superseded by an interrupt
         plan, finished = machine.complete()
-        first: Sequence[int] = ()
+        first: Sequence[int | str] = ()
         if plan.prefill_ids:
             first = [r for r in plan.prefill_ids if self._after_prefill(machine, r, now, finished)]
         if finished or self.frontend is not None:  # (the front end streams every token out)
