@@ -20,6 +20,7 @@ query builds it again): what JSQ asks for only under overload costs nothing in b
 from __future__ import annotations
 
 import heapq
+from heapq import heappush
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -97,11 +98,13 @@ class LoadBoard(Mapping[int, MachineLoad]):
         """A machine's latest load (of a machine in the pool table)."""
         report = (pending_prompt_tokens, decode_tokens, pending_prompt_tokens + decode_tokens,
                   free_kv_tokens)  # fmt: skip
-        before = self._reports.get(machine_id)
+        reports = self._reports
+        before = reports.get(machine_id)
         if before == report:
             return
-        self._reports[machine_id] = report
-        self._loads.pop(machine_id, None)
+        reports[machine_id] = report
+        if self._loads:
+            self._loads.pop(machine_id, None)
         if before is None:
             self._refile(machine_id)
             return
@@ -109,7 +112,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
         for figure, heap in self._pool_heaps[pool]:
             value = report[figure]
             if before[figure] != value:
-                heapq.heappush(heap, (value, machine_id))
+                heappush(heap, (value, machine_id))
                 if len(heap) > self._bounds[pool]:
                     self._renew(pool, figure)
 
@@ -158,10 +161,11 @@ class LoadBoard(Mapping[int, MachineLoad]):
     ) -> int | None:
         """The pool's member with the least `figure` (less `weight` x its `credit`, the prefix
         it caches: KV-aware JSQ), lowest id on ties; None for an empty pool."""
-        heap = self._heaps.get((pool, figure))
+        key = (pool, figure)
+        heap = self._heaps.get(key)
         if heap is None:
             heap = self._rebuild(pool, figure)
-        self._asked.add((pool, figure))
+        self._asked.add(key)
         reports, current = self._reports, self._pools.current
         # An entry is live while its machine is in the pool with that figure; a machine may have
         # two live entries (a figure that came back), which name the same machine anyway.

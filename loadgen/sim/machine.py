@@ -79,6 +79,7 @@ class SimMachine:
         self.machine_id = machine_id
         self.home = home
         self.policy = policy
+        self._kv_capacity = policy.config.kv_capacity_tokens
         self.perf = perf
         # Shared by the machines of one type (the simulator's), or this machine's own.
         self.step_times = step_times or StepTimes(perf)
@@ -106,12 +107,8 @@ class SimMachine:
         # NOTE: a prefill in progress is still pending work for JSQ; without it every busy
         # machine would look idle between batches.
         running_prefill = run.plan.num_prefill_tokens if run is not None else 0
-        kv_used = policy.kv_used
-        return (
-            policy.pending_prompt_tokens + running_prefill,
-            kv_used + self.inbound_kv_tokens,
-            policy.config.kv_capacity_tokens - kv_used - self.inbound_kv_tokens,
-        )
+        held = policy.kv_used + self.inbound_kv_tokens
+        return (policy.pending_prompt_tokens + running_prefill, held, self._kv_capacity - held)
 
     def add_decode(self, req_id: int, prompt_len: int, arrival_s: float, now: float) -> None:
         """A request's KV landed from its prompt machine: it joins when memory allows."""

@@ -329,9 +329,9 @@ class Simulator:
 
     def _refreshed_loads(self) -> LoadBoard:
         """The board, with the loads of the machines changed since the last routing."""
-        machines, loads = self.machines, self.loads
+        machines, loads, report = self.machines, self.loads, self.loads.report
         for machine_id in self._changed:
-            loads.report(machine_id, *machines[machine_id].load())
+            report(machine_id, *machines[machine_id].load())
         self._changed.clear()
         return loads
 
