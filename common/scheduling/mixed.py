@@ -265,9 +265,13 @@ class MixedBatchPolicy:
     def max_decode_steps(self) -> int:
         """How many decode-only iterations the running set can take before memory runs out (a
         lower bound with blocks: each sequence may need a new block every block_size steps)."""
-        if not self.running:
+        num_running = len(self.running)
+        if not num_running:
             return 0
-        return self.free_blocks // len(self.running) * self.config.block_size
+        if self._exact_tokens:  # `free_blocks`, inline (the simulator asks at every decode run)
+            used = self._kv_offset + num_running * self.step + self.external_blocks
+            return (self._capacity_blocks - used) // num_running
+        return self.free_blocks // num_running * self.config.block_size
 
     # -- the plan -------------------------------------------------------------------------------
 

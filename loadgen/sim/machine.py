@@ -195,10 +195,11 @@ class SimMachine:
 
     def _run_len(self) -> int:
         """Decode iterations until the first finish, memory exhaustion or waiting work."""
-        if self.policy.has_waiting or not self._finish_heap:
-            return 1
+        policy = self.policy
+        if not self._finish_heap or policy.prompts or policy.resumes or policy.arrived_decodes:
+            return 1  # (`has_waiting`, inline)
         until_finish = self._finish_heap[0][0] - self.policy.step + 1
-        steps = max(1, min(until_finish, self.policy.max_decode_steps() + 1))
+        steps = max(1, min(until_finish, policy.max_decode_steps() + 1))
         return min(steps, self.max_run_steps) if self.max_run_steps else steps
 
     def _track(self, joined: Sequence[int], output_len: Sequence[int]) -> None:
