@@ -20,9 +20,9 @@ query builds it again): what JSQ asks for only under overload costs nothing in b
 from __future__ import annotations
 
 import heapq
-from heapq import heappush
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from heapq import heappush
 from typing import TYPE_CHECKING
 
 from common.roles import Role

@@ -23,6 +23,9 @@ from common.roles import Role
 from common.scheduling.mixed import MixedBatchPolicy, MixedPlan
 from loadgen.sim.prefix_cache import BlockKey, SimPrefixCache
 
+REQ_BITS = 40  # request ids below 2**40 (a replay's record indexes)
+REQ_MASK = (1 << REQ_BITS) - 1
+
 
 class StepTimes:
     """A performance model's iteration times, memoized: machines ask for the same batch sizes
@@ -89,7 +92,9 @@ class SimMachine:
         self.busy_s = 0.0
         self.max_run_steps = 0  # > 0: decode runs end after this many iterations
         self.pending_stall_s = 0.0  # the next run waits this long first (hand-offs landed)
-        self._finish_heap: list[tuple[int, int]] = []  # (policy step when done, req_id)
+        # (policy step when done, req_id) packed in one int, `step << REQ_BITS | req_id`: the
+        # same order as the pair, compared as one number (cheaper than a tuple, pushed often).
+        self._finish_heap: list[int] = []
         self._tracked: dict[int, int] = {}  # req_id -> join_step already in the heap
         self._landed: deque[int] = deque()  # decodes whose KV landed, waiting to join (FCFS)
         self.cache = cache
@@ -198,7 +203,7 @@ class SimMachine:
         policy = self.policy
         if not self._finish_heap or policy.prompts or policy.resumes or policy.arrived_decodes:
             return 1  # (`has_waiting`, inline)
-        until_finish = self._finish_heap[0][0] - self.policy.step + 1
+        until_finish = (self._finish_heap[0] >> REQ_BITS) - policy.step + 1
         steps = max(1, min(until_finish, policy.max_decode_steps() + 1))
         return min(steps, self.max_run_steps) if self.max_run_steps else steps
 
@@ -215,11 +220,12 @@ class SimMachine:
             finish_step = seq.join_step + output_len[req_id] - seq.gen_base
             if tracked.get(req_id) != finish_step:
                 tracked[req_id] = finish_step
-                heapq.heappush(heap, (finish_step, req_id))
+                heapq.heappush(heap, finish_step << REQ_BITS | req_id)
         # The top must be current: `_run_len` reads the next finish from it.
         while heap:
-            finish_step, req_id = heap[0]
-            if req_id in running and tracked.get(req_id) == finish_step:
+            entry = heap[0]
+            req_id = entry & REQ_MASK
+            if req_id in running and tracked.get(req_id) == entry >> REQ_BITS:
                 break
             heapq.heappop(heap)
 
@@ -228,13 +234,15 @@ class SimMachine:
         return req_id in self.policy.running and self._tracked.get(req_id) == finish_step
 
     def _pop_finished(self) -> list[int]:
-        heap, step = self._finish_heap, self.policy.step
-        if not heap or heap[0][0] > step:
+        heap = self._finish_heap
+        due = (self.policy.step + 1) << REQ_BITS  # entries below: finish steps <= step
+        if not heap or heap[0] >= due:
             return []  # most runs: nobody finishes (a prefill, a cut run)
         done: list[int] = []
-        while heap and heap[0][0] <= step:
-            finish_step, req_id = heapq.heappop(heap)
-            if self._is_current(finish_step, req_id):
+        while heap and heap[0] < due:
+            entry = heapq.heappop(heap)
+            req_id = entry & REQ_MASK
+            if self._is_current(entry >> REQ_BITS, req_id):
                 done.append(req_id)
                 self.forget(req_id)
         return done
