@@ -302,12 +302,8 @@ class MixedBatchPolicy:
             self.step += 1  # an empty plan is not an iteration
         if not prefill:
             return MixedPlan((), 0, decode_ids, tuple(preempted) if preempted else ())
-        return MixedPlan(
-            prefill_ids=tuple(req_id for req_id, _ in prefill),
-            num_prefill_tokens=sum(num_tokens for _, num_tokens in prefill),
-            decode_ids=decode_ids,
-            preempted_ids=tuple(preempted),
-        )
+        prefill_ids, num_tokens = zip(*prefill, strict=True)
+        return MixedPlan(prefill_ids, sum(num_tokens), decode_ids, tuple(preempted))
 
     def _waiting_order(self, now: float) -> Iterator[SeqState]:
         if not self.resumes:
@@ -336,7 +332,7 @@ class MixedBatchPolicy:
             lengths.append((seq.req_id, prefill_len))
             budget -= prefill_len
             # Reserve its KV now so later admissions see it.
-            self._join(seq, gen_base=seq.gen_base + 1, join_step=self.step + 1)
+            self._join(seq, seq.gen_base + 1, self.step + 1)  # (gen_base, join_step)
             self._prefilling.add(seq.req_id)
         for seq, (_, prefill_len) in zip(admitted, lengths, strict=True):
             self._unqueue(seq, prefill_len)
