@@ -3,8 +3,10 @@ it was made fast (indexed JSQ loads, no per-arrival scan of every machine): rout
 and finish times, prefix hits and the cluster counters must be exactly what they were.
 
 `tests/unit/sim_results.json` was written by this module's `main` with the simulator of
-bbcd222, before that change (`python -m tests.unit.test_sim_equivalence --write`). Rewrite it
-only for a change meant to move results, and say so in that commit.
+bbcd222, before that change (`python -m tests.unit.test_sim_equivalence --write`); its
+`large_cluster` entry by the simulator of efc218a, before the per-event work was cut (named
+tuples, inline counts, packed heaps). Rewrite it only for a change meant to move results, and
+say so in that commit.
 """
 
 from __future__ import annotations
@@ -87,12 +89,20 @@ def shared_host() -> tuple[ClusterSpec, list[SimRequest], SimOptions]:
     return parse_cluster("PhaseMesh-CPU:1P1T"), requests, SimOptions(host=host, perf=perf)
 
 
+def large_cluster() -> tuple[ClusterSpec, list[SimRequest], SimOptions]:
+    """A hundred machines for a few seconds: pools of dozens on the load board, its heaps
+    renewed many times, runs cut by landings on busy token machines."""
+    rows = read_trace(AZURE)
+    return parse_cluster("Splitwise-HH:25P75T"), poisson(rows, 250.0, 6.0, seed=6), SimOptions()
+
+
 SCENARIOS: dict[str, Callable[[], tuple[ClusterSpec, list[SimRequest], SimOptions]]] = {
     "split_overload": split_overload,
     "baseline": baseline,
     "preemptions": preemptions,
     "prefix_routing": prefix_routing,
     "shared_host": shared_host,
+    "large_cluster": large_cluster,
 }
 
 
