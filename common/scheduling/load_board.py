@@ -9,9 +9,11 @@ the machines that changed, and passes the board as the policy's `loads` (a board
 a pool's least-loaded machine and makes the same decision either way: the least figure, then the
 lowest id, exactly as `shortest` picks.
 
-Each (pool, figure) that JSQ has asked for is a heap of (figure, machine id) entries, kept
-lazily: a report pushes an entry for each figure that changed, and an entry that no longer
-matches its machine (another figure now, or another pool) is dropped when it reaches the top.
+Each (pool, figure) that JSQ has asked for is a heap of (figure, machine id) entries (packed in
+one int, `figure << id bits | id`: the pair's order in one comparison; figures are token counts,
+ids from 0), kept lazily: a report pushes an entry for each figure that changed, and an entry
+that no longer matches its machine (another figure now, or another pool) is dropped when it
+reaches the top.
 A heap is rebuilt from its pool's members once it holds eight entries per member, so memory
 stays proportional to machines; or dropped then, if JSQ has not asked for it meanwhile (its next
 query builds it again): what JSQ asks for only under overload costs nothing in between. Pure.
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 # The figures JSQ ranks machines by: pending prompt tokens, decode tokens, and their sum.
 PROMPT_FIGURE, DECODE_FIGURE, TOTAL_FIGURE = 0, 1, 2
 
-Entry = tuple[int, int]  # (figure, machine id)
+Entry = int  # (figure, machine id), packed: figure << id bits | machine id
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,10 @@ class LoadBoard(Mapping[int, MachineLoad]):
 
     def __init__(self, pools: PoolTable) -> None:
         self._pools = pools
+        if min(pools.current) < 0:
+            raise ValueError("load board: machine ids must be >= 0")
+        self._id_bits = max(1, max(pools.current).bit_length())
+        self._id_mask = (1 << self._id_bits) - 1
         # machine id -> (pending prompt, decode, total, free KV) tokens, as last reported
         self._reports: dict[int, tuple[int, int, int, int]] = {}
         self._loads: dict[int, MachineLoad] = {}  # built from reports when asked for
@@ -112,7 +118,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
         for figure, heap in self._pool_heaps[pool]:
             value = report[figure]
             if before[figure] != value:
-                heappush(heap, (value, machine_id))
+                heappush(heap, value << self._id_bits | machine_id)
                 if len(heap) > self._bounds[pool]:
                     self._renew(pool, figure)
 
@@ -125,7 +131,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
             return  # not reported yet
         pool = self._pools.current[machine_id]
         for figure, heap in self._pool_heaps[pool]:
-            heapq.heappush(heap, (report[figure], machine_id))
+            heappush(heap, report[figure] << self._id_bits | machine_id)
             if len(heap) > self._bounds[pool]:
                 self._renew(pool, figure)
 
@@ -142,7 +148,8 @@ class LoadBoard(Mapping[int, MachineLoad]):
     def _rebuild(self, pool: Role, figure: int) -> list[Entry]:
         """The heap of live entries only."""
         reports = self._reports
-        heap = [(reports[m][figure], m) for m in self._pools.member_set(pool)]
+        bits = self._id_bits
+        heap = [reports[m][figure] << bits | m for m in self._pools.member_set(pool)]
         heapq.heapify(heap)
         self._heaps[pool, figure] = heap
         others = [(f, h) for f, h in self._pool_heaps[pool] if f != figure]
@@ -167,10 +174,12 @@ class LoadBoard(Mapping[int, MachineLoad]):
             heap = self._rebuild(pool, figure)
         self._asked.add(key)
         reports, current = self._reports, self._pools.current
+        bits, mask = self._id_bits, self._id_mask
         # An entry is live while its machine is in the pool with that figure; a machine may have
         # two live entries (a figure that came back), which name the same machine anyway.
         while heap:
-            value, best_id = heap[0]
+            entry = heap[0]
+            value, best_id = entry >> bits, entry & mask
             if current[best_id] is pool and reports[best_id][figure] == value:
                 break
             heapq.heappop(heap)
