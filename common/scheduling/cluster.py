@@ -20,8 +20,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, NamedTuple
 
 from common.roles import Role
 from common.scheduling.load_board import (
@@ -40,14 +41,17 @@ if TYPE_CHECKING:
 OPPOSITE = {Role.PROMPT: Role.TOKEN, Role.TOKEN: Role.PROMPT}
 
 
-@dataclass(frozen=True)
-class RouteRequest:
+NO_CACHED_PREFIX: Mapping[int, int] = MappingProxyType({})
+
+
+class RouteRequest(NamedTuple):
     """What the router knows about a request at admission. `cached_prefix_tokens`: machine id ->
-    tokens of this prompt's prefix that machine caches (as far as its reports tell); absent: 0."""
+    tokens of this prompt's prefix that machine caches (as far as its reports tell); absent: 0.
+    (Requests and decisions are named tuples: the simulator routes millions.)"""
 
     req_id: int
     prompt_len: int
-    cached_prefix_tokens: Mapping[int, int] = field(default_factory=dict)
+    cached_prefix_tokens: Mapping[int, int] = NO_CACHED_PREFIX
 
     def cached_on(self, machine_id: int) -> int:
         return self.cached_prefix_tokens.get(machine_id, 0)
@@ -62,8 +66,7 @@ class PoolMove:
     repurposed: bool = False
 
 
-@dataclass(frozen=True)
-class RouteDecision:
+class RouteDecision(NamedTuple):
     """Where a request runs. Same id twice means no KV transfer. `moves` apply before it runs."""
 
     prompt_machine_id: int
@@ -127,6 +130,8 @@ class PoolTable:
 
     def lent(self) -> list[int]:
         """The mixed pool's members whose home is another pool, in `members` order."""
+        if not self._lent:  # the common case: asked at every routing
+            return []
         return sorted(self._lent, key=self._position.__getitem__)
 
     def home_members(self, pool: Role) -> list[int]:
@@ -291,10 +296,10 @@ class JSQPoolPolicy:
         else:
             figure, credited = DECODE_FIGURE, None
         own = self._least(kind, loads, figure, credited)
-        if own is not None and not self._full(kind, loads[own], request):
+        if own is not None and not self._full(kind, own, loads, request):
             return own
         mixed = self._least(Role.MIXED, loads, figure, credited)
-        if mixed is not None and not self._full(kind, loads[mixed], request):
+        if mixed is not None and not self._full(kind, mixed, loads, request):
             return mixed
         # Both full: borrow from the opposite pool, keeping at least one machine there.
         donors = OPPOSITE[kind]
@@ -314,12 +319,20 @@ class JSQPoolPolicy:
         assert fallback is not None
         return fallback
 
-    def _full(self, kind: Role, load: MachineLoad, request: RouteRequest) -> bool:
+    def _full(
+        self, kind: Role, machine_id: int, loads: Mapping[int, MachineLoad], request: RouteRequest
+    ) -> bool:
+        if isinstance(loads, LoadBoard):  # its figures as reported, no `MachineLoad` built
+            pending, decode, _, free = loads.figures(machine_id)
+        else:
+            load = loads[machine_id]
+            pending, decode = load.pending_prompt_tokens, load.decode_tokens
+            free = load.free_kv_tokens
         if kind == Role.PROMPT:  # it computes only the part of the prompt it does not cache
-            new_tokens = request.prompt_len - request.cached_on(load.machine_id)
-            return load.pending_prompt_tokens + new_tokens > self.thresholds.prompt_tokens
+            new_tokens = request.prompt_len - request.cached_on(machine_id)
+            return pending + new_tokens > self.thresholds.prompt_tokens
         need = request.prompt_len + self.thresholds.min_free_kv_tokens
-        return load.decode_tokens > self.thresholds.decode_tokens or load.free_kv_tokens < need
+        return decode > self.thresholds.decode_tokens or free < need
 
     def rebalance(self, loads: Mapping[int, MachineLoad], now: float) -> list[PoolMove]:
         """Send drained mixed machines home; re-purpose machines mixed for too long."""

@@ -9,9 +9,11 @@ the machines that changed, and passes the board as the policy's `loads` (a board
 a pool's least-loaded machine and makes the same decision either way: the least figure, then the
 lowest id, exactly as `shortest` picks.
 
-Each (pool, figure) that JSQ has asked for is a heap of (figure, machine id) entries, kept
-lazily: a report pushes an entry for each figure that changed, and an entry that no longer
-matches its machine (another figure now, or another pool) is dropped when it reaches the top.
+Each (pool, figure) that JSQ has asked for is a heap of (figure, machine id) entries (packed in
+one int, `figure << id bits | id`: the pair's order in one comparison; figures are token counts,
+ids from 0), kept lazily: a report pushes an entry for each figure that changed, and an entry
+that no longer matches its machine (another figure now, or another pool) is dropped when it
+reaches the top.
 A heap is rebuilt from its pool's members once it holds eight entries per member, so memory
 stays proportional to machines; or dropped then, if JSQ has not asked for it meanwhile (its next
 query builds it again): what JSQ asks for only under overload costs nothing in between. Pure.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from heapq import heappush
 from typing import TYPE_CHECKING
 
 from common.roles import Role
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
 # The figures JSQ ranks machines by: pending prompt tokens, decode tokens, and their sum.
 PROMPT_FIGURE, DECODE_FIGURE, TOTAL_FIGURE = 0, 1, 2
 
-Entry = tuple[int, int]  # (figure, machine id)
+Entry = int  # (figure, machine id), packed: figure << id bits | machine id
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,10 @@ class LoadBoard(Mapping[int, MachineLoad]):
 
     def __init__(self, pools: PoolTable) -> None:
         self._pools = pools
+        if min(pools.current) < 0:
+            raise ValueError("load board: machine ids must be >= 0")
+        self._id_bits = max(1, max(pools.current).bit_length())
+        self._id_mask = (1 << self._id_bits) - 1
         # machine id -> (pending prompt, decode, total, free KV) tokens, as last reported
         self._reports: dict[int, tuple[int, int, int, int]] = {}
         self._loads: dict[int, MachineLoad] = {}  # built from reports when asked for
@@ -84,6 +91,11 @@ class LoadBoard(Mapping[int, MachineLoad]):
     def __len__(self) -> int:
         return len(self._reports)
 
+    def figures(self, machine_id: int) -> tuple[int, int, int, int]:
+        """(pending prompt, decode, total, free KV) tokens as last reported: the `MachineLoad`'s
+        figures without building one (JSQ's fullness test, at every routing)."""
+        return self._reports[machine_id]
+
     # -- updates --------------------------------------------------------------------------------
 
     def report(
@@ -92,11 +104,13 @@ class LoadBoard(Mapping[int, MachineLoad]):
         """A machine's latest load (of a machine in the pool table)."""
         report = (pending_prompt_tokens, decode_tokens, pending_prompt_tokens + decode_tokens,
                   free_kv_tokens)  # fmt: skip
-        before = self._reports.get(machine_id)
+        reports = self._reports
+        before = reports.get(machine_id)
         if before == report:
             return
-        self._reports[machine_id] = report
-        self._loads.pop(machine_id, None)
+        reports[machine_id] = report
+        if self._loads:
+            self._loads.pop(machine_id, None)
         if before is None:
             self._refile(machine_id)
             return
@@ -104,7 +118,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
         for figure, heap in self._pool_heaps[pool]:
             value = report[figure]
             if before[figure] != value:
-                heapq.heappush(heap, (value, machine_id))
+                heappush(heap, value << self._id_bits | machine_id)
                 if len(heap) > self._bounds[pool]:
                     self._renew(pool, figure)
 
@@ -117,7 +131,7 @@ class LoadBoard(Mapping[int, MachineLoad]):
             return  # not reported yet
         pool = self._pools.current[machine_id]
         for figure, heap in self._pool_heaps[pool]:
-            heapq.heappush(heap, (report[figure], machine_id))
+            heappush(heap, report[figure] << self._id_bits | machine_id)
             if len(heap) > self._bounds[pool]:
                 self._renew(pool, figure)
 
@@ -134,7 +148,8 @@ class LoadBoard(Mapping[int, MachineLoad]):
     def _rebuild(self, pool: Role, figure: int) -> list[Entry]:
         """The heap of live entries only."""
         reports = self._reports
-        heap = [(reports[m][figure], m) for m in self._pools.member_set(pool)]
+        bits = self._id_bits
+        heap = [reports[m][figure] << bits | m for m in self._pools.member_set(pool)]
         heapq.heapify(heap)
         self._heaps[pool, figure] = heap
         others = [(f, h) for f, h in self._pool_heaps[pool] if f != figure]
@@ -153,15 +168,18 @@ class LoadBoard(Mapping[int, MachineLoad]):
     ) -> int | None:
         """The pool's member with the least `figure` (less `weight` x its `credit`, the prefix
         it caches: KV-aware JSQ), lowest id on ties; None for an empty pool."""
-        heap = self._heaps.get((pool, figure))
+        key = (pool, figure)
+        heap = self._heaps.get(key)
         if heap is None:
             heap = self._rebuild(pool, figure)
-        self._asked.add((pool, figure))
+        self._asked.add(key)
         reports, current = self._reports, self._pools.current
+        bits, mask = self._id_bits, self._id_mask
         # An entry is live while its machine is in the pool with that figure; a machine may have
         # two live entries (a figure that came back), which name the same machine anyway.
         while heap:
-            value, best_id = heap[0]
+            entry = heap[0]
+            value, best_id = entry >> bits, entry & mask
             if current[best_id] is pool and reports[best_id][figure] == value:
                 break
             heapq.heappop(heap)

@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, count
+from typing import NamedTuple
 
 ReqId = int | str  # the simulator numbers requests; engines name them
 
@@ -83,9 +84,10 @@ class SeqState:
         return self.prompt_len + self.gen_base
 
 
-@dataclass(frozen=True, slots=True)
-class MixedPlan:
-    """One iteration: prompts to prefill, decodes to step, and requests preempted to make room."""
+class MixedPlan(NamedTuple):
+    """One iteration: prompts to prefill, decodes to step, and requests preempted to make room.
+    (A named tuple: the simulator makes millions, and a frozen dataclass costs three times as
+    much to build.)"""
 
     prefill_ids: tuple[ReqId, ...] = ()
     num_prefill_tokens: int = 0
@@ -242,6 +244,9 @@ class MixedBatchPolicy:
 
     def _fits(self, num_tokens: int) -> bool:
         """Whether `num_tokens` more fit in this iteration's plan so far."""
+        if self._exact_tokens:  # the general count below, inline (the simulator's every plan)
+            used = self._kv_offset + len(self.running) * self.step + self.external_blocks
+            return self._capacity_blocks - used - len(self._prefilling) >= num_tokens
         return self.free_blocks - self._prefill_growth() >= self.blocks_for(num_tokens)
 
     def _prefill_growth(self) -> int:
@@ -260,9 +265,13 @@ class MixedBatchPolicy:
     def max_decode_steps(self) -> int:
         """How many decode-only iterations the running set can take before memory runs out (a
         lower bound with blocks: each sequence may need a new block every block_size steps)."""
-        if not self.running:
+        num_running = len(self.running)
+        if not num_running:
             return 0
-        return self.free_blocks // len(self.running) * self.config.block_size
+        if self._exact_tokens:  # `free_blocks`, inline (the simulator asks at every decode run)
+            used = self._kv_offset + num_running * self.step + self.external_blocks
+            return (self._capacity_blocks - used) // num_running
+        return self.free_blocks // num_running * self.config.block_size
 
     # -- the plan -------------------------------------------------------------------------------
 
@@ -272,30 +281,29 @@ class MixedBatchPolicy:
         Prefilled sequences join `running` at once (their KV is reserved) and decode from the next
         iteration; the iteration itself counts as one step.
         """
-        if not self.running and not self.has_waiting:
+        running, has_prompts = self.running, self.prompts or self.resumes
+        if not running and not has_prompts and not self.arrived_decodes:
             self._prefilling.clear()
             return EMPTY_PLAN  # an idle machine (a prompt machine between prompts)
         preempted: list[ReqId] = []
-        self._prefilling = set()
+        if self._prefilling:
+            self._prefilling = set()
         # (req_id, prefill tokens) admitted
-        prefill = self._admit_prefills(now, preempted) if self.prompts or self.resumes else []
+        prefill = self._admit_prefills(now, preempted) if has_prompts else []
         if self.arrived_decodes:
             self._admit_arrived_decodes()
         self._fit_growth(now, preempted)
-        if self._prefilling:
-            decode_ids = tuple(r for r in self.running if r not in self._prefilling)
+        prefilling = self._prefilling
+        if prefilling:
+            decode_ids = tuple(r for r in running if r not in prefilling)
         else:
-            decode_ids = tuple(self.running)
+            decode_ids = tuple(running)
         if prefill or decode_ids:
             self.step += 1  # an empty plan is not an iteration
         if not prefill:
-            return MixedPlan(decode_ids=decode_ids, preempted_ids=tuple(preempted))
-        return MixedPlan(
-            prefill_ids=tuple(req_id for req_id, _ in prefill),
-            num_prefill_tokens=sum(num_tokens for _, num_tokens in prefill),
-            decode_ids=decode_ids,
-            preempted_ids=tuple(preempted),
-        )
+            return MixedPlan((), 0, decode_ids, tuple(preempted) if preempted else ())
+        prefill_ids, num_tokens = zip(*prefill, strict=True)
+        return MixedPlan(prefill_ids, sum(num_tokens), decode_ids, tuple(preempted))
 
     def _waiting_order(self, now: float) -> Iterator[SeqState]:
         if not self.resumes:
@@ -309,20 +317,22 @@ class MixedBatchPolicy:
         admitted: list[SeqState] = []
         lengths: list[tuple[ReqId, int]] = []
         budget = self.config.prompt_token_cap
+        max_num_seqs = self.config.max_num_seqs
         for seq in self._waiting_order(now):
-            if admitted and seq.prefill_len > budget:
+            prefill_len = seq.prompt_len + seq.gen_base  # (`prefill_len`, read once)
+            if admitted and prefill_len > budget:
                 break  # FCFS: nothing skips ahead of a prompt that does not fit
-            if 0 < self.config.max_num_seqs <= len(self.running):
+            if 0 < max_num_seqs <= len(self.running):
                 break
-            if not self._fits(seq.prefill_len + 1) and not self._preempt_for(
-                seq.prefill_len + 1, now, preempted
+            if not self._fits(prefill_len + 1) and not self._preempt_for(
+                prefill_len + 1, now, preempted
             ):
                 break
             admitted.append(seq)
-            lengths.append((seq.req_id, seq.prefill_len))
-            budget -= seq.prefill_len
+            lengths.append((seq.req_id, prefill_len))
+            budget -= prefill_len
             # Reserve its KV now so later admissions see it.
-            self._join(seq, gen_base=seq.gen_base + 1, join_step=self.step + 1)
+            self._join(seq, seq.gen_base + 1, self.step + 1)  # (gen_base, join_step)
             self._prefilling.add(seq.req_id)
         for seq, (_, prefill_len) in zip(admitted, lengths, strict=True):
             self._unqueue(seq, prefill_len)
@@ -337,6 +347,11 @@ class MixedBatchPolicy:
 
     def _fit_growth(self, now: float, preempted: list[ReqId]) -> None:
         """Make room for one more token per running decode."""
+        if self._exact_tokens:  # the common case, inline: room for all (free >= growth)
+            num_running = len(self.running)
+            used = self._kv_offset + num_running * (self.step + 1) + self.external_blocks
+            if used <= self._capacity_blocks:
+                return
         while self.running and self.free_blocks < self._growth_blocks():
             running = [s for s in self.running.values() if s.req_id not in self._prefilling]
             victim = next_victim(running, self.config.max_preemptions)

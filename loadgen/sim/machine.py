@@ -23,6 +23,9 @@ from common.roles import Role
 from common.scheduling.mixed import MixedBatchPolicy, MixedPlan
 from loadgen.sim.prefix_cache import BlockKey, SimPrefixCache
 
+REQ_BITS = 40  # request ids below 2**40 (a replay's record indexes)
+REQ_MASK = (1 << REQ_BITS) - 1
+
 
 class StepTimes:
     """A performance model's iteration times, memoized: machines ask for the same batch sizes
@@ -30,20 +33,20 @@ class StepTimes:
 
     def __init__(self, perf: PerfModel) -> None:
         self.perf = perf
-        self._decode: dict[int, float] = {}
-        self._iteration: dict[tuple[int, int], float] = {}
+        self.decode: dict[int, float] = {}  # batch size -> step seconds, as asked so far
+        self.iteration: dict[tuple[int, int], float] = {}  # (prefill tokens, decodes) -> s
 
     def decode_s(self, batch_size: int) -> float:
-        step_s = self._decode.get(batch_size)
+        step_s = self.decode.get(batch_size)
         if step_s is None:
-            step_s = self._decode[batch_size] = self.perf.decode_s(batch_size)
+            step_s = self.decode[batch_size] = self.perf.decode_s(batch_size)
         return step_s
 
     def iteration_s(self, num_prefill_tokens: int, num_decodes: int) -> float:
         key = (num_prefill_tokens, num_decodes)
-        step_s = self._iteration.get(key)
+        step_s = self.iteration.get(key)
         if step_s is None:
-            step_s = self._iteration[key] = self.perf.iteration_s(*key)
+            step_s = self.iteration[key] = self.perf.iteration_s(*key)
         return step_s
 
 
@@ -79,6 +82,7 @@ class SimMachine:
         self.machine_id = machine_id
         self.home = home
         self.policy = policy
+        self._kv_capacity = policy.config.kv_capacity_tokens
         self.perf = perf
         # Shared by the machines of one type (the simulator's), or this machine's own.
         self.step_times = step_times or StepTimes(perf)
@@ -88,7 +92,9 @@ class SimMachine:
         self.busy_s = 0.0
         self.max_run_steps = 0  # > 0: decode runs end after this many iterations
         self.pending_stall_s = 0.0  # the next run waits this long first (hand-offs landed)
-        self._finish_heap: list[tuple[int, int]] = []  # (policy step when done, req_id)
+        # (policy step when done, req_id) packed in one int, `step << REQ_BITS | req_id`: the
+        # same order as the pair, compared as one number (cheaper than a tuple, pushed often).
+        self._finish_heap: list[int] = []
         self._tracked: dict[int, int] = {}  # req_id -> join_step already in the heap
         self._landed: deque[int] = deque()  # decodes whose KV landed, waiting to join (FCFS)
         self.cache = cache
@@ -106,12 +112,8 @@ class SimMachine:
         # NOTE: a prefill in progress is still pending work for JSQ; without it every busy
         # machine would look idle between batches.
         running_prefill = run.plan.num_prefill_tokens if run is not None else 0
-        kv_used = policy.kv_used
-        return (
-            policy.pending_prompt_tokens + running_prefill,
-            kv_used + self.inbound_kv_tokens,
-            policy.config.kv_capacity_tokens - kv_used - self.inbound_kv_tokens,
-        )
+        held = policy.kv_used + self.inbound_kv_tokens
+        return (policy.pending_prompt_tokens + running_prefill, held, self._kv_capacity - held)
 
     @property
     def is_idle(self) -> bool:
@@ -146,12 +148,17 @@ class SimMachine:
             return None
         self._track(joined, output_len)
         stall_s, self.pending_stall_s = self.pending_stall_s, 0.0
+        times = self.step_times  # (its memos read inline: a lookup per run)
         if plan.prefill_ids:
-            num_computed = self._computed_prefill_tokens(plan)
-            step_s = self.step_times.iteration_s(num_computed, len(plan.decode_ids))
+            key = (self._computed_prefill_tokens(plan), len(plan.decode_ids))
+            step_s = times.iteration.get(key)
+            if step_s is None:
+                step_s = times.iteration_s(*key)
             self.run = Run(plan, now, step_s, 1, stall_s)
         else:
-            step_s = self.step_times.decode_s(len(plan.decode_ids))
+            step_s = times.decode.get(len(plan.decode_ids))
+            if step_s is None:
+                step_s = times.decode_s(len(plan.decode_ids))
             self.run = Run(plan, now, step_s, self._run_len(), stall_s)
         self.version += 1
         return self.run
@@ -205,10 +212,11 @@ class SimMachine:
 
     def _run_len(self) -> int:
         """Decode iterations until the first finish, memory exhaustion or waiting work."""
-        if self.policy.has_waiting or not self._finish_heap:
-            return 1
-        until_finish = self._finish_heap[0][0] - self.policy.step + 1
-        steps = max(1, min(until_finish, self.policy.max_decode_steps() + 1))
+        policy = self.policy
+        if not self._finish_heap or policy.prompts or policy.resumes or policy.arrived_decodes:
+            return 1  # (`has_waiting`, inline)
+        until_finish = (self._finish_heap[0] >> REQ_BITS) - policy.step + 1
+        steps = max(1, min(until_finish, policy.max_decode_steps() + 1))
         return min(steps, self.max_run_steps) if self.max_run_steps else steps
 
     def _track(self, joined: Sequence[int], output_len: Sequence[int]) -> None:
@@ -224,11 +232,12 @@ class SimMachine:
             finish_step = seq.join_step + output_len[req_id] - seq.gen_base
             if tracked.get(req_id) != finish_step:
                 tracked[req_id] = finish_step
-                heapq.heappush(heap, (finish_step, req_id))
+                heapq.heappush(heap, finish_step << REQ_BITS | req_id)
         # The top must be current: `_run_len` reads the next finish from it.
         while heap:
-            finish_step, req_id = heap[0]
-            if req_id in running and tracked.get(req_id) == finish_step:
+            entry = heap[0]
+            req_id = entry & REQ_MASK
+            if req_id in running and tracked.get(req_id) == entry >> REQ_BITS:
                 break
             heapq.heappop(heap)
 
@@ -237,11 +246,15 @@ class SimMachine:
         return req_id in self.policy.running and self._tracked.get(req_id) == finish_step
 
     def _pop_finished(self) -> list[int]:
+        heap = self._finish_heap
+        due = (self.policy.step + 1) << REQ_BITS  # entries below: finish steps <= step
+        if not heap or heap[0] >= due:
+            return []  # most runs: nobody finishes (a prefill, a cut run)
         done: list[int] = []
-        heap, step = self._finish_heap, self.policy.step
-        while heap and heap[0][0] <= step:
-            finish_step, req_id = heapq.heappop(heap)
-            if self._is_current(finish_step, req_id):
+        while heap and heap[0] < due:
+            entry = heapq.heappop(heap)
+            req_id = entry & REQ_MASK
+            if self._is_current(entry >> REQ_BITS, req_id):
                 done.append(req_id)
                 self.forget(req_id)
         return done

@@ -14,10 +14,12 @@ credits each prompt machine with the prefix it holds (`prefix_weight`), as the l
 
 from __future__ import annotations
 
+import gc
 import heapq
 import random
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -143,6 +145,20 @@ class SimOptions:
     perf: PerfModel | None = None
 
 
+@contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """Python's cycle collector off for the block. A replay keeps every request's objects
+    (request, record, arrival event) alive to its end, millions of them, and its events make no
+    reference cycles: each of the collector's passes over them would free nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class Simulator:
     """Replays requests through a cluster; `run` returns a `SimResult`."""
 
@@ -150,6 +166,7 @@ class Simulator:
         self.cluster = cluster
         self.options = options = options or SimOptions()
         self.transfer = cluster.transfer_model()
+        self._transfer_s: dict[int, float] = {}  # prompt tokens -> visible transfer s (memo)
         types = cluster.machine_types()
         self.block_keys: dict[int, tuple[BlockKey, ...]] = {}  # req_id -> its blocks' keys
         step_times: dict[int, StepTimes] = {}  # id(perf model) -> its memo, for each type
@@ -264,10 +281,11 @@ class Simulator:
 
     def run(self, requests: Iterable[SimRequest]) -> SimResult:
         """Simulate until every request has finished."""
-        for req in requests:
-            self.submit(req)
-        self.advance_until(float("inf"))
-        return self.result()
+        with cyclic_gc_paused():
+            for req in requests:
+                self.submit(req)
+            self.advance_until(float("inf"))
+            return self.result()
 
     def result(self) -> SimResult:
         busy = [m.busy_s for m in self.machines]
@@ -313,7 +331,7 @@ class Simulator:
             for move in self.homes.observe(self.router.pools.home, loads, now):
                 self.router.pools.apply(move, now)
         self._num_moves += len(self.router.rebalance(loads, now))
-        keys = self._usable_keys(req_id, record.prompt_len)
+        keys = self._usable_keys(req_id, record.prompt_len) if self.block_keys else ()
         decision = self.router.route(self._route_request(req_id, record, keys), loads, now)
         self._num_moves += len(decision.moves)
         record.prompt_machine = decision.prompt_machine_id
@@ -331,9 +349,10 @@ class Simulator:
         """The board, with the loads of the machines changed since the last routing (those the
         router routes to: a machine out of its pools keeps no load there)."""
         machines, loads, routable = self.machines, self.loads, self.router.pools.current
+        report = loads.report
         for machine_id in self._changed:
             if machine_id in routable:
-                loads.report(machine_id, *machines[machine_id].load())
+                report(machine_id, *machines[machine_id].load())
         self._changed.clear()
         return loads
 
@@ -378,7 +397,9 @@ class Simulator:
         if version != machine.version or machine.run is None:
             return  # superseded by an interrupt
         plan, finished = machine.complete()
-        first = [r for r in plan.prefill_ids if self._after_prefill(machine, r, now, finished)]
+        first: Sequence[int | str] = ()
+        if plan.prefill_ids:
+            first = [r for r in plan.prefill_ids if self._after_prefill(machine, r, now, finished)]
         if finished or self.frontend is not None:  # (the front end streams every token out)
             decoded_s = self._client_time(now, len(plan.decode_ids))
         for req_id in finished:
@@ -405,7 +426,7 @@ class Simulator:
         record = self.records[req_id]
         if record.first_token_s == record.first_token_s:
             return False  # a recompute after preemption, not a first token
-        record.first_token_s = self._client_time(now, 1)
+        record.first_token_s = now if self.frontend is None else self._client_time(now, 1)
         if record.token_machine == machine.machine_id:
             return True
         if req_id in finished:  # a one-token output: no KV to send after all
@@ -413,7 +434,9 @@ class Simulator:
             self._changed.add(record.token_machine)
             return True
         machine.forget(req_id)  # the KV leaves for the token machine
-        delay = self.transfer.visible_s(record.prompt_len)
+        delay = self._transfer_s.get(record.prompt_len)
+        if delay is None:
+            delay = self._transfer_s[record.prompt_len] = self.transfer.visible_s(record.prompt_len)
         self._push(now + delay, KV_LANDED, req_id, record.token_machine)
         return True
 
@@ -430,17 +453,22 @@ class Simulator:
     def _kick(self, machine: SimMachine, now: float) -> None:
         """New work for `machine`: start it if idle, else end its decode run early. Every
         event that changes a machine's load kicks it, or marks it `_changed` itself."""
-        self._changed.add(machine.machine_id)
+        machine_id = machine.machine_id
+        self._changed.add(machine_id)
+        end_s: float | None
         if machine.run is None:
             run = machine.start(now, self.output_len)
-            if run is not None:
-                if self.cpu is not None:
-                    run.step_s *= self._run_stretch(machine, now)
-                self._push(run.end_s, RUN_END, machine.machine_id, machine.version)
-            return
-        new_end = machine.interrupt(now)
-        if new_end is not None:
-            self._push(new_end, RUN_END, machine.machine_id, machine.version)
+            if run is None:
+                return
+            if self.cpu is not None:
+                run.step_s *= self._run_stretch(machine, now)
+            end_s = run.end_s
+        else:
+            end_s = machine.interrupt(now)
+            if end_s is None:
+                return
+        self._seq += 1  # (`_push`, inline: once or twice per event)
+        heapq.heappush(self._events, (end_s, self._seq, RUN_END, machine_id, machine.version))
 
     def _run_cores(self, machine: SimMachine, alone: bool = False) -> float:
         """Cores `machine`'s current run wants (0 when idle); `alone`: the demand its profiled

@@ -6,7 +6,7 @@ import os
 import random
 from collections.abc import Iterable, Iterator
 
-from loadgen.sim.simulator import SimRequest
+from loadgen.sim.simulator import SimRequest, cyclic_gc_paused
 from loadgen.traces import TraceRow, read_azure_csv, read_mooncake_jsonl
 
 
@@ -31,9 +31,11 @@ def poisson(
         raise ValueError("poisson workload: need a positive rate and a non-empty trace")
     rng = random.Random(seed)
     requests: list[SimRequest] = []
-    t = rng.expovariate(rate)
-    while t < duration_s:
-        row = rows[len(requests) % len(rows)]
-        requests.append(SimRequest(t, row.input_len, row.output_len, row.hash_ids))
-        t += rng.expovariate(rate)
+    append, draw, num_rows = requests.append, rng.expovariate, len(rows)
+    t = draw(rate)
+    with cyclic_gc_paused():
+        while t < duration_s:
+            row = rows[len(requests) % num_rows]
+            append(SimRequest(t, row.input_len, row.output_len, row.hash_ids))
+            t += draw(rate)
     return requests

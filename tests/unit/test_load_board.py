@@ -3,6 +3,8 @@ one `shortest` finds over fabricated reports, through rises, falls, moves and pr
 
 import random
 
+import pytest
+
 from common.roles import Role
 from common.scheduling.cluster import (
     FIGURE_KEYS,
@@ -54,3 +56,9 @@ def test_jsq_routes_the_same_over_a_board_as_over_a_dict() -> None:
     with_dict.prefix_weight = with_board.prefix_weight = 1.0
     assert with_board.route(request, board, 0.0) == with_dict.route(request, state, 0.0)
     assert with_board.route(request, board, 0.0).prompt_machine_id == 0  # credited: 900 - 900
+
+
+def test_a_negative_machine_id_is_refused() -> None:
+    """Entries pack (figure, id) into one int, which orders as the pair only for ids from 0."""
+    with pytest.raises(ValueError, match="machine ids"):
+        LoadBoard(PoolTable({-1: P, 0: T}))

@@ -3,14 +3,17 @@ it was made fast (indexed JSQ loads, no per-arrival scan of every machine): rout
 and finish times, prefix hits and the cluster counters must be exactly what they were.
 
 `tests/unit/sim_results.json` was written by this module's `main` with the simulator of
-bbcd222, before that change (`python -m tests.unit.test_sim_equivalence --write`). Rewrite it
-only for a change meant to move results, and say so in that commit.
+bbcd222, before that change (`python -m tests.unit.test_sim_equivalence --write`); its
+`large_cluster` entry by the simulator of efc218a, before the per-event work was cut (named
+tuples, inline counts, packed heaps). Rewrite it only for a change meant to move results, and
+say so in that commit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -26,9 +29,11 @@ from loadgen.sim.designs import (
     ClusterSpec,
     Design,
     parse_cluster,
+    perf_model_for,
 )
 from loadgen.sim.shared_cpu import HostModel, SharedCPU, Station
 from loadgen.sim.simulator import SimOptions, SimRequest, Simulator
+from loadgen.sim.slo import slowdowns
 from loadgen.sim.workload import as_recorded, poisson, read_trace
 from loadgen.traces import shared_dir
 
@@ -87,12 +92,20 @@ def shared_host() -> tuple[ClusterSpec, list[SimRequest], SimOptions]:
     return parse_cluster("PhaseMesh-CPU:1P1T"), requests, SimOptions(host=host, perf=perf)
 
 
+def large_cluster() -> tuple[ClusterSpec, list[SimRequest], SimOptions]:
+    """A hundred machines for a few seconds: pools of dozens on the load board, its heaps
+    renewed many times, runs cut by landings on busy token machines."""
+    rows = read_trace(AZURE)
+    return parse_cluster("Splitwise-HH:25P75T"), poisson(rows, 250.0, 6.0, seed=6), SimOptions()
+
+
 SCENARIOS: dict[str, Callable[[], tuple[ClusterSpec, list[SimRequest], SimOptions]]] = {
     "split_overload": split_overload,
     "baseline": baseline,
     "preemptions": preemptions,
     "prefix_routing": prefix_routing,
     "shared_host": shared_host,
+    "large_cluster": large_cluster,
 }
 
 
@@ -137,6 +150,33 @@ def test_the_scenarios_exercise_what_they_are_named_for(frozen: dict) -> None:
     assert frozen["prefix_routing"]["num_prefix_hit_tokens"] > 0
     for run in frozen.values():  # every request finished
         assert all(done == done for *_, done, _ in run["requests"])
+
+
+def test_slowdowns_are_the_records_own_latencies_over_the_unloaded_ones() -> None:
+    """The SLO check's columns (numpy over all records at once, a prefill time per distinct
+    prompt length) hold exactly what each record's own properties give, unfinished ones
+    infinite."""
+    cluster, requests, options = SCENARIOS["baseline"]()
+    result = Simulator(cluster, options).run(requests)
+    skip_s = 5.0
+    unfinished = next(r for r in result.records if r.arrival_s >= skip_s and r.output_len > 1)
+    unfinished.done_s = float("nan")
+    prompt_perf = perf_model_for(cluster.design.prompt_type, cluster.model)
+    tbt0 = perf_model_for(cluster.design.token_type, cluster.model).decode_s(1)
+    records = [r for r in result.records if r.arrival_s >= skip_s and r.output_len > 0]
+    ttft0 = [prompt_perf.prefill_s(r.prompt_len) for r in records]
+    want = {
+        "ttft": [r.ttft_s / t0 for r, t0 in zip(records, ttft0, strict=True)],
+        "tbt": [r.tbt_s / tbt0 for r in records if r.output_len > 1],
+        "e2e": [
+            r.e2e_s / (t0 + (r.output_len - 1) * tbt0) for r, t0 in zip(records, ttft0, strict=True)
+        ],
+    }
+    got = slowdowns(result, skip_before_s=skip_s)
+    for metric, values in want.items():
+        expected = [v if v == v else math.inf for v in values]
+        assert got[metric].tolist() == expected, metric
+    assert math.inf in got["e2e"].tolist()
 
 
 def main() -> None:
