@@ -35,6 +35,7 @@ import zmq
 
 from common.config import EngineConfig
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.protocol import OutputsDropped, SamplingSpec, ServiceReply, TokenBatch, TokenOutput
 from common.sampling import SamplingParams
 from common.transport.zmq_auth import CurveKeys
@@ -50,11 +51,18 @@ PROGRESS_S = 2.0
 STOP_S = PROGRESS_S + 3.0
 SETTLE_S = 60.0
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+# Enough output to fill the token engine's queue to a router that reads nothing, whatever the
+# kernel lends its socket: ZeroMQ's 1,000 messages plus a send buffer that autotunes up to a
+# few MiB are a fraction of these requests' messages (one each per token, with top logprobs).
+NUM_DROPPED, MAX_TOKENS = 8, 3000
 
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model_path: Path) -> Iterator[LocalMesh]:
-    mesh = LocalMesh.start(Topology(str(tiny_model_path)))
+    # The token engine holds every dropping request's KV whole (no preemption while its queue
+    # fills): NUM_DROPPED requests to the end of MAX_TOKENS.
+    options = MeshOptions(token_num_blocks=-(-NUM_DROPPED * (MAX_TOKENS + 20) // 16))
+    mesh = LocalMesh.start(Topology(str(tiny_model_path), options=options))
     yield mesh
     mesh.close()
 
@@ -75,9 +83,10 @@ def test_an_engine_that_drops_a_routers_outputs_tells_it_ahead_of_the_backlog(
 ) -> None:
     client = MeshTestClient(mesh)
     client.replies, client.reply_endpoint = small_inbox(mesh)
-    sampling = SamplingSpec(max_tokens=3000, temperature=0.0, ignore_eos=True, logprobs=20)
-    req_ids = [f"r{i}" for i in range(4)]
-    for req_id, prompt in zip(req_ids, random_prompts([20] * 4, 2048, seed=71), strict=True):
+    sampling = SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=20)
+    req_ids = [f"r{i}" for i in range(NUM_DROPPED)]
+    prompts = random_prompts([20] * NUM_DROPPED, 2048, seed=71)
+    for req_id, prompt in zip(req_ids, prompts, strict=True):
         client.submit(req_id, prompt, sampling, token_engine=mesh.token[0])
     # The router reads nothing: the token engine's queue to it fills and it gives up.
     deadline = time.monotonic() + 120

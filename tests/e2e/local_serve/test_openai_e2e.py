@@ -28,6 +28,7 @@ from common.engine.core import LLMEngine
 from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
+from services.engine.worker import IDLE_REPORT_INTERVAL_S
 from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.serve_process import ServeRun
 from tests.reference_logprobs import expected_token_logprobs, sequence_logprobs
@@ -263,8 +264,26 @@ def vllm_totals(url: str) -> dict[str, float]:
     return totals
 
 
+def settled_vllm_totals(url: str, deadline_s: float = 30.0) -> dict[str, float]:
+    """The totals once nothing runs and two reads an idle engine's report interval apart agree:
+    what earlier tests' requests leave counting (an abort the engines finish later) is in."""
+
+    def counts(totals: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in totals.items() if k.startswith("vllm:") and k.endswith("_count")}
+
+    deadline = time.monotonic() + deadline_s
+    last = vllm_totals(url)
+    while time.monotonic() < deadline:
+        time.sleep(IDLE_REPORT_INTERVAL_S + 0.5)  # NOTE: waiting on the engines' idle reports
+        now = vllm_totals(url)
+        if counts(now) == counts(last) and now.get("vllm:num_requests_running", 1) == 0:
+            return now
+        last = now
+    return last
+
+
 def test_router_metrics_endpoint_has_vllm_series(server: ServeRun, client: openai.OpenAI) -> None:
-    before = vllm_totals(server.base_url)
+    before = settled_vllm_totals(server.base_url)
     prompt = [23] * 40
     client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True}
