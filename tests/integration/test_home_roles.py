@@ -21,8 +21,11 @@ from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held
 from tests.integration.mesh_test_client import MeshTestClient
 
-DECODE_LEN, DECODE_TOKENS = 40, 400  # two long decodes, one per token engine
-BURST_LEN, MAX_BURST = 200, 200  # the burst lasts until a home moves
+# Two decodes, one per token engine, long enough to outlast the burst until a home moves (a
+# short one may finish first on a quiet machine, and the move must come while it runs).
+DECODE_LEN, DECODE_TOKENS = 40, 3000
+BURST_LEN, MAX_BURST, BURST_STEP = 200, 400, 16  # the burst lasts until a home moves
+DRAIN_PER_TURN = 32
 # A prompt engine is full at 300 pending tokens: the burst's queue makes the prompt side far
 # fuller than the decode side (a few hundred tokens of 8192 of KV each). Short hold and
 # cool-down: the move and the move back each come within a second or two.
@@ -65,16 +68,24 @@ def test_a_lasting_prompt_burst_moves_a_decoding_token_engine_home_and_back(
         # The burst: prompts kept queued past the prompt pool's fill until a home moves.
         moved, sent = None, 2
         deadline = time.monotonic() + 60
+
         while moved is None:
             assert time.monotonic() < deadline, "no home moved during a lasting prompt burst"
             loads = client.loads()  # refreshes: the scheduler's policies see the reports
             pending = sum(load.pending_prompt_tokens for load in loads.values())
-            if pending < 4 * BURST_LEN and sent < len(prompts):
+            # Many at a time: a prefill is short, and the queue must stay full for the hold.
+            for _ in range(BURST_STEP if pending < 8 * BURST_LEN else 0):
+                if sent == len(prompts):
+                    break
                 spec = SamplingSpec(max_tokens=lengths[sent], **GREEDY)
                 client.submit(f"burst-{sent}", prompts[sent], spec, refresh=False)
                 outputs[f"burst-{sent}"] = []
                 sent += 1
-            while (out := poll(client, 0.005)) is not None:  # blocks a little: no busy loop
+            # A bounded share of the decodes' tokens per turn (blocking a little: no busy loop):
+            # draining them all would starve the burst, and its queue would empty.
+            for _ in range(DRAIN_PER_TURN):
+                if (out := poll(client, 0.005)) is None:
+                    break
                 take(out)
             moved = next((t for t in token_ids
                           if client.last_reports[t].home_role != Role.TOKEN), None)  # fmt: skip
