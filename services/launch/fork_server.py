@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import signal
 from multiprocessing import reduction
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -33,6 +34,10 @@ from typing import Any
 import msgspec
 
 from common.worker_config import WorkerConfig
+
+# A worker dumps every thread's stack to stderr on this signal (faulthandler): the launcher asks
+# one that never became ready.
+STACKS_SIGNAL = signal.SIGUSR1
 
 WORKER_MODULE = "services.launch.worker_process"
 _CONTEXT = multiprocessing.get_context("forkserver")

@@ -13,6 +13,7 @@ module: a script that starts a `LocalMesh` runs it under `if __name__ == "__main
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -32,7 +33,7 @@ from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import PushPool, bind_random
 from common.worker_config import WorkerConfig, WorkerReady, role_config, shard_config
 from services.launch.core_pinning import GroupPlacement, place_decode_groups
-from services.launch.fork_server import start_worker
+from services.launch.fork_server import STACKS_SIGNAL, start_worker
 from services.launch.supervisor import Supervisor
 from services.launch.topology import Topology
 from services.mesh.registry import Registry, ServiceEntry
@@ -186,7 +187,10 @@ class LocalMesh:
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
             events = dict(poller.poll(left_ms))
             if not events:
-                raise TimeoutError(f"not ready in {timeout} s: {len(readies)}/{len(procs)}")
+                stuck = [p for service_id, p in procs.items() if service_id not in readies]
+                _dump_stacks(stuck)
+                raise TimeoutError(f"not ready in {timeout} s: {len(readies)}/{len(procs)} "
+                                   "(the others' stacks are on stderr)")  # fmt: skip
             while self._ready_sock.poll(0):
                 ready = msgspec.msgpack.decode(self._ready_sock.recv(), type=WorkerReady)
                 if ready.service_id in procs:  # a late report of an earlier, dead start is not
@@ -340,3 +344,13 @@ def _num_kv_heads(model_path: str) -> int:
     from common.config import ModelConfig
 
     return ModelConfig.from_folder(model_path).num_key_value_heads
+
+
+def _dump_stacks(procs: list[BaseProcess]) -> None:
+    """Ask each of `procs` for its threads' stacks (`worker_process.run` registers the signal
+    with faulthandler), to their stderr: where a worker that never became ready is stuck."""
+    for proc in procs:
+        if proc.pid is not None and proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, STACKS_SIGNAL)
+    time.sleep(1.0)  # NOTE: the dumps are written by the workers themselves, asynchronously

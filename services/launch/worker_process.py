@@ -25,6 +25,7 @@ from common.worker_config import WorkerConfig
 from services.engine.model_peer_worker import ModelPeerWorker
 from services.engine.worker import EngineWorker
 from services.launch.core_pinning import pin_this_process
+from services.launch.fork_server import STACKS_SIGNAL
 from services.shard.worker import ShardWorker
 
 
@@ -34,6 +35,8 @@ def run(cfg: WorkerConfig, launcher_fd: int) -> None:
     or its parent (the fork server) is gone."""
     parent_pid = os.getppid()
     faulthandler.enable()  # a crash in native code (UCX, the kernel) still leaves a stack
+    # Every thread's stack on demand: the launcher asks a worker that never became ready.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     if cfg.cpus:  # before the worker starts threads: they inherit the mask
         pin_this_process(cfg.cpus)
     telemetry = configure_telemetry(cfg.telemetry_name, instance_id=cfg.service_id)
