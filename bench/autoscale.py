@@ -123,7 +123,7 @@ def workload(rows: list[TraceRow], rate: float, duration_s: float, step: LoadSte
     return [r for r in stepped(base, [step]) if r.arrival_s < duration_s]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--trace", default=str(shared_dir() / "traces/AzureLLMInferenceTrace_conv.csv")
@@ -136,7 +136,22 @@ def main() -> None:
     parser.add_argument("--startup-s", type=float, default=60.0)
     parser.add_argument("--probe-s", type=float, default=120.0, help="simulated s per probe")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def print_table(rows_out: list[tuple[str, dict, dict, float, int]]) -> None:
+    """The fixed and the autoscaled cluster's attainment, replica-seconds and scale events."""
+    print(f"{'cluster':<34} {'TTFT p90':>8} {'within':>7} {'TBT p90':>8} {'within':>7} "
+          f"{'step TTFT':>9} {'replica-s':>10} {'events':>6}")  # fmt: skip
+    for name, a, s, replica_s, events in rows_out:
+        print(
+            f"{name:<34} {a['ttft_p90']:>8.2f} {a['ttft_within']:>7.1%} {a['tbt_p90']:>8.2f} "
+            f"{a['tbt_within']:>7.1%} {s['ttft_p90']:>9.2f} {replica_s:>10.0f} {events:>6}"
+        )
+
+
+def main() -> None:
+    args = parse_args()
     rows = read_trace(args.trace)
     step = parse_step(args.step)
     started = time.perf_counter()
@@ -175,13 +190,7 @@ def main() -> None:
         ("autoscaled", auto["attainment"], auto["attainment_in_steps"][0], total_auto,
          sum(auto["scale_events"].values())),
     ]  # fmt: skip
-    print(f"{'cluster':<34} {'TTFT p90':>8} {'within':>7} {'TBT p90':>8} {'within':>7} "
-          f"{'step TTFT':>9} {'replica-s':>10} {'events':>6}")  # fmt: skip
-    for name, a, s, replica_s, events in rows_out:
-        print(
-            f"{name:<34} {a['ttft_p90']:>8.2f} {a['ttft_within']:>7.1%} {a['tbt_p90']:>8.2f} "
-            f"{a['tbt_within']:>7.1%} {s['ttft_p90']:>9.2f} {replica_s:>10.0f} {events:>6}"
-        )
+    print_table(rows_out)
     print(f"replica-seconds: {ratio:.2f}x the fixed size's")
 
     figures = {
