@@ -335,7 +335,7 @@ def weight_dtype_targets(rows: dict) -> tuple[dict, dict]:
     return targets, met
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--model", default=None, help=f"a folder or a preset ({', '.join(PRESETS)})"
@@ -353,33 +353,21 @@ def main() -> None:
         help="cuda[:N]: the engine and transformers (bfloat16) on that GPU, no CPU-only sides",
     )  # fmt: skip
     parser.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp's side")
-    args = parser.parse_args()
-    # NOTE: run as a script, Python puts bench/ first on sys.path, where bench/profile.py would
-    # shadow the standard library's `profile` (which cProfile, imported by transformers, needs).
-    if sys.path[0] == str(Path(__file__).resolve().parent):
-        sys.path[0] = str(Path(__file__).resolve().parents[1])
+    return parser.parse_args()
+
+
+def batch_rows(path: str, args: argparse.Namespace, results: dict[str, Any]) -> tuple[dict, dict]:
+    """Every side's decode rate per batch into `results["batches"]` (llama.cpp's beside them when
+    its environment is there); returns llama.cpp's targets and whether each is met."""
     from transformers import LlamaForCausalLM
 
     from bench import llamacpp
 
-    if args.model in PRESETS:
-        args.model = str(default_model_path(args.model))
-    path = args.model or str(default_model_path())
-    if args.device != "cpu":
-        device_bench(path, args.device, args.batches or DEVICE_BATCHES, args.repeats)
-        return
-    results: dict[str, Any] = {
-        "model": path, "threads": torch.get_num_threads(), "batches": {},
-        "loadavg_before": os.getloadavg()[0],
-    }  # fmt: skip
     skipped = "--no-llamacpp" if args.no_llamacpp else llamacpp.skip_reason(path)
-    if not args.batches:
-        skipped = "no --batches"
     llama = None if skipped else llamacpp.LlamaCppSide(torch.get_num_threads())
     results["llamacpp"] = {"skipped": skipped}
-    if args.batches:
-        sides = engines(path, not args.no_unpacked, not args.no_onednn, bfloat16=bool(llama))
-        hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    sides = engines(path, not args.no_unpacked, not args.no_onednn, bfloat16=bool(llama))
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for batch in args.batches:
         prompts = prompts_for(batch, sides["engine"].model_config.vocab_size)
         runs: dict[str, Callable] = {
@@ -394,30 +382,49 @@ def main() -> None:
         print("  engine us/step: " + "  ".join(f"{k} {v:.0f}" for k, v in breakdown.items()))
         if llama:
             print(llama.record(batch, rates))
-    if llama:
-        ours = {name: functools.partial(engine_tokens, e) for name, e in sides.items()}
-        print(llama.agreement(ours, prompts, SHORT))
-        results["llamacpp"], llama_targets, llama_met = llama.close()
-    if args.batches:
-        del sides, hf  # the weight-dtype engines' memory
+    if not llama:
+        return {}, {}
+    ours = {name: functools.partial(engine_tokens, e) for name, e in sides.items()}
+    print(llama.agreement(ours, prompts, SHORT))
+    results["llamacpp"], llama_targets, llama_met = llama.close()
+    return llama_targets, llama_met
+
+
+def main() -> None:
+    args = parse_args()
+    # NOTE: run as a script, Python puts bench/ first on sys.path, where bench/profile.py would
+    # shadow the standard library's `profile` (which cProfile, imported by transformers, needs).
+    if sys.path[0] == str(Path(__file__).resolve().parent):
+        sys.path[0] = str(Path(__file__).resolve().parents[1])
+    if args.model in PRESETS:
+        args.model = str(default_model_path(args.model))
+    path = args.model or str(default_model_path())
+    if args.device != "cpu":
+        device_bench(path, args.device, args.batches or DEVICE_BATCHES, args.repeats)
+        return
+    results: dict[str, Any] = {
+        "model": path, "threads": torch.get_num_threads(), "batches": {},
+        "loadavg_before": os.getloadavg()[0], "llamacpp": {"skipped": "no --batches"},
+    }  # fmt: skip
+    results["targets"] = {f"ratio_batch_{b}": f">= {TARGET_RATIO}" for b in args.batches}
+    results["targets_met"] = {}
+    if args.batches:  # the sides' memory is freed on return, before the weight-dtype engines
+        llama_targets, llama_met = batch_rows(path, args, results)
+        results["targets_met"] = {
+            f"ratio_batch_{b}": results["batches"][str(b)]["ratio"] >= TARGET_RATIO
+            for b in args.batches
+        }
+        results["targets"] |= llama_targets
+        results["targets_met"] |= llama_met
     if args.weight_dtypes:
         results["weight_dtypes_batch_1"], lines = weight_dtype_rows(
             path, args.weight_dtypes, args.repeats
         )
         print("\n".join(lines))
-    results["loadavg_after"] = os.getloadavg()[0]
-    results["targets"] = {f"ratio_batch_{b}": f">= {TARGET_RATIO}" for b in args.batches}
-    results["targets_met"] = {
-        f"ratio_batch_{b}": results["batches"][str(b)]["ratio"] >= TARGET_RATIO
-        for b in args.batches
-    }
-    if args.weight_dtypes:
         targets, met = weight_dtype_targets(results["weight_dtypes_batch_1"])
         results["targets"] |= targets
         results["targets_met"] |= met
-    if llama:
-        results["targets"] |= llama_targets
-        results["targets_met"] |= llama_met
+    results["loadavg_after"] = os.getloadavg()[0]
     print(json.dumps(results))
 
 
