@@ -128,9 +128,7 @@ def main() -> None:
     per_token = {"device": profile.device_attention_s(last) / last,
                  "host": profile.host_attention_s(last) / last}  # fmt: skip
     met = {
-        "tables_non_decreasing": all(
-            len(t.xs) >= 2 and list(t.ys) == sorted(t.ys) for t in tables
-        ),
+        "tables_non_decreasing": all(len(t.xs) >= 2 and list(t.ys) == sorted(t.ys) for t in tables),
         # On a GPU, host memory is the slower tier (Neo's and Lamina's premise); on the CPU
         # both tiers are host memory.
         "host_slower_than_device": args.device == "cpu" or per_token["host"] > per_token["device"],

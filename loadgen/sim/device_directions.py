@@ -197,14 +197,15 @@ def run_devices(args: argparse.Namespace) -> int:
               f"{neo_r['gpu_only']['batch']:>4} -> {neo_r['offload']['batch']:<4} "
               f"{neo_r['gpu_only']['tokens_s']:>7.0f} -> {neo_r['offload']['tokens_s']:<7.0f} "
               f"{neo_r['tokens_s_gain']:>5.2f}")  # fmt: skip
-    targets = {"lamina_best_over_n1": "> 1", "neo_batch_gain": "> 1", "neo_tokens_s_gain": "> 1"}
-    met = {
-        f"{name}:{key}": value > 1.0
+    gains = {
+        f"{name}:{key}": value
         for name, r in results.items()
         for key, value in (("lamina_best_over_n1", r["lamina"]["best_over_n1"]),
                            ("neo_batch_gain", r["neo"]["batch_gain"]),
                            ("neo_tokens_s_gain", r["neo"]["tokens_s_gain"]))
     }  # fmt: skip
+    targets = dict.fromkeys(gains, "> 1")
+    met = {key: value > 1.0 for key, value in gains.items()}
     print(json.dumps({"profiles": results, "targets": targets, "targets_met": met}))
     return 0
 

@@ -94,10 +94,9 @@ def attention_s(
     per_seq = -(-context // batch)
     num_blocks = batch * -(-per_seq // BLOCK)
     dtype = getattr(torch, mc.dtype) if device.type != "cpu" else torch.float32
-    like = {"device": device, "dtype": dtype}
-    k = torch.randn(num_blocks, heads, mc.head_dim, BLOCK, **like)  # the paged cache's keys
-    v = torch.randn(num_blocks, heads, BLOCK, mc.head_dim, **like)
-    q = torch.randn(batch, heads * group, mc.head_dim, **like)
+    k = torch.randn(num_blocks, heads, mc.head_dim, BLOCK, device=device, dtype=dtype)  # keys
+    v = torch.randn(num_blocks, heads, BLOCK, mc.head_dim, device=device, dtype=dtype)
+    q = torch.randn(batch, heads * group, mc.head_dim, device=device, dtype=dtype)
     tables = torch.arange(num_blocks, dtype=torch.int32, device=device).reshape(batch, -1)
     lens = torch.full((batch,), per_seq, dtype=torch.int32, device=device)
     run = synchronized(lambda: backend.decode(q, k, v, tables, lens, mc.head_dim**-0.5), device)
