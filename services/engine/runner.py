@@ -301,7 +301,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
                 q, k, v = self.staging.to_host(q, k, v)
             sends = send_by_request(self.shard_links, layer, rows, q, k, v, n)
         elif self.staging.on_device:
-            return self._attend_sharded_on_device(layer, q, k, v, plan, result)
+            return self._attend_sharded_on_device(layer, (q, k, v), plan, result)
         else:
             sends = self._send(layer, rows, ATTEND_WHOLE, q[n:], (k[n:], v[n:]))
         flight = LayerInFlight(sends, self._attend_rows_local(layer, q, k, v, plan, n), n)
@@ -309,20 +309,14 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         return flight.out
 
     def _attend_sharded_on_device(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        plan: StepPlan,
-        result: StepResult,
+        self, layer: int, qkv: tuple[torch.Tensor, ...], plan: StepPlan, result: StepResult
     ) -> torch.Tensor:
         """`_attend_sharded` on a device engine: the sharded rows' copies to the host are queued,
         the local rows' attention is queued behind them on the engine's stream (so it runs while
         they copy, and its output never leaves the device), then the copies are waited for and
         sent; the replies come back into the rows after the local ones."""
         assert plan.sharded is not None
-        n = plan.num_local
+        n, (q, k, v) = plan.num_local, qkv
         staged = self.staging.stage(q[n:], k[n:], v[n:])
         local = self._attend_local(layer, q[:n], k[:n], v[:n], plan) if n else None
         sends = self._send_staged(layer, plan.sharded, ATTEND_WHOLE, True, staged)
