@@ -54,6 +54,10 @@ else
     log "no wheels in .whl/: run make device-wheels where pip reaches a registry"; exit 1
 fi
 export PYTHONPATH="$PWD:$SITE"
+if [ -d .whl/shared ]; then  # the trace and profiles `make device-wheels` carried (no ../shared)
+    export PHASEMESH_SHARED="$PWD/.whl/shared"
+    export PHASEMESH_PERF_PROFILE="$PWD/.whl/shared/perf/splitwise_perf_model.csv"
+fi
 log "building the attention kernel (csrc/), beside the presets"
 (CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout 240 python3 -m pip install -q --no-build-isolation \
     --no-deps --no-cache-dir --target "$SITE" ./csrc >"$OUT/kernel_build.log" 2>&1 \
