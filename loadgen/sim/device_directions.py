@@ -33,7 +33,12 @@ from common.perf_model import NeoCostTables
 from common.scheduling.lamina_pipeline import LayerCosts, PipelinePlan, plan_layer
 from common.scheduling.neo import NeoPolicy
 from common.scheduling.neo_state import DecodeRequest, NeoConfig, NeoState, blocks_for
-from loadgen.sim.device_profile import DeviceProfile, read_profile, splitwise_profile
+from loadgen.sim.device_profile import (
+    DeviceProfile,
+    read_profile,
+    splitwise_profile,
+    with_device_kv_tokens,
+)
 from loadgen.sim.neo_replay import NEO_MACHINES
 
 TBT_SLACK = 2.0
@@ -180,8 +185,6 @@ def add_devices_parser(sub: Any) -> None:
 
 
 def run_devices(args: argparse.Namespace) -> int:
-    from loadgen.sim.device_profile import with_device_kv_tokens
-
     results = {}
     print(f"{'profile':<28} {'bound ms':>8} | {'Lamina tok/$ by n=1..4':>30} {'best/n1':>7} "
           f"{'/GPU':>5} | {'Neo batch':>11} {'tok/s':>17} {'gain':>5}")  # fmt: skip
