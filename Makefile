@@ -84,7 +84,8 @@ bench: model
 # Wheels for bench/device_check.sh on a GPU machine that reaches no registry (Python 3.12 and
 # its own torch, transformers, numpy, tokenizers, safetensors there): what the engine imports and
 # that image lacks, at the versions this venv runs. DEVICE_UCX=1 adds UCX (the GPU mesh test's
-# shard links; large: the check skips that test without them). Fills .whl/ (git-ignored).
+# shard links; large: the check skips that test without them). Fills .whl/ (git-ignored), with
+# the shared files below in .whl/shared/.
 DEVICE_WHEELS := .whl
 DEVICE_PYTHON ?= $(if $(wildcard $(BIN)/pip),$(BIN)/python,$(PYTHON))
 DEVICE_PIP = $(DEVICE_PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -98,9 +99,13 @@ DEVICE_PACKAGES := msgspec==0.22.0 structlog==26.1.0 llguidance==1.9.1 pyzmq==27
 DEVICE_UCX_PACKAGES := ucxx-cu12==0.52.0 libucxx-cu12==0.52.0 libucx-cu12==1.21.0 \
 	librmm-cu12==26.10.0 rapids-logger==0.3.0
 DEVICE_UCX ?= 0
+# The shared files the device check's benches read (../shared does not travel): bench/neo.py's
+# trace and the Splitwise profiles the simulator's directions compare with.
+DEVICE_SHARED := traces/AzureLLMInferenceTrace_conv.csv perf/splitwise_perf_model.csv
 device-wheels:
-	mkdir -p $(DEVICE_WHEELS)
+	mkdir -p $(DEVICE_WHEELS)/shared/traces $(DEVICE_WHEELS)/shared/perf
 	$(DEVICE_PIP) $(DEVICE_PACKAGES) $(if $(filter 1,$(DEVICE_UCX)),$(DEVICE_UCX_PACKAGES))
+	for f in $(DEVICE_SHARED); do cp ../shared/$$f $(DEVICE_WHEELS)/shared/$$f; done
 	du -sh $(DEVICE_WHEELS)
 
 # llama.cpp for bench/engine.py's side of it: llama-cpp-python built once from its sdist, CPU only,

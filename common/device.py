@@ -7,8 +7,9 @@ in its step loop (each part decides from `torch.device` when it is built).
 
 `HostStaging` is the one crossing between a device engine and the host: q/k/v for host-memory
 attention shards (Lamina's split) and KV shipped from a device prompt engine leave device memory
-through pinned host buffers, and the shards' outputs come back the same way. On the CPU it is the
-identity (no copy, no allocation).
+through pinned host buffers, and the shards' outputs come back the same way, on a CUDA stream of
+its own so that the copies overlap the engine's compute. On the CPU it is the identity (no copy,
+no allocation, no stream).
 """
 
 from __future__ import annotations
@@ -50,10 +51,30 @@ def model_dtype_on(device: torch.device, dtype: str | None) -> str | None:
     return dtype
 
 
+class StagedCopy:
+    """Copies to pinned host memory under way on the staging stream; `wait` blocks until they
+    (and only they) are done: compute queued on the engine's stream after them runs on."""
+
+    def __init__(self, host: list[torch.Tensor], done: torch.cuda.Event | None) -> None:
+        self.host = host
+        self.done = done
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
 class HostStaging:
-    """Tensors across the device/host edge through pinned buffers (non-blocking copies, one
-    synchronisation per crossing). On the CPU every method returns its input: the copies are
-    explicit and skipped there.
+    """Tensors across the device/host edge through pinned buffers, on a stream of their own. On
+    the CPU every method returns its input: the copies are explicit and skipped there.
+
+    On a device, `stage` queues the device-to-host copies on the staging stream behind what the
+    engine's stream has queued so far and returns at once; the engine queues more compute (the
+    next sub-batch's or lane's dense work, the local rows' attention) and then `wait`s for the
+    copies alone before sending them, so the copies overlap that compute. `to_device` queues the
+    replies' host-to-device copy on the staging stream and makes the engine's stream wait for it
+    by an event: no host synchronisation, the next layer's kernels queue behind it.
 
     Faults: a copy that fails (device lost, out of pinned memory) raises here, in the step that
     asked, which fails as any step error does; nothing is half-sent (the send comes after)."""
@@ -61,18 +82,30 @@ class HostStaging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.on_device = device.type != "cpu"
+        self.stream = torch.cuda.Stream(device) if self.on_device else None
+
+    def stage(self, *tensors: torch.Tensor) -> StagedCopy:
+        """Each tensor's copy to pinned host memory (its strides kept where dense), queued; the
+        sources stay allocated until the copies have read them."""
+        if self.stream is None:
+            return StagedCopy(list(tensors), None)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after their producers
+        with torch.cuda.stream(self.stream):
+            host = [
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in tensors
+            ]
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        for t in tensors:
+            t.record_stream(self.stream)
+        return StagedCopy(host, done)
 
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """Each tensor in pinned host memory (its strides kept where dense), ready to send: the
-        copies are queued without blocking, then the device is waited on once for all."""
+        """Each tensor in pinned host memory, ready to send (`stage`, then `wait`)."""
         if not self.on_device:
             return list(tensors)
-        host = [
-            torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-            for t in tensors
-        ]
-        torch.cuda.current_stream(self.device).synchronize()
-        return host
+        return self.stage(*tensors).wait()
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An empty host tensor for replies to land in: pinned on a device engine, so that
@@ -80,11 +113,16 @@ class HostStaging:
         return torch.empty(shape, dtype=dtype, pin_memory=self.on_device)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` (host memory) on the engine's device; non-blocking from pinned memory (the caching
-        host allocator keeps the buffer until the copy is done)."""
-        if not self.on_device:
+        """`t` (host memory) on the engine's device: copied on the staging stream, the engine's
+        stream ordered after it (the caching host allocator keeps `t` until the copy is done)."""
+        if self.stream is None:
             return t
-        return t.to(self.device, non_blocking=True)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            out = t.to(self.device, non_blocking=True)
+        compute.wait_stream(self.stream)
+        out.record_stream(compute)
+        return out
 
 
-__all__ = ["DEVICE_PATTERN", "HostStaging", "model_dtype_on", "resolve_device"]
+__all__ = ["DEVICE_PATTERN", "HostStaging", "StagedCopy", "model_dtype_on", "resolve_device"]

@@ -6,6 +6,7 @@ python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --power 70 -
 python -m loadgen.sim provision --trace T.csv --design Splitwise-HH --rate 70 --by cost
 python -m loadgen.sim lamina --trace T.csv [--memory 4 8] [--batches 1 2 3 4]
 python -m loadgen.sim offline [--hardware a100-80gb] [--gpus 8] [--requests 2000]
+python -m loadgen.sim devices [--profiles A100x2 H100x2 results/device/device_profile.json]
 python -m loadgen.sim autoscale --trace T.csv --design Splitwise-HH --max 30P10T --rate 25 \
     --step 3x@600s+600s
 """
@@ -21,6 +22,7 @@ from dataclasses import replace
 from common.scheduling.home_roles import HomeRoleThresholds
 from loadgen.sim.autoscale_cli import add_autoscale_parser
 from loadgen.sim.designs import DESIGNS, parse_cluster
+from loadgen.sim.device_directions import add_devices_parser
 from loadgen.sim.lamina_cli import add_lamina_parser
 from loadgen.sim.offline import add_offline_parser
 from loadgen.sim.provision import (
@@ -124,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lamina_parser(sub)
     add_offline_parser(sub)
     add_autoscale_parser(sub)
+    add_devices_parser(sub)
     return parser
 
 

@@ -39,6 +39,7 @@ PROBE_BATCH = 4  # requests per attention call: the context is split among them
 ROUND_TRIP_S = 200e-6
 RECENT_WEIGHT = 0.2  # of the latest sharded steps in the running round-trip estimate
 BLOCK = 16
+CPU = torch.device("cpu")
 
 
 def median_s(run: Callable[[], object], repeats: int) -> float:
@@ -62,6 +63,19 @@ def wall_times(run: Callable[[], object], repeats: int) -> list[float]:
     return samples
 
 
+def synchronized(run: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """`run`, then a wait for `device` (its kernels are asynchronous): what a timer should time.
+    `run` itself on the CPU."""
+    if device.type == "cpu":
+        return run
+
+    def run_and_wait() -> None:
+        run()
+        torch.cuda.synchronize(device)
+
+    return run_and_wait
+
+
 def attention_s(
     backend: AttentionBackend,
     mc: ModelConfig,
@@ -70,19 +84,23 @@ def attention_s(
     repeats: int,
     num_kv_heads: int | None = None,
     timer: Callable[[Callable[[], object], int], float] = median_s,
+    device: torch.device = CPU,
 ) -> tuple[int, float]:
     """(context tokens actually held, seconds for all layers) of one decode-attention call over
-    `batch` requests holding `context` tokens in all, on `num_kv_heads` of the model's heads."""
+    `batch` requests holding `context` tokens in all, on `num_kv_heads` of the model's heads,
+    its KV and q in `device` memory (the model's dtype there)."""
     heads = num_kv_heads or mc.num_key_value_heads
     group = mc.num_attention_heads // mc.num_key_value_heads
     per_seq = -(-context // batch)
     num_blocks = batch * -(-per_seq // BLOCK)
-    k = torch.randn(num_blocks, heads, mc.head_dim, BLOCK)  # the paged cache's key layout
-    v = torch.randn(num_blocks, heads, BLOCK, mc.head_dim)
-    q = torch.randn(batch, heads * group, mc.head_dim)
-    tables = torch.arange(num_blocks, dtype=torch.int32).reshape(batch, -1)
-    lens = torch.full((batch,), per_seq, dtype=torch.int32)
-    seconds = timer(lambda: backend.decode(q, k, v, tables, lens, mc.head_dim**-0.5), repeats)
+    dtype = getattr(torch, mc.dtype) if device.type != "cpu" else torch.float32
+    k = torch.randn(num_blocks, heads, mc.head_dim, BLOCK, device=device, dtype=dtype)  # keys
+    v = torch.randn(num_blocks, heads, BLOCK, mc.head_dim, device=device, dtype=dtype)
+    q = torch.randn(batch, heads * group, mc.head_dim, device=device, dtype=dtype)
+    tables = torch.arange(num_blocks, dtype=torch.int32, device=device).reshape(batch, -1)
+    lens = torch.full((batch,), per_seq, dtype=torch.int32, device=device)
+    run = synchronized(lambda: backend.decode(q, k, v, tables, lens, mc.head_dim**-0.5), device)
+    seconds = timer(run, repeats)
     return per_seq * batch, seconds * mc.num_hidden_layers
 
 
@@ -91,8 +109,9 @@ def dense_s(model: LlamaForCausalLM, num_tokens: int, repeats: int) -> float:
     """T_l at `num_tokens` batch tokens: embeddings, every layer but its attention, LM head and
     greedy sampling (what a decode step does besides attention)."""
     mc = model.config
-    ids = torch.randint(8, mc.vocab_size, (num_tokens,))
-    positions = torch.arange(num_tokens) + 100
+    device = model_device(model)
+    ids = torch.randint(8, mc.vocab_size, (num_tokens,), device=device)
+    positions = torch.arange(num_tokens, device=device) + 100
 
     def step() -> None:
         x = model.embed(ids)
@@ -102,7 +121,12 @@ def dense_s(model: LlamaForCausalLM, num_tokens: int, repeats: int) -> float:
             x = layer.post_attention(x, q)  # attention's output has q's shape
         model.compute_logits(x).argmax(dim=-1).tolist()
 
-    return least_s(step, repeats)
+    return least_s(synchronized(step, device), repeats)
+
+
+def model_device(model: LlamaForCausalLM) -> torch.device:
+    """Where the model's weights are (an engine's device)."""
+    return model.model.embed_tokens.weight.device
 
 
 @dataclass
@@ -163,8 +187,9 @@ def probe_costs(
     # A head-partitioned group: each shard attends its 1/S of the KV heads, all at once.
     shard_heads = max(mc.num_key_value_heads // shards, 1)
     offload = CpuKernelAttention(num_threads=1) if kernel_available() else local
+    device = model_device(model)
     for context in PROBE_CONTEXTS:
-        held, s = attention_s(local, mc, PROBE_BATCH, context, repeats, timer=least_s)
+        held, s = attention_s(local, mc, PROBE_BATCH, context, repeats, None, least_s, device)
         local_s[float(held)] = [s]
         held, s = attention_s(offload, mc, PROBE_BATCH, context, repeats, shard_heads, least_s)
         offload_s[float(held)] = [s]

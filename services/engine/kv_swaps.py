@@ -15,8 +15,12 @@ and its attention-shard group. `KvSwaps` does the moves; which request moves whe
 Consistency with the step: a moving request is in no step (it sits out from the moment its move
 starts until its last page or ack is in), so the KV being moved never changes while it moves.
 Other requests step on; the move travels on other threads (the KV sender, the shards' ingress)
-and lands between steps. A move that does not finish within `SWAP_TIMEOUT_S` (a shard died or
-stopped reading) ends its request retryably: the router re-runs it from its tokens.
+and lands between steps. On a GPU engine the local tier is device memory: a swap-out's layer
+leaves it through `HostStaging` (pinned host copies, one wait per layer) before the send, and a
+swap-in's pages are written into the device cache from host memory; a copy that fails raises
+in the step loop as any step error does, before anything of that layer was sent. A move that
+does not finish within `SWAP_TIMEOUT_S` (a shard died or stopped reading) ends its request
+retryably: the router re-runs it from its tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.block_manager import BlockManager
+from common.device import HostStaging
 from common.kv_cache import KVCache
 from common.protocol import FetchKv, KvPages, KvSwapAck, ShardAddress
 from common.scheduling.batching import Sequence
@@ -62,6 +67,7 @@ class KvSwaps:
         self, blocks: BlockManager, cache: KVCache, kv_send: KvSend, reply_to: str
     ) -> None:
         self.blocks, self.cache = blocks, cache
+        self.staging = HostStaging(cache.device)
         self.kv_send, self.reply_to = kv_send, reply_to
         self.moving: dict[str, Move] = {}
         self.num_swaps = {Tier.LOCAL: 0, Tier.OFFLOADED: 0}  # moves finished, by destination
@@ -79,6 +85,8 @@ class KvSwaps:
         num_layers = self.cache.key.shape[0]
         for layer in range(num_layers):  # layer by layer: each message is one layer's pages
             k, v = self.cache.gather(layer, table, num_tokens)  # [T, Hkv, D]
+            if self.staging.on_device:  # the shards keep it in host memory
+                k, v = self.staging.to_host(k, v)
             for s in shards:
                 header = KvPages(
                     seq.req_id, layer, 1, num_tokens, s.head_start, s.head_end, num_layers,
@@ -135,12 +143,13 @@ class KvSwaps:
             raise ValueError(f"swap-in pages of {pages.req_id} do not match its fetch: layer "
                              f"{pages.layer_start}, heads [{pages.head_start}, {pages.head_end}),"
                              f" k {tuple(k.shape)}; expected {expected}")  # fmt: skip
-        slots = torch.tensor(self.blocks.slots(pages.req_id, 0, move.num_tokens))
+        device, dtype = self.cache.device, self.cache.key.dtype
+        slots = torch.tensor(self.blocks.slots(pages.req_id, 0, move.num_tokens), device=device)
         blocks, offsets = slots // self.cache.block_size, slots % self.cache.block_size
         h = slice(pages.head_start, pages.head_end)
         # Advanced indices around slices put the token dim first: [T, h, D], as k[0] is.
-        self.cache.key[pages.layer_start, blocks, h, :, offsets] = k[0].to(self.cache.key.dtype)
-        self.cache.value[pages.layer_start, blocks, h, offsets, :] = v[0].to(self.cache.key.dtype)
+        self.cache.key[pages.layer_start, blocks, h, :, offsets] = k[0].to(device, dtype)
+        self.cache.value[pages.layer_start, blocks, h, offsets, :] = v[0].to(device, dtype)
         move.pending.discard(key)
         if move.pending:
             return None

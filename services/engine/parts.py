@@ -82,11 +82,9 @@ def build_engine_parts(
     `shard_links` (in head order), whose KV listener is `kv_address` (Neo's swaps need one)."""
     o = options
     device = resolve_device(o.device)
-    if device.type != "cpu" and (o.local_kv_blocks or o.model_peers):
-        # NOTE: their KV swaps and slices move tensors as host memory (not staged yet).
-        raise ValueError(
-            f"local_kv_blocks and model_peers run beside CPU engines only, not {device}"
-        )
+    if device.type != "cpu" and o.model_peers:
+        # NOTE: their slices move tensors as host memory (not staged yet).
+        raise ValueError(f"model_peers run beside CPU engines only, not {device}")
     model = load_model(model_path, None, device=device)
     mc = model.config
     num_blocks = o.blocks_of(role)

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 
 from common.attention.prefix_prefill import with_cached_prefixes
-from common.device import HostStaging
+from common.device import HostStaging, StagedCopy
 from common.engine.runner import ModelRunner, StepInputs, pad_block_tables
 from common.model.llama import RopeAt
 from common.protocol import (
@@ -252,9 +252,14 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         )
         for i, layer in enumerate(self.model.layers):
             q1, k1, v1 = layer.pre_attention(x1, rope1)  # [N1, H, D]
-            sends = self._send(i, batch_1.sharded, ATTEND_WHOLE, q1, (k1, v1))
+            if self.staging.on_device:  # batch-0's dense work runs while batch-1's copies do
+                staged = self.staging.stage(q1, k1, v1)
+                q0, k0, v0 = layer.pre_attention(x0, rope0)
+                sends = self._send_staged(i, batch_1.sharded, ATTEND_WHOLE, True, staged)
+            else:
+                sends = self._send(i, batch_1.sharded, ATTEND_WHOLE, q1, (k1, v1))
+                q0, k0, v0 = layer.pre_attention(x0, rope0)
             flight = LayerInFlight(sends, self.staging.host_buffer(q1.shape, torch.float32), 0)
-            q0, k0, v0 = layer.pre_attention(x0, rope0)
             x0 = layer.post_attention(x0, super().attend(i, q0, k0, v0, batch_0))
             self._collect(flight, result)
             x1 = layer.post_attention(x1, flight.out)
@@ -295,10 +300,30 @@ class MeshModelRunner(ModelRunner[StepPlan]):
             if self.staging.on_device:
                 q, k, v = self.staging.to_host(q, k, v)
             sends = send_by_request(self.shard_links, layer, rows, q, k, v, n)
+        elif self.staging.on_device:
+            return self._attend_sharded_on_device(layer, (q, k, v), plan, result)
         else:
             sends = self._send(layer, rows, ATTEND_WHOLE, q[n:], (k[n:], v[n:]))
         flight = LayerInFlight(sends, self._attend_rows_local(layer, q, k, v, plan, n), n)
         self._collect(flight, result)
+        return flight.out
+
+    def _attend_sharded_on_device(
+        self, layer: int, qkv: tuple[torch.Tensor, ...], plan: StepPlan, result: StepResult
+    ) -> torch.Tensor:
+        """`_attend_sharded` on a device engine: the sharded rows' copies to the host are queued,
+        the local rows' attention is queued behind them on the engine's stream (so it runs while
+        they copy, and its output never leaves the device), then the copies are waited for and
+        sent; the replies come back into the rows after the local ones."""
+        assert plan.sharded is not None
+        n, (q, k, v) = plan.num_local, qkv
+        staged = self.staging.stage(q[n:], k[n:], v[n:])
+        local = self._attend_local(layer, q[:n], k[:n], v[:n], plan) if n else None
+        sends = self._send_staged(layer, plan.sharded, ATTEND_WHOLE, True, staged)
+        flight = LayerInFlight(sends, self.staging.host_buffer(q.shape, torch.float32), n)
+        self._collect(flight, result)
+        if local is not None:
+            flight.out[:n] = local
         return flight.out
 
     def _rotates(self, inputs: StepPlan) -> bool:
@@ -389,10 +414,20 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         kv: tuple[torch.Tensor, ...],
     ) -> list[ShardSend]:
         """`send_layer` to this engine's shard group (the model's query heads per KV head)."""
-        group = self.model.config.num_queries_per_kv
         if self.staging.on_device:
-            staged = self.staging.to_host(*kv) if q is None else self.staging.to_host(q, *kv)
-            q, kv = (None, tuple(staged)) if q is None else (staged[0], tuple(staged[1:]))
+            staged = self.staging.stage(*kv) if q is None else self.staging.stage(q, *kv)
+            return self._send_staged(layer, rows, part, q is not None, staged)
+        group = self.model.config.num_queries_per_kv
+        return send_layer(self.shard_links, self.shards, layer, rows, part, group, q, kv)
+
+    def _send_staged(
+        self, layer: int, rows: ShardedRows, part: int, with_q: bool, staged: StagedCopy
+    ) -> list[ShardSend]:
+        """`_send` of copies `HostStaging.stage` queued (q first when `with_q`, then k/v), once
+        they are in host memory."""
+        host = staged.wait()
+        q, kv = (host[0], tuple(host[1:])) if with_q else (None, tuple(host))
+        group = self.model.config.num_queries_per_kv
         return send_layer(self.shard_links, self.shards, layer, rows, part, group, q, kv)
 
     def _collect(self, flight: LayerInFlight, result: StepResult) -> None:

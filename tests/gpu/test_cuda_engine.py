@@ -134,9 +134,12 @@ def test_sampling_runs_on_the_device(model_path: Path) -> None:
     assert all(len(o.logprobs) == 1 and len(o.logprobs[0].top_ids) == 2 for o in outputs)
 
 
-def test_mesh_with_gpu_engines_and_host_shards() -> None:
+@pytest.mark.parametrize("local_tier", [False, True], ids=["shards", "neo_local_tier"])
+def test_mesh_with_gpu_engines_and_host_shards(local_tier: bool) -> None:
     """A LocalMesh: GPU prompt and token engines, 2 attention shards in host memory (q/k/v and
-    shipped KV through pinned buffers), against the single-process engine on the same GPU."""
+    shipped KV through pinned buffers), against the single-process engine on the same GPU. With
+    `local_tier`, Neo as written: the token engine's local KV tier is GPU memory and requests
+    swap between it and the shards every few tokens (`alternate:4`), both ways."""
     try:
         import common.transport.ucx_channel  # noqa: F401 - the shards' links
     except Exception as exc:  # noqa: BLE001 - ImportError, or a UCX library that fails to load
@@ -151,8 +154,11 @@ def test_mesh_with_gpu_engines_and_host_shards() -> None:
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
     reference = LLMEngine.from_path(path, num_blocks=512, device="cuda").generate(prompts, params)
     hf32, hf16 = hf_on_cuda(path, torch.float32), hf_on_cuda(path, torch.bfloat16)
-    topology = Topology(str(path), num_prompt=1, num_token=1, num_shards=2,
-                        options=MeshOptions(device="cuda", layer_wise_min_tokens=64))  # fmt: skip
+    options = MeshOptions(device="cuda", layer_wise_min_tokens=64)
+    if local_tier:
+        options = MeshOptions(device="cuda", layer_wise_min_tokens=64, local_kv_blocks=64,
+                              tier_policy="alternate:4")  # fmt: skip
+    topology = Topology(str(path), num_prompt=1, num_token=1, num_shards=2, options=options)
     mesh = LocalMesh.start(topology)
     try:
         from common.protocol import SamplingSpec
@@ -164,5 +170,9 @@ def test_mesh_with_gpu_engines_and_host_shards() -> None:
             assert len(ours) == NUM_TOKENS
             if ours != reference[i]:
                 assert_greedy_close(hf32, hf16, prompt, ours, reference[i])
+        if local_tier:
+            [token] = [s for s in mesh.stats() if s.role == "token"]
+            moves = {e.what for e in token.kv_events}
+            assert {"swapped_in", "swapped_out"} <= moves, moves
     finally:
         mesh.close()

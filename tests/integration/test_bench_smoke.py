@@ -24,6 +24,9 @@ SMOKE_RUNS = {
     "attention": ["bench/attention.py", "--quick", "--repeats", "1"],
     "router_hotpath": ["bench/router_hotpath.py", "--batch", "1", "--tokens", "8"],
     "simulator": ["bench/simulator.py", "--duration", "10"],
+    "device_profile": "bench/device_profile.py --device cpu --model tiny --repeats 1".split(),
+    # The device check runs it with --device cuda; here the CPU version, two meshes of one rate.
+    "neo": "bench/neo.py --device cpu --requests 4 --rates 8 --max-output 8".split(),
     "autoscale": (
         "bench/autoscale.py --rate 4 --duration 120 --step 3x@40s+40s --max-machines 8 "
         "--probe-s 20 --settle-s 60 --startup-s 10"

@@ -22,7 +22,9 @@ from services.mesh.replica import DRAIN_NOTICE_S
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KEY = "ab" * 32  # a mesh key (hex)
-EXPECTED = {"local.yaml", "single.yaml", "cluster.yaml", "rayservice.yaml", "gpu.yaml"}
+EXPECTED = {"local.yaml", "single.yaml", "cluster.yaml", "rayservice.yaml", "gpu.yaml",
+            "cluster-gpu.yaml"}  # fmt: skip
+CLUSTERS = ["cluster.yaml", "cluster-gpu.yaml"]
 
 
 def serve_configs() -> dict[str, dict[str, Any]]:
@@ -88,8 +90,9 @@ def test_single_config_is_the_router_with_its_in_process_engine() -> None:
     assert isinstance(build_app(app["args"]), Application)
 
 
-def test_cluster_config_places_engines_and_shards_by_custom_resource() -> None:
-    [app] = CONFIGS["cluster.yaml"]["applications"]
+@pytest.mark.parametrize("name", CLUSTERS)
+def test_cluster_config_places_engines_and_shards_by_custom_resource(name: str) -> None:
+    [app] = CONFIGS[name]["applications"]
     by_name = {d["name"]: d for d in app["deployments"]}
     assert set(by_name) == set(DEPLOYMENT_NAMES)
     for name, resource in [
@@ -101,8 +104,9 @@ def test_cluster_config_places_engines_and_shards_by_custom_resource() -> None:
     assert all("autoscaling_config" in d for d in by_name.values())
 
 
-def test_cluster_engines_and_shards_scale_on_their_own_load() -> None:
-    [app] = CONFIGS["cluster.yaml"]["applications"]
+@pytest.mark.parametrize("name", CLUSTERS)
+def test_cluster_engines_and_shards_scale_on_their_own_load(name: str) -> None:
+    [app] = CONFIGS[name]["applications"]
     policy = app["autoscaling_policy"]
     assert policy["policy_function"] == "services.mesh.autoscaling:MeshAppAutoscalingPolicy"
     built = MeshAppAutoscalingPolicy(**policy["policy_kwargs"])  # raises on bad kwargs
@@ -150,6 +154,32 @@ def test_gpu_config_puts_engines_on_the_gpu_and_shards_on_the_host() -> None:
     cpu_only = build_app(CONFIGS["local.yaml"]["applications"][0]["args"])._bound_deployment
     assert all("num_gpus" not in a._bound_deployment.ray_actor_options
                for a in cpu_only.init_args[1:])  # fmt: skip
+
+
+def test_gpu_cluster_is_the_cluster_config_with_engines_on_whole_gpus() -> None:
+    """deploy/cluster-gpu.yaml: cluster.yaml's mesh, policy and placement, with each engine
+    replica on a whole GPU (asked as the builder binds it) and the shards on CPU memory nodes."""
+    [cpu], [gpu] = (
+        CONFIGS["cluster.yaml"]["applications"],
+        CONFIGS["cluster-gpu.yaml"]["applications"],
+    )
+    args = AppArgs.model_validate(gpu["args"])
+    assert args.mesh.device == "cuda" and args.mesh.engine_gpus == 1
+    gpu_only = {"device", "engine_num_gpus", "num_blocks"}  # the GPU's own KV room
+    same = {k: v for k, v in gpu["args"]["mesh"].items() if k not in gpu_only}
+    assert same == {k: v for k, v in cpu["args"]["mesh"].items() if k not in gpu_only}
+    assert gpu["autoscaling_policy"] == cpu["autoscaling_policy"]
+    options = {d["name"]: d["ray_actor_options"] for d in gpu["deployments"]}
+    gpus = {name: o.get("num_gpus", 0) for name, o in options.items()}
+    assert gpus == {"Router": 0, "PromptEngine": 1, "TokenEngine": 1, "AttentionShard": 0}
+    router = build_app(gpu["args"])._bound_deployment
+    bound = {a._bound_deployment.name: a._bound_deployment.ray_actor_options.get("num_gpus", 0)
+             for a in router.init_args[1:]}  # fmt: skip
+    assert bound == {"PromptEngine": 1, "TokenEngine": 1, "AttentionShard": 0}
+    # The shards' kernel threads are what their replicas ask for, OpenMP's included.
+    shard = options["AttentionShard"]
+    assert shard["num_cpus"] == args.mesh.num_threads
+    assert shard["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == str(args.mesh.num_threads)
 
 
 def test_rayservice_embeds_the_cluster_config() -> None:

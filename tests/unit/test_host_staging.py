@@ -2,13 +2,15 @@
 stand-in staging (a fake for the GPU edge: it copies into fresh host tensors, as the pinned
 copies do, and counts) takes the place of `HostStaging`'s device mode. Every q/k/v the shards get
 crosses through it once per layer, the replies come back through it once per layer, and the
-step's logits are the identity staging's (test_two_batch_runner.py's in-process shards)."""
+step's logits are the identity staging's (test_two_batch_runner.py's in-process shards). The
+device engine's order is taken too: the copies staged, the local rows' attention (or batch-0's
+dense work) queued, then the copies sent."""
 
 from __future__ import annotations
 
 import torch
 
-from common.device import HostStaging
+from common.device import HostStaging, StagedCopy
 from tests.unit.test_two_batch_runner import build
 
 
@@ -21,9 +23,12 @@ class CountingStaging(HostStaging):
         self.to_host_calls: list[int] = []  # tensors per crossing
         self.to_device_calls = 0
 
-    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def stage(self, *tensors: torch.Tensor) -> StagedCopy:
         self.to_host_calls.append(len(tensors))
-        return [t.clone() for t in tensors]
+        return StagedCopy([t.clone() for t in tensors], None)
+
+    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        return self.stage(*tensors).wait()
 
     def host_buffer(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.full(shape, float("nan"), dtype=dtype)  # a row left unwritten shows

@@ -24,6 +24,7 @@ from common.scheduling.tiers import (
 )
 from services.engine.kv_swaps import SWAP_TIMEOUT_S, KvSwaps, SwapFailed
 from services.shard.shard import AttentionShard, ShardSpec
+from tests.unit.test_host_staging import CountingStaging
 
 LAYERS, HEADS, DIM, BLOCK = 2, 4, 8, 4
 SHARDS = [
@@ -119,8 +120,14 @@ def seeded_request(mesh: Mesh, req_id: str, num_tokens: int) -> Sequence:
     return Sequence(req_id, num_tokens, num_computed=num_tokens - 1)
 
 
-def test_kv_swapped_out_and_back_in_is_the_kv_it_started_with():
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu", "device_staging"])
+def test_kv_swapped_out_and_back_in_is_the_kv_it_started_with(staged: bool):
+    """Also as a GPU engine's local tier swaps: each layer leaves through the host staging (a
+    counting stand-in for the pinned copies) once, both shards' heads sliced from that copy."""
     mesh = Mesh()
+    staging = CountingStaging()
+    if staged:
+        mesh.swaps.staging = staging
     seq = seeded_request(mesh, "r", 11)
     before = mesh.local_kv("r", 10)
     mesh.swaps.swap_out(seq, SHARDS, reserve_tokens=20, now=0.0)
@@ -144,6 +151,7 @@ def test_kv_swapped_out_and_back_in_is_the_kv_it_started_with():
     for (k0, v0), (k1, v1) in zip(before, mesh.local_kv("r", 10), strict=True):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     assert mesh.swaps.num_swaps == {Tier.LOCAL: 1, Tier.OFFLOADED: 1}
+    assert staging.to_host_calls == ([2] * LAYERS if staged else [])
 
 
 def test_a_request_swapped_in_then_out_again_lands_on_shards_that_freed_it():

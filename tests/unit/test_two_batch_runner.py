@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from common.attention import select_backend
 from common.attention.torch_ref import TorchPagedAttention
 from common.block_manager import BlockManager
 from common.kv_cache import KVCache
@@ -42,23 +43,28 @@ class InProcessLink:
         return AttendResult(header.step, header.layer, failed=failed), out
 
 
-def build(model_path) -> tuple[MeshModelRunner, list[Sequence], list[Sequence], dict]:
-    """A runner with l0, l1 local and s0, s1 on two shards (heads split), KV seeded alike."""
-    model = load_model(model_path)
+def build(
+    model_path, device: torch.device | None = None
+) -> tuple[MeshModelRunner, list[Sequence], list[Sequence], dict]:
+    """A runner with l0, l1 local and s0, s1 on two shards (heads split), KV seeded alike. On a
+    `device` (tests/gpu), the runner's model, KV and attention there, the shards on the host."""
+    model = load_model(model_path, device=device)
     mc = model.config
+    dtype = getattr(torch, mc.dtype) if device is not None else torch.float32
     layers, heads, dim = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
-    blocks, cache = BlockManager(64, BLOCK), KVCache(layers, 64, BLOCK, heads, dim, torch.float32)
+    blocks = BlockManager(64, BLOCK)
+    cache = KVCache(layers, 64, BLOCK, heads, dim, dtype, device)
     half = heads // 2
     shards = [
         AttentionShard(f"shard-{i}", ShardSpec(layers, h0, h1, mc.num_queries_per_kv, dim, 64,
-                       BLOCK, torch.float32, dim**-0.5), TorchPagedAttention())
+                       BLOCK, dtype, dim**-0.5), TorchPagedAttention())
         for i, (h0, h1) in enumerate([(0, half), (half, heads)])
     ]  # fmt: skip
     g = torch.Generator().manual_seed(5)
     for req_id, n in LENGTHS.items():
         k, v = (
-            torch.randn(layers, n - 1, heads, dim, generator=g),
-            torch.randn(layers, n - 1, heads, dim, generator=g),
+            torch.randn(layers, n - 1, heads, dim, generator=g).to(dtype),
+            torch.randn(layers, n - 1, heads, dim, generator=g).to(dtype),
         )
         if req_id.startswith("l"):
             blocks.allocate(req_id, n)
@@ -71,8 +77,9 @@ def build(model_path) -> tuple[MeshModelRunner, list[Sequence], list[Sequence], 
             shard.receive_kv(pages, k[:, :, h0:h1].contiguous(), v[:, :, h0:h1].contiguous())
     addresses = [ShardAddress(f"tcp://s{i}", s.spec.head_start, s.spec.head_end)
                  for i, s in enumerate(shards)]  # fmt: skip
+    backend = TorchPagedAttention() if device is None else select_backend("auto", device)
     runner = MeshModelRunner(
-        model, cache, blocks, TorchPagedAttention(),
+        model, cache, blocks, backend,
         shard_links=[InProcessLink(s) for s in shards], shards=addresses,
     )  # fmt: skip
     local = [Sequence(r, LENGTHS[r], LENGTHS[r] - 1) for r in ("l0", "l1")]
