@@ -163,11 +163,12 @@ def test_logit_bias_and_penalties_reach_the_sampler(router: Router, reference: L
     assert len(set(free[:3])) == 1 and len(set(expected)) > len(set(free))  # fewer repeats
 
 
-def test_every_choice_counts_for_admission(tiny_model_path: Path) -> None:
+@pytest.mark.parametrize("choices", [{"n": 3}, {"best_of": 3}])  # best_of: each candidate
+def test_every_choice_counts_for_admission(tiny_model_path: Path, choices: dict) -> None:
     router = make_router(tiny_model_path, AdmissionLimits(max_num_requests=2))
     try:
         body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 2}
-        refused = post(router, "/v1/completions", body | {"n": 3})
+        refused = post(router, "/v1/completions", body | choices)
         assert refused.status_code == 429
         assert router.client.stats().num_requests == 0  # the two admitted were given back
         assert len(post(router, "/v1/completions", body | {"n": 2}).json()["choices"]) == 2

@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,78 @@ def _compact(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+@dataclass
+class Gaps:
+    """What four streams saw while the big bodies were refused: the refusals' statuses, each
+    stream's chunk arrival times, and the largest gap between two chunks before any big body was
+    sent (the machine's own jitter) and while they were being refused."""
+
+    statuses: list[int]
+    arrivals: list[list[float]]
+    before_s: float
+    during_s: float
+
+    def check(self, num_bodies: int) -> None:
+        assert self.statuses == [400] * num_bodies
+        assert all(1 < len(a) < 3000 for a in self.arrivals)  # every stream still ran after
+        # NOTE: on a machine busy with other work (CI runs two test workers and mypy on two
+        # cores) the streams' gaps grow before any big body is sent; the bound is on what the
+        # bodies add to that, with the machine's jitter counted twice: it comes in bursts. A
+        # freeze by the bodies (each tokenized, or parsed back to back) stops the streams for
+        # seconds.
+        assert self.during_s < MAX_GAP_S + 2 * self.before_s, (self.during_s, self.before_s)
+
+
+def stream_gaps_while_refused(
+    base_url: str, bodies: list[tuple[str, bytes]], headers: dict[str, str] | None = None
+) -> Gaps:
+    """Start NUM_STREAMS greedy streams, send every big body at once once all of them flow, and
+    keep reading the streams until half a second after the last refusal (then leave: the router
+    aborts the rest)."""
+    refused = asyncio.Event()
+    sent_at: list[float] = []
+    refused_at: list[float] = []
+
+    async def stream(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> list[float]:
+        body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": 3000, "ignore_eos": True,
+                "temperature": 0, "stream": True}  # fmt: skip
+        arrivals: list[float] = []
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    arrivals.append(time.monotonic())
+                    started.set()
+                if refused.is_set() and arrivals[-1] - refused_at[0] > 0.5:
+                    break
+        return arrivals
+
+    async def refuse(http: httpx.AsyncClient, path: str, body: bytes) -> int:
+        response = await http.post(path, content=body,
+                                   headers={"Content-Type": "application/json"})  # fmt: skip
+        return response.status_code
+
+    async def scenario() -> tuple[list[list[float]], list[int]]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers) as http:
+            started = [asyncio.Event() for _ in range(NUM_STREAMS)]
+            streams = [asyncio.create_task(stream(http, i, e)) for i, e in enumerate(started)]
+            await asyncio.gather(*(e.wait() for e in started))
+            await asyncio.sleep(1.0)  # the streams' own gaps first: the machine's jitter
+            sent_at.append(time.monotonic())
+            statuses = await asyncio.gather(*(refuse(http, p, b) for p, b in bodies))
+            refused_at.append(time.monotonic())
+            refused.set()
+            return await asyncio.gather(*streams), list(statuses)
+
+    arrivals, statuses = asyncio.run(scenario())
+    # The refusals came while every stream still ran: each has a chunk after the last one.
+    assert all(a[-1] > refused_at[0] for a in arrivals)
+    pairs = [(a, b) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
+    before = max(b - a for a, b in pairs if b < sent_at[0])
+    during = max(b - a for a, b in pairs if b > sent_at[0] and a < refused_at[0])
+    return Gaps(statuses, arrivals, before, during)
+
+
 def test_streams_keep_flowing_while_8_mib_prompts_are_refused(
     router: Router, live_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -94,56 +167,7 @@ def test_streams_keep_flowing_while_8_mib_prompts_are_refused(
         monkeypatch.setattr(tokenizer, name, spy)
     bodies = big_bodies()
     assert all(MAX_BODY_BYTES - 300 < len(body) <= MAX_BODY_BYTES for _, body in bodies)
-    refused = asyncio.Event()
-
-    async def stream(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> list[float]:
-        """Chunk arrival times, from the first until a while after the refusals."""
-        body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": 3000, "ignore_eos": True,
-                "temperature": 0, "stream": True}  # fmt: skip
-        arrivals: list[float] = []
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            async for line in response.aiter_lines():
-                if line.startswith("data:"):
-                    arrivals.append(time.monotonic())
-                    started.set()
-                if refused.is_set() and arrivals[-1] - refused_at[0] > 0.5:
-                    break  # the client leaves: the router aborts the rest
-        return arrivals
-
-    sent_at: list[float] = []
-    refused_at: list[float] = []
-
-    async def refuse(http: httpx.AsyncClient, path: str, body: bytes) -> tuple[int, float]:
-        response = await http.post(path, content=body,
-                                   headers={"Content-Type": "application/json"})  # fmt: skip
-        return response.status_code, time.monotonic()
-
-    async def scenario() -> tuple[list[list[float]], list[tuple[int, float]]]:
-        async with httpx.AsyncClient(base_url=live_server, timeout=120) as http:
-            started = [asyncio.Event() for _ in range(NUM_STREAMS)]
-            streams = [asyncio.create_task(stream(http, i, e)) for i, e in enumerate(started)]
-            await asyncio.gather(*(e.wait() for e in started))
-            await asyncio.sleep(1.0)  # the streams' own gaps first: the machine's jitter
-            sent_at.append(time.monotonic())
-            refusals = await asyncio.gather(*(refuse(http, p, b) for p, b in bodies))
-            refused_at.append(time.monotonic())
-            refused.set()
-            return await asyncio.gather(*streams), refusals
-
-    arrivals, refusals = asyncio.run(scenario())
-    assert [status for status, _ in refusals] == [400] * len(bodies)
-    # The refusals came while every stream still ran, and no stream stopped meanwhile.
-    assert max(t for _, t in refusals) < min(a[-1] for a in arrivals)
-    assert all(len(a) < 3000 for a in arrivals)
-    pairs = [(a, b) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
-    before = max(b - a for a, b in pairs if b < sent_at[0])
-    during = max(b - a for a, b in pairs if b > sent_at[0] and a < refused_at[0])
-    # NOTE: on a machine busy with other work (CI runs two test workers and mypy on two cores)
-    # the streams' gaps grow before any big body is sent; the bound is on what the bodies add to
-    # that, with the machine's jitter counted twice: it comes in bursts. A freeze by the bodies
-    # (each tokenized, or parsed back to back) stops the streams for seconds.
-    assert during < MAX_GAP_S + 2 * before, (during, before)
+    stream_gaps_while_refused(live_server, bodies).check(len(bodies))
     assert max(tokenized) < 1000, "a big prompt reached the tokenizer"
 
 
