@@ -99,6 +99,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 _TAG_PREFIXES = (
     "function",
     "constrained-",
+    "kind:",  # a discriminated union's branch (`tokenize_api.TokenizeRequest`)
 )  # pydantic's names for validators and constrained types
 
 

@@ -256,6 +256,13 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCallIn] | None = None  # an assistant's past calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        # OpenAI's rule: only an assistant's turn that made tool calls may go without content.
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)

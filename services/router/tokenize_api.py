@@ -12,10 +12,10 @@ tokenizer does not have is a 400.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Discriminator, Tag
 
 from services.router.api_errors import APIError
 from services.router.chat_options import ChatTemplateFields
@@ -38,6 +38,18 @@ class TokenizeChatRequest(ChatTemplateFields, _Request):
     tool_choice: ToolChoice | None = None
     add_special_tokens: bool = False  # the chat template writes BOS itself
     return_token_strs: bool = False
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "kind:chat" if isinstance(body, dict) and "messages" in body else "kind:completion"
+
+
+# A body with messages is a chat: its errors name the chat's fields, not a missing prompt.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag("kind:chat")]
+    | Annotated[TokenizeCompletionRequest, Tag("kind:completion")],
+    Discriminator(_tokenize_kind),
+]
 
 
 class TokenizeResponse(BaseModel):
@@ -106,9 +118,7 @@ class Tokenization:
         self.model_name = model_name
         self.max_model_len = max_model_len
 
-    async def tokenize(
-        self, request: TokenizeCompletionRequest | TokenizeChatRequest, http: Request
-    ) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeRequest, http: Request) -> TokenizeResponse:
         self._check_model(request.model)
         if isinstance(request, TokenizeCompletionRequest):
             ids = await self.prompt_work.text_ids(request.prompt, request.add_special_tokens)
