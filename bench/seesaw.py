@@ -7,14 +7,16 @@ Lengths come from the Azure conversation trace, scaled to the model (`--scale`, 
 the prompt and output lengths, at least 1 token each, within `--max-len`). Modes:
 
 - `seesaw`: pipeline-parallel prefill, tensor-parallel decode, transition-minimizing schedule;
-- `tp`: tensor-parallel prefill and decode, prefill first (vLLM's default);
-- `prefill_first`, `decode_first`: Seesaw's shardings under the other two schedules.
+- `tp`, `pp`: one sharding for both stages (pure tensor / pure pipeline parallel), prefill first
+  (vLLM's default);
+- `prefill_first` (prefill-prioritised interleaving), `decode_first`: Seesaw's shardings under
+  the other two schedules.
 
-Pure pipeline-parallel decode is not built on the live group; the simulator's offline mode
-(`python -m loadgen.sim offline`) compares all of them on the A100/H100 profiles.
+The simulator's offline mode (`python -m loadgen.sim offline`) compares them on the A100/H100
+profiles.
 
-For each mode: output tokens per second, stage transitions, time in prefill, decode and swap-ins
-(the KV re-shard), and greedy outputs equal to `seesaw`'s. Target: seesaw >= 1.2x the best of the
+For each mode: output tokens per second, stage transitions, time in prefill, decode and waiting
+for swap-ins (the KV re-shard), and greedy outputs equal to every other mode's. Target: seesaw >= 1.2x the best of the
 others. NOTE: Seesaw's gain comes from devices whose decode is bound by memory bandwidth, where
 tensor parallelism multiplies it, and whose prefill pays for tensor parallelism's all-reduces; on
 a 2-core CPU both workers share one memory bus and the all-reduce is a memcpy, so the target is

@@ -49,9 +49,13 @@ def test_every_mode_gives_the_single_process_greedy_tokens(
     assert outputs == expected
     assert stats.num_tokens == sum(len(o) for o in expected)
     assert stats.num_prefills >= 4 and stats.num_decode_steps > 0
+    if mode in ("seesaw", "prefill_first"):
+        # PP prefill, TP decode: the small buffer forces several re-shards, and some requests
+        # decode across several of them (their KV in TP slots while the group prefilled in PP).
+        assert stats.num_transitions >= 3
+        assert max(stats.transitions_crossed(i) for i in range(len(PROMPTS))) >= 2
     if mode == "seesaw":
         # Transitions only when the buffer filled or emptied: far fewer than prefill-first's.
-        assert stats.num_transitions >= 2
         _, eager = group.generate(PROMPTS, MAX_TOKENS, mode="prefill_first")
         assert stats.num_transitions < eager.num_transitions
 
