@@ -59,7 +59,7 @@ class JobStats:
     num_transitions: int = 0  # stage changes (a re-shard where the two shardings differ)
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    swap_s: float = 0.0  # decode steps' waits for their swap-ins (the KV re-shard)
+    swap_s: float = 0.0  # decode steps' waits for the KV re-shard (swap-outs landed, swap-ins)
     wall_s: float = 0.0
     num_tokens: int = 0
     stages: list[str] = field(default_factory=list)

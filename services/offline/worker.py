@@ -210,9 +210,10 @@ class OfflineWorker:
                rows: list[tuple[int, int, int]]) -> tuple[list[int] | None, float]:  # fmt: skip
         """Swap `moves` in (overlapping the step), then one greedy decode step of `rows`, each
         (decode slot, position, last token): the tokens (None on a worker that does not end it)
-        and the seconds this worker waited for its swap-ins."""
+        and the seconds this worker waited for the re-shard (swap-outs landing, swap-ins)."""
+        start = time.perf_counter()
         copies = self._start_swap_in(moves, sharding) if moves else []
-        waited = 0.0
+        waited = time.perf_counter() - start  # every worker's swap-outs landed (flush, barrier)
 
         def layer_kv(local: int) -> None:
             nonlocal waited

@@ -26,11 +26,12 @@ from typing import Any, Protocol
 import structlog
 from fastapi import APIRouter, File, Form, UploadFile
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Message
 
-from services.router.api_errors import APIError, error_responses
+from services.router.api_errors import APIError, error_responses, param_path
 from services.router.batch_store import BatchError, BatchStore, Line
+from services.router.openai_api import ChatCompletionRequest, CompletionRequest
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +54,25 @@ class OfflineBackend(Protocol):
     async def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         """Each prompt's greedy output ids."""
         ...
+
+
+BODY_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+
+
+def body_problem(url: str, body: dict[str, Any]) -> str:
+    """What the endpoint's request model refuses in `body` (its first bad field), or "". Checked
+    as the JSON the endpoint would get; what only the engine knows (a prompt's length in tokens,
+    the model's name) is left to run time, where it is that line's error."""
+    try:
+        BODY_MODELS[url].model_validate_json(json.dumps(body))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = param_path(("body", *first.get("loc", ())))
+        return f"`body{'.' + param if param else ''}`: {first.get('msg', 'invalid')}"
+    return ""
 
 
 def offline_eligible(line: Line) -> bool:
@@ -194,7 +214,8 @@ class BatchRunner:
             status = await asyncio.to_thread(self.store.renew, batch_id, self.owner, self.lease_s)
             if status == "cancelling":
                 stop.set()
-            await asyncio.sleep(self.lease_s / 3)
+            # A cancel is seen within `poll_s` (the lease renewed as often: one SQLite update).
+            await asyncio.sleep(min(self.lease_s / 3, self.poll_s))
 
     async def _run_line(self, batch_id: str, line: Line, stop: asyncio.Event) -> None:
         while True:

@@ -55,7 +55,13 @@ from services.router.api_errors import (
     error_responses,
     install_error_handlers,
 )
-from services.router.batch_api import BatchApi, BatchRunner, OfflineBackend, asgi_caller
+from services.router.batch_api import (
+    BatchApi,
+    BatchRunner,
+    OfflineBackend,
+    asgi_caller,
+    body_problem,
+)
 from services.router.batch_store import BatchStore
 from services.router.body_gate import BigBodyGate
 from services.router.choices import Outputs, best, choice_params, collect_all, merge, start_all
@@ -234,7 +240,7 @@ class Router:
     def _batch_api(self, batch_store: str | Path, lease_s: float) -> BatchApi:
         """The Batch API on `self.app`: its lines run through the app itself (and plain greedy
         batches on the offline group, when there is one)."""
-        store = BatchStore(Path(batch_store).expanduser())
+        store = BatchStore(Path(batch_store).expanduser(), body_problem)
         job = self.offline_completions if self.offline is not None else None
         runner = BatchRunner(store, asgi_caller(self.app, self.api_key), lease_s=lease_s,
                              offline=job)  # fmt: skip
