@@ -1,8 +1,9 @@
 """Seesaw behind the Batch API: the offline group as a service the router calls with token ids.
 
-A batch whose every line is a plain greedy completion (`offline_eligible` in
-`services/router/batch_api.py`) goes to the offline group in one job: the router tokenizes, the
-group generates, the router writes each response as `/v1/completions` would. Any other batch,
+A batch whose every line is a plain greedy completion or chat (`offline_eligible` in
+`services/router/batch_api.py`) goes to the offline group in one job: the router tokenizes (a
+chat through its template), the group generates, the router writes each response as
+`/v1/completions` or `/v1/chat/completions` would. Any other batch,
 and any line the router cannot hand over (one it would refuse, one longer than the group's
 `max_len`), runs line by line through the online API.
 

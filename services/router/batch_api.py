@@ -38,12 +38,18 @@ log = structlog.get_logger(__name__)
 # (status, JSON body, Retry-After seconds or None) of one request to the router's own API.
 Call = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any], float | None]]]
 CAPACITY = (429, 503)  # refused for now, not for what it asked: run it again later
-# Runs completion bodies as one offline job: each line's (status, body), or None for a line it
-# left to the online API. `Router.offline_completions`.
-OfflineJob = Callable[[list[dict[str, Any]]], Awaitable[list[tuple[int, dict[str, Any]] | None]]]
-# The fields a greedy completion may carry to go offline (anything else: the online API).
-OFFLINE_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "n", "stream", "user",
-                            "seed"})  # fmt: skip
+# Runs lines, each (url, body), as one offline job: each line's (status, body), or None for a
+# line it left to the online API. `Router.offline_completions`.
+OfflineJob = Callable[
+    [list[tuple[str, dict[str, Any]]]], Awaitable[list[tuple[int, dict[str, Any]] | None]]
+]
+# The fields a greedy completion or chat may carry to go offline (anything else: the online API).
+OFFLINE_FIELDS = {
+    "/v1/completions": frozenset({"model", "prompt", "max_tokens", "temperature", "n", "stream",
+                                  "user", "seed"}),
+    "/v1/chat/completions": frozenset({"model", "messages", "max_tokens", "max_completion_tokens",
+                                       "temperature", "n", "stream", "user", "seed"}),
+}  # fmt: skip
 
 
 class OfflineBackend(Protocol):
@@ -76,11 +82,11 @@ def body_problem(url: str, body: dict[str, Any]) -> str:
 
 
 def offline_eligible(line: Line) -> bool:
-    """A plain greedy completion, one choice, nothing the offline group does not do."""
+    """A plain greedy completion or chat, one choice, nothing the offline group does not do."""
     body = line.body
     return (
-        line.url == "/v1/completions"
-        and set(body) <= OFFLINE_FIELDS
+        line.url in OFFLINE_FIELDS
+        and set(body) <= OFFLINE_FIELDS[line.url]
         and body.get("temperature", 1.0) == 0
         and body.get("n", 1) == 1
         and not body.get("stream", False)
@@ -195,7 +201,7 @@ class BatchRunner:
         if self.offline is None or not lines or not all(offline_eligible(x) for x in lines):
             return lines
         try:
-            answers = await self.offline([line.body for line in lines])
+            answers = await self.offline([(line.url, line.body) for line in lines])
         except Exception as exc:  # noqa: BLE001 - the online API still runs the batch
             log.warning("offline job failed; the batch runs online", batch_id=batch_id,
                         error=repr(exc))  # fmt: skip
