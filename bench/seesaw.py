@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--decode-slots", type=int, default=16)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="tokens per prefill")
     args = ap.parse_args()
     path = default_model_path(args.model)
     from common.config import ModelConfig
@@ -98,7 +99,7 @@ def main() -> None:
         group.generate(prompts[:4], max_tokens[:4])  # warm-up: first-call costs out of the way
         for r in range(args.rounds):
             for mode in args.modes if r % 2 == 0 else args.modes[::-1]:
-                outputs, stats = group.generate(prompts, max_tokens, mode=mode)
+                outputs, stats = group.generate(prompts, max_tokens, mode, args.max_prefill_tokens)
                 outputs_of.setdefault(mode, outputs)
                 assert outputs == outputs_of[mode], f"{mode}: round {r} differs"
                 row = mode_row(stats)
