@@ -19,7 +19,7 @@ import multiprocessing
 import queue
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -65,6 +65,7 @@ class JobStats:
     stages: list[str] = field(default_factory=list)
     # Each request's (step it was prefilled in, step it ended in): indexes into `stages`.
     lifetimes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)  # requests that ended (EOS or max_tokens)
 
     def transitions_crossed(self, req_id: int) -> int:
         """Stage changes between a request's prefill and its last token."""
@@ -135,9 +136,11 @@ class OfflineGroup:
 
     def generate(
         self, prompts: list[list[int]], max_tokens: list[int], mode: str = "seesaw",
-        max_prefill_tokens: int = 2048,
+        max_prefill_tokens: int = 2048, stop: Callable[[], bool] | None = None,
     ) -> tuple[list[list[int]], JobStats]:  # fmt: skip
-        """Each prompt's greedy output (until EOS or its max_tokens), and the job's figures."""
+        """Each prompt's greedy output (until EOS or its max_tokens), and the job's figures.
+        `stop`, asked between steps: True ends the job there (a cancel); the requests that
+        ended by then are `stats.finished`, the others' outputs are cut short."""
         for p, m in zip(prompts, max_tokens, strict=True):
             if not p or len(p) + m > self.kv.max_len:
                 raise ValueError(f"a request of {len(p)} + {m} tokens does not fit max_len "
@@ -150,7 +153,7 @@ class OfflineGroup:
         job = _Job(prompts, max_tokens, kv, set(self.config.eos_token_ids))
         start = time.perf_counter()
         step: Step | None
-        while (step := next_step(state, knobs)) is not None:
+        while (step := next_step(state, knobs)) is not None and not (stop and stop()):
             job.stats.num_transitions += step.transition and bool(job.stats.stages)
             job.stats.stages.append(step.stage.value)
             if step.stage is Stage.PREFILL:
@@ -220,6 +223,7 @@ class _Job:
                 self.stats.lifetimes[i] = (step, step)
             if token in self.eos or len(self.outputs[i]) >= self.max_tokens[i]:
                 finished.append(i)
+                self.stats.finished.add(i)
                 free.append(slots.pop(i))
                 self.stats.lifetimes[i] = (self.stats.lifetimes[i][0], step)
         return finished

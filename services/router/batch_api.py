@@ -38,10 +38,11 @@ log = structlog.get_logger(__name__)
 # (status, JSON body, Retry-After seconds or None) of one request to the router's own API.
 Call = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any], float | None]]]
 CAPACITY = (429, 503)  # refused for now, not for what it asked: run it again later
-# Runs lines, each (url, body), as one offline job: each line's (status, body), or None for a
-# line it left to the online API. `Router.offline_completions`.
+# Runs lines, each (url, body), as one offline job named by its batch's id: each line's
+# (status, body), or None for a line it left to the online API or a cancel cut short.
+# `Router.offline_completions`.
 OfflineJob = Callable[
-    [list[tuple[str, dict[str, Any]]]], Awaitable[list[tuple[int, dict[str, Any]] | None]]
+    [list[tuple[str, dict[str, Any]]], str], Awaitable[list[tuple[int, dict[str, Any]] | None]]
 ]
 # The fields a greedy completion or chat may carry to go offline (anything else: the online API).
 OFFLINE_FIELDS = {
@@ -57,8 +58,14 @@ class OfflineBackend(Protocol):
 
     max_len: int  # prompt + output of one request
 
-    async def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        """Each prompt's greedy output ids."""
+    async def generate(
+        self, prompts: list[list[int]], max_tokens: list[int], job_id: str
+    ) -> list[list[int] | None]:
+        """Each prompt's greedy output ids; None for one a cancel of `job_id` cut short."""
+        ...
+
+    async def cancel(self, job_id: str) -> None:
+        """End `job_id`'s job at its next step."""
         ...
 
 
@@ -147,10 +154,13 @@ class BatchRunner:
     def __init__(
         self, store: BatchStore, call: Call, owner: str | None = None, concurrency: int = 8,
         lease_s: float = 30.0, poll_s: float = 1.0, offline: OfflineJob | None = None,
+        offline_cancel: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:  # fmt: skip
         """`offline`: where a batch of plain greedy completions runs as one job (Seesaw's
-        group); None: every batch runs line by line through `call`."""
+        group), `offline_cancel` what ends it when the batch is cancelled; None: every batch
+        runs line by line through `call`."""
         self.store, self.call, self.offline = store, call, offline
+        self.offline_cancel = offline_cancel
         self.owner = owner or f"runner-{secrets.token_hex(6)}"
         self.concurrency, self.lease_s, self.poll_s = concurrency, lease_s, poll_s
         self.num_lines_run = 0  # lines this runner recorded (tests, stats)
@@ -178,7 +188,7 @@ class BatchRunner:
         slots = asyncio.Semaphore(self.concurrency)
         tasks: set[asyncio.Task[None]] = set()
         try:
-            lines = await self._run_offline(batch_id, lines)
+            lines = await self._run_offline(batch_id, lines, stop)
             for line in lines:
                 await slots.acquire()
                 if stop.is_set():
@@ -196,16 +206,25 @@ class BatchRunner:
         log.info("batch done", batch_id=batch_id, status=batch["status"],
                  counts=batch["request_counts"])  # fmt: skip
 
-    async def _run_offline(self, batch_id: str, lines: list[Line]) -> list[Line]:
-        """The batch as one offline job when every line can go; the lines left to run online."""
+    async def _run_offline(self, batch_id: str, lines: list[Line],
+                           stop: asyncio.Event) -> list[Line]:  # fmt: skip
+        """The batch as one offline job when every line can go; the lines left to run online.
+        A cancel (`stop`) ends the job at its next step: the lines that finished are kept."""
         if self.offline is None or not lines or not all(offline_eligible(x) for x in lines):
             return lines
+        job = asyncio.ensure_future(self.offline([(x.url, x.body) for x in lines], batch_id))
+        stopped = asyncio.ensure_future(stop.wait())
         try:
-            answers = await self.offline([(line.url, line.body) for line in lines])
+            await asyncio.wait((job, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if not job.done() and self.offline_cancel is not None:
+                await self.offline_cancel(batch_id)
+            answers = await job
         except Exception as exc:  # noqa: BLE001 - the online API still runs the batch
             log.warning("offline job failed; the batch runs online", batch_id=batch_id,
                         error=repr(exc))  # fmt: skip
             return lines
+        finally:
+            stopped.cancel()
         left = []
         for line, answer in zip(lines, answers, strict=True):
             if answer is None:

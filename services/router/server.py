@@ -244,8 +244,9 @@ class Router:
         batches on the offline group, when there is one)."""
         store = BatchStore(Path(batch_store).expanduser(), body_problem)
         job = self.offline_completions if self.offline is not None else None
+        cancel = self.offline.cancel if self.offline is not None else None
         runner = BatchRunner(store, asgi_caller(self.app, self.api_key), lease_s=lease_s,
-                             offline=job)  # fmt: skip
+                             offline=job, offline_cancel=cancel)  # fmt: skip
         batches = BatchApi(store, runner)
         self.app.include_router(batches.routes([Depends(_bearer)]))
         return batches
@@ -391,12 +392,12 @@ class Router:
             pool.shutdown()
 
     async def offline_completions(
-        self, lines: list[tuple[str, dict[str, Any]]]
+        self, lines: list[tuple[str, dict[str, Any]]], job_id: str
     ) -> list[tuple[int, dict[str, Any]] | None]:
-        """Plain greedy completions and chats, each (url, body), as one offline job: each one's
-        (status, response), as its endpoint answers it; None for one left to the online API (one
-        it would refuse, or longer than the group's `max_len`: the online API says why, or runs
-        it)."""
+        """Plain greedy completions and chats, each (url, body), as one offline job named
+        `job_id`: each one's (status, response), as its endpoint answers it; None for one left to
+        the online API (one it would refuse, or longer than the group's `max_len`: the online
+        API says why, or runs it) or that a cancel of the job cut short."""
         assert self.offline is not None
         taken: list[tuple[int, str, list[int], int]] = []
         for i, (url, body) in enumerate(lines):
@@ -409,9 +410,12 @@ class Router:
         answers: list[tuple[int, dict[str, Any]] | None] = [None] * len(lines)
         if not taken:
             return answers
-        outputs = await self.offline.generate([t[2] for t in taken], [t[3] for t in taken])
+        outputs = await self.offline.generate([t[2] for t in taken], [t[3] for t in taken],
+                                              job_id)  # fmt: skip
         eos = set(self.model_config.eos_token_ids)
         for (i, url, prompt_ids, _), out in zip(taken, outputs, strict=True):
+            if out is None:
+                continue
             text = self.tokenizer.decode(out)
             finish = "stop" if out and out[-1] in eos else "length"
             used = UsageInfo.of(len(prompt_ids), len(out))

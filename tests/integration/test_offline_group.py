@@ -5,6 +5,7 @@ single-process engine's, for every mode, including jobs that cross many stage tr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -60,6 +61,21 @@ def test_every_mode_gives_the_single_process_greedy_tokens(
         assert stats.num_transitions < eager.num_transitions
 
 
+def test_a_stopped_job_keeps_the_requests_that_ended(
+    group: OfflineGroup, expected: list[list[int]]
+) -> None:
+    """A cancel ends a job between steps: the requests that ended are whole and equal the
+    single-process engine's; a cancel that comes before its job runs ends it before it starts."""
+    steps = itertools.count()
+    outputs, stats = group.generate(PROMPTS, MAX_TOKENS, stop=lambda: next(steps) >= 12)
+    assert 0 < len(stats.finished) < len(PROMPTS)
+    assert all(outputs[i] == expected[i] for i in stats.finished)
+    service = OfflineService(group)
+    service.cancel("job-1")
+    assert service.generate(PROMPTS[:2], MAX_TOKENS[:2], "job-1") == [None, None]
+    assert service.generate(PROMPTS[:2], MAX_TOKENS[:2], "job-1") == expected[:2]  # used up
+
+
 def test_a_request_that_does_not_fit_is_refused_before_anything_runs(group: OfflineGroup) -> None:
     with pytest.raises(ValueError, match="does not fit"):
         group.generate([[5] * 60], [10])
@@ -103,6 +119,14 @@ def test_a_batch_of_greedy_completions_runs_as_one_offline_job(
         chat_batch = batch(chats, "/v1/chat/completions")
         await runner.run_batch(chat_batch)
         assert runner.num_offline_lines == 9 and service.num_jobs == 2
+        # Cancelled: the job ends at its next step; what finished is kept, nothing runs online.
+        cancelled = batch(greedy)
+        store.cancel(cancelled)
+        await runner.run_batch(cancelled)
+        got = store.get_batch(cancelled)
+        assert got["status"] == "cancelled" and service.num_jobs == 3
+        assert got["request_counts"]["completed"] == runner.num_offline_lines - 9
+        assert runner.num_lines_run == runner.num_offline_lines + 3  # the 3 online lines above
         call = asgi_caller(router.app, None)
         online = [await call("/v1/completions", b) for b in greedy]
         online_chats = [await call("/v1/chat/completions", b) for b in chats]
