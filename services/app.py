@@ -323,8 +323,12 @@ class ServedOffline:
         assert options is not None
         self.handle, self.max_len = handle, options.max_len
 
-    async def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        return await self.handle.generate.remote(prompts, max_tokens)  # type: ignore[no-any-return]
+    async def generate(self, prompts: list[list[int]], max_tokens: list[int],
+                       job_id: str) -> list[list[int] | None]:  # fmt: skip
+        return await self.handle.generate.remote(prompts, max_tokens, job_id)  # type: ignore[no-any-return]
+
+    async def cancel(self, job_id: str) -> None:
+        await self.handle.cancel.remote(job_id)
 
 
 @serve.deployment(name=OFFLINE_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
@@ -338,8 +342,13 @@ class OfflineGroupDeployment:
         assert parsed.offline is not None
         self.service = OfflineService.start(parsed.model_path(), parsed.offline)
 
-    async def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        return await asyncio.to_thread(self.service.generate, prompts, max_tokens)
+    async def generate(self, prompts: list[list[int]], max_tokens: list[int],
+                       job_id: str | None = None) -> list[list[int] | None]:  # fmt: skip
+        return await asyncio.to_thread(self.service.generate, prompts, max_tokens, job_id)
+
+    async def cancel(self, job_id: str) -> None:
+        """A batch's cancel: its job ends at its next step (its finished lines are kept)."""
+        self.service.cancel(job_id)
 
     def check_health(self) -> None:
         if not all(p.is_alive() for p in self.service.group.procs):

@@ -1,11 +1,12 @@
 """An offline engine group (Seesaw): one scheduler, k worker processes, one shared KV buffer.
 
 `OfflineGroup.generate(prompts, max_tokens)` runs a whole job to completion, greedy: the pure
-policy (`common/scheduling/seesaw.py`) picks each step, prefill in `prefill_sharding` into the
-buffer, decode in tensor parallel from the decode slots, and the workers run it
-(`services/offline/worker.py`). `Mode` names the configurations the paper compares: `seesaw`
-(PP prefill, TP decode, transition-minimizing), `tp` (TP both, prefill first, vLLM's way),
-`prefill_first` and `decode_first` (PP prefill, TP decode, other schedules).
+policy (`common/scheduling/seesaw.py`) picks each step, prefill in the mode's prefill sharding
+into the buffer, decode in its decode sharding from the decode slots, and the workers run it
+(`services/offline/worker.py`). `MODES` names the configurations the paper compares: `seesaw`
+(PP prefill, TP decode, transition-minimizing), `tp` and `pp` (one sharding for both stages,
+prefill first: vLLM's way), `prefill_first` and `decode_first` (PP prefill, TP decode, the other
+schedules).
 
 Faults: a worker that fails (an exception, a kill) ends the job with `OfflineGroupError` within
 `result_timeout_s`, and the group stops every worker; a prompt longer than the group's `max_len`
@@ -18,7 +19,7 @@ import multiprocessing
 import queue
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -37,11 +38,13 @@ from common.scheduling.seesaw import (
 )
 from services.offline.worker import KvShape, worker_main
 
-MODES: dict[str, tuple[str, Schedule]] = {
-    "seesaw": ("pp", Schedule.TRANSITION_MINIMIZING),
-    "tp": ("tp", Schedule.PREFILL_FIRST),
-    "prefill_first": ("pp", Schedule.PREFILL_FIRST),
-    "decode_first": ("pp", Schedule.DECODE_FIRST),
+# mode: (prefill sharding, decode sharding, schedule)
+MODES: dict[str, tuple[str, str, Schedule]] = {
+    "seesaw": ("pp", "tp", Schedule.TRANSITION_MINIMIZING),
+    "tp": ("tp", "tp", Schedule.PREFILL_FIRST),
+    "pp": ("pp", "pp", Schedule.PREFILL_FIRST),
+    "prefill_first": ("pp", "tp", Schedule.PREFILL_FIRST),
+    "decode_first": ("pp", "tp", Schedule.DECODE_FIRST),
 }
 
 
@@ -53,13 +56,22 @@ class OfflineGroupError(RuntimeError):
 class JobStats:
     num_prefills: int = 0
     num_decode_steps: int = 0
-    num_transitions: int = 0  # stage changes (each a re-shard between PP and TP)
+    num_transitions: int = 0  # stage changes (a re-shard where the two shardings differ)
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    swap_s: float = 0.0  # swap-ins (the KV re-shard)
+    swap_s: float = 0.0  # decode steps' waits for the KV re-shard (swap-outs landed, swap-ins)
     wall_s: float = 0.0
     num_tokens: int = 0
     stages: list[str] = field(default_factory=list)
+    # Each request's (step it was prefilled in, step it ended in): indexes into `stages`.
+    lifetimes: dict[int, tuple[int, int]] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)  # requests that ended (EOS or max_tokens)
+
+    def transitions_crossed(self, req_id: int) -> int:
+        """Stage changes between a request's prefill and its last token."""
+        first, last = self.lifetimes[req_id]
+        seen = self.stages[first : last + 1]
+        return sum(a != b for a, b in zip(seen, seen[1:], strict=False))
 
 
 def _free_port() -> int:
@@ -109,7 +121,7 @@ class OfflineGroup:
         for t in self.tasks:
             t.put(task)
 
-    def _result(self) -> tuple[list[int], float]:
+    def _result(self) -> tuple[list[int], float, float]:
         deadline = time.monotonic() + self.result_timeout_s
         while True:
             try:
@@ -124,14 +136,16 @@ class OfflineGroup:
 
     def generate(
         self, prompts: list[list[int]], max_tokens: list[int], mode: str = "seesaw",
-        max_prefill_tokens: int = 2048,
+        max_prefill_tokens: int = 2048, stop: Callable[[], bool] | None = None,
     ) -> tuple[list[list[int]], JobStats]:  # fmt: skip
-        """Each prompt's greedy output (until EOS or its max_tokens), and the job's figures."""
+        """Each prompt's greedy output (until EOS or its max_tokens), and the job's figures.
+        `stop`, asked between steps: True ends the job there (a cancel); the requests that
+        ended by then are `stats.finished`, the others' outputs are cut short."""
         for p, m in zip(prompts, max_tokens, strict=True):
             if not p or len(p) + m > self.kv.max_len:
                 raise ValueError(f"a request of {len(p)} + {m} tokens does not fit max_len "
                                  f"{self.kv.max_len}")  # fmt: skip
-        sharding, schedule = MODES[mode]
+        prefill_sharding, decode_sharding, schedule = MODES[mode]
         knobs = SeesawKnobs(max_prefill_tokens, schedule)
         kv = self.kv
         state = OfflineState([Waiting(i, len(p)) for i, p in enumerate(prompts)], [], [],
@@ -139,13 +153,13 @@ class OfflineGroup:
         job = _Job(prompts, max_tokens, kv, set(self.config.eos_token_ids))
         start = time.perf_counter()
         step: Step | None
-        while (step := next_step(state, knobs)) is not None:
+        while (step := next_step(state, knobs)) is not None and not (stop and stop()):
             job.stats.num_transitions += step.transition and bool(job.stats.stages)
             job.stats.stages.append(step.stage.value)
             if step.stage is Stage.PREFILL:
-                finished = self._prefill(job, step, sharding)
+                finished = self._prefill(job, step, prefill_sharding)
             else:
-                finished = self._decode(job, step, state.decoding)
+                finished = self._decode(job, step, state.decoding, decode_sharding)
             apply(state, step, finished)
         job.stats.wall_s = time.perf_counter() - start
         job.stats.num_tokens = sum(len(o) for o in job.outputs)
@@ -158,27 +172,25 @@ class OfflineGroup:
             job.buffer_slot[i] = job.free_buffer.pop()
             batch.append((job.buffer_slot[i], job.prompts[i]))
         self._send(("prefill", sharding, batch))
-        tokens, seconds = self._result()
+        tokens, seconds, _ = self._result()
         job.stats.num_prefills += 1
         job.stats.prefill_s += seconds
         return job.take(step.prefill, tokens, job.buffer_slot, job.free_buffer)
 
-    def _decode(self, job: _Job, step: Step, decoding: list[int]) -> list[int]:
-        """Swap `step.swap_in` into decode slots, then one decode step of every decoding
-        request; those that ended."""
-        if step.swap_in:
-            moves = []
-            for i in step.swap_in:
-                job.decode_slot[i] = job.free_decode.pop()
-                moves.append((job.buffer_slot[i], job.decode_slot[i], len(job.prompts[i])))
-                job.free_buffer.append(job.buffer_slot.pop(i))
-            self._send(("swap_in", moves))
-            job.stats.swap_s += self._result()[1]
+    def _decode(self, job: _Job, step: Step, decoding: list[int], sharding: str) -> list[int]:
+        """One decode step of every decoding request and of `step.swap_in`, swapped into decode
+        slots as the step runs; those that ended."""
+        moves = []
+        for i in step.swap_in:
+            job.decode_slot[i] = job.free_decode.pop()
+            moves.append((job.buffer_slot[i], job.decode_slot[i], len(job.prompts[i])))
+            job.free_buffer.append(job.buffer_slot.pop(i))
         rows = [*decoding, *step.swap_in]
-        self._send(("decode", [job.decode_row(i) for i in rows]))
-        tokens, seconds = self._result()
+        self._send(("decode", sharding, moves, [job.decode_row(i) for i in rows]))
+        tokens, seconds, waited = self._result()
         job.stats.num_decode_steps += 1
         job.stats.decode_s += seconds
+        job.stats.swap_s += waited
         return job.take(rows, tokens, job.decode_slot, job.free_decode)
 
 
@@ -204,9 +216,14 @@ class _Job:
              free: list[int]) -> list[int]:  # fmt: skip
         """Each row's new token; the rows that ended (EOS or max_tokens), their slot freed."""
         finished = []
+        step = len(self.stats.stages) - 1
         for i, token in zip(rows, tokens, strict=True):
             self.outputs[i].append(token)
+            if len(self.outputs[i]) == 1:
+                self.stats.lifetimes[i] = (step, step)
             if token in self.eos or len(self.outputs[i]) >= self.max_tokens[i]:
                 finished.append(i)
+                self.stats.finished.add(i)
                 free.append(slots.pop(i))
+                self.stats.lifetimes[i] = (self.stats.lifetimes[i][0], step)
         return finished

@@ -1,8 +1,9 @@
 """Seesaw behind the Batch API: the offline group as a service the router calls with token ids.
 
-A batch whose every line is a plain greedy completion (`offline_eligible` in
-`services/router/batch_api.py`) goes to the offline group in one job: the router tokenizes, the
-group generates, the router writes each response as `/v1/completions` would. Any other batch,
+A batch whose every line is a plain greedy completion or chat (`offline_eligible` in
+`services/router/batch_api.py`) goes to the offline group in one job: the router tokenizes (a
+chat through its template), the group generates, the router writes each response as
+`/v1/completions` or `/v1/chat/completions` would. Any other batch,
 and any line the router cannot hand over (one it would refuse, one longer than the group's
 `max_len`), runs line by line through the online API.
 
@@ -44,12 +45,16 @@ class OfflineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"offline: mode must be one of {sorted(MODES)}")
 
 
+MAX_CANCELLED = 256  # job ids remembered as cancelled (a cancel may come before its job runs)
+
+
 class OfflineService:
     """The group behind one lock: one job at a time (Seesaw runs one batch at a time)."""
 
     def __init__(self, group: OfflineGroup, mode: str = "seesaw") -> None:
         self.group, self.mode = group, mode
         self._lock = threading.Lock()
+        self._cancelled: dict[str, None] = {}  # insertion-ordered: the oldest go first
         self.num_jobs = 0
 
     @classmethod
@@ -66,14 +71,31 @@ class OfflineService:
     def max_len(self) -> int:
         return self.group.kv.max_len
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        """Each prompt's greedy output ids (blocking: the caller runs it off its event loop)."""
+    def generate(self, prompts: list[list[int]], max_tokens: list[int],
+                 job_id: str | None = None) -> list[list[int] | None]:  # fmt: skip
+        """Each prompt's greedy output ids, None for one a cancel of `job_id` cut short
+        (blocking: the caller runs it off its event loop)."""
+
+        def cancelled() -> bool:
+            return job_id is not None and job_id in self._cancelled
+
         with self._lock:
-            outputs, stats = self.group.generate(prompts, max_tokens, self.mode)
+            try:
+                outputs, stats = self.group.generate(prompts, max_tokens, self.mode,
+                                                     stop=cancelled)  # fmt: skip
+            finally:
+                self._cancelled.pop(job_id or "", None)
             self.num_jobs += 1
         log.info("offline job done", requests=len(prompts), tokens=stats.num_tokens,
+                 unfinished=len(prompts) - len(stats.finished),
                  transitions=stats.num_transitions, wall_s=round(stats.wall_s, 3))  # fmt: skip
-        return outputs
+        return [out if i in stats.finished else None for i, out in enumerate(outputs)]
+
+    def cancel(self, job_id: str) -> None:
+        """End `job_id` at its next step (or before its first, if it has not started)."""
+        self._cancelled[job_id] = None
+        while len(self._cancelled) > MAX_CANCELLED:
+            self._cancelled.pop(next(iter(self._cancelled)))
 
     def close(self) -> None:
         self.group.close()
@@ -85,5 +107,9 @@ class LocalOffline:
     def __init__(self, service: OfflineService) -> None:
         self.service, self.max_len = service, service.max_len
 
-    async def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        return await asyncio.to_thread(self.service.generate, prompts, max_tokens)
+    async def generate(self, prompts: list[list[int]], max_tokens: list[int],
+                       job_id: str) -> list[list[int] | None]:  # fmt: skip
+        return await asyncio.to_thread(self.service.generate, prompts, max_tokens, job_id)
+
+    async def cancel(self, job_id: str) -> None:
+        self.service.cancel(job_id)

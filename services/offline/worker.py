@@ -7,13 +7,16 @@ KV lives in two places, both in HND layout ([layers, 2, kv heads, tokens, head_d
   worker its layers, all heads; a TP worker its heads, all layers), so the complete KV forms there
   whatever the prefill's sharding (Fig. 7), copied on a swap-out thread while the next layer
   computes (§5.2);
-- each worker's **decode slots**: its KV heads of every layer, swapped in from the buffer (the
-  re-shard to TP) and grown by each decode step.
+- each worker's **decode slots**: for tensor-parallel decode its KV heads of every layer, for
+  pipeline-parallel decode every head of its layers (the same bytes, viewed two ways), swapped in
+  from the buffer (the re-shard) and grown by each decode step. Swap-in runs on its own thread,
+  one layer at a time, overlapping the decode step that needs it (§5.2).
 
 Instructions (tuples on the task queue): `("prefill", sharding, [(buffer_slot, token_ids)])`,
-`("swap_in", [(buffer_slot, decode_slot, num_tokens)])`, `("decode", [(decode_slot, position,
-token)])`, `("stop",)`. The worker that ends an instruction with the logits (the last PP stage, or
-TP rank 0) puts `(greedy tokens, seconds)` on the result queue; rank 0 answers `swap_in`.
+`("decode", sharding, [(buffer_slot, decode_slot, num_tokens)] to swap in first,
+[(decode_slot, position, token)])`, `("stop",)`. The worker that ends an instruction with the
+logits (the last PP stage, or TP rank 0) puts `(greedy tokens, seconds, seconds waited for
+swap-ins)` on the result queue.
 
 Faults: a worker that raises puts `("error", repr)` on the result queue and exits; the group then
 stops every worker and fails the job (`OfflineGroup` raises), never hangs: its waits on results
@@ -25,6 +28,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -86,12 +90,17 @@ class OfflineWorker:
         self.layers = pp_layers(c.num_hidden_layers, k, rank)
         heads = self.tp.kv_heads
         self.heads = slice(heads.start, heads.stop)
-        self.slots = torch.zeros(kv.num_decode_slots, c.num_hidden_layers, 2, self.tp.hk,
-                                 kv.max_len, c.head_dim)  # fmt: skip
+        slots = torch.zeros(kv.num_decode_slots * c.num_hidden_layers * 2 * self.tp.hk
+                            * kv.max_len * c.head_dim)  # fmt: skip
+        self.slots_tp = slots.view(kv.num_decode_slots, c.num_hidden_layers, 2, self.tp.hk,
+                                   kv.max_len, c.head_dim)  # fmt: skip
+        self.slots_pp = slots.view(kv.num_decode_slots, len(self.layers), 2,
+                                   c.num_key_value_heads, kv.max_len, c.head_dim)  # fmt: skip
         # Swap-out on its own thread (§5.2): a layer's KV is copied into the shared buffer while
         # the next layer computes; `_flush` waits for the copies before anyone reads them.
         self.swapper = ThreadPoolExecutor(1, thread_name_prefix="swap-out")
         self.pending: list[Future[None]] = []
+        self.swap_in_thread = ThreadPoolExecutor(1, thread_name_prefix="swap-in")
 
     def serve(self, tasks: Queue) -> None:
         while True:
@@ -101,18 +110,18 @@ class OfflineWorker:
             if kind == "stop":
                 self._flush()
                 self.swapper.shutdown()
+                self.swap_in_thread.shutdown()
                 del self.buffer  # the shared memory's views end before it closes
                 return
+            waited = 0.0
             if kind == "prefill":
                 out = self.prefill_pp(task[2]) if task[1] == "pp" else self.prefill_tp(task[2])
-            elif kind == "swap_in":
-                out = self.swap_in(task[1])
             elif kind == "decode":
-                out = self.decode(task[1])
+                out, waited = self.decode(task[1], task[2], task[3])
             else:
                 raise ValueError(f"unknown instruction {kind!r}")
             if out is not None:
-                self.results.put((out, time.perf_counter() - start))
+                self.results.put((out, time.perf_counter() - start, waited))
 
     def all_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t)
@@ -177,32 +186,93 @@ class OfflineWorker:
 
     # ---- decode ----
 
-    def swap_in(self, moves: list[tuple[int, int, int]]) -> list[int] | None:
-        """Re-shard to TP: this worker's KV heads of each moved request, buffer -> its slot.
-        Every worker's swap-outs land first (a PP worker reads layers another one wrote)."""
+    def _start_swap_in(
+        self, moves: list[tuple[int, int, int]], sharding: str
+    ) -> list[Future[None]]:
+        """Re-shard the moved requests' KV, buffer -> this worker's decode slots, one layer at a
+        time on the swap-in thread (§5.2): the decode step waits for layer n's copy only when it
+        reaches layer n. Every worker's swap-outs land first (a TP worker reads layers another
+        one wrote)."""
         self._flush()
         dist.barrier()
-        for buffer_slot, decode_slot, length in moves:
-            self.slots[decode_slot, :, :, :, :length] = self.buffer[buffer_slot, :, :, self.heads,
-                                                                    :length]  # fmt: skip
-        return [] if self.rank == 0 else None
+        slots = self.slots_tp if sharding == "tp" else self.slots_pp
+        heads = self.heads if sharding == "tp" else slice(0, self.config.num_key_value_heads)
+        layers = range(self.config.num_hidden_layers) if sharding == "tp" else self.layers
 
-    def decode(self, rows: list[tuple[int, int, int]]) -> list[int] | None:
+        def copy(local: int, n: int) -> None:
+            for buffer_slot, decode_slot, length in moves:
+                slots[decode_slot, local, :, :, :length] = self.buffer[buffer_slot, n, :, heads,
+                                                                       :length]  # fmt: skip
+
+        return [self.swap_in_thread.submit(copy, j, n) for j, n in enumerate(layers)]
+
+    def decode(self, sharding: str, moves: list[tuple[int, int, int]],
+               rows: list[tuple[int, int, int]]) -> tuple[list[int] | None, float]:  # fmt: skip
+        """Swap `moves` in (overlapping the step), then one greedy decode step of `rows`, each
+        (decode slot, position, last token): the tokens (None on a worker that does not end it)
+        and the seconds this worker waited for the re-shard (swap-outs landing, swap-ins)."""
+        start = time.perf_counter()
+        copies = self._start_swap_in(moves, sharding) if moves else []
+        waited = time.perf_counter() - start  # every worker's swap-outs landed (flush, barrier)
+
+        def layer_kv(local: int) -> None:
+            nonlocal waited
+            if copies:
+                start = time.perf_counter()
+                copies[local].result()
+                waited += time.perf_counter() - start
+
         slots = [s for s, _, _ in rows]
         positions = torch.tensor([p for _, p, _ in rows])
-        x = self.model.embed(torch.tensor([t for _, _, t in rows], dtype=torch.long))
         rope = self.model.rotary_at(positions)
+        if sharding == "tp":
+            return self._decode_tp(rows, slots, positions, rope, layer_kv), waited
+        return self._decode_pp(rows, slots, positions, rope, layer_kv), waited
+
+    def _decode_tp(self, rows: list[tuple[int, int, int]], slots: list[int],
+                   positions: torch.Tensor, rope: Any, layer_kv: Callable[[int], None]
+                   ) -> list[int] | None:  # fmt: skip
+        x = self.model.embed(torch.tensor([t for _, _, t in rows], dtype=torch.long))
         tp = self.tp
         for n in range(self.config.num_hidden_layers):
             q, k, v = tp.qkv(n, x, rope)
-            out = torch.empty_like(q)
-            for row, (slot, pos) in enumerate(zip(slots, positions.tolist(), strict=True)):
-                self.slots[slot, n, 0, :, pos] = k[row]
-                self.slots[slot, n, 1, :, pos] = v[row]
-                keys = self.slots[slot, n, 0, :, : pos + 1]  # [hk, L, D]
-                values = self.slots[slot, n, 1, :, : pos + 1]
-                out[row] = F.scaled_dot_product_attention(
-                    q[row].unsqueeze(1), keys, values, scale=tp.scale, enable_gqa=True
-                ).squeeze(1)
+            layer_kv(n)
+            out = self._attend(self.slots_tp, n, slots, positions, q, k, v)
             x = tp.post_attention(n, x, out, self.all_reduce)
         return self.model.compute_logits(x).argmax(-1).tolist() if self.rank == 0 else None
+
+    def _decode_pp(self, rows: list[tuple[int, int, int]], slots: list[int],
+                   positions: torch.Tensor, rope: Any, layer_kv: Callable[[int], None]
+                   ) -> list[int] | None:  # fmt: skip
+        """Pure pipeline-parallel decode: this worker's layers, all heads, hidden states passed
+        on (one micro-batch: the stages take turns)."""
+        if self.rank == 0:
+            x = self.model.embed(torch.tensor([t for _, _, t in rows], dtype=torch.long))
+        else:
+            x = torch.empty(len(rows), self.config.hidden_size)
+            dist.recv(x, self.rank - 1)
+        for local, n in enumerate(self.layers):
+            layer = self.model.layers[n]
+            q, k, v = layer.pre_attention(x, rope)
+            layer_kv(local)
+            x = layer.post_attention(x, self._attend(self.slots_pp, local, slots, positions,
+                                                     q, k, v))  # fmt: skip
+        if self.rank < self.k - 1:
+            dist.send(x.contiguous(), self.rank + 1)
+            return None
+        return self.model.compute_logits(x).argmax(-1).tolist()
+
+    def _attend(self, cache: torch.Tensor, local: int, slots: list[int], positions: torch.Tensor,
+                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Append each row's k/v at its position in its slot (layer `local` of `cache`) and
+        attend over the slot's tokens so far: out [rows, q heads, D]."""
+        out = torch.empty_like(q)
+        for row, (slot, pos) in enumerate(zip(slots, positions.tolist(), strict=True)):
+            cache[slot, local, 0, :, pos] = k[row]
+            cache[slot, local, 1, :, pos] = v[row]
+            keys = cache[slot, local, 0, :, : pos + 1]  # [kv heads, L, D]
+            values = cache[slot, local, 1, :, : pos + 1]
+            out[row] = F.scaled_dot_product_attention(
+                q[row].unsqueeze(1), keys, values, scale=self.model.scale, enable_gqa=True
+            ).squeeze(1)
+        return out

@@ -128,7 +128,7 @@ async def _validation_error_response(_: Request, exc: RequestValidationError) ->
     errors = exc.errors()[:MAX_VALIDATION_ERRORS]
     if errors and errors[0].get("type") == "json_invalid":
         return _json_error(400, f"malformed JSON body: {errors[0].get('ctx', {}).get('error')}")
-    params = [_param_path(e.get("loc", ())) for e in errors]
+    params = [param_path(e.get("loc", ())) for e in errors]
     message = "; ".join(
         f"{param or 'body'}: {e.get('msg', 'invalid')}"
         for param, e in zip(params, errors, strict=True)
@@ -136,7 +136,7 @@ async def _validation_error_response(_: Request, exc: RequestValidationError) ->
     return _json_error(400, message or "invalid request", params[0] if params else None)
 
 
-def _param_path(loc: Sequence[Any]) -> str | None:
+def param_path(loc: Sequence[Any]) -> str | None:
     """`("body", "prompt", "list[int]", 0)` -> `"prompt.0"`: the field path without the union
     branch names pydantic puts in it."""
     parts = [

@@ -26,23 +26,31 @@ from typing import Any, Protocol
 import structlog
 from fastapi import APIRouter, File, Form, UploadFile
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Message
 
-from services.router.api_errors import APIError, error_responses
+from services.router.api_errors import APIError, error_responses, param_path
 from services.router.batch_store import BatchError, BatchStore, Line
+from services.router.openai_api import ChatCompletionRequest, CompletionRequest
 
 log = structlog.get_logger(__name__)
 
 # (status, JSON body, Retry-After seconds or None) of one request to the router's own API.
 Call = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any], float | None]]]
 CAPACITY = (429, 503)  # refused for now, not for what it asked: run it again later
-# Runs completion bodies as one offline job: each line's (status, body), or None for a line it
-# left to the online API. `Router.offline_completions`.
-OfflineJob = Callable[[list[dict[str, Any]]], Awaitable[list[tuple[int, dict[str, Any]] | None]]]
-# The fields a greedy completion may carry to go offline (anything else: the online API).
-OFFLINE_FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "n", "stream", "user",
-                            "seed"})  # fmt: skip
+# Runs lines, each (url, body), as one offline job named by its batch's id: each line's
+# (status, body), or None for a line it left to the online API or a cancel cut short.
+# `Router.offline_completions`.
+OfflineJob = Callable[
+    [list[tuple[str, dict[str, Any]]], str], Awaitable[list[tuple[int, dict[str, Any]] | None]]
+]
+# The fields a greedy completion or chat may carry to go offline (anything else: the online API).
+OFFLINE_FIELDS = {
+    "/v1/completions": frozenset({"model", "prompt", "max_tokens", "temperature", "n", "stream",
+                                  "user", "seed"}),
+    "/v1/chat/completions": frozenset({"model", "messages", "max_tokens", "max_completion_tokens",
+                                       "temperature", "n", "stream", "user", "seed"}),
+}  # fmt: skip
 
 
 class OfflineBackend(Protocol):
@@ -50,17 +58,42 @@ class OfflineBackend(Protocol):
 
     max_len: int  # prompt + output of one request
 
-    async def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        """Each prompt's greedy output ids."""
+    async def generate(
+        self, prompts: list[list[int]], max_tokens: list[int], job_id: str
+    ) -> list[list[int] | None]:
+        """Each prompt's greedy output ids; None for one a cancel of `job_id` cut short."""
+        ...
+
+    async def cancel(self, job_id: str) -> None:
+        """End `job_id`'s job at its next step."""
         ...
 
 
+BODY_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+
+
+def body_problem(url: str, body: dict[str, Any]) -> str:
+    """What the endpoint's request model refuses in `body` (its first bad field), or "". Checked
+    as the JSON the endpoint would get; what only the engine knows (a prompt's length in tokens,
+    the model's name) is left to run time, where it is that line's error."""
+    try:
+        BODY_MODELS[url].model_validate_json(json.dumps(body))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = param_path(("body", *first.get("loc", ())))
+        return f"`body{'.' + param if param else ''}`: {first.get('msg', 'invalid')}"
+    return ""
+
+
 def offline_eligible(line: Line) -> bool:
-    """A plain greedy completion, one choice, nothing the offline group does not do."""
+    """A plain greedy completion or chat, one choice, nothing the offline group does not do."""
     body = line.body
     return (
-        line.url == "/v1/completions"
-        and set(body) <= OFFLINE_FIELDS
+        line.url in OFFLINE_FIELDS
+        and set(body) <= OFFLINE_FIELDS[line.url]
         and body.get("temperature", 1.0) == 0
         and body.get("n", 1) == 1
         and not body.get("stream", False)
@@ -121,10 +154,13 @@ class BatchRunner:
     def __init__(
         self, store: BatchStore, call: Call, owner: str | None = None, concurrency: int = 8,
         lease_s: float = 30.0, poll_s: float = 1.0, offline: OfflineJob | None = None,
+        offline_cancel: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:  # fmt: skip
         """`offline`: where a batch of plain greedy completions runs as one job (Seesaw's
-        group); None: every batch runs line by line through `call`."""
+        group), `offline_cancel` what ends it when the batch is cancelled; None: every batch
+        runs line by line through `call`."""
         self.store, self.call, self.offline = store, call, offline
+        self.offline_cancel = offline_cancel
         self.owner = owner or f"runner-{secrets.token_hex(6)}"
         self.concurrency, self.lease_s, self.poll_s = concurrency, lease_s, poll_s
         self.num_lines_run = 0  # lines this runner recorded (tests, stats)
@@ -152,7 +188,7 @@ class BatchRunner:
         slots = asyncio.Semaphore(self.concurrency)
         tasks: set[asyncio.Task[None]] = set()
         try:
-            lines = await self._run_offline(batch_id, lines)
+            lines = await self._run_offline(batch_id, lines, stop)
             for line in lines:
                 await slots.acquire()
                 if stop.is_set():
@@ -170,16 +206,25 @@ class BatchRunner:
         log.info("batch done", batch_id=batch_id, status=batch["status"],
                  counts=batch["request_counts"])  # fmt: skip
 
-    async def _run_offline(self, batch_id: str, lines: list[Line]) -> list[Line]:
-        """The batch as one offline job when every line can go; the lines left to run online."""
+    async def _run_offline(self, batch_id: str, lines: list[Line],
+                           stop: asyncio.Event) -> list[Line]:  # fmt: skip
+        """The batch as one offline job when every line can go; the lines left to run online.
+        A cancel (`stop`) ends the job at its next step: the lines that finished are kept."""
         if self.offline is None or not lines or not all(offline_eligible(x) for x in lines):
             return lines
+        job = asyncio.ensure_future(self.offline([(x.url, x.body) for x in lines], batch_id))
+        stopped = asyncio.ensure_future(stop.wait())
         try:
-            answers = await self.offline([line.body for line in lines])
+            await asyncio.wait((job, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if not job.done() and self.offline_cancel is not None:
+                await self.offline_cancel(batch_id)
+            answers = await job
         except Exception as exc:  # noqa: BLE001 - the online API still runs the batch
             log.warning("offline job failed; the batch runs online", batch_id=batch_id,
                         error=repr(exc))  # fmt: skip
             return lines
+        finally:
+            stopped.cancel()
         left = []
         for line, answer in zip(lines, answers, strict=True):
             if answer is None:
@@ -194,7 +239,8 @@ class BatchRunner:
             status = await asyncio.to_thread(self.store.renew, batch_id, self.owner, self.lease_s)
             if status == "cancelling":
                 stop.set()
-            await asyncio.sleep(self.lease_s / 3)
+            # A cancel is seen within `poll_s` (the lease renewed as often: one SQLite update).
+            await asyncio.sleep(min(self.lease_s / 3, self.poll_s))
 
     async def _run_line(self, batch_id: str, line: Line, stop: asyncio.Event) -> None:
         while True:

@@ -20,7 +20,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,9 @@ BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 WINDOW_S = {"24h": 24 * 3600.0}  # OpenAI accepts only "24h"
 MAX_LINE_ERRORS = 20  # per-line errors listed in one refusal; the count says how many in all
 FINAL = ("completed", "failed", "cancelled", "expired")
+# What is wrong with a line's body for its url ("" when nothing): the API's own request models
+# (`batch_api.body_problem`), so a body the endpoint would refuse is refused at upload.
+BodyCheck = Callable[[str, dict[str, Any]], str]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -65,9 +68,12 @@ class Line:
     body: dict[str, Any]
 
 
-def parse_batch_file(content: bytes) -> list[tuple[str, str, dict[str, Any]]]:
+def parse_batch_file(
+    content: bytes, body_check: BodyCheck | None = None
+) -> list[tuple[str, str, dict[str, Any]]]:
     """The requests of a batch input file (JSONL of `{custom_id, method, url, body}`): each line
-    checked, every error named with its line number (BatchError listing them)."""
+    checked (its body by `body_check` too), every error named with its line number (BatchError
+    listing them)."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -84,6 +90,8 @@ def parse_batch_file(content: bytes) -> list[tuple[str, str, dict[str, Any]]]:
             errors.append(f"line {n}: not JSON ({exc.msg})")
             continue
         problem = _line_problem(line, seen)
+        if not problem and body_check is not None:
+            problem = body_check(line["url"], line["body"])
         if problem:
             errors.append(f"line {n}: {problem}")
             continue
@@ -127,8 +135,8 @@ def _new_id(prefix: str) -> str:
 class BatchStore:
     """Files, batches and line outcomes in SQLite at `path` (created if missing)."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, body_check: BodyCheck | None = None) -> None:
+        self.path, self.body_check = Path(path), body_check
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One connection, used from the API's worker threads one at a time.
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
@@ -156,7 +164,7 @@ class BatchStore:
 
     def create_file(self, purpose: str, filename: str, content: bytes) -> dict[str, Any]:
         if purpose == "batch":
-            parse_batch_file(content)  # refuse a bad input file at upload, every line named
+            parse_batch_file(content, self.body_check)  # refused at upload, each bad line named
         file_id = _new_id("file")
         with self._tx() as db:
             db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?)",

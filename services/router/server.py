@@ -55,7 +55,13 @@ from services.router.api_errors import (
     error_responses,
     install_error_handlers,
 )
-from services.router.batch_api import BatchApi, BatchRunner, OfflineBackend, asgi_caller
+from services.router.batch_api import (
+    BatchApi,
+    BatchRunner,
+    OfflineBackend,
+    asgi_caller,
+    body_problem,
+)
 from services.router.batch_store import BatchStore
 from services.router.body_gate import BigBodyGate
 from services.router.choices import Outputs, best, choice_params, collect_all, merge, start_all
@@ -70,6 +76,8 @@ from services.router.http_edge import (
 from services.router.logprobs_format import LogprobsFormatter
 from services.router.metrics_endpoint import EngineSeries
 from services.router.openai_api import (
+    AssistantMessage,
+    ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
@@ -234,10 +242,11 @@ class Router:
     def _batch_api(self, batch_store: str | Path, lease_s: float) -> BatchApi:
         """The Batch API on `self.app`: its lines run through the app itself (and plain greedy
         batches on the offline group, when there is one)."""
-        store = BatchStore(Path(batch_store).expanduser())
+        store = BatchStore(Path(batch_store).expanduser(), body_problem)
         job = self.offline_completions if self.offline is not None else None
+        cancel = self.offline.cancel if self.offline is not None else None
         runner = BatchRunner(store, asgi_caller(self.app, self.api_key), lease_s=lease_s,
-                             offline=job)  # fmt: skip
+                             offline=job, offline_cancel=cancel)  # fmt: skip
         batches = BatchApi(store, runner)
         self.app.include_router(batches.routes([Depends(_bearer)]))
         return batches
@@ -383,40 +392,67 @@ class Router:
             pool.shutdown()
 
     async def offline_completions(
-        self, bodies: list[dict[str, Any]]
+        self, lines: list[tuple[str, dict[str, Any]]], job_id: str
     ) -> list[tuple[int, dict[str, Any]] | None]:
-        """Plain greedy completions as one offline job: each body's (status, response), as
-        `/v1/completions` answers it; None for one left to the online API (one it would refuse,
-        or longer than the group's `max_len`: the online API says why, or runs it)."""
+        """Plain greedy completions and chats, each (url, body), as one offline job named
+        `job_id`: each one's (status, response), as its endpoint answers it; None for one left to
+        the online API (one it would refuse, or longer than the group's `max_len`: the online
+        API says why, or runs it) or that a cancel of the job cut short."""
         assert self.offline is not None
-        taken: list[tuple[int, CompletionRequest, list[int], int]] = []
-        for i, body in enumerate(bodies):
+        taken: list[tuple[int, str, list[int], int]] = []
+        for i, (url, body) in enumerate(lines):
             try:
-                request = CompletionRequest.model_validate(body)
-                prompts = _prompts(request.prompt)
-                if len(prompts) != 1 or request.model not in (None, self.model_name):
-                    continue  # the online API answers it (several prompts; a 404)
-                prompt_ids = await self._completion_prompt_ids(prompts[0])
-                max_tokens = self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
+                prompt_ids, max_tokens = await self._offline_prompt(url, body)
             except (APIError, ValueError):
                 continue
-            if len(prompt_ids) + max_tokens <= self.offline.max_len:
-                taken.append((i, request, prompt_ids, max_tokens))
-        answers: list[tuple[int, dict[str, Any]] | None] = [None] * len(bodies)
+            if prompt_ids and len(prompt_ids) + max_tokens <= self.offline.max_len:
+                taken.append((i, url, prompt_ids, max_tokens))
+        answers: list[tuple[int, dict[str, Any]] | None] = [None] * len(lines)
         if not taken:
             return answers
-        outputs = await self.offline.generate([t[2] for t in taken], [t[3] for t in taken])
+        outputs = await self.offline.generate([t[2] for t in taken], [t[3] for t in taken],
+                                              job_id)  # fmt: skip
         eos = set(self.model_config.eos_token_ids)
-        for (i, _, prompt_ids, _), out in zip(taken, outputs, strict=True):
-            stopped = bool(out) and out[-1] in eos
-            choice = CompletionChoice(index=0, text=self.tokenizer.decode(out),
-                                      finish_reason="stop" if stopped else "length")  # fmt: skip
-            response = CompletionResponse(
-                id=f"cmpl-{uuid.uuid4().hex}", created=unix_now(), model=self.model_name,
-                choices=[choice], usage=UsageInfo.of(len(prompt_ids), len(out)),
-            )  # fmt: skip
+        for (i, url, prompt_ids, _), out in zip(taken, outputs, strict=True):
+            if out is None:
+                continue
+            text = self.tokenizer.decode(out)
+            finish = "stop" if out and out[-1] in eos else "length"
+            used = UsageInfo.of(len(prompt_ids), len(out))
+            response: CompletionResponse | ChatCompletionResponse
+            if url == "/v1/completions":
+                response = CompletionResponse(
+                    id=f"cmpl-{uuid.uuid4().hex}", created=unix_now(), model=self.model_name,
+                    choices=[CompletionChoice(index=0, text=text, finish_reason=finish)],
+                    usage=used,
+                )  # fmt: skip
+            else:
+                response = ChatCompletionResponse(
+                    id=f"chatcmpl-{uuid.uuid4().hex}", created=unix_now(), model=self.model_name,
+                    choices=[ChatChoice(message=AssistantMessage(content=text),
+                                        finish_reason=finish)],
+                    usage=used,
+                )  # fmt: skip
             answers[i] = (200, response.model_dump())
         return answers
+
+    async def _offline_prompt(self, url: str, body: dict[str, Any]) -> tuple[list[int], int]:
+        """A body's prompt ids and max_tokens as its endpoint reads them; ([], 0) for one the
+        offline group does not take (several prompts, another model: the online API answers)."""
+        if url == "/v1/completions":
+            request = CompletionRequest.model_validate(body)
+            prompts = _prompts(request.prompt)
+            if len(prompts) != 1 or request.model not in (None, self.model_name):
+                return [], 0
+            prompt_ids = await self._completion_prompt_ids(prompts[0])
+            return prompt_ids, self._max_tokens(request.max_tokens, len(prompt_ids), "prompt")
+        chat_request = ChatCompletionRequest.model_validate(body)
+        if chat_request.model not in (None, self.model_name):
+            return [], 0
+        chat, tools = self.tool_prompt.chat(chat_of(chat_request.messages), None, None)
+        prompt_ids = await self.prompt_work.chat_ids(chat, chat_options(chat_request, tools), None)
+        requested = chat_request.max_completion_tokens or chat_request.max_tokens
+        return prompt_ids, self._max_tokens(requested, len(prompt_ids), "messages", default=None)
 
     # ---- validation and admission ----
 

@@ -151,17 +151,26 @@ def test_a_batch_gives_the_online_apis_greedy_outputs(router: RouterProcess) -> 
 
 
 def test_a_bad_input_file_is_refused_with_its_lines_named(router: RouterProcess) -> None:
-    rows = [b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}',
+    ok = b'"body": {"prompt": "x", "max_tokens": 2}}'
+    rows = [b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", ' + ok,
             b"not json",
-            b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}',
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", ' + ok,
             b'{"custom_id": "b", "method": "GET", "url": "/v1/embeddings", "body": {}}',
+            b'{"custom_id": "c", "method": "POST", "url": "/v1/completions", '
+            b'"body": {"prompt": "x", "max_tokens": "many"}}',
+            b'{"custom_id": "d", "method": "POST", "url": "/v1/chat/completions", '
+            b'"body": {"messages": "hi"}}',
             ]  # fmt: skip
     with pytest.raises(openai.BadRequestError) as refused:
         router.client.files.create(file=("bad.jsonl", io.BytesIO(b"\n".join(rows))),
                                    purpose="batch")  # fmt: skip
     message = str(refused.value)
+    assert "5 invalid line(s)" in message and "line 1" not in message
     assert "line 2: not JSON" in message and "line 3" in message and "not unique" in message
     assert "line 4: `method` must be POST" in message
+    # Each body checked against its endpoint's request model, the bad field named.
+    assert "line 5: `body.max_tokens`: Input should be a valid integer" in message
+    assert "line 6: `body.messages`" in message
     with pytest.raises(openai.NotFoundError):
         router.client.batches.retrieve("batch-none")
 

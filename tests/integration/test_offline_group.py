@@ -5,6 +5,7 @@ single-process engine's, for every mode, including jobs that cross many stage tr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -49,11 +50,30 @@ def test_every_mode_gives_the_single_process_greedy_tokens(
     assert outputs == expected
     assert stats.num_tokens == sum(len(o) for o in expected)
     assert stats.num_prefills >= 4 and stats.num_decode_steps > 0
+    if mode in ("seesaw", "prefill_first"):
+        # PP prefill, TP decode: the small buffer forces several re-shards, and some requests
+        # decode across several of them (their KV in TP slots while the group prefilled in PP).
+        assert stats.num_transitions >= 3
+        assert max(stats.transitions_crossed(i) for i in range(len(PROMPTS))) >= 2
     if mode == "seesaw":
         # Transitions only when the buffer filled or emptied: far fewer than prefill-first's.
-        assert stats.num_transitions >= 2
         _, eager = group.generate(PROMPTS, MAX_TOKENS, mode="prefill_first")
         assert stats.num_transitions < eager.num_transitions
+
+
+def test_a_stopped_job_keeps_the_requests_that_ended(
+    group: OfflineGroup, expected: list[list[int]]
+) -> None:
+    """A cancel ends a job between steps: the requests that ended are whole and equal the
+    single-process engine's; a cancel that comes before its job runs ends it before it starts."""
+    steps = itertools.count()
+    outputs, stats = group.generate(PROMPTS, MAX_TOKENS, stop=lambda: next(steps) >= 12)
+    assert 0 < len(stats.finished) < len(PROMPTS)
+    assert all(outputs[i] == expected[i] for i in stats.finished)
+    service = OfflineService(group)
+    service.cancel("job-1")
+    assert service.generate(PROMPTS[:2], MAX_TOKENS[:2], "job-1") == [None, None]
+    assert service.generate(PROMPTS[:2], MAX_TOKENS[:2], "job-1") == expected[:2]  # used up
 
 
 def test_a_request_that_does_not_fit_is_refused_before_anything_runs(group: OfflineGroup) -> None:
@@ -64,9 +84,9 @@ def test_a_request_that_does_not_fit_is_refused_before_anything_runs(group: Offl
 def test_a_batch_of_greedy_completions_runs_as_one_offline_job(
     group: OfflineGroup, tiny_model_path: Path, tmp_path: Path
 ) -> None:
-    """Seesaw behind the Batch API: a batch of greedy completions goes to the group in one job,
-    each line's response equal to the online API's for the same body (the router's own app, in
-    process); a batch with one sampled line runs online, line by line."""
+    """Seesaw behind the Batch API: a batch of greedy completions (or chats) goes to the group in
+    one job, each line's response equal to the online API's for the same body (the router's own
+    app, in process); a batch with one sampled line runs online, line by line."""
     engine = LLMEngine.from_path(tiny_model_path, num_blocks=256)
     service = OfflineService(group)
     router = Router(InProcessEngineClient(engine), tiny_model_path, "tiny",
@@ -74,29 +94,46 @@ def test_a_batch_of_greedy_completions_runs_as_one_offline_job(
     greedy = [{"model": "tiny", "prompt": f"offline line {i}", "max_tokens": 3 + i,
                "temperature": 0} for i in range(6)]  # fmt: skip
     sampled = {"model": "tiny", "prompt": "sampled", "max_tokens": 3}
+    chats = [{"model": "tiny", "messages": [{"role": "user", "content": f"chat {i}"}],
+              "max_tokens": 4 + i, "temperature": 0} for i in range(3)]  # fmt: skip
     assert router.batches is not None
     store, runner = router.batches.store, router.batches.runner
 
-    def batch(bodies: list[dict[str, Any]]) -> str:
-        rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": b}
+    def batch(bodies: list[dict[str, Any]], url: str = "/v1/completions") -> str:
+        rows = [{"custom_id": f"r{i}", "method": "POST", "url": url, "body": b}
                 for i, b in enumerate(bodies)]  # fmt: skip
         content = "\n".join(json.dumps(r) for r in rows).encode()
         file_id = store.create_file("batch", "in.jsonl", content)["id"]
-        return str(store.create_batch(file_id, "/v1/completions", "24h", None)["id"])
+        return str(store.create_batch(file_id, url, "24h", None)["id"])
 
-    async def run() -> tuple[list[Any], list[dict[str, Any]]]:
+    def output(batch_id: str) -> list[dict[str, Any]]:
+        out = store.file_content(store.get_batch(batch_id)["output_file_id"])
+        return [json.loads(x) for x in out.decode().splitlines()]
+
+    async def run() -> tuple[list[Any], list[dict[str, Any]], list[Any], list[dict[str, Any]]]:
         offline_batch = batch(greedy)
         await runner.run_batch(offline_batch)
         assert runner.num_offline_lines == 6 and service.num_jobs == 1
         await runner.run_batch(batch([*greedy[:2], sampled]))
         assert runner.num_offline_lines == 6 and runner.num_lines_run == 9  # online, 3 lines
+        chat_batch = batch(chats, "/v1/chat/completions")
+        await runner.run_batch(chat_batch)
+        assert runner.num_offline_lines == 9 and service.num_jobs == 2
+        # Cancelled: the job ends at its next step; what finished is kept, nothing runs online.
+        cancelled = batch(greedy)
+        store.cancel(cancelled)
+        await runner.run_batch(cancelled)
+        got = store.get_batch(cancelled)
+        assert got["status"] == "cancelled" and service.num_jobs == 3
+        assert got["request_counts"]["completed"] == runner.num_offline_lines - 9
+        assert runner.num_lines_run == runner.num_offline_lines + 3  # the 3 online lines above
         call = asgi_caller(router.app, None)
         online = [await call("/v1/completions", b) for b in greedy]
-        out = store.file_content(store.get_batch(offline_batch)["output_file_id"])
-        return online, [json.loads(x) for x in out.decode().splitlines()]
+        online_chats = [await call("/v1/chat/completions", b) for b in chats]
+        return online, output(offline_batch), online_chats, output(chat_batch)
 
     try:
-        online, lines = asyncio.run(run())
+        online, lines, online_chats, chat_lines = asyncio.run(run())
     finally:
         router.shutdown()
         router.client.shutdown()  # type: ignore[attr-defined]
@@ -105,6 +142,12 @@ def test_a_batch_of_greedy_completions_runs_as_one_offline_job(
         offline = line["response"]["body"]
         assert status == 200 and offline["usage"] == body["usage"]
         assert offline["choices"][0]["text"] == body["choices"][0]["text"]
+        assert offline["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
+    for (status, body, _), line in zip(online_chats, chat_lines, strict=True):
+        offline = line["response"]["body"]
+        assert status == 200 and offline["object"] == "chat.completion"
+        assert offline["usage"] == body["usage"]
+        assert offline["choices"][0]["message"] == body["choices"][0]["message"]
         assert offline["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
 
 

@@ -383,7 +383,8 @@ def test_structured_outputs_validate_over_the_mesh(client: openai.OpenAI, refere
 
 
 def test_batch_api_gives_the_online_apis_greedy_outputs(client: openai.OpenAI) -> None:
-    """The Batch API over the served mesh: upload, create, poll, read the output, cancel."""
+    """The Batch API over the served mesh: upload, create, poll, read the output, cancel. (Plain
+    greedy chats: the offline group answers them; each equals the online API's answer.)"""
     bodies = [{"model": "tiny", "messages": [{"role": "user", "content": f"item {i}"}],
                "max_tokens": 5, "temperature": 0} for i in range(4)]  # fmt: skip
     rows = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}
@@ -408,6 +409,26 @@ def test_batch_api_gives_the_online_apis_greedy_outputs(client: openai.OpenAI) -
         assert batched == online.choices[0].message.content
     # Cancelling a finished batch changes nothing; the endpoint answers with the batch.
     assert client.batches.cancel(batch.id).status == "completed"
+    # Cancelling one as it starts stops it: the lines that finished are kept, each once. (`top_p`
+    # keeps it on the online API, line by line: an offline group's job is not cut midway.)
+    rows = [{"custom_id": f"x{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {**bodies[i % 4], "max_tokens": 32, "top_p": 0.9}}
+            for i in range(40)]  # fmt: skip
+    uploaded = client.files.create(file=("x.jsonl", "\n".join(json.dumps(r) for r in rows)
+                                         .encode()), purpose="batch")  # fmt: skip
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")  # fmt: skip
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    while (batch := client.batches.retrieve(batch.id)).status == "cancelling":
+        assert time.monotonic() < deadline + 120
+        time.sleep(0.3)
+    assert batch.status == "cancelled" and batch.cancelled_at is not None
+    kept = [] if batch.output_file_id is None else [
+        json.loads(line) for line in client.files.content(batch.output_file_id).text.split("\n")
+        if line]  # fmt: skip
+    ids = [r["custom_id"] for r in kept]
+    assert len(set(ids)) == len(ids) == batch.request_counts.completed < 40
+    assert set(ids) <= {r["custom_id"] for r in rows}
 
 
 def test_a_greedy_completions_batch_runs_on_seesaws_offline_group(
