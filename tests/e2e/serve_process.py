@@ -295,6 +295,19 @@ def replica_pid(server: ServeRun, deployment: str) -> int:
     return replica_pid_below(server.pid, deployment)
 
 
+def registry_pid(server: ServeRun) -> int:
+    """The registry actor's process below this server (Ray names it after its class)."""
+    assert server.pid is not None
+    for pid in descendants(server.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if cmdline.startswith("ray::Registry"):
+            return pid
+    raise LookupError("no registry actor below the server")
+
+
 def replica_pid_below(root: int, deployment: str) -> int:
     """The process of the one `deployment` replica below `root`."""
     for pid in replica_pids_below(root, deployment):
