@@ -3,7 +3,7 @@ are SIGKILLed, side by side with the same slice and no faults, in one run.
 
     python bench/chaos.py [--seconds 60] [--kill-every 15] [--seed 0] [--token-scale 1/16]
                           [--only faults|stops|trace] [--streams 6] [--stream-tokens 120]
-                          [--registry-stop-s 10] [--router-stop-s 40]
+                          [--stop-stream-tokens 600] [--registry-stop-s 10] [--router-stop-s 40]
 
 Per fault (`--only faults`): a `LocalMesh` (tiny model, one prompt engine, one token engine, a
 2-shard group), `--streams` greedy streams through the router's client, and one worker SIGKILLed
@@ -13,12 +13,12 @@ recomputed by a prompt engine, Lamina §5), the same kill with migration forced
 or tokens other than the single-process engine's), migrated (the router's re-runs), rebuilt (the
 token engine's count), and the longest wait from the kill to a stream's next token.
 
-Per stop (`--only stops`, issue 49's slow peers): on `serve run deploy/local.yaml` (through Serve's
-proxy), the same greedy streams over HTTP while the registry actor is SIGSTOPped for
-`--registry-stop-s`, then while the Router replica is SIGSTOPped for `--router-stop-s` (each then
-SIGCONTed): the same figures (the gap from the stop), the replicas Serve replaced meanwhile (none,
-for the registry: its outage fails no replica's health check), and how long after the resume the
-engines hold no request (the target: within 60 s).
+Per stop (`--only stops`, issue 49's slow peers): on `serve run deploy/local.yaml` (through
+Serve's proxy), `--streams` greedy streams of `--stop-stream-tokens` over HTTP while the registry
+actor is SIGSTOPped for `--registry-stop-s`, then while the Router replica is SIGSTOPped for
+`--router-stop-s` (each then SIGCONTed): the same figures (the gap from the stop), the replicas
+Serve replaced meanwhile (none, for the registry: its outage fails no replica's health check),
+and how long after the resume the engines hold no request (the target: within 60 s).
 
 Starts `serve run deploy/local.yaml` on a free port (as the e2e tests do), then replays the first
 `--seconds` of the Azure conversation trace twice through the OpenAI API (loadgen's open-loop
@@ -182,9 +182,11 @@ FAULTS = (
 )
 
 
-def greedy_work(args: argparse.Namespace) -> tuple[Path, list[list[int]], Any, list[list[int]]]:
-    """The tiny model, `args.streams` prompts, greedy sampling and the single-process engine's
-    tokens for them."""
+def greedy_work(
+    args: argparse.Namespace, max_tokens: int
+) -> tuple[Path, list[list[int]], Any, list[list[int]]]:
+    """The tiny model, `args.streams` prompts, greedy sampling of `max_tokens` and the
+    single-process engine's tokens for them."""
     from common.engine.core import LLMEngine
     from common.model.default import default_model_path
     from common.sampling import SamplingParams
@@ -193,14 +195,14 @@ def greedy_work(args: argparse.Namespace) -> tuple[Path, list[list[int]], Any, l
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(2048) for _ in range(rng.randint(16, 128))]
                for _ in range(args.streams)]  # fmt: skip
-    params = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     reference = LLMEngine.from_path(model_path, num_blocks=512).generate(prompts, params)
     return model_path, prompts, params, reference
 
 
 def fault_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each of FAULTS under `args.streams` greedy streams; their figures."""
-    model_path, prompts, params, reference = greedy_work(args)
+    model_path, prompts, params, reference = greedy_work(args, args.stream_tokens)
     return [one_fault(model_path, name, victim, options, prompts, params, reference)
             for name, victim, options in FAULTS]  # fmt: skip
 
@@ -275,7 +277,7 @@ def stop_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Each of STOPS under `args.streams` greedy streams over HTTP; their figures."""
     from common.tokenizer import Tokenizer
 
-    model_path, prompts, _, reference = greedy_work(args)
+    model_path, prompts, _, reference = greedy_work(args, args.stop_stream_tokens)
     tokenizer = Tokenizer(model_path)
     stop_s = {"registry_stop": args.registry_stop_s, "router_stop": args.router_stop_s}
     with tempfile.TemporaryDirectory(prefix="chaos-") as workdir:
@@ -371,7 +373,7 @@ def one_stop(
     times: list[list[float]] = [[] for _ in prompts]
     say(f"{name}: SIGSTOP {target} for {stop_s:g} s under {len(prompts)} streams")
     with ThreadPoolExecutor(len(prompts)) as pool:
-        texts = [pool.submit(stream_text, server.base_url, p, args.stream_tokens, t)
+        texts = [pool.submit(stream_text, server.base_url, p, args.stop_stream_tokens, t)
                  for p, t in zip(prompts, times, strict=True)]  # fmt: skip
         deadline = time.monotonic() + 300
         # NOTE: polling the streams' threads until each has a few tokens.
@@ -409,6 +411,8 @@ def main() -> None:
     parser.add_argument("--only", choices=("faults", "stops", "trace"), help="run one part only")
     parser.add_argument("--streams", type=int, default=6, help="per fault")
     parser.add_argument("--stream-tokens", type=int, default=120, help="per stream, per fault")
+    parser.add_argument("--stop-stream-tokens", type=int, default=600,
+                        help="per stream, per stop: enough to decode through the stop")  # fmt: skip
     parser.add_argument("--registry-stop-s", type=float, default=10.0, help="registry SIGSTOP")
     parser.add_argument("--router-stop-s", type=float, default=40.0, help="Router SIGSTOP")
     args = parser.parse_args()
@@ -463,7 +467,8 @@ def report(
         for f in faults:
             print(f"{f['fault']:<20} {f['lost']:>4} {f['migrated']:>9} {f['rebuilt']:>8}  "
                   f"{f['max_gap_ms']:>8}  {stop_figures(f)}")  # fmt: skip
-        result |= {"streams": args.streams, "stream_tokens": args.stream_tokens, "faults": faults}
+        result |= {"streams": args.streams, "stream_tokens": args.stream_tokens,
+                   "stop_stream_tokens": args.stop_stream_tokens, "faults": faults}  # fmt: skip
         by_name = {f["fault"]: f for f in faults}
         # Nothing lost, but the streams of a Router that Serve replaced while it was stopped
         # (an HTTP stream's state lives in that process: docs/failures.md, "Not recovered").
