@@ -74,6 +74,7 @@ from loadgen.traces import read_trace, shared_dir  # noqa: E402
 from tests.e2e.serve_process import ServeRun, registry_pid, replica_pid  # noqa: E402
 
 ROLES = ("PromptEngine", "TokenEngine", "AttentionShard")
+START_S = 600.0  # `serve run` start-up on a loaded machine (ServeRun's own 240 s is for the tests)
 NUM_SERVICES = 4  # deploy/local.yaml: a prompt engine, a token engine, two shards
 MIGRATIONS = "ray_phasemesh_request_migrations_total"
 REFUSED = "ServerError: HTTP 503"
@@ -287,7 +288,7 @@ def stop_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                           preset="tiny")  # fmt: skip
         say("starting serve run deploy/local.yaml for the stops")
         try:
-            server.start()
+            server.start(timeout_s=START_S)
             stops = [one_stop(server, name, target, stop_s[name], args, prompts)
                      for name, target in STOPS]  # fmt: skip
         finally:
@@ -428,7 +429,7 @@ def main() -> None:
         server = ServeRun(REPO / "deploy" / "local.yaml", Path(workdir), preset="tiny")
         say(f"starting serve run deploy/local.yaml; {len(specs)} requests per replay")
         try:
-            server.start()
+            server.start(timeout_s=START_S)
             say("replay 1/2: no faults")
             calm = summary(run_replay(server.base_url, specs))
             before = migrations(server)
