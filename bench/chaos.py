@@ -13,12 +13,13 @@ recomputed by a prompt engine, Lamina §5), the same kill with migration forced
 or tokens other than the single-process engine's), migrated (the router's re-runs), rebuilt (the
 token engine's count), and the longest wait from the kill to a stream's next token.
 
-Per stop (`--only stops`, issue 49's slow peers): on `serve run deploy/local.yaml` (through
-Serve's proxy), `--streams` greedy streams of `--stop-stream-tokens` over HTTP while the registry
-actor is SIGSTOPped for `--registry-stop-s`, then while the Router replica is SIGSTOPped for
-`--router-stop-s` (each then SIGCONTed): the same figures (the gap from the stop), the replicas
-Serve replaced meanwhile (none, for the registry: its outage fails no replica's health check),
-and how long after the resume the engines hold no request (the target: within 60 s).
+Per stop (`--only stops`, issue 49's slow peers): on `serve run deploy/local.yaml`, `--streams`
+greedy streams of `--stop-stream-tokens` over HTTP while the registry actor is SIGSTOPped for
+`--registry-stop-s`, then while the Router replica is SIGSTOPped for `--router-stop-s` (each then
+SIGCONTed): the same figures (the gap from the stop), the replicas Serve replaced meanwhile
+(none, for the registry: its outage fails no replica's health check), and how long after the
+resume the engines hold no request (the target: within 60 s). Serve's log stays in the folder
+named on stderr.
 
 Starts `serve run deploy/local.yaml` on a free port (as the e2e tests do), then replays the first
 `--seconds` of the Azure conversation trace twice through the OpenAI API (loadgen's open-loop
@@ -281,18 +282,15 @@ def stop_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     model_path, prompts, _, reference = greedy_work(args, args.stop_stream_tokens)
     tokenizer = Tokenizer(model_path)
     stop_s = {"registry_stop": args.registry_stop_s, "router_stop": args.router_stop_s}
-    with tempfile.TemporaryDirectory(prefix="chaos-") as workdir:
-        # Through Serve's proxy: it routes to whichever Router replica is up (Serve may replace a
-        # stopped one), so /stats is read afterwards either way.
-        server = ServeRun(REPO / "deploy" / "local.yaml", Path(workdir), ingress="proxy",
-                          preset="tiny")  # fmt: skip
-        say("starting serve run deploy/local.yaml for the stops")
-        try:
-            server.start(timeout_s=START_S)
-            stops = [one_stop(server, name, target, stop_s[name], args, prompts)
-                     for name, target in STOPS]  # fmt: skip
-        finally:
-            server.stop()
+    workdir = Path(tempfile.mkdtemp(prefix="chaos-stops-"))
+    server = ServeRun(REPO / "deploy" / "local.yaml", workdir, preset="tiny")
+    say(f"starting serve run deploy/local.yaml for the stops (its log: {server.log_path})")
+    try:
+        server.start(timeout_s=START_S)
+        stops = [one_stop(server, name, target, stop_s[name], args, prompts)
+                 for name, target in STOPS]  # fmt: skip
+    finally:
+        server.stop()
     for stop in stops:  # each text against the single-process engine's tokens
         texts = zip(stop.pop("texts"), prompts, reference, strict=True)
         stop["lost"] = sum(
@@ -356,7 +354,8 @@ def engines_idle_after(server: ServeRun, since: float, timeout_s: float) -> floa
             if stats["num_engine_requests"] == 0:
                 return round(time.monotonic() - since, 1)
         except (httpx.HTTPError, ValueError, KeyError):
-            pass  # the router itself is being replaced
+            with contextlib.suppress(LookupError, RuntimeError):  # none listens yet
+                server.follow_router()  # Serve may have replaced the Router
         time.sleep(0.5)
     return None
 
@@ -368,8 +367,6 @@ def one_stop(
     """SIGSTOP `target` for `stop_s` once each stream has a few tokens, then SIGCONT; the
     streams' texts (None: failed) are judged by the caller."""
     pids = pids_now(server)
-    victim = registry_pid(server) if target == "registry" else pids[target]
-    assert victim is not None, f"no {target} replica"
     before, rebuilt_before = migrations(server), rebuilt(server)
     times: list[list[float]] = [[] for _ in prompts]
     say(f"{name}: SIGSTOP {target} for {stop_s:g} s under {len(prompts)} streams")
@@ -381,6 +378,7 @@ def one_stop(
         while min(map(len, times)) < 5 and not any(t.done() for t in texts):
             assert time.monotonic() < deadline, "the streams did not start"
             time.sleep(0.05)
+        victim = registry_pid(server) if target == "registry" else replica_pid(server, target)
         stopped_at = time.monotonic()
         os.kill(victim, signal.SIGSTOP)
         try:

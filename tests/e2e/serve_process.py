@@ -161,6 +161,12 @@ class ServeRun:
             self._wait_healthy(self.base_url, deadline)
         return self.base_url
 
+    def follow_router(self) -> None:
+        """Point `base_url` at the Router replica serving now (Serve may have replaced the one
+        it named); direct ingress only, raising while no Router replica listens."""
+        if self.ingress != "proxy":
+            self.base_url = f"http://127.0.0.1:{self._router_port()}"
+
     def _router_port(self) -> int:
         assert self.pid is not None
         return router_port(self.pid, self._direct_low)
