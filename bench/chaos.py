@@ -287,6 +287,7 @@ def stop_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     say(f"starting serve run deploy/local.yaml for the stops (its log: {server.log_path})")
     try:
         server.start(timeout_s=START_S)
+        wait_whole(server)
         stops = [one_stop(server, name, target, stop_s[name], args, prompts)
                  for name, target in STOPS]  # fmt: skip
     finally:
@@ -297,6 +298,17 @@ def stop_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
             not greedy_close(t, p, ref, tokenizer, model_path) for t, p, ref in texts
         )
     return stops
+
+
+def wait_whole(server: ServeRun) -> None:
+    """Until every service is listed and a request succeeds (a Router answers /health before
+    the engines are up, and a loaded machine restarts replicas whose start timed out)."""
+    deadline = time.monotonic() + START_S
+    # NOTE: polling another process's start-up: there is nothing to block on.
+    while not healthy(server):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the mesh was not whole in {START_S:g} s: {server.log_path}")
+        time.sleep(1)
 
 
 def greedy_close(
