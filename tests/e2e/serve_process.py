@@ -161,6 +161,12 @@ class ServeRun:
             self._wait_healthy(self.base_url, deadline)
         return self.base_url
 
+    def follow_router(self) -> None:
+        """Point `base_url` at the Router replica serving now (Serve may have replaced the one
+        it named); direct ingress only, raising while no Router replica listens."""
+        if self.ingress != "proxy":
+            self.base_url = f"http://127.0.0.1:{self._router_port()}"
+
     def _router_port(self) -> int:
         assert self.pid is not None
         return router_port(self.pid, self._direct_low)
@@ -293,6 +299,19 @@ def descendants(pid: int) -> list[int]:
 def replica_pid(server: ServeRun, deployment: str) -> int:
     assert server.pid is not None
     return replica_pid_below(server.pid, deployment)
+
+
+def registry_pid(server: ServeRun) -> int:
+    """The registry actor's process below this server (Ray names it after its class)."""
+    assert server.pid is not None
+    for pid in descendants(server.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if cmdline.startswith("ray::Registry"):
+            return pid
+    raise LookupError("no registry actor below the server")
 
 
 def replica_pid_below(root: int, deployment: str) -> int:

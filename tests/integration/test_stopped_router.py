@@ -13,7 +13,8 @@
   process of its own, with a progress deadline of `PROGRESS_S`, and is SIGSTOPped for `STOP_S` (a
   few seconds past that deadline) while its greedy streams decode. Resumed, it must end every
   stream with the single-process engine's tokens and hold no request, and no engine may hold one
-  either, within `SETTLE_S`. The 40 s form was run by hand on `serve run deploy/local.yaml`.
+  either, within `SETTLE_S`. The 40 s form, on `serve run deploy/local.yaml`, is
+  `bench/chaos.py --only stops` (`router_stop`).
 
 One real `LocalMesh` for both (processes, ZeroMQ, UCX).
 """

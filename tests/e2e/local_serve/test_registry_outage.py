@@ -21,26 +21,13 @@ from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.local_serve.test_self_healing import NUM_STREAMS, prompts, stream_all
-from tests.e2e.serve_process import ServeRun, descendants, replica_pid
+from tests.e2e.serve_process import ServeRun, registry_pid, replica_pid
 
 pytestmark = pytest.mark.timeout(900)
 
 DEPLOYMENTS = ("Router", "PromptEngine", "TokenEngine", "AttentionShard")
 OUTAGE_S = 15.0
 NUM_TOKENS = 300  # long enough to run through the outage
-
-
-def registry_pid(server: ServeRun) -> int:
-    """The registry actor's process below this server (Ray names it after its class)."""
-    assert server.pid is not None
-    for pid in descendants(server.pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if cmdline.startswith("ray::Registry"):
-            return pid
-    raise LookupError("no registry actor below the server")
 
 
 def test_a_stopped_registry_restarts_no_replica_and_loses_no_stream(
