@@ -212,11 +212,8 @@ def collect_layer(
         network_s = max(network_s, round_trip - result.attend_s)
         if round_trips is not None:
             round_trips.append((sent.shard, round_trip))
-        expected = (sent.rows.step, sent.layer, sent.rows.lane)
-        if (result.step, result.layer, result.lane) != expected:
-            faults.append(f"shard {sent.shard}: reply for step {result.step} layer "
-                          f"{result.layer} lane {result.lane}, expected step {expected[0]} "
-                          f"layer {expected[1]} lane {expected[2]}")  # fmt: skip
+        if (fault := _answers_something_else(sent, result)) is not None:
+            faults.append(fault)
         elif result.error:
             errors.append(f"shard {sent.shard}: {result.error}")
         elif rows_out is not None:
@@ -235,6 +232,15 @@ def collect_layer(
         raise ShardLost(lost)
     if errors:
         raise RuntimeError(f"attention shard failed: {'; '.join(errors)}")
+
+
+def _answers_something_else(sent: ShardSend, result: AttendResult) -> str | None:
+    """What is wrong with a reply that answers another step, layer or lane than `sent`'s."""
+    step, layer, lane = sent.rows.step, sent.layer, sent.rows.lane
+    if (result.step, result.layer, result.lane) == (step, layer, lane):
+        return None
+    return (f"shard {sent.shard}: reply for step {result.step} layer {result.layer} lane "
+            f"{result.lane}, expected step {step} layer {layer} lane {lane}")  # fmt: skip
 
 
 def _receive_reply(
