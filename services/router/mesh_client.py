@@ -120,11 +120,7 @@ class MeshEngineClient:
         self._lock = self.requests.lock
         self.ctx = zmq.Context()
         self.inbox = MeshInbox(
-            self.ctx,
-            host,
-            self.requests.deliver_outputs,
-            self._on_load,
-            auth=auth,
+            self.ctx, host, self.requests.deliver_outputs, self._on_load, auth=auth
         )
         self.reply_endpoint = self.inbox.reply_endpoint
         # The engines count this router's requests by it (`LoadReport.received_requests`).
