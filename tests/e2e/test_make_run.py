@@ -12,7 +12,8 @@ as printed (the chat answer is the single-process engine's greedy one, which
 tests/integration/test_smollm2.py holds equal to transformers'); vLLM's `structured_outputs`
 (json, regex, choice, grammar) and an unknown field; `tools` with `tool_choice="required"` and
 a named function, streamed and not; `/metrics` in vLLM's names through Serve's proxy (`:8000`
-in `make run`) and direct ingress; docs/loadgen.md's chat closed loop of 20 requests.
+in `make run`) and direct ingress; docs/loadgen.md's chat closed loop of 20 requests; and where
+AIPerf is installed (`$PHASEMESH_AIPERF`), bench/loadgen_aiperf.py's comparison.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.loadgen_aiperf import Slice, compare, find_aiperf
 from common.config import env
 from common.model.default import real_model_path
 from loadgen.traces import shared_dir
@@ -48,6 +50,7 @@ pytestmark = [
 ]
 
 MODEL = "smollm2"
+AIPERF = find_aiperf()
 ANSWER = "The capital of France is Paris."  # LLMEngine's greedy answer (test_smollm2.py)
 TRACE = shared_dir() / "traces" / "AzureLLMInferenceTrace_conv.csv"
 # The issue's list: what vLLM's dashboards read, beside the latency histograms.
@@ -203,3 +206,15 @@ def test_loadgen_chat_closed_loop_of_20(server: ServeRun, tmp_path: Path) -> Non
                                            "no_usage": 0}  # fmt: skip
     with open(tmp_path / "requests.csv", newline="") as f:
         assert [int(row["req_index"]) for row in csv.DictReader(f)] == list(range(20))
+
+
+@pytest.mark.skipif(AIPERF is None, reason="aiperf is not installed ($PHASEMESH_AIPERF)")
+def test_loadgen_and_aiperf_agree_on_make_run(server: ServeRun, tmp_path: Path) -> None:
+    """bench/loadgen_aiperf.py's comparison on the real mesh, its default slice, two alternating
+    rounds; the last printed line is the bench's JSON (docs/benchmarks.md records one)."""
+    assert AIPERF is not None
+    folder = str(real_model_path(MODEL))
+    result = compare(server.base_url, folder, AIPERF, Slice(), tmp_path, rounds=2)
+    print(json.dumps(result))
+    assert result["loadgen_completed"] == result["aiperf_completed"] == 2 * Slice().num_requests
+    assert all(result["targets_met"].values()), result
