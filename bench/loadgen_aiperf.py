@@ -82,9 +82,13 @@ def children_cpu_s() -> float:
 
 
 def timed_run(command: list[str], cwd: Path) -> float:
-    """Run `command` to its end (failing on a non-zero exit); the CPU seconds it took."""
+    """Run `command` to its end; the CPU seconds it took. A non-zero exit raises with the end of
+    what it printed."""
     before = children_cpu_s()
-    subprocess.run(command, check=True, cwd=cwd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        printed = (done.stdout + done.stderr)[-4000:]
+        raise RuntimeError(f"{Path(command[0]).name} exited {done.returncode}:\n{printed}")
     return children_cpu_s() - before
 
 
