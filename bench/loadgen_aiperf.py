@@ -15,7 +15,9 @@ exactly `--output-len` output tokens (`ignore_eos`, `min_tokens`). The model is 
 Figures: TTFT p50/p90 and E2E p50 by each tool (the median over rounds; each round's too) and the
 ratio loadgen / AIPerf. Target: every ratio within a third of 1. NOTE: both tools share the
 machine with the server; on a small CPU box AIPerf's own processes (several, over ZeroMQ) take
-cores the server would use, which shows as longer latencies in its rounds.
+cores the server would use, which shows as longer latencies in its rounds. AIPerf runs with one
+worker, one record processor and no UI (its least), and each tool's CPU seconds (its process and
+every child it waited for) are figures too: a tool that takes the server's cores shows there.
 
 AIPerf is `--aiperf`, else `$PHASEMESH_AIPERF`, else `aiperf` on PATH (install it in its own
 virtual environment: it pins many packages); without it the last line says `skipped` and why.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import shutil
 import statistics
 import subprocess
@@ -72,8 +75,25 @@ def find_aiperf(explicit: str | None = None) -> str | None:
     return None
 
 
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (and theirs, where they waited for them)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_run(command: list[str], cwd: Path) -> float:
+    """Run `command` to its end; the CPU seconds it took. A non-zero exit raises with the end of
+    what it printed."""
+    before = children_cpu_s()
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        printed = (done.stdout + done.stderr)[-4000:]
+        raise RuntimeError(f"{Path(command[0]).name} exited {done.returncode}:\n{printed}")
+    return children_cpu_s() - before
+
+
 def run_loadgen(url: str, tokenizer: str, work: Slice, out_dir: Path) -> dict[str, Any]:
-    """`python -m loadgen replay` on the slice; its results.json."""
+    """`python -m loadgen replay` on the slice; its results.json, with the client's `cpu_s`."""
     template_len = text_prompt_builder(tokenizer, work.seed, chat=True).num_added
     command = [
         sys.executable, "-m", "loadgen", "replay", "--url", url, "--endpoint", "chat",
@@ -84,15 +104,15 @@ def run_loadgen(url: str, tokenizer: str, work: Slice, out_dir: Path) -> dict[st
         "--warmup", str(work.concurrency), "--seed", str(work.seed), "--out", str(out_dir),
         "--no-plots", "--disable-tqdm",
     ]  # fmt: skip
-    subprocess.run(command, check=True, cwd=REPO, capture_output=True, text=True, timeout=600)
+    cpu_s = timed_run(command, REPO)
     results: dict[str, Any] = json.loads((out_dir / "results.json").read_text())
-    return results
+    return results | {"cpu_s": cpu_s}
 
 
 def run_aiperf(
     aiperf: str, url: str, model: str, tokenizer: str, work: Slice, out_dir: Path
 ) -> dict[str, Any]:
-    """`aiperf profile` on the slice; its profile_export_aiperf.json."""
+    """`aiperf profile` on the slice; its profile_export_aiperf.json, with the client's `cpu_s`."""
     command = [
         aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "chat",
         "--streaming", "--tokenizer", tokenizer, "--concurrency", str(work.concurrency),
@@ -103,11 +123,11 @@ def run_aiperf(
         "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
         "--extra-inputs", f"min_tokens:{work.output_len}", "--random-seed", str(work.seed),
         "--output-artifact-dir", str(out_dir), "--no-server-metrics", "--no-gpu-telemetry",
+        "--workers-max", "1", "--record-processors", "1", "--ui-type", "none",
     ]  # fmt: skip
-    subprocess.run(command, check=True, cwd=out_dir.parent, capture_output=True, text=True,
-                   timeout=600)  # fmt: skip
+    cpu_s = timed_run(command, out_dir.parent)
     export: dict[str, Any] = json.loads((out_dir / "profile_export_aiperf.json").read_text())
-    return export
+    return export | {"cpu_s": cpu_s}
 
 
 def agreement(loadgen: list[dict[str, Any]], aiperf: list[dict[str, Any]]) -> dict[str, Any]:
@@ -125,6 +145,8 @@ def agreement(loadgen: list[dict[str, Any]], aiperf: list[dict[str, Any]]) -> di
             figures |= {f"loadgen_{name}_rounds_ms": our_rounds,
                         f"aiperf_{name}_rounds_ms": their_rounds}  # fmt: skip
         met[f"{name}_ratio_within"] = abs(ratio - 1) <= AGREEMENT
+    for tool, runs in (("loadgen", loadgen), ("aiperf", aiperf)):
+        figures[f"{tool}_cpu_s"] = statistics.median(run["cpu_s"] for run in runs)
     figures["loadgen_completed"] = sum(run["completed"] for run in loadgen)
     figures["aiperf_completed"] = sum(int(run["request_count"]["avg"]) for run in aiperf)
     return figures | {"targets": TARGETS, "targets_met": met}
@@ -163,8 +185,8 @@ def main() -> None:
         url = args.url.rstrip("/")
         result = compare(url, args.tokenizer, aiperf, work, Path(workdir), args.rounds)
     for key, value in result.items():
-        if isinstance(value, float) and (key.endswith("_ms") or key.endswith("_ratio")):
-            print(f"{key:<24}{value:.1f}" if key.endswith("_ms") else f"{key:<24}{value:.3f}")
+        if isinstance(value, float) and key.endswith(("_ms", "_ratio", "_cpu_s")):
+            print(f"{key:<24}{value:.3f}" if key.endswith("_ratio") else f"{key:<24}{value:.1f}")
     print(json.dumps(result))
 
 

@@ -262,13 +262,13 @@ def served(
     workdir: Path,
     args: dict[str, Any] | None = None,
     ingress: Ingress = "direct",
-    preset: str = "tiny",
+    preset: str | None = "tiny",
     deployments: dict[str, dict[str, Any]] | None = None,
     app_options: dict[str, Any] | None = None,
 ) -> Iterator[ServeRun]:
     """`serve run deploy/<config_name>` (with `args` over its app's args, `deployments`' options
     over theirs and `app_options` over the application's: `config_on_port`) on the `preset`
-    random model for the `with` block."""
+    random model (None: the config's own, `make run`'s) for the `with` block."""
     run = ServeRun(REPO / "deploy" / config_name, workdir, args, ingress, preset, deployments,
                    app_options)  # fmt: skip
     try:

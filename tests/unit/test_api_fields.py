@@ -182,9 +182,11 @@ def test_allowed_token_ids_skip_special_tokens_and_token_id_logprobs(router: Rou
     assert kept["logprobs"]["tokens"] == tokens  # same seed, same tokens
     assert skipped["text"] == router.tokenizer.decode(ids, skip_special_tokens=True)
     assert kept["text"] == router.tokenizer.decode(ids, skip_special_tokens=False)
-    if bos in ids:
-        assert router.tokenizer.bos_token in kept["text"]
-        assert router.tokenizer.bos_token not in skipped["text"]
+    # Only the special token allowed: vLLM's default drops it from the text, False keeps it.
+    only_bos = {"prompt": "hi", "max_tokens": 3, "allowed_token_ids": [bos], "ignore_eos": True}
+    assert complete(router, **only_bos)["choices"][0]["text"] == ""
+    kept_bos = complete(router, **only_bos, skip_special_tokens=False)["choices"][0]["text"]
+    assert kept_bos == router.tokenizer.bos_token * 3
 
 
 def test_bad_words_ban_their_token_sequences(router: Router, reference: LLMEngine) -> None:

@@ -8,6 +8,7 @@ the two clients' measuring, TTFT p50/p90 and E2E p50 within a third.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,5 +29,6 @@ def test_loadgen_and_aiperf_agree_on_the_same_slice(tmp_path: Path, tiny_model_p
     stub = ("--first-token-delay-s", "0.3", "--token-delay-s", "0.03")
     with running_stub(*stub) as (_, url):
         result = compare(url, str(tiny_model_path), AIPERF, Slice(num_requests=12), tmp_path)
+    print(json.dumps(result))  # the bench's figures, for `pytest -rA`
     assert result["loadgen_completed"] == result["aiperf_completed"] == 12
     assert all(result["targets_met"].values()), result

@@ -52,6 +52,7 @@ from common.telemetry import (
     trace_id_of,
 )
 from common.telemetry.metrics import REPORTED_SPECS, TBT_BUCKETS, _ray_recorder
+from services.app_args import AppArgs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -552,6 +553,10 @@ def test_dashboard_queries_only_metrics_that_exist() -> None:
             for name in re.findall(r"\$\{prefix\}(\w+)", query["expr"]):
                 queried.add(re.sub(r"_(bucket|count|sum)$", "", name))
     assert queried == exported  # every query resolves, every metric is on the dashboard
+    # It opens on the router's /metrics, which deploy/prometheus.yml scrapes and `make run` serves
+    # (Ray's agent there listens on a random port), in vLLM's names, the app's default.
+    [prefix] = [v for v in dashboard["templating"]["list"] if v["name"] == "prefix"]
+    assert prefix["current"]["value"] == "vllm:" == f"{AppArgs().metrics_names}:"
 
 
 def test_collector_and_prometheus_configs_wire_the_documented_ports() -> None:
