@@ -285,8 +285,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
-        print(f"| {name} | {r.shardings} | {r.tokens_per_s:,.0f} | {r.num_transitions} | {r.reshard_s:,.1f} | "
-              f"{r.bubble_s:,.1f} | {r.prefill_s:,.0f} | {r.decode_s:,.0f} |")  # fmt: skip
+        print(f"| {name} | {r.shardings} | {r.tokens_per_s:,.0f} | {r.num_transitions} | "
+              f"{r.reshard_s:,.1f} | {r.bubble_s:,.1f} | {r.prefill_s:,.0f} | {r.decode_s:,.0f} |")  # fmt: skip
     ratio = results["seesaw"].tokens_per_s / best_other
     print(json.dumps({"hardware": args.hardware, "gpus": args.gpus, "requests": len(lengths),
                       "tokens_per_s": {n: round(r.tokens_per_s, 1) for n, r in results.items()},
