@@ -272,11 +272,26 @@ def compare(lengths: list[tuple[int, int]], profile_csv: str, hardware: str, gpu
             for name, mode in modes(gpus, prefill, decode).items()}  # fmt: skip
 
 
+def seesaw_over_best_other(results: dict[str, OfflineResult]) -> float:
+    best = max(r.tokens_per_s for name, r in results.items() if name != "seesaw")
+    return results["seesaw"].tokens_per_s / best
+
+
+def simulated_gain(hardware: str = "a100-80gb-pcie", requests: int = 2000) -> float:
+    """Seesaw over the best other mode for the default job on `hardware` (8 GPUs): the GPU case
+    beside `bench/seesaw.py`'s CPU figure."""
+    shared = shared_dir()
+    rows = read_trace(str(shared / "traces" / "AzureLLMInferenceTrace_conv.csv"))[:requests]
+    lengths = [(r.input_len, max(1, r.output_len)) for r in rows]
+    return seesaw_over_best_other(
+        compare(lengths, str(shared / "perf" / "splitwise_perf_model.csv"), hardware)
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     rows = read_trace(args.trace)[: args.requests]
     lengths = [(r.input_len, max(1, r.output_len)) for r in rows]
     results = compare(lengths, args.profile, args.hardware, args.gpus, args.buffer_requests)
-    best_other = max(r.tokens_per_s for name, r in results.items() if name != "seesaw")
     print(f"{len(lengths)} requests on {args.gpus} x {args.hardware}, buffer of "
           f"{args.buffer_requests} requests")  # fmt: skip
     print(
@@ -286,8 +301,9 @@ def _run(args: argparse.Namespace) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         print(f"| {name} | {r.shardings} | {r.tokens_per_s:,.0f} | {r.num_transitions} | "
-              f"{r.reshard_s:,.1f} | {r.bubble_s:,.1f} | {r.prefill_s:,.0f} | {r.decode_s:,.0f} |")  # fmt: skip
-    ratio = results["seesaw"].tokens_per_s / best_other
+              f"{r.reshard_s:,.1f} | {r.bubble_s:,.1f} | {r.prefill_s:,.0f} | "
+              f"{r.decode_s:,.0f} |")  # fmt: skip
+    ratio = seesaw_over_best_other(results)
     print(json.dumps({"hardware": args.hardware, "gpus": args.gpus, "requests": len(lengths),
                       "tokens_per_s": {n: round(r.tokens_per_s, 1) for n, r in results.items()},
                       "seesaw_shardings": results["seesaw"].shardings,
@@ -300,8 +316,12 @@ def add_offline_parser(sub: Any) -> None:
     p = sub.add_parser("offline", help="an offline batch job: Seesaw against fixed shardings")
     p.add_argument("--trace", default=str(shared / "traces" / "AzureLLMInferenceTrace_conv.csv"))
     p.add_argument("--profile", default=str(shared / "perf" / "splitwise_perf_model.csv"))
-    p.add_argument("--hardware", default="a100-80gb", choices=tuple(HARDWARE),
-                   help="the profile's GPUs and their link (a100-80gb-pcie: Seesaw's PCIe A100s)")
+    p.add_argument(
+        "--hardware",
+        default="a100-80gb",
+        choices=tuple(HARDWARE),
+        help="the profile's GPUs and their link (a100-80gb-pcie: Seesaw's PCIe A100s)",
+    )
     p.add_argument("--gpus", type=int, default=8, choices=(4, 8))
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--buffer-requests", type=int, default=256,
