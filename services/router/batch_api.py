@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Message
 
 from services.router.api_errors import APIError, error_responses, param_path
-from services.router.batch_store import BatchError, BatchStore, Line
+from services.router.batch_store import BatchError, BatchStorage, Line
 from services.router.openai_api import ChatCompletionRequest, CompletionRequest
 
 log = structlog.get_logger(__name__)
@@ -152,7 +152,7 @@ class BatchRunner:
     """Claims unfinished batches from the store, one at a time, and runs their lines."""
 
     def __init__(
-        self, store: BatchStore, call: Call, owner: str | None = None, concurrency: int = 8,
+        self, store: BatchStorage, call: Call, owner: str | None = None, concurrency: int = 8,
         lease_s: float = 30.0, poll_s: float = 1.0, offline: OfflineJob | None = None,
         offline_cancel: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:  # fmt: skip
@@ -266,7 +266,7 @@ class BatchCreate(BaseModel):
 class BatchApi:
     """The endpoints over one store; `runner` works through its batches on the router's loop."""
 
-    def __init__(self, store: BatchStore, runner: BatchRunner) -> None:
+    def __init__(self, store: BatchStorage, runner: BatchRunner) -> None:
         self.store, self.runner = store, runner
         self._task: asyncio.Task[None] | None = None
 
