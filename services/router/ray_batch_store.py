@@ -29,7 +29,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayTaskError
 
-from services.mesh.ray_registry import ON_HEAD_NODE, REGISTRY_NAMESPACE
+from services.mesh.ray_registry import head_actor
 from services.router.batch_store import BatchError, BatchStore, BodyCheck, Line
 
 # Calls the actor serves at once: every Router's API calls and its runner's lease renewals; the
@@ -46,15 +46,8 @@ class RayBatchStore:
     @classmethod
     def on_head(cls, path: str, body_check: BodyCheck | None = None) -> RayBatchStore:
         """The store actor for `path` (on the head's disk), created on first use."""
-        actor = ray.remote(num_cpus=0, max_restarts=-1, resources=ON_HEAD_NODE)(BatchStore)
-        handle = actor.options(  # type: ignore[attr-defined]
-            name=f"batch-store:{os.path.normpath(path)}",
-            namespace=REGISTRY_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            max_concurrency=MAX_CONCURRENT_CALLS,
-        ).remote(path, body_check)
-        return cls(handle)
+        name = f"batch-store:{os.path.normpath(path)}"
+        return cls(head_actor(BatchStore, name, MAX_CONCURRENT_CALLS, path, body_check))
 
     def _call(self, method: str, *args: Any) -> Any:
         try:
