@@ -13,7 +13,7 @@ the prompt and output lengths, at least 1 token each, within `--max-len`). Modes
   the other two schedules.
 
 The simulator's offline mode (`python -m loadgen.sim offline`) compares them on the A100/H100
-profiles.
+profiles, over NVLink or the paper's PCIe (`--hardware a100-80gb-pcie`).
 
 For each mode: output tokens per second, stage transitions, time in prefill, in decode and
 blocked on the KV re-shard (swap-outs landing, swap-ins; both weight shardings stay resident, so
