@@ -7,11 +7,12 @@ batch's greedy output equals the online API's for the same bodies. At most `conc
 are in flight per runner, and a line refused for capacity (429/503) waits and runs again rather
 than failing: offline work takes what online traffic leaves.
 
-Faults: state lives in `BatchStore` (SQLite). A router that dies mid-batch leaves its lease to run
-out; the next runner to look (a restarted replica, or another one sharing the store) claims the
-batch and runs the lines with no recorded outcome. A line's outcome is recorded once. A body that
-fails validation is refused at upload with every bad line named; a line that fails at run time
-(a 400 for its body) goes to the error file with its status and error, and the batch goes on.
+Faults: state lives in `BatchStore` (SQLite; on a cluster, the head's store actor:
+`ray_batch_store.py`, which says what its own death costs). A router that dies mid-batch leaves its
+lease to run out; the next runner to look (a restarted replica, or another one sharing the store)
+claims the batch and runs the lines with no recorded outcome. A line's outcome is recorded once. A
+body that fails validation is refused at upload with every bad line named; a line that fails at run
+time (a 400 for its body) goes to the error file with its status and error, and the batch goes on.
 """
 
 from __future__ import annotations
