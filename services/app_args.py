@@ -84,8 +84,10 @@ class AppArgs(_Args):
     # 0: one chunk per engine step. `services.router.streams.StreamInterval`.
     stream_interval: int = Field(default=1, ge=1)
     stream_interval_s: float = Field(default=0.0, ge=0)
-    # The Batch API's state (files, batches, each line's outcome): an SQLite file every Router
-    # replica can open (a shared volume on a cluster); None: no Batch API.
+    # The Batch API's state (files, batches, each line's outcome): a path is an SQLite file each
+    # Router replica opens itself (one node, or a shared volume); `ray:<path>` is that file on
+    # the Ray head node's disk behind one named actor every Router of the cluster reaches
+    # (services/router/ray_batch_store.py); None: no Batch API.
     batch_store: str | None = "~/.cache/phasemesh/batches.sqlite"
     # Seesaw's offline group behind the Batch API (its own deployment; services/offline/); None:
     # batches run through the online API only.

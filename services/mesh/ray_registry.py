@@ -24,6 +24,19 @@ ON_HEAD_NODE = {"node:__internal_head__": 0.001}
 MAX_CONCURRENT_CALLS = 64
 
 
+def head_actor(cls: type, name: str, max_concurrency: int, *args: Any) -> Any:
+    """`cls(*args)` as a named detached actor on the head node (no CPU, restarted by Ray when its
+    process dies), created on first use: its handle."""
+    actor: Any = ray.remote(num_cpus=0, max_restarts=-1, resources=ON_HEAD_NODE)(cls)
+    return actor.options(  # type: ignore[attr-defined]
+        name=name,
+        namespace=REGISTRY_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_concurrency=max_concurrency,
+    ).remote(*args)
+
+
 class RayRegistry:
     """The registry actor behind `Registry`'s method names; every call waits at most `timeout_s`."""
 
@@ -36,15 +49,7 @@ class RayRegistry:
     def for_app(cls, app_name: str) -> RayRegistry:
         """This application's registry actor, created on first use (no CPU: it keeps a dict), on
         the head node."""
-        actor = ray.remote(num_cpus=0, max_restarts=-1, resources=ON_HEAD_NODE)(Registry)
-        handle = actor.options(  # type: ignore[attr-defined]
-            name=f"registry-{app_name}",
-            namespace=REGISTRY_NAMESPACE,
-            lifetime="detached",
-            get_if_exists=True,
-            max_concurrency=MAX_CONCURRENT_CALLS,
-        ).remote()
-        return cls(handle, app_name)
+        return cls(head_actor(Registry, f"registry-{app_name}", MAX_CONCURRENT_CALLS), app_name)
 
     def _call(self, method: str, *args: Any) -> Any:
         return ray.get(getattr(self.handle, method).remote(*args), timeout=self.timeout_s)

@@ -7,11 +7,12 @@ batch's greedy output equals the online API's for the same bodies. At most `conc
 are in flight per runner, and a line refused for capacity (429/503) waits and runs again rather
 than failing: offline work takes what online traffic leaves.
 
-Faults: state lives in `BatchStore` (SQLite). A router that dies mid-batch leaves its lease to run
-out; the next runner to look (a restarted replica, or another one sharing the store) claims the
-batch and runs the lines with no recorded outcome. A line's outcome is recorded once. A body that
-fails validation is refused at upload with every bad line named; a line that fails at run time
-(a 400 for its body) goes to the error file with its status and error, and the batch goes on.
+Faults: state lives in `BatchStore` (SQLite; on a cluster, the head's store actor:
+`ray_batch_store.py`, which says what its own death costs). A router that dies mid-batch leaves its
+lease to run out; the next runner to look (a restarted replica, or another one sharing the store)
+claims the batch and runs the lines with no recorded outcome. A line's outcome is recorded once. A
+body that fails validation is refused at upload with every bad line named; a line that fails at run
+time (a 400 for its body) goes to the error file with its status and error, and the batch goes on.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Message
 
 from services.router.api_errors import APIError, error_responses, param_path
-from services.router.batch_store import BatchError, BatchStore, Line
+from services.router.batch_store import BatchError, BatchStorage, Line
 from services.router.openai_api import ChatCompletionRequest, CompletionRequest
 
 log = structlog.get_logger(__name__)
@@ -152,7 +153,7 @@ class BatchRunner:
     """Claims unfinished batches from the store, one at a time, and runs their lines."""
 
     def __init__(
-        self, store: BatchStore, call: Call, owner: str | None = None, concurrency: int = 8,
+        self, store: BatchStorage, call: Call, owner: str | None = None, concurrency: int = 8,
         lease_s: float = 30.0, poll_s: float = 1.0, offline: OfflineJob | None = None,
         offline_cancel: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:  # fmt: skip
@@ -266,7 +267,7 @@ class BatchCreate(BaseModel):
 class BatchApi:
     """The endpoints over one store; `runner` works through its batches on the router's loop."""
 
-    def __init__(self, store: BatchStore, runner: BatchRunner) -> None:
+    def __init__(self, store: BatchStorage, runner: BatchRunner) -> None:
         self.store, self.runner = store, runner
         self._task: asyncio.Task[None] | None = None
 

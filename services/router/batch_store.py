@@ -6,8 +6,9 @@ have no outcome yet. A line's outcome is written in one transaction, once (`reco
 second one), so no line appears twice in the output file, whatever crashed when. A line whose
 request was in flight when its runner died runs again: its output is the one recorded.
 
-Several router replicas may share one store (a path on a volume they all mount): claims are
-atomic updates, so each batch has one runner at a time.
+Several router replicas may share one store (a path on a volume they all mount, or the head
+node's store actor: `ray_batch_store.py`): claims are atomic updates, so each batch has one
+runner at a time.
 
 Pure storage: no event loop, no HTTP. Calls block briefly (SQLite); the API calls them off the
 event loop.
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 BATCH_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 WINDOW_S = {"24h": 24 * 3600.0}  # OpenAI accepts only "24h"
@@ -128,6 +129,27 @@ def _line_problem(line: Any, seen: set[str]) -> str:
     return ""
 
 
+class BatchStorage(Protocol):
+    """What the Batch API and its runner use of a store: `BatchStore` (an SQLite file this process
+    opens) or `ray_batch_store.RayBatchStore` (the head node's store actor, for a cluster)."""
+
+    def close(self) -> None: ...
+    def create_file(self, purpose: str, filename: str, content: bytes) -> dict[str, Any]: ...
+    def get_file(self, file_id: str) -> dict[str, Any]: ...
+    def file_content(self, file_id: str) -> bytes: ...
+    def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
+                     metadata: dict[str, str] | None) -> dict[str, Any]: ...  # fmt: skip
+    def get_batch(self, batch_id: str) -> dict[str, Any]: ...
+    def list_batches(self, after: str | None, limit: int) -> dict[str, Any]: ...
+    def cancel(self, batch_id: str) -> dict[str, Any]: ...
+    def claim(self, owner: str, lease_s: float, now: float | None = None) -> str | None: ...
+    def renew(self, batch_id: str, owner: str, lease_s: float) -> str: ...
+    def pending(self, batch_id: str) -> list[Line]: ...
+    def record(self, batch_id: str, line_no: int, status_code: int,
+               body: dict[str, Any]) -> bool: ...  # fmt: skip
+    def finish(self, batch_id: str) -> dict[str, Any]: ...
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
@@ -136,7 +158,7 @@ class BatchStore:
     """Files, batches and line outcomes in SQLite at `path` (created if missing)."""
 
     def __init__(self, path: str | Path, body_check: BodyCheck | None = None) -> None:
-        self.path, self.body_check = Path(path), body_check
+        self.path, self.body_check = Path(path).expanduser(), body_check
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One connection, used from the API's worker threads one at a time.
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
@@ -367,3 +389,18 @@ class BatchStore:
         stamps.setdefault(status, int(time.time()))
         db.execute("UPDATE batches SET status=?, times=? WHERE id=?",
                    (status, json.dumps(stamps), batch_id))  # fmt: skip
+
+
+RAY_STORE_PREFIX = "ray:"
+
+
+def open_batch_store(spec: str | Path, body_check: BodyCheck | None = None) -> BatchStorage:
+    """`batch_store` as the app args give it: `ray:<path>`, the store actor on the Ray head node
+    holding the SQLite file `<path>` on the head's disk (every Router of the cluster shares it);
+    else a path, an SQLite file this process opens."""
+    text = str(spec)
+    if text.startswith(RAY_STORE_PREFIX):
+        from services.router.ray_batch_store import RayBatchStore  # Ray only where it is asked for
+
+        return RayBatchStore.on_head(text.removeprefix(RAY_STORE_PREFIX), body_check)
+    return BatchStore(text, body_check)

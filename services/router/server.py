@@ -62,7 +62,7 @@ from services.router.batch_api import (
     asgi_caller,
     body_problem,
 )
-from services.router.batch_store import BatchStore
+from services.router.batch_store import open_batch_store
 from services.router.body_gate import BigBodyGate
 from services.router.choices import Outputs, best, choice_params, collect_all, merge, start_all
 from services.router.engine_client import EngineClient
@@ -198,7 +198,8 @@ class Router:
         """`max_model_len`: the context a request may use (prompt + output), at most the model's;
         `api_key`: clients must send it as a Bearer token (None: the API is open);
         `num_chat_processes`: worker processes that render long chats (`PromptWork`);
-        `batch_store`: the Batch API's SQLite file (None: no Batch API); `batch_lease_s`: how
+        `batch_store`: the Batch API's SQLite file, or `ray:<path>` for the Ray head's store
+        actor over that file (`open_batch_store`; None: no Batch API); `batch_lease_s`: how
         long a batch stays with a runner that stopped renewing it (a dead router's batches
         resume elsewhere after it); `offline`: Seesaw's group, which takes batches of plain
         greedy completions as one job (None: every batch runs through the online API);
@@ -242,7 +243,7 @@ class Router:
     def _batch_api(self, batch_store: str | Path, lease_s: float) -> BatchApi:
         """The Batch API on `self.app`: its lines run through the app itself (and plain greedy
         batches on the offline group, when there is one)."""
-        store = BatchStore(Path(batch_store).expanduser(), body_problem)
+        store = open_batch_store(batch_store, body_problem)
         job = self.offline_completions if self.offline is not None else None
         cancel = self.offline.cancel if self.offline is not None else None
         runner = BatchRunner(store, asgi_caller(self.app, self.api_key), lease_s=lease_s,

@@ -40,3 +40,26 @@ def test_the_cli_prints_a_table_and_json(capsys) -> None:  # type: ignore[no-unt
     assert main(["offline", "--requests", "200", "--buffer-requests", "64"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("| mode |") and '"seesaw_over_best_other"' in out[-1]
+
+
+def test_a_pcie_link_makes_tensor_parallel_decode_dearer_and_leaves_pipeline_alone() -> None:
+    from loadgen.sim.offline import ProfileTimes, Sharding
+
+    nvlink, pcie = ProfileTimes(PROFILE, "a100-80gb"), ProfileTimes(PROFILE, "a100-80gb-pcie")
+    tp8, pp8 = Sharding(8, 1), Sharding(2, 4)
+    # TP8's decode step: 160 all-reduces of the batch's activations over 8 GPUs each step.
+    assert pcie.decode_s(tp8, 64) > 1.2 * nvlink.decode_s(tp8, 64)
+    assert pcie.prefill_s(tp8, 8192) > 1.5 * nvlink.prefill_s(tp8, 8192)
+    # Pipeline stages send one micro-batch's activations and all-reduce over 2 GPUs only.
+    assert pcie.decode_s(pp8, 64) < 1.1 * nvlink.decode_s(pp8, 64)
+    # On PCIe the TP step loses to the pipeline's; over NVLink it does not by as much.
+    ratio = {t: t.decode_s(tp8, 64) / t.decode_s(pp8, 64) for t in (nvlink, pcie)}
+    assert ratio[pcie] > ratio[nvlink]
+    # Seesaw's gain over the best fixed sharding is larger on PCIe (§6.4's direction).
+    job = lengths(300)
+    gains = {}
+    for hw in ("a100-80gb", "a100-80gb-pcie"):
+        results = compare(job, PROFILE, hw, gpus=8, buffer_requests=64)
+        best = max(r.tokens_per_s for n, r in results.items() if n != "seesaw")
+        gains[hw] = results["seesaw"].tokens_per_s / best
+    assert gains["a100-80gb-pcie"] > gains["a100-80gb"] > 1.0
