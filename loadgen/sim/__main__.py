@@ -18,6 +18,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from loadgen.sim import compiled
+
+# The compiled hot modules when built and current (loadgen/sim/compiled.py), else pure Python:
+# decided before the imports below load them.
+COMPILED = compiled.enable()
+
 from common.scheduling.home_roles import HomeRoleThresholds
 from loadgen.sim.autoscale_cli import add_autoscale_parser
 from loadgen.sim.designs import DESIGNS, parse_cluster
@@ -55,7 +61,7 @@ def _replay(args: argparse.Namespace) -> int:
     for key, value in check.slowdowns.items():
         print(f"  {key:<9} {value:6.2f}x  (limit {check.limits[key]:g}x)")
     print(json.dumps({"cluster": cluster.label, "slos_met": check.met, "wall_s": round(wall_s, 2),
-                      "num_home_moves": result.num_home_moves}))  # fmt: skip
+                      "num_home_moves": result.num_home_moves, "compiled": COMPILED}))  # fmt: skip
     return 0
 
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import cast
 
 import structlog
 
@@ -397,9 +398,10 @@ class Simulator:
         if version != machine.version or machine.run is None:
             return  # superseded by an interrupt
         plan, finished = machine.complete()
-        first: Sequence[int | str] = ()
+        first: Sequence[int] = ()
         if plan.prefill_ids:
-            first = [r for r in plan.prefill_ids if self._after_prefill(machine, r, now, finished)]
+            prefill_ids = cast("tuple[int, ...]", plan.prefill_ids)  # (the simulator's are ints)
+            first = [r for r in prefill_ids if self._after_prefill(machine, r, now, finished)]
         if finished or self.frontend is not None:  # (the front end streams every token out)
             decoded_s = self._client_time(now, len(plan.decode_ids))
         for req_id in finished:
