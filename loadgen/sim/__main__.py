@@ -20,9 +20,10 @@ from dataclasses import replace
 
 from loadgen.sim import compiled
 
-# The compiled hot modules when built and current (loadgen/sim/compiled.py), else pure Python:
-# decided before the imports below load them.
-COMPILED = compiled.enable()
+# Run as `python -m loadgen.sim`: the compiled hot modules when built and current
+# (loadgen/sim/compiled.py), else pure Python, decided before the imports below load them.
+# Imported (by tests), it changes nothing: that process keeps the pure-Python modules.
+COMPILED = compiled.enable() if __name__ == "__main__" else False
 
 from common.scheduling.home_roles import HomeRoleThresholds
 from loadgen.sim.autoscale_cli import add_autoscale_parser

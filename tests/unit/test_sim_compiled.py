@@ -69,3 +69,16 @@ def test_the_compiled_simulator_gives_the_frozen_results_request_by_request() ->
     assert got["enabled"] is True
     assert all(got["compiled"].values()), got["compiled"]
     assert got["equal"] == dict.fromkeys(names, True)
+
+
+def test_importing_the_cli_leaves_the_modules_pure_python() -> None:
+    """Tests import `loadgen.sim.__main__` for its `main`: only running it as the program may
+    switch to the compiled build, never a test process that happens to import it first."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, loadgen.sim.__main__ as cli; "
+         "print(cli.COMPILED, 'loadgen.sim.simulator' in sys.modules, "
+         "sys.modules['loadgen.sim.simulator'].__file__.endswith('.py'))"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert done.stdout.split() == ["False", "True", "True"]
