@@ -26,7 +26,7 @@ install: $(STAMP) sim-compiled
 # Python, the same results slower.
 SIM_COMPILED := build/sim-compiled/STAMP
 SIM_SOURCES := $(wildcard common/scheduling/*.py loadgen/sim/*.py) common/roles.py \
-	common/kv_events.py common/perf_model.py common/config.py
+	common/kv_events.py common/perf_model.py common/config.py loadgen/traces.py
 $(SIM_COMPILED): $(STAMP) $(SIM_SOURCES)
 	$(BIN)/python -m loadgen.sim.compiled build || echo "simulator: no compiled build, pure Python"
 

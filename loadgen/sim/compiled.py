@@ -1,11 +1,11 @@
 """The simulator's hot modules compiled with mypyc, optional: the same source, about twice as fast.
 
 `python -m loadgen.sim.compiled build` (`make sim-compiled`, part of `make install`) compiles
-`HOT_MODULES` (the event loop, the machines, and the policies it shares with the live mesh) into
-`build/sim-compiled/`, beside a stamp of the sources it compiled. `enable()` (called by
-`python -m loadgen.sim` before it imports them) puts that build ahead of the sources, only while
-the stamp matches the sources as they are now; everything else, the live mesh and the tests
-included, imports the pure-Python modules, which stay the reference.
+`HOT_MODULES` (the event loop, the machines, the policies it shares with the live mesh, the
+arrivals' generator) into `build/sim-compiled/`, beside a stamp of the sources it compiled.
+`enable()` (called by `python -m loadgen.sim` before it imports them) puts that build ahead of
+the sources, only while the stamp matches the sources as they are now; everything else, the live
+mesh and the tests included, imports the pure-Python modules, which stay the reference.
 
 Failures: no compiler or mypyc, or a failed build: `build` exits non-zero and `make install`
 goes on (pure Python). Sources edited since the build (a stale stamp), a build for another
@@ -32,6 +32,7 @@ HOT_MODULES = (
     "common.scheduling.cluster",
     "loadgen.sim.machine",
     "loadgen.sim.simulator",
+    "loadgen.sim.workload",
 )
 # The packages whose search path the build joins (each hot module's parent).
 PACKAGES = ("common.scheduling", "loadgen.sim")
@@ -47,6 +48,7 @@ STAMPED = (
     "loadgen/sim/designs.py",
     "loadgen/sim/prefix_cache.py",
     "loadgen/sim/shared_cpu.py",
+    "loadgen/traces.py",
 )
 GROUP = "loadgen.sim.hot"  # the shared library's name (loadgen/sim/hot__mypyc.*.so)
 
