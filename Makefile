@@ -7,7 +7,7 @@ UV_INSTALL := $(BIN)/uv pip install --python $(BIN)/python
 STAMP := $(VENV)/.phasemesh-installed
 KERNEL_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.txt csrc/*.toml csrc/*.py)
 
-.PHONY: install kernel model run test pytest lint typecheck unit bench bench-llamacpp-env clean device-wheels
+.PHONY: install sim-compiled kernel model run test pytest lint typecheck unit bench bench-llamacpp-env clean device-wheels
 
 $(STAMP): pyproject.toml $(KERNEL_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,18 @@ $(STAMP): pyproject.toml $(KERNEL_SOURCES)
 	$(MAKE) kernel
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) sim-compiled
+
+# The simulator's hot modules compiled with mypyc (loadgen/sim/compiled.py), rebuilt when a source
+# it stamps changes. Optional: without it (no compiler, a failed build) the simulator runs pure
+# Python, the same results slower.
+SIM_COMPILED := build/sim-compiled/STAMP
+SIM_SOURCES := $(wildcard common/scheduling/*.py loadgen/sim/*.py) common/roles.py \
+	common/kv_events.py common/perf_model.py common/config.py loadgen/traces.py
+$(SIM_COMPILED): $(STAMP) $(SIM_SOURCES)
+	$(BIN)/python -m loadgen.sim.compiled build || echo "simulator: no compiled build, pure Python"
+
+sim-compiled: $(SIM_COMPILED)
 
 # Builds the C++ paged decode-attention kernel (csrc/). The engine falls back to the pure-torch
 # reference, and says so once, when the build is unavailable.

@@ -19,6 +19,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from loadgen.sim import compiled
+
+# Run as `python -m loadgen.sim`: the compiled hot modules when built and current
+# (loadgen/sim/compiled.py), else pure Python, decided before the imports below load them.
+# Imported (by tests), it changes nothing: that process keeps the pure-Python modules.
+COMPILED = compiled.enable() if __name__ == "__main__" else False
+
 from common.scheduling.home_roles import HomeRoleThresholds
 from loadgen.sim.autoscale_cli import add_autoscale_parser
 from loadgen.sim.designs import DESIGNS, parse_cluster
@@ -57,7 +64,7 @@ def _replay(args: argparse.Namespace) -> int:
     for key, value in check.slowdowns.items():
         print(f"  {key:<9} {value:6.2f}x  (limit {check.limits[key]:g}x)")
     print(json.dumps({"cluster": cluster.label, "slos_met": check.met, "wall_s": round(wall_s, 2),
-                      "num_home_moves": result.num_home_moves}))  # fmt: skip
+                      "num_home_moves": result.num_home_moves, "compiled": COMPILED}))  # fmt: skip
     return 0
 
 

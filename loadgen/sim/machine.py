@@ -16,6 +16,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from common.kv_events import reusable_blocks
 from common.perf_model import PerfModel
@@ -135,33 +136,36 @@ class SimMachine:
     def start(self, now: float, output_len: Sequence[int]) -> Run | None:
         """Plan and start the next iteration or decode run; None when there is nothing to do."""
         policy, landed = self.policy, self._landed
+        if not (policy.running or policy.prompts or policy.resumes or policy.arrived_decodes):
+            return None  # idle (a prompt machine between prompts): `schedule` would plan nothing
         plan = policy.schedule(now)
         # The plan's joins: its prefills, and the landed decodes it admitted (the policy takes
         # them FCFS, so they are the head of `_landed`).
-        joined: Sequence[int] = plan.prefill_ids
+        joined: Sequence[int] = cast("tuple[int, ...]", plan.prefill_ids)  # (ids are ints here)
         if len(landed) > len(policy.arrived_decodes):
             joined = list(joined)
             for _ in range(len(landed) - len(policy.arrived_decodes)):
                 joined.append(landed.popleft())
-        if not plan.prefill_ids and not plan.decode_ids:
+        prefill_ids, decode_ids = plan.prefill_ids, plan.decode_ids
+        if not prefill_ids and not decode_ids:
             self.run = None
             return None
         self._track(joined, output_len)
         stall_s, self.pending_stall_s = self.pending_stall_s, 0.0
         times = self.step_times  # (its memos read inline: a lookup per run)
-        if plan.prefill_ids:
-            key = (self._computed_prefill_tokens(plan), len(plan.decode_ids))
+        if prefill_ids:
+            key = (self._computed_prefill_tokens(plan), len(decode_ids))
             step_s = times.iteration.get(key)
             if step_s is None:
                 step_s = times.iteration_s(*key)
-            self.run = Run(plan, now, step_s, 1, stall_s)
+            run = self.run = Run(plan, now, step_s, 1, stall_s)
         else:
-            step_s = times.decode.get(len(plan.decode_ids))
+            step_s = times.decode.get(len(decode_ids))
             if step_s is None:
-                step_s = times.decode_s(len(plan.decode_ids))
-            self.run = Run(plan, now, step_s, self._run_len(), stall_s)
+                step_s = times.decode_s(len(decode_ids))
+            run = self.run = Run(plan, now, step_s, self._run_len(), stall_s)
         self.version += 1
-        return self.run
+        return run
 
     def interrupt(self, now: float) -> float | None:
         """Cut a decode run at the first iteration boundary after `now`; the new end time, or
@@ -183,7 +187,7 @@ class SimMachine:
         self.policy.advance(run.num_steps - 1)
         if self.cache is not None:  # the prefills' blocks are computed: others may now reuse them
             for req_id in run.plan.prefill_ids:
-                self.cache.register(req_id, self.block_keys.get(req_id, ()))
+                self.cache.register(int(req_id), self.block_keys.get(int(req_id), ()))
         self.busy_s += run.stall_s + run.step_s * run.num_steps
         self.run = None
         return run.plan, self._pop_finished()
@@ -196,10 +200,10 @@ class SimMachine:
             self.num_computed_tokens += plan.num_prefill_tokens
             return plan.num_prefill_tokens
         for req_id in plan.preempted_ids:
-            cache.release(req_id)
+            cache.release(int(req_id))
         num_hit = 0
         for req_id in plan.prefill_ids:
-            keys = self.block_keys.get(req_id, ())
+            keys = self.block_keys.get(int(req_id), ())
             usable = reusable_blocks(self.policy.running[req_id].prompt_len, self.block_len)
             hit = cache.acquire(int(req_id), keys[:usable]) * self.block_len
             self.hit_tokens[int(req_id)] = hit

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import cast
 
 import structlog
 
@@ -261,7 +262,6 @@ class Simulator:
 
     def advance_until(self, time_s: float) -> float:
         """Process every event up to `time_s`; the time of the last one processed."""
-        handlers = (self._on_arrival, self._on_run_end, self._on_kv_landed, self._on_frontend)
         events, arrivals, pop = self._events, self._arrivals, heapq.heappop
         num_events = 0
         while True:
@@ -274,7 +274,15 @@ class Simulator:
             else:
                 break
             self.now = now
-            handlers[kind](now, a, b)
+            # (by name, most frequent first: compiled, each is a direct call)
+            if kind == RUN_END:
+                self._on_run_end(now, a, b)
+            elif kind == ARRIVAL:
+                self._on_arrival(now, a, b)
+            elif kind == KV_LANDED:
+                self._on_kv_landed(now, a, b)
+            else:
+                self._on_frontend(now, a, b)
             num_events += 1
         self.num_events += num_events
         return self.now
@@ -349,10 +357,10 @@ class Simulator:
         """The board, with the loads of the machines changed since the last routing (those the
         router routes to: a machine out of its pools keeps no load there)."""
         machines, loads, routable = self.machines, self.loads, self.router.pools.current
-        report = loads.report
         for machine_id in self._changed:
             if machine_id in routable:
-                report(machine_id, *machines[machine_id].load())
+                pending, decode, free = machines[machine_id].load()
+                loads.report(machine_id, pending, decode, free)
         self._changed.clear()
         return loads
 
@@ -397,9 +405,10 @@ class Simulator:
         if version != machine.version or machine.run is None:
             return  # superseded by an interrupt
         plan, finished = machine.complete()
-        first: Sequence[int | str] = ()
+        first: Sequence[int] = ()
         if plan.prefill_ids:
-            first = [r for r in plan.prefill_ids if self._after_prefill(machine, r, now, finished)]
+            prefill_ids = cast("tuple[int, ...]", plan.prefill_ids)  # (the simulator's are ints)
+            first = [r for r in prefill_ids if self._after_prefill(machine, r, now, finished)]
         if finished or self.frontend is not None:  # (the front end streams every token out)
             decoded_s = self._client_time(now, len(plan.decode_ids))
         for req_id in finished:
