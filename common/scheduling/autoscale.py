@@ -13,6 +13,13 @@ What the peers' users complain about, and the rule here that prevents it:
   happens for `cooldown_s`.
 - **Cold-start samples inflating the count**: a replica younger than `warmup_s` is still loading
   weights or compiling; its samples are left out (its queue is not yet the mesh's queue).
+- **A step taken in several decisions** (1 -> 3 -> 5 -> 6 while the new replicas start): a
+  replica's arrival rate (`prompt_tokens_per_s` against what one replica serves at its SLO)
+  says at once how many the step needs, where a queue only grows towards it; the count goes
+  there in one decision (up to `max_step` groups). While replicas it added are still warming up,
+  no further scale-up: the backlog the old ones queued while the new ones started is what those
+  were added to take, and it is gone by the time they report. (So `cooldown_s` should cover a
+  replica's start-up: the next decision then finds the new replicas reporting, young.)
 - **Scale-downs that cannot hold the load** (consolidation-aware): the load must fit N-1 replicas
   at `scale_down_fill` of their target, so removing one never pushes the rest past the target.
 - **Step explosions**: at most `max_step` groups per decision.
@@ -102,7 +109,8 @@ class Load:
         """The load of `samples`, each divided by `per` (a shard's load in groups' worth)."""
         samples = list(samples)
         warm = [s for s in samples if s.age_s >= policy.warmup_s]
-        # A replica still starting was added for a reason: no scale-down until it reports for real.
+        # A replica still starting was added for a reason: no scale-down until it reports for real,
+        # and no scale-up on the backlog it was added to take (`wanted_for`).
         if not warm:
             return cls(None, warming=bool(samples))
         total = sum(max(s.load, 0.0) for s in warm) / per
@@ -117,9 +125,9 @@ class Load:
 
 def wanted_replicas(policy: ScalePolicy, current: int, samples: Iterable[LoadSample]) -> int:
     """The count the load asks for right now, before delays: up when the load exceeds the
-    target of the current size (or an SLO is breached), down only when it fits a smaller size
-    at `scale_down_fill`; otherwise the current count (the dead band). Bounded, whole groups,
-    at most `max_step` groups away."""
+    target of the current size (or an SLO is breached) and no replica is warming up, down only
+    when it fits a smaller size at `scale_down_fill` and none is; otherwise the current count
+    (the dead band). Bounded, whole groups, at most `max_step` groups away."""
     return wanted_for(policy, current, Load.of(policy, samples))
 
 
@@ -131,7 +139,9 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
     need = max(group, group * math.ceil(total / policy.target_load / group))
     if load.slo_breached:
         need = max(need, current + group)
-    if need > current:
+    if need > current and load.warming:
+        wanted = current  # the last scale-up's replicas are not serving yet: hold
+    elif need > current:
         wanted = need
     else:
         wanted = current

@@ -38,7 +38,14 @@ from loadgen.sim.designs import ClusterSpec, Design
 from loadgen.sim.machine import SimMachine
 from loadgen.sim.simulator import SimOptions, SimRequest, SimResult, Simulator
 from loadgen.sim.slo import attainment
-from services.mesh.autoscaling import AGE, SIGNALS, samples_from
+from services.mesh.autoscaling import (
+    AGE,
+    LENT_SIGNAL,
+    SIGNALS,
+    RateMeter,
+    lent_prefill_samples,
+    samples_from,
+)
 
 # -- load steps ---------------------------------------------------------------------------------
 
@@ -142,8 +149,8 @@ _SHARED_KNOBS = {
     "warmup_s": 30.0,
 }
 DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
-    Role.PROMPT: {"targets": {"pending_prompt_tokens": 1000}, "scale_down_fill": 0.4,
-                  **_SHARED_KNOBS},
+    Role.PROMPT: {"targets": {"prompt_tokens_per_s": 3500, "pending_prompt_tokens": 16_000},
+                  "scale_down_fill": 0.7, **_SHARED_KNOBS},
     Role.TOKEN: {"targets": {"running_decode_tokens": 30_000}, "scale_down_fill": 0.5,
                  **_SHARED_KNOBS},
     Role.MIXED: {"targets": {"pending_prompt_tokens": 1000, "running_decode_tokens": 30_000},
@@ -302,6 +309,7 @@ class AutoscaledCluster:
         self.events: list[ScaleEvent] = []
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self._history: dict[int, deque[tuple[float, tuple[float, ...]]]] = {}
+        self._arrivals: dict[int, RateMeter] = {}  # machine id -> its prompt tokens' rate
         # Initial machines have run long enough that none of their samples is a warm-up one.
         warm = max(options.roles[role].policy.warmup_s for role in roles)
         for role in roles:
@@ -348,6 +356,7 @@ class AutoscaledCluster:
         life.stopped_s = now
         del self._life[life.machine_id]
         self._history.pop(life.machine_id, None)
+        self._arrivals.pop(life.machine_id, None)
         self._stopped[life.role].append(life.machine_id)
 
     def _lives_of(self, role: Role) -> list[ReplicaLife]:
@@ -373,9 +382,12 @@ class AutoscaledCluster:
             if life.draining_s is not None and self.sim.machines[life.machine_id].is_idle:
                 self._stop(life, now)
         changed = False
+        metrics = {role: self._metrics(role, self._signal_names(role), now) for role in self.roles}
         for role in self.roles:
             scaling = self.options.roles[role]
-            samples = samples_from(self._metrics(role, scaling, now), dict(scaling.targets))
+            samples = samples_from(metrics[role], dict(scaling.targets))
+            if role == Role.PROMPT:  # prefills lent to token machines are the prompt side's load
+                samples += lent_prefill_samples(metrics[Role.TOKEN], dict(scaling.targets))
             before = self._state[role]
             after = decide(scaling.policy, before, samples, now)
             self._state[role] = after
@@ -394,17 +406,32 @@ class AutoscaledCluster:
             self._routed = routable
             self.sim.set_routable(routable, now)
 
-    def _metrics(self, role: Role, scaling: RoleScaling, now: float) -> dict[str, dict[str, float]]:
+    def _signal_names(self, role: Role) -> tuple[str, ...]:
+        """The signals `role`'s machines report: its targets', and a token machine's prompt
+        arrival rate when the prompt side scales on it (`lent_prefill_samples`)."""
+        names = tuple(self.options.roles[role].targets)
+        prompt = self.options.roles.get(Role.PROMPT)
+        if role == Role.TOKEN and prompt is not None and LENT_SIGNAL in prompt.targets:
+            names += (LENT_SIGNAL,)
+        return names
+
+    def _metrics(
+        self, role: Role, names: tuple[str, ...], now: float
+    ) -> dict[str, dict[str, float]]:
         """Each active machine's signals averaged over the look-back window, as Serve hands
         them to a policy: {signal: {replica: value}}, with each replica's age."""
-        names = tuple(scaling.targets)
         metrics: dict[str, dict[str, float]] = {AGE: {}, **{name: {} for name in names}}
         horizon = now - self.options.look_back_s
         for life in self._lives_of(role):
             if life.draining_s is not None or life.active_s > now:
                 continue  # a draining replica no longer counts, a starting one has no report
+            machine = self.sim.machines[life.machine_id]
             history = self._history.setdefault(life.machine_id, deque())
-            history.append((now, signals(self.sim.machines[life.machine_id], names)))
+            meter = self._arrivals.get(life.machine_id)
+            if meter is None:  # it reports from now on (as a replica does once it runs)
+                meter = self._arrivals[life.machine_id] = RateMeter(now, machine.prompt_tokens_in)
+            rate = meter.rate(now, machine.prompt_tokens_in)
+            history.append((now, signals(machine, names, rate)))
             while history and history[0][0] < horizon:
                 history.popleft()
             replica = str(life.machine_id)
@@ -447,13 +474,17 @@ class AutoscaledCluster:
                                self.options.shards_per_group)  # fmt: skip
 
 
-def signals(machine: SimMachine, names: Sequence[str]) -> tuple[float, ...]:
+def signals(
+    machine: SimMachine, names: Sequence[str], prompt_rate: float = 0.0
+) -> tuple[float, ...]:
     """A machine's signals as an engine reports them (`services/mesh/autoscaling.py`'s
-    `engine_stats`): pending prompt tokens, decode tokens (its KV in use or on its way), and the
-    share of its KV that is."""
+    `engine_stats`): its prompt tokens' arrival rate (`prompt_rate`, since its last report),
+    pending prompt tokens, decode tokens (its KV in use or on its way), and the share of its KV
+    that is."""
     pending, decode, free = machine.load()
     capacity = machine.policy.config.kv_capacity_tokens
     values = {
+        "prompt_tokens_per_s": prompt_rate,
         "pending_prompt_tokens": float(pending),
         "running_decode_tokens": float(decode),
         "kv_fill": min(max(1.0 - free / capacity, 0.0), 1.0) if capacity else 0.0,

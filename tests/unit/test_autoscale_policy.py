@@ -232,3 +232,16 @@ def test_bad_policies_are_refused() -> None:
                {"min_replicas": 9}):  # fmt: skip
         with pytest.raises(ValueError):
             replace_policy(**kw)
+
+
+def test_no_scale_up_on_the_backlog_while_the_last_scale_ups_replicas_warm_up() -> None:
+    # A step sized at once: 1 -> 4. The old replica's queue (what it took while the new ones
+    # started) still asks for more, but the new ones are warming up: hold, then none is needed.
+    fast = replace_policy(upscale_after_s=0, cooldown_s=0, max_step=8)
+    state = decide(fast, ScaleState(replicas=1), samples(3500), now=0.0)
+    assert state.replicas == 4
+    backlog = [LoadSample("old", 9000, 600.0)] + [LoadSample(f"new{i}", 0, 5.0) for i in range(3)]
+    state = decide(fast, state, backlog, now=20.0)
+    assert state.replicas == 4 and state.num_changes == 1
+    warm = [LoadSample("old", 900, 600.0)] + [LoadSample(f"new{i}", 800, 40.0) for i in range(3)]
+    assert decide(fast, state, warm, now=60.0).replicas == 4
