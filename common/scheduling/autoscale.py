@@ -160,8 +160,9 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
 def decide(
     policy: ScalePolicy, state: ScaleState, samples: Iterable[LoadSample], now: float
 ) -> ScaleState:
-    """The next state: `state.replicas` changes only once the wanted count has held for its delay
-    and the cool-down since the last change has passed."""
+    """The next state: `state.replicas` changes only once a change has been wanted for its delay
+    and the cool-down since the last change has passed; it goes to the largest count wanted
+    meanwhile (`advance`)."""
     return advance(policy, state, wanted_replicas(policy, state.replicas, samples), now)
 
 
@@ -170,9 +171,14 @@ def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> 
     current = state.replicas
     if wanted == current:
         return replace(state, wanted=0, wanted_since=None)
-    # A change of direction (or of size) restarts the clock; the same wish keeps it.
+    # A change of direction restarts the clock; the same wish keeps it, and asks for the most it
+    # asked for meanwhile: a noisy signal (a rate over a short window) read low at the moment of
+    # the change does not size a step short (which a second scale-up would then have to mend),
+    # and a scale-down goes no further than the least it wanted.
     same_direction = state.wanted and (state.wanted > current) == (wanted > current)
     since = state.wanted_since if same_direction and state.wanted_since is not None else now
+    if same_direction:
+        wanted = max(wanted, state.wanted)
     delay = policy.upscale_after_s if wanted > current else policy.downscale_after_s
     cooling = state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s
     if now - since < delay or cooling:

@@ -245,3 +245,17 @@ def test_no_scale_up_on_the_backlog_while_the_last_scale_ups_replicas_warm_up() 
     assert state.replicas == 4 and state.num_changes == 1
     warm = [LoadSample("old", 900, 600.0)] + [LoadSample(f"new{i}", 800, 40.0) for i in range(3)]
     assert decide(fast, state, warm, now=60.0).replicas == 4
+
+
+def test_a_step_goes_to_the_most_it_asked_for_while_the_wish_lasted() -> None:
+    # A rate read over a short window swings: 6, 4.5, then 3.2 replicas' worth at the moment
+    # the delay is over. Sized by that last reading the step would need a second scale-up.
+    wide = replace_policy(max_step=8)
+    state = ScaleState(replicas=1)
+    for now, total in ((0.0, 6000), (5.0, 4500), (10.0, 3200)):
+        state = decide(wide, state, samples(total), now=now)
+    assert state.replicas == 6 and state.num_changes == 1
+    # Down likewise to the least reduction it wanted (the largest count): 6 -> 3, not 2.
+    for now, total in ((100.0, 900), (130.0, 1500), (160.0, 600)):
+        state = decide(wide, state, samples(*[total / 6] * 6), now=now)
+    assert state.replicas == 3
