@@ -171,13 +171,14 @@ def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> 
     current = state.replicas
     if wanted == current:
         return replace(state, wanted=0, wanted_since=None)
-    # A change of direction restarts the clock; the same wish keeps it, and asks for the most it
-    # asked for meanwhile: a noisy signal (a rate over a short window) read low at the moment of
-    # the change does not size a step short (which a second scale-up would then have to mend),
-    # and a scale-down goes no further than the least it wanted.
+    # A change of direction restarts the clock; the same wish keeps it. A scale-up asks for the
+    # most it asked for meanwhile: a noisy signal (a rate over a short window) read low at the
+    # moment of the change does not size a step short (which a second scale-up would then have
+    # to mend). A scale-down goes by the latest reading: its wish began while the load was
+    # still falling, and the most it wanted then is not what the load needs now.
     same_direction = state.wanted and (state.wanted > current) == (wanted > current)
     since = state.wanted_since if same_direction and state.wanted_since is not None else now
-    if same_direction:
+    if same_direction and wanted > current:
         wanted = max(wanted, state.wanted)
     delay = policy.upscale_after_s if wanted > current else policy.downscale_after_s
     cooling = state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s

@@ -255,7 +255,9 @@ def test_a_step_goes_to_the_most_it_asked_for_while_the_wish_lasted() -> None:
     for now, total in ((0.0, 6000), (5.0, 4500), (10.0, 3200)):
         state = decide(wide, state, samples(total), now=now)
     assert state.replicas == 6 and state.num_changes == 1
-    # Down likewise to the least reduction it wanted (the largest count): 6 -> 3, not 2.
-    for now, total in ((100.0, 900), (130.0, 1500), (160.0, 600)):
+    state = decide(wide, state, samples(*[4500 / 6] * 6), now=20.0)
+    assert state.replicas == 6 and state.wanted == 0  # nothing to mend after
+    # Down by the latest reading: the wish began while the load was still falling.
+    for now, total in ((100.0, 1500), (130.0, 900), (160.0, 600)):
         state = decide(wide, state, samples(*[total / 6] * 6), now=now)
-    assert state.replicas == 3
+    assert state.replicas == 1
