@@ -132,15 +132,18 @@ class RoleScaling:
 
 
 # Defaults for the GPU designs (Llama2-70B on DGX machines, Table VI's SLOs), from
-# bench/autoscale.py's runs. A prompt machine's pending tokens (its prefill in progress
-# included) track its offered load until it queues, then grow without bound: a load step asks
-# for many machines at once (`max_step` lets them come in one decision), and a wish must last
-# `upscale_after_s` (longer than the look-back) so that the average it reads is the step's, not
-# the base's. The averages of a steady load still swing by 2-3x (Poisson arrivals, long-tailed
-# prompts), so a scale-down needs the load to fit well under the target (`scale_down_fill`)
-# for minutes, or the count would follow the noise. A token machine's decode KV stops growing at
-# the router's "full" figure (40k tokens, `SimOptions.thresholds`: the rest goes to the mixed
-# pool), so its target sits below it.
+# bench/autoscale.py's runs. A prompt machine is sized by the prompt tokens it receives per
+# second (its target: what one machine prefills per second while its TTFT p90 holds, well under
+# its throughput: a queue of a few prompts already breaks the TTFT limit) plus its backlog (the
+# pending tokens, its prefill in progress included, over their target), and counts the prefills
+# lent to token machines too: a load step asks for all it needs in one decision (`max_step`
+# lets them come at once), the most it asked for while the wish lasted `upscale_after_s`.
+# A token machine's decode KV stops growing at the router's "full" figure (40k tokens,
+# `SimOptions.thresholds`: the rest goes to the mixed pool), so its target sits below it. The
+# averages of a steady load still swing (Poisson arrivals, long-tailed prompts), so a
+# scale-down needs the load to fit under the target with room (`scale_down_fill`) for minutes.
+# `cooldown_s` covers a machine's start-up (`AutoscaleOptions.startup_s`'s default): the
+# decision after a scale-up finds the new machines reporting, young, and adds none meanwhile.
 _SHARED_KNOBS = {
     "max_step": 64,
     "upscale_after_s": 30.0,
@@ -171,9 +174,9 @@ class AutoscaleOptions:
     initial: Mapping[Role, int] = field(default_factory=dict)
     startup_s: float = 60.0
     interval_s: float = 1.0
-    # Serve's default is 30 s; a short window lets a step's first decision read the step's load
-    # alone and ask for all it needs at once (bench/autoscale.py).
-    look_back_s: float = 10.0
+    # Serve's default: a step's first decision comes `upscale_after_s` (no shorter) into it, and
+    # reads the step's load alone; a long window smooths a long-tailed trace's swings.
+    look_back_s: float = 30.0
     shards_per_group: int = 0
 
     def __post_init__(self) -> None:

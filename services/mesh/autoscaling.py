@@ -47,7 +47,11 @@ request-based rule (ongoing requests over `target_ongoing_requests`).
 
 A replica whose report is missing (starting, or its hook failed) contributes no sample; a
 replica whose worker died fails its health check and Serve replaces it, so a dead replica's last
-load never holds the count up. Scale-down goes through the replica's graceful shutdown: it
+load never holds the count up. An engine's worker restarted inside its replica starts its
+`prompt_tokens_in` counter from 0 again: `RateMeter` reads a counter that went back as counting
+from 0 (never a negative rate). A token engine that died lends nothing: no report, no lent
+sample. A warm-up hold lasts `warmup_s` from the replica's start at most (its age grows
+whatever it reports). Scale-down goes through the replica's graceful shutdown: it
 leaves routing first (state `draining`), finishes what it holds, then stops
 (`services/mesh/replica.py`). A shard told to stop while the token engine that claims it drains
 waits for that engine to leave first, so a group leaves after its engine; a shard of an engine
