@@ -22,6 +22,9 @@ What the peers' users complain about, and the rule here that prevents it:
   replica's start-up: the next decision then finds the new replicas reporting, young.)
 - **Scale-downs that cannot hold the load** (consolidation-aware): the load must fit N-1 replicas
   at `scale_down_fill` of their target, so removing one never pushes the rest past the target.
+- **A step met at the edge**: a scale-up goes to where the load sits in the middle of the dead
+  band (halfway between `scale_down_fill` and the target), so the next swing of the load neither
+  adds nor removes a replica.
 - **Step explosions**: at most `max_step` groups per decision.
 - **Half a shard group**: shards come and go in whole groups of `group_size` (a token engine
   claims `shards_per_group` of them), so counts are multiples of it.
@@ -142,7 +145,10 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
     if need > current and load.warming:
         wanted = current  # the last scale-up's replicas are not serving yet: hold
     elif need > current:
-        wanted = need
+        # Up to the middle of the dead band, not its top edge: sized at the target exactly, the
+        # next swing of the load over it would ask for one more (a second event for one step).
+        middle = policy.target_load * (1 + policy.scale_down_fill) / 2
+        wanted = max(need, group * math.ceil(total / middle / group))
     else:
         wanted = current
         # Consolidation: go down a group at a time while the load fits the smaller size with room.

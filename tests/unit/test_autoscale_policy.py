@@ -235,24 +235,27 @@ def test_bad_policies_are_refused() -> None:
 
 
 def test_no_scale_up_on_the_backlog_while_the_last_scale_ups_replicas_warm_up() -> None:
-    # A step sized at once: 1 -> 4. The old replica's queue (what it took while the new ones
-    # started) still asks for more, but the new ones are warming up: hold, then none is needed.
+    # A step sized at once: 1 -> 5 (3.5 replicas' worth, at 0.85 of the target: the middle of
+    # the dead band). The old replica's queue (what it took while the new ones started) still
+    # asks for more, but the new ones are warming up: hold, then none is needed.
     fast = replace_policy(upscale_after_s=0, cooldown_s=0, max_step=8)
     state = decide(fast, ScaleState(replicas=1), samples(3500), now=0.0)
-    assert state.replicas == 4
-    backlog = [LoadSample("old", 9000, 600.0)] + [LoadSample(f"new{i}", 0, 5.0) for i in range(3)]
+    assert state.replicas == 5
+    backlog = [LoadSample("old", 9000, 600.0)] + [LoadSample(f"new{i}", 0, 5.0) for i in range(4)]
     state = decide(fast, state, backlog, now=20.0)
-    assert state.replicas == 4 and state.num_changes == 1
-    warm = [LoadSample("old", 900, 600.0)] + [LoadSample(f"new{i}", 800, 40.0) for i in range(3)]
-    assert decide(fast, state, warm, now=60.0).replicas == 4
+    assert state.replicas == 5 and state.num_changes == 1
+    # Warm, the step's load swinging 20% over what sized it: inside the band, no change.
+    warm = [LoadSample("old", 900, 600.0)] + [LoadSample(f"new{i}", 800, 40.0) for i in range(4)]
+    assert decide(fast, state, warm, now=60.0).replicas == 5
 
 
 def test_a_step_goes_to_the_most_it_asked_for_while_the_wish_lasted() -> None:
-    # A rate read over a short window swings: 6, 4.5, then 3.2 replicas' worth at the moment
-    # the delay is over. Sized by that last reading the step would need a second scale-up.
+    # A rate read over a short window swings: 5, 4.5, then 3.2 replicas' worth at the moment
+    # the delay is over. Sized by that last reading the step would need a second scale-up;
+    # sized by the first, 6 (5 replicas' worth at 0.85 of the target: the band's middle).
     wide = replace_policy(max_step=8)
     state = ScaleState(replicas=1)
-    for now, total in ((0.0, 6000), (5.0, 4500), (10.0, 3200)):
+    for now, total in ((0.0, 5000), (5.0, 4500), (10.0, 3200)):
         state = decide(wide, state, samples(total), now=now)
     assert state.replicas == 6 and state.num_changes == 1
     state = decide(wide, state, samples(*[4500 / 6] * 6), now=20.0)
