@@ -85,6 +85,7 @@ class LoadSample:
     load: float  # in the policy's unit (see `ScalePolicy.target_load`)
     age_s: float  # since the replica started
     slo_breached: bool = False  # its latency p90 is over its SLO
+    lent: bool = False  # load of this role carried by another role's replica (not one of its own)
 
 
 @dataclass(frozen=True)
@@ -106,24 +107,35 @@ class Load:
     total: float | None
     warming: bool = False
     slo_breached: bool = False
+    starting: bool = False  # fewer of its own replicas report than were decided
 
     @classmethod
-    def of(cls, policy: ScalePolicy, samples: Iterable[LoadSample], per: float = 1.0) -> Load:
-        """The load of `samples`, each divided by `per` (a shard's load in groups' worth)."""
+    def of(
+        cls, policy: ScalePolicy, samples: Iterable[LoadSample], per: float = 1.0,
+        expected: int = 0,
+    ) -> Load:  # fmt: skip
+        """The load of `samples`, each divided by `per` (a shard's load in groups' worth);
+        `expected`: how many of the role's own replicas were decided (0: not known)."""
         samples = list(samples)
         warm = [s for s in samples if s.age_s >= policy.warmup_s]
-        # A replica still starting was added for a reason: no scale-down until it reports for real,
-        # and no scale-up on the backlog it was added to take (`wanted_for`).
+        # A replica added and not reporting yet (Serve starts it) holds any scale-down: the
+        # load it was added for may have moved elsewhere meanwhile (the mixed pool), and a
+        # count that drops before it runs flaps. It holds no scale-up: one that never reports
+        # (its hook broken) must not freeze the count below the load.
+        starting = sum(not s.lent for s in samples) < expected
+        # A replica still warming up was added for a reason: no scale-down until it reports for
+        # real, and no scale-up on the backlog it was added to take (`wanted_for`).
         if not warm:
-            return cls(None, warming=bool(samples))
+            return cls(None, warming=bool(samples), starting=starting)
         total = sum(max(s.load, 0.0) for s in warm) / per
-        return cls(total, len(warm) < len(samples), any(s.slo_breached for s in warm))
+        return cls(total, len(warm) < len(samples), any(s.slo_breached for s in warm), starting)
 
     def __or__(self, other: Load) -> Load:
         """Two loads of one unit (a group's engines and its shards): the larger asks."""
         totals = [t for t in (self.total, other.total) if t is not None]
         return Load(max(totals) if totals else None, self.warming or other.warming,
-                    self.slo_breached or other.slo_breached)  # fmt: skip
+                    self.slo_breached or other.slo_breached,
+                    self.starting or other.starting)  # fmt: skip
 
 
 def wanted_replicas(policy: ScalePolicy, current: int, samples: Iterable[LoadSample]) -> int:
@@ -154,6 +166,7 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
         # Consolidation: go down a group at a time while the load fits the smaller size with room.
         while (
             not load.warming
+            and not load.starting
             and wanted - group >= max(policy.min_replicas, group)
             and total <= ((wanted - group) * policy.target_load * policy.scale_down_fill)
         ):
@@ -169,7 +182,8 @@ def decide(
     """The next state: `state.replicas` changes only once a change has been wanted for its delay
     and the cool-down since the last change has passed; it goes to the largest count wanted
     meanwhile (`advance`)."""
-    return advance(policy, state, wanted_replicas(policy, state.replicas, samples), now)
+    load = Load.of(policy, samples, expected=state.replicas)
+    return advance(policy, state, wanted_for(policy, state.replicas, load), now)
 
 
 def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> ScaleState:
@@ -221,7 +235,9 @@ def decide_groups(
     counts groups (`group_size` 1; bounds and `max_step` in groups)."""
     if policy.group_size != 1:
         raise ValueError("a group policy counts groups: group_size must be 1")
-    load = Load.of(policy, engine_samples)
+    load = Load.of(policy, engine_samples, expected=state.replicas)
     if shards_per_group:
-        load = load | Load.of(policy, shard_samples, per=shards_per_group)
+        shards = Load.of(policy, shard_samples, per=shards_per_group,
+                         expected=state.replicas * shards_per_group)  # fmt: skip
+        load = load | shards
     return advance(policy, state, wanted_for(policy, state.replicas, load), now)

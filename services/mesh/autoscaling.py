@@ -178,7 +178,7 @@ def lent_prefill_samples(
     if target is None:
         return []
     return [
-        LoadSample(f"lent:{s.replica_id}", s.load, math.inf)
+        LoadSample(f"lent:{s.replica_id}", s.load, math.inf, lent=True)
         for s in samples_from(token_metrics, {LENT_SIGNAL: target})
     ]
 

@@ -264,3 +264,16 @@ def test_a_step_goes_to_the_most_it_asked_for_while_the_wish_lasted() -> None:
     for now, total in ((100.0, 1500), (130.0, 900), (160.0, 600)):
         state = decide(wide, state, samples(*[total / 6] * 6), now=now)
     assert state.replicas == 1
+
+
+def test_no_scale_down_while_a_replica_decided_has_not_reported_yet() -> None:
+    # 1 -> 2; the second still starting (no report), the first's queue gone elsewhere (the
+    # mixed pool took it): going back to 1 now would flap 1 -> 2 -> 1 before it ever ran.
+    fast = replace_policy(downscale_after_s=0, cooldown_s=0)
+    state = ScaleState(replicas=2, last_change_at=0.0, num_changes=1)
+    for now in (5.0, 10.0):
+        state = decide(fast, state, samples(10), now=now)
+    assert state.replicas == 2
+    assert decide(fast, state, samples(10, 10), now=15.0).replicas == 1  # both report: down
+    # It holds no scale-up: a replica whose reports never come does not freeze the count.
+    assert decide(fast, ScaleState(replicas=2), samples(5000), now=0.0).wanted == 3
