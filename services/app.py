@@ -48,7 +48,7 @@ from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig, role_config
 from services.app_args import AppArgs, EngineArgs
 from services.engine.worker import EngineWorker
-from services.mesh.autoscaling import AGE, engine_stats, shard_stats
+from services.mesh.autoscaling import AGE, RateMeter, engine_stats, shard_stats
 from services.mesh.ray_registry import RayRegistry
 from services.mesh.registry import RegistryClient
 from services.mesh.replica import MeshReplica, start_engine, start_model_peer, start_shard
@@ -252,6 +252,7 @@ class _MeshService:
         _configure_observability(own.telemetry_name, service_id)
         generation = _generation(args)
         self.started_at = time.monotonic()
+        self.arrivals = RateMeter(self.started_at)  # its prompt tokens' arrival rate
         if self.role == Role.SHARD:
             self.replica: MeshReplica = start_shard(service_id, registry, base, generation)
         elif self.role == Role.MODEL_PEER:
@@ -270,7 +271,7 @@ class _MeshService:
             blocks = worker.shard.blocks  # NOTE: racy reads of two ints, for a load figure
             return shard_stats(blocks.num_used_blocks, blocks.num_blocks, age_s)
         if isinstance(worker, EngineWorker):
-            return engine_stats(worker.last_load, age_s)
+            return engine_stats(worker.last_load, age_s, self.arrivals, time.monotonic())
         return {AGE: age_s}
 
     def __del__(self) -> None:

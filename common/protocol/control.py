@@ -328,6 +328,9 @@ class LoadReport(_Msg, tag="load"):
     kv_added: list[int] = []
     kv_removed: list[int] = []
     home_role: Role | None = None  # its configured pool, where it returns from mixed; None: `role`
+    # Prompt tokens of the requests it has received since it started (a counter): its arrival
+    # rate, which the autoscaling policy sizes prompt engines by (services/mesh/autoscaling.py).
+    prompt_tokens_in: Count = 0
     # With request-level shard partitioning: the KV tokens each shard of `shard_endpoints` holds
     # for it (whole-length reservations), which the router balances new requests by.
     shard_kv_tokens: list[Count] = []

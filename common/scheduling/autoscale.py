@@ -13,8 +13,18 @@ What the peers' users complain about, and the rule here that prevents it:
   happens for `cooldown_s`.
 - **Cold-start samples inflating the count**: a replica younger than `warmup_s` is still loading
   weights or compiling; its samples are left out (its queue is not yet the mesh's queue).
+- **A step taken in several decisions** (1 -> 3 -> 5 -> 6 while the new replicas start): a
+  replica's arrival rate (`prompt_tokens_per_s` against what one replica serves at its SLO)
+  says at once how many the step needs, where a queue only grows towards it; the count goes
+  there in one decision (up to `max_step` groups). While replicas it added are still warming up,
+  no further scale-up: the backlog the old ones queued while the new ones started is what those
+  were added to take, and it is gone by the time they report. (So `cooldown_s` should cover a
+  replica's start-up: the next decision then finds the new replicas reporting, young.)
 - **Scale-downs that cannot hold the load** (consolidation-aware): the load must fit N-1 replicas
   at `scale_down_fill` of their target, so removing one never pushes the rest past the target.
+- **A step met at the edge**: a scale-up goes to where the load sits in the middle of the dead
+  band (halfway between `scale_down_fill` and the target), so the next swing of the load neither
+  adds nor removes a replica.
 - **Step explosions**: at most `max_step` groups per decision.
 - **Half a shard group**: shards come and go in whole groups of `group_size` (a token engine
   claims `shards_per_group` of them), so counts are multiples of it.
@@ -75,6 +85,7 @@ class LoadSample:
     load: float  # in the policy's unit (see `ScalePolicy.target_load`)
     age_s: float  # since the replica started
     slo_breached: bool = False  # its latency p90 is over its SLO
+    lent: bool = False  # load of this role carried by another role's replica (not one of its own)
 
 
 @dataclass(frozen=True)
@@ -96,30 +107,42 @@ class Load:
     total: float | None
     warming: bool = False
     slo_breached: bool = False
+    starting: bool = False  # fewer of its own replicas report than were decided
 
     @classmethod
-    def of(cls, policy: ScalePolicy, samples: Iterable[LoadSample], per: float = 1.0) -> Load:
-        """The load of `samples`, each divided by `per` (a shard's load in groups' worth)."""
+    def of(
+        cls, policy: ScalePolicy, samples: Iterable[LoadSample], per: float = 1.0,
+        expected: int = 0,
+    ) -> Load:  # fmt: skip
+        """The load of `samples`, each divided by `per` (a shard's load in groups' worth);
+        `expected`: how many of the role's own replicas were decided (0: not known)."""
         samples = list(samples)
         warm = [s for s in samples if s.age_s >= policy.warmup_s]
-        # A replica still starting was added for a reason: no scale-down until it reports for real.
+        # A replica added and not reporting yet (Serve starts it) holds any scale-down: the
+        # load it was added for may have moved elsewhere meanwhile (the mixed pool), and a
+        # count that drops before it runs flaps. It holds no scale-up: one that never reports
+        # (its hook broken) must not freeze the count below the load.
+        starting = sum(not s.lent for s in samples) < expected
+        # A replica still warming up was added for a reason: no scale-down until it reports for
+        # real, and no scale-up on the backlog it was added to take (`wanted_for`).
         if not warm:
-            return cls(None, warming=bool(samples))
+            return cls(None, warming=bool(samples), starting=starting)
         total = sum(max(s.load, 0.0) for s in warm) / per
-        return cls(total, len(warm) < len(samples), any(s.slo_breached for s in warm))
+        return cls(total, len(warm) < len(samples), any(s.slo_breached for s in warm), starting)
 
     def __or__(self, other: Load) -> Load:
         """Two loads of one unit (a group's engines and its shards): the larger asks."""
         totals = [t for t in (self.total, other.total) if t is not None]
         return Load(max(totals) if totals else None, self.warming or other.warming,
-                    self.slo_breached or other.slo_breached)  # fmt: skip
+                    self.slo_breached or other.slo_breached,
+                    self.starting or other.starting)  # fmt: skip
 
 
 def wanted_replicas(policy: ScalePolicy, current: int, samples: Iterable[LoadSample]) -> int:
     """The count the load asks for right now, before delays: up when the load exceeds the
-    target of the current size (or an SLO is breached), down only when it fits a smaller size
-    at `scale_down_fill`; otherwise the current count (the dead band). Bounded, whole groups,
-    at most `max_step` groups away."""
+    target of the current size (or an SLO is breached) and no replica is warming up, down only
+    when it fits a smaller size at `scale_down_fill` and none is; otherwise the current count
+    (the dead band). Bounded, whole groups, at most `max_step` groups away."""
     return wanted_for(policy, current, Load.of(policy, samples))
 
 
@@ -131,13 +154,19 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
     need = max(group, group * math.ceil(total / policy.target_load / group))
     if load.slo_breached:
         need = max(need, current + group)
-    if need > current:
-        wanted = need
+    if need > current and load.warming:
+        wanted = current  # the last scale-up's replicas are not serving yet: hold
+    elif need > current:
+        # Up to the middle of the dead band, not its top edge: sized at the target exactly, the
+        # next swing of the load over it would ask for one more (a second event for one step).
+        middle = policy.target_load * (1 + policy.scale_down_fill) / 2
+        wanted = max(need, group * math.ceil(total / middle / group))
     else:
         wanted = current
         # Consolidation: go down a group at a time while the load fits the smaller size with room.
         while (
             not load.warming
+            and not load.starting
             and wanted - group >= max(policy.min_replicas, group)
             and total <= ((wanted - group) * policy.target_load * policy.scale_down_fill)
         ):
@@ -150,9 +179,11 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
 def decide(
     policy: ScalePolicy, state: ScaleState, samples: Iterable[LoadSample], now: float
 ) -> ScaleState:
-    """The next state: `state.replicas` changes only once the wanted count has held for its delay
-    and the cool-down since the last change has passed."""
-    return advance(policy, state, wanted_replicas(policy, state.replicas, samples), now)
+    """The next state: `state.replicas` changes only once a change has been wanted for its delay
+    and the cool-down since the last change has passed; it goes to the largest count wanted
+    meanwhile (`advance`)."""
+    load = Load.of(policy, samples, expected=state.replicas)
+    return advance(policy, state, wanted_for(policy, state.replicas, load), now)
 
 
 def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> ScaleState:
@@ -160,9 +191,15 @@ def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> 
     current = state.replicas
     if wanted == current:
         return replace(state, wanted=0, wanted_since=None)
-    # A change of direction (or of size) restarts the clock; the same wish keeps it.
+    # A change of direction restarts the clock; the same wish keeps it. A scale-up asks for the
+    # most it asked for meanwhile: a noisy signal (a rate over a short window) read low at the
+    # moment of the change does not size a step short (which a second scale-up would then have
+    # to mend). A scale-down goes by the latest reading: its wish began while the load was
+    # still falling, and the most it wanted then is not what the load needs now.
     same_direction = state.wanted and (state.wanted > current) == (wanted > current)
     since = state.wanted_since if same_direction and state.wanted_since is not None else now
+    if same_direction and wanted > current:
+        wanted = max(wanted, state.wanted)
     delay = policy.upscale_after_s if wanted > current else policy.downscale_after_s
     cooling = state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s
     if now - since < delay or cooling:
@@ -198,7 +235,9 @@ def decide_groups(
     counts groups (`group_size` 1; bounds and `max_step` in groups)."""
     if policy.group_size != 1:
         raise ValueError("a group policy counts groups: group_size must be 1")
-    load = Load.of(policy, engine_samples)
+    load = Load.of(policy, engine_samples, expected=state.replicas)
     if shards_per_group:
-        load = load | Load.of(policy, shard_samples, per=shards_per_group)
+        shards = Load.of(policy, shard_samples, per=shards_per_group,
+                         expected=state.replicas * shards_per_group)  # fmt: skip
+        load = load | shards
     return advance(policy, state, wanted_for(policy, state.replicas, load), now)

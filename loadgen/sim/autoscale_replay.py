@@ -38,7 +38,14 @@ from loadgen.sim.designs import ClusterSpec, Design
 from loadgen.sim.machine import SimMachine
 from loadgen.sim.simulator import SimOptions, SimRequest, SimResult, Simulator
 from loadgen.sim.slo import attainment
-from services.mesh.autoscaling import AGE, SIGNALS, samples_from
+from services.mesh.autoscaling import (
+    AGE,
+    LENT_SIGNAL,
+    SIGNALS,
+    RateMeter,
+    lent_prefill_samples,
+    samples_from,
+)
 
 # -- load steps ---------------------------------------------------------------------------------
 
@@ -125,15 +132,18 @@ class RoleScaling:
 
 
 # Defaults for the GPU designs (Llama2-70B on DGX machines, Table VI's SLOs), from
-# bench/autoscale.py's runs. A prompt machine's pending tokens (its prefill in progress
-# included) track its offered load until it queues, then grow without bound: a load step asks
-# for many machines at once (`max_step` lets them come in one decision), and a wish must last
-# `upscale_after_s` (longer than the look-back) so that the average it reads is the step's, not
-# the base's. The averages of a steady load still swing by 2-3x (Poisson arrivals, long-tailed
-# prompts), so a scale-down needs the load to fit well under the target (`scale_down_fill`)
-# for minutes, or the count would follow the noise. A token machine's decode KV stops growing at
-# the router's "full" figure (40k tokens, `SimOptions.thresholds`: the rest goes to the mixed
-# pool), so its target sits below it.
+# bench/autoscale.py's runs. A prompt machine is sized by the prompt tokens it receives per
+# second (its target: what one machine prefills per second while its TTFT p90 holds, well under
+# its throughput: a queue of a few prompts already breaks the TTFT limit) plus its backlog (the
+# pending tokens, its prefill in progress included, over their target), and counts the prefills
+# lent to token machines too: a load step asks for all it needs in one decision (`max_step`
+# lets them come at once), the most it asked for while the wish lasted `upscale_after_s`.
+# A token machine's decode KV stops growing at the router's "full" figure (40k tokens,
+# `SimOptions.thresholds`: the rest goes to the mixed pool), so its target sits below it. The
+# averages of a steady load still swing (Poisson arrivals, long-tailed prompts), so a
+# scale-down needs the load to fit under the target with room (`scale_down_fill`) for minutes.
+# `cooldown_s` covers a machine's start-up (`AutoscaleOptions.startup_s`'s default): the
+# decision after a scale-up finds the new machines reporting, young, and adds none meanwhile.
 _SHARED_KNOBS = {
     "max_step": 64,
     "upscale_after_s": 30.0,
@@ -142,8 +152,8 @@ _SHARED_KNOBS = {
     "warmup_s": 30.0,
 }
 DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
-    Role.PROMPT: {"targets": {"pending_prompt_tokens": 1000}, "scale_down_fill": 0.4,
-                  **_SHARED_KNOBS},
+    Role.PROMPT: {"targets": {"prompt_tokens_per_s": 3500, "pending_prompt_tokens": 16_000},
+                  "scale_down_fill": 0.7, **_SHARED_KNOBS},
     Role.TOKEN: {"targets": {"running_decode_tokens": 30_000}, "scale_down_fill": 0.5,
                  **_SHARED_KNOBS},
     Role.MIXED: {"targets": {"pending_prompt_tokens": 1000, "running_decode_tokens": 30_000},
@@ -164,9 +174,9 @@ class AutoscaleOptions:
     initial: Mapping[Role, int] = field(default_factory=dict)
     startup_s: float = 60.0
     interval_s: float = 1.0
-    # Serve's default is 30 s; a short window lets a step's first decision read the step's load
-    # alone and ask for all it needs at once (bench/autoscale.py).
-    look_back_s: float = 10.0
+    # Serve's default: a step's first decision comes `upscale_after_s` (no shorter) into it, and
+    # reads the step's load alone; a long window smooths a long-tailed trace's swings.
+    look_back_s: float = 30.0
     shards_per_group: int = 0
 
     def __post_init__(self) -> None:
@@ -302,6 +312,7 @@ class AutoscaledCluster:
         self.events: list[ScaleEvent] = []
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self._history: dict[int, deque[tuple[float, tuple[float, ...]]]] = {}
+        self._arrivals: dict[int, RateMeter] = {}  # machine id -> its prompt tokens' rate
         # Initial machines have run long enough that none of their samples is a warm-up one.
         warm = max(options.roles[role].policy.warmup_s for role in roles)
         for role in roles:
@@ -348,6 +359,7 @@ class AutoscaledCluster:
         life.stopped_s = now
         del self._life[life.machine_id]
         self._history.pop(life.machine_id, None)
+        self._arrivals.pop(life.machine_id, None)
         self._stopped[life.role].append(life.machine_id)
 
     def _lives_of(self, role: Role) -> list[ReplicaLife]:
@@ -373,9 +385,12 @@ class AutoscaledCluster:
             if life.draining_s is not None and self.sim.machines[life.machine_id].is_idle:
                 self._stop(life, now)
         changed = False
+        metrics = {role: self._metrics(role, self._signal_names(role), now) for role in self.roles}
         for role in self.roles:
             scaling = self.options.roles[role]
-            samples = samples_from(self._metrics(role, scaling, now), dict(scaling.targets))
+            samples = samples_from(metrics[role], dict(scaling.targets))
+            if role == Role.PROMPT:  # prefills lent to token machines are the prompt side's load
+                samples += lent_prefill_samples(metrics[Role.TOKEN], dict(scaling.targets))
             before = self._state[role]
             after = decide(scaling.policy, before, samples, now)
             self._state[role] = after
@@ -394,17 +409,32 @@ class AutoscaledCluster:
             self._routed = routable
             self.sim.set_routable(routable, now)
 
-    def _metrics(self, role: Role, scaling: RoleScaling, now: float) -> dict[str, dict[str, float]]:
+    def _signal_names(self, role: Role) -> tuple[str, ...]:
+        """The signals `role`'s machines report: its targets', and a token machine's prompt
+        arrival rate when the prompt side scales on it (`lent_prefill_samples`)."""
+        names = tuple(self.options.roles[role].targets)
+        prompt = self.options.roles.get(Role.PROMPT)
+        if role == Role.TOKEN and prompt is not None and LENT_SIGNAL in prompt.targets:
+            names += (LENT_SIGNAL,)
+        return names
+
+    def _metrics(
+        self, role: Role, names: tuple[str, ...], now: float
+    ) -> dict[str, dict[str, float]]:
         """Each active machine's signals averaged over the look-back window, as Serve hands
         them to a policy: {signal: {replica: value}}, with each replica's age."""
-        names = tuple(scaling.targets)
         metrics: dict[str, dict[str, float]] = {AGE: {}, **{name: {} for name in names}}
         horizon = now - self.options.look_back_s
         for life in self._lives_of(role):
             if life.draining_s is not None or life.active_s > now:
                 continue  # a draining replica no longer counts, a starting one has no report
+            machine = self.sim.machines[life.machine_id]
             history = self._history.setdefault(life.machine_id, deque())
-            history.append((now, signals(self.sim.machines[life.machine_id], names)))
+            meter = self._arrivals.get(life.machine_id)
+            if meter is None:  # it reports from now on (as a replica does once it runs)
+                meter = self._arrivals[life.machine_id] = RateMeter(now, machine.prompt_tokens_in)
+            rate = meter.rate(now, machine.prompt_tokens_in)
+            history.append((now, signals(machine, names, rate)))
             while history and history[0][0] < horizon:
                 history.popleft()
             replica = str(life.machine_id)
@@ -447,13 +477,17 @@ class AutoscaledCluster:
                                self.options.shards_per_group)  # fmt: skip
 
 
-def signals(machine: SimMachine, names: Sequence[str]) -> tuple[float, ...]:
+def signals(
+    machine: SimMachine, names: Sequence[str], prompt_rate: float = 0.0
+) -> tuple[float, ...]:
     """A machine's signals as an engine reports them (`services/mesh/autoscaling.py`'s
-    `engine_stats`): pending prompt tokens, decode tokens (its KV in use or on its way), and the
-    share of its KV that is."""
+    `engine_stats`): its prompt tokens' arrival rate (`prompt_rate`, since its last report),
+    pending prompt tokens, decode tokens (its KV in use or on its way), and the share of its KV
+    that is."""
     pending, decode, free = machine.load()
     capacity = machine.policy.config.kv_capacity_tokens
     values = {
+        "prompt_tokens_per_s": prompt_rate,
         "pending_prompt_tokens": float(pending),
         "running_decode_tokens": float(decode),
         "kv_fill": min(max(1.0 - free / capacity, 0.0), 1.0) if capacity else 0.0,

@@ -90,6 +90,7 @@ class SimMachine:
         self.run: Run | None = None
         self.version = 0  # bumps whenever the pending end-of-run event is superseded
         self.inbound_kv_tokens = 0  # KV in flight towards this SimMachine
+        self.prompt_tokens_in = 0  # of the prompts routed to it (an engine's `LoadReport` counter)
         self.busy_s = 0.0
         self.max_run_steps = 0  # > 0: decode runs end after this many iterations
         self.pending_stall_s = 0.0  # the next run waits this long first (hand-offs landed)

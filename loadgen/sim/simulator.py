@@ -348,6 +348,7 @@ class Simulator:
         if machine.cache is not None and keys:
             machine.cache.expect(req_id, keys)
         machine.policy.add_prompt(req_id, record.prompt_len, record.arrival_s)
+        machine.prompt_tokens_in += record.prompt_len
         if record.token_machine != record.prompt_machine:
             self.machines[record.token_machine].inbound_kv_tokens += record.prompt_len
             self._changed.add(record.token_machine)

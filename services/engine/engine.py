@@ -81,7 +81,7 @@ class Engine:
 
     def on_generate(self, msg: GenerateRequest) -> Outbox:
         """A new prompt. Invalid requests are answered with an error, never raised."""
-        self.reports.received(msg.reply_to)  # counted placed, whatever becomes of it
+        self.reports.received(msg.reply_to, prompt_tokens=len(msg.prompt_token_ids))
         try:
             req = self.table.add_prompt(msg)
         except ValueError as exc:

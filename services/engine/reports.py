@@ -53,9 +53,12 @@ class EngineReports:
         # placements its reports hold already (`LoadReport.received_requests`).
         self.received_requests: dict[str, int] = {}
         self.received_handoffs: dict[str, int] = {}  # `DecodeHandoff`s, likewise (KV admission)
+        self.prompt_tokens_in = 0  # of the `GenerateRequest`s received (`LoadReport`'s counter)
         self._told_negative_pending = False
 
-    def received(self, reply_to: str, handoff: bool = False) -> None:
+    def received(self, reply_to: str, handoff: bool = False, prompt_tokens: int = 0) -> None:
+        """A request (or hand-off) from `reply_to`, counted placed whatever becomes of it."""
+        self.prompt_tokens_in += prompt_tokens
         counts = self.received_handoffs if handoff else self.received_requests
         counts[reply_to] = counts.get(reply_to, 0) + 1
 
@@ -95,6 +98,7 @@ class EngineReports:
             engine_id=self.engine_id,
             role=self.pool.current(time.monotonic()),
             home_role=self.pool.home,
+            prompt_tokens_in=self.prompt_tokens_in,
             pending_prompt_tokens=self._pending_prompt_tokens(),
             running_decode_tokens=self._decode_tokens(),
             num_running=len(self.local.running) + len(self.admission.sharded),

@@ -17,7 +17,11 @@ policy the simulator runs (`common/scheduling/autoscale.py`):
 
 Signals, per replica (the load is the largest of signal / target, so 1.0 is one replica's worth):
 
-- prompt engines: `pending_prompt_tokens` (Splitwise's JSQ load);
+- prompt engines: `prompt_tokens_per_s`, the prompt tokens it received per second since its last
+  report (its arrival rate; the target: what one replica prefills per second at its TTFT SLO),
+  which sizes a load step at once, and `pending_prompt_tokens` (Splitwise's JSQ load; with a
+  rate target, the two add up: `replica_load`), which catches what the rate misses (long
+  prompts, a slow replica, arrivals diverted to the mixed pool);
 - token engines: `running_decode_tokens` and `kv_fill` (the share of its decode KV in use);
 - shards: `kv_fill`; added in whole groups (`group_size: shards_per_group`), together with the
   token engine that claims them.
@@ -34,12 +38,20 @@ deployment, so +1 token engine comes with +`shards_per_group` shards in the same
         TokenEngine: {targets: {running_decode_tokens: 65536, kv_fill: 0.8}, cooldown_s: 60}
         AttentionShard: {targets: {kv_fill: 0.8}, group_size: 4}   # follows TokenEngine's
 
+With a rate target for the PromptEngine, the prefills the router lent to token engines (the
+mixed pool) count as its load (`lent_prefill_samples`): this needs the application-level policy
+(a deployment-level one sees its own replicas only).
+
 A deployment it does not name (the Router, whose requests pass through Serve) keeps Serve's
 request-based rule (ongoing requests over `target_ongoing_requests`).
 
 A replica whose report is missing (starting, or its hook failed) contributes no sample; a
 replica whose worker died fails its health check and Serve replaces it, so a dead replica's last
-load never holds the count up. Scale-down goes through the replica's graceful shutdown: it
+load never holds the count up. An engine's worker restarted inside its replica starts its
+`prompt_tokens_in` counter from 0 again: `RateMeter` reads a counter that went back as counting
+from 0 (never a negative rate). A token engine that died lends nothing: no report, no lent
+sample. A warm-up hold lasts `warmup_s` from the replica's start at most (its age grows
+whatever it reports). Scale-down goes through the replica's graceful shutdown: it
 leaves routing first (state `draining`), finishes what it holds, then stops
 (`services/mesh/replica.py`). A shard told to stop while the token engine that claims it drains
 waits for that engine to leave first, so a group leaves after its engine; a shard of an engine
@@ -72,24 +84,55 @@ log = structlog.get_logger(__name__)
 
 AGE = "age_s"
 SIGNALS: dict[Role, tuple[str, ...]] = {
-    Role.PROMPT: ("pending_prompt_tokens",),
+    Role.PROMPT: ("prompt_tokens_per_s", "pending_prompt_tokens"),
     Role.TOKEN: ("running_decode_tokens", "kv_fill"),
-    Role.MIXED: ("pending_prompt_tokens", "running_decode_tokens", "kv_fill"),
+    Role.MIXED: (
+        "prompt_tokens_per_s",
+        "pending_prompt_tokens",
+        "running_decode_tokens",
+        "kv_fill",
+    ),
     Role.SHARD: ("kv_fill",),
 }
 STATE_KEY = "phasemesh"  # our part of Serve's per-deployment policy state
 # A token engine and the shards it claims: the deployments that scale as one (services/app.py).
 GROUP_DEPLOYMENTS = ("TokenEngine", "AttentionShard")
+PROMPT_DEPLOYMENT = "PromptEngine"  # its load includes the prefills lent to the token engines
 
 
-def engine_stats(report: LoadReport | None, age_s: float) -> dict[str, float]:
-    """An engine replica's `record_autoscaling_stats`: its latest load report's signals."""
+class RateMeter:
+    """A counter's rate between two readings: a replica's arrival rate from its cumulative
+    `prompt_tokens_in`, read at each of Serve's stats calls (Serve averages the readings over
+    its look-back window). A counter that went back (the engine restarted) reads as starting
+    from 0 again; readings at the same instant repeat the last rate."""
+
+    def __init__(self, now: float, count: float = 0.0) -> None:
+        self.last_time, self.last_count, self.last_rate = now, count, 0.0
+
+    def rate(self, now: float, count: float) -> float:
+        elapsed = now - self.last_time
+        if elapsed <= 0:
+            return self.last_rate
+        base = self.last_count if count >= self.last_count else 0.0
+        self.last_rate = (count - base) / elapsed
+        self.last_time, self.last_count = now, count
+        return self.last_rate
+
+
+def engine_stats(
+    report: LoadReport | None, age_s: float, arrivals: RateMeter | None = None, now: float = 0.0
+) -> dict[str, float]:
+    """An engine replica's `record_autoscaling_stats`: its latest load report's signals, and
+    with `arrivals` its prompt tokens received per second since the last call (at `now`)."""
     if report is None:
         return {AGE: age_s}
     total = report.total_kv_blocks or 0
     fill = 1.0 - report.free_kv_blocks / total if total else 0.0
+    rate = {} if arrivals is None else {
+        "prompt_tokens_per_s": arrivals.rate(now, float(report.prompt_tokens_in))}  # fmt: skip
     return {
         AGE: age_s,
+        **rate,
         "pending_prompt_tokens": float(report.pending_prompt_tokens),
         "running_decode_tokens": float(report.running_decode_tokens),
         "kv_fill": min(max(fill, 0.0), 1.0),
@@ -113,9 +156,42 @@ def samples_from(
         numbers = [v for v in (age, *values) if isinstance(v, int | float) and math.isfinite(v)]
         if len(numbers) != len(values) + 1:
             continue
-        load = max(float(v) / targets[n] for v, n in zip(values, targets, strict=True))  # type: ignore[arg-type]
-        out.append(LoadSample(str(replica), load, float(age)))
+        shares = {n: float(v) / targets[n] for v, n in zip(values, targets, strict=True)}  # type: ignore[arg-type]
+        out.append(LoadSample(str(replica), replica_load(shares), float(age)))
     return out
+
+
+LENT_SIGNAL = "prompt_tokens_per_s"
+
+
+def lent_prefill_samples(
+    token_metrics: dict[str, dict[Any, float]], prompt_targets: dict[str, float]
+) -> list[LoadSample]:
+    """The prefills the router lent to token engines (the mixed pool takes a prompt engine's
+    overflow), as prompt engines' load: one sample per token engine that reported its prompt
+    arrival rate, in prompt engines' worth. Without them a load step reads short while the
+    prompt engines are overloaded, just when the mixed pool takes most of it; with them the
+    prompt side is sized for all the prompts, and the lending stops once it is. None when the
+    prompt side has no rate target. A token engine's warm-up is the token side's: its samples
+    here count as warm (they hold no prompt engine's scale-up or -down)."""
+    target = prompt_targets.get(LENT_SIGNAL)
+    if target is None:
+        return []
+    return [
+        LoadSample(f"lent:{s.replica_id}", s.load, math.inf, lent=True)
+        for s in samples_from(token_metrics, {LENT_SIGNAL: target})
+    ]
+
+
+def replica_load(shares: dict[str, float]) -> float:
+    """A replica's load from its signals' shares of their targets: the largest, except that the
+    prompt tokens arriving and those queued add up (both take its prefill time: keeping up with
+    the arrivals and clearing the backlog); a rate alone would under-read a step while the
+    router diverts an overloaded engine's arrivals to the mixed pool."""
+    arriving = shares.pop("prompt_tokens_per_s", None)
+    if arriving is not None:
+        shares["prompt_tokens_per_s"] = arriving + shares.pop("pending_prompt_tokens", 0.0)
+    return max(shares.values())
 
 
 def check_targets(targets: dict[str, float]) -> dict[str, float]:
@@ -160,11 +236,15 @@ class MeshAutoscalingPolicy:
         group = int(knobs.get("group_size", 1))
         bounded_policy(knobs, group, group)
 
-    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+    def __call__(
+        self, ctx: Any, lent: list[LoadSample] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """The count for `ctx`'s deployment; `lent`: load of its role that other deployments'
+        replicas carry for it (`lent_prefill_samples`)."""
         policy = bounded_policy(
             self.knobs, ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
         )
-        samples = samples_from(ctx.aggregated_metrics or {}, self.targets)
+        samples = samples_from(ctx.aggregated_metrics or {}, self.targets) + (lent or [])
         state = decide(policy, saved_state(ctx), samples, now_of(ctx))
         return state.replicas, {STATE_KEY: asdict(state)}
 
@@ -236,12 +316,16 @@ class MeshAppAutoscalingPolicy:
         by_name = {dep.name: (dep, ctx) for dep, ctx in contexts.items()}
         decisions: dict[Any, float] = {}
         states: dict[Any, Any] = {}
+        engine_name, shard_name = GROUP_DEPLOYMENTS
         for name, (dep, ctx) in by_name.items():
-            if name in self.roles:
+            if name == PROMPT_DEPLOYMENT and name in self.roles and engine_name in by_name:
+                token_metrics = by_name[engine_name][1].aggregated_metrics or {}
+                lent = lent_prefill_samples(token_metrics, self.roles[name].targets)
+                decisions[dep], states[dep] = self.roles[name](ctx, lent)
+            elif name in self.roles:
                 decisions[dep], states[dep] = self.roles[name](ctx)
             elif name not in GROUP_DEPLOYMENTS or self.group is None:
                 decisions[dep], states[dep] = requests_policy(ctx), {}
-        engine_name, shard_name = GROUP_DEPLOYMENTS
         if self.group is not None and engine_name in by_name and shard_name in by_name:
             (engine_dep, engines), (shard_dep, shards) = by_name[engine_name], by_name[shard_name]
             counts, states[engine_dep] = self.group(engines, shards)

@@ -11,7 +11,12 @@ never reach the engines (they come over ZeroMQ), so only the replicas' own load 
 
 1. A burst of long prompts (prefill only: one token each, so no token engine holds them) from
    many clients at once scales PromptEngine to 2 replicas: Serve's controller starts a second
-   replica process and says so, the new engine joins routing and takes prompts.
+   replica process and says so, the new engine joins routing and takes prompts. The burst
+   lasts past the router's home-role threshold (`mesh.pools.home_roles`, short hold and
+   cool-down here): the token engine's home moves to mixed while it decodes a greedy stream
+   that runs beside the burst, and moves back to token once the burst has ended (issue 50's
+   home-role acceptance, on Serve; tests/integration/test_home_roles.py shows the same on a
+   LocalMesh in detail).
 2. The burst ends; long greedy decodes of short prompts follow (a KV-heavy step): PromptEngine
    goes back to 1 (the leaving replica drains: `MeshReplica.shutdown`) while TokenEngine goes to
    2 and AttentionShard to 4 in the same decision; the new token engine claims the new group and
@@ -19,7 +24,8 @@ never reach the engines (they come over ZeroMQ), so only the replicas' own load 
 3. The decodes end; a trickle of short streams keeps requests in flight while the token engine
    and its group leave again: the engine drains, its shards serve it until it has left.
 
-Every request answers 200, and every greedy text equals the single-process engine's.
+Every request answers 200, and every greedy text equals the single-process engine's (the
+streams the moved engine decoded among them).
 """
 
 from __future__ import annotations
@@ -34,13 +40,14 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
-from tests.e2e.serve_process import ServeRun, replica_pids_below, served
+from tests.e2e.serve_process import REPO, ServeRun, replica_pids_below, served
 
 pytestmark = [
     pytest.mark.timeout(400),
@@ -87,6 +94,17 @@ DECODE_CLIENTS = 6
 DECODE_PROMPT_LEN = 8
 DECODE_TOKENS = 96
 DECODE_GREEDY_EVERY = 4  # the others sample (seeded): the reference check stays short
+# Beside the burst, one client's greedy decodes back to back, so that the token engine decodes
+# whenever its home moves; short ones (each well under one token engine's DECODE_TARGET, and
+# few tokens each to compare with the reference).
+HELD_CLIENTS, HELD_PROMPT_LEN, HELD_TOKENS = 1, 8, 48
+# A prompt engine counts as full at 256 pending tokens (the burst's queue is far past it): the
+# prompt side's fill is far over the decode side's for longer than the hold, so a home moves;
+# once the burst ends the two settle and it moves back, each within a few seconds.
+POOLS = {
+    "prompt_tokens": 256,
+    "home_roles": {"shift": 0.5, "settle": 0.1, "hold_s": 1.0, "cooldown_s": 2.0},
+}
 TRICKLE_CLIENTS = 2
 TRICKLE_PROMPT_LEN = 8
 TRICKLE_TOKENS = 24
@@ -169,6 +187,19 @@ def served_by(server: ServeRun, prefix: str) -> dict[str, int]:
     return {e: n for e, n in counts.items() if e.startswith(prefix)}
 
 
+def token_homes(server: ServeRun) -> dict[str, tuple[str, int]]:
+    """Each token engine's home role and the requests it holds (`/stats`)."""
+    services = httpx.get(server.base_url + "/stats", timeout=30).json()["services"]
+    return {sid: (s["home_role"], s["num_requests"]) for sid, s in services.items()
+            if sid.startswith("token")}  # fmt: skip
+
+
+def mesh_args() -> dict[str, Any]:
+    """deploy/local.yaml's mesh with `POOLS` (the fixture's `args` replace whole keys)."""
+    config = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
+    return {"offline": None, "mesh": config["applications"][0]["args"]["mesh"] | {"pools": POOLS}}
+
+
 def controller_said(server: ServeRun, deployment: str, change: str) -> bool:
     """Serve's controller logged this change of a deployment's replica count (`serve run`'s
     output carries the controller's log; `serve status` shows the same message)."""
@@ -183,7 +214,7 @@ def test_load_steps_scale_prompt_engines_and_token_engine_groups_1_2_1_losing_no
 ) -> None:
     started = time.monotonic()
     with served(
-        "local.yaml", tmp_path, args={"offline": None}, deployments=DEPLOYMENTS,
+        "local.yaml", tmp_path, args=mesh_args(), deployments=DEPLOYMENTS,
         app_options={"autoscaling_policy": AUTOSCALING_POLICY},
     ) as server:  # fmt: skip
         ready_at = time.monotonic()
@@ -192,8 +223,20 @@ def test_load_steps_scale_prompt_engines_and_token_engine_groups_1_2_1_losing_no
         count = lambda name: len(replica_pids_below(pid, name))  # noqa: E731
         counts = lambda: tuple(map(count, ("PromptEngine", "TokenEngine", "AttentionShard")))  # noqa: E731
         assert counts() == (1, 1, SHARDS_PER_GROUP) and len(services_of(server, "prompt")) == 1
-        with Clients(server.base_url, BURST_CLIENTS, BURST_PROMPT_LEN, BURST_TOKENS, 0,
-                     BURST_GREEDY_EVERY) as burst:  # fmt: skip
+        moved: list[str] = []  # token engines seen at a home other than token, decoding
+        held = Clients(server.base_url, HELD_CLIENTS, HELD_PROMPT_LEN, HELD_TOKENS, 3_000_000)
+        with held, Clients(server.base_url, BURST_CLIENTS, BURST_PROMPT_LEN, BURST_TOKENS, 0,
+                           BURST_GREEDY_EVERY) as burst:  # fmt: skip
+
+            def moved_while_decoding() -> bool:
+                """A token engine away from its home, holding requests (the held stream
+                decodes on the only token engine all along; its prefills of the burst too)."""
+                moved.extend(sid for sid, (home, num_requests) in token_homes(server).items()
+                             if home != "token" and num_requests)  # fmt: skip
+                return bool(moved)
+
+            wait_while(burst, "a decoding token engine's home moved toward prompt",
+                       moved_while_decoding, 120)  # fmt: skip
             wait_while(burst, "a second PromptEngine replica",
                        lambda: count("PromptEngine") == 2, 180)  # fmt: skip
             wait_while(burst, "2 prompt engines in routing",
@@ -201,7 +244,11 @@ def test_load_steps_scale_prompt_engines_and_token_engine_groups_1_2_1_losing_no
             wait_while(burst, "both prompt engines taking prompts",
                        lambda: len(served_by(server, "prompt")) == 2, 60)  # fmt: skip
         prompt_up_at = time.monotonic()
-        assert not burst.failures, burst.failures[:5]
+        assert not burst.failures and not held.failures, (burst.failures + held.failures)[:5]
+        # The burst is over: the moved home goes back (its decodes finished where they ran).
+        wait_for("the token engine's home back to token", lambda: all(
+            home == "token" for home, _ in token_homes(server).values()), 60)  # fmt: skip
+        assert services_of(server, "token")[moved[0]]["num_home_moves"] >= 2
         assert count("TokenEngine") == 1  # prefill only: nothing for the token engines
         assert controller_said(server, "PromptEngine", "from 1 to 2"), server.log_tail()
 
@@ -251,10 +298,11 @@ def test_load_steps_scale_prompt_engines_and_token_engine_groups_1_2_1_losing_no
     path = default_model_path("tiny")
     engine, tokenizer = LLMEngine.from_path(path, num_blocks=1024), Tokenizer(path)
     for clients, length, tokens in ((burst, BURST_PROMPT_LEN, BURST_TOKENS),
+                                    (held, HELD_PROMPT_LEN, HELD_TOKENS),
                                     (decodes, DECODE_PROMPT_LEN, DECODE_TOKENS),
                                     (trickle, TRICKLE_PROMPT_LEN, TRICKLE_TOKENS)):  # fmt: skip
         ids = sorted(clients.texts)
-        assert len(ids) >= 4, ids  # greedy requests to check, from each phase
+        assert len(ids) >= (1 if clients is held else 4), ids  # greedy ones, from each phase
         prompts = [prompt(i, length) for i in ids]
         expected = engine.generate(
             prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)

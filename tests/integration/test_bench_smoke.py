@@ -29,7 +29,7 @@ SMOKE_RUNS = {
     "neo": "bench/neo.py --device cpu --requests 4 --rates 8 --max-output 8".split(),
     "autoscale": (
         "bench/autoscale.py --rate 4 --duration 120 --step 3x@40s+40s --max-machines 8 "
-        "--probe-s 20 --settle-s 60 --startup-s 10"
+        "--probe-s 20 --settle-s 60 --startup-s 10 --seeds 0"
     ).split(),
 }
 

@@ -232,3 +232,48 @@ def test_bad_policies_are_refused() -> None:
                {"min_replicas": 9}):  # fmt: skip
         with pytest.raises(ValueError):
             replace_policy(**kw)
+
+
+def test_no_scale_up_on_the_backlog_while_the_last_scale_ups_replicas_warm_up() -> None:
+    # A step sized at once: 1 -> 5 (3.5 replicas' worth, at 0.85 of the target: the middle of
+    # the dead band). The old replica's queue (what it took while the new ones started) still
+    # asks for more, but the new ones are warming up: hold, then none is needed.
+    fast = replace_policy(upscale_after_s=0, cooldown_s=0, max_step=8)
+    state = decide(fast, ScaleState(replicas=1), samples(3500), now=0.0)
+    assert state.replicas == 5
+    backlog = [LoadSample("old", 9000, 600.0)] + [LoadSample(f"new{i}", 0, 5.0) for i in range(4)]
+    state = decide(fast, state, backlog, now=20.0)
+    assert state.replicas == 5 and state.num_changes == 1
+    # Warm, the step's load swinging 20% over what sized it: inside the band, no change.
+    warm = [LoadSample("old", 900, 600.0)] + [LoadSample(f"new{i}", 800, 40.0) for i in range(4)]
+    assert decide(fast, state, warm, now=60.0).replicas == 5
+
+
+def test_a_step_goes_to_the_most_it_asked_for_while_the_wish_lasted() -> None:
+    # A rate read over a short window swings: 5, 4.5, then 3.2 replicas' worth at the moment
+    # the delay is over. Sized by that last reading the step would need a second scale-up;
+    # sized by the first, 6 (5 replicas' worth at 0.85 of the target: the band's middle).
+    wide = replace_policy(max_step=8)
+    state = ScaleState(replicas=1)
+    for now, total in ((0.0, 5000), (5.0, 4500), (10.0, 3200)):
+        state = decide(wide, state, samples(total), now=now)
+    assert state.replicas == 6 and state.num_changes == 1
+    state = decide(wide, state, samples(*[4500 / 6] * 6), now=20.0)
+    assert state.replicas == 6 and state.wanted == 0  # nothing to mend after
+    # Down by the latest reading: the wish began while the load was still falling.
+    for now, total in ((100.0, 1500), (130.0, 900), (160.0, 600)):
+        state = decide(wide, state, samples(*[total / 6] * 6), now=now)
+    assert state.replicas == 1
+
+
+def test_no_scale_down_while_a_replica_decided_has_not_reported_yet() -> None:
+    # 1 -> 2; the second still starting (no report), the first's queue gone elsewhere (the
+    # mixed pool took it): going back to 1 now would flap 1 -> 2 -> 1 before it ever ran.
+    fast = replace_policy(downscale_after_s=0, cooldown_s=0)
+    state = ScaleState(replicas=2, last_change_at=0.0, num_changes=1)
+    for now in (5.0, 10.0):
+        state = decide(fast, state, samples(10), now=now)
+    assert state.replicas == 2
+    assert decide(fast, state, samples(10, 10), now=15.0).replicas == 1  # both report: down
+    # It holds no scale-up: a replica whose reports never come does not freeze the count.
+    assert decide(fast, ScaleState(replicas=2), samples(5000), now=0.0).wanted == 3

@@ -126,7 +126,9 @@ def test_a_lost_router_ends_only_its_own_requests(tiny_model_path: Path) -> None
         EngineFaults(pair.token).lost_reply_to("router-a")
     )  # router-a's connection stayed down
     pair.deliver(EngineFaults(pair.prompt).lost_reply_to("router-a"))
-    assert pair.prompt.load_report(time.time()).received_requests == {"router-b": 1}
+    report = pair.prompt.load_report(time.time())
+    assert report.received_requests == {"router-b": 1}
+    assert report.prompt_tokens_in == 30 + 20  # a counter: what it received, lost or not
     lost = pair.outputs["mine"][-1]
     assert lost.retryable and "lost its router" in lost.error
     pair.run()

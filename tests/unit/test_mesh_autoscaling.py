@@ -19,6 +19,7 @@ from services.mesh.autoscaling import (
     STATE_KEY,
     MeshAppAutoscalingPolicy,
     MeshAutoscalingPolicy,
+    RateMeter,
     engine_stats,
     samples_from,
     shard_stats,
@@ -163,3 +164,44 @@ def test_app_policy_kwargs_fail_at_deploy_time() -> None:
     with pytest.raises(ValueError, match="unknown autoscaling signals"):
         MeshAppAutoscalingPolicy(**{**GROUP_KWARGS, "AttentionShard": {
             "targets": {"queue": 1}, "group_size": 2}})  # fmt: skip
+
+
+def test_arrivals_and_backlog_add_up_into_a_prompt_engines_load() -> None:
+    meter = RateMeter(100.0)
+    report = LoadReport(engine_id="e", role=Role.PROMPT, pending_prompt_tokens=2000,
+                        running_decode_tokens=0, num_running=0, num_waiting=2,
+                        free_kv_blocks=10, total_kv_blocks=10, prompt_tokens_in=3000)  # fmt: skip
+    stats = engine_stats(report, 40.0, meter, now=102.0)
+    assert stats["prompt_tokens_per_s"] == 1500.0  # 3,000 tokens in 2 s
+    targets = {"prompt_tokens_per_s": 1000.0, "pending_prompt_tokens": 4000.0}
+    metrics = {k: {"r0": v} for k, v in stats.items()}
+    # Keeping up with 1.5 replicas' worth of arrivals and clearing half a replica's backlog.
+    assert [s.load for s in samples_from(metrics, targets)] == [2.0]
+    # Without a rate target the queue stands alone (the largest signal, as before).
+    assert [s.load for s in samples_from(metrics, {"pending_prompt_tokens": 4000.0})] == [0.5]
+    # Readings at the same instant repeat the rate; a counter that went back restarts from 0.
+    assert meter.rate(102.0, 3000.0) == 1500.0
+    assert meter.rate(104.0, 1000.0) == 500.0
+
+
+def test_prefills_lent_to_token_engines_count_as_the_prompt_engines_load() -> None:
+    """A step the prompt engines cannot take goes to the mixed pool: with a rate target, the
+    app policy sizes the PromptEngine for all the prompts, its own and those it lent."""
+    kwargs = {**GROUP_KWARGS, "PromptEngine": {"targets": {"prompt_tokens_per_s": 1000},
+                                               "upscale_after_s": 0, "warmup_s": 0,
+                                               "max_step": 8}}  # fmt: skip
+    policy = _apply_app_level_autoscaling_config(MeshAppAutoscalingPolicy(**kwargs))
+    replicas = {"PromptEngine": 1, "TokenEngine": 2, "AttentionShard": 4}
+    step = {"PromptEngine": {"prompt_tokens_per_s": {"p0": 1200.0}},
+            "TokenEngine": {"running_decode_tokens": {"t0": 500.0, "t1": 500.0},
+                            "prompt_tokens_per_s": {"t0": 900.0, "t1": 1100.0}}}  # fmt: skip
+    decided, _ = policy(app_contexts(step, replicas, now=100.0))
+    assert {dep.name: n for dep, n in decided.items()}["PromptEngine"] == 4  # 3.2 engines' worth
+    # Without the lent ones (a pending-only target), 1.2 engines' worth of its own asks for 2.
+    pending_only = {
+        **kwargs,
+        "PromptEngine": {**kwargs["PromptEngine"], "targets": {"pending_prompt_tokens": 1000}},
+    }
+    step["PromptEngine"] = {"pending_prompt_tokens": {"p0": 1200.0}}
+    decided, _ = MeshAppAutoscalingPolicy(**pending_only)(app_contexts(step, replicas, now=0.0))
+    assert {dep.name: n for dep, n in decided.items()}["PromptEngine"] == 2

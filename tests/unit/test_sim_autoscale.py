@@ -29,7 +29,14 @@ TRACE = shared_dir() / "traces" / "AzureLLMInferenceTrace_conv.csv"
 HH = DESIGNS["Splitwise-HH"]
 STEP = LoadStep(3.0, 120.0, 120.0)
 DURATION = 360.0
-FAST = {"upscale_after_s": 5.0, "downscale_after_s": 30.0, "cooldown_s": 20.0, "warmup_s": 10.0}
+# A small cluster's loads swing wider than the defaults' 40 machines': a deeper dead band.
+FAST = {
+    "upscale_after_s": 5.0,
+    "downscale_after_s": 30.0,
+    "cooldown_s": 20.0,
+    "warmup_s": 10.0,
+    "scale_down_fill": 0.5,
+}
 
 
 def run(seed: int = 0) -> AutoscaleResult:
