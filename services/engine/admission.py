@@ -22,8 +22,9 @@ A `DecodeHandoff` waits, first come first served, until its KV is in place:
   wait (`RECOMPUTE_BACKOFF_S`), or, after `MAX_RECOMPUTES` such failures, ends retryably. The
   shards keep a block free per request decoding there when new KV lands, so the room counted
   here for the next step is there (`_room_for` leaves it too). While preempted, a request
-  sends its router an empty output now and then (`quiet`): its progress deadline would
-  otherwise re-run it elsewhere.
+  sends its router an empty output now and then (`quiet`; the engine does the same for any
+  request it holds that streamed nothing for a while, `Engine._still_alive`): its progress
+  deadline would otherwise re-run it elsewhere.
   Faults: a shard that dies ends every request tied to the group, preempted ones included
   (faults.py `relink`), and the router re-runs them; a token engine that dies takes its
   preempted requests' state with it, and the router re-runs them like its others, from the

@@ -64,6 +64,9 @@ class Engine:
         self.pool, self.telemetry, self.reports = parts.pool, parts.telemetry, parts.reports
         self.sampler, self.rebuilds = parts.sampler, parts.rebuilds
         self.steps = itertools.count()
+        # Requests that streamed since the last round of `_still_alive`, and when that was.
+        self._spoke: set[str] = set()
+        self._alive_round_at = time.monotonic()
 
     @classmethod
     def build(cls, engine_id: str, role: Role, options: MeshOptions, model_path: str,
@@ -212,12 +215,21 @@ class Engine:
         return out + self._still_alive()
 
     def _still_alive(self) -> Outbox:
-        """An empty output for each preempted request quiet for a third of the router's progress
-        deadline (`MeshOptions.progress_timeout_s`): it lives, and is not to be re-run."""
+        """An empty output for each request held here that streamed nothing for a third of the
+        router's progress deadline (`MeshOptions.progress_timeout_s`): it lives, and is not to
+        be re-run. A preempted request waits for room; a running one waits behind prefill steps
+        (recomputes, prompts to ship), which this engine runs before its decode steps."""
+        now, every_s = time.monotonic(), self.parts.options.progress_timeout_s / 3
+        quiet = set(self.admission.quiet(now, every_s))
+        if now - self._alive_round_at >= every_s:
+            quiet.update(r for r in self.table.requests if r not in self._spoke)
+            self._spoke.clear()
+            self._alive_round_at = now
         out = Outbox()
-        every_s = self.parts.options.progress_timeout_s / 3
-        for req_id in self.admission.quiet(time.monotonic(), every_s):
-            req, route = self.table.requests[req_id], self.table.routes[req_id]
+        for req_id in quiet:
+            req, route = self.table.requests.get(req_id), self.table.routes.get(req_id)
+            if req is None or route is None or route.rebuild_for:
+                continue  # ended, or a rebuild's prefill: its token engine streams, not this one
             alive = TokenOutput(req_id, [], "", route.num_prompt_tokens,
                                 index=len(req.output_token_ids))  # fmt: skip
             out += Outbox.output(route.reply_to, alive)
@@ -324,6 +336,7 @@ class Engine:
         if emitted.output is None:
             return self.end(req_id, emitted.error, retryable=emitted.retryable)
         self.telemetry.token(req_id)
+        self._spoke.add(req_id)
         out = Outbox.output(self.table.routes[req_id].reply_to, emitted.output)
         if emitted.finish_reason:
             self.telemetry.finished(req_id, emitted.finish_reason)

@@ -6,6 +6,7 @@ router re-runs it."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from common.mesh_options import MeshOptions
@@ -99,3 +100,24 @@ def test_a_shard_dying_mid_pull_ends_the_waiting_request_retryably(tiny_model_pa
     assert (error.req_id, error.retryable) == ("a", True)
     assert sorted(endpoint for endpoint, _ in out.frees) == ["tcp://s0", "tcp://s1"]
     assert not engine.has_work()
+
+
+def test_requests_held_without_streaming_tell_their_router_they_live(tiny_model_path):
+    """Requests an engine holds that stream nothing for a third of the router's progress
+    deadline (here: waiting for their KV to land; likewise decodes behind a run of prefill steps)
+    get an empty output each, so the router does not re-run them elsewhere; a request that
+    streams meanwhile gets none."""
+    options = MeshOptions(num_blocks=1024, shard_num_blocks=64, kv_transfer="pull",
+                          progress_timeout_s=0.3, shard_rebuild_wait_s=0.1)  # fmt: skip
+    links = [NewsLink(), NewsLink()]
+    engine = Engine.build("t", Role.TOKEN, options, str(tiny_model_path), lambda *a: None,
+                          command_endpoint="t-cmd", shard_links=links, shards=SHARDS)  # fmt: skip
+    engine.on_handoff(handoff("a"))
+    engine.on_handoff(handoff("b"))
+    assert not engine.step().outputs  # a round has just begun: nobody is quiet yet
+    time.sleep(0.15)
+    out = engine.step()
+    alive = {(reply_to, o.req_id, tuple(o.token_ids), o.index) for reply_to, o in out.outputs}
+    # Each at its next token's index (the hand-off brought the first token): nothing skipped.
+    assert alive == {("router", "a", (), 1), ("router", "b", (), 1)}
+    assert not engine.step().outputs  # told: the next round is a third of the deadline away
