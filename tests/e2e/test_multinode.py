@@ -422,10 +422,12 @@ class StatusWatch:
 
 
 def replica_log_lines(cluster: MultiNodeCluster) -> list[str]:
-    """Every line Serve's replicas logged on any node (one machine: one session folder)."""
-    logs = Path(cluster.cluster.head_node.get_session_dir_path()) / "logs" / "serve"
-    files = sorted(logs.glob("replica_*.log"))
-    assert files, f"no replica logs under {logs}"
+    """Every line the replicas of any node logged: Serve's replica logs and the workers' own
+    output, where the mesh's structlog writes (one machine: one session folder)."""
+    logs = Path(cluster.cluster.head_node.get_session_dir_path()) / "logs"
+    assert list(logs.glob("serve/replica_*.log")), f"no replica logs under {logs}"
+    files = [*logs.glob("serve/replica_*.log"), *logs.glob("worker-*.err"),
+             *logs.glob("worker-*.out")]  # fmt: skip
     return [line for f in files for line in f.read_text(errors="replace").splitlines()]
 
 
