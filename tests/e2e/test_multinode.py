@@ -80,6 +80,7 @@ SHARDS_PER_GROUP = 2  # the tiny preset's (tests/e2e/serve_process.py PRESET_SHA
 MESH_SIZES = {"num_blocks": 512, "shard_num_blocks": 1024, "max_num_seqs": 64, "num_threads": 1,
               "shard_wait_s": 60}  # fmt: skip
 ENGINE_CPUS = 0.25
+HEALTH_CHECK_TIMEOUT_S = 10  # deploy/local.yaml's: two busy cores answer health checks late
 # A prompt engine counts as full at 256 pending tokens (the burst's queue is far past it): the
 # prompt side's fill is far over the decode side's for longer than the hold, so a home moves;
 # once the burst ends the two settle and it moves back, each within a few seconds.
@@ -127,8 +128,8 @@ TRICKLE_TOKENS = 24
 
 def cluster_config(http_port: int, workdir: Path) -> dict[str, Any]:
     """deploy/cluster.yaml on the tiny preset, sized for two cores (`MESH_SIZES`, fractional
-    engine CPUs), its policy's holds short (`POLICY_KWARGS`) and its bounds `BOUNDS`, starting
-    at their low ends; one Router; its HTTP on loopback."""
+    engine CPUs, local.yaml's health-check timeout), its policy's holds short (`POLICY_KWARGS`)
+    and its bounds `BOUNDS`, starting at their low ends; one Router; its HTTP on loopback."""
     config = yaml.safe_load((REPO / "deploy" / "cluster.yaml").read_text())
     on_preset(config, "tiny")
     config["http_options"] |= {"host": "127.0.0.1", "port": http_port}
@@ -149,6 +150,7 @@ def cluster_config(http_port: int, workdir: Path) -> dict[str, Any]:
         deployment["autoscaling_config"] = {"min_replicas": low, "initial_replicas": low,
                                             "max_replicas": high, **SERVE_WINDOW}  # fmt: skip
         deployment["ray_actor_options"]["num_cpus"] = ENGINE_CPUS
+        deployment["health_check_timeout_s"] = HEALTH_CHECK_TIMEOUT_S
     return config
 
 
