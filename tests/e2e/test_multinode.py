@@ -597,8 +597,11 @@ def test_a_memory_node_stopped_mid_stream_loses_no_request(
     assert not streams.finish, "a stream ended before the node stopped: nothing was tested"
     started = time.monotonic()
     cluster.cluster.remove_node(cluster.nodes.pop(lost), allow_graceful=False)
+    with streams.lock:
+        at_stop = dict(streams.num_chunks)
     streams.wait()
-    print(f"multinode: streams finished {time.monotonic() - started:.1f} s after the node stopped")
+    print(f"multinode: streams finished {time.monotonic() - started:.1f} s after the node stopped; "
+          f"chunks when it had stopped {at_stop}, in all {streams.num_chunks}")  # fmt: skip
     assert streams.finish == dict.fromkeys(streams.ids, "length"), streams.finish
 
     def group_on_surviving_node() -> bool:
