@@ -29,12 +29,14 @@ The official `openai` client sends every request through the head's HTTP proxy. 
      heads rebuilt, docs/deployment.md#autoscaling).
    The scaling runs before the node stop: a lost node changes the shard count the policy sees.
 3. A memory node holding a shard of the token engine's group is stopped mid-stream
-   (`Cluster.remove_node`: its raylet and every process on it killed): its shards are lost with
+   (`Cluster.remove_node`, and every actor process on it SIGKILLed with its raylet, as when a
+   machine goes, so the streams lose their shards mid-decode): its shards are lost with
    a share of each request's KV heads (or all of them, where Serve's scale-down left the group on
    one node); Serve restarts them on the other memory node, the token engine links to them and a
    prompt engine recomputes the lost heads, or, when the replacement takes longer than
    `shard_rebuild_wait_s` to start, the router re-runs the streams from their tokens
-   (`docs/failures.md#a-lost-node`). The group ends whole on the surviving memory node.
+   (`docs/failures.md#a-lost-node`). The groups end whole on the surviving memory node (the
+   policy still runs: the long streams may add a token engine with its group meanwhile).
 
 Every request completes; every greedy one (each phase's, the streams the moved engine decoded and
 those the node stop cut among them) with the single-process engine's text.
