@@ -21,8 +21,8 @@ replica-seconds, with <= 2 scale events per deployment per load step (the events
 step's start to the run's end).
 
 The live mesh is not run here: its CPU engines serve a tiny model whose peak would need more
-replicas than 2 cores hold, and a start-up measured in seconds; `tests/e2e/test_autoscaling.py`
-runs the same policy on a live mesh instead. The JSON says so (`live`).
+replicas than 2 cores hold, and a start-up measured in seconds; `tests/e2e/test_multinode.py`
+runs the same policy on a live mesh of four nodes instead. The JSON says so (`live`).
 
 Last line: one JSON object.
 """
@@ -61,7 +61,7 @@ TARGETS = {
 DESIGN = DESIGNS["Splitwise-HH"]
 LIVE_SKIPPED = (
     "the tiny CPU model's peak needs more replicas than 2 cores hold; "
-    "tests/e2e/test_autoscaling.py runs the policy live"
+    "tests/e2e/test_multinode.py runs the policy live"
 )
 
 
