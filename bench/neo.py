@@ -248,7 +248,7 @@ def trace_slice(args: argparse.Namespace, vocab: int) -> list[tuple[float, list[
             for s in specs]  # fmt: skip
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--trace", default=str(shared_dir() / "traces/AzureLLMInferenceTrace_conv.csv")
@@ -264,7 +264,11 @@ def main() -> None:
     parser.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     parser.add_argument("--device", default="cpu", help="the engines': cpu, cuda, cuda:N")
     parser.add_argument("--model", default="tiny", help="a preset (common/model/default.py)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     model = str(default_model_path(args.model))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     plan = trace_slice(args, vocab)

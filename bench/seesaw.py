@@ -78,7 +78,7 @@ def mode_row(stats: JobStats) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--model", default="tiny")
@@ -89,7 +89,11 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-prefill-tokens", type=int, default=2048, help="tokens per prefill")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     path = default_model_path(args.model)
     from common.config import ModelConfig
 
