@@ -157,6 +157,15 @@ def print_table(rows_out: list[tuple[str, dict, dict, float, int]]) -> None:
         )
 
 
+def machine_pool(peak: ClusterSpec, max_machines: int) -> dict[Role, int]:
+    """The autoscaler's pool: `max_machines` in the peak size's ratio (at least the peak size of
+    each role)."""
+    spare = max(max_machines - peak.num_machines, 0)
+    extra_prompt = round(spare * peak.num_prompt / peak.num_machines)
+    return {Role.PROMPT: peak.num_prompt + extra_prompt,
+            Role.TOKEN: peak.num_token + spare - extra_prompt}  # fmt: skip
+
+
 def run_seed(args: argparse.Namespace, rows: list[TraceRow], step: LoadStep,
              seed: int) -> dict[str, Any]:  # fmt: skip
     """One seed's fixed and autoscaled runs: its figures, with `targets_met`."""
@@ -174,11 +183,7 @@ def run_seed(args: argparse.Namespace, rows: list[TraceRow], step: LoadStep,
     fixed_att = attainment(fixed_result)
     fixed_step = attainment(fixed_result, step.start_s, step.end_s)
 
-    # The pool: --max-machines in the peak size's ratio (at least the peak size of each).
-    spare = max(args.max_machines - peak.num_machines, 0)
-    extra_prompt = round(spare * peak.num_prompt / peak.num_machines)
-    pool = {Role.PROMPT: peak.num_prompt + extra_prompt,
-            Role.TOKEN: peak.num_token + spare - extra_prompt}  # fmt: skip
+    pool = machine_pool(peak, args.max_machines)
     initial = settled(rows, args.rate, pool, base, args.settle_s, args.startup_s, seed)
     options = default_options(DESIGN, pool, initial=initial, startup_s=args.startup_s)
     scaled = simulate_autoscaled(DESIGN, requests, options, args.duration)

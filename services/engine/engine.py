@@ -64,8 +64,8 @@ class Engine:
         self.pool, self.telemetry, self.reports = parts.pool, parts.telemetry, parts.reports
         self.sampler, self.rebuilds = parts.sampler, parts.rebuilds
         self.steps = itertools.count()
-        # Requests that streamed since the last round of `_still_alive`, and when that was.
-        self._spoke: set[str] = set()
+        # Each request's output length at the last round of `_still_alive`, and when that was.
+        self._lengths_at_round: dict[str, int] = {}
         self._alive_round_at = time.monotonic()
 
     @classmethod
@@ -222,9 +222,9 @@ class Engine:
         now, every_s = time.monotonic(), self.parts.options.progress_timeout_s / 3
         quiet = set(self.admission.quiet(now, every_s))
         if now - self._alive_round_at >= every_s:
-            quiet.update(r for r in self.table.requests if r not in self._spoke)
-            self._spoke.clear()
-            self._alive_round_at = now
+            lengths = {r: len(q.output_token_ids) for r, q in self.table.requests.items()}
+            quiet.update(r for r, n in lengths.items() if self._lengths_at_round.get(r) == n)
+            self._lengths_at_round, self._alive_round_at = lengths, now
         out = Outbox()
         for req_id in quiet:
             req, route = self.table.requests.get(req_id), self.table.routes.get(req_id)
@@ -336,7 +336,6 @@ class Engine:
         if emitted.output is None:
             return self.end(req_id, emitted.error, retryable=emitted.retryable)
         self.telemetry.token(req_id)
-        self._spoke.add(req_id)
         out = Outbox.output(self.table.routes[req_id].reply_to, emitted.output)
         if emitted.finish_reason:
             self.telemetry.finished(req_id, emitted.finish_reason)

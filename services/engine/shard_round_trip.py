@@ -104,6 +104,10 @@ class DecodeTimes:
     attend_s: float = 0.0
     network_s: float = 0.0
 
+    def add_layer(self, wait_s: float, attend_s: float, network_s: float) -> None:
+        self.wait_s, self.attend_s = self.wait_s + wait_s, self.attend_s + attend_s
+        self.network_s += network_s
+
     def report(self) -> DecodeBreakdown:
         return DecodeBreakdown(
             self.num_steps, self.step_s, self.wait_s, self.attend_s, self.network_s
@@ -223,9 +227,7 @@ def collect_layer(
             kv_news[0].append((sent.shard, result.kv_landed))
             kv_news[1].update(result.kv_lost)
     if times is not None:
-        times.wait_s += time.perf_counter() - started
-        times.attend_s += attend_s
-        times.network_s += network_s
+        times.add_layer(time.perf_counter() - started, attend_s, network_s)
     if faults:
         raise ShardLinkFault("; ".join(faults))
     if lost:

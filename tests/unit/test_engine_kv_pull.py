@@ -116,7 +116,9 @@ def test_requests_held_without_streaming_tell_their_router_they_live(tiny_model_
     engine.on_handoff(handoff("b"))
     assert not engine.step().outputs  # a round has just begun: nobody is quiet yet
     time.sleep(0.15)
-    out = engine.step()
+    assert not engine.step().outputs  # this round notes what each has streamed so far
+    time.sleep(0.15)
+    out = engine.step()  # the next finds them where they were
     alive = {(reply_to, o.req_id, tuple(o.token_ids), o.index) for reply_to, o in out.outputs}
     # Each at its next token's index (the hand-off brought the first token): nothing skipped.
     assert alive == {("router", "a", (), 1), ("router", "b", (), 1)}

@@ -175,3 +175,22 @@ def test_template_refusal_is_a_400_with_its_message(mistral_router) -> None:
     body = {"messages": good, "max_tokens": 2, "ignore_eos": True}
     usage = post(mistral_router, "/v1/chat/completions", body).json()["usage"]
     assert usage["prompt_tokens"] == len(tokens)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ([{"role": "user", "content": "hi"}], None),  # a bare list, not an object
+        ("hello", None),
+        ({"messages": "hi"}, "messages"),  # a chat by its key, however wrong its value
+        ({"messages": [{"role": "tool", "content": None}]}, "messages.0"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "a", "messages": []}, "messages"),  # both keys: read as the chat it names
+    ],
+)
+def test_tokenize_bodies_of_the_wrong_shape_are_a_400_naming_the_field(
+    router: Router, body: Any, param: str | None
+) -> None:
+    error = error_of(post(router, "/tokenize", body), 400)
+    if param is not None:
+        assert error["param"] == param, error
