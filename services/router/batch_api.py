@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import ASGIApp, Message
 
-from services.router.api_errors import APIError, error_responses, param_path
+from services.router.api_errors import RETRY_AFTER_S, APIError, error_responses, param_path
 from services.router.batch_store import BatchError, BatchStorage, Line
 from services.router.openai_api import ChatCompletionRequest, CompletionRequest
 
@@ -286,13 +286,13 @@ class BatchApi:
     def routes(self, dependencies: list[Any]) -> APIRouter:
         api = APIRouter(dependencies=dependencies)
         for path, endpoint, method, statuses in (
-            ("/v1/files", self.create_file, "POST", (400, 401, 413)),
-            ("/v1/files/{file_id}", self.get_file, "GET", (400, 401, 404)),
-            ("/v1/files/{file_id}/content", self.file_content, "GET", (400, 401, 404)),
-            ("/v1/batches", self.create_batch, "POST", (400, 401, 404, 413)),
-            ("/v1/batches", self.list_batches, "GET", (400, 401)),
-            ("/v1/batches/{batch_id}", self.get_batch, "GET", (400, 401, 404)),
-            ("/v1/batches/{batch_id}/cancel", self.cancel, "POST", (400, 401, 404)),
+            ("/v1/files", self.create_file, "POST", (400, 401, 413, 503)),
+            ("/v1/files/{file_id}", self.get_file, "GET", (400, 401, 404, 503)),
+            ("/v1/files/{file_id}/content", self.file_content, "GET", (400, 401, 404, 503)),
+            ("/v1/batches", self.create_batch, "POST", (400, 401, 404, 413, 503)),
+            ("/v1/batches", self.list_batches, "GET", (400, 401, 503)),
+            ("/v1/batches/{batch_id}", self.get_batch, "GET", (400, 401, 404, 503)),
+            ("/v1/batches/{batch_id}/cancel", self.cancel, "POST", (400, 401, 404, 503)),
         ):
             api.add_api_route(path, endpoint, methods=[method],
                               responses=error_responses(*statuses))  # fmt: skip
@@ -302,7 +302,8 @@ class BatchApi:
         try:
             return await asyncio.to_thread(fn, *args)
         except BatchError as exc:
-            raise APIError(exc.status, exc.message, exc.param) from None
+            retry_after = RETRY_AFTER_S if exc.status == 503 else None
+            raise APIError(exc.status, exc.message, exc.param, retry_after) from None
 
     async def create_file(self, file: UploadFile = File(...),  # noqa: B008 - FastAPI's idiom
                           purpose: str = Form(...)) -> JSONResponse:  # fmt: skip

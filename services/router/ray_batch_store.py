@@ -12,9 +12,9 @@ Faults:
 - a Router dies mid-batch: its lease runs out in the actor's SQLite and a Router on any node claims
   the batch; each line's outcome is written once (`BatchStore.record`), so none is lost or twice.
 - the actor's process dies: Ray restarts it on the head (`max_restarts=-1`) and it reopens the
-  SQLite file, so nothing committed is lost; a call in flight fails (an API call answers 500; a
-  runner's batch loop logs it, claims its batch again at its next poll and runs the lines that
-  have no outcome yet). Calls wait at most `timeout_s`.
+  SQLite file, so nothing committed is lost; a call in flight fails (an API call answers 503
+  with Retry-After; a runner's batch loop logs it, claims its batch again at its next poll and
+  runs the lines that have no outcome yet). Calls wait at most `timeout_s`.
 - the head node dies: the Ray cluster goes with it (its GCS is there); the SQLite file stays on
   the head's disk, and a cluster started again on that head with the same `batch_store` resumes
   every unfinished batch. A head whose disk is lost loses the batches: put `<path>` on a volume
@@ -27,7 +27,7 @@ import os
 from typing import Any
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from services.mesh.ray_registry import head_actor
 from services.router.batch_store import BatchError, BatchStore, BodyCheck, Line
@@ -56,6 +56,10 @@ class RayBatchStore:
             if isinstance(exc.cause, BatchError):
                 raise exc.cause from None  # the API's 4xx, as the file store raises it
             raise
+        except (RayActorError, GetTimeoutError) as exc:  # restarting, or its node is busy
+            raise BatchError(
+                503, f"the batch store is unavailable, retry shortly ({exc})"
+            ) from None
 
     def close(self) -> None:
         """The actor stays: other Routers use it."""
