@@ -249,6 +249,7 @@ class MeshEngineClient:
                     "num_rebuild_fallbacks": r.num_rebuild_fallbacks,
                     # Requests it preempted for KV and recomputed (memory-aware batching).
                     "num_preemptions": r.num_preemptions,
+                    "num_prefill_chunks": r.num_prefill_chunks,  # long prefills' chunk steps
                     "kv_blocks_used": r.kv_blocks_used,
                     "num_requests": r.num_requests,
                 }
