@@ -68,8 +68,8 @@ ROOM_BLOCKS = 260
 RERUN = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)  # 14 blocks
 HOLDER = SamplingSpec(max_tokens=4000, temperature=0.0, ignore_eos=True)  # 252 blocks
 LATE = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)  # 252 blocks
-PROGRESS_S = 1.0
-HELD_S = 2 * PROGRESS_S  # the holder keeps the room at least this long
+PROGRESS_S = 2.0  # the router's deadline, and the engines' (their keep-alives: a third of it)
+HELD_S = PROGRESS_S + 1.0  # the holder keeps the room at least this long
 
 
 def test_a_re_run_waiting_in_the_router_for_room_is_not_re_run_again_and_goes_first(
@@ -85,7 +85,8 @@ def test_a_re_run_waiting_in_the_router_for_room_is_not_re_run_again_and_goes_fi
     expected = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False).generate(
         [prompt], RERUN
     )[0]
-    options = MeshOptions(token_num_blocks=ROOM_BLOCKS)
+    options = MeshOptions(token_num_blocks=ROOM_BLOCKS, progress_timeout_s=PROGRESS_S,
+                          shard_rebuild_wait_s=0)  # fmt: skip
     mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=0, options=options))
     other = MeshTestClient(mesh)  # another router: straight to the engines
     notices: PushPool[OutputsDropped] = PushPool(zmq.Context.instance(), OutputsDropped,
