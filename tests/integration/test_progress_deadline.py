@@ -77,8 +77,9 @@ def test_a_re_run_waiting_in_the_router_for_room_is_not_re_run_again_and_goes_fi
 ):
     """The request's token engine says it gave the request up (the `OutputsDropped` an engine
     sends a router it cannot queue outputs for, sent here by the test on the router's inbox
-    socket); its re-run finds the room its attempt freed taken by another router's request
-    waiting there, and waits in the router longer than the progress deadline. It is not re-run
+    socket); its re-run finds the room taken by another router's request (the one of the two
+    that its token engine admitted first: the other waited there), and waits in the router
+    longer than the progress deadline. It is not re-run
     again (the deadline restarts when it is sent), a new request arriving meanwhile is not
     placed ahead of it, and its output is token for token the single-process engine's."""
     prompt, holder_prompt, late_prompt = random_prompts([20] * 3, vocab=2048, seed=22)
@@ -120,18 +121,18 @@ def test_a_re_run_waiting_in_the_router_for_room_is_not_re_run_again_and_goes_fi
         draining = asyncio.ensure_future(drain_other())
         running = asyncio.ensure_future(stream("r", prompt, RERUN))
 
-        async def started() -> bool:
-            return bool(arrivals["r"])
+        async def sent() -> bool:
+            return client.requests.streams.get("r") is not None
 
-        await until(started)
+        await until(sent)
         other.submit("holder", holder_prompt, HOLDER, token_engine=mesh.token[0])
 
-        async def holder_waits() -> bool:  # its hand-off waits for the room "r" holds
+        async def both_there() -> bool:  # one decodes, the other's hand-off waits for room
             stats = await asyncio.to_thread(mesh.stats)
             return any(s.service_id == mesh.token[0].service_id and s.num_requests == 2
                        for s in stats)  # fmt: skip
 
-        await until(holder_waits)
+        await until(both_there)
         notices.get(client.reply_endpoint).send(
             OutputsDropped([client.requests.wire_id("r")], "the test: its outputs were dropped")
         )
