@@ -37,17 +37,18 @@ class Room:
         return place
 
 
+async def arrive(queue: KvWaitQueue, room: Room, name: str, placed: list[str]) -> None:
+    """A new request through the queue: in `placed` once placed."""
+    placed.append(await queue.admit(room.place(name), never))
+
+
 def test_waiters_are_placed_in_arrival_order_and_only_the_head_tries():
     room = Room(free=1)
     queue = KvWaitQueue(lambda: AdmissionLimits(kv_wait_s=10), retry_s=0.001)
 
     async def scenario() -> list[str]:
         placed: list[str] = []
-
-        async def arrive(name: str) -> None:
-            placed.append(await queue.admit(room.place(name), never))
-
-        tasks = [asyncio.ensure_future(arrive(n)) for n in "abc"]
+        tasks = [asyncio.ensure_future(arrive(queue, room, n, placed)) for n in "abc"]
         await asyncio.sleep(0.05)
         assert placed == ["a"] and len(queue) == 2
         assert set(room.tries) == {"a", "b"}  # c never tried: b is ahead of it
@@ -104,13 +105,9 @@ def test_a_rerun_waiting_for_room_goes_before_new_requests_that_came_after_it():
 
     async def scenario() -> list[str]:
         placed: list[str] = []
-
-        async def arrive(name: str) -> None:
-            placed.append(await queue.admit(room.place(name), never))
-
         rerunning = asyncio.ensure_future(rerun(queue, room))
         await asyncio.sleep(0.01)  # no room: it waits
-        new = [asyncio.ensure_future(arrive(n)) for n in ("new", "newer")]
+        new = [asyncio.ensure_future(arrive(queue, room, n, placed)) for n in ("new", "newer")]
         await asyncio.sleep(0.02)
         assert len(queue) == 2 and room.tries == ["rerun"] * len(room.tries)  # none tried
         room.free = 1  # room for one frees: the re-run's
