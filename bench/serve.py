@@ -152,8 +152,11 @@ def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[
         "router_cpu_ms_per_token_max": (
             max(cpu) <= TARGETS["router_cpu_ms_per_token_max"] if cpu else None
         ),
-        **{f"{path}_idle_{figure}_cores_max": idle_at_most(path, figure)
-           for path in ("mesh", "local") for figure in ("box", "tree")},  # fmt: skip
+        **{
+            f"{path}_idle_{figure}_cores_max": idle_at_most(path, figure)
+            for path in ("mesh", "local")
+            for figure in ("box", "tree")
+        },  # fmt: skip
     }
 
 
