@@ -1,11 +1,14 @@
 """An idle engine is quiet: a real `EngineWorker` on a `WorkerThread` publishes its load report
 every `IDLE_REPORT_INTERVAL_S` while nothing happens (each report is a decode for every router),
-at the busy pace once a message or work came. The worker module's clock is a fake one the test
-moves; the loop itself runs on its own thread with its real socket waits."""
+at the busy pace once a message or work came; between reports its loop sleeps. The worker
+module's clock is a fake one the test moves; the loop itself runs on its own thread with its real
+socket waits."""
 
 from __future__ import annotations
 
 import secrets
+import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +31,13 @@ def wait_until(condition: object, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def wakeups(thread: threading.Thread) -> int:
+    """The voluntary context switches of `thread` so far: how often it blocked and was woken."""
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:", 1)[1].split()[0])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_an_idle_engine_reports_its_load_at_the_idle_pace_and_at_once_after_work(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -52,8 +62,11 @@ def test_an_idle_engine_reports_its_load_at_the_idle_pace_and_at_once_after_work
         wait_until(lambda: len(published) >= 1)  # the first report goes at once
         first = len(published)
         clock[0] += IDLE_REPORT_INTERVAL_S / 2
-        time.sleep(1.0)  # several idle passes of the loop (real waits), half an interval on
+        before = wakeups(thread.thread)
+        time.sleep(1.0)  # idle passes of the loop (real waits), half an interval on
         assert len(published) == first  # the fake clock: nothing to report yet
+        # It blocks until the idle report is due (half an interval here), not 5 times a second.
+        assert wakeups(thread.thread) - before <= 3
         clock[0] += IDLE_REPORT_INTERVAL_S
         wait_until(lambda: len(published) == first + 1)  # the idle pace
         thread.worker._worked = True  # what a message or a step sets (the loop's own thread)
