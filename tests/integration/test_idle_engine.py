@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import secrets
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ from common.worker_config import WorkerConfig
 from services.engine import worker as worker_module
 from services.engine.worker import IDLE_REPORT_INTERVAL_S, EngineWorker
 from services.mesh.replica import WorkerThread
+from tests.thread_wakeups import thread_wakeups
 
 
 def wait_until(condition: object, timeout_s: float = 30.0) -> None:
@@ -29,12 +29,6 @@ def wait_until(condition: object, timeout_s: float = 30.0) -> None:
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
-
-
-def wakeups(thread: threading.Thread) -> int:
-    """The voluntary context switches of `thread` so far: how often it blocked and was woken."""
-    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
-    return int(status.split("voluntary_ctxt_switches:", 1)[1].split()[0])
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
@@ -62,11 +56,11 @@ def test_an_idle_engine_reports_its_load_at_the_idle_pace_and_at_once_after_work
         wait_until(lambda: len(published) >= 1)  # the first report goes at once
         first = len(published)
         clock[0] += IDLE_REPORT_INTERVAL_S / 2
-        before = wakeups(thread.thread)
+        before = thread_wakeups(thread.thread)
         time.sleep(1.0)  # idle passes of the loop (real waits), half an interval on
         assert len(published) == first  # the fake clock: nothing to report yet
         # It blocks until the idle report is due (half an interval here), not 5 times a second.
-        assert wakeups(thread.thread) - before <= 3
+        assert thread_wakeups(thread.thread) - before <= 3
         clock[0] += IDLE_REPORT_INTERVAL_S
         wait_until(lambda: len(published) == first + 1)  # the idle pace
         thread.worker._worked = True  # what a message or a step sets (the loop's own thread)

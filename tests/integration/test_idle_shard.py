@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,14 +18,9 @@ from common.transport.ucx_channel import UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
 from services.shard.worker import IDLE_WAIT_S
 from tests.integration.test_link_input import KEY, answers, shard_loop_only
+from tests.thread_wakeups import thread_wakeups
 
 IDLE_S = 2.0  # the idle spell measured: two `IDLE_WAIT_S`
-
-
-def wakeups(thread: threading.Thread) -> int:
-    """The voluntary context switches of `thread` so far: how often it blocked and was woken."""
-    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
-    return int(status.split("voluntary_ctxt_switches:", 1)[1].split()[0])
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
@@ -42,9 +36,9 @@ def test_an_idle_shard_link_loop_and_kv_receiver_sleep_and_still_answer_at_once(
         assert answers(link, 1)
         kv_link = UcxTensorChannel.connect(receiver.address, ShardIngress, key=KEY)
         time.sleep(0.5)  # past the link's busy spell (`POLL_S`)
-        before = wakeups(loop), wakeups(receiver._thread)
+        before = thread_wakeups(loop), thread_wakeups(receiver._thread)
         time.sleep(IDLE_S)
-        after = wakeups(loop), wakeups(receiver._thread)
+        after = thread_wakeups(loop), thread_wakeups(receiver._thread)
         # Once per `IDLE_WAIT_S` (and a clock tick's rounding), where 100 ms sleeps made 20.
         bound = IDLE_S / IDLE_WAIT_S + 2
         assert after[0] - before[0] <= bound and after[1] - before[1] <= bound

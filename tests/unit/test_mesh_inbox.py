@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from secrets import token_hex
 
 import msgspec
@@ -21,6 +20,7 @@ from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import connect
 from services.router.mesh_inbox import MeshInbox
 from services.router.streams import Stream, StreamTable
+from tests.thread_wakeups import thread_wakeups
 
 AUTH = CurveKeys.from_mesh_key(token_hex(32))
 
@@ -290,12 +290,6 @@ def test_a_load_report_that_fails_to_apply_is_dropped_and_the_next_applied(
     finally:
         pub.close(linger=0)
         inbox.close()
-
-
-def thread_wakeups(thread: threading.Thread) -> int:
-    """The voluntary context switches of `thread` so far: how often it blocked and was woken."""
-    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
-    return int(status.split("voluntary_ctxt_switches:", 1)[1].split()[0])
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
