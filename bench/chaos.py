@@ -2,8 +2,9 @@
 are SIGKILLed, side by side with the same slice and no faults, in one run.
 
     python bench/chaos.py [--seconds 60] [--kill-every 15] [--seed 0] [--token-scale 1/16]
-                          [--only faults|stops|trace] [--streams 6] [--stream-tokens 120]
-                          [--stop-stream-tokens 600] [--registry-stop-s 10] [--router-stop-s 40]
+                          [--only faults|stops|trace] [--faults NAME ...] [--streams 6]
+                          [--stream-tokens 120] [--stop-stream-tokens 600]
+                          [--registry-stop-s 10] [--router-stop-s 40]
 
 Per fault (`--only faults`): a `LocalMesh` (tiny model, one prompt engine, one token engine, a
 2-shard group), `--streams` greedy streams through the router's client, and one worker SIGKILLed
@@ -203,10 +204,10 @@ def greedy_work(
 
 
 def fault_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each of FAULTS under `args.streams` greedy streams; their figures."""
+    """Each of FAULTS named in `args.faults` under `args.streams` greedy streams; their figures."""
     model_path, prompts, params, reference = greedy_work(args, args.stream_tokens)
     return [one_fault(model_path, name, victim, options, prompts, params, reference)
-            for name, victim, options in FAULTS]  # fmt: skip
+            for name, victim, options in FAULTS if name in args.faults]  # fmt: skip
 
 
 def one_fault(
@@ -420,6 +421,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token-scale", default="1/16", help="as tests/e2e/test_loadgen_replay")
     parser.add_argument("--only", choices=("faults", "stops", "trace"), help="run one part only")
+    parser.add_argument("--faults", nargs="+", default=[f[0] for f in FAULTS],
+                        choices=[f[0] for f in FAULTS], help="which faults run")  # fmt: skip
     parser.add_argument("--streams", type=int, default=6, help="per fault")
     parser.add_argument("--stream-tokens", type=int, default=120, help="per stream, per fault")
     parser.add_argument("--stop-stream-tokens", type=int, default=600,
