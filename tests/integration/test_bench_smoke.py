@@ -31,6 +31,26 @@ SMOKE_RUNS = {
         "bench/autoscale.py --rate 4 --duration 120 --step 3x@40s+40s --max-machines 8 "
         "--probe-s 20 --settle-s 60 --startup-s 10 --seeds 0"
     ).split(),
+    "seesaw": "bench/seesaw.py --requests 4 --rounds 1 --modes seesaw pp --max-len 64".split(),
+    "structured": "bench/structured.py --batches 8 --vocabs 2048 --steps 8 --repeats 1".split(),
+    "grammar_engines": ["bench/grammar_engines.py", "--vocabs", "2048"],
+    "transport": ["bench/transport.py", "--repeats", "1", "--round-trips", "20"],
+    # LocalMesh benches: every mesh forked from one fork server, the tiny model.
+    "kv_transfer": "bench/kv_transfer.py --model tiny --tokens 128 --rounds 1".split(),
+    "disagg": (
+        "bench/disagg.py --model tiny --batches 2 --tokens 6 --rounds 1 --skip-transport"
+    ).split(),
+    "telemetry": "bench/telemetry.py --rounds 1 --batch 2 --tokens 6 --shards 1".split(),
+    "admission_stall": (
+        "bench/admission_stall.py --residents 1 --newcomers 1 --newcomer-prompt 64 --quiet-s 0.1"
+    ).split(),
+    "prefix": (
+        "bench/prefix.py --conversations 2 --span-s 1 --max-tokens 2 --num-blocks 256"
+    ).split(),
+    # The cheapest fault on its own (--only stops and the trace need `serve run`: minutes).
+    "chaos": (
+        "bench/chaos.py --only faults --faults prompt_engine_kill --streams 2 --stream-tokens 16"
+    ).split(),
 }
 
 
