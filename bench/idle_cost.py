@@ -7,10 +7,10 @@ For each path, `serve run` as `make run` starts it (`mesh`: deploy/local.yaml, `
 deploy/single.yaml; direct ingress; or, with `--server-pid`, one running already), one request,
 `--settle` seconds for start-up work to end, then a `--window` of seconds with no request: every
 process of the server's session (Ray's GCS, raylet, dashboard and agents, Serve's controller and
-proxy, the replicas, the registry actor) is read from /proc before and after. Figures per process (by Ray title or command): `cores`
-(CPU seconds over the window's seconds) and `wakeups_per_s` (voluntary context switches: a
-thread that blocks and is woken; what an idle loop's timer costs even when its work is small);
-the busiest threads by name across the tree.
+proxy, the replicas, the registry actor) is read from /proc before and after. Figures per process
+(by Ray title or command): `cores` (CPU seconds over the window's seconds) and `wakeups_per_s`
+(voluntary context switches: a thread that blocks and is woken; what an idle loop's timer costs
+even when its work is small); the busiest threads by name across the tree.
 
 CPU seconds of the server's own processes do not depend on what else the machine runs (a shared
 machine's load slows them, it does not add to them), so the figures compare across runs where
