@@ -77,6 +77,7 @@ from tests.e2e.serve_process import ServeRun, registry_pid, replica_pid  # noqa:
 
 ROLES = ("PromptEngine", "TokenEngine", "AttentionShard")
 START_S = 600.0  # `serve run` start-up on a loaded machine (ServeRun's own 240 s is for the tests)
+STATS_S = 60.0  # the workers' stats after a fault: a restarted worker on a loaded machine is slow
 NUM_SERVICES = 4  # deploy/local.yaml: a prompt engine, a token engine, two shards
 MIGRATIONS = "ray_phasemesh_request_migrations_total"
 REFUSED = "ServerError: HTTP 503"
@@ -249,7 +250,7 @@ def one_fault(
         say(f"{name}: SIGKILL {victim} under {len(prompts)} streams")
         outputs = asyncio.run(run())
         num_migrations = client.num_migrations
-        stats = mesh.stats()
+        stats = mesh.stats(timeout=STATS_S)
     finally:
         client.shutdown()
         mesh.close()

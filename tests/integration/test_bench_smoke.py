@@ -4,7 +4,10 @@ Speed is never asserted.
 
 Run elsewhere: `bench/serve.py` (tests/integration/test_serve_bench_inprocess.py, and its
 served paths in tests/e2e/test_bench_served.py), `bench/profile.py`
-(tests/integration/test_profile_bench.py).
+(tests/integration/test_profile_bench.py); the benches that measure a served mesh
+(`bench/sim_validation.py`, `bench/idle_cost.py`) on the e2e package's one `serve run`
+(tests/e2e/local_serve/test_bench_smoke_served.py). `bench/chaos.py`'s stops and trace need a
+`serve run` of their own and minutes: here its faults run, one of them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from bench import llamacpp
+from bench.loadgen_aiperf import find_aiperf
+from tests.sse_stub_server import running_stub
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,16 +68,55 @@ def last_json(command: list[str]) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("bench", sorted(SMOKE_RUNS) + ["engine"])
-def test_the_bench_prints_figures_and_its_targets(bench: str, tiny_model_path: Path) -> None:
-    command = SMOKE_RUNS.get(bench) or [
-        "bench/engine.py", "--model", str(tiny_model_path), "--batches", "1", "--repeats", "1",
-        "--no-unpacked", "--no-onednn",
-    ]  # fmt: skip
-    result = last_json(command)
+def assert_figures_and_targets(result: dict[str, Any]) -> None:
+    """The house rule for a bench's last line: figures, `targets`, and a `targets_met` map of
+    booleans (or `None`: not judged in this run) on stated targets only."""
     targets, met = result["targets"], result["targets_met"]
     assert targets and isinstance(met, dict) and met
     assert set(met) <= set(targets)  # every verdict is on a stated target
     assert all(verdict is None or isinstance(verdict, bool) for verdict in met.values())
     figures = {k: v for k, v in result.items() if k not in ("targets", "targets_met")}
     assert any(isinstance(v, int | float | dict) and v not in (0, {}) for v in figures.values())
+
+
+@pytest.mark.parametrize("bench", sorted(SMOKE_RUNS) + ["engine"])
+def test_the_bench_prints_figures_and_its_targets(bench: str, tiny_model_path: Path) -> None:
+    command = SMOKE_RUNS.get(bench) or [
+        "bench/engine.py", "--model", str(tiny_model_path), "--batches", "1", "--repeats", "1",
+        "--no-unpacked", "--no-onednn",
+    ]  # fmt: skip
+    assert_figures_and_targets(last_json(command))
+
+
+def test_loadgen_aiperf_prints_its_figures_or_why_it_did_not_run(tiny_model_path: Path) -> None:
+    """Against the SSE stub (the bench compares two clients' measuring, not a server): with
+    AIPerf installed, figures and verdicts; without it (CI), one JSON line that says why, with
+    the targets it would have judged."""
+    stub = ("--first-token-delay-s", "0.3", "--token-delay-s", "0.03")
+    with running_stub(*stub) as (_, url):
+        command = ["bench/loadgen_aiperf.py", "--url", url, "--tokenizer", str(tiny_model_path),
+                   "--num-requests", "4", "--rounds", "1"]  # fmt: skip
+        result = last_json(command)
+    if find_aiperf() is None:
+        assert "aiperf not found" in result["skipped"]
+        assert result["targets"] and result["targets_met"] == {}
+    else:
+        assert_figures_and_targets(result)
+
+
+@pytest.mark.skipif(
+    not (llamacpp.VENV / "bin" / "python").is_file(),
+    reason=f"no llama.cpp environment at {llamacpp.VENV} (bench/llamacpp_env.sh)",
+)
+def test_engine_bench_runs_llamacpps_side() -> None:
+    """`bench/engine.py --model smollm2` with llama.cpp's environment: its rows and its targets
+    beside PhaseMesh's (bench/llamacpp.py)."""
+    folder = llamacpp.cache_root() / "models" / f"smollm2-float32-v{llamacpp.FORMAT_VERSION}"
+    if not (folder / "model.safetensors").is_file():
+        pytest.skip(f"SmolLM2 is not prepared at {folder} (make model)")
+    result = last_json(["bench/engine.py", "--model", "smollm2", "--batches", "1", "--repeats",
+                        "1", "--no-unpacked", "--no-onednn"])  # fmt: skip
+    assert_figures_and_targets(result)
+    assert "skipped" not in result["llamacpp"], result["llamacpp"]
+    assert result["llamacpp"]["batches"]["1"]
+    assert any(name.startswith("over_llamacpp_") for name in result["targets_met"])
