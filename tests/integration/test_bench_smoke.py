@@ -61,9 +61,10 @@ SMOKE_RUNS = {
 }
 
 
-def last_json(command: list[str]) -> dict[str, Any]:
+def last_json(command: list[str], timeout_s: float = 300.0) -> dict[str, Any]:
+    """Runs `python COMMAND` from the repository root; its last stdout line, parsed."""
     done = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+                          timeout=timeout_s)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -5,16 +5,13 @@ never asserted."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.e2e.serve_process import REPO, ServeRun
-from tests.integration.test_bench_smoke import assert_figures_and_targets
+from tests.e2e.serve_process import ServeRun
+from tests.integration.test_bench_smoke import assert_figures_and_targets, last_json
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -22,25 +19,18 @@ pytestmark = [
 ]
 
 
-def last_json(command: list[str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True,
-                          timeout=400)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_sim_validation_compares_the_simulator_with_the_served_mesh(
     server: ServeRun, tmp_path: Path
 ) -> None:
     """Profile, host model, a few seconds of the Azure slice simulated and replayed: each check
-    a verdict, and both sides completed the same requests."""
+    a verdict, and both sides completed requests."""
     assert server.pid is not None
     result = last_json([
         "bench/sim_validation.py", "--url", server.base_url, "--server-pid", str(server.pid),
         "--duration", "4", "--repeats", "1", "--prompt-sizes", "16", "64", "--batch-sizes", "1",
         "2", "--probe-requests", "4", "--decode-batches", "1", "--idle-s", "0.5",
         "--out", str(tmp_path),
-    ])  # fmt: skip
+    ], timeout_s=400)  # fmt: skip
     assert_figures_and_targets(result)
     completed = result["time_scales"]["1"]["completed"]
     assert completed["real"] > 0 and completed["sim"] > 0
