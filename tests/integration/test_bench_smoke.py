@@ -45,11 +45,11 @@ SMOKE_RUNS = {
     # LocalMesh benches: every mesh forked from one fork server, the tiny model.
     "kv_transfer": "bench/kv_transfer.py --model tiny --tokens 128 --rounds 1".split(),
     "disagg": (
-        "bench/disagg.py --model tiny --batches 2 --tokens 6 --rounds 1 --skip-transport"
+        "bench/disagg.py --model tiny --batches 2 --tokens 12 --rounds 1 --skip-transport"
     ).split(),
-    "telemetry": "bench/telemetry.py --rounds 1 --batch 2 --tokens 6 --shards 1".split(),
+    "telemetry": "bench/telemetry.py --rounds 1 --batch 2 --tokens 16 --shards 1".split(),
     "admission_stall": (
-        "bench/admission_stall.py --residents 1 --newcomers 1 --newcomer-prompt 64 --quiet-s 0.1"
+        "bench/admission_stall.py --residents 2 --newcomers 2 --quiet-s 0.1"
     ).split(),
     "prefix": (
         "bench/prefix.py --conversations 2 --span-s 1 --max-tokens 2 --num-blocks 256"
