@@ -1,6 +1,7 @@
 """Structured outputs: what a JSON-schema mask costs a sampling step, beside a decode step.
 
     PYTHONPATH=. .venv/bin/python bench/structured.py [--batches 1 8 32] [--vocabs 2048 32768]
+                                                       [--steps 200] [--repeats 3]
 
 For each vocabulary size and batch, the sampling step (logits [B, vocab] -> token ids, as the
 engine's `Sampler` does it) is timed plain and with every row under a JSON schema: masks filled
