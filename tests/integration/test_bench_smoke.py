@@ -13,6 +13,7 @@ served paths in tests/e2e/test_bench_served.py), `bench/profile.py`
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,31 @@ SMOKE_RUNS = {
         "bench/chaos.py --only faults --faults prompt_engine_kill --streams 2 --stream-tokens 16"
     ).split(),
 }
+
+
+# Documented benches whose smoke run is elsewhere (the test file that runs it), or none (why).
+ELSEWHERE = {
+    "serve": "tests/integration/test_serve_bench_inprocess.py",
+    "profile": "tests/integration/test_profile_bench.py",
+    "sim_validation": "tests/e2e/local_serve/test_bench_smoke_served.py",
+    "idle_cost": "tests/e2e/local_serve/test_bench_smoke_served.py",
+    "engine": "tests/integration/test_bench_smoke.py",
+    "llamacpp": "tests/integration/test_bench_smoke.py",
+    "loadgen_aiperf": "tests/integration/test_bench_smoke.py",
+}
+NO_SMOKE_RUN = {
+    "attention_ab": "an A/B tool over two kernel source trees: each run compiles both (minutes)",
+}
+
+
+def test_every_documented_bench_has_a_smoke_run() -> None:
+    """A bench added to docs/benchmarks.md gets a smoke run here, or says where it has one."""
+    documented = set(re.findall(r"bench/(\w+)\.py", (REPO / "docs" / "benchmarks.md").read_text()))
+    assert documented, "docs/benchmarks.md names no bench"
+    missing = documented - set(SMOKE_RUNS) - set(ELSEWHERE) - set(NO_SMOKE_RUN)
+    assert not missing, f"no smoke run for {sorted(missing)}"
+    for bench, test_file in ELSEWHERE.items():
+        assert f"bench/{bench}.py" in (REPO / test_file).read_text(), (bench, test_file)
 
 
 def last_json(command: list[str], timeout_s: float = 300.0) -> dict[str, Any]:
