@@ -163,6 +163,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.server_pid is not None and len(args.paths) != 1:
         parser.error("--server-pid measures one server: name its path alone in --paths")
+    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}").is_dir():
+        parser.error(f"--server-pid {args.server_pid}: no such process (its window would be empty)")
     extra_env = dict(item.split("=", 1) for item in args.env)
     os.environ.update(extra_env)
     results: dict[str, Any] = {"preset": args.preset, "window_s": args.window, "env": extra_env}
