@@ -50,7 +50,8 @@ SMOKE_RUNS = {
     ).split(),
     "telemetry": "bench/telemetry.py --rounds 1 --batch 2 --tokens 16 --shards 1".split(),
     "admission_stall": (
-        "bench/admission_stall.py --residents 2 --newcomers 2 --quiet-s 0.1"
+        "bench/admission_stall.py --residents 2 --newcomers 2 --newcomer-prompt 256 --quiet-s 0.1 "
+        "--shards-per-group 1"
     ).split(),
     "prefix": (
         "bench/prefix.py --conversations 2 --span-s 1 --max-tokens 2 --num-blocks 256"
