@@ -26,6 +26,16 @@ What the peers' users complain about, and the rule here that prevents it:
   band (halfway between `scale_down_fill` and the target), so the next swing of the load neither
   adds nor removes a replica.
 - **Step explosions**: at most `max_step` groups per decision.
+- **A step that arrives before its replicas** (a load step, then a minute of start-up with the
+  old size taking it all): with `lead_s`, a scale-up is sized for the load `lead_s` ahead, its
+  rise over the last `trend_s` (`ScaleState.slope`) projected that far (`Load.ahead`): a rising
+  load asks for its replicas before it crosses the target (so before a queue grows), and the
+  first reading of a step, still diluted by the look-back average, already asks for all the step
+  needs, so `upscale_after_s` can be short without a second scale-up mending a short one. Only a
+  rise counts, only while the replicas reporting stay the same ones (a replica entering or
+  leaving the sum moves it with no change of load), and the projection holds scale-downs too (a
+  load still rising is not one that fits fewer replicas). A flat load's noise barely moves the
+  projection: its slope over `trend_s` is small against a step's.
 - **Half a shard group**: shards come and go in whole groups of `group_size` (a token engine
   claims `shards_per_group` of them), so counts are multiples of it.
 
@@ -60,6 +70,8 @@ class ScalePolicy:
     cooldown_s: float = 30.0  # no change this soon after the last one
     warmup_s: float = 30.0  # samples of a replica younger than this are ignored
     scale_down_fill: float = 0.7  # scale down only if the load fits N-1 at this share of target
+    lead_s: float = 0.0  # size for the load this far ahead: a replica's start-up (0: the load now)
+    trend_s: float = 10.0  # the span a load's rise is measured over (>= the report interval)
 
     def __post_init__(self) -> None:
         if self.target_load <= 0:
@@ -72,7 +84,9 @@ class ScalePolicy:
             raise ValueError("need 0 <= min_replicas <= max_replicas")
         if self.min_replicas % self.group_size or self.max_replicas % self.group_size:
             raise ValueError("min_replicas and max_replicas must be multiples of group_size")
-        for name in ("upscale_after_s", "downscale_after_s", "cooldown_s", "warmup_s"):
+        if self.trend_s <= 0:
+            raise ValueError("trend_s must be positive")
+        for name in ("upscale_after_s", "downscale_after_s", "cooldown_s", "warmup_s", "lead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
 
@@ -97,6 +111,31 @@ class ScaleState:
     wanted_since: float | None = None
     last_change_at: float | None = None
     num_changes: int = 0
+    # The load's trend (`ScaleState.trended`): the reading its current span began with (when,
+    # the total, how many replicas reported it) and the rise per second over the last full span.
+    trend_at: float | None = None
+    trend_load: float = 0.0
+    trend_count: int = 0
+    slope: float = 0.0
+
+    def trended(self, policy: ScalePolicy, load: Load, now: float) -> ScaleState:
+        """This state with `load` read into its trend: once a span of `trend_s` has passed, the
+        slope is the total's change over it and a new span begins. No total (nothing warm)
+        keeps the trend as it is; a change in how many replicas report (one warmed up, one left,
+        a restart of the clock) begins a new span with no slope: the total moved by membership,
+        not by load."""
+        if load.total is None:
+            return self
+        fresh = self.trend_at is None or now < self.trend_at or load.reporting != self.trend_count
+        if fresh:
+            return replace(self, trend_at=now, trend_load=load.total,
+                           trend_count=load.reporting, slope=0.0)  # fmt: skip
+        assert self.trend_at is not None
+        span = now - self.trend_at
+        if span < policy.trend_s:
+            return self
+        slope = (load.total - self.trend_load) / span
+        return replace(self, trend_at=now, trend_load=load.total, slope=slope)
 
 
 @dataclass(frozen=True)
@@ -108,6 +147,7 @@ class Load:
     warming: bool = False
     slo_breached: bool = False
     starting: bool = False  # fewer of its own replicas report than were decided
+    reporting: int = 0  # the warm samples the total sums
 
     @classmethod
     def of(
@@ -128,14 +168,23 @@ class Load:
         if not warm:
             return cls(None, warming=bool(samples), starting=starting)
         total = sum(max(s.load, 0.0) for s in warm) / per
-        return cls(total, len(warm) < len(samples), any(s.slo_breached for s in warm), starting)
+        return cls(total, len(warm) < len(samples), any(s.slo_breached for s in warm), starting,
+                   len(warm))  # fmt: skip
 
     def __or__(self, other: Load) -> Load:
         """Two loads of one unit (a group's engines and its shards): the larger asks."""
         totals = [t for t in (self.total, other.total) if t is not None]
         return Load(max(totals) if totals else None, self.warming or other.warming,
                     self.slo_breached or other.slo_breached,
-                    self.starting or other.starting)  # fmt: skip
+                    self.starting or other.starting,
+                    self.reporting + other.reporting)  # fmt: skip
+
+    def ahead(self, policy: ScalePolicy, state: ScaleState) -> Load:
+        """This load `policy.lead_s` ahead: its total plus the trend's rise over that long (a
+        fall is not projected: scale-downs go by the load there is)."""
+        if self.total is None or policy.lead_s <= 0 or state.slope <= 0:
+            return self
+        return replace(self, total=self.total + state.slope * policy.lead_s)
 
 
 def wanted_replicas(policy: ScalePolicy, current: int, samples: Iterable[LoadSample]) -> int:
@@ -182,8 +231,15 @@ def decide(
     """The next state: `state.replicas` changes only once a change has been wanted for its delay
     and the cool-down since the last change has passed; it goes to the largest count wanted
     meanwhile (`advance`)."""
-    load = Load.of(policy, samples, expected=state.replicas)
-    return advance(policy, state, wanted_for(policy, state.replicas, load), now)
+    return advance_on(policy, state, Load.of(policy, samples, expected=state.replicas), now)
+
+
+def advance_on(policy: ScalePolicy, state: ScaleState, load: Load, now: float) -> ScaleState:
+    """`decide` for a load already summed: its trend read, then the count it asks for
+    `lead_s` ahead, through `advance`'s delays."""
+    state = state.trended(policy, load, now)
+    ahead = load.ahead(policy, state)
+    return advance(policy, state, wanted_for(policy, state.replicas, ahead), now)
 
 
 def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> ScaleState:
@@ -204,7 +260,8 @@ def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> 
     cooling = state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s
     if now - since < delay or cooling:
         return replace(state, wanted=wanted, wanted_since=since)
-    return ScaleState(replicas=wanted, last_change_at=now, num_changes=state.num_changes + 1)
+    return replace(state, replicas=wanted, wanted=0, wanted_since=None, last_change_at=now,
+                   num_changes=state.num_changes + 1)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -240,4 +297,4 @@ def decide_groups(
         shards = Load.of(policy, shard_samples, per=shards_per_group,
                          expected=state.replicas * shards_per_group)  # fmt: skip
         load = load | shards
-    return advance(policy, state, wanted_for(policy, state.replicas, load), now)
+    return advance_on(policy, state, load, now)
