@@ -109,6 +109,8 @@ class ScaleState:
     replicas: int  # the count it decided last
     wanted: int = 0  # the count it has been wanting (0: none different from `replicas`)
     wanted_since: float | None = None
+    seen_at: float | None = None  # the wish's latest reading
+    surplus: float = 0.0  # groups x seconds a scale-up has been wanted for (`advance`)
     last_change_at: float | None = None
     num_changes: int = 0
     # The load's trend (`ScaleState.trended`): the reading its current span began with (when,
@@ -200,7 +202,7 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
     if load.total is None:
         return current  # nothing trustworthy to go on: hold
     group, total = policy.group_size, load.total
-    need = max(group, group * math.ceil(total / policy.target_load / group))
+    need = needed(policy, total)
     if load.slo_breached:
         need = max(need, current + group)
     if need > current and load.warming:
@@ -225,6 +227,12 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
     return min(max(wanted, policy.min_replicas), policy.max_replicas)
 
 
+def needed(policy: ScalePolicy, total: float) -> int:
+    """The fewest replicas (whole groups, at least one) that carry `total` at their target."""
+    group = policy.group_size
+    return max(group, group * math.ceil(total / policy.target_load / group))
+
+
 def decide(
     policy: ScalePolicy, state: ScaleState, samples: Iterable[LoadSample], now: float
 ) -> ScaleState:
@@ -239,14 +247,18 @@ def advance_on(policy: ScalePolicy, state: ScaleState, load: Load, now: float) -
     `lead_s` ahead, through `advance`'s delays."""
     state = state.trended(policy, load, now)
     ahead = load.ahead(policy, state)
-    return advance(policy, state, wanted_for(policy, state.replicas, ahead), now)
+    need = None if ahead.total is None else needed(policy, ahead.total)
+    return advance(policy, state, wanted_for(policy, state.replicas, ahead), now, need)
 
 
-def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> ScaleState:
-    """`decide`'s delays and cool-down applied to a wanted count."""
+def advance(
+    policy: ScalePolicy, state: ScaleState, wanted: int, now: float, need: int | None = None
+) -> ScaleState:
+    """`decide`'s delays and cool-down applied to a wanted count; `need`: what the load needs
+    at the target (`needed`; default `wanted`), which sets how fast a scale-up's hold fills."""
     current = state.replicas
     if wanted == current:
-        return replace(state, wanted=0, wanted_since=None)
+        return replace(state, wanted=0, wanted_since=None, seen_at=None, surplus=0.0)
     # A change of direction restarts the clock; the same wish keeps it. A scale-up asks for the
     # most it asked for meanwhile: a noisy signal (a rate over a short window) read low at the
     # moment of the change does not size a step short (which a second scale-up would then have
@@ -254,14 +266,25 @@ def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> 
     # still falling, and the most it wanted then is not what the load needs now.
     same_direction = state.wanted and (state.wanted > current) == (wanted > current)
     since = state.wanted_since if same_direction and state.wanted_since is not None else now
-    if same_direction and wanted > current:
-        wanted = max(wanted, state.wanted)
-    delay = policy.upscale_after_s if wanted > current else policy.downscale_after_s
+    # A scale-up's hold is in groups x seconds: each reading adds the groups the load needs
+    # beyond the current count (at least one) times the time since the last reading, so a wish
+    # for one group more waits `upscale_after_s` and one for k more about 1/k of it: a load
+    # that needs many more replicas at once is a step, not noise (noise crosses the target by
+    # a group at most), and the sooner its replicas start the less of it waits for them.
+    surplus = 0.0
+    if wanted > current:
+        held = (now - state.seen_at) if same_direction and state.seen_at is not None else 0.0
+        groups = (min(wanted if need is None else need, wanted) - current) / policy.group_size
+        surplus = (state.surplus if same_direction else 0.0) + held * max(groups, 1.0)
+        wanted = max(wanted, state.wanted) if same_direction else wanted
+        held_enough = surplus >= policy.upscale_after_s
+    else:
+        held_enough = now - since >= policy.downscale_after_s
     cooling = state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s
-    if now - since < delay or cooling:
-        return replace(state, wanted=wanted, wanted_since=since)
+    if not held_enough or cooling:
+        return replace(state, wanted=wanted, wanted_since=since, seen_at=now, surplus=surplus)
     return replace(state, replicas=wanted, wanted=0, wanted_since=None, last_change_at=now,
-                   num_changes=state.num_changes + 1)  # fmt: skip
+                   num_changes=state.num_changes + 1, seen_at=None, surplus=0.0)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -333,6 +333,9 @@ class AutoscaledCluster:
             life = ReplicaLife(machine_id, role, now, start)
             self.lives.append(life)
             self._life[machine_id] = life
+            if active_s is not None:  # an initial machine: its arrivals count from time 0
+                machine = self.sim.machines[machine_id]
+                self._arrivals[machine_id] = RateMeter(now, machine.prompt_tokens_in)
             return
         draining = [life for life in self._lives_of(role) if life.draining_s is not None]
         if not draining:
