@@ -247,7 +247,9 @@ def advance_on(policy: ScalePolicy, state: ScaleState, load: Load, now: float) -
     `lead_s` ahead, through `advance`'s delays."""
     state = state.trended(policy, load, now)
     ahead = load.ahead(policy, state)
-    need = None if ahead.total is None else needed(policy, ahead.total)
+    # The hold fills with what the load needs now: a projection sizes a step, and starts a
+    # wish, but noise in a slope (a few long prompts in a row) makes no scale-up sooner.
+    need = None if load.total is None else needed(policy, load.total)
     return advance(policy, state, wanted_for(policy, state.replicas, ahead), now, need)
 
 
