@@ -286,7 +286,8 @@ def test_no_scale_down_while_a_replica_decided_has_not_reported_yet() -> None:
 # The simulator's prompt-side knobs (loadgen/sim/autoscale_replay.py's DEFAULT_ROLES), in loads of
 # 1000 per replica.
 LEADING = ScalePolicy(target_load=1000, max_replicas=32, max_step=64, upscale_after_s=30,
-                      downscale_after_s=300, cooldown_s=60, warmup_s=30, lead_s=15, trend_s=5)  # fmt: skip
+                      downscale_after_s=300, cooldown_s=60, warmup_s=30, lead_s=15,
+                      trend_s=5)  # fmt: skip
 
 
 def first_change(policy: ScalePolicy, series: list[float], start: int) -> tuple[int, int]:
