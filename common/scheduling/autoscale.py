@@ -246,11 +246,15 @@ def advance_on(policy: ScalePolicy, state: ScaleState, load: Load, now: float) -
     """`decide` for a load already summed: its trend read, then the count it asks for
     `lead_s` ahead, through `advance`'s delays."""
     state = state.trended(policy, load, now)
-    ahead = load.ahead(policy, state)
-    # The hold fills with what the load needs now: a projection sizes a step, and starts a
-    # wish, but noise in a slope (a few long prompts in a row) makes no scale-up sooner.
     need = None if load.total is None else needed(policy, load.total)
-    return advance(policy, state, wanted_for(policy, state.replicas, ahead), now, need)
+    # The load ahead sizes a step: a load past the current size's target by more than the dead
+    # band is wide (`scale_down_fill`), which a flat load's swings within the band do not
+    # reach. Below that a slope is mostly noise: sizing by it would inflate a scale-up the
+    # noise began, and a scale-down goes by the load there is.
+    band = 2 - policy.scale_down_fill
+    stepping = load.total is not None and load.total > state.replicas * policy.target_load * band
+    wanted = wanted_for(policy, state.replicas, load.ahead(policy, state) if stepping else load)
+    return advance(policy, state, wanted, now, need)
 
 
 def advance(
