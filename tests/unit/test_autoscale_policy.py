@@ -302,20 +302,6 @@ def first_change(policy: ScalePolicy, series: list[float], start: int) -> tuple[
     raise AssertionError("no change")
 
 
-def test_a_rising_rate_scales_up_before_the_load_crosses_the_target() -> None:
-    # Two replicas' arrivals rise by 10/s from 1000: they cross the two replicas' target (the
-    # rate one replica serves within its SLO: past it a queue grows) at 100 s. Projected a
-    # minute ahead, the rise asks for a third replica from ~40 s, which comes a hold later while
-    # the rate is still under the target: no queue has grown yet.
-    ramp = [1000 + 10.0 * t for t in range(400)]
-    ahead = replace_policy(upscale_after_s=10, lead_s=60, trend_s=10)
-    at, replicas = first_change(ahead, ramp, start=2)
-    assert at < 100 and ramp[at] < 2000 and replicas == 3
-    # The same policy on the load as it is scales up only a hold after the crossing.
-    at_now, _ = first_change(replace_policy(upscale_after_s=10), ramp, start=2)
-    assert at_now >= 110
-
-
 def look_back(series: list[float], window: int = 30) -> list[float]:
     """Each reading's average over the `window` readings before it (Serve's look-back)."""
     return [sum(series[max(0, i - window + 1) : i + 1]) / min(i + 1, window)
@@ -324,12 +310,14 @@ def look_back(series: list[float], window: int = 30) -> list[float]:
 
 def test_a_step_is_met_within_seconds_in_one_scale_up_sized_for_all_of_it() -> None:
     # 8 replicas' worth on 12 replicas, then three times that: the look-back average rises over
-    # its window. The rise projected 15 s ahead and the hold filling with the groups the load
-    # needs bring the whole step (24 replicas' worth, at least 24) well within
+    # its window. Once the load is past the target by more than the dead band (a step, not a
+    # swing), its rise projected 15 s ahead sizes the scale-up, and the hold filling with the
+    # groups the load needs brings the whole step (24 replicas' worth, at least 24) well within
     # `upscale_after_s` of the step, in one change.
     series = look_back([8000.0] * 300 + [24000.0] * 600)
     at, replicas = first_change(LEADING, series, start=12)
     assert 300 < at < 300 + 20 and replicas >= 24
+    assert series[at] < 0.85 * 24000  # ahead: the load read then is well short of the step's
     state = ScaleState(replicas=12)
     for now, total in enumerate(series):
         n = state.replicas
