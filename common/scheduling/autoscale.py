@@ -9,8 +9,8 @@ What the peers' users complain about, and the rule here that prevents it:
 
 - **Flapping** (2 <-> 1 every few minutes): a dead band (`scale_down_fill`): scaling down needs
   the load to fit the smaller size with room to spare, not merely to dip under the target; a
-  wanted change must persist (`upscale_after_s` / `downscale_after_s`), and after any change none
-  happens for `cooldown_s`.
+  wanted change must persist (`upscale_after_s`, in groups x seconds, see below, /
+  `downscale_after_s`), and after any change none happens for `cooldown_s`.
 - **Cold-start samples inflating the count**: a replica younger than `warmup_s` is still loading
   weights or compiling; its samples are left out (its queue is not yet the mesh's queue).
 - **A step taken in several decisions** (1 -> 3 -> 5 -> 6 while the new replicas start): a
@@ -27,15 +27,19 @@ What the peers' users complain about, and the rule here that prevents it:
   adds nor removes a replica.
 - **Step explosions**: at most `max_step` groups per decision.
 - **A step that arrives before its replicas** (a load step, then a minute of start-up with the
-  old size taking it all): with `lead_s`, a scale-up is sized for the load `lead_s` ahead, its
-  rise over the last `trend_s` (`ScaleState.slope`) projected that far (`Load.ahead`): a rising
-  load asks for its replicas before it crosses the target (so before a queue grows), and the
-  first reading of a step, still diluted by the look-back average, already asks for all the step
-  needs, so `upscale_after_s` can be short without a second scale-up mending a short one. Only a
-  rise counts, only while the replicas reporting stay the same ones (a replica entering or
-  leaving the sum moves it with no change of load), and the projection holds scale-downs too (a
-  load still rising is not one that fits fewer replicas). A flat load's noise barely moves the
-  projection: its slope over `trend_s` is small against a step's.
+  old size taking it all): a scale-up's hold (`upscale_after_s`) fills with the groups the load
+  needs now beyond the current size, per second: one group more waits the whole hold, k more
+  about 1/k of it, so a step's replicas start seconds after it while a swing of a group waits.
+  And with `lead_s`, a step is sized for its load `lead_s` ahead, its rise over the last
+  `trend_s` (`ScaleState.slope`) projected that far (`Load.ahead`): the look-back average Serve
+  hands the policy lags a rising load (by half its window on a ramp), so the first readings of
+  a step, still mostly the load before it, would otherwise size it short and a second scale-up
+  would mend it. Only a step is projected (a load past the current size's target by more than
+  the dead band is wide: a flat load's swings stay within it, and a slope of its noise would
+  inflate the scale-ups it begins); only a rise, only while the same replicas report (one
+  entering or leaving the sum moves it with no change of load); scale-downs go by the load
+  there is. State lost (a controller restart, a count changed by hand) restarts the trend: no
+  projection until a span has passed.
 - **Half a shard group**: shards come and go in whole groups of `group_size` (a token engine
   claims `shards_per_group` of them), so counts are multiples of it.
 
