@@ -74,7 +74,7 @@ class ScalePolicy:
     cooldown_s: float = 30.0  # no change this soon after the last one
     warmup_s: float = 30.0  # samples of a replica younger than this are ignored
     scale_down_fill: float = 0.7  # scale down only if the load fits N-1 at this share of target
-    lead_s: float = 0.0  # size for the load this far ahead: a replica's start-up (0: the load now)
+    lead_s: float = 0.0  # size a step for its load this far ahead (0: for the load now)
     trend_s: float = 10.0  # the span a load's rise is measured over (>= the report interval)
 
     def __post_init__(self) -> None:
