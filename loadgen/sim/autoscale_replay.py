@@ -144,14 +144,13 @@ class RoleScaling:
 # scale-down needs the load to fit under the target with room (`scale_down_fill`) for minutes.
 # `cooldown_s` covers a machine's start-up (`AutoscaleOptions.startup_s`'s default): the
 # decision after a scale-up finds the new machines reporting, young, and adds none meanwhile.
-# The prompt side sizes a scale-up for its load `lead_s` ahead (its rise over `trend_s`
-# projected): half the look-back, which the look-back average lags a rising load by, so the
-# first readings of a step, still mostly the load before it, ask for the whole step; and a
-# step needing many machines at once fills the hold in seconds (`advance`), so they start
-# seconds after the step instead of `upscale_after_s` after it. Projecting over the whole
-# start-up instead overshoots a step (the look-back's rise lasts its window, not the start-up)
-# and turns a flat load's noise into scale-ups (bench/autoscale.py's notes in
-# docs/benchmarks.md).
+# The prompt side sizes a step (a load past the target by more than the dead band) for its load
+# `lead_s` ahead, its rise over `trend_s` projected: half the look-back, which the look-back
+# average lags a rising load by, so the first readings of a step, still mostly the load before
+# it, ask for the whole step; and a step needing many machines fills the hold in seconds
+# (`advance`), so they start seconds after the step instead of `upscale_after_s` after it.
+# Projecting over the whole start-up instead overshoots a step (the look-back's rise lasts its
+# window, not the start-up) and turns a flat load's noise into scale-ups (docs/benchmarks.md).
 _SHARED_KNOBS = {
     "max_step": 64,
     "upscale_after_s": 30.0,
