@@ -188,14 +188,17 @@ def test_metrics_in_vllm_names_after_requests(server: ServeRun, client: openai.O
         assert len(engines) >= 2, "the prompt and the token engine report"
 
 
+@pytest.mark.timeout(3600)  # eight stories to the context's end, two at a time: tens of minutes
 def test_eight_chats_without_max_tokens_finish_or_are_refused_before_streaming(
     server: ServeRun,
 ) -> None:
     """Issue 49's first item as a new user met it: eight concurrent streamed greedy chats without
     `max_tokens` (the official client's default). SmolLM2 tells each story for thousands of
-    tokens, past what the shard group holds for all eight (16,384 tokens), so the token engine
-    preempts and recomputes (a chunk a step: services/engine/prefill_chunks.py). Every chat ends
-    `stop` or `length`, or is refused before its first chunk; none fails mid-stream."""
+    tokens (to the end of its 8,192-token context, most of them), past what the shard group
+    holds for all eight (16,384 tokens), so the token engine preempts and recomputes (a chunk a
+    step: services/engine/prefill_chunks.py) and a preempted stream waits, kept alive by SSE
+    comments, for minutes. With the official client's default timeouts every chat ends `stop`
+    or `length`, or is refused before its first chunk; none fails mid-stream."""
     with ThreadPoolExecutor(NUM_CHATS) as pool:
         ends = list(pool.map(lambda i: chat(server, i, False, MODEL), range(NUM_CHATS)))
     print(ends, httpx.get(server.base_url + "/stats", timeout=60).json()["services"])
