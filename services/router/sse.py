@@ -71,11 +71,18 @@ class _SSEResponse(StreamingResponse):
                 await send({"type": "http.response.body", "body": chunk, "more_body": more})
                 sent_at = loop.time()
 
+        streaming, gone = asyncio.current_task(), []
+
         async def keep_alive() -> None:
-            while True:
-                await asyncio.sleep(max(sent_at + KEEPALIVE_S - loop.time(), 0.0))
-                if loop.time() - sent_at >= KEEPALIVE_S:
-                    await body(KEEPALIVE)
+            try:
+                while True:
+                    await asyncio.sleep(max(sent_at + KEEPALIVE_S - loop.time(), 0.0))
+                    if loop.time() - sent_at >= KEEPALIVE_S:
+                        await body(KEEPALIVE)
+            except OSError as exc:  # the client went away while the stream was silent
+                gone.append(exc)
+                if streaming is not None:
+                    streaming.cancel()  # end the stream now, not at its next event
 
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})  # fmt: skip
@@ -83,6 +90,10 @@ class _SSEResponse(StreamingResponse):
         try:
             async for chunk in self.body_iterator:
                 await body(chunk.encode(self.charset) if isinstance(chunk, str) else bytes(chunk))
+        except asyncio.CancelledError:
+            if gone:
+                raise gone[0] from None
+            raise
         finally:
             pinger.cancel()
         await body(b"", more=False)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+import pytest
 import torch
 
 from common.block_manager import BlockManager
@@ -123,3 +125,11 @@ def test_a_mixed_engine_decodes_between_the_chunks_of_a_prompt_it_ships(
             pair.deliver(pair.token.step())
     for req_id, prompt in (("local", local), ("shipped", shipped)):
         assert pair.outputs[req_id] == single_process_tokens(tiny_model_path, prompt, greedy)
+
+
+@pytest.mark.parametrize("bad", [0, -512, "512"])
+def test_a_chunk_size_that_is_not_a_positive_count_is_refused_naming_it(bad: object) -> None:
+    with pytest.raises(msgspec.ValidationError, match="prefill_chunk_tokens"):
+        msgspec.convert({"prefill_chunk_tokens": bad}, MeshOptions)
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        PrefillChunks(chunk_tokens=0)  # built in process, without the options' check

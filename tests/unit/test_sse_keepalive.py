@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator
 
 import pytest
 from openai._streaming import SSEDecoder
+from starlette.requests import ClientDisconnect
 
 from services.router import sse
 
@@ -54,3 +55,38 @@ def test_a_stream_that_keeps_streaming_gets_none(monkeypatch: pytest.MonkeyPatch
     body = served(silent_between(0.0))
     assert sse.KEEPALIVE not in body
     assert body == b'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+
+
+def test_a_client_gone_during_the_silence_ends_the_stream_and_its_pinger(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client's socket fails at a keep-alive: the response ends (its event generator closed,
+    which aborts the request) and no keep-alive task is left running."""
+    monkeypatch.setattr(sse, "KEEPALIVE_S", 0.05)
+    closed = []
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        try:
+            yield b'{"n": 1}'
+            await asyncio.sleep(30)  # preempted: silent until the client gives up
+            yield b'{"n": 2}'
+        finally:
+            closed.append(True)
+
+    async def send(message: dict) -> None:
+        if message.get("body") == sse.KEEPALIVE:
+            raise OSError("connection reset by peer")
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    async def scenario() -> set:
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        with pytest.raises(ClientDisconnect):  # at the keep-alive, not at the events' next one
+            await asyncio.wait_for(sse.sse_response(events())(scope, receive, send), 10)  # type: ignore[arg-type]
+        await asyncio.sleep(0.2)  # a pinger left behind would send (and fail) again
+        return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+    assert asyncio.run(scenario()) == set()
+    assert closed == [True]
