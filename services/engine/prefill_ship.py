@@ -52,7 +52,9 @@ class Prefill:
         )
 
     def run_chunk(self, chunk: Batch, table: RequestTable) -> None:
-        """One chunk of a long prefill (prefill_chunks.py): its K/V into the cache, no token."""
+        """One chunk of a long prefill (prefill_chunks.py): its K/V into the cache, no token.
+        Its request's prefill span starts at its first chunk."""
+        self.telemetry.prefill_started(s.req_id for s in chunk.seqs)
         self.num_computed_tokens += chunk.num_tokens
         self.telemetry.histograms.observe(ITERATION_TOKENS, chunk.num_tokens)
         self.runner.run(self.runner.plan_prefill(chunk, table.token_ids(chunk.seqs)))

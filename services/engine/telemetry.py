@@ -63,6 +63,7 @@ class _Traced:
     arrived_ns: int
     phase: str
     decode_ns: int = 0
+    prefill_ns: int = 0  # its prefill's first step began (a long one runs in chunks)
 
 
 @dataclass(slots=True)
@@ -117,11 +118,13 @@ class EngineTelemetry:
     # -- prefill ----------------------------------------------------------------------------------
 
     def prefill_started(self, req_ids: Iterable[str]) -> int:
-        """A prefill batch starts now: its new prompts leave the queue. Returns the time (ns)."""
+        """A prefill step starts now: its new prompts leave the queue (at their first step, a
+        long prompt's first chunk). Returns the time (ns)."""
         now = time.time_ns()
         for req_id in req_ids:
             traced = self.requests.get(req_id)
-            if traced is not None and traced.phase == QUEUED:
+            if traced is not None and traced.phase == QUEUED and not traced.prefill_ns:
+                traced.prefill_ns = now
                 queue_span("prompt.queue", traced.traceparent, traced.arrived_ns, now)
                 queued_s = (now - traced.arrived_ns) / 1e9
                 self.metrics.record_queue_time(queued_s)
@@ -129,7 +132,9 @@ class EngineTelemetry:
         return now
 
     def prefill_done(self, seqs: list[Seq], start_ns: int, end_ns: int) -> None:
-        """The batch's forward pass (and first-token sampling) ran from `start_ns` to `end_ns`.
+        """The batch's forward pass (and first-token sampling) ran from `start_ns` to `end_ns`;
+        a request whose prefill ran in chunks began at its first chunk (`prefill_started`), so
+        its span and prefill time cover the chunks and the decode steps between them.
 
         Recomputed requests (preempted while decoding) are part of their decode, not a prefill.
         """
@@ -140,12 +145,13 @@ class EngineTelemetry:
             if traced is None or traced.phase != QUEUED:
                 continue
             traced.phase = PREFILLED
+            began = traced.prefill_ns or start_ns
             record_prefill(
-                traced.traceparent, start_ns, end_ns, num_prompt_tokens=seq.num_tokens,
+                traced.traceparent, began, end_ns, num_prompt_tokens=seq.num_tokens,
                 batch_size=len(seqs), batch_tokens=batch_tokens,
             )  # fmt: skip
-            self.metrics.record_prefill_time((end_ns - start_ns) / 1e9)
-            self.histograms.observe(PREFILL_TIME, (end_ns - start_ns) / 1e9)
+            self.metrics.record_prefill_time((end_ns - began) / 1e9)
+            self.histograms.observe(PREFILL_TIME, (end_ns - began) / 1e9)
 
     def kv_shipped(self, routes: list[KvRoute], num_layers: int, prefill_end_ns: int) -> None:
         """Each request's KV went out: first send to last, and how much of it prefill hid.

@@ -106,3 +106,17 @@ def test_a_request_freed_before_its_kv_completes_ends_its_kv_receive_incomplete(
     ingress.free("r")
     (receive,) = named(spans, "kv.receive")
     assert dict(receive.attributes or {})["phasemesh.kv.incomplete"] is True
+
+
+def test_a_chunked_prefill_is_one_span_from_its_first_chunk_and_one_queue_span(spans):
+    telemetry = EngineTelemetry("prompt-0", "tiny")
+    carried, root_id = request_context("router.request")
+    telemetry.on_prompt("r", carried)
+    first_chunk_ns = telemetry.prefill_started(["r"])  # its first chunk
+    last_step_ns = telemetry.prefill_started(["r"])  # chunks later: the batch's last step
+    assert last_step_ns >= first_chunk_ns
+    telemetry.prefill_done([Sequence("r", 40)], last_step_ns, last_step_ns + 1_000)
+    (queue,), (prefill,) = named(spans, "prompt.queue"), named(spans, "prompt.prefill")
+    assert queue.end_time == first_chunk_ns  # the queue ended at the first chunk, once
+    assert prefill.start_time == first_chunk_ns and prefill.end_time == last_step_ns + 1_000
+    assert prefill.parent is not None and prefill.parent.span_id == root_id
