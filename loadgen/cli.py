@@ -53,7 +53,14 @@ def parse_header(text: str) -> tuple[str, str]:
 
 
 def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
+    """What is sent (a trace or random lengths, scaled) and when (arrivals, limits)."""
     group = parser.add_argument_group("schedule")
+    _add_dataset_args(group)
+    _add_arrival_args(group)
+    _add_length_scale_args(group)
+
+
+def _add_dataset_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--trace", "--dataset-path", dest="trace", default=None,
         help="Azure CSV, Mooncake JSONL, ShareGPT JSON or BurstGPT CSV (detected from content)",
@@ -68,6 +75,9 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
         "--random-range-ratio", type=float, default=0.0,
         help="draw lengths uniformly within ±this fraction (0: fixed)",
     )  # fmt: skip
+
+
+def _add_arrival_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--arrival",
         choices=ARRIVAL_MODES,
@@ -102,6 +112,9 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
         "--warmup", "--num-warmups", dest="warmup", type=int, default=0,
         help="send N requests first, all at once, and leave them out of the results",
     )  # fmt: skip
+
+
+def _add_length_scale_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--token-scale",
         type=parse_scale,
