@@ -13,6 +13,10 @@ SLOs): the Azure conversation trace's sizes at a Poisson base rate, tripled for 
    which starts at the size it settles at on the base load (`--settle-s` of base load first,
    from the base's fixed size).
 
+`--lend-bounds`: the router's lending bounds (`PoolThresholds.lend_*`: a prefill lent only to a
+machine running few decodes, a prompt machine lent to decodes only with few prompt tokens
+pending) for both clusters, the fixed size's search included; default: Splitwise's lending.
+
 Reported: TTFT and TBT p90 slowdowns against their limits and the share of requests within them
 (over the slice and within the step), replica-seconds by deployment, scale events.
 Targets: the autoscaled cluster meets the p90 SLOs whenever the fixed size does (and, stricter,

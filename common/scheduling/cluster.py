@@ -13,6 +13,12 @@ routers do): its key is pending prompt tokens - weight x cached prefix tokens; w
 JSQ. `rebalance` sends a mixed machine home once no work of the
 opposite kind is pending on it, and re-purposes (changes the home of) a machine that has stayed
 mixed for long. `RoundRobinPolicy` and `PowerOfTwoPolicy` route within home pools, for comparison.
+
+Lending bounds (`PoolThresholds.lend_prefill_max_decode` / `lend_decode_max_pending`, off by
+default) keep lent work off a machine where it would stall what runs there. They read the same
+reported loads as JSQ: a stale report may grant or refuse one loan it would not have a report
+later (as it may pick a machine JSQ would not); a refused loan loses nothing, the work queues in
+its own pool.
 """
 
 from __future__ import annotations
