@@ -13,6 +13,10 @@ SLOs): the Azure conversation trace's sizes at a Poisson base rate, tripled for 
    which starts at the size it settles at on the base load (`--settle-s` of base load first,
    from the base's fixed size).
 
+`--lend-bounds`: the router's lending bounds (`PoolThresholds.lend_*`: a prefill lent only to a
+machine running few decodes, a prompt machine lent to decodes only with few prompt tokens
+pending) for both clusters, the fixed size's search included; default: Splitwise's lending.
+
 Reported: TTFT and TBT p90 slowdowns against their limits and the share of requests within them
 (over the slice and within the step), replica-seconds by deployment, scale events.
 Targets: the autoscaled cluster meets the p90 SLOs whenever the fixed size does (and, stricter,
@@ -33,6 +37,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from common.roles import Role
@@ -47,7 +52,7 @@ from loadgen.sim.autoscale_replay import (
     summary,
 )
 from loadgen.sim.designs import DESIGNS, ClusterSpec
-from loadgen.sim.simulator import SimRequest, simulate
+from loadgen.sim.simulator import SimOptions, SimRequest, simulate
 from loadgen.sim.slo import attainment
 from loadgen.sim.workload import poisson, read_trace
 from loadgen.traces import TraceRow, shared_dir
@@ -79,7 +84,7 @@ def smallest(meets: Callable[[int], bool], lo: int, hi: int) -> int | None:
 
 
 def smallest_fixed(rows: list[TraceRow], rate: float, max_machines: int, probe_s: float,
-                   seed: int) -> ClusterSpec | None:  # fmt: skip
+                   seed: int, sim: SimOptions | None = None) -> ClusterSpec | None:  # fmt: skip
     """A small fixed mix whose TTFT and TBT p90 hold at `rate` (the probe's first 10 s left
     out: a cold start), by bisection one role at a time: the fewest prompt machines beside a
     third of the pool of token machines, then the fewest token machines beside those, then the
@@ -90,7 +95,7 @@ def smallest_fixed(rows: list[TraceRow], rate: float, max_machines: int, probe_s
 
     def meets(p: int, t: int) -> bool:
         if (p, t) not in seen:
-            result = simulate(ClusterSpec(DESIGN, p, t), requests)
+            result = simulate(ClusterSpec(DESIGN, p, t), requests, sim)
             seen[p, t] = bool(attainment(result, start_s=min(10.0, probe_s / 4))["met"])
         return seen[p, t]
 
@@ -106,14 +111,15 @@ def smallest_fixed(rows: list[TraceRow], rate: float, max_machines: int, probe_s
 
 
 def settled(rows: list[TraceRow], rate: float, pool: dict[Role, int], start: ClusterSpec,
-            settle_s: float, startup_s: float, seed: int) -> dict[Role, int]:  # fmt: skip
+            settle_s: float, startup_s: float, seed: int,
+            sim: SimOptions | None = None) -> dict[Role, int]:  # fmt: skip
     """Where the autoscaler settles at the base rate, started from `start`: the autoscaled
     cluster's size at time 0 (so that its events are the step's, not its own settling)."""
     initial = {Role.PROMPT: min(start.num_prompt, pool[Role.PROMPT]),
                Role.TOKEN: min(start.num_token, pool[Role.TOKEN])}  # fmt: skip
     options = default_options(DESIGN, pool, initial=initial, startup_s=startup_s)
     result = simulate_autoscaled(DESIGN, poisson(rows, rate, settle_s, seed + 1), options,
-                                 settle_s)  # fmt: skip
+                                 settle_s, sim)  # fmt: skip
     last = result.timeline[-1][1]
     return {Role.PROMPT: last[Role.PROMPT.value], Role.TOKEN: last[Role.TOKEN.value]}
 
@@ -137,6 +143,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--startup-s", type=float, default=60.0)
     parser.add_argument("--probe-s", type=float, default=120.0, help="simulated s per probe")
     parser.add_argument(
+        "--lend-bounds",
+        type=int,
+        nargs=2,
+        metavar=("PREFILL_MAX_DECODE", "DECODE_MAX_PENDING"),
+        help="the router's lending bounds (PoolThresholds.lend_*), for both clusters; "
+        "default: unbounded, Splitwise's lending",
+    )
+    parser.add_argument(
         "--seeds",
         type=int,
         nargs="+",
@@ -157,6 +171,17 @@ def print_table(rows_out: list[tuple[str, dict, dict, float, int]]) -> None:
         )
 
 
+def sim_options(args: argparse.Namespace) -> SimOptions:
+    """The simulator's options of both clusters: its defaults, with `--lend-bounds`."""
+    options = SimOptions()
+    if args.lend_bounds is None:
+        return options
+    prefill_max_decode, decode_max_pending = args.lend_bounds
+    thresholds = replace(options.thresholds, lend_prefill_max_decode=prefill_max_decode,
+                         lend_decode_max_pending=decode_max_pending)  # fmt: skip
+    return replace(options, thresholds=thresholds)
+
+
 def machine_pool(peak: ClusterSpec, max_machines: int) -> dict[Role, int]:
     """The autoscaler's pool: `max_machines` in the peak size's ratio (at least the peak size of
     each role)."""
@@ -170,23 +195,25 @@ def run_seed(args: argparse.Namespace, rows: list[TraceRow], step: LoadStep,
              seed: int) -> dict[str, Any]:  # fmt: skip
     """One seed's fixed and autoscaled runs: its figures, with `targets_met`."""
     started = time.perf_counter()
-    peak = smallest_fixed(rows, args.rate * step.factor, args.max_machines, args.probe_s, seed)
-    base = smallest_fixed(rows, args.rate, args.max_machines, args.probe_s, seed)
+    sim = sim_options(args)
+    peak = smallest_fixed(rows, args.rate * step.factor, args.max_machines, args.probe_s, seed,
+                          sim)  # fmt: skip
+    base = smallest_fixed(rows, args.rate, args.max_machines, args.probe_s, seed, sim)
     if peak is None or base is None:
         raise SystemExit(f"no fixed size of <= {args.max_machines} machines holds the SLOs")
     print(f"seed {seed}: fixed size for the peak ({args.rate * step.factor:g} RPS): {peak.label}; "
           f"for the base ({args.rate:g} RPS): {base.label}")  # fmt: skip
 
     requests = workload(rows, args.rate, args.duration, step, seed)
-    fixed_result = simulate(peak, requests)
+    fixed_result = simulate(peak, requests, sim)
     fixed_s = fixed_replica_seconds(peak, args.duration)
     fixed_att = attainment(fixed_result)
     fixed_step = attainment(fixed_result, step.start_s, step.end_s)
 
     pool = machine_pool(peak, args.max_machines)
-    initial = settled(rows, args.rate, pool, base, args.settle_s, args.startup_s, seed)
+    initial = settled(rows, args.rate, pool, base, args.settle_s, args.startup_s, seed, sim)
     options = default_options(DESIGN, pool, initial=initial, startup_s=args.startup_s)
-    scaled = simulate_autoscaled(DESIGN, requests, options, args.duration)
+    scaled = simulate_autoscaled(DESIGN, requests, options, args.duration, sim)
     auto = summary(scaled, args.duration, [step])
     auto_att = attainment(scaled.sim)
 
@@ -253,6 +280,7 @@ def main() -> None:
         "step": args.step,
         "max_machines": args.max_machines,
         "startup_s": args.startup_s,
+        "lend_bounds": args.lend_bounds,
         "seeds": runs,
         "live": {"skipped": LIVE_SKIPPED},
         "wall_s": round(time.perf_counter() - started, 1),

@@ -61,13 +61,19 @@ class PoolOptions(_Options, frozen=True):
     min_free_kv_tokens: NonNegative = 0  # KV left where the request would decode
     lease_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # a lent engine goes home unrenewed
     home_roles: HomeRoleOptions | None = None  # None: every engine keeps its deployed home
+    # Lent work only where it stalls no one (`PoolThresholds`): a prefill onto an engine running
+    # at most this many decode tokens, a decode onto one with at most this many pending prompt
+    # tokens (unbounded: Splitwise's lending).
+    lend_prefill_max_decode: NonNegative = 1 << 62
+    lend_decode_max_pending: NonNegative = 1 << 62
 
     def thresholds(self) -> PoolThresholds:
         homes = self.home_roles.thresholds() if self.home_roles is not None else None
         return PoolThresholds(
             prompt_tokens=self.prompt_tokens, decode_tokens=self.decode_tokens,
             min_free_kv_tokens=self.min_free_kv_tokens, role_lease_s=self.lease_s,
-            home_roles=homes,
+            home_roles=homes, lend_prefill_max_decode=self.lend_prefill_max_decode,
+            lend_decode_max_pending=self.lend_decode_max_pending,
         )  # fmt: skip
 
 

@@ -13,6 +13,12 @@ routers do): its key is pending prompt tokens - weight x cached prefix tokens; w
 JSQ. `rebalance` sends a mixed machine home once no work of the
 opposite kind is pending on it, and re-purposes (changes the home of) a machine that has stayed
 mixed for long. `RoundRobinPolicy` and `PowerOfTwoPolicy` route within home pools, for comparison.
+
+Lending bounds (`PoolThresholds.lend_prefill_max_decode` / `lend_decode_max_pending`, off by
+default) keep lent work off a machine where it would stall what runs there. They read the same
+reported loads as JSQ: a stale report may grant or refuse one loan it would not have a report
+later (as it may pick a machine JSQ would not); a refused loan loses nothing, the work queues in
+its own pool.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ OPPOSITE = {Role.PROMPT: Role.TOKEN, Role.TOKEN: Role.PROMPT}
 
 
 NO_CACHED_PREFIX: Mapping[int, int] = MappingProxyType({})
+UNBOUNDED = 1 << 62  # a token count no machine reaches
 
 
 class RouteRequest(NamedTuple):
@@ -88,6 +95,16 @@ class PoolThresholds:
     role_lease_s: float = 10.0
     # Homes that follow the queue mix (common/scheduling/home_roles.py); None: homes stay.
     home_roles: HomeRoleThresholds | None = None
+    # Lending that stalls no one already served there (unbounded: Splitwise's lending). A
+    # prefill away from home (on a mixed machine, or a token machine borrowed) goes only to a
+    # machine running at most `lend_prefill_max_decode` decode tokens: the iteration that
+    # prefills it stalls every decode running there for the whole prefill. A prompt machine is
+    # borrowed for a decode only with at most `lend_decode_max_pending` prompt tokens pending:
+    # the decode would wait behind them, and a busy prompt pool needs the machine. (A decode
+    # still goes to a machine already mixed: that one is out of the prompt pool already.)
+    # Refused, the work stays in its own pool past the "full" mark (it queues there).
+    lend_prefill_max_decode: int = UNBOUNDED
+    lend_decode_max_pending: int = UNBOUNDED
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0 or self.repurpose_after_s <= 0 or self.role_lease_s <= 0:
@@ -95,6 +112,19 @@ class PoolThresholds:
                 "pool thresholds: prompt_tokens, repurpose_after_s and role_lease_s must be "
                 "positive"
             )
+        if self.lend_prefill_max_decode < 0 or self.lend_decode_max_pending < 0:
+            raise ValueError(
+                "pool thresholds: lend_prefill_max_decode and lend_decode_max_pending must not "
+                "be negative"
+            )
+
+    def lend_bound(self, kind: Role, borrowing: bool) -> int:
+        """The most of the other kind of work a machine away from its home may run and still
+        take work of `kind` (already mixed, or `borrowing` it): decode tokens for a prefill,
+        pending prompt tokens for a decode on a prompt machine borrowed."""
+        if kind == Role.PROMPT:
+            return self.lend_prefill_max_decode
+        return self.lend_decode_max_pending if borrowing else UNBOUNDED
 
 
 class PoolTable:
@@ -210,6 +240,16 @@ def prefix_credited(key: LoadKey, request: RouteRequest, weight: float) -> LoadK
     return lambda load: key(load) - weight * request.cached_on(load.machine_id)
 
 
+def reported(loads: Mapping[int, MachineLoad], machine_id: int) -> tuple[int, int, int]:
+    """(pending prompt, decode, free KV) tokens of a machine, from a dict of loads or a
+    `LoadBoard` (its figures as reported, no `MachineLoad` built)."""
+    if isinstance(loads, LoadBoard):
+        pending, decode, _, free = loads.figures(machine_id)
+        return pending, decode, free
+    load = loads[machine_id]
+    return load.pending_prompt_tokens, load.decode_tokens, load.free_kv_tokens
+
+
 def shortest(ids: Iterable[int], loads: Mapping[int, MachineLoad], key: LoadKey) -> int | None:
     """The id with the least `key(load)`, lowest id on ties; None for no ids."""
     best = min(ids, key=lambda m: (key(loads[m]), m), default=None)
@@ -298,13 +338,17 @@ class JSQPoolPolicy:
         own = self._least(kind, loads, figure, credited)
         if own is not None and not self._full(kind, own, loads, request):
             return own
-        mixed = self._least(Role.MIXED, loads, figure, credited)
+        mixed = self._least_lendable(kind, Role.MIXED, loads, figure, credited)
         if mixed is not None and not self._full(kind, mixed, loads, request):
             return mixed
         # Both full: borrow from the opposite pool, keeping at least one machine there.
         donors = OPPOSITE[kind]
         # The donor is the machine least busy with anything (its own work included).
-        borrowed = self._least(donors, loads, TOTAL_FIGURE) if self.pools.size(donors) > 1 else None
+        borrowed = (
+            self._least_lendable(kind, donors, loads, TOTAL_FIGURE)
+            if self.pools.size(donors) > 1
+            else None
+        )
         if borrowed is not None:
             move = PoolMove(borrowed, Role.MIXED)
             self.pools.apply(move, now)
@@ -319,15 +363,30 @@ class JSQPoolPolicy:
         assert fallback is not None
         return fallback
 
+    def _least_lendable(
+        self,
+        kind: Role,
+        pool: Role,
+        loads: Mapping[int, MachineLoad],
+        figure: int,
+        request: RouteRequest | None = None,
+    ) -> int | None:
+        """`_least` over the members of `pool`, a pool away from `kind`'s home, that may take
+        work of `kind` (`PoolThresholds.lend_bound`: the other work they run is within it)."""
+        bound = self.thresholds.lend_bound(kind, borrowing=pool != Role.MIXED)
+        if bound >= UNBOUNDED:  # every member may: the indexed search
+            return self._least(pool, loads, figure, request)
+        other = 1 if kind == Role.PROMPT else 0  # its decode tokens, or its pending prompt ones
+        lendable = [m for m in self.pools.members(pool) if reported(loads, m)[other] <= bound]
+        key = FIGURE_KEYS[figure]
+        if request is not None:
+            key = prefix_credited(key, request, self.prefix_weight)
+        return shortest(lendable, loads, key)
+
     def _full(
         self, kind: Role, machine_id: int, loads: Mapping[int, MachineLoad], request: RouteRequest
     ) -> bool:
-        if isinstance(loads, LoadBoard):  # its figures as reported, no `MachineLoad` built
-            pending, decode, _, free = loads.figures(machine_id)
-        else:
-            load = loads[machine_id]
-            pending, decode = load.pending_prompt_tokens, load.decode_tokens
-            free = load.free_kv_tokens
+        pending, decode, free = reported(loads, machine_id)
         if kind == Role.PROMPT:  # it computes only the part of the prompt it does not cache
             new_tokens = request.prompt_len - request.cached_on(machine_id)
             return pending + new_tokens > self.thresholds.prompt_tokens

@@ -1,5 +1,7 @@
 """Cluster-level policy rules (Splitwise §IV-A) on fabricated load reports."""
 
+import pytest
+
 from common.roles import Role
 from common.scheduling.cluster import (
     JSQPoolPolicy,
@@ -10,6 +12,7 @@ from common.scheduling.cluster import (
     RoundRobinPolicy,
     RouteRequest,
 )
+from common.scheduling.load_board import LoadBoard
 
 P, T, M = Role.PROMPT, Role.TOKEN, Role.MIXED
 
@@ -142,3 +145,59 @@ def test_repurposing_never_takes_the_last_machine_of_its_home_pool():
     still_decoding = loads((0, 500, 10**6), (0, 0, 10**6), (0, 0, 10**6))
     assert policy.rebalance(still_decoding, now=100.0) == []
     assert policy.pools.home[0] is P and policy.pools.current[0] is M
+
+
+def test_lent_prefill_skips_machines_running_decodes_past_the_bound():
+    # Prompt pool full; the mixed machine 4 and token machine 3 run decodes, token machine 2
+    # runs none: with a bound of 0 decode tokens the prefill borrows machine 2 (not the least
+    # busy, 3) and never goes to 4.
+    homes = {0: P, 1: P, 2: T, 3: T, 4: T}
+    policy = JSQPoolPolicy(homes, PoolThresholds(prompt_tokens=1000, lend_prefill_max_decode=0))
+    policy.pools.apply(PoolMove(4, M), now=0.0)
+    state = loads((900, 0, 10**6), (950, 0, 10**6), (300, 0, 10**6), (0, 200, 10**6),
+                  (0, 100, 10**6))  # fmt: skip
+    decision = policy.route(RouteRequest(1, 200), state, now=1.0)
+    assert decision.prompt_machine_id == 2 and PoolMove(2, M) in decision.moves
+
+
+def test_lent_prefill_refused_everywhere_queues_in_the_prompt_pool():
+    policy = split_policy(prompt_tokens=1000, lend_prefill_max_decode=50)
+    state = loads((900, 0, 10**6), (950, 0, 10**6), (0, 800, 10**6), (0, 300, 10**6))
+    for board in (state, board_of(policy, state)):
+        decision = policy.route(RouteRequest(1, 200), board, now=1.0)
+        assert decision.prompt_machine_id == 0 and decision.moves == ()
+    assert policy.pools.size(M) == 0
+
+
+def test_a_decode_borrows_only_a_prompt_machine_with_nothing_pending():
+    policy = split_policy(decode_tokens=5000, lend_decode_max_pending=0)
+    busy = loads((100, 0, 10**6), (300, 0, 10**6), (0, 6000, 10**6), (0, 7000, 10**6))
+    decision = policy.route(RouteRequest(1, 100), busy, now=0.0)
+    # Both prompt machines have prefills queued: the decode stays on the least-loaded token
+    # machine past its "full" mark, and no prompt machine leaves the prompt pool.
+    assert decision.token_machine_id == 2 and decision.moves == ()
+    idle = loads((100, 0, 10**6), (0, 0, 10**6), (0, 6000, 10**6), (0, 7000, 10**6))
+    decision = policy.route(RouteRequest(2, 100), board_of(policy, idle), now=1.0)
+    assert decision.token_machine_id == 1 and PoolMove(1, M) in decision.moves
+
+
+def test_a_decode_still_goes_to_a_machine_already_mixed_whatever_it_has_pending():
+    policy = split_policy(decode_tokens=5000, lend_decode_max_pending=0)
+    policy.pools.apply(PoolMove(1, M), now=0.0)
+    state = loads((0, 0, 10**6), (100, 200, 10**6), (0, 6000, 10**6), (0, 7000, 10**6))
+    decision = policy.route(RouteRequest(1, 100), state, now=1.0)
+    assert decision.token_machine_id == 1 and decision.moves == ()
+
+
+def test_lending_bounds_must_not_be_negative():
+    for field in ("lend_prefill_max_decode", "lend_decode_max_pending"):
+        with pytest.raises(ValueError, match=field):
+            PoolThresholds(**{field: -1})  # type: ignore[arg-type]
+
+
+def board_of(policy: JSQPoolPolicy, state: dict[int, MachineLoad]) -> LoadBoard:
+    """The same loads as the simulator hands them to the policy (a `LoadBoard`)."""
+    board = LoadBoard(policy.pools)
+    for m, load in state.items():
+        board.report(m, load.pending_prompt_tokens, load.decode_tokens, load.free_kv_tokens)
+    return board
