@@ -127,19 +127,23 @@ def print_table(results: dict[str, Any], batches: list[int]) -> None:
 
 
 def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[str, bool | None]:
-    """`TARGETS` judged on the runs named `<path><suffix>`; None where that run is missing."""
+    """`TARGETS` judged on the runs named `<path><suffix>`: None (not measured) where that run,
+    or the figure a target reads, is missing (a path not run; results from before a figure
+    existed)."""
 
     def at_least(path: str, batch: int, bound: float) -> bool | None:
         ratio = results.get(path + suffix, {}).get(batch, {}).get("ratio")
         return None if ratio is None else ratio >= bound
 
     cpu = [f["router_cpu_ms_per_token"] for p in ("local", "mesh")
-           for f in results.get(p + suffix, {}).values()]  # fmt: skip
+           for f in results.get(p + suffix, {}).values()
+           if "router_cpu_ms_per_token" in f]  # fmt: skip
 
     def idle_at_most(path: str, figure: str) -> bool | None:
-        runs = list(results.get(path + suffix, {}).values())
-        bound = TARGETS[f"{path}_idle_{figure}_cores_max"]
-        return runs[0][f"server_idle_{figure}_cores"] <= bound if runs else None
+        """The idle server's cores (the same figure beside each of a path's batches)."""
+        key = f"server_idle_{figure}_cores"
+        cores = [f[key] for f in results.get(path + suffix, {}).values() if key in f]
+        return cores[0] <= TARGETS[f"{path}_idle_{figure}_cores_max"] if cores else None
 
     return {
         "local_ratio_batch8_min": at_least("local", 8, TARGETS["local_ratio_batch8_min"]),
