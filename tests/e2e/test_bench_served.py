@@ -19,6 +19,14 @@ from bench.serve_server import ray_pid
 from tests.e2e.serve_process import REPO, ServeRun
 
 APP_ARGS = {"model": "tiny", "served_model_name": "tiny"}
+# The idle server's window here: long enough for its processes' clock ticks to add up (Ray's
+# runtime never sleeps a whole window), not the bench's, which would cost each test its length.
+IDLE_S = 2.0
+
+
+@pytest.fixture(autouse=True)
+def short_idle_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve_server, "IDLE_S", IDLE_S)
 
 
 class RecordedServeRun(ServeRun):
