@@ -16,12 +16,13 @@ each, the same prompts on every path) to:
 Each batch goes streamed and, in the same server, plain (`--modes`; reported as `<path>_plain`).
 A path's figures are its best of 3 runs of each batch, after a warm-up batch: tok/s and `ratio`
 (over the in-process engine's, which runs first and again last: the better of the two), TTFT and
-TBT (the gap between streamed chunks) p50/p90 or a plain request's latency p50/p90, and the
-Router process's CPU per token (less a local engine's threads). A served path also reports, over
-10 s with the server up and idle before its batches, `server_idle_box_cores`: the whole machine's
-busy cores (Ray's runtime and the idle replicas, what the served engines share their cores with,
-plus whatever else a shared machine runs), and `server_idle_tree_cores`: the server's own
-processes' (every process of the `serve run`'s session; `bench/idle_cost.py` splits it up).
+TBT (the gap between streamed chunks) p50/p90 or a plain request's latency p50/p90; and the
+Router process's CPU per token over all 3 runs (less a local engine's threads). A served path
+also reports, over 10 s with the server up and idle before its batches, `server_idle_box_cores`:
+the whole machine's busy cores (Ray's runtime and the idle replicas, what the served engines
+share their cores with, plus whatever else a shared machine runs), and `server_idle_tree_cores`:
+the server's own processes' (every process of the `serve run`'s session; `bench/idle_cost.py`
+splits it up).
 
 The last line is one JSON object with `targets` and `targets_met` (streamed requests; plain
 ones in `targets_met_plain`).
