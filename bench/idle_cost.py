@@ -32,9 +32,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
 
-from bench.host_cpu import CLK_TCK, box_busy_s, process_tree  # noqa: E402
-from bench.serve_server import model_vocab, prompts_for, served_batch  # noqa: E402
-from tests.e2e.serve_process import ServeRun, session_pids  # noqa: E402
+from bench.host_cpu import CLK_TCK, box_busy_s  # noqa: E402
+from bench.serve_server import model_vocab, prompts_for, served_batch, server_pids  # noqa: E402
+from tests.e2e.serve_process import ServeRun  # noqa: E402
 
 CONFIGS = {"mesh": "local.yaml", "local": "single.yaml"}
 TARGETS = {"mesh_idle_cores_max": 0.10, "local_idle_cores_max": 0.05}
@@ -74,12 +74,6 @@ def read_threads(pids: set[int]) -> dict[ThreadKey, tuple[str, float, int]]:
             cpu_s = (int(fields[11]) + int(fields[12])) / CLK_TCK
             found[(pid, int(task.name))] = (name, cpu_s, switches)
     return found
-
-
-def server_pids(root: int) -> set[int]:
-    """Every process of the `serve run` at `root`: its tree and its session (Ray moves workers to
-    process groups of their own, not out of the session)."""
-    return process_tree(root) | set(session_pids(root))
 
 
 def idle_window(root: int, window_s: float) -> dict[str, Any]:

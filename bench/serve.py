@@ -16,10 +16,13 @@ each, the same prompts on every path) to:
 Each batch goes streamed and, in the same server, plain (`--modes`; reported as `<path>_plain`).
 A path's figures are its best of 3 runs of each batch, after a warm-up batch: tok/s and `ratio`
 (over the in-process engine's, which runs first and again last: the better of the two), TTFT and
-TBT (the gap between streamed chunks) p50/p90 or a plain request's latency p50/p90, and the
-Router process's CPU per token (less a local engine's threads). A served path also reports
-`server_idle_box_cores`: the whole machine's busy cores while the server is up and idle before its
-batches (Ray's runtime and the idle replicas, what the served engines share their cores with).
+TBT (the gap between streamed chunks) p50/p90 or a plain request's latency p50/p90; and the
+Router process's CPU per token over all 3 runs (less a local engine's threads). A served path
+also reports, over 10 s with the server up and idle before its batches, `server_idle_box_cores`:
+the whole machine's busy cores (Ray's runtime and the idle replicas, what the served engines
+share their cores with, plus whatever else a shared machine runs), and `server_idle_tree_cores`:
+the server's own processes' (every process of the `serve run`'s session; `bench/idle_cost.py`
+splits it up).
 
 The last line is one JSON object with `targets` and `targets_met` (streamed requests; plain
 ones in `targets_met_plain`).
@@ -57,6 +60,12 @@ TARGETS = {
     "local_ratio_batch32_min": 0.85,
     "mesh_ratio_batch32_small_min": 0.6,  # the small preset only: tiny's steps are all overhead
     "router_cpu_ms_per_token_max": 0.3,
+    # The idle server (issue 54): the whole machine's busy cores (what a served engine shares
+    # its cores with; other work on a shared machine adds to it) and the server's own processes'.
+    "mesh_idle_box_cores_max": 0.10,
+    "local_idle_box_cores_max": 0.05,
+    "mesh_idle_tree_cores_max": 0.10,
+    "local_idle_tree_cores_max": 0.05,
 }
 
 
@@ -119,14 +128,24 @@ def print_table(results: dict[str, Any], batches: list[int]) -> None:
 
 
 def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[str, bool | None]:
-    """`TARGETS` judged on the runs named `<path><suffix>`; None where that run is missing."""
+    """`TARGETS` judged on the runs named `<path><suffix>`: None (not measured) where that run,
+    or the figure a target reads, is missing (a path not run; results from before a figure
+    existed)."""
 
     def at_least(path: str, batch: int, bound: float) -> bool | None:
         ratio = results.get(path + suffix, {}).get(batch, {}).get("ratio")
         return None if ratio is None else ratio >= bound
 
     cpu = [f["router_cpu_ms_per_token"] for p in ("local", "mesh")
-           for f in results.get(p + suffix, {}).values()]  # fmt: skip
+           for f in results.get(p + suffix, {}).values()
+           if "router_cpu_ms_per_token" in f]  # fmt: skip
+
+    def idle_at_most(path: str, figure: str) -> bool | None:
+        """The idle server's cores (the same figure beside each of a path's batches)."""
+        key = f"server_idle_{figure}_cores"
+        cores = [f[key] for f in results.get(path + suffix, {}).values() if key in f]
+        return cores[0] <= TARGETS[f"{path}_idle_{figure}_cores_max"] if cores else None
+
     return {
         "local_ratio_batch8_min": at_least("local", 8, TARGETS["local_ratio_batch8_min"]),
         "local_ratio_batch32_min": at_least("local", 32, TARGETS["local_ratio_batch32_min"]),
@@ -138,6 +157,11 @@ def targets_met(results: dict[str, Any], preset: str, suffix: str = "") -> dict[
         "router_cpu_ms_per_token_max": (
             max(cpu) <= TARGETS["router_cpu_ms_per_token_max"] if cpu else None
         ),
+        **{
+            f"{path}_idle_{figure}_cores_max": idle_at_most(path, figure)
+            for path in ("mesh", "local")
+            for figure in ("box", "tree")
+        },  # fmt: skip
     }
 
 

@@ -352,7 +352,7 @@ class OfflineGroupDeployment:
         self.service.cancel(job_id)
 
     def check_health(self) -> None:
-        if not all(p.is_alive() for p in self.service.group.procs):
+        if not self.service.healthy():
             raise RuntimeError("an offline worker process died")
 
     def __del__(self) -> None:

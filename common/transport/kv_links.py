@@ -43,7 +43,8 @@ CONNECT_TIMEOUT_S = 5.0  # a receiver that does not accept a link within this is
 SEND_TIMEOUT_S = 10.0  # one message; a receiver that stops reading fails the transfer after this
 PAYLOAD_TIMEOUT_S = SEND_TIMEOUT_S  # a sender whose message stops half-way loses its link then
 DEAD_HOLD_S = 30.0  # a receiver that failed is not retried for this long (its KV fails at once)
-POLL_S = 0.2  # idle wake-up of both threads, to notice `close`
+POLL_S = 0.2  # the receiver's wake-up while a message's tensors are on their way
+IDLE_WAIT_S = 1.0  # an idle receiver's, to notice `close`: hellos and messages wake it at once
 
 Deliver = Callable[[ShardIngress, list[torch.Tensor]], None]
 
@@ -150,11 +151,18 @@ class KvReceiver:
 
     def close(self) -> None:
         self._running = False
-        self._thread.join(timeout=2 * POLL_S + 1)
+        self._thread.join(timeout=IDLE_WAIT_S + 1)
+
+    def _has_news(self) -> bool:
+        """A hello, or a link with a message (or whose peer has gone)."""
+        return self._listener.has_hello() or any(link.has_message() for link in self._links)
 
     def _run(self) -> None:
         while self._running:
-            self._listener.progress(POLL_S)
+            if self._pending:  # tensors on their way: `_drain` checks their deadlines
+                self._listener.progress(POLL_S)
+            else:
+                self._listener.idle_until(self._has_news, IDLE_WAIT_S)
             while self._listener.has_hello():
                 try:
                     self._links.append(self._listener.accept(timeout=0.0))

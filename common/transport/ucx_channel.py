@@ -47,7 +47,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
@@ -166,6 +166,19 @@ class UcxWorker:
                 raise TimeoutError("UCX operation timed out")
             epoll_ms = min(epoll_ms, left_ms)
         self.worker.progress_worker_event(epoll_timeout=epoll_ms)
+
+    def idle_until(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+        """An idle thread's wait: progress, sleeping in epoll, until `ready()` (True) or
+        `timeout_s` (False). Each sleep lasts until an event or the timeout, not at most
+        `_MAX_EPOLL_MS`: an idle worker wakes per message, hello or timeout, not ten times a
+        second (each wake-up costs its process CPU while nothing happens)."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                return False
+            self.worker.progress_worker_event(epoll_timeout=left_ms)
+        return True
 
 
 @dataclass

@@ -8,6 +8,7 @@ network device, and accepts a peer only after its hello checks out against the m
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,12 @@ class UcxListener:
             self._worker.progress_until(time.monotonic() + timeout)
         except TimeoutError:
             pass
+
+    def idle_until(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+        """Progress the listener's worker (every channel it accepted too), sleeping in epoll,
+        until `ready()` (True: a hello, a channel's message) or `timeout_s` (False): an idle
+        loop's wait, woken by what it waits for rather than by a clock (`UcxWorker.idle_until`)."""
+        return self._worker.idle_until(ready, timeout_s)
 
     def close(self) -> None:
         """Stop accepting; channels already accepted keep working."""

@@ -66,7 +66,10 @@ from services.engine.telemetry import EngineTelemetry
 
 log = structlog.get_logger(__name__)
 
-IDLE_POLL_MS = 200  # an idle loop wakes this often to notice a dead parent; never busy-polls
+# With no work, the loop blocks on its sockets (a message wakes it at once) until its next load
+# report: at most `IDLE_POLL_MS` while news from work or a notice to a router waits to go, else
+# until the idle report is due (`idle_wait_ms`). It never busy-polls.
+IDLE_POLL_MS = 200
 LOAD_REPORT_INTERVAL_S = 0.05
 # An engine with no work since its last report publishes every second: nothing moves, and each
 # report is a decode for every router (its /metrics drops an engine silent for 5 s). Work, or
@@ -240,7 +243,7 @@ class EngineWorker:
         poller.register(self.linker.fileno(), zmq.POLLIN)
         while self.running:
             self.last_pass = time.monotonic()  # health is progress (services/mesh/replica.py)
-            if poller.poll(0 if self.engine.has_work() else IDLE_POLL_MS):
+            if poller.poll(0 if self.engine.has_work() else self.idle_wait_ms()):
                 self._worked = True  # a message may change the load (a request, KV, a free)
             self._drain()
             if self.engine.has_work():
@@ -440,6 +443,15 @@ class EngineWorker:
             return False
         self._unreachable.discard(endpoint)
         return True
+
+    def idle_wait_ms(self) -> int:
+        """How long the loop may block with no work: `IDLE_POLL_MS` while a report at the busy
+        pace (after work) or a dropped-output notice is due, else until the idle report's time
+        (at least `IDLE_POLL_MS`: the faults' deadlines are seconds)."""
+        if self._worked or self.dropped:
+            return IDLE_POLL_MS
+        due_s = self._last_load_s + IDLE_REPORT_INTERVAL_S - time.monotonic()
+        return max(IDLE_POLL_MS, min(int(due_s * 1000), int(IDLE_REPORT_INTERVAL_S * 1000)))
 
     def _tick(self) -> None:
         now = time.monotonic()

@@ -111,7 +111,8 @@ class WorkerThread:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self.worker is not None:
-            # NOTE: both loops check `running` at least every idle poll (0.2 s), then close.
+            # NOTE: a worker's loops check `running` at least every idle wait (an engine's
+            # 0.2 s, a shard's 1 s), then close.
             self.worker.running = False
         self.thread.join(timeout_s)
 

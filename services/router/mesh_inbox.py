@@ -14,12 +14,15 @@ loop per engine step: Router CPU on every streamed chunk and, on a few busy core
 between tokens (docs/serving.md, "The per-step path of tokens").
 
 Load reports come at a fixed rate, with or without requests (the scheduler needs them before the
-first), so the SUB socket stays on a thread that blocks in `zmq.Poller.poll`.
+first), so the SUB socket stays on a thread that blocks in `zmq.Poller.poll`: woken by a report,
+by a change of the engines to subscribe to (`load_endpoints`, set by the membership thread) or by
+`close`, through a pipe of its own, and by nothing else (an idle router's thread sleeps).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 
@@ -34,7 +37,6 @@ from services.router.streams import running_loop
 
 log = structlog.get_logger(__name__)
 
-IO_POLL_MS = 100  # the load thread wakes this often to apply subscription changes and notice close
 DETACH_TIMEOUT_S = 5.0  # close() waits this long for a running loop to let go of the socket
 
 
@@ -63,11 +65,36 @@ class MeshInbox:
         # thread, under this lock (which also fences a move to another loop).
         self._loop: asyncio.AbstractEventLoop | None = None
         self._replies_lock = threading.Lock()
-        # The engines' load endpoints to subscribe to; replaced whole by the membership thread.
-        self.load_endpoints: frozenset[str] = frozenset()
+        # The engines' load endpoints to subscribe to; replaced whole by the membership thread,
+        # which wakes the load thread through the pipe (as `close` does).
+        self._load_endpoints: frozenset[str] = frozenset()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
+        self._wake_lock = threading.Lock()
         self._closed = threading.Event()
         self.drain_error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="mesh-inbox", daemon=True)
+
+    @property
+    def load_endpoints(self) -> frozenset[str]:
+        return self._load_endpoints
+
+    @load_endpoints.setter
+    def load_endpoints(self, endpoints: frozenset[str]) -> None:
+        """Subscribe to these engines' load reports (and no others) from now on."""
+        changed = endpoints != self._load_endpoints
+        self._load_endpoints = endpoints
+        if changed:
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:  # NOTE: never a closed descriptor, which may be another's now
+            if self._wake_write < 0:
+                return  # closed: a change that came after `close` has nobody to wake
+            try:
+                os.write(self._wake_write, b"\0")
+            except BlockingIOError:  # the pipe is full: the thread is already due to wake
+                pass
 
     def start(self) -> None:
         self.thread.start()
@@ -96,13 +123,20 @@ class MeshInbox:
         self._drain_replies(loop)  # what came before: the descriptor signals only new arrivals
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return  # closed already (its pipe too)
         self._closed.set()
+        self._wake()
         self.thread.join(timeout=5)
         with self._replies_lock:
             loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():
             _remove_reader(loop, self._replies_fd)
         self._replies.close()
+        with self._wake_lock:
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+            self._wake_write = -1
 
     def _drain_replies(self, loop: asyncio.AbstractEventLoop) -> None:
         """On `loop`: every queued reply, in token order, to the streams. ZeroMQ's descriptor is
@@ -139,11 +173,15 @@ class MeshInbox:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.auth.join(sub)
         loads: TypedSocket[LoadReport] = TypedSocket(sub, LoadReport)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         connected: set[str] = set()
         while not self._closed.is_set():
-            connected = _resubscribe(sub, connected, self.load_endpoints)
-            if not sub.poll(IO_POLL_MS):
-                continue
+            connected = _resubscribe(sub, connected, self._load_endpoints)
+            events = dict(poller.poll())  # a report, a change of endpoints, or close
+            if self._wake_read in events:
+                os.read(self._wake_read, 4096)  # every wake-up so far: the loop applies them all
             while (report := loads.recv_nowait()) is not None:
                 try:
                     self.on_load(report[1])

@@ -107,11 +107,14 @@ from services.router.tools import ToolPrompt
 
 log = structlog.get_logger(__name__)
 
-# NOTE: recent FastAPI traces every request natively (an HTTP SERVER span, plus endpoint and
-# dependency spans) with the global tracer. `router.request` is this service's SERVER span and
-# the root of the request's trace, so FastAPI's spans are turned off where it has them.
-_NO_HTTP_SPANS: dict[str, Any] = (
-    {"telemetry": {"tracing": False, "operation_spans": False}}
+# NOTE: recent FastAPI instruments every request natively with the global providers: an HTTP
+# SERVER span with endpoint and dependency spans, request-duration and active-request metrics,
+# exception logs, and a wrapper around every ASGI `send` (each streamed chunk). `router.request`
+# is this service's SERVER span and the root of the request's trace, and the router records its
+# own request metrics (TTFT, TBT, E2E, errors: common/telemetry/metrics.py), so all of FastAPI's
+# is turned off where it has it: its wrapper would add a layer to the per-token path.
+_NO_FASTAPI_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "operation_spans": False, "metrics": False, "logs": False}}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters
     else {}
 )
@@ -254,7 +257,7 @@ class Router:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="PhaseMesh", docs_url=None, redoc_url=None, lifespan=self._lifespan,
-                      **_NO_HTTP_SPANS)  # fmt: skip
+                      **_NO_FASTAPI_TELEMETRY)  # fmt: skip
         app.add_middleware(BigBodyGate)  # inside the body limit: sees the whole body at once
         app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
         # Outside BodyLimit: before the body. /health and /metrics stay open (module docstring).

@@ -61,24 +61,43 @@ class _SSEResponse(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         """Starlette's, with a `KEEPALIVE` comment whenever nothing was sent for `KEEPALIVE_S`
-        (from a task of its own: nothing is added per event but a clock read)."""
-        loop, lock = asyncio.get_running_loop(), asyncio.Lock()
-        sent_at = loop.time()
+        (from a task of its own: nothing is added per event but a clock read and a flag).
+
+        The two never interleave sends: an event waits for a keep-alive being sent (`pinging`),
+        and the keep-alive skips its turn while an event is being sent (`busy`; the stream is not
+        silent then). Neither check yields between the test and the send it guards."""
+        loop, pinging = asyncio.get_running_loop(), asyncio.Lock()
+        sent_at, busy = loop.time(), False
 
         async def body(chunk: bytes, more: bool = True) -> None:
-            nonlocal sent_at
-            async with lock:
+            nonlocal sent_at, busy
+            if pinging.locked():  # rare: the stream was silent for `KEEPALIVE_S`
+                async with pinging:
+                    pass
+            busy = True
+            try:
                 await send({"type": "http.response.body", "body": chunk, "more_body": more})
-                sent_at = loop.time()
+            finally:
+                busy = False
+            sent_at = loop.time()
 
         streaming, gone = asyncio.current_task(), []
 
         async def keep_alive() -> None:
+            nonlocal sent_at
             try:
                 while True:
-                    await asyncio.sleep(max(sent_at + KEEPALIVE_S - loop.time(), 0.0))
-                    if loop.time() - sent_at >= KEEPALIVE_S:
-                        await body(KEEPALIVE)
+                    # An event on its way (its send held by the client's flow control): the
+                    # stream is not silent; look again a whole period later.
+                    wait_s = KEEPALIVE_S if busy else sent_at + KEEPALIVE_S - loop.time()
+                    if wait_s > 0:
+                        await asyncio.sleep(wait_s)
+                        continue
+                    async with pinging:
+                        message = {"type": "http.response.body", "body": KEEPALIVE,
+                                   "more_body": True}  # fmt: skip
+                        await send(message)
+                        sent_at = loop.time()
             except OSError as exc:  # the client went away while the stream was silent
                 gone.append(exc)
                 if streaming is not None:

@@ -58,7 +58,10 @@ from services.shard.telemetry import ShardTelemetry
 
 log = structlog.get_logger(__name__)
 
-POLL_S = 0.2  # idle wake-up to notice shutdown
+POLL_S = 0.2  # a link this long without a message is idle: its step is over
+# An idle shard's threads wake this often to notice shutdown (`running`); messages, hellos and
+# control wake them at once. Within `MeshReplica.stop`'s wait for the worker.
+IDLE_WAIT_S = 1.0
 NEWS_WAIT_MAX_S = 0.1  # the longest a `KvReadyQuery` may keep the main thread waiting for news
 GAUGE_INTERVAL_S = 0.5  # KV blocks in use, set at most this often
 NUM_BUFFERS = {ATTEND_WHOLE: 3, ATTEND_PREV: 1, ATTEND_NEW: 2}  # per `AttendBatch.part`
@@ -138,14 +141,15 @@ class ShardWorker:
         """
         while self.running:
             self.last_pass = time.monotonic()
-            try:
-                header, tensors = link.recv(timeout=POLL_S)
-            except TimeoutError:
-                self.gate.end_step()  # an idle link: no step is in progress (step_gate.py)
+            if not self._await_message(link):  # idle, and a newer link said hello (or stopping)
                 if (newer := self._newer_link()) is not None:
                     self._link_over("a new token engine link; closing the idle old one")
                     link.close()
                     return newer
+                continue
+            try:
+                header, tensors = link.recv(timeout=POLL_S)  # in already: no wait
+            except TimeoutError:
                 continue
             except ChannelClosed:
                 self._link_over("token engine link closed; its requests freed")
@@ -191,6 +195,28 @@ class ShardWorker:
         else:
             log.warning("dropped unexpected link message", kind=type(header).__name__)
 
+    def _await_message(self, link: UcxTensorChannel[ShardLinkMessage]) -> bool:
+        """Wait for `link`'s next message (or its peer's end): True once it is in. After `POLL_S`
+        without one the link is idle (its step is over: `StepGate`), and a hello from a newer
+        link ends the wait (False), as does shutdown. Sleeps in epoll throughout, woken by a
+        message or a hello and otherwise every `IDLE_WAIT_S`, not by a clock."""
+        idle_at = time.monotonic() + POLL_S
+        while self.running:
+            if link.has_message():
+                return True
+            left_s = idle_at - time.monotonic()
+            if left_s > 0:
+                self.listener.idle_until(link.has_message, left_s)
+                continue
+            self.gate.end_step()  # an idle link: no step is in progress (step_gate.py)
+            if self.listener.has_hello():
+                return False
+            self.last_pass = time.monotonic()
+            self.listener.idle_until(
+                lambda: link.has_message() or self.listener.has_hello(), IDLE_WAIT_S
+            )
+        return False
+
     def _newer_link(self) -> UcxTensorChannel[ShardLinkMessage] | None:
         """A link that has said hello meanwhile, once its hello checks out (a hello without the
         mesh's key is dropped and costs the current link nothing)."""
@@ -204,8 +230,10 @@ class ShardWorker:
     def _accept(self) -> UcxTensorChannel[ShardLinkMessage] | None:
         while self.running:
             self.last_pass = time.monotonic()
+            if not self.listener.idle_until(self.listener.has_hello, IDLE_WAIT_S):
+                continue
             try:
-                return self.listener.accept(timeout=POLL_S)
+                return self.listener.accept(timeout=0)  # said hello: a bad one is dropped
             except TimeoutError:
                 continue
         return None
@@ -273,7 +301,7 @@ class ShardWorker:
         poller.register(self.kv_in.sock, zmq.POLLIN)
         poller.register(self.control.sock, zmq.POLLIN)
         while self.running:
-            poller.poll(int(POLL_S * 1000))
+            poller.poll(int(IDLE_WAIT_S * 1000))  # leases (minutes) and gauges need no more
             while (item := self.kv_in.recv_tensors_nowait()) is not None:
                 self._on_ingress(*item)
             while (req := self.control.recv_nowait()) is not None:

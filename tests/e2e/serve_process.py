@@ -186,7 +186,9 @@ class ServeRun:
                     return
             except httpx.HTTPError:
                 pass  # not listening yet
-            time.sleep(1)  # waiting on another process's start-up: nothing to block on
+            # Waiting on another process's start-up: nothing to block on. Often: every test that
+            # serves waits out the rest of a poll after the server is up.
+            time.sleep(0.25)
         raise TimeoutError(f"no healthy server at {url} in time:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 60.0) -> None:

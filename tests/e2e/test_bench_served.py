@@ -19,6 +19,14 @@ from bench.serve_server import ray_pid
 from tests.e2e.serve_process import REPO, ServeRun
 
 APP_ARGS = {"model": "tiny", "served_model_name": "tiny"}
+# The idle server's window here: long enough for its processes' clock ticks to add up (Ray's
+# runtime never sleeps a whole window), not the bench's, which would cost each test its length.
+IDLE_S = 2.0
+
+
+@pytest.fixture(autouse=True)
+def short_idle_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve_server, "IDLE_S", IDLE_S)
 
 
 class RecordedServeRun(ServeRun):
@@ -103,5 +111,7 @@ def test_a_served_path_records_each_mode_and_the_idle_machine_then_stops_everyth
         # The idle server's whole machine: Ray's runtime is never fully asleep (nor more than
         # the box).
         assert 0 < figures["server_idle_box_cores"] <= (os.cpu_count() or 1)
+        # Its own processes' share of that (a clock tick's rounding apart).
+        assert 0 < figures["server_idle_tree_cores"] <= figures["server_idle_box_cores"] + 0.05
     assert "tbt_ms_p50" in by_mode["stream"][1] and "latency_ms_p50" in by_mode["plain"][1]
     assert wait_gone(set().union(*trees)) == set()

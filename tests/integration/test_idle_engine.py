@@ -1,11 +1,13 @@
 """An idle engine is quiet: a real `EngineWorker` on a `WorkerThread` publishes its load report
 every `IDLE_REPORT_INTERVAL_S` while nothing happens (each report is a decode for every router),
-at the busy pace once a message or work came. The worker module's clock is a fake one the test
-moves; the loop itself runs on its own thread with its real socket waits."""
+at the busy pace once a message or work came; between reports its loop sleeps. The worker
+module's clock is a fake one the test moves; the loop itself runs on its own thread with its real
+socket waits."""
 
 from __future__ import annotations
 
 import secrets
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +20,7 @@ from common.worker_config import WorkerConfig
 from services.engine import worker as worker_module
 from services.engine.worker import IDLE_REPORT_INTERVAL_S, EngineWorker
 from services.mesh.replica import WorkerThread
+from tests.thread_wakeups import thread_wakeups
 
 
 def wait_until(condition: object, timeout_s: float = 30.0) -> None:
@@ -28,6 +31,7 @@ def wait_until(condition: object, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_an_idle_engine_reports_its_load_at_the_idle_pace_and_at_once_after_work(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -52,8 +56,11 @@ def test_an_idle_engine_reports_its_load_at_the_idle_pace_and_at_once_after_work
         wait_until(lambda: len(published) >= 1)  # the first report goes at once
         first = len(published)
         clock[0] += IDLE_REPORT_INTERVAL_S / 2
-        time.sleep(1.0)  # several idle passes of the loop (real waits), half an interval on
+        before = thread_wakeups(thread.thread)
+        time.sleep(1.0)  # idle passes of the loop (real waits), half an interval on
         assert len(published) == first  # the fake clock: nothing to report yet
+        # It blocks until the idle report is due (half an interval here), not 5 times a second.
+        assert thread_wakeups(thread.thread) - before <= 3
         clock[0] += IDLE_REPORT_INTERVAL_S
         wait_until(lambda: len(published) == first + 1)  # the idle pace
         thread.worker._worked = True  # what a message or a step sets (the loop's own thread)

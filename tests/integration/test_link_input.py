@@ -227,6 +227,9 @@ class DeadPeerLink:
         self.messages = messages
         self.closed = False
 
+    def has_message(self) -> bool:
+        return bool(self.messages)
+
     def recv(self, out: Any = None, timeout: float | None = None) -> tuple[Any, list]:
         return self.messages.pop(0)
 

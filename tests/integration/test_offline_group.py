@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import pytest
 from common.engine.core import LLMEngine
 from common.sampling import SamplingParams
 from services.offline.group import MODES, OfflineGroup, OfflineGroupError
-from services.offline.service import LocalOffline, OfflineService
+from services.offline.service import LocalOffline, OfflineOptions, OfflineService
 from services.router.batch_api import asgi_caller
 from services.router.engine_client import InProcessEngineClient
 from services.router.server import Router
@@ -149,6 +150,31 @@ def test_a_batch_of_greedy_completions_runs_as_one_offline_job(
         assert offline["usage"] == body["usage"]
         assert offline["choices"][0]["message"] == body["choices"][0]["message"]
         assert offline["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
+
+
+def test_the_served_group_starts_with_its_first_job_and_stops_when_idle(
+    tiny_model_path: Path, expected: list[list[int]]
+) -> None:
+    """The deployment's service (`OfflineService.start`) keeps no worker process while idle: its
+    group (of one worker here: a start costs the suite a process) starts with the first job, whose
+    outputs equal the single-process engine's, and stops `idle_stop_s` after it; the next job
+    would start another the same way."""
+    options = OfflineOptions(workers=1, buffer_slots=4, decode_slots=3, max_len=64)
+    service = OfflineService.start(tiny_model_path, options)
+    service.idle_stop_s = 1.0
+    try:
+        assert service.group is None and service.healthy() and service.max_len == 64
+        assert service.generate(PROMPTS[:4], MAX_TOKENS[:4]) == expected[:4]
+        group = service.group
+        assert group is not None and service.num_starts == 1
+        deadline = time.monotonic() + 30  # a hang guard: the timer fires after 1 s
+        while service.group is not None:
+            assert time.monotonic() < deadline, "the idle group was never stopped"
+            time.sleep(0.1)
+        assert not any(p.is_alive() for p in group.procs) and service.healthy()
+    finally:
+        service.close()
+    assert service.group is None
 
 
 def test_a_killed_worker_fails_the_job_instead_of_hanging(

@@ -66,11 +66,14 @@ def test_ratios_are_against_the_engine_and_targets_judge_their_own_path_and_mode
     serve.add_ratios(results, {8: 100.0, 32: 200.0})
     assert results["local"][8]["ratio"] == pytest.approx(0.9)
     assert results["mesh"][32]["ratio"] == pytest.approx(0.65)
+    not_measured = {f"{path}_idle_{figure}_cores_max": None
+                    for path in ("mesh", "local") for figure in ("box", "tree")}  # fmt: skip
     assert serve.targets_met(results, "small") == {
         "local_ratio_batch8_min": True,
         "local_ratio_batch32_min": False,  # 0.8
         "mesh_ratio_batch32_small_min": True,
         "router_cpu_ms_per_token_max": True,
+        **not_measured,  # results without the idle figures: not measured, not a KeyError
     }
     assert serve.targets_met(results, "tiny")["mesh_ratio_batch32_small_min"] is None
     assert serve.targets_met(results, "small", "_plain") == {
@@ -78,4 +81,25 @@ def test_ratios_are_against_the_engine_and_targets_judge_their_own_path_and_mode
         "local_ratio_batch32_min": None,
         "mesh_ratio_batch32_small_min": None,
         "router_cpu_ms_per_token_max": False,  # 0.4 ms
+        **not_measured,
     }
+
+
+def test_idle_targets_read_the_idle_figures_of_their_own_path_and_mode() -> None:
+    """The idle server's cores sit beside each batch's figures of a path: the mesh's and
+    `local`'s bounds judge their own, and a path run without them says None."""
+    idle_mesh = {"server_idle_box_cores": 0.12, "server_idle_tree_cores": 0.08}
+    idle_local = {"server_idle_box_cores": 0.04, "server_idle_tree_cores": 0.06}
+    results: dict = {
+        "mesh": {1: {"tok_s": 10.0} | idle_mesh, 8: {"tok_s": 50.0} | idle_mesh},
+        "local": {1: {"tok_s": 20.0} | idle_local},
+        "local_plain": {1: {"tok_s": 20.0}},
+    }
+    met = serve.targets_met(results, "tiny")
+    assert met["mesh_idle_box_cores_max"] is False  # 0.12 > 0.10
+    assert met["mesh_idle_tree_cores_max"] is True
+    assert met["local_idle_box_cores_max"] is True
+    assert met["local_idle_tree_cores_max"] is False  # 0.06 > 0.05
+    assert met["router_cpu_ms_per_token_max"] is None  # no run has the figure
+    plain = serve.targets_met(results, "tiny", "_plain")
+    assert plain["local_idle_box_cores_max"] is None and plain["mesh_idle_tree_cores_max"] is None

@@ -4,6 +4,7 @@ over real ZeroMQ sockets; what happens when that loop closes, stops, or another 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import connect
 from services.router.mesh_inbox import MeshInbox
 from services.router.streams import Stream, StreamTable
+from tests.thread_wakeups import thread_wakeups
 
 AUTH = CurveKeys.from_mesh_key(token_hex(32))
 
@@ -288,3 +290,33 @@ def test_a_load_report_that_fails_to_apply_is_dropped_and_the_next_applied(
     finally:
         pub.close(linger=0)
         inbox.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_the_load_thread_sleeps_while_idle_and_subscribes_to_a_new_engine_at_once(
+    ctx: zmq.Context,
+) -> None:
+    """No engine, no report: the load thread blocks (it used to wake ten times a second to look
+    for subscription changes). An engine that joins is subscribed to at once: the membership
+    thread's change wakes it, and that engine's reports are applied."""
+    heard = threading.Event()
+    inbox = MeshInbox(ctx, "127.0.0.1", Recorder().on_outputs, lambda r: heard.set(), auth=AUTH)
+    inbox.start()
+    pub = ctx.socket(zmq.PUB)
+    AUTH.serve(pub)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        time.sleep(0.2)  # the thread is in its wait
+        before = thread_wakeups(inbox.thread)
+        time.sleep(1.0)
+        assert thread_wakeups(inbox.thread) - before <= 1
+        inbox.load_endpoints = frozenset([f"tcp://127.0.0.1:{port}"])
+        deadline = time.monotonic() + 10  # a hang guard: the subscription lands in milliseconds
+        while not heard.is_set():  # PUB drops until the subscription lands: send until heard
+            assert time.monotonic() < deadline, "the new engine's reports were never applied"
+            pub.send(msgspec.msgpack.encode(LoadReport("new", "token", 0, 0, 0, 0, 10)))
+            heard.wait(0.05)
+    finally:
+        pub.close(linger=0)
+        inbox.close()
+    assert not inbox.thread.is_alive()

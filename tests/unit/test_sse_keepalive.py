@@ -90,3 +90,39 @@ def test_a_client_gone_during_the_silence_ends_the_stream_and_its_pinger(
 
     assert asyncio.run(scenario()) == set()
     assert closed == [True]
+
+
+def test_an_event_held_by_a_slow_client_is_not_interleaved_with_a_keep_alive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that reads slowly holds an event's send (flow control) past `KEEPALIVE_S`: no
+    keep-alive goes in the middle of it or right after it (the stream was not silent), and the
+    keep-alive task waits a period at a time meanwhile rather than spinning on the loop."""
+    monkeypatch.setattr(sse, "KEEPALIVE_S", 0.05)
+    real_sleep, sleeps = asyncio.sleep, []
+
+    async def counted_sleep(delay: float) -> None:
+        sleeps.append(delay)
+        await real_sleep(delay)
+
+    monkeypatch.setattr(sse.asyncio, "sleep", counted_sleep)
+    in_flight, most_in_flight, bodies = 0, 0, []
+
+    async def send(message: dict) -> None:
+        nonlocal in_flight, most_in_flight
+        in_flight += 1
+        most_in_flight = max(most_in_flight, in_flight)
+        if message.get("body", b"").startswith(b'data: {"n": 1}'):
+            await real_sleep(0.3)  # the client's window is full: six keep-alive periods
+        bodies.append(message.get("body", b""))
+        in_flight -= 1
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    asyncio.run(sse.sse_response(silent_between(0.0))(scope, receive, send))  # type: ignore[arg-type]
+    assert most_in_flight == 1
+    assert b"".join(bodies) == b'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
+    assert len(sleeps) < 30  # a period at a time (a spin would be thousands of turns)

@@ -1,0 +1,63 @@
+"""An idle shard sleeps: its link loop and its KV receiver block in epoll until a message or a
+hello (`UcxWorker.idle_until`), instead of waking every 100 ms as they did; a message after the
+idle spell is answered, a new link accepted, and shutdown noticed within `IDLE_WAIT_S`. Real
+UCX links on loopback."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from common.protocol import KvPages, ShardIngress, ShardLinkMessage
+from common.transport.kv_links import KvReceiver
+from common.transport.ucx_channel import UcxTensorChannel
+from common.transport.ucx_listener import UcxListener
+from services.shard.worker import IDLE_WAIT_S
+from tests.integration.test_link_input import KEY, answers, shard_loop_only
+from tests.thread_wakeups import thread_wakeups
+
+IDLE_S = 2.0  # the idle spell measured: two `IDLE_WAIT_S`
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_an_idle_shard_link_loop_and_kv_receiver_sleep_and_still_answer_at_once() -> None:
+    listener = UcxListener(ShardLinkMessage, "127.0.0.1", KEY)
+    worker = shard_loop_only(listener)
+    loop = threading.Thread(target=worker.serve_links, daemon=True)
+    loop.start()
+    landed = threading.Event()
+    receiver = KvReceiver("127.0.0.1", KEY, lambda header, tensors: landed.set())
+    try:
+        link = UcxTensorChannel.connect(listener.address, ShardLinkMessage, key=KEY)
+        assert answers(link, 1)
+        kv_link = UcxTensorChannel.connect(receiver.address, ShardIngress, key=KEY)
+        time.sleep(0.5)  # past the link's busy spell (`POLL_S`)
+        before = thread_wakeups(loop), thread_wakeups(receiver._thread)
+        time.sleep(IDLE_S)
+        after = thread_wakeups(loop), thread_wakeups(receiver._thread)
+        # Once per `IDLE_WAIT_S` (and a clock tick's rounding), where 100 ms sleeps made 20.
+        bound = IDLE_S / IDLE_WAIT_S + 2
+        assert after[0] - before[0] <= bound and after[1] - before[1] <= bound
+        started = time.monotonic()
+        assert answers(link, 2)  # the message wakes the loop, not its next timeout
+        k = torch.zeros(1, 2, 1, 4)  # [layers, tokens, heads, head_dim]
+        kv_link.send(KvPages("r", 0, 1, 2, 0, 1, total_layers=1), [k, k])
+        assert landed.wait(10)
+        # A hang guard more than a bound: a wake-up lost to the clock would take `IDLE_WAIT_S`.
+        assert time.monotonic() - started < 5 * IDLE_WAIT_S
+        newer = UcxTensorChannel.connect(listener.address, ShardLinkMessage, key=KEY, timeout=5)
+        assert answers(newer, 3)  # a newer link takes over the idle one
+        link.close()
+        kv_link.close()
+        newer.close()
+    finally:
+        stopping = time.monotonic()
+        worker.running = False
+        loop.join(timeout=10)
+        receiver.close()
+        listener.close()
+    assert not loop.is_alive() and time.monotonic() - stopping < 3 * IDLE_WAIT_S + 2
