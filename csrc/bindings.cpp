@@ -14,6 +14,7 @@
 #include "frame_copy.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
+#include "thread_pool.h"
 
 namespace nb = nanobind;
 
@@ -405,6 +406,17 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         nb::arg("tensors"),
         "tensors[i] (any dtype and strides, written in place) = buffer[offsets[i]:]'s bytes in "
         "C order; every frame checked to fit before anything is written.");
+  m.def(
+      "pool_spin_us",
+      [](std::optional<int64_t> us) {
+        if (us) pm::set_pool_spin_us(*us);
+        return pm::pool_spin_us();
+      },
+      nb::arg("us") = nb::none(),
+      "Microseconds the kernels' pool workers spin for the next call before they sleep (set it "
+      "with `us`, negative: 0); returns the value in force.");
+  m.def("pool_workers", &pm::pool_workers,
+        "Worker threads the kernels' pool started in this process (the caller is not counted).");
   m.def("supported_isas", &pm::supported_isas,
         "Kernel ISAs this CPU can run, best first (the first is what 'auto' prefers).");
 }

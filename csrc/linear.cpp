@@ -1,37 +1,28 @@
-// The projections' GEMM (linear_kernel.h) split over threads by column panels: each thread owns
-// whole panels, so a row's outputs do not depend on the split.
+// The projections' GEMM (linear_kernel.h) split over threads by column panels: a unit of work is
+// a range of whole panels, so a row's outputs do not depend on the split or on who ran a unit.
 #include <cstdint>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "layer_ops.h"
+#include "thread_pool.h"
 
 namespace pm {
 
 namespace {
 
-// work(begin, end) for ranges of [0, num_panels) split evenly over up to num_threads threads (a
-// thread owns whole panels, so a row's outputs do not depend on the split); on the calling
-// thread alone for one thread, no rows, or a build without OpenMP.
+// Units handed out per thread: enough that a thread which loses its core mid-call holds up only
+// a small share (the others take the rest), few enough that each unit reads whole panels.
+constexpr int64_t kUnitsPerThread = 8;
+
+// work(begin, end) over ranges of [0, num_panels) that cover it once, on the calling thread and
+// the kernels' pool (thread_pool.h): on the calling thread alone for one thread or no rows.
 template <typename Work>
 void over_panels(int64_t num_panels, int num_threads, int64_t rows, const Work& work) {
-#ifdef _OPENMP
-  const int64_t threads = num_threads < num_panels ? num_threads : num_panels;
-  if (threads > 1 && rows > 0) {
-#pragma omp parallel num_threads(static_cast<int>(threads))
-    {
-      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-      work(num_panels * t / n, num_panels * (t + 1) / n);
-    }
-    return;
-  }
-#else
-  (void)num_threads;
-  (void)rows;
-#endif
-  work(int64_t{0}, num_panels);
+  if (num_threads <= 1 || rows == 0 || num_panels <= 1) return work(int64_t{0}, num_panels);
+  const int64_t wanted = num_threads * kUnitsPerThread;
+  const int64_t units = num_panels < wanted ? num_panels : wanted;
+  parallel_units(units, num_threads, [&](int64_t unit, int) {
+    work(num_panels * unit / units, num_panels * (unit + 1) / units);
+  });
 }
 
 }  // namespace
