@@ -10,11 +10,13 @@ from torch.utils.dlpack import to_dlpack
 
 from common.model.linear import (
     PANEL_WIDTH,
+    POST_ATTENTION_MAX_ROWS,
     PackedLinear,
     kernel_gemm_available,
     pack_linears,
     pack_panels,
     packed_weight_bytes,
+    post_attention,
     quantize_int8,
 )
 from tests.kernel_gate import kernel_gate
@@ -199,3 +201,29 @@ def test_a_bfloat16_model_packs_bfloat16_panels_and_keeps_its_dtype(tiny_model_p
     assert out.dtype == torch.bfloat16
     want = x.double() @ layer.weight.double().T
     torch.testing.assert_close(out.double(), want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", *LOW_DTYPES])
+def test_post_attention_in_one_call_has_the_separate_calls_bits(tiny_model_path, weight_dtype):
+    """A decode step's O projection, residual, norm and MLP as one extension call: every row
+    count up to its bound gives the bits of the calls one by one; past it, the calls run."""
+    from common.model import layer_ops
+    from common.model.loader import load_model
+
+    model = load_model(tiny_model_path, weight_dtype=weight_dtype)
+    layer = model.layers[1]
+    attn_mod, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    torch.manual_seed(1)
+    for rows in (1, 5, POST_ATTENTION_MAX_ROWS, POST_ATTENTION_MAX_ROWS + 1):
+        x = torch.randn(rows, attn_mod.o_proj.out_features)
+        attn = torch.randn(rows, attn_mod.num_heads, attn_mod.head_dim)
+        flat = attn.reshape(rows, -1)
+        total, h = layer_ops.add_rms_norm(x, attn_mod.o_proj.forward(flat), norm.weight, norm.eps)
+        separate = mlp.down_proj.forward_add(mlp.gate_up_proj.forward_silu_and_mul(h), total)
+        one_call = post_attention(
+            x, flat, attn_mod.o_proj, norm.weight, norm.eps, mlp.gate_up_proj, mlp.down_proj
+        )
+        assert (one_call is None) == (rows > POST_ATTENTION_MAX_ROWS)
+        if one_call is not None:
+            assert torch.equal(one_call, separate)
+        assert torch.equal(layer.post_attention(x, attn), separate)
