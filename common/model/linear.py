@@ -38,6 +38,11 @@ a column range of a packed weight), gets a packed copy of its own rows on first 
 `LlamaDecoderLayer.pack_halves` do it at start-up). Packing on first use keeps the memory off
 every engine that never splits. A slice's outputs equal the fused ones to 1e-5, the contract
 (the kernel's bitwise, by construction).
+
+The kernel's calls split their panels over the extension's own worker pool (csrc/thread_pool.h:
+workers awake through a step's calls, asleep when the engine idles, never waited for), and
+`post_attention` runs a decode step's O projection, residual, norm and MLP as one call: at batch
+1 a step reads each weight once, and what it pays beyond those reads is per call.
 """
 
 from __future__ import annotations
