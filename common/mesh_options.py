@@ -82,6 +82,9 @@ class MeshOptions(_Options, frozen=True):
     shard_num_blocks: Positive = 1024  # each shard's KV (its heads only)
     block_size: Positive = 16
     max_num_batched_tokens: Positive = 2048
+    # A prefill longer than this runs a chunk a step, with decode steps between (no step of an
+    # engine waits behind more; services/engine/prefill_chunks.py).
+    prefill_chunk_tokens: Positive = 512
     max_num_seqs: Positive = 64
     max_preemptions: NonNegative = 2  # the mixed policy's preemption cap
     starvation_s: Seconds = 1.0  # and its aging (common/scheduling/mixed.py)

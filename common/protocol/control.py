@@ -269,6 +269,8 @@ class EngineStats(_Msg, tag="engine_stats"):
     # recomputed, since start (Splitwise's memory-aware batching).
     num_preemptions: int = 0
     num_home_moves: int = 0  # times its home changed since start (home_roles.py)
+    # Chunk steps of long prefills it ran, since start (services/engine/prefill_chunks.py).
+    num_prefill_chunks: int = 0
 
 
 ServiceReply = TokenOutput | TokenBatch | EngineStats | OutputsDropped

@@ -9,8 +9,8 @@ What the peers' users complain about, and the rule here that prevents it:
 
 - **Flapping** (2 <-> 1 every few minutes): a dead band (`scale_down_fill`): scaling down needs
   the load to fit the smaller size with room to spare, not merely to dip under the target; a
-  wanted change must persist (`upscale_after_s` / `downscale_after_s`), and after any change none
-  happens for `cooldown_s`.
+  wanted change must persist (`upscale_after_s`, in groups x seconds, see below, /
+  `downscale_after_s`), and after any change none happens for `cooldown_s`.
 - **Cold-start samples inflating the count**: a replica younger than `warmup_s` is still loading
   weights or compiling; its samples are left out (its queue is not yet the mesh's queue).
 - **A step taken in several decisions** (1 -> 3 -> 5 -> 6 while the new replicas start): a
@@ -26,6 +26,20 @@ What the peers' users complain about, and the rule here that prevents it:
   band (halfway between `scale_down_fill` and the target), so the next swing of the load neither
   adds nor removes a replica.
 - **Step explosions**: at most `max_step` groups per decision.
+- **A step that arrives before its replicas** (a load step, then a minute of start-up with the
+  old size taking it all): a scale-up's hold (`upscale_after_s`) fills with the groups the load
+  needs now beyond the current size, per second: one group more waits the whole hold, k more
+  about 1/k of it, so a step's replicas start seconds after it while a swing of a group waits.
+  And with `lead_s`, a step is sized for its load `lead_s` ahead, its rise over the last
+  `trend_s` (`ScaleState.slope`) projected that far (`Load.ahead`): the look-back average Serve
+  hands the policy lags a rising load (by half its window on a ramp), so the first readings of
+  a step, still mostly the load before it, would otherwise size it short and a second scale-up
+  would mend it. Only a step is projected (a load past the current size's target by more than
+  the dead band is wide: a flat load's swings stay within it, and a slope of its noise would
+  inflate the scale-ups it begins); only a rise, only while the same replicas report (one
+  entering or leaving the sum moves it with no change of load); scale-downs go by the load
+  there is. State lost (a controller restart, a count changed by hand) restarts the trend: no
+  projection until a span has passed.
 - **Half a shard group**: shards come and go in whole groups of `group_size` (a token engine
   claims `shards_per_group` of them), so counts are multiples of it.
 
@@ -60,6 +74,8 @@ class ScalePolicy:
     cooldown_s: float = 30.0  # no change this soon after the last one
     warmup_s: float = 30.0  # samples of a replica younger than this are ignored
     scale_down_fill: float = 0.7  # scale down only if the load fits N-1 at this share of target
+    lead_s: float = 0.0  # size a step for its load this far ahead (0: for the load now)
+    trend_s: float = 10.0  # the span a load's rise is measured over (>= the report interval)
 
     def __post_init__(self) -> None:
         if self.target_load <= 0:
@@ -72,7 +88,9 @@ class ScalePolicy:
             raise ValueError("need 0 <= min_replicas <= max_replicas")
         if self.min_replicas % self.group_size or self.max_replicas % self.group_size:
             raise ValueError("min_replicas and max_replicas must be multiples of group_size")
-        for name in ("upscale_after_s", "downscale_after_s", "cooldown_s", "warmup_s"):
+        if self.trend_s <= 0:
+            raise ValueError("trend_s must be positive")
+        for name in ("upscale_after_s", "downscale_after_s", "cooldown_s", "warmup_s", "lead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
 
@@ -95,8 +113,35 @@ class ScaleState:
     replicas: int  # the count it decided last
     wanted: int = 0  # the count it has been wanting (0: none different from `replicas`)
     wanted_since: float | None = None
+    seen_at: float | None = None  # the wish's latest reading
+    surplus: float = 0.0  # groups x seconds a scale-up has been wanted for (`advance`)
     last_change_at: float | None = None
     num_changes: int = 0
+    # The load's trend (`ScaleState.trended`): the reading its current span began with (when,
+    # the total, how many replicas reported it) and the rise per second over the last full span.
+    trend_at: float | None = None
+    trend_load: float = 0.0
+    trend_count: int = 0
+    slope: float = 0.0
+
+    def trended(self, policy: ScalePolicy, load: Load, now: float) -> ScaleState:
+        """This state with `load` read into its trend: once a span of `trend_s` has passed, the
+        slope is the total's change over it and a new span begins. No total (nothing warm)
+        keeps the trend as it is; a change in how many replicas report (one warmed up, one left,
+        a restart of the clock) begins a new span with no slope: the total moved by membership,
+        not by load."""
+        if load.total is None:
+            return self
+        fresh = self.trend_at is None or now < self.trend_at or load.reporting != self.trend_count
+        if fresh:
+            return replace(self, trend_at=now, trend_load=load.total,
+                           trend_count=load.reporting, slope=0.0)  # fmt: skip
+        assert self.trend_at is not None
+        span = now - self.trend_at
+        if span < policy.trend_s:
+            return self
+        slope = (load.total - self.trend_load) / span
+        return replace(self, trend_at=now, trend_load=load.total, slope=slope)
 
 
 @dataclass(frozen=True)
@@ -108,6 +153,7 @@ class Load:
     warming: bool = False
     slo_breached: bool = False
     starting: bool = False  # fewer of its own replicas report than were decided
+    reporting: int = 0  # the warm samples the total sums
 
     @classmethod
     def of(
@@ -128,14 +174,23 @@ class Load:
         if not warm:
             return cls(None, warming=bool(samples), starting=starting)
         total = sum(max(s.load, 0.0) for s in warm) / per
-        return cls(total, len(warm) < len(samples), any(s.slo_breached for s in warm), starting)
+        return cls(total, len(warm) < len(samples), any(s.slo_breached for s in warm), starting,
+                   len(warm))  # fmt: skip
 
     def __or__(self, other: Load) -> Load:
         """Two loads of one unit (a group's engines and its shards): the larger asks."""
         totals = [t for t in (self.total, other.total) if t is not None]
         return Load(max(totals) if totals else None, self.warming or other.warming,
                     self.slo_breached or other.slo_breached,
-                    self.starting or other.starting)  # fmt: skip
+                    self.starting or other.starting,
+                    self.reporting + other.reporting)  # fmt: skip
+
+    def ahead(self, policy: ScalePolicy, state: ScaleState) -> Load:
+        """This load `policy.lead_s` ahead: its total plus the trend's rise over that long (a
+        fall is not projected: scale-downs go by the load there is)."""
+        if self.total is None or policy.lead_s <= 0 or state.slope <= 0:
+            return self
+        return replace(self, total=self.total + state.slope * policy.lead_s)
 
 
 def wanted_replicas(policy: ScalePolicy, current: int, samples: Iterable[LoadSample]) -> int:
@@ -151,7 +206,7 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
     if load.total is None:
         return current  # nothing trustworthy to go on: hold
     group, total = policy.group_size, load.total
-    need = max(group, group * math.ceil(total / policy.target_load / group))
+    need = needed(policy, total)
     if load.slo_breached:
         need = max(need, current + group)
     if need > current and load.warming:
@@ -176,21 +231,44 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
     return min(max(wanted, policy.min_replicas), policy.max_replicas)
 
 
+def needed(policy: ScalePolicy, total: float) -> int:
+    """The fewest replicas (whole groups, at least one) that carry `total` at their target."""
+    group = policy.group_size
+    return max(group, group * math.ceil(total / policy.target_load / group))
+
+
 def decide(
     policy: ScalePolicy, state: ScaleState, samples: Iterable[LoadSample], now: float
 ) -> ScaleState:
     """The next state: `state.replicas` changes only once a change has been wanted for its delay
     and the cool-down since the last change has passed; it goes to the largest count wanted
     meanwhile (`advance`)."""
-    load = Load.of(policy, samples, expected=state.replicas)
-    return advance(policy, state, wanted_for(policy, state.replicas, load), now)
+    return advance_on(policy, state, Load.of(policy, samples, expected=state.replicas), now)
 
 
-def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> ScaleState:
-    """`decide`'s delays and cool-down applied to a wanted count."""
+def advance_on(policy: ScalePolicy, state: ScaleState, load: Load, now: float) -> ScaleState:
+    """`decide` for a load already summed: its trend read, then the count it asks for
+    `lead_s` ahead, through `advance`'s delays."""
+    state = state.trended(policy, load, now)
+    need = None if load.total is None else needed(policy, load.total)
+    # The load ahead sizes a step: a load past the current size's target by more than the dead
+    # band is wide (`scale_down_fill`), which a flat load's swings within the band do not
+    # reach. Below that a slope is mostly noise: sizing by it would inflate a scale-up the
+    # noise began, and a scale-down goes by the load there is.
+    band = 2 - policy.scale_down_fill
+    stepping = load.total is not None and load.total > state.replicas * policy.target_load * band
+    wanted = wanted_for(policy, state.replicas, load.ahead(policy, state) if stepping else load)
+    return advance(policy, state, wanted, now, need)
+
+
+def advance(
+    policy: ScalePolicy, state: ScaleState, wanted: int, now: float, need: int | None = None
+) -> ScaleState:
+    """`decide`'s delays and cool-down applied to a wanted count; `need`: what the load needs
+    at the target (`needed`; default `wanted`), which sets how fast a scale-up's hold fills."""
     current = state.replicas
     if wanted == current:
-        return replace(state, wanted=0, wanted_since=None)
+        return replace(state, wanted=0, wanted_since=None, seen_at=None, surplus=0.0)
     # A change of direction restarts the clock; the same wish keeps it. A scale-up asks for the
     # most it asked for meanwhile: a noisy signal (a rate over a short window) read low at the
     # moment of the change does not size a step short (which a second scale-up would then have
@@ -198,13 +276,25 @@ def advance(policy: ScalePolicy, state: ScaleState, wanted: int, now: float) -> 
     # still falling, and the most it wanted then is not what the load needs now.
     same_direction = state.wanted and (state.wanted > current) == (wanted > current)
     since = state.wanted_since if same_direction and state.wanted_since is not None else now
-    if same_direction and wanted > current:
-        wanted = max(wanted, state.wanted)
-    delay = policy.upscale_after_s if wanted > current else policy.downscale_after_s
+    # A scale-up's hold is in groups x seconds: each reading adds the groups the load needs
+    # beyond the current count (at least one) times the time since the last reading, so a wish
+    # for one group more waits `upscale_after_s` and one for k more about 1/k of it: a load
+    # that needs many more replicas at once is a step, not noise (noise crosses the target by
+    # a group at most), and the sooner its replicas start the less of it waits for them.
+    surplus = 0.0
+    if wanted > current:
+        held = (now - state.seen_at) if same_direction and state.seen_at is not None else 0.0
+        groups = (min(wanted if need is None else need, wanted) - current) / policy.group_size
+        surplus = (state.surplus if same_direction else 0.0) + held * max(groups, 1.0)
+        wanted = max(wanted, state.wanted) if same_direction else wanted
+        held_enough = surplus >= policy.upscale_after_s
+    else:
+        held_enough = now - since >= policy.downscale_after_s
     cooling = state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s
-    if now - since < delay or cooling:
-        return replace(state, wanted=wanted, wanted_since=since)
-    return ScaleState(replicas=wanted, last_change_at=now, num_changes=state.num_changes + 1)
+    if not held_enough or cooling:
+        return replace(state, wanted=wanted, wanted_since=since, seen_at=now, surplus=surplus)
+    return replace(state, replicas=wanted, wanted=0, wanted_since=None, last_change_at=now,
+                   num_changes=state.num_changes + 1, seen_at=None, surplus=0.0)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -240,4 +330,4 @@ def decide_groups(
         shards = Load.of(policy, shard_samples, per=shards_per_group,
                          expected=state.replicas * shards_per_group)  # fmt: skip
         load = load | shards
-    return advance(policy, state, wanted_for(policy, state.replicas, load), now)
+    return advance_on(policy, state, load, now)

@@ -144,6 +144,13 @@ class RoleScaling:
 # scale-down needs the load to fit under the target with room (`scale_down_fill`) for minutes.
 # `cooldown_s` covers a machine's start-up (`AutoscaleOptions.startup_s`'s default): the
 # decision after a scale-up finds the new machines reporting, young, and adds none meanwhile.
+# The prompt side sizes a step (a load past the target by more than the dead band) for its load
+# `lead_s` ahead, its rise over `trend_s` projected: half the look-back, which the look-back
+# average lags a rising load by, so the first readings of a step, still mostly the load before
+# it, ask for the whole step; and a step needing many machines fills the hold in seconds
+# (`advance`), so they start seconds after the step instead of `upscale_after_s` after it.
+# Projecting over the whole start-up instead overshoots a step (the look-back's rise lasts its
+# window, not the start-up) and turns a flat load's noise into scale-ups (docs/benchmarks.md).
 _SHARED_KNOBS = {
     "max_step": 64,
     "upscale_after_s": 30.0,
@@ -153,7 +160,7 @@ _SHARED_KNOBS = {
 }
 DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
     Role.PROMPT: {"targets": {"prompt_tokens_per_s": 3500, "pending_prompt_tokens": 16_000},
-                  "scale_down_fill": 0.7, **_SHARED_KNOBS},
+                  "scale_down_fill": 0.7, "lead_s": 15.0, "trend_s": 5.0, **_SHARED_KNOBS},
     Role.TOKEN: {"targets": {"running_decode_tokens": 30_000}, "scale_down_fill": 0.5,
                  **_SHARED_KNOBS},
     Role.MIXED: {"targets": {"pending_prompt_tokens": 1000, "running_decode_tokens": 30_000},
@@ -333,6 +340,9 @@ class AutoscaledCluster:
             life = ReplicaLife(machine_id, role, now, start)
             self.lives.append(life)
             self._life[machine_id] = life
+            if active_s is not None:  # an initial machine: its arrivals count from time 0
+                machine = self.sim.machines[machine_id]
+                self._arrivals[machine_id] = RateMeter(now, machine.prompt_tokens_in)
             return
         draining = [life for life in self._lives_of(role) if life.draining_s is not None]
         if not draining:

@@ -46,6 +46,7 @@ from services.engine import kv_news
 from services.engine.kv_shipper import KvSend
 from services.engine.outbox import Outbox
 from services.engine.parts import EngineParts, build_engine_parts
+from services.engine.prefill_chunks import PrefillStep
 from services.engine.prefill_ship import free_shipped
 from services.engine.requests import ShardRowFailed
 from services.engine.routing import RequestRoute, kv_endpoints, placed_in, shard_of_rows
@@ -63,6 +64,7 @@ class Engine:
         self.admission = parts.admission
         self.pool, self.telemetry, self.reports = parts.pool, parts.telemetry, parts.reports
         self.sampler, self.rebuilds = parts.sampler, parts.rebuilds
+        self.chunks = parts.chunks
         self.steps = itertools.count()
         # Each request's output length at the last round of `_still_alive`, and when that was.
         self._lengths_at_round: dict[str, int] = {}
@@ -192,16 +194,21 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> Outbox:
-        """One prefill batch (prompts first, as Splitwise's mixed machines do) or decode step,
-        after starting the KV swaps the tier policy plans (moving requests sit the step out)."""
+        """One prefill step (prompts first, as Splitwise's mixed machines do; long ones a chunk a
+        step, a decode step at least every chunk's worth) or decode step, after starting the KV
+        swaps the tier policy plans (moving requests sit the step out)."""
         out = self.tiers.plan(self.table, self.local, self.admission, self.shards)
-        if (batch := self.ship_queue.schedule()) is not None:
-            out += self._prefill_and_ship(batch)
+        if (prefill := self._next_prefill()) is not None:
+            if prefill.is_chunk:
+                self.prefill.run_chunk(prefill.batch, self.table)
+            else:
+                out += self._prefill_and_ship(prefill.batch)
         elif (batch := self.local.schedule()) is not None and batch.phase is Phase.PREFILL:
             out += self._emit_all(batch, self.prefill.run(batch, self.table))
             for seq in batch.seqs:  # new prompts decode here next (mixed role)
                 self.telemetry.decode_started(seq.req_id)
         else:
+            self.chunks.decoded()  # the decodes' turn, taken (prefill goes on next step)
             if self.admission.sharded:  # room on the group for this step's tokens
                 out += self._preempted(self.admission.fit_growth(time.monotonic()))
             if batch is not None or self.admission.sharded:
@@ -213,6 +220,14 @@ class Engine:
         if self.admission.preempted:  # and for preempted ones
             out += self._resume()
         return out + self._still_alive()
+
+    def _next_prefill(self) -> PrefillStep | None:
+        """The next step of the prefills whose KV ships (prompts, recomputes, rebuilds), a chunk
+        at a time when long (prefill_chunks.py); None when there is none, or when a decode step
+        is owed: one chunk's worth of prefill ran since this engine's last decode step."""
+        if self.chunks.decode_owed and (self.admission.sharded or self.local.num_unfinished):
+            return None
+        return self.chunks.next_step(self.ship_queue)
 
     def _still_alive(self) -> Outbox:
         """An empty output for each request held here that streamed nothing for a third of the
@@ -401,6 +416,7 @@ class Engine:
         stats = self.reports.stats(self.shards)
         stats.num_rebuilt = self.rebuilds.num_rebuilt
         stats.num_rebuild_fallbacks = self.rebuilds.num_fallbacks
+        stats.num_prefill_chunks = self.chunks.num_chunks
         return stats
 
     def load_report(self, now: float) -> LoadReport:

@@ -35,6 +35,7 @@ from services.engine.admission import DecodeAdmission
 from services.engine.kv_shipper import KvSend
 from services.engine.kv_swaps import KvSwaps
 from services.engine.kv_tiers import KvTiers, build_tier_policy
+from services.engine.prefill_chunks import PrefillChunks
 from services.engine.prefill_ship import Prefill
 from services.engine.reports import EngineReports
 from services.engine.requests import RequestTable
@@ -63,6 +64,7 @@ class EngineParts:
     telemetry: EngineTelemetry
     reports: EngineReports
     rebuilds: ShardRebuilds  # a lost shard's heads recomputed (Lamina §5)
+    chunks: PrefillChunks  # long prefills a chunk a step, decodes between
 
 
 def build_engine_parts(
@@ -120,7 +122,8 @@ def build_engine_parts(
                             admission, prefill, tiers, runner, telemetry)  # fmt: skip
     return EngineParts(engine_id, role, options, command_endpoint, runner, blocks, sampler, table,
                        prefill, ship_queue, local, kv_ingress, admission, tiers, pool, telemetry,
-                       reports, ShardRebuilds(o.shard_rebuild_wait_s))  # fmt: skip
+                       reports, ShardRebuilds(o.shard_rebuild_wait_s),
+                       PrefillChunks(o.prefill_chunk_tokens))  # fmt: skip
 
 
 __all__ = ["EngineParts", "build_engine_parts"]

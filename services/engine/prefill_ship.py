@@ -51,6 +51,12 @@ class Prefill:
             batch, table, self.runner.plan_prefill(batch, table.token_ids(batch.seqs))
         )
 
+    def run_chunk(self, chunk: Batch, table: RequestTable) -> None:
+        """One chunk of a long prefill (prefill_chunks.py): its K/V into the cache, no token."""
+        self.num_computed_tokens += chunk.num_tokens
+        self.telemetry.histograms.observe(ITERATION_TOKENS, chunk.num_tokens)
+        self.runner.run(self.runner.plan_prefill(chunk, table.token_ids(chunk.seqs)))
+
     def run_and_ship(
         self, batch: Batch, table: RequestTable, generations: Mapping[str, int] | None = None
     ) -> list[SampledRow]:

@@ -10,6 +10,13 @@ A low-priority waiter is bounded all the same: it leaves with a 503 after `wait_
 higher-priority requests keep arriving. Waiters live on the router's event loop; only the head of
 the queue tries to place, every `retry_s`, as the engines' load reports (every 50 ms) and this
 router's own releases free room.
+
+A re-run of a started stream (mesh_client.py `_migrate`: its engines were lost) goes ahead of
+every new request, whatever its priority: while one waits (`rerun_first`, from its loss to its
+placement), no new request is placed, and those that come join the queue. The re-run places
+itself (it waits for engines too, bounded by `MIGRATION_WAIT_S`); a client whose stream has
+started would otherwise lose it to requests that have sent nothing yet, which keep waiting,
+each bounded by `wait_s` as above.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import asyncio
 import bisect
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from services.router.cluster_scheduler import NoKvRoom
@@ -37,6 +45,16 @@ class KvWaitQueue:
         self._waiting: list[tuple[int, int]] = []  # (priority, arrival number), sorted
         self._arrivals = itertools.count()
         self.num_waited = 0  # requests that had to wait, since start (stats, tests)
+        self.num_reruns = 0  # re-runs waiting for room or engines: no new request goes first
+
+    @contextmanager
+    def rerun_first(self) -> Iterator[None]:
+        """A re-run waits for room inside this: no new request takes room meanwhile."""
+        self.num_reruns += 1
+        try:
+            yield
+        finally:
+            self.num_reruns -= 1
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -44,16 +62,16 @@ class KvWaitQueue:
     async def admit(
         self, place: Callable[[], T], ever_fits: Callable[[], None], priority: int = 0
     ) -> T:
-        """`place()` once no one waits ahead and it finds room (it raises `NoKvRoom` until it
-        does); the refusals above otherwise. `ever_fits` raises `NoKvRoom` for a request that
-        could never fit, before it joins the queue. A waiter with a lower `priority` goes ahead
-        of those with a higher one, even if they came first (a full queue refuses it all the
-        same)."""
+        """`place()` once no one waits ahead (no re-run either) and it finds room (it raises
+        `NoKvRoom` until it does); the refusals above otherwise. `ever_fits` raises `NoKvRoom`
+        for a request that could never fit, before it joins the queue. A waiter with a lower
+        `priority` goes ahead of those with a higher one, even if they came first (a full queue
+        refuses it all the same)."""
         try:
             ever_fits()
         except NoKvRoom as exc:
             _check_ever(exc)
-        if not self._waiting:
+        if not self._waiting and not self.num_reruns:
             try:
                 return place()
             except NoKvRoom as exc:
@@ -69,7 +87,7 @@ class KvWaitQueue:
         try:
             while True:
                 await asyncio.sleep(self.retry_s)
-                if self._waiting[0] == ticket:
+                if self._waiting[0] == ticket and not self.num_reruns:
                     try:
                         return place()
                     except NoKvRoom as exc:

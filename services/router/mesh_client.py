@@ -59,6 +59,7 @@ from services.router.mesh_inbox import MeshInbox
 from services.router.mesh_membership import REFRESH_S, MeshMembership
 from services.router.mesh_requests import EngineLost, MeshRequests, MeshStream
 from services.router.metrics_endpoint import LatestReports
+from services.router.migration import Replay
 from services.router.streams import AdmissionLimits, Unavailable, next_items
 from services.router.token_text import StreamedText, join_token_outputs
 
@@ -157,8 +158,8 @@ class MeshEngineClient:
             params.priority,
         )
         text = StreamedText(req_id, len(prompt_token_ids), OutputText.of(params), self.tokenizer)
-        stream.loop.call_later(self.progress_timeout_s, self._watch_progress, req_id, stream,
-                               stream.num_delivered)  # fmt: skip
+        # From its send (`admit` returns once it left): its wait for room was the router's.
+        self._watch(req_id, stream)
         engine_done = finished = False
         try:
             while not finished:
@@ -189,16 +190,32 @@ class MeshEngineClient:
                     finished = pending[-1].finished
                     yield coalesce(pending)
         finally:
+            self._unwatch(stream)
             if not engine_done:
                 with bind_request(req_id, traceparent=stream.traceparent):
                     log.info("aborting request in the mesh", finished=finished)
                 self._send_aborts(stream, self._wire_id(req_id))
             self._release(req_id)
 
+    def _watch(self, req_id: str, stream: MeshStream) -> None:
+        """(Re)start the request's progress deadline, on its loop: its attempt was just sent to
+        its engines, which have `progress_timeout_s` from now to show output."""
+        self._unwatch(stream)
+        stream.watch = stream.loop.call_later(self.progress_timeout_s, self._watch_progress,
+                                              req_id, stream, stream.num_delivered)  # fmt: skip
+
+    def _unwatch(self, stream: MeshStream) -> None:
+        """Stop the progress deadline: the request ended, or waits in the router for a re-run
+        (backoff, room, engines: the router's own time, bounded by `MIGRATION_WAIT_S`)."""
+        if stream.watch is not None:
+            stream.watch.cancel()
+            stream.watch = None
+
     def _watch_progress(self, req_id: str, stream: MeshStream, seen: int) -> None:
-        """Every `progress_timeout_s` on the request's loop: no output since the last look
-        (held ones count) means its attempt is lost. An engine that could not send its outputs
-        (the router stopped reading) gave the request up; nothing else would ever say so."""
+        """Every `progress_timeout_s` on the request's loop while its attempt is with its
+        engines: no output since the last look (held ones count) means its attempt is lost. An
+        engine that could not send its outputs (the router stopped reading) gave the request
+        up; nothing else would ever say so."""
         if self.streams.get(req_id) is not stream:
             return  # released: the watch ends
         if stream.num_delivered == seen and not stream.lost:
@@ -207,8 +224,7 @@ class MeshEngineClient:
             with self._lock:
                 stream.lost = True  # one loss told once; the re-run clears it
             stream.outputs.put_nowait(EngineLost(why, wire_id))
-        stream.loop.call_later(self.progress_timeout_s, self._watch_progress, req_id, stream,
-                               stream.num_delivered)  # fmt: skip
+        self._watch(req_id, stream)
 
     def abort(self, req_id: str) -> None:
         """Stop a request at its prompt and token engine; outputs in flight are dropped."""
@@ -249,6 +265,7 @@ class MeshEngineClient:
                     "num_rebuild_fallbacks": r.num_rebuild_fallbacks,
                     # Requests it preempted for KV and recomputed (memory-aware batching).
                     "num_preemptions": r.num_preemptions,
+                    "num_prefill_chunks": r.num_prefill_chunks,  # long prefills' chunk steps
                     "kv_blocks_used": r.kv_blocks_used,
                     "num_requests": r.num_requests,
                 }
@@ -323,7 +340,10 @@ class MeshEngineClient:
     async def _migrate(
         self, req_id: str, stream: MeshStream, output_token_ids: list[int], reason: str
     ) -> None:
-        """Re-run a request whose engines or shards were lost, from the tokens it has so far."""
+        """Re-run a request whose engines or shards were lost, from the tokens it has so far.
+        Until it is sent, it waits in the router (backoff, then room or engines) unwatched by
+        the progress deadline, and ahead of every new request for room (`kv_queue`)."""
+        self._unwatch(stream)
         old_wire_id, replay = self.requests.next_attempt(req_id, output_token_ids)
         self._send_aborts(stream, old_wire_id)
         self._orderer.forget(old_wire_id)
@@ -340,13 +360,8 @@ class MeshEngineClient:
         if stream.span is not None:
             stream.span.add_event("migration", {"phasemesh.reason": reason,
                                                 "phasemesh.attempt": replay.wire_id})  # fmt: skip
-        attempt = self.book.ledgers[req_id].attempt
-        await asyncio.sleep(min(MIGRATION_BACKOFF_S * 2 ** (attempt - 1), MIGRATION_BACKOFF_MAX_S))
-        num_tokens = len(replay.prompt_token_ids) + len(replay.output_token_ids)
-        kv_tokens = len(replay.prompt_token_ids) + replay.sampling.max_tokens
-        kv_grow = kv_grow_tokens(num_tokens, kv_tokens - num_tokens)
-        prompt, token = await self._place_when_ready(req_id, num_tokens, (kv_tokens, kv_grow),
-                                                     reason)  # fmt: skip
+        with self.kv_queue.rerun_first():
+            prompt, token = await self._rerun_engines(req_id, replay, reason)
         with self._lock:
             stream.prompt_engine, stream.token_engine = prompt, token
             stream.num_attempt_tokens, stream.lost = 0, False
@@ -362,6 +377,18 @@ class MeshEngineClient:
         )  # fmt: skip
         self._send_role_changes()  # an engine lent for this request hears it first
         self._send(prompt.command_endpoint, msg)
+        self._watch(req_id, stream)
+
+    async def _rerun_engines(
+        self, req_id: str, replay: Replay, reason: str
+    ) -> tuple[ServiceEntry, ServiceEntry]:
+        """The engines of a re-run, after its backoff: the mesh settles after a fault."""
+        attempt = self.book.ledgers[req_id].attempt
+        await asyncio.sleep(min(MIGRATION_BACKOFF_S * 2 ** (attempt - 1), MIGRATION_BACKOFF_MAX_S))
+        num_tokens = len(replay.prompt_token_ids) + len(replay.output_token_ids)
+        kv_tokens = len(replay.prompt_token_ids) + replay.sampling.max_tokens
+        kv_grow = kv_grow_tokens(num_tokens, kv_tokens - num_tokens)
+        return await self._place_when_ready(req_id, num_tokens, (kv_tokens, kv_grow), reason)
 
     async def _place_when_ready(
         self, req_id: str, num_tokens: int, kv: tuple[int, int], reason: str

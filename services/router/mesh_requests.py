@@ -9,6 +9,7 @@ outputs of a superseded attempt are dropped. Sockets and threads are the client'
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +39,12 @@ class MeshStream(Stream):
     traceparent: str = ""  # the request's trace, carried to the engines
     span: Span | None = None  # the request's `router.request` span, for migration events
     num_attempt_tokens: int = 0  # tokens of the current attempt (> 1: the token engine has it)
-    lost: bool = False  # an EngineLost is on its way for the current attempt
+    # No loss of the current attempt is to be told: one is on its way (an EngineLost), or the
+    # attempt is a re-run still waiting in the router (its engines do not have it yet).
+    lost: bool = False
+    # The progress deadline's next look (`MeshEngineClient._watch_progress`); None while a
+    # re-run waits in the router: that time is the router's own, not its engines'.
+    watch: asyncio.TimerHandle | None = None
 
 
 class MeshRequests:
@@ -70,9 +76,14 @@ class MeshRequests:
         return req_id if ledger is None else ledger.wire_id
 
     def next_attempt(self, req_id: str, output_token_ids: list[int]) -> tuple[str, Replay | None]:
-        """The wire id of the attempt that was lost, and the next one (None: out of migrations)."""
+        """The wire id of the attempt that was lost, and the next one (None: out of migrations).
+        Until the next one is sent, no loss is told of it (`MeshStream.lost`): an engine of
+        the lost attempt leaving the registry meanwhile is not a loss of the re-run."""
         with self.lock:
             old_wire_id = self.book.ledgers[req_id].wire_id
+            stream = self.streams.get(req_id)
+            if stream is not None:
+                stream.lost = True  # the re-run clears it once sent
             return old_wire_id, self.book.migrate(req_id, output_token_ids)
 
     def release(self, req_id: str) -> tuple[MeshStream | None, str]:

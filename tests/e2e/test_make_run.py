@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +40,7 @@ from bench.loadgen_aiperf import Slice, compare, find_aiperf
 from common.config import env
 from common.model.default import real_model_path
 from loadgen.traces import shared_dir
+from tests.e2e.local_serve.test_chat_capacity import NUM_CHATS, chat
 from tests.e2e.local_serve.test_docs_commands import SERVED, check, run_block
 from tests.e2e.serve_process import REPO, ServeRun, served
 
@@ -184,6 +186,24 @@ def test_metrics_in_vllm_names_after_requests(server: ServeRun, client: openai.O
         assert total["vllm:prefix_cache_queries_total"] > 0
         engines = {s.labels["engine"] for s in samples if s.name == "vllm:kv_cache_usage_perc"}
         assert len(engines) >= 2, "the prompt and the token engine report"
+
+
+@pytest.mark.timeout(3600)  # eight stories to the context's end, two at a time: tens of minutes
+def test_eight_chats_without_max_tokens_finish_or_are_refused_before_streaming(
+    server: ServeRun,
+) -> None:
+    """Issue 49's first item as a new user met it: eight concurrent streamed greedy chats without
+    `max_tokens` (the official client's default). SmolLM2 tells each story for thousands of
+    tokens (to the end of its 8,192-token context, most of them), past what the shard group
+    holds for all eight (16,384 tokens), so the token engine preempts and recomputes (a chunk a
+    step: services/engine/prefill_chunks.py) and a preempted stream waits, kept alive by SSE
+    comments, for minutes. With the official client's default timeouts every chat ends `stop`
+    or `length`, or is refused before its first chunk; none fails mid-stream."""
+    with ThreadPoolExecutor(NUM_CHATS) as pool:
+        ends = list(pool.map(lambda i: chat(server, i, False, MODEL), range(NUM_CHATS)))
+    print(ends, httpx.get(server.base_url + "/stats", timeout=60).json()["services"])
+    assert set(ends) <= {"length", "stop", "refused 429", "refused 503"}, ends
+    assert ends.count("length") + ends.count("stop") >= 4, ends
 
 
 def test_loadgen_chat_closed_loop_of_20(server: ServeRun, tmp_path: Path) -> None:

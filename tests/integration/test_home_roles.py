@@ -11,6 +11,7 @@ import time
 import torch
 
 from common.engine.core import LLMEngine
+from common.mesh_options import MeshOptions
 from common.protocol import SamplingSpec, TokenOutput
 from common.roles import Role
 from common.sampling import SamplingParams
@@ -27,7 +28,7 @@ DECODE_LEN, DECODE_TOKENS = 40, 3000
 BURST_LEN, MAX_BURST, BURST_STEP = 200, 400, 16  # the burst lasts until a home moves
 DRAIN_PER_TURN = 32
 # A prompt engine is full at 300 pending tokens: the burst's queue makes the prompt side far
-# fuller than the decode side (a few hundred tokens of 8192 of KV each). Short hold and
+# fuller than the decode side (a few thousand tokens of 32768 of KV each). Short hold and
 # cool-down: the move and the move back each come within a second or two.
 THRESHOLDS = PoolThresholds(
     prompt_tokens=300, role_lease_s=300.0,
@@ -39,7 +40,13 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def test_a_lasting_prompt_burst_moves_a_decoding_token_engine_home_and_back(
     tiny_model_path,
 ) -> None:
-    mesh = LocalMesh.start(Topology(str(tiny_model_path), num_prompt=1, num_token=2))
+    # Token engines with room for the burst's hand-offs beside a decode's reservation: this
+    # client places without the router's KV admission, and a hand-off the engine has no room
+    # for ends retryable (the router would re-run it; here it would fail the test).
+    options = MeshOptions(token_num_blocks=2048)
+    mesh = LocalMesh.start(
+        Topology(str(tiny_model_path), num_prompt=1, num_token=2, options=options)
+    )
     client = MeshTestClient(mesh, THRESHOLDS)
     try:
         (p0,), tokens = mesh.prompt, mesh.token

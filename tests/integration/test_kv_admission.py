@@ -113,13 +113,15 @@ def test_requests_that_outgrow_the_shards_together_are_preempted_and_recomputed(
     """Shard KV grows on demand (issue 49 item 1): each request fits the group alone, four do not
     at their whole length, and the router admits them by what they hold now. When a decode step
     cannot grow one, the token engine preempts the youngest (the mixed policy's rules), frees
-    its KV on the shards and later prefills its prompt and tokens so far again: every request
-    finishes, token for token as the single-process engine decodes it, none migrated."""
+    its KV on the shards and later prefills its prompt and tokens so far again, a chunk a step
+    (a chunk of 16 tokens here: the recompute is several): every request finishes, token for
+    token as the single-process engine decodes it, none migrated."""
     greedy = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)  # 112: 7 blocks
     prompts = random_prompts([12] * 4, vocab=2048, seed=13)
     reference = LLMEngine(EngineConfig(str(tiny_model_path)), with_tokenizer=False)
     expected = reference.generate(prompts, greedy)
-    options = MeshOptions(shard_num_blocks=8)  # one request's whole length, not two
+    # One request's whole length, not two; recomputes in chunks.
+    options = MeshOptions(shard_num_blocks=8, prefill_chunk_tokens=16)
     mesh = LocalMesh.start(Topology(str(tiny_model_path), num_shards=2, options=options))
     client = mesh.engine_client()
 
@@ -131,8 +133,9 @@ def test_requests_that_outgrow_the_shards_together_are_preempted_and_recomputed(
         results = asyncio.run(scenario())
         assert [error for _, _, error in results] == [""] * 4
         assert [tokens for tokens, _, _ in results] == expected
-        preemptions = [s["num_preemptions"] for s in client.stats().services.values()]
-        assert sum(preemptions) > 0
+        services = client.stats().services.values()
+        assert sum(s["num_preemptions"] for s in services) > 0
+        assert sum(s["num_prefill_chunks"] for s in services) > 0
         assert client.num_migrations == 0  # recomputed where it was, not re-run elsewhere
         assert_no_kv_held(mesh)
     finally:

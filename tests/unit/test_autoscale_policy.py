@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
+from dataclasses import replace
 
 import pytest
 
@@ -277,3 +279,100 @@ def test_no_scale_down_while_a_replica_decided_has_not_reported_yet() -> None:
     assert decide(fast, state, samples(10, 10), now=15.0).replicas == 1  # both report: down
     # It holds no scale-up: a replica whose reports never come does not freeze the count.
     assert decide(fast, ScaleState(replicas=2), samples(5000), now=0.0).wanted == 3
+
+
+# -- the trend: a scale-up sized for the load `lead_s` ahead -------------------------------------
+
+# The simulator's prompt-side knobs (loadgen/sim/autoscale_replay.py's DEFAULT_ROLES), in loads of
+# 1000 per replica.
+LEADING = ScalePolicy(target_load=1000, max_replicas=32, max_step=64, upscale_after_s=30,
+                      downscale_after_s=300, cooldown_s=60, warmup_s=30, lead_s=15,
+                      trend_s=5)  # fmt: skip
+
+
+def first_change(policy: ScalePolicy, series: list[float], start: int) -> tuple[int, int]:
+    """(the second of the first change, the count it went to) over a series of total loads read
+    once a second and spread over the replicas (the series never ends before a change)."""
+    state = ScaleState(replicas=start)
+    for now, total in enumerate(series):
+        n = state.replicas
+        state = decide(policy, state, samples(*[total / n] * n), now=float(now))
+        if state.replicas != start:
+            return now, state.replicas
+    raise AssertionError("no change")
+
+
+def look_back(series: list[float], window: int = 30) -> list[float]:
+    """Each reading's average over the `window` readings before it (Serve's look-back)."""
+    return [sum(series[max(0, i - window + 1) : i + 1]) / min(i + 1, window)
+            for i in range(len(series))]  # fmt: skip
+
+
+def test_a_step_is_met_within_seconds_in_one_scale_up_sized_for_all_of_it() -> None:
+    # 8 replicas' worth on 12 replicas, then three times that: the look-back average rises over
+    # its window. Once the load is past the target by more than the dead band (a step, not a
+    # swing), its rise projected 15 s ahead sizes the scale-up, and the hold filling with the
+    # groups the load needs brings the whole step (24 replicas' worth, at least 24) well within
+    # `upscale_after_s` of the step, in one change.
+    series = look_back([8000.0] * 300 + [24000.0] * 600)
+    at, replicas = first_change(LEADING, series, start=12)
+    assert 300 < at < 300 + 20 and replicas >= 24
+    assert series[at] < 0.85 * 24000  # ahead: the load read then is well short of the step's
+    state = ScaleState(replicas=12)
+    for now, total in enumerate(series):
+        n = state.replicas
+        state = decide(LEADING, state, samples(*[total / n] * n), now=float(now))
+    assert state.num_changes == 1
+    # Without the lead, the hold fills as fast but the diluted reading sizes it short.
+    short_at, short = first_change(replace(LEADING, lead_s=0.0), series, start=12)
+    assert short_at <= at and short < 24
+
+
+def test_a_noisy_flat_rate_does_not_flap() -> None:
+    # Two hours of a flat load, 8.5 replicas' worth on 12 with Poisson-like noise averaged over
+    # a 30 s look-back: its slope, projected, crosses the 12 replicas' target now and then, and
+    # a single such reading scales nothing (the hold fills with what the load needs now).
+    rng = random.Random(7)
+    series = look_back([8500 + rng.gauss(0, 8000) for _ in range(7200)])
+    state = ScaleState(replicas=12)
+    crossings = 0
+    for now, total in enumerate(series):
+        state = decide(LEADING, state, samples(*[total / 12] * 12), now=float(now))
+        crossings += total + max(state.slope, 0) * LEADING.lead_s > 12 * 1000
+    assert crossings > 0  # the projection alone would have scaled up
+    assert state.num_changes == 0
+
+
+def test_replicas_joining_the_sum_make_no_trend() -> None:
+    # A replica that warms up adds its load to the total at once: a rise of membership, not of
+    # load, which projected a minute ahead would ask for 3 more replicas.
+    ahead = replace_policy(upscale_after_s=0, cooldown_s=0, lead_s=60, trend_s=5)
+    state = ScaleState(replicas=3)
+    for now in range(20):
+        young = [LoadSample("r2", 500, age_s=now + 15.0)]  # warm from 15 s on
+        state = decide(ahead, state, samples(500, 500) + young, now=float(now))
+        assert state.slope == 0.0 and state.replicas == 3
+
+
+def test_a_bad_lead_or_trend_span_is_refused() -> None:
+    with pytest.raises(ValueError, match="lead_s"):
+        replace_policy(lead_s=-1)
+    with pytest.raises(ValueError, match="trend_s"):
+        replace_policy(trend_s=0)
+
+
+def test_a_larger_wish_fills_its_hold_sooner() -> None:
+    # One replica with five replicas' worth: four more are needed, so the 10 s hold is full
+    # after 2.5 s of readings; one more needed waits the whole 10 s.
+    state = ScaleState(replicas=1)
+    wide = replace_policy(max_step=8)
+    for now in (0.0, 1.0, 2.0):
+        state = decide(wide, state, samples(5000), now=now)
+    assert state.replicas == 1
+    state = decide(wide, state, samples(5000), now=3.0)
+    assert state.replicas == 6
+    state = ScaleState(replicas=1)
+    for now in (0.0, 3.0, 9.0):
+        state = decide(POLICY, state, samples(1500), now=now)
+    assert state.replicas == 1
+    assert decide(POLICY, state, samples(1500), now=10.0).replicas == 2

@@ -81,6 +81,24 @@ def test_the_policy_scales_up_through_serves_wrapper_and_keeps_its_state() -> No
     assert replicas == 2 and state[STATE_KEY]["num_changes"] == 1
 
 
+@pytest.mark.parametrize("lead_s", [0.0, 15.0])
+def test_a_rising_arrival_rate_scales_up_ahead_through_serves_wrapper(lead_s: float) -> None:
+    # The trend lives in Serve's policy state between calls: 600 then 1600 prompt tokens/s on
+    # one replica with an empty queue, a step past the target by more than the dead band, rising
+    # by 0.2 replicas' worth a second: 4.6 replicas' worth 15 s ahead, 6 replicas at the band's
+    # middle, all in this scale-up (the load now asks for 2).
+    policy = _apply_autoscaling_config(MeshAutoscalingPolicy(
+        {"prompt_tokens_per_s": 1000, "pending_prompt_tokens": 4000}, upscale_after_s=0,
+        cooldown_s=0, warmup_s=0, max_step=8, lead_s=lead_s, trend_s=5))  # fmt: skip
+    state: dict[str, Any] = {}
+    for now, rate in ((100.0, 600.0), (105.0, 1600.0)):
+        arriving = {"age_s": {"p0": 60.0}, "prompt_tokens_per_s": {"p0": rate},
+                    "pending_prompt_tokens": {"p0": 0.0}}  # fmt: skip
+        replicas, state = policy(context(arriving, replicas=1, now=now, state=state, hi=8))
+    assert state[STATE_KEY]["slope"] == pytest.approx(0.2)  # replicas' worth per second
+    assert replicas == (6 if lead_s else 2)
+
+
 def test_shard_groups_follow_serves_bounds_in_whole_groups() -> None:
     policy = MeshAutoscalingPolicy({"kv_fill": 0.5}, group_size=2, upscale_after_s=0,
                                    cooldown_s=0, warmup_s=0)  # fmt: skip

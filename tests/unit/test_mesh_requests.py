@@ -76,6 +76,23 @@ def test_an_attempt_is_lost_once_and_its_prompt_engine_only_before_the_hand_off(
     asyncio.run(run())
 
 
+def test_a_re_run_waiting_in_the_router_is_not_lost_with_its_last_attempts_engines() -> None:
+    """A re-run (here after a retryable error: no loss told) waits for room or engines; the
+    lost attempt's engines leaving the registry meanwhile is no loss of the re-run, which would
+    otherwise be re-run again as soon as it is sent."""
+
+    async def run() -> None:
+        requests = MeshRequests(None, max_migrations=2)
+        stream = admit(requests, "r1")
+        assert not stream.lost
+        requests.next_attempt("r1", [10])
+        assert requests.lose_attempts({"p0", "t0"}) == []
+        stream.lost = False  # sent (`MeshEngineClient._migrate`), on the same engines
+        assert requests.lose_attempts({"t0"}) == [("r1", "t0", "")]
+
+    asyncio.run(run())
+
+
 def membership(
     requests: MeshRequests, view: Any, scheduler: ClusterScheduler | None = None
 ) -> MeshMembership:

@@ -1,11 +1,15 @@
 """The router's migration bookkeeping (`services/router/migration.py`): which tokens were
-delivered, what a re-run prefills, which attempt a late message belongs to, and the bound."""
+delivered, what a re-run prefills, which attempt a late message belongs to, and the bound; and
+how long a stream may go silent while its request is re-run."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
+from common.mesh_options import MeshOptions
 from common.protocol import SamplingSpec
+from services.router.mesh_client import MIGRATION_BACKOFF_MAX_S, MIGRATION_WAIT_S
 from services.router.migration import MigrationBook
 
 SAMPLING = SamplingSpec(max_tokens=50, temperature=0.0)
@@ -53,3 +57,11 @@ def test_a_replay_does_not_alias_the_callers_tokens() -> None:
     replay = book.migrate("r1", output)
     output.append(3)
     assert replay is not None and replay.output_token_ids == [2]
+
+
+def test_a_stream_silent_until_its_re_run_is_placed_outlasts_the_official_clients_timeout() -> None:
+    """Nothing is sent on a stream from its last token until its re-run's first: at most the
+    progress deadline, the longest backoff and the wait for room or engines (then it ends
+    in-band). The official client's read timeout must not end it first."""
+    longest = MeshOptions().progress_timeout_s + MIGRATION_BACKOFF_MAX_S + MIGRATION_WAIT_S
+    assert openai.DEFAULT_TIMEOUT.read is not None and openai.DEFAULT_TIMEOUT.read > longest

@@ -24,13 +24,14 @@ MODEL = "tiny"
 NUM_CHATS = 8
 
 
-def chat(server: ServeRun, i: int, ignore_eos: bool) -> str:
-    """How one chat ended: its finish reason, or `refused <status>` before any chunk."""
+def chat(server: ServeRun, i: int, ignore_eos: bool, model: str = MODEL) -> str:
+    """How one chat ended: its finish reason, or `refused <status>` before any chunk (an
+    in-band error mid-stream raises)."""
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0,
                        timeout=600) as client:  # fmt: skip
         try:
             stream = client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"Tell me a story, {i}."}],
+                model=model, messages=[{"role": "user", "content": f"Tell me a story, {i}."}],
                 temperature=0, stream=True, extra_body={"ignore_eos": ignore_eos},
             )  # fmt: skip
         except openai.APIStatusError as exc:  # before the first byte of the stream
