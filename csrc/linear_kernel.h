@@ -59,6 +59,19 @@ inline VecF load_panel_vec(const int8_t* p) {
 #endif
 }
 
+// An output vector from its accumulator: times the int8 scale, plus the residual, each case one
+// expression. NOTE: why: under -ffp-contract=fast the compiler fuses y * scale + res into one FMA
+// or not per code path, and a scalar loop over the partly filled last panel came out fused in one
+// tile size and not in another (AVX2, int8 with a residual): a row's last-panel columns then
+// differed in the last bit between a call of one row and a batch. One vector expression per case,
+// and the partial panel through the same vectors, give every tile size the same operations.
+inline VecF finish(VecF y, const float* scale, const float* res, int offset) {
+  if (scale && res) return y * load(scale + offset) + load(res + offset);
+  if (scale) return y * load(scale + offset);
+  if (res) return y + load(res + offset);
+  return y;
+}
+
 template <typename W, int R>
 void linear_tile(const LinearArgs& a, int64_t row, const W* panel, int64_t col, int cols) {
   constexpr int64_t kRowBytes = kPanelWidth * sizeof(W);
@@ -78,24 +91,19 @@ void linear_tile(const LinearArgs& a, int64_t row, const W* panel, int64_t col, 
       for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += w[v] * xv;  // one FMA (-ffp-contract)
     }
   }
-  const float* scale = a.scales ? a.scales + col : nullptr;  // int8 only
+  const float* scale = a.scales ? a.scales + col : nullptr;  // int8 only: padded to the panel
   for (int r = 0; r < R; ++r) {
     float* out = a.out + (row + r) * a.out_stride + col;
     const float* res = a.residual ? a.residual + (row + r) * a.res_stride + col : nullptr;
     if (cols == kPanelWidth) {
-      for (int v = 0; v < kPanelVecs; ++v) {
-        VecF y = acc[r][v];
-        if (scale) y *= load(scale + v * kLanes);
-        if (res) y += load(res + v * kLanes);
-        store(out + v * kLanes, y);
-      }
-    } else {  // the weight's last, partly filled panel
-      float tmp[kPanelWidth];
-      __builtin_memcpy(tmp, acc[r], sizeof(tmp));
-      for (int c = 0; c < cols; ++c) {
-        const float y = scale ? tmp[c] * scale[c] : tmp[c];
-        out[c] = res ? y + res[c] : y;
-      }
+      for (int v = 0; v < kPanelVecs; ++v)
+        store(out + v * kLanes, finish(acc[r][v], scale, res, v * kLanes));
+    } else {  // the weight's last, partly filled panel: the same vector steps on padded copies
+      float res_row[kPanelWidth] = {}, tmp[kPanelWidth];
+      if (res) __builtin_memcpy(res_row, res, cols * sizeof(float));
+      for (int v = 0; v < kPanelVecs; ++v)
+        store(tmp + v * kLanes, finish(acc[r][v], scale, res ? res_row : nullptr, v * kLanes));
+      __builtin_memcpy(out, tmp, cols * sizeof(float));
     }
   }
 }
