@@ -444,5 +444,5 @@ void silu_and_mul(const float* x, float* out, int64_t rows, int64_t inter, int64
 
 }  // namespace
 
-const IsaKernels kernels = {PM_ISA_NAME,  kLanes,        attend<float>, attend<uint16_t>,
-                            silu_and_mul, linear_panels, kPanelWidth};
+const IsaKernels kernels = {PM_ISA_NAME,   kLanes,        attend<float>, attend<uint16_t>,
+                            silu_and_mul,  linear_panels, kPanelWidth,   call_tile_panels};
