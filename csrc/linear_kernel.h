@@ -19,7 +19,11 @@
 // keeps R x kPanelVecs accumulators in registers over the whole of K: each k loads the panel's
 // W weights once and broadcasts one x value per row. Tiles walk a thread's panels row chunk by row
 // chunk, so a chunk of x (64 rows) stays in L1/L2 while its panels stream by, and it prefetches
-// the panel a few KiB ahead.
+// the panel a few KiB ahead. A call of fewer rows than a full tile (decode at batch 1-3) reads
+// several panels side by side (`tile_panels`): one row in one panel is only kPanelVecs FMA chains,
+// and each k then waited on the last FMA's result whatever the weight's dtype, which held a
+// one-row call from cache to about float32's time per k in bfloat16 and int8 too (half their
+// bytes' rate; paired figures in docs/benchmarks.md, `bench/linear_ab.py`).
 //
 // At decode shapes it is faster than oneDNN through torch and MKL's F.linear per call, at prefill
 // sizes at oneDNN's rate (the inner loop is 12 broadcasts and 24 FMAs on zmm registers per k, no
