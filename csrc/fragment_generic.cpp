@@ -1,4 +1,8 @@
 // Portable kernels (4 floats per vector): SSE2 on any x86-64, NEON or scalar code elsewhere.
+#if defined(__SSE2__)
+#include <emmintrin.h>  // the int8 widening (linear_kernel.h)
+#endif
+
 #include <cstdint>
 
 #include "fragment.h"

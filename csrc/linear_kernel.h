@@ -56,6 +56,15 @@ inline VecF load_panel_vec(const int8_t* p) {
 #elif PM_LANES == 8 && defined(__AVX2__)
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+#elif PM_LANES == 4 && defined(__SSE2__)
+  // SSE2 has no sign-extending load (the generic form, lowered a byte at a time, ran at 0.4x
+  // this): each byte into the top of its 32-bit lane, then an arithmetic shift down.
+  int32_t word;
+  __builtin_memcpy(&word, p, sizeof word);
+  __m128i b = _mm_cvtsi32_si128(word);
+  b = _mm_unpacklo_epi8(b, b);
+  b = _mm_unpacklo_epi16(b, b);
+  return (VecF)_mm_cvtepi32_ps(_mm_srai_epi32(b, 24));
 #else
   VecB b;
   __builtin_memcpy(&b, p, sizeof b);
