@@ -22,7 +22,8 @@ alternating with the C read probe (`readsum`, as bench/attention.py runs it) in 
 dtype's tokens/s, the projection weights' bytes a token reads (every packed panel and scale, the
 LM head's too), their GB/s and its ratio to the probe, and tokens/s over float32's. At batch 1 a
 step reads each weight once, so tokens/s x bytes <= the read bandwidth: fewer bytes per weight
-is the only way past float32's rate. `--batches` with no sizes runs this part alone.
+is the only way past float32's rate. The rows name the kernels' pool spin they ran with
+(`kernel_pool_spin_us`, csrc/thread_pool.h). `--batches` with no sizes runs this part alone.
 
 With `--model smollm2` and llama.cpp's environment built (bench/llamacpp_env.sh), llama.cpp runs
 in every batch's repeats too (bench/llamacpp.py): SmolLM2's F32, BF16 and shipped Q4_1 GGUF files,
@@ -273,6 +274,7 @@ def weight_dtype_rows(
     """Batch-1 decode per weight dtype beside the read probe (over `probe_bytes`), alternating
     every repeat: median tok/s, bytes per token, GB/s, its share of the probe, and tok/s over
     float32's."""
+    import phasemesh_attention_kernel as kernel
     from phasemesh_attention_kernel import read_sum
 
     sides = weight_dtype_engines(path, dtypes)
@@ -291,6 +293,8 @@ def weight_dtype_rows(
         probe.append(probe_bytes / best / 1e9)
     probe_gbps = statistics.median(probe)
     rows: dict[str, Any] = {"read_probe_gbps": round(probe_gbps, 2)}
+    if hasattr(kernel, "pool_spin_us"):  # the kernels' workers spin this long between calls
+        rows["kernel_pool_spin_us"] = kernel.pool_spin_us()
     lines = [f"read probe (readsum, {threads} threads): {probe_gbps:.1f} GB/s"]
     base = statistics.median(rates["float32"]) if "float32" in rates else None
     for name, engine in sides.items():

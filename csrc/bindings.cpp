@@ -14,6 +14,7 @@
 #include "frame_copy.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
+#include "thread_pool.h"
 
 namespace nb = nanobind;
 
@@ -242,6 +243,61 @@ void linear_silu_and_mul(const RowsIn& x, const Panels& panels, const RowsOut& g
   pm::linear_silu_and_mul(a, act.data(), kernels, inter / width, num_threads);
 }
 
+// The decoder layer after attention in one call (common/model/linear.py `post_attention`):
+// o = attn @ Wo.T; sum = x + o; h = rms_norm(sum) * norm_weight; act = silu(h @ Wg.T) * (h @ Wu.T);
+// out = sum + act @ Wd.T. Each step is the function its own call runs (linear, add_rms_norm,
+// linear_silu_and_mul), in the same order, so the bits are those of the separate calls; what
+// is saved is the Python between them. Intermediates live in the calling thread's scratch.
+void post_attention(const RowsIn& x, const RowsIn& attn, const Panels& o_panels,
+                    const std::optional<Scales>& o_scales, const VectorIn& norm_weight, float eps,
+                    const Panels& gate_up_panels, const std::optional<Scales>& gate_up_scales,
+                    const Panels& down_panels, const std::optional<Scales>& down_scales,
+                    const RowsOut& out, int num_threads) {
+  const int64_t rows = x.shape(0), hidden = x.shape(1), attn_width = attn.shape(1);
+  const pm::IsaKernels& kernels = pm::best_isa();
+  const int64_t width = kernels.linear_panel_width, hidden_panels = (hidden + width - 1) / width;
+  const int64_t inter = static_cast<int64_t>(down_panels.shape(1));
+  const auto expect_panels = [width](const char* name, const Panels& p, int64_t count,
+                                     int64_t in_features) {
+    if (p.shape(0) != static_cast<size_t>(count) || p.shape(1) != static_cast<size_t>(in_features) ||
+        p.shape(2) != static_cast<size_t>(width))
+      throw std::invalid_argument(std::string("post_attention: ") + name + " panels must be [" +
+                                  std::to_string(count) + ", " + std::to_string(in_features) +
+                                  ", " + std::to_string(width) + "]");
+  };
+  if (inter % width != 0)
+    throw std::invalid_argument("post_attention: the intermediate size " +
+                                std::to_string(inter) + " is not a multiple of the panel width");
+  expect_panels("o", o_panels, hidden_panels, attn_width);
+  expect_panels("gate_up", gate_up_panels, 2 * inter / width, hidden);
+  expect_panels("down", down_panels, hidden_panels, inter);
+  expect_rows("attn", attn.shape(0), attn_width, rows, attn_width);
+  expect_rows("norm_weight", 1, norm_weight.shape(0), 1, hidden);
+  expect_rows("out", out.shape(0), out.shape(1), rows, hidden);
+  if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
+  const WeightView o = weight_view(o_panels, o_scales, 0);
+  const WeightView gu = weight_view(gate_up_panels, gate_up_scales, 0);
+  const WeightView down = weight_view(down_panels, down_scales, 0);
+  nb::gil_scoped_release no_gil;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(rows * (3 * hidden + 3 * inter)));
+  float* o_out = scratch.data();
+  float* sum = o_out + rows * hidden;
+  float* normed = sum + rows * hidden;
+  float* gate_up = normed + rows * hidden;
+  float* act = gate_up + rows * 2 * inter;
+  pm::linear({attn.data(), o.panels, o_out, nullptr, rows, attn_width, hidden, attn_width, hidden,
+              hidden, o.dtype, o.scales},
+             kernels, hidden_panels, num_threads);
+  pm::add_rms_norm(x.data(), o_out, norm_weight.data(), sum, normed, rows, hidden, eps);
+  pm::linear_silu_and_mul({normed, gu.panels, gate_up, nullptr, rows, hidden, 2 * inter, hidden,
+                           2 * inter, 0, gu.dtype, gu.scales},
+                          act, kernels, inter / width, num_threads);
+  pm::linear({act, down.panels, out.data(), sum, rows, inter, hidden, inter, hidden, hidden,
+              down.dtype, down.scales},
+             kernels, hidden_panels, num_threads);
+}
+
 using StridedKv = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu>;
 using CacheLayer = nb::ndarray<float, nb::ndim<4>, nb::device::cpu, nb::c_contig>;
 
@@ -385,6 +441,15 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         "gate_up = x @ w.T and act = silu(gate_up[:, :I]) * gate_up[:, I:] in one pass, each "
         "thread activating the columns it computed; I (act's width) a multiple of the panel "
         "width; values equal linear() then silu_and_mul().");
+  m.def("post_attention", &post_attention, nb::arg("x").noconvert(), nb::arg("attn").noconvert(),
+        nb::arg("o_panels").noconvert(), nb::arg("o_scales").noconvert().none(),
+        nb::arg("norm_weight").noconvert(), nb::arg("eps"),
+        nb::arg("gate_up_panels").noconvert(), nb::arg("gate_up_scales").noconvert().none(),
+        nb::arg("down_panels").noconvert(), nb::arg("down_scales").noconvert().none(),
+        nb::arg("out").noconvert(), nb::arg("num_threads") = 1,
+        "A decoder layer after attention: out = sum + mlp(rms_norm(sum)), sum = x + attn @ Wo.T, "
+        "on packed panels (scales for int8 ones); the bits of linear, add_rms_norm, "
+        "linear_silu_and_mul and linear called in turn.");
   m.def(
       "linear_panel_width",
       [](const std::string& isa) { return gemm_isa(isa).linear_panel_width; },
@@ -405,6 +470,17 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         nb::arg("tensors"),
         "tensors[i] (any dtype and strides, written in place) = buffer[offsets[i]:]'s bytes in "
         "C order; every frame checked to fit before anything is written.");
+  m.def(
+      "pool_spin_us",
+      [](std::optional<int64_t> us) {
+        if (us) pm::set_pool_spin_us(*us);
+        return pm::pool_spin_us();
+      },
+      nb::arg("us") = nb::none(),
+      "Microseconds the kernels' pool workers spin for the next call before they sleep (set it "
+      "with `us`, negative: 0); returns the value in force.");
+  m.def("pool_workers", &pm::pool_workers,
+        "Worker threads the kernels' pool started in this process (the caller is not counted).");
   m.def("supported_isas", &pm::supported_isas,
         "Kernel ISAs this CPU can run, best first (the first is what 'auto' prefers).");
 }

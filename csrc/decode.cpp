@@ -6,22 +6,17 @@
 // thread). A range's first and last fragments may cover only part of a segment: those write
 // unnormalized partials, and after a barrier each split segment is merged exactly with its LSE.
 //
-// NOTE: threads are OpenMP. torch ships libgomp.so.1 with the same soname, so inside a process
-// that imported torch this module shares torch's thread pool instead of adding a second one: the
-// workers torch just used pick the kernel's ranges up at once, and no third thread competes for
-// the cores. Their idle policy is the process's (OMP_WAIT_POLICY): libgomp spins by default, which
-// costs a lot when other processes oversubscribe the cores; `passive` is the setting for that.
+// NOTE: threads are the kernels' pool (thread_pool.h), the projections' too: its workers stay
+// awake across the calls of a decode step and sleep when the engine idles, and the caller never
+// waits for a sleeping or descheduled worker (ranges are claimed, not assigned).
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "paged_attention.h"
+#include "thread_pool.h"
 
 namespace pm {
 namespace {
@@ -226,14 +221,6 @@ void finish_segment(const Plan& plan, int64_t seg, int tid) {
   write_rows(plan, seg, st.acc, st.row_max, st.row_sum);
 }
 
-int thread_id() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
 }  // namespace
 
 void run_decode(const DecodeProblem& p, const IsaKernels& isa, int num_threads, Workspace& ws) {
@@ -255,19 +242,12 @@ void run_decode(const DecodeProblem& p, const IsaKernels& isa, int num_threads, 
     ws.thread_scratch.resize(threads * thread_stride);
   const Plan plan{p, isa, num_heads, G, ws.segment_units.data(), num_segments, num_ranges,
                   ws.partials.data(), partial_stride, ws.thread_scratch.data(), thread_stride};
-  if (threads == 1) {
-    for (int64_t r = 0; r < num_ranges; ++r) process_range(plan, r, 0);
-    for (int64_t seg = 0; seg < num_segments; ++seg) finish_segment(plan, seg, 0);
-    return;
-  }
-#pragma omp parallel num_threads(threads)
-  {
-    const int tid = thread_id();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t r = 0; r < num_ranges; ++r) process_range(plan, r, tid);
-#pragma omp for schedule(static) nowait  // the region's closing barrier follows anyway
-    for (int64_t seg = 0; seg < num_segments; ++seg) finish_segment(plan, seg, tid);
-  }
+  // Ranges first (claimed one at a time: a preempted thread holds up one range), then, once every
+  // range ran, the segments' merges.
+  parallel_units(num_ranges, threads,
+                 [&](int64_t r, int participant) { process_range(plan, r, participant); });
+  parallel_units(num_segments, threads,
+                 [&](int64_t seg, int participant) { finish_segment(plan, seg, participant); });
 }
 
 }  // namespace pm

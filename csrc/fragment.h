@@ -77,6 +77,9 @@ struct IsaKernels {
   SiluAndMulFn silu_and_mul;  // the MLP's activation, with this ISA's vector exp
   LinearPanelsFn linear_panels;
   int linear_panel_width;  // columns per weight panel (2 vectors)
+  // Panels a call of `rows` rows reads side by side (linear_kernel.h): a unit of the call's
+  // work holds at least that many, or its tiles would run on fewer FMA chains.
+  int (*linear_tile_panels)(int64_t rows);
 };
 
 namespace isa_generic { extern const IsaKernels kernels; }

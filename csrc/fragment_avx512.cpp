@@ -10,6 +10,7 @@
 #define PM_ACC_BUDGET 16
 #define PM_ISA_NAME "avx512"
 #define PM_LINEAR_ROWS 12  // rows per GEMM tile: rows x 2 vector accumulators in registers
+#define PM_TILE_CHAINS 8  // independent FMA chains a GEMM tile keeps (linear_kernel.h)
 
 namespace pm::isa_avx512 {
 #include "fragment_kernel.h"

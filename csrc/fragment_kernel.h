@@ -62,6 +62,9 @@ inline VecF load(const uint16_t* p) {
 #elif PM_LANES == 8 && defined(__AVX2__)
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return (VecF)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#elif PM_LANES == 4 && defined(__SSE2__)
+  const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (VecF)_mm_unpacklo_epi16(_mm_setzero_si128(), h);  // each half-word to the high half
 #else
   VecH h;
   __builtin_memcpy(&h, p, sizeof h);
@@ -444,5 +447,5 @@ void silu_and_mul(const float* x, float* out, int64_t rows, int64_t inter, int64
 
 }  // namespace
 
-const IsaKernels kernels = {PM_ISA_NAME,  kLanes,        attend<float>, attend<uint16_t>,
-                            silu_and_mul, linear_panels, kPanelWidth};
+const IsaKernels kernels = {PM_ISA_NAME,   kLanes,        attend<float>, attend<uint16_t>,
+                            silu_and_mul,  linear_panels, kPanelWidth,   call_tile_panels};

@@ -1,43 +1,38 @@
-// The projections' GEMM (linear_kernel.h) split over threads by column panels: each thread owns
-// whole panels, so a row's outputs do not depend on the split.
+// The projections' GEMM (linear_kernel.h) split over threads by column panels: a unit of work is
+// a range of whole panels, so a row's outputs do not depend on the split or on who ran a unit.
 #include <cstdint>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "layer_ops.h"
+#include "thread_pool.h"
 
 namespace pm {
 
 namespace {
 
-// work(begin, end) for ranges of [0, num_panels) split evenly over up to num_threads threads (a
-// thread owns whole panels, so a row's outputs do not depend on the split); on the calling
-// thread alone for one thread, no rows, or a build without OpenMP.
+// Units handed out per thread: enough that a thread which loses its core mid-call holds up only
+// a small share (the others take the rest), few enough that each unit reads whole panels.
+constexpr int64_t kUnitsPerThread = 8;
+
+// work(begin, end) over ranges of [0, num_panels) that cover it once, on the calling thread and
+// the kernels' pool (thread_pool.h): on the calling thread alone for one thread or no rows. A
+// range holds at least `unit_panels` panels where there are that many (the panels a tile of the
+// call's rows reads side by side: a smaller range would run its tiles on fewer FMA chains).
 template <typename Work>
-void over_panels(int64_t num_panels, int num_threads, int64_t rows, const Work& work) {
-#ifdef _OPENMP
-  const int64_t threads = num_threads < num_panels ? num_threads : num_panels;
-  if (threads > 1 && rows > 0) {
-#pragma omp parallel num_threads(static_cast<int>(threads))
-    {
-      const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-      work(num_panels * t / n, num_panels * (t + 1) / n);
-    }
-    return;
-  }
-#else
-  (void)num_threads;
-  (void)rows;
-#endif
-  work(int64_t{0}, num_panels);
+void over_panels(int64_t num_panels, int num_threads, int64_t rows, int64_t unit_panels,
+                 const Work& work) {
+  if (num_threads <= 1 || rows == 0 || num_panels <= 1) return work(int64_t{0}, num_panels);
+  const int64_t wanted = num_threads * kUnitsPerThread;
+  const int64_t most = num_panels / unit_panels > 1 ? num_panels / unit_panels : 1;
+  const int64_t units = most < wanted ? most : wanted;
+  parallel_units(units, num_threads, [&](int64_t unit, int) {
+    work(num_panels * unit / units, num_panels * (unit + 1) / units);
+  });
 }
 
 }  // namespace
 
 void linear(const LinearArgs& a, const IsaKernels& isa, int64_t num_panels, int num_threads) {
-  over_panels(num_panels, num_threads, a.rows,
+  over_panels(num_panels, num_threads, a.rows, isa.linear_tile_panels(a.rows),
               [&](int64_t begin, int64_t end) { isa.linear_panels(a, begin, end); });
 }
 
@@ -48,7 +43,8 @@ void linear_silu_and_mul(const LinearArgs& a, float* act, const IsaKernels& isa,
   const int64_t width = isa.linear_panel_width, inter = num_gate_panels * width;
   // Gate panels [begin, end), the up panels with the same columns, then their activation: the
   // activation reads only what this thread just wrote, from its own cache.
-  over_panels(num_gate_panels, num_threads, a.rows, [&](int64_t begin, int64_t end) {
+  const int64_t unit_panels = isa.linear_tile_panels(a.rows);
+  over_panels(num_gate_panels, num_threads, a.rows, unit_panels, [&](int64_t begin, int64_t end) {
     isa.linear_panels(a, begin, end);
     isa.linear_panels(a, num_gate_panels + begin, num_gate_panels + end);
     isa.silu_and_mul(a.out, act, a.rows, inter, begin * width, end * width);

@@ -19,7 +19,11 @@
 // keeps R x kPanelVecs accumulators in registers over the whole of K: each k loads the panel's
 // W weights once and broadcasts one x value per row. Tiles walk a thread's panels row chunk by row
 // chunk, so a chunk of x (64 rows) stays in L1/L2 while its panels stream by, and it prefetches
-// the panel a few KiB ahead.
+// the panel a few KiB ahead. A call of fewer rows than a full tile (decode at batch 1-3) reads
+// several panels side by side (`tile_panels`): one row in one panel is only kPanelVecs FMA chains,
+// and each k then waited on the last FMA's result whatever the weight's dtype, which held a
+// one-row call from cache to about float32's time per k in bfloat16 and int8 too (half their
+// bytes' rate; paired figures in docs/benchmarks.md, `bench/linear_ab.py`).
 //
 // At decode shapes it is faster than oneDNN through torch and MKL's F.linear per call, at prefill
 // sizes at oneDNN's rate (the inner loop is 12 broadcasts and 24 FMAs on zmm registers per k, no
@@ -52,6 +56,15 @@ inline VecF load_panel_vec(const int8_t* p) {
 #elif PM_LANES == 8 && defined(__AVX2__)
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+#elif PM_LANES == 4 && defined(__SSE2__)
+  // SSE2 has no sign-extending load (the generic form, lowered a byte at a time, ran at 0.4x
+  // this): each byte into the top of its 32-bit lane, then an arithmetic shift down.
+  int32_t word;
+  __builtin_memcpy(&word, p, sizeof word);
+  __m128i b = _mm_cvtsi32_si128(word);
+  b = _mm_unpacklo_epi8(b, b);
+  b = _mm_unpacklo_epi16(b, b);
+  return (VecF)_mm_cvtepi32_ps(_mm_srai_epi32(b, 24));
 #else
   VecB b;
   __builtin_memcpy(&b, p, sizeof b);
@@ -59,77 +72,146 @@ inline VecF load_panel_vec(const int8_t* p) {
 #endif
 }
 
-template <typename W, int R>
-void linear_tile(const LinearArgs& a, int64_t row, const W* panel, int64_t col, int cols) {
+// An output vector from its accumulator: times the int8 scale, plus the residual, each case one
+// expression. NOTE: why: under -ffp-contract=fast the compiler fuses y * scale + res into one FMA
+// or not per code path, and a scalar loop over the partly filled last panel came out fused in one
+// tile size and not in another (AVX2, int8 with a residual): a row's last-panel columns then
+// differed in the last bit between a call of one row and a batch. One vector expression per case,
+// and the partial panel through the same vectors, give every tile size the same operations.
+inline VecF finish(VecF y, const float* scale, const float* res, int offset) {
+  if (scale && res) return y * load(scale + offset) + load(res + offset);
+  if (scale) return y * load(scale + offset);
+  if (res) return y + load(res + offset);
+  return y;
+}
+
+// Panels a tile of R rows reads side by side: R x panels x kPanelVecs FMA chains, enough of them
+// (PM_TILE_CHAINS) that a chain's FMA latency does not hold the loop. One row alone has only
+// kPanelVecs chains in one panel: a one-row call then waited on each FMA's result, which left the
+// int8 and bfloat16 GEMV below the memory's rate (their weights arrive faster than the chains take
+// them). Each output is still its own FMA chain over k in order, so the bits do not depend on it.
+constexpr int kMaxTilePanels = 4;
+constexpr int tile_panels(int64_t rows) {
+  const int64_t p = PM_TILE_CHAINS / (rows * kPanelVecs);
+  return p < 1 ? 1 : p > kMaxTilePanels ? kMaxTilePanels : static_cast<int>(p);
+}
+
+// R rows x P panels (panels `panel` + i * panel_stride) of outputs, from column `col` on; the
+// last panel has `last_cols` columns (the weight's last panel may be partly filled).
+template <typename W, int R, int P>
+void linear_tile(const LinearArgs& a, int64_t row, const W* panel, int64_t col, int last_cols) {
   constexpr int64_t kRowBytes = kPanelWidth * sizeof(W);
+  // k steps per 64-byte line of a panel (int8: 2), so that each line is prefetched once.
+  constexpr int kLineSteps = kRowBytes >= 64 ? 1 : static_cast<int>(64 / kRowBytes);
   constexpr int64_t kAhead = kPrefetchBytes / kRowBytes;
-  VecF acc[R][kPanelVecs];
+  const int64_t in = a.in_features, panel_stride = in * kPanelWidth;
+  VecF acc[R][P][kPanelVecs];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = VecF{};
+    for (int p = 0; p < P; ++p)
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] = VecF{};
   const float* x = a.x + row * a.x_stride;
-  for (int64_t k = 0; k < a.in_features; ++k) {
-    for (int64_t line = 0; line < kRowBytes; line += 64)  // one prefetch per 64-byte line
-      __builtin_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead) * kPanelWidth) + line,
-                         0, 3);
-    VecF w[kPanelVecs];
-    for (int v = 0; v < kPanelVecs; ++v) w[v] = load_panel_vec(panel + k * kPanelWidth + v * kLanes);
+  const auto step = [&](int64_t k) {
+    for (int p = 0; p < P; ++p) {
+      const W* w_k = panel + p * panel_stride + k * kPanelWidth;
+      VecF w[kPanelVecs];
+      for (int v = 0; v < kPanelVecs; ++v) w[v] = load_panel_vec(w_k + v * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float xv = x[r * a.x_stride + k];
+        for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] += w[v] * xv;  // one FMA (-ffp-contract)
+      }
+    }
+  };
+  int64_t k = 0;
+  for (; k + kLineSteps <= in; k += kLineSteps) {
+    for (int p = 0; p < P; ++p) {
+      const char* ahead = reinterpret_cast<const char*>(panel + p * panel_stride +
+                                                        (k + kAhead) * kPanelWidth);
+      for (int64_t line = 0; line < kRowBytes * kLineSteps; line += 64)  // one per 64-byte line
+        __builtin_prefetch(ahead + line, 0, 3);
+    }
+    for (int s = 0; s < kLineSteps; ++s) step(k + s);
+  }
+  for (; k < in; ++k) step(k);
+  const float* scales = a.scales ? a.scales + col : nullptr;  // int8 only: padded to the panels
+  for (int p = 0; p < P; ++p) {
+    const int cols = p == P - 1 ? last_cols : kPanelWidth;
+    const int64_t c0 = p * kPanelWidth;
+    const float* scale = scales ? scales + c0 : nullptr;
     for (int r = 0; r < R; ++r) {
-      const float xv = x[r * a.x_stride + k];
-      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += w[v] * xv;  // one FMA (-ffp-contract)
+      float* out = a.out + (row + r) * a.out_stride + col + c0;
+      const float* res = a.residual ? a.residual + (row + r) * a.res_stride + col + c0 : nullptr;
+      if (cols == kPanelWidth) {
+        for (int v = 0; v < kPanelVecs; ++v)
+          store(out + v * kLanes, finish(acc[r][p][v], scale, res, v * kLanes));
+      } else {  // the weight's last, partly filled panel: the same vector steps on padded copies
+        float res_row[kPanelWidth] = {}, tmp[kPanelWidth];
+        if (res) __builtin_memcpy(res_row, res, cols * sizeof(float));
+        for (int v = 0; v < kPanelVecs; ++v)
+          store(tmp + v * kLanes, finish(acc[r][p][v], scale, res ? res_row : nullptr, v * kLanes));
+        __builtin_memcpy(out, tmp, cols * sizeof(float));
+      }
     }
   }
-  const float* scale = a.scales ? a.scales + col : nullptr;  // int8 only
-  for (int r = 0; r < R; ++r) {
-    float* out = a.out + (row + r) * a.out_stride + col;
-    const float* res = a.residual ? a.residual + (row + r) * a.res_stride + col : nullptr;
-    if (cols == kPanelWidth) {
-      for (int v = 0; v < kPanelVecs; ++v) {
-        VecF y = acc[r][v];
-        if (scale) y *= load(scale + v * kLanes);
-        if (res) y += load(res + v * kLanes);
-        store(out + v * kLanes, y);
-      }
-    } else {  // the weight's last, partly filled panel
-      float tmp[kPanelWidth];
-      __builtin_memcpy(tmp, acc[r], sizeof(tmp));
-      for (int c = 0; c < cols; ++c) {
-        const float y = scale ? tmp[c] * scale[c] : tmp[c];
-        out[c] = res ? y + res[c] : y;
-      }
-    }
+}
+
+// Columns of `count` panels from `first` (whose columns start at `col`) for R rows at `row`: tiles
+// of tile_panels(R) panels, then one of the panels left.
+template <typename W, int R, int P = tile_panels(R)>
+void linear_panel_run(const LinearArgs& a, int64_t row, const W* first, int64_t col,
+                      int64_t count) {
+  const int64_t panel_stride = a.in_features * kPanelWidth;
+  for (; count >= P; count -= P, first += P * panel_stride, col += P * kPanelWidth) {
+    const int64_t last_col = col + (P - 1) * kPanelWidth;
+    const int last_cols = static_cast<int>(
+        a.out_features - last_col < kPanelWidth ? a.out_features - last_col : kPanelWidth);
+    linear_tile<W, R, P>(a, row, first, col, last_cols);
+  }
+  if constexpr (P > 1) {
+    if (count > 0) linear_panel_run<W, R, P - 1>(a, row, first, col, count);
   }
 }
 
 // Tiles of fewer rows than the widest: the row count's tail.
 template <typename W, int R>
 void linear_tail(int rows, const LinearArgs& a, int64_t row, const W* panel, int64_t col,
-                 int cols) {
+                 int64_t count) {
   if (rows == R) {
-    linear_tile<W, R>(a, row, panel, col, cols);
+    linear_panel_run<W, R>(a, row, panel, col, count);
   } else if constexpr (R > 1) {
-    linear_tail<W, R - 1>(rows, a, row, panel, col, cols);
+    linear_tail<W, R - 1>(rows, a, row, panel, col, count);
   }
 }
 
+// Row chunk by row chunk. A chunk of PM_LINEAR_ROWS rows or more walks its panels one at a time
+// with every row tile of the chunk over each (the panel stays in cache between the tiles); a
+// chunk of fewer rows is one tile, and walks them tile_panels(rows) at a time.
 template <typename W>
 void linear_panels_of(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) {
   const W* panels = static_cast<const W*>(a.panels);
+  const int64_t panel_stride = a.in_features * kPanelWidth;
   for (int64_t chunk = 0; chunk < a.rows; chunk += kRowChunk) {
     const int64_t chunk_end = chunk + kRowChunk < a.rows ? chunk + kRowChunk : a.rows;
+    if (chunk_end - chunk < PM_LINEAR_ROWS) {
+      linear_tail<W, PM_LINEAR_ROWS - 1>(static_cast<int>(chunk_end - chunk), a, chunk,
+                                         panels + panel_begin * panel_stride,
+                                         panel_begin * kPanelWidth, panel_end - panel_begin);
+      continue;
+    }
     for (int64_t p = panel_begin; p < panel_end; ++p) {
-      const W* panel = panels + p * a.in_features * kPanelWidth;
+      const W* panel = panels + p * panel_stride;
       const int64_t col = p * kPanelWidth;
-      const int cols = static_cast<int>(
-          a.out_features - col < kPanelWidth ? a.out_features - col : kPanelWidth);
       int64_t row = chunk;
       for (; row + PM_LINEAR_ROWS <= chunk_end; row += PM_LINEAR_ROWS)
-        linear_tile<W, PM_LINEAR_ROWS>(a, row, panel, col, cols);
+        linear_panel_run<W, PM_LINEAR_ROWS, 1>(a, row, panel, col, 1);
       if (row < chunk_end)
         linear_tail<W, PM_LINEAR_ROWS - 1>(static_cast<int>(chunk_end - row), a, row, panel, col,
-                                           cols);
+                                           1);
     }
   }
 }
+
+// Panels the tiles of a call of `rows` rows read side by side (linear_panels_of).
+int call_tile_panels(int64_t rows) { return rows < PM_LINEAR_ROWS ? tile_panels(rows) : 1; }
 
 // Columns of panels [panel_begin, panel_end) for every row, on the weight's element type.
 void linear_panels(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) {

@@ -10,9 +10,9 @@ What the kernel adds over the interface in `base.py`:
 - `kv_head_start`/`kv_head_end` restrict the call to a range of KV heads: only those heads' query
   rows of `out`/`lse` are written, so head shards can fill one shared output;
 - `num_threads` (default `torch.get_num_threads()`) threads split the work by (sequence, KV head,
-  context chunk) and merge the chunks exactly by log-sum-exp. The threads are torch's own OpenMP
-  pool (the module links the same libgomp.so.1), so they follow the process's OMP_WAIT_POLICY:
-  when other processes oversubscribe the cores, `passive` avoids spinning at the barriers;
+  context chunk) and merge the chunks exactly by log-sum-exp. The threads are the extension's own
+  pool, shared with the projections' GEMM (csrc/thread_pool.h): they spin `pool_spin_us()` after a
+  call, then sleep, and a call never waits for a worker that is asleep or off its core;
 - the flash-decoding scratch lives in the backend object and is reused across calls.
 """
 

@@ -38,6 +38,11 @@ a column range of a packed weight), gets a packed copy of its own rows on first 
 `LlamaDecoderLayer.pack_halves` do it at start-up). Packing on first use keeps the memory off
 every engine that never splits. A slice's outputs equal the fused ones to 1e-5, the contract
 (the kernel's bitwise, by construction).
+
+The kernel's calls split their panels over the extension's own worker pool (csrc/thread_pool.h:
+workers awake through a step's calls, asleep when the engine idles, never waited for), and
+`post_attention` runs a decode step's O projection, residual, norm and MLP as one call: at batch
+1 a step reads each weight once, and what it pays beyond those reads is per call.
 """
 
 from __future__ import annotations
@@ -282,6 +287,57 @@ class PackedLinear(nn.Linear):
                     x, residual, self.packed, None, "add"
                 )
         return residual + self.forward(x)
+
+
+# Up to this many rows the decoder layer's post-attention half runs as one extension call (its
+# intermediates in the calling thread's scratch, which grows with the rows): decode steps, where
+# the Python between the separate calls is a share of the step; larger steps take the calls.
+POST_ATTENTION_MAX_ROWS = 64
+
+
+def post_attention(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    o_proj: PackedLinear,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up: PackedLinear,
+    down: PackedLinear,
+) -> torch.Tensor | None:
+    """x + o, then its MLP (o = `o_proj(attn)`, the MLP `down(silu(gate) * up)` of the sum's
+    RMSNorm) in one extension call with the bits of the separate ones, or None where it does not
+    apply (the caller makes the calls): the three projections on the kernel's float32-output
+    panels, x, attn and the norm float32 [T, H] / [T, in] / [H], T <= POST_ATTENTION_MAX_ROWS,
+    and a build that has the call."""
+    if (
+        o_proj.panels is None
+        or gate_up.panels is None
+        or down.panels is None
+        or not _HAS_POST_ATTENTION
+        or x.dim() != 2
+        or x.shape[0] > POST_ATTENTION_MAX_ROWS
+        or x.dtype != _F32
+        or attn.dtype != _F32
+        or norm_weight.dtype != _F32
+        or o_proj.out_dtype != _F32
+        or down.in_features % PANEL_WIDTH
+    ):
+        return None
+    out = torch.empty_like(x)
+    _EXT.post_attention(
+        to_dlpack(x.contiguous()), to_dlpack(attn.contiguous()), to_dlpack(o_proj.panels),
+        _dlpack_or_none(o_proj.scales), to_dlpack(norm_weight), eps, to_dlpack(gate_up.panels),
+        _dlpack_or_none(gate_up.scales), to_dlpack(down.panels), _dlpack_or_none(down.scales),
+        to_dlpack(out), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+_HAS_POST_ATTENTION = hasattr(_EXT, "post_attention")
+
+
+def _dlpack_or_none(t: torch.Tensor | None) -> object:
+    return None if t is None else to_dlpack(t)
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig, RopeScaling
-from common.model import layer_ops
+from common.model import layer_ops, linear
 from common.model.linear import PackedLinear
 
 
@@ -181,10 +181,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], attn_out [T, num_heads, head_dim] -> the next layer's x [T, hidden]."""
-        o = self.self_attn.o_proj.forward(attn_out.reshape(x.shape[0], -1).to(x.dtype))
-        norm = self.post_attention_layernorm
+        attn = attn_out.reshape(x.shape[0], -1).to(x.dtype)
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        o_proj = self.self_attn.o_proj
+        fused = linear.post_attention(
+            x, attn, o_proj, norm.weight, norm.eps, mlp.gate_up_proj, mlp.down_proj
+        )
+        if fused is not None:  # the same bits as the calls below, in one extension call
+            return fused
+        o = o_proj.forward(attn)
         x, h = layer_ops.add_rms_norm(x, o, norm.weight, norm.eps)  # x + o, and its norm
-        return self.mlp.forward_add(h, x)
+        return mlp.forward_add(h, x)
 
 
 def causal_attention(

@@ -10,8 +10,8 @@ last one runs as soon as the engine blocks, so a step waits on no shard queued b
 (bench/disagg.py measures both; docs/mesh.md).
 
 A token engine of several threads (`token_engine_threads`) gets as many cores: its last shard's,
-then the next ones in order. Its OpenMP threads split each GEMM evenly, so two threads held to one
-core would take turns and every parallel region would wait for the slower of them.
+then the next ones in order. Its threads split each GEMM, so two threads held to one core would
+take turns through it.
 
 Cores are handed out round-robin, so groups beyond the core count share cores. Prompt engines are
 not pinned: they are idle while decode runs and take whichever core is free when a prompt comes.

@@ -10,11 +10,13 @@ from torch.utils.dlpack import to_dlpack
 
 from common.model.linear import (
     PANEL_WIDTH,
+    POST_ATTENTION_MAX_ROWS,
     PackedLinear,
     kernel_gemm_available,
     pack_linears,
     pack_panels,
     packed_weight_bytes,
+    post_attention,
     quantize_int8,
 )
 from tests.kernel_gate import kernel_gate
@@ -89,16 +91,12 @@ def test_every_isa_and_rows_alone_bitwise(weight_dtype):
     raw = q if weight_dtype == "int8" else layer.weight.to(torch.bfloat16)
     want = x.double() @ stored.T
     for isa in supported_isas():
-        width = ext.linear_panel_width(isa)
-        panels = pack_panels(raw, width)
-        scales = None
-        if weight_dtype == "int8":
-            scales = torch.zeros(panels.shape[0] * width)
-            scales[: len(channel_scales)] = channel_scales
-            scales = to_dlpack(scales)
+        panels, scales = _isa_panels(
+            raw, channel_scales if weight_dtype == "int8" else None, ext.linear_panel_width(isa)
+        )
         out = torch.empty(19, 4 * PANEL_WIDTH)
         ext.linear(to_dlpack(x), to_dlpack(panels), to_dlpack(out), None, 0, 2, isa,
-                   scales=scales)  # fmt: skip
+                   scales=None if scales is None else to_dlpack(scales))  # fmt: skip
         assert (out.double() - want).abs().max() <= 1e-6 * 96 * (1 + want.abs().max()), isa
     batch = layer.forward(x)
     for row in (0, 11, 18):
@@ -116,6 +114,65 @@ def test_every_isa_and_rows_alone_bitwise(weight_dtype):
     act = layer.forward_silu_and_mul(x)
     gate, up = batch[:, :inter], batch[:, inter:]
     torch.testing.assert_close(act, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def _isa_panels(raw: torch.Tensor, scales: torch.Tensor | None, width: int):
+    """`raw` [out, in] packed for a panel width, and int8 scales padded to the panels' columns."""
+    panels = pack_panels(raw, width)
+    if scales is None:
+        return panels, None
+    padded = torch.zeros(panels.shape[0] * width)
+    padded[: len(scales)] = scales
+    return panels, padded
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", *LOW_DTYPES])
+def test_few_rows_over_any_panel_count_bitwise(weight_dtype):
+    """Decode's row counts (1-3) on every ISA, for 1 to 9 panels (the last partly filled) and an
+    odd input width (int8's and bfloat16's panel rows are shorter than a cache line): each row's
+    outputs (scaled, plus a residual) are the bits of the same row in a batch of 13 (a full tile
+    and a tail), on one thread or two, and agree with float64 on the stored weight."""
+    from common.attention.cpu_kernel import extension, supported_isas
+
+    ext = extension()
+    torch.manual_seed(5)
+    in_features, batch = 37, 13
+    x = torch.randn(batch, in_features)
+    for isa in supported_isas():
+        width = ext.linear_panel_width(isa)
+        for num_panels in range(1, 10):
+            out_features = num_panels * width - 3
+            weight = torch.randn(out_features, in_features)
+            if weight_dtype == "int8":
+                raw, scales = quantize_int8(weight)
+                stored = raw.double() * scales.double()[:, None]
+            else:
+                raw, scales = weight.to(_PANEL_DTYPE[weight_dtype]), None
+                stored = raw.double()
+            panels, padded = _isa_panels(raw, scales, width)
+            residual = torch.randn(batch, out_features)
+            whole = _run_linear(ext, isa, x, panels, padded, residual, 2)
+            want = residual.double() + x.double() @ stored.T
+            assert (whole.double() - want).abs().max() <= 1e-6 * in_features * (
+                1 + want.abs().max()
+            ), (isa, num_panels)
+            for start, rows in ((0, 1), (6, 2), (10, 3), (12, 1)):
+                part = slice(start, start + rows)
+                for threads in (1, 2):
+                    alone = _run_linear(ext, isa, x[part], panels, padded, residual[part], threads)
+                    assert torch.equal(alone, whole[part]), (isa, num_panels, rows)
+
+
+def _run_linear(ext, isa, x, panels, scales, residual, threads):  # type: ignore[no-untyped-def]
+    """The extension's `linear` on one ISA: x @ w.T + residual."""
+    out = torch.empty(x.shape[0], residual.shape[1])
+    ext.linear(to_dlpack(x.contiguous()), to_dlpack(panels), to_dlpack(out),
+               to_dlpack(residual.contiguous()), 0, threads, isa,
+               scales=None if scales is None else to_dlpack(scales))  # fmt: skip
+    return out
+
+
+_PANEL_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def test_refusals():
@@ -199,3 +256,29 @@ def test_a_bfloat16_model_packs_bfloat16_panels_and_keeps_its_dtype(tiny_model_p
     assert out.dtype == torch.bfloat16
     want = x.double() @ layer.weight.double().T
     torch.testing.assert_close(out.double(), want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", *LOW_DTYPES])
+def test_post_attention_in_one_call_has_the_separate_calls_bits(tiny_model_path, weight_dtype):
+    """A decode step's O projection, residual, norm and MLP as one extension call: every row
+    count up to its bound gives the bits of the calls one by one; past it, the calls run."""
+    from common.model import layer_ops
+    from common.model.loader import load_model
+
+    model = load_model(tiny_model_path, weight_dtype=weight_dtype)
+    layer = model.layers[1]
+    attn_mod, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    torch.manual_seed(1)
+    for rows in (1, 5, POST_ATTENTION_MAX_ROWS, POST_ATTENTION_MAX_ROWS + 1):
+        x = torch.randn(rows, attn_mod.o_proj.out_features)
+        attn = torch.randn(rows, attn_mod.num_heads, attn_mod.head_dim)
+        flat = attn.reshape(rows, -1)
+        total, h = layer_ops.add_rms_norm(x, attn_mod.o_proj.forward(flat), norm.weight, norm.eps)
+        separate = mlp.down_proj.forward_add(mlp.gate_up_proj.forward_silu_and_mul(h), total)
+        one_call = post_attention(
+            x, flat, attn_mod.o_proj, norm.weight, norm.eps, mlp.gate_up_proj, mlp.down_proj
+        )
+        assert (one_call is None) == (rows > POST_ATTENTION_MAX_ROWS)
+        if one_call is not None:
+            assert torch.equal(one_call, separate)
+        assert torch.equal(layer.post_attention(x, attn), separate)
