@@ -237,10 +237,11 @@ def judge(figures: dict, batches: list[int]) -> dict:
             "throughput_ratio": round(two["throughput_tok_s"] / one["throughput_tok_s"], 3),
             "p90_ratio": round(two["tbt_p90_ms"] / one["tbt_p90_ms"], 3),
         }
-    met = {
-        "overlap_ratio_b8_le_1.10": ratios["2_shards_overlap"].get("8", 9.0) <= 1.10,
-        "overlap_ratio_b32_le_1.05": ratios["2_shards_overlap"].get("32", 9.0) <= 1.05,
-        "n2_throughput_ge_1.3_at_le_p90": any(
+    overlap = ratios["2_shards_overlap"]
+    met = {  # keyed as `targets`; a batch the run did not measure has no verdict
+        "overlap_ratio_b8": overlap["8"] <= 1.10 if "8" in overlap else None,
+        "overlap_ratio_b32": overlap["32"] <= 1.05 if "32" in overlap else None,
+        "n2_throughput": any(
             g["throughput_ratio"] >= 1.3 and g["p90_ratio"] <= 1.0
             for column, g in gains.items()
             if column != ROTATION
@@ -252,7 +253,7 @@ def judge(figures: dict, batches: list[int]) -> dict:
     return {"tbt_ratio_shards_local": ratios, "n2_vs_n1_at_batch": {big: gains},
             "targets": {"overlap_ratio_b8": "<= 1.10", "overlap_ratio_b32": "<= 1.05",
                         "n2_throughput": ">= 1.3x n = 1 at <= its p90 TBT"},
-            "targets_met": met, "why_missed": why if not all(met.values()) else ""}  # fmt: skip
+            "targets_met": met, "why_missed": why if False in met.values() else ""}  # fmt: skip
 
 
 if __name__ == "__main__":
