@@ -51,7 +51,12 @@ def launched_as(command: list[str]) -> Iterator[None]:
 def run_bench(command: list[str]) -> dict[str, Any]:
     """`python COMMAND` (bench/NAME.py and its flags) as the bench's `main()` in this process;
     its last stdout line, parsed. A fresh interpreter would import torch again, and a LocalMesh
-    bench would start a fork server of its own: seconds of CPU each, most of a tiny run."""
+    bench would start a fork server of its own: seconds of CPU each, most of a tiny run.
+
+    A bench that raises, or exits (argparse's `SystemExit` on a wrong flag), fails the test with
+    its error; one that hangs is stopped by the test's timeout, and its meshes close in its own
+    `finally`. A bench that changes this process in a way `launched_as` does not put back (its
+    tracer provider, say) must run with `last_json` instead: a process of its own."""
     out = io.StringIO()
     with launched_as(command), contextlib.redirect_stdout(out):
         importlib.import_module(f"bench.{Path(command[0]).stem}").main()
