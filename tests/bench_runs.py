@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from services.launch.core_pinning import pin_this_process
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -44,7 +46,7 @@ def launched_as(command: list[str]) -> Iterator[None]:
         sys.argv, sys.path[:] = saved[0], saved[1]
         os.environ.clear()
         os.environ.update(saved[2])
-        os.sched_setaffinity(0, saved[3])
+        pin_this_process(sorted(saved[3]))  # every thread: a bench pins them all
         torch.set_num_threads(saved[4])
 
 
