@@ -49,8 +49,10 @@ SMOKE_RUNS = {
     "transport": ["bench/transport.py", "--repeats", "1", "--round-trips", "20"],
     # LocalMesh benches, the tiny model.
     "kv_transfer": "bench/kv_transfer.py --model tiny --tokens 128 --rounds 1".split(),
+    # n = 2 against n = 1 judged; overlap and the model peer's lanes are the full run's.
     "disagg": (
-        "bench/disagg.py --model tiny --batches 2 --tokens 12 --rounds 1 --skip-transport"
+        "bench/disagg.py --model tiny --batches 2 --tokens 12 --rounds 1 --skip-transport "
+        "--columns 2_shards 2_shards_2lanes"
     ).split(),
     "telemetry": "bench/telemetry.py --rounds 1 --batch 2 --tokens 16 --shards 1".split(),
     "admission_stall": (
