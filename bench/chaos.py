@@ -237,6 +237,7 @@ def one_fault(
                         started.set()
             except Exception as exc:  # noqa: BLE001 - a lost request is a figure, not a crash
                 say(f"{name}: stream {i} failed: {exc!r}")
+                started.set()  # lost before the fault: never reaches 5 tokens, not waited for
                 return None
             return tokens
 
