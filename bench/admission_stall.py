@@ -1,12 +1,14 @@
 """Admission stall: do requests already decoding slow down when a newcomer joins (Lamina §5)?
 
     python bench/admission_stall.py [--residents 4] [--newcomers 12] [--newcomer-prompt 512]
+                                    [--shards-per-group 2]
 
 For each KV transfer (`push`: prompt engines ship KV into the shards while they decode; `pull`:
 shards fetch it between decode steps, and the token engine admits the newcomer once it landed on
-every shard), on the same launched mesh shape (1 prompt engine, 2 token engines with 2 shards
-each): `--residents` requests decode on the first group for the whole run while `--newcomers`
-requests join them one at a time, each with a long prompt and a few tokens, `--quiet-s` apart.
+every shard), on the same launched mesh shape (1 prompt engine, 2 token engines with 2 shards each,
+`--shards-per-group`): `--residents` requests decode on the first group for the whole run while
+`--newcomers` requests join them one at a time, each with a long prompt and a few tokens,
+`--quiet-s` apart.
 
 A newcomer's admission window runs from its first token (prefill done, KV shipped or held) to its
 second (its first decode step on the token engine). The residents' token gaps that end inside a
@@ -68,7 +70,8 @@ TIMEOUT_S = 120.0  # the most a wait for tokens may take
 
 def run_arm(args: argparse.Namespace, kv_transfer: str) -> dict[str, float]:
     topology = Topology(
-        str(default_model_path(args.model)), num_prompt=1, num_token=2, num_shards=4,
+        str(default_model_path(args.model)), num_prompt=1, num_token=2,
+        num_shards=2 * args.shards_per_group,
         options=MeshOptions(num_blocks=2048, shard_num_blocks=2048, kv_transfer=kv_transfer),
     )  # fmt: skip
     mesh = LocalMesh.start(topology)
@@ -231,6 +234,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--newcomers", type=int, default=12)
     p.add_argument("--newcomer-prompt", type=int, default=512)
     p.add_argument("--quiet-s", type=float, default=0.3)
+    p.add_argument("--shards-per-group", type=int, default=2, help="each token engine's shards")
     p.add_argument("--rounds", type=int, default=1, help="push, pull, push, pull, ...: the "
                    "figures are medians over rounds (load on a shared machine drifts)")  # fmt: skip
     return p.parse_args()

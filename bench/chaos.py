@@ -2,8 +2,9 @@
 are SIGKILLed, side by side with the same slice and no faults, in one run.
 
     python bench/chaos.py [--seconds 60] [--kill-every 15] [--seed 0] [--token-scale 1/16]
-                          [--only faults|stops|trace] [--streams 6] [--stream-tokens 120]
-                          [--stop-stream-tokens 600] [--registry-stop-s 10] [--router-stop-s 40]
+                          [--only faults|stops|trace] [--faults NAME ...] [--streams 6]
+                          [--stream-tokens 120] [--stop-stream-tokens 600]
+                          [--registry-stop-s 10] [--router-stop-s 40]
 
 Per fault (`--only faults`): a `LocalMesh` (tiny model, one prompt engine, one token engine, a
 2-shard group), `--streams` greedy streams through the router's client, and one worker SIGKILLed
@@ -76,6 +77,7 @@ from tests.e2e.serve_process import ServeRun, registry_pid, replica_pid  # noqa:
 
 ROLES = ("PromptEngine", "TokenEngine", "AttentionShard")
 START_S = 600.0  # `serve run` start-up on a loaded machine (ServeRun's own 240 s is for the tests)
+STATS_S = 120.0  # a killed worker's replacement up (LocalMesh's own start timeout)
 NUM_SERVICES = 4  # deploy/local.yaml: a prompt engine, a token engine, two shards
 MIGRATIONS = "ray_phasemesh_request_migrations_total"
 REFUSED = "ServerError: HTTP 503"
@@ -203,10 +205,10 @@ def greedy_work(
 
 
 def fault_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each of FAULTS under `args.streams` greedy streams; their figures."""
+    """Each of FAULTS named in `args.faults` under `args.streams` greedy streams; their figures."""
     model_path, prompts, params, reference = greedy_work(args, args.stream_tokens)
     return [one_fault(model_path, name, victim, options, prompts, params, reference)
-            for name, victim, options in FAULTS]  # fmt: skip
+            for name, victim, options in FAULTS if name in args.faults]  # fmt: skip
 
 
 def one_fault(
@@ -235,6 +237,7 @@ def one_fault(
                         started.set()
             except Exception as exc:  # noqa: BLE001 - a lost request is a figure, not a crash
                 say(f"{name}: stream {i} failed: {exc!r}")
+                started.set()  # lost before the fault: never reaches 5 tokens, not waited for
                 return None
             return tokens
 
@@ -248,6 +251,11 @@ def one_fault(
         say(f"{name}: SIGKILL {victim} under {len(prompts)} streams")
         outputs = asyncio.run(run())
         num_migrations = client.num_migrations
+        # NOTE: streams short enough end before the victim's replacement is up, and a dead
+        # worker's endpoint answers no stats: wait for the supervisor to replace it first.
+        deadline = time.monotonic() + STATS_S
+        while victim in mesh.workers and time.monotonic() < deadline:
+            time.sleep(0.1)
         stats = mesh.stats()
     finally:
         client.shutdown()
@@ -420,6 +428,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token-scale", default="1/16", help="as tests/e2e/test_loadgen_replay")
     parser.add_argument("--only", choices=("faults", "stops", "trace"), help="run one part only")
+    parser.add_argument("--faults", nargs="+", default=[f[0] for f in FAULTS],
+                        choices=[f[0] for f in FAULTS], help="which faults run")  # fmt: skip
     parser.add_argument("--streams", type=int, default=6, help="per fault")
     parser.add_argument("--stream-tokens", type=int, default=120, help="per stream, per fault")
     parser.add_argument("--stop-stream-tokens", type=int, default=600,

@@ -8,7 +8,11 @@ matcher, and the mean per-token time to fill the next-token bitmask and to accep
 token, over up to 200 tokens sampled from seeded random logits under the mask (the same draws
 for every engine; a bias toward JSON punctuation keeps the walk moving through structure).
 Vocabulary 2048 is the default model's tokenizer; larger ones are byte-level BPEs trained here.
-The last line is one JSON object with every figure.
+The last line is one JSON object with every figure, `targets` and `targets_met`: the reasons
+docs/structured_outputs.md gives for llguidance, held against its own figures (a schema's matcher
+built in about the same time whatever the vocabulary; a fill per token within the mask budget
+`bench/structured.py` holds the whole mask to). A target the run cannot judge (one vocabulary
+only, llguidance not installed) is `null`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ from common.model.default import default_model_path  # noqa: E402
 from common.tokenizer import EOS  # noqa: E402
 
 MAX_TOKENS = 200
+TARGETS = {
+    # llguidance's build at the largest vocabulary over its build at the smallest, per schema.
+    "llguidance_compile_vocab_growth": 2.0,
+    # Its mean fill per token, every vocabulary and schema: bench/structured.py's mask budget.
+    "llguidance_fill_us_max": 50.0,
+}
 Engine = tuple[Callable[[dict], Any], Callable[[Any, np.ndarray], None], Callable[[Any, int], Any]]
 
 
@@ -140,6 +150,30 @@ def punctuation_bias(tok: HFTokenizer, eos: int) -> np.ndarray:
     return bias
 
 
+def targets_met(results: dict[str, Any], vocabs: list[int]) -> dict[str, bool | None]:
+    """One verdict per target from llguidance's rows (`None` where the run cannot tell); records
+    the compile growth in `results`."""
+    rows = {k: v for k, v in results.items() if k.split("/")[1] == "llguidance"}
+    fills = [row["fill_us"] for row in rows.values()]
+    growth = None
+    if len(set(vocabs)) > 1 and rows:
+        low, high = min(vocabs), max(vocabs)
+        growth = max(
+            rows[f"{high}/llguidance/schema{i}"]["compile_ms"]
+            / max(rows[f"{low}/llguidance/schema{i}"]["compile_ms"], 0.01)
+            for i in range(len(SCHEMAS))
+        )
+        results["llguidance_compile_vocab_growth"] = round(growth, 2)
+    return {
+        "llguidance_compile_vocab_growth": (
+            None if growth is None else growth <= TARGETS["llguidance_compile_vocab_growth"]
+        ),
+        "llguidance_fill_us_max": max(fills) <= TARGETS["llguidance_fill_us_max"]
+        if fills
+        else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[2048, 32768, 131072])
@@ -160,7 +194,8 @@ def main() -> None:
                 figures = walk(engine, schema, bias, eos)
                 results[f"{vocab}/{name}/schema{i}"] = figures
                 print(f"vocab {vocab:6d} {name:13s} schema {i}: {figures}", flush=True)
-    print(json.dumps(results))
+    met = targets_met(results, args.vocabs)
+    print(json.dumps(results | {"targets": TARGETS, "targets_met": met}))
 
 
 if __name__ == "__main__":

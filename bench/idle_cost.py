@@ -1,15 +1,16 @@
 """What the served runtime costs while idle, process by process and thread by thread.
 
     python bench/idle_cost.py [--paths mesh local] [--window 30] [--settle 15] [--preset tiny]
+                              [--server-pid PID]
 
 For each path, `serve run` as `make run` starts it (`mesh`: deploy/local.yaml, `local`:
-deploy/single.yaml; direct ingress), one request, `--settle` seconds for start-up work to end,
-then a `--window` of seconds with no request: every process of the server's session (Ray's GCS,
-raylet, dashboard and agents, Serve's controller and proxy, the replicas, the registry actor)
-is read from /proc before and after. Figures per process (by Ray title or command): `cores`
-(CPU seconds over the window's seconds) and `wakeups_per_s` (voluntary context switches: a
-thread that blocks and is woken; what an idle loop's timer costs even when its work is small);
-the busiest threads by name across the tree.
+deploy/single.yaml; direct ingress; or, with `--server-pid`, one running already), one request,
+`--settle` seconds for start-up work to end, then a `--window` of seconds with no request: every
+process of the server's session (Ray's GCS, raylet, dashboard and agents, Serve's controller and
+proxy, the replicas, the registry actor) is read from /proc before and after. Figures per process
+(by Ray title or command): `cores` (CPU seconds over the window's seconds) and `wakeups_per_s`
+(voluntary context switches: a thread that blocks and is woken; what an idle loop's timer costs
+even when its work is small); the busiest threads by name across the tree.
 
 CPU seconds of the server's own processes do not depend on what else the machine runs (a shared
 machine's load slows them, it does not add to them), so the figures compare across runs where
@@ -117,9 +118,16 @@ def idle_window(root: int, window_s: float) -> dict[str, Any]:
     }
 
 
-def measure(path: str, preset: str, window_s: float, settle_s: float) -> dict[str, Any]:
+def measure(
+    path: str, preset: str, window_s: float, settle_s: float, server_pid: int | None = None
+) -> dict[str, Any]:
+    """The idle window of a `serve run` of `path` started here, or of the running one whose
+    process is `server_pid` (its start-up and requests are its caller's)."""
     import asyncio
 
+    if server_pid is not None:
+        time.sleep(settle_s)
+        return idle_window(server_pid, window_s)
     with tempfile.TemporaryDirectory() as workdir:
         server = ServeRun(REPO / "deploy" / CONFIGS[path], Path(workdir), {}, preset=preset)
         try:
@@ -144,12 +152,18 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=15.0, help="seconds before the window")
     parser.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
                         help="extra environment of `serve run`")  # fmt: skip
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="a running `serve run` (of the one path in --paths)")  # fmt: skip
     args = parser.parse_args()
+    if args.server_pid is not None and len(args.paths) != 1:
+        parser.error("--server-pid measures one server: name its path alone in --paths")
+    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}").is_dir():
+        parser.error(f"--server-pid {args.server_pid}: no such process (its window would be empty)")
     extra_env = dict(item.split("=", 1) for item in args.env)
     os.environ.update(extra_env)
     results: dict[str, Any] = {"preset": args.preset, "window_s": args.window, "env": extra_env}
     for path in args.paths:
-        figures = measure(path, args.preset, args.window, args.settle)
+        figures = measure(path, args.preset, args.window, args.settle, args.server_pid)
         print(f"{path}: {figures['idle_cores']:.3f} cores, {figures['wakeups_per_s']:.0f} "
               f"wake-ups/s (box {figures['box_cores']:.2f})")  # fmt: skip
         for name, p in figures["by_process"].items():

@@ -1,6 +1,7 @@
 """The simulator against the real mesh: the same Azure slice, simulated and replayed, side by side.
 
     python bench/sim_validation.py [--time-scales 1 1/4] [--duration 120] [--url URL]
+                                   [--server-pid PID]
 
 1. Starts `serve run deploy/local.yaml` (the tiny model; a prompt engine, a token engine with a
    2-shard group, the router, Serve's HTTP proxy), unless `--url` names a running one.
@@ -22,7 +23,8 @@
 5. Prints p50/p90 TTFT and TBT of the replay and the second simulation, their ratios, and the
    first simulation. TBT is a request's mean gap after its first token (TPOT; what the simulator
    models, as Splitwise's does); the gap-by-gap ITL is printed for information. Each check passes
-   within `--tolerance` (25%). The last line is one JSON object.
+   within `--tolerance` (25%). The last line is one JSON object with `targets` (each check's
+   sim / real ratio within the tolerance of 1) and `targets_met` (over every time scale).
 """
 
 from __future__ import annotations
@@ -184,12 +186,13 @@ def measure(args: argparse.Namespace, url: str) -> tuple[Path, Path, float]:
         # engine's 8192 KV tokens (deploy/local.yaml) never does.
         load_profile_bench().main(
             ["--decode", url, "--hardware", HARDWARE, "--repeats", str(args.repeats),
-             "--prompt-sizes", "16", "64", "256", "--max-batch-tokens", "2048",
+             "--prompt-sizes", *map(str, args.prompt_sizes), "--max-batch-tokens", "2048",
+             *(["--batch-sizes", *map(str, args.batch_sizes)] if args.batch_sizes else []),
              "--out", str(profile_csv)]
         )  # fmt: skip
     host, idle_mesh = measure_host(
-        url, args.server_pid, profile_csv, slice_sizes(args, 24), meter, args.idle_s,
-        args.decode_batches,
+        url, args.server_pid, profile_csv, slice_sizes(args, args.probe_requests), meter,
+        args.idle_s, args.decode_batches,
     )  # fmt: skip
     host.save(host_json)
     print("host:", json.dumps(host.to_dict()))
@@ -242,6 +245,8 @@ def validate(args: argparse.Namespace, url: str) -> dict[str, Any]:
     for scale in args.time_scales:
         results[scale] = validate_scale(args, scale, url, measured)
         print_comparison(scale, results[scale], args.tolerance)
+    targets = {key: f"sim / real within {args.tolerance:.0%} of 1" for key in CHECKS}
+    met = {key: all(r["ok"][key] for r in results.values()) for key in CHECKS}
     return {
         "trace": Path(args.trace).name,
         "window_s": [args.start, args.start + args.duration],
@@ -251,6 +256,8 @@ def validate(args: argparse.Namespace, url: str) -> dict[str, Any]:
         "host": HostModel.load(host_json).to_dict(),
         "time_scales": results,
         "pass": all(r["pass"] for r in results.values()),
+        "targets": targets,
+        "targets_met": met,
     }
 
 
@@ -264,9 +271,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-scales", nargs="+", default=["1"], help="replay speeds")
     parser.add_argument("--tolerance", type=float, default=0.25)
     parser.add_argument("--repeats", type=int, default=2, help="profile repeats")
+    parser.add_argument("--prompt-sizes", type=int, nargs="+", default=[16, 64, 256],
+                        help="the profile's prompt sizes")  # fmt: skip
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="the profile's batch sizes (default: bench/profile.py's)")  # fmt: skip
+    parser.add_argument("--probe-requests", type=int, default=24,
+                        help="requests sent one by one to time the front end alone")  # fmt: skip
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 4, 16, 48])
     parser.add_argument("--idle-s", type=float, default=5.0, help="background measurement")
     parser.add_argument("--url", default=None, help="a running server (default: serve run)")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="with --url: its `serve run` process, where other meshes run on the "
+                        "machine (default: the only mesh on it)")  # fmt: skip
     parser.add_argument("--profile", type=Path, default=None, help="reuse this profile table")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "sim_validation")
     return parser.parse_args(argv)
@@ -275,7 +291,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    args.server_pid = None
     if args.url:
         result = validate(args, args.url)
     else:

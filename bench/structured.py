@@ -1,6 +1,7 @@
 """Structured outputs: what a JSON-schema mask costs a sampling step, beside a decode step.
 
     PYTHONPATH=. .venv/bin/python bench/structured.py [--batches 1 8 32] [--vocabs 2048 32768]
+                                                       [--steps 200] [--repeats 3]
 
 For each vocabulary size and batch, the sampling step (logits [B, vocab] -> token ids, as the
 engine's `Sampler` does it) is timed plain and with every row under a JSON schema: masks filled
@@ -112,8 +113,10 @@ def compiler_for(vocab_size: int) -> GrammarCompiler:
     return GrammarCompiler(text, tok.get_vocab_size(), eos)
 
 
-def sampling_step_ms(compiler: GrammarCompiler, batch: int) -> tuple[float, float]:
-    """Median ms, over STEPS steps, of one plain sampling step and of the mask's own work in a
+def sampling_step_ms(
+    compiler: GrammarCompiler, batch: int, steps: int = STEPS
+) -> tuple[float, float]:
+    """Median ms, over `steps` steps, of one plain sampling step and of the mask's own work in a
     masked one (fill, apply, accept: timed directly, not as a difference of two noisy steps)."""
     specs = [parse(guided_json=schema) or "" for schema in SCHEMAS]
     matchers: list[GrammarMatcher | None] = [
@@ -122,7 +125,7 @@ def sampling_step_ms(compiler: GrammarCompiler, batch: int) -> tuple[float, floa
     sampler, gen = Sampler(), torch.Generator().manual_seed(0)
     params = [SamplingParams(temperature=1.0, seed=row) for row in range(batch)]
     plain, mask = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         logits = torch.randn(batch, compiler.vocab_size, generator=gen)  # [B, vocab]
         start = time.perf_counter()
         sampler.sample(logits.clone(), params, [step] * batch)
@@ -265,15 +268,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[2048, 32768])
+    parser.add_argument("--steps", type=int, default=STEPS, help="sampling steps per case")
+    parser.add_argument("--repeats", type=int, default=3, help="engine tok/s: the best of these")
     args = parser.parse_args()
     engine = LLMEngine.from_path(default_model_path())
-    results: dict = {"threads": torch.get_num_threads(), "steps": STEPS, "vocabs": {}}
+    results: dict = {"threads": torch.get_num_threads(), "steps": args.steps, "vocabs": {}}
     decode = {b: decode_step_ms(engine, b) for b in args.batches}
     results["decode_step_ms"] = {str(b): round(ms, 3) for b, ms in decode.items()}
     engine_tok_s(engine, len(SCHEMAS), structured=True)  # compiles each schema, untimed
-    # Best of 3, plain and schema alternating: on a shared machine a single run is mostly noise.
+    # Best of `--repeats`, plain and schema alternating: on a shared machine one run is noise.
     results["engine_tok_s"] = {
-        str(b): {kind: round(max(engine_tok_s(engine, b, kind == "schema") for _ in range(3)), 1)
+        str(b): {kind: round(max(engine_tok_s(engine, b, kind == "schema")
+                                 for _ in range(args.repeats)), 1)
                  for kind in ("plain", "schema")}
         for b in args.batches
     }  # fmt: skip
@@ -282,13 +288,14 @@ def main() -> None:
     results["fifty_property"] = {}
     for vocab in args.vocabs:
         compiler = compiler_for(vocab)
-        fifty = results["fifty_property"][str(vocab)] = fifty_property_us(compiler, engine, 8)
+        fifty = fifty_property_us(compiler, engine, 8, args.steps)
+        results["fifty_property"][str(vocab)] = fifty
         print(f"vocab {vocab:6d} batch   8, 50-property schema: mask on the engine thread "
               f"{fifty['before']:.1f} us/token one by one, {fifty['after']:.1f} filled ahead "
               f"(x{fifty['ratio']:.2f})")  # fmt: skip
         rows = results["vocabs"][str(vocab)] = {}
         for b in args.batches:
-            plain, cost = sampling_step_ms(compiler, b)
+            plain, cost = sampling_step_ms(compiler, b, args.steps)
             rows[str(b)] = {
                 "sample_ms_plain": round(plain, 4),
                 "mask_ms_per_step": round(cost, 4), "mask_us_per_token": round(cost * 1e3 / b, 1),

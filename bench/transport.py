@@ -129,7 +129,9 @@ def run_pinned(cores: list[int], target: Callable[..., None], *args: Any) -> Non
 
 
 def start_server(cores: list[int], target: Callable[..., None], *args: Any) -> tuple[Any, str]:
-    ctx = mp.get_context("spawn")
+    # Forked by multiprocessing's fork server, as `LocalMesh` workers are: a fresh interpreter
+    # per server would spend seconds importing torch and ucxx before it served anything.
+    ctx = mp.get_context("forkserver")
     queue = ctx.Queue()
     proc = ctx.Process(target=run_pinned, args=(cores, target, *args, queue), daemon=True)
     proc.start()

@@ -88,7 +88,10 @@ class OfflineGroup:
         self.kv = KvShape(num_buffer_slots, num_decode_slots, max_len)
         self.result_timeout_s = result_timeout_s
         self.shm = shared_memory.SharedMemory(create=True, size=self.kv.buffer_bytes(self.config))
-        ctx = multiprocessing.get_context("spawn")
+        # Forked by multiprocessing's fork server, as `LocalMesh` workers are: where the server
+        # imported torch already (a launcher that runs a LocalMesh, or whose main module imports
+        # torch), a worker does not spend seconds importing it again before its first step.
+        ctx = multiprocessing.get_context("forkserver")
         self.results: Any = ctx.Queue()
         self.tasks: list[Any] = [ctx.Queue() for _ in range(k)]
         port = _free_port()
