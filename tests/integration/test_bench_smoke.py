@@ -86,6 +86,7 @@ ELSEWHERE = {
 }
 NO_SMOKE_RUN = {
     "attention_ab": "an A/B tool over two kernel source trees: each run compiles both (minutes)",
+    "linear_ab": "an A/B tool over two kernel source trees: each run compiles both (minutes)",
 }
 
 
