@@ -1,11 +1,11 @@
 """Telling a replica that left from a registry that briefly forgot it.
 
 The registry actor restarts (`max_restarts=-1`) with no entries; each replica re-registers at its
-next heartbeat (`HEARTBEAT_INTERVAL_S`). For that second every healthy replica is missing from
+next heartbeat (`HEARTBEAT_INTERVAL_S`). For that while every healthy replica is missing from
 `live()`, so a reader that acted on one missing read would migrate every request in flight (the
 router) or drop a healthy shard group and its model peers (a token engine's keepers). A replica
 counts as gone only once it has been missing from every read for `ABSENT_CONFIRM_S`, longer than
-a heartbeat interval. A replica that really stopped was already missing its heartbeats for
+two heartbeat intervals. A replica that really stopped was already missing its heartbeats for
 `MAX_HEARTBEAT_AGE_S` before the registry dropped it, and its direct links (UCX, ZeroMQ) fail
 sooner than that, so the wait delays no failover that matters.
 """
@@ -16,8 +16,12 @@ from collections.abc import Callable, Iterable, Sequence, Set
 
 from services.mesh.registry import HEARTBEAT_INTERVAL_S, RegistryClient, ServiceEntry
 
-# A heartbeat interval and a second's margin for the re-registering call itself.
-ABSENT_CONFIRM_S = HEARTBEAT_INTERVAL_S + 1.0
+# Two heartbeat intervals and a second: the beat due while the registry restarts may be lost
+# to the restart itself (its call fails or waits for the new actor), and the next one
+# re-registers in two calls (heartbeat, then register) to an actor that has just started. With
+# one interval's margin, a loaded machine's replicas were counted gone and their groups
+# dropped and claimed back.
+ABSENT_CONFIRM_S = 2 * HEARTBEAT_INTERVAL_S + 1.0
 
 
 class Absences:
