@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -186,12 +187,12 @@ def summarize(
     window = statistics.median(t[1] - t[0] for t in newcomers)
     rest = statistics.median(t[-1] - t[1] for t in newcomers)
     control = {kind: _control_ratio(gaps, c, window, rest) for kind, c in controls.items()}
-    ratio = statistics.median(ratios)
+    ratio = _median(ratios)
     return {
-        "admission_gap_ms": round(1e3 * statistics.median(means), 3),
-        "admission_max_gap_ms": round(1e3 * statistics.median(maxes), 3),
-        "no_admission_gap_ms": round(1e3 * statistics.median(after), 3),
-        "quiet_gap_ms": round(1e3 * statistics.median(quiet), 3),
+        "admission_gap_ms": round(1e3 * _median(means), 3),
+        "admission_max_gap_ms": round(1e3 * _median(maxes), 3),
+        "no_admission_gap_ms": round(1e3 * _median(after), 3),
+        "quiet_gap_ms": round(1e3 * _median(quiet), 3),
         "ratio": round(ratio, 4),
         "elsewhere_ratio": round(control["elsewhere"], 4),
         "prefill_only_ratio": round(control["prefill_only"], 4),
@@ -211,7 +212,13 @@ def _control_ratio(gaps: list[Span], controls: list[list[float]], window: float,
         later = _gaps_ending(gaps, first + window, first + window + rest)
         if inside and later:
             ratios.append(statistics.mean(inside) / statistics.mean(later))
-    return statistics.median(ratios)
+    return _median(ratios)
+
+
+def _median(values: list[float]) -> float:
+    """The median, NaN for no values (a short run whose windows saw no gap on both sides: its
+    figures say so and its targets are not met, rather than the bench failing)."""
+    return statistics.median(values) if values else math.nan
 
 
 def _gaps_ending(gaps: list[Span], start: float, end: float) -> list[float]:
