@@ -191,11 +191,9 @@ def machine_pool(peak: ClusterSpec, max_machines: int) -> dict[Role, int]:
             Role.TOKEN: peak.num_token + spare - extra_prompt}  # fmt: skip
 
 
-def run_seed(args: argparse.Namespace, rows: list[TraceRow], step: LoadStep,
-             seed: int) -> dict[str, Any]:  # fmt: skip
-    """One seed's fixed and autoscaled runs: its figures, with `targets_met`."""
-    started = time.perf_counter()
-    sim = sim_options(args)
+def fixed_sizes(args: argparse.Namespace, rows: list[TraceRow], step: LoadStep, seed: int,
+                sim: SimOptions) -> tuple[ClusterSpec, ClusterSpec]:  # fmt: skip
+    """The smallest fixed sizes that hold the SLOs at the step's peak and at the base rate."""
     peak = smallest_fixed(rows, args.rate * step.factor, args.max_machines, args.probe_s, seed,
                           sim)  # fmt: skip
     base = smallest_fixed(rows, args.rate, args.max_machines, args.probe_s, seed, sim)
@@ -203,7 +201,15 @@ def run_seed(args: argparse.Namespace, rows: list[TraceRow], step: LoadStep,
         raise SystemExit(f"no fixed size of <= {args.max_machines} machines holds the SLOs")
     print(f"seed {seed}: fixed size for the peak ({args.rate * step.factor:g} RPS): {peak.label}; "
           f"for the base ({args.rate:g} RPS): {base.label}")  # fmt: skip
+    return peak, base
 
+
+def run_seed(args: argparse.Namespace, rows: list[TraceRow], step: LoadStep,
+             seed: int) -> dict[str, Any]:  # fmt: skip
+    """One seed's fixed and autoscaled runs: its figures, with `targets_met`."""
+    started = time.perf_counter()
+    sim = sim_options(args)
+    peak, base = fixed_sizes(args, rows, step, seed, sim)
     requests = workload(rows, args.rate, args.duration, step, seed)
     fixed_result = simulate(peak, requests, sim)
     fixed_s = fixed_replica_seconds(peak, args.duration)
