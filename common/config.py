@@ -20,6 +20,12 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
+def cache_root() -> Path:
+    """PhaseMesh's node-local cache (models, weight caches, downloads): PHASEMESH_CACHE, else
+    ~/.cache/phasemesh."""
+    return Path(env("CACHE") or Path.home() / ".cache" / "phasemesh")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency-dependent RoPE scaling (`rope_type: llama3`)."""

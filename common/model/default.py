@@ -30,7 +30,7 @@ import structlog
 import torch
 from safetensors.torch import save_file
 
-from common.config import env
+from common.config import cache_root, env
 from common.model.gguf_convert import DTYPES, convert_gguf
 from common.model.packaged import SMOLLM2, PackagedGGUF
 from common.tokenizer import BOS, EOS, EOT, LLAMA3_CHAT_TEMPLATE, build_byte_level_bpe
@@ -51,10 +51,6 @@ REAL_MODELS: dict[str, PackagedGGUF] = {"smollm2": SMOLLM2}
 PRESETS = (*RANDOM_PRESETS, *REAL_MODELS)  # every name `default_model_path` takes
 DEFAULT_PRESETS = ("tiny", "smollm2")  # what `make model` prepares: the tests' and `make run`'s
 FORMAT_VERSION = 1  # bump when the written folder changes, so caches are rebuilt
-
-
-def cache_root() -> Path:
-    return Path(env("CACHE") or Path.home() / ".cache" / "phasemesh")
 
 
 def hf_config(preset: dict[str, Any], seed: int) -> dict[str, Any]:

@@ -152,10 +152,7 @@ class PackedLinear(nn.Linear):
             raise ValueError(f"unknown backend {backend!r}: auto, kernel or onednn")
         if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"unknown weight dtype {weight_dtype!r}: {', '.join(WEIGHT_DTYPES)}")
-        weight = self.weight.detach()
-        self.dense, self.rows_hint, self.packed_rows = weight, rows_hint, {}
-        self.panels = self.scales = self.packed = None
-        self.out_dtype = weight.dtype
+        weight = self._unpacked(rows_hint)
         if self.bias is not None or weight.dtype not in _ONEDNN_DTYPES:
             return
         if weight_dtype is None:
@@ -171,6 +168,23 @@ class PackedLinear(nn.Linear):
         elif backend != "kernel" and onednn_available() and weight_dtype != "int8":
             packed_weight = weight.to(_PANEL_DTYPES[weight_dtype])
             self.packed = torch.ops.mkldnn._reorder_linear_weight(packed_weight, rows_hint)
+
+    def _unpacked(self, rows_hint: int) -> torch.Tensor:
+        """No packed copy yet, the weight as it is now; returns that weight."""
+        weight = self.weight.detach()
+        self.dense, self.rows_hint, self.packed_rows = weight, rows_hint, {}
+        self.panels = self.scales = self.packed = None
+        self.out_dtype = weight.dtype
+        return weight
+
+    def adopt_panels(
+        self, weight_dtype: str, panels: torch.Tensor, scales: torch.Tensor | None
+    ) -> None:
+        """Take the kernel panels (and int8 scales) that `pack(weight_dtype=...)` made of this
+        very weight before, instead of packing again: a weight cache's (weight_cache.py). The
+        caller vouches that they are that weight's; the binding checks their shapes."""
+        self._unpacked(PackedLinear.rows_hint)
+        self.weight_dtype, self.panels, self.scales = weight_dtype, panels, scales
 
     def _make_panels(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Panels of `weight` [out, in] (all of it or a row slice) in the packed dtype, and the

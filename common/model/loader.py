@@ -24,6 +24,8 @@ from safetensors import safe_open
 from common.config import ModelConfig, env
 from common.model.linear import PackedLinear, pack_linears
 from common.model.llama import LlamaForCausalLM
+from common.model.weight_cache import cache_key as weight_cache_key
+from common.model.weight_cache import load_or_build
 
 log = structlog.get_logger(__name__)
 
@@ -142,16 +144,30 @@ def load_model(
     dtype: str | None = None,
     weight_dtype: str | None = None,
     device: torch.device | None = None,
+    weight_cache: Path | None = None,
 ) -> LlamaForCausalLM:
     """Build a `LlamaForCausalLM` from a Hugging Face folder, ready for inference. `dtype`: the
     model's (activations' and stored weights'); `weight_dtype`: the projections' packed copy's
     (None: PHASEMESH_WEIGHT_DTYPE, else the model's). `device`: where it computes (None: the
     CPU); on a GPU, bfloat16 unless `dtype` says otherwise, and plain `F.linear` (no packing:
-    the packed copies are the CPU GEMM's)."""
+    the packed copies are the CPU GEMM's). `weight_cache`: a directory of load-ready weights on
+    the CPU (`weight_cache.py`: the first load writes them, later ones map them; the same bytes
+    either way); None: none."""
     folder = Path(folder)
     if device is not None and device.type != "cpu":
         return load_for_device(folder, dtype, device)
     weight_dtype = weight_dtype or env("WEIGHT_DTYPE") or None
+    if weight_cache is None:
+        return build_model(folder, dtype, weight_dtype)
+    config = ModelConfig.from_folder(folder, dtype)
+    key = weight_cache_key(folder, config, weight_dtype, env("PACKED_WEIGHTS", "1") != "0")
+    return load_or_build(
+        weight_cache, folder, key, lambda: build_model(folder, dtype, weight_dtype)
+    )
+
+
+def build_model(folder: Path, dtype: str | None, weight_dtype: str | None) -> LlamaForCausalLM:
+    """`load_model` on the CPU from the checkpoint itself: read, fuse, lay out, pack."""
     config = ModelConfig.from_folder(folder, dtype)
     state = fuse_projections(load_hf_state(folder, config), config.num_hidden_layers)
     with torch.device("meta"):
