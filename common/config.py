@@ -183,3 +183,5 @@ class EngineConfig:
     dtype: str | None = None  # None: the checkpoint's own dtype
     attention_backend: str = "auto"  # auto | cpu_kernel | torch | device_paged
     device: str = "auto"  # auto | cpu | cuda[:N] (common/device.py)
+    # A directory of load-ready weights (common/model/weight_cache.py); None: none.
+    weight_cache: str | None = None

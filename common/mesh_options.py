@@ -107,6 +107,10 @@ class MeshOptions(_Options, frozen=True):
     # and OMP_NUM_THREADS to match (its runtime_env, as deploy/local.yaml; docs/mesh.md).
     token_engine_threads: Positive | None = None
     enable_prefix_caching: bool = True  # prompt and mixed engines; docs/prefix_caching.md
+    # A CPU engine's load-ready weights, written once per node and mapped by every later replica
+    # (common/model/weight_cache.py): `auto` (<PHASEMESH_CACHE>/weights), an absolute
+    # directory (e.g. under /dev/shm), or `off` (each replica converts and packs its own).
+    weight_cache: Annotated[str, msgspec.Meta(pattern=r"^(auto|off|/.*)$")] = "auto"
 
     # -- Splitwise: KV from prompt to token engines --
     layer_wise_min_tokens: Positive = 256  # prompts this long ship KV layer by layer (§IV-C)

@@ -43,7 +43,9 @@ class LLMEngine:
         the CPU runs the same padded steps eagerly, for tests)."""
         self.config = config
         self.device = resolve_device(config.device)  # decided once: nothing per step asks again
-        self.model = load_model(config.model_path, config.dtype, device=self.device)
+        cache = None if config.weight_cache is None else Path(config.weight_cache)
+        self.model = load_model(config.model_path, config.dtype, device=self.device,
+                                weight_cache=cache)  # fmt: skip
         self.model_config: ModelConfig = self.model.config
         folder = Path(config.model_path)
         self.tokenizer = Tokenizer(folder) if with_tokenizer else None

@@ -196,7 +196,7 @@ def write(path: Path, model: LlamaForCausalLM, key: dict) -> None:
     entries, blobs, offset = [], [], 0
     for name, tensor in _tensors(model):
         dense, transposed = _dense(tensor.detach())
-        data = dense.reshape(-1).view(torch.uint8).numpy()
+        data = dense.reshape(-1).view(torch.uint8).numpy().data  # a memoryview of its bytes
         entries.append(_Entry(name, str(dense.dtype).removeprefix("torch."), list(dense.shape),
                               transposed, offset, data.nbytes))  # fmt: skip
         blobs.append((offset, data))
@@ -251,7 +251,7 @@ def read(path: Path, key: dict, config: ModelConfig) -> LlamaForCausalLM:
     if size != start + data_len:
         raise CacheMismatch(f"{size} bytes, its header says {start + data_len}: truncated")
     data = mapped[start:]
-    if zlib.crc32(raw[start:]) != data_crc:
+    if zlib.crc32(raw[start:].data) != data_crc:
         raise CacheMismatch("data corrupt (CRC-32)")
     tensors = {e["name"]: _view(data, _Entry(**e)) for e in header["entries"]}
     return _build(config, tensors, header["panels_dtype"])

@@ -21,6 +21,7 @@ import structlog
 
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
+from common.model.weight_cache import cache_dir
 from common.protocol import PeerLinkMessage, SliceRequest, SliceResult
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel, refuse
 from common.transport.ucx_listener import UcxListener
@@ -36,7 +37,9 @@ class ModelPeerWorker:
     def __init__(self, cfg: WorkerConfig, model: LlamaForCausalLM | None = None) -> None:
         """`model`: already loaded (tests share one); default: loaded from `cfg.model_path`."""
         self.cfg = cfg
-        self.peer = ModelPeer(model if model is not None else load_model(cfg.model_path))
+        if model is None:
+            model = load_model(cfg.model_path, weight_cache=cache_dir(cfg.options.weight_cache))
+        self.peer = ModelPeer(model)
         self.listener = UcxListener(PeerLinkMessage, cfg.host, bytes.fromhex(cfg.mesh_key))
         self.running = True
         self.last_pass = time.monotonic()

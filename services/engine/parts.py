@@ -25,6 +25,7 @@ from common.kv_cache import KVCache
 from common.kv_ingress import KvIngress
 from common.mesh_options import MeshOptions
 from common.model.loader import load_model
+from common.model.weight_cache import cache_dir
 from common.protocol import ShardAddress
 from common.roles import Role
 from common.sampling import Sampler
@@ -87,7 +88,7 @@ def build_engine_parts(
     if device.type != "cpu" and o.model_peers:
         # NOTE: their slices move tensors as host memory (not staged yet).
         raise ValueError(f"model_peers run beside CPU engines only, not {device}")
-    model = load_model(model_path, None, device=device)
+    model = load_model(model_path, None, device=device, weight_cache=cache_dir(o.weight_cache))
     mc = model.config
     num_blocks = o.blocks_of(role)
     blocks = BlockManager(num_blocks, o.block_size, o.enable_prefix_caching, Path(model_path).name)
