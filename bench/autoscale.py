@@ -9,7 +9,9 @@ SLOs): the Azure conversation trace's sizes at a Poisson base rate, tripled for 
    its size at time 0.
 2. Both replay the whole slice: the fixed size all the time, and the autoscaled cluster (each
    deployment sized by the live mesh's decision, `loadgen/sim/autoscale_replay.py`, its pool the
-   `--max-machines` shared in the fixed size's ratio, machines starting after `--startup-s`),
+   `--max-machines` shared in the fixed size's ratio, machines starting as `StartupModel` says:
+   a process start, then the weights from host memory where the node holds a load-ready copy,
+   `--host-copy`; or after a flat `--startup-s`, as runs before the model did),
    which starts at the size it settles at on the base load (`--settle-s` of base load first,
    from the base's fixed size).
 
@@ -37,12 +39,14 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from common.roles import Role
 from loadgen.sim.autoscale_replay import (
+    HOST_COPIES,
     LoadStep,
+    StartupModel,
     default_options,
     fixed_replica_seconds,
     parse_step,
@@ -111,13 +115,13 @@ def smallest_fixed(rows: list[TraceRow], rate: float, max_machines: int, probe_s
 
 
 def settled(rows: list[TraceRow], rate: float, pool: dict[Role, int], start: ClusterSpec,
-            settle_s: float, startup_s: float, seed: int,
+            settle_s: float, startup_s: float | None, startup: StartupModel, seed: int,
             sim: SimOptions | None = None) -> dict[Role, int]:  # fmt: skip
     """Where the autoscaler settles at the base rate, started from `start`: the autoscaled
     cluster's size at time 0 (so that its events are the step's, not its own settling)."""
     initial = {Role.PROMPT: min(start.num_prompt, pool[Role.PROMPT]),
                Role.TOKEN: min(start.num_token, pool[Role.TOKEN])}  # fmt: skip
-    options = default_options(DESIGN, pool, initial=initial, startup_s=startup_s)
+    options = default_options(DESIGN, pool, initial=initial, startup_s=startup_s, startup=startup)
     result = simulate_autoscaled(DESIGN, poisson(rows, rate, settle_s, seed + 1), options,
                                  settle_s, sim)  # fmt: skip
     last = result.timeline[-1][1]
@@ -140,7 +144,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step", default="3x@1200s+600s")
     parser.add_argument("--settle-s", type=float, default=900.0, help="at base, before the run")
     parser.add_argument("--max-machines", type=int, default=40)
-    parser.add_argument("--startup-s", type=float, default=60.0)
+    parser.add_argument(
+        "--startup-s", type=float, default=None,
+        help="a flat start-up in place of the model (earlier runs: 60)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-copy", choices=HOST_COPIES, default="every_node",
+        help="which nodes hold the weights' load-ready copy (StartupModel)",
+    )  # fmt: skip
     parser.add_argument("--probe-s", type=float, default=120.0, help="simulated s per probe")
     parser.add_argument(
         "--lend-bounds",
@@ -217,8 +228,11 @@ def run_seed(args: argparse.Namespace, rows: list[TraceRow], step: LoadStep,
     fixed_step = attainment(fixed_result, step.start_s, step.end_s)
 
     pool = machine_pool(peak, args.max_machines)
-    initial = settled(rows, args.rate, pool, base, args.settle_s, args.startup_s, seed, sim)
-    options = default_options(DESIGN, pool, initial=initial, startup_s=args.startup_s)
+    startup = StartupModel(host_copy=args.host_copy)
+    initial = settled(rows, args.rate, pool, base, args.settle_s, args.startup_s, startup, seed,
+                      sim)  # fmt: skip
+    options = default_options(DESIGN, pool, initial=initial, startup_s=args.startup_s,
+                              startup=startup)  # fmt: skip
     scaled = simulate_autoscaled(DESIGN, requests, options, args.duration, sim)
     auto = summary(scaled, args.duration, [step])
     auto_att = attainment(scaled.sim)
@@ -260,6 +274,21 @@ def run_seed(args: argparse.Namespace, rows: list[TraceRow], step: LoadStep,
     }
 
 
+def startup_figures(args: argparse.Namespace) -> dict[str, Any]:
+    """The start-up the autoscaled cluster's machines take: the flat `--startup-s`, or the model's
+    parameters and its seconds from host memory and from storage."""
+    if args.startup_s is not None:
+        return {"flat_s": args.startup_s}
+    model = StartupModel(host_copy=args.host_copy)
+    weight_bytes = DESIGN.model.weight_bytes
+    return {
+        **asdict(model),
+        "weight_bytes": weight_bytes,
+        "from_host_s": round(model.start_s(weight_bytes, from_host=True), 2),
+        "from_storage_s": round(model.start_s(weight_bytes, from_host=False), 2),
+    }
+
+
 def verdicts(auto: dict[str, Any], auto_att: dict[str, Any], fixed_att: dict[str, Any],
              ratio: float) -> dict[str, bool]:  # fmt: skip
     """One seed's `targets_met`: the autoscaled run against the fixed size's."""
@@ -286,6 +315,7 @@ def main() -> None:
         "step": args.step,
         "max_machines": args.max_machines,
         "startup_s": args.startup_s,
+        "startup": startup_figures(args),
         "lend_bounds": args.lend_bounds,
         "seeds": runs,
         "live": {"skipped": LIVE_SKIPPED},

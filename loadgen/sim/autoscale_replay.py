@@ -30,7 +30,7 @@ import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from common.roles import Role
 from common.scheduling.autoscale import ScalePolicy, ScaleState, decide
@@ -142,8 +142,9 @@ class RoleScaling:
 # `SimOptions.thresholds`: the rest goes to the mixed pool), so its target sits below it. The
 # averages of a steady load still swing (Poisson arrivals, long-tailed prompts), so a
 # scale-down needs the load to fit under the target with room (`scale_down_fill`) for minutes.
-# `cooldown_s` covers a machine's start-up (`AutoscaleOptions.startup_s`'s default): the
-# decision after a scale-up finds the new machines reporting, young, and adds none meanwhile.
+# `cooldown_s` covers a machine's start-up from host memory (`StartupModel`) and the flat minute
+# earlier runs assumed: the decision after a scale-up finds the new machines reporting, young,
+# and adds none meanwhile.
 # The prompt side sizes a step (a load past the target by more than the dead band) for its load
 # `lead_s` ahead, its rise over `trend_s` projected: half the look-back, which the look-back
 # average lags a rising load by, so the first readings of a step, still mostly the load before
@@ -168,18 +169,66 @@ DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
 }  # fmt: skip
 
 
+HostCopy = Literal["every_node", "after_first_start", "none"]
+HOST_COPIES: tuple[str, ...] = ("every_node", "after_first_start", "none")
+
+
+@dataclass(frozen=True)
+class StartupModel:
+    """A machine's start-up, from provisioning to taking work: `process_s` (the engine process,
+    its accelerator context, KV allocation, registration), then the model's weights
+    (`Design.model.weight_bytes`) at a load bandwidth: `host_gbps` where the node holds a
+    load-ready copy in host memory (the live mesh's weight cache, common/model/weight_cache.py:
+    a file in the page cache, mapped), else `storage_gbps` (reading and converting the
+    checkpoint). `host_copy`: which nodes hold one: `every_node` (prepared when the node joined:
+    `python -m common.model.weight_cache`), `after_first_start` (a node's first replica writes
+    it, later ones map it), `none`.
+
+    Defaults, for the Splitwise designs (Llama2-70B in fp16 on a DGX, docs/autoscaling.md):
+    storage at the 84 s ServerlessLLM cites for existing loaders on that model (Fu et al.,
+    OSDI '24, its introduction), host memory at one PCIe Gen5 x16 link's 64 GB/s (eight GPUs
+    load their tensor shards over eight such links: the sum is higher), and a process start
+    within the 20 s Anyscale reported for a 70B replica's whole start streaming from S3
+    (weights included)."""
+
+    process_s: float = 8.0
+    host_gbps: float = 64.0
+    storage_gbps: float = 140 / 84
+    host_copy: HostCopy = "every_node"
+
+    def __post_init__(self) -> None:
+        if self.process_s < 0 or self.host_gbps <= 0 or self.storage_gbps <= 0:
+            raise ValueError("startup: need process_s >= 0, host_gbps > 0, storage_gbps > 0")
+        if self.host_copy not in HOST_COPIES:
+            raise ValueError(f"startup: host_copy {self.host_copy!r} is not one of {HOST_COPIES}")
+
+    def seconds(self, weight_bytes: float, started_before: bool) -> float:
+        """A start of a node that ran a replica before (`started_before`) or not."""
+        cached = self.host_copy == "every_node" or (
+            self.host_copy == "after_first_start" and started_before
+        )
+        return self.start_s(weight_bytes, from_host=cached)
+
+    def start_s(self, weight_bytes: float, from_host: bool) -> float:
+        """The process start and `weight_bytes` from host memory or from storage."""
+        gbps = self.host_gbps if from_host else self.storage_gbps
+        return self.process_s + weight_bytes / 1e9 / gbps
+
+
 @dataclass(frozen=True)
 class AutoscaleOptions:
     """How the simulated cluster autoscales. `roles`: each deployment's scaling (a split design
     has PROMPT and TOKEN, a baseline MIXED); `initial`: machines running at time 0 (default
-    `min_replicas`); `startup_s`: from provisioning to taking work (loading weights);
-    `interval_s`: how often replicas report and the decision runs; `look_back_s`: the window
-    each signal is averaged over (Serve's `look_back_period_s`); `shards_per_group`: attention
-    shards per token machine (replica-seconds of the shard deployment; 0: none)."""
+    `min_replicas`); `startup`: from provisioning to taking work (`StartupModel`), or
+    `startup_s`, a flat figure in its place (None: the model; earlier runs' 60 s reproduce with
+    it); `interval_s`: how often replicas report and the decision runs; `look_back_s`: the
+    window each signal is averaged over (Serve's `look_back_period_s`); `shards_per_group`:
+    attention shards per token machine (replica-seconds of the shard deployment; 0: none)."""
 
     roles: Mapping[Role, RoleScaling]
     initial: Mapping[Role, int] = field(default_factory=dict)
-    startup_s: float = 60.0
+    startup: StartupModel = field(default_factory=StartupModel)
+    startup_s: float | None = None
     interval_s: float = 1.0
     # Serve's default: a step's first decision comes `upscale_after_s` (no shorter) into it, and
     # reads the step's load alone; a long window smooths a long-tailed trace's swings.
@@ -187,7 +236,7 @@ class AutoscaleOptions:
     shards_per_group: int = 0
 
     def __post_init__(self) -> None:
-        if self.startup_s < 0 or self.interval_s <= 0 or self.look_back_s < 0:
+        if (self.startup_s or 0) < 0 or self.interval_s <= 0 or self.look_back_s < 0:
             raise ValueError("autoscale: need startup_s >= 0, interval_s > 0, look_back_s >= 0")
         if self.shards_per_group < 0:
             raise ValueError("autoscale: shards_per_group must not be negative")
@@ -201,6 +250,12 @@ class AutoscaleOptions:
     def initial_count(self, role: Role) -> int:
         return self.initial.get(role, self.roles[role].policy.min_replicas)
 
+    def startup_seconds(self, weight_bytes: float, started_before: bool) -> float:
+        """A machine's start-up: `startup_s` where set, else the `startup` model's."""
+        if self.startup_s is not None:
+            return self.startup_s
+        return self.startup.seconds(weight_bytes, started_before)
+
 
 def roles_of(design: Design) -> tuple[Role, ...]:
     """The deployments an autoscaled cluster of `design` has."""
@@ -212,6 +267,8 @@ def default_options(
 ) -> AutoscaleOptions:
     """`DEFAULT_ROLES`'s targets with `max_replicas` per deployment; `overrides`: any of
     `AutoscaleOptions`' fields, or a role's name (`prompt=`) with knobs for its policy."""
+    if isinstance(overrides.get("startup"), Mapping):  # a YAML file's `startup:` section
+        overrides["startup"] = StartupModel(**overrides["startup"])
     roles = {}
     for role in roles_of(design):
         kwargs = {**DEFAULT_ROLES[role], "max_replicas": max_replicas[role]}
@@ -302,6 +359,8 @@ class AutoscaledCluster:
         if set(options.roles) != set(roles):
             raise ValueError(f"{design.name}: autoscale needs exactly the roles {roles}")
         self.options = options
+        self.weight_bytes = design.model.weight_bytes
+        self._started: set[int] = set()  # machines that ran a replica (their node's copy)
         size = {role: options.roles[role].policy.max_replicas for role in roles}
         pool = (
             ClusterSpec(design, size[Role.PROMPT], size[Role.TOKEN])
@@ -336,7 +395,12 @@ class AutoscaledCluster:
         stopped = self._stopped[role]
         if stopped:
             machine_id = stopped.pop(0)
-            start = now + self.options.startup_s if active_s is None else active_s
+            if active_s is None:
+                before = machine_id in self._started
+                start = now + self.options.startup_seconds(self.weight_bytes, before)
+            else:
+                start = active_s
+            self._started.add(machine_id)
             life = ReplicaLife(machine_id, role, now, start)
             self.lives.append(life)
             self._life[machine_id] = life
