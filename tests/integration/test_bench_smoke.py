@@ -62,6 +62,8 @@ SMOKE_RUNS = {
     "prefix": (
         "bench/prefix.py --conversations 2 --span-s 1 --max-tokens 2 --num-blocks 256"
     ).split(),
+    # Three fresh interpreters (a start without the cache, the cold one, a warm one).
+    "replica_startup": "bench/replica_startup.py --models tiny --repeats 1 --num-blocks 64".split(),
     # The cheapest fault on its own (--only stops and the trace need `serve run`: minutes).
     "chaos": (
         "bench/chaos.py --only faults --faults prompt_engine_kill --streams 2 --stream-tokens 16"
