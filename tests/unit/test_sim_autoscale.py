@@ -4,7 +4,9 @@ on a trace with a load step; machines start after a delay and drain without drop
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +16,7 @@ from loadgen.sim.autoscale_replay import (
     AutoscaleResult,
     LoadStep,
     RoleScaling,
+    StartupModel,
     default_options,
     parse_step,
     simulate_autoscaled,
@@ -39,13 +42,13 @@ FAST = {
 }
 
 
-def run(seed: int = 0) -> AutoscaleResult:
+def run(seed: int = 0, **overrides: Any) -> AutoscaleResult:
     rows = read_trace(TRACE)[:3000]
     base = poisson(rows, 8.0, DURATION + STEP.duration_s * 2, seed)
     requests = [r for r in stepped(base, [STEP]) if r.arrival_s < DURATION]
     options = default_options(
         HH, {Role.PROMPT: 12, Role.TOKEN: 6}, initial={Role.PROMPT: 4, Role.TOKEN: 2},
-        startup_s=15.0, prompt=FAST, token=FAST,
+        **({"startup_s": 15.0} | overrides), prompt=FAST, token=FAST,
     )  # fmt: skip
     return simulate_autoscaled(HH, requests, options, DURATION)
 
@@ -139,6 +142,42 @@ def test_bad_scaling_options_are_refused() -> None:
         default_options(HH, {Role.PROMPT: 4, Role.TOKEN: 4}, initial={Role.PROMPT: 5})
     with pytest.raises(ValueError, match="min_replicas"):
         default_options(HH, {Role.PROMPT: 4, Role.TOKEN: 4}, prompt={"min_replicas": 0})
+
+
+def test_a_start_up_is_the_process_start_and_the_weights_from_host_memory_or_storage() -> None:
+    weights = HH.model.weight_bytes
+    model = StartupModel(process_s=5.0, host_gbps=70.0, storage_gbps=1.4)  # every node holds one
+    assert model.seconds(weights, started_before=False) == pytest.approx(5 + weights / 70e9)
+    first = StartupModel(5.0, 70.0, 1.4, host_copy="after_first_start")
+    assert first.seconds(weights, started_before=False) == pytest.approx(5 + weights / 1.4e9)
+    assert first.seconds(weights, started_before=True) == pytest.approx(5 + weights / 70e9)
+    none = StartupModel(5.0, 70.0, 1.4, host_copy="none")
+    assert none.seconds(weights, started_before=True) == pytest.approx(5 + weights / 1.4e9)
+    # A policy file's `startup:` section, and a flat `startup_s` in the model's place.
+    options = default_options(HH, {Role.PROMPT: 4, Role.TOKEN: 4},
+                              startup={"process_s": 5.0, "host_copy": "none"})  # fmt: skip
+    assert options.startup == StartupModel(process_s=5.0, host_copy="none")
+    assert options.startup_seconds(weights, True) == pytest.approx(5 + weights / 1e9 * 84 / 140)
+    assert replace(options, startup_s=60.0).startup_seconds(weights, False) == 60.0
+    with pytest.raises(ValueError, match="host_copy"):
+        StartupModel(host_copy="sometimes")  # type: ignore[arg-type]
+
+
+def test_machines_take_work_after_the_start_up_their_node_allows(result: AutoscaleResult) -> None:
+    """The flat `startup_s` (15 s here) for every machine started by a decision; with the model
+    and `after_first_start`, a node's first start reads storage, a later one host memory."""
+    started = [life for life in result.lives if life.provisioned_s > 0]
+    assert started and all(life.active_s - life.provisioned_s == 15.0 for life in started)
+    model = StartupModel(process_s=2.0, host_gbps=140.0, storage_gbps=14.0,
+                         host_copy="after_first_start")  # fmt: skip
+    lives = run(startup_s=None, startup=model).lives
+    seen: set[int] = {life.machine_id for life in lives if life.provisioned_s <= 0}
+    for life in sorted(lives, key=lambda life: life.provisioned_s):
+        if life.provisioned_s > 0:
+            took = life.active_s - life.provisioned_s
+            assert took == pytest.approx(3.0 if life.machine_id in seen else 12.0)
+        seen.add(life.machine_id)
+    assert any(life.provisioned_s > 0 for life in lives)
 
 
 def test_the_command_reads_a_policy_file_and_ends_with_its_figures(
