@@ -277,3 +277,28 @@ def _build(
             module.adopt_panels(panels_dtype[name], tensors[name + ".panels"],
                                 tensors.get(name + ".scales"))  # fmt: skip
     return model.eval().requires_grad_(False)
+
+
+def main() -> None:
+    """`python -m common.model.weight_cache MODEL`: write MODEL's load-ready weights to this
+    node's cache now (what its first replica would do), so that every replica maps them."""
+    import argparse
+
+    from common.model.default import default_model_path
+    from common.model.loader import load_model
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("model", help="a Hugging Face model folder, or a preset's name")
+    parser.add_argument("--cache", default="auto", help="as MeshOptions.weight_cache: auto or a "
+                        "directory (default: auto, <PHASEMESH_CACHE>/weights)")  # fmt: skip
+    args = parser.parse_args()
+    directory = cache_dir(args.cache)
+    if directory is None:
+        raise SystemExit("--cache off writes nothing")
+    folder = Path(args.model) if Path(args.model).is_dir() else default_model_path(args.model)
+    load_model(folder, weight_cache=directory)  # the engines' load: the same key, the same file
+    print(directory)
+
+
+if __name__ == "__main__":
+    main()
