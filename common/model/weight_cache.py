@@ -39,7 +39,6 @@ import struct
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,33 +107,24 @@ def load_or_build(
     config = ModelConfig.from_folder(folder, key["dtype"])
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        with _locked(path):
-            model = _read_valid(path, key, config)
-            if model is not None:
-                return model
-            model = build()
-            try:
-                write(path, model, key)
-            except CacheMismatch as exc:  # weights this cache cannot hold: built every time
-                log.info("weights not cached", reason=str(exc))
-                return model
-            log.info("weight cache written", path=str(path), bytes=path.stat().st_size)
-            return model
-    except OSError as exc:  # no directory, no permission, a full disk: load as without one
+        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 (held below, closed by with)
+    except OSError as exc:  # no directory, no permission: load as without a cache
         log.warning("weight cache unusable: weights built in this replica alone",
                     path=str(path), error=repr(exc))  # fmt: skip
         return build()
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Hold `path`'s lock file (exclusive; the kernel releases it when its holder dies)."""
-    with open(path.with_suffix(".lock"), "a") as lock:
+    with lock:  # closing it releases the lock; so does the kernel if this process dies
         fcntl.flock(lock, fcntl.LOCK_EX)
+        model = _read_valid(path, key, config)
+        if model is not None:
+            return model
+        model = build()
         try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            write(path, model, key)
+        except (OSError, CacheMismatch) as exc:  # a full disk; weights this file cannot hold
+            log.warning("weights not cached", path=str(path), reason=repr(exc))
+        else:
+            log.info("weight cache written", path=str(path), bytes=path.stat().st_size)
+        return model
 
 
 def _read_valid(path: Path, key: dict, config: ModelConfig) -> LlamaForCausalLM | None:
@@ -143,8 +133,8 @@ def _read_valid(path: Path, key: dict, config: ModelConfig) -> LlamaForCausalLM 
         return None
     try:
         model = read(path, key, config)
-    except CacheMismatch as exc:
-        log.warning("weight cache file rejected, rebuilding", path=str(path), reason=str(exc))
+    except (CacheMismatch, OSError, ValueError) as exc:  # ValueError: a header that is not JSON
+        log.warning("weight cache file rejected, rebuilding", path=str(path), reason=repr(exc))
         return None
     log.info("weights from cache", path=str(path))
     return model
