@@ -1,9 +1,11 @@
 """Where a CPU engine replica's start-up goes, and what the weight cache takes off it.
 
-Each start is a fresh interpreter (as a replica is a fresh process), timed from its first line:
-imports (torch, the extension, the model code), `load_model` (read the checkpoint, fuse, lay
-out, pack; or map the weight cache's file), the KV cache's allocation, and a first prefill (the
-warm-up every engine pays on its first request). Three kinds of start per model, side by side,
+Each start is a fresh interpreter (as a replica is a fresh process): the interpreter's own
+start (launch to its first line), imports (torch, the extension, the model code), `load_model`
+(read the checkpoint, fuse, lay out, pack; or map the weight cache's file), the KV cache's
+allocation, and a first prefill (the warm-up every engine pays on its first request). A start
+without the cache then times `load_model`'s pieces again (`read_s`, `fuse_s`, `layout_s`,
+`pack_s`: the checkpoint's pages cached by then). Three kinds of start per model, side by side,
 `--repeats` rounds in turn: `off` (no cache: what every replica paid before), `cold` (the first
 replica on a node: builds and writes the cache file) and `warm` (every later one: maps it).
 Registration with the mesh (Serve's replica start, the registry's calls) is not in it: it is the
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-STARTED = time.perf_counter()
+STARTED, STARTED_WALL = time.perf_counter(), time.time()
 TARGETS = {
     "warm_load_le_0.25x_off": "a warm start's load_model <= 0.25x a start without the cache",
     "warm_start_le_0.75x_off": "a warm start, imports to first prefill, <= 0.75x one without",
@@ -61,6 +63,7 @@ def child(model: str, cache: str, num_blocks: int) -> dict[str, Any]:
         logits = loaded.forward_prefill(torch.arange(8, 72), [64])
     done = time.perf_counter()
     return {
+        "started_wall": STARTED_WALL,
         "imports_s": imported - STARTED,
         "load_s": load_done - imported,
         "kv_s": kv_done - load_done,
@@ -68,7 +71,32 @@ def child(model: str, cache: str, num_blocks: int) -> dict[str, Any]:
         "start_s": done - STARTED,
         "anonymous_mb": anonymous_mb(),
         "logits": hashlib.sha256(logits.numpy().tobytes()).hexdigest()[:16],
-    }
+    } | (load_parts(folder) if cache == "off" else {})
+
+
+def load_parts(folder: Path) -> dict[str, float]:
+    """`load_model`'s pieces without a cache, timed again after the start (the checkpoint's pages
+    now cached): reading the tensors, fusing q/k/v and gate/up, the column-major layout, and
+    packing the projections' panels."""
+    from common.config import ModelConfig, env
+    from common.model.linear import pack_linears
+    from common.model.loader import build_model, column_major, fuse_projections, load_hf_state
+
+    times = [time.perf_counter()]
+    config = ModelConfig.from_folder(folder, None)
+    state = load_hf_state(folder, config)
+    times.append(time.perf_counter())
+    state = fuse_projections(state, config.num_hidden_layers)
+    times.append(time.perf_counter())
+    for name in [n for n in state if n.endswith("_proj.weight")]:
+        state[name] = column_major(state[name])
+    times.append(time.perf_counter())
+    model = build_model(folder, None, env("WEIGHT_DTYPE"))  # the packing alone, timed below
+    times.append(time.perf_counter())
+    pack_linears(model)
+    times.append(time.perf_counter())
+    names = ("read_s", "fuse_s", "layout_s", None, "pack_s")
+    return {n: b - a for n, a, b in zip(names, times, times[1:], strict=False) if n is not None}
 
 
 def anonymous_mb() -> float:
@@ -81,11 +109,14 @@ def anonymous_mb() -> float:
 
 
 def start(model: str, cache: str, num_blocks: int) -> dict[str, Any]:
+    """One start in a fresh interpreter; `interpreter_s`: from launching it to its first line."""
+    launched = time.time()
     done = subprocess.run(
         [sys.executable, __file__, "--child", model, cache, "--num-blocks", str(num_blocks)],
         capture_output=True, text=True, timeout=600, check=True,
     )  # fmt: skip
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    figures = dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {"interpreter_s": figures.pop("started_wall") - launched, **figures}
 
 
 def measure(model: str, repeats: int, num_blocks: int) -> dict[str, Any]:
@@ -100,6 +131,7 @@ def measure(model: str, repeats: int, num_blocks: int) -> dict[str, Any]:
     for kind, rows in runs.items():
         figures = {k: round(statistics.median(r[k] for r in rows), 3)
                    for k in rows[0] if k != "logits"}  # fmt: skip
+        figures["start_s"] = round(figures["start_s"] + figures["interpreter_s"], 3)
         out[kind] = figures | {"logits": sorted({r["logits"] for r in rows})}
     off, warm = out["off"], out["warm"]
     out["warm_over_off"] = {
@@ -123,9 +155,14 @@ def main() -> None:
     for model, r in results.items():
         for kind in KINDS:
             f = r[kind]
-            print(f"{model:<8} {kind:<5} imports {f['imports_s']:6.2f} s  load {f['load_s']:6.2f} s"
+            print(f"{model:<8} {kind:<5} python {f['interpreter_s']:5.2f} s  "
+                  f"imports {f['imports_s']:6.2f} s  load {f['load_s']:6.2f} s"
                   f"  kv {f['kv_s']:5.2f} s  prefill {f['first_prefill_s']:5.2f} s  "
                   f"start {f['start_s']:6.2f} s  anon {f['anonymous_mb']:7.1f} MB")  # fmt: skip
+        parts = "  ".join(
+            f"{k[:-2]} {r['off'][k]:.2f} s" for k in ("read_s", "fuse_s", "layout_s", "pack_s")
+        )
+        print(f"{model:<8} load_model's pieces without the cache: {parts}")
     logits_equal = all(
         len({h for kind in KINDS for h in r[kind]["logits"]}) == 1 for r in results.values()
     )
