@@ -212,6 +212,7 @@ def write(path: Path, model: LlamaForCausalLM, key: dict) -> None:
                                    end, crc))  # fmt: skip
             f.write(header)
             f.flush()
+            os.fchmod(f.fileno(), 0o644)  # readable as a model folder is (a temp file is 0600)
             os.replace(f.name, path)
         except BaseException:
             os.unlink(f.name)
