@@ -6,7 +6,9 @@ Projection weights are then stored column-major (see `column_major`) and get a p
 extension's GEMM panels, oneDNN's layout where those are missing: `common.model.linear`), in the
 weight dtype asked for (`weight_dtype`, else PHASEMESH_WEIGHT_DTYPE: float32, bfloat16, or int8
 with per-output-channel scales; by default the model's dtype; another value fails the load,
-naming the choices). Errors name the folder and the missing or mismatched tensor.
+naming the choices). Errors name the folder and the missing or mismatched tensor. With a
+`weight_cache` directory, the ready model's bytes are written once and mapped by later loads
+(`common/model/weight_cache.py`).
 """
 
 from __future__ import annotations

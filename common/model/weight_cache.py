@@ -15,6 +15,10 @@ Where: `MeshOptions.weight_cache` (`auto`: `<PHASEMESH_CACHE>/weights`; a direct
 hash of its key: the folder, its files' sizes and modification times, the model and packed
 dtypes, the kernel's panel width and dtypes, this module's `FORMAT_VERSION` and torch's version.
 
+NOTE: the mapped weights sit in page-cache pages, which the kernel backs with small pages; where
+transparent huge pages back a replica's own (anonymous) memory, its unmapped weights may take
+fewer TLB misses. A directory on a tmpfs mounted `huge=always` gives the file huge pages too.
+
 Faults (docs/failures.md):
 - A file that is not what this load would build (truncated or partial: its size; another
   version or key: its header; corrupt bytes: a CRC-32 of the header and of the data) is never
