@@ -13,8 +13,9 @@ so that prefill cancels out; tokens/s = batch / step time. Prompts have mixed le
 After the timed runs, one more engine run per batch size times the stages of each decode step
 (`StageTimer`: wrappers around the engine's own methods, a fraction of a microsecond each): the
 scheduler, input preparation, each layer's pre-attention (norm, QKV projection, RoPE), attention
-(KV write and paged decode), post-attention (O projection, norm, MLP), the LM head, sampling, and
-the rest (appending tokens, Python between the stages).
+(KV write and paged decode), post-attention (O projection, norm, MLP), or all of them as the fused
+layers' one call where a decode step takes it (`layers_fused`, common/model/fused_decode.py), the
+LM head, sampling, and the rest (appending tokens, Python between the stages).
 
 Then batch-1 decode per projection weight dtype (`weight_dtypes`: the same float32 model, its
 projections packed as float32, bfloat16 or int8 panels; activations float32), the engines
@@ -154,6 +155,8 @@ class StageTimer:
         for layer in model.layers:
             self._wrap(layer, "pre_attention", "pre_attention")
             self._wrap(layer, "post_attention", "post_attention")
+        if runner._fused is not None:  # built by a warm-up: decode steps' layers in one call
+            self._wrap(runner._fused, "run", "layers_fused")
         run = runner.run
 
         def timed_run(inputs: Any, keep_hidden: bool = False) -> Any:
