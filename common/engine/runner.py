@@ -210,7 +210,7 @@ class ModelRunner(Generic[Inputs]):
             or not FusedDecode.takes(x)
         ):
             return None
-        if self._fused is None or not self._fused.current:
+        if self._fused is None or not self._fused.current(self.kv_cache):
             self._fused = FusedDecode.build(self.model, self.kv_cache, self.backend)
             self.fuse_decode = self._fused is not None
         return self._fused

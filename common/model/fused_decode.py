@@ -82,9 +82,14 @@ class FusedDecode:
     """One runner's decoder layers as the extension's fused layers, over its KV cache."""
 
     def __init__(
-        self, model: LlamaForCausalLM, layers: list[Any], backend: CpuKernelAttention
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        layers: list[Any],
+        backend: CpuKernelAttention,
     ) -> None:
         self.model = model
+        self.kv_cache = kv_cache
         self.layers = layers
         self.backend = backend
         self.generation = linear.pack_generation()
@@ -114,12 +119,12 @@ class FusedDecode:
             if fused is None:
                 return None
             layers.append(fused)
-        return cls(model, layers, backend)
+        return cls(model, kv_cache, layers, backend)
 
-    @property
-    def current(self) -> bool:
-        """False once any projection was packed again since `build`."""
-        return self.generation == linear.pack_generation()
+    def current(self, kv_cache: KVCache) -> bool:
+        """Whether these layers still hold what a step over `kv_cache` needs: False once any
+        projection was packed again since `build`, or for another cache."""
+        return self.generation == linear.pack_generation() and kv_cache is self.kv_cache
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
