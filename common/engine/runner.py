@@ -17,6 +17,7 @@ from common.block_manager import BlockManager
 from common.kv_cache import KVCache
 from common.logprobs import token_logprobs
 from common.model.fused_decode import FusedDecode
+from common.model.linear import pack_generation
 from common.model.llama import LlamaForCausalLM
 from common.protocol import TokenLogprobs
 from common.scheduling.batching import Batch, Phase
@@ -86,10 +87,11 @@ class ModelRunner(Generic[Inputs]):
         self.device: torch.device = getattr(kv_cache, "device", torch.device("cpu"))
         self.on_device = self.device.type != "cpu"
         self.graphs: DecodeGraphs | None = None  # `use_graphs`
-        # Decode steps through the fused layers (`fused_decode`) while they apply; False once a
-        # build found they do not (or to compare against the stages one by one).
+        # Decode steps through the fused layers (`fused_decode`) where they apply (False: the
+        # stages one by one, to compare); the pack generation a build last refused at.
         self.fuse_decode = True
         self._fused: FusedDecode | None = None
+        self._fused_refused_at: int | None = None
 
     def place(self, inputs: Placed) -> Placed:
         """`inputs` with its tensors on this runner's device (the same object, untouched, on the
@@ -202,7 +204,8 @@ class ModelRunner(Generic[Inputs]):
     def fused_decode(self, inputs: Inputs, x: torch.Tensor) -> FusedDecode | None:
         """The fused decoder layers for this step, or None where its layers run stage by stage:
         not a decode step, a runner whose `attend` is not the local one (`LOCAL_ATTEND`), or what
-        `FusedDecode` does not take (built on the first decode step, again after a repack)."""
+        `FusedDecode` does not take (built on the first decode step, again after a repack or for
+        another cache; a refusal is tried again only after a repack)."""
         if (
             not self.fuse_decode
             or inputs.phase is not Phase.DECODE
@@ -210,10 +213,14 @@ class ModelRunner(Generic[Inputs]):
             or not FusedDecode.takes(x)
         ):
             return None
-        if self._fused is None or not self._fused.current(self.kv_cache):
-            self._fused = FusedDecode.build(self.model, self.kv_cache, self.backend)
-            self.fuse_decode = self._fused is not None
-        return self._fused
+        fused = self._fused
+        if fused is None or not fused.current(self.kv_cache):
+            generation = pack_generation()
+            if self._fused_refused_at == generation:  # the same weights it refused
+                return None
+            fused = self._fused = FusedDecode.build(self.model, self.kv_cache, self.backend)
+            self._fused_refused_at = None if fused is not None else generation
+        return fused
 
     @torch.inference_mode()
     def prompt_logprobs(

@@ -139,6 +139,11 @@ def test_steps_it_does_not_take_run_the_stages(tiny_model_path):
     assert FusedDecode.build(model, bf16, runner.backend) is None
     pack_linears(model, backend="onednn")
     assert FusedDecode.build(model, runner.kv_cache, runner.backend) is None
+    one.phase = Phase.DECODE
+    for _ in range(2):  # refused on oneDNN's weights, and not built again for the same ones...
+        assert runner.fused_decode(one, x[:1]) is None
+    pack_linears(model)
+    assert runner.fused_decode(one, x[:1]) is not None  # ...and built once they are panels again
 
 
 def test_bad_slots_positions_and_block_ids_raise_before_any_write(tiny_model_path):
