@@ -37,7 +37,7 @@ from common.model.linear import PANEL_WIDTH, POST_ATTENTION_MAX_ROWS, PackedLine
 from common.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 _EXT = extension()
-_F32 = torch.float32
+_F32, _I32, _I64 = torch.float32, torch.int32, torch.int64
 
 
 def available() -> bool:
@@ -129,7 +129,12 @@ class FusedDecode:
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
         """Whether a decode step with hidden states x [T, hidden] runs fused."""
-        return x.dtype == _F32 and x.dim() == 2 and x.shape[0] <= POST_ATTENTION_MAX_ROWS
+        return (
+            x.dtype == _F32
+            and x.dim() == 2
+            and x.shape[0] <= POST_ATTENTION_MAX_ROWS
+            and x.is_contiguous()
+        )
 
     def run(
         self,
@@ -141,11 +146,11 @@ class FusedDecode:
     ) -> torch.Tensor:
         """x [T, hidden] (contiguous, overwritten) through every layer; returns it. One row per
         sequence: positions and slots [T] int64, block tables [T, max_blocks] and context
-        lengths [T] int32 (the new token counted)."""
+        lengths [T] int32 (the new token counted); other integer dtypes are converted."""
         step = _EXT.DecodeStep(
-            to_dlpack(positions.contiguous()), to_dlpack(self.cos), to_dlpack(self.sin),
-            to_dlpack(slot_mapping.contiguous()), to_dlpack(_int32(block_tables)),
-            to_dlpack(_int32(context_lens)), self.model.scale,
+            to_dlpack(_dense(positions, _I64)), to_dlpack(self.cos), to_dlpack(self.sin),
+            to_dlpack(_dense(slot_mapping, _I64)), to_dlpack(_dense(block_tables, _I32)),
+            to_dlpack(_dense(context_lens, _I32)), self.model.scale,
         )  # fmt: skip
         threads = torch.get_num_threads()
         attention_threads = self.backend.num_threads or threads
@@ -156,5 +161,6 @@ class FusedDecode:
         return x
 
 
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous tensor of `dtype` (itself where it is one)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
