@@ -165,11 +165,11 @@ class PackedLinear(nn.Linear):
         copy's: the weight is cast, or quantized per output channel, once here. `backend`
         "kernel" or "onednn" asks for one path only (benchmarks compare them). A no-op where the
         asked path is missing or does not take the dtype."""
+        _packed_anew()
         if backend not in ("auto", "kernel", "onednn"):
             raise ValueError(f"unknown backend {backend!r}: auto, kernel or onednn")
         if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"unknown weight dtype {weight_dtype!r}: {', '.join(WEIGHT_DTYPES)}")
-        _packed_anew()
         weight = self.weight.detach()
         self.dense, self.rows_hint, self.packed_rows = weight, rows_hint, {}
         self.panels = self.scales = self.packed = None
