@@ -1,7 +1,7 @@
 """Decode throughput: PhaseMesh's engine against `transformers` generate, same weights, same run.
 
     python bench/engine.py [--model PATH|PRESET] [--batches 1 8 32] [--repeats 5] [--no-unpacked]
-                           [--no-onednn] [--weight-dtypes float32 bfloat16 int8]
+                           [--no-onednn] [--weight-dtypes float32 bfloat16 int8] [--stages]
 
 Two more sides are the same engine with other projections (common/model/linear.py):
 `engine_unpacked` on plain `F.linear` (MKL), what the packing alone gives, and `engine_onednn` on
@@ -13,8 +13,9 @@ so that prefill cancels out; tokens/s = batch / step time. Prompts have mixed le
 After the timed runs, one more engine run per batch size times the stages of each decode step
 (`StageTimer`: wrappers around the engine's own methods, a fraction of a microsecond each): the
 scheduler, input preparation, each layer's pre-attention (norm, QKV projection, RoPE), attention
-(KV write and paged decode), post-attention (O projection, norm, MLP), the LM head, sampling, and
-the rest (appending tokens, Python between the stages).
+(KV write and paged decode), post-attention (O projection, norm, MLP), or all of them as the fused
+layers' one call where a decode step takes it (`layers_fused`, common/model/fused_decode.py), the
+LM head, sampling, and the rest (appending tokens, Python between the stages).
 
 Then batch-1 decode per projection weight dtype (`weight_dtypes`: the same float32 model, its
 projections packed as float32, bfloat16 or int8 panels; activations float32), the engines
@@ -24,6 +25,9 @@ LM head's too), their GB/s and its ratio to the probe, and tokens/s over float32
 step reads each weight once, so tokens/s x bytes <= the read bandwidth: fewer bytes per weight
 is the only way past float32's rate. The rows name the kernels' pool spin they ran with
 (`kernel_pool_spin_us`, csrc/thread_pool.h). `--batches` with no sizes runs this part alone.
+`--stages` adds, beside each dtype's engine and alternating with it, the same engine with its
+decode layers' stages called one by one (`ModelRunner.fuse_decode` off): the fused layers' gain
+in one run.
 
 With `--model smollm2` and llama.cpp's environment built (bench/llamacpp_env.sh), llama.cpp runs
 in every batch's repeats too (bench/llamacpp.py): SmolLM2's F32, BF16 and shipped Q4_1 GGUF files,
@@ -154,6 +158,8 @@ class StageTimer:
         for layer in model.layers:
             self._wrap(layer, "pre_attention", "pre_attention")
             self._wrap(layer, "post_attention", "post_attention")
+        if runner._fused is not None:  # built by a warm-up: decode steps' layers in one call
+            self._wrap(runner._fused, "run", "layers_fused")
         run = runner.run
 
         def timed_run(inputs: Any, keep_hidden: bool = False) -> Any:
@@ -257,27 +263,38 @@ def batch_row(batch: int, rates: dict[str, float], breakdown: dict) -> tuple[dic
     return row, line
 
 
-def weight_dtype_engines(path: str, dtypes: list[str]) -> dict[str, LLMEngine]:
+STAGES = "_stages"  # the suffix of a weight dtype's engine with its layers' stages one by one
+
+
+def weight_dtype_engines(path: str, dtypes: list[str], stages: bool) -> dict[str, LLMEngine]:
     """One batch-1 engine per projection weight dtype (a build without its panels falls back,
-    with a logged note, and the row says which dtype it ran)."""
+    with a logged note, and the row says which dtype it ran); with `stages`, beside each one the
+    same engine with its decode layers' stages one by one instead of the fused layers."""
     sides = {}
     for weight_dtype in dtypes:
-        engine = LLMEngine.from_path(path, num_blocks=256)
-        pack_linears(engine.model, weight_dtype=weight_dtype)
-        sides[weight_dtype] = engine
+        for suffix in ("", STAGES)[: 1 + stages]:
+            engine = LLMEngine.from_path(path, num_blocks=256)
+            pack_linears(engine.model, weight_dtype=weight_dtype)
+            engine.runner.fuse_decode = not suffix
+            sides[weight_dtype + suffix] = engine
     return sides
 
 
 def weight_dtype_rows(
-    path: str, dtypes: list[str], repeats: int, probe_bytes: int = READ_PROBE_BYTES
+    path: str,
+    dtypes: list[str],
+    repeats: int,
+    probe_bytes: int = READ_PROBE_BYTES,
+    stages: bool = False,
 ) -> tuple[dict, list[str]]:
     """Batch-1 decode per weight dtype beside the read probe (over `probe_bytes`), alternating
     every repeat: median tok/s, bytes per token, GB/s, its share of the probe, and tok/s over
-    float32's."""
+    float32's; with `stages`, each dtype's tok/s with its layers' stages one by one and the
+    fused layers' tok/s over that (`fused_over_stages`)."""
     import phasemesh_attention_kernel as kernel
     from phasemesh_attention_kernel import read_sum
 
-    sides = weight_dtype_engines(path, dtypes)
+    sides = weight_dtype_engines(path, dtypes, stages)
     prompts = prompts_for(1, next(iter(sides.values())).model_config.vocab_size)
     threads = torch.get_num_threads()
     probe_buffer = torch.ones(probe_bytes // 4)
@@ -297,8 +314,8 @@ def weight_dtype_rows(
         rows["kernel_pool_spin_us"] = kernel.pool_spin_us()
     lines = [f"read probe (readsum, {threads} threads): {probe_gbps:.1f} GB/s"]
     base = statistics.median(rates["float32"]) if "float32" in rates else None
-    for name, engine in sides.items():
-        tok_s = statistics.median(rates[name])
+    for name in dtypes:
+        engine, tok_s = sides[name], statistics.median(rates[name])
         nbytes = packed_weight_bytes(engine.model)
         gbps = tok_s * nbytes / 1e9
         packed = {m.weight_dtype for m in engine.model.modules() if isinstance(m, PackedLinear)}
@@ -314,6 +331,10 @@ def weight_dtype_rows(
         if base:
             row["over_float32"] = round(tok_s / base, 2)
             line += f"  x{tok_s / base:.2f} float32"
+        if name + STAGES in rates:
+            staged = statistics.median(rates[name + STAGES])
+            row |= {"stages_tok_s": round(staged, 1), "fused_over_stages": round(tok_s / staged, 3)}
+            line += f"  (stages {staged:.1f} tok/s: fused x{tok_s / staged:.3f})"
         rows[name] = row
         lines.append(line)
     return rows, lines
@@ -351,6 +372,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--weight-dtypes", nargs="*", choices=WEIGHT_DTYPES, default=list(WEIGHT_DTYPES),
         help="batch-1 decode per projection weight dtype (none: skip)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stages", action="store_true",
+        help="beside each weight dtype's engine, one with its decode layers' stages one by one",
     )  # fmt: skip
     parser.add_argument(
         "--device", default="cpu",
@@ -422,7 +447,7 @@ def main() -> None:
         results["targets_met"] |= llama_met
     if args.weight_dtypes:
         results["weight_dtypes_batch_1"], lines = weight_dtype_rows(
-            path, args.weight_dtypes, args.repeats
+            path, args.weight_dtypes, args.repeats, stages=args.stages
         )
         print("\n".join(lines))
         targets, met = weight_dtype_targets(results["weight_dtypes_batch_1"])

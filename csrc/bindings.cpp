@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "decoder_layer.h"
 #include "frame_copy.h"
 #include "layer_ops.h"
 #include "paged_attention.h"
@@ -170,11 +171,7 @@ pm::WeightDtype weight_dtype_of(const Panels& panels) {
 // The panels' dtype and element pointer from panel `panel_start` on, and the int8 scales' pointer
 // from that panel's first column: checks that int8 panels come with one scale per panel column
 // and that no other dtype has scales.
-struct WeightView {
-  pm::WeightDtype dtype;
-  const void* panels;
-  const float* scales;
-};
+using pm::WeightView;
 
 WeightView weight_view(const Panels& panels, const std::optional<Scales>& scales,
                        int64_t panel_start) {
@@ -243,6 +240,41 @@ void linear_silu_and_mul(const RowsIn& x, const Panels& panels, const RowsOut& g
   pm::linear_silu_and_mul(a, act.data(), kernels, inter / width, num_threads);
 }
 
+// The post-attention weights as pm::post_attention reads them, every panel shape checked against
+// x's `hidden` columns and attention rows of `attn_width` (`who` names the call in errors).
+pm::PostAttentionWeights post_attention_weights(
+    const char* who, int64_t hidden, int64_t attn_width, const Panels& o_panels,
+    const std::optional<Scales>& o_scales, const VectorIn& norm_weight, float eps,
+    const Panels& gate_up_panels, const std::optional<Scales>& gate_up_scales,
+    const Panels& down_panels, const std::optional<Scales>& down_scales) {
+  const int64_t width = pm::best_isa().linear_panel_width;
+  const int64_t hidden_panels = (hidden + width - 1) / width;
+  const int64_t inter = static_cast<int64_t>(down_panels.shape(1));
+  const auto expect_panels = [width, who](const char* name, const Panels& p, int64_t count,
+                                          int64_t in_features) {
+    if (p.shape(0) != static_cast<size_t>(count) || p.shape(1) != static_cast<size_t>(in_features) ||
+        p.shape(2) != static_cast<size_t>(width))
+      throw std::invalid_argument(std::string(who) + ": " + name + " panels must be [" +
+                                  std::to_string(count) + ", " + std::to_string(in_features) +
+                                  ", " + std::to_string(width) + "]");
+  };
+  if (inter % width != 0)
+    throw std::invalid_argument(std::string(who) + ": the intermediate size " +
+                                std::to_string(inter) + " is not a multiple of the panel width");
+  expect_panels("o", o_panels, hidden_panels, attn_width);
+  expect_panels("gate_up", gate_up_panels, 2 * inter / width, hidden);
+  expect_panels("down", down_panels, hidden_panels, inter);
+  expect_rows("norm_weight", 1, norm_weight.shape(0), 1, hidden);
+  return {weight_view(o_panels, o_scales, 0),
+          norm_weight.data(),
+          eps,
+          weight_view(gate_up_panels, gate_up_scales, 0),
+          weight_view(down_panels, down_scales, 0),
+          hidden,
+          attn_width,
+          inter};
+}
+
 // The decoder layer after attention in one call (common/model/linear.py `post_attention`):
 // o = attn @ Wo.T; sum = x + o; h = rms_norm(sum) * norm_weight; act = silu(h @ Wg.T) * (h @ Wu.T);
 // out = sum + act @ Wd.T. Each step is the function its own call runs (linear, add_rms_norm,
@@ -254,53 +286,140 @@ void post_attention(const RowsIn& x, const RowsIn& attn, const Panels& o_panels,
                     const Panels& down_panels, const std::optional<Scales>& down_scales,
                     const RowsOut& out, int num_threads) {
   const int64_t rows = x.shape(0), hidden = x.shape(1), attn_width = attn.shape(1);
-  const pm::IsaKernels& kernels = pm::best_isa();
-  const int64_t width = kernels.linear_panel_width, hidden_panels = (hidden + width - 1) / width;
-  const int64_t inter = static_cast<int64_t>(down_panels.shape(1));
-  const auto expect_panels = [width](const char* name, const Panels& p, int64_t count,
-                                     int64_t in_features) {
-    if (p.shape(0) != static_cast<size_t>(count) || p.shape(1) != static_cast<size_t>(in_features) ||
-        p.shape(2) != static_cast<size_t>(width))
-      throw std::invalid_argument(std::string("post_attention: ") + name + " panels must be [" +
-                                  std::to_string(count) + ", " + std::to_string(in_features) +
-                                  ", " + std::to_string(width) + "]");
-  };
-  if (inter % width != 0)
-    throw std::invalid_argument("post_attention: the intermediate size " +
-                                std::to_string(inter) + " is not a multiple of the panel width");
-  expect_panels("o", o_panels, hidden_panels, attn_width);
-  expect_panels("gate_up", gate_up_panels, 2 * inter / width, hidden);
-  expect_panels("down", down_panels, hidden_panels, inter);
+  const pm::PostAttentionWeights w = post_attention_weights(
+      "post_attention", hidden, attn_width, o_panels, o_scales, norm_weight, eps, gate_up_panels,
+      gate_up_scales, down_panels, down_scales);
   expect_rows("attn", attn.shape(0), attn_width, rows, attn_width);
-  expect_rows("norm_weight", 1, norm_weight.shape(0), 1, hidden);
   expect_rows("out", out.shape(0), out.shape(1), rows, hidden);
   if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
-  const WeightView o = weight_view(o_panels, o_scales, 0);
-  const WeightView gu = weight_view(gate_up_panels, gate_up_scales, 0);
-  const WeightView down = weight_view(down_panels, down_scales, 0);
   nb::gil_scoped_release no_gil;
-  thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(rows * (3 * hidden + 3 * inter)));
-  float* o_out = scratch.data();
-  float* sum = o_out + rows * hidden;
-  float* normed = sum + rows * hidden;
-  float* gate_up = normed + rows * hidden;
-  float* act = gate_up + rows * 2 * inter;
-  pm::linear({attn.data(), o.panels, o_out, nullptr, rows, attn_width, hidden, attn_width, hidden,
-              hidden, o.dtype, o.scales},
-             kernels, hidden_panels, num_threads);
-  pm::add_rms_norm(x.data(), o_out, norm_weight.data(), sum, normed, rows, hidden, eps);
-  pm::linear_silu_and_mul({normed, gu.panels, gate_up, nullptr, rows, hidden, 2 * inter, hidden,
-                           2 * inter, 0, gu.dtype, gu.scales},
-                          act, kernels, inter / width, num_threads);
-  pm::linear({act, down.panels, out.data(), sum, rows, inter, hidden, inter, hidden, hidden,
-              down.dtype, down.scales},
-             kernels, hidden_panels, num_threads);
+  pm::post_attention(w, x.data(), attn.data(), out.data(), rows, pm::best_isa(), num_threads);
+}
+
+using CacheLayer = nb::ndarray<float, nb::ndim<4>, nb::device::cpu, nb::c_contig>;
+using Int64Vector = nb::ndarray<const int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+
+// One decode step's inputs shared by every layer (pm::DecodeStepInputs), checked once per step;
+// the arrays are held so that their memory outlives the step's layer calls.
+struct DecodeStep {
+  Int64Vector positions, slots;
+  RowsIn cos_table, sin_table;
+  nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_contig> block_tables;
+  nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig> context_lens;
+  pm::DecodeStepInputs in{};
+
+  DecodeStep(Int64Vector positions_, RowsIn cos_, RowsIn sin_, Int64Vector slots_,
+             decltype(block_tables) tables_, decltype(context_lens) lens_, float scale)
+      : positions(positions_), slots(slots_), cos_table(cos_), sin_table(sin_),
+        block_tables(tables_), context_lens(lens_) {
+    const int64_t rows = positions.shape(0), max_pos = cos_table.shape(0);
+    expect_rows("sin_table", sin_table.shape(0), sin_table.shape(1), max_pos, cos_table.shape(1));
+    expect_rows("slots", 1, slots.shape(0), 1, rows);
+    expect_rows("context_lens", 1, context_lens.shape(0), 1, rows);
+    if (block_tables.shape(0) != static_cast<size_t>(rows))
+      throw std::invalid_argument("DecodeStep: block_tables needs one row per position");
+    for (int64_t r = 0; r < rows; ++r)
+      if (positions.data()[r] < 0 || positions.data()[r] >= max_pos)
+        throw std::invalid_argument("DecodeStep: position " + std::to_string(positions.data()[r]) +
+                                    " outside the tables' " + std::to_string(max_pos) + " rows");
+    in = {rows,         positions.data(),    cos_table.data(),
+          sin_table.data(), slots.data(),    block_tables.data(),
+          context_lens.data(), static_cast<int64_t>(block_tables.shape(1)), scale};
+  }
+};
+
+// One decoder layer's weights and KV caches for `decoder_layer_decode`, checked once when built
+// (common/model/fused_decode.py builds one per layer after packing); the arrays are held, so the
+// tensors outlive the object.
+struct FusedDecoderLayer {
+  VectorIn input_norm, post_norm;
+  Panels qkv_panels, o_panels, gate_up_panels, down_panels;
+  std::optional<Scales> qkv_scales, o_scales, gate_up_scales, down_scales;
+  CacheLayer key_cache, value_cache;
+  pm::PreAttentionWeights pre{};
+  pm::PostAttentionWeights post{};
+  pm::KvLayer kv{};
+  const pm::IsaKernels* attention = nullptr;
+
+  FusedDecoderLayer(VectorIn input_norm_, float input_eps, Panels qkv_, std::optional<Scales> qkv_s,
+                    int64_t num_heads, int64_t num_kv_heads, Panels o_, std::optional<Scales> o_s,
+                    VectorIn post_norm_, float post_eps, Panels gate_up_,
+                    std::optional<Scales> gate_up_s, Panels down_, std::optional<Scales> down_s,
+                    CacheLayer key_, CacheLayer value_, const std::string& isa)
+      : input_norm(input_norm_), post_norm(post_norm_), qkv_panels(qkv_), o_panels(o_),
+        gate_up_panels(gate_up_), down_panels(down_), qkv_scales(qkv_s), o_scales(o_s),
+        gate_up_scales(gate_up_s), down_scales(down_s), key_cache(key_), value_cache(value_) {
+    const int64_t hidden = input_norm.shape(0), head_dim = key_cache.shape(2);
+    const int64_t width = pm::best_isa().linear_panel_width;
+    if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0 ||
+        key_cache.shape(1) != static_cast<size_t>(num_kv_heads))
+      throw std::invalid_argument(
+          "FusedDecoderLayer: num_heads must be a multiple of num_kv_heads, the caches' heads");
+    expect_shape("value_cache", value_cache,
+                 {static_cast<int64_t>(key_cache.shape(0)), num_kv_heads,
+                  static_cast<int64_t>(key_cache.shape(3)), head_dim});
+    const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
+    expect_shape("qkv_panels", qkv_panels, {(qkv_width + width - 1) / width, hidden, width});
+    pre = {input_norm.data(), input_eps, weight_view(qkv_panels, qkv_scales, 0),
+           hidden,            num_heads, num_kv_heads,
+           head_dim};
+    post = post_attention_weights("FusedDecoderLayer", hidden, num_heads * head_dim, o_panels,
+                                  o_scales, post_norm, post_eps, gate_up_panels, gate_up_scales,
+                                  down_panels, down_scales);
+    kv = {key_cache.data(), value_cache.data(), static_cast<int64_t>(key_cache.shape(0)),
+          static_cast<int64_t>(key_cache.shape(3))};
+    attention = &pm::select_isa(isa, head_dim, kv.block_size);
+  }
+
+  void decode(pm::Workspace& ws, const DecodeStep& step, const RowsIn& x, const RowsOut& out,
+              int num_threads, int attention_threads) const {
+    expect_rows("x", x.shape(0), x.shape(1), step.in.rows, pre.hidden);
+    expect_rows("out", out.shape(0), out.shape(1), step.in.rows, pre.hidden);
+    check(step, num_threads, attention_threads);
+    nb::gil_scoped_release no_gil;
+    run(ws, step, x.data(), out.data(), num_threads, attention_threads);
+  }
+
+  // Checks what `decode` checks, except x's and out's shapes (the caller's).
+  void check(const DecodeStep& step, int num_threads, int attention_threads) const {
+    if (step.cos_table.shape(1) != static_cast<size_t>(pre.head_dim))
+      throw std::invalid_argument("decode: the RoPE tables' rows must be head_dim wide");
+    if (num_threads < 1 || attention_threads < 1)
+      throw std::invalid_argument("num_threads must be >= 1");
+    const int64_t num_slots = kv.num_blocks * kv.block_size;
+    for (int64_t r = 0; r < step.in.rows; ++r)
+      if (step.in.slots[r] < 0 || step.in.slots[r] >= num_slots)
+        throw std::invalid_argument("decode: slot " + std::to_string(step.in.slots[r]) +
+                                    " outside the cache's " + std::to_string(num_slots) +
+                                    " slots");
+  }
+
+  void run(pm::Workspace& ws, const DecodeStep& step, const float* x, float* out, int num_threads,
+           int attention_threads) const {
+    pm::decoder_layer_decode(pre, post, kv, step.in, x, out, pm::best_isa(), *attention, ws,
+                             num_threads, attention_threads);
+  }
+};
+
+// Every layer of a decode step in one call: x [T, hidden] through layers[0], layers[1], ... into
+// out (x and out may be one tensor: a layer reads its input whole before it writes its output).
+void decode_layers(pm::Workspace& ws, const DecodeStep& step,
+                   const std::vector<const FusedDecoderLayer*>& layers, const RowsIn& x,
+                   const RowsOut& out, int num_threads, int attention_threads) {
+  for (const FusedDecoderLayer* layer : layers) {
+    expect_rows("x", x.shape(0), x.shape(1), step.in.rows, layer->pre.hidden);
+    expect_rows("out", out.shape(0), out.shape(1), step.in.rows, layer->pre.hidden);
+    layer->check(step, num_threads, attention_threads);
+  }
+  nb::gil_scoped_release no_gil;
+  const float* in = x.data();
+  for (const FusedDecoderLayer* layer : layers) {
+    layer->run(ws, step, in, out.data(), num_threads, attention_threads);
+    in = out.data();
+  }
 }
 
 using StridedKv = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu>;
-using CacheLayer = nb::ndarray<float, nb::ndim<4>, nb::device::cpu, nb::c_contig>;
-
 void write_kv(const CacheLayer& key_cache, const CacheLayer& value_cache, const StridedKv& k,
               const StridedKv& v,
               const nb::ndarray<const int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>& slots) {
@@ -395,6 +514,42 @@ NB_MODULE(phasemesh_attention_kernel, m) {
            nb::arg("num_threads") = 1, nb::arg("isa") = "auto",
            "Writes out [S, Hq, D] and lse [S, Hq] (float32) for the query rows of KV heads "
            "[kv_head_start, kv_head_end); tokens [token_starts[i], context_lens[i]).");
+  nb::class_<DecodeStep>(m, "DecodeStep",
+                         "One decode step's positions, RoPE tables, KV slots, block tables and "
+                         "context lengths, checked once and shared by every FusedDecoderLayer call.")
+      .def(nb::init<Int64Vector, RowsIn, RowsIn, Int64Vector,
+                    nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>,
+                    nb::ndarray<const int32_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>, float>(),
+           nb::arg("positions").noconvert(), nb::arg("cos_table").noconvert(),
+           nb::arg("sin_table").noconvert(), nb::arg("slots").noconvert(),
+           nb::arg("block_tables").noconvert(), nb::arg("context_lens").noconvert(),
+           nb::arg("scale"));
+  nb::class_<FusedDecoderLayer>(
+      m, "FusedDecoderLayer",
+      "A decoder layer's packed weights and float32 KV caches, for a decode step's layer in one "
+      "call (common/model/fused_decode.py).")
+      .def(nb::init<VectorIn, float, Panels, std::optional<Scales>, int64_t, int64_t, Panels,
+                    std::optional<Scales>, VectorIn, float, Panels, std::optional<Scales>, Panels,
+                    std::optional<Scales>, CacheLayer, CacheLayer, const std::string&>(),
+           nb::arg("input_norm").noconvert(), nb::arg("input_eps"),
+           nb::arg("qkv_panels").noconvert(), nb::arg("qkv_scales").noconvert().none(),
+           nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("o_panels").noconvert(),
+           nb::arg("o_scales").noconvert().none(), nb::arg("post_norm").noconvert(),
+           nb::arg("post_eps"), nb::arg("gate_up_panels").noconvert(),
+           nb::arg("gate_up_scales").noconvert().none(), nb::arg("down_panels").noconvert(),
+           nb::arg("down_scales").noconvert().none(), nb::arg("key_cache").noconvert(),
+           nb::arg("value_cache").noconvert(), nb::arg("isa") = "auto")
+      .def("decode", &FusedDecoderLayer::decode, nb::arg("workspace"), nb::arg("step"),
+           nb::arg("x").noconvert(), nb::arg("out").noconvert(), nb::arg("num_threads") = 1,
+           nb::arg("attention_threads") = 1,
+           "out = the layer on x [T, hidden] for one decode step: RMSNorm, QKV, RoPE, the k/v "
+           "write at the step's slots, paged decode attention, then post_attention; the bits of "
+           "those calls made in turn.");
+  m.def("decode_layers", &decode_layers, nb::arg("workspace"), nb::arg("step"), nb::arg("layers"),
+        nb::arg("x").noconvert(), nb::arg("out").noconvert(), nb::arg("num_threads") = 1,
+        nb::arg("attention_threads") = 1,
+        "out = x through every FusedDecoderLayer of `layers` in turn, for one decode step (x and "
+        "out may be one tensor); the bits of each layer's decode called in turn.");
   m.def(
       "read_sum",
       [](const nb::ndarray<const float, nb::device::cpu, nb::c_contig>& a, int num_threads) {

@@ -74,6 +74,12 @@ class CpuKernelAttention:
         self.isa = isa
         self._kernel: Any = _EXTENSION.PagedDecodeKernel()
 
+    @property
+    def workspace(self) -> Any:
+        """The extension's kernel object with this backend's scratch (the fused decoder layer,
+        common/model/fused_decode.py, runs its attention on it)."""
+        return self._kernel
+
     def decode(
         self,
         q: torch.Tensor,  # [num_seqs, num_q_heads, head_dim] float32 or bfloat16

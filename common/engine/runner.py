@@ -16,6 +16,8 @@ from common.attention.prefix_prefill import prefix_prefill_attention
 from common.block_manager import BlockManager
 from common.kv_cache import KVCache
 from common.logprobs import token_logprobs
+from common.model.fused_decode import FusedDecode
+from common.model.linear import pack_generation
 from common.model.llama import LlamaForCausalLM
 from common.protocol import TokenLogprobs
 from common.scheduling.batching import Batch, Phase
@@ -63,6 +65,11 @@ class ModelRunner(Generic[Inputs]):
     `Inputs` is what one step carries: `StepInputs` here; a runner whose attention goes elsewhere
     (services/engine/runner.py) passes a plan that also says where."""
 
+    # Whether this runner's `attend` of a decode step is the local cache write and decode below,
+    # which the fused layers run themselves: a subclass whose decode steps attend otherwise
+    # through `forward` sets it False.
+    LOCAL_ATTEND = True
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -80,6 +87,11 @@ class ModelRunner(Generic[Inputs]):
         self.device: torch.device = getattr(kv_cache, "device", torch.device("cpu"))
         self.on_device = self.device.type != "cpu"
         self.graphs: DecodeGraphs | None = None  # `use_graphs`
+        # Decode steps through the fused layers (`fused_decode`) where they apply (False: the
+        # stages one by one, to compare); the pack generation a build last refused at.
+        self.fuse_decode = True
+        self._fused: FusedDecode | None = None
+        self._fused_refused_at: int | None = None
 
     def place(self, inputs: Placed) -> Placed:
         """`inputs` with its tensors on this runner's device (the same object, untouched, on the
@@ -170,17 +182,45 @@ class ModelRunner(Generic[Inputs]):
         )  # fmt: skip
 
     def forward(self, inputs: Inputs, keep_hidden: bool = False) -> torch.Tensor:
-        """`run`'s eager forward (what a decode graph captures)."""
+        """`run`'s eager forward (what a decode graph captures). A local decode step takes the
+        fused layers where they apply (`fused_decode`): the same bits, one extension call."""
         x = self.model.embed(inputs.input_ids)  # [T, hidden]
-        rope = self.model.rotary_at(inputs.positions)
-        for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.pre_attention(x, rope)
-            attn = self.attend(i, q, k, v, inputs)  # [T, Hq, D]
-            x = layer.post_attention(x, attn)
+        fused = self.fused_decode(inputs, x)
+        if fused is not None:
+            x = fused.run(
+                x, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens
+            )
+        else:
+            rope = self.model.rotary_at(inputs.positions)
+            for i, layer in enumerate(self.model.layers):
+                q, k, v = layer.pre_attention(x, rope)
+                attn = self.attend(i, q, k, v, inputs)  # [T, Hq, D]
+                x = layer.post_attention(x, attn)
         self.hidden = x if keep_hidden else None
         # One row per sequence already when every sequence has one token (decode): no gather.
         last = x if x.shape[0] == len(inputs.last_token_index) else x[inputs.last_token_index]
         return self.model.compute_logits(last)
+
+    def fused_decode(self, inputs: Inputs, x: torch.Tensor) -> FusedDecode | None:
+        """The fused decoder layers for this step, or None where its layers run stage by stage:
+        not a decode step, a runner whose `attend` is not the local one (`LOCAL_ATTEND`), or what
+        `FusedDecode` does not take (built on the first decode step, again after a repack or for
+        another cache; a refusal is tried again only after a repack)."""
+        if (
+            not self.fuse_decode
+            or inputs.phase is not Phase.DECODE
+            or not self.LOCAL_ATTEND
+            or not FusedDecode.takes(x)
+        ):
+            return None
+        fused = self._fused
+        if fused is None or not fused.current(self.kv_cache):
+            generation = pack_generation()
+            if self._fused_refused_at == generation:  # the same weights it refused
+                return None
+            fused = self._fused = FusedDecode.build(self.model, self.kv_cache, self.backend)
+            self._fused_refused_at = None if fused is not None else generation
+        return fused
 
     @torch.inference_mode()
     def prompt_logprobs(

@@ -47,6 +47,8 @@ workers awake through a step's calls, asleep when the engine idles, never waited
 
 from __future__ import annotations
 
+import itertools
+
 import structlog
 import torch
 import torch.nn.functional as F
@@ -122,6 +124,21 @@ def _noted_fallback(weight_dtype: str, instead: str) -> None:
 _NOTED: set[str] = set()
 
 
+_PACKINGS = itertools.count(1)
+_pack_generation = 0
+
+
+def pack_generation() -> int:
+    """A number that changes whenever any projection is packed or unpacked: what holds the
+    packed tensors elsewhere (common/model/fused_decode.py) rebuilds when it does."""
+    return _pack_generation
+
+
+def _packed_anew() -> None:
+    global _pack_generation
+    _pack_generation = next(_PACKINGS)
+
+
 class PackedLinear(nn.Linear):
     """A bias-free projection x @ weight.T, through a packed weight once `pack()` ran."""
 
@@ -148,6 +165,7 @@ class PackedLinear(nn.Linear):
         copy's: the weight is cast, or quantized per output channel, once here. `backend`
         "kernel" or "onednn" asks for one path only (benchmarks compare them). A no-op where the
         asked path is missing or does not take the dtype."""
+        _packed_anew()
         if backend not in ("auto", "kernel", "onednn"):
             raise ValueError(f"unknown backend {backend!r}: auto, kernel or onednn")
         if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
@@ -213,6 +231,7 @@ class PackedLinear(nn.Linear):
 
     def unpack(self) -> None:
         """Back to F.linear: drop the packed copies (the row slices' too)."""
+        _packed_anew()
         self.panels, self.scales, self.packed, self.packed_rows = None, None, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,13 @@ def test_weight_dtype_rows_and_their_targets(tiny_model_path, monkeypatch):
     monkeypatch.setattr(engine, "LONG", 8)
     monkeypatch.setattr(engine, "SHORT", 4)
 
-    rows, lines = weight_dtype_rows(str(tiny_model_path), ["float32", "int8"], 1, 8 << 20)
+    rows, lines = weight_dtype_rows(
+        str(tiny_model_path), ["float32", "int8"], 1, 8 << 20, stages=True
+    )
     assert rows["read_probe_gbps"] > 0 and len(lines) == 3
+    for name in ("float32", "int8"):  # each dtype beside its stages' engine (`stages=True`)
+        assert {"stages_tok_s", "fused_over_stages"} <= set(rows[name])
+    assert "int8_stages" not in rows  # a side of its dtype's row, not a row of its own
     for name in ("float32", "int8"):
         assert {"tok_s", "weight_mb_per_token", "gbps", "over_read_probe", "over_float32"} <= set(
             rows[name]
