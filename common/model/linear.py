@@ -165,7 +165,6 @@ class PackedLinear(nn.Linear):
         copy's: the weight is cast, or quantized per output channel, once here. `backend`
         "kernel" or "onednn" asks for one path only (benchmarks compare them). A no-op where the
         asked path is missing or does not take the dtype."""
-        _packed_anew()
         if backend not in ("auto", "kernel", "onednn"):
             raise ValueError(f"unknown backend {backend!r}: auto, kernel or onednn")
         if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
@@ -188,7 +187,9 @@ class PackedLinear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(packed_weight, rows_hint)
 
     def _unpacked(self, rows_hint: int) -> torch.Tensor:
-        """No packed copy yet, the weight as it is now; returns that weight."""
+        """No packed copy yet, the weight as it is now; returns that weight. Every packing and
+        adoption starts here, so the pack generation moves with each."""
+        _packed_anew()
         weight = self.weight.detach()
         self.dense, self.rows_hint, self.packed_rows = weight, rows_hint, {}
         self.panels = self.scales = self.packed = None
