@@ -74,6 +74,32 @@ inline VecF load(const uint16_t* p) {
 
 inline void store(float* p, VecF v) { __builtin_memcpy(p, &v, sizeof v); }
 
+// 2 * kLanes bfloat16 values as two vectors: the even-indexed ones and the odd-indexed ones. A
+// 32-bit lane holds one pair: its low half shifted up is the even value, its high half with the
+// low bits cleared the odd one. Two plain ALU ops per 2 * kLanes values, where load() spends a
+// widening shuffle and a shift on each kLanes.
+inline void load_pair(const uint16_t* p, VecF* even, VecF* odd) {
+  VecU u;
+  __builtin_memcpy(&u, p, sizeof u);
+  *even = (VecF)(u << 16);
+  *odd = (VecF)(u & 0xFFFF0000u);
+}
+
+// bfloat16 V accumulates each whole chunk of 2 * kLanes elements of a row as its even elements,
+// then its odd ones (load_pair); this puts the `rows` rows of `acc` back in element order.
+inline void interleave_pairs(float* acc, int rows, int head_dim) {
+  float chunk[2 * kLanes];
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c + 2 * kLanes <= head_dim; c += 2 * kLanes) {
+      float* x = acc + r * head_dim + c;
+      for (int i = 0; i < 2 * kLanes; ++i) chunk[i] = x[i];
+      for (int i = 0; i < kLanes; ++i) {
+        x[2 * i] = chunk[i];
+        x[2 * i + 1] = chunk[kLanes + i];
+      }
+    }
+}
+
 inline VecF vmax(VecF a, VecF b) { return a > b ? a : b; }
 
 inline float hmax(VecF v) {
@@ -272,6 +298,9 @@ inline void accumulate_rows(float* acc, const float* probs, int stride, const fl
                             const Step<KV>& step, uint32_t prefetch_slots, int head_dim,
                             int block_size,
                             int dv) {
+  // bfloat16 in pairs of vectors: a[g][j] and a[g][j + 1] (j even) hold the even and the odd
+  // elements of the chunk [dv + j * kLanes, dv + (j + 2) * kLanes); attend() reorders at the end.
+  constexpr bool kPairs = sizeof(KV) == 2 && VT % 2 == 0;
   VecF a[GT][VT];
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < VT; ++j) a[g][j] = load(acc + g * head_dim + dv + j * kLanes) * alpha[g];
@@ -287,7 +316,11 @@ inline void accumulate_rows(float* acc, const float* probs, int stride, const fl
       const KV* next = prefetch ? step.next_keys[blk] : nullptr;
       VecF v[VT];
       for (int j = 0; j < VT; ++j) {
-        v[j] = load(v_tile + row + j * kLanes);
+        if constexpr (kPairs) {
+          if (j % 2 == 0) load_pair(v_tile + row + j * kLanes, &v[j], &v[j + 1]);
+        } else {
+          v[j] = load(v_tile + row + j * kLanes);
+        }
         if (next != nullptr) prefetch_line(next + row + j * kLanes, j * kLanes);
       }
       for (int g = 0; g < GT; ++g) {
@@ -422,6 +455,7 @@ void attend(const FragmentArgs& a, const FragmentState& st) {
     accumulate_step(st.acc, st.scratch, stride, alpha, step, G, D, B);
   }
   for (int g = 0; g < G; ++g) st.row_sum[g] = hsum(load(lane_sums + g * kLanes));
+  if constexpr (sizeof(KV) == 2) interleave_pairs(st.acc, G, D);
 }
 
 // silu(g) * u = g * u / (1 + exp(-g)), a vector at a time over columns [col_begin, col_end) of
