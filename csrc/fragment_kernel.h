@@ -102,10 +102,13 @@ inline void interleave_pairs(float* acc, int rows, int head_dim) {
 
 inline VecF vmax(VecF a, VecF b) { return a > b ? a : b; }
 
+// A tree of halves: log2(kLanes) dependent steps, where a lane-by-lane scan takes kLanes.
 inline float hmax(VecF v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  float x[kLanes];
+  __builtin_memcpy(x, &v, sizeof x);
+  for (int width = kLanes / 2; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) x[i] = x[i + width] > x[i] ? x[i + width] : x[i];
+  return x[0];
 }
 
 inline float hsum(VecF v) {
@@ -268,26 +271,36 @@ void score_step(const float* q, const Step<KV>& step, int group_size, int head_d
     score_step_nb<8>(q, step, group_size, head_dim, block_size, scores, stride);
 }
 
-// Online-softmax step for one row of `stride` scores: they become probabilities relative to the
-// new running max; returns the factor that rescales everything accumulated so far.
-inline float softmax_row(float* scores, int stride, int lo, int hi, float* row_max,
-                         float* lane_sum) {
-  for (int i = 0; i < lo; ++i) scores[i] = kMinusInf;  // slots outside the token range
-  for (int i = hi; i < stride; ++i) scores[i] = kMinusInf;
-  VecF m = load(scores);
-  for (int c = kLanes; c < stride; c += kLanes) m = vmax(m, load(scores + c));
-  const float step_max = hmax(m);
-  const float new_max = step_max > *row_max ? step_max : *row_max;
-  const float alpha = scalar_exp(*row_max - new_max);
-  *row_max = new_max;
-  VecF sum = load(lane_sum) * alpha;
-  for (int c = 0; c < stride; c += kLanes) {
-    const VecF p = vexp(load(scores + c) - new_max);
-    store(scores + c, p);
-    sum += p;
+// Online-softmax step for `rows` rows of `stride` scores: they become probabilities relative to
+// each row's new running max, and alpha[g] is the factor that rescales row g's sums so far.
+// Phase by phase over the rows (every maximum, then every rescale factor, then the exps), not row
+// after row: each row is a chain of dependent steps (max -> exp -> sum), and side by side the
+// rows' chains overlap. Each row's arithmetic is the same either way.
+inline void softmax_step(float* scores, int rows, int stride, int lo, int hi, float* row_max,
+                         float* lane_sums, float* alpha) {
+  for (int g = 0; g < rows; ++g) {
+    float* row = scores + g * stride;
+    for (int i = 0; i < lo; ++i) row[i] = kMinusInf;  // slots outside the token range
+    for (int i = hi; i < stride; ++i) row[i] = kMinusInf;
+    VecF m = load(row);
+    for (int c = kLanes; c < stride; c += kLanes) m = vmax(m, load(row + c));
+    alpha[g] = hmax(m);  // the step's maximum, for now
   }
-  store(lane_sum, sum);
-  return alpha;
+  for (int g = 0; g < rows; ++g) {
+    const float new_max = alpha[g] > row_max[g] ? alpha[g] : row_max[g];
+    alpha[g] = scalar_exp(row_max[g] - new_max);
+    row_max[g] = new_max;
+  }
+  for (int g = 0; g < rows; ++g) {
+    float* row = scores + g * stride;
+    VecF sum = load(lane_sums + g * kLanes) * alpha[g];
+    for (int c = 0; c < stride; c += kLanes) {
+      const VecF p = vexp(load(row + c) - row_max[g]);
+      store(row + c, p);
+      sum += p;
+    }
+    store(lane_sums + g * kLanes, sum);
+  }
 }
 
 // acc[g][dv : dv + VT*lanes] = acc * alpha[g] + sum over the step's slots p[g][slot] * V[slot].
@@ -449,9 +462,7 @@ void attend(const FragmentArgs& a, const FragmentState& st) {
     const Step<KV> step = make_step(a, keys, values, b, blocks_per_step);
     const int stride = step.num_blocks * B;
     score_step(a.q, step, G, D, B, st.scratch, stride);
-    for (int g = 0; g < G; ++g)
-      alpha[g] = softmax_row(st.scratch + g * stride, stride, step.lo, step.hi, st.row_max + g,
-                             lane_sums + g * kLanes);
+    softmax_step(st.scratch, G, stride, step.lo, step.hi, st.row_max, lane_sums, alpha);
     accumulate_step(st.acc, st.scratch, stride, alpha, step, G, D, B);
   }
   for (int g = 0; g < G; ++g) st.row_sum[g] = hsum(load(lane_sums + g * kLanes));
