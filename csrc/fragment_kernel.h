@@ -14,8 +14,9 @@
 // side (4 when the group has 4+ rows: each K vector then feeds 4 rows from registers, so a GQA
 // group reads and widens its K once; see score_step_nb): contiguous vector FMAs, one broadcast
 // q element per row, no horizontal sums; (2) updates the running max and sum once for the whole
-// step (online softmax); (3) streams the V rows [block_size][head_dim] of all the step's blocks,
-// slot by slot across the blocks, into register-tiled accumulators, folding in the rescale.
+// step (online softmax, all rows side by side); (3) streams the V rows [block_size][head_dim] of
+// all the step's blocks, slot by slot across the blocks, into register-tiled accumulators,
+// folding in the rescale (bfloat16 V widened two vectors a load: load_pair).
 //
 // Why several tiles side by side: one sequential stream per thread does not reach the memory's
 // read bandwidth, several do. Block tables scatter blocks, so the hardware prefetcher cannot
@@ -28,9 +29,12 @@
 // NOTE: tried and left out, each slower or within noise in paired A/B runs, the figures in
 // docs/benchmarks.md ("Kernel design experiments"): scoring or accumulating bfloat16 with
 // vdpbf16ps (it also rounds q or the probabilities to bfloat16, so the output would depend on
-// the work partition), wider bfloat16 steps, and a V widening from one load. What holds GQA
-// below the read probe differs by machine: the paged layout's scattered tiles on one, the core's
-// own work per K/V value (4 FMAs and the widening) and its line fill buffers on the other.
+// the work partition), wider bfloat16 steps, a V widening from one load on Emerald Rapids (not
+// load_pair's shift and mask, which has no shuffle and gained on Zen 5), and K scored two rows a
+// load by load_pair (each half of a vector one row, against q pairs: twice the accumulators per
+// tile, so half the tiles side by side; slower from memory). What holds GQA below the read
+// probe differs by machine: the paged layout's scattered tiles on one, the core's own work per
+// K/V value (4 FMAs and the widening) and its line fill buffers on the other.
 //
 // NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: each
 // measured against the other size (bench/attention_ab.py), neither gained by changing.
