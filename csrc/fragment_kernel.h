@@ -310,7 +310,9 @@ inline void softmax_step(float* scores, int rows, int stride, int lo, int hi, fl
 // acc[g][dv : dv + VT*lanes] = acc * alpha[g] + sum over the step's slots p[g][slot] * V[slot].
 // At the slots s whose bit (s % 32) is set in `prefetch_slots`, the next step's K tiles are
 // prefetched at the same offsets.
-template <int GT, int VT, typename KV>
+// kFull > 0: the step is kFull whole blocks of tokens ([lo, hi) covers every slot), so the
+// block loop has a fixed count and no per-slot range test; 0: any step.
+template <int GT, int VT, int kFull, typename KV>
 inline void accumulate_rows(float* acc, const float* probs, int stride, const float* alpha,
                             const Step<KV>& step, uint32_t prefetch_slots, int head_dim,
                             int block_size,
@@ -325,9 +327,11 @@ inline void accumulate_rows(float* acc, const float* probs, int stride, const fl
   // side (see score_rows). Slots outside [lo, hi) hold no token of this fragment.
   for (int s = 0; s < block_size; ++s) {
     const bool prefetch = (prefetch_slots >> (s & 31)) & 1u;
-    for (int blk = 0; blk < step.num_blocks; ++blk) {
+    const int num_blocks = kFull > 0 ? kFull : step.num_blocks;
+    for (int blk = 0; blk < num_blocks; ++blk) {
       const int slot = blk * block_size + s;
-      if (slot < step.lo || slot >= step.hi) continue;
+      if constexpr (kFull == 0)
+        if (slot < step.lo || slot >= step.hi) continue;
       const int64_t row = static_cast<int64_t>(s) * head_dim + dv;
       const KV* v_tile = step.values[blk];
       const KV* next = prefetch ? step.next_keys[blk] : nullptr;
@@ -352,7 +356,7 @@ inline void accumulate_rows(float* acc, const float* probs, int stride, const fl
 
 // GT rows: the widest VT (vectors of head_dim per row) that fits the accumulator budget, then
 // narrower ones for what is left of head_dim.
-template <int GT, typename KV>
+template <int GT, int kFull, typename KV>
 inline void accumulate_group(float* acc, const float* probs, int stride, const float* alpha,
                              const Step<KV>& step, uint32_t prefetch, int head_dim,
                              int block_size) {
@@ -360,15 +364,19 @@ inline void accumulate_group(float* acc, const float* probs, int stride, const f
   int dv = 0;
   if constexpr (kFit >= 8)
     for (; dv + 8 * kLanes <= head_dim; dv += 8 * kLanes)
-      accumulate_rows<GT, 8>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
+      accumulate_rows<GT, 8, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+                                        block_size, dv);
   if constexpr (kFit >= 4)
     for (; dv + 4 * kLanes <= head_dim; dv += 4 * kLanes)
-      accumulate_rows<GT, 4>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
+      accumulate_rows<GT, 4, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+                                        block_size, dv);
   if constexpr (kFit >= 2)
     for (; dv + 2 * kLanes <= head_dim; dv += 2 * kLanes)
-      accumulate_rows<GT, 2>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
+      accumulate_rows<GT, 2, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+                                        block_size, dv);
   for (; dv < head_dim; dv += kLanes)
-    accumulate_rows<GT, 1>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
+    accumulate_rows<GT, 1, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size,
+                                    dv);
 }
 
 // Bit s set for the slots s in [0, 32) with s % passes == pass.
@@ -378,9 +386,9 @@ inline uint32_t slots_of_pass(int pass, int passes) {
   return mask;
 }
 
-template <typename KV>
-void accumulate_step(float* acc, const float* probs, int stride, const float* alpha,
-                     const Step<KV>& step, int group_size, int head_dim, int block_size) {
+template <int kFull, typename KV>
+void accumulate_step_as(float* acc, const float* probs, int stride, const float* alpha,
+                        const Step<KV>& step, int group_size, int head_dim, int block_size) {
   // V goes to 4 rows at a time (VT = 4 vectors of head_dim per pass, two passes over each row's
   // halves for head_dim 128): every V value is read from cache once per 4 rows, where rows in
   // pairs (VT = 8, whole rows in order) read the step's V twice, the second pass from L2 for a
@@ -395,14 +403,28 @@ void accumulate_step(float* acc, const float* probs, int stride, const float* al
   const int passes = fours + pairs + (group_size - 4 * fours - 2 * pairs);
   int g = 0, pass = 0;
   for (int i = 0; i < fours; ++i, g += 4)
-    accumulate_group<4>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                        slots_of_pass(pass++, passes), head_dim, block_size);
+    accumulate_group<4, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+                               slots_of_pass(pass++, passes), head_dim, block_size);
   for (int i = 0; i < pairs; ++i, g += 2)
-    accumulate_group<2>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                        slots_of_pass(pass++, passes), head_dim, block_size);
+    accumulate_group<2, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+                               slots_of_pass(pass++, passes), head_dim, block_size);
   if (g < group_size)
-    accumulate_group<1>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                        slots_of_pass(pass++, passes), head_dim, block_size);
+    accumulate_group<1, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+                               slots_of_pass(pass++, passes), head_dim, block_size);
+}
+
+// A step of whole blocks of tokens, as every step is but a fragment's first and last, runs the
+// block loop at a fixed count (4 or 8 blocks) with no per-slot range test.
+template <typename KV>
+void accumulate_step(float* acc, const float* probs, int stride, const float* alpha,
+                     const Step<KV>& step, int group_size, int head_dim, int block_size) {
+  const bool whole = step.lo == 0 && step.hi == step.num_blocks * block_size;
+  if (whole && step.num_blocks == 4)
+    accumulate_step_as<4>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
+  else if (whole && step.num_blocks == 8)
+    accumulate_step_as<8>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
+  else
+    accumulate_step_as<0>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
 }
 
 // The step starting at block b: tile pointers and the token slots it holds.
