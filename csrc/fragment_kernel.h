@@ -365,18 +365,18 @@ inline void accumulate_group(float* acc, const float* probs, int stride, const f
   if constexpr (kFit >= 8)
     for (; dv + 8 * kLanes <= head_dim; dv += 8 * kLanes)
       accumulate_rows<GT, 8, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
-                                        block_size, dv);
+                                    block_size, dv);
   if constexpr (kFit >= 4)
     for (; dv + 4 * kLanes <= head_dim; dv += 4 * kLanes)
       accumulate_rows<GT, 4, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
-                                        block_size, dv);
+                                    block_size, dv);
   if constexpr (kFit >= 2)
     for (; dv + 2 * kLanes <= head_dim; dv += 2 * kLanes)
       accumulate_rows<GT, 2, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
-                                        block_size, dv);
+                                    block_size, dv);
   for (; dv < head_dim; dv += kLanes)
-    accumulate_rows<GT, 1, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size,
-                                    dv);
+    accumulate_rows<GT, 1, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+                                  block_size, dv);
 }
 
 // Bit s set for the slots s in [0, 32) with s % passes == pass.
