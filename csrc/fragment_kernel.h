@@ -14,8 +14,9 @@
 // side (4 when the group has 4+ rows: each K vector then feeds 4 rows from registers, so a GQA
 // group reads and widens its K once; see score_step_nb): contiguous vector FMAs, one broadcast
 // q element per row, no horizontal sums; (2) updates the running max and sum once for the whole
-// step (online softmax); (3) streams the V rows [block_size][head_dim] of all the step's blocks,
-// slot by slot across the blocks, into register-tiled accumulators, folding in the rescale.
+// step (online softmax, all rows side by side); (3) streams the V rows [block_size][head_dim] of
+// all the step's blocks, slot by slot across the blocks, into register-tiled accumulators,
+// folding in the rescale (bfloat16 V widened two vectors a load: load_pair).
 //
 // Why several tiles side by side: one sequential stream per thread does not reach the memory's
 // read bandwidth, several do. Block tables scatter blocks, so the hardware prefetcher cannot
@@ -28,9 +29,12 @@
 // NOTE: tried and left out, each slower or within noise in paired A/B runs, the figures in
 // docs/benchmarks.md ("Kernel design experiments"): scoring or accumulating bfloat16 with
 // vdpbf16ps (it also rounds q or the probabilities to bfloat16, so the output would depend on
-// the work partition), wider bfloat16 steps, and a V widening from one load. What holds GQA
-// below the read probe differs by machine: the paged layout's scattered tiles on one, the core's
-// own work per K/V value (4 FMAs and the widening) and its line fill buffers on the other.
+// the work partition), wider bfloat16 steps, a V widening from one load on Emerald Rapids (not
+// load_pair's shift and mask, which has no shuffle and gained on Zen 5), and K scored two rows a
+// load by load_pair (each half of a vector one row, against q pairs: twice the accumulators per
+// tile, so half the tiles side by side; slower from memory). What holds GQA below the read
+// probe differs by machine: the paged layout's scattered tiles on one, the core's own work per
+// K/V value (4 FMAs and the widening) and its line fill buffers on the other.
 //
 // NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: each
 // measured against the other size (bench/attention_ab.py), neither gained by changing.
@@ -74,12 +78,41 @@ inline VecF load(const uint16_t* p) {
 
 inline void store(float* p, VecF v) { __builtin_memcpy(p, &v, sizeof v); }
 
+// 2 * kLanes bfloat16 values as two vectors: the even-indexed ones and the odd-indexed ones. A
+// 32-bit lane holds one pair: its low half shifted up is the even value, its high half with the
+// low bits cleared the odd one. Two plain ALU ops per 2 * kLanes values, where load() spends a
+// widening shuffle and a shift on each kLanes.
+inline void load_pair(const uint16_t* p, VecF* even, VecF* odd) {
+  VecU u;
+  __builtin_memcpy(&u, p, sizeof u);
+  *even = (VecF)(u << 16);
+  *odd = (VecF)(u & 0xFFFF0000u);
+}
+
+// bfloat16 V accumulates each whole chunk of 2 * kLanes elements of a row as its even elements,
+// then its odd ones (load_pair); this puts the `rows` rows of `acc` back in element order.
+inline void interleave_pairs(float* acc, int rows, int head_dim) {
+  float chunk[2 * kLanes];
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c + 2 * kLanes <= head_dim; c += 2 * kLanes) {
+      float* x = acc + r * head_dim + c;
+      for (int i = 0; i < 2 * kLanes; ++i) chunk[i] = x[i];
+      for (int i = 0; i < kLanes; ++i) {
+        x[2 * i] = chunk[i];
+        x[2 * i + 1] = chunk[kLanes + i];
+      }
+    }
+}
+
 inline VecF vmax(VecF a, VecF b) { return a > b ? a : b; }
 
+// A tree of halves: log2(kLanes) dependent steps, where a lane-by-lane scan takes kLanes.
 inline float hmax(VecF v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  float x[kLanes];
+  __builtin_memcpy(x, &v, sizeof x);
+  for (int width = kLanes / 2; width >= 1; width /= 2)
+    for (int i = 0; i < width; ++i) x[i] = x[i + width] > x[i] ? x[i + width] : x[i];
+  return x[0];
 }
 
 inline float hsum(VecF v) {
@@ -242,36 +275,51 @@ void score_step(const float* q, const Step<KV>& step, int group_size, int head_d
     score_step_nb<8>(q, step, group_size, head_dim, block_size, scores, stride);
 }
 
-// Online-softmax step for one row of `stride` scores: they become probabilities relative to the
-// new running max; returns the factor that rescales everything accumulated so far.
-inline float softmax_row(float* scores, int stride, int lo, int hi, float* row_max,
-                         float* lane_sum) {
-  for (int i = 0; i < lo; ++i) scores[i] = kMinusInf;  // slots outside the token range
-  for (int i = hi; i < stride; ++i) scores[i] = kMinusInf;
-  VecF m = load(scores);
-  for (int c = kLanes; c < stride; c += kLanes) m = vmax(m, load(scores + c));
-  const float step_max = hmax(m);
-  const float new_max = step_max > *row_max ? step_max : *row_max;
-  const float alpha = scalar_exp(*row_max - new_max);
-  *row_max = new_max;
-  VecF sum = load(lane_sum) * alpha;
-  for (int c = 0; c < stride; c += kLanes) {
-    const VecF p = vexp(load(scores + c) - new_max);
-    store(scores + c, p);
-    sum += p;
+// Online-softmax step for `rows` rows of `stride` scores: they become probabilities relative to
+// each row's new running max, and alpha[g] is the factor that rescales row g's sums so far.
+// Phase by phase over the rows (every maximum, then every rescale factor, then the exps), not row
+// after row: each row is a chain of dependent steps (max -> exp -> sum), and side by side the
+// rows' chains overlap. Each row's arithmetic is the same either way.
+inline void softmax_step(float* scores, int rows, int stride, int lo, int hi, float* row_max,
+                         float* lane_sums, float* alpha) {
+  for (int g = 0; g < rows; ++g) {
+    float* row = scores + g * stride;
+    for (int i = 0; i < lo; ++i) row[i] = kMinusInf;  // slots outside the token range
+    for (int i = hi; i < stride; ++i) row[i] = kMinusInf;
+    VecF m = load(row);
+    for (int c = kLanes; c < stride; c += kLanes) m = vmax(m, load(row + c));
+    alpha[g] = hmax(m);  // the step's maximum, for now
   }
-  store(lane_sum, sum);
-  return alpha;
+  for (int g = 0; g < rows; ++g) {
+    const float new_max = alpha[g] > row_max[g] ? alpha[g] : row_max[g];
+    alpha[g] = scalar_exp(row_max[g] - new_max);
+    row_max[g] = new_max;
+  }
+  for (int g = 0; g < rows; ++g) {
+    float* row = scores + g * stride;
+    VecF sum = load(lane_sums + g * kLanes) * alpha[g];
+    for (int c = 0; c < stride; c += kLanes) {
+      const VecF p = vexp(load(row + c) - row_max[g]);
+      store(row + c, p);
+      sum += p;
+    }
+    store(lane_sums + g * kLanes, sum);
+  }
 }
 
 // acc[g][dv : dv + VT*lanes] = acc * alpha[g] + sum over the step's slots p[g][slot] * V[slot].
 // At the slots s whose bit (s % 32) is set in `prefetch_slots`, the next step's K tiles are
 // prefetched at the same offsets.
-template <int GT, int VT, typename KV>
+// kFull > 0: the step is kFull whole blocks of tokens ([lo, hi) covers every slot), so the
+// block loop has a fixed count and no per-slot range test; 0: any step.
+template <int GT, int VT, int kFull, typename KV>
 inline void accumulate_rows(float* acc, const float* probs, int stride, const float* alpha,
                             const Step<KV>& step, uint32_t prefetch_slots, int head_dim,
                             int block_size,
                             int dv) {
+  // bfloat16 in pairs of vectors: a[g][j] and a[g][j + 1] (j even) hold the even and the odd
+  // elements of the chunk [dv + j * kLanes, dv + (j + 2) * kLanes); attend() reorders at the end.
+  constexpr bool kPairs = sizeof(KV) == 2 && VT % 2 == 0;
   VecF a[GT][VT];
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < VT; ++j) a[g][j] = load(acc + g * head_dim + dv + j * kLanes) * alpha[g];
@@ -279,15 +327,21 @@ inline void accumulate_rows(float* acc, const float* probs, int stride, const fl
   // side (see score_rows). Slots outside [lo, hi) hold no token of this fragment.
   for (int s = 0; s < block_size; ++s) {
     const bool prefetch = (prefetch_slots >> (s & 31)) & 1u;
-    for (int blk = 0; blk < step.num_blocks; ++blk) {
+    const int num_blocks = kFull > 0 ? kFull : step.num_blocks;
+    for (int blk = 0; blk < num_blocks; ++blk) {
       const int slot = blk * block_size + s;
-      if (slot < step.lo || slot >= step.hi) continue;
+      if constexpr (kFull == 0)
+        if (slot < step.lo || slot >= step.hi) continue;
       const int64_t row = static_cast<int64_t>(s) * head_dim + dv;
       const KV* v_tile = step.values[blk];
       const KV* next = prefetch ? step.next_keys[blk] : nullptr;
       VecF v[VT];
       for (int j = 0; j < VT; ++j) {
-        v[j] = load(v_tile + row + j * kLanes);
+        if constexpr (kPairs) {
+          if (j % 2 == 0) load_pair(v_tile + row + j * kLanes, &v[j], &v[j + 1]);
+        } else {
+          v[j] = load(v_tile + row + j * kLanes);
+        }
         if (next != nullptr) prefetch_line(next + row + j * kLanes, j * kLanes);
       }
       for (int g = 0; g < GT; ++g) {
@@ -302,7 +356,7 @@ inline void accumulate_rows(float* acc, const float* probs, int stride, const fl
 
 // GT rows: the widest VT (vectors of head_dim per row) that fits the accumulator budget, then
 // narrower ones for what is left of head_dim.
-template <int GT, typename KV>
+template <int GT, int kFull, typename KV>
 inline void accumulate_group(float* acc, const float* probs, int stride, const float* alpha,
                              const Step<KV>& step, uint32_t prefetch, int head_dim,
                              int block_size) {
@@ -310,15 +364,19 @@ inline void accumulate_group(float* acc, const float* probs, int stride, const f
   int dv = 0;
   if constexpr (kFit >= 8)
     for (; dv + 8 * kLanes <= head_dim; dv += 8 * kLanes)
-      accumulate_rows<GT, 8>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
+      accumulate_rows<GT, 8, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+                                    block_size, dv);
   if constexpr (kFit >= 4)
     for (; dv + 4 * kLanes <= head_dim; dv += 4 * kLanes)
-      accumulate_rows<GT, 4>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
+      accumulate_rows<GT, 4, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+                                    block_size, dv);
   if constexpr (kFit >= 2)
     for (; dv + 2 * kLanes <= head_dim; dv += 2 * kLanes)
-      accumulate_rows<GT, 2>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
+      accumulate_rows<GT, 2, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+                                    block_size, dv);
   for (; dv < head_dim; dv += kLanes)
-    accumulate_rows<GT, 1>(acc, probs, stride, alpha, step, prefetch, head_dim, block_size, dv);
+    accumulate_rows<GT, 1, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+                                  block_size, dv);
 }
 
 // Bit s set for the slots s in [0, 32) with s % passes == pass.
@@ -328,9 +386,9 @@ inline uint32_t slots_of_pass(int pass, int passes) {
   return mask;
 }
 
-template <typename KV>
-void accumulate_step(float* acc, const float* probs, int stride, const float* alpha,
-                     const Step<KV>& step, int group_size, int head_dim, int block_size) {
+template <int kFull, typename KV>
+void accumulate_step_as(float* acc, const float* probs, int stride, const float* alpha,
+                        const Step<KV>& step, int group_size, int head_dim, int block_size) {
   // V goes to 4 rows at a time (VT = 4 vectors of head_dim per pass, two passes over each row's
   // halves for head_dim 128): every V value is read from cache once per 4 rows, where rows in
   // pairs (VT = 8, whole rows in order) read the step's V twice, the second pass from L2 for a
@@ -345,14 +403,28 @@ void accumulate_step(float* acc, const float* probs, int stride, const float* al
   const int passes = fours + pairs + (group_size - 4 * fours - 2 * pairs);
   int g = 0, pass = 0;
   for (int i = 0; i < fours; ++i, g += 4)
-    accumulate_group<4>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                        slots_of_pass(pass++, passes), head_dim, block_size);
+    accumulate_group<4, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+                               slots_of_pass(pass++, passes), head_dim, block_size);
   for (int i = 0; i < pairs; ++i, g += 2)
-    accumulate_group<2>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                        slots_of_pass(pass++, passes), head_dim, block_size);
+    accumulate_group<2, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+                               slots_of_pass(pass++, passes), head_dim, block_size);
   if (g < group_size)
-    accumulate_group<1>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                        slots_of_pass(pass++, passes), head_dim, block_size);
+    accumulate_group<1, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+                               slots_of_pass(pass++, passes), head_dim, block_size);
+}
+
+// A step of whole blocks of tokens, as every step is but a fragment's first and last, runs the
+// block loop at a fixed count (4 or 8 blocks) with no per-slot range test.
+template <typename KV>
+void accumulate_step(float* acc, const float* probs, int stride, const float* alpha,
+                     const Step<KV>& step, int group_size, int head_dim, int block_size) {
+  const bool whole = step.lo == 0 && step.hi == step.num_blocks * block_size;
+  if (whole && step.num_blocks == 4)
+    accumulate_step_as<4>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
+  else if (whole && step.num_blocks == 8)
+    accumulate_step_as<8>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
+  else
+    accumulate_step_as<0>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
 }
 
 // The step starting at block b: tile pointers and the token slots it holds.
@@ -416,12 +488,11 @@ void attend(const FragmentArgs& a, const FragmentState& st) {
     const Step<KV> step = make_step(a, keys, values, b, blocks_per_step);
     const int stride = step.num_blocks * B;
     score_step(a.q, step, G, D, B, st.scratch, stride);
-    for (int g = 0; g < G; ++g)
-      alpha[g] = softmax_row(st.scratch + g * stride, stride, step.lo, step.hi, st.row_max + g,
-                             lane_sums + g * kLanes);
+    softmax_step(st.scratch, G, stride, step.lo, step.hi, st.row_max, lane_sums, alpha);
     accumulate_step(st.acc, st.scratch, stride, alpha, step, G, D, B);
   }
   for (int g = 0; g < G; ++g) st.row_sum[g] = hsum(load(lane_sums + g * kLanes));
+  if constexpr (sizeof(KV) == 2) interleave_pairs(st.acc, G, D);
 }
 
 // silu(g) * u = g * u / (1 + exp(-g)), a vector at a time over columns [col_begin, col_end) of

@@ -185,6 +185,20 @@ def test_every_isa_matches_reference(
     assert_close(case, got, TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [1, 4])
+def test_bfloat16_head_dim_of_an_odd_vector_count(isa: str, group: int) -> None:
+    """bfloat16 V is widened two vectors a load into accumulators that hold each pair's even and
+    odd elements apart, put back in order at the end (csrc/fragment_kernel.h, load_pair); with
+    48 = 3 x 16 floats the last vector of a row takes the one-vector path (AVX-512): both parts
+    land where the float64 reference has them."""
+    case = make_case(
+        random_lengths(16, 600), head_dim=48, group=group, block_size=16, dtype=torch.bfloat16
+    )
+    got = run_kernel(CpuKernelAttention(num_threads=2, isa=isa), case)
+    assert_close(case, got, TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.parametrize(
     ("group", "dtype"),
     [(2, torch.float32), (3, torch.bfloat16), (5, torch.float32), (6, torch.float32),
