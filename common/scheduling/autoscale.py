@@ -211,11 +211,20 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
         need = max(need, current + group)
     if need > current and load.warming:
         wanted = current  # the last scale-up's replicas are not serving yet: hold
-    elif need > current:
-        # Up to the middle of the dead band, not its top edge: sized at the target exactly, the
-        # next swing of the load over it would ask for one more (a second event for one step).
+    elif need > current and is_step(policy, current, total):
+        # A step: up to the middle of the dead band, not its top edge: sized at the target
+        # exactly, the next swing of the load over it would ask for one more (a second event
+        # for one step).
         middle = policy.target_load * (1 + policy.scale_down_fill) / 2
         wanted = max(need, group * math.ceil(total / middle / group))
+    elif need > current:
+        # A swing of the load there is (past the target by less than the dead band): to what
+        # carries it at the target. Sized to the band's middle, the swing's peak would buy
+        # replicas for a rise that is not coming, and the band's floor (one group less at
+        # `scale_down_fill`) would then sit under the load's troughs: the extra replicas would
+        # stay for as long as the load swings (a wish to scale down ends at its first reading
+        # back in the band). A larger swing later adds a group more, for load that is there.
+        wanted = need
     else:
         wanted = current
         # Consolidation: go down a group at a time while the load fits the smaller size with room.
@@ -229,6 +238,13 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
     step = policy.max_step * group
     wanted = min(max(wanted, current - step), current + step)
     return min(max(wanted, policy.min_replicas), policy.max_replicas)
+
+
+def is_step(policy: ScalePolicy, current: int, total: float) -> bool:
+    """Whether `total` is past `current` replicas' target by more than the dead band (the
+    share `1 - scale_down_fill` of it): a step of the load, which a flat load's swings do not
+    reach, rather than a swing."""
+    return total > current * policy.target_load * (2 - policy.scale_down_fill)
 
 
 def needed(policy: ScalePolicy, total: float) -> int:
@@ -255,8 +271,7 @@ def advance_on(policy: ScalePolicy, state: ScaleState, load: Load, now: float) -
     # band is wide (`scale_down_fill`), which a flat load's swings within the band do not
     # reach. Below that a slope is mostly noise: sizing by it would inflate a scale-up the
     # noise began, and a scale-down goes by the load there is.
-    band = 2 - policy.scale_down_fill
-    stepping = load.total is not None and load.total > state.replicas * policy.target_load * band
+    stepping = load.total is not None and is_step(policy, state.replicas, load.total)
     wanted = wanted_for(policy, state.replicas, load.ahead(policy, state) if stepping else load)
     return advance(policy, state, wanted, now, need)
 
