@@ -25,6 +25,10 @@ What the peers' users complain about, and the rule here that prevents it:
 - **A step met at the edge**: a scale-up goes to where the load sits in the middle of the dead
   band (halfway between `scale_down_fill` and the target), so the next swing of the load neither
   adds nor removes a replica.
+- **Replicas bought for a swing kept for good**: a scale-up for a swing of the load (past the
+  target by less than the dead band) may size its peak at the target instead (`swing_fill`):
+  sized to the band's middle, the band's floor sits so far under the load's usual level that
+  a load that keeps swinging never lets the extra replicas go (`ScalePolicy.swing_share`).
 - **Step explosions**: at most `max_step` groups per decision.
 - **A step that arrives before its replicas** (a load step, then a minute of start-up with the
   old size taking it all): a scale-up's hold (`upscale_after_s`) fills with the groups the load
@@ -76,6 +80,9 @@ class ScalePolicy:
     scale_down_fill: float = 0.7  # scale down only if the load fits N-1 at this share of target
     lead_s: float = 0.0  # size a step for its load this far ahead (0: for the load now)
     trend_s: float = 10.0  # the span a load's rise is measured over (>= the report interval)
+    # A scale-up for a swing (not a step) sizes its peak to this share of the target, in
+    # [scale_down_fill, 1] (None: the dead band's middle, as a step); see `swing_share`.
+    swing_fill: float | None = None
 
     def __post_init__(self) -> None:
         if self.target_load <= 0:
@@ -93,6 +100,31 @@ class ScalePolicy:
         for name in ("upscale_after_s", "downscale_after_s", "cooldown_s", "warmup_s", "lead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
+        if self.swing_fill is not None and not self.scale_down_fill <= self.swing_fill <= 1:
+            raise ValueError("swing_fill must be in [scale_down_fill, 1]")
+
+    @property
+    def middle_fill(self) -> float:
+        """The middle of the dead band, as a share of the target: where a step's scale-up
+        puts its load."""
+        return (1 + self.scale_down_fill) / 2
+
+    @property
+    def swing_share(self) -> float:
+        """Where a scale-up for a swing of the load (past the current size's target by less
+        than the dead band, `is_step`) puts the swing's peak, as a share of the target.
+
+        1 sizes the swing at the target: the fewest replicas that carry its peak. Sized to the
+        band's middle instead, the peak buys replicas for a rise that is not coming, and the
+        band's floor (one group less at `scale_down_fill`) then sits under the load's usual
+        level: the extra replicas stay for as long as the load keeps swinging back into the
+        band (a wish to scale down ends at its first reading there). A larger swing later adds
+        a group more, for load that is there. That suits a role whose load leads a step (a
+        prompt engine's arrival rate): its scale-up is in time. The middle (None, the default)
+        keeps headroom for a role whose load lags a step (a token engine's decode tokens build
+        up for a decode's length after the prompts arrive, so its scale-up comes late and the
+        replicas there meet the step's first half minute)."""
+        return self.middle_fill if self.swing_fill is None else self.swing_fill
 
 
 @dataclass(frozen=True)
@@ -212,10 +244,12 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
     if need > current and load.warming:
         wanted = current  # the last scale-up's replicas are not serving yet: hold
     elif need > current:
-        # Up to the middle of the dead band, not its top edge: sized at the target exactly, the
-        # next swing of the load over it would ask for one more (a second event for one step).
-        middle = policy.target_load * (1 + policy.scale_down_fill) / 2
-        wanted = max(need, group * math.ceil(total / middle / group))
+        # A step: up to the middle of the dead band, not its top edge: sized at the target
+        # exactly, the next swing of the load over it would ask for one more (a second event
+        # for one step). A swing (past the target by less than the band): to `swing_fill`
+        # of the target (`ScalePolicy.swing_share`).
+        fill = policy.middle_fill if is_step(policy, current, total) else policy.swing_share
+        wanted = max(need, group * math.ceil(total / (policy.target_load * fill) / group))
     else:
         wanted = current
         # Consolidation: go down a group at a time while the load fits the smaller size with room.
@@ -229,6 +263,13 @@ def wanted_for(policy: ScalePolicy, current: int, load: Load) -> int:
     step = policy.max_step * group
     wanted = min(max(wanted, current - step), current + step)
     return min(max(wanted, policy.min_replicas), policy.max_replicas)
+
+
+def is_step(policy: ScalePolicy, current: int, total: float) -> bool:
+    """Whether `total` is past `current` replicas' target by more than the dead band (the
+    share `1 - scale_down_fill` of it): a step of the load, which a flat load's swings do not
+    reach, rather than a swing."""
+    return total > current * policy.target_load * (2 - policy.scale_down_fill)
 
 
 def needed(policy: ScalePolicy, total: float) -> int:
@@ -255,8 +296,7 @@ def advance_on(policy: ScalePolicy, state: ScaleState, load: Load, now: float) -
     # band is wide (`scale_down_fill`), which a flat load's swings within the band do not
     # reach. Below that a slope is mostly noise: sizing by it would inflate a scale-up the
     # noise began, and a scale-down goes by the load there is.
-    band = 2 - policy.scale_down_fill
-    stepping = load.total is not None and load.total > state.replicas * policy.target_load * band
+    stepping = load.total is not None and is_step(policy, state.replicas, load.total)
     wanted = wanted_for(policy, state.replicas, load.ahead(policy, state) if stepping else load)
     return advance(policy, state, wanted, now, need)
 

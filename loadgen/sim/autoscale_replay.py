@@ -152,6 +152,10 @@ class RoleScaling:
 # (`advance`), so they start seconds after the step instead of `upscale_after_s` after it.
 # Projecting over the whole start-up instead overshoots a step (the look-back's rise lasts its
 # window, not the start-up) and turns a flat load's noise into scale-ups (docs/benchmarks.md).
+# A swing of the prompt side's load (its arrival rate, which leads a step) is sized at the target
+# (`swing_fill` 1): sized to the band's middle, the base load's swings kept replicas for good.
+# The token side keeps the middle: its decode tokens lag a step, and the headroom carries the
+# step's first half minute until its own scale-up's machines take work.
 _SHARED_KNOBS = {
     "max_step": 64,
     "upscale_after_s": 30.0,
@@ -161,7 +165,8 @@ _SHARED_KNOBS = {
 }
 DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
     Role.PROMPT: {"targets": {"prompt_tokens_per_s": 3500, "pending_prompt_tokens": 16_000},
-                  "scale_down_fill": 0.7, "lead_s": 15.0, "trend_s": 5.0, **_SHARED_KNOBS},
+                  "scale_down_fill": 0.7, "swing_fill": 1.0, "lead_s": 15.0, "trend_s": 5.0,
+                  **_SHARED_KNOBS},
     Role.TOKEN: {"targets": {"running_decode_tokens": 30_000}, "scale_down_fill": 0.5,
                  **_SHARED_KNOBS},
     Role.MIXED: {"targets": {"pending_prompt_tokens": 1000, "running_decode_tokens": 30_000},

@@ -376,3 +376,57 @@ def test_a_larger_wish_fills_its_hold_sooner() -> None:
         state = decide(POLICY, state, samples(1500), now=now)
     assert state.replicas == 1
     assert decide(POLICY, state, samples(1500), now=10.0).replicas == 2
+
+
+# -- a swing sized at the target (`swing_fill`) ----------------------------------------------------
+
+# The prompt side's load on seed 1 of `python bench/autoscale.py --seeds 1 --lend-bounds 0 0`
+# before this knob (the simulator's run, 10 prompt machines settled on the base load), in tenths
+# of a machine's target, every 5 s from 250 s to 1195 s (the step comes at 1200 s): a swing to
+# 11.5 at 335 s, then the base load swinging between 6 and 11 every few minutes.
+SEED1_PROMPT_LOAD = [
+    91, 89, 90, 88, 87, 88, 93, 93, 98, 103, 105, 105, 101, 106, 107, 105, 108, 114, 115, 115,
+    109, 108, 108, 110, 111, 113, 111, 112, 108, 107, 109, 109, 103, 105, 103, 106, 102, 104, 103,
+    103, 104, 108, 107, 101, 101, 96, 90, 83, 76, 73, 72, 69, 67, 66, 67, 61, 62, 63, 65, 66, 65,
+    68, 67, 67, 67, 66, 63, 59, 59, 61, 67, 73, 79, 83, 89, 96, 97, 95, 94, 93, 95, 92, 90, 86,
+    85, 85, 80, 79, 76, 76, 74, 70, 71, 70, 73, 67, 67, 70, 69, 70, 67, 66, 65, 62, 62, 63, 61,
+    64, 66, 70, 71, 72, 75, 79, 81, 86, 88, 89, 89, 91, 92, 93, 92, 91, 92, 89, 91, 91, 94, 95,
+    97, 98, 100, 97, 99, 97, 94, 96, 92, 91, 87, 84, 83, 81, 80, 79, 78, 77, 73, 75, 74, 77, 81,
+    84, 90, 88, 88, 86, 83, 85, 84, 87, 91, 95, 102, 102, 103, 103, 105, 109, 108, 110, 111, 110,
+    109, 107, 105, 107, 107, 104, 108, 105, 105, 103, 99, 102, 105, 105, 105, 103
+]  # fmt: skip
+
+
+def replay_counts(policy: ScalePolicy, tenths: list[int], start: int) -> list[int]:
+    """`replay` of a series in tenths of the target, read every 5 s."""
+    return replay(policy, [t * policy.target_load / 10 for t in tenths], start)
+
+
+def test_a_swing_sized_at_the_target_does_not_keep_replicas_for_the_base_loads_swings() -> None:
+    # Sized to the band's middle (the default), the swing at 335 s buys 13 machines, whose
+    # floor (12 at 0.7 of the target: 8.4) the load's peaks of 9-11 cross every few minutes:
+    # each wish to scale down ends before its 300 s, and all 13 stay until the step. Sized at
+    # the target, the swing buys 11, what its peak needs there, and nothing more.
+    middle = replay_counts(LEADING, SEED1_PROMPT_LOAD, start=10)
+    at_target = replay_counts(replace(LEADING, swing_fill=1.0), SEED1_PROMPT_LOAD, start=10)
+    assert changes(middle, 10) == 1 and set(middle[20:]) == {13}
+    assert changes(at_target, 10) == 1 and set(at_target[20:]) == {11}
+    assert sum(at_target) < sum(middle) - 300  # replica-seconds / 5: two machines, 15 minutes
+    # A step is still sized to the band's middle: one scale-up for all of it.
+    series = look_back([8000.0] * 300 + [24000.0] * 600)
+    assert first_change(replace(LEADING, swing_fill=1.0), series, start=12)[1] >= 24
+
+
+def test_a_threshold_policys_flapping_series_changes_a_swing_at_the_target_at_most_twice() -> None:
+    noise = [900, 1100, 950, 1080, 1020, 880, 1150, 990]
+    series = noise * 6 + [1800] * 20 + [0] * 30 + noise * 20
+    counts = replay(replace_policy(swing_fill=1.0), series, start=1)
+    assert changes(counts, 1) == 2 and max(counts) == 2 and counts[-1] == 1
+
+
+def test_a_swing_fill_outside_the_band_is_refused() -> None:
+    for fill in (0.5, 1.2):  # under `scale_down_fill` (0.7) the load would sit under the floor
+        with pytest.raises(ValueError, match="swing_fill"):
+            replace_policy(swing_fill=fill)
+    assert replace_policy(swing_fill=0.7).swing_share == 0.7
+    assert replace_policy().swing_share == pytest.approx(0.85)  # the band's middle
