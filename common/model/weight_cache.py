@@ -120,6 +120,9 @@ def load_or_build(
         fcntl.flock(lock, fcntl.LOCK_EX)
         model = _read_valid(path, key, config)
         if model is not None:
+            # The message a load from the checkpoint logs (loader.py): each load says it once.
+            log.info("model loaded", folder=str(folder), layers=config.num_hidden_layers,
+                     dtype=config.dtype, weight_cache=str(path))  # fmt: skip
             return model
         model = build()
         try:
@@ -140,7 +143,6 @@ def _read_valid(path: Path, key: dict, config: ModelConfig) -> LlamaForCausalLM 
     except (CacheMismatch, OSError, ValueError) as exc:  # ValueError: a header that is not JSON
         log.warning("weight cache file rejected, rebuilding", path=str(path), reason=repr(exc))
         return None
-    log.info("weights from cache", path=str(path))
     return model
 
 

@@ -47,11 +47,15 @@ def run(cfg: WorkerConfig, launcher_fd: int) -> None:
         worker = ModelPeerWorker(cfg)
     else:
         worker = ShardWorker(cfg) if cfg.role == Role.SHARD else EngineWorker(cfg)
+    _exit_with_launcher(launcher_fd, parent_pid)
     ctx: zmq.Context = zmq.Context.instance()
     ready = connect(ctx, zmq.PUSH, cfg.ready_endpoint, auth=cfg.curve_keys)
     ready.send(msgspec.msgpack.encode(worker.ready()))
-    ready.close(linger=1000)
-    _exit_with_launcher(launcher_fd, parent_pid)
+    # NOTE: no limit on the linger: the message leaves once the connection (a CURVE handshake)
+    # is up, which on a loaded machine can take seconds, and a close with a short linger drops
+    # it: the launcher then waits out its whole start timeout for a worker that runs. A launcher
+    # that is gone ends this process through the watch above, so this cannot hang.
+    ready.close(linger=-1)
     freeze_startup_heap()  # no full collection over the start-up heap mid-step (common/gc_heap.py)
     try:
         worker.run()
