@@ -183,9 +183,16 @@ class ModelRunner(Generic[Inputs]):
 
     def forward(self, inputs: Inputs, keep_hidden: bool = False) -> torch.Tensor:
         """`run`'s eager forward (what a decode graph captures). A local decode step takes the
-        fused layers where they apply (`fused_decode`): the same bits, one extension call."""
+        fused layers where they apply (`fused_decode`), and the LM head with them where it is
+        on the extension's panels: the same bits, one extension call."""
         x = self.model.embed(inputs.input_ids)  # [T, hidden]
         fused = self.fused_decode(inputs, x)
+        if fused is not None and fused.head is not None and not keep_hidden:
+            # The layers, the final norm and the LM head in one call (one row per sequence).
+            self.hidden = None
+            return fused.run_logits(
+                x, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens
+            )
         if fused is not None:
             x = fused.run(
                 x, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens

@@ -6,7 +6,9 @@ layer's separate calls (norm, QKV projection, RoPE, the k/v write, paged attenti
 each layer's weights and KV caches are checked and held once (`FusedDecoderLayer`), a step's
 shared inputs once per step (`DecodeStep`), and every layer runs in one `decode_layers` call:
 each layer through the same C++ functions, in the same order and on the same thread counts as
-the separate calls, so the outputs have their bits (tests/unit/test_fused_decode.py).
+the separate calls, so the outputs have their bits (tests/unit/test_fused_decode.py). Where the
+LM head is on float32-output panels too (`FusedLmHead`), the same call ends with the final norm
+and the LM head (`run_logits`): the logits have the bits of `compute_logits`.
 
 It applies (`FusedDecode.build`, then `FusedDecode.takes` per step) to a local decode step of a
 float32 model on the CPU: the kernel attention backend on float32 KV caches, every projection
@@ -52,6 +54,24 @@ def _on_float32_panels(*projections: PackedLinear) -> bool:
     return True
 
 
+def _fused_head(model: LlamaForCausalLM) -> Any | None:
+    """The extension's `FusedLmHead` (final norm and LM head), or None where it does not apply
+    (the LM head off float32-output panels, a norm weight not float32) or this build lacks it."""
+    norm, head = model.model.norm, model.lm_head
+    if (
+        not hasattr(_EXT, "FusedLmHead")
+        or not _on_float32_panels(head)
+        or norm.weight.dtype != _F32
+        or not norm.weight.is_contiguous()
+    ):
+        return None
+    scales = None if head.scales is None else to_dlpack(head.scales)
+    return _EXT.FusedLmHead(
+        to_dlpack(norm.weight.detach()), norm.eps, to_dlpack(head.panels), scales,  # type: ignore[arg-type]
+        head.out_features,
+    )  # fmt: skip
+
+
 def _fused_layer(
     layer: LlamaDecoderLayer, key_cache: torch.Tensor, value_cache: torch.Tensor, isa: str
 ) -> Any | None:
@@ -87,11 +107,13 @@ class FusedDecode:
         kv_cache: KVCache,
         layers: list[Any],
         backend: CpuKernelAttention,
+        head: Any | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.layers = layers
         self.backend = backend
+        self.head = head  # `FusedLmHead`, or None: the caller computes the logits
         self.generation = linear.pack_generation()
         rotary = model.model.rotary
         self.cos, self.sin = rotary.cos, rotary.sin
@@ -119,7 +141,7 @@ class FusedDecode:
             if fused is None:
                 return None
             layers.append(fused)
-        return cls(model, kv_cache, layers, backend)
+        return cls(model, kv_cache, layers, backend, _fused_head(model))
 
     def current(self, kv_cache: KVCache) -> bool:
         """Whether these layers still hold what a step over `kv_cache` needs: False once any
@@ -147,6 +169,32 @@ class FusedDecode:
         """x [T, hidden] (contiguous, overwritten) through every layer; returns it. One row per
         sequence: positions and slots [T] int64, block tables [T, max_blocks] and context
         lengths [T] int32 (the new token counted); other integer dtypes are converted."""
+        return self._decode(x, positions, slot_mapping, block_tables, context_lens, None)
+
+    def run_logits(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """`run`, then in the same call the final norm and the LM head: float32 logits [T, vocab]
+        (`compute_logits`' bits). Only where `head` is set."""
+        assert self.head is not None, "no fused LM head: run(), then compute_logits"
+        logits = torch.empty(x.shape[0], self.model.lm_head.out_features, dtype=_F32)
+        self._decode(x, positions, slot_mapping, block_tables, context_lens, logits)
+        return logits
+
+    def _decode(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        logits: torch.Tensor | None,
+    ) -> torch.Tensor:
         step = _EXT.DecodeStep(
             to_dlpack(_dense(positions, _I64)), to_dlpack(self.cos), to_dlpack(self.sin),
             to_dlpack(_dense(slot_mapping, _I64)), to_dlpack(_dense(block_tables, _I32)),
@@ -154,10 +202,16 @@ class FusedDecode:
         )  # fmt: skip
         threads = torch.get_num_threads()
         attention_threads = self.backend.num_threads or threads
-        _EXT.decode_layers(
-            self.backend.workspace, step, self.layers, to_dlpack(x), to_dlpack(x), threads,
-            attention_threads,
-        )  # fmt: skip
+        if logits is None:
+            _EXT.decode_layers(
+                self.backend.workspace, step, self.layers, to_dlpack(x), to_dlpack(x), threads,
+                attention_threads,
+            )  # fmt: skip
+        else:
+            _EXT.decode_layers(
+                self.backend.workspace, step, self.layers, to_dlpack(x), to_dlpack(x), threads,
+                attention_threads, self.head, to_dlpack(logits),
+            )  # fmt: skip
         return x
 
 
