@@ -20,7 +20,9 @@ stages one by one, which stay the reference.
 Faults: shapes, positions, slots and block ids are checked before anything is written, and a
 bad one raises ValueError as the separate calls do (a slot or block id out of range would
 otherwise write or read outside the caches); the k/v of layers before a failing block-id check
-are written, as with the separate calls. Weights packed again after `build` (a new
+are written, as with the separate calls. A head without logits, logits of another shape, or a
+head whose panels are not the LM head's shape raise ValueError before any layer runs (the
+last at build: the step then takes `compute_logits` after the layers). Weights packed again after `build` (a new
 `linear.pack_generation()`) make `current` False, and the runner builds anew: the held arrays
 keep the old tensors alive meanwhile, so a stale object reads old weights, never freed memory.
 """
@@ -66,10 +68,13 @@ def _fused_head(model: LlamaForCausalLM) -> Any | None:
     ):
         return None
     scales = None if head.scales is None else to_dlpack(head.scales)
-    return _EXT.FusedLmHead(
-        to_dlpack(norm.weight.detach()), norm.eps, to_dlpack(head.panels), scales,  # type: ignore[arg-type]
-        head.out_features,
-    )  # fmt: skip
+    try:
+        return _EXT.FusedLmHead(
+            to_dlpack(norm.weight.detach()), norm.eps, to_dlpack(head.panels), scales,  # type: ignore[arg-type]
+            head.out_features,
+        )  # fmt: skip
+    except ValueError:  # panels of another shape than the head's: compute_logits after the layers
+        return None
 
 
 def _fused_layer(
