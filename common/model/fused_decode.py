@@ -22,9 +22,10 @@ bad one raises ValueError as the separate calls do (a slot or block id out of ra
 otherwise write or read outside the caches); the k/v of layers before a failing block-id check
 are written, as with the separate calls. A head without logits, logits of another shape, or a
 head whose panels are not the LM head's shape raise ValueError before any layer runs (the
-last at build: the step then takes `compute_logits` after the layers). Weights packed again after `build` (a new
-`linear.pack_generation()`) make `current` False, and the runner builds anew: the held arrays
-keep the old tensors alive meanwhile, so a stale object reads old weights, never freed memory.
+last at build: the step then takes `compute_logits` after the layers). Weights packed again
+after `build` (a new `linear.pack_generation()`) make `current` False, and the runner builds
+anew: the held arrays keep the old tensors alive meanwhile, so a stale object reads old
+weights, never freed memory.
 """
 
 from __future__ import annotations
