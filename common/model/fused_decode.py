@@ -171,36 +171,14 @@ class FusedDecode:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        *,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [T, hidden] (contiguous, overwritten) through every layer; returns it. One row per
         sequence: positions and slots [T] int64, block tables [T, max_blocks] and context
-        lengths [T] int32 (the new token counted); other integer dtypes are converted."""
-        return self._decode(x, positions, slot_mapping, block_tables, context_lens, None)
-
-    def run_logits(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        """`run`, then in the same call the final norm and the LM head: float32 logits [T, vocab]
-        (`compute_logits`' bits). Only where `head` is set."""
-        assert self.head is not None, "no fused LM head: run(), then compute_logits"
-        logits = torch.empty(x.shape[0], self.model.lm_head.out_features, dtype=_F32)
-        self._decode(x, positions, slot_mapping, block_tables, context_lens, logits)
-        return logits
-
-    def _decode(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        logits: torch.Tensor | None,
-    ) -> torch.Tensor:
+        lengths [T] int32 (the new token counted); other integer dtypes are converted. With
+        `logits` [T, vocab] float32 (only where `head` is set), the same call then writes the
+        LM head's logits of the final norm of x there (`compute_logits`' bits)."""
         step = _EXT.DecodeStep(
             to_dlpack(_dense(positions, _I64)), to_dlpack(self.cos), to_dlpack(self.sin),
             to_dlpack(_dense(slot_mapping, _I64)), to_dlpack(_dense(block_tables, _I32)),
@@ -208,17 +186,21 @@ class FusedDecode:
         )  # fmt: skip
         threads = torch.get_num_threads()
         attention_threads = self.backend.num_threads or threads
-        if logits is None:
-            _EXT.decode_layers(
-                self.backend.workspace, step, self.layers, to_dlpack(x), to_dlpack(x), threads,
-                attention_threads,
-            )  # fmt: skip
-        else:
-            _EXT.decode_layers(
-                self.backend.workspace, step, self.layers, to_dlpack(x), to_dlpack(x), threads,
-                attention_threads, self.head, to_dlpack(logits),
-            )  # fmt: skip
+        # NOTE: the head's arguments only when asked: a build without the head takes none.
+        head = () if logits is None else (self.head, to_dlpack(logits))
+        _EXT.decode_layers(
+            self.backend.workspace, step, self.layers, to_dlpack(x), to_dlpack(x), threads,
+            attention_threads, *head,
+        )  # fmt: skip
         return x
+
+    def run_logits(self, x: torch.Tensor, *step: torch.Tensor) -> torch.Tensor:
+        """`run(x, *step)` with the final norm and the LM head in the same call: float32 logits
+        [T, vocab]. Only where `head` is set."""
+        assert self.head is not None, "no fused LM head: run(), then compute_logits"
+        logits = torch.empty(x.shape[0], self.model.lm_head.out_features, dtype=_F32)
+        self.run(x, *step, logits=logits)
+        return logits
 
 
 def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
