@@ -401,15 +401,41 @@ struct FusedDecoderLayer {
   }
 };
 
+// The final norm's weight and the LM head's packed weight for `pm::lm_head`, checked once when
+// built (common/model/fused_decode.py); the arrays are held, so the tensors outlive the object.
+struct FusedLmHead {
+  VectorIn norm;
+  Panels panels;
+  std::optional<Scales> scales;
+  pm::LmHeadWeights w{};
+
+  FusedLmHead(VectorIn norm_, float eps, Panels panels_, std::optional<Scales> scales_,
+              int64_t vocab)
+      : norm(norm_), panels(panels_), scales(scales_) {
+    const int64_t hidden = norm.shape(0), width = pm::best_isa().linear_panel_width;
+    if (vocab < 1) throw std::invalid_argument("FusedLmHead: vocab must be >= 1");
+    expect_shape("lm_head panels", panels, {(vocab + width - 1) / width, hidden, width});
+    w = {norm.data(), eps, weight_view(panels, scales, 0), hidden, vocab};
+  }
+};
+
 // Every layer of a decode step in one call: x [T, hidden] through layers[0], layers[1], ... into
-// out (x and out may be one tensor: a layer reads its input whole before it writes its output).
+// out (x and out may be one tensor: a layer reads its input whole before it writes its output);
+// with `head`, then logits [T, vocab] = the LM head on the final norm of out.
 void decode_layers(pm::Workspace& ws, const DecodeStep& step,
                    const std::vector<const FusedDecoderLayer*>& layers, const RowsIn& x,
-                   const RowsOut& out, int num_threads, int attention_threads) {
+                   const RowsOut& out, int num_threads, int attention_threads,
+                   const FusedLmHead* head, const std::optional<RowsOut>& logits) {
   for (const FusedDecoderLayer* layer : layers) {
     expect_rows("x", x.shape(0), x.shape(1), step.in.rows, layer->pre.hidden);
     expect_rows("out", out.shape(0), out.shape(1), step.in.rows, layer->pre.hidden);
     layer->check(step, num_threads, attention_threads);
+  }
+  if ((head == nullptr) != !logits)
+    throw std::invalid_argument("decode_layers: a head needs logits, and logits a head");
+  if (head) {
+    expect_rows("x", x.shape(0), x.shape(1), step.in.rows, head->w.hidden);
+    expect_rows("logits", logits->shape(0), logits->shape(1), step.in.rows, head->w.vocab);
   }
   nb::gil_scoped_release no_gil;
   const float* in = x.data();
@@ -417,6 +443,7 @@ void decode_layers(pm::Workspace& ws, const DecodeStep& step,
     layer->run(ws, step, in, out.data(), num_threads, attention_threads);
     in = out.data();
   }
+  if (head) pm::lm_head(head->w, in, logits->data(), step.in.rows, pm::best_isa(), num_threads);
 }
 
 using StridedKv = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu>;
@@ -545,11 +572,19 @@ NB_MODULE(phasemesh_attention_kernel, m) {
            "out = the layer on x [T, hidden] for one decode step: RMSNorm, QKV, RoPE, the k/v "
            "write at the step's slots, paged decode attention, then post_attention; the bits of "
            "those calls made in turn.");
+  nb::class_<FusedLmHead>(m, "FusedLmHead",
+                          "The final RMSNorm and the LM head's packed weight, for decode_layers.")
+      .def(nb::init<VectorIn, float, Panels, std::optional<Scales>, int64_t>(),
+           nb::arg("norm").noconvert(), nb::arg("eps"), nb::arg("panels").noconvert(),
+           nb::arg("scales").noconvert().none(), nb::arg("vocab"));
   m.def("decode_layers", &decode_layers, nb::arg("workspace"), nb::arg("step"), nb::arg("layers"),
         nb::arg("x").noconvert(), nb::arg("out").noconvert(), nb::arg("num_threads") = 1,
-        nb::arg("attention_threads") = 1,
+        nb::arg("attention_threads") = 1, nb::arg("head").none() = nb::none(),
+        nb::arg("logits").noconvert().none() = nb::none(),
         "out = x through every FusedDecoderLayer of `layers` in turn, for one decode step (x and "
-        "out may be one tensor); the bits of each layer's decode called in turn.");
+        "out may be one tensor); the bits of each layer's decode called in turn. With `head` "
+        "(a FusedLmHead), logits [T, vocab] = the LM head on the final norm of out, the bits of "
+        "rms_norm and linear called in turn.");
   m.def(
       "read_sum",
       [](const nb::ndarray<const float, nb::device::cpu, nb::c_contig>& a, int num_threads) {

@@ -42,6 +42,14 @@ void post_attention(const PostAttentionWeights& w, const float* x, const float* 
   dense_linear(act, w.down, out, sum, rows, inter, hidden, gemm, num_threads);
 }
 
+void lm_head(const LmHeadWeights& w, const float* x, float* logits, int64_t rows,
+             const IsaKernels& gemm, int num_threads) {
+  thread_local std::vector<float> normed;
+  normed.resize(static_cast<size_t>(rows * w.hidden));
+  rms_norm(x, w.norm_weight, normed.data(), rows, w.hidden, w.eps);
+  dense_linear(normed.data(), w.head, logits, nullptr, rows, w.hidden, w.vocab, gemm, num_threads);
+}
+
 void decoder_layer_decode(const PreAttentionWeights& pre, const PostAttentionWeights& post,
                           const KvLayer& kv, const DecodeStepInputs& step, const float* x,
                           float* out, const IsaKernels& gemm, const IsaKernels& attention,

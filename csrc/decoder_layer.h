@@ -53,6 +53,15 @@ struct DecodeStepInputs {
   float scale;
 };
 
+// The final RMSNorm and the LM head after the last layer: logits [rows, vocab] =
+// rms_norm(x) @ head.T.
+struct LmHeadWeights {
+  const float* norm_weight;  // [hidden]
+  float eps;
+  WeightView head;           // [vocab, hidden]
+  int64_t hidden, vocab;
+};
+
 // One layer's float32 paged caches (layout: paged_attention.h).
 struct KvLayer {
   float* key_cache;
@@ -65,6 +74,11 @@ struct KvLayer {
 // thread's scratch.
 void post_attention(const PostAttentionWeights& w, const float* x, const float* attn, float* out,
                     int64_t rows, const IsaKernels& gemm, int num_threads);
+
+// logits [rows, vocab] = the LM head on the final norm of x [rows, hidden]: the bits of rms_norm
+// then linear (from panel 0) called in turn. The normed rows live in the calling thread's scratch.
+void lm_head(const LmHeadWeights& w, const float* x, float* logits, int64_t rows,
+             const IsaKernels& gemm, int num_threads);
 
 // A whole decoder layer of a decode step: pre-attention, the k/v write at the step's slots, paged
 // decode attention over each row's context (the new token included) and post-attention, each the

@@ -158,7 +158,7 @@ class LLMEngine:
             return []
         reqs = [self.requests[s.req_id] for s in batch.seqs]
         self.histograms.observe(ITERATION_TOKENS, batch.num_tokens)
-        inputs = self.runner.prepare(batch, {r.req_id: r.all_token_ids for r in reqs})
+        inputs = self.runner.prepare(batch, {r.req_id: r.token_ids for r in reqs})
         rows = forward_and_sample(self.runner, self.sampler, inputs, reqs, batch.phase)
         outputs = [self._append(req, row) for req, row in zip(reqs, rows, strict=True)]
         finished = {o.req_id for o in outputs if o.finished}

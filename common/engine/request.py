@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import overload
 
 from common.protocol import TokenLogprobs
 from common.sampling import SamplingParams
@@ -130,6 +132,41 @@ class OutputText:
         return at + length if self.include_stop else at
 
 
+class TokenIds(Sequence[int]):
+    """A prompt's and its output's token ids read as one sequence (prompt first), not copied: a
+    view of both lists as they are now, so a token appended later is in it."""
+
+    __slots__ = ("_output", "_prompt")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        prompt, output = self._prompt, self._output
+        split = len(prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(split + len(output))
+            if step == 1 and stop <= split:
+                return prompt[start:stop]
+            if step == 1 and start >= split:
+                return output[start - split : stop - split]
+            return (prompt + output)[index]
+        if index < 0:
+            index += split + len(output)
+        if not 0 <= index < split + len(output):
+            raise IndexError("token index out of range")
+        return prompt[index] if index < split else output[index - split]
+
+
 @dataclass(eq=False)
 class Request:
     """Tokens and finish rules of one request. Text is tracked only when a tokenizer is given."""
@@ -148,6 +185,12 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def token_ids(self) -> TokenIds:
+        """`all_token_ids` without the copy: what a step reads of it (a decode step: one token)
+        costs that much, not the whole context's length every step."""
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
 
     @property
     def prompt_logprobs_wanted(self) -> int | None:

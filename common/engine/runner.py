@@ -6,6 +6,8 @@ swaps in a shard round trip (services/engine/engine.py) without touching the res
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -101,14 +103,14 @@ class ModelRunner(Generic[Inputs]):
                 setattr(inputs, name, getattr(inputs, name).to(self.device, non_blocking=True))
         return inputs
 
-    def prepare(self, batch: Batch, token_ids: dict[str, list[int]]) -> StepInputs:
+    def prepare(self, batch: Batch, token_ids: Mapping[str, Sequence[int]]) -> StepInputs:
         """Gather the inputs of every scheduled sequence (token_ids: all tokens so far)."""
         if batch.phase is Phase.DECODE:
             return self._prepare_decode(batch, token_ids)
         req_ids = [s.req_id for s in batch.seqs]
         spans = [(s.num_computed, s.num_tokens) for s in batch.seqs]
-        # NOTE: built as Python lists and turned into tensors once each: a decode step's inputs
-        # are a few dozen numbers, and every small torch op costs microseconds.
+        # NOTE: built as Python lists and turned into tensors once each (`int_tensor`): a decode
+        # step's inputs are a few dozen numbers, and every small torch op costs microseconds.
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -120,18 +122,18 @@ class ModelRunner(Generic[Inputs]):
         inputs = StepInputs(
             phase=batch.phase,
             req_ids=req_ids,
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            input_ids=int_tensor(ids),
+            positions=int_tensor(positions),
+            slot_mapping=int_tensor(slots),
             seq_lens=seq_lens,
             block_tables=pad_block_tables([self.blocks.block_table(r) for r in req_ids]),
-            context_lens=torch.tensor([b for _, b in spans], dtype=torch.int32),
+            context_lens=int_tensor([b for _, b in spans], torch.int32),
             last_token_index=torch.tensor(seq_lens).cumsum(0) - 1,
             prefix_lens=[a for a, _ in spans],
         )
         return self.place(inputs)
 
-    def _prepare_decode(self, batch: Batch, token_ids: dict[str, list[int]]) -> StepInputs:
+    def _prepare_decode(self, batch: Batch, token_ids: Mapping[str, Sequence[int]]) -> StepInputs:
         """A decode step's inputs: each sequence's last token, in one pass over the batch (this
         runs every step for every sequence: it is written for the interpreter's sake)."""
         req_ids = [s.req_id for s in batch.seqs]
@@ -141,18 +143,16 @@ class ModelRunner(Generic[Inputs]):
         # BlockManager.slots' formula for one token (its block's first slot plus the offset).
         slots = [t[p // size] * size + p % size for t, p in zip(tables, positions, strict=True)]
         n = len(req_ids)
+        ids = [token_ids[r][p] for r, p in zip(req_ids, positions, strict=True)]
         inputs = StepInputs(
             phase=batch.phase,
             req_ids=req_ids,
-            input_ids=torch.tensor(
-                [token_ids[r][p] for r, p in zip(req_ids, positions, strict=True)],
-                dtype=torch.long,
-            ),
-            positions=torch.tensor(positions, dtype=torch.long),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            input_ids=int_tensor(ids),
+            positions=int_tensor(positions),
+            slot_mapping=int_tensor(slots),
             seq_lens=[1] * n,
             block_tables=pad_block_tables(tables),
-            context_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
+            context_lens=int_tensor([p + 1 for p in positions], torch.int32),
             last_token_index=torch.arange(n),
             prefix_lens=[],
         )
@@ -183,9 +183,16 @@ class ModelRunner(Generic[Inputs]):
 
     def forward(self, inputs: Inputs, keep_hidden: bool = False) -> torch.Tensor:
         """`run`'s eager forward (what a decode graph captures). A local decode step takes the
-        fused layers where they apply (`fused_decode`): the same bits, one extension call."""
+        fused layers where they apply (`fused_decode`), and the LM head with them where it is
+        on the extension's panels: the same bits, one extension call."""
         x = self.model.embed(inputs.input_ids)  # [T, hidden]
         fused = self.fused_decode(inputs, x)
+        if fused is not None and fused.head is not None and not keep_hidden:
+            # The layers, the final norm and the LM head in one call (one row per sequence).
+            self.hidden = None
+            return fused.run_logits(
+                x, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens
+            )
         if fused is not None:
             x = fused.run(
                 x, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens
@@ -278,11 +285,25 @@ class ModelRunner(Generic[Inputs]):
         return out
 
 
+# The `array` typecode of each integer dtype a step's tensors have.
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def int_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """values as a 1-D tensor of `dtype` (int64 or int32). NOTE: through an `array`, whose
+    buffer the tensor then holds: a few times faster than `torch.tensor`, which inspects every
+    element's Python type. A value out of the dtype's range raises OverflowError (there a
+    RuntimeError)."""
+    if not values:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
+
+
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
     """Block tables as one [N, max_blocks] int32 tensor, padded with block 0 (never read)."""
     width = max(max(map(len, tables), default=0), 1)
-    flat: list[int] = []  # one flat list: torch.tensor reads it faster than nested ones
+    flat: list[int] = []  # one flat list, one copy into the tensor
     for t in tables:
         flat += t
         flat += [0] * (width - len(t))
-    return torch.tensor(flat, dtype=torch.int32).reshape(len(tables), width)
+    return int_tensor(flat, torch.int32).view(len(tables), width)

@@ -6,7 +6,9 @@ layer's separate calls (norm, QKV projection, RoPE, the k/v write, paged attenti
 each layer's weights and KV caches are checked and held once (`FusedDecoderLayer`), a step's
 shared inputs once per step (`DecodeStep`), and every layer runs in one `decode_layers` call:
 each layer through the same C++ functions, in the same order and on the same thread counts as
-the separate calls, so the outputs have their bits (tests/unit/test_fused_decode.py).
+the separate calls, so the outputs have their bits (tests/unit/test_fused_decode.py). Where the
+LM head is on float32-output panels too (`FusedLmHead`), the same call ends with the final norm
+and the LM head (`run_logits`): the logits have the bits of `compute_logits`.
 
 It applies (`FusedDecode.build`, then `FusedDecode.takes` per step) to a local decode step of a
 float32 model on the CPU: the kernel attention backend on float32 KV caches, every projection
@@ -18,9 +20,12 @@ stages one by one, which stay the reference.
 Faults: shapes, positions, slots and block ids are checked before anything is written, and a
 bad one raises ValueError as the separate calls do (a slot or block id out of range would
 otherwise write or read outside the caches); the k/v of layers before a failing block-id check
-are written, as with the separate calls. Weights packed again after `build` (a new
-`linear.pack_generation()`) make `current` False, and the runner builds anew: the held arrays
-keep the old tensors alive meanwhile, so a stale object reads old weights, never freed memory.
+are written, as with the separate calls. A head without logits, logits of another shape, or a
+head whose panels are not the LM head's shape raise ValueError before any layer runs (the
+last at build: the step then takes `compute_logits` after the layers). Weights packed again
+after `build` (a new `linear.pack_generation()`) make `current` False, and the runner builds
+anew: the held arrays keep the old tensors alive meanwhile, so a stale object reads old
+weights, never freed memory.
 """
 
 from __future__ import annotations
@@ -50,6 +55,27 @@ def _on_float32_panels(*projections: PackedLinear) -> bool:
         if p.panels is None or p.out_dtype != _F32:
             return False
     return True
+
+
+def _fused_head(model: LlamaForCausalLM) -> Any | None:
+    """The extension's `FusedLmHead` (final norm and LM head), or None where it does not apply
+    (the LM head off float32-output panels, a norm weight not float32) or this build lacks it."""
+    norm, head = model.model.norm, model.lm_head
+    if (
+        not hasattr(_EXT, "FusedLmHead")
+        or not _on_float32_panels(head)
+        or norm.weight.dtype != _F32
+        or not norm.weight.is_contiguous()
+    ):
+        return None
+    scales = None if head.scales is None else to_dlpack(head.scales)
+    try:
+        return _EXT.FusedLmHead(
+            to_dlpack(norm.weight.detach()), norm.eps, to_dlpack(head.panels), scales,  # type: ignore[arg-type]
+            head.out_features,
+        )  # fmt: skip
+    except ValueError:  # panels of another shape than the head's: compute_logits after the layers
+        return None
 
 
 def _fused_layer(
@@ -87,11 +113,13 @@ class FusedDecode:
         kv_cache: KVCache,
         layers: list[Any],
         backend: CpuKernelAttention,
+        head: Any | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.layers = layers
         self.backend = backend
+        self.head = head  # `FusedLmHead`, or None: the caller computes the logits
         self.generation = linear.pack_generation()
         rotary = model.model.rotary
         self.cos, self.sin = rotary.cos, rotary.sin
@@ -119,7 +147,7 @@ class FusedDecode:
             if fused is None:
                 return None
             layers.append(fused)
-        return cls(model, kv_cache, layers, backend)
+        return cls(model, kv_cache, layers, backend, _fused_head(model))
 
     def current(self, kv_cache: KVCache) -> bool:
         """Whether these layers still hold what a step over `kv_cache` needs: False once any
@@ -143,10 +171,14 @@ class FusedDecode:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        *,
+        logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [T, hidden] (contiguous, overwritten) through every layer; returns it. One row per
         sequence: positions and slots [T] int64, block tables [T, max_blocks] and context
-        lengths [T] int32 (the new token counted); other integer dtypes are converted."""
+        lengths [T] int32 (the new token counted); other integer dtypes are converted. With
+        `logits` [T, vocab] float32 (only where `head` is set), the same call then writes the
+        LM head's logits of the final norm of x there (`compute_logits`' bits)."""
         step = _EXT.DecodeStep(
             to_dlpack(_dense(positions, _I64)), to_dlpack(self.cos), to_dlpack(self.sin),
             to_dlpack(_dense(slot_mapping, _I64)), to_dlpack(_dense(block_tables, _I32)),
@@ -154,11 +186,21 @@ class FusedDecode:
         )  # fmt: skip
         threads = torch.get_num_threads()
         attention_threads = self.backend.num_threads or threads
+        # NOTE: the head's arguments only when asked: a build without the head takes none.
+        head = () if logits is None else (self.head, to_dlpack(logits))
         _EXT.decode_layers(
             self.backend.workspace, step, self.layers, to_dlpack(x), to_dlpack(x), threads,
-            attention_threads,
+            attention_threads, *head,
         )  # fmt: skip
         return x
+
+    def run_logits(self, x: torch.Tensor, *step: torch.Tensor) -> torch.Tensor:
+        """`run(x, *step)` with the final norm and the LM head in the same call: float32 logits
+        [T, vocab]. Only where `head` is set."""
+        assert self.head is not None, "no fused LM head: run(), then compute_logits"
+        logits = torch.empty(x.shape[0], self.model.lm_head.out_features, dtype=_F32)
+        self.run(x, *step, logits=logits)
+        return logits
 
 
 def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -62,6 +62,9 @@ SMOKE_RUNS = {
     "prefix": (
         "bench/prefix.py --conversations 2 --span-s 1 --max-tokens 2 --num-blocks 256"
     ).split(),
+    "lm_head_fold": (
+        "bench/lm_head_fold.py --model tiny --rounds 1 --tokens 4 --weight-dtypes int8"
+    ).split(),
     # Three fresh interpreters (a start without the cache, the cold one, a warm one).
     "replica_startup": "bench/replica_startup.py --models tiny --repeats 1 --num-blocks 64".split(),
     # The cheapest fault on its own (--only stops and the trace need `serve run`: minutes).

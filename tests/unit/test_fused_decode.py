@@ -26,6 +26,7 @@ pytestmark = kernel_gate(
     "csrc extension without the fused decoder layer", built=fused_decode.available()
 )
 
+HEAD_BUILT = hasattr(fused_decode._EXT, "FusedLmHead")  # an older build: compute_logits after
 BLOCK_SIZE = 16
 MAX_CONTEXT = 70  # tokens per row, the new one included: a few blocks, a partial last one
 
@@ -88,6 +89,11 @@ def test_a_fused_step_has_the_stages_bits(tiny_model_path, weight_dtype):
             assert torch.equal(got, want), rows
             assert torch.equal(fused.kv_cache.key, stages.kv_cache.key), rows
             assert torch.equal(fused.kv_cache.value, stages.kv_cache.value), rows
+            # Without the hidden states kept, the LM head runs in the same call (where this
+            # build has it): same logits (the step again writes the same k/v at the same slots).
+            assert (fused._fused.head is not None) == HEAD_BUILT
+            assert torch.equal(fused.forward(inputs), want), rows
+            assert fused.hidden is None
 
 
 def test_the_engine_generates_the_stages_tokens(tiny_model_path):
@@ -196,3 +202,39 @@ def test_one_layer_call_refuses_mismatched_shapes(tiny_model_path):
     ):
         with pytest.raises(ValueError, match="x has shape"):
             fused.layers[0].decode(ws, step, to_dlpack(x), to_dlpack(x.clone()), 1, 1)
+
+
+@kernel_gate("csrc extension without the fused LM head", built=HEAD_BUILT)
+def test_the_fused_lm_head_refuses_mismatched_shapes(tiny_model_path):
+    """A head without logits (or logits without a head), logits of another width, a head built
+    for another vocabulary: ValueError before anything runs."""
+    from common.attention.cpu_kernel import extension
+
+    ext = extension()
+    model = load_model(tiny_model_path)
+    inputs, num_blocks = _decode_step(2, model.config.vocab_size, seed=6)
+    runner = _runner(model, num_blocks, seed=6, fuse=True)
+    fused = FusedDecode.build(model, runner.kv_cache, runner.backend)
+    assert fused is not None and fused.head is not None
+    rotary, vocab = model.model.rotary, model.config.vocab_size
+    step = ext.DecodeStep(
+        to_dlpack(inputs.positions), to_dlpack(rotary.cos), to_dlpack(rotary.sin),
+        to_dlpack(inputs.slot_mapping), to_dlpack(inputs.block_tables),
+        to_dlpack(inputs.context_lens), model.scale,
+    )  # fmt: skip
+    x = model.embed(inputs.input_ids)
+    key = runner.kv_cache.key.clone()
+    ws, layers = runner.backend.workspace, fused.layers
+    with pytest.raises(ValueError, match="head needs logits"):
+        ext.decode_layers(ws, step, layers, to_dlpack(x), to_dlpack(x.clone()), 1, 1, fused.head)
+    with pytest.raises(ValueError, match="head needs logits"):
+        ext.decode_layers(ws, step, layers, to_dlpack(x), to_dlpack(x.clone()), 1, 1, None,
+                          to_dlpack(torch.zeros(2, vocab)))  # fmt: skip
+    with pytest.raises(ValueError, match="logits has shape"):
+        ext.decode_layers(ws, step, layers, to_dlpack(x), to_dlpack(x.clone()), 1, 1, fused.head,
+                          to_dlpack(torch.zeros(2, vocab + 1)))  # fmt: skip
+    assert torch.equal(runner.kv_cache.key, key)
+    head, norm = model.lm_head, model.model.norm
+    with pytest.raises(ValueError, match="lm_head panels"):
+        ext.FusedLmHead(to_dlpack(norm.weight.detach()), norm.eps, to_dlpack(head.panels), None,
+                        vocab + 1000)  # fmt: skip
