@@ -45,7 +45,8 @@ ThreadKey = tuple[int, int]  # (pid, tid)
 
 
 def process_name(pid: int) -> str:
-    """A Ray worker's title (`ray::ServeReplica:phasemesh:Router`), else the command's name."""
+    """A Ray worker's title (`ray::ServeReplica:phasemesh:Router`), a dashboard module's
+    (`ray-dashboard-NodeHead`), else the command's name (`serve` for `serve run` itself)."""
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -53,9 +54,13 @@ def process_name(pid: int) -> str:
     first = args[0].decode(errors="replace")
     if first.startswith("ray::"):
         return first.split()[0]
+    if first.startswith("ray-dashboard-"):  # a dashboard module's process: `ray-dashboard-X-0 (...`
+        return first.split()[0].rsplit("-", 1)[0]
     for arg in args:  # `python -m ray.x.y` and Ray's binaries: the module or the binary
         text = arg.decode(errors="replace")
-        if text.endswith(".py") or "/ray/" in text:
+        if text.startswith("from multiprocessing."):  # the dashboard's forkserver, its tracker
+            return text.split()[1]
+        if text.endswith(".py") or "/ray/" in text or Path(text).name == "serve":
             return Path(text).name
     return Path(first).name
 
