@@ -61,7 +61,7 @@ DIRECT_INGRESS_ENV = RAY_SERVE_ENABLE_DIRECT_INGRESS=$(DIRECT_INGRESS) \
 # QUIET_RUNTIME_ENV; docs/serving.md#an-idle-server): an idle server's cores.
 QUIET_RUNTIME_ENV = RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000 \
 	RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 LOG_NAME_UPDATE_INTERVAL_S=5 \
-	RAY_task_events_report_interval_ms=5000
+	RAY_task_events_report_interval_ms=5000 METRICS_RECORD_INTERVAL_S=60
 API_URLS = $(if $(filter 1,$(DIRECT_INGRESS)),http://127.0.0.1:30000/v1 (direct ingress) and )
 run: model
 	@echo "PhaseMesh: starting Ray Serve; the API will be at $(API_URLS)http://127.0.0.1:8000/v1"

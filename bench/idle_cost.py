@@ -10,7 +10,10 @@ process of the server's session (Ray's GCS, raylet, dashboard and agents, Serve'
 proxy, the replicas, the registry actor) is read from /proc before and after. Figures per process
 (by Ray title or command): `cores` (CPU seconds over the window's seconds) and `wakeups_per_s`
 (voluntary context switches: a thread that blocks and is woken; what an idle loop's timer costs
-even when its work is small); the busiest threads by name across the tree.
+even when its work is small), `main_thread_cores` (its main thread's: a Ray worker's task loop,
+which checks for signals every 10 ms); the busiest threads by name across the tree; and
+`ray_workers_main_thread_cores`, those main threads' sum over the Ray workers (the floor no
+setting moves).
 
 CPU seconds of the server's own processes do not depend on what else the machine runs (a shared
 machine's load slows them, it does not add to them), so the figures compare across runs where
@@ -40,12 +43,15 @@ from tests.e2e.serve_process import ServeRun  # noqa: E402
 CONFIGS = {"mesh": "local.yaml", "local": "single.yaml"}
 TARGETS = {"mesh_idle_cores_max": 0.10, "local_idle_cores_max": 0.05}
 TOP_THREADS = 12
+# Processes titled `ray::` that are Ray's agents, not core workers (no task loop on the main thread)
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 
 ThreadKey = tuple[int, int]  # (pid, tid)
 
 
 def process_name(pid: int) -> str:
-    """A Ray worker's title (`ray::ServeReplica:phasemesh:Router`), else the command's name."""
+    """A Ray worker's title (`ray::ServeReplica:phasemesh:Router`), a dashboard module's
+    (`ray-dashboard-NodeHead`), else the command's name (`serve` for `serve run` itself)."""
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -53,9 +59,13 @@ def process_name(pid: int) -> str:
     first = args[0].decode(errors="replace")
     if first.startswith("ray::"):
         return first.split()[0]
+    if first.startswith("ray-dashboard-"):  # a dashboard module's process: `ray-dashboard-X-0 (...`
+        return first.split()[0].rsplit("-", 1)[0]
     for arg in args:  # `python -m ray.x.y` and Ray's binaries: the module or the binary
         text = arg.decode(errors="replace")
-        if text.endswith(".py") or "/ray/" in text:
+        if text.startswith("from multiprocessing."):  # the dashboard's forkserver, its tracker
+            return text.split()[1]
+        if text.endswith(".py") or "/ray/" in text or Path(text).name == "serve":
             return Path(text).name
     return Path(first).name
 
@@ -88,7 +98,7 @@ def idle_window(root: int, window_s: float) -> dict[str, Any]:
     span = time.monotonic() - start
     box_cores = (box_busy_s() - box_before) / span
     by_process: dict[str, dict[str, float]] = defaultdict(
-        lambda: {"cores": 0.0, "wakeups_per_s": 0.0, "num_processes": 0}
+        lambda: {"cores": 0.0, "main_thread_cores": 0.0, "wakeups_per_s": 0.0, "num_processes": 0}
     )
     threads: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
     for pid in pids:
@@ -99,6 +109,8 @@ def idle_window(root: int, window_s: float) -> dict[str, Any]:
         process = by_process[names.get(key[0], "?")]
         process["cores"] += cores
         process["wakeups_per_s"] += wakeups
+        if key[0] == key[1]:  # its main thread: a Ray worker's task loop, its 10 ms signal check
+            process["main_thread_cores"] += cores
         thread = threads[(names.get(key[0], "?"), name)]
         thread[0] += cores
         thread[1] += wakeups
@@ -107,6 +119,13 @@ def idle_window(root: int, window_s: float) -> dict[str, Any]:
         "idle_cores": sum(p["cores"] for p in by_process.values()),
         "wakeups_per_s": sum(p["wakeups_per_s"] for p in by_process.values()),
         "box_cores": box_cores,
+        # What no setting moves: every Ray worker's main thread wakes every 10 ms (its core
+        # worker's signal check, a fixed period), with or without work.
+        "ray_workers_main_thread_cores": sum(
+            p["main_thread_cores"]
+            for name, p in by_process.items()
+            if name.startswith("ray::") and name not in RAY_AGENTS
+        ),
         "by_process": {
             name: {k: round(v, 4) for k, v in p.items()}
             for name, p in sorted(by_process.items(), key=lambda kv: -kv[1]["cores"])
@@ -165,7 +184,8 @@ def main() -> None:
     for path in args.paths:
         figures = measure(path, args.preset, args.window, args.settle, args.server_pid)
         print(f"{path}: {figures['idle_cores']:.3f} cores, {figures['wakeups_per_s']:.0f} "
-              f"wake-ups/s (box {figures['box_cores']:.2f})")  # fmt: skip
+              f"wake-ups/s (box {figures['box_cores']:.2f}); Ray workers' main threads "
+              f"{figures['ray_workers_main_thread_cores']:.3f} cores")  # fmt: skip
         for name, p in figures["by_process"].items():
             print(f"  {p['cores']:.4f} cores {p['wakeups_per_s']:8.1f}/s  {name}")
         for t in figures["top_threads"]:

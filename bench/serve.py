@@ -56,8 +56,9 @@ SERVED = ("local", "local_plain", "mesh", "mesh_plain")  # the served figures, b
 ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048,
                "max_num_seqs": 64}  # fmt: skip
 TARGETS = {
-    "local_ratio_batch8_min": 0.85,
-    "local_ratio_batch32_min": 0.85,
+    # Served `local` beside the idle served runtime against the engine alone (issue 54).
+    "local_ratio_batch8_min": 0.95,
+    "local_ratio_batch32_min": 0.95,
     "mesh_ratio_batch32_small_min": 0.6,  # the small preset only: tiny's steps are all overhead
     "router_cpu_ms_per_token_max": 0.3,
     # The idle server (issue 54): the whole machine's busy cores (what a served engine shares

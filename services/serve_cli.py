@@ -40,6 +40,7 @@ QUIET_RUNTIME_ENV = {
     "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",  # Ray's log monitor lists the log folder...
     "LOG_NAME_UPDATE_INTERVAL_S": "5",  # ...every 5 s (new workers' logs), not every 0.1 s
     "RAY_task_events_report_interval_ms": "5000",  # task events (the dashboard's task list)
+    "METRICS_RECORD_INTERVAL_S": "60",  # the dashboard's gauges of its own processes' CPU, memory
 }
 
 

@@ -2,21 +2,25 @@
 process of the server is found below `serve run` and named (Ray's, Serve's, the registry actor,
 the mesh's replicas), an idle server's cost is read from /proc, and the last line is the bench's
 JSON with its verdict on the mesh's target. What it costs is the bench's to report, never
-asserted."""
+asserted. And the timers `QUIET_RUNTIME_ENV` slows leave what users run on a `serve run` working:
+`serve status`, through the dashboard's REST API."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.bench_runs import assert_figures_and_targets, run_bench
-from tests.e2e.serve_process import PRESET_SHARDS, ServeRun
+from tests.e2e.serve_process import PRESET_SHARDS, SERVE_CLI, ServeRun, descendants, listening_ports
 
 NAMED = ("gcs_server", "raylet", "ray::ServeController", "ray::ProxyActor", "ray::Registry",
          "ray::ServeReplica:phasemesh:Router", "ray::ServeReplica:phasemesh:PromptEngine",
-         "ray::ServeReplica:phasemesh:TokenEngine")  # fmt: skip
+         "ray::ServeReplica:phasemesh:TokenEngine", "ray-dashboard-ServeHead", "serve")  # fmt: skip
+DASHBOARD_PORTS = range(8265, 8265 + 51)  # Ray's default port and its 50 retries
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
@@ -35,3 +39,29 @@ def test_the_idle_window_names_every_process_of_the_served_mesh(server: ServeRun
     # Ray's runtime is never fully asleep, nor busier than the machine.
     assert 0 < figures["idle_cores"] <= (os.cpu_count() or 1)
     assert figures["wakeups_per_s"] > 0 and figures["top_threads"]
+    # The Ray workers' task loops (a 10 ms signal check each): a part of the whole.
+    assert 0 <= figures["ray_workers_main_thread_cores"] <= figures["idle_cores"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_serve_status_answers_from_the_quiet_runtimes_dashboard(server: ServeRun) -> None:
+    assert server.pid is not None
+    [port] = [p for p in listening_ports(dashboard_pid(server.pid)) if p in DASHBOARD_PORTS]
+    # As the server's own processes run (tests/e2e/serve_process.py): Ray's token auth, said.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.setdefault("RAY_AUTH_MODE", "token")
+    done = subprocess.run([str(SERVE_CLI), "status", "-a", f"http://127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "phasemesh:" in done.stdout and "status: RUNNING" in done.stdout, done.stdout
+
+
+def dashboard_pid(root: int) -> int:
+    """The dashboard head's process below `serve run` (Ray's `dashboard/dashboard.py`)."""
+    for pid in descendants(root):
+        try:
+            if b"dashboard/dashboard.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue  # exited meanwhile
+    raise LookupError(f"no dashboard below serve run {root}")
