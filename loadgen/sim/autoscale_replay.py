@@ -165,7 +165,8 @@ _SHARED_KNOBS = {
 }
 DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
     Role.PROMPT: {"targets": {"prompt_tokens_per_s": 3500, "pending_prompt_tokens": 16_000},
-                  "scale_down_fill": 0.7, "swing_fill": 1.0, "lead_s": 15.0, "trend_s": 5.0,
+                  "scale_down_fill": 0.7, "swing_fill": 1.0, "scale_down_peak_fill": 1.0,
+                  "lead_s": 15.0, "trend_s": 5.0,
                   **_SHARED_KNOBS},
     Role.TOKEN: {"targets": {"running_decode_tokens": 30_000}, "scale_down_fill": 0.5,
                  **_SHARED_KNOBS},
