@@ -175,8 +175,11 @@ class ScaleState:
         that went back; readings older than `downscale_after_s` leave it."""
         if policy.scale_down_peak_fill is None:
             return self
-        if load.total is None or load.warming or load.starting or (
-            self.readings and now < self.readings[-1][0]
+        if (
+            load.total is None
+            or load.warming
+            or load.starting
+            or (self.readings and now < self.readings[-1][0])
         ):
             return replace(self, readings=(), window_since=None)
         horizon = now - policy.downscale_after_s
