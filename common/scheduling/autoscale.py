@@ -29,6 +29,11 @@ What the peers' users complain about, and the rule here that prevents it:
   target by less than the dead band) may size its peak at the target instead (`swing_fill`):
   sized to the band's middle, the band's floor sits so far under the load's usual level that
   a load that keeps swinging never lets the extra replicas go (`ScalePolicy.swing_share`).
+- **A swing's replicas kept by a load that keeps swinging** (its peaks cross one group less's
+  floor every few minutes, so no `downscale_after_s` passes with every reading under it): with
+  `scale_down_peak_fill`, the last `downscale_after_s` of readings may scale down instead when
+  their mean fits the smaller size at `scale_down_fill` and their peak at that share of the
+  target, back to at most the count the last scale-up began from (`window_allows`).
 - **Step explosions**: at most `max_step` groups per decision.
 - **A step that arrives before its replicas** (a load step, then a minute of start-up with the
   old size taking it all): a scale-up's hold (`upscale_after_s`) fills with the groups the load
