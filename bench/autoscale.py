@@ -17,7 +17,13 @@ SLOs): the Azure conversation trace's sizes at a Poisson base rate, tripled for 
 
 `--lend-bounds`: the router's lending bounds (`PoolThresholds.lend_*`: a prefill lent only to a
 machine running few decodes, a prompt machine lent to decodes only with few prompt tokens
-pending) for both clusters, the fixed size's search included; default: Splitwise's lending.
+pending) for both clusters, the fixed size's search included; default `0 0`, the configuration
+that meets the targets: in the autoscaled cluster's start-up minute of a step (its new machines
+not yet taking work), Splitwise's unbounded lending sends the overflow's decodes to prompt
+machines busy with the step's prefills and prefills to token machines' decodes, and those
+requests miss the TBT limit that the fixed size, already at the peak's size, does not
+(docs/benchmarks.md). `--no-lend-bounds`: Splitwise's unbounded lending, as runs before the
+default did.
 
 Reported: TTFT and TBT p90 slowdowns against their limits and the share of requests within them
 (over the slice and within the step), replica-seconds by deployment, scale events.
@@ -158,8 +164,16 @@ def parse_args() -> argparse.Namespace:
         type=int,
         nargs=2,
         metavar=("PREFILL_MAX_DECODE", "DECODE_MAX_PENDING"),
-        help="the router's lending bounds (PoolThresholds.lend_*), for both clusters; "
-        "default: unbounded, Splitwise's lending",
+        default=[0, 0],
+        help="the router's lending bounds (PoolThresholds.lend_*), for both clusters "
+        "(default: 0 0)",
+    )
+    parser.add_argument(
+        "--no-lend-bounds",
+        dest="lend_bounds",
+        action="store_const",
+        const=None,
+        help="Splitwise's unbounded lending (runs before the bounds were the default)",
     )
     parser.add_argument(
         "--seeds",

@@ -29,6 +29,11 @@ What the peers' users complain about, and the rule here that prevents it:
   target by less than the dead band) may size its peak at the target instead (`swing_fill`):
   sized to the band's middle, the band's floor sits so far under the load's usual level that
   a load that keeps swinging never lets the extra replicas go (`ScalePolicy.swing_share`).
+- **A swing's replicas kept by a load that keeps swinging** (its peaks cross one group less's
+  floor every few minutes, so no `downscale_after_s` passes with every reading under it): with
+  `scale_down_peak_fill`, the last `downscale_after_s` of readings may scale down instead when
+  their mean fits the smaller size at `scale_down_fill` and their peak at that share of the
+  target, back to at most the count the last scale-up began from (`window_allows`).
 - **Step explosions**: at most `max_step` groups per decision.
 - **A step that arrives before its replicas** (a load step, then a minute of start-up with the
   old size taking it all): a scale-up's hold (`upscale_after_s`) fills with the groups the load
@@ -83,6 +88,10 @@ class ScalePolicy:
     # A scale-up for a swing (not a step) sizes its peak to this share of the target, in
     # [scale_down_fill, 1] (None: the dead band's middle, as a step); see `swing_share`.
     swing_fill: float | None = None
+    # A scale-down over a swinging load (`window_allows`): when the last `downscale_after_s` of
+    # readings' mean fits one group less at `scale_down_fill` and their peak at this share of
+    # the target, in [scale_down_fill, 1] (None: every reading must fit at `scale_down_fill`).
+    scale_down_peak_fill: float | None = None
 
     def __post_init__(self) -> None:
         if self.target_load <= 0:
@@ -102,6 +111,9 @@ class ScalePolicy:
                 raise ValueError(f"{name} must not be negative")
         if self.swing_fill is not None and not self.scale_down_fill <= self.swing_fill <= 1:
             raise ValueError("swing_fill must be in [scale_down_fill, 1]")
+        peak_fill = self.scale_down_peak_fill
+        if peak_fill is not None and not self.scale_down_fill <= peak_fill <= 1:
+            raise ValueError("scale_down_peak_fill must be in [scale_down_fill, 1]")
 
     @property
     def middle_fill(self) -> float:
@@ -155,6 +167,30 @@ class ScaleState:
     trend_load: float = 0.0
     trend_count: int = 0
     slope: float = 0.0
+    # The scale-down window's readings (`ScaleState.windowed`): (time, total) of the last
+    # `downscale_after_s`, and when the window began (its readings unbroken since).
+    readings: tuple[tuple[float, float], ...] = ()
+    window_since: float | None = None
+    risen_from: int | None = None  # the count the last change, a scale-up, began from
+
+    def windowed(self, policy: ScalePolicy, load: Load, now: float) -> ScaleState:
+        """This state with `load` read into the scale-down window (only with
+        `scale_down_peak_fill`): a reading with nothing warm, a replica warming up or one
+        decided and not reporting begins it anew (no scale-down goes by those), as does a clock
+        that went back; readings older than `downscale_after_s` leave it."""
+        if policy.scale_down_peak_fill is None:
+            return self
+        if (
+            load.total is None
+            or load.warming
+            or load.starting
+            or (self.readings and now < self.readings[-1][0])
+        ):
+            return replace(self, readings=(), window_since=None)
+        horizon = now - policy.downscale_after_s
+        kept = tuple(r for r in self.readings if r[0] >= horizon)
+        since = now if self.window_since is None else self.window_since
+        return replace(self, readings=(*kept, (now, load.total)), window_since=since)
 
     def trended(self, policy: ScalePolicy, load: Load, now: float) -> ScaleState:
         """This state with `load` read into its trend: once a span of `trend_s` has passed, the
@@ -298,7 +334,60 @@ def advance_on(policy: ScalePolicy, state: ScaleState, load: Load, now: float) -
     # noise began, and a scale-down goes by the load there is.
     stepping = load.total is not None and is_step(policy, state.replicas, load.total)
     wanted = wanted_for(policy, state.replicas, load.ahead(policy, state) if stepping else load)
-    return advance(policy, state, wanted, now, need)
+    state = state.windowed(policy, load, now)
+    if wanted == state.replicas:
+        # The latest reading keeps the size (above one group less's floor, or nothing warm):
+        # a load swinging across that floor may still fit the smaller size over the window.
+        smaller = window_allows(policy, state, now)
+        if smaller is not None:
+            return replace(state, replicas=smaller, wanted=0, wanted_since=None, seen_at=None,
+                           surplus=0.0, last_change_at=now, num_changes=state.num_changes + 1,
+                           readings=(), window_since=None, risen_from=None)  # fmt: skip
+    after = advance(policy, state, wanted, now, need)
+    if after.replicas != state.replicas:  # a new size: its window begins with its readings
+        risen_from = state.replicas if after.replicas > state.replicas else None
+        after = replace(after, readings=(), window_since=None, risen_from=risen_from)
+    return after
+
+
+def window_allows(policy: ScalePolicy, state: ScaleState, now: float) -> int | None:
+    """The smaller count the scale-down window allows now (None: none): with
+    `scale_down_peak_fill`, once the window spans `downscale_after_s` (its hold) and the
+    cool-down has passed, the fewest replicas (whole groups, at most `max_step` groups fewer,
+    within the bounds, and no fewer than the last scale-up began from) whose `scale_down_fill`
+    of the target holds the readings' mean and whose `scale_down_peak_fill` holds their peak.
+
+    Why: the rule of every reading under one group less's floor (`scale_down_fill`) asks a
+    swinging load for a peak under the floor over the whole `downscale_after_s`; a base load
+    whose swings cross the floor every few minutes then keeps replicas that a scale-up for one
+    of its swings added until the load changes for good. The window's mean keeps the room the
+    dead band gives (a flat load at the mean sits there), and its peak at most the target keeps
+    the smaller size from a scale-up for swings like those it has just seen (a scale-up needs
+    the load past the target). It is only asked when the latest reading keeps the size: a load
+    under the floor waits for that rule, whose count goes by the load there is (a load falling
+    after a step goes down in one change, not first by what its window's peak allows). And it
+    only takes back what the last change, a scale-up, added (`ScaleState.risen_from`): the size
+    a scale-down or the start settled at goes lower only by the stricter rule, so a load swinging
+    about one level moves the size at most up and back, never down a third time."""
+    peak_fill = policy.scale_down_peak_fill
+    if peak_fill is None or state.risen_from is None or state.window_since is None:
+        return None
+    if now - state.window_since < policy.downscale_after_s:
+        return None
+    if state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s:
+        return None
+    totals = [total for _, total in state.readings]
+    mean, peak = sum(totals) / len(totals), max(totals)
+    group, current = policy.group_size, state.replicas
+    floor = max(policy.min_replicas, group, current - policy.max_step * group, state.risen_from)
+    count = current
+    while (
+        count - group >= floor
+        and mean <= (count - group) * policy.target_load * policy.scale_down_fill
+        and peak <= (count - group) * policy.target_load * peak_fill
+    ):
+        count -= group
+    return count if count < current else None
 
 
 def advance(

@@ -156,6 +156,10 @@ class RoleScaling:
 # (`swing_fill` 1): sized to the band's middle, the base load's swings kept replicas for good.
 # The token side keeps the middle: its decode tokens lag a step, and the headroom carries the
 # step's first half minute until its own scale-up's machines take work.
+# And the prompt side takes such a swing's machines back once the last five minutes' mean fits
+# fewer at `scale_down_fill` and their peak at the target (`scale_down_peak_fill` 1): the base
+# load's swings cross the smaller size's floor every few minutes, so under every reading under
+# it the swing's machines stayed until the step.
 _SHARED_KNOBS = {
     "max_step": 64,
     "upscale_after_s": 30.0,
@@ -165,7 +169,8 @@ _SHARED_KNOBS = {
 }
 DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
     Role.PROMPT: {"targets": {"prompt_tokens_per_s": 3500, "pending_prompt_tokens": 16_000},
-                  "scale_down_fill": 0.7, "swing_fill": 1.0, "lead_s": 15.0, "trend_s": 5.0,
+                  "scale_down_fill": 0.7, "swing_fill": 1.0, "scale_down_peak_fill": 1.0,
+                  "lead_s": 15.0, "trend_s": 5.0,
                   **_SHARED_KNOBS},
     Role.TOKEN: {"targets": {"running_decode_tokens": 30_000}, "scale_down_fill": 0.5,
                  **_SHARED_KNOBS},

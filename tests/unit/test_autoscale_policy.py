@@ -430,3 +430,92 @@ def test_a_swing_fill_outside_the_band_is_refused() -> None:
             replace_policy(swing_fill=fill)
     assert replace_policy(swing_fill=0.7).swing_share == 0.7
     assert replace_policy().swing_share == pytest.approx(0.85)  # the band's middle
+
+
+# -- a scale-down over the window's mean and peak (`scale_down_peak_fill`) -------------------------
+
+
+def test_a_swing_s_replicas_go_back_when_the_window_s_mean_and_peak_fit_the_smaller_size() -> None:
+    # Seed 1's recorded load with the swing sized to the band's middle: 13 machines, whose floor
+    # (8.4) the base load's peaks cross every few minutes, so every reading under it for 300 s
+    # never happens and all 13 stay. Once a window of 300 s has a mean that fits fewer at 0.7
+    # of the target and a peak (at most 11.1) that fits them at the target, it goes down, once.
+    middle = replace(LEADING, scale_down_peak_fill=1.0)
+    counts = replay_counts(middle, SEED1_PROMPT_LOAD, start=10)
+    assert replay_counts(LEADING, SEED1_PROMPT_LOAD, start=10)[-1] == 13
+    assert changes(counts, 10) == 2 and counts[-1] < 13
+    # Its peak (11.1) does not fit 10 at the target: a swing sized at the target (11) stays.
+    at_target = replace(LEADING, swing_fill=1.0, scale_down_peak_fill=1.0)
+    assert set(replay_counts(at_target, SEED1_PROMPT_LOAD, start=10)[20:]) == {11}
+
+
+def window_series(low: float, high: float, minutes: int) -> list[float]:
+    """A load read every 5 s swinging between `low` and `high` (in targets) every two minutes."""
+    return [(high if (i // 12) % 2 else low) * 1000 for i in range(minutes * 12)]
+
+
+def test_a_window_whose_peak_would_not_fit_one_replica_less_at_the_target_is_refused() -> None:
+    # 4 replicas after a swing from 3; 3's floor is 2.1 (0.7 of its target). The load swings
+    # 1.5 <-> 3.2: the mean (2.35) is over the floor: refused. 1.0 <-> 3.1: the mean (2.05)
+    # fits, the peak does not fit 3 at the target: refused. 1.2 <-> 2.9: both fit: allowed.
+    policy = replace(POLICY, scale_down_peak_fill=1.0, downscale_after_s=300)
+
+    def after_swing(low: float, high: float) -> list[int]:
+        state = ScaleState(replicas=4, risen_from=3, last_change_at=-600.0)
+        counts = []
+        for i, total in enumerate(window_series(low, high, 15)):
+            state = decide(policy, state, samples(*[total / 4] * 4), now=i * 5.0)
+            counts.append(state.replicas)
+        return counts
+
+    assert set(after_swing(1.5, 3.2)) == {4}
+    assert set(after_swing(1.0, 3.1)) == {4}
+    allowed = after_swing(1.2, 2.9)
+    assert allowed[-1] == 3 and changes(allowed, 4) == 1  # once the window spans its 300 s
+    assert allowed.index(3) * 5.0 >= 300
+    # Without the knob every reading must fit 3 at 0.7 (2.1): 2.9 never does.
+    assert set(replay(replace(policy, scale_down_peak_fill=None), window_series(1.2, 2.9, 15),
+                      start=4)) == {4}  # fmt: skip
+
+
+def test_the_window_takes_back_only_what_the_last_scale_up_added() -> None:
+    # The same swinging load whose window fits 3, on a size a scale-down or the start settled
+    # at (no scale-up to take back): it stays, as under every-reading-under-the-floor.
+    policy = replace(POLICY, scale_down_peak_fill=1.0, downscale_after_s=300)
+    assert set(replay(policy, window_series(1.2, 2.9, 15), start=4)) == {4}
+    # A scale-up from 2 is taken back to 3 at most (the window's mean needs 3 at 0.7).
+    state = ScaleState(replicas=4, risen_from=2, last_change_at=-600.0)
+    for i, total in enumerate(window_series(1.2, 2.9, 15)):
+        state = decide(policy, state, samples(*[total / state.replicas] * state.replicas),
+                       now=i * 5.0)  # fmt: skip
+    assert state.replicas == 3 and state.risen_from is None
+
+
+def test_a_warming_replica_restarts_the_window() -> None:
+    policy = replace(POLICY, scale_down_peak_fill=1.0, downscale_after_s=300)
+    state = ScaleState(replicas=4, risen_from=3, last_change_at=-600.0)
+    for i, total in enumerate(window_series(1.2, 2.9, 15)):
+        young = 10.0 if i == 40 else 600.0  # one reading from a replica still warming up
+        loads = [LoadSample(f"r{k}", total / 4, young if k == 0 else 600.0) for k in range(4)]
+        before = state.replicas
+        state = decide(policy, state, loads, now=i * 5.0)
+        if state.replicas != before:
+            assert i * 5.0 >= 200 + 300  # a whole window after the warming reading
+    assert state.replicas == 3
+
+
+def test_the_flapping_series_changes_a_window_policy_at_most_twice() -> None:
+    noise = [900, 1100, 950, 1080, 1020, 880, 1150, 990]
+    series = noise * 6 + [1800] * 20 + [0] * 30 + noise * 20
+    for swing_fill in (None, 1.0):
+        policy = replace_policy(swing_fill=swing_fill, scale_down_peak_fill=1.0)
+        counts = replay(policy, series, start=1)
+        assert changes(counts, 1) == 2 and max(counts) == 2 and counts[-1] == 1
+
+
+def test_a_scale_down_peak_fill_outside_the_band_is_refused() -> None:
+    for fill in (0.5, 1.2):
+        with pytest.raises(ValueError, match="scale_down_peak_fill"):
+            replace_policy(scale_down_peak_fill=fill)
+    # At `scale_down_fill` itself the window asks what every reading under the floor asks.
+    assert replace_policy(scale_down_peak_fill=0.7).scale_down_peak_fill == 0.7
