@@ -68,6 +68,11 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloa
                                                       torch.float16, torch.int8)}  # fmt: skip
 
 
+def _aligned(n: int) -> int:
+    """n rounded up to a multiple of `_ALIGN`."""
+    return -(-n // _ALIGN) * _ALIGN
+
+
 class CacheMismatch(ValueError):
     """A cache file that is not what this load would build (why, in its message)."""
 
@@ -139,11 +144,10 @@ def _read_valid(path: Path, key: dict, config: ModelConfig) -> LlamaForCausalLM 
     if not path.is_file():
         return None
     try:
-        model = read(path, key, config)
+        return read(path, key, config)
     except (CacheMismatch, OSError, ValueError) as exc:  # ValueError: a header that is not JSON
         log.warning("weight cache file rejected, rebuilding", path=str(path), reason=repr(exc))
         return None
-    return model
 
 
 # -- the file -------------------------------------------------------------------------------------
@@ -196,12 +200,12 @@ def write(path: Path, model: LlamaForCausalLM, key: dict) -> None:
         entries.append(_Entry(name, str(dense.dtype).removeprefix("torch."), list(dense.shape),
                               transposed, offset, data.nbytes))  # fmt: skip
         blobs.append((offset, data))
-        offset += -(-data.nbytes // _ALIGN) * _ALIGN
+        offset += _aligned(data.nbytes)
     modules = {name: module.weight_dtype for name, module in model.named_modules()
                if isinstance(module, PackedLinear) and module.panels is not None}  # fmt: skip
     header = json.dumps({"key": key, "entries": [e.__dict__ for e in entries],
                          "panels_dtype": modules}).encode()  # fmt: skip
-    start = -(-(_PREAMBLE.size + len(header)) // _ALIGN) * _ALIGN
+    start = _aligned(_PREAMBLE.size + len(header))
     crc, end = 0, 0
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp",
                                      delete=False) as f:  # fmt: skip
@@ -244,14 +248,19 @@ def read(path: Path, key: dict, config: ModelConfig) -> LlamaForCausalLM:
     header = json.loads(header_bytes)
     if header["key"] != key:
         raise CacheMismatch("written for another model, dtype or kernel layout")
-    start = -(-(_PREAMBLE.size + header_len) // _ALIGN) * _ALIGN
+    start = _aligned(_PREAMBLE.size + header_len)
     if size != start + data_len:
         raise CacheMismatch(f"{size} bytes, its header says {start + data_len}: truncated")
     data = mapped[start:]
     if zlib.crc32(raw[start:].data) != data_crc:
         raise CacheMismatch("data corrupt (CRC-32)")
-    tensors = {e["name"]: _view(data, _Entry(**e)) for e in header["entries"]}
-    return _build(config, tensors, header["panels_dtype"])
+    try:
+        tensors = {e["name"]: _view(data, _Entry(**e)) for e in header["entries"]}
+        return _build(config, tensors, header["panels_dtype"])
+    except (KeyError, TypeError, RuntimeError) as exc:
+        # A header whose checksums hold but whose entries do not fit its data or the model
+        # (a bug in a writer, or a forged file): refused like any other mismatch.
+        raise CacheMismatch(f"its entries do not fit its data or the model: {exc!r}") from exc
 
 
 def _view(data: torch.Tensor, entry: _Entry) -> torch.Tensor:

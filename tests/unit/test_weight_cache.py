@@ -4,8 +4,15 @@ a file that is not exactly what the load would build is rebuilt, never served.""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import struct
+import subprocess
+import sys
 import threading
+import time
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -21,6 +28,8 @@ from common.model.llama import LlamaForCausalLM
 from common.model.loader import build_model, load_model
 from common.sampling import SamplingParams
 from tests.conftest import random_prompts
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def cache_file(directory: Path) -> Path:
@@ -106,7 +115,44 @@ def rekey(path: Path) -> None:
     weight_cache.write(path, build_model(src, None, None), key)
 
 
-@pytest.mark.parametrize("damage", [truncate, flip_version, flip_data_byte, rekey])
+def _forge_header(path: Path, edit: object) -> None:
+    """The header's entries edited in place (same length) and its CRC-32 written to match: a
+    file whose checksums hold but whose entries lie (a writer's bug, or a hostile file)."""
+    preamble = weight_cache._PREAMBLE
+    with open(path, "r+b") as f:
+        fields = list(preamble.unpack(f.read(preamble.size)))
+        raw = f.read(fields[2])
+        header = json.loads(raw)
+        edit(header["entries"])  # type: ignore[operator]
+        forged = json.dumps(header).encode()
+        assert len(forged) == len(raw), "the edit must keep the header's length"
+        fields[3] = zlib.crc32(forged)
+        f.seek(0)
+        f.write(preamble.pack(*fields) + forged)
+
+
+def forge_offset(path: Path) -> None:
+    """The last tensor placed past the end of the data."""
+
+    def edit(entries: list[dict]) -> None:
+        entries[-1]["offset"] = int("9" * len(str(entries[-1]["offset"])))
+
+    _forge_header(path, edit)
+
+
+def forge_shape(path: Path) -> None:
+    """A projection weight's shape transposed: the same bytes, a shape the model does not have."""
+
+    def edit(entries: list[dict]) -> None:
+        entry = next(e for e in entries if len(e["shape"]) == 2 and e["shape"][0] != e["shape"][1])
+        entry["shape"].reverse()
+
+    _forge_header(path, edit)
+
+
+@pytest.mark.parametrize(
+    "damage", [truncate, flip_version, flip_data_byte, rekey, forge_offset, forge_shape]
+)
 def test_a_damaged_or_stale_cache_file_is_rebuilt_never_served(
     tiny_model_path: Path, tmp_path: Path, damage: object
 ) -> None:
@@ -167,3 +213,47 @@ def test_weight_cache_option_takes_auto_off_or_an_absolute_directory() -> None:
         msgspec.convert({"weight_cache": "relative/dir"}, MeshOptions)
     assert weight_cache.cache_dir("off") is None
     assert weight_cache.cache_dir("/x/y") == Path("/x/y")
+
+
+_STALLED_WRITER = """
+import sys, threading
+from pathlib import Path
+from common.model import weight_cache
+from common.model.loader import load_model
+
+def stalled_write(path, model, key):  # the replica dies in here, its lock held
+    (path.parent / (path.name + ".partial.tmp")).write_bytes(b"half a file")
+    Path(sys.argv[3]).touch()
+    threading.Event().wait()
+
+weight_cache.write = stalled_write
+load_model(Path(sys.argv[1]), weight_cache=Path(sys.argv[2]))
+"""
+
+
+def test_a_writer_killed_while_it_holds_the_lock_leaves_a_cache_the_next_load_builds(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A replica killed (SIGKILL) mid-write: its lock goes with it, only its temp file is left,
+    and the next load builds, writes and is then served from the file."""
+    writing = tmp_path / "writing"
+    cache = tmp_path / "cache"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_WRITER, str(tiny_model_path), str(cache), str(writing)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        for _ in range(1200):  # a hang guard, not a speed bound
+            if writing.exists() or child.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert writing.exists(), "the child never reached its write"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert not list(cache.glob("*.weights"))  # nothing half-written under the real name
+    built = load_model(tiny_model_path, weight_cache=cache)  # the dead replica's lock is free
+    path = cache_file(cache)
+    served = load_model(tiny_model_path, weight_cache=cache)
+    assert not is_mapped(built, path) and is_mapped(served, path)
+    assert_same_weights(built, served)
