@@ -371,16 +371,7 @@ struct FusedDecoderLayer {
     attention = &pm::select_isa(isa, head_dim, kv.block_size);
   }
 
-  void decode(pm::Workspace& ws, const DecodeStep& step, const RowsIn& x, const RowsOut& out,
-              int num_threads, int attention_threads) const {
-    expect_rows("x", x.shape(0), x.shape(1), step.in.rows, pre.hidden);
-    expect_rows("out", out.shape(0), out.shape(1), step.in.rows, pre.hidden);
-    check(step, num_threads, attention_threads);
-    nb::gil_scoped_release no_gil;
-    run(ws, step, x.data(), out.data(), num_threads, attention_threads);
-  }
-
-  // Checks what `decode` checks, except x's and out's shapes (the caller's).
+  // What a step through this layer needs beyond x's and out's shapes (decode_layers checks them).
   void check(const DecodeStep& step, int num_threads, int attention_threads) const {
     if (step.cos_table.shape(1) != static_cast<size_t>(pre.head_dim))
       throw std::invalid_argument("decode: the RoPE tables' rows must be head_dim wide");
@@ -565,13 +556,7 @@ NB_MODULE(phasemesh_attention_kernel, m) {
            nb::arg("post_eps"), nb::arg("gate_up_panels").noconvert(),
            nb::arg("gate_up_scales").noconvert().none(), nb::arg("down_panels").noconvert(),
            nb::arg("down_scales").noconvert().none(), nb::arg("key_cache").noconvert(),
-           nb::arg("value_cache").noconvert(), nb::arg("isa") = "auto")
-      .def("decode", &FusedDecoderLayer::decode, nb::arg("workspace"), nb::arg("step"),
-           nb::arg("x").noconvert(), nb::arg("out").noconvert(), nb::arg("num_threads") = 1,
-           nb::arg("attention_threads") = 1,
-           "out = the layer on x [T, hidden] for one decode step: RMSNorm, QKV, RoPE, the k/v "
-           "write at the step's slots, paged decode attention, then post_attention; the bits of "
-           "those calls made in turn.");
+           nb::arg("value_cache").noconvert(), nb::arg("isa") = "auto");
   nb::class_<FusedLmHead>(m, "FusedLmHead",
                           "The final RMSNorm and the LM head's packed weight, for decode_layers.")
       .def(nb::init<VectorIn, float, Panels, std::optional<Scales>, int64_t>(),

@@ -201,7 +201,9 @@ def test_one_layer_call_refuses_mismatched_shapes(tiny_model_path):
         torch.zeros(3, model.config.hidden_size),
     ):
         with pytest.raises(ValueError, match="x has shape"):
-            fused.layers[0].decode(ws, step, to_dlpack(x), to_dlpack(x.clone()), 1, 1)
+            extension().decode_layers(
+                ws, step, fused.layers[:1], to_dlpack(x), to_dlpack(x.clone()), 1, 1
+            )
 
 
 @kernel_gate("csrc extension without the fused LM head", built=HEAD_BUILT)
