@@ -183,5 +183,6 @@ class EngineConfig:
     dtype: str | None = None  # None: the checkpoint's own dtype
     attention_backend: str = "auto"  # auto | cpu_kernel | torch | device_paged
     device: str = "auto"  # auto | cpu | cuda[:N] (common/device.py)
-    # A directory of load-ready weights (common/model/weight_cache.py); None: none.
-    weight_cache: str | None = None
+    # Load-ready weights (common/model/weight_cache.py), as `MeshOptions.weight_cache`: auto,
+    # off or a directory; off here: a single process has no second replica to share them with.
+    weight_cache: str = "off"

@@ -41,6 +41,7 @@ from ray.serve import Application
 from common.config import ModelConfig
 from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
+from common.model.weight_cache import cache_dir
 from common.roles import Role
 from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.telemetry.prometheus import PrometheusSink
@@ -341,7 +342,9 @@ class OfflineGroupDeployment:
     def __init__(self, args: dict[str, Any]) -> None:
         parsed = AppArgs.model_validate(args)
         assert parsed.offline is not None
-        self.service = OfflineService.start(parsed.model_path(), parsed.offline)
+        self.service = OfflineService.start(
+            parsed.model_path(), parsed.offline, weight_cache=cache_dir(parsed.mesh.weight_cache)
+        )
 
     async def generate(self, prompts: list[list[int]], max_tokens: list[int],
                        job_id: str | None = None) -> list[list[int] | None]:  # fmt: skip

@@ -22,6 +22,7 @@ from common.engine.request import FinishReason, Request, RequestOutput, check_pr
 from common.engine.runner import Inputs, ModelRunner, StepInputs
 from common.kv_cache import KVCache
 from common.model.loader import load_model
+from common.model.weight_cache import cache_dir
 from common.protocol import LoadReport, TokenLogprobs
 from common.roles import Role
 from common.sampling import SampledRow, Sampler, SamplingParams
@@ -43,9 +44,8 @@ class LLMEngine:
         the CPU runs the same padded steps eagerly, for tests)."""
         self.config = config
         self.device = resolve_device(config.device)  # decided once: nothing per step asks again
-        cache = None if config.weight_cache is None else Path(config.weight_cache)
         self.model = load_model(config.model_path, config.dtype, device=self.device,
-                                weight_cache=cache)  # fmt: skip
+                                weight_cache=cache_dir(config.weight_cache))  # fmt: skip
         self.model_config: ModelConfig = self.model.config
         folder = Path(config.model_path)
         self.tokenizer = Tokenizer(folder) if with_tokenizer else None

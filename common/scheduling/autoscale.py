@@ -173,6 +173,15 @@ class ScaleState:
     window_since: float | None = None
     risen_from: int | None = None  # the count the last change, a scale-up, began from
 
+    def changed_to(self, replicas: int, now: float) -> ScaleState:
+        """This state after a change to `replicas` at `now`: no wish pending, the cool-down's
+        clock restarted, and the scale-down window begun anew (a scale-up remembers the count
+        it began from: `risen_from`)."""
+        risen_from = self.replicas if replicas > self.replicas else None
+        return replace(self, replicas=replicas, wanted=0, wanted_since=None, seen_at=None,
+                       surplus=0.0, last_change_at=now, num_changes=self.num_changes + 1,
+                       readings=(), window_since=None, risen_from=risen_from)  # fmt: skip
+
     def windowed(self, policy: ScalePolicy, load: Load, now: float) -> ScaleState:
         """This state with `load` read into the scale-down window (only with
         `scale_down_peak_fill`): a reading with nothing warm, a replica warming up or one
@@ -340,14 +349,8 @@ def advance_on(policy: ScalePolicy, state: ScaleState, load: Load, now: float) -
         # a load swinging across that floor may still fit the smaller size over the window.
         smaller = window_allows(policy, state, now)
         if smaller is not None:
-            return replace(state, replicas=smaller, wanted=0, wanted_since=None, seen_at=None,
-                           surplus=0.0, last_change_at=now, num_changes=state.num_changes + 1,
-                           readings=(), window_since=None, risen_from=None)  # fmt: skip
-    after = advance(policy, state, wanted, now, need)
-    if after.replicas != state.replicas:  # a new size: its window begins with its readings
-        risen_from = state.replicas if after.replicas > state.replicas else None
-        after = replace(after, readings=(), window_since=None, risen_from=risen_from)
-    return after
+            return state.changed_to(smaller, now)
+    return advance(policy, state, wanted, now, need)
 
 
 def window_allows(policy: ScalePolicy, state: ScaleState, now: float) -> int | None:
@@ -422,8 +425,7 @@ def advance(
     cooling = state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s
     if not held_enough or cooling:
         return replace(state, wanted=wanted, wanted_since=since, seen_at=now, surplus=surplus)
-    return replace(state, replicas=wanted, wanted=0, wanted_since=None, last_change_at=now,
-                   num_changes=state.num_changes + 1, seen_at=None, surplus=0.0)  # fmt: skip
+    return state.changed_to(wanted, now)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import structlog
 
 from common.config import ModelConfig
 from common.engine.grammars import EngineGrammars
-from common.engine.request import Request, check_prompt
+from common.engine.request import Request, TokenIds, check_prompt
 from common.protocol import DecodeHandoff, GenerateRequest, RebuildKv, TokenOutput
 from common.sampling import SampledRow, SamplingParams
 from common.scheduling.batching import Sequence
@@ -143,8 +143,10 @@ class RequestTable:
             return 0
         return min(len(req.prompt_token_ids) + req.params.max_tokens, self.max_model_len)
 
-    def token_ids(self, seqs: list[Sequence]) -> dict[str, list[int]]:
-        return {s.req_id: self.requests[s.req_id].all_token_ids for s in seqs}
+    def token_ids(self, seqs: list[Sequence]) -> dict[str, TokenIds]:
+        """Each sequence's prompt and output tokens, read in place (`Request.token_ids`): a step
+        reads a few of them, and copying every context each step would cost its length."""
+        return {s.req_id: self.requests[s.req_id].token_ids for s in seqs}
 
 
 __all__ = ["Emitted", "RequestTable", "ShardRowFailed"]

@@ -19,6 +19,7 @@ applies the result): the runner keeps no per-step state, and its options are set
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -140,7 +141,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self.num_relinks += 1
 
     def plan_prefill(
-        self, batch: Batch, token_ids: dict[str, list[int]], kv_shipper: KvShipper | None = None
+        self, batch: Batch, token_ids: Mapping[str, Seq[int]], kv_shipper: KvShipper | None = None
     ) -> StepPlan:
         """A prefill step; its KV also goes to `kv_shipper` when the request decodes elsewhere."""
         return StepPlan(**self.prepare(batch, token_ids).fields(), kv_shipper=kv_shipper)
@@ -149,7 +150,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self,
         local: list[Sequence],
         sharded: list[Sequence],
-        token_ids: dict[str, list[int]],
+        token_ids: Mapping[str, Seq[int]],
         step: int,
         traceparent: str = "",
         shard_of: list[int] | None = None,
@@ -173,7 +174,7 @@ class MeshModelRunner(ModelRunner[StepPlan]):
         self,
         local: list[Sequence],
         sharded: list[Sequence],
-        token_ids: dict[str, list[int]],
+        token_ids: Mapping[str, Seq[int]],
         step: int,
         traceparent: str,
         shard_of: list[int] | None,

@@ -451,7 +451,7 @@ class EngineWorker:
         if self._worked or self.dropped:
             return IDLE_POLL_MS
         due_s = self._last_load_s + IDLE_REPORT_INTERVAL_S - time.monotonic()
-        return max(IDLE_POLL_MS, min(int(due_s * 1000), int(IDLE_REPORT_INTERVAL_S * 1000)))
+        return max(IDLE_POLL_MS, int(due_s * 1000))
 
     def _tick(self) -> None:
         now = time.monotonic()

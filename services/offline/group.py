@@ -10,7 +10,9 @@ schedules).
 
 Faults: a worker that fails (an exception, a kill) ends the job with `OfflineGroupError` within
 `result_timeout_s`, and the group stops every worker; a prompt longer than the group's `max_len`
-is refused before anything runs (ValueError).
+is refused before anything runs (ValueError). Until every worker has loaded the model (a group
+starts with its first job), a result may take up to `start_timeout_s` instead: a slow load (a
+large model, a busy node) is start-up, not a worker that stopped answering.
 """
 
 from __future__ import annotations
@@ -83,10 +85,14 @@ def _free_port() -> int:
 class OfflineGroup:
     def __init__(self, model_path: str | Path, k: int = 2, *, num_buffer_slots: int = 16,
                  num_decode_slots: int = 8, max_len: int = 512, threads_per_worker: int = 1,
-                 result_timeout_s: float = 120.0) -> None:  # fmt: skip
+                 result_timeout_s: float = 120.0, start_timeout_s: float = 600.0,
+                 weight_cache: Path | None = None) -> None:  # fmt: skip
         self.config = ModelConfig.from_folder(model_path)
         self.kv = KvShape(num_buffer_slots, num_decode_slots, max_len)
         self.result_timeout_s = result_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.loading = set(range(k))  # the ranks that have not said ("loaded", rank) yet
+        self.started_at = time.monotonic()
         self.shm = shared_memory.SharedMemory(create=True, size=self.kv.buffer_bytes(self.config))
         # Forked by multiprocessing's fork server, as `LocalMesh` workers are: where the server
         # imported torch already (a launcher that runs a LocalMesh, or whose main module imports
@@ -98,7 +104,7 @@ class OfflineGroup:
         self.procs = [
             ctx.Process(target=worker_main, daemon=True,
                         args=(r, k, port, str(model_path), self.shm.name, self.kv, self.tasks[r],
-                              self.results, threads_per_worker))
+                              self.results, threads_per_worker, weight_cache))
             for r in range(k)
         ]  # fmt: skip
         for p in self.procs:
@@ -124,8 +130,15 @@ class OfflineGroup:
         for t in self.tasks:
             t.put(task)
 
+    def _deadline(self) -> float:
+        """When the result awaited from now counts as lost: `start_timeout_s` from the group's
+        start while a worker is still loading the model, else `result_timeout_s` from now."""
+        if self.loading:
+            return self.started_at + self.start_timeout_s
+        return time.monotonic() + self.result_timeout_s
+
     def _result(self) -> tuple[list[int], float, float]:
-        deadline = time.monotonic() + self.result_timeout_s
+        deadline = self._deadline()
         while True:
             try:
                 got = self.results.get(timeout=1.0)
@@ -135,6 +148,10 @@ class OfflineGroup:
                 continue
             if got[0] == "error":
                 raise OfflineGroupError(got[1])
+            if got[0] == "loaded":
+                self.loading.discard(got[1])
+                deadline = self._deadline()
+                continue
             return got  # type: ignore[no-any-return]
 
     def generate(

@@ -81,15 +81,17 @@ class OfflineService:
         self.num_starts = 0
 
     @classmethod
-    def start(cls, model_path: str | Path, options: OfflineOptions) -> OfflineService:
-        """A service whose group's worker processes (each loads the model once) start with its
-        first job and stop when idle."""
+    def start(
+        cls, model_path: str | Path, options: OfflineOptions, weight_cache: Path | None = None
+    ) -> OfflineService:
+        """A service whose group's worker processes (each loads the model once, from the node's
+        `weight_cache` where given) start with its first job and stop when idle."""
 
         def start_group() -> OfflineGroup:
             return OfflineGroup(
                 model_path, options.workers, num_buffer_slots=options.buffer_slots,
                 num_decode_slots=options.decode_slots, max_len=options.max_len,
-                threads_per_worker=options.threads_per_worker,
+                threads_per_worker=options.threads_per_worker, weight_cache=weight_cache,
             )  # fmt: skip
 
         return cls(None, options.mode, start_group=start_group, max_len=options.max_len)

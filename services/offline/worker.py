@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.queues import Queue
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,14 +63,18 @@ class KvShape:
 
 
 def worker_main(rank: int, k: int, port: int, model_path: str, shm_name: str, kv: KvShape,
-                tasks: Queue, results: Queue, num_threads: int) -> None:  # fmt: skip
+                tasks: Queue, results: Queue, num_threads: int,
+                weight_cache: Path | None = None) -> None:  # fmt: skip
+    """A worker's life: join the group, load the model (from the node's weight cache where
+    given), say so (`("loaded", rank)`: the group's start-up wait ends), then serve tasks."""
     torch.set_num_threads(num_threads)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     shm = None
     try:
         dist.init_process_group("gloo", rank=rank, world_size=k)
-        model = load_model(model_path)
+        model = load_model(model_path, weight_cache=weight_cache)
         shm = shared_memory.SharedMemory(name=shm_name)
+        results.put(("loaded", rank))
         OfflineWorker(rank, k, model, shm, kv, results).serve(tasks)
     except Exception:  # noqa: BLE001 - reported to the group, which stops the job
         results.put(("error", f"worker {rank}: {traceback.format_exc()}"))

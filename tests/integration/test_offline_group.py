@@ -5,10 +5,12 @@ single-process engine's, for every mode, including jobs that cross many stage tr
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,3 +208,34 @@ def test_a_killed_worker_fails_the_job_instead_of_hanging(
     counts = store.get_batch(batch_id)["request_counts"]
     assert counts == {"total": 3, "completed": 3, "failed": 0}
     assert runner.num_offline_lines == 0 and runner.num_lines_run == 3
+
+
+def test_a_first_job_waits_out_its_workers_slow_load_not_the_result_timeout(
+    tiny_model_path: Path, expected: list[list[int]], tmp_path: Path
+) -> None:
+    """A group starts with its first job, so that job's first result waits for every worker's
+    model load: a load slower than `result_timeout_s` (here held on the node's weight-cache lock,
+    as behind another replica writing the file) is start-up, not a worker that stopped
+    answering. The workers then map the cached weights and give the single-process tokens."""
+    from common.model.loader import load_model
+
+    load_model(tiny_model_path, weight_cache=tmp_path)  # the node's cache file and its lock
+    (lock_path,) = tmp_path.glob("*.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # every worker's load waits here
+        group = OfflineGroup(tiny_model_path, 2, num_buffer_slots=4, num_decode_slots=3,
+                             max_len=64, result_timeout_s=3.0, weight_cache=tmp_path)  # fmt: skip
+        try:
+            outputs: list[Any] = []
+            job = threading.Thread(
+                target=lambda: outputs.append(group.generate(PROMPTS, MAX_TOKENS))
+            )
+            job.start()
+            time.sleep(5.0)  # past result_timeout_s (and its 1-s polls), nothing loaded
+            assert group.loading == {0, 1}
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            job.join(timeout=300)
+            assert outputs and outputs[0][0] == expected
+            assert not group.loading
+        finally:
+            group.close()

@@ -81,7 +81,7 @@ def test_cold_and_warm_loads_give_the_same_bytes_and_greedy_tokens(
             EngineConfig(str(tiny_model_path), CacheConfig(16, 64), weight_cache=cache),
             with_tokenizer=False,
         )  # fmt: skip
-        for cache in (None, str(tmp_path))
+        for cache in ("off", str(tmp_path))
     ]
     assert is_mapped(engines[1].model, path)
     expected = engines[0].generate(prompts, greedy)
