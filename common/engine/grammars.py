@@ -10,7 +10,6 @@ and hands it to the engine once `EngineGrammars.matcher` will find the spec comp
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ from typing import Generic, TypeVar
 
 from common.sampling import SamplingParams
 from common.structured.grammar import GrammarCompiler, GrammarMatcher
+from common.wake_pipe import WakePipe
 
 COMPILE_THREADS = 2  # specs compiled at once per engine (llguidance releases the GIL meanwhile)
 
@@ -102,12 +102,10 @@ class GrammarWaits(Generic[Message]):
         self._grammars = grammars
         self._held: dict[str, Message] = {}
         self._finished: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
+        self._wake = WakePipe()
 
     def fileno(self) -> int:
-        return self._wake_read
+        return self._wake.fileno()
 
     def hold(self, req_id: str, spec: str | None, message: Message) -> bool:
         """True if `message` is held until `spec` compiles (then `ready` returns it); False if
@@ -121,11 +119,7 @@ class GrammarWaits(Generic[Message]):
 
     def ready(self) -> list[Message]:
         """The held messages whose spec has compiled since the last call."""
-        try:
-            while os.read(self._wake_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._wake.clear()
         out: list[Message] = []
         while True:
             try:
@@ -144,13 +138,9 @@ class GrammarWaits(Generic[Message]):
         return len(self._held)
 
     def close(self) -> None:
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        self._wake.close()
 
     def _done(self, req_id: str) -> None:
         # On a compile thread (or this one, for a compile already done).
         self._finished.put(req_id)
-        try:
-            os.write(self._wake_write, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # a full pipe is readable already; a closed one has no loop left to wake
+        self._wake.wake()  # after `close`: nobody is left to wake

@@ -19,7 +19,6 @@ KV is freed by the lease (`KvIngress`), as before.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -34,6 +33,7 @@ import torch
 from common.protocol import FetchKv, KvPages, KvSwapAck, ShardIngress
 from common.transport.ucx_channel import ChannelClosed, PendingReceive, UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
+from common.wake_pipe import WakePipe
 
 log = structlog.get_logger(__name__)
 
@@ -214,34 +214,24 @@ class KvInbox:
 
     def __init__(self) -> None:
         self._items: deque[tuple[ShardIngress, list[torch.Tensor]]] = deque()
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._read_fd, False)
-        os.set_blocking(self._write_fd, False)
+        self._wake = WakePipe()
 
     def fileno(self) -> int:
-        return self._read_fd
+        return self._wake.fileno()
 
     def put(self, header: ShardIngress, tensors: list[torch.Tensor]) -> None:
         self._items.append((header, tensors))
-        try:
-            os.write(self._write_fd, b"\0")
-        except BlockingIOError:  # the pipe is full: the loop is already due to wake
-            pass
+        self._wake.wake()
 
     def drain(self) -> list[tuple[ShardIngress, list[torch.Tensor]]]:
-        try:
-            while os.read(self._read_fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._wake.clear()
         items = []
         while self._items:
             items.append(self._items.popleft())
         return items
 
     def close(self) -> None:
-        os.close(self._read_fd)
-        os.close(self._write_fd)
+        self._wake.close()
 
 
 __all__ = ["KvInbox", "KvReceiver", "KvSender"]

@@ -17,7 +17,6 @@ connect timeout; they are daemons, so a process that exits does not wait for the
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable
@@ -25,6 +24,7 @@ from collections.abc import Callable, Iterable
 import structlog
 
 from common.protocol import ShardAddress
+from common.wake_pipe import WakePipe
 from services.engine.shard_round_trip import ShardLink
 
 log = structlog.get_logger(__name__)
@@ -49,13 +49,11 @@ class ShardLinker:
         self._wanted: dict[str, threading.Event] = {}  # address -> set when no longer wanted
         self._made: queue.SimpleQueue[tuple[str, ShardLink]] = queue.SimpleQueue()
         self._closed = False
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._read_fd, False)
-        os.set_blocking(self._write_fd, False)
+        self._wake = WakePipe()
 
     def fileno(self) -> int:
         """Readable when a link was made (register with the loop's poller)."""
-        return self._read_fd
+        return self._wake.fileno()
 
     def connecting(self) -> set[str]:
         with self._lock:
@@ -79,11 +77,7 @@ class ShardLinker:
     def ready(self) -> list[tuple[str, ShardLink]]:
         """Links made since the last call, by address, for addresses still wanted; the rest
         are closed here (on the caller's thread, the one that would have used them)."""
-        try:
-            while os.read(self._read_fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._wake.clear()
         made: list[tuple[str, ShardLink]] = []
         while True:
             try:
@@ -104,8 +98,7 @@ class ShardLinker:
         self.ready()
         with self._lock:
             self._closed = True
-            os.close(self._read_fd)
-            os.close(self._write_fd)
+        self._wake.close()
 
     def _link(self, shard: ShardAddress, stop: threading.Event) -> None:
         """One address, until a link is made or it is no longer wanted."""
@@ -124,10 +117,7 @@ class ShardLinker:
                 if self._closed:  # the worker is gone: nobody will take it
                     link.close()
                     return
-                try:
-                    os.write(self._write_fd, b"\0")
-                except BlockingIOError:  # the pipe is full: the loop is due to wake anyway
-                    pass
+                self._wake.wake()
             return
 
 

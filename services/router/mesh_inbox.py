@@ -22,7 +22,6 @@ by a change of the engines to subscribe to (`load_endpoints`, set by the members
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import Callable
 
@@ -33,6 +32,7 @@ from common.protocol import LoadReport, OutputsDropped, ServiceReply, TokenBatch
 from common.token_stream import TokenStreamOrderer
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import TypedSocket, bind_random
+from common.wake_pipe import WakePipe
 from services.router.streams import running_loop
 
 log = structlog.get_logger(__name__)
@@ -68,9 +68,7 @@ class MeshInbox:
         # The engines' load endpoints to subscribe to; replaced whole by the membership thread,
         # which wakes the load thread through the pipe (as `close` does).
         self._load_endpoints: frozenset[str] = frozenset()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_write, False)
-        self._wake_lock = threading.Lock()
+        self._wake = WakePipe()
         self._closed = threading.Event()
         self.drain_error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="mesh-inbox", daemon=True)
@@ -85,16 +83,7 @@ class MeshInbox:
         changed = endpoints != self._load_endpoints
         self._load_endpoints = endpoints
         if changed:
-            self._wake()
-
-    def _wake(self) -> None:
-        with self._wake_lock:  # NOTE: never a closed descriptor, which may be another's now
-            if self._wake_write < 0:
-                return  # closed: a change that came after `close` has nobody to wake
-            try:
-                os.write(self._wake_write, b"\0")
-            except BlockingIOError:  # the pipe is full: the thread is already due to wake
-                pass
+            self._wake.wake()
 
     def start(self) -> None:
         self.thread.start()
@@ -126,17 +115,14 @@ class MeshInbox:
         if self._closed.is_set():
             return  # closed already (its pipe too)
         self._closed.set()
-        self._wake()
+        self._wake.wake()
         self.thread.join(timeout=5)
         with self._replies_lock:
             loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():
             _remove_reader(loop, self._replies_fd)
         self._replies.close()
-        with self._wake_lock:
-            os.close(self._wake_read)
-            os.close(self._wake_write)
-            self._wake_write = -1
+        self._wake.close()
 
     def _drain_replies(self, loop: asyncio.AbstractEventLoop) -> None:
         """On `loop`: every queued reply, in token order, to the streams. ZeroMQ's descriptor is
@@ -175,13 +161,13 @@ class MeshInbox:
         loads: TypedSocket[LoadReport] = TypedSocket(sub, LoadReport)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
+        poller.register(self._wake.fileno(), zmq.POLLIN)
         connected: set[str] = set()
         while not self._closed.is_set():
             connected = _resubscribe(sub, connected, self._load_endpoints)
             events = dict(poller.poll())  # a report, a change of endpoints, or close
-            if self._wake_read in events:
-                os.read(self._wake_read, 4096)  # every wake-up so far: the loop applies them all
+            if self._wake.fileno() in events:
+                self._wake.clear()  # every wake-up so far: the loop applies them all
             while (report := loads.recv_nowait()) is not None:
                 try:
                     self.on_load(report[1])
