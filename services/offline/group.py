@@ -94,6 +94,20 @@ class OfflineGroup:
         self.loading = set(range(k))  # the ranks that have not said ("loaded", rank) yet
         self.started_at = time.monotonic()
         self.shm = shared_memory.SharedMemory(create=True, size=self.kv.buffer_bytes(self.config))
+        self.procs: list[Any] = []
+        try:
+            self._start_workers(model_path, k, threads_per_worker, weight_cache)
+        except BaseException:  # no worker, no segment left behind by a start that failed
+            for p in self.procs:
+                if p.pid is not None:  # started: killed (its peers will never join it)
+                    p.kill()
+                    p.join()
+            self._free_buffer()
+            raise
+
+    def _start_workers(
+        self, model_path: str | Path, k: int, threads_per_worker: int, weight_cache: Path | None
+    ) -> None:
         # Forked by multiprocessing's fork server, as `LocalMesh` workers are: where the server
         # imported torch already (a launcher that runs a LocalMesh, or whose main module imports
         # torch), a worker does not spend seconds importing it again before its first step.
@@ -117,6 +131,9 @@ class OfflineGroup:
             p.join(10)
             if p.is_alive():
                 p.kill()
+        self._free_buffer()
+
+    def _free_buffer(self) -> None:
         self.shm.close()
         self.shm.unlink()
 

@@ -239,3 +239,30 @@ def test_a_first_job_waits_out_its_workers_slow_load_not_the_result_timeout(
             assert not group.loading
         finally:
             group.close()
+
+
+def test_a_group_whose_start_fails_leaves_no_shared_buffer(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start that fails after the shared KV buffer was made (here: no fork server to be had)
+    raises, and the buffer's segment is gone with it, not left in /dev/shm."""
+    from multiprocessing import shared_memory
+
+    made: list[str] = []
+    real = shared_memory.SharedMemory
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        shm = real(*args, **kwargs)
+        made.append(shm.name)
+        return shm
+
+    def no_fork_server(_method: str) -> Any:
+        raise OSError("no fork server")
+
+    monkeypatch.setattr("services.offline.group.shared_memory.SharedMemory", recording)
+    monkeypatch.setattr("services.offline.group.multiprocessing.get_context", no_fork_server)
+    with pytest.raises(OSError, match="no fork server"):
+        OfflineGroup(tiny_model_path, 2, num_buffer_slots=4, num_decode_slots=3, max_len=64)
+    assert len(made) == 1
+    with pytest.raises(FileNotFoundError):
+        real(name=made[0])
