@@ -39,10 +39,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+# NOTE: before torch loads its OpenMP runtime. The torch paths timed beside the kernel leave
+# libgomp's threads spinning after each call (its default wait), and on a machine with as many
+# cores as the 2-thread case uses, a spinning thread holds the core the kernel's second pool
+# thread needs: the 2-thread figures then swung 2x run to run with the order of the calls, not
+# with the kernel. Passive (they sleep at once) unless the caller chose; the JSON names it.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
-from common.attention.cpu_kernel import CpuKernelAttention, kernel_available, supported_isas
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from common.attention.cpu_kernel import (  # noqa: E402
+    CpuKernelAttention,
+    kernel_available,
+    supported_isas,
+)
 
 BLOCK_SIZE = 16  # the engine's default (`--block-size` to measure others)
 # NOTE: huge pages were tried for the paged caches, whose scattered 4-8 KiB tiles each cost a TLB
