@@ -30,7 +30,7 @@ import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from common.roles import Role
 from common.scheduling.autoscale import ScalePolicy, ScaleState, decide
@@ -180,7 +180,7 @@ DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
 
 
 HostCopy = Literal["every_node", "after_first_start", "none"]
-HOST_COPIES: tuple[str, ...] = ("every_node", "after_first_start", "none")
+HOST_COPIES: tuple[str, ...] = get_args(HostCopy)
 
 
 @dataclass(frozen=True)
