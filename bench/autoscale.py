@@ -121,13 +121,13 @@ def smallest_fixed(rows: list[TraceRow], rate: float, max_machines: int, probe_s
 
 
 def settled(rows: list[TraceRow], rate: float, pool: dict[Role, int], start: ClusterSpec,
-            settle_s: float, startup_s: float | None, startup: StartupModel, seed: int,
+            settle_s: float, startup: StartupModel, seed: int,
             sim: SimOptions | None = None) -> dict[Role, int]:  # fmt: skip
     """Where the autoscaler settles at the base rate, started from `start`: the autoscaled
     cluster's size at time 0 (so that its events are the step's, not its own settling)."""
     initial = {Role.PROMPT: min(start.num_prompt, pool[Role.PROMPT]),
                Role.TOKEN: min(start.num_token, pool[Role.TOKEN])}  # fmt: skip
-    options = default_options(DESIGN, pool, initial=initial, startup_s=startup_s, startup=startup)
+    options = default_options(DESIGN, pool, initial=initial, startup=startup)
     result = simulate_autoscaled(DESIGN, poisson(rows, rate, settle_s, seed + 1), options,
                                  settle_s, sim)  # fmt: skip
     last = result.timeline[-1][1]
@@ -242,11 +242,9 @@ def run_seed(args: argparse.Namespace, rows: list[TraceRow], step: LoadStep,
     fixed_step = attainment(fixed_result, step.start_s, step.end_s)
 
     pool = machine_pool(peak, args.max_machines)
-    startup = StartupModel(host_copy=args.host_copy)
-    initial = settled(rows, args.rate, pool, base, args.settle_s, args.startup_s, startup, seed,
-                      sim)  # fmt: skip
-    options = default_options(DESIGN, pool, initial=initial, startup_s=args.startup_s,
-                              startup=startup)  # fmt: skip
+    startup = StartupModel(host_copy=args.host_copy, flat_s=args.startup_s)
+    initial = settled(rows, args.rate, pool, base, args.settle_s, startup, seed, sim)
+    options = default_options(DESIGN, pool, initial=initial, startup=startup)
     scaled = simulate_autoscaled(DESIGN, requests, options, args.duration, sim)
     auto = summary(scaled, args.duration, [step])
     auto_att = attainment(scaled.sim)

@@ -67,6 +67,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,26 @@ class LoadSample:
     lent: bool = False  # load of this role carried by another role's replica (not one of its own)
 
 
+# The most slots the scale-down window keeps (`ScaleState.windowed`), however often it is read.
+WINDOW_SLOTS = 64
+
+
+class WindowSlot(NamedTuple):
+    """The readings of one slot of the scale-down window (`ScaleState.windowed`): a span of
+    `downscale_after_s / (WINDOW_SLOTS - 1)` seconds on a grid from time 0."""
+
+    slot: float  # its index on the grid (the reading's time where the window is 0 s long)
+    last_at: float  # the time of its latest reading
+    total: float  # the sum of its readings' totals
+    readings: int  # how many
+    peak: float  # the largest of its readings' totals
+
+    def read(self, at: float, total: float) -> WindowSlot:
+        """This slot with one more reading, at `at`."""
+        peak = max(self.peak, total)
+        return WindowSlot(self.slot, at, self.total + total, self.readings + 1, peak)
+
+
 @dataclass(frozen=True)
 class ScaleState:
     """What the policy remembers between decisions."""
@@ -167,9 +188,9 @@ class ScaleState:
     trend_load: float = 0.0
     trend_count: int = 0
     slope: float = 0.0
-    # The scale-down window's readings (`ScaleState.windowed`): (time, total) of the last
-    # `downscale_after_s`, and when the window began (its readings unbroken since).
-    readings: tuple[tuple[float, float], ...] = ()
+    # The scale-down window (`ScaleState.windowed`): its readings of the last
+    # `downscale_after_s` in slots, oldest first, and when it began (its readings unbroken since).
+    window: tuple[WindowSlot, ...] = ()
     window_since: float | None = None
     risen_from: int | None = None  # the count the last change, a scale-up, began from
 
@@ -180,26 +201,52 @@ class ScaleState:
         risen_from = self.replicas if replicas > self.replicas else None
         return replace(self, replicas=replicas, wanted=0, wanted_since=None, seen_at=None,
                        surplus=0.0, last_change_at=now, num_changes=self.num_changes + 1,
-                       readings=(), window_since=None, risen_from=risen_from)  # fmt: skip
+                       window=(), window_since=None, risen_from=risen_from)  # fmt: skip
 
     def windowed(self, policy: ScalePolicy, load: Load, now: float) -> ScaleState:
         """This state with `load` read into the scale-down window (only with
         `scale_down_peak_fill`): a reading with nothing warm, a replica warming up or one
         decided and not reporting begins it anew (no scale-down goes by those), as does a clock
-        that went back; readings older than `downscale_after_s` leave it."""
+        that went back; readings older than `downscale_after_s` leave it.
+
+        In bounded space, however often it is read (Serve's control loop reads several times a
+        second): the readings are summed in slots of `downscale_after_s / (WINDOW_SLOTS - 1)`
+        seconds (each its readings' sum, count and peak), at most `WINDOW_SLOTS` of them, and a
+        slot leaves once its latest reading is older than `downscale_after_s`. So the window's
+        mean and peak (`window_mean_peak`) are the exact ones of its readings whenever no slot
+        holds readings from both sides of that horizon: always where readings come at most once
+        a slot (every 5 s for a 300 s window, as in the tests' recorded loads). Otherwise the
+        oldest slot may keep readings up to one slot's width older than the horizon: the window
+        then spans between `downscale_after_s` and a slot (1/63 of it) more."""
         if policy.scale_down_peak_fill is None:
             return self
         if (
             load.total is None
             or load.warming
             or load.starting
-            or (self.readings and now < self.readings[-1][0])
+            or (self.window and now < self.window[-1].last_at)
         ):
-            return replace(self, readings=(), window_since=None)
+            return replace(self, window=(), window_since=None)
         horizon = now - policy.downscale_after_s
-        kept = tuple(r for r in self.readings if r[0] >= horizon)
+        width = policy.downscale_after_s / (WINDOW_SLOTS - 1)
+        slot = math.floor(now / width) if width > 0 else now
+        window = self.window
+        first = 0
+        while first < len(window) and window[first].last_at < horizon:
+            first += 1
+        if first < len(window) and window[-1].slot == slot:
+            kept = (*window[first:-1], window[-1].read(now, load.total))
+        else:  # a new slot; and at most WINDOW_SLOTS (the grid's rounding could leave one more)
+            new = WindowSlot(slot, now, load.total, 1, load.total)
+            kept = (*window[max(first, len(window) + 1 - WINDOW_SLOTS) :], new)
         since = now if self.window_since is None else self.window_since
-        return replace(self, readings=(*kept, (now, load.total)), window_since=since)
+        return replace(self, window=kept, window_since=since)
+
+    def window_mean_peak(self) -> tuple[float, float]:
+        """The mean and the peak of the scale-down window's readings (a window read at least
+        once; how exact: `windowed`)."""
+        readings = sum(s.readings for s in self.window)
+        return sum(s.total for s in self.window) / readings, max(s.peak for s in self.window)
 
     def trended(self, policy: ScalePolicy, load: Load, now: float) -> ScaleState:
         """This state with `load` read into its trend: once a span of `trend_s` has passed, the
@@ -379,8 +426,7 @@ def window_allows(policy: ScalePolicy, state: ScaleState, now: float) -> int | N
         return None
     if state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s:
         return None
-    totals = [total for _, total in state.readings]
-    mean, peak = sum(totals) / len(totals), max(totals)
+    mean, peak = state.window_mean_peak()
     group, current = policy.group_size, state.replicas
     floor = max(policy.min_replicas, group, current - policy.max_step * group, state.risen_from)
     count = current

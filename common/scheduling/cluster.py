@@ -314,13 +314,23 @@ class JSQPoolPolicy:
     ) -> int | None:
         """The pool's least-loaded member by `figure`, credited with the prefix each caches
         when `request` is given (KV-aware JSQ); lowest id on ties."""
-        credit = request.cached_prefix_tokens if request is not None else None
         if isinstance(loads, LoadBoard):
+            credit = request.cached_prefix_tokens if request is not None else None
             return loads.least(pool, figure, credit, self.prefix_weight)
+        return self._least_among(self.pools.members(pool), loads, figure, request)
+
+    def _least_among(
+        self,
+        ids: Iterable[int],
+        loads: Mapping[int, MachineLoad],
+        figure: int,
+        request: RouteRequest | None = None,
+    ) -> int | None:
+        """`_least` over the machines `ids` (a pool's subset), searched one by one."""
         key = FIGURE_KEYS[figure]
         if request is not None:
             key = prefix_credited(key, request, self.prefix_weight)
-        return shortest(self.pools.members(pool), loads, key)
+        return shortest(ids, loads, key)
 
     def _pick(
         self,
@@ -354,12 +364,8 @@ class JSQPoolPolicy:
             self.pools.apply(move, now)
             moves.append(move)
             return borrowed
-        key = FIGURE_KEYS[figure]
-        if credited is not None:
-            key = prefix_credited(key, credited, self.prefix_weight)
-        fallback = shortest(
-            [m for m in (own, mixed) if m is not None] or list(self.pools.current), loads, key
-        )
+        candidates = [m for m in (own, mixed) if m is not None] or list(self.pools.current)
+        fallback = self._least_among(candidates, loads, figure, credited)
         assert fallback is not None
         return fallback
 
@@ -378,10 +384,7 @@ class JSQPoolPolicy:
             return self._least(pool, loads, figure, request)
         other = 1 if kind == Role.PROMPT else 0  # its decode tokens, or its pending prompt ones
         lendable = [m for m in self.pools.members(pool) if reported(loads, m)[other] <= bound]
-        key = FIGURE_KEYS[figure]
-        if request is not None:
-            key = prefix_credited(key, request, self.prefix_weight)
-        return shortest(lendable, loads, key)
+        return self._least_among(lendable, loads, figure, request)
 
     def _full(
         self, kind: Role, machine_id: int, loads: Mapping[int, MachineLoad], request: RouteRequest

@@ -7,8 +7,8 @@ largest signal / target), averaged over a look-back window as Serve averages the
 machine stands for a token engine with its shard group: they scale as one unit.
 
 Life of a machine: *stopped* (the pool holds `max_replicas` of each deployment), *starting*
-(provisioned: it counts for the decision and costs replica-seconds, but takes no work for
-`startup_s`), *active* (routable), *draining* (out of routing: it takes no new work and
+(provisioned: it counts for the decision and costs replica-seconds, but takes no work for its
+start-up, `StartupModel`), *active* (routable), *draining* (out of routing: it takes no new work and
 finishes what it holds, KV still on its way to it included, then stops). Nothing is dropped: a
 drain ends only when its machine is idle. A scale-down takes starting machines first (as Serve
 stops pending replicas first), then the least-loaded active ones; a scale-up starts stopped
@@ -29,8 +29,8 @@ import math
 import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, get_args
 
 from common.roles import Role
 from common.scheduling.autoscale import ScalePolicy, ScaleState, decide
@@ -180,7 +180,7 @@ DEFAULT_ROLES: dict[Role, dict[str, Any]] = {
 
 
 HostCopy = Literal["every_node", "after_first_start", "none"]
-HOST_COPIES: tuple[str, ...] = ("every_node", "after_first_start", "none")
+HOST_COPIES: tuple[str, ...] = get_args(HostCopy)
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,9 @@ class StartupModel:
     a file in the page cache, mapped), else `storage_gbps` (reading and converting the
     checkpoint). `host_copy`: which nodes hold one: `every_node` (prepared when the node joined:
     `python -m common.model.weight_cache`), `after_first_start` (a node's first replica writes
-    it, later ones map it), `none`.
+    it, later ones map it), `none`. `flat_s`: a flat start-up in the model's place, every node
+    alike (None: the model; earlier runs' 60 s reproduce with it; a policy file's top-level
+    `startup_s` sets it, `default_options`).
 
     Defaults, for the Splitwise designs (Llama2-70B in fp16 on a DGX, docs/autoscaling.md):
     storage at the 84 s ServerlessLLM cites for existing loaders on that model (Fu et al.,
@@ -205,15 +207,21 @@ class StartupModel:
     host_gbps: float = 64.0
     storage_gbps: float = 140 / 84
     host_copy: HostCopy = "every_node"
+    flat_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.process_s < 0 or self.host_gbps <= 0 or self.storage_gbps <= 0:
             raise ValueError("startup: need process_s >= 0, host_gbps > 0, storage_gbps > 0")
+        if self.flat_s is not None and self.flat_s < 0:
+            raise ValueError("startup: flat_s must not be negative")
         if self.host_copy not in HOST_COPIES:
             raise ValueError(f"startup: host_copy {self.host_copy!r} is not one of {HOST_COPIES}")
 
     def seconds(self, weight_bytes: float, started_before: bool) -> float:
-        """A start of a node that ran a replica before (`started_before`) or not."""
+        """A start of a node that ran a replica before (`started_before`) or not: `flat_s`
+        where set."""
+        if self.flat_s is not None:
+            return self.flat_s
         cached = self.host_copy == "every_node" or (
             self.host_copy == "after_first_start" and started_before
         )
@@ -229,16 +237,15 @@ class StartupModel:
 class AutoscaleOptions:
     """How the simulated cluster autoscales. `roles`: each deployment's scaling (a split design
     has PROMPT and TOKEN, a baseline MIXED); `initial`: machines running at time 0 (default
-    `min_replicas`); `startup`: from provisioning to taking work (`StartupModel`), or
-    `startup_s`, a flat figure in its place (None: the model; earlier runs' 60 s reproduce with
-    it); `interval_s`: how often replicas report and the decision runs; `look_back_s`: the
-    window each signal is averaged over (Serve's `look_back_period_s`); `shards_per_group`:
-    attention shards per token machine (replica-seconds of the shard deployment; 0: none)."""
+    `min_replicas`); `startup`: from provisioning to taking work (`StartupModel`: the model, or
+    a flat figure); `interval_s`: how often replicas report and the decision runs;
+    `look_back_s`: the window each signal is averaged over (Serve's `look_back_period_s`);
+    `shards_per_group`: attention shards per token machine (replica-seconds of the shard
+    deployment; 0: none)."""
 
     roles: Mapping[Role, RoleScaling]
     initial: Mapping[Role, int] = field(default_factory=dict)
     startup: StartupModel = field(default_factory=StartupModel)
-    startup_s: float | None = None
     interval_s: float = 1.0
     # Serve's default: a step's first decision comes `upscale_after_s` (no shorter) into it, and
     # reads the step's load alone; a long window smooths a long-tailed trace's swings.
@@ -246,8 +253,8 @@ class AutoscaleOptions:
     shards_per_group: int = 0
 
     def __post_init__(self) -> None:
-        if (self.startup_s or 0) < 0 or self.interval_s <= 0 or self.look_back_s < 0:
-            raise ValueError("autoscale: need startup_s >= 0, interval_s > 0, look_back_s >= 0")
+        if self.interval_s <= 0 or self.look_back_s < 0:
+            raise ValueError("autoscale: need interval_s > 0, look_back_s >= 0")
         if self.shards_per_group < 0:
             raise ValueError("autoscale: shards_per_group must not be negative")
         for role, scaling in self.roles.items():
@@ -260,12 +267,6 @@ class AutoscaleOptions:
     def initial_count(self, role: Role) -> int:
         return self.initial.get(role, self.roles[role].policy.min_replicas)
 
-    def startup_seconds(self, weight_bytes: float, started_before: bool) -> float:
-        """A machine's start-up: `startup_s` where set, else the `startup` model's."""
-        if self.startup_s is not None:
-            return self.startup_s
-        return self.startup.seconds(weight_bytes, started_before)
-
 
 def roles_of(design: Design) -> tuple[Role, ...]:
     """The deployments an autoscaled cluster of `design` has."""
@@ -276,9 +277,14 @@ def default_options(
     design: Design, max_replicas: Mapping[Role, int], **overrides: Any
 ) -> AutoscaleOptions:
     """`DEFAULT_ROLES`'s targets with `max_replicas` per deployment; `overrides`: any of
-    `AutoscaleOptions`' fields, or a role's name (`prompt=`) with knobs for its policy."""
+    `AutoscaleOptions`' fields, or a role's name (`prompt=`) with knobs for its policy, or
+    `startup_s` (a policy file's, `--startup-s`: `StartupModel.flat_s`; None: the model)."""
     if isinstance(overrides.get("startup"), Mapping):  # a YAML file's `startup:` section
         overrides["startup"] = StartupModel(**overrides["startup"])
+    flat_s = overrides.pop("startup_s", None)
+    if flat_s is not None:
+        model = overrides.get("startup", StartupModel())
+        overrides["startup"] = replace(model, flat_s=float(flat_s))
     roles = {}
     for role in roles_of(design):
         kwargs = {**DEFAULT_ROLES[role], "max_replicas": max_replicas[role]}
@@ -297,7 +303,7 @@ class ReplicaLife:
     machine_id: int
     role: Role
     provisioned_s: float
-    active_s: float  # when it takes work (provisioned_s + startup_s, or earlier for initial ones)
+    active_s: float  # when it takes work (provisioned_s + its start-up; earlier for initial ones)
     draining_s: float | None = None
     stopped_s: float | None = None
 
@@ -407,7 +413,7 @@ class AutoscaledCluster:
             machine_id = stopped.pop(0)
             if active_s is None:
                 before = machine_id in self._started
-                start = now + self.options.startup_seconds(self.weight_bytes, before)
+                start = now + self.options.startup.seconds(self.weight_bytes, before)
             else:
                 start = active_s
             self._started.add(machine_id)

@@ -9,7 +9,9 @@ from dataclasses import replace
 import pytest
 
 from common.scheduling.autoscale import (
+    WINDOW_SLOTS,
     GroupReplicas,
+    Load,
     LoadSample,
     ScalePolicy,
     ScaleState,
@@ -511,6 +513,55 @@ def test_the_flapping_series_changes_a_window_policy_at_most_twice() -> None:
         policy = replace_policy(swing_fill=swing_fill, scale_down_peak_fill=1.0)
         counts = replay(policy, series, start=1)
         assert changes(counts, 1) == 2 and max(counts) == 2 and counts[-1] == 1
+
+
+WINDOWED = replace(POLICY, scale_down_peak_fill=1.0, downscale_after_s=300)
+
+
+def read_window(series: list[tuple[float, float]]) -> list[tuple[float, ScaleState]]:
+    """(time, state) after each (time, total) reading of `series` read into the window."""
+    state, states = ScaleState(replicas=4), []
+    for now, total in series:
+        state = state.windowed(WINDOWED, Load(total, reporting=4), now)
+        states.append((now, state))
+    return states
+
+
+def test_the_window_s_mean_and_peak_are_exact_where_each_slot_holds_one_reading() -> None:
+    # Readings 4.8-10 s apart (a slot is 300 / 63 = 4.76 s): each slot holds one reading, so
+    # a slot leaves the window exactly when its reading does.
+    rng = random.Random(0)
+    now, series = 0.0, []
+    for _ in range(400):
+        series.append((now, rng.uniform(0.0, 4000.0)))
+        now += rng.uniform(4.8, 10.0)
+    for now, state in read_window(series):
+        window = [total for at, total in series if now - 300 <= at <= now]
+        assert state.window_mean_peak() == (sum(window) / len(window), max(window))
+
+
+def test_a_long_window_read_often_keeps_at_most_its_slots() -> None:
+    """Read every 0.1 s (3,000 readings in 300 s), the window keeps at most `WINDOW_SLOTS`
+    slots. Its mean and peak are those of its readings plus at most a slot's width (300 / 63 s)
+    of older ones: the peak between the exact window's and the wider one's, and the mean within
+    the share of those extra readings of the series' range (0-4000) of the exact mean."""
+    rng = random.Random(1)
+    series = [(i / 10, rng.uniform(0.0, 4000.0)) for i in range(6000)]
+    width = 300 / (WINDOW_SLOTS - 1)
+    states = read_window(series)
+    for i, (now, state) in enumerate(states):
+        assert len(state.window) <= WINDOW_SLOTS
+        if i % 97:  # the plain computation on a sample of the readings (it is the slow part)
+            continue
+        exact = [total for at, total in series[: i + 1] if at >= now - 300]
+        wider = [total for at, total in series[: i + 1] if at > now - 300 - width]
+        held = sum(s.readings for s in state.window)
+        assert len(exact) <= held <= len(wider)
+        mean, peak = state.window_mean_peak()
+        assert max(exact) <= peak <= max(wider)
+        extra = (held - len(exact)) / held
+        assert abs(mean - sum(exact) / len(exact)) <= extra * 4000 + 1e-9
+    assert len(states[-1][1].window) >= WINDOW_SLOTS - 1  # it spans the window
 
 
 def test_a_scale_down_peak_fill_outside_the_band_is_refused() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from common.roles import Role
 from loadgen.sim.__main__ import main
@@ -153,14 +154,30 @@ def test_a_start_up_is_the_process_start_and_the_weights_from_host_memory_or_sto
     assert first.seconds(weights, started_before=True) == pytest.approx(5 + weights / 70e9)
     none = StartupModel(5.0, 70.0, 1.4, host_copy="none")
     assert none.seconds(weights, started_before=True) == pytest.approx(5 + weights / 1.4e9)
-    # A policy file's `startup:` section, and a flat `startup_s` in the model's place.
+    # A policy file's `startup:` section, and a flat start-up (`flat_s`) in the model's place.
     options = default_options(HH, {Role.PROMPT: 4, Role.TOKEN: 4},
                               startup={"process_s": 5.0, "host_copy": "none"})  # fmt: skip
     assert options.startup == StartupModel(process_s=5.0, host_copy="none")
-    assert options.startup_seconds(weights, True) == pytest.approx(5 + weights / 1e9 * 84 / 140)
-    assert replace(options, startup_s=60.0).startup_seconds(weights, False) == 60.0
+    assert options.startup.seconds(weights, True) == pytest.approx(5 + weights / 1e9 * 84 / 140)
+    assert replace(options.startup, flat_s=60.0).seconds(weights, False) == 60.0
     with pytest.raises(ValueError, match="host_copy"):
         StartupModel(host_copy="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="flat_s"):
+        StartupModel(flat_s=-1.0)
+
+
+def test_a_policy_files_startup_s_is_the_flat_start_up() -> None:
+    """A policy YAML's top-level `startup_s` (what `--startup-s` sets) loads as the model's
+    `flat_s`, beside a `startup:` section's knobs, and every start then takes it."""
+    weights = HH.model.weight_bytes
+    file = yaml.safe_load("startup_s: 60\nstartup: {process_s: 5.0, host_copy: none}\n")
+    options = default_options(HH, {Role.PROMPT: 4, Role.TOKEN: 4}, **file)
+    assert options.startup == StartupModel(process_s=5.0, host_copy="none", flat_s=60.0)
+    assert options.startup.seconds(weights, started_before=False) == 60.0
+    flat = default_options(HH, {Role.PROMPT: 4, Role.TOKEN: 4}, **yaml.safe_load("startup_s: 60"))
+    assert flat.startup == StartupModel(flat_s=60.0)
+    model = default_options(HH, {Role.PROMPT: 4, Role.TOKEN: 4}, startup_s=None)
+    assert model.startup == StartupModel()  # None: the model
 
 
 def test_machines_take_work_after_the_start_up_their_node_allows(result: AutoscaleResult) -> None:
