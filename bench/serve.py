@@ -8,14 +8,17 @@ For each batch size, `batch` requests go together (greedy, `ignore_eos`, `--toke
 each, the same prompts on every path) to:
 - `inprocess`: one `LLMEngine` in this process, no front end;
 - `local`: `serve run deploy/single.yaml` (`topology: local`: the engine inside the Router
-  replica, on as many torch threads as the in-process one), over HTTP with the official `openai`
-  client, behind Serve's direct ingress as `make run` starts it;
+  replica, on as many torch threads as the in-process one), over HTTP behind Serve's direct
+  ingress as `make run` starts it, read by aiohttp as raw SSE lines (`--client openai`: the
+  official client; bench/serve_server.py says why not by default);
 - `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards), the
   same way; `--mesh-args` (JSON) changes its `mesh:` args.
 
 Each batch goes streamed and, in the same server, plain (`--modes`; reported as `<path>_plain`).
 A path's figures are its best of 3 runs of each batch, after a warm-up batch: tok/s and `ratio`
-(over the in-process engine's, which runs first and again last: the better of the two), TTFT and
+(over the in-process engine's, which runs first and again last: the better of the two; `local`'s
+over the in-process engine beside the idle served runtime, run with the server up before and after
+its batches: `inprocess_beside_local`, the better of the two), TTFT and
 TBT (the gap between streamed chunks) p50/p90 or a plain request's latency p50/p90; and the
 Router process's CPU per token over all 3 runs (less a local engine's threads). A served path
 also reports, over 10 s with the server up and idle before its batches, `server_idle_box_cores`:
@@ -44,7 +47,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
 
-from bench.serve_server import REPEATS, model_vocab, prompts_for, served  # noqa: E402
+from bench.serve_server import CLIENTS, REPEATS, model_vocab, prompts_for, served  # noqa: E402
 from common.engine.core import LLMEngine  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
 from common.mesh_options import mesh_options  # noqa: E402
@@ -56,7 +59,7 @@ SERVED = ("local", "local_plain", "mesh", "mesh_plain")  # the served figures, b
 ENGINE_ARGS = {"num_blocks": 2048, "block_size": 16, "max_num_batched_tokens": 2048,
                "max_num_seqs": 64}  # fmt: skip
 TARGETS = {
-    # Served `local` beside the idle served runtime against the engine alone (issue 54).
+    # Served `local` against the engine beside the idle served runtime (issue 54).
     "local_ratio_batch8_min": 0.95,
     "local_ratio_batch32_min": 0.95,
     "mesh_ratio_batch32_small_min": 0.6,  # the small preset only: tiny's steps are all overhead
@@ -95,11 +98,22 @@ def served_paths(
     app_args = {"model": args.preset, "served_model_name": args.preset}
     configs = {"local": ("single.yaml", {"engine": ENGINE_ARGS | {"num_threads": threads}}),
                "mesh": ("local.yaml", {"mesh": mesh_args(args)})}  # fmt: skip
-    results = {}
+    results: dict[str, Any] = {}
+    beside: list[dict[int, dict[str, float]]] = []
+
+    def engine_beside() -> None:
+        beside.append(in_process(args.preset, batches, tokens))
+
     for path in (p for p in ("local", "mesh") if p in args.paths):
         config, extra = configs[path]
+        measure_beside = path == "local" and "inprocess" in args.paths
         by_mode = served(REPO / "deploy" / config, app_args | extra, args.preset, batches, tokens,
-                         tuple(args.modes))  # fmt: skip
+                         tuple(args.modes), args.client,
+                         engine_beside if measure_beside else None)  # fmt: skip
+        if beside:
+            results["inprocess_beside_local"] = {
+                b: max(run[b]["tok_s"] for run in beside) for b in batches
+            }
         for mode, figures in by_mode.items():
             name = path + ("" if mode == "stream" else f"_{mode}")
             for batch, f in figures.items():
@@ -108,18 +122,26 @@ def served_paths(
     return results
 
 
-def add_ratios(results: dict[str, Any], engine_tok_s: dict[int, float]) -> None:
-    """Every served figure's `ratio`: its tok/s over the in-process engine's at that batch."""
+def add_ratios(
+    results: dict[str, Any], engine_tok_s: dict[int, float],
+    beside_local: dict[int, float] | None = None,
+) -> None:  # fmt: skip
+    """Every served figure's `ratio`: its tok/s over the in-process engine's at that batch;
+    `local`'s over the engine beside its idle served runtime where that was measured."""
     for name in (n for n in SERVED if n in results):
+        engine = beside_local if beside_local and name.startswith("local") else engine_tok_s
         for batch, f in results[name].items():
-            if batch in engine_tok_s:
-                f["ratio"] = f["tok_s"] / engine_tok_s[batch]
+            if batch in engine:
+                f["ratio"] = f["tok_s"] / engine[batch]
 
 
 def print_table(results: dict[str, Any], batches: list[int]) -> None:
     """tok/s per path and batch; a served path's ratio to the in-process engine beside it."""
     best = results.get("inprocess_tok_s_best", {})
     rows = {"inprocess": {b: f"{tok_s:.0f}" for b, tok_s in best.items()}}
+    beside = results.get("inprocess_beside_local", {})
+    if beside:
+        rows["inprocess+idle"] = {b: f"{tok_s:.0f}" for b, tok_s in beside.items()}
     for name in (n for n in SERVED if n in results):
         rows[name] = {b: f"{f['tok_s']:.0f}" + (f" ({f['ratio']:.2f})" if "ratio" in f else "")
                       for b, f in results[name].items()}  # fmt: skip
@@ -187,6 +209,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=["stream", "plain"],
                         choices=["stream", "plain"],
                         help="streamed requests, and/or plain (non-streaming) ones")  # fmt: skip
+    parser.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default=CLIENTS[0],
+        help="what reads the served responses (default: aiohttp, raw SSE lines)",
+    )
     parser.add_argument("--mesh-args", type=json.loads, default={},
                         help="JSON: deploy/local.yaml's mesh args to change")  # fmt: skip
     args = parser.parse_args()
@@ -216,7 +244,7 @@ def main() -> None:
     # replicas' heaps likewise (common/gc_heap.py).
     freeze_startup_heap()
     results: dict[str, Any] = {"preset": args.preset, "tokens": tokens, "torch_threads": threads,
-                               "mesh_args": args.mesh_args,
+                               "mesh_args": args.mesh_args, "client": args.client,
                                "load_avg_start": os.getloadavg()}  # fmt: skip
     if "inprocess" in args.paths:
         results["inprocess"] = in_process(args.preset, batches, tokens)
@@ -225,7 +253,7 @@ def main() -> None:
         end = results["inprocess_end"] = in_process(args.preset, batches, tokens)
         best = {b: max(f["tok_s"], end[b]["tok_s"]) for b, f in results["inprocess"].items()}
         results["inprocess_tok_s_best"] = best
-        add_ratios(results, best)
+        add_ratios(results, best, results.get("inprocess_beside_local"))
     print_table(results, batches)
     results["load_avg_end"] = os.getloadavg()
     results["targets"] = TARGETS

@@ -1,6 +1,12 @@
-"""`bench/serve.py`'s served paths: one `serve run` started, measured batch by batch with the
-official `openai` client (streamed or plain requests), and stopped with every process below it,
-whatever happened meanwhile."""
+"""`bench/serve.py`'s served paths: one `serve run` started, measured batch by batch (streamed or
+plain requests) with aiohttp reading the raw SSE lines, as vLLM's and SGLang's serving benchmarks
+do, or with the official `openai` client, and stopped with every process below it, whatever
+happened meanwhile.
+
+NOTE: why aiohttp by default: the client shares the server's cores here, and the `openai`
+client's per-chunk parsing (its SSE decoder and a pydantic model per chunk) costs more CPU per
+streamed token than the Router does, so the figure measured the client as much as the server.
+`--client openai` measures with it; the API's conformance is tested with it (tests/)."""
 
 from __future__ import annotations
 
@@ -10,9 +16,12 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import msgspec
 import torch
 
 from bench.host_cpu import CLK_TCK, box_busy_s, process_cpu_s, process_tree, stop_survivors
@@ -27,13 +36,19 @@ REPEATS = 3  # each batch's figures are its best of this many runs
 ByMode = dict[str, dict[int, dict[str, float]]]  # {mode: {batch: figures}}
 
 
+CLIENTS = ("aiohttp", "openai")  # the first is the default
+
+
 def served(
     config: Path, args: dict[str, Any], preset: str, batches: list[int], tokens: int,
-    modes: tuple[str, ...] = ("stream",),
+    modes: tuple[str, ...] = ("stream",), client: str = CLIENTS[0],
+    beside: Callable[[], None] | None = None,
 ) -> ByMode:  # fmt: skip
     """Start `serve run <config>` (its app's `args` changed by `args`; direct ingress, as
-    `make run`), then run every batch through it once per mode (`stream`, `plain`): {mode:
-    {batch: figures}}, each with the idle server's `server_idle_box_cores`."""
+    `make run`), then run every batch through it once per mode (`stream`, `plain`) with `client`:
+    {mode: {batch: figures}}, each with the idle server's `server_idle_box_cores`. `beside` runs
+    with the server up and idle, before the batches and again after them (what runs beside the
+    idle served runtime: the engine the served path is judged against)."""
     with tempfile.TemporaryDirectory() as workdir:
         server = ServeRun(config, Path(workdir), args, preset=preset)
         started = time.monotonic()
@@ -45,18 +60,24 @@ def served(
             if router_pid is None:
                 raise RuntimeError("no Router replica process below serve run")
             vocab = model_vocab(preset)
-            asyncio.run(served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens))
+            asyncio.run(
+                served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens, client=client)
+            )
             idle = idle_cores(server.pid)
+            if beside is not None:
+                beside()
             result: ByMode = {}
             for mode, batch in ((m, b) for m in modes for b in batches):
                 prompts = prompts_for(batch, vocab)
-                runs = [timed_batch(url, preset, prompts, tokens, mode, router_pid)
+                runs = [timed_batch(url, preset, prompts, tokens, mode, router_pid, client)
                         for _ in range(REPEATS)]  # fmt: skip
                 # CPU per token over every run (the same tokens each): /proc's clock ticks are
                 # coarse beside one run's CPU; a slow run's CPU is no larger for being slow.
                 cpu = statistics.mean(f["router_cpu_ms_per_token"] for f in runs)
                 best = max(runs, key=lambda f: f["tok_s"])
                 result.setdefault(mode, {})[batch] = best | {"router_cpu_ms_per_token": cpu} | idle
+            if beside is not None:
+                beside()
             return result
         finally:
             tree = process_tree(server.pid) if server.pid else set()
@@ -89,12 +110,13 @@ def idle_cores(root: int) -> dict[str, float]:
 
 
 def timed_batch(
-    url: str, preset: str, prompts: list[list[int]], tokens: int, mode: str, router_pid: int
-) -> dict[str, float]:
+    url: str, preset: str, prompts: list[list[int]], tokens: int, mode: str, router_pid: int,
+    client: str = CLIENTS[0],
+) -> dict[str, float]:  # fmt: skip
     """One batch's client figures and the Router process's CPU per token over it, less a local
     engine's threads (`topology: local` runs the engine inside the Router)."""
     before = process_cpu_s(router_pid) - threads_cpu_s(router_pid, ENGINE_THREAD_NAME)
-    figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode))
+    figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode, client))
     after = process_cpu_s(router_pid) - threads_cpu_s(router_pid, ENGINE_THREAD_NAME)
     # NOTE: /proc counts in clock ticks, per thread and per process apart: a short batch's
     # difference can round below zero.
@@ -103,17 +125,21 @@ def timed_batch(
 
 
 async def served_batch(
-    url: str, model: str, prompts: list[list[int]], tokens: int, mode: str = "stream"
-) -> dict[str, float]:
-    """The prompts sent together: tok/s, and TTFT and the gaps between streamed chunks (TBT)
-    p50/p90, or a plain request's latency p50/p90."""
-    import openai
-
-    one = one_stream if mode == "stream" else one_plain
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
-        start = time.perf_counter()
-        runs = await asyncio.gather(*(one(client, model, p, tokens) for p in prompts))
-        wall = time.perf_counter() - start
+    url: str, model: str, prompts: list[list[int]], tokens: int, mode: str = "stream",
+    client: str = CLIENTS[0],
+) -> dict[str, float]:  # fmt: skip
+    """The prompts sent together through `client`: tok/s, and TTFT and the gaps between streamed
+    chunks (TBT) p50/p90, or a plain request's latency p50/p90."""
+    if client not in CLIENTS:
+        raise ValueError(f"client must be one of {CLIENTS}, not {client!r}")
+    start = time.perf_counter()
+    if client == "openai":
+        runs = await openai_batch(url, model, prompts, tokens, mode)
+    else:
+        one = aiohttp_stream if mode == "stream" else aiohttp_plain
+        async with aiohttp.ClientSession(base_url=url) as session:
+            runs = await asyncio.gather(*(one(session, model, p, tokens) for p in prompts))
+    wall = time.perf_counter() - start
     figures = {"tok_s": len(prompts) * tokens / wall}
     if mode == "plain":
         latencies = [r["latency"] for r in runs]
@@ -126,6 +152,70 @@ async def served_batch(
         "tbt_ms_p50": 1e3 * percentile(gaps, 0.5), "tbt_ms_p90": 1e3 * percentile(gaps, 0.9),
         "chunks_per_request": statistics.mean(r["chunks"] for r in runs),
     }  # fmt: skip
+
+
+def completion_body(model: str, prompt: list[int], tokens: int, stream: bool) -> dict[str, Any]:
+    """A greedy completion of exactly `tokens` tokens (`ignore_eos`)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def stream_figures(start: float, stamps: list[float], num_tokens: int, tokens: int) -> dict:
+    """TTFT, the gaps between chunks and their count; a stream cut short fails the run."""
+    if num_tokens != tokens:
+        raise RuntimeError(f"asked {tokens} tokens, got {num_tokens}")
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {"ttft": stamps[0] - start, "gaps": gaps, "chunks": len(stamps)}
+
+
+async def aiohttp_stream(
+    session: aiohttp.ClientSession, model: str, prompt: list[int], tokens: int
+) -> dict[str, Any]:
+    """A streamed request read as raw `data:` lines, one JSON decode a chunk."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    num_tokens = 0
+    body = completion_body(model, prompt, tokens, stream=True)
+    async with session.post("/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            if not line.startswith(b"data:") or (data := line[5:].strip()) == b"[DONE]":
+                continue
+            chunk = msgspec.json.decode(data)
+            if "error" in chunk:
+                raise RuntimeError(f"in-band error: {chunk['error']}")
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+    return stream_figures(start, stamps, num_tokens, tokens)
+
+
+async def aiohttp_plain(
+    session: aiohttp.ClientSession, model: str, prompt: list[int], tokens: int
+) -> dict[str, Any]:
+    """A non-streaming request: one response, its latency."""
+    start = time.perf_counter()
+    body = completion_body(model, prompt, tokens, stream=False)
+    async with session.post("/v1/completions", json=body) as response:
+        response.raise_for_status()
+        usage = msgspec.json.decode(await response.read()).get("usage") or {}
+    if usage.get("completion_tokens") != tokens:
+        raise RuntimeError(f"asked {tokens} tokens, got {usage}")
+    return {"latency": time.perf_counter() - start}
+
+
+async def openai_batch(
+    url: str, model: str, prompts: list[list[int]], tokens: int, mode: str
+) -> list[dict[str, Any]]:
+    import openai
+
+    one = one_stream if mode == "stream" else one_plain
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+        return await asyncio.gather(*(one(client, model, p, tokens) for p in prompts))
 
 
 async def one_stream(client: Any, model: str, prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -141,10 +231,7 @@ async def one_stream(client: Any, model: str, prompt: list[int], tokens: int) ->
             num_tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].text:
             stamps.append(time.perf_counter())
-    if num_tokens != tokens:
-        raise RuntimeError(f"asked {tokens} tokens, got {num_tokens}")
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    return {"ttft": stamps[0] - start, "gaps": gaps, "chunks": len(stamps)}
+    return stream_figures(start, stamps, num_tokens, tokens)
 
 
 async def one_plain(client: Any, model: str, prompt: list[int], tokens: int) -> dict[str, Any]:

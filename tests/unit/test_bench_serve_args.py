@@ -103,3 +103,27 @@ def test_idle_targets_read_the_idle_figures_of_their_own_path_and_mode() -> None
     assert met["router_cpu_ms_per_token_max"] is None  # no run has the figure
     plain = serve.targets_met(results, "tiny", "_plain")
     assert plain["local_idle_box_cores_max"] is None and plain["mesh_idle_tree_cores_max"] is None
+
+
+def test_local_is_judged_against_the_engine_beside_its_idle_runtime_where_measured() -> None:
+    """`local`'s ratio reads the in-process engine measured beside the idle served runtime
+    (issue 54's baseline); the mesh's keeps the engine alone."""
+    results: dict = {
+        "local": {8: {"tok_s": 90.0}},
+        "local_plain": {8: {"tok_s": 95.0}},
+        "mesh": {8: {"tok_s": 60.0}},
+    }
+    serve.add_ratios(results, {8: 120.0}, beside_local={8: 100.0})
+    assert results["local"][8]["ratio"] == pytest.approx(0.90)
+    assert results["local_plain"][8]["ratio"] == pytest.approx(0.95)
+    assert results["mesh"][8]["ratio"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("client", ["httpx", ""])
+def test_a_client_the_bench_does_not_have_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], client: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse(monkeypatch, "--client", client)
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
