@@ -7,6 +7,14 @@ load side by side), then times the two kernels call by call, alternating which g
 same KV sets (rotated over 256 MiB, so nothing is timed from cache), with the C read probe after
 each pair. It prints medians and minima of kernel/read-probe per build and the speed ratio b/a.
 
+The kernel that runs second in a pair finds part of the KV set the first one just read still in
+the last-level cache, so single calls fall in two modes by their order. Medians are therefore
+taken over pairs of consecutive iterations, one `ab` and one `ba` (each KV set sees both orders),
+each pair's time per tag the mean of its two calls; b's speedup is the median of the pairs' a/b.
+(A median over single calls, one tag first once more often than the other, picked the slow mode
+for one and the fast for the other: two identical builds differed by far more than a kernel
+change is worth; docs/benchmarks.md.)
+
 With `--clock thread` and 1 thread the kernel runs on the calling thread and is timed in CPU
 time, which leaves out the time the scheduler gives to other processes: under load two identical
 builds then agree far more closely than their wall-clock medians do.
@@ -43,6 +51,9 @@ SHAPES = {  # batch, context, q heads, kv heads, head_dim (bench/attention.py's 
     "mha_b32": (32, 2048, 4, 4, 128),
     "gqa_b1": (1, 32768, 8, 2, 128),
     "mha_b1": (1, 32768, 4, 4, 128),
+    # Short contexts: many fragments a thread, where a fragment's first step weighs most.
+    "gqa_b128_c512": (128, 512, 8, 2, 128),
+    "mha_b128_c512": (128, 512, 4, 4, 128),
 }
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
 
@@ -97,9 +108,12 @@ def compare(shape: str, dtype: torch.dtype, mods: dict, args: argparse.Namespace
     probe = mods["a"].probe
     clock = CLOCKS[args.clock]
     times: dict[str, list[float]] = {"a": [], "b": [], "read": []}
-    for i in range(args.repeats + 2):
+    repeats = args.repeats + args.repeats % 2  # whole ab/ba pairs
+    for i in range(repeats + 2):
         k, v, table = sets[i % len(sets)]
-        for tag in "ab" if i % 2 == 0 else "ba":
+        # Each set in turn runs a first, then b (not one build always first on the same sets).
+        shift = i // len(sets) if len(sets) % 2 == 0 else 0
+        for tag in "ab" if (i + shift) % 2 == 0 else "ba":
             out, lse = outs[tag]
             start = clock()
             kernels[tag].decode(
@@ -122,12 +136,21 @@ def compare(shape: str, dtype: torch.dtype, mods: dict, args: argparse.Namespace
         mods["a"].read_sum(probe, args.threads)
         times["read"].append(clock() - start)
     read_bytes = probe.numel() * 4
+    pairs = {
+        name: [(x + y) / 2 for x, y in zip(ts[2::2], ts[3::2], strict=True)]
+        for name, ts in times.items()
+    }
     row = {}
-    for stat, fn in (("median", statistics.median), ("min", min)):
-        t = {name: fn(ts[2:]) for name, ts in times.items()}
+    for stat, t in (
+        ("median", {name: statistics.median(ts) for name, ts in pairs.items()}),
+        ("min", {name: min(ts[2:]) for name, ts in times.items()}),
+    ):
         for tag in "ab":
             row[f"{tag}_over_read_{stat}"] = round(kv_bytes / t[tag] / (read_bytes / t["read"]), 3)
         row[f"b_speedup_{stat}"] = round(t["a"] / t["b"], 3)
+    row["b_speedup_median"] = round(
+        statistics.median(a / b for a, b in zip(pairs["a"], pairs["b"], strict=True)), 3
+    )
     row["max_abs_diff"] = (outs["a"][0] - outs["b"][0]).abs().max().item()
     return row
 

@@ -102,28 +102,61 @@ void load_scaled_q(const Plan& plan, int64_t seg, float* q) {
   }
 }
 
-// Attends the segment's query group to its units [unit_lo, unit_hi); the state lands in `st`.
-void run_fragment(const Plan& plan, int64_t seg, int64_t unit_lo, int64_t unit_hi, float* q,
+// Units [unit_lo, unit_hi) of segment `seg`.
+struct Fragment {
+  int64_t seg, unit_lo, unit_hi;
+};
+
+// The fragment of a range ending at unit `end` that starts at unit u (u < end), in the first
+// non-empty segment from `seg` on.
+Fragment fragment_at(const Plan& plan, int64_t seg, int64_t u, int64_t end) {
+  while (plan.prefix[seg + 1] <= u) ++seg;
+  return {seg, u, std::min(end, plan.prefix[seg + 1])};
+}
+
+// The fragment's block table row, its KV head's tile offset and its blocks [begin, end).
+struct FragmentBlocks {
+  const int32_t* table;
+  int64_t head_tile_offset, begin, end;
+};
+
+FragmentBlocks blocks_of(const Plan& plan, const Fragment& f) {
+  const DecodeProblem& p = plan.p;
+  const int64_t seq = plan.seq_of(f.seg);
+  const int64_t first_block = plan.token_start(seq) / p.block_size + f.unit_lo - plan.prefix[f.seg];
+  return {p.block_tables + seq * p.max_blocks, plan.head_of(f.seg) * p.head_dim * p.block_size,
+          first_block, first_block + (f.unit_hi - f.unit_lo)};
+}
+
+// Attends the segment's query group to the fragment's units; the state lands in `st`. `next`:
+// the fragment this thread runs after it (its first tiles are prefetched), or nullptr.
+void run_fragment(const Plan& plan, const Fragment& frag, const Fragment* next, float* q,
                   const FragmentState& st) {
   const DecodeProblem& p = plan.p;
-  const int64_t seq = plan.seq_of(seg);
-  const int64_t first_block = plan.token_start(seq) / p.block_size;
-  const int64_t seg_lo = plan.prefix[seg];
-  load_scaled_q(plan, seg, q);
+  const int64_t seq = plan.seq_of(frag.seg);
+  load_scaled_q(plan, frag.seg, q);
+  const FragmentBlocks blocks = blocks_of(plan, frag);
   FragmentArgs args;
   args.q = q;
   args.key_cache = p.key_cache;
   args.value_cache = p.value_cache;
-  args.block_table = p.block_tables + seq * p.max_blocks;
+  args.block_table = blocks.table;
   args.block_stride = p.num_kv_heads * p.head_dim * p.block_size;
-  args.head_tile_offset = plan.head_of(seg) * p.head_dim * p.block_size;
-  args.block_begin = first_block + (unit_lo - seg_lo);
-  args.block_end = first_block + (unit_hi - seg_lo);
+  args.head_tile_offset = blocks.head_tile_offset;
+  args.block_begin = blocks.begin;
+  args.block_end = blocks.end;
   args.token_lo = plan.token_start(seq);
   args.token_hi = p.context_lens[seq];
   args.group_size = static_cast<int>(plan.group_size);
   args.head_dim = static_cast<int>(p.head_dim);
   args.block_size = static_cast<int>(p.block_size);
+  if (next != nullptr) {
+    const FragmentBlocks after = blocks_of(plan, *next);
+    args.next_block_table = after.table;
+    args.next_head_tile_offset = after.head_tile_offset;
+    args.next_block_begin = after.begin;
+    args.next_block_end = after.end;
+  }
   (p.kv_dtype == KvDtype::kBfloat16 ? plan.isa.attend_bf16 : plan.isa.attend_f32)(args, st);
 }
 
@@ -160,24 +193,30 @@ void process_range(const Plan& plan, int64_t r, int tid) {
   float* q = nullptr;
   const FragmentState st = thread_state(plan, tid, &q);
   const int64_t begin = plan.range_start(r), end = plan.range_start(r + 1);
-  int64_t seg = std::upper_bound(plan.prefix, plan.prefix + plan.num_segments + 1, begin) -
-                plan.prefix - 1;
-  for (int64_t u = begin; u < end; ++seg) {
-    const int64_t seg_lo = plan.prefix[seg], seg_hi = plan.prefix[seg + 1];
-    if (seg_hi <= u) continue;  // an empty segment
-    const int64_t frag_end = std::min(end, seg_hi);
-    run_fragment(plan, seg, u, frag_end, q, st);
-    if (u == seg_lo && frag_end == seg_hi) {
-      write_rows(plan, seg, st.acc, st.row_max, st.row_sum);
+  if (begin >= end) return;
+  const int64_t first_seg =
+      std::upper_bound(plan.prefix, plan.prefix + plan.num_segments + 1, begin) - plan.prefix - 1;
+  // Each fragment is told the next one of the range, so that its last step prefetches the next
+  // one's first tiles (the next range is claimed at run time, maybe by another thread).
+  Fragment frag = fragment_at(plan, first_seg, begin, end);
+  for (;;) {
+    const bool last = frag.unit_hi == end;
+    const Fragment next = last ? frag : fragment_at(plan, frag.seg + 1, frag.unit_hi, end);
+    run_fragment(plan, frag, last ? nullptr : &next, q, st);
+    const int64_t seg_lo = plan.prefix[frag.seg], seg_hi = plan.prefix[frag.seg + 1];
+    if (frag.unit_lo == seg_lo && frag.unit_hi == seg_hi) {
+      write_rows(plan, frag.seg, st.acc, st.row_max, st.row_sum);
     } else {
       // A range holds at most two cut fragments: its first (slot 0) and its last (slot 1).
-      float* slot = plan.partials + (2 * r + (u == begin ? 0 : 1)) * plan.partial_stride;
+      float* slot =
+          plan.partials + (2 * r + (frag.unit_lo == begin ? 0 : 1)) * plan.partial_stride;
       const int64_t GD = plan.group_size * plan.p.head_dim, G = plan.group_size;
       std::copy(st.acc, st.acc + GD, slot);
       std::copy(st.row_max, st.row_max + G, slot + GD);
       std::copy(st.row_sum, st.row_sum + G, slot + GD + G);
     }
-    u = frag_end;
+    if (last) return;
+    frag = next;
   }
 }
 

@@ -33,6 +33,13 @@ struct FragmentArgs {
   int64_t block_begin, block_end;
   int64_t token_lo, token_hi;
   int group_size, head_dim, block_size;
+  // The fragment this thread runs next (same caches and block_stride): its blocks
+  // [next_block_begin, next_block_end) of the row next_block_table, its KV head's tile at
+  // next_head_tile_offset. The last steps prefetch its first tiles as if the walk went on into
+  // it; next_block_table is nullptr where no fragment follows on this thread.
+  const int32_t* next_block_table = nullptr;
+  int64_t next_head_tile_offset = 0;
+  int64_t next_block_begin = 0, next_block_end = 0;
 };
 
 // Running flash-attention state of one fragment: unnormalized output, running max and sum.

@@ -21,10 +21,11 @@
 // Why several tiles side by side: one sequential stream per thread does not reach the memory's
 // read bandwidth, several do. Block tables scatter blocks, so the hardware prefetcher cannot
 // guess the next tile: while scoring K the kernel prefetches the step's V tiles, and while
-// accumulating V the next step's K tiles, one line per load, spread over the loops rather than
-// in a burst that would stall on fill buffers. Those prefetches go to L1 (T0); sending them to L2
-// only, halving them, or prefetching only each tile's head was slower or no faster in paired A/B
-// runs (bench/attention_ab.py) on both machine variants.
+// accumulating V the next step's K tiles (at a fragment's last step, the first K tiles of the
+// next fragment its thread runs: walk_offset), one line per load, spread over the loops rather
+// than in a burst that would stall on fill buffers. Those prefetches go to L1 (T0); sending them
+// to L2 only, halving them, or prefetching only each tile's head was slower or no faster in paired
+// A/B runs (bench/attention_ab.py) on both machine variants.
 //
 // NOTE: tried and left out, each slower or within noise in paired A/B runs, the figures in
 // docs/benchmarks.md ("Kernel design experiments"): scoring or accumulating bfloat16 with
@@ -427,7 +428,20 @@ void accumulate_step(float* acc, const float* probs, int stride, const float* al
     accumulate_step_as<0>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
 }
 
-// The step starting at block b: tile pointers and the token slots it holds.
+// Elements from the cache's base to the tile of block b of the walk: the fragment's blocks, then,
+// past block_end, the first blocks of the next fragment this thread runs (a.next_*); -1 past both.
+// Why the walk goes on: without it every fragment's first step found its scattered K tiles cold,
+// nothing having fetched them ahead, and with many short sequences a thread runs many fragments
+// a call.
+inline int64_t walk_offset(const FragmentArgs& a, int64_t b) {
+  if (b < a.block_end) return a.head_tile_offset + a.block_table[b] * a.block_stride;
+  const int64_t next = a.next_block_begin + (b - a.block_end);
+  if (a.next_block_table == nullptr || next >= a.next_block_end) return -1;
+  return a.next_head_tile_offset + a.next_block_table[next] * a.block_stride;
+}
+
+// The step starting at block b: tile pointers and the token slots it holds (keys and values: the
+// caches' bases).
 template <typename KV>
 Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int64_t b,
                    int blocks_per_step) {
@@ -435,11 +449,11 @@ Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int6
   const int64_t left = a.block_end - b;
   step.num_blocks = left < blocks_per_step ? static_cast<int>(left) : blocks_per_step;
   for (int j = 0; j < step.num_blocks; ++j) {
-    const int64_t offset = a.block_table[b + j] * a.block_stride;
+    const int64_t offset = walk_offset(a, b + j);
     step.keys[j] = keys + offset;
     step.values[j] = values + offset;
-    const int64_t next = b + j + step.num_blocks;
-    step.next_keys[j] = next < a.block_end ? keys + a.block_table[next] * a.block_stride : nullptr;
+    const int64_t next = walk_offset(a, b + j + step.num_blocks);
+    step.next_keys[j] = next >= 0 ? keys + next : nullptr;
   }
   const int64_t first_token = b * a.block_size;
   const int64_t end_token = first_token + step.num_blocks * a.block_size;
@@ -462,7 +476,7 @@ inline void prefetch_far_step(const FragmentArgs& a, const KV* keys, const KV* v
   for (int j = 0; j < blocks_per_step; ++j) {
     const int64_t far = b + 2 * blocks_per_step + j;
     if (far >= a.block_end) return;
-    const int64_t offset = a.block_table[far] * a.block_stride;
+    const int64_t offset = walk_offset(a, far);
     for (int line = 0; line < kLines; ++line) {
       __builtin_prefetch(reinterpret_cast<const char*>(keys + offset) + 64 * line, 0, 2);
       __builtin_prefetch(reinterpret_cast<const char*>(values + offset) + 64 * line, 0, 2);
@@ -481,8 +495,8 @@ void attend(const FragmentArgs& a, const FragmentState& st) {
   for (int i = 0; i < G * D; ++i) st.acc[i] = 0.0f;
   for (int g = 0; g < G; ++g) st.row_max[g] = kMinusInf;
   for (int i = 0; i < G * kLanes; ++i) lane_sums[i] = 0.0f;
-  const KV* keys = static_cast<const KV*>(a.key_cache) + a.head_tile_offset;
-  const KV* values = static_cast<const KV*>(a.value_cache) + a.head_tile_offset;
+  const KV* keys = static_cast<const KV*>(a.key_cache);
+  const KV* values = static_cast<const KV*>(a.value_cache);
   for (int64_t b = a.block_begin; b < a.block_end; b += blocks_per_step) {
     if constexpr (sizeof(KV) == 2) prefetch_far_step(a, keys, values, b, blocks_per_step);
     const Step<KV> step = make_step(a, keys, values, b, blocks_per_step);
