@@ -551,7 +551,10 @@ def test_routers_share_the_head_nodes_batch_store_and_one_finishes_a_stopped_one
                 return None
 
         assert wait_for("the restarted store, the lease run out", claimed, 60) == batch_id
-        assert done_lines() == kept  # nothing committed was lost with the actor's process
+        # Nothing committed was lost with the actor's process. A line's write already on its way
+        # when the first router stopped (a store call runs on a worker thread, which cancelling
+        # the batch's task does not stop) may land after `kept` was read: at least, not equal.
+        assert done_lines() >= kept
         await second.runner.run_batch(batch_id)
 
     asyncio.run(run())
