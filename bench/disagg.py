@@ -225,8 +225,10 @@ def judge(figures: dict, batches: list[int]) -> dict:
     """Ratios against the local step, the n = 2 gains, the targets, and why where missed."""
     local = figures["local"]
 
-    def ratio(column: str, b: str, key: str = "tbt_p50_ms", base: dict = local) -> float:
-        return round(figures[column][b][key] / base[b][key], 3)
+    def ratio(column: str, b: str, key: str = "tbt_p50_ms", base: dict = local) -> float | None:
+        # None: no ratio to a base of zero (a tiny run's gaps can all round to 0.0 ms).
+        denominator = base[b][key]
+        return round(figures[column][b][key] / denominator, 3) if denominator else None
 
     ratios = {col: {str(b): ratio(col, str(b)) for b in batches}
               for col, *_ in MESHES[1:] if col in figures}  # fmt: skip
@@ -253,8 +255,8 @@ def judge(figures: dict, batches: list[int]) -> dict:
     n2 = [g["throughput_ratio"] >= 1.3 and g["p90_ratio"] <= 1.0
           for column, g in gains.items() if column != ROTATION]  # fmt: skip
     met = {  # keyed as `targets`; a batch or column the run did not measure has no verdict
-        "overlap_ratio_b8": overlap["8"] <= 1.10 if "8" in overlap else None,
-        "overlap_ratio_b32": overlap["32"] <= 1.05 if "32" in overlap else None,
+        "overlap_ratio_b8": overlap["8"] <= 1.10 if overlap.get("8") is not None else None,
+        "overlap_ratio_b32": overlap["32"] <= 1.05 if overlap.get("32") is not None else None,
         "n2_throughput": any(n2) if n2 else None,
     }
     why = ("the cores shared by every process: the shards' attention and the engine's dense part "
