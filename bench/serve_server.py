@@ -218,13 +218,18 @@ async def openai_batch(
         return await asyncio.gather(*(one(client, model, p, tokens) for p in prompts))
 
 
+def openai_kwargs(model: str, prompt: list[int], tokens: int, stream: bool) -> dict[str, Any]:
+    """`completion_body` as the `openai` client takes it: what the API does not name (ignore_eos)
+    goes in `extra_body`."""
+    body = completion_body(model, prompt, tokens, stream)
+    ignore_eos = body.pop("ignore_eos")
+    return {**body, "extra_body": {"ignore_eos": ignore_eos}}
+
+
 async def one_stream(client: Any, model: str, prompt: list[int], tokens: int) -> dict[str, Any]:
     start = time.perf_counter()
     stamps: list[float] = []
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    stream = await client.completions.create(**openai_kwargs(model, prompt, tokens, stream=True))
     num_tokens = 0
     async for chunk in stream:
         if chunk.usage is not None:
@@ -237,10 +242,7 @@ async def one_stream(client: Any, model: str, prompt: list[int], tokens: int) ->
 async def one_plain(client: Any, model: str, prompt: list[int], tokens: int) -> dict[str, Any]:
     """A non-streaming request: one response, its latency."""
     start = time.perf_counter()
-    response = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=tokens, temperature=0.0,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    response = await client.completions.create(**openai_kwargs(model, prompt, tokens, stream=False))
     if response.usage is None or response.usage.completion_tokens != tokens:
         raise RuntimeError(f"asked {tokens} tokens, got {response.usage}")
     return {"latency": time.perf_counter() - start}
