@@ -203,6 +203,10 @@ class ScaleState:
                        surplus=0.0, last_change_at=now, num_changes=self.num_changes + 1,
                        window=(), window_since=None, risen_from=risen_from)  # fmt: skip
 
+    def cooling(self, policy: ScalePolicy, now: float) -> bool:
+        """Whether the last change was under `cooldown_s` ago (no change may follow yet)."""
+        return self.last_change_at is not None and now - self.last_change_at < policy.cooldown_s
+
     def windowed(self, policy: ScalePolicy, load: Load, now: float) -> ScaleState:
         """This state with `load` read into the scale-down window (only with
         `scale_down_peak_fill`): a reading with nothing warm, a replica warming up or one
@@ -424,7 +428,7 @@ def window_allows(policy: ScalePolicy, state: ScaleState, now: float) -> int | N
         return None
     if now - state.window_since < policy.downscale_after_s:
         return None
-    if state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s:
+    if state.cooling(policy, now):
         return None
     mean, peak = state.window_mean_peak()
     group, current = policy.group_size, state.replicas
@@ -468,7 +472,7 @@ def advance(
         held_enough = surplus >= policy.upscale_after_s
     else:
         held_enough = now - since >= policy.downscale_after_s
-    cooling = state.last_change_at is not None and now - state.last_change_at < policy.cooldown_s
+    cooling = state.cooling(policy, now)
     if not held_enough or cooling:
         return replace(state, wanted=wanted, wanted_since=since, seen_at=now, surplus=surplus)
     return state.changed_to(wanted, now)
