@@ -288,3 +288,18 @@ def test_concurrent_calls_share_one_backend() -> None:
         results = list(pool.map(lambda _: run_kernel(backend, case), range(8)))
     for got in results:
         assert_close(case, got, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_many_short_fragments_one_range_with_empty_ones_between(dtype: torch.dtype) -> None:
+    """At 1 thread one range runs every fragment in turn, each one's last step prefetching the
+    next one's first tiles (`FragmentArgs.next_*`), past empty segments (no tokens: a zero
+    length, or a start at the end) and ragged last blocks: every row meets the reference."""
+    lengths = [33, 0, 16, 1, 90, 40, 0, 130, 17, 64]
+    starts = [0, 0, 0, 0, 0, 40, 0, 3, 0, 0]  # the sixth has its start at its end: no tokens
+    case = make_case(lengths, starts=starts, head_dim=64, group=4, block_size=16, dtype=dtype)
+    out, lse = run_kernel(CpuKernelAttention(num_threads=1), case)
+    assert_close(case, (out, lse), TOLERANCE[dtype])
+    for empty in (1, 5, 6):
+        assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+        assert (lse[empty] == -math.inf).all()
