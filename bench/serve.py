@@ -1,6 +1,6 @@
 """Served throughput against the in-process engine, per batch size: what the front end costs.
 
-    python bench/serve.py [--preset tiny|small] [--quick] [--batches 1 8 32] [--tokens 256]
+    python bench/serve.py [--preset tiny|small|smollm2] [--quick] [--batches 1 8 32] [--tokens 256]
                           [--paths inprocess local mesh] [--modes stream plain]
                           [--mesh-args '{"token_engine_threads": 1}']
 
@@ -16,16 +16,18 @@ each, the same prompts on every path) to:
 
 Each batch goes streamed and, in the same server, plain (`--modes`; reported as `<path>_plain`).
 A path's figures are its best of 3 runs of each batch, after a warm-up batch: tok/s and `ratio`
-(over the in-process engine's, which runs first and again last: the better of the two; `local`'s
-over the in-process engine beside the idle served runtime, run with the server up before and after
-its batches: `inprocess_beside_local`, the better of the two), TTFT and
+over the in-process engine's (which runs first and again last: the better of the two), TTFT and
 TBT (the gap between streamed chunks) p50/p90 or a plain request's latency p50/p90; and the
-Router process's CPU per token over all 3 runs (less a local engine's threads). A served path
-also reports, over 10 s with the server up and idle before its batches, `server_idle_box_cores`:
-the whole machine's busy cores (Ray's runtime and the idle replicas, what the served engines
-share their cores with, plus whatever else a shared machine runs), and `server_idle_tree_cores`:
-the server's own processes' (every process of the `serve run`'s session; `bench/idle_cost.py`
-splits it up).
+Router process's CPU per token over all its runs (less a local engine's threads). `local` is
+judged against the in-process engine beside its idle served runtime, run by run: each of its 5
+runs of a batch right after the engine generated the same prompts with the server up, its
+`ratio` the median of the 5 pairs' (`engine_beside_tok_s`: the engine's median; the table's
+`inprocess+idle` row), so that the host's drift over the minutes between runs cancels out.
+A served path also reports, over 10 s with the server up and idle before its batches,
+`server_idle_box_cores`: the whole machine's busy cores (Ray's runtime and the idle replicas,
+what the served engines share their cores with, plus whatever else a shared machine runs), and
+`server_idle_tree_cores`: the server's own processes' (every process of the `serve run`'s
+session; `bench/idle_cost.py` splits it up).
 
 The last line is one JSON object with `targets` and `targets_met` (streamed requests; plain
 ones in `targets_met_plain`).
@@ -38,6 +40,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +54,7 @@ from bench.serve_server import CLIENTS, REPEATS, model_vocab, prompts_for, serve
 from common.engine.core import LLMEngine  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
 from common.mesh_options import mesh_options  # noqa: E402
-from common.model.default import default_model_path  # noqa: E402
+from common.model.default import PRESETS, default_model_path  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 
 PATHS = ["inprocess", "local", "mesh"]
@@ -73,22 +76,26 @@ TARGETS = {
 }
 
 
-def in_process(preset: str, batches: list[int], tokens: int) -> dict[int, dict[str, float]]:
-    """One `LLMEngine` generating each batch (token ids only: no front end): its best tok/s of
-    `REPEATS` runs, after a warm-up batch."""
+def engine_runner(preset: str, tokens: int) -> Callable[[list[list[int]]], float]:
+    """One `LLMEngine`, warmed up: a function that generates `tokens` tokens for each prompt
+    (token ids only: no front end) and gives the batch's tok/s."""
     engine = LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS)  # type: ignore[arg-type]
-    vocab = model_vocab(preset)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-    engine.generate(prompts_for(2, vocab, seed=99), params)
-    result = {}
-    for batch in batches:
-        seconds = []
-        for _ in range(REPEATS):  # the best of a few: a shared machine's noise only slows runs
-            start = time.perf_counter()
-            engine.generate(prompts_for(batch, vocab), params)
-            seconds.append(time.perf_counter() - start)
-        result[batch] = {"tok_s": batch * tokens / min(seconds)}
-    return result
+    engine.generate(prompts_for(2, model_vocab(preset), seed=99), params)
+
+    def run(prompts: list[list[int]]) -> float:
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        return len(prompts) * tokens / (time.perf_counter() - start)
+
+    return run
+
+
+def in_process(preset: str, batches: list[int], tokens: int) -> dict[int, dict[str, float]]:
+    """The in-process engine's best tok/s of `REPEATS` runs of each batch (the best of a few: a
+    shared machine's noise only slows runs)."""
+    run, vocab = engine_runner(preset, tokens), model_vocab(preset)
+    return {b: {"tok_s": max(run(prompts_for(b, vocab)) for _ in range(REPEATS))} for b in batches}
 
 
 def served_paths(
@@ -99,20 +106,18 @@ def served_paths(
     configs = {"local": ("single.yaml", {"engine": ENGINE_ARGS | {"num_threads": threads}}),
                "mesh": ("local.yaml", {"mesh": mesh_args(args)})}  # fmt: skip
     results: dict[str, Any] = {}
-    beside: list[dict[int, dict[str, float]]] = []
-
-    def engine_beside() -> None:
-        beside.append(in_process(args.preset, batches, tokens))
-
     for path in (p for p in ("local", "mesh") if p in args.paths):
         config, extra = configs[path]
-        measure_beside = path == "local" and "inprocess" in args.paths
+        # `local` against the engine beside its idle served runtime, run by run (issue 54).
+        beside = (engine_runner(args.preset, tokens)
+                  if path == "local" and "inprocess" in args.paths else None)  # fmt: skip
         by_mode = served(REPO / "deploy" / config, app_args | extra, args.preset, batches, tokens,
-                         tuple(args.modes), args.client,
-                         engine_beside if measure_beside else None)  # fmt: skip
-        if beside:
+                         tuple(args.modes), args.client, beside)  # fmt: skip
+        del beside  # its engine's memory, before the next server starts
+        first = next(iter(by_mode.values()), {})
+        if any("engine_beside_tok_s" in f for f in first.values()):
             results["inprocess_beside_local"] = {
-                b: max(run[b]["tok_s"] for run in beside) for b in batches
+                b: f["engine_beside_tok_s"] for b, f in first.items() if "engine_beside_tok_s" in f
             }
         for mode, figures in by_mode.items():
             name = path + ("" if mode == "stream" else f"_{mode}")
@@ -122,17 +127,13 @@ def served_paths(
     return results
 
 
-def add_ratios(
-    results: dict[str, Any], engine_tok_s: dict[int, float],
-    beside_local: dict[int, float] | None = None,
-) -> None:  # fmt: skip
-    """Every served figure's `ratio`: its tok/s over the in-process engine's at that batch;
-    `local`'s over the engine beside its idle served runtime where that was measured."""
+def add_ratios(results: dict[str, Any], engine_tok_s: dict[int, float]) -> None:
+    """Every served figure's `ratio`: its tok/s over the in-process engine's at that batch, but
+    where it has one already (`local`'s, paired run by run with the engine beside it)."""
     for name in (n for n in SERVED if n in results):
-        engine = beside_local if beside_local and name.startswith("local") else engine_tok_s
         for batch, f in results[name].items():
-            if batch in engine:
-                f["ratio"] = f["tok_s"] / engine[batch]
+            if batch in engine_tok_s and "ratio" not in f:
+                f["ratio"] = f["tok_s"] / engine_tok_s[batch]
 
 
 def print_table(results: dict[str, Any], batches: list[int]) -> None:
@@ -201,7 +202,8 @@ def mesh_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    parser.add_argument("--preset", default="tiny", choices=PRESETS,
+                        help="the model: a random preset, or smollm2 (`make run`'s)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="batches 1 and 8, 64 tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--tokens", type=int, default=None)
@@ -253,7 +255,7 @@ def main() -> None:
         end = results["inprocess_end"] = in_process(args.preset, batches, tokens)
         best = {b: max(f["tok_s"], end[b]["tok_s"]) for b, f in results["inprocess"].items()}
         results["inprocess_tok_s_best"] = best
-        add_ratios(results, best, results.get("inprocess_beside_local"))
+        add_ratios(results, best)
     print_table(results, batches)
     results["load_avg_end"] = os.getloadavg()
     results["targets"] = TARGETS

@@ -32,6 +32,7 @@ from tests.e2e.serve_process import ServeRun, session_pids
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
 IDLE_S = 10.0  # how long the idle server is sampled (/proc counts in 10 ms ticks)
 REPEATS = 3  # each batch's figures are its best of this many runs
+PAIRS = 5  # runs of a batch paired with the engine beside it (`beside`): the ratio is their median
 
 ByMode = dict[str, dict[int, dict[str, float]]]  # {mode: {batch: figures}}
 
@@ -42,13 +43,14 @@ CLIENTS = ("aiohttp", "openai")  # the first is the default
 def served(
     config: Path, args: dict[str, Any], preset: str, batches: list[int], tokens: int,
     modes: tuple[str, ...] = ("stream",), client: str = CLIENTS[0],
-    beside: Callable[[], None] | None = None,
+    beside: Callable[[list[list[int]]], float] | None = None,
 ) -> ByMode:  # fmt: skip
     """Start `serve run <config>` (its app's `args` changed by `args`; direct ingress, as
     `make run`), then run every batch through it once per mode (`stream`, `plain`) with `client`:
-    {mode: {batch: figures}}, each with the idle server's `server_idle_box_cores`. `beside` runs
-    with the server up and idle, before the batches and again after them (what runs beside the
-    idle served runtime: the engine the served path is judged against)."""
+    {mode: {batch: figures}}, each with the idle server's `server_idle_box_cores`. `beside`: the
+    engine the served path is judged against, which generates the same prompts and gives its
+    tok/s with the server up and idle; it runs right before each served run of a batch, and the
+    batch's `ratio` is the median of the pairs' (`paired_figures`)."""
     with tempfile.TemporaryDirectory() as workdir:
         server = ServeRun(config, Path(workdir), args, preset=preset)
         started = time.monotonic()
@@ -64,25 +66,40 @@ def served(
                 served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens, client=client)
             )
             idle = idle_cores(server.pid)
-            if beside is not None:
-                beside()
             result: ByMode = {}
             for mode, batch in ((m, b) for m in modes for b in batches):
                 prompts = prompts_for(batch, vocab)
-                runs = [timed_batch(url, preset, prompts, tokens, mode, router_pid, client)
-                        for _ in range(REPEATS)]  # fmt: skip
+                runs, engine_runs = [], []
+                for _ in range(REPEATS if beside is None else PAIRS):
+                    if beside is not None:
+                        engine_runs.append(beside(prompts))
+                    runs.append(timed_batch(url, preset, prompts, tokens, mode, router_pid, client))
                 # CPU per token over every run (the same tokens each): /proc's clock ticks are
                 # coarse beside one run's CPU; a slow run's CPU is no larger for being slow.
                 cpu = statistics.mean(f["router_cpu_ms_per_token"] for f in runs)
                 best = max(runs, key=lambda f: f["tok_s"])
-                result.setdefault(mode, {})[batch] = best | {"router_cpu_ms_per_token": cpu} | idle
-            if beside is not None:
-                beside()
+                figures = best | {"router_cpu_ms_per_token": cpu} | idle
+                if engine_runs:
+                    figures |= paired_figures([f["tok_s"] for f in runs], engine_runs)
+                result.setdefault(mode, {})[batch] = figures
             return result
         finally:
             tree = process_tree(server.pid) if server.pid else set()
             server.stop()
             stop_survivors({p for p in tree if Path(f"/proc/{p}").exists()})
+
+
+def paired_figures(served_tok_s: list[float], engine_tok_s: list[float]) -> dict[str, float]:
+    """A served path against the engine run right before each of its runs: `ratio`, the median
+    of the pairs' ratios, and `engine_beside_tok_s`, the engine's median. Why pairs: the host's
+    own speed drifts over the minutes a bench runs (memory bandwidth, other guests), and a ratio
+    of figures taken minutes apart measured the drift as much as the server."""
+    if not served_tok_s or len(served_tok_s) != len(engine_tok_s):
+        raise ValueError("a served run for every engine run, and at least one")
+    return {
+        "ratio": statistics.median(s / e for s, e in zip(served_tok_s, engine_tok_s, strict=True)),
+        "engine_beside_tok_s": statistics.median(engine_tok_s),
+    }
 
 
 def server_pids(root: int) -> set[int]:

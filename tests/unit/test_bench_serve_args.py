@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import serve
+from bench import serve, serve_server
 
 
 def parse(monkeypatch: pytest.MonkeyPatch, *argv: str) -> dict:
@@ -105,18 +105,31 @@ def test_idle_targets_read_the_idle_figures_of_their_own_path_and_mode() -> None
     assert plain["local_idle_box_cores_max"] is None and plain["mesh_idle_tree_cores_max"] is None
 
 
-def test_local_is_judged_against_the_engine_beside_its_idle_runtime_where_measured() -> None:
-    """`local`'s ratio reads the in-process engine measured beside the idle served runtime
-    (issue 54's baseline); the mesh's keeps the engine alone."""
+def test_local_is_judged_run_by_run_against_the_engine_beside_its_idle_runtime() -> None:
+    """`local`'s ratio is the median of its runs' each over the engine's run right before it
+    (issue 54's baseline, the host's drift cancelled); `add_ratios` keeps it, and the mesh's
+    is over the engine alone."""
+    # The host slows down mid-way: each pair keeps 0.9, 0.95 or 1.0 where figures taken apart
+    # would read 1.4 (the fast engine run against the slow served one's best) or 0.6.
+    paired = serve_server.paired_figures(
+        [90.0, 57.0, 60.0, 54.0, 100.0], [100.0, 60.0, 60.0, 60.0, 100.0]
+    )
+    assert paired == {"ratio": pytest.approx(0.95), "engine_beside_tok_s": 60.0}
     results: dict = {
-        "local": {8: {"tok_s": 90.0}},
-        "local_plain": {8: {"tok_s": 95.0}},
+        "local": {8: {"tok_s": 100.0} | paired},
+        "local_plain": {8: {"tok_s": 95.0}},  # no pairs: over the engine alone
         "mesh": {8: {"tok_s": 60.0}},
     }
-    serve.add_ratios(results, {8: 120.0}, beside_local={8: 100.0})
-    assert results["local"][8]["ratio"] == pytest.approx(0.90)
-    assert results["local_plain"][8]["ratio"] == pytest.approx(0.95)
+    serve.add_ratios(results, {8: 120.0})
+    assert results["local"][8]["ratio"] == pytest.approx(0.95)
+    assert results["local_plain"][8]["ratio"] == pytest.approx(95 / 120)
     assert results["mesh"][8]["ratio"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("served, engine", [([], []), ([1.0], [1.0, 2.0])])
+def test_pairs_need_a_served_run_for_every_engine_run(served: list, engine: list) -> None:
+    with pytest.raises(ValueError, match="a served run for every engine run"):
+        serve_server.paired_figures(served, engine)
 
 
 @pytest.mark.parametrize("client", ["httpx", ""])
