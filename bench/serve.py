@@ -18,7 +18,8 @@ Each batch goes streamed and, in the same server, plain (`--modes`; reported as 
 A path's figures are its best of 3 runs of each batch, after a warm-up batch: tok/s and `ratio`
 over the in-process engine's (which runs first and again last: the better of the two), TTFT and
 TBT (the gap between streamed chunks) p50/p90 or a plain request's latency p50/p90; and the
-Router process's CPU per token over all its runs (less a local engine's threads). `local` is
+Router process's CPU per token over all its runs (less a local engine's threads) and the
+client's (this process: it shares the served engine's cores here, as the Router does). `local` is
 judged against the in-process engine beside its idle served runtime, run by run: each of its 5
 runs of a batch right after the engine generated the same prompts with the server up, its
 `ratio` the median of the 5 pairs' (`engine_beside_tok_s`: the engine's median; the table's

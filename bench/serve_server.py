@@ -32,6 +32,7 @@ from tests.e2e.serve_process import ServeRun, session_pids
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
 IDLE_S = 10.0  # how long the idle server is sampled (/proc counts in 10 ms ticks)
 REPEATS = 3  # each batch's figures are its best of this many runs
+CPU_FIGURES = ("router_cpu_ms_per_token", "client_cpu_ms_per_token")  # per run, averaged
 PAIRS = 5  # runs of a batch paired with the engine beside it (`beside`): the ratio is their median
 
 ByMode = dict[str, dict[int, dict[str, float]]]  # {mode: {batch: figures}}
@@ -76,9 +77,9 @@ def served(
                     runs.append(timed_batch(url, preset, prompts, tokens, mode, router_pid, client))
                 # CPU per token over every run (the same tokens each): /proc's clock ticks are
                 # coarse beside one run's CPU; a slow run's CPU is no larger for being slow.
-                cpu = statistics.mean(f["router_cpu_ms_per_token"] for f in runs)
+                cpu = {key: statistics.mean(f[key] for f in runs) for key in CPU_FIGURES}
                 best = max(runs, key=lambda f: f["tok_s"])
-                figures = best | {"router_cpu_ms_per_token": cpu} | idle
+                figures = best | cpu | idle
                 if engine_runs:
                     figures |= paired_figures([f["tok_s"] for f in runs], engine_runs)
                 result.setdefault(mode, {})[batch] = figures
@@ -130,14 +131,18 @@ def timed_batch(
     url: str, preset: str, prompts: list[list[int]], tokens: int, mode: str, router_pid: int,
     client: str = CLIENTS[0],
 ) -> dict[str, float]:  # fmt: skip
-    """One batch's client figures and the Router process's CPU per token over it, less a local
-    engine's threads (`topology: local` runs the engine inside the Router)."""
+    """One batch's client figures, the Router process's CPU per token over it, less a local
+    engine's threads (`topology: local` runs the engine inside the Router), and this process's:
+    the client's, which shares the served engine's cores here."""
     before = process_cpu_s(router_pid) - threads_cpu_s(router_pid, ENGINE_THREAD_NAME)
+    client_before = time.process_time()
     figures = asyncio.run(served_batch(url, preset, prompts, tokens, mode, client))
+    client_s = time.process_time() - client_before
     after = process_cpu_s(router_pid) - threads_cpu_s(router_pid, ENGINE_THREAD_NAME)
     # NOTE: /proc counts in clock ticks, per thread and per process apart: a short batch's
     # difference can round below zero.
     figures["router_cpu_ms_per_token"] = 1e3 * max(0.0, after - before) / (len(prompts) * tokens)
+    figures["client_cpu_ms_per_token"] = 1e3 * client_s / (len(prompts) * tokens)
     return figures
 
 
