@@ -31,7 +31,6 @@ import dataclasses
 import inspect
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +43,7 @@ from fastapi.security import HTTPBearer
 
 from common.config import ModelConfig
 from common.engine.request import check_prompt
+from common.request_ids import random_hex
 from common.sampling import MAX_BAD_WORD_TOKENS, SamplingParams
 from common.telemetry import Metrics
 from common.telemetry.prometheus import CONTENT_TYPE, PrometheusSink
@@ -159,13 +159,13 @@ class _Ids:
     def of(cls, http: Request, prefix: str) -> _Ids:
         given = http.headers.get(REQUEST_ID_HEADER)
         if given is None:
-            base = uuid.uuid4().hex
+            base = random_hex()
             return cls(f"{prefix}-{base}", base, f"{prefix}-{base}")
         if not _REQUEST_ID.match(given):
             raise APIError(400, f"{REQUEST_ID_HEADER} must be 1 to {MAX_REQUEST_ID_CHARS} "
                            "printable ASCII characters", REQUEST_ID_HEADER)  # fmt: skip
         # NOTE: two clients may send the same id; the engines need distinct ones.
-        return cls(f"{prefix}-{given}", given, f"{prefix}-{given}-{uuid.uuid4().hex[:8]}")
+        return cls(f"{prefix}-{given}", given, f"{prefix}-{given}-{random_hex(8)}")
 
 
 def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
@@ -426,13 +426,13 @@ class Router:
             response: CompletionResponse | ChatCompletionResponse
             if url == "/v1/completions":
                 response = CompletionResponse(
-                    id=f"cmpl-{uuid.uuid4().hex}", created=unix_now(), model=self.model_name,
+                    id=f"cmpl-{random_hex()}", created=unix_now(), model=self.model_name,
                     choices=[CompletionChoice(index=0, text=text, finish_reason=finish)],
                     usage=used,
                 )  # fmt: skip
             else:
                 response = ChatCompletionResponse(
-                    id=f"chatcmpl-{uuid.uuid4().hex}", created=unix_now(), model=self.model_name,
+                    id=f"chatcmpl-{random_hex()}", created=unix_now(), model=self.model_name,
                     choices=[ChatChoice(message=AssistantMessage(content=text),
                                         finish_reason=finish)],
                     usage=used,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any, Literal
 
 import jinja2.meta
@@ -32,6 +31,7 @@ import llguidance
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.chat_template import compile_template
+from common.request_ids import random_hex
 from common.structured.spec import MAX_SPEC_CHARS, checked_spec, grammar_error
 from common.structured.tool_calls import (
     ARGUMENTS_KEY,
@@ -126,7 +126,7 @@ class DeltaToolCall(BaseModel):
 
 
 def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    return f"call_{random_hex(24)}"
 
 
 # ---- the request ----
