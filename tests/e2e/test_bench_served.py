@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench import serve_server
+from bench import serve, serve_server
 from bench.host_cpu import process_tree
 from bench.serve_server import ray_pid
 from tests.e2e.serve_process import REPO, ServeRun
@@ -89,8 +90,9 @@ def test_a_batch_that_fails_or_is_killed_leaves_no_served_process(
 def test_a_served_path_records_each_mode_and_the_idle_machine_then_stops_everything(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every batch of each mode is measured (the best of `REPEATS` runs) with the server up,
-    beside the idle server's busy cores; then every process of the server is stopped."""
+    """Every batch of each mode is measured with the server up, each run right after the
+    in-process engine beside it generated the same prompts (its `ratio` the median of the
+    pairs'), beside the idle server's busy cores; then every process of the server is stopped."""
     monkeypatch.setattr(serve_server, "ServeRun", RecordedServeRun)
     RecordedServeRun.started.clear()
     trees: list[set[int]] = []
@@ -106,14 +108,32 @@ def test_a_served_path_records_each_mode_and_the_idle_machine_then_stops_everyth
         if len(trees) == 1:
             assert mode == "stream" and client == serve_server.CLIENTS[0]
             client = "openai"
-        return timed_batch(url, preset, prompts, tokens, mode, router_pid, client)
+        figures = timed_batch(url, preset, prompts, tokens, mode, router_pid, client)
+        runs.append(("served", prompts, figures["tok_s"]))
+        return figures
 
+    engine = serve.engine_runner("tiny", 8)
+
+    def engine_beside(prompts: list[list[int]]) -> float:
+        tok_s = engine(prompts)
+        runs.append(("engine", prompts, tok_s))
+        return tok_s
+
+    runs: list[tuple[str, list[list[int]], float]] = []
     monkeypatch.setattr(serve_server, "timed_batch", recorded_batch)
     by_mode = serve_server.served(REPO / "deploy" / "single.yaml", APP_ARGS, "tiny", [1], 8,
-                                  ("stream", "plain"))  # fmt: skip
-    assert set(by_mode) == {"stream", "plain"} and len(trees) == 2 * serve_server.REPEATS
+                                  ("stream", "plain"), beside=engine_beside)  # fmt: skip
+    assert set(by_mode) == {"stream", "plain"} and len(trees) == 2 * serve_server.PAIRS
+    # Pairs: the engine on a run's prompts right before it.
+    assert [r[0] for r in runs] == ["engine", "served"] * (2 * serve_server.PAIRS)
+    assert all(e[1] == s[1] for e, s in zip(runs[::2], runs[1::2], strict=True))
+    for i, mode in enumerate(("stream", "plain")):
+        mine = runs[2 * i * serve_server.PAIRS : 2 * (i + 1) * serve_server.PAIRS]
+        ratios = [s[2] / e[2] for e, s in zip(mine[::2], mine[1::2], strict=True)]
+        assert by_mode[mode][1]["ratio"] == pytest.approx(statistics.median(ratios))
     for figures in (by_mode[mode][1] for mode in by_mode):
         assert figures["tok_s"] > 0 and figures["router_cpu_ms_per_token"] >= 0
+        assert figures["client_cpu_ms_per_token"] > 0 and figures["engine_beside_tok_s"] > 0
         # The idle server's whole machine: Ray's runtime is never fully asleep (nor more than
         # the box).
         assert 0 < figures["server_idle_box_cores"] <= (os.cpu_count() or 1)
