@@ -11,7 +11,7 @@ The exporter is chosen by argument or by `PHASEMESH_OTEL_EXPORTER`, never hard-w
 | `memory`     | in-memory exporter and reader, for tests (`Telemetry.span_exporter`)  |
 | `none`       | nowhere; spans still get ids so logs and messages carry trace ids     |
 |              | (not sampled: nothing records what nobody reads; a caller's sampled   |
-|              | trace is continued)                                                   |
+|              | trace is continued); metric instruments are the API's no-op ones      |
 | `off`        | nothing installed: the no-op API, no ids, no Ray metrics (benchmarks) |
 
 Unset, it is `otlp-http` (or `otlp-grpc` when `OTEL_EXPORTER_OTLP_PROTOCOL=grpc`) if
@@ -185,7 +185,11 @@ def _install(service_name: str, spec: ExporterSpec, instance_id: str = "") -> Te
     readers = [metric_reader] if metric_reader is not None else []
     meter_provider = MeterProvider(resource=resource, metric_readers=readers)
     trace.set_tracer_provider(tracer_provider)
-    metrics.set_meter_provider(meter_provider)
+    # NOTE: `none` has no metric reader: the SDK would still build and aggregate every
+    # measurement (a few microseconds each, several per request and one per streamed gap, on
+    # the router's event loop) for nobody; the API's no-op instruments drop them instead.
+    if metric_reader is not None:
+        metrics.set_meter_provider(meter_provider)
     telemetry = Telemetry(service_name, spec, tracer_provider, meter_provider)
     if spec.kind == "memory":
         assert isinstance(span_exporter, InMemorySpanExporter)

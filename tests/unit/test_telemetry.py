@@ -472,7 +472,12 @@ with request_span("theirs", model="t", num_prompt_tokens=2, max_tokens=2, parent
     continued, continued_recording = theirs.get_span_context(), theirs.is_recording()
 with request_span("forged", model="t", num_prompt_tokens=2, max_tokens=2, parent="00-zz-01") as bad:
     forged_recording, forged_valid = bad.is_recording(), bad.get_span_context().is_valid
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from common.telemetry import Metrics
+Metrics(model_name="tiny", use_ray=False).record_ttft(0.2)  # dropped, not an error
 print(json.dumps({
+    "metrics_sdk": isinstance(metrics.get_meter_provider(), MeterProvider),
     "own_recording": own_recording, "own_valid": own_context.is_valid,
     "own_sampled": own_context.trace_flags.sampled, "carried_trace": trace_id_of(carried),
     "own_trace": f"{own_context.trace_id:032x}", "continued_recording": continued_recording,
@@ -494,6 +499,8 @@ def test_none_exporter_gives_ids_but_records_only_a_callers_sampled_trace() -> N
     assert report["continued_trace"] == "0af7651916cd43dd8448eb211c80319c"
     # a malformed caller's context is no caller: a trace of its own, unsampled, with ids
     assert report["forged_recording"] is False and report["forged_valid"] is True
+    # no metric reader: the API's no-op instruments, not an SDK aggregating for nobody
+    assert report["metrics_sdk"] is False
 
 
 class OtlpReceiver(BaseHTTPRequestHandler):
