@@ -22,6 +22,7 @@ that outlives its handler, or a batch step that times many requests at once.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -64,8 +65,11 @@ KV_SEND_EVENT = "kv.send"  # on kv.transfer: one page (a layer, or all layers) h
 Parent = str | Context | None
 
 
+@functools.cache
 def tracer() -> trace.Tracer:
-    """PhaseMesh's tracer from the installed provider (a no-op one before configuration)."""
+    """PhaseMesh's tracer, made once (the SDK builds a new one on every `get_tracer`, several
+    microseconds on each request's path). Made before configuration it is the API's proxy, which
+    follows the provider once one is installed; OpenTelemetry installs one at most once."""
     return trace.get_tracer(TRACER_NAME)
 
 
