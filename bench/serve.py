@@ -15,15 +15,16 @@ each, the same prompts on every path) to:
   same way; `--mesh-args` (JSON) changes its `mesh:` args.
 
 Each batch goes streamed and, in the same server, plain (`--modes`; reported as `<path>_plain`).
-A path's figures are its best of 3 runs of each batch, after a warm-up batch: tok/s and `ratio`
-over the in-process engine's (which runs first and again last: the better of the two), TTFT and
-TBT (the gap between streamed chunks) p50/p90 or a plain request's latency p50/p90; and the
-Router process's CPU per token over all its runs (less a local engine's threads) and the
-client's (this process: it shares the served engine's cores here, as the Router does). `local` is
-judged against the in-process engine beside its idle served runtime, run by run: each of its 5
-runs of a batch right after the engine generated the same prompts with the server up, its
-`ratio` the median of the 5 pairs' (`engine_beside_tok_s`: the engine's median; the table's
-`inprocess+idle` row), so that the host's drift over the minutes between runs cancels out.
+A path's figures are its best of 3 runs of each batch (`local`'s of 5), after a warm-up batch:
+tok/s and `ratio` over the in-process engine's (which runs first and again last: the better of
+the two), TTFT and TBT (the gap between streamed chunks) p50/p90 or a plain request's latency
+p50/p90; and the Router process's CPU per token over all its runs (less a local engine's
+threads) and the client's (this process: it shares the served engine's cores here, as the Router
+does). `local` is judged against the in-process engine beside its idle served runtime, run by
+run: each of its 5 runs of a batch right after the engine generated the same prompts with the
+server up, its `ratio` the median of the 5 pairs' (`engine_beside_tok_s`: the engine's median;
+the table's `inprocess+idle` row), so that the host's drift over the minutes between runs
+cancels out.
 A served path also reports, over 10 s with the server up and idle before its batches,
 `server_idle_box_cores`: the whole machine's busy cores (Ray's runtime and the idle replicas,
 what the served engines share their cores with, plus whatever else a shared machine runs), and
