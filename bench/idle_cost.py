@@ -1,7 +1,7 @@
 """What the served runtime costs while idle, process by process and thread by thread.
 
-    python bench/idle_cost.py [--paths mesh local] [--window 30] [--settle 15] [--preset tiny]
-                              [--server-pid PID]
+    python bench/idle_cost.py [--paths mesh local] [--window 30] [--settle 15]
+                              [--preset tiny|small|smollm2] [--server-pid PID]
 
 For each path, `serve run` as `make run` starts it (`mesh`: deploy/local.yaml, `local`:
 deploy/single.yaml; direct ingress; or, with `--server-pid`, one running already), one request,
@@ -38,6 +38,7 @@ sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the s
 
 from bench.host_cpu import CLK_TCK, box_busy_s  # noqa: E402
 from bench.serve_server import model_vocab, prompts_for, served_batch, server_pids  # noqa: E402
+from common.model.default import PRESETS  # noqa: E402
 from tests.e2e.serve_process import ServeRun  # noqa: E402
 
 CONFIGS = {"mesh": "local.yaml", "local": "single.yaml"}
@@ -166,7 +167,8 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--paths", nargs="+", default=["mesh", "local"], choices=list(CONFIGS))
-    parser.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    parser.add_argument("--preset", default="tiny", choices=PRESETS,
+                        help="the model: a random preset, or smollm2 (`make run`'s)")  # fmt: skip
     parser.add_argument("--window", type=float, default=30.0, help="idle seconds measured")
     parser.add_argument("--settle", type=float, default=15.0, help="seconds before the window")
     parser.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",

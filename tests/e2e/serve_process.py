@@ -33,6 +33,7 @@ from typing import Any, Literal
 import httpx
 import yaml
 
+from common.model.default import RANDOM_PRESETS
 from services.serve_cli import QUIET_RUNTIME_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,12 +65,15 @@ PRESET_SHARDS = 2
 
 
 def on_preset(config: dict[str, Any], preset: str) -> dict[str, Any]:
-    """A serve config's application on a random preset model (`tiny`, `small`), served under that
-    name; a mesh with shards gets the preset's shard count, in its args and its replicas (one
-    group, fixed: an AttentionShard `autoscaling_config`, deploy/cluster.yaml's, is dropped, as
-    Serve refuses it beside `num_replicas`)."""
+    """A serve config's application on a preset model, served under that name. On a random one
+    (`tiny`, `small`) a mesh with shards gets the random presets' shard count, in its args and its
+    replicas (one group, fixed: an AttentionShard `autoscaling_config`, deploy/cluster.yaml's, is
+    dropped, as Serve refuses it beside `num_replicas`); a real one (`smollm2`) keeps the
+    config's, which deploy/local.yaml sizes for it."""
     [app] = config["applications"]
     app["args"] |= {"model": preset, "served_model_name": preset}
+    if preset not in RANDOM_PRESETS:
+        return config
     mesh = app["args"].get("mesh") or {}
     if app["args"].get("offline"):  # the group splits the preset's layers and KV heads
         app["args"]["offline"] = app["args"]["offline"] | {"workers": PRESET_SHARDS}
@@ -92,7 +96,7 @@ def config_on_port(
     app_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Copy a serve config, moving its HTTP port and updating its app's `args` (then, with
-    `preset`, switching it to that random model: `on_preset`), its deployments' options
+    `preset`, switching it to that preset model: `on_preset`), its deployments' options
     (`deployments`: by name, options to set; a None value removes the option) and the
     application's own (`app_options`: `autoscaling_policy`, ...); return the copy."""
     config = yaml.safe_load(source.read_text())
