@@ -116,11 +116,11 @@ def served_paths(
         by_mode = served(REPO / "deploy" / config, app_args | extra, args.preset, batches, tokens,
                          tuple(args.modes), args.client, beside)  # fmt: skip
         del beside  # its engine's memory, before the next server starts
-        first = next(iter(by_mode.values()), {})
-        if any("engine_beside_tok_s" in f for f in first.values()):
-            results["inprocess_beside_local"] = {
-                b: f["engine_beside_tok_s"] for b, f in first.items() if "engine_beside_tok_s" in f
-            }
+        first = next(iter(by_mode.values()), {})  # the first mode's engine runs, for the table
+        beside_tok_s = {b: f["engine_beside_tok_s"] for b, f in first.items()
+                        if "engine_beside_tok_s" in f}  # fmt: skip
+        if beside_tok_s:
+            results["inprocess_beside_local"] = beside_tok_s
         for mode, figures in by_mode.items():
             name = path + ("" if mode == "stream" else f"_{mode}")
             for batch, f in figures.items():

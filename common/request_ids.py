@@ -15,7 +15,7 @@ import hashlib
 import itertools
 import os
 
-_state: tuple[bytes, itertools.count[int]] = (b"", itertools.count())
+_state: tuple[bytes, itertools.count[int]]  # the key and the counter, set by _reseed
 
 
 def _reseed() -> None:
