@@ -459,6 +459,26 @@ def test_memory_exporter_in_a_fresh_process_and_idempotent_configure() -> None:
     assert "gen_ai.server.request.duration" in report["metrics"]
 
 
+CHILD_TRACER_FIRST = """
+import json
+from common.telemetry import configure_telemetry, request_span
+from common.telemetry.spans import tracer
+early = tracer()  # made (and cached) before any provider is installed
+telemetry = configure_telemetry("router", exporter="memory")
+with request_span("after", model="tiny", num_prompt_tokens=2, max_tokens=2) as span:
+    recording = span.is_recording()
+print(json.dumps({"same": tracer() is early, "recording": recording,
+                  "spans": [s.name for s in telemetry.span_exporter.get_finished_spans()]}))
+"""
+
+
+def test_a_tracer_made_before_configuration_records_to_the_provider_installed_after() -> None:
+    """`tracer()` is made once; made early it is the API's proxy, which follows the provider
+    `configure_telemetry` installs later: no span is lost to a no-op tracer cached too soon."""
+    report = json.loads(run_child(CHILD_TRACER_FIRST, {}).stdout)
+    assert report == {"same": True, "recording": True, "spans": ["router.request"]}
+
+
 CHILD_NONE = """
 import json
 from common.telemetry import configure_telemetry, inject_context, request_span, trace_id_of
