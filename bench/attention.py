@@ -49,6 +49,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.machine import cpu_variant  # noqa: E402
 from common.attention.cpu_kernel import (  # noqa: E402
     CpuKernelAttention,
     kernel_available,
@@ -352,7 +353,8 @@ def main() -> None:
                 cases.append(row)
             del sets
     summary = summarize(cases)
-    setup = {"isa": supported_isas()[0], "repeats": args.repeats, "block_size": args.block_size}
+    setup = {"cpu": cpu_variant(), "isa": supported_isas()[0], "repeats": args.repeats,
+             "block_size": args.block_size}  # fmt: skip
     setup["llc_mib"] = last_level_cache_bytes() >> 20
     setup["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "default")
     print(json.dumps({**setup, "memory": memory, "summary": summary, "targets": TARGETS,

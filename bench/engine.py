@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from bench.machine import cpu_variant
 from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
 from common.model.linear import (
@@ -432,7 +433,7 @@ def main() -> None:
         device_bench(path, args.device, args.batches or DEVICE_BATCHES, args.repeats)
         return
     results: dict[str, Any] = {
-        "model": path, "threads": torch.get_num_threads(), "batches": {},
+        "model": path, "cpu": cpu_variant(), "threads": torch.get_num_threads(), "batches": {},
         "loadavg_before": os.getloadavg()[0], "llamacpp": {"skipped": "no --batches"},
     }  # fmt: skip
     results["targets"] = {f"ratio_batch_{b}": f">= {TARGET_RATIO}" for b in args.batches}

@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
 
 from bench.host_cpu import CLK_TCK, box_busy_s  # noqa: E402
+from bench.machine import cpu_variant  # noqa: E402
 from bench.serve_server import model_vocab, prompts_for, served_batch, server_pids  # noqa: E402
 from common.model.default import PRESETS  # noqa: E402
 from tests.e2e.serve_process import ServeRun  # noqa: E402
@@ -182,7 +183,8 @@ def main() -> None:
         parser.error(f"--server-pid {args.server_pid}: no such process (its window would be empty)")
     extra_env = dict(item.split("=", 1) for item in args.env)
     os.environ.update(extra_env)
-    results: dict[str, Any] = {"preset": args.preset, "window_s": args.window, "env": extra_env}
+    results: dict[str, Any] = {"preset": args.preset, "cpu": cpu_variant(), "window_s": args.window,
+                               "env": extra_env}  # fmt: skip
     for path in args.paths:
         figures = measure(path, args.preset, args.window, args.settle, args.server_pid)
         print(f"{path}: {figures['idle_cores']:.3f} cores, {figures['wakeups_per_s']:.0f} "

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -44,6 +43,7 @@ from pathlib import Path
 # NOTE: bench/ is on the path as this script's folder.
 from prefix_reuse import fit_prefill, reuse_at_arrival, reuse_bound, simulate_hit_rate
 
+from bench.machine import cpu_variant
 from common.mesh_options import MeshOptions
 from common.model.default import default_model_path
 from common.sampling import SamplingParams
@@ -177,7 +177,7 @@ def main() -> None:
         "sim_prefill_fit_ms": [round(y * 1e3, 1) for y in fit.ys], "sim_fit_tokens": fit.xs,
         "arms": arms, "prefill_ratio_c_over_a": round(prefill_ratio, 4),
         "outputs_equal": outputs[0] == outputs[1] == outputs[2],
-        "cpu": _cpu_model(), "loadavg_before": load_before,
+        "cpu": cpu_variant(), "loadavg_before": load_before,
         "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
         "targets": {"prefill_ratio_c_over_a": "<= 0.6", "ttft_p90_c_vs_b": "c < b",
                     "hit_rate_c_vs_reuse_at_arrival": "within 10% of (c)'s reuse_at_arrival",
@@ -194,13 +194,6 @@ def main() -> None:
 
 def _within(value: float, reference: float, fraction: float = 0.1) -> bool:
     return abs(value - reference) <= fraction * reference
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
-    return f"unknown ({os.cpu_count()} cores)"
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
 
+from bench.machine import cpu_variant  # noqa: E402
 from bench.serve_server import CLIENTS, REPEATS, model_vocab, prompts_for, served  # noqa: E402
 from common.engine.core import LLMEngine  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
@@ -247,7 +248,8 @@ def main() -> None:
     # The client's own full collections would land in the served figures; Serve freezes its
     # replicas' heaps likewise (common/gc_heap.py).
     freeze_startup_heap()
-    results: dict[str, Any] = {"preset": args.preset, "tokens": tokens, "torch_threads": threads,
+    results: dict[str, Any] = {"preset": args.preset, "cpu": cpu_variant(), "tokens": tokens,
+                               "torch_threads": threads,
                                "mesh_args": args.mesh_args, "client": args.client,
                                "load_avg_start": os.getloadavg()}  # fmt: skip
     if "inprocess" in args.paths:

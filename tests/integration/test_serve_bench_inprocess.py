@@ -31,3 +31,4 @@ def test_the_in_process_path_reports_its_best_run_and_the_targets() -> None:
         set(results["targets"]) == set(results["targets_met"]) == set(results["targets_met_plain"])
     )
     assert all(met is None for met in results["targets_met"].values())
+    assert {"vendor", "family", "model", "isa"} <= set(results["cpu"])

@@ -30,6 +30,7 @@ def test_the_idle_window_names_every_process_of_the_served_mesh(server: ServeRun
                         "--window", "1", "--settle", "0"])  # fmt: skip
     assert_figures_and_targets(result)
     assert set(result["targets_met"]) == {"mesh_idle_cores_max"}
+    assert {"vendor", "family", "model", "isa"} <= set(result["cpu"])  # the variant judged
     figures = result["mesh"]
     by_process = figures["by_process"]
     for name in NAMED:
