@@ -1,8 +1,9 @@
 """Paired A/B of two builds of the csrc projection GEMM on a decode step's shapes, in one process.
 
 Like bench/attention_ab.py (whose `build` it uses: each source tree as its own module), for the
-panel GEMM (`csrc/linear_kernel.h`): one batch-1 decode step's projections of a preset (per layer
-the fused QKV, O, gate|up with its activation and down, then the LM head; random weights packed as
+panel GEMM (`csrc/linear_kernel.h`): one decode step's projections of a preset at `--rows` rows
+(the step's batch; per layer the fused QKV, O, gate|up with its activation and down, then the LM
+head; random weights packed as
 each weight dtype's panels, all layers' weights distinct, so a step streams them from memory as
 the engine's does), build a and build b alternating which goes first, the C read probe after each
 pair. It prints each build's GB/s of weights per dtype, its ratio to the probe and b / a.
@@ -47,23 +48,25 @@ class Step:
     """A decode step's projection weights of one dtype, packed for a panel width: per weight its
     panels, int8 scales (None for other dtypes) and output columns."""
 
-    def __init__(self, preset: str, weight_dtype: str, width: int, layers: int | None) -> None:
+    def __init__(
+        self, preset: str, weight_dtype: str, width: int, layers: int | None, rows: int = 1
+    ) -> None:
         shape = RANDOM_PRESETS[preset]
         vocab, hidden, inter = (shape[k] for k in PRESET_KEYS[:3])
         num_layers, heads, kv_heads = (shape[k] for k in PRESET_KEYS[3:6])
         qkv = hidden + 2 * kv_heads * (hidden // heads)
         shapes = [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)]
-        self.weight_dtype, self.width = weight_dtype, width
+        self.weight_dtype, self.width, self.rows = weight_dtype, width, rows
         self.layers = [[self._pack(o, i) for o, i in shapes] for _ in range(layers or num_layers)]
         self.head = self._pack(vocab, hidden)
-        self.x_hidden, self.x_inter = torch.randn(1, hidden), torch.randn(1, inter)
-        self.act = torch.empty(1, inter)
+        self.x_hidden, self.x_inter = torch.randn(rows, hidden), torch.randn(rows, inter)
+        self.act = torch.empty(rows, inter)
         every = [w for layer in self.layers for w in layer] + [self.head]
         self.nbytes = sum(p.nbytes + (0 if s is None else s.nbytes) for p, s, _ in every)
 
     def _pack(self, out_features: int, in_features: int) -> tuple[torch.Tensor, Any, torch.Tensor]:
         weight = torch.randn(out_features, in_features) * 0.02
-        out = torch.empty(1, out_features)
+        out = torch.empty(self.rows, out_features)
         if self.weight_dtype != "int8":
             dtype = torch.bfloat16 if self.weight_dtype == "bfloat16" else torch.float32
             return pack_panels(weight.to(dtype), self.width), None, out
@@ -112,7 +115,7 @@ def compare(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     clock = CLOCKS[args.clock]
     width = mods["a"].linear_panel_width()
-    steps = {d: Step(args.preset, d, width, args.layers) for d in args.dtypes}
+    steps = {d: Step(args.preset, d, width, args.layers, args.rows) for d in args.dtypes}
     gbps: dict[str, list[float]] = {f"{t}_{d}": [] for t in "ab" for d in steps}
     probe_buffer, probe = torch.ones(PROBE_BYTES // 4), []
     for ext in mods.values():  # warm up: page faults, the pools' threads
@@ -151,6 +154,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers: from cache")
+    parser.add_argument("--rows", type=int, default=1, help="rows a call (the decode batch)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="linear_ab_"))
     try:
