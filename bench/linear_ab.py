@@ -156,6 +156,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers: from cache")
     parser.add_argument("--rows", type=int, default=1, help="rows a call (the decode batch)")
     args = parser.parse_args()
+    if args.rows < 1:  # before the minutes of building both trees
+        parser.error(f"--rows {args.rows}: a call has at least one row")
     work = Path(tempfile.mkdtemp(prefix="linear_ab_"))
     try:
         for tag, src in (("a", args.a), ("b", args.b)):

@@ -35,7 +35,7 @@ def cpu_variant(cpuinfo: str | None = None) -> dict[str, Any]:
                 break  # the first processor's block is enough: they are all one variant here
             continue
         key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
+        fields[key.strip()] = value.strip()
     flags = set(fields.get("flags", "").split())
     return {
         "vendor": fields.get("vendor_id", platform.machine()),

@@ -249,8 +249,8 @@ def main() -> None:
     # replicas' heaps likewise (common/gc_heap.py).
     freeze_startup_heap()
     results: dict[str, Any] = {"preset": args.preset, "cpu": cpu_variant(), "tokens": tokens,
-                               "torch_threads": threads,
-                               "mesh_args": args.mesh_args, "client": args.client,
+                               "torch_threads": threads, "mesh_args": args.mesh_args,
+                               "client": args.client,
                                "load_avg_start": os.getloadavg()}  # fmt: skip
     if "inprocess" in args.paths:
         results["inprocess"] = in_process(args.preset, batches, tokens)

@@ -48,6 +48,11 @@ def test_without_cpuinfo_it_still_names_something_and_is_json() -> None:
     assert json.loads(json.dumps(cpu)) == cpu
 
 
+def test_malformed_lines_and_numbers_are_left_out_not_raised() -> None:
+    cpu = cpu_variant("no colon here\nvendor_id : GenuineIntel\ncpu family : six\nmodel :\n::\n")
+    assert (cpu["vendor"], cpu["family"], cpu["model"]) == ("GenuineIntel", None, None)
+
+
 def test_this_machine_reads() -> None:
     cpu = cpu_variant()
     assert cpu["logical_cpus"] >= 1 and isinstance(cpu["isa"], list)
