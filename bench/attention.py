@@ -34,10 +34,16 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+# NOTE: run as a script, bench/ is first on sys.path: the repository instead, so that `bench.`
+# imports resolve and bench/profile.py does not shadow the standard library's `profile`.
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 # NOTE: before torch loads its OpenMP runtime. The torch paths timed beside the kernel leave
 # libgomp's threads spinning after each call (its default wait), and on a machine with as many

@@ -56,7 +56,12 @@ from typing import Any
 
 import torch
 
-from bench.machine import cpu_variant
+# NOTE: run as a script, bench/ is first on sys.path: the repository instead, so that `bench.`
+# imports resolve and bench/profile.py does not shadow the standard library's `profile`.
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench.machine import cpu_variant  # noqa: E402
 from common.engine.core import LLMEngine
 from common.model.default import PRESETS, default_model_path
 from common.model.linear import (
@@ -422,10 +427,6 @@ def batch_rows(path: str, args: argparse.Namespace, results: dict[str, Any]) -> 
 
 def main() -> None:
     args = parse_args()
-    # NOTE: run as a script, Python puts bench/ first on sys.path, where bench/profile.py would
-    # shadow the standard library's `profile` (which cProfile, imported by transformers, needs).
-    if sys.path[0] == str(Path(__file__).resolve().parent):
-        sys.path[0] = str(Path(__file__).resolve().parents[1])
     if args.model in PRESETS:
         args.model = str(default_model_path(args.model))
     path = args.model or str(default_model_path())

@@ -36,23 +36,32 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-# NOTE: bench/ is on the path as this script's folder.
-from prefix_reuse import fit_prefill, reuse_at_arrival, reuse_bound, simulate_hit_rate
+# NOTE: run as a script, bench/ is first on sys.path: the repository instead, so that `bench.`
+# imports resolve and bench/profile.py does not shadow the standard library's `profile`.
+if sys.path[0] == str(Path(__file__).resolve().parent):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from bench.machine import cpu_variant
-from common.mesh_options import MeshOptions
-from common.model.default import default_model_path
-from common.sampling import SamplingParams
-from loadgen.arrivals import ArrivalConfig, plan_requests
-from loadgen.prompts import PromptBuilder
-from loadgen.target import RequestSpec
-from loadgen.traces import read_trace, shared_dir
-from services.launch.local_mesh import LocalMesh, Topology
-from services.router.mesh_client import MeshEngineClient
+from bench.machine import cpu_variant  # noqa: E402
+from bench.prefix_reuse import (  # noqa: E402
+    fit_prefill,
+    reuse_at_arrival,
+    reuse_bound,
+    simulate_hit_rate,
+)
+from common.mesh_options import MeshOptions  # noqa: E402
+from common.model.default import default_model_path  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
+from loadgen.arrivals import ArrivalConfig, plan_requests  # noqa: E402
+from loadgen.prompts import PromptBuilder  # noqa: E402
+from loadgen.target import RequestSpec  # noqa: E402
+from loadgen.traces import read_trace, shared_dir  # noqa: E402
+from services.launch.local_mesh import LocalMesh, Topology  # noqa: E402
+from services.router.mesh_client import MeshEngineClient  # noqa: E402
 
 VOCAB = 2048  # the tiny model's
 
