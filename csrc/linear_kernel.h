@@ -32,10 +32,14 @@
 
 // Low-precision weights (WeightDtype): the same panels, the same tiles and the same FMA chain
 // over k, the weight widened to float32 on load (bfloat16: shift, exact; int8: sign-extend and
-// convert, exact) and, for int8, each column's sum times its scale once at the end. Activations
-// stay float32: at decode row counts a projection is held by the weight's bytes, not its FMAs, so
-// fewer bytes per weight is the gain, and no activation is rounded (vdpbf16ps and vpdpbusd would
-// round x to bfloat16 or int8 to halve FMAs that do not hold it back).
+// convert, exact) and, for int8, each column's sum times its scale once at the end. bfloat16
+// panels hold rows k and k + 1 in pairs (pack_panels): one load gives both rows' vectors by a
+// shift and a mask, where a row alone costs a widening shuffle per vector on a port the FMAs
+// share; at 32 rows, where the FMAs hold the tile, that is the difference (bench/linear_ab.py).
+// Activations stay float32: at decode row counts a projection is mostly held by the weight's
+// bytes, so fewer bytes per weight is the gain, and no activation is rounded. NOTE: vdpbf16ps
+// would round x to bfloat16 to halve the FMAs; on a core that issues it on one port only
+// (Emerald Rapids) it ran slower than widening and FMAs on two, so it would not pay even there.
 
 constexpr int kPanelVecs = 2;
 constexpr int kPanelWidth = kPanelVecs * kLanes;
@@ -100,38 +104,59 @@ constexpr int tile_panels(int64_t rows) {
 // last panel has `last_cols` columns (the weight's last panel may be partly filled).
 template <typename W, int R, int P>
 void linear_tile(const LinearArgs& a, int64_t row, const W* panel, int64_t col, int last_cols) {
-  constexpr int64_t kRowBytes = kPanelWidth * sizeof(W);
-  // k steps per 64-byte line of a panel (int8: 2), so that each line is prefetched once.
-  constexpr int kLineSteps = kRowBytes >= 64 ? 1 : static_cast<int>(64 / kRowBytes);
-  constexpr int64_t kAhead = kPrefetchBytes / kRowBytes;
+  // bfloat16 panels hold their rows in pairs (pack_panels): a step takes two k at once.
+  constexpr int kStepK = std::is_same_v<W, uint16_t> ? 2 : 1;
+  constexpr int64_t kStepBytes = kPanelWidth * sizeof(W) * kStepK;
+  // Steps per 64-byte line of a panel (int8: 2), so that each line is prefetched once.
+  constexpr int kLineSteps = kStepBytes >= 64 ? 1 : static_cast<int>(64 / kStepBytes);
+  constexpr int64_t kAhead = kPrefetchBytes / (kPanelWidth * sizeof(W));  // in k
   const int64_t in = a.in_features, panel_stride = in * kPanelWidth;
   VecF acc[R][P][kPanelVecs];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p)
       for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] = VecF{};
   const float* x = a.x + row * a.x_stride;
+  // Each output's FMA chain takes k in order, one k a step or (bfloat16) k then k + 1.
   const auto step = [&](int64_t k) {
     for (int p = 0; p < P; ++p) {
       const W* w_k = panel + p * panel_stride + k * kPanelWidth;
-      VecF w[kPanelVecs];
-      for (int v = 0; v < kPanelVecs; ++v) w[v] = load_panel_vec(w_k + v * kLanes);
-      for (int r = 0; r < R; ++r) {
-        const float xv = x[r * a.x_stride + k];
-        for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] += w[v] * xv;  // one FMA (-ffp-contract)
+      VecF w[kStepK][kPanelVecs];
+      for (int v = 0; v < kPanelVecs; ++v) {
+        if constexpr (kStepK == 2) {
+          load_pair(w_k + v * 2 * kLanes, &w[0][v], &w[1][v]);
+        } else {
+          w[0][v] = load_panel_vec(w_k + v * kLanes);
+        }
       }
+      for (int s = 0; s < kStepK; ++s)
+        for (int r = 0; r < R; ++r) {
+          const float xv = x[r * a.x_stride + k + s];
+          for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] += w[s][v] * xv;  // one FMA
+        }
     }
   };
   int64_t k = 0;
-  for (; k + kLineSteps <= in; k += kLineSteps) {
+  for (; k + kLineSteps * kStepK <= in; k += kLineSteps * kStepK) {
     for (int p = 0; p < P; ++p) {
       const char* ahead = reinterpret_cast<const char*>(panel + p * panel_stride +
                                                         (k + kAhead) * kPanelWidth);
-      for (int64_t line = 0; line < kRowBytes * kLineSteps; line += 64)  // one per 64-byte line
+      for (int64_t line = 0; line < kStepBytes * kLineSteps; line += 64)  // one per 64-byte line
         __builtin_prefetch(ahead + line, 0, 3);
     }
-    for (int s = 0; s < kLineSteps; ++s) step(k + s);
+    for (int s = 0; s < kLineSteps; ++s) step(k + s * kStepK);
   }
-  for (; k < in; ++k) step(k);
+  for (; k + kStepK <= in; k += kStepK) step(k);
+  if constexpr (kStepK == 2) {
+    if (k < in) {  // an odd K's last row, unpaired: the plain [W] row the panel ends with
+      for (int p = 0; p < P; ++p) {
+        const W* w_k = panel + p * panel_stride + k * kPanelWidth;
+        for (int v = 0; v < kPanelVecs; ++v) {
+          const VecF w = load_panel_vec(w_k + v * kLanes);
+          for (int r = 0; r < R; ++r) acc[r][p][v] += w * x[r * a.x_stride + k];
+        }
+      }
+    }
+  }
   const float* scales = a.scales ? a.scales + col : nullptr;  // int8 only: padded to the panels
   for (int p = 0; p < P; ++p) {
     const int cols = p == P - 1 ? last_cols : kPanelWidth;

@@ -92,12 +92,23 @@ def kernel_gemm_available(weight_dtype: str = "float32") -> bool:
 
 def pack_panels(weight: torch.Tensor, width: int = PANEL_WIDTH) -> torch.Tensor:
     """weight [out, in] -> panels [ceil(out / W), in, W] (W = `width`, the GEMM's panel width):
-    panel p holds outputs p*W .. p*W+W-1 as [in][W] elements, the last one zero-padded."""
+    panel p holds outputs p*W .. p*W+W-1 as [in][W] elements, the last one zero-padded.
+
+    bfloat16 panels hold their rows in pairs: rows k and k + 1 (k even) as [W][2], each column's
+    two weights side by side, and an odd `in`'s last row as it is. The kernel then widens two
+    rows from one load with two plain ALU ops (linear_kernel.h), where a row alone takes a
+    widening shuffle per vector, on the port the FMAs need; the FMA order, and so the bits, are
+    the same."""
     out_features, in_features = weight.shape
     num_panels = -(-out_features // width)
     padded = weight.new_zeros(num_panels * width, in_features)
     padded[:out_features] = weight
-    return padded.view(num_panels, width, in_features).transpose(1, 2).contiguous()
+    panels = padded.view(num_panels, width, in_features).transpose(1, 2).contiguous()
+    if weight.dtype == torch.bfloat16:
+        paired = in_features - in_features % 2
+        pairs = panels[:, :paired].view(num_panels, paired // 2, 2, width).transpose(2, 3)
+        panels[:, :paired] = pairs.contiguous().view(num_panels, paired, width)
+    return panels
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,7 +59,7 @@ log = structlog.get_logger(__name__)
 
 # Bump when what the file holds, or how a model is built from it, changes: older files are then
 # rebuilt (their header's version no longer matches).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: bfloat16 panels hold their rows in pairs (linear.pack_panels)
 _MAGIC = b"PMWEIGHT"
 # magic, version, header bytes, header CRC-32, data bytes, data CRC-32
 _PREAMBLE = struct.Struct("<8sIQIQI")

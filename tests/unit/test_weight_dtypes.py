@@ -126,6 +126,28 @@ def _isa_panels(raw: torch.Tensor, scales: torch.Tensor | None, width: int):
     return panels, padded
 
 
+@pytest.mark.parametrize("in_features", [6, 7])
+def test_bfloat16_panels_hold_their_rows_in_pairs(in_features):
+    """The layout the kernel reads (pack_panels): rows k, k + 1 (k even) of a panel as [W][2],
+    an odd last row as it is, the padded columns zero; float32 panels keep plain rows."""
+    width, out_features = 4, 6
+    weight = torch.arange(out_features * in_features, dtype=torch.float32).view(out_features, -1)
+    panels = pack_panels(weight.to(torch.bfloat16), width).float()
+    assert panels.shape == (2, in_features, width)
+    flat = panels.view(2, -1)
+    for c in range(2 * width):
+        p, col = divmod(c, width)
+        for k in range(in_features):
+            if k + 1 < in_features or in_features % 2 == 0:  # in a pair
+                at = (k - k % 2) * width + 2 * col + k % 2
+            else:  # the unpaired last row
+                at = k * width + col
+            want = weight[c, k] if c < out_features else 0.0
+            assert flat[p, at] == want, (c, k)
+    plain = pack_panels(weight, width)
+    assert torch.equal(plain[0, :, 1], weight[1])
+
+
 @pytest.mark.parametrize("weight_dtype", ["float32", *LOW_DTYPES])
 def test_few_rows_over_any_panel_count_bitwise(weight_dtype):
     """Decode's row counts (1-3) on every ISA, for 1 to 9 panels (the last partly filled) and an
