@@ -53,7 +53,9 @@ def test_packed_matches_f_linear(backend, rows):
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [(1, 1), (PANEL_WIDTH, 3), (PANEL_WIDTH + 1, 70), (257, 768)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (PANEL_WIDTH, 3), (PANEL_WIDTH + 1, 70), (PANEL_WIDTH + 20, 70), (257, 768)]
+)
 def test_kernel_gemm_against_float64(shape):
     """Every column (the last, partly filled panel too) and every row-tile tail, against a
     float64 reference, with the residual added after the sum."""
