@@ -34,7 +34,8 @@ in every batch's repeats too (bench/llamacpp.py): SmolLM2's F32, BF16 and shippe
 one sequence per prompt, beside a PhaseMesh engine with bfloat16 projection panels; each batch's
 row has PhaseMesh's tok/s over llama.cpp's at equal bits per weight (float32 over F32, bfloat16
 over BF16), and the leading greedy tokens each pair shares. `--no-llamacpp` skips it; without the
-environment or on another model it is skipped and the JSON says why.
+environment or on another model it is skipped and the JSON says why; a worker that dies leaves
+`llamacpp.failed` (its last output), its targets unjudged, and PhaseMesh's figures.
 
 The last line is one JSON object with both sides, their ratio and the engine's breakdown per batch
 size, the weight-dtype rows, `targets` and `targets_met`.
@@ -399,9 +400,15 @@ def batch_rows(path: str, args: argparse.Namespace, results: dict[str, Any]) -> 
     from bench import llamacpp
 
     skipped = "--no-llamacpp" if args.no_llamacpp else llamacpp.skip_reason(path)
-    llama = None if skipped else llamacpp.LlamaCppSide(torch.get_num_threads())
     results["llamacpp"] = {"skipped": skipped}
-    sides = engines(path, not args.no_unpacked, not args.no_onednn, bfloat16=bool(llama))
+    llama = None
+    if not skipped:
+        try:
+            llama = llamacpp.LlamaCppSide(torch.get_num_threads())
+        except llamacpp.LlamaCppFailed as exc:  # NOTE: PhaseMesh's figures do not need it
+            results["llamacpp"] = {"failed": str(exc)}
+            print(f"llama.cpp's side failed, going on without it: {exc}", file=sys.stderr)
+    sides = engines(path, not args.no_unpacked, not args.no_onednn, bfloat16=not skipped)
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for batch in args.batches:
         prompts = prompts_for(batch, sides["engine"].model_config.vocab_size)
@@ -409,20 +416,36 @@ def batch_rows(path: str, args: argparse.Namespace, results: dict[str, Any]) -> 
             name: functools.partial(engine_seconds, engine) for name, engine in sides.items()
         }
         runs["transformers"] = functools.partial(hf_seconds, hf)
-        runs |= llama.runs() if llama else {}
-        rates = decode_tokens_per_s(runs, prompts, args.repeats)
+        try:
+            rates = decode_tokens_per_s(runs | (llama.runs() if llama else {}), prompts,
+                                        args.repeats)  # fmt: skip
+        except llamacpp.LlamaCppFailed as exc:  # this batch again, without it
+            results["llamacpp"], llama = _llamacpp_failed(llama, exc), None
+            rates = decode_tokens_per_s(runs, prompts, args.repeats)
         breakdown = engine_breakdown(path, prompts)
         results["batches"][str(batch)], line = batch_row(batch, rates, breakdown)
         print(line)
         print("  engine us/step: " + "  ".join(f"{k} {v:.0f}" for k, v in breakdown.items()))
         if llama:
             print(llama.record(batch, rates))
-    if not llama:
+    if skipped:
         return {}, {}
-    ours = {name: functools.partial(engine_tokens, e) for name, e in sides.items()}
-    print(llama.agreement(ours, prompts, SHORT))
-    results["llamacpp"], llama_targets, llama_met = llama.close()
-    return llama_targets, llama_met
+    if llama:
+        ours = {name: functools.partial(engine_tokens, e) for name, e in sides.items()}
+        try:
+            print(llama.agreement(ours, prompts, SHORT))
+            results["llamacpp"], llama_targets, llama_met = llama.close()
+            return llama_targets, llama_met
+        except llamacpp.LlamaCppFailed as exc:
+            results["llamacpp"] = _llamacpp_failed(llama, exc)
+    return llamacpp.unjudged(args.batches)
+
+
+def _llamacpp_failed(llama: Any, exc: Exception) -> dict[str, Any]:
+    """llama.cpp's side died mid-run (bench/llamacpp.py): its JSON part says why; the bench
+    goes on with PhaseMesh's figures, the llama.cpp targets unjudged."""
+    print(f"llama.cpp's side failed, going on without it: {exc}", file=sys.stderr)
+    return llama.fail(exc)
 
 
 def main() -> None:

@@ -19,9 +19,11 @@ against `BF16`; `Q4_1` is reported, not compared. Every side runs the same promp
 lengths, greedy, one sequence per prompt (llama.cpp's parallel slots: `n_seq_max` = the batch),
 with as many threads as torch has.
 
-If the worker dies mid-run, its next call raises with the tail of its log; a file that does not
-load, or a decode that fails, is an error answer that the calling side raises. A cached GGUF is
-written whole or not at all (a temporary file renamed), so a killed bench leaves none half-written.
+If the worker dies, starting or mid-run, its next call raises `LlamaCppFailed` with the tail of
+its log; a file that does not load, or a decode that fails, is an error answer raised the same
+way. bench/engine.py then records `{"failed": ...}` as the side, its targets unjudged (None), and
+goes on with PhaseMesh's own figures. A cached GGUF is written whole or not at all (a temporary
+file renamed), so a killed bench leaves none half-written.
 """
 
 from __future__ import annotations
@@ -157,11 +159,17 @@ def describe_gguf(path: Path) -> dict[str, Any]:
     }
 
 
+class LlamaCppFailed(RuntimeError):
+    """llama.cpp's side cannot go on: its worker died (its log's tail says why), or it answered
+    an error."""
+
+
 class LlamaCppWorker:
     """The worker process in the llama.cpp environment; `run(path, prompts, new_tokens)` is one
     generation, timed inside the worker."""
 
-    def __init__(self, threads: int, venv: Path = VENV) -> None:
+    def __init__(self, threads: int, venv: Path | None = None) -> None:
+        venv = VENV if venv is None else venv
         self.log: IO[bytes] = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [str(venv / "bin" / "python"), str(WORKER), "--threads", str(threads)],
@@ -176,7 +184,7 @@ class LlamaCppWorker:
         if not line:
             self.log.seek(0)
             tail = self.log.read()[-2000:].decode(errors="replace")
-            raise RuntimeError(f"llama.cpp worker exited ({self.proc.poll()}): {tail}")
+            raise LlamaCppFailed(f"llama.cpp worker exited ({self.proc.wait()}): {tail}")
         return json.loads(line)
 
     def run(self, path: Path, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
@@ -189,7 +197,7 @@ class LlamaCppWorker:
             pass  # a dead worker: the end of its output, read next, says so with its log
         answer = self._answer()
         if "error" in answer:
-            raise RuntimeError(f"llama.cpp on {path.name}: {answer['error']}")
+            raise LlamaCppFailed(f"llama.cpp on {path.name}: {answer['error']}")
         self.contexts[path.name] = answer["context"]
         return answer["seconds"], answer["tokens"]
 
@@ -237,6 +245,15 @@ def targets(rows: dict[str, dict]) -> tuple[dict, dict]:
                 wanted[name] = f">= {floor}"
                 met[name] = row[key] >= floor
     return wanted, met
+
+
+def unjudged(batches: list[int]) -> tuple[dict, dict]:
+    """`targets` and `targets_met` of a side that failed: each target the run's batches would
+    have judged, not judged (None)."""
+    wanted = {f"over_llamacpp_{kind.lower()}_batch_{batch}": f">= {floor}"
+              for batch, floor in TARGET_OVER_LLAMACPP.items() if batch in batches
+              for kind in EQUAL_BITS.values()}  # fmt: skip
+    return wanted, dict.fromkeys(wanted)
 
 
 def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> list[int]:
@@ -295,3 +312,9 @@ class LlamaCppSide:
         self.worker.close()
         wanted, met = targets(self.results["batches"])
         return self.results, wanted, met
+
+    def fail(self, error: LlamaCppFailed) -> dict[str, Any]:
+        """The `llamacpp` JSON part of a side that failed: why, and the rows it had; the worker
+        stops."""
+        self.worker.close()
+        return {"failed": str(error), "batches": self.results["batches"]}

@@ -46,7 +46,9 @@ def _stored_weight(layer: PackedLinear) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("weight_dtype", LOW_DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1), (PANEL_WIDTH + 1, 70), (PANEL_WIDTH + 20, 70), (257, 768)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (PANEL_WIDTH + 1, 70), (PANEL_WIDTH + 20, 70), (257, 768)]
+)
 def test_low_precision_gemm_against_float64(weight_dtype, shape):
     """Every column (the partly filled last panel too) and every row-tile tail against float64
     on the stored weight (the kernel's only rounding is float32 accumulation: 1e-6 relative per
