@@ -53,7 +53,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,6 +75,9 @@ from common.model.linear import (
 )
 from common.sampling import SamplingParams
 from common.scheduling.batching import Phase
+
+if TYPE_CHECKING:
+    from bench import llamacpp
 
 LONG, SHORT = 64, 16
 TARGET_RATIO = 2.0  # engine / transformers decode tok/s, at every batch size (issue 20)
@@ -406,9 +409,8 @@ def batch_rows(path: str, args: argparse.Namespace, results: dict[str, Any]) -> 
         try:
             llama = llamacpp.LlamaCppSide(torch.get_num_threads())
         except llamacpp.LlamaCppFailed as exc:  # NOTE: PhaseMesh's figures do not need it
-            results["llamacpp"] = {"failed": str(exc)}
-            print(f"llama.cpp's side failed, going on without it: {exc}", file=sys.stderr)
-    sides = engines(path, not args.no_unpacked, not args.no_onednn, bfloat16=not skipped)
+            results["llamacpp"] = _llamacpp_failed(None, exc)
+    sides = engines(path, not args.no_unpacked, not args.no_onednn, bfloat16=llama is not None)
     hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for batch in args.batches:
         prompts = prompts_for(batch, sides["engine"].model_config.vocab_size)
@@ -441,11 +443,11 @@ def batch_rows(path: str, args: argparse.Namespace, results: dict[str, Any]) -> 
     return llamacpp.unjudged(args.batches)
 
 
-def _llamacpp_failed(llama: Any, exc: Exception) -> dict[str, Any]:
-    """llama.cpp's side died mid-run (bench/llamacpp.py): its JSON part says why; the bench
-    goes on with PhaseMesh's figures, the llama.cpp targets unjudged."""
+def _llamacpp_failed(llama: llamacpp.LlamaCppSide | None, exc: Exception) -> dict[str, Any]:
+    """llama.cpp's side died, starting (`llama` None) or mid-run (bench/llamacpp.py): its JSON
+    part says why; the bench goes on with PhaseMesh's figures, the llama.cpp targets unjudged."""
     print(f"llama.cpp's side failed, going on without it: {exc}", file=sys.stderr)
-    return llama.fail(exc)
+    return llama.fail(exc) if llama else {"failed": str(exc)}
 
 
 def main() -> None:

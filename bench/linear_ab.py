@@ -3,10 +3,10 @@
 Like bench/attention_ab.py (whose `build` it uses: each source tree as its own module), for the
 panel GEMM (`csrc/linear_kernel.h`): one decode step's projections of a preset at `--rows` rows
 (the step's batch; per layer the fused QKV, O, gate|up with its activation and down, then the LM
-head; random weights packed as
-each weight dtype's panels, all layers' weights distinct, so a step streams them from memory as
-the engine's does), build a and build b alternating which goes first, the C read probe after each
-pair. It prints each build's GB/s of weights per dtype, its ratio to the probe and b / a.
+head; random weights packed as each weight dtype's panels, all layers' weights distinct, so a
+step streams them from memory as the engine's does), build a and build b alternating which goes
+first, the C read probe after each pair. It prints each build's GB/s of weights per dtype, its
+ratio to the probe and b / a.
 
     PYTHONPATH=. .venv/bin/python bench/linear_ab.py BASE_CSRC_DIR csrc --threads 2 --clock wall
     (BASE_CSRC_DIR: e.g. `git archive main csrc | tar -x -C /tmp/base`, then /tmp/base/csrc)
