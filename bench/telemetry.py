@@ -105,26 +105,42 @@ def caller_traceparent(sampled: bool) -> str:
     return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-{'01' if sampled else '00'}"
 
 
+def token_gaps(arrivals: list[tuple[float, int]], skip: int = 2) -> list[float]:
+    """Each token's gap (s) from the token before it, but the first `skip + 1`'s, from a
+    request's outputs as (arrival time, tokens in it). Tokens that reached the router together
+    leave as one output (`services/router/coalesce.py`): its tokens share the wait since the
+    output before it evenly, so a loaded machine's batched arrivals neither drop gaps nor count
+    zeros, and the gaps still sum to the time they span."""
+    gaps: list[float] = []
+    index, last = 0, None
+    for at, num_tokens in arrivals:
+        if num_tokens == 0:
+            continue  # a finish with no token
+        if last is not None:
+            share = (at - last) / num_tokens
+            gaps += [share] * sum(1 for k in range(index, index + num_tokens) if k > skip)
+        index, last = index + num_tokens, at
+    return gaps
+
+
 def decode_gaps(arm: Arm, batch: int, tokens: int, tag: str) -> list[float]:
-    """Inter-token gaps (s) of `batch` concurrent requests, each request's first two skipped."""
+    """Inter-token gaps (s) of `batch` concurrent requests, each request's first two skipped
+    (`token_gaps`)."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
-    async def arrivals(i: int) -> list[float]:
+    async def arrivals(i: int) -> list[tuple[float, int]]:
         prompt = [(7 * i + j) % 2000 + 8 for j in range(PROMPT_LEN)]
         times = []
         async for out in await traced_outputs(arm, f"{tag}-{i}", prompt, params):
             if out.error:
                 raise RuntimeError(f"{tag}-{i} failed: {out.error}")
-            times.append(time.perf_counter())
+            times.append((time.perf_counter(), len(out.new_token_ids)))
         return times
 
-    async def run() -> list[list[float]]:
+    async def run() -> list[list[tuple[float, int]]]:
         return list(await asyncio.gather(*(arrivals(i) for i in range(batch))))
 
-    gaps = []
-    for times in asyncio.run(run()):
-        gaps += [b - a for a, b in zip(times[2:], times[3:], strict=False)]
-    return gaps
+    return [gap for times in asyncio.run(run()) for gap in token_gaps(times)]
 
 
 async def traced_outputs(
