@@ -80,6 +80,7 @@ if TYPE_CHECKING:
     from bench import llamacpp
 
 LONG, SHORT = 64, 16
+MAX_PAIR_ATTEMPTS = 5  # a side's long/short pair, when a busy spell left it with no step time
 TARGET_RATIO = 2.0  # engine / transformers decode tok/s, at every batch size (issue 20)
 # Batch-1 decode tok/s over float32's, per weight dtype, and every dtype's weight GB/s over the
 # read probe's (issue 54).
@@ -135,15 +136,26 @@ def hf_seconds(model, prompts: list[list[int]], new_tokens: int) -> float:  # ty
 
 
 def decode_tokens_per_s(runs: dict[str, Callable], prompts: list[list[int]], repeats: int) -> dict:
-    """Median over repeats of batch / per-step time for each side; per-step time comes from two
-    lengths. The sides alternate within every repeat, so a busy spell on a shared machine hits
-    both rather than one."""
+    """Median over repeats of batch / per-step time for each side (`step_seconds`). The sides
+    alternate within every repeat, so a busy spell on a shared machine hits both rather than
+    one."""
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
-            step = (run(prompts, LONG) - run(prompts, SHORT)) / (LONG - SHORT)
-            rates[name].append(len(prompts) / step)
+            rates[name].append(len(prompts) / step_seconds(name, run, prompts))
     return {name: statistics.median(r) for name, r in rates.items()}
+
+
+def step_seconds(name: str, run: Callable, prompts: list[list[int]]) -> float:
+    """One decode step's seconds, from two lengths (`run(prompts, tokens)` gives its seconds):
+    the prefill and every fixed cost cancel. A busy spell over the short run alone can leave
+    the difference at zero or below, which is no step time: that pair runs again."""
+    for _attempt in range(MAX_PAIR_ATTEMPTS):
+        step = (run(prompts, LONG) - run(prompts, SHORT)) / (LONG - SHORT)
+        if step > 0:
+            return step
+    raise RuntimeError(f"{name}: the {LONG}-token run never outlasted the {SHORT}-token run in "
+                       f"{MAX_PAIR_ATTEMPTS} tries: the machine is too busy to time")  # fmt: skip
 
 
 class StageTimer:
@@ -314,8 +326,8 @@ def weight_dtype_rows(
         engine_seconds(engine, prompts, SHORT)
     for _ in range(repeats):
         for name, engine in sides.items():
-            step = engine_seconds(engine, prompts, LONG) - engine_seconds(engine, prompts, SHORT)
-            rates[name].append(1 / (step / (LONG - SHORT)))
+            run = functools.partial(engine_seconds, engine)
+            rates[name].append(1 / step_seconds(name, run, prompts))
         best = min(_timed(lambda: read_sum(probe_buffer, threads)) for _ in range(3))
         probe.append(probe_bytes / best / 1e9)
     probe_gbps = statistics.median(probe)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from bench.engine import batch_row
+import pytest
+
+from bench.engine import LONG, MAX_PAIR_ATTEMPTS, SHORT, batch_row, step_seconds
 
 
 def test_a_row_carries_the_ratio_and_each_alternate_that_ran():
@@ -45,3 +47,23 @@ def test_weight_dtype_rows_and_their_targets(tiny_model_path, monkeypatch):
         "float32_over_read_probe", "int8_over_read_probe", "int8_over_float32"
     }  # fmt: skip
     assert all(isinstance(v, bool) for v in met.values())
+
+
+def test_a_pair_with_no_step_time_runs_again() -> None:
+    """A busy spell over the short run made the long run look shorter: that pair is no figure
+    (the run that printed -75346 tok/s), the next one is."""
+    seconds = iter([1.0, 1.5, 2.0, 0.5])  # long, short: a negative pair, then a real one
+    calls = []
+
+    def run(prompts, tokens):
+        calls.append(tokens)
+        return next(seconds)
+
+    assert step_seconds("engine", run, [[1]]) == pytest.approx(1.5 / (LONG - SHORT))
+    assert calls == [LONG, SHORT, LONG, SHORT]
+
+
+def test_a_machine_too_busy_to_time_is_an_error_not_a_figure() -> None:
+    with pytest.raises(RuntimeError, match="too busy to time"):
+        step_seconds("engine", lambda prompts, tokens: 1.0, [[1]])
+    assert MAX_PAIR_ATTEMPTS >= 2
