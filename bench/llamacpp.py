@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -53,6 +54,9 @@ GGUF_TYPES = ("F32", "BF16", "Q4_1")
 EQUAL_BITS = {"engine": "F32", "engine_bfloat16": "BF16"}
 # PhaseMesh tok/s over llama.cpp's at equal bits per weight, by batch (issue 54).
 TARGET_OVER_LLAMACPP = {1: 1.0, 32: 2.0}
+# How long the worker may take to answer (start-up, or one generation: a model load and 32 streams
+# of 64 tokens take a small part of it): past it, the worker is taken as hung, killed and failed.
+ANSWER_TIMEOUT_S = 900.0
 
 
 def gguf_dir() -> Path:
@@ -179,13 +183,23 @@ class LlamaCppWorker:
         self.contexts: dict[str, dict] = {}
 
     def _answer(self) -> dict[str, Any]:
+        """The worker's next line (one per request, written whole): `LlamaCppFailed` with its
+        log's tail when it exits, or says nothing for `ANSWER_TIMEOUT_S` (then it is killed)."""
         assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], ANSWER_TIMEOUT_S)
+        if not ready:
+            self.proc.kill()
+            raise LlamaCppFailed(f"llama.cpp worker hung (no answer in {ANSWER_TIMEOUT_S:g} s), "
+                                 f"killed: {self._log_tail()}")  # fmt: skip
         line = self.proc.stdout.readline()
         if not line:
-            self.log.seek(0)
-            tail = self.log.read()[-2000:].decode(errors="replace")
-            raise LlamaCppFailed(f"llama.cpp worker exited ({self.proc.wait()}): {tail}")
+            raise LlamaCppFailed(f"llama.cpp worker exited ({self.proc.wait()}): "
+                                 f"{self._log_tail()}")  # fmt: skip
         return json.loads(line)
+
+    def _log_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-2000:].decode(errors="replace")
 
     def run(self, path: Path, prompts: list[list[int]], new_tokens: int) -> tuple[float, list]:
         assert self.proc.stdin is not None

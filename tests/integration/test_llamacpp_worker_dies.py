@@ -1,10 +1,11 @@
 """bench/engine.py when llama.cpp's worker dies (bench/llamacpp.py), starting or mid-run after it
-said it was ready: the bench keeps PhaseMesh's figures, says why the side failed (with the
-worker's last words), and leaves the llama.cpp targets unjudged rather than losing the run.
+said it was ready, or hangs mid-run: the bench keeps PhaseMesh's figures, says why the side
+failed (with the worker's last words), and leaves the llama.cpp targets unjudged rather than
+losing (or never ending) the run.
 
 The worker here is a stand-in, named so: a script in place of the llama.cpp environment's
 python (llama.cpp is not in this environment), which dies of a signal as llama.cpp's worker did
-(SIGILL on an AMX CPU) or would (a kill)."""
+(SIGILL on an AMX CPU) or would (a kill), or stops answering."""
 
 from __future__ import annotations
 
@@ -26,22 +27,33 @@ read request
 echo 'stand-in worker: killed mid-decode' >&2
 kill -KILL $$
 """
+HANGS_MID_RUN = """#!/bin/sh
+echo '{"ready": "stand-in", "system": "none"}'
+read request
+echo 'stand-in worker: stuck mid-decode' >&2
+exec sleep 3600
+"""
 
 
 @pytest.mark.usefixtures("tiny_model_path")
 @pytest.mark.parametrize(
-    ("script", "last_words"),
-    [(DIES_STARTING, "illegal instruction"), (DIES_MID_RUN, "killed mid-decode")],
-    ids=["starting", "mid-run"],
+    ("script", "why", "last_words"),
+    [
+        (DIES_STARTING, "worker exited", "illegal instruction"),
+        (DIES_MID_RUN, "worker exited", "killed mid-decode"),
+        (HANGS_MID_RUN, "worker hung (no answer in 2 s), killed", "stuck mid-decode"),
+    ],
+    ids=["starting", "mid-run", "hung"],
 )
 def test_the_engine_bench_outlives_llamacpps_worker(
-    script: str, last_words: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    script: str, why: str, last_words: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(script)
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setattr(llamacpp, "VENV", tmp_path / "venv")
+    monkeypatch.setattr(llamacpp, "ANSWER_TIMEOUT_S", 2.0)
     monkeypatch.setattr(llamacpp, "skip_reason", lambda path: None)
     files = {kind: tmp_path / f"{kind}.gguf" for kind in llamacpp.GGUF_TYPES}
     monkeypatch.setattr(llamacpp, "gguf_files", lambda types=llamacpp.GGUF_TYPES: files)
@@ -51,7 +63,7 @@ def test_the_engine_bench_outlives_llamacpps_worker(
                         "--no-unpacked", "--no-onednn"])  # fmt: skip
 
     failed = result["llamacpp"]["failed"]
-    assert "worker exited" in failed and last_words in failed, failed
+    assert why in failed and last_words in failed, failed
     assert result["batches"]["1"]["engine_tok_s"] > 0
     assert result["batches"]["1"]["transformers_tok_s"] > 0
     assert_figures_and_targets(result)
