@@ -274,14 +274,15 @@ def served(
 ) -> Iterator[ServeRun]:
     """`serve run deploy/<config_name>` (with `args` over its app's args, `deployments`' options
     over theirs and `app_options` over the application's: `config_on_port`) on the `preset`
-    random model (None: the config's own, `make run`'s) for the `with` block."""
+    random model (None: the config's own, `make run`'s) for the `with` block. It ends killed
+    (`kill`): no test here checks an orderly stop, and Serve's takes seconds of replica drains."""
     run = ServeRun(REPO / "deploy" / config_name, workdir, args, ingress, preset, deployments,
                    app_options)  # fmt: skip
     try:
         run.start()
         yield run
     finally:
-        run.stop()
+        run.kill()
 
 
 def descendants(pid: int) -> list[int]:
