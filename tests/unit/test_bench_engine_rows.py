@@ -17,15 +17,17 @@ def test_a_row_carries_the_ratio_and_each_alternate_that_ran():
 
 
 def test_weight_dtype_rows_and_their_targets(tiny_model_path, monkeypatch):
-    """The batch-1 rows per weight dtype on the tiny model (one repeat of 8 and 4 tokens, a small
+    """The batch-1 rows per weight dtype on the tiny model (one repeat of 16 and 4 tokens, a small
     probe): bytes a token reads shrink with the dtype, every row has its GB/s and share of the
-    probe, and each target has a boolean. Speeds are not asserted."""
+    probe, and each target has a boolean. Speeds are not asserted, and a loaded machine's pairs
+    with no step time run again (`step_seconds`) as often as it takes here."""
     from bench import engine
     from bench.engine import weight_dtype_rows, weight_dtype_targets
     from common.model.linear import kernel_gemm_available
 
-    monkeypatch.setattr(engine, "LONG", 8)
+    monkeypatch.setattr(engine, "LONG", 16)
     monkeypatch.setattr(engine, "SHORT", 4)
+    monkeypatch.setattr(engine, "MAX_PAIR_ATTEMPTS", 50)
 
     rows, lines = weight_dtype_rows(
         str(tiny_model_path), ["float32", "int8"], 1, 8 << 20, stages=True
