@@ -110,15 +110,15 @@ def token_gaps(arrivals: list[tuple[float, int]], skip: int = 2) -> list[float]:
     request's outputs as (arrival time, tokens in it). Tokens that reached the router together
     leave as one output (`services/router/coalesce.py`): its tokens share the wait since the
     output before it evenly, so a loaded machine's batched arrivals neither drop gaps nor count
-    zeros, and the gaps still sum to the time they span."""
+    zeros. The first output's tokens have no output before them, hence no gap."""
     gaps: list[float] = []
-    index, last = 0, None
+    index, last = 0, None  # tokens so far; when the last output with tokens arrived
     for at, num_tokens in arrivals:
         if num_tokens == 0:
             continue  # a finish with no token
         if last is not None:
-            share = (at - last) / num_tokens
-            gaps += [share] * sum(1 for k in range(index, index + num_tokens) if k > skip)
+            counted = index + num_tokens - max(index, skip + 1)  # its tokens past the skipped
+            gaps += [(at - last) / num_tokens] * max(counted, 0)
         index, last = index + num_tokens, at
     return gaps
 

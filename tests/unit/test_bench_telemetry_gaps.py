@@ -24,3 +24,12 @@ def test_tokens_that_arrived_together_share_the_wait_before_them() -> None:
 
 def test_a_finish_without_tokens_is_not_a_token() -> None:
     assert token_gaps([(0.0, 1), (1.0, 1), (2.0, 1), (4.0, 1), (9.0, 0)]) == [2.0]
+
+
+def test_the_first_outputs_tokens_have_no_gap() -> None:
+    """Nothing came before the first output, so a request whose tokens all came at once (or that
+    sent none) has no gaps; the skip counts tokens, wherever outputs split them."""
+    assert token_gaps([(5.0, 16)]) == []
+    assert token_gaps([]) == []
+    assert token_gaps([(0.0, 2), (1.0, 2), (3.0, 1)]) == [0.5, 2.0]  # tokens 3 and 4
+    assert token_gaps([(0.0, 1), (1.0, 1), (2.0, 1), (4.0, 1)], skip=0) == [1.0, 1.0, 2.0]
