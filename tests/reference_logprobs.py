@@ -7,6 +7,13 @@ import torch
 
 from common.model.llama import LlamaForCausalLM
 
+# How far a served log probability may sit from this reference. The mesh computes in float32 along
+# other paths than one full-sequence prefill: a prompt engine's prefill that may start from cached
+# prefix blocks, then decode steps whose attention is split across shards and merged; each sums in
+# another order, so the logits differ in their last bits and a log probability by some 1e-4. A wrong
+# token, position or distribution moves it by orders of magnitude more.
+MESH_LOGPROB_ATOL = 1e-3
+
 
 @torch.inference_mode()
 def sequence_logprobs(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:

@@ -31,7 +31,11 @@ from common.tokenizer import Tokenizer
 from services.engine.worker import IDLE_REPORT_INTERVAL_S
 from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.serve_process import ServeRun
-from tests.reference_logprobs import expected_token_logprobs, sequence_logprobs
+from tests.reference_logprobs import (
+    MESH_LOGPROB_ATOL,
+    expected_token_logprobs,
+    sequence_logprobs,
+)
 from tests.unit.json_schemas import SCHEMAS, json_ending_bias
 
 pytestmark = pytest.mark.timeout(600)
@@ -339,7 +343,7 @@ def test_n_choices_and_logprobs_over_the_mesh(client: openai.OpenAI, reference: 
         assert lps.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in all_ids]
         assert lps.token_logprobs[0] is None  # nothing predicts the first prompt token
         for i in range(1, len(all_ids)):
-            assert abs(lps.token_logprobs[i] - float(table[i - 1, all_ids[i]])) <= 1e-4
+            assert abs(lps.token_logprobs[i] - float(table[i - 1, all_ids[i]])) <= MESH_LOGPROB_ATOL
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
         logprobs=True, top_logprobs=2, n=2, extra_body={"ignore_eos": True},
@@ -351,9 +355,10 @@ def test_n_choices_and_logprobs_over_the_mesh(client: openai.OpenAI, reference: 
         content = choice.logprobs.content if choice.logprobs else None
         assert content is not None and len(content) == 4
         for got, (logprob, _, top_lps) in zip(content, expected, strict=True):
-            assert abs(got.logprob - logprob) <= 1e-4
+            assert abs(got.logprob - logprob) <= MESH_LOGPROB_ATOL
             assert [
-                abs(t.logprob - e) <= 1e-4 for t, e in zip(got.top_logprobs, top_lps, strict=True)
+                abs(t.logprob - e) <= MESH_LOGPROB_ATOL
+                for t, e in zip(got.top_logprobs, top_lps, strict=True)
             ] == [True, True]
 
 
