@@ -56,14 +56,11 @@ def wait_gone(pids: set[int], timeout_s: float = 30.0) -> set[int]:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-@pytest.mark.parametrize("failing", ["batch", "engine_beside"])
-def test_a_batch_that_fails_or_is_killed_leaves_no_served_process(
-    monkeypatch: pytest.MonkeyPatch, failing: str
-) -> None:
-    """With the served `local` up, a batch, or the engine run paired with it (`beside`), (1)
-    finds its Router replica, (2) kills a process of its own that it started (as a client dying
-    mid-run would), then (3) fails. The failure reaches the caller, and no process of that
-    `serve run` is left."""
+def test_a_batch_that_fails_leaves_no_served_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the served `local` up, a batch (1) finds its Router replica, (2) kills a process of its
+    own that it started (as a client dying mid-run would), then (3) fails. The failure reaches the
+    caller, and no process of that `serve run` is left. The engine run beside a batch fails inside
+    the same `try` (`served`'s `finally` stops the server), so one real server covers both."""
     monkeypatch.setattr(serve_server, "ServeRun", RecordedServeRun)
     RecordedServeRun.started.clear()
     seen: dict[str, set[int]] = {}
@@ -81,14 +78,9 @@ def test_a_batch_that_fails_or_is_killed_leaves_no_served_process(
         os.waitpid(pid, 0)
         raise RuntimeError("the batch failed")
 
-    beside = None
-    if failing == "batch":
-        monkeypatch.setattr(serve_server, "timed_batch", failing_batch)
-    else:
-        beside = failing_batch
+    monkeypatch.setattr(serve_server, "timed_batch", failing_batch)
     with pytest.raises(RuntimeError, match="the batch failed"):
-        serve_server.served(REPO / "deploy" / "single.yaml", APP_ARGS, "tiny", [1], 8, ("plain",),
-                            beside=beside)  # fmt: skip
+        serve_server.served(REPO / "deploy" / "single.yaml", APP_ARGS, "tiny", [1], 8, ("plain",))
     assert len(seen["tree"]) > 3  # serve run, its Ray and the replicas were found
     assert wait_gone(seen["tree"]) == set()
 
