@@ -85,11 +85,7 @@ typecheck: install
 TEST_WORKERS ?= 2
 # mypy runs beside pytest: the two workers leave part of CI's two cores idle on average, and mypy
 # fills it. `make test` fails if either does.
-# The kernel's build and the simulator's are independent compilers' work: side by side on a fresh
-# machine (`make -j2 install`), where one after the other left a core idle for most of a minute.
-test:
-	$(MAKE) -j2 install
-	$(MAKE) lint
+test: lint
 	$(MAKE) -j2 typecheck pytest
 
 pytest: model
