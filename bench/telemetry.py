@@ -105,7 +105,11 @@ def caller_traceparent(sampled: bool) -> str:
     return f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-{'01' if sampled else '00'}"
 
 
-def token_gaps(arrivals: list[tuple[float, int]], skip: int = 2) -> list[float]:
+SKIPPED_GAPS = 2  # a request's first two gaps: the first token's, and the handoff hop's
+MIN_TOKENS = SKIPPED_GAPS + 2  # tokens a request needs for one gap past the skipped ones
+
+
+def token_gaps(arrivals: list[tuple[float, int]], skip: int = SKIPPED_GAPS) -> list[float]:
     """Each token's gap (s) from the token before it, but the first `skip + 1`'s, from a
     request's outputs as (arrival time, tokens in it). Tokens that reached the router together
     leave as one output (`services/router/coalesce.py`): its tokens share the wait since the
@@ -271,6 +275,10 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--exporter", choices=["jsonl", "none"], default="jsonl")
     args = parser.parse_args()
+    if args.tokens < MIN_TOKENS:  # each request's first gaps are skipped (`token_gaps`)
+        parser.error(f"--tokens must be at least {MIN_TOKENS}, so that every request has a gap")
+    if args.rounds < 1 or args.batch < 1:
+        parser.error("--rounds and --batch must be at least 1")
     model = args.model or str(default_model_path())
     folder = Path(tempfile.mkdtemp(prefix="phasemesh-telemetry-bench-"))
     exporter = f"jsonl:{folder}/{{service_id}}.jsonl" if args.exporter == "jsonl" else "none"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.telemetry import token_gaps
+from bench import telemetry
+from bench.telemetry import MIN_TOKENS, token_gaps
 
 
 def test_one_token_per_output_gives_the_gaps_after_the_first_three_tokens() -> None:
@@ -33,3 +34,18 @@ def test_the_first_outputs_tokens_have_no_gap() -> None:
     assert token_gaps([]) == []
     assert token_gaps([(0.0, 2), (1.0, 2), (3.0, 1)]) == [0.5, 2.0]  # tokens 3 and 4
     assert token_gaps([(0.0, 1), (1.0, 1), (2.0, 1), (4.0, 1)], skip=0) == [1.0, 1.0, 2.0]
+
+
+def test_a_request_of_min_tokens_has_a_gap_and_fewer_are_refused_at_the_command_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One token per output: `MIN_TOKENS` give one gap, one fewer none; the bench refuses such a
+    `--tokens` before starting a mesh, rather than failing on an empty median rounds later."""
+    assert len(token_gaps([(float(i), 1) for i in range(MIN_TOKENS)])) == 1
+    assert token_gaps([(float(i), 1) for i in range(MIN_TOKENS - 1)]) == []
+    for argv in (["--tokens", str(MIN_TOKENS - 1)], ["--rounds", "0"]):
+        monkeypatch.setattr("sys.argv", ["bench/telemetry.py", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            telemetry.main()
+        assert exit_info.value.code == 2
+        assert "must be at least" in capsys.readouterr().err
