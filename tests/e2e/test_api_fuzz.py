@@ -35,10 +35,10 @@ from tests.unit.test_prompt_bounds import HOSTILE_CHAT_BODIES
 pytestmark = pytest.mark.timeout(600)
 
 MIN_CASES = 1000
-# Every token a fuzzed request may generate is served by the mesh on CI's two cores: at 64 the
-# fuzz took 138 s alone and ~200 s beside another module, at 32 97 s alone (250 examples an
-# operation). At 48 the mesh's token engine and shards took 47 s of CPU of the fuzz's 65 s alone
-# (150 examples), most of it decoding chat requests to the end of their context.
+# Every token a fuzzed request may generate is served by the mesh on CI's two cores, and most of
+# the fuzz's time is the token engine and shards decoding chat requests to the end of their
+# context: a short context keeps the run within CI's budget. 40 leaves a chat prompt (26 tokens,
+# template included) room for a dozen generated tokens.
 MAX_MODEL_LEN = 40
 CHAT_PROMPT_TOKENS = 26  # "go on {i}" as a one-message chat prompt, template included
 CUT_OFF_TOKENS = MAX_MODEL_LEN - CHAT_PROMPT_TOKENS - 4
@@ -66,8 +66,8 @@ def test_fuzzed_api_has_no_server_errors_and_matches_its_schema(
         # One worker: hypothesis parses lambda sources with `ast.parse`, which CPython 3.11 does
         # not allow from two threads at once (SystemError: AST constructor recursion depth
         # mismatch, seen once in CI with --workers 2).
-        # 150 examples an operation: 1,664 cases, fuzzing 50 s alone (250: 2,064, 99 s, and the
-        # whole CI run then took 14 min 11 s to 15 min 20 s of its 15).
+        # 150 examples an operation gives well over MIN_CASES cases; more cost CI minutes, and
+        # fewer save little (the coverage phase's cases and the server's decoding dominate).
         "--max-examples", "150", "--seed", "18", "--workers", "1",
         "--request-timeout", "120", "--no-color", "--generation-database", "none",
         "--header", f"Authorization: Bearer {API_KEY}",
