@@ -186,6 +186,8 @@ class LlamaCppWorker:
         """The worker's next line (one per request, written whole): `LlamaCppFailed` with its
         log's tail when it exits, or says nothing for `ANSWER_TIMEOUT_S` (then it is killed)."""
         assert self.proc.stdout is not None
+        # NOTE: select sees the pipe, not the reader's buffer: sound because the worker writes one
+        # line per request and the next request goes only after this line is read.
         ready, _, _ = select.select([self.proc.stdout], [], [], ANSWER_TIMEOUT_S)
         if not ready:
             self.proc.kill()

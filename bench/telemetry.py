@@ -63,6 +63,7 @@ from common.engine.request import RequestOutput
 from common.model.default import default_model_path
 from common.sampling import SamplingParams
 from common.telemetry import DecodeSpan, Metrics, configure_telemetry, extract_context
+from loadgen.cli import positive_int
 from services.launch.local_mesh import LocalMesh, Topology
 from services.router.mesh_client import MeshEngineClient
 from services.router.sse import prepend
@@ -269,16 +270,15 @@ def summarize(arms: dict[str, Arm], costs: dict[str, float], args: argparse.Name
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--rounds", type=int, default=40, help="rounds (each runs every arm)")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=positive_int, default=40,
+                        help="rounds (each runs every arm)")  # fmt: skip
+    parser.add_argument("--batch", type=positive_int, default=8)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--exporter", choices=["jsonl", "none"], default="jsonl")
     args = parser.parse_args()
     if args.tokens < MIN_TOKENS:  # each request's first gaps are skipped (`token_gaps`)
         parser.error(f"--tokens must be at least {MIN_TOKENS}, so that every request has a gap")
-    if args.rounds < 1 or args.batch < 1:
-        parser.error("--rounds and --batch must be at least 1")
     model = args.model or str(default_model_path())
     folder = Path(tempfile.mkdtemp(prefix="phasemesh-telemetry-bench-"))
     exporter = f"jsonl:{folder}/{{service_id}}.jsonl" if args.exporter == "jsonl" else "none"

@@ -43,7 +43,7 @@ def test_a_request_of_min_tokens_has_a_gap_and_fewer_are_refused_at_the_command_
     `--tokens` before starting a mesh, rather than failing on an empty median rounds later."""
     assert len(token_gaps([(float(i), 1) for i in range(MIN_TOKENS)])) == 1
     assert token_gaps([(float(i), 1) for i in range(MIN_TOKENS - 1)]) == []
-    for argv in (["--tokens", str(MIN_TOKENS - 1)], ["--rounds", "0"]):
+    for argv in (["--tokens", str(MIN_TOKENS - 1)], ["--rounds", "0"], ["--batch", "-1"]):
         monkeypatch.setattr("sys.argv", ["bench/telemetry.py", *argv])
         with pytest.raises(SystemExit) as exit_info:
             telemetry.main()
