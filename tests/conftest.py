@@ -30,12 +30,28 @@ SECOND_CONFIG = dict(
 
 
 E2E = "tests/e2e"  # each module (tests/e2e/local_serve: its package) starts a Ray cluster
+# e2e modules that are units of their own, run after every other module by whichever worker is
+# free first, largest first: each starts its own `serve run` and nothing in them depends on the
+# machine being quiet. The rest of tests/e2e (the local_serve package's one server, the
+# autoscaling modules whose short holds a second Ray cluster could stretch) is one unit, run first.
+E2E_LAST = ("tests/e2e/test_bench_served.py", "tests/e2e/test_api_fuzz.py")
 
 
 def xdist_scope(nodeid: str) -> str:
-    """The unit a pytest-xdist worker takes whole: the test's module, or every e2e test."""
+    """The unit a pytest-xdist worker takes whole: the test's module, or every e2e test but
+    `E2E_LAST`'s."""
     module = nodeid.split("::", 1)[0]
-    return E2E if module.startswith(E2E + "/") else module
+    return E2E if module.startswith(E2E + "/") and module not in E2E_LAST else module
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`E2E_LAST`'s modules after every other test, in its order; the rest keep theirs."""
+
+    def rank(item: pytest.Item) -> int:
+        module = item.nodeid.split("::", 1)[0]
+        return E2E_LAST.index(module) + 1 if module in E2E_LAST else 0
+
+    items.sort(key=rank)  # stable
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -43,13 +59,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`make test` runs two pytest-xdist workers. Each takes whole modules, so that a module's
     server or mesh starts once, and one worker takes every e2e module, first and one after
     another: each starts a Ray cluster (tens of seconds of CPU), and two at once on CI's two cores
-    slowed both by a third, while the other worker runs the rest. The local_serve package keeps
-    the order its conftest.py sets (its one server is killed last).
+    slowed both by a third, while the other worker runs the rest. That unit alone outlasted all
+    the rest together, so `E2E_LAST`'s modules go out last, each to whichever worker is free
+    first: the workers end nearer together. The local_serve package keeps the order its
+    conftest.py sets (its one server is killed last).
 
     NOTE: a scheduler of our own rather than `--dist loadgroup`, whose groups pytest-xdist 3.8
     marks by rewriting `item._nodeid`, which pytest 9 no longer reads (every test then went its
-    own way). Units go out in collection order (tests/e2e first), not reordered by their number of
-    tests, which would send the e2e unit after the largest unit-test modules."""
+    own way). Units go out in collection order (tests/e2e first, `E2E_LAST` last), not reordered
+    by their number of tests, which would send the e2e unit after the largest unit-test modules."""
     from xdist.scheduler import LoadScopeScheduling
 
     config.option.loadscopereorder = False
@@ -57,6 +75,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:  # what LoadFileScheduling overrides too
             return xdist_scope(nodeid)
+
+        def _reschedule(self, node: Any) -> None:
+            # xdist hands a worker its next unit while it still has two tests to run; an
+            # `E2E_LAST` unit waits until the worker has only the one it keeps until more work
+            # comes (a worker runs a test only once it knows the next). Otherwise the first
+            # worker near its end took every one of them (bench_served has two tests) while the
+            # other finished its modules and then had nothing left to do.
+            waiting = next(iter(self.workqueue), None)
+            if waiting in E2E_LAST and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
 
     return ModuleScheduling(config, log)
 
