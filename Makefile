@@ -79,8 +79,9 @@ typecheck: install
 	$(BIN)/mypy common services
 
 # pytest-xdist workers for `make test`: whole modules each, one of them the e2e modules first, one
-# Ray cluster at a time, and the last two e2e modules one to each worker (tests/conftest.py). Most e2e and integration time is spent waiting on Ray,
-# servers and sockets, so two workers on CI's two cores finish well before one.
+# Ray cluster at a time, and the last two e2e modules one to each worker (tests/conftest.py). Most
+# e2e and integration time is spent waiting on Ray, servers and sockets, so two workers on CI's two
+# cores finish well before one.
 # `make test TEST_WORKERS=0`: one process.
 TEST_WORKERS ?= 2
 # mypy runs beside pytest: the two workers leave part of CI's two cores idle on average, and mypy

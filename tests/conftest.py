@@ -37,10 +37,14 @@ E2E = "tests/e2e"  # each module (tests/e2e/local_serve: its package) starts a R
 E2E_LAST = ("tests/e2e/test_bench_served.py", "tests/e2e/test_api_fuzz.py")
 
 
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def xdist_scope(nodeid: str) -> str:
     """The unit a pytest-xdist worker takes whole: the test's module, or every e2e test but
     `E2E_LAST`'s."""
-    module = nodeid.split("::", 1)[0]
+    module = module_of(nodeid)
     return E2E if module.startswith(E2E + "/") and module not in E2E_LAST else module
 
 
@@ -48,7 +52,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """`E2E_LAST`'s modules after every other test, in its order; the rest keep theirs."""
 
     def rank(item: pytest.Item) -> int:
-        module = item.nodeid.split("::", 1)[0]
+        module = module_of(item.nodeid)
         return E2E_LAST.index(module) + 1 if module in E2E_LAST else 0
 
     items.sort(key=rank)  # stable
