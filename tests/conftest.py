@@ -91,6 +91,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 return
             super()._reschedule(node)
 
+        def remove_node(self, node: Any) -> str | None:
+            # A worker died: xdist puts every unit it had back in the queue, finished ones too.
+            # A finished unit goes out again as no test at all, so the worker given it, with
+            # its one test left, would wait forever for more (tests/unit/test_xdist_scope.py).
+            workload = self.assigned_work.get(node, {})
+            for scope in [scope for scope, unit in workload.items() if all(unit.values())]:
+                del workload[scope]
+            return super().remove_node(node)
+
     return ModuleScheduling(config, log)
 
 
