@@ -8,7 +8,7 @@ DEPS_STAMP := $(VENV)/.phasemesh-deps
 STAMP := $(VENV)/.phasemesh-installed
 KERNEL_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/*.txt csrc/*.toml csrc/*.py)
 
-.PHONY: install sim-compiled kernel model run test pytest lint typecheck unit bench bench-llamacpp-env clean device-wheels
+.PHONY: install bytecode sim-compiled kernel model run test pytest lint typecheck unit bench bench-llamacpp-env clean device-wheels
 
 $(DEPS_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(DEPS_STAMP): pyproject.toml
 	# anything that depends on torch would otherwise pull CUDA wheels.
 	$(BIN)/pip install -q torch==2.13.0 uv
 	# uv resolves and installs the rest in seconds where pip takes minutes; it keeps the torch above.
-	$(UV_INSTALL) -q -e '.[test]'
+	# NOTE: --compile-bytecode writes every package's bytecode once, here. Where the environment
+	# sets PYTHONDONTWRITEBYTECODE (container images often do) Python never writes it itself, and
+	# every process, each Ray worker and Serve replica among them, would compile Ray, FastAPI and
+	# the rest from source at each start.
+	$(UV_INSTALL) -q --compile-bytecode -e '.[test]'
 	touch $(DEPS_STAMP)
 
 $(STAMP): $(DEPS_STAMP) $(KERNEL_SOURCES)
@@ -24,6 +28,12 @@ $(STAMP): $(DEPS_STAMP) $(KERNEL_SOURCES)
 	touch $(STAMP)
 
 install: $(STAMP) sim-compiled
+
+# The project's own bytecode (the editable install's sources, which uv does not compile), for the
+# same reason: cheap when current, and a source edited since is recompiled (or read from source).
+BYTECODE_DIRS := common services loadgen bench tests
+bytecode:
+	$(BIN)/python -m compileall -q $(BYTECODE_DIRS)
 
 # The simulator's hot modules compiled with mypyc (loadgen/sim/compiled.py), rebuilt when a source
 # it stamps changes. Optional: without it (no compiler, a failed build) the simulator runs pure
@@ -67,15 +77,15 @@ QUIET_RUNTIME_ENV = RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 RAY_SERVE_METRICS_EXPO
 	RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 LOG_NAME_UPDATE_INTERVAL_S=5 \
 	RAY_task_events_report_interval_ms=5000 METRICS_RECORD_INTERVAL_S=60
 API_URLS = $(if $(filter 1,$(DIRECT_INGRESS)),http://127.0.0.1:30000/v1 (direct ingress) and )
-run: model
+run: model bytecode
 	@echo "PhaseMesh: starting Ray Serve; the API will be at $(API_URLS)http://127.0.0.1:8000/v1"
 	$(QUIET_RUNTIME_ENV) $(DIRECT_INGRESS_ENV) $(BIN)/serve run --address local deploy/local.yaml
 
-lint: install
+lint: $(DEPS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: install
+typecheck: $(DEPS_STAMP)
 	$(BIN)/mypy common services
 
 # pytest-xdist workers for `make test`: whole modules each, one of them the e2e modules first, one
@@ -84,17 +94,18 @@ typecheck: install
 # cores finish well before one.
 # `make test TEST_WORKERS=0`: one process.
 TEST_WORKERS ?= 2
-# mypy runs beside pytest: the two workers leave part of CI's two cores idle on average, and mypy
-# fills it. `make test` fails if either does.
+# Two jobs at a time once the dependencies are in: the kernel's build and the simulator's, each
+# on one core, then mypy (which needs neither) beside the rest of the set-up and pytest's start.
+# `make test` fails if any does.
 test: lint
-	$(MAKE) -j2 typecheck pytest
+	$(MAKE) -j2 install typecheck pytest
 
-pytest: model
+pytest: model bytecode
 	# pytest exits 5 when it collects nothing: that fails here, as it should.
 	# The slowest tests are listed at the end: CI's budget is 15 minutes on 2 cores.
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --durations=20 tests
 
-bench: model
+bench: model bytecode
 	$(BIN)/python bench/engine.py
 
 # Wheels for bench/device_check.sh on a GPU machine that reaches no registry (Python 3.12 and
