@@ -346,18 +346,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per figure (>= 5)")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                         help="KV tokens per block (the engine's default: 16)")  # fmt: skip
+    parser.add_argument("--rotation-mib", type=int, default=None,
+                        help="memory each case's calls rotate over (default: twice the last-level "
+                             "cache, so that none finds its data in cache; smaller: a smoke run, "
+                             "whose figures count cache hits)")  # fmt: skip
     args = parser.parse_args()
     if not kernel_available():
         raise SystemExit("csrc kernel not built: pip install --no-build-isolation ./csrc")
     thread_counts = [1, 2]
     memory = memory_bandwidth((256 if args.quick else 1024) << 20, thread_counts, args.repeats)
     print("memory:", {k: round(v, 1) for k, v in memory.items()})
-    probes = MemoryProbes(uncached_bytes())  # the per-case ceiling, timed beside the kernel
+    rotation = uncached_bytes() if args.rotation_mib is None else args.rotation_mib << 20
+    probes = MemoryProbes(rotation)  # the per-case ceiling, timed beside the kernel
     cases = []
     for shape in shapes_for(args.quick):
         for dtype in (torch.float32, torch.bfloat16):
             gen = torch.Generator().manual_seed(0)
-            num_sets = max(2, math.ceil(uncached_bytes() / shape_kv_bytes(shape, dtype)))
+            num_sets = max(2, math.ceil(rotation / shape_kv_bytes(shape, dtype)))
             first = make_kv_set(shape, dtype, gen, args.block_size)
             sets = [first] + [copy_of(first) for _ in range(num_sets - 1)]
             for threads in thread_counts:
@@ -370,6 +375,7 @@ def main() -> None:
     setup = {"cpu": cpu_variant(), "isa": supported_isas()[0], "repeats": args.repeats,
              "block_size": args.block_size}  # fmt: skip
     setup["llc_mib"] = last_level_cache_bytes() >> 20
+    setup["rotation_mib"] = rotation >> 20
     setup["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "default")
     print(json.dumps({**setup, "memory": memory, "summary": summary, "targets": TARGETS,
                       "targets_met": targets_met(summary), "cases": cases}))  # fmt: skip

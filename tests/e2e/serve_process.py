@@ -53,10 +53,17 @@ LOCAL_DIRECT_INGRESS = {
 }
 
 
+# Tries of a start whose HTTP port another process bound between its choice here and Serve's
+# bind (a port is only reserved once bound): each retry on fresh ports.
+PORT_TRIES = 3
+PORT_TAKEN = "Failed to bind to address"  # Serve's proxy, when its port is busy
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free port below the kernel's ephemeral ones: the kernel hands those to every `bind` to
+    port 0 (Ray's and ZeroMQ's) and outgoing connection, so one picked there can be taken before
+    the server it is for binds it."""
+    return free_port_range(1)
 
 
 # The random presets' mesh: deploy/local.yaml gives SmolLM2's 3 KV heads a shard each; tiny's 2
@@ -117,6 +124,14 @@ def config_on_port(
     return config
 
 
+class ServeExited(RuntimeError):
+    """`serve run` exited before its server was healthy; `log` is its log's tail."""
+
+    def __init__(self, log: str) -> None:
+        super().__init__(f"serve run exited early:\n{log}")
+        self.log = log
+
+
 class ServeRun:
     """One `serve run` child process and its log file."""
 
@@ -143,6 +158,25 @@ class ServeRun:
         self._direct_low = 0
 
     def start(self, timeout_s: float = 240.0) -> str:
+        """Start `serve run` and wait for a healthy server: the URL requests go to. A start that
+        finds its HTTP port taken is tried again on another (`PORT_TRIES` in all)."""
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                return self._start(timeout_s)
+            except ServeExited as exc:
+                if PORT_TAKEN not in exc.log or attempt == PORT_TRIES:
+                    raise
+                self.kill()  # whatever of that Ray is left
+                self._move_to_port(free_port())
+        raise AssertionError("unreachable")
+
+    def _move_to_port(self, port: int) -> None:
+        self.port = port
+        self.config["http_options"]["port"] = port
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        self.proxy_url = self.base_url = f"http://127.0.0.1:{port}"
+
+    def _start(self, timeout_s: float) -> str:
         # Ray's idle timers as `make run` slows them (the caller's environment may override).
         env = QUIET_RUNTIME_ENV | {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -184,7 +218,7 @@ class ServeRun:
         while time.monotonic() < deadline:
             assert self._proc is not None
             if self._proc.poll() is not None:
-                raise RuntimeError(f"serve run exited early:\n{self.log_tail()}")
+                raise ServeExited(self.log_tail())
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     return

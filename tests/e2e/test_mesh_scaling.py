@@ -517,55 +517,62 @@ def test_routers_share_the_head_nodes_batch_store_and_one_finishes_a_stopped_one
     spec = f"ray:{cluster.workdir / 'shared-batches.sqlite'}"
     routers = [Router(InProcessEngineClient(LLMEngine.from_path(tiny, num_blocks=64)), tiny,
                       "tiny", batch_store=spec, batch_lease_s=2.0) for _ in range(2)]  # fmt: skip
-    first, second = (r.batches for r in routers)
-    assert first is not None and second is not None
-    bodies = [{"model": "tiny", "prompt": f"shared store {i}", "max_tokens": 4, "temperature": 0}
-              for i in range(8)]  # fmt: skip
-    content = "\n".join(json.dumps({"custom_id": f"r{i}", "method": "POST",
-                                    "url": "/v1/completions", "body": b})
-                        for i, b in enumerate(bodies)).encode()  # fmt: skip
-    file_id = first.store.create_file("batch", "in.jsonl", content)["id"]
-    batch_id = second.store.create_batch(file_id, "/v1/completions", "24h", None)["id"]
+    try:
+        first, second = (r.batches for r in routers)
+        assert first is not None and second is not None
+        bodies = [{"model": "tiny", "prompt": f"shared store {i}", "max_tokens": 4,
+                   "temperature": 0} for i in range(8)]  # fmt: skip
+        content = "\n".join(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                        "url": "/v1/completions", "body": b})
+                            for i, b in enumerate(bodies)).encode()  # fmt: skip
+        file_id = first.store.create_file("batch", "in.jsonl", content)["id"]
+        batch_id = second.store.create_batch(file_id, "/v1/completions", "24h", None)["id"]
 
-    def done_lines() -> int:
-        return int(second.store.get_batch(batch_id)["request_counts"]["completed"])
+        def done_lines() -> int:
+            return int(second.store.get_batch(batch_id)["request_counts"]["completed"])
 
-    async def run() -> None:
-        first.runner.concurrency = 1
-        assert first.store.claim(first.runner.owner, 2.0) == batch_id
-        stopped = asyncio.create_task(first.runner.run_batch(batch_id))
-        deadline = time.monotonic() + 60
-        while done_lines() < 3:
-            assert time.monotonic() < deadline, "the first router ran no lines"
-            await asyncio.sleep(0.05)
-        stopped.cancel()  # the first router stops mid-batch: its lease stays until it runs out
-        with contextlib.suppress(asyncio.CancelledError):
-            await stopped
-        kept = done_lines()
-        ray.kill(first.store.handle, no_restart=False)  # type: ignore[attr-defined]
+        async def run() -> None:
+            first.runner.concurrency = 1
+            assert first.store.claim(first.runner.owner, 2.0) == batch_id
+            stopped = asyncio.create_task(first.runner.run_batch(batch_id))
+            deadline = time.monotonic() + 60
+            while done_lines() < 3:
+                assert time.monotonic() < deadline, "the first router ran no lines"
+                await asyncio.sleep(0.05)
+            stopped.cancel()  # the first router stops mid-batch: its lease stays until it runs out
+            with contextlib.suppress(asyncio.CancelledError):
+                await stopped
+            kept = done_lines()
+            ray.kill(first.store.handle, no_restart=False)  # type: ignore[attr-defined]
 
-        def claimed() -> str | None:
-            try:
-                return second.store.claim(second.runner.owner, 2.0)
-            except Exception:  # noqa: BLE001 - the actor is restarting
-                return None
+            def claimed() -> str | None:
+                try:
+                    return second.store.claim(second.runner.owner, 2.0)
+                except Exception:  # noqa: BLE001 - the actor is restarting
+                    return None
 
-        assert wait_for("the restarted store, the lease run out", claimed, 60) == batch_id
-        # Nothing committed was lost with the actor's process. A line's write already on its way
-        # when the first router stopped (a store call runs on a worker thread, which cancelling
-        # the batch's task does not stop) may land after `kept` was read: at least, not equal.
-        assert done_lines() >= kept
-        await second.runner.run_batch(batch_id)
+            assert wait_for("the restarted store, the lease run out", claimed, 60) == batch_id
+            # Nothing committed was lost with the actor's process. A line's write already on its way
+            # when the first router stopped (a store call runs on a worker thread, which cancelling
+            # the batch's task does not stop) may land after `kept` was read: at least, not equal.
+            assert done_lines() >= kept
+            await second.runner.run_batch(batch_id)
 
-    asyncio.run(run())
-    batch = second.store.get_batch(batch_id)
-    assert batch["status"] == "completed"
-    assert batch["request_counts"] == {"total": 8, "completed": 8, "failed": 0}
-    out = [json.loads(x) for x in first.store.file_content(batch["output_file_id"]).splitlines()]
-    assert [x["custom_id"] for x in out] == [f"r{i}" for i in range(8)]  # each line once
+        asyncio.run(run())
+        batch = second.store.get_batch(batch_id)
+        assert batch["status"] == "completed"
+        assert batch["request_counts"] == {"total": 8, "completed": 8, "failed": 0}
+        out = [
+            json.loads(x) for x in first.store.file_content(batch["output_file_id"]).splitlines()
+        ]
+        assert [x["custom_id"] for x in out] == [f"r{i}" for i in range(8)]  # each line once
 
-    async def online() -> list[str]:
-        call = asgi_caller(routers[0].app, None)
-        return [(await call("/v1/completions", b))[1]["choices"][0]["text"] for b in bodies]
+        async def online() -> list[str]:
+            call = asgi_caller(routers[0].app, None)
+            return [(await call("/v1/completions", b))[1]["choices"][0]["text"] for b in bodies]
 
-    assert [x["response"]["body"]["choices"][0]["text"] for x in out] == asyncio.run(online())
+        assert [x["response"]["body"]["choices"][0]["text"] for x in out] == asyncio.run(online())
+    finally:
+        for router in routers:  # their engine threads and worker pools
+            router.shutdown()
+            router.client.shutdown()  # type: ignore[attr-defined]

@@ -43,8 +43,12 @@ def test_a_build_that_fails_fails_the_constructor_and_leaves_no_thread() -> None
     def broken() -> LLMEngine:
         raise FileNotFoundError("no model at /nowhere")
 
+    def engine_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == ENGINE_THREAD_NAME}
+
+    before = engine_threads()  # another test's client, not shut down yet, is not this one's
     with pytest.raises(FileNotFoundError, match="/nowhere"):
         InProcessEngineClient(build=broken)
-    assert ENGINE_THREAD_NAME not in {t.name for t in threading.enumerate()}
+    assert engine_threads() <= before
     with pytest.raises(ValueError, match="not both"):
         InProcessEngineClient()
