@@ -3,12 +3,13 @@ router for KV-aware routing (docs/prefix_caching.md). Pure (no sockets).
 
 An engine's `CacheDigests` turns its cached-hash set into one `CacheDigest` per load report: the
 hashes stored and evicted since the last report (as Dynamo's KV events), or the whole set (a
-snapshot) on its first report, every `snapshot_every` reports, and whenever the diff would pass
-`max_events`. The router's `CachedBlocks` replays them. Load reports travel PUB/SUB, which drops
-messages under load, so every digest carries a sequence number: a diff applies only right after
-the one before it; after a gap the replica forgets everything (no credit, plain JSQ for that
-engine) until the next snapshot. A lost report therefore costs a cache miss, never a wrong token:
-routing is advisory and the engine's own `BlockManager` decides what it reuses.
+snapshot) on its first report, once `snapshot_interval_s` has passed since the last one, and
+whenever the diff would pass `max_events`. The router's `CachedBlocks` replays them. Load reports
+travel PUB/SUB, which drops messages under load, so every digest carries a sequence number: a
+diff applies only right after the one before it; after a gap the replica forgets everything (no
+credit, plain JSQ for that engine) until the next snapshot. A lost report therefore costs a cache
+miss, never a wrong token: routing is advisory and the engine's own `BlockManager` decides what it
+reuses.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 from common.block_hash import BlockHash
 
 MAX_EVENTS = 512  # a diff larger than this goes out as a snapshot instead
-SNAPSHOT_EVERY = 20  # reports (1 s at 50 ms): a router that joined late or lost one resyncs
+# A router that joined late or lost a digest resyncs within this, however often the engine reports
+# (every 50 ms while it works, once a second idle: a count of reports would stretch with the rate).
+SNAPSHOT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -39,26 +42,33 @@ class CacheDigests:
     this mesh's caches); hooks in `BlockManager` would cost O(changes) but couple it to reporting.
     """
 
-    def __init__(self, max_events: int = MAX_EVENTS, snapshot_every: int = SNAPSHOT_EVERY) -> None:
-        if max_events <= 0 or snapshot_every <= 0:
-            raise ValueError("cache digests: max_events and snapshot_every must be positive")
+    def __init__(
+        self, max_events: int = MAX_EVENTS, snapshot_interval_s: float = SNAPSHOT_INTERVAL_S
+    ) -> None:
+        if max_events <= 0 or snapshot_interval_s <= 0:
+            raise ValueError("cache digests: max_events and snapshot_interval_s must be positive")
         self.max_events = max_events
-        self.snapshot_every = snapshot_every
+        self.snapshot_interval_s = snapshot_interval_s
         self._seq = 0
         self._published: set[BlockHash] = set()
+        self._last_snapshot_s: float | None = None
 
-    def next(self, cached: Collection[BlockHash]) -> CacheDigest:
-        """The digest for the report going out now, given the hashes cached now."""
-        now = set(cached)
-        added = now - self._published
-        removed = self._published - now
+    def next(self, cached: Collection[BlockHash], now_s: float) -> CacheDigest:
+        """The digest for the report going out at `now_s` (a monotonic clock), given the hashes
+        cached now."""
+        held = set(cached)
+        added = held - self._published
+        removed = self._published - held
         snapshot = (
-            self._seq % self.snapshot_every == 0 or len(added) + len(removed) > self.max_events
+            self._last_snapshot_s is None
+            or now_s - self._last_snapshot_s >= self.snapshot_interval_s
+            or len(added) + len(removed) > self.max_events
         )
         self._seq += 1
-        self._published = now
+        self._published = held
         if snapshot:
-            return CacheDigest(self._seq, True, sorted(now), [])
+            self._last_snapshot_s = now_s
+            return CacheDigest(self._seq, True, sorted(held), [])
         return CacheDigest(self._seq, False, sorted(added), sorted(removed))
 
 

@@ -474,15 +474,16 @@ class EngineWorker:
         self._worked, self._last_load_s = self.engine.has_work(), now
         report = self.engine.load_report(time.time())
         self.last_load = report  # for Serve's autoscaling hook (services/mesh/autoscaling.py)
-        self.load_pub.send(with_cache_digest(report, self.digests, self.engine.blocks))
+        self.load_pub.send(with_cache_digest(report, self.digests, self.engine.blocks, now))
         self.engine.telemetry.report(report, self.engine.blocks.num_used_blocks)
 
 
 def with_cache_digest(
-    report: LoadReport, digests: CacheDigests, blocks: BlockManager
+    report: LoadReport, digests: CacheDigests, blocks: BlockManager, now_s: float
 ) -> LoadReport:
-    """`report` carrying the prefix cache's news since the last one (KV-aware routing)."""
-    digest = digests.next(blocks.cached_hashes())
+    """`report`, going out at `now_s` (monotonic), carrying the prefix cache's news since the
+    last one (KV-aware routing)."""
+    digest = digests.next(blocks.cached_hashes(), now_s)
     return msgspec.structs.replace(
         report, kv_seq=digest.seq, kv_snapshot=digest.snapshot, kv_added=digest.added,
         kv_removed=digest.removed,

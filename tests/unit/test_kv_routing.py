@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from common.block_hash import block_hashes, namespace_seed
 from common.block_manager import BlockManager
-from common.kv_events import CachedBlocks, CacheDigest, CacheDigests
+from common.kv_events import SNAPSHOT_INTERVAL_S, CachedBlocks, CacheDigest, CacheDigests
 from common.protocol import LoadReport
 from common.roles import Role
 from common.scheduling.cluster import JSQPoolPolicy, MachineLoad, RouteRequest
@@ -70,7 +72,7 @@ def test_the_token_machine_gets_no_credit():
 
 def test_digests_replicate_a_block_manager_cache_through_churn():
     blocks = BlockManager(24, BLOCK, enable_prefix_caching=True)
-    digests, replica = CacheDigests(max_events=8, snapshot_every=5), CachedBlocks()
+    digests, replica = CacheDigests(max_events=8, snapshot_interval_s=0.25), CachedBlocks()
     rng = random.Random(0)
     for step in range(60):
         req = f"r{step}"
@@ -79,23 +81,36 @@ def test_digests_replicate_a_block_manager_cache_through_churn():
             blocks.allocate(req, len(tokens), tokens)
             blocks.mark_computed(req, len(tokens))
             blocks.free(req)
-        digest = digests.next(blocks.cached_hashes())
+        digest = digests.next(blocks.cached_hashes(), step * 0.05)  # a snapshot every 5th
         replica.apply(digest)
         assert replica.hashes == set(blocks.cached_hashes()), step
     assert replica.synced
 
 
 def test_a_lost_digest_drops_credit_until_the_next_snapshot():
-    digests, replica = CacheDigests(snapshot_every=3), CachedBlocks()
-    replica.apply(digests.next([1, 2]))  # seq 1: snapshot
+    digests, replica = CacheDigests(snapshot_interval_s=3.0), CachedBlocks()
+    replica.apply(digests.next([1, 2], 0.0))  # seq 1: snapshot
     assert replica.prefix_blocks([1, 2, 3]) == 2
-    digests.next([1, 2, 3])  # seq 2: lost on the way
-    replica.apply(digests.next([2, 3]))  # seq 3: a diff that cannot apply
+    digests.next([1, 2, 3], 1.0)  # seq 2: lost on the way
+    replica.apply(digests.next([2, 3], 2.0))  # seq 3: a diff that cannot apply
     assert not replica.synced and replica.prefix_blocks([2, 3]) == 0
     replica.expect([2, 3])  # no guesses while out of sync
     assert replica.prefix_blocks([2, 3]) == 0
-    replica.apply(digests.next([2, 3, 4]))  # seq 4: the periodic snapshot
+    replica.apply(digests.next([2, 3, 4], 3.0))  # seq 4: the periodic snapshot
     assert replica.synced and replica.hashes == {2, 3, 4}
+
+
+@pytest.mark.parametrize("report_s", [0.05, 1.0], ids=["busy", "idle"])
+def test_a_router_that_joins_late_resyncs_within_the_interval(report_s: float) -> None:
+    """An engine reports every 50 ms while it works and once a second idle: either way a router
+    that missed the first snapshot holds the engine's set within `SNAPSHOT_INTERVAL_S`."""
+    digests, now = CacheDigests(), 0.0
+    digests.next([1], now)  # the first report, before the router subscribed
+    replica = CachedBlocks()
+    while not replica.synced:
+        now += report_s
+        replica.apply(digests.next([1, 2], now))
+    assert now < SNAPSHOT_INTERVAL_S + report_s and replica.hashes == {1, 2}
 
 
 def test_an_older_digest_never_undoes_a_newer_one():
@@ -107,10 +122,10 @@ def test_an_older_digest_never_undoes_a_newer_one():
 
 
 def test_a_big_diff_goes_out_as_a_snapshot():
-    digests = CacheDigests(max_events=4, snapshot_every=100)
-    assert digests.next([]).snapshot  # the first report is always one
-    assert not digests.next([1, 2]).snapshot
-    big = digests.next(range(10, 20))
+    digests = CacheDigests(max_events=4, snapshot_interval_s=100.0)
+    assert digests.next([], 0.0).snapshot  # the first report is always one
+    assert not digests.next([1, 2], 1.0).snapshot
+    big = digests.next(range(10, 20), 2.0)
     assert big.snapshot and big.added == list(range(10, 20)) and big.removed == []
 
 
