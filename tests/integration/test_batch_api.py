@@ -14,7 +14,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import openai
 import pytest
 
 from common.model.default import default_model_path
+from tests.e2e.serve_process import free_port
 
 LEASE_S = 2.0
 
@@ -50,12 +50,6 @@ def serve_router(port: int, store: str, delay_s: float) -> None:
     router = Router(InProcessEngineClient(engine), default_model_path("tiny"), "tiny",
                     batch_store=store, batch_lease_s=LEASE_S)  # fmt: skip
     uvicorn.run(router.app, host="127.0.0.1", port=port, log_level="warning")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RouterProcess:
