@@ -94,9 +94,9 @@ typecheck: $(DEPS_STAMP)
 # cores finish well before one.
 # `make test TEST_WORKERS=0`: one process.
 TEST_WORKERS ?= 2
-# Two jobs at a time once the dependencies are in: the kernel's build and the simulator's, each
-# on one core, then mypy (which needs neither) beside the rest of the set-up and pytest's start.
-# `make test` fails if any does.
+# Two jobs at a time once the dependencies are in: the kernel's build, the simulator's, mypy (which
+# needs neither build) and pytest, each as soon as what it needs is there. `make test` fails if
+# any does.
 test: lint
 	$(MAKE) -j2 install typecheck pytest
 

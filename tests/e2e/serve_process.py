@@ -145,38 +145,45 @@ class ServeRun:
         deployments: dict[str, dict[str, Any]] | None = None,
         app_options: dict[str, Any] | None = None,
     ) -> None:
-        self.port = free_port()
         self.config_path = workdir / source_config.name
         self.config = config_on_port(
-            source_config, self.config_path, self.port, args, preset, deployments, app_options
+            source_config, self.config_path, free_port(), args, preset, deployments, app_options
         )
         self.log_path = workdir / "serve-run.log"
         self.ingress = ingress
-        self.proxy_url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.proxy_url  # the Router replica's own once started, if direct
         self._proc: subprocess.Popen[bytes] | None = None
         self._direct_low = 0
 
     def start(self, timeout_s: float = 240.0) -> str:
         """Start `serve run` and wait for a healthy server: the URL requests go to. A start that
-        finds its HTTP port taken is tried again on another (`PORT_TRIES` in all)."""
-        for attempt in range(1, PORT_TRIES + 1):
+        finds its HTTP port taken is tried again on another (`PORT_TRIES` in all, one deadline)."""
+        deadline = time.monotonic() + timeout_s
+        for _ in range(PORT_TRIES - 1):
             try:
-                return self._start(timeout_s)
+                return self._start(deadline)
             except ServeExited as exc:
-                if PORT_TAKEN not in exc.log or attempt == PORT_TRIES:
+                if PORT_TAKEN not in exc.log:
                     raise
                 self.kill()  # whatever of that Ray is left
                 self._move_to_port(free_port())
-        raise AssertionError("unreachable")
+        return self._start(deadline)
+
+    @property
+    def port(self) -> int:
+        """The HTTP port of Serve's proxy: the config's."""
+        return int(self.config["http_options"]["port"])
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def _move_to_port(self, port: int) -> None:
-        self.port = port
         self.config["http_options"]["port"] = port
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
-        self.proxy_url = self.base_url = f"http://127.0.0.1:{port}"
+        self.base_url = self.proxy_url
 
-    def _start(self, timeout_s: float) -> str:
+    def _start(self, deadline: float) -> str:
         # Ray's idle timers as `make run` slows them (the caller's environment may override).
         env = QUIET_RUNTIME_ENV | {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -192,7 +199,6 @@ class ServeRun:
                 command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
-        deadline = time.monotonic() + timeout_s
         self._wait_healthy(self.proxy_url, deadline)
         if self.ingress != "proxy":
             self.base_url = f"http://127.0.0.1:{self._router_port()}"

@@ -113,6 +113,13 @@ def test_a_router_that_joins_late_resyncs_within_the_interval(report_s: float) -
     assert now < SNAPSHOT_INTERVAL_S + report_s and replica.hashes == {1, 2}
 
 
+@pytest.mark.parametrize("options", [{"max_events": 0}, {"snapshot_interval_s": 0.0},
+                                     {"snapshot_interval_s": -1.0}])  # fmt: skip
+def test_digests_refuse_bounds_that_would_never_or_always_snapshot(options: dict) -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        CacheDigests(**options)
+
+
 def test_an_older_digest_never_undoes_a_newer_one():
     replica = CachedBlocks()
     replica.apply(CacheDigest(5, True, [1, 2], []))
