@@ -193,7 +193,7 @@ def greedy_work(
     single-process engine's tokens for them."""
     from common.engine.core import LLMEngine
     from common.model.default import default_model_path
-    from common.sampling import SamplingParams
+    from common.sampling_params import SamplingParams
 
     model_path = default_model_path("tiny")
     rng = random.Random(args.seed)

@@ -52,7 +52,7 @@ from pathlib import Path
 from common.mesh_options import MeshOptions
 from common.model.default import PRESETS, default_model_path
 from common.protocol import DecodeBreakdown
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.router.mesh_client import MeshEngineClient
 

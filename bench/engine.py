@@ -73,7 +73,7 @@ from common.model.linear import (
     packed_weight_bytes,
     unpack_linears,
 )
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.scheduling.batching import Phase
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.mesh_options import MeshOptions  # noqa: E402
 from common.model.default import PRESETS, default_model_path  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 from services.launch.local_mesh import LocalMesh, Topology  # noqa: E402
 from services.router.mesh_client import MeshEngineClient  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402

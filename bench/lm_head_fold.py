@@ -24,7 +24,7 @@ import torch
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
 from common.model.linear import pack_linears
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 PROMPT = list(range(11, 51))
 

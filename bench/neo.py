@@ -58,7 +58,7 @@ from msgspec.structs import replace as replace_options
 
 from common.mesh_options import MeshOptions
 from common.model.default import default_model_path
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.telemetry.metrics import Metrics
 from loadgen.arrivals import ArrivalConfig, plan_requests
 from loadgen.prompts import PromptBuilder

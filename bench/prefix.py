@@ -55,7 +55,7 @@ from bench.prefix_reuse import (  # noqa: E402
 )
 from common.mesh_options import MeshOptions  # noqa: E402
 from common.model.default import default_model_path  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 from loadgen.arrivals import ArrivalConfig, plan_requests  # noqa: E402
 from loadgen.prompts import PromptBuilder  # noqa: E402
 from loadgen.target import RequestSpec  # noqa: E402

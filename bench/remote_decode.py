@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from common.sampling import SamplingParams
+    from common.sampling_params import SamplingParams
     from services.router.mesh_client import MeshEngineClient
 
 
@@ -42,7 +42,7 @@ class MeshDecode:
         self._num_batches = 0
 
     def token_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
-        from common.sampling import SamplingParams
+        from common.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self._num_batches += 1

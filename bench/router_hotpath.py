@@ -33,7 +33,7 @@ sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the s
 
 from common.engine.request import FinishReason, RequestOutput  # noqa: E402
 from common.model.default import default_model_path  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 from services.router.engine_client import InProcessEngineClient  # noqa: E402
 from services.router.server import Router  # noqa: E402
 from services.router.streams import StreamInterval  # noqa: E402

@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.model.default import default_model_path  # noqa: E402
 from loadgen.sim.offline import simulated_gain  # noqa: E402
 from loadgen.traces import read_azure_csv, shared_dir  # noqa: E402
-from services.offline.group import MODES, JobStats, OfflineGroup  # noqa: E402
+from services.offline.group import JobStats, OfflineGroup  # noqa: E402
+from services.offline.options import MODES  # noqa: E402
 
 TARGET = 1.2
 

@@ -58,7 +58,7 @@ from common.engine.core import LLMEngine  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
 from common.mesh_options import mesh_options  # noqa: E402
 from common.model.default import PRESETS, default_model_path  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 
 PATHS = ["inprocess", "local", "mesh"]
 SERVED = ("local", "local_plain", "mesh", "mesh_plain")  # the served figures, by path and mode

@@ -44,10 +44,14 @@ from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from common.engine.core import LLMEngine  # noqa: E402
 from common.model.default import default_model_path  # noqa: E402
-from common.sampling import Sampler, SamplingParams  # noqa: E402
-from common.structured import GrammarCompiler, GrammarMatcher, apply_masks  # noqa: E402
-from common.structured import parse_structured_output as parse  # noqa: E402
-from common.structured.masks import MaskFiller  # noqa: E402
+from common.sampling import Sampler  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
+from common.structured.grammar import GrammarCompiler, GrammarMatcher  # noqa: E402
+from common.structured.masks import (
+    MaskFiller,  # noqa: E402
+    apply_masks,  # noqa: E402
+)
+from common.structured.spec import parse_structured_output as parse  # noqa: E402
 from common.tokenizer import EOS, EOT, SPECIAL_TOKENS, synthetic_corpus  # noqa: E402
 
 STEPS = 200

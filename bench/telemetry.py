@@ -61,7 +61,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from common.engine.request import RequestOutput
 from common.model.default import default_model_path
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.telemetry import DecodeSpan, Metrics, configure_telemetry, extract_context
 from loadgen.cli import positive_int
 from services.launch.local_mesh import LocalMesh, Topology

@@ -18,7 +18,8 @@ import re
 
 import torch
 
-DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+from common.mesh_options import DEVICE_PATTERN
+
 _DEVICE_RE = re.compile(DEVICE_PATTERN)
 
 
@@ -125,4 +126,4 @@ class HostStaging:
         return out
 
 
-__all__ = ["DEVICE_PATTERN", "HostStaging", "StagedCopy", "model_dtype_on", "resolve_device"]
+__all__ = ["HostStaging", "StagedCopy", "model_dtype_on", "resolve_device"]

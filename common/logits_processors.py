@@ -19,12 +19,10 @@ utils.py` `apply_penalties`, v1's `min_p` and `logit_bias`), which are OpenAI's 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # common.sampling imports this module
-    from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 # A request's tokens so far, as the engines keep them: (prompt ids, output ids).
 History = tuple[Sequence[int], Sequence[int]]

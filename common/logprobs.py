@@ -36,7 +36,3 @@ def token_logprobs(
         TokenLogprobs(lp, tuple(top_ids[r][:n]), tuple(top_lps[r][:n]), ranks[r])
         for r, (lp, n) in enumerate(zip(chosen_lps, num_top, strict=True))
     ]
-
-
-def cumulative_logprob(logprobs: Sequence[TokenLogprobs]) -> float:
-    return sum(lp.logprob for lp in logprobs)

@@ -15,7 +15,6 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from common.device import DEVICE_PATTERN
 from common.roles import Role
 from common.scheduling.cluster import PoolThresholds
 from common.scheduling.home_roles import HomeRoleThresholds
@@ -25,6 +24,9 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
+# How `device` is spelled (common/device.py resolves it): written here, beside the option, so that
+# the options (and the router, which reads them) never import torch.
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 # Re-runs of one request on other replicas when its engines or shards die (token replay).
 MAX_MIGRATIONS = 5
 # KV-aware routing: a prompt engine's pending tokens less this x the prompt's prefix it caches.

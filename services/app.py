@@ -31,7 +31,7 @@ import os
 import secrets
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import structlog
@@ -39,22 +39,17 @@ from ray import serve
 from ray.serve import Application
 
 from common.config import ModelConfig
-from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
-from common.model.weight_cache import cache_dir
 from common.roles import Role
 from common.telemetry import Metrics, configure_logging, configure_telemetry
 from common.telemetry.prometheus import PrometheusSink
 from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig, role_config
 from services.app_args import AppArgs, EngineArgs
-from services.engine.worker import EngineWorker
 from services.mesh.autoscaling import AGE, RateMeter, engine_stats, shard_stats
 from services.mesh.ray_registry import RayRegistry
 from services.mesh.registry import RegistryClient
-from services.mesh.replica import MeshReplica, start_engine, start_model_peer, start_shard
-from services.offline.service import OfflineOptions, OfflineService
-from services.offline.sharding import check_shardable
+from services.offline.options import OfflineOptions, check_shardable
 from services.router.engine_client import (
     EngineClient,
     InProcessEngineClient,
@@ -64,7 +59,13 @@ from services.router.engine_client import (
 from services.router.mesh_client import MeshEngineClient
 from services.router.server import Router
 from services.router.streams import AdmissionLimits, StreamInterval
-from services.shard.worker import ShardWorker
+
+# NOTE: each deployment imports its role's modules when its replica starts, not here: every
+# replica imports this module, and the Router's (`topology: mesh`) and `serve run`'s own process
+# then never import torch, ucxx or the engines (a faster Router start, less memory).
+if TYPE_CHECKING:
+    from common.engine.core import LLMEngine
+    from services.mesh.replica import MeshReplica
 
 log = structlog.get_logger(__name__)
 
@@ -88,6 +89,8 @@ def _make_client(args: AppArgs, replica_id: str, metrics: Metrics) -> EngineClie
         e = args.engine
 
         def build() -> LLMEngine:  # on the engine's thread (`InProcessEngineClient`: why)
+            from common.engine.core import LLMEngine
+
             # The engine's options are `from_path`'s keywords; the threads are the client's.
             return LLMEngine.from_path(args.model_path(), **e.model_dump(exclude={"num_threads"}))
 
@@ -254,6 +257,8 @@ class _MeshService:
         generation = _generation(args)
         self.started_at = time.monotonic()
         self.arrivals = RateMeter(self.started_at)  # its prompt tokens' arrival rate
+        from services.mesh.replica import start_engine, start_model_peer, start_shard
+
         if self.role == Role.SHARD:
             self.replica: MeshReplica = start_shard(service_id, registry, base, generation)
         elif self.role == Role.MODEL_PEER:
@@ -267,6 +272,9 @@ class _MeshService:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling hook: this replica's load (services/mesh/autoscaling.py)."""
         age_s = time.monotonic() - self.started_at
+        from services.engine.worker import EngineWorker
+        from services.shard.worker import ShardWorker
+
         worker = self.replica.worker.worker
         if isinstance(worker, ShardWorker):
             blocks = worker.shard.blocks  # NOTE: racy reads of two ints, for a load figure
@@ -342,6 +350,9 @@ class OfflineGroupDeployment:
     def __init__(self, args: dict[str, Any]) -> None:
         parsed = AppArgs.model_validate(args)
         assert parsed.offline is not None
+        from common.model.weight_cache import cache_dir
+        from services.offline.service import OfflineService
+
         self.service = OfflineService.start(
             parsed.model_path(), parsed.offline, weight_cache=cache_dir(parsed.mesh.weight_cache)
         )

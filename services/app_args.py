@@ -13,10 +13,9 @@ import msgspec
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
 
 from common.config import env
-from common.device import DEVICE_PATTERN
-from common.mesh_options import MeshOptions, mesh_options
+from common.mesh_options import DEVICE_PATTERN, MeshOptions, mesh_options
 from common.model.default import PRESETS, default_model_path
-from services.offline.service import OfflineOptions
+from services.offline.options import OfflineOptions
 
 
 class _Args(BaseModel):

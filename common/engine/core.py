@@ -25,7 +25,8 @@ from common.model.loader import load_model
 from common.model.weight_cache import cache_dir
 from common.protocol import LoadReport, TokenLogprobs
 from common.roles import Role
-from common.sampling import SampledRow, Sampler, SamplingParams
+from common.sampling import SampledRow, Sampler
+from common.sampling_params import SamplingParams
 from common.scheduling.batching import EngineScheduler, Phase, Sequence
 from common.telemetry.engine_counts import EngineHistograms, engine_counters
 from common.telemetry.metrics import ITERATION_TOKENS

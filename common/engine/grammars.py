@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.structured.grammar import GrammarCompiler, GrammarMatcher
 from common.wake_pipe import WakePipe
 

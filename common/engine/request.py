@@ -8,7 +8,7 @@ from enum import StrEnum
 from typing import overload
 
 from common.protocol import TokenLogprobs
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.structured.grammar import GrammarMatcher
 from common.tokenizer import Tokenizer
 

@@ -24,16 +24,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
-import torch
-from safetensors.torch import save_file
 
 from common.config import cache_root, env
-from common.model.gguf_convert import DTYPES, convert_gguf
 from common.model.packaged import SMOLLM2, PackagedGGUF
 from common.tokenizer import BOS, EOS, EOT, LLAMA3_CHAT_TEMPLATE, build_byte_level_bpe
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +73,8 @@ def hf_config(preset: dict[str, Any], seed: int) -> dict[str, Any]:
 
 
 def random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    import torch  # writing a model's weights needs it; finding a written one (the Router) not
+
     """Seeded weights under Hugging Face names: unit-variance projections, a peaked LM head."""
     gen = torch.Generator().manual_seed(seed)
     h, inter = config["hidden_size"], config["intermediate_size"]
@@ -116,6 +118,8 @@ def write_random_llama(folder: Path, config: dict[str, Any], seed: int = 0) -> P
         "eos_token_id": [tokenizer.token_to_id(EOS), tokenizer.token_to_id(EOT)],
     }
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    from safetensors.torch import save_file
+
     save_file(random_weights(config, seed), str(tmp / "model.safetensors"), {"format": "pt"})
     tokenizer.save(str(tmp / "tokenizer.json"))
     tokenizer_config = {"bos_token": BOS, "eos_token": EOS, "chat_template": LLAMA3_CHAT_TEMPLATE}
@@ -133,6 +137,10 @@ def write_random_llama(folder: Path, config: dict[str, Any], seed: int = 0) -> P
 def real_model_path(name: str, dtype: str | None = None) -> Path:
     """The cached folder of a real model (`REAL_MODELS`), downloaded and converted on first use;
     `dtype` (default `PHASEMESH_MODEL_DTYPE`, else float32) is the stored weights'."""
+    # The converter (torch, gguf) is imported here: a process that finds the folder written (a
+    # Router replica) never imports it.
+    from common.model.gguf_convert import DTYPES, convert_gguf
+
     dtype = dtype or env("MODEL_DTYPE") or "float32"
     if dtype not in DTYPES:
         choices = ", ".join(DTYPES)
@@ -171,6 +179,8 @@ def default_model_path(preset: str = "tiny", seed: int = 0, dtype: str | None = 
 
 
 def main() -> None:
+    from common.model.gguf_convert import DTYPES
+
     parser = argparse.ArgumentParser(description="Prepare the preset models if missing.")
     parser.add_argument(
         "--preset", action="append", choices=PRESETS,

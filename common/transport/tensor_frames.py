@@ -13,7 +13,7 @@ union from `common.protocol`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, TypeAlias, TypeVar
+from typing import Any, Generic, Protocol, TypeAlias
 
 import msgspec
 import numpy as np
@@ -21,8 +21,8 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from common.attention.cpu_kernel import extension
+from common.transport.zmq_sockets import HeaderT
 
-HeaderT = TypeVar("HeaderT")
 # The csrc extension's strided frame copies (`pack_frames`); None: the numpy path.
 _FRAMES = extension()
 _FRAMES = _FRAMES if hasattr(_FRAMES, "pack_frames") else None
@@ -199,3 +199,12 @@ class EnvelopeCodec(Generic[HeaderT]):
         """Decode an envelope; raises msgspec.DecodeError on malformed or unknown input."""
         specs, header = self._decoder.decode(data)
         return specs, header
+
+
+def frame_tensor(dtype: str, shape: tuple[int, ...], buffer: memoryview) -> torch.Tensor:
+    """A tensor over a received frame's own memory (no copy); ValueError on an unknown dtype."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown tensor dtype {dtype!r}")
+    if not len(buffer):
+        return torch.empty(shape, dtype=DTYPES[dtype])
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(DTYPES[dtype]).view(shape)

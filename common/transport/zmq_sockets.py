@@ -21,17 +21,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 import structlog
-import torch
 import zmq
 
-from common.transport.tensor_frames import DTYPES, EnvelopeCodec, HeaderT, byte_view
 from common.transport.zmq_auth import CurveKeys
 
+if TYPE_CHECKING:
+    import torch
+
+    from common.transport.tensor_frames import EnvelopeCodec
+
 log = structlog.get_logger(__name__)
+
+HeaderT = TypeVar("HeaderT")  # the message type a socket carries (tensor_frames' envelopes too)
 
 
 class TypedSocket(Generic[HeaderT]):
@@ -41,14 +46,27 @@ class TypedSocket(Generic[HeaderT]):
         self.sock = sock
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(message_type)
-        self._codec: EnvelopeCodec[HeaderT] = EnvelopeCodec(message_type)
+        self._message_type = message_type
+        self._codec: EnvelopeCodec[HeaderT] | None = None  # at the first tensor message
+
+    def _tensor_codec(self) -> EnvelopeCodec[HeaderT]:
+        """The tensor envelope's codec, made at this socket's first tensor message. Tensors are
+        the tensor plane's: the modules that carry them (and torch) are imported then, so that a
+        process whose sockets carry messages alone (the Router) never imports torch."""
+        if self._codec is None:
+            from common.transport.tensor_frames import EnvelopeCodec
+
+            self._codec = EnvelopeCodec(self._message_type)
+        return self._codec
 
     def send(self, msg: HeaderT, prefix: Sequence[bytes] = ()) -> None:
         """Send one message (ROUTER replies put the peer identity in `prefix`)."""
         self.sock.send_multipart([*prefix, self._encoder.encode(msg)])
 
     def send_tensors(self, header: HeaderT, tensors: Sequence[torch.Tensor]) -> None:
-        frames: list[Any] = [self._codec.encode(header, tensors)]
+        from common.transport.tensor_frames import byte_view
+
+        frames: list[Any] = [self._tensor_codec().encode(header, tensors)]
         frames += [byte_view(t.contiguous()) for t in tensors]
         self.sock.send_multipart(frames, copy=False)
 
@@ -79,32 +97,26 @@ class TypedSocket(Generic[HeaderT]):
 
     def recv_tensors_nowait(self) -> tuple[HeaderT, list[torch.Tensor]] | None:
         """The next tensor message (header, tensors), or None. Malformed ones are dropped."""
+        from common.transport.tensor_frames import frame_tensor
+
+        codec = self._tensor_codec()
         while True:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return None
             try:
-                specs, header = self._codec.decode(frames[0].buffer)
+                specs, header = codec.decode(frames[0].buffer)
                 if len(specs) != len(frames) - 1:
                     raise ValueError(f"{len(specs)} tensor specs, {len(frames) - 1} frames")
                 pairs = zip(specs, frames[1:], strict=True)
-                return header, [_tensor(spec.dtype, spec.shape, f) for spec, f in pairs]
+                return header, [frame_tensor(spec.dtype, spec.shape, f.buffer) for spec, f in pairs]
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RuntimeError) as exc:
                 log.warning("dropped malformed tensor message", error=str(exc))
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket; messages not yet sent get `linger_s` seconds to leave (0: dropped)."""
         self.sock.close(linger=int(linger_s * 1000))
-
-
-def _tensor(dtype: str, shape: tuple[int, ...], frame: zmq.Frame) -> torch.Tensor:
-    """A tensor over the frame's own memory (no copy); raises ValueError on an unknown dtype."""
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown tensor dtype {dtype!r}")
-    if not len(frame.buffer):
-        return torch.empty(shape, dtype=DTYPES[dtype])
-    return torch.frombuffer(frame.buffer, dtype=torch.uint8).view(DTYPES[dtype]).view(shape)
 
 
 class PushPool(Generic[HeaderT]):

@@ -14,7 +14,8 @@ from common.config import ModelConfig
 from common.engine.grammars import EngineGrammars
 from common.engine.request import Request, TokenIds, check_prompt
 from common.protocol import DecodeHandoff, GenerateRequest, RebuildKv, TokenOutput
-from common.sampling import SampledRow, SamplingParams
+from common.sampling import SampledRow
+from common.sampling_params import SamplingParams
 from common.scheduling.batching import Sequence
 from common.structured.grammar import GrammarMatcher
 from services.engine.routing import RequestRoute

@@ -14,7 +14,7 @@ import asyncio
 
 from common.engine.request import RequestOutput
 from common.mesh_options import MeshOptions
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.router.mesh_client import MeshEngineClient
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,6 @@ from typing import Any
 from common.config import ModelConfig
 from common.scheduling.seesaw import (
     OfflineState,
-    Schedule,
     SeesawKnobs,
     Stage,
     Step,
@@ -38,16 +36,8 @@ from common.scheduling.seesaw import (
     apply,
     next_step,
 )
+from services.offline.options import MODES
 from services.offline.worker import KvShape, worker_main
-
-# mode: (prefill sharding, decode sharding, schedule)
-MODES: dict[str, tuple[str, str, Schedule]] = {
-    "seesaw": ("pp", "tp", Schedule.TRANSITION_MINIMIZING),
-    "tp": ("tp", "tp", Schedule.PREFILL_FIRST),
-    "pp": ("pp", "pp", Schedule.PREFILL_FIRST),
-    "prefill_first": ("pp", "tp", Schedule.PREFILL_FIRST),
-    "decode_first": ("pp", "tp", Schedule.DECODE_FIRST),
-}
 
 
 class OfflineGroupError(RuntimeError):
@@ -74,12 +64,6 @@ class JobStats:
         first, last = self.lifetimes[req_id]
         seen = self.stages[first : last + 1]
         return sum(a != b for a, b in zip(seen, seen[1:], strict=False))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class OfflineGroup:
@@ -114,11 +98,13 @@ class OfflineGroup:
         ctx = multiprocessing.get_context("forkserver")
         self.results: Any = ctx.Queue()
         self.tasks: list[Any] = [ctx.Queue() for _ in range(k)]
-        port = _free_port()
+        # Rank 0's store port, to its peers (`join_group`); kept: a worker unpickles it after its
+        # start, and the queue's semaphores go with the last reference here.
+        self.rendezvous: Any = ctx.Queue()
         self.procs = [
             ctx.Process(target=worker_main, daemon=True,
-                        args=(r, k, port, str(model_path), self.shm.name, self.kv, self.tasks[r],
-                              self.results, threads_per_worker, weight_cache))
+                        args=(r, k, self.rendezvous, str(model_path), self.shm.name, self.kv,
+                              self.tasks[r], self.results, threads_per_worker, weight_cache))
             for r in range(k)
         ]  # fmt: skip
         for p in self.procs:

@@ -25,31 +25,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
 import structlog
 
-from services.offline.group import MODES, OfflineGroup, OfflineGroupError
+from services.offline.group import OfflineGroup, OfflineGroupError
+from services.offline.options import OfflineOptions
 
 log = structlog.get_logger(__name__)
-
-
-class OfflineOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The app args' `offline:`: the group's size and room (None there: no offline group)."""
-
-    workers: int = 2
-    buffer_slots: int = 64  # requests whose prefilled KV the shared buffer holds
-    decode_slots: int = 16  # requests decoding at once
-    max_len: int = 1024  # prompt + output of one request
-    mode: str = "seesaw"
-    threads_per_worker: int = 1
-
-    def __post_init__(self) -> None:
-        if self.workers < 1 or self.buffer_slots < 1 or self.decode_slots < 1:
-            raise ValueError("offline: workers, buffer_slots and decode_slots must be >= 1")
-        if self.max_len < 2 or self.threads_per_worker < 1:
-            raise ValueError("offline: max_len must be >= 2 and threads_per_worker >= 1")
-        if self.mode not in MODES:
-            raise ValueError(f"offline: mode must be one of {sorted(MODES)}")
 
 
 MAX_CANCELLED = 256  # job ids remembered as cancelled (a cancel may come before its job runs)

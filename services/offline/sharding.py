@@ -20,21 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.config import ModelConfig
 from common.model import layer_ops
 from common.model.llama import LlamaForCausalLM, RopeAt, causal_attention
+from services.offline.options import check_shardable
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the workers, in place
-
-
-def check_shardable(config: ModelConfig, k: int) -> None:
-    """ValueError unless `k` workers split the model's layers, KV heads and MLP width evenly."""
-    c = config
-    for name, n in (("num_hidden_layers", c.num_hidden_layers),
-                    ("num_key_value_heads", c.num_key_value_heads),
-                    ("intermediate_size", c.intermediate_size)):  # fmt: skip
-        if n % k:
-            raise ValueError(f"{name} = {n} does not split over {k} workers")
 
 
 def pp_layers(num_layers: int, k: int, rank: int) -> range:

@@ -25,12 +25,12 @@ have a deadline.
 
 from __future__ import annotations
 
-import os
 import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing import shared_memory
 from multiprocessing.queues import Queue
 from pathlib import Path
@@ -44,6 +44,9 @@ from common.config import ModelConfig
 from common.model.llama import causal_attention
 from common.model.loader import load_model
 from services.offline.sharding import TpShard, pp_layers
+
+# How long a worker waits for its peers to join the group (rank 0's store, then each other's).
+JOIN_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -62,16 +65,36 @@ class KvShape:
         return int(torch.Size(self.buffer_shape(c)).numel()) * 4
 
 
-def worker_main(rank: int, k: int, port: int, model_path: str, shm_name: str, kv: KvShape,
-                tasks: Queue, results: Queue, num_threads: int,
-                weight_cache: Path | None = None) -> None:  # fmt: skip
+def join_group(rank: int, k: int, rendezvous: Queue, timeout_s: float) -> None:
+    """Joins the group's gloo process group. Rank 0 serves its store on a port the kernel picks
+    while binding it and hands that port to its peers through `rendezvous`: a port chosen free
+    beforehand and bound later could be taken by another process in between.
+
+    A rank 0 that dies before handing it over leaves its peers waiting: they give up after
+    `timeout_s` (queue.Empty), as the group gives up on a worker that stopped answering."""
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        # Not waiting here for the peers, which learn the port only below.
+        store = dist.TCPStore("127.0.0.1", 0, k, is_master=True, timeout=timeout,
+                              wait_for_workers=False)  # fmt: skip
+        for _ in range(k - 1):
+            rendezvous.put(store.port)
+    else:
+        port = rendezvous.get(timeout=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, k, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=k)
+
+
+def worker_main(rank: int, k: int, rendezvous: Queue, model_path: str, shm_name: str,
+                kv: KvShape, tasks: Queue, results: Queue, num_threads: int,
+                weight_cache: Path | None = None,
+                join_timeout_s: float = JOIN_TIMEOUT_S) -> None:  # fmt: skip
     """A worker's life: join the group, load the model (from the node's weight cache where
     given), say so (`("loaded", rank)`: the group's start-up wait ends), then serve tasks."""
     torch.set_num_threads(num_threads)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     shm = None
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=k)
+        join_group(rank, k, rendezvous, join_timeout_s)
         model = load_model(model_path, weight_cache=weight_cache)
         shm = shared_memory.SharedMemory(name=shm_name)
         results.put(("loaded", rank))

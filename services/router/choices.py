@@ -17,9 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.engine.request import RequestOutput
-from common.logprobs import cumulative_logprob
 from common.protocol import TokenLogprobs
-from common.sampling import MAX_SEED, SamplingParams
+from common.sampling_params import MAX_SEED, SamplingParams
 
 Outputs = AsyncGenerator[RequestOutput, None]
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct choices get distinct seeds
@@ -58,7 +57,7 @@ class Collected:
 
     @property
     def cumulative_logprob(self) -> float:
-        return cumulative_logprob(self.logprobs)
+        return sum(lp.logprob for lp in self.logprobs)  # best_of ranks candidates by it
 
 
 async def collect(outputs: Outputs) -> Collected:

@@ -20,18 +20,19 @@ import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
-import torch
 
-from common.engine.core import LLMEngine
 from common.engine.request import OutputText, RequestOutput
 from common.protocol import LoadReport
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.router.coalesce import coalesce
 from services.router.streams import AdmissionLimits, Stream, StreamTable, next_items
 from services.router.token_text import TokenText
+
+if TYPE_CHECKING:  # the in-process engine's alone: a mesh Router never imports torch
+    from common.engine.core import LLMEngine
 
 log = structlog.get_logger(__name__)
 
@@ -268,6 +269,8 @@ class InProcessEngineClient:
         if self.num_threads is not None:
             # Set on this thread: OpenMP's thread count is per calling thread, and Ray sets
             # OMP_NUM_THREADS to the actor's num_cpus (1), which a new thread starts with.
+            import torch  # the engine's (its build imports it too); not the mesh Router's
+
             torch.set_num_threads(self.num_threads)
         try:
             engine = self._build()

@@ -36,7 +36,7 @@ from common.protocol import (
     LoadReport,
     TokenOutput,
 )
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.scheduling.cluster import PoolThresholds
 from common.telemetry import Metrics, bind_request, inject_context, set_route
 from common.tokenizer import Tokenizer

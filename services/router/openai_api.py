@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from common.sampling import (
+from common.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_INT,

@@ -44,7 +44,7 @@ from fastapi.security import HTTPBearer
 from common.config import ModelConfig
 from common.engine.request import check_prompt
 from common.request_ids import random_hex
-from common.sampling import MAX_BAD_WORD_TOKENS, SamplingParams
+from common.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from common.telemetry import Metrics
 from common.telemetry.prometheus import CONTENT_TYPE, PrometheusSink
 from common.tokenizer import Tokenizer

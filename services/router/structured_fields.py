@@ -13,8 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.structured import parse_structured_output
-from common.structured.spec import MAX_CHOICES, MAX_SPEC_CHARS
+from common.structured.spec import MAX_CHOICES, MAX_SPEC_CHARS, parse_structured_output
 
 MAX_REGEX_CHARS = 4096  # a regex compiles to an automaton per engine: kept small
 MAX_CHOICE_CHARS = 1024  # per choice (up to MAX_CHOICES of them)

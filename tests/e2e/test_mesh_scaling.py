@@ -34,7 +34,7 @@ from common.engine.core import LLMEngine
 from common.model.default import default_model_path
 from common.protocol import EngineStats
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from common.transport.service_stats import request_stats
 from common.transport.zmq_auth import CurveKeys

@@ -65,7 +65,7 @@ import yaml
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.serve_process import REPO, SERVE_CLI, free_port, ingress_env, on_preset

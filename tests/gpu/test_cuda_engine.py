@@ -19,7 +19,7 @@ import torch
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
 from common.model.loader import load_model
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 from tests.parity import load_hf
 

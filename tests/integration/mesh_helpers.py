@@ -8,7 +8,7 @@ from typing import Any
 
 from common.protocol import SamplingSpec
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.launch.core_pinning import place_decode_groups
 from services.launch.local_mesh import LocalMesh
 from services.router.mesh_client import MeshEngineClient

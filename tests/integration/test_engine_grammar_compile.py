@@ -17,8 +17,8 @@ from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.protocol import AbortRequest, GenerateRequest, TokenOutput
 from common.roles import Role
-from common.sampling import SamplingParams
-from common.structured import parse_structured_output as parse
+from common.sampling_params import SamplingParams
+from common.structured.spec import parse_structured_output as parse
 from common.tokenizer import Tokenizer
 from common.worker_config import WorkerConfig
 from services.engine.outbox import Outbox

@@ -96,7 +96,7 @@ def test_a_killed_fork_server_takes_its_workers_and_the_supervisor_replaces_them
     engine's greedy tokens."""
     from common.engine.core import LLMEngine
     from common.protocol import SamplingSpec
-    from common.sampling import SamplingParams
+    from common.sampling_params import SamplingParams
     from tests.conftest import random_prompts
     from tests.integration.mesh_test_client import MeshTestClient
 

@@ -14,7 +14,7 @@ from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.protocol import SamplingSpec, TokenOutput
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.scheduling.cluster import PoolThresholds
 from common.scheduling.home_roles import HomeRoleThresholds
 from services.launch.local_mesh import LocalMesh, Topology

@@ -11,7 +11,7 @@ from collections import Counter
 
 from common.engine.core import LLMEngine
 from common.protocol import LoadReport, SamplingSpec, SetRole
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.scheduling.cluster import PoolThresholds
 from services.launch.local_mesh import LocalMesh, Topology
 from tests.conftest import random_prompts

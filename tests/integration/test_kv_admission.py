@@ -14,7 +14,7 @@ import pytest
 from common.config import EngineConfig
 from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.router.streams import AdmissionLimits, Overloaded
 from tests.conftest import random_prompts

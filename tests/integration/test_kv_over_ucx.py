@@ -13,7 +13,7 @@ from common.config import ModelConfig
 from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.protocol import FreeRequest, KvPages, SamplingSpec
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.transport.kv_links import KvSender
 from common.transport.service_stats import request_stats
 from common.transport.zmq_sockets import PushPool

@@ -16,7 +16,7 @@ from common.config import EngineConfig
 from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.protocol import AbortRequest, KvPages, SamplingSpec, Shutdown, TokenOutput
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.transport.service_stats import request_stats
 from common.transport.tensor_frames import EnvelopeCodec
 from common.transport.zmq_auth import CurveKeys
@@ -192,7 +192,7 @@ def test_an_edge_value_request_does_not_harm_its_batch_mates(mesh, tiny_model_pa
     token engine's whole step raise (NaN probabilities), failing every batch-mate. Now the
     eight greedy requests batched with it produce exactly the reference tokens, and it finishes."""
     from common.engine.core import LLMEngine
-    from common.sampling import SamplingParams
+    from common.sampling_params import SamplingParams
 
     prompts = random_prompts([12, 40, 25, 70, 9, 33, 50, 18, 27], 2048, seed=71)
     reference = LLMEngine.from_path(tiny_model_path, num_blocks=256).generate(

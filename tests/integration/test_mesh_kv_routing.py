@@ -10,7 +10,7 @@ import time
 
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.router.mesh_client import MeshEngineClient
 from tests.conftest import random_prompts

@@ -11,8 +11,8 @@ import json
 import jsonschema
 
 from common.engine.core import LLMEngine
-from common.sampling import SamplingParams
-from common.structured import parse_structured_output
+from common.sampling_params import SamplingParams
+from common.structured.spec import parse_structured_output
 from common.tokenizer import Tokenizer
 from services.launch.local_mesh import LocalMesh, Topology
 from tests.integration.mesh_helpers import assert_no_kv_held

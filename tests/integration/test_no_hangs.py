@@ -26,7 +26,7 @@ from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.protocol import SamplingSpec, TokenOutput
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from tests.conftest import random_prompts
 from tests.integration.mesh_helpers import assert_no_kv_held

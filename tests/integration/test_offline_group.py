@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from common.engine.core import LLMEngine
-from common.sampling import SamplingParams
-from services.offline.group import MODES, OfflineGroup, OfflineGroupError
-from services.offline.service import LocalOffline, OfflineOptions, OfflineService
+from common.sampling_params import SamplingParams
+from services.offline.group import OfflineGroup, OfflineGroupError
+from services.offline.options import MODES, OfflineOptions
+from services.offline.service import LocalOffline, OfflineService
 from services.router.batch_api import asgi_caller
 from services.router.engine_client import InProcessEngineClient
 from services.router.server import Router
@@ -266,3 +267,46 @@ def test_a_group_whose_start_fails_leaves_no_shared_buffer(
     assert len(made) == 1
     with pytest.raises(FileNotFoundError):
         real(name=made[0])
+
+
+def _join_and_sum(rank: int, k: int, rendezvous: Any, timeout_s: float, out: Any) -> None:
+    """A worker's join (`join_group`), then an all-reduce of its rank: proof the group is one."""
+    import queue
+
+    import torch
+    import torch.distributed as dist
+
+    from services.offline.worker import join_group
+
+    try:
+        join_group(rank, k, rendezvous, timeout_s)
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total)
+        out.put((rank, dist.get_world_size(), float(total)))
+        dist.destroy_process_group()
+    except queue.Empty:
+        out.put((rank, "no port", None))
+
+
+def test_workers_join_on_the_port_rank_0_bound_and_wait_no_longer_than_told() -> None:
+    """Rank 0 binds its store's port itself (no port picked free and bound later, which another
+    process could take in between) and hands it to its peers: three workers form one group. A
+    peer whose rank 0 never comes gives up after its timeout instead of waiting forever."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    rendezvous, out = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_join_and_sum, args=(r, 3, rendezvous, 60.0, out))
+             for r in (2, 1, 0)]  # fmt: skip
+    for p in procs:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert results == [(0, 3, 3.0), (1, 3, 3.0), (2, 3, 3.0)]
+
+    nobody = ctx.Queue()  # kept alive: the child unpickles it after its start
+    alone = ctx.Process(target=_join_and_sum, args=(1, 2, nobody, 0.5, out))
+    alone.start()
+    assert out.get(timeout=120) == (1, "no port", None)
+    alone.join(30)

@@ -15,7 +15,7 @@ from common.config import EngineConfig
 from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.protocol import AbortRequest, OutputsDropped, SamplingSpec
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.transport.zmq_sockets import PushPool
 from services.launch.local_mesh import LocalMesh, Topology
 from tests.conftest import random_prompts

@@ -28,7 +28,7 @@ import pytest
 from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.transport.zmq_auth import CurveKeys
 from common.worker_config import WorkerConfig
 from services.engine.worker import EngineWorker

@@ -13,7 +13,7 @@ import pytest
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.launch.local_mesh import LocalMesh, Topology
 from services.mesh.registry import ServiceEntry
 from services.router.mesh_client import MeshEngineClient

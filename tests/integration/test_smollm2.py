@@ -16,7 +16,7 @@ import torch
 from common.engine.core import LLMEngine
 from common.model.default import real_model_path
 from common.model.packaged import SMOLLM2, ModelFetchError
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.parity import assert_greedy_close, hf_greedy, load_hf
 

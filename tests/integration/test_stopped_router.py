@@ -38,7 +38,7 @@ from common.config import EngineConfig
 from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.protocol import OutputsDropped, SamplingSpec, ServiceReply, TokenBatch, TokenOutput
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.transport.zmq_auth import CurveKeys
 from common.transport.zmq_sockets import TypedSocket
 from services.launch.local_mesh import LocalMesh, Topology

@@ -20,7 +20,7 @@ import structlog
 from common.engine.core import LLMEngine
 from common.engine.request import OutputText
 from common.protocol import TokenOutput
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.app_args import AppArgs
 from services.router.cluster_scheduler import NoKvRoom
 from services.router.kv_queue import KvWaitQueue

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from common.engine.core import LLMEngine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.router.choices import merge
 from services.router.server import Router
 from services.router.streams import AdmissionLimits

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from common.protocol import EngineCommand, GenerateRequest
-from common.sampling import Sampler, SamplingParams
+from common.sampling import Sampler
+from common.sampling_params import SamplingParams
 from services.router.api_errors import APIError
 from services.router.openai_api import ChatCompletionRequest, CompletionRequest
 

@@ -319,6 +319,7 @@ def test_model_peers_reach_the_token_engines(
     from types import SimpleNamespace
 
     import services.app as app
+    import services.mesh.replica as replica  # where the replica imports its start functions from
     from common.roles import Role
     from common.worker_config import role_config
 
@@ -329,8 +330,8 @@ def test_model_peers_reach_the_token_engines(
     monkeypatch.setattr(app.RayRegistry, "for_app", classmethod(lambda cls, name: registry))
     monkeypatch.setattr(app, "_service_id", lambda role: f"{role}-1")
     monkeypatch.setattr(app, "_configure_observability", lambda *a: None)
-    monkeypatch.setattr(app, "start_engine", lambda *a: started.append(("engine", a)))
-    monkeypatch.setattr(app, "start_model_peer", lambda *a: started.append(("peer", a)))
+    monkeypatch.setattr(replica, "start_engine", lambda *a: started.append(("engine", a)))
+    monkeypatch.setattr(replica, "start_model_peer", lambda *a: started.append(("peer", a)))
     mesh = {"host": "127.0.0.1", "model_peers": 2, "token_engine_threads": 3}
     args = {"topology": "mesh", "mesh": mesh}
     replica = getattr(app, deployment).func_or_class(args)

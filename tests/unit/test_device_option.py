@@ -13,7 +13,7 @@ import torch
 from common.device import HostStaging, resolve_device
 from common.engine.core import LLMEngine
 from common.mesh_options import mesh_options
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.app_args import AppArgs
 from tests.conftest import random_prompts
 

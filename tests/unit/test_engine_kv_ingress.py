@@ -19,7 +19,7 @@ from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.protocol import GenerateRequest, LoadReport, ShardAddress, TokenOutput
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.engine.engine import Engine
 from services.engine.faults import HANDOFF_KV_WAIT_S, EngineFaults
 from services.engine.outbox import Outbox

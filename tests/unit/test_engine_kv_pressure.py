@@ -16,7 +16,7 @@ from common.engine.core import LLMEngine
 from common.mesh_options import MeshOptions
 from common.protocol import GenerateRequest
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.engine.engine import Engine
 from services.engine.faults import EngineFaults
 from tests.conftest import random_prompts

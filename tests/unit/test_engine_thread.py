@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.engine.core import LLMEngine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.router.engine_client import ENGINE_THREAD_NAME, InProcessEngineClient
 
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import common.sampling
 from common.engine.core import LLMEngine
-from common.sampling import Sampler, SamplingParams
+from common.sampling import Sampler
+from common.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 
 valid_params = st.builds(

@@ -18,7 +18,7 @@ from common.model import fused_decode
 from common.model.fused_decode import FusedDecode
 from common.model.linear import POST_ATTENTION_MAX_ROWS, pack_linears
 from common.model.loader import load_model
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.scheduling.batching import Phase
 from tests.kernel_gate import kernel_gate
 

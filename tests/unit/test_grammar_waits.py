@@ -13,8 +13,8 @@ import pytest
 
 import common.structured.grammar as grammar_module
 from common.engine.grammars import EngineGrammars, GrammarWaits
-from common.sampling import SamplingParams
-from common.structured import parse_structured_output as parse
+from common.sampling_params import SamplingParams
+from common.structured.spec import parse_structured_output as parse
 
 DEADLINE_S = 60.0  # a hang, not a speed: a compile of these specs is milliseconds
 

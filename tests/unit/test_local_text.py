@@ -13,7 +13,7 @@ import pytest
 
 from common.engine.core import LLMEngine
 from common.engine.request import FinishReason
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from services.router.engine_client import ENGINE_THREAD_NAME, InProcessEngineClient
 
 PROMPTS = [[5, 6, 7, 8], [300, 41, 977, 12, 5], [1500, 1501]]

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import common.sampling
 from common.logits_processors import History
-from common.sampling import Sampler, SamplingParams
+from common.sampling import Sampler
+from common.sampling_params import SamplingParams
 
 VOCAB = 48
 

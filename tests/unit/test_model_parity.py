@@ -7,7 +7,7 @@ import torch
 
 from common.engine.core import LLMEngine
 from common.model.loader import load_model
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 from tests.parity import assert_greedy_close, hf_greedy, load_hf
 

@@ -23,7 +23,7 @@ import pytest
 import uvicorn
 
 from common.engine.core import LLMEngine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.transport.zmq_auth import CurveKeys
 from services.router.engine_client import InProcessEngineClient
 from services.router.server import Router

@@ -11,6 +11,8 @@ import importlib
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -85,6 +87,17 @@ def test_loadgen_libraries_are_an_extra_the_server_never_imports() -> None:
                 if any(m.split(".")[0] in LOADGEN_ONLY for m in modules):
                     importers.append(str(path.relative_to(ROOT)))
     assert importers == []
+
+
+def test_the_app_module_and_the_mesh_router_import_neither_torch_nor_ucxx() -> None:
+    """Every replica and `serve run` itself import `services.app`; a mesh Router needs no engine.
+    Each role's modules are imported in its own replica, so the Router's start and `serve run`'s
+    skip torch's and ucxx's imports (seconds of CPU each, on every start and scale-up)."""
+    code = ("import sys, services.app, services.router.mesh_client, services.router.server; "
+            "print(sorted(m for m in ('torch', 'ucxx') if m in sys.modules))")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert run.stdout.strip() == "[]"
 
 
 def dockerfile_steps() -> list[tuple[str, str]]:

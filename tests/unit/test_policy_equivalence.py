@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from common.engine.core import LLMEngine
 from common.perf_model import PerfModel, PiecewiseLinear
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.scheduling.mixed import MixedBatchPolicy, MixedPlan
 from loadgen.sim.machine import SimMachine
 from tests.conftest import random_prompts

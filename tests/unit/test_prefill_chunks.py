@@ -16,7 +16,7 @@ from common.config import SchedulerConfig
 from common.mesh_options import MeshOptions
 from common.protocol import GenerateRequest, ShardAddress
 from common.roles import Role
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.scheduling.batching import EngineScheduler, Sequence
 from services.engine.engine import Engine
 from services.engine.outbox import Outbox

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from common.engine.core import LLMEngine
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 
 BS = 4

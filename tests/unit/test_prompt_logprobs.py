@@ -11,7 +11,7 @@ import torch
 import common.engine.runner as runner_module
 from common.engine.core import LLMEngine
 from common.protocol import TokenLogprobs
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 
 NUM_TOP = 4

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.engine.request import Request
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 
 

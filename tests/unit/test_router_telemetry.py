@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from common.engine.request import FinishReason, RequestOutput
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.telemetry import Metrics
 from services.router import telemetry as router_telemetry
 from services.router.engine_client import EngineClientStats

@@ -9,7 +9,7 @@ import pytest
 from common.engine.core import LLMEngine
 from common.engine.request import FinishReason
 from common.protocol import SamplingSpec
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from common.engine.request import Request
 from common.engine.runner import int_tensor, pad_block_tables
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 ids = st.lists(st.integers(min_value=0, max_value=50_000), max_size=12)
 

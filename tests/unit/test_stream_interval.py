@@ -16,7 +16,7 @@ import torch
 from common.engine.core import LLMEngine
 from common.engine.request import FinishReason, OutputText, RequestOutput
 from common.protocol import TokenOutput
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from services.router.engine_client import InProcessEngineClient
 from services.router.streams import Stream, StreamInterval, StreamTable, next_items

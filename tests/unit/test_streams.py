@@ -74,7 +74,7 @@ def test_a_request_admitted_but_never_sent_gives_its_slot_back(tiny_model_path) 
     # The mesh client admits, then sends the GenerateRequest: if the send fails, the admission
     # slot and the pending prompt tokens must come back, or the router fills up with ghosts.
     from common.roles import Role
-    from common.sampling import SamplingParams
+    from common.sampling_params import SamplingParams
     from services.mesh.registry import ServiceEntry
     from services.router.mesh_client import MeshEngineClient
 

@@ -13,8 +13,8 @@ import torch
 
 from common.engine.core import LLMEngine
 from common.protocol import SamplingSpec
-from common.sampling import SamplingParams
-from common.structured import parse_structured_output
+from common.sampling_params import SamplingParams
+from common.structured.spec import parse_structured_output
 from tests.unit.json_schemas import SCHEMAS, json_ending_bias
 
 MAX_TOKENS = 200  # generous: with the ending bias every schema here ends in under 50 tokens

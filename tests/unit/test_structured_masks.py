@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.sampling import Sampler, SamplingParams
-from common.structured import GrammarMatcher, apply_masks, mask_words
-from common.structured.masks import MaskFiller
+from common.sampling import Sampler
+from common.sampling_params import SamplingParams
+from common.structured.grammar import GrammarMatcher, mask_words
+from common.structured.masks import MaskFiller, apply_masks
 from tests.unit.json_schemas import SCHEMAS
 from tests.unit.test_structured_output import compiler, json_schema_spec, structure_bias
 

@@ -17,8 +17,9 @@ import torch
 
 from common.model.default import default_model_path
 from common.model.loader import load_model
-from common.structured import GrammarCompiler, GrammarMatcher, apply_masks
-from common.structured import parse_structured_output as parse
+from common.structured.grammar import GrammarCompiler, GrammarMatcher
+from common.structured.masks import apply_masks
+from common.structured.spec import parse_structured_output as parse
 from common.tokenizer import Tokenizer
 from tests.unit.json_schemas import SCHEMAS
 

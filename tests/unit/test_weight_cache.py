@@ -26,7 +26,7 @@ from common.model import weight_cache
 from common.model.linear import PackedLinear, kernel_gemm_available
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import build_model, load_model
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.conftest import random_prompts
 
 REPO = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from services.engine.worker import IDLE_REPORT_INTERVAL_S
 from tests.e2e.greedy_check import assert_text_greedy_close

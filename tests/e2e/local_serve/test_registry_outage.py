@@ -17,7 +17,7 @@ import pytest
 
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.local_serve.test_self_healing import NUM_STREAMS, prompts, stream_all

@@ -21,7 +21,7 @@ import pytest
 
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
-from common.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.serve_process import ServeRun, replica_pid
