@@ -36,8 +36,7 @@ from common.scheduling.seesaw import (
     apply,
     next_step,
 )
-from services.offline.options import MODES
-from services.offline.worker import KvShape, worker_main
+from services.offline.options import MODES, KvShape
 
 
 class OfflineGroupError(RuntimeError):
@@ -64,6 +63,13 @@ class JobStats:
         first, last = self.lifetimes[req_id]
         seen = self.stages[first : last + 1]
         return sum(a != b for a, b in zip(seen, seen[1:], strict=False))
+
+
+def run_worker(*args: Any) -> None:
+    """A worker process's entry: `services.offline.worker.worker_main`, imported in the worker."""
+    from services.offline.worker import worker_main
+
+    worker_main(*args)
 
 
 class OfflineGroup:
@@ -95,6 +101,8 @@ class OfflineGroup:
         # Forked by multiprocessing's fork server, as `LocalMesh` workers are: where the server
         # imported torch already (a launcher that runs a LocalMesh, or whose main module imports
         # torch), a worker does not spend seconds importing it again before its first step.
+        # The workers import the model's code (`run_worker`); this process, the Batch API's
+        # replica under Serve, never does.
         ctx = multiprocessing.get_context("forkserver")
         self.results: Any = ctx.Queue()
         self.tasks: list[Any] = [ctx.Queue() for _ in range(k)]
@@ -102,7 +110,7 @@ class OfflineGroup:
         # start, and the queue's semaphores go with the last reference here.
         self.rendezvous: Any = ctx.Queue()
         self.procs = [
-            ctx.Process(target=worker_main, daemon=True,
+            ctx.Process(target=run_worker, daemon=True,
                         args=(r, k, self.rendezvous, str(model_path), self.shm.name, self.kv,
                               self.tasks[r], self.results, threads_per_worker, weight_cache))
             for r in range(k)

@@ -1,10 +1,14 @@
-"""The offline group's options and the checks made before any worker starts, torch-free: the
-app's arguments (`offline:`) and the Router read them; the group and its workers run them.
+"""The offline group's options, its buffer's shapes and the checks made before any worker starts,
+torch-free: the app's arguments (`offline:`), the Router and the group's own process read them;
+the workers compute with them.
 
 `MODES` names the configurations the Seesaw paper compares (services/offline/group.py).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import msgspec
 
@@ -48,3 +52,19 @@ def check_shardable(config: ModelConfig, k: int) -> None:
                     ("intermediate_size", c.intermediate_size)):  # fmt: skip
         if n % k:
             raise ValueError(f"{name} = {n} does not split over {k} workers")
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """The buffer's and the decode slots' sizes (tokens per request: `max_len`)."""
+
+    num_buffer_slots: int
+    num_decode_slots: int
+    max_len: int
+
+    def buffer_shape(self, c: ModelConfig) -> tuple[int, ...]:
+        return (self.num_buffer_slots, c.num_hidden_layers, 2, c.num_key_value_heads,
+                self.max_len, c.head_dim)  # fmt: skip
+
+    def buffer_bytes(self, c: ModelConfig) -> int:
+        return math.prod(self.buffer_shape(c)) * 4  # float32

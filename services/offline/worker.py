@@ -29,7 +29,6 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import shared_memory
 from multiprocessing.queues import Queue
@@ -40,29 +39,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common.config import ModelConfig
 from common.model.llama import causal_attention
 from common.model.loader import load_model
+from services.offline.options import KvShape
 from services.offline.sharding import TpShard, pp_layers
 
 # How long a worker waits for its peers to join the group (rank 0's store, then each other's).
 JOIN_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True)
-class KvShape:
-    """The buffer's and the decode slots' sizes (tokens per request: `max_len`)."""
-
-    num_buffer_slots: int
-    num_decode_slots: int
-    max_len: int
-
-    def buffer_shape(self, c: ModelConfig) -> tuple[int, ...]:
-        return (self.num_buffer_slots, c.num_hidden_layers, 2, c.num_key_value_heads,
-                self.max_len, c.head_dim)  # fmt: skip
-
-    def buffer_bytes(self, c: ModelConfig) -> int:
-        return int(torch.Size(self.buffer_shape(c)).numel()) * 4
 
 
 def join_group(rank: int, k: int, rendezvous: Queue, timeout_s: float) -> None:

@@ -90,10 +90,12 @@ def test_loadgen_libraries_are_an_extra_the_server_never_imports() -> None:
 
 
 def test_the_app_module_and_the_mesh_router_import_neither_torch_nor_ucxx() -> None:
-    """Every replica and `serve run` itself import `services.app`; a mesh Router needs no engine.
-    Each role's modules are imported in its own replica, so the Router's start and `serve run`'s
-    skip torch's and ucxx's imports (seconds of CPU each, on every start and scale-up)."""
-    code = ("import sys, services.app, services.router.mesh_client, services.router.server; "
+    """Every replica and `serve run` itself import `services.app`; a mesh Router needs no engine,
+    nor does the offline group's replica (its worker processes compute). Each role's modules are
+    imported in its own replica, so these starts and `serve run`'s skip torch's and ucxx's
+    imports (seconds of CPU each, on every start and scale-up)."""
+    code = ("import sys, services.app, services.router.mesh_client, services.router.server, "
+            "services.offline.service; "
             "print(sorted(m for m in ('torch', 'ucxx') if m in sys.modules))")  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True)  # fmt: skip

@@ -69,20 +69,23 @@ def dashboard_pid(root: int) -> int:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_the_mesh_router_replica_runs_without_torch_or_ucxx(server: ServeRun) -> None:
-    """The served mesh's Router replica, having served requests, never loaded torch or UCX: its
-    part needs neither (services/app.py imports each role's modules in its own replica), and its
-    start and memory are the lighter for it. Its engines did load them."""
+def test_the_mesh_router_and_offline_replicas_run_without_torch_or_ucxx(server: ServeRun) -> None:
+    """The served mesh's Router replica, having served requests, never loaded torch or UCX, nor
+    did the offline group's (its worker processes compute): neither part needs them
+    (services/app.py imports each role's modules in its own replica), and their starts and memory
+    are the lighter for it. The engines did load them."""
     from bench.serve_server import ROUTER_TITLE, ray_pid
 
     assert server.pid is not None
-    router, engine = (ray_pid(server.pid, title) for title in
-                      (ROUTER_TITLE, "ray::ServeReplica:phasemesh:TokenEngine"))  # fmt: skip
-    assert router is not None and engine is not None
+    titles = (ROUTER_TITLE, "ray::ServeReplica:phasemesh:OfflineGroup",
+              "ray::ServeReplica:phasemesh:TokenEngine")  # fmt: skip
+    router, offline, engine = (ray_pid(server.pid, title) for title in titles)
+    assert router is not None and offline is not None and engine is not None
 
     def libraries(pid: int) -> str:
         return Path(f"/proc/{pid}/maps").read_text()
 
     assert "libtorch" in libraries(engine) and "libucxx" in libraries(engine)  # the probe works
-    mapped = libraries(router)
-    assert "libtorch" not in mapped and "libucxx" not in mapped
+    for pid in (router, offline):
+        mapped = libraries(pid)
+        assert "libtorch" not in mapped and "libucxx" not in mapped, pid
