@@ -26,6 +26,14 @@ def cache_root() -> Path:
     return Path(env("CACHE") or Path.home() / ".cache" / "phasemesh")
 
 
+def cache_dir(setting: str) -> Path | None:
+    """`MeshOptions.weight_cache` as a directory: `auto` -> `<cache root>/weights`, `off` ->
+    None, anything else is the directory itself."""
+    if setting == "off":
+        return None
+    return cache_root() / "weights" if setting == "auto" else Path(setting)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 style frequency-dependent RoPE scaling (`rope_type: llama3`)."""

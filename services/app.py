@@ -38,7 +38,7 @@ import structlog
 from ray import serve
 from ray.serve import Application
 
-from common.config import ModelConfig
+from common.config import ModelConfig, cache_dir
 from common.mesh_options import MeshOptions
 from common.roles import Role
 from common.telemetry import Metrics, configure_logging, configure_telemetry
@@ -352,8 +352,6 @@ class OfflineGroupDeployment:
     def __init__(self, args: dict[str, Any]) -> None:
         parsed = AppArgs.model_validate(args)
         assert parsed.offline is not None
-        from common.model.weight_cache import cache_dir
-
         self.service = OfflineService.start(
             parsed.model_path(), parsed.offline, weight_cache=cache_dir(parsed.mesh.weight_cache)
         )

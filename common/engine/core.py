@@ -15,14 +15,13 @@ import torch
 
 from common.attention import select_backend
 from common.block_manager import BlockManager
-from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, cache_dir
 from common.device import resolve_device
 from common.engine.grammars import EngineGrammars
 from common.engine.request import FinishReason, Request, RequestOutput, check_prompt
 from common.engine.runner import Inputs, ModelRunner, StepInputs
 from common.kv_cache import KVCache
 from common.model.loader import load_model
-from common.model.weight_cache import cache_dir
 from common.protocol import LoadReport, TokenLogprobs
 from common.roles import Role
 from common.sampling import SampledRow, Sampler

@@ -50,7 +50,7 @@ from typing import Any
 import structlog
 import torch
 
-from common.config import ModelConfig, cache_root
+from common.config import ModelConfig, cache_dir
 from common.model import linear
 from common.model.linear import PackedLinear
 from common.model.llama import LlamaForCausalLM
@@ -75,14 +75,6 @@ def _aligned(n: int) -> int:
 
 class CacheMismatch(ValueError):
     """A cache file that is not what this load would build (why, in its message)."""
-
-
-def cache_dir(setting: str) -> Path | None:
-    """`MeshOptions.weight_cache` as a directory: `auto` -> `<cache root>/weights`, `off` ->
-    None, anything else is the directory itself."""
-    if setting == "off":
-        return None
-    return cache_root() / "weights" if setting == "auto" else Path(setting)
 
 
 def cache_key(folder: Path, config: ModelConfig, weight_dtype: str | None, packed: bool) -> dict:

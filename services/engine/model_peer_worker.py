@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import structlog
 
+from common.config import cache_dir
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.model.weight_cache import cache_dir
 from common.protocol import PeerLinkMessage, SliceRequest, SliceResult
 from common.transport.ucx_channel import ChannelClosed, UcxTensorChannel, refuse
 from common.transport.ucx_listener import UcxListener

@@ -18,14 +18,13 @@ import torch
 
 from common.attention import select_backend
 from common.block_manager import BlockManager
-from common.config import SchedulerConfig
+from common.config import SchedulerConfig, cache_dir
 from common.device import resolve_device
 from common.engine.grammars import EngineGrammars
 from common.kv_cache import KVCache
 from common.kv_ingress import KvIngress
 from common.mesh_options import MeshOptions
 from common.model.loader import load_model
-from common.model.weight_cache import cache_dir
 from common.protocol import ShardAddress
 from common.roles import Role
 from common.sampling import Sampler
