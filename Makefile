@@ -14,7 +14,12 @@ $(DEPS_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# NOTE: torch first, pinned, through pip: pip's configuration points at the CPU build on disk;
 	# anything that depends on torch would otherwise pull CUDA wheels.
-	$(BIN)/pip install -q torch==2.13.0 uv
+	# NOTE: pip compiles what it installs one file at a time; compileall's workers (one a core)
+	# write the same bytecode sooner. Like pip, it skips files that do not compile here (torch
+	# ships a few written for newer Pythons), which is all its exit status would say.
+	$(BIN)/pip install -q --no-compile torch==2.13.0 uv
+	$(BIN)/python -m compileall -q -j0 "$$($(BIN)/python -c \
+		'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 	# uv resolves and installs the rest in seconds where pip takes minutes; it keeps the torch above.
 	# NOTE: --compile-bytecode writes every package's bytecode once, here. Where the environment
 	# sets PYTHONDONTWRITEBYTECODE (container images often do) Python never writes it itself, and
