@@ -91,7 +91,12 @@ def test_streams_survive_a_killed_replica(
     started = threading.Barrier(NUM_STREAMS + 1)
     with ThreadPoolExecutor(1) as runner:
         texts = runner.submit(stream_all, server, prompt_ids, started)
-        started.wait(timeout=120)  # every stream is decoding now
+        try:
+            started.wait(timeout=120)  # every stream is decoding now
+        except threading.BrokenBarrierError:  # say why: what the streams raised, the mesh's state
+            pytest.fail(f"not every stream was decoding within 120 s, before any kill: the "
+                        f"streams ended with {texts.exception(timeout=300)!r}; the mesh: "
+                        f"{kv_in_use(server)}")  # fmt: skip
         killed = replica_pid(server, victim)
         os.kill(killed, signal.SIGKILL)
         results = texts.result(timeout=600)
