@@ -200,6 +200,19 @@ class EnvelopeCodec(Generic[HeaderT]):
         specs, header = self._decoder.decode(data)
         return specs, header
 
+    def to_frames(self, header: HeaderT, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """A tensor message as ZeroMQ frames: the envelope, then each tensor's bytes (no copy)."""
+        return [self.encode(header, tensors), *(byte_view(t.contiguous()) for t in tensors)]
+
+    def from_frames(self, frames: Sequence[Any]) -> tuple[HeaderT, list[torch.Tensor]]:
+        """The message `to_frames` made, its tensors over the frames' own memory. Raises
+        msgspec's errors, or ValueError, on a malformed one."""
+        specs, header = self.decode(frames[0].buffer)
+        if len(specs) != len(frames) - 1:
+            raise ValueError(f"{len(specs)} tensor specs, {len(frames) - 1} frames")
+        pairs = zip(specs, frames[1:], strict=True)
+        return header, [frame_tensor(spec.dtype, spec.shape, f.buffer) for spec, f in pairs]
+
 
 def frame_tensor(dtype: str, shape: tuple[int, ...], buffer: memoryview) -> torch.Tensor:
     """A tensor over a received frame's own memory (no copy); ValueError on an unknown dtype."""

@@ -64,11 +64,7 @@ class TypedSocket(Generic[HeaderT]):
         self.sock.send_multipart([*prefix, self._encoder.encode(msg)])
 
     def send_tensors(self, header: HeaderT, tensors: Sequence[torch.Tensor]) -> None:
-        from common.transport.tensor_frames import byte_view
-
-        frames: list[Any] = [self._tensor_codec().encode(header, tensors)]
-        frames += [byte_view(t.contiguous()) for t in tensors]
-        self.sock.send_multipart(frames, copy=False)
+        self.sock.send_multipart(self._tensor_codec().to_frames(header, tensors), copy=False)
 
     def recv_nowait(self) -> tuple[list[bytes], HeaderT] | None:
         """The next message and its routing prefix, or None if none is queued. Malformed
@@ -97,8 +93,6 @@ class TypedSocket(Generic[HeaderT]):
 
     def recv_tensors_nowait(self) -> tuple[HeaderT, list[torch.Tensor]] | None:
         """The next tensor message (header, tensors), or None. Malformed ones are dropped."""
-        from common.transport.tensor_frames import frame_tensor
-
         codec = self._tensor_codec()
         while True:
             try:
@@ -106,11 +100,7 @@ class TypedSocket(Generic[HeaderT]):
             except zmq.Again:
                 return None
             try:
-                specs, header = codec.decode(frames[0].buffer)
-                if len(specs) != len(frames) - 1:
-                    raise ValueError(f"{len(specs)} tensor specs, {len(frames) - 1} frames")
-                pairs = zip(specs, frames[1:], strict=True)
-                return header, [frame_tensor(spec.dtype, spec.shape, f.buffer) for spec, f in pairs]
+                return codec.from_frames(frames)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError, RuntimeError) as exc:
                 log.warning("dropped malformed tensor message", error=str(exc))
 
