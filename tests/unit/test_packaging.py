@@ -150,3 +150,15 @@ def test_the_installed_packages_carry_their_bytecode() -> None:
     for module in (ray, ray.serve, fastapi, pydantic, zmq):
         source = str(module.__file__)
         assert Path(importlib.util.cache_from_source(source)).is_file(), source
+
+
+def test_every_kernel_source_keys_uvs_cache_of_the_built_kernel() -> None:
+    """`make kernel` reinstalls ./csrc through uv, which reuses its cached wheel while the cache
+    keys are unchanged: a source file outside them would be edited and rebuilt from the old code."""
+    csrc = ROOT / "csrc"
+    keys = tomllib.loads((csrc / "pyproject.toml").read_text())["tool"]["uv"]["cache-keys"]
+    patterns = [key["file"] for key in keys]
+    sources = [p.name for p in csrc.iterdir() if p.suffix in {".cpp", ".h", ".txt", ".toml"}]
+    assert "fragment_kernel.h" in sources and "CMakeLists.txt" in sources
+    uncovered = [s for s in sources if not any(fnmatch.fnmatch(s, p) for p in patterns)]
+    assert not uncovered, f"csrc sources outside uv's cache keys: {uncovered}"
