@@ -200,7 +200,8 @@ def test_eight_chats_without_max_tokens_finish_or_are_refused_before_streaming(
     comments, for minutes. With the official client's default timeouts every chat ends `stop`
     or `length`, or is refused before its first chunk; none fails mid-stream."""
     with ThreadPoolExecutor(NUM_CHATS) as pool:
-        ends = list(pool.map(lambda i: chat(server, i, False, MODEL), range(NUM_CHATS)))
+        stories = [f"Tell me a story, {i}." for i in range(NUM_CHATS)]
+        ends = list(pool.map(lambda content: chat(server, content, False, MODEL), stories))
     print(ends, httpx.get(server.base_url + "/stats", timeout=60).json()["services"])
     assert set(ends) <= {"length", "stop", "refused 429", "refused 503"}, ends
     assert ends.count("length") + ends.count("stop") >= 4, ends
