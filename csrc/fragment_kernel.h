@@ -34,8 +34,9 @@
 // load_pair's shift and mask, which has no shuffle and gained on Zen 5), and K scored two rows a
 // load by load_pair (each half of a vector one row, against q pairs: twice the accumulators per
 // tile, so half the tiles side by side; slower from memory), and bfloat16 on AMX tiles (exact
-// with q and the probabilities split in three bfloat16 parts, but reordering K and V into the
-// tiles' pair rows on the fly cost more than the FMAs it saved). What holds GQA below the read
+// with q and the probabilities split in three bfloat16 parts; slower, even timed as if the cache
+// were laid out in the tiles' pair rows: for decode's few query rows a tile load and multiply
+// cost more than the FMAs they replace). What holds GQA below the read
 // probe differs by machine: the paged layout's scattered tiles on one, the core's own work per
 // K/V value (4 FMAs and the widening) and its line fill buffers on the other.
 //
