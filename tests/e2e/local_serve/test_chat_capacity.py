@@ -15,7 +15,6 @@ prompt alone would take a fifth chat whose growth then overruns the group mid-st
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from common.config import ModelConfig
 from common.model.default import default_model_path
 from common.tokenizer import Tokenizer
 from tests.e2e.serve_process import ServeRun
@@ -39,9 +39,8 @@ SENTENCE = "Once upon a time a small fox lived at the edge of a quiet wood. "
 def story_request() -> str:
     """A long request for a story: its chat prompt is about PROMPT_SHARE of tiny's context."""
     path = default_model_path(MODEL)
-    tokenizer = Tokenizer(path)
-    context = json.loads((path / "config.json").read_text())["max_position_embeddings"]
-    per_sentence = len(tokenizer.encode(SENTENCE * 10, add_special_tokens=False)) / 10
+    context = ModelConfig.from_folder(path).max_position_embeddings
+    per_sentence = len(Tokenizer(path).encode(SENTENCE * 10, add_special_tokens=False)) / 10
     return "Tell me a story. " + SENTENCE * int(PROMPT_SHARE * context / per_sentence)
 
 
