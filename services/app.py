@@ -30,7 +30,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -267,31 +267,23 @@ class _MeshService:
             self.replica = start_model_peer(service_id, registry, base, generation)
         else:
             self.replica = start_engine(self.role, service_id, registry, base, generation)
-        self._load_stats: Callable[[float], dict[str, float]] | None = None  # at the first report
-
-    def _stats_of(self, worker: object) -> Callable[[float], dict[str, float]]:
-        """This replica's load figures by its worker's kind, given its age in seconds."""
-        from services.engine.worker import EngineWorker
-        from services.shard.worker import ShardWorker
-
-        if isinstance(worker, ShardWorker):
-            shard = worker.shard  # NOTE: racy reads of two ints, for a load figure
-            return lambda age_s: shard_stats(shard.blocks.num_used_blocks, shard.blocks.num_blocks,
-                                             age_s)  # fmt: skip
-        if isinstance(worker, EngineWorker):
-            engine = worker
-            return lambda age_s: engine_stats(engine.last_load, age_s, self.arrivals,
-                                              time.monotonic())  # fmt: skip
-        return lambda age_s: {AGE: age_s}
 
     def check_health(self) -> None:
         self.replica.check_health()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling hook: this replica's load (services/mesh/autoscaling.py)."""
-        if self._load_stats is None:
-            self._load_stats = self._stats_of(self.replica.worker.worker)
-        return self._load_stats(time.monotonic() - self.started_at)
+        age_s = time.monotonic() - self.started_at
+        from services.engine.worker import EngineWorker
+        from services.shard.worker import ShardWorker
+
+        worker = self.replica.worker.worker
+        if isinstance(worker, ShardWorker):
+            blocks = worker.shard.blocks  # NOTE: racy reads of two ints, for a load figure
+            return shard_stats(blocks.num_used_blocks, blocks.num_blocks, age_s)
+        if isinstance(worker, EngineWorker):
+            return engine_stats(worker.last_load, age_s, self.arrivals, time.monotonic())
+        return {AGE: age_s}
 
     def __del__(self) -> None:
         replica = getattr(self, "replica", None)  # absent if the constructor failed
