@@ -274,6 +274,9 @@ class _MeshService:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaling hook: this replica's load (services/mesh/autoscaling.py)."""
         age_s = time.monotonic() - self.started_at
+        # NOTE: imported here, not at the top (the Router's replica imports this module and needs
+        # neither), nor cached: Serve calls this every few seconds, and a repeat import is a
+        # sys.modules lookup.
         from services.engine.worker import EngineWorker
         from services.shard.worker import ShardWorker
 
