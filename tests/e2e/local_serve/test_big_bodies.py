@@ -5,9 +5,10 @@ its tokenizer pools, the prompt and token engines and the shards in processes of
 an 8 MiB prompt, an 8 MiB chat of one long message, an 8 MiB chat of empty messages and an
 8 MiB `/tokenize` body are sent at once: each is a 400, and the streams' largest gap between two
 chunks meanwhile stays under 250 ms beyond the machine's own jitter (the bound and its reason:
-`Gaps.check`). Before the length bound and the off-loop tokenizing, the streams stopped for
-seconds. tests/unit/test_prompt_bounds.py shows the same with the router in the test's process,
-where it can also see that no big prompt reached the tokenizer.
+`Round.stalled`; why a round without a stall settles it: `Gaps`). Before the length bound and
+the off-loop tokenizing, the streams stopped for seconds. tests/unit/test_prompt_bounds.py shows
+the same with the router in the test's process, where it can also see that no big prompt
+reached the tokenizer.
 """
 
 from __future__ import annotations
