@@ -201,7 +201,7 @@ def test_eight_chats_without_max_tokens_finish_or_are_refused_before_streaming(
     or `length`, or is refused before its first chunk; none fails mid-stream."""
     with ThreadPoolExecutor(NUM_CHATS) as pool:
         stories = [f"Tell me a story, {i}." for i in range(NUM_CHATS)]
-        ends = list(pool.map(lambda content: chat(server, content, False, MODEL), stories))
+        ends = list(pool.map(lambda content: chat(server, content, MODEL), stories))
     print(ends, httpx.get(server.base_url + "/stats", timeout=60).json()["services"])
     assert set(ends) <= {"length", "stop", "refused 429", "refused 503"}, ends
     assert ends.count("length") + ends.count("stop") >= 4, ends

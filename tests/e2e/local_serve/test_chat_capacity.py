@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import httpx
 import openai
@@ -44,15 +45,15 @@ def story_request() -> str:
     return "Tell me a story. " + SENTENCE * int(PROMPT_SHARE * context / per_sentence)
 
 
-def chat(server: ServeRun, content: str, ignore_eos: bool, model: str = MODEL) -> str:
-    """How one chat ended: its finish reason, or `refused <status>` before any chunk (an
-    in-band error mid-stream raises)."""
+def chat(server: ServeRun, content: str, model: str = MODEL) -> str:
+    """How one plain chat (the official client's defaults) ended: its finish reason, or
+    `refused <status>` before any chunk (an in-band error mid-stream raises)."""
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0,
                        timeout=600) as client:  # fmt: skip
         try:
             stream = client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": content}],
-                temperature=0, stream=True, extra_body={"ignore_eos": ignore_eos},
+                temperature=0, stream=True,
             )  # fmt: skip
         except openai.APIStatusError as exc:  # before the first byte of the stream
             return f"refused {exc.status_code}"
@@ -63,16 +64,19 @@ def chat(server: ServeRun, content: str, ignore_eos: bool, model: str = MODEL) -
         return reason
 
 
-@pytest.mark.parametrize("ignore_eos", [False, True], ids=["until-eos", "whole-context"])
 def test_chats_without_max_tokens_finish_or_are_refused_before_streaming(
-    server: ServeRun, story_request: str, ignore_eos: bool
+    server: ServeRun, story_request: str
 ) -> None:
+    """NOTE: the chats are plain ones (no `ignore_eos`, no `max_tokens`). tiny's greedy
+    text never ends by itself on these prompts, so every admitted chat runs to the end of the
+    context, the case where each uses its whole share of the group: one run covers both of the
+    issue's cases, and the count of `length` endings says it still does."""
     contents = [f"{i}. {story_request}" for i in range(NUM_CHATS)]
     with ThreadPoolExecutor(NUM_CHATS) as pool:
-        ends = list(pool.map(lambda content: chat(server, content, ignore_eos), contents))
+        ends = list(pool.map(partial(chat, server), contents))
     allowed = {"length", "stop", "refused 429", "refused 503"}
     assert set(ends) <= allowed, ends
-    assert ends.count("length") + ends.count("stop") >= 4, ends  # the group's room was used
+    assert ends.count("length") >= 4, ends  # the group's room was used, each to the context's end
 
 
 def num_preemptions(server: ServeRun) -> int:
