@@ -32,14 +32,16 @@ from services.router.server import MAX_BODY_BYTES, Router
 MODEL = "tiny"
 MAX_GAP_S = 0.25  # between two chunks of a stream, while the big bodies are refused
 NUM_STREAMS = 4
-STREAM_TOKENS = 3000  # each stream's max_tokens: it outlasts every round of refusals
+STREAM_TOKENS = 3500  # each stream's max_tokens: it outlasts every round of refusals
 
 
 @pytest.fixture(scope="module")
 def router(tiny_model_path: Path) -> Iterator[Router]:
     # The cache holds every stream whole: a stream preempted for room stalls for its recompute,
     # which is not what the stall tests look for.
-    engine = LLMEngine.from_path(tiny_model_path, num_blocks=1024)
+    engine = LLMEngine.from_path(
+        tiny_model_path, num_blocks=NUM_STREAMS * (STREAM_TOKENS // 16 + 2)
+    )
     router = Router(InProcessEngineClient(engine), tiny_model_path, MODEL)
     freeze_startup_heap()  # as Serve does for its replicas: full collections stay short
     yield router
@@ -151,8 +153,10 @@ def stream_gaps_while_refused(
 
     def largest_gap(start: float, end: float, within: bool) -> float:
         """The largest gap between two chunks of a stream: `within` the window from `start` to
-        `end`, else overlapping it (none at all: a stall as long as the window)."""
+        `end`, else overlapping it, a stream's wait for its next chunk so far among them (none
+        at all: a stall as long as the window)."""
         pairs = [(a, b) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
+        pairs += [(times[-1], time.monotonic()) for times in arrivals]
         inside = (
             b - a for a, b in pairs if (a > start and b < end if within else b > start and a < end)
         )
