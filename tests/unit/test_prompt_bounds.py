@@ -132,9 +132,8 @@ def stream_gaps_while_refused(
     """Start NUM_STREAMS greedy streams; once all of them flow, send every big body at once,
     up to `max_rounds` times until a round shows no stall, and keep reading the streams until
     half a second after the last refusal (then leave: the router aborts the rest)."""
-    done = asyncio.Event()
-    last_refused_at: list[float] = []
     arrivals: list[list[float]] = [[] for _ in range(NUM_STREAMS)]
+    leave_after: list[float] = []  # set once the rounds end: half a second after the last refusal
 
     async def stream(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> None:
         body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": STREAM_TOKENS,
@@ -145,7 +144,7 @@ def stream_gaps_while_refused(
                 if line.startswith("data:"):
                     arrivals[i].append(time.monotonic())
                     started.set()
-                if done.is_set() and arrivals[i][-1] - last_refused_at[0] > 0.5:
+                if leave_after and arrivals[i][-1] > leave_after[0]:
                     break
 
     async def refuse(http: httpx.AsyncClient, path: str, body: bytes) -> int:
@@ -153,16 +152,11 @@ def stream_gaps_while_refused(
                                    headers={"Content-Type": "application/json"})  # fmt: skip
         return response.status_code
 
-    def largest_gap(start: float, end: float, within: bool) -> float:
-        """The largest gap between two chunks of a stream: `within` the window from `start` to
-        `end`, else overlapping it, a stream's wait for its next chunk so far among them (none
-        at all: a stall as long as the window)."""
-        pairs = [(a, b) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
-        pairs += [(times[-1], time.monotonic()) for times in arrivals]
-        inside = (
-            b - a for a, b in pairs if (a > start and b < end if within else b > start and a < end)
-        )
-        return max(inside, default=end - start)
+    def chunk_gaps() -> list[tuple[float, float]]:
+        """Every stream's gaps between two chunks, its wait for the next one so far among them
+        (a stream frozen past a round's end is a gap, not a missing one)."""
+        now = time.monotonic()
+        return [(a, b) for times in arrivals for a, b in zip(times, [*times[1:], now], strict=True)]
 
     async def scenario() -> Gaps:
         async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers) as http:
@@ -177,11 +171,14 @@ def stream_gaps_while_refused(
                 statuses = await asyncio.gather(*(refuse(http, p, b) for p, b in bodies))
                 refused_at = time.monotonic()
                 await asyncio.sleep(0.5)  # the chunks after the refusals
-                before = largest_gap(quiet_from, sent_at, within=True)
-                during = largest_gap(sent_at, refused_at, within=False)
+                gaps = chunk_gaps()
+                # The gaps wholly in the quiet second (none: a stall as long as it), and every
+                # gap that overlaps the refusals.
+                before = max((b - a for a, b in gaps if a > quiet_from and b < sent_at),
+                             default=sent_at - quiet_from)  # fmt: skip
+                during = max(b - a for a, b in gaps if b > sent_at and a < refused_at)
                 rounds.append(Round(list(statuses), before, during))
-            last_refused_at.append(refused_at)
-            done.set()
+            leave_after.append(refused_at + 0.5)
             await asyncio.gather(*streams)
             return Gaps(arrivals, rounds, refused_at)
 
@@ -205,6 +202,22 @@ def test_streams_keep_flowing_while_8_mib_prompts_are_refused(
     assert all(MAX_BODY_BYTES - 300 < len(body) <= MAX_BODY_BYTES for _, body in bodies)
     stream_gaps_while_refused(live_server, bodies).check(len(bodies))
     assert max(tokenized) < 1000, "a big prompt reached the tokenizer"
+
+
+def test_the_stall_check_sees_a_router_frozen_by_each_refused_body(
+    live_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check above is not vacuous: a router that blocks its event loop on each big body
+    (as tokenizing one there did) stalls the streams past the bound in a round."""
+    check_text = PromptBound.check_text
+
+    def frozen(self: PromptBound, text: str, param: str) -> None:
+        time.sleep(1.0)  # NOTE: a blocking wait, on purpose: the loop stops as a freeze stops it
+        check_text(self, text, param)
+
+    monkeypatch.setattr(PromptBound, "check_text", frozen)
+    gaps = stream_gaps_while_refused(live_server, big_bodies(), max_rounds=1)
+    assert gaps.rounds[0].stalled(), gaps.rounds
 
 
 def test_a_prompt_the_bound_refuses_is_past_the_context(tiny_model_path: Path) -> None:
