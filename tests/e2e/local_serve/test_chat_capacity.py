@@ -46,7 +46,7 @@ def story_request() -> str:
 
 
 def chat(server: ServeRun, content: str, model: str = MODEL) -> str:
-    """How one plain chat (the official client's defaults) ended: its finish reason, or
+    """How one greedy chat without `max_tokens` or `ignore_eos` ended: its finish reason, or
     `refused <status>` before any chunk (an in-band error mid-stream raises)."""
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0,
                        timeout=600) as client:  # fmt: skip
