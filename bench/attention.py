@@ -23,7 +23,7 @@ The last line is one JSON object with the figures, the ratios kernel/memory-band
 copy ceiling above), kernel/read-probe, kernel/torch-best and paged/contiguous, `targets` and
 `targets_met` (each target against its worst case).
 
-    PYTHONPATH=. .venv/bin/python bench/attention.py [--quick]
+    PYTHONPATH=. .venv/bin/python bench/attention.py [--quick] [--context TOKENS]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 # NOTE: run as a script, bench/ is first on sys.path: the repository instead, so that `bench.`
@@ -330,14 +330,19 @@ def targets_met(summary: dict[str, float]) -> dict[str, bool]:
     return {name: summary[SUMMARY_OF_TARGET[name]] >= bound for name, bound in TARGETS.items()}
 
 
-def shapes_for(quick: bool) -> list[Shape]:
+def shapes_for(quick: bool, context: int | None = None) -> list[Shape]:
+    """The measured shapes (`quick`: the batch-32 ones), each at `context` tokens if given."""
     shapes = [
         Shape("gqa4_b32_ctx2048", 32, 2048, 8, 2, 128),
         Shape("mha_b32_ctx2048", 32, 2048, 4, 4, 128),
         Shape("gqa4_b1_ctx32768", 1, 32768, 8, 2, 128),
         Shape("mha_b1_ctx32768", 1, 32768, 4, 4, 128),
     ]
-    return shapes[:2] if quick else shapes
+    shapes = shapes[:2] if quick else shapes
+    if context is None:
+        return shapes
+    return [replace(s, name=f"{s.name.rsplit('_ctx', 1)[0]}_ctx{context}",
+                                context=context) for s in shapes]  # fmt: skip
 
 
 def main() -> None:
@@ -350,7 +355,12 @@ def main() -> None:
                         help="memory each case's calls rotate over (default: twice the last-level "
                              "cache, so that none finds its data in cache; smaller: a smoke run, "
                              "whose figures count cache hits)")  # fmt: skip
+    parser.add_argument("--context", type=int, default=None,
+                        help="every shape at this many KV tokens, a multiple of the block size "
+                             "(a smoke run's size: the targets mean the shapes' own)")  # fmt: skip
     args = parser.parse_args()
+    if args.context is not None and (args.context <= 0 or args.context % args.block_size):
+        parser.error(f"--context must be a positive multiple of --block-size ({args.block_size})")
     if not kernel_available():
         raise SystemExit("csrc kernel not built: pip install --no-build-isolation ./csrc")
     thread_counts = [1, 2]
@@ -359,7 +369,7 @@ def main() -> None:
     rotation = uncached_bytes() if args.rotation_mib is None else args.rotation_mib << 20
     probes = MemoryProbes(rotation)  # the per-case ceiling, timed beside the kernel
     cases = []
-    for shape in shapes_for(args.quick):
+    for shape in shapes_for(args.quick, args.context):
         for dtype in (torch.float32, torch.bfloat16):
             gen = torch.Generator().manual_seed(0)
             num_sets = max(2, math.ceil(rotation / shape_kv_bytes(shape, dtype)))

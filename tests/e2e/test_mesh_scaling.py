@@ -138,13 +138,19 @@ class Cluster:
         return f"http://127.0.0.1:{node.metrics_export_port}/metrics"
 
     def stop(self) -> None:
+        """Ray's shutdown, which ends the cluster this process started and every worker on it.
+        No `serve.shutdown()` first: nothing here checks an orderly stop, and Serve's drains
+        every replica one by one (seconds of the suite's time)."""
         import ray
-        from ray import serve
+        from ray.serve import context as serve_context
 
         try:
-            serve.shutdown()
-        finally:
             ray.shutdown()
+            # NOTE: Serve caches its controller's handle in this process, keyed by the job id,
+            # and the next cluster's first job has the same id: without `serve.shutdown()` the
+            # next module's Serve calls would go to this cluster's dead controller.
+            serve_context._disconnect()
+        finally:
             for key, value in self._saved_env.items():  # later tests start Ray without it
                 if value is None:
                     os.environ.pop(key, None)

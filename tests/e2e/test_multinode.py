@@ -111,7 +111,7 @@ BOUNDS = {"PromptEngine": (1, 2), "TokenEngine": (1, 2),
           "AttentionShard": (SHARDS_PER_GROUP, 2 * SHARDS_PER_GROUP)}  # fmt: skip
 SCALED = tuple(BOUNDS)
 NUM_STREAMS = 3
-MAX_TOKENS = 1024  # the streams outlast the node stop by seconds (a cut, not a tail)
+MAX_TOKENS = 512  # the streams outlast the node stop by seconds (a cut, not a tail)
 TOKENS_BEFORE_KILL = 4  # every stream has this many tokens when the memory node stops
 STREAM_IDS = range(5_000_000, 5_000_000 + NUM_STREAMS)
 BURST_CLIENTS = 12
@@ -206,14 +206,18 @@ class MultiNodeCluster:
         )  # fmt: skip
 
     def stop(self) -> None:
+        """Every node's processes ended. No `serve.shutdown()` first: nothing here checks an
+        orderly stop, and Serve's drains every replica one by one (seconds of the suite's time)."""
         import ray
-        from ray import serve
+        from ray.serve import context as serve_context
 
         try:
-            if ray.is_initialized():
-                serve.shutdown()
-        finally:
             ray.shutdown()
+            # NOTE: Serve caches its controller's handle in this process, keyed by the job id,
+            # and the next cluster's first job has the same id: without `serve.shutdown()` the
+            # next module's Serve calls would go to this cluster's dead controller.
+            serve_context._disconnect()
+        finally:
             if self.cluster is not None:  # None: the head did not start (its processes end
                 self.cluster.shutdown()  # with this process, Ray's exit hook)
             for key, value in self._saved_env.items():
@@ -606,11 +610,13 @@ def test_a_memory_node_stopped_mid_stream_loses_no_request(
     token = wait_for("one token engine with a whole group", the_token_engine, 120)
     lost = host_of(token.shards[0].kv_endpoint)
     [survivor] = [ip for ip in MEMORY_IPS if ip != lost]
+    # Asked of the dashboard before the streams start, so that the stop follows their first
+    # tokens at once rather than after the dashboard's answer.
+    pids = node_actor_pids(cluster, lost)
     streams = Streams(cluster.base_url, list(STREAM_IDS))
     wait_for("every stream under way", lambda: streams.all_have(TOKENS_BEFORE_KILL), 120)
     assert not streams.finish, "a stream ended before the node stopped: nothing was tested"
     started = time.monotonic()
-    pids = node_actor_pids(cluster, lost)
     cluster.cluster.remove_node(cluster.nodes.pop(lost), allow_graceful=False)
     for pid in pids:  # a machine lost: its processes with it, not a moment after its raylet
         with contextlib.suppress(ProcessLookupError):
