@@ -11,12 +11,14 @@ streamed token than the Router does, so the figure measured the client as much a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +43,21 @@ ByMode = dict[str, dict[int, dict[str, float]]]  # {mode: {batch: figures}}
 CLIENTS = ("aiohttp", "openai")  # the first is the default
 
 
-def served(
-    config: Path, args: dict[str, Any], preset: str, batches: list[int], tokens: int,
-    modes: tuple[str, ...] = ("stream",), client: str = CLIENTS[0],
-    beside: Callable[[list[list[int]]], float] | None = None,
-) -> ByMode:  # fmt: skip
-    """Start `serve run <config>` (its app's `args` changed by `args`; direct ingress, as
-    `make run`), then run every batch through it once per mode (`stream`, `plain`) with `client`:
-    {mode: {batch: figures}}, each with the idle server's `server_idle_box_cores`. `beside`: the
-    engine the served path is judged against, which generates the same prompts and gives its
-    tok/s with the server up and idle; it runs right before each served run of a batch, and the
-    batch's `ratio` is the median of the pairs' (`paired_figures`)."""
+@dataclass(frozen=True)
+class Server:
+    """A `serve run` up and healthy (`serving`): where to send requests, and its processes."""
+
+    url: str
+    pid: int  # `serve run`'s: Ray and every replica run below it
+    router_pid: int  # the Router replica's process, whose CPU each run's figures count
+    preset: str
+
+
+@contextlib.contextmanager
+def serving(config: Path, args: dict[str, Any], preset: str) -> Iterator[Server]:
+    """`serve run <config>` (its app's `args` changed by `args`; direct ingress, as `make run`)
+    for the `with` block; on leaving it, however it is left, the server is stopped with every
+    process below it."""
     with tempfile.TemporaryDirectory() as workdir:
         server = ServeRun(config, Path(workdir), args, preset=preset)
         started = time.monotonic()
@@ -62,32 +68,54 @@ def served(
             router_pid = ray_pid(server.pid, ROUTER_TITLE)
             if router_pid is None:
                 raise RuntimeError("no Router replica process below serve run")
-            vocab = model_vocab(preset)
-            asyncio.run(
-                served_batch(url, preset, prompts_for(2, vocab, seed=99), tokens, client=client)
-            )
-            idle = idle_cores(server.pid)
-            result: ByMode = {}
-            for mode, batch in ((m, b) for m in modes for b in batches):
-                prompts = prompts_for(batch, vocab)
-                runs, engine_runs = [], []
-                for _ in range(REPEATS if beside is None else PAIRS):
-                    if beside is not None:
-                        engine_runs.append(beside(prompts))
-                    runs.append(timed_batch(url, preset, prompts, tokens, mode, router_pid, client))
-                # CPU per token over every run (the same tokens each): /proc's clock ticks are
-                # coarse beside one run's CPU; a slow run's CPU is no larger for being slow.
-                cpu = {key: statistics.mean(f[key] for f in runs) for key in CPU_FIGURES}
-                best = max(runs, key=lambda f: f["tok_s"])
-                figures = best | cpu | idle
-                if engine_runs:
-                    figures |= paired_figures([f["tok_s"] for f in runs], engine_runs)
-                result.setdefault(mode, {})[batch] = figures
-            return result
+            yield Server(url, server.pid, router_pid, preset)
         finally:
             tree = process_tree(server.pid) if server.pid else set()
             server.stop()
             stop_survivors({p for p in tree if Path(f"/proc/{p}").exists()})
+
+
+def measure(
+    server: Server, batches: list[int], tokens: int, modes: tuple[str, ...] = ("stream",),
+    client: str = CLIENTS[0], beside: Callable[[list[list[int]]], float] | None = None,
+) -> ByMode:  # fmt: skip
+    """Every batch through `server` once per mode (`stream`, `plain`) with `client`, after a
+    warm-up batch: {mode: {batch: figures}}, each with the idle server's `server_idle_box_cores`.
+    `beside`: the engine the served path is judged against, which generates the same prompts and
+    gives its tok/s with the server up and idle; it runs right before each served run of a batch,
+    and the batch's `ratio` is the median of the pairs' (`paired_figures`)."""
+    vocab = model_vocab(server.preset)
+    warm_up = prompts_for(2, vocab, seed=99)
+    asyncio.run(served_batch(server.url, server.preset, warm_up, tokens, client=client))
+    idle = idle_cores(server.pid)
+    result: ByMode = {}
+    for mode, batch in ((m, b) for m in modes for b in batches):
+        prompts = prompts_for(batch, vocab)
+        runs, engine_runs = [], []
+        for _ in range(REPEATS if beside is None else PAIRS):
+            if beside is not None:
+                engine_runs.append(beside(prompts))
+            runs.append(timed_batch(server.url, server.preset, prompts, tokens, mode,
+                                    server.router_pid, client))  # fmt: skip
+        # CPU per token over every run (the same tokens each): /proc's clock ticks are
+        # coarse beside one run's CPU; a slow run's CPU is no larger for being slow.
+        cpu = {key: statistics.mean(f[key] for f in runs) for key in CPU_FIGURES}
+        best = max(runs, key=lambda f: f["tok_s"])
+        figures = best | cpu | idle
+        if engine_runs:
+            figures |= paired_figures([f["tok_s"] for f in runs], engine_runs)
+        result.setdefault(mode, {})[batch] = figures
+    return result
+
+
+def served(
+    config: Path, args: dict[str, Any], preset: str, batches: list[int], tokens: int,
+    modes: tuple[str, ...] = ("stream",), client: str = CLIENTS[0],
+    beside: Callable[[list[list[int]]], float] | None = None,
+) -> ByMode:  # fmt: skip
+    """`measure` on a server `serving` starts for it, stopped afterwards."""
+    with serving(config, args, preset) as server:
+        return measure(server, batches, tokens, modes, client, beside)
 
 
 def paired_figures(served_tok_s: list[float], engine_tok_s: list[float]) -> dict[str, float]:

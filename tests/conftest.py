@@ -83,9 +83,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _reschedule(self, node: Any) -> None:
             # xdist hands a worker its next unit while it still has two tests to run; an
             # `E2E_LAST` unit waits until the worker has one left. Otherwise the first worker
-            # near its end took every one of them (bench_served has two tests) while the other
-            # finished its modules and then had nothing left to do. Never at one: a worker runs
-            # a test only once it knows the next (or is told to stop), so it would wait forever.
+            # near its end took every one of them while the other finished its modules and then
+            # had nothing left to do. Never at one: a worker runs a test only once it knows the
+            # next (or is told to stop), so it would wait forever.
             waiting = next(iter(self.workqueue), None)
             if waiting in E2E_LAST and self._pending_of(self.assigned_work[node]) > 1:
                 return
