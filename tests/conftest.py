@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+# NOTE: before torch loads its OpenMP runtime, which reads this once; the processes the tests
+# start inherit it. Two test workers and the servers they start share the machine's cores, and
+# OpenMP's default wait spins a thread through every gap between parallel regions on a core
+# another process needs. The suite asserts no speed; it only finishes sooner.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
