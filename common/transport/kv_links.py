@@ -151,11 +151,13 @@ class KvReceiver:
 
     def close(self) -> None:
         self._running = False
+        self._listener.wake()  # not to wait out an idle wait
         self._thread.join(timeout=IDLE_WAIT_S + 1)
 
     def _has_news(self) -> bool:
-        """A hello, or a link with a message (or whose peer has gone)."""
-        return self._listener.has_hello() or any(link.has_message() for link in self._links)
+        """A hello, or a link with a message (or whose peer has gone), or `close`."""
+        return (not self._running or self._listener.has_hello()
+                or any(link.has_message() for link in self._links))  # fmt: skip
 
     def _run(self) -> None:
         while self._running:

@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 import struct
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic
@@ -142,9 +144,22 @@ class UcxWorker:
         self.context = ucx_api.UCXContext(config_dict=config, feature_flags=features)
         self.worker = ucx_api.UCXWorker(self.context)
         self.worker.init_blocking_progress_mode()
+        # `wake`'s eventfd, in the epoll set the worker's waits sleep in (ucxx binds no call
+        # that wakes them): edge-triggered, so each write wakes a wait once and nobody reads it.
+        # Registered through a duplicate of the set's descriptor, whose close leaves the set.
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        weakref.finalize(self, os.close, self._wake_fd)
+        with select.epoll.fromfd(os.dup(self.worker.epoll_file_descriptor)) as waits:
+            waits.register(self._wake_fd, select.EPOLLIN | select.EPOLLET)
         # Receive buffers of posted requests that may outlive their channel: UCX may still write
         # into them until the worker goes away, so they live as long as the worker.
         self.posted_buffers: list[np.ndarray] = []
+
+    def wake(self) -> None:
+        """Wake the thread sleeping in this worker's epoll (`progress_until`, `idle_until`) now,
+        from any thread, so that its loop looks at its own state again (a close, rather than
+        waiting out an idle timeout)."""
+        os.eventfd_write(self._wake_fd, 1)
 
     def wait(self, requests: Sequence[Any], timeout: float | None) -> None:
         """Block (in epoll, not spinning) until every request completes; raise its error if any."""

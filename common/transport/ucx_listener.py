@@ -98,6 +98,10 @@ class UcxListener:
         loop's wait, woken by what it waits for rather than by a clock (`UcxWorker.idle_until`)."""
         return self._worker.idle_until(ready, timeout_s)
 
+    def wake(self) -> None:
+        """Wake the thread in `idle_until` or `progress` now, from any thread (`UcxWorker.wake`)."""
+        self._worker.wake()
+
     def close(self) -> None:
         """Stop accepting; channels already accepted keep working."""
         self._hello_request = None

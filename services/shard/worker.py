@@ -206,14 +206,15 @@ class ShardWorker:
                 return True
             left_s = idle_at - time.monotonic()
             if left_s > 0:
-                self.listener.idle_until(link.has_message, left_s)
+                self.listener.idle_until(lambda: link.has_message() or not self.running, left_s)
                 continue
             self.gate.end_step()  # an idle link: no step is in progress (step_gate.py)
             if self.listener.has_hello():
                 return False
             self.last_pass = time.monotonic()
             self.listener.idle_until(
-                lambda: link.has_message() or self.listener.has_hello(), IDLE_WAIT_S
+                lambda: link.has_message() or self.listener.has_hello() or not self.running,
+                IDLE_WAIT_S,
             )
         return False
 
@@ -230,13 +231,19 @@ class ShardWorker:
     def _accept(self) -> UcxTensorChannel[ShardLinkMessage] | None:
         while self.running:
             self.last_pass = time.monotonic()
-            if not self.listener.idle_until(self.listener.has_hello, IDLE_WAIT_S):
+            if not self.listener.idle_until(self._hello_or_shutdown, IDLE_WAIT_S):
                 continue
+            if not self.running:
+                break
             try:
                 return self.listener.accept(timeout=0)  # said hello: a bad one is dropped
             except TimeoutError:
                 continue
         return None
+
+    def _hello_or_shutdown(self) -> bool:
+        """What ends an idle wait for a link: a hello, or shutdown (whose message wakes it)."""
+        return self.listener.has_hello() or not self.running
 
     def _attend_prev(self, batch: AttendBatch, q: torch.Tensor) -> None:
         """The first half of an overlapped layer: no reply of its own. A failure is kept and
@@ -343,6 +350,7 @@ class ShardWorker:
                 self.shard.free(header.req_id, header.kv_generation)
             elif isinstance(header, Shutdown):
                 self.running = False
+                self.listener.wake()  # the main thread's idle wait ends now, not at its timeout
             else:
                 log.warning("dropped unexpected ingress message", kind=type(header).__name__)
         except Exception:  # noqa: BLE001 - one bad message must not stop the shard

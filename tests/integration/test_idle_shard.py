@@ -1,7 +1,7 @@
 """An idle shard sleeps: its link loop and its KV receiver block in epoll until a message or a
 hello (`UcxWorker.idle_until`), instead of waking every 100 ms as they did; a message after the
-idle spell is answered, a new link accepted, and shutdown noticed within `IDLE_WAIT_S`. Real
-UCX links on loopback."""
+idle spell is answered, a new link accepted, and shutdown noticed at once (it wakes them) rather
+than at the end of an idle wait. Real UCX links on loopback."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from common.protocol import KvPages, ShardIngress, ShardLinkMessage
+from common.transport import kv_links
 from common.transport.kv_links import KvReceiver
 from common.transport.ucx_channel import UcxTensorChannel
 from common.transport.ucx_listener import UcxListener
+from services.shard import worker as shard_worker
 from services.shard.worker import IDLE_WAIT_S
 from tests.integration.test_link_input import KEY, answers, shard_loop_only
 from tests.thread_wakeups import thread_wakeups
@@ -61,3 +63,34 @@ def test_an_idle_shard_link_loop_and_kv_receiver_sleep_and_still_answer_at_once(
         receiver.close()
         listener.close()
     assert not loop.is_alive() and time.monotonic() - stopping < 3 * IDLE_WAIT_S + 2
+
+
+LONG_IDLE_S = 600.0  # an idle wait far longer than the check below waits for its end
+
+
+def test_shutdown_ends_an_idle_link_loop_and_kv_receiver_without_waiting_out_their_idle_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stop wakes the thread sleeping in its listener's epoll (`UcxListener.wake`): with idle
+    waits of `LONG_IDLE_S`, both threads end long before one of them would run out, one idle,
+    the other with a link that sends nothing."""
+    monkeypatch.setattr(shard_worker, "IDLE_WAIT_S", LONG_IDLE_S)
+    monkeypatch.setattr(kv_links, "IDLE_WAIT_S", LONG_IDLE_S)
+    listener = UcxListener(ShardLinkMessage, "127.0.0.1", KEY)
+    worker = shard_loop_only(listener)
+    loop = threading.Thread(target=worker.serve_links, daemon=True)
+    loop.start()
+    receiver = KvReceiver("127.0.0.1", KEY, lambda header, tensors: None)
+    link = UcxTensorChannel.connect(listener.address, ShardLinkMessage, key=KEY)
+    assert answers(link, 1)  # the loop serves the link, then idles on it
+    time.sleep(0.5)  # past the link's busy spell (`POLL_S`): into its idle wait
+    # As a `Shutdown` does (`ShardWorker._on_ingress`), and as `KvReceiver.close` does itself.
+    worker.running = False
+    listener.wake()
+    closing = threading.Thread(target=receiver.close, daemon=True)
+    closing.start()
+    loop.join(timeout=LONG_IDLE_S / 10)
+    closing.join(timeout=LONG_IDLE_S / 10)
+    assert not loop.is_alive() and not receiver._thread.is_alive()
+    link.close()
+    listener.close()
