@@ -41,6 +41,8 @@ from services.router.mesh_client import MeshEngineClient
 
 log = structlog.get_logger(__name__)
 
+SHUTDOWN_LINGER_S = 5.0  # how long `close` lets each `Shutdown` wait for its connection
+
 
 @dataclass
 class LocalWorker:
@@ -315,8 +317,10 @@ class LocalMesh:
             pool.get(w.ready.command_endpoint).send(Shutdown())
         for w in self._of(Role.SHARD):
             pool.get(w.ready.kv_endpoint).send_tensors(Shutdown(), [])
-        time.sleep(0.2)  # NOTE: let the shutdown messages leave before the sockets close
-        pool.close()
+        # The shutdown messages leave once each connection is up (a CURVE handshake: longer on a
+        # loaded machine), after the sockets close: ZeroMQ's I/O thread sends what they hold for
+        # up to the linger. A worker that never takes its message is killed below.
+        pool.close(linger_s=SHUTDOWN_LINGER_S)
         for peer in self.model_peers.values():  # stateless: nothing to flush (model_peer.py)
             peer.proc.terminate()
         for proc in self.procs + [w.proc for w in self.model_peers.values()]:
