@@ -33,7 +33,8 @@ SMOKE_RUNS = {
     # Each case's calls rotate over 16 MiB, not twice the cache: its figures count cache hits.
     "attention": ("bench/attention.py --quick --context 256 --repeats 1 --rotation-mib 16".split()),
     "router_hotpath": ["bench/router_hotpath.py", "--batch", "1", "--tokens", "8"],
-    "simulator": ["bench/simulator.py", "--duration", "10"],
+    # Rate probes of 3 simulated seconds: too short to rank the designs, long enough to run.
+    "simulator": ["bench/simulator.py", "--duration", "3"],
     "device_profile": "bench/device_profile.py --device cpu --model tiny --repeats 1".split(),
     # The device check runs it with --device cuda; here the CPU version, two meshes of one rate.
     "neo": "bench/neo.py --device cpu --requests 4 --rates 8 --max-output 8".split(),
