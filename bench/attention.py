@@ -117,12 +117,17 @@ def uncached_bytes() -> int:
 class Shape:
     """One decode-attention problem size."""
 
-    name: str
     batch: int
     context: int
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+
+    @property
+    def name(self) -> str:
+        """`gqa4_b32_ctx2048`: the query heads per KV head (`mha`: one), batch, context."""
+        group = self.num_q_heads // self.num_kv_heads
+        return f"{'mha' if group == 1 else f'gqa{group}'}_b{self.batch}_ctx{self.context}"
 
 
 @dataclass
@@ -333,16 +338,13 @@ def targets_met(summary: dict[str, float]) -> dict[str, bool]:
 def shapes_for(quick: bool, context: int | None = None) -> list[Shape]:
     """The measured shapes (`quick`: the batch-32 ones), each at `context` tokens if given."""
     shapes = [
-        Shape("gqa4_b32_ctx2048", 32, 2048, 8, 2, 128),
-        Shape("mha_b32_ctx2048", 32, 2048, 4, 4, 128),
-        Shape("gqa4_b1_ctx32768", 1, 32768, 8, 2, 128),
-        Shape("mha_b1_ctx32768", 1, 32768, 4, 4, 128),
+        Shape(32, 2048, 8, 2, 128),
+        Shape(32, 2048, 4, 4, 128),
+        Shape(1, 32768, 8, 2, 128),
+        Shape(1, 32768, 4, 4, 128),
     ]
     shapes = shapes[:2] if quick else shapes
-    if context is None:
-        return shapes
-    return [replace(s, name=f"{s.name.rsplit('_ctx', 1)[0]}_ctx{context}",
-                                context=context) for s in shapes]  # fmt: skip
+    return shapes if context is None else [replace(s, context=context) for s in shapes]
 
 
 def main() -> None:

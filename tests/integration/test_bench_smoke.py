@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(300)  # a hang guard: each run takes seconds
 SMOKE_RUNS = {
     "early_q": ["bench/early_q.py", "--model", "tiny", "--rows", "1", "--repeats", "1"],
     # Each case's calls rotate over 16 MiB, not twice the cache: its figures count cache hits.
-    "attention": ("bench/attention.py --quick --context 256 --repeats 1 --rotation-mib 16".split()),
+    "attention": "bench/attention.py --quick --context 256 --repeats 1 --rotation-mib 16".split(),
     "router_hotpath": ["bench/router_hotpath.py", "--batch", "1", "--tokens", "8"],
     # Rate probes of 3 simulated seconds: too short to rank the designs, long enough to run.
     "simulator": ["bench/simulator.py", "--duration", "3"],
