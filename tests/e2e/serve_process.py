@@ -325,6 +325,21 @@ def served(
         run.kill()
 
 
+def end_ray() -> None:
+    """Leave Ray: the cluster `ray.init` started here ends with every worker on it (the nodes
+    of a `ray.cluster_utils.Cluster` end with its own `shutdown`). No `serve.shutdown()` first:
+    nothing here checks an orderly stop, and Serve's drains every replica one by one (seconds of
+    the suite's time)."""
+    import ray
+    from ray.serve import context as serve_context
+
+    ray.shutdown()
+    # NOTE: Serve caches its controller's handle in this process, keyed by the job id, and the
+    # next cluster's first job has the same id: without this, the next module's Serve calls
+    # would go to this cluster's dead controller (a private call of the pinned Ray).
+    serve_context._disconnect()
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (from /proc), so a test touches only the Ray it started."""
     children: dict[int, list[int]] = {}

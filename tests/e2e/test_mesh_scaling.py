@@ -44,6 +44,7 @@ from tests.e2e.greedy_check import assert_text_greedy_close
 from tests.e2e.serve_process import (
     REPO,
     SERVE_CLI,
+    end_ray,
     free_port,
     ingress_env,
     on_preset,
@@ -138,18 +139,8 @@ class Cluster:
         return f"http://127.0.0.1:{node.metrics_export_port}/metrics"
 
     def stop(self) -> None:
-        """Ray's shutdown, which ends the cluster this process started and every worker on it.
-        No `serve.shutdown()` first: nothing here checks an orderly stop, and Serve's drains
-        every replica one by one (seconds of the suite's time)."""
-        import ray
-        from ray.serve import context as serve_context
-
         try:
-            ray.shutdown()
-            # NOTE: Serve caches its controller's handle in this process, keyed by the job id,
-            # and the next cluster's first job has the same id: without `serve.shutdown()` the
-            # next module's Serve calls would go to this cluster's dead controller.
-            serve_context._disconnect()
+            end_ray()
         finally:
             for key, value in self._saved_env.items():  # later tests start Ray without it
                 if value is None:

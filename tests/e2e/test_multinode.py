@@ -68,7 +68,7 @@ from common.roles import Role
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
-from tests.e2e.serve_process import REPO, SERVE_CLI, free_port, ingress_env, on_preset
+from tests.e2e.serve_process import REPO, SERVE_CLI, end_ray, free_port, ingress_env, on_preset
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -206,17 +206,8 @@ class MultiNodeCluster:
         )  # fmt: skip
 
     def stop(self) -> None:
-        """Every node's processes ended. No `serve.shutdown()` first: nothing here checks an
-        orderly stop, and Serve's drains every replica one by one (seconds of the suite's time)."""
-        import ray
-        from ray.serve import context as serve_context
-
         try:
-            ray.shutdown()
-            # NOTE: Serve caches its controller's handle in this process, keyed by the job id,
-            # and the next cluster's first job has the same id: without `serve.shutdown()` the
-            # next module's Serve calls would go to this cluster's dead controller.
-            serve_context._disconnect()
+            end_ray()
         finally:
             if self.cluster is not None:  # None: the head did not start (its processes end
                 self.cluster.shutdown()  # with this process, Ray's exit hook)
