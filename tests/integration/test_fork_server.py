@@ -1,6 +1,7 @@
 """`LocalMesh` workers forked from the launcher's fork server (services/launch/fork_server.py):
 they take the launcher's environment and output as they are when each starts, a worker that
-dies while starting fails the start at once, and killing the launcher takes every worker with it.
+dies while starting fails the start at once, killing the launcher takes every worker with it, and
+a mesh with a dead worker still closes, the others stopping by themselves.
 """
 
 from __future__ import annotations
@@ -127,3 +128,21 @@ def test_a_killed_fork_server_takes_its_workers_and_the_supervisor_replaces_them
         client.close()
     finally:
         mesh.close()
+
+
+def test_a_mesh_with_a_worker_already_dead_closes_and_the_others_stop_by_themselves(
+    tiny_model_path: Path,
+) -> None:
+    """`close` sends each worker its `Shutdown` on sockets that linger rather than after a fixed
+    pause: the one to a worker SIGKILLed before (unsupervised: nothing replaces it) is left to
+    ZeroMQ's I/O thread, and every other worker takes its own and exits by itself (status 0), not
+    killed at the end of the join's wait."""
+    topology = Topology(str(tiny_model_path), num_shards=2, pin_decode_groups=False)
+    mesh = LocalMesh.start(topology, supervise=False)
+    procs = list(mesh.procs)
+    [dead] = [w.proc for w in mesh.workers.values() if w.service_id.startswith("token")]
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.join(30)
+    mesh.close()
+    assert dead.exitcode == -signal.SIGKILL
+    assert [p.exitcode for p in procs if p is not dead] == [0] * (len(procs) - 1)

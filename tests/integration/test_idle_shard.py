@@ -73,7 +73,7 @@ def test_shutdown_ends_an_idle_link_loop_and_kv_receiver_without_waiting_out_the
 ) -> None:
     """A stop wakes the thread sleeping in its listener's epoll (`UcxListener.wake`): with idle
     waits of `LONG_IDLE_S`, both threads end long before one of them would run out, one idle,
-    the other with a link that sends nothing."""
+    the other with a link that sends nothing. A wake without a stop changes nothing."""
     monkeypatch.setattr(shard_worker, "IDLE_WAIT_S", LONG_IDLE_S)
     monkeypatch.setattr(kv_links, "IDLE_WAIT_S", LONG_IDLE_S)
     listener = UcxListener(ShardLinkMessage, "127.0.0.1", KEY)
@@ -84,6 +84,8 @@ def test_shutdown_ends_an_idle_link_loop_and_kv_receiver_without_waiting_out_the
     link = UcxTensorChannel.connect(listener.address, ShardLinkMessage, key=KEY)
     assert answers(link, 1)  # the loop serves the link, then idles on it
     time.sleep(0.5)  # past the link's busy spell (`POLL_S`): into its idle wait
+    listener.wake()  # a wake without a stop: the loop waits on, and serves the link
+    assert answers(link, 2) and loop.is_alive()
     # As a `Shutdown` does (`ShardWorker._on_ingress`), and as `KvReceiver.close` does itself.
     worker.running = False
     listener.wake()
