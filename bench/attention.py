@@ -59,6 +59,7 @@ from bench.machine import cpu_variant  # noqa: E402
 from common.attention.cpu_kernel import (  # noqa: E402
     CpuKernelAttention,
     kernel_available,
+    prefetch_target,
     supported_isas,
 )
 
@@ -384,7 +385,8 @@ def main() -> None:
                 cases.append(row)
             del sets
     summary = summarize(cases)
-    setup = {"cpu": cpu_variant(), "isa": supported_isas()[0], "repeats": args.repeats,
+    setup = {"cpu": cpu_variant(), "isa": supported_isas()[0],
+             "prefetch_to": prefetch_target(), "repeats": args.repeats,
              "block_size": args.block_size}  # fmt: skip
     setup["llc_mib"] = last_level_cache_bytes() >> 20
     setup["rotation_mib"] = rotation >> 20

@@ -658,4 +658,9 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         "Worker threads the kernels' pool started in this process (the caller is not counted).");
   m.def("supported_isas", &pm::supported_isas,
         "Kernel ISAs this CPU can run, best first (the first is what 'auto' prefers).");
+  m.def(
+      "attention_prefetch_target",
+      [] { return pm::attention_prefetch_target() == pm::PrefetchTo::kL2 ? "l2" : "l1"; },
+      "The cache level ('l1' or 'l2') decode attention prefetches its next tiles into on this "
+      "CPU.");
 }

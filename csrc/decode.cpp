@@ -28,6 +28,7 @@ constexpr int64_t kRangesPerThread = 16;  // fine hand-out: a preempted thread h
 struct Plan {
   const DecodeProblem& p;
   const IsaKernels& isa;
+  FragmentFn attend;       // the ISA's kernel for this cache's dtype and prefetch target
   int64_t num_heads;       // KV heads in [kv_head_start, kv_head_end)
   int64_t group_size;      // query heads per KV head
   const int64_t* prefix;   // [num_segments + 1] units before each segment
@@ -51,6 +52,12 @@ struct Plan {
 };
 
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// The ISA's kernel for the cache's dtype, prefetching where this CPU's cores read fastest.
+FragmentFn fragment_fn(const DecodeProblem& p, const IsaKernels& isa) {
+  static const int to = static_cast<int>(attention_prefetch_target());
+  return p.kv_dtype == KvDtype::kBfloat16 ? isa.attend_bf16[to] : isa.attend_f32[to];
+}
 
 // Blocks a sequence's token range touches; throws on lengths or block ids the caches can't hold.
 int64_t count_blocks(const DecodeProblem& p, int64_t seq) {
@@ -157,7 +164,7 @@ void run_fragment(const Plan& plan, const Fragment& frag, const Fragment* next, 
     args.next_block_begin = after.begin;
     args.next_block_end = after.end;
   }
-  (p.kv_dtype == KvDtype::kBfloat16 ? plan.isa.attend_bf16 : plan.isa.attend_f32)(args, st);
+  plan.attend(args, st);
 }
 
 // Writes normalized rows: out = acc / sum, lse = max + log(sum).
@@ -279,8 +286,9 @@ void run_decode(const DecodeProblem& p, const IsaKernels& isa, int num_threads, 
     ws.partials.resize(2 * num_ranges * partial_stride);
   if (ws.thread_scratch.size() < static_cast<size_t>(threads * thread_stride))
     ws.thread_scratch.resize(threads * thread_stride);
-  const Plan plan{p, isa, num_heads, G, ws.segment_units.data(), num_segments, num_ranges,
-                  ws.partials.data(), partial_stride, ws.thread_scratch.data(), thread_stride};
+  const Plan plan{p, isa, fragment_fn(p, isa), num_heads, G, ws.segment_units.data(),
+                  num_segments, num_ranges, ws.partials.data(), partial_stride,
+                  ws.thread_scratch.data(), thread_stride};
   // Ranges first (claimed one at a time: a preempted thread holds up one range), then, once every
   // range ran, the segments' merges.
   parallel_units(num_ranges, threads,

@@ -53,6 +53,9 @@ struct FragmentState {
 
 using FragmentFn = void (*)(const FragmentArgs&, const FragmentState&);
 
+// Where a fragment's prefetches bring the tiles it reads next (attention_prefetch_target).
+enum class PrefetchTo { kL1 = 0, kL2 = 1 };
+
 // The projections' weight element types (linear_kernel.h): float32, bfloat16 (widened exactly to
 // float32) and int8 with one float32 scale per output column (w[c, k] = q[c, k] * scale[c]).
 enum class WeightDtype { kFloat32, kBfloat16, kInt8 };
@@ -80,8 +83,8 @@ using SiluAndMulFn = void (*)(const float* x, float* out, int64_t rows, int64_t 
 struct IsaKernels {
   const char* name;
   int lanes;  // SIMD width in floats: block_size and head_dim must be multiples of it
-  FragmentFn attend_f32;
-  FragmentFn attend_bf16;
+  FragmentFn attend_f32[2];  // by PrefetchTo
+  FragmentFn attend_bf16[2];
   SiluAndMulFn silu_and_mul;  // the MLP's activation, with this ISA's vector exp
   LinearPanelsFn linear_panels;
   int linear_panel_width;  // columns per weight panel (2 vectors)

@@ -23,9 +23,10 @@
 // guess the next tile: while scoring K the kernel prefetches the step's V tiles, and while
 // accumulating V the next step's K tiles (at a fragment's last step, the first K tiles of the
 // next fragment its thread runs: walk_offset), one line per load, spread over the loops rather
-// than in a burst that would stall on fill buffers. Those prefetches go to L1 (T0); sending them
-// to L2 only, halving them, or prefetching only each tile's head was slower or no faster in paired
-// A/B runs (bench/attention_ab.py) on both machine variants.
+// than in a burst that would stall on fill buffers. Those prefetches go to L1 (T0) or to L2 (T1)
+// by the core (kHint: attention_prefetch_target, isa_select.cpp); halving them, or prefetching
+// only each tile's head, was slower or no faster in paired A/B runs (bench/attention_ab.py) on
+// every machine variant measured.
 //
 // NOTE: tried and left out, each slower or within noise in paired A/B runs, the figures in
 // docs/benchmarks.md ("Kernel design experiments"): scoring or accumulating bfloat16 with
@@ -149,9 +150,9 @@ inline VecF vexp(VecF x) {
 inline float scalar_exp(float x) { return vexp(splat(x))[0]; }
 
 // Prefetches the line holding `p` if a vector load at lane offset `lanes` starts a new line.
-template <typename KV>
+template <int kHint, typename KV>
 inline void prefetch_line(const KV* p, int lanes) {
-  if ((lanes * sizeof(KV)) % 64 == 0) __builtin_prefetch(p, 0, 3);
+  if ((lanes * sizeof(KV)) % 64 == 0) __builtin_prefetch(p, 0, kHint);
 }
 
 // The blocks of one step: their tiles, the next step's K tiles (to prefetch), and the slots in
@@ -171,7 +172,7 @@ struct Step {
 // kAhead, prefetches the NB tiles in `prefetch` at the same offsets. A compile-time choice: tested
 // per tile and per row, the null checks and their pointers spilled to the stack cost the loop
 // two branches per tile and row (objdump); without them GQA bf16 ran faster in paired A/B runs.
-template <int GT, int NB, bool kAhead, typename KV>
+template <int kHint, int GT, int NB, bool kAhead, typename KV>
 inline void score_rows(const float* q, const KV* const* tiles, const KV* const* prefetch,
                        int head_dim, int block_size, float* scores, int stride) {
   constexpr int U = GT * NB >= 8 ? 1 : 8 / (GT * NB);
@@ -194,7 +195,7 @@ inline void score_rows(const float* q, const KV* const* tiles, const KV* const* 
         for (int n = 0; n < NB; ++n) k[n] = load(tile[n] + row);
         if constexpr (kAhead)
           if (line_start)
-            for (int n = 0; n < NB; ++n) __builtin_prefetch(ahead[n] + row, 0, 3);
+            for (int n = 0; n < NB; ++n) __builtin_prefetch(ahead[n] + row, 0, kHint);
         for (int g = 0; g < GT; ++g) {
           const float qd = q[g * head_dim + d + u];
           for (int n = 0; n < NB; ++n) acc[u][g][n] += k[n] * qd;
@@ -210,30 +211,30 @@ inline void score_rows(const float* q, const KV* const* tiles, const KV* const* 
 }
 
 // Rows [g, g + GT): the first rows of a tile set prefetch `prefetch` (every entry a tile).
-template <int GT, int NB, typename KV>
+template <int kHint, int GT, int NB, typename KV>
 inline void score_rows_at(int g, const float* q, const KV* const* tiles, const KV* const* prefetch,
                           int head_dim, int block_size, float* scores, int stride) {
   if (g == 0)
-    score_rows<GT, NB, true>(q, tiles, prefetch, head_dim, block_size, scores, stride);
+    score_rows<kHint, GT, NB, true>(q, tiles, prefetch, head_dim, block_size, scores, stride);
   else
-    score_rows<GT, NB, false>(q + g * head_dim, tiles, prefetch, head_dim, block_size,
+    score_rows<kHint, GT, NB, false>(q + g * head_dim, tiles, prefetch, head_dim, block_size,
                               scores + g * stride, stride);
 }
 
 // NB K tiles for all rows: GT rows at a time, as many as the accumulator budget allows.
-template <int NB, typename KV>
+template <int kHint, int NB, typename KV>
 void score_tiles(const float* q, const KV* const* tiles, const KV* const* prefetch,
                  int group_size, int head_dim, int block_size, float* scores, int stride) {
   constexpr int kRows = PM_ACC_BUDGET / NB >= 4 ? 4 : PM_ACC_BUDGET / NB >= 2 ? 2 : 1;
   int g = 0;
   for (; g + kRows <= group_size; g += kRows)
-    score_rows_at<kRows, NB>(g, q, tiles, prefetch, head_dim, block_size, scores, stride);
+    score_rows_at<kHint, kRows, NB>(g, q, tiles, prefetch, head_dim, block_size, scores, stride);
   if (kRows > 2 && g + 2 <= group_size) {
-    score_rows_at<2, NB>(g, q, tiles, prefetch, head_dim, block_size, scores, stride);
+    score_rows_at<kHint, 2, NB>(g, q, tiles, prefetch, head_dim, block_size, scores, stride);
     g += 2;
   }
   if (g < group_size && kRows > 1)
-    score_rows_at<1, NB>(g, q, tiles, prefetch, head_dim, block_size, scores, stride);
+    score_rows_at<kHint, 1, NB>(g, q, tiles, prefetch, head_dim, block_size, scores, stride);
 }
 
 // The step's tiles NB at a time. With 4+ query rows each K vector feeds 4 rows (NB = 4: 16
@@ -241,24 +242,24 @@ void score_tiles(const float* q, const KV* const* tiles, const KV* const* prefet
 // every tile twice, the second time from L2 (8 fp32 tiles overflow L1), and bf16 tiles were
 // widened twice: GQA 4:1 ran at 0.6 of MHA's bytes per second in cache. With fewer rows the
 // widest NB that fits the budget keeps 8 streams of lines going.
-template <int NB, typename KV>
+template <int kHint, int NB, typename KV>
 void score_step_nb(const float* q, const Step<KV>& step, int group_size, int head_dim,
                    int block_size, float* scores, int stride) {
   int j = 0;
   if constexpr (NB >= 8)
     for (; j + 8 <= step.num_blocks; j += 8)
-      score_tiles<8>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
+      score_tiles<kHint, 8>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
                      scores + j * block_size, stride);
   if constexpr (NB >= 4)
     for (; j + 4 <= step.num_blocks; j += 4)
-      score_tiles<4>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
+      score_tiles<kHint, 4>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
                      scores + j * block_size, stride);
   if constexpr (NB >= 2)
     for (; j + 2 <= step.num_blocks; j += 2)
-      score_tiles<2>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
+      score_tiles<kHint, 2>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
                      scores + j * block_size, stride);
   for (; j < step.num_blocks; ++j)
-    score_tiles<1>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
+    score_tiles<kHint, 1>(q, step.keys + j, step.values + j, group_size, head_dim, block_size,
                    scores + j * block_size, stride);
 }
 
@@ -268,15 +269,15 @@ constexpr int tiles_for(int rows) {
   return nb >= 8 ? 8 : nb >= 4 ? 4 : nb >= 2 ? 2 : 1;
 }
 
-template <typename KV>
+template <int kHint, typename KV>
 void score_step(const float* q, const Step<KV>& step, int group_size, int head_dim,
                 int block_size, float* scores, int stride) {
   if (group_size >= 4)
-    score_step_nb<tiles_for(4)>(q, step, group_size, head_dim, block_size, scores, stride);
+    score_step_nb<kHint, tiles_for(4)>(q, step, group_size, head_dim, block_size, scores, stride);
   else if (group_size >= 2)
-    score_step_nb<tiles_for(2)>(q, step, group_size, head_dim, block_size, scores, stride);
+    score_step_nb<kHint, tiles_for(2)>(q, step, group_size, head_dim, block_size, scores, stride);
   else
-    score_step_nb<8>(q, step, group_size, head_dim, block_size, scores, stride);
+    score_step_nb<kHint, 8>(q, step, group_size, head_dim, block_size, scores, stride);
 }
 
 // Online-softmax step for `rows` rows of `stride` scores: they become probabilities relative to
@@ -316,7 +317,7 @@ inline void softmax_step(float* scores, int rows, int stride, int lo, int hi, fl
 // prefetched at the same offsets.
 // kFull > 0: the step is kFull whole blocks of tokens ([lo, hi) covers every slot), so the
 // block loop has a fixed count and no per-slot range test; 0: any step.
-template <int GT, int VT, int kFull, typename KV>
+template <int kHint, int GT, int VT, int kFull, typename KV>
 inline void accumulate_rows(float* acc, const float* probs, int stride, const float* alpha,
                             const Step<KV>& step, uint32_t prefetch_slots, int head_dim,
                             int block_size,
@@ -346,7 +347,7 @@ inline void accumulate_rows(float* acc, const float* probs, int stride, const fl
         } else {
           v[j] = load(v_tile + row + j * kLanes);
         }
-        if (next != nullptr) prefetch_line(next + row + j * kLanes, j * kLanes);
+        if (next != nullptr) prefetch_line<kHint>(next + row + j * kLanes, j * kLanes);
       }
       for (int g = 0; g < GT; ++g) {
         const float p = probs[g * stride + slot];
@@ -360,7 +361,7 @@ inline void accumulate_rows(float* acc, const float* probs, int stride, const fl
 
 // GT rows: the widest VT (vectors of head_dim per row) that fits the accumulator budget, then
 // narrower ones for what is left of head_dim.
-template <int GT, int kFull, typename KV>
+template <int kHint, int GT, int kFull, typename KV>
 inline void accumulate_group(float* acc, const float* probs, int stride, const float* alpha,
                              const Step<KV>& step, uint32_t prefetch, int head_dim,
                              int block_size) {
@@ -368,18 +369,18 @@ inline void accumulate_group(float* acc, const float* probs, int stride, const f
   int dv = 0;
   if constexpr (kFit >= 8)
     for (; dv + 8 * kLanes <= head_dim; dv += 8 * kLanes)
-      accumulate_rows<GT, 8, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+      accumulate_rows<kHint, GT, 8, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
                                     block_size, dv);
   if constexpr (kFit >= 4)
     for (; dv + 4 * kLanes <= head_dim; dv += 4 * kLanes)
-      accumulate_rows<GT, 4, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+      accumulate_rows<kHint, GT, 4, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
                                     block_size, dv);
   if constexpr (kFit >= 2)
     for (; dv + 2 * kLanes <= head_dim; dv += 2 * kLanes)
-      accumulate_rows<GT, 2, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+      accumulate_rows<kHint, GT, 2, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
                                     block_size, dv);
   for (; dv < head_dim; dv += kLanes)
-    accumulate_rows<GT, 1, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
+    accumulate_rows<kHint, GT, 1, kFull>(acc, probs, stride, alpha, step, prefetch, head_dim,
                                   block_size, dv);
 }
 
@@ -390,7 +391,7 @@ inline uint32_t slots_of_pass(int pass, int passes) {
   return mask;
 }
 
-template <int kFull, typename KV>
+template <int kHint, int kFull, typename KV>
 void accumulate_step_as(float* acc, const float* probs, int stride, const float* alpha,
                         const Step<KV>& step, int group_size, int head_dim, int block_size) {
   // V goes to 4 rows at a time (VT = 4 vectors of head_dim per pass, two passes over each row's
@@ -407,28 +408,28 @@ void accumulate_step_as(float* acc, const float* probs, int stride, const float*
   const int passes = fours + pairs + (group_size - 4 * fours - 2 * pairs);
   int g = 0, pass = 0;
   for (int i = 0; i < fours; ++i, g += 4)
-    accumulate_group<4, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+    accumulate_group<kHint, 4, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
                                slots_of_pass(pass++, passes), head_dim, block_size);
   for (int i = 0; i < pairs; ++i, g += 2)
-    accumulate_group<2, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+    accumulate_group<kHint, 2, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
                                slots_of_pass(pass++, passes), head_dim, block_size);
   if (g < group_size)
-    accumulate_group<1, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
+    accumulate_group<kHint, 1, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
                                slots_of_pass(pass++, passes), head_dim, block_size);
 }
 
 // A step of whole blocks of tokens, as every step is but a fragment's first and last, runs the
 // block loop at a fixed count (4 or 8 blocks) with no per-slot range test.
-template <typename KV>
+template <int kHint, typename KV>
 void accumulate_step(float* acc, const float* probs, int stride, const float* alpha,
                      const Step<KV>& step, int group_size, int head_dim, int block_size) {
   const bool whole = step.lo == 0 && step.hi == step.num_blocks * block_size;
   if (whole && step.num_blocks == 4)
-    accumulate_step_as<4>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
+    accumulate_step_as<kHint, 4>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
   else if (whole && step.num_blocks == 8)
-    accumulate_step_as<8>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
+    accumulate_step_as<kHint, 8>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
   else
-    accumulate_step_as<0>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
+    accumulate_step_as<kHint, 0>(acc, probs, stride, alpha, step, group_size, head_dim, block_size);
 }
 
 // Elements from the cache's base to the tile of block b of the walk: the fragment's blocks, then,
@@ -467,7 +468,7 @@ Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int6
 
 // The first lines of each K and V tile of the step after next, to L2 (T1): the L2's stream
 // prefetcher then fetches the rest of the tile's page on its own. The tiles of the next step
-// come to L1 line by line during this one (score_rows, accumulate_rows), one step ahead: with
+// come to L1 or L2 line by line during this one (score_rows, accumulate_rows), one step ahead: with
 // bfloat16's 64-token steps that is ~32 KiB in flight per thread, short of what hides a
 // scattered tile's latency. bfloat16 gains from it in paired A/B runs (bench/attention_ab.py,
 // docs/benchmarks.md); float32 (128-token steps: twice the bytes one step ahead) does not, so it
@@ -487,7 +488,8 @@ inline void prefetch_far_step(const FragmentArgs& a, const KV* keys, const KV* v
   }
 }
 
-template <typename KV>
+// kHint: the locality hint of the prefetches that bring the next tiles (3: into L1, 2: into L2).
+template <typename KV, int kHint>
 void attend(const FragmentArgs& a, const FragmentState& st) {
   const int G = a.group_size, D = a.head_dim, B = a.block_size;
   constexpr int kSlots = sizeof(KV) == 2 ? kStepSlotsBf16 : kStepSlots;
@@ -504,9 +506,9 @@ void attend(const FragmentArgs& a, const FragmentState& st) {
     if constexpr (sizeof(KV) == 2) prefetch_far_step(a, keys, values, b, blocks_per_step);
     const Step<KV> step = make_step(a, keys, values, b, blocks_per_step);
     const int stride = step.num_blocks * B;
-    score_step(a.q, step, G, D, B, st.scratch, stride);
+    score_step<kHint>(a.q, step, G, D, B, st.scratch, stride);
     softmax_step(st.scratch, G, stride, step.lo, step.hi, st.row_max, lane_sums, alpha);
-    accumulate_step(st.acc, st.scratch, stride, alpha, step, G, D, B);
+    accumulate_step<kHint>(st.acc, st.scratch, stride, alpha, step, G, D, B);
   }
   for (int g = 0; g < G; ++g) st.row_sum[g] = hsum(load(lane_sums + g * kLanes));
   if constexpr (sizeof(KV) == 2) interleave_pairs(st.acc, G, D);
@@ -535,5 +537,12 @@ void silu_and_mul(const float* x, float* out, int64_t rows, int64_t inter, int64
 
 }  // namespace
 
-const IsaKernels kernels = {PM_ISA_NAME,   kLanes,        attend<float>, attend<uint16_t>,
-                            silu_and_mul,  linear_panels, kPanelWidth,   call_tile_panels};
+// The prefetches' locality hints by PrefetchTo: 3 (T0) into L1, 2 (T1) into L2.
+const IsaKernels kernels = {PM_ISA_NAME,
+                            kLanes,
+                            {attend<float, 3>, attend<float, 2>},
+                            {attend<uint16_t, 3>, attend<uint16_t, 2>},
+                            silu_and_mul,
+                            linear_panels,
+                            kPanelWidth,
+                            call_tile_panels};

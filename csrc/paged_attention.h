@@ -48,6 +48,8 @@ const IsaKernels& select_isa(const std::string& isa, int64_t head_dim, int64_t b
 std::vector<std::string> supported_isas();
 // The best ISA this CPU runs (for the layer ops, which have no shape constraint).
 const IsaKernels& best_isa();
+// Where the attention kernel's prefetches go on this CPU's cores (isa_select.cpp).
+PrefetchTo attention_prefetch_target();
 
 // Sums n floats with num_threads threads: a memory read-bandwidth probe for the benchmark.
 double read_sum(const float* data, int64_t n, int num_threads);

@@ -54,6 +54,12 @@ def supported_isas() -> list[str]:
     return list(_EXTENSION.supported_isas()) if _EXTENSION is not None else []
 
 
+def prefetch_target() -> str | None:
+    """The cache level, `l1` or `l2`, the kernel prefetches K/V tiles into on this CPU's cores;
+    None when the kernel is not built."""
+    return _EXTENSION.attention_prefetch_target() if _EXTENSION is not None else None
+
+
 class CpuKernelAttention:
     """Paged decode attention on CPU through the csrc kernel (float32/bfloat16 K/V, GQA).
 
