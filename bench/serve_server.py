@@ -29,7 +29,7 @@ import torch
 from bench.host_cpu import CLK_TCK, box_busy_s, process_cpu_s, process_tree, stop_survivors
 from common.model.default import default_model_path
 from services.router.engine_client import ENGINE_THREAD_NAME
-from tests.e2e.serve_process import ServeRun, session_pids
+from tests.e2e.serve_process import ServeRun, kill_session, session_pids
 
 ROUTER_TITLE = "ServeReplica:phasemesh:Router"
 IDLE_S = 10.0  # how long the idle server is sampled (/proc counts in 10 ms ticks)
@@ -72,6 +72,10 @@ def serving(config: Path, args: dict[str, Any], preset: str) -> Iterator[Server]
         finally:
             tree = process_tree(server.pid) if server.pid else set()
             server.stop()
+            if server.pid:
+                # Its session as well, read after the stop: a replica Serve started after `tree`
+                # was read (one replaced mid-measure) is in the session, in no tree read before.
+                kill_session(server.pid)
             stop_survivors({p for p in tree if Path(f"/proc/{p}").exists()})
 
 
