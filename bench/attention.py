@@ -79,7 +79,7 @@ TARGETS["paged_over_contig"] = 0.85
 # every shape (GQA like MHA: a K/V byte serving 4 query heads costs no more time), and it is
 # never slower than torch's best path on the same data.
 # The MHA shapes meet it; GQA bfloat16 falls short of it (csrc/fragment_kernel.h's notes say
-# where its time goes), and docs/benchmarks.md keeps the figures per machine.
+# where its time goes), and docs/benchmarks/kernels.md keeps the figures per machine.
 TARGETS["kernel_over_read_2t"] = 0.80
 TARGETS["over_torch"] = 1.0
 # summary key (the worst case) -> target key; every target is a lower bound

@@ -13,7 +13,7 @@ taken over pairs of consecutive iterations, one `ab` and one `ba` (each KV set s
 each pair's time per tag the mean of its two calls; b's speedup is the median of the pairs' a/b.
 (A median over single calls, one tag first once more often than the other, picked the slow mode
 for one and the fast for the other: two identical builds differed by far more than a kernel
-change is worth; docs/benchmarks.md.)
+change is worth; docs/benchmarks/kernels.md.)
 
 With `--clock thread` and 1 thread the kernel runs on the calling thread and is timed in CPU
 time, which leaves out the time the scheduler gives to other processes: under load two identical

@@ -22,8 +22,8 @@ that meets the targets: in the autoscaled cluster's start-up minute of a step (i
 not yet taking work), Splitwise's unbounded lending sends the overflow's decodes to prompt
 machines busy with the step's prefills and prefills to token machines' decodes, and those
 requests miss the TBT limit that the fixed size, already at the peak's size, does not
-(docs/benchmarks.md). `--no-lend-bounds`: Splitwise's unbounded lending, as runs before the
-default did.
+(docs/benchmarks/autoscale.md). `--no-lend-bounds`: Splitwise's unbounded lending, as runs before
+the default did.
 
 Reported: TTFT and TBT p90 slowdowns against their limits and the share of requests within them
 (over the slice and within the step), replica-seconds by deployment, scale events.

@@ -29,7 +29,7 @@
 // every machine variant measured.
 //
 // NOTE: tried and left out, each slower or within noise in paired A/B runs, the figures in
-// docs/benchmarks.md ("Kernel design experiments"): scoring or accumulating bfloat16 with
+// docs/benchmarks/kernels.md ("Kernel design experiments"): scoring or accumulating bfloat16 with
 // vdpbf16ps (it also rounds q or the probabilities to bfloat16, so the output would depend on
 // the work partition), wider bfloat16 steps, a V widening from one load on Emerald Rapids (not
 // load_pair's shift and mask, which has no shuffle and gained on Zen 5), and K scored two rows a
@@ -398,24 +398,24 @@ void accumulate_step_as(float* acc, const float* probs, int stride, const float*
   // halves for head_dim 128): every V value is read from cache once per 4 rows, where rows in
   // pairs (VT = 8, whole rows in order) read the step's V twice, the second pass from L2 for a
   // float32 step (64 KiB of V), and bf16 widens each V vector once per 4 rows instead of twice.
-  // Fours ran faster than pairs in paired A/B runs on both machine variants (bench/attention_ab.py,
-  // GQA 4:1 float32, same bits out; docs/benchmarks.md), and bf16 was fours already. The next
-  // step's K is prefetched over all passes (pass i: the slots s with s % passes == i): with it
-  // in the first pass only, the later passes ran with no request going to memory. MHA (one row)
-  // takes none of this.
+  // Fours ran faster than pairs in paired A/B runs on both machine variants
+  // (bench/attention_ab.py, GQA 4:1 float32, same bits out; docs/benchmarks/kernels.md), and bf16
+  // was fours already. The next step's K is prefetched over all passes (pass i: the slots s with
+  // s % passes == i): with it in the first pass only, the later passes ran with no request going
+  // to memory. MHA (one row) takes none of this.
   const int fours = group_size / 4;
   const int pairs = (group_size - 4 * fours) / 2;
   const int passes = fours + pairs + (group_size - 4 * fours - 2 * pairs);
   int g = 0, pass = 0;
   for (int i = 0; i < fours; ++i, g += 4)
-    accumulate_group<kHint, 4, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                               slots_of_pass(pass++, passes), head_dim, block_size);
+    accumulate_group<kHint, 4, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g,
+                                      step, slots_of_pass(pass++, passes), head_dim, block_size);
   for (int i = 0; i < pairs; ++i, g += 2)
-    accumulate_group<kHint, 2, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                               slots_of_pass(pass++, passes), head_dim, block_size);
+    accumulate_group<kHint, 2, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g,
+                                      step, slots_of_pass(pass++, passes), head_dim, block_size);
   if (g < group_size)
-    accumulate_group<kHint, 1, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g, step,
-                               slots_of_pass(pass++, passes), head_dim, block_size);
+    accumulate_group<kHint, 1, kFull>(acc + g * head_dim, probs + g * stride, stride, alpha + g,
+                                      step, slots_of_pass(pass++, passes), head_dim, block_size);
 }
 
 // A step of whole blocks of tokens, as every step is but a fragment's first and last, runs the
@@ -471,8 +471,8 @@ Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int6
 // come to L1 or L2 line by line during this one (score_rows, accumulate_rows), one step ahead: with
 // bfloat16's 64-token steps that is ~32 KiB in flight per thread, short of what hides a
 // scattered tile's latency. bfloat16 gains from it in paired A/B runs (bench/attention_ab.py,
-// docs/benchmarks.md); float32 (128-token steps: twice the bytes one step ahead) does not, so it
-// does not take them. Two lines a tile: four gained less, one was mixed.
+// docs/benchmarks/kernels.md); float32 (128-token steps: twice the bytes one step ahead) does not,
+// so it does not take them. Two lines a tile: four gained less, one was mixed.
 template <typename KV>
 inline void prefetch_far_step(const FragmentArgs& a, const KV* keys, const KV* values, int64_t b,
                               int blocks_per_step) {

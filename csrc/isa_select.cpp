@@ -52,7 +52,7 @@ bool amd_family_19h() {
 // NOTE: why by core, not by size. On Zen 4 the kernel read faster with every prefetch going to
 // L2 (T1), on every shape and dtype measured, head sizes 64 and 128, including steps whose K and
 // V fit L1 several times over; on Zen 5 bfloat16 read slower that way and on Emerald Rapids
-// neither gained beyond noise (bench/attention_ab.py; docs/benchmarks.md, "Kernel design
+// neither gained beyond noise (bench/attention_ab.py; docs/benchmarks/kernels.md, "Kernel design
 // experiments"). So it is a property of the core's miss handling, not of the step's size. Zen 3
 // (also family 19h) is taken to be Zen 4's kind, unmeasured.
 PrefetchTo attention_prefetch_target() {

@@ -23,11 +23,11 @@
 // several panels side by side (`tile_panels`): one row in one panel is only kPanelVecs FMA chains,
 // and each k then waited on the last FMA's result whatever the weight's dtype, which held a
 // one-row call from cache to about float32's time per k in bfloat16 and int8 too (half their
-// bytes' rate; paired figures in docs/benchmarks.md, `bench/linear_ab.py`).
+// bytes' rate; paired figures in docs/benchmarks/engine.md, `bench/linear_ab.py`).
 //
 // At decode shapes it is faster than oneDNN through torch and MKL's F.linear per call, at prefill
 // sizes at oneDNN's rate (the inner loop is 12 broadcasts and 24 FMAs on zmm registers per k, no
-// spills); the per-shape figures are in docs/benchmarks.md ("Kernel design experiments").
+// spills); the per-shape figures are in docs/benchmarks/kernels.md ("Kernel design experiments").
 // bench/engine.py runs the engine on both side by side (`kernel_vs_onednn`).
 
 // Low-precision weights (WeightDtype): the same panels, the same tiles and the same FMA chain

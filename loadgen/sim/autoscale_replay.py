@@ -151,7 +151,8 @@ class RoleScaling:
 # it, ask for the whole step; and a step needing many machines fills the hold in seconds
 # (`advance`), so they start seconds after the step instead of `upscale_after_s` after it.
 # Projecting over the whole start-up instead overshoots a step (the look-back's rise lasts its
-# window, not the start-up) and turns a flat load's noise into scale-ups (docs/benchmarks.md).
+# window, not the start-up) and turns a flat load's noise into scale-ups
+# (docs/benchmarks/autoscale.md).
 # A swing of the prompt side's load (its arrival rate, which leads a step) is sized at the target
 # (`swing_fill` 1): sized to the band's middle, the base load's swings kept replicas for good.
 # The token side keeps the middle: its decode tokens lag a step, and the headroom carries the

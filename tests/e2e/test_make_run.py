@@ -233,7 +233,7 @@ def test_loadgen_chat_closed_loop_of_20(server: ServeRun, tmp_path: Path) -> Non
 def test_loadgen_and_aiperf_agree_on_make_run(server: ServeRun, tmp_path: Path) -> None:
     """bench/loadgen_aiperf.py's comparison on the real mesh, its default slice, three
     alternating rounds (their median: one round that a busy machine slowed does not decide);
-    the last printed line is the bench's JSON (docs/benchmarks.md records runs)."""
+    the last printed line is the bench's JSON (docs/benchmarks/ records runs)."""
     assert AIPERF is not None
     folder = str(real_model_path(MODEL))
     result = compare(server.base_url, folder, AIPERF, Slice(), tmp_path, rounds=3)
