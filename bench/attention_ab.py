@@ -33,6 +33,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -41,8 +42,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from torch.utils.dlpack import to_dlpack
+# NOTE: before torch loads its OpenMP runtime, as bench/attention.py (its NOTE says why): the read
+# probe between the kernels' calls runs on OpenMP, whose threads spin after it by default, and at
+# as many threads as cores one of them held the core the next kernel call's second thread needed.
+# Two identical builds then differed by 1.18x at 2 threads. The JSON names the policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import torch  # noqa: E402
+from torch.utils.dlpack import to_dlpack  # noqa: E402
 
 BLOCK_SIZE = 16
 ROTATION_BYTES = 256 << 20
@@ -201,7 +208,9 @@ def run(work: Path, args: argparse.Namespace) -> None:
             print(shape, name, rows[f"{shape}_{name}"], flush=True)
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
-    print(json.dumps({"threads": args.threads, "clock": args.clock, "load": load, "cases": rows}))
+    policy = os.environ["OMP_WAIT_POLICY"]
+    print(json.dumps({"threads": args.threads, "clock": args.clock, "load": load,
+                      "omp_wait_policy": policy, "cases": rows}))  # fmt: skip
 
 
 if __name__ == "__main__":

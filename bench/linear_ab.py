@@ -30,8 +30,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.dlpack import to_dlpack
+# NOTE: before torch loads its OpenMP runtime: the read probe's threads would spin after each
+# probe and hold a core the GEMM's next call needs (bench/attention_ab.py's NOTE).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import torch  # noqa: E402
+from torch.utils.dlpack import to_dlpack  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # NOTE: not bench/, whose profile.py would shadow the stdlib's
@@ -168,8 +172,8 @@ def main() -> None:
     targets = {f"{d}_b_over_a": ">= 1.0" for d in args.dtypes}
     met = {f"{d}_b_over_a": rows[d]["b_over_a"] >= 1.0 for d in args.dtypes}
     print(json.dumps({"preset": args.preset, "threads": args.threads, "clock": args.clock,
-                      "load": os.getloadavg()[0], "dtypes": rows, "targets": targets,
-                      "targets_met": met}))  # fmt: skip
+                      "load": os.getloadavg()[0], "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+                      "dtypes": rows, "targets": targets, "targets_met": met}))  # fmt: skip
 
 
 if __name__ == "__main__":
