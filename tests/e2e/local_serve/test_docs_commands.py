@@ -1,4 +1,4 @@
-"""Every command block in README.md and docs/*.md runs as printed.
+"""Every command block in README.md and docs/ (its pages at any depth) runs as printed.
 
 Each fenced block carries a marker on the line before it:
 
@@ -33,7 +33,7 @@ from tests.e2e.serve_process import REPO, ServeRun
 
 pytestmark = pytest.mark.timeout(600)
 
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 MARKER = re.compile(r"^<!-- (runnable|runnable: served|illustration: .+) -->$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 PRINTED_URL = "http://127.0.0.1:8000"
