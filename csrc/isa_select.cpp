@@ -1,8 +1,4 @@
 // Run-time choice of the kernel ISA from the CPU's features (the wheel carries all of them).
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
-
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -33,20 +29,6 @@ bool fits(const IsaKernels& k, int64_t head_dim, int64_t block_size) {
   return head_dim % k.lanes == 0 && block_size % k.lanes == 0;
 }
 
-// AMD's family 19h: Zen 3 and Zen 4 cores.
-bool amd_family_19h() {
-#if defined(__x86_64__) || defined(__i386__)
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
-  const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // AuthenticAMD
-  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
-  const unsigned base = (eax >> 8) & 0xF, extended = (eax >> 20) & 0xFF;
-  return base + (base == 0xF ? extended : 0) == 0x19;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 // NOTE: why by core, not by size. On Zen 4 the kernel read faster with every prefetch going to
@@ -56,7 +38,10 @@ bool amd_family_19h() {
 // experiments"). So it is a property of the core's miss handling, not of the step's size. Zen 3
 // (also family 19h) is taken to be Zen 4's kind, unmeasured.
 PrefetchTo attention_prefetch_target() {
-  return amd_family_19h() ? PrefetchTo::kL2 : PrefetchTo::kL1;
+#if defined(__x86_64__) || defined(__i386__)
+  if (__builtin_cpu_is("amdfam19h")) return PrefetchTo::kL2;  // Zen 3 and Zen 4
+#endif
+  return PrefetchTo::kL1;
 }
 
 std::vector<std::string> supported_isas() {

@@ -11,11 +11,11 @@ import math
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench.machine import cpu_variant
 from common.attention.base import combine_partials
 from common.attention.cpu_kernel import CpuKernelAttention, prefetch_target, supported_isas
 from tests.kernel_gate import kernel_gate
@@ -306,24 +306,11 @@ def test_many_short_fragments_one_range_with_empty_ones_between(dtype: torch.dty
         assert (lse[empty] == -math.inf).all()
 
 
-def cpu_vendor_and_family() -> tuple[str, int] | None:
-    """The first CPU's vendor and family (CPUID's, its extended family added) as Linux reports
-    them, or None where it reports neither (not Linux, not x86)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    first_cpu = text.split("\n\n")[0].splitlines()
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first_cpu)}
-    if "vendor_id" not in fields or "cpu family" not in fields:
-        return None
-    return fields["vendor_id"], int(fields["cpu family"])
-
-
 def test_prefetch_target_follows_the_cpu_family() -> None:
     """Decode attention prefetches into L2 on AMD family 19h cores (Zen 3 and 4), where it read
     faster that way on every shape, and into L1 on every other CPU (csrc/isa_select.cpp)."""
-    cpu = cpu_vendor_and_family()
-    if cpu is None:
-        pytest.skip("no vendor and family in /proc/cpuinfo")
-    assert prefetch_target() == ("l2" if cpu == ("AuthenticAMD", 0x19) else "l1")
+    cpu = cpu_variant()
+    if cpu["family"] is None:
+        pytest.skip("no CPU family in /proc/cpuinfo")
+    amd_19h = (cpu["vendor"], cpu["family"]) == ("AuthenticAMD", 0x19)
+    assert prefetch_target() == ("l2" if amd_19h else "l1")
