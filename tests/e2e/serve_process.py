@@ -445,6 +445,14 @@ def kill_session(session_id: int) -> None:
         time.sleep(0.1)  # SIGKILLed processes take a moment to leave /proc
 
 
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def session_pids(session_id: int) -> list[int]:
     """Live processes of a session, from /proc/PID/stat (state, ppid, pgrp, session follow the
     command name, which may hold spaces and parentheses)."""

@@ -10,7 +10,6 @@ import signal
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ import pytest
 from bench import serve, serve_server
 from bench.host_cpu import process_tree
 from bench.serve_server import ray_pid
-from tests.e2e.serve_process import REPO
+from tests.e2e.serve_process import REPO, alive
 
 APP_ARGS = {"model": "tiny", "served_model_name": "tiny"}
 # The idle server's window here: long enough for its processes' clock ticks to add up (Ray's
@@ -29,14 +28,6 @@ IDLE_S = 2.0
 @pytest.fixture(autouse=True)
 def short_idle_window(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(serve_server, "IDLE_S", IDLE_S)
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its parent (the test process, for `serve run`)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_gone(pids: set[int], timeout_s: float = 30.0) -> set[int]:

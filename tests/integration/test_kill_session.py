@@ -12,14 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.serve_process import kill_session, session_pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from tests.e2e.serve_process import alive, kill_session, session_pids
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
