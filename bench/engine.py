@@ -31,9 +31,11 @@ in one run.
 
 With `--model smollm2` and llama.cpp's environment built (bench/llamacpp_env.sh), llama.cpp runs
 in every batch's repeats too (bench/llamacpp.py): SmolLM2's F32, BF16 and shipped Q4_1 GGUF files,
-one sequence per prompt, beside a PhaseMesh engine with bfloat16 projection panels; each batch's
-row has PhaseMesh's tok/s over llama.cpp's at equal bits per weight (float32 over F32, bfloat16
-over BF16), and the leading greedy tokens each pair shares. `--no-llamacpp` skips it; without the
+one sequence per prompt, beside PhaseMesh engines with bfloat16 projection panels at both matmul
+precisions (`highest`: activations float32; `medium`: rounded to bfloat16 in the projections, as
+llama.cpp's BF16 computes); each batch's row has PhaseMesh's tok/s over llama.cpp's at equal bits
+per weight (float32 over F32, each bfloat16 side over BF16), and the leading greedy tokens each
+pair shares. `--no-llamacpp` skips it; without the
 environment or on another model it is skipped and the JSON says why; a worker that dies leaves
 `llamacpp.failed` (its last output), its targets unjudged, and PhaseMesh's figures.
 
@@ -69,6 +71,7 @@ from common.model.linear import (
     WEIGHT_DTYPES,
     PackedLinear,
     kernel_gemm_available,
+    matmul_precision,
     pack_linears,
     packed_weight_bytes,
     unpack_linears,
@@ -252,11 +255,13 @@ def engines(
     path: str, unpacked: bool, onednn: bool, bfloat16: bool = False
 ) -> dict[str, LLMEngine]:
     """The engine, and the alternates asked for: on plain `F.linear`, on oneDNN's packing (a
-    float32 model, where the kernel GEMM is the default), on bfloat16 projection panels."""
+    float32 model, where the kernel GEMM is the default), on bfloat16 projection panels (two
+    engines: one runs at matmul precision "medium", `SIDE_PRECISION`)."""
     sides = {"engine": LLMEngine.from_path(path, num_blocks=2048)}
     if bfloat16:
-        sides["engine_bfloat16"] = LLMEngine.from_path(path, num_blocks=2048)
-        pack_linears(sides["engine_bfloat16"].model, weight_dtype="bfloat16")
+        for name in ("engine_bfloat16", "engine_bfloat16_medium"):
+            sides[name] = LLMEngine.from_path(path, num_blocks=2048)
+            pack_linears(sides[name].model, weight_dtype="bfloat16")
     if unpacked:
         sides["engine_unpacked"] = LLMEngine.from_path(path, num_blocks=2048)
         unpack_linears(sides["engine_unpacked"].model)
@@ -264,6 +269,23 @@ def engines(
         sides["engine_onednn"] = LLMEngine.from_path(path, num_blocks=2048)
         pack_linears(sides["engine_onednn"].model, backend="onednn")
     return sides
+
+
+# Sides whose every call runs at a matmul precision other than the process's default "highest"
+# (common/model/linear.py: bfloat16 panels times x rounded to bfloat16).
+SIDE_PRECISION = {"engine_bfloat16_medium": "medium"}
+
+
+def side_call(name: str, engine: LLMEngine, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(engine, ...)` as side `name` runs it: at its matmul precision, if it has one."""
+    call = functools.partial(fn, engine)
+    precision = SIDE_PRECISION.get(name)
+    return call if precision is None else functools.partial(_at_precision, precision, call)
+
+
+def _at_precision(precision: str, call: Callable[..., Any], *args: Any) -> Any:
+    with matmul_precision(precision):
+        return call(*args)
 
 
 def batch_row(batch: int, rates: dict[str, float], breakdown: dict) -> tuple[dict, str]:
@@ -427,7 +449,7 @@ def batch_rows(path: str, args: argparse.Namespace, results: dict[str, Any]) -> 
     for batch in args.batches:
         prompts = prompts_for(batch, sides["engine"].model_config.vocab_size)
         runs: dict[str, Callable] = {
-            name: functools.partial(engine_seconds, engine) for name, engine in sides.items()
+            name: side_call(name, engine, engine_seconds) for name, engine in sides.items()
         }
         runs["transformers"] = functools.partial(hf_seconds, hf)
         try:
@@ -445,7 +467,7 @@ def batch_rows(path: str, args: argparse.Namespace, results: dict[str, Any]) -> 
     if skipped:
         return {}, {}
     if llama:
-        ours = {name: functools.partial(engine_tokens, e) for name, e in sides.items()}
+        ours = {name: side_call(name, e, engine_tokens) for name, e in sides.items()}
         try:
             print(llama.agreement(ours, prompts, SHORT))
             results["llamacpp"], llama_targets, llama_met = llama.close()

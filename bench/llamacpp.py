@@ -15,7 +15,9 @@ The files it runs, each named by what it holds (`gguf_files`):
   cache beside the Q4_1 file.
 
 Equal bits per weight: PhaseMesh float32 against `F32`, PhaseMesh with bfloat16 projection panels
-against `BF16`; `Q4_1` is reported, not compared. Every side runs the same prompts, the same
+against `BF16`, at both matmul precisions (`highest`: float32 activations; `medium`: activations
+rounded to bfloat16 in the projections, as llama.cpp's BF16 multiplies); `Q4_1` is reported, not
+compared. Every side runs the same prompts, the same
 lengths, greedy, one sequence per prompt (llama.cpp's parallel slots: `n_seq_max` = the batch),
 with as many threads as torch has.
 
@@ -51,7 +53,13 @@ VENV = Path(os.environ.get("PHASEMESH_LLAMACPP_VENV", REPO / ".venv-llamacpp"))
 WORKER = REPO / "bench" / "llamacpp_worker.py"
 GGUF_TYPES = ("F32", "BF16", "Q4_1")
 # Each PhaseMesh side and the llama.cpp file of the same bits per weight.
-EQUAL_BITS = {"engine": "F32", "engine_bfloat16": "BF16"}
+EQUAL_BITS = {"engine": "F32", "engine_bfloat16": "BF16", "engine_bfloat16_medium": "BF16"}
+# What each side is, in its printed line and its targets' names (`over_llamacpp_<name>_batch_N`).
+SIDE_NAMES = {
+    "engine": ("float32", "f32"),
+    "engine_bfloat16": ("bfloat16", "bf16"),
+    "engine_bfloat16_medium": ("bfloat16 medium", "bf16_medium"),
+}
 # PhaseMesh tok/s over llama.cpp's at equal bits per weight, by batch (issue 54).
 TARGET_OVER_LLAMACPP = {1: 1.0, 32: 2.0}
 # How long the worker may take to answer (start-up, or one generation: a model load and 32 streams
@@ -244,8 +252,7 @@ def batch_row(batch: int, rates: dict[str, float]) -> tuple[dict, str]:
             ratio = rates[side] / rates[f"llamacpp_{kind}"]
             row[f"{side}_tok_s"] = round(rates[side], 1)
             row[f"{side}_over_{kind}"] = round(ratio, 2)
-            line += f"  (PhaseMesh {side.removeprefix('engine').strip('_') or 'float32'}"
-            line += f" x{ratio:.2f} {kind})"
+            line += f"  (PhaseMesh {SIDE_NAMES[side][0]} x{ratio:.2f} {kind})"
     return row, line + " tok/s"
 
 
@@ -257,7 +264,7 @@ def targets(rows: dict[str, dict]) -> tuple[dict, dict]:
         for side, kind in EQUAL_BITS.items():
             key = f"{side}_over_{kind}"
             if key in row:
-                name = f"over_llamacpp_{kind.lower()}_batch_{batch}"
+                name = f"over_llamacpp_{SIDE_NAMES[side][1]}_batch_{batch}"
                 wanted[name] = f">= {floor}"
                 met[name] = row[key] >= floor
     return wanted, met
@@ -266,9 +273,9 @@ def targets(rows: dict[str, dict]) -> tuple[dict, dict]:
 def unjudged(batches: list[int]) -> tuple[dict, dict]:
     """`targets` and `targets_met` of a side that failed: each target the run's batches would
     have judged, not judged (None)."""
-    wanted = {f"over_llamacpp_{kind.lower()}_batch_{batch}": f">= {floor}"
+    wanted = {f"over_llamacpp_{name}_batch_{batch}": f">= {floor}"
               for batch, floor in TARGET_OVER_LLAMACPP.items() if batch in batches
-              for kind in EQUAL_BITS.values()}  # fmt: skip
+              for _, name in SIDE_NAMES.values()}  # fmt: skip
     return wanted, dict.fromkeys(wanted)
 
 

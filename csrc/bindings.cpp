@@ -630,6 +630,25 @@ NB_MODULE(phasemesh_attention_kernel, m) {
       [](const std::string& isa) { return gemm_isa(isa).linear_panel_width; },
       nb::arg("isa") = "auto", "Weight columns per panel of `linear` for an ISA (auto: the best).");
   m.def(
+      "set_matmul_precision",
+      [](const std::string& precision) {
+        if (precision == "highest")
+          pm::set_matmul_precision(pm::MatmulPrecision::kHighest);
+        else if (precision == "medium")
+          pm::set_matmul_precision(pm::MatmulPrecision::kMedium);
+        else
+          throw std::invalid_argument("matmul precision must be 'highest' or 'medium', not '" +
+                                      precision + "'");
+      },
+      nb::arg("precision"),
+      "How every later linear call multiplies bfloat16 weights, process-wide: 'highest' widens "
+      "them to float32 with x float32 (the default); 'medium' rounds x to bfloat16 and multiplies "
+      "in bfloat16 pairs (vdpbf16ps where the CPU has AVX512_BF16).");
+  m.def(
+      "matmul_precision",
+      [] { return pm::matmul_precision() == pm::MatmulPrecision::kMedium ? "medium" : "highest"; },
+      "The process's matmul precision for bfloat16 weights: 'highest' or 'medium'.");
+  m.def(
       "linear_weight_dtypes",
       [] { return std::vector<std::string>{"float32", "bfloat16", "int8"}; },
       "The panel dtypes `linear` and `linear_silu_and_mul` take.");

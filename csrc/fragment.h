@@ -58,7 +58,10 @@ enum class PrefetchTo { kL1 = 0, kL2 = 1 };
 
 // The projections' weight element types (linear_kernel.h): float32, bfloat16 (widened exactly to
 // float32) and int8 with one float32 scale per output column (w[c, k] = q[c, k] * scale[c]).
-enum class WeightDtype { kFloat32, kBfloat16, kInt8 };
+// kBfloat16Products: the same bfloat16 panels, multiplied by x rounded to bfloat16 (the matmul
+// precision "medium", set_matmul_precision in bindings.cpp): each product is exact in float32, as
+// vdpbf16ps computes it, at twice the products per instruction of widening and FMAs.
+enum class WeightDtype { kFloat32, kBfloat16, kInt8, kBfloat16Products };
 
 // A projection on a panel-packed weight (linear_kernel.h): out = x @ w.T (+ residual).
 struct LinearArgs {
@@ -71,6 +74,9 @@ struct LinearArgs {
   int64_t x_stride, out_stride, res_stride;
   WeightDtype weight_dtype = WeightDtype::kFloat32;
   const float* scales = nullptr;  // kInt8: one per column, from the first panel used's first
+  // kBfloat16Products: x rounded to bfloat16 (round_bf16_pairs), each row (in_features + 1) / 2
+  // 32-bit pairs, element k in the low half of pair k / 2, the rows contiguous; set by linear().
+  const uint32_t* x_pairs = nullptr;
 };
 // Writes the columns of panels [panel_begin, panel_end) (relative to `panels`) for every row.
 using LinearPanelsFn = void (*)(const LinearArgs&, int64_t panel_begin, int64_t panel_end);
@@ -78,6 +84,11 @@ using LinearPanelsFn = void (*)(const LinearArgs&, int64_t panel_begin, int64_t 
 // (x [rows, 2 * inter], out [rows, inter]).
 using SiluAndMulFn = void (*)(const float* x, float* out, int64_t rows, int64_t inter,
                               int64_t col_begin, int64_t col_end);
+// out: rows of (in + 1) / 2 pairs, x's rows (x_stride floats apart) rounded to bfloat16 (to the
+// nearest, ties to even; NaN stays NaN), element k in the low half of pair k / 2, an odd row's
+// last pair's high half zero. The layout LinearArgs::x_pairs takes.
+using RoundBf16PairsFn = void (*)(const float* x, int64_t rows, int64_t in, int64_t x_stride,
+                                  uint32_t* out);
 
 // The two entry points every ISA translation unit provides.
 struct IsaKernels {
@@ -91,6 +102,7 @@ struct IsaKernels {
   // Panels a call of `rows` rows reads side by side (linear_kernel.h): a unit of the call's
   // work holds at least that many, or its tiles would run on fewer FMA chains.
   int (*linear_tile_panels)(int64_t rows);
+  RoundBf16PairsFn round_bf16_pairs;
 };
 
 namespace isa_generic { extern const IsaKernels kernels; }

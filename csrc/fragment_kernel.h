@@ -545,4 +545,5 @@ const IsaKernels kernels = {PM_ISA_NAME,
                             silu_and_mul,
                             linear_panels,
                             kPanelWidth,
-                            call_tile_panels};
+                            call_tile_panels,
+                            round_bf16_pairs};

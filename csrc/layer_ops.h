@@ -34,6 +34,15 @@ void write_kv(float* key_cache, float* value_cache, const float* k, const float*
               const int64_t* slots, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
               int64_t block_size, const KvRowStrides& strides);
 
+// How the projections multiply bfloat16 weights, for the whole process (torch's
+// set_float32_matmul_precision has the same two words): kHighest widens them to float32 and keeps
+// x float32 (the default); kMedium rounds x to bfloat16 and multiplies in bfloat16 pairs
+// (WeightDtype::kBfloat16Products). Read by every linear call as it starts; float32 and int8
+// weights are not affected.
+enum class MatmulPrecision { kHighest, kMedium };
+void set_matmul_precision(MatmulPrecision precision);
+MatmulPrecision matmul_precision();
+
 // out = x @ w.T (+ residual) on a weight packed into `num_panels` column panels of
 // isa.linear_panel_width columns (linear_kernel.h), split by panels over num_threads threads.
 void linear(const LinearArgs& a, const IsaKernels& isa, int64_t num_panels, int num_threads);

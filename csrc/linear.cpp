@@ -1,6 +1,9 @@
 // The projections' GEMM (linear_kernel.h) split over threads by column panels: a unit of work is
 // a range of whole panels, so a row's outputs do not depend on the split or on who ran a unit.
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "layer_ops.h"
 #include "thread_pool.h"
@@ -29,17 +32,43 @@ void over_panels(int64_t num_panels, int num_threads, int64_t rows, int64_t unit
   });
 }
 
+std::atomic<MatmulPrecision> g_precision{MatmulPrecision::kHighest};
+
+// `a` as the process's matmul precision computes it: under kMedium, bfloat16 weights take x
+// rounded to bfloat16 pairs (kBfloat16Products), once per call on the calling thread before the
+// threads share it; `pairs` holds them.
+LinearArgs at_precision(const LinearArgs& a, const IsaKernels& isa,
+                        std::vector<uint32_t>& pairs) {
+  if (a.weight_dtype != WeightDtype::kBfloat16 ||
+      g_precision.load(std::memory_order_relaxed) != MatmulPrecision::kMedium)
+    return a;
+  pairs.resize(static_cast<size_t>(a.rows * ((a.in_features + 1) / 2)));
+  isa.round_bf16_pairs(a.x, a.rows, a.in_features, a.x_stride, pairs.data());
+  LinearArgs b = a;
+  b.weight_dtype = WeightDtype::kBfloat16Products;
+  b.x_pairs = pairs.data();
+  return b;
+}
+
 }  // namespace
 
-void linear(const LinearArgs& a, const IsaKernels& isa, int64_t num_panels, int num_threads) {
+void set_matmul_precision(MatmulPrecision precision) { g_precision.store(precision); }
+
+MatmulPrecision matmul_precision() { return g_precision.load(); }
+
+void linear(const LinearArgs& args, const IsaKernels& isa, int64_t num_panels, int num_threads) {
+  thread_local std::vector<uint32_t> pairs;
+  const LinearArgs a = at_precision(args, isa, pairs);
   over_panels(num_panels, num_threads, a.rows, isa.linear_tile_panels(a.rows),
               [&](int64_t begin, int64_t end) { isa.linear_panels(a, begin, end); });
 }
 
 // NOTE: the fused MLP (gate|up, activation, down) ran within noise of the two-call form in
 // alternated runs; kept because its values are the same bits and nothing crosses cores for it.
-void linear_silu_and_mul(const LinearArgs& a, float* act, const IsaKernels& isa,
+void linear_silu_and_mul(const LinearArgs& args, float* act, const IsaKernels& isa,
                          int64_t num_gate_panels, int num_threads) {
+  thread_local std::vector<uint32_t> pairs;
+  const LinearArgs a = at_precision(args, isa, pairs);
   const int64_t width = isa.linear_panel_width, inter = num_gate_panels * width;
   // Gate panels [begin, end), the up panels with the same columns, then their activation: the
   // activation reads only what this thread just wrote, from its own cache.

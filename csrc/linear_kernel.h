@@ -36,10 +36,20 @@
 // panels hold rows k and k + 1 in pairs (pack_panels): one load gives both rows' vectors by a
 // shift and a mask, where a row alone costs a widening shuffle per vector on a port the FMAs
 // share; at 32 rows, where the FMAs hold the tile, that is the difference (bench/linear_ab.py).
-// Activations stay float32: at decode row counts a projection is mostly held by the weight's
-// bytes, so fewer bytes per weight is the gain, and no activation is rounded. NOTE: vdpbf16ps
-// would round x to bfloat16 to halve the FMAs; on a core that issues it on one port only
-// (Emerald Rapids) it ran slower than widening and FMAs on two, so it would not pay even there.
+// Activations stay float32 by default: at decode row counts a projection is mostly held by the
+// weight's bytes, so fewer bytes per weight is the gain, and no activation is rounded.
+//
+// Bfloat16 products (WeightDtype::kBfloat16Products, matmul precision "medium"): at 32 rows the
+// tile is held by its FMAs, not by the weight's bytes, and bfloat16 panels cost float32's FMAs.
+// There x is rounded to bfloat16 once per call (round_bf16_pairs), and a pair of k costs one
+// vdpbf16ps per accumulator where it cost two FMAs and a widening: twice the products per
+// instruction on a core that issues vdpbf16ps at the FMAs' rate (Zen 4). Each output is still its
+// own chain over k in order, with x rounded per row, so a row's bits still depend on that row and
+// the weight alone, at every row count. Where the CPU lacks AVX512_BF16 the same arithmetic runs
+// as FMAs: a bfloat16 product is exact in float32, so an FMA of it rounds once as vdpbf16ps's add
+// does, and each pair takes k + 1's product first, as vdpbf16ps does (its denormals flush to zero,
+// the FMAs' do not: the only difference). NOTE: on a core that issues vdpbf16ps on one port
+// (Emerald Rapids) it ran slower than widening and FMAs on two, so it is not the default.
 
 constexpr int kPanelVecs = 2;
 constexpr int kPanelWidth = kPanelVecs * kLanes;
@@ -50,6 +60,62 @@ constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kRowChunk = 64;
 
 typedef int8_t VecB __attribute__((vector_size(PM_LANES)));
+
+// The GEMM's element tag for bfloat16 panels times bfloat16-rounded x (kBfloat16Products): its
+// panels are stored as the bfloat16 ones are (Elem<Bf16Products> is uint16_t).
+struct Bf16Products {};
+template <typename W>
+struct PanelElem {
+  using type = W;
+};
+template <>
+struct PanelElem<Bf16Products> {
+  using type = uint16_t;
+};
+template <typename W>
+using Elem = typename PanelElem<W>::type;
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// x pair k / 2 of a row as two floats: element k (the low half) and k + 1.
+inline void x_pair(uint32_t pair, float* even, float* odd) {
+  *even = bits_to_float(pair << 16);
+  *odd = bits_to_float(pair & 0xFFFF0000u);
+}
+
+// Rounds float32 bits to bfloat16 bits, to the nearest with ties to even; a NaN stays a (quiet)
+// NaN, where the rounding's carry would turn some into infinity.
+inline VecU bf16_bits(VecU u) {
+  const VecU rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded;
+}
+
+void round_bf16_pairs(const float* x, int64_t rows, int64_t in, int64_t x_stride,
+                      uint32_t* out) {
+  const int64_t pairs = (in + 1) / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * x_stride;
+    char* o = reinterpret_cast<char*>(out + r * pairs);  // bfloat16 k at byte 2 * k
+    int64_t k = 0;
+    for (; k + kLanes <= in; k += kLanes) {
+      VecU u;
+      __builtin_memcpy(&u, row + k, sizeof u);
+      const VecH h = __builtin_convertvector(bf16_bits(u), VecH);
+      __builtin_memcpy(o + 2 * k, &h, sizeof h);
+    }
+    for (; k < in; ++k) {
+      uint32_t u;
+      __builtin_memcpy(&u, row + k, sizeof u);
+      const uint16_t h = static_cast<uint16_t>(bf16_bits(VecU{} + u)[0]);
+      __builtin_memcpy(o + 2 * k, &h, sizeof h);
+    }
+    if (in % 2) __builtin_memset(o + 2 * in, 0, 2);
+  }
+}
 
 inline VecF load_panel_vec(const float* p) { return load(p); }
 inline VecF load_panel_vec(const uint16_t* p) { return load(p); }  // bfloat16
@@ -100,63 +166,11 @@ constexpr int tile_panels(int64_t rows) {
   return p < 1 ? 1 : p > kMaxTilePanels ? kMaxTilePanels : static_cast<int>(p);
 }
 
-// R rows x P panels (panels `panel` + i * panel_stride) of outputs, from column `col` on; the
-// last panel has `last_cols` columns (the weight's last panel may be partly filled).
-template <typename W, int R, int P>
-void linear_tile(const LinearArgs& a, int64_t row, const W* panel, int64_t col, int last_cols) {
-  // bfloat16 panels hold their rows in pairs (pack_panels): a step takes two k at once.
-  constexpr int kStepK = std::is_same_v<W, uint16_t> ? 2 : 1;
-  constexpr int64_t kStepBytes = kPanelWidth * sizeof(W) * kStepK;
-  // Steps per 64-byte line of a panel (int8: 2), so that each line is prefetched once.
-  constexpr int kLineSteps = kStepBytes >= 64 ? 1 : static_cast<int>(64 / kStepBytes);
-  constexpr int64_t kAhead = kPrefetchBytes / (kPanelWidth * sizeof(W));  // in k
-  const int64_t in = a.in_features, panel_stride = in * kPanelWidth;
-  VecF acc[R][P][kPanelVecs];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p)
-      for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] = VecF{};
-  const float* x = a.x + row * a.x_stride;
-  // Each output's FMA chain takes k in order, one k a step or (bfloat16) k then k + 1.
-  const auto step = [&](int64_t k) {
-    for (int p = 0; p < P; ++p) {
-      const W* w_k = panel + p * panel_stride + k * kPanelWidth;
-      VecF w[kStepK][kPanelVecs];
-      for (int v = 0; v < kPanelVecs; ++v) {
-        if constexpr (kStepK == 2) {
-          load_pair(w_k + v * 2 * kLanes, &w[0][v], &w[1][v]);
-        } else {
-          w[0][v] = load_panel_vec(w_k + v * kLanes);
-        }
-      }
-      for (int s = 0; s < kStepK; ++s)
-        for (int r = 0; r < R; ++r) {
-          const float xv = x[r * a.x_stride + k + s];
-          for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] += w[s][v] * xv;  // one FMA
-        }
-    }
-  };
-  int64_t k = 0;
-  for (; k + kLineSteps * kStepK <= in; k += kLineSteps * kStepK) {
-    for (int p = 0; p < P; ++p) {
-      const char* ahead = reinterpret_cast<const char*>(panel + p * panel_stride +
-                                                        (k + kAhead) * kPanelWidth);
-      for (int64_t line = 0; line < kStepBytes * kLineSteps; line += 64)  // one per 64-byte line
-        __builtin_prefetch(ahead + line, 0, 3);
-    }
-    for (int s = 0; s < kLineSteps; ++s) step(k + s * kStepK);
-  }
-  for (; k + kStepK <= in; k += kStepK) step(k);
-  if constexpr (kStepK == 2) {
-    if (k < in) {  // an odd K's last row, unpaired: the plain [W] row the panel ends with
-      for (int p = 0; p < P; ++p) {
-        const W* w_k = panel + p * panel_stride + k * kPanelWidth;
-        for (int v = 0; v < kPanelVecs; ++v) {
-          const VecF w = load_panel_vec(w_k + v * kLanes);
-          for (int r = 0; r < R; ++r) acc[r][p][v] += w * x[r * a.x_stride + k];
-        }
-      }
-    }
-  }
+// Writes a tile's accumulators: R rows x P panels from column `col` on, the last panel's
+// `last_cols` columns only (the weight's last panel may be partly filled).
+template <int R, int P>
+inline void store_tile(const LinearArgs& a, int64_t row, int64_t col, int last_cols,
+                       VecF (&acc)[R][P][kPanelVecs]) {
   const float* scales = a.scales ? a.scales + col : nullptr;  // int8 only: padded to the panels
   for (int p = 0; p < P; ++p) {
     const int cols = p == P - 1 ? last_cols : kPanelWidth;
@@ -179,17 +193,156 @@ void linear_tile(const LinearArgs& a, int64_t row, const W* panel, int64_t col, 
   }
 }
 
+// An odd K's last row, unpaired in bfloat16 panels: the plain [W] row the panel ends with, times
+// x's last element (float32, or rounded to bfloat16 for Bf16Products).
+template <typename W, int R, int P>
+inline void odd_k_row(const LinearArgs& a, int64_t row, const Elem<W>* panel, int64_t k,
+                      VecF (&acc)[R][P][kPanelVecs]) {
+  const int64_t panel_stride = a.in_features * kPanelWidth;
+  const int64_t pairs = (a.in_features + 1) / 2;
+  for (int p = 0; p < P; ++p) {
+    const Elem<W>* w_k = panel + p * panel_stride + k * kPanelWidth;
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const VecF w = load_panel_vec(w_k + v * kLanes);
+      for (int r = 0; r < R; ++r) {
+        float xk = a.x[(row + r) * a.x_stride + k], unused;
+        if constexpr (std::is_same_v<W, Bf16Products>)
+          x_pair(a.x_pairs[(row + r) * pairs + k / 2], &xk, &unused);
+        acc[r][p][v] += w * xk;
+      }
+    }
+  }
+}
+
+// R rows x P panels (panels `panel` + i * panel_stride) of outputs, from column `col` on; the
+// last panel has `last_cols` columns (the weight's last panel may be partly filled).
+template <typename W, int R, int P>
+void linear_tile(const LinearArgs& a, int64_t row, const Elem<W>* panel, int64_t col,
+                 int last_cols) {
+  constexpr bool kProducts = std::is_same_v<W, Bf16Products>;
+  // bfloat16 panels hold their rows in pairs (pack_panels): a step takes two k at once.
+  constexpr int kStepK = sizeof(Elem<W>) == 2 ? 2 : 1;
+  constexpr int64_t kStepBytes = kPanelWidth * sizeof(Elem<W>) * kStepK;
+  // Steps per 64-byte line of a panel (int8: 2), so that each line is prefetched once.
+  constexpr int kLineSteps = kStepBytes >= 64 ? 1 : static_cast<int>(64 / kStepBytes);
+  constexpr int64_t kAhead = kPrefetchBytes / (kPanelWidth * sizeof(Elem<W>));  // in k
+  const int64_t in = a.in_features, panel_stride = in * kPanelWidth, pairs = (in + 1) / 2;
+  VecF acc[R][P][kPanelVecs];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] = VecF{};
+  const float* x = a.x + row * a.x_stride;
+  const uint32_t* xp = kProducts ? a.x_pairs + row * pairs : nullptr;
+  // Each output's FMA chain takes k in order, one k a step or (bfloat16) k then k + 1; bfloat16
+  // products take k + 1 then k, as vdpbf16ps adds them.
+  const auto step = [&](int64_t k) {
+    for (int p = 0; p < P; ++p) {
+      const Elem<W>* w_k = panel + p * panel_stride + k * kPanelWidth;
+      VecF w[kStepK][kPanelVecs];
+      for (int v = 0; v < kPanelVecs; ++v) {
+        if constexpr (kStepK == 2) {
+          load_pair(w_k + v * 2 * kLanes, &w[0][v], &w[1][v]);
+        } else {
+          w[0][v] = load_panel_vec(w_k + v * kLanes);
+        }
+      }
+      if constexpr (kProducts) {
+        for (int r = 0; r < R; ++r) {
+          float x0, x1;
+          x_pair(xp[r * pairs + k / 2], &x0, &x1);
+          for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] += w[1][v] * x1;  // one FMA
+          for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] += w[0][v] * x0;
+        }
+      } else {
+        for (int s = 0; s < kStepK; ++s)
+          for (int r = 0; r < R; ++r) {
+            const float xv = x[r * a.x_stride + k + s];
+            for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] += w[s][v] * xv;  // one FMA
+          }
+      }
+    }
+  };
+  int64_t k = 0;
+  for (; k + kLineSteps * kStepK <= in; k += kLineSteps * kStepK) {
+    for (int p = 0; p < P; ++p) {
+      const char* ahead = reinterpret_cast<const char*>(panel + p * panel_stride +
+                                                        (k + kAhead) * kPanelWidth);
+      for (int64_t line = 0; line < kStepBytes * kLineSteps; line += 64)  // one per 64-byte line
+        __builtin_prefetch(ahead + line, 0, 3);
+    }
+    for (int s = 0; s < kLineSteps; ++s) step(k + s * kStepK);
+  }
+  for (; k + kStepK <= in; k += kStepK) step(k);
+  if constexpr (kStepK == 2)
+    if (k < in) odd_k_row<W, R, P>(a, row, panel, k, acc);
+  store_tile<R, P>(a, row, col, last_cols, acc);
+}
+
+#if PM_LANES == 16 && defined(__AVX512F__)
+// linear_tile for Bf16Products on a CPU with AVX512_BF16: one vdpbf16ps per accumulator and pair
+// of k, x's pair broadcast from its 32 bits. No lambda here: a lambda's body would not carry the
+// function's target attribute.
+template <int R, int P>
+__attribute__((target("avx512bf16"))) void linear_tile_dpbf16(const LinearArgs& a, int64_t row,
+                                                              const uint16_t* panel, int64_t col,
+                                                              int last_cols) {
+  constexpr int64_t kStepBytes = kPanelWidth * sizeof(uint16_t) * 2;  // a pair of k: 2 lines
+  constexpr int64_t kAhead = kPrefetchBytes / (kPanelWidth * sizeof(uint16_t));  // in k
+  const int64_t in = a.in_features, panel_stride = in * kPanelWidth, pairs = (in + 1) / 2;
+  VecF acc[R][P][kPanelVecs];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][p][v] = VecF{};
+  const uint32_t* xp = a.x_pairs + row * pairs;
+  int64_t k = 0;
+  for (; k + 2 <= in; k += 2) {
+    for (int p = 0; p < P; ++p) {
+      const uint16_t* w_k = panel + p * panel_stride + k * kPanelWidth;
+      const char* ahead = reinterpret_cast<const char*>(w_k + kAhead * kPanelWidth);
+      for (int64_t line = 0; line < kStepBytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+      __m512bh w[kPanelVecs];
+      for (int v = 0; v < kPanelVecs; ++v)
+        w[v] = (__m512bh)_mm512_loadu_si512(w_k + v * 2 * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * pairs + k / 2]));
+        for (int v = 0; v < kPanelVecs; ++v)
+          acc[r][p][v] = (VecF)_mm512_dpbf16_ps((__m512)acc[r][p][v], w[v], xb);
+      }
+    }
+  }
+  if (k < in) odd_k_row<Bf16Products, R, P>(a, row, panel, k, acc);
+  store_tile<R, P>(a, row, col, last_cols, acc);
+}
+
+// Whether this CPU runs vdpbf16ps (read once).
+inline bool cpu_has_dpbf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#endif
+
+// The tile for W: Bf16Products through vdpbf16ps where the CPU has it.
+template <typename W, int R, int P>
+inline void run_tile(const LinearArgs& a, int64_t row, const Elem<W>* panel, int64_t col,
+                     int last_cols) {
+#if PM_LANES == 16 && defined(__AVX512F__)
+  if constexpr (std::is_same_v<W, Bf16Products>)
+    if (cpu_has_dpbf16()) return linear_tile_dpbf16<R, P>(a, row, panel, col, last_cols);
+#endif
+  linear_tile<W, R, P>(a, row, panel, col, last_cols);
+}
+
 // Columns of `count` panels from `first` (whose columns start at `col`) for R rows at `row`: tiles
 // of tile_panels(R) panels, then one of the panels left.
 template <typename W, int R, int P = tile_panels(R)>
-void linear_panel_run(const LinearArgs& a, int64_t row, const W* first, int64_t col,
+void linear_panel_run(const LinearArgs& a, int64_t row, const Elem<W>* first, int64_t col,
                       int64_t count) {
   const int64_t panel_stride = a.in_features * kPanelWidth;
   for (; count >= P; count -= P, first += P * panel_stride, col += P * kPanelWidth) {
     const int64_t last_col = col + (P - 1) * kPanelWidth;
     const int last_cols = static_cast<int>(
         a.out_features - last_col < kPanelWidth ? a.out_features - last_col : kPanelWidth);
-    linear_tile<W, R, P>(a, row, first, col, last_cols);
+    run_tile<W, R, P>(a, row, first, col, last_cols);
   }
   if constexpr (P > 1) {
     if (count > 0) linear_panel_run<W, R, P - 1>(a, row, first, col, count);
@@ -198,7 +351,7 @@ void linear_panel_run(const LinearArgs& a, int64_t row, const W* first, int64_t 
 
 // Tiles of fewer rows than the widest: the row count's tail.
 template <typename W, int R>
-void linear_tail(int rows, const LinearArgs& a, int64_t row, const W* panel, int64_t col,
+void linear_tail(int rows, const LinearArgs& a, int64_t row, const Elem<W>* panel, int64_t col,
                  int64_t count) {
   if (rows == R) {
     linear_panel_run<W, R>(a, row, panel, col, count);
@@ -212,7 +365,7 @@ void linear_tail(int rows, const LinearArgs& a, int64_t row, const W* panel, int
 // chunk of fewer rows is one tile, and walks them tile_panels(rows) at a time.
 template <typename W>
 void linear_panels_of(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) {
-  const W* panels = static_cast<const W*>(a.panels);
+  const Elem<W>* panels = static_cast<const Elem<W>*>(a.panels);
   const int64_t panel_stride = a.in_features * kPanelWidth;
   for (int64_t chunk = 0; chunk < a.rows; chunk += kRowChunk) {
     const int64_t chunk_end = chunk + kRowChunk < a.rows ? chunk + kRowChunk : a.rows;
@@ -223,7 +376,7 @@ void linear_panels_of(const LinearArgs& a, int64_t panel_begin, int64_t panel_en
       continue;
     }
     for (int64_t p = panel_begin; p < panel_end; ++p) {
-      const W* panel = panels + p * panel_stride;
+      const Elem<W>* panel = panels + p * panel_stride;
       const int64_t col = p * kPanelWidth;
       int64_t row = chunk;
       for (; row + PM_LINEAR_ROWS <= chunk_end; row += PM_LINEAR_ROWS)
@@ -243,6 +396,8 @@ void linear_panels(const LinearArgs& a, int64_t panel_begin, int64_t panel_end) 
   switch (a.weight_dtype) {
     case WeightDtype::kBfloat16:
       return linear_panels_of<uint16_t>(a, panel_begin, panel_end);
+    case WeightDtype::kBfloat16Products:
+      return linear_panels_of<Bf16Products>(a, panel_begin, panel_end);
     case WeightDtype::kInt8:
       return linear_panels_of<int8_t>(a, panel_begin, panel_end);
     case WeightDtype::kFloat32:

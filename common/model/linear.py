@@ -17,6 +17,13 @@ Two packed paths avoid both:
   at decode row counts a projection reads its weight once a step, so the bytes per weight set
   its time. Where the extension predates these panels (no `linear_weight_dtypes`), bfloat16
   takes oneDNN and int8 stays float32, each with a logged note.
+- bfloat16 products (`set_matmul_precision("medium")`, or PHASEMESH_MATMUL_PRECISION=medium at
+  load; the words are torch's `set_float32_matmul_precision`'s): the bfloat16 panels multiply x
+  rounded to bfloat16, once per call and row, through `vdpbf16ps` where the CPU has AVX512_BF16
+  (llama.cpp's BF16 and GPU servers compute so). From 8 rows on the tile is held by its
+  multiplies, not by the weight's bytes, and each instruction then does twice the products. A
+  row's bits still depend on that row alone; other CPUs run the same arithmetic as FMAs, the
+  same bits. Process-wide, read by every call; float32 and int8 weights are not affected.
 - bfloat16 without those panels, or float32 without the extension: oneDNN's matmul on a weight
   reordered once (the layout torch.compile's CPU freezing pass uses); its rows do not depend on
   the batch either.
@@ -47,7 +54,9 @@ workers awake through a step's calls, asleep when the engine idles, never waited
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import structlog
 import torch
@@ -79,6 +88,43 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # (a single row is too little work to pay for it). The kernel's panels take every row count.
 MIN_PACKED_ROWS = 2
 _F32 = torch.float32
+
+
+# How the GEMM multiplies bfloat16 weights (set_matmul_precision).
+MATMUL_PRECISIONS = ("highest", "medium")
+
+
+def set_matmul_precision(precision: str) -> None:
+    """How every later projection on bfloat16 panels multiplies, process-wide: "highest" widens
+    the weight to float32 and keeps x float32 (the default); "medium" rounds x to bfloat16 and
+    multiplies in bfloat16 pairs (faster where the multiplies, not the weight's bytes, hold a
+    call: 8 rows and more). Raises ValueError on another word, RuntimeError on "medium" with an
+    extension that predates it."""
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"unknown matmul precision {precision!r}: {', '.join(MATMUL_PRECISIONS)}")
+    if not hasattr(_EXT, "set_matmul_precision"):
+        if precision != "highest":
+            raise RuntimeError(
+                "this build of the csrc extension has no bfloat16 products: `make kernel`"
+            )
+        return
+    _EXT.set_matmul_precision(precision)
+
+
+def get_matmul_precision() -> str:
+    """The process's matmul precision for bfloat16 panels ("highest" or "medium")."""
+    return _EXT.matmul_precision() if hasattr(_EXT, "matmul_precision") else "highest"
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str) -> Iterator[None]:
+    """`set_matmul_precision(precision)` for the block, the previous one restored after."""
+    previous = get_matmul_precision()
+    set_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        set_matmul_precision(previous)
 
 
 def onednn_available() -> bool:

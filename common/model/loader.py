@@ -6,9 +6,10 @@ Projection weights are then stored column-major (see `column_major`) and get a p
 extension's GEMM panels, oneDNN's layout where those are missing: `common.model.linear`), in the
 weight dtype asked for (`weight_dtype`, else PHASEMESH_WEIGHT_DTYPE: float32, bfloat16, or int8
 with per-output-channel scales; by default the model's dtype; another value fails the load,
-naming the choices). Errors name the folder and the missing or mismatched tensor. With a
-`weight_cache` directory, the ready model's bytes are written once and mapped by later loads
-(`common/model/weight_cache.py`).
+naming the choices). PHASEMESH_MATMUL_PRECISION=medium makes bfloat16 panels multiply
+bfloat16-rounded activations, process-wide (`common.model.linear.set_matmul_precision`). Errors
+name the folder and the missing or mismatched tensor. With a `weight_cache` directory, the ready
+model's bytes are written once and mapped by later loads (`common/model/weight_cache.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from common.config import ModelConfig, env
-from common.model.linear import PackedLinear, pack_linears
+from common.model.linear import PackedLinear, pack_linears, set_matmul_precision
 from common.model.llama import LlamaForCausalLM
 from common.model.weight_cache import cache_key as weight_cache_key
 from common.model.weight_cache import load_or_build
@@ -159,6 +160,8 @@ def load_model(
     if device is not None and device.type != "cpu":
         return load_for_device(folder, dtype, device)
     weight_dtype = weight_dtype or env("WEIGHT_DTYPE") or None
+    if precision := env("MATMUL_PRECISION"):
+        set_matmul_precision(precision)
     if weight_cache is None:
         return build_model(folder, dtype, weight_dtype)
     config = ModelConfig.from_folder(folder, dtype)

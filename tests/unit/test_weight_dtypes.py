@@ -12,12 +12,15 @@ from common.model.linear import (
     PANEL_WIDTH,
     POST_ATTENTION_MAX_ROWS,
     PackedLinear,
+    get_matmul_precision,
     kernel_gemm_available,
+    matmul_precision,
     pack_linears,
     pack_panels,
     packed_weight_bytes,
     post_attention,
     quantize_int8,
+    set_matmul_precision,
 )
 from tests.kernel_gate import kernel_gate
 
@@ -199,6 +202,97 @@ def _run_linear(ext, isa, x, panels, scales, residual, threads):  # type: ignore
 _PANEL_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+@pytest.mark.parametrize("in_features", [96, 37])
+def test_bfloat16_products_against_float64_on_every_isa(in_features):
+    """Matmul precision "medium": bfloat16 panels times x rounded to bfloat16 (each product exact
+    in float32). Against float64 on the rounded x and the stored weight; the same bits on every
+    ISA (vdpbf16ps where the CPU has AVX512_BF16, FMAs in its order elsewhere); a row's bits the
+    same alone, in a batch, on one thread or two; a non-finite row harms no batch mate."""
+    from common.attention.cpu_kernel import extension, supported_isas
+
+    ext = extension()
+    torch.manual_seed(7)
+    out_features, batch = 5 * PANEL_WIDTH - 3, 19
+    raw = torch.randn(out_features, in_features).to(torch.bfloat16)
+    x = torch.randn(batch, in_features)
+    residual = torch.randn(batch, out_features)
+    rounded = x.to(torch.bfloat16).double()
+    want = residual.double() + rounded @ raw.double().T
+    highest = _run_linear(ext, "auto", x, pack_panels(raw, PANEL_WIDTH), None, residual, 2)
+    outs = {}
+    with matmul_precision("medium"):
+        for isa in supported_isas():
+            panels = pack_panels(raw, ext.linear_panel_width(isa))
+            whole = _run_linear(ext, isa, x, panels, None, residual, 2)
+            assert (whole.double() - want).abs().max() <= 1e-6 * in_features * (
+                1 + want.abs().max()
+            ), isa
+            for start, rows in ((0, 1), (4, 2), (6, 3), (9, 10)):
+                part = slice(start, start + rows)
+                for threads in (1, 2):
+                    alone = _run_linear(ext, isa, x[part], panels, None, residual[part], threads)
+                    assert torch.equal(alone, whole[part]), (isa, rows, threads)
+            outs[isa] = whole
+            poisoned = x.clone()
+            poisoned[3] = float("nan")
+            poisoned[5, 0] = float("inf")
+            mixed = _run_linear(ext, isa, poisoned, panels, None, residual, 2)
+            assert mixed[3].isnan().all() and not mixed[5].isfinite().all()
+            keep = [r for r in range(batch) if r not in (3, 5)]
+            assert torch.equal(mixed[keep], whole[keep])
+    first = next(iter(outs.values()))
+    assert all(torch.equal(first, out) for out in outs.values())
+    # Not the float32 activations' result: x was rounded.
+    assert not torch.equal(first, highest)
+
+
+def test_matmul_precision_is_process_wide_restored_and_checked():
+    """The word is checked; the block's precision is restored after it, an error inside too;
+    float32 and int8 panels compute the same bits under either; bfloat16's fused activation
+    under "medium" is its two calls' bits."""
+    assert get_matmul_precision() == "highest"
+    with pytest.raises(ValueError, match="highest, medium"):
+        set_matmul_precision("high")
+    with pytest.raises(RuntimeError, match="inside"), matmul_precision("medium"):
+        assert get_matmul_precision() == "medium"
+        raise RuntimeError("inside")
+    assert get_matmul_precision() == "highest"
+    x = torch.randn(5, 64)
+    for weight_dtype in ("float32", "int8"):
+        layer = _layer(weight_dtype, 2 * PANEL_WIDTH, 64)
+        before = layer.forward(x)
+        with matmul_precision("medium"):
+            assert torch.equal(layer.forward(x), before), weight_dtype
+    layer = _layer("bfloat16", 4 * PANEL_WIDTH, 64)
+    with matmul_precision("medium"):
+        batch = layer.forward(x)
+        act = layer.forward_silu_and_mul(x)
+    inter = 2 * PANEL_WIDTH
+    torch.testing.assert_close(
+        act, torch.nn.functional.silu(batch[:, :inter]) * batch[:, inter:], atol=1e-5, rtol=1e-5
+    )
+    assert not torch.equal(batch, layer.forward(x))  # restored: x float32 again
+
+
+def test_bfloat16_products_greedy_tokens_alone_equal_their_batch(tiny_model_path):
+    """Through the engine's fused decode step on bfloat16 panels at "medium": each prompt's
+    greedy tokens alone are its tokens in a batch of four (x is rounded per row, so a row's
+    bits do not depend on its batch mates)."""
+    from common.engine.core import LLMEngine
+    from common.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_path(tiny_model_path, num_blocks=256)
+    pack_linears(engine.model, weight_dtype="bfloat16")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(8, 500, (n,), generator=gen).tolist() for n in (5, 17, 33, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
+    with matmul_precision("medium"):
+        together = engine.generate(prompts, params)
+        alone = [engine.generate([p], params)[0] for p in prompts]
+    assert together == alone
+    assert all(len(t) == 12 for t in together)
+
+
 def test_refusals():
     """int8 panels without scales, scales with bfloat16 panels, a short scale vector, panels of
     a dtype the GEMM lacks, and an unknown weight dtype at pack time."""
@@ -244,15 +338,22 @@ def tiny_logits(tiny_model_path):
         nbytes[weight_dtype] = packed_weight_bytes(model)
         with torch.inference_mode():
             logits[weight_dtype] = model.forward_prefill(ids, [96])
+    pack_linears(model, weight_dtype="bfloat16")
+    nbytes[MEDIUM] = packed_weight_bytes(model)
+    with torch.inference_mode(), matmul_precision("medium"):
+        logits[MEDIUM] = model.forward_prefill(ids, [96])
     return logits, nbytes
+
+
+MEDIUM = "bfloat16_medium"  # bfloat16 panels at matmul precision "medium"
 
 
 # Stated tolerances for the tiny model (random weights, 4 layers): the largest logit difference
 # from float32, as a fraction of float32's logit spread (max - min per position).
-LOGIT_TOLERANCE = {"bfloat16": 0.01, "int8": 0.03}
+LOGIT_TOLERANCE = {"bfloat16": 0.01, "int8": 0.03, MEDIUM: 0.02}
 
 
-@pytest.mark.parametrize("weight_dtype", LOW_DTYPES)
+@pytest.mark.parametrize("weight_dtype", [*LOW_DTYPES, MEDIUM])
 def test_tiny_model_logits_and_greedy_tokens_near_float32(tiny_logits, weight_dtype):
     logits, nbytes = tiny_logits
     ref, got = logits["float32"], logits[weight_dtype]
@@ -265,7 +366,7 @@ def test_tiny_model_logits_and_greedy_tokens_near_float32(tiny_logits, weight_dt
     assert clear.sum() >= len(clear) // 2
     assert torch.equal(got.argmax(dim=1)[clear], ref.argmax(dim=1)[clear])
     # Fewer bytes a step: bfloat16 half of float32's, int8 a quarter plus its scales.
-    share = {"bfloat16": 0.5, "int8": 0.25}[weight_dtype]
+    share = {"bfloat16": 0.5, "int8": 0.25, MEDIUM: 0.5}[weight_dtype]
     assert share <= nbytes[weight_dtype] / nbytes["float32"] <= share * 1.05
 
 
