@@ -644,6 +644,9 @@ NB_MODULE(phasemesh_attention_kernel, m) {
       "How every later linear call multiplies bfloat16 weights, process-wide: 'highest' widens "
       "them to float32 with x float32 (the default); 'medium' rounds x to bfloat16 and multiplies "
       "in bfloat16 pairs (vdpbf16ps where the CPU has AVX512_BF16).");
+  m.def("_set_bf16_products_as_fmas", &pm::set_bf16_products_as_fmas, nb::arg("as_fmas"),
+        "For tests: matmul precision 'medium' as FMAs even where the CPU runs vdpbf16ps (the "
+        "form CPUs without AVX512_BF16 run), to check that both give the same bits.");
   m.def(
       "matmul_precision",
       [] { return pm::matmul_precision() == pm::MatmulPrecision::kMedium ? "medium" : "highest"; },

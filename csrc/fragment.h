@@ -77,6 +77,8 @@ struct LinearArgs {
   // kBfloat16Products: x rounded to bfloat16 (round_bf16_pairs), each row (in_features + 1) / 2
   // 32-bit pairs, element k in the low half of pair k / 2, the rows contiguous; set by linear().
   const uint32_t* x_pairs = nullptr;
+  // kBfloat16Products as FMAs even on a CPU with vdpbf16ps (the form other CPUs run): for tests.
+  bool products_as_fmas = false;
 };
 // Writes the columns of panels [panel_begin, panel_end) (relative to `panels`) for every row.
 using LinearPanelsFn = void (*)(const LinearArgs&, int64_t panel_begin, int64_t panel_end);

@@ -42,6 +42,9 @@ void write_kv(float* key_cache, float* value_cache, const float* k, const float*
 enum class MatmulPrecision { kHighest, kMedium };
 void set_matmul_precision(MatmulPrecision precision);
 MatmulPrecision matmul_precision();
+// kMedium's products as FMAs even where the CPU runs vdpbf16ps (the form of CPUs without it):
+// for tests, which check that both give the same bits.
+void set_bf16_products_as_fmas(bool as_fmas);
 
 // out = x @ w.T (+ residual) on a weight packed into `num_panels` column panels of
 // isa.linear_panel_width columns (linear_kernel.h), split by panels over num_threads threads.

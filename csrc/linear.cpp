@@ -33,6 +33,7 @@ void over_panels(int64_t num_panels, int num_threads, int64_t rows, int64_t unit
 }
 
 std::atomic<MatmulPrecision> g_precision{MatmulPrecision::kHighest};
+std::atomic<bool> g_products_as_fmas{false};
 
 // `a` as the process's matmul precision computes it: under kMedium, bfloat16 weights take x
 // rounded to bfloat16 pairs (kBfloat16Products), once per call on the calling thread before the
@@ -47,6 +48,7 @@ LinearArgs at_precision(const LinearArgs& a, const IsaKernels& isa,
   LinearArgs b = a;
   b.weight_dtype = WeightDtype::kBfloat16Products;
   b.x_pairs = pairs.data();
+  b.products_as_fmas = g_products_as_fmas.load(std::memory_order_relaxed);
   return b;
 }
 
@@ -55,6 +57,8 @@ LinearArgs at_precision(const LinearArgs& a, const IsaKernels& isa,
 void set_matmul_precision(MatmulPrecision precision) { g_precision.store(precision); }
 
 MatmulPrecision matmul_precision() { return g_precision.load(); }
+
+void set_bf16_products_as_fmas(bool as_fmas) { g_products_as_fmas.store(as_fmas); }
 
 void linear(const LinearArgs& args, const IsaKernels& isa, int64_t num_panels, int num_threads) {
   thread_local std::vector<uint32_t> pairs;

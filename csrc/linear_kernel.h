@@ -327,7 +327,8 @@ inline void run_tile(const LinearArgs& a, int64_t row, const Elem<W>* panel, int
                      int last_cols) {
 #if PM_LANES == 16 && defined(__AVX512F__)
   if constexpr (std::is_same_v<W, Bf16Products>)
-    if (cpu_has_dpbf16()) return linear_tile_dpbf16<R, P>(a, row, panel, col, last_cols);
+    if (cpu_has_dpbf16() && !a.products_as_fmas)
+      return linear_tile_dpbf16<R, P>(a, row, panel, col, last_cols);
 #endif
   linear_tile<W, R, P>(a, row, panel, col, last_cols);
 }

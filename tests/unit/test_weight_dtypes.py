@@ -242,6 +242,17 @@ def test_bfloat16_products_against_float64_on_every_isa(in_features):
             assert torch.equal(mixed[keep], whole[keep])
     first = next(iter(outs.values()))
     assert all(torch.equal(first, out) for out in outs.values())
+    # The AVX-512 build's own FMA form (what an AVX-512 CPU without AVX512_BF16 runs), where
+    # this CPU would take vdpbf16ps: the same bits.
+    if "avx512" in outs:
+        panels = pack_panels(raw, ext.linear_panel_width("avx512"))
+        ext._set_bf16_products_as_fmas(True)
+        try:
+            with matmul_precision("medium"):
+                as_fmas = _run_linear(ext, "avx512", x, panels, None, residual, 2)
+        finally:
+            ext._set_bf16_products_as_fmas(False)
+        assert torch.equal(as_fmas, outs["avx512"])
     # Not the float32 activations' result: x was rounded.
     assert not torch.equal(first, highest)
 
