@@ -141,7 +141,11 @@ def hf_seconds(model, prompts: list[list[int]], new_tokens: int) -> float:  # ty
 def decode_tokens_per_s(runs: dict[str, Callable], prompts: list[list[int]], repeats: int) -> dict:
     """Median over repeats of batch / per-step time for each side (`step_seconds`). The sides
     alternate within every repeat, so a busy spell on a shared machine hits both rather than
-    one."""
+    one. Each side generates once untimed first: its first run at a batch size builds what a
+    side builds once (the engine's fused layers, llama.cpp's context for that many sequences)
+    and ran at about half its later rate, a third of a median of three."""
+    for run in runs.values():
+        run(prompts, SHORT)
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
