@@ -43,13 +43,14 @@
 // tile is held by its FMAs, not by the weight's bytes, and bfloat16 panels cost float32's FMAs.
 // There x is rounded to bfloat16 once per call (round_bf16_pairs), and a pair of k costs one
 // vdpbf16ps per accumulator where it cost two FMAs and a widening: twice the products per
-// instruction on a core that issues vdpbf16ps at the FMAs' rate (Zen 4). Each output is still its
+// instruction on a core that issues vdpbf16ps at the FMAs' rate. Each output is still its
 // own chain over k in order, with x rounded per row, so a row's bits still depend on that row and
 // the weight alone, at every row count. Where the CPU lacks AVX512_BF16 the same arithmetic runs
 // as FMAs: a bfloat16 product is exact in float32, so an FMA of it rounds once as vdpbf16ps's add
 // does, and each pair takes k + 1's product first, as vdpbf16ps does (its denormals flush to zero,
-// the FMAs' do not: the only difference). NOTE: on a core that issues vdpbf16ps on one port
-// (Emerald Rapids) it ran slower than widening and FMAs on two, so it is not the default.
+// the FMAs' do not: the only difference). NOTE: it is not the default: it rounds x, and on a
+// core that issues vdpbf16ps on one port it ran slower than widening and FMAs on two
+// (docs/benchmarks/kernels.md, "Kernel design experiments").
 
 constexpr int kPanelVecs = 2;
 constexpr int kPanelWidth = kPanelVecs * kLanes;
