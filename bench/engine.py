@@ -8,7 +8,8 @@ Two more sides are the same engine with other projections (common/model/linear.p
 oneDNN-packed weights (float32 models, where the extension's panel GEMM is the default).
 
 Per-step decode time is measured by differencing two generation lengths (64 and 16 new tokens)
-so that prefill cancels out, after one untimed generation per side; tokens/s = batch / step time. Prompts have mixed lengths (16-128).
+so that prefill cancels out, after one untimed generation per side; tokens/s = batch / step
+time. Prompts have mixed lengths (16-128).
 
 After the timed runs, one more engine run per batch size times the stages of each decode step
 (`StageTimer`: wrappers around the engine's own methods, a fraction of a microsecond each): the
