@@ -69,3 +69,45 @@ def test_a_machine_too_busy_to_time_is_an_error_not_a_figure() -> None:
     with pytest.raises(RuntimeError, match="too busy to time"):
         step_seconds("engine", lambda prompts, tokens: 1.0, [[1]])
     assert MAX_PAIR_ATTEMPTS >= 2
+
+
+def test_every_side_generates_once_untimed_before_its_repeats() -> None:
+    """`decode_tokens_per_s`: each side's first call is one untimed SHORT generation (a side's
+    first run builds what it builds once, at about half its later rate), then the sides
+    alternate LONG, SHORT pairs repeat by repeat; the first call's time is in no figure."""
+    from bench.engine import decode_tokens_per_s
+
+    calls: list[tuple[str, int]] = []
+
+    def side(name: str, first_s: float):  # type: ignore[no-untyped-def]
+        def run(prompts, tokens):  # type: ignore[no-untyped-def]
+            calls.append((name, tokens))
+            if len([c for c in calls if c[0] == name]) == 1:
+                return first_s
+            return tokens * 0.01
+
+        return run
+
+    rates = decode_tokens_per_s({"a": side("a", 99.0), "b": side("b", 0.0)}, [[1], [2]], 2)
+    assert calls[:2] == [("a", SHORT), ("b", SHORT)]
+    assert calls[2:6] == [("a", LONG), ("a", SHORT), ("b", LONG), ("b", SHORT)]
+    assert len(calls) == 2 + 2 * 2 * 2
+    assert rates == {"a": pytest.approx(2 / 0.01), "b": pytest.approx(2 / 0.01)}
+
+
+def test_the_medium_side_runs_at_its_matmul_precision() -> None:
+    """`side_call`: the bfloat16-products side runs every call at matmul precision "medium",
+    restored after; any other side at the process's own."""
+    from bench.engine import side_call
+    from common.model.linear import get_matmul_precision
+
+    seen = []
+
+    def fn(engine, prompts, tokens):  # type: ignore[no-untyped-def]
+        seen.append((engine, get_matmul_precision()))
+        return 1.0
+
+    side_call("engine_bfloat16_medium", "e1", fn)([[1]], SHORT)
+    side_call("engine_bfloat16", "e2", fn)([[1]], SHORT)
+    assert seen == [("e1", "medium"), ("e2", "highest")]
+    assert get_matmul_precision() == "highest"
