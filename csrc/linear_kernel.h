@@ -206,9 +206,10 @@ inline void odd_k_row(const LinearArgs& a, int64_t row, const Elem<W>* panel, in
     for (int v = 0; v < kPanelVecs; ++v) {
       const VecF w = load_panel_vec(w_k + v * kLanes);
       for (int r = 0; r < R; ++r) {
-        float xk = a.x[(row + r) * a.x_stride + k], unused;
-        if constexpr (std::is_same_v<W, Bf16Products>)
-          x_pair(a.x_pairs[(row + r) * pairs + k / 2], &xk, &unused);
+        // The rounded x: the last pair's low half (its high half is the zero pad).
+        const float xk = std::is_same_v<W, Bf16Products>
+                             ? bits_to_float(a.x_pairs[(row + r) * pairs + k / 2] << 16)
+                             : a.x[(row + r) * a.x_stride + k];
         acc[r][p][v] += w * xk;
       }
     }
