@@ -37,12 +37,13 @@ std::atomic<bool> g_products_as_fmas{false};
 
 // `a` as the process's matmul precision computes it: under kMedium, bfloat16 weights take x
 // rounded to bfloat16 pairs (kBfloat16Products), once per call on the calling thread before the
-// threads share it; `pairs` holds them.
-LinearArgs at_precision(const LinearArgs& a, const IsaKernels& isa,
-                        std::vector<uint32_t>& pairs) {
+// threads share it, into this thread's buffer (a call reads it until it returns, and a thread
+// makes its calls one after another).
+LinearArgs at_precision(const LinearArgs& a, const IsaKernels& isa) {
   if (a.weight_dtype != WeightDtype::kBfloat16 ||
       g_precision.load(std::memory_order_relaxed) != MatmulPrecision::kMedium)
     return a;
+  thread_local std::vector<uint32_t> pairs;
   pairs.resize(static_cast<size_t>(a.rows * ((a.in_features + 1) / 2)));
   isa.round_bf16_pairs(a.x, a.rows, a.in_features, a.x_stride, pairs.data());
   LinearArgs b = a;
@@ -61,8 +62,7 @@ MatmulPrecision matmul_precision() { return g_precision.load(); }
 void set_bf16_products_as_fmas(bool as_fmas) { g_products_as_fmas.store(as_fmas); }
 
 void linear(const LinearArgs& args, const IsaKernels& isa, int64_t num_panels, int num_threads) {
-  thread_local std::vector<uint32_t> pairs;
-  const LinearArgs a = at_precision(args, isa, pairs);
+  const LinearArgs a = at_precision(args, isa);
   over_panels(num_panels, num_threads, a.rows, isa.linear_tile_panels(a.rows),
               [&](int64_t begin, int64_t end) { isa.linear_panels(a, begin, end); });
 }
@@ -71,8 +71,7 @@ void linear(const LinearArgs& args, const IsaKernels& isa, int64_t num_panels, i
 // alternated runs; kept because its values are the same bits and nothing crosses cores for it.
 void linear_silu_and_mul(const LinearArgs& args, float* act, const IsaKernels& isa,
                          int64_t num_gate_panels, int num_threads) {
-  thread_local std::vector<uint32_t> pairs;
-  const LinearArgs a = at_precision(args, isa, pairs);
+  const LinearArgs a = at_precision(args, isa);
   const int64_t width = isa.linear_panel_width, inter = num_gate_panels * width;
   // Gate panels [begin, end), the up panels with the same columns, then their activation: the
   // activation reads only what this thread just wrote, from its own cache.
