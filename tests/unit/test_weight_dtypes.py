@@ -304,6 +304,47 @@ def test_bfloat16_products_greedy_tokens_alone_equal_their_batch(tiny_model_path
     assert all(len(t) == 12 for t in together)
 
 
+def test_bfloat16_products_a_replayed_request_continues_with_its_tokens(tiny_model_path):
+    """What token-replay migration does when an engine dies mid-request: another engine
+    prefills the prompt with the tokens already streamed and decodes the rest. At "medium" the
+    rest is the tokens the first engine would have made (prefill and decode round each row of x
+    alone, whatever the row count), on a fresh engine without the first one's prefix cache."""
+    from common.engine.core import LLMEngine
+    from common.sampling_params import SamplingParams
+
+    def engine() -> LLMEngine:
+        e = LLMEngine.from_path(tiny_model_path, num_blocks=256)
+        pack_linears(e.model, weight_dtype="bfloat16")
+        return e
+
+    prompt = torch.randint(8, 500, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    greedy = {"temperature": 0.0, "ignore_eos": True, "detokenize": False}
+    with matmul_precision("medium"):
+        whole = engine().generate([prompt], SamplingParams(max_tokens=16, **greedy))[0]
+        for streamed in (1, 7, 15):
+            rest = engine().generate(
+                [prompt + whole[:streamed]], SamplingParams(max_tokens=16 - streamed, **greedy)
+            )[0]
+            assert whole[:streamed] + rest == whole, streamed
+
+
+def test_a_bad_matmul_precision_in_the_environment_fails_the_load(tiny_model_path, monkeypatch):
+    """PHASEMESH_MATMUL_PRECISION with another word fails the model's load with the choices
+    named, before anything is packed; the process's precision stays what it was."""
+    from common.model.loader import load_model
+
+    monkeypatch.setenv("PHASEMESH_MATMUL_PRECISION", "bfloat16; rm -rf /")
+    with pytest.raises(ValueError, match="highest, medium"):
+        load_model(tiny_model_path)
+    assert get_matmul_precision() == "highest"
+    monkeypatch.setenv("PHASEMESH_MATMUL_PRECISION", "medium")
+    try:
+        load_model(tiny_model_path)
+        assert get_matmul_precision() == "medium"
+    finally:
+        set_matmul_precision("highest")
+
+
 def test_refusals():
     """int8 panels without scales, scales with bfloat16 panels, a short scale vector, panels of
     a dtype the GEMM lacks, and an unknown weight dtype at pack time."""
