@@ -171,10 +171,16 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_preemptions: int = 2  # a request preempted this often is preempted only as a last resort
     starvation_s: float = 1.0  # a preempted request waiting this long goes before new prompts
+    # Decode iterations one forward call may run for a batch of greedy rows while nothing else
+    # waits (vLLM's `num_scheduler_steps`; `LLMEngine.step`): the per-step Python is paid once
+    # for them, and a request's tokens come that many at a time.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_preemptions < 0 or self.starvation_s < 0:
             raise ValueError("max_preemptions and starvation_s must be >= 0")
+        if self.num_scheduler_steps < 1:
+            raise ValueError("num_scheduler_steps must be >= 1")
         if self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_seqs <= 0:

@@ -54,6 +54,18 @@ class SampledRow(NamedTuple):
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
+def takes_raw_argmax(params: SamplingParams, grammar: GrammarMatcher | None = None) -> bool:
+    """Whether a row's token is the argmax of its raw logits and it needs nothing else of them:
+    greedy (or a near-zero temperature), no processor, no grammar, no logprobs. Such rows can
+    run several decode steps in one call (`LLMEngine`'s `num_scheduler_steps`)."""
+    return (
+        (params.greedy or params.temperature < MIN_TEMPERATURE)
+        and not params.has_processors
+        and params.logprobs is None
+        and grammar is None
+    )
+
+
 class Sampler:
     """Samples one token per row of logits; greedy rows take one batched argmax.
 

@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -371,23 +372,25 @@ struct FusedDecoderLayer {
     attention = &pm::select_isa(isa, head_dim, kv.block_size);
   }
 
-  // What a step through this layer needs beyond x's and out's shapes (decode_layers checks them).
-  void check(const DecodeStep& step, int num_threads, int attention_threads) const {
-    if (step.cos_table.shape(1) != static_cast<size_t>(pre.head_dim))
+  // What a step through this layer needs beyond x's and out's shapes (decode_layers checks them):
+  // `in` with RoPE tables `cos_width` wide.
+  void check(const pm::DecodeStepInputs& in, size_t cos_width, int num_threads,
+             int attention_threads) const {
+    if (cos_width != static_cast<size_t>(pre.head_dim))
       throw std::invalid_argument("decode: the RoPE tables' rows must be head_dim wide");
     if (num_threads < 1 || attention_threads < 1)
       throw std::invalid_argument("num_threads must be >= 1");
     const int64_t num_slots = kv.num_blocks * kv.block_size;
-    for (int64_t r = 0; r < step.in.rows; ++r)
-      if (step.in.slots[r] < 0 || step.in.slots[r] >= num_slots)
-        throw std::invalid_argument("decode: slot " + std::to_string(step.in.slots[r]) +
+    for (int64_t r = 0; r < in.rows; ++r)
+      if (in.slots[r] < 0 || in.slots[r] >= num_slots)
+        throw std::invalid_argument("decode: slot " + std::to_string(in.slots[r]) +
                                     " outside the cache's " + std::to_string(num_slots) +
                                     " slots");
   }
 
-  void run(pm::Workspace& ws, const DecodeStep& step, const float* x, float* out, int num_threads,
-           int attention_threads) const {
-    pm::decoder_layer_decode(pre, post, kv, step.in, x, out, pm::best_isa(), *attention, ws,
+  void run(pm::Workspace& ws, const pm::DecodeStepInputs& in, const float* x, float* out,
+           int num_threads, int attention_threads) const {
+    pm::decoder_layer_decode(pre, post, kv, in, x, out, pm::best_isa(), *attention, ws,
                              num_threads, attention_threads);
   }
 };
@@ -420,7 +423,7 @@ void decode_layers(pm::Workspace& ws, const DecodeStep& step,
   for (const FusedDecoderLayer* layer : layers) {
     expect_rows("x", x.shape(0), x.shape(1), step.in.rows, layer->pre.hidden);
     expect_rows("out", out.shape(0), out.shape(1), step.in.rows, layer->pre.hidden);
-    layer->check(step, num_threads, attention_threads);
+    layer->check(step.in, step.cos_table.shape(1), num_threads, attention_threads);
   }
   if ((head == nullptr) != !logits)
     throw std::invalid_argument("decode_layers: a head needs logits, and logits a head");
@@ -431,10 +434,108 @@ void decode_layers(pm::Workspace& ws, const DecodeStep& step,
   nb::gil_scoped_release no_gil;
   const float* in = x.data();
   for (const FusedDecoderLayer* layer : layers) {
-    layer->run(ws, step, in, out.data(), num_threads, attention_threads);
+    layer->run(ws, step.in, in, out.data(), num_threads, attention_threads);
     in = out.data();
   }
   if (head) pm::lm_head(head->w, in, logits->data(), step.in.rows, pm::best_isa(), num_threads);
+}
+
+using Int64Rows = nb::ndarray<const int64_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+using Int32Rows = nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+
+// `DecodeStep` for several decode steps of the same rows in a row (`decode_greedy`): step s's
+// positions, slots and context lengths are row s of [steps, T] arrays; one block table per row
+// holds every step's blocks (a step reads only its context's). Checked once, whole.
+struct DecodeSteps {
+  Int64Rows positions, slots;
+  RowsIn cos_table, sin_table;
+  Int32Rows block_tables, context_lens;
+  std::vector<pm::DecodeStepInputs> in;
+
+  DecodeSteps(Int64Rows positions_, RowsIn cos_, RowsIn sin_, Int64Rows slots_,
+              Int32Rows tables_, Int32Rows lens_, float scale)
+      : positions(positions_), slots(slots_), cos_table(cos_), sin_table(sin_),
+        block_tables(tables_), context_lens(lens_) {
+    const int64_t steps = positions.shape(0), rows = positions.shape(1);
+    const int64_t max_pos = cos_table.shape(0);
+    if (steps < 1) throw std::invalid_argument("DecodeSteps: at least one step");
+    expect_rows("sin_table", sin_table.shape(0), sin_table.shape(1), max_pos, cos_table.shape(1));
+    expect_rows("slots", slots.shape(0), slots.shape(1), steps, rows);
+    expect_rows("context_lens", context_lens.shape(0), context_lens.shape(1), steps, rows);
+    if (block_tables.shape(0) != static_cast<size_t>(rows))
+      throw std::invalid_argument("DecodeSteps: block_tables needs one row per sequence");
+    for (int64_t i = 0; i < steps * rows; ++i)
+      if (positions.data()[i] < 0 || positions.data()[i] >= max_pos)
+        throw std::invalid_argument("DecodeSteps: position " + std::to_string(positions.data()[i]) +
+                                    " outside the tables' " + std::to_string(max_pos) + " rows");
+    for (int64_t s = 0; s < steps; ++s)
+      in.push_back({rows, positions.data() + s * rows, cos_table.data(), sin_table.data(),
+                    slots.data() + s * rows, block_tables.data(), context_lens.data() + s * rows,
+                    static_cast<int64_t>(block_tables.shape(1)), scale});
+  }
+};
+
+// The first index of the row's largest value, or of its first NaN: numpy's argmax, which the
+// sampler's greedy rows take. One pass for the maximum and whether a NaN is there, one for the
+// index.
+int64_t first_argmax(const float* row, int64_t n) {
+  float best = row[0];
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    best = row[i] > best ? row[i] : best;
+    nan |= row[i] != row[i];
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (nan ? row[i] != row[i] : row[i] == best) return i;
+  return 0;
+}
+
+using TokensOut = nb::ndarray<int64_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+
+// Greedy decode steps in one call: for each step s, x = the embedding rows of the step's input
+// tokens (token_ids, then step s - 1's), every layer, the LM head, and tokens[s] = each row's
+// argmax. Each step is `decode_layers` with its head and the sampler's greedy argmax, so the
+// tokens are theirs, step by step. Everything is checked before the first write.
+void decode_greedy(pm::Workspace& ws, const DecodeSteps& steps,
+                   const std::vector<const FusedDecoderLayer*>& layers, const FusedLmHead& head,
+                   const RowsIn& embed, const Int64Vector& token_ids, const RowsOut& x,
+                   const RowsOut& logits, const TokensOut& tokens, int num_threads,
+                   int attention_threads) {
+  const int64_t num_steps = static_cast<int64_t>(steps.in.size());
+  const int64_t rows = steps.in[0].rows, hidden = head.w.hidden, vocab = head.w.vocab;
+  expect_rows("embed", 1, embed.shape(1), 1, hidden);
+  if (static_cast<int64_t>(embed.shape(0)) < vocab)
+    throw std::invalid_argument("decode_greedy: the embedding has fewer rows than the head's "
+                                "vocabulary");
+  expect_rows("token_ids", 1, token_ids.shape(0), 1, rows);
+  expect_rows("x", x.shape(0), x.shape(1), rows, hidden);
+  expect_rows("logits", logits.shape(0), logits.shape(1), rows, vocab);
+  expect_rows("tokens", tokens.shape(0), tokens.shape(1), num_steps, rows);
+  for (int64_t r = 0; r < rows; ++r)
+    if (token_ids.data()[r] < 0 || token_ids.data()[r] >= static_cast<int64_t>(embed.shape(0)))
+      throw std::invalid_argument("decode_greedy: token id " + std::to_string(token_ids.data()[r]) +
+                                  " outside the embedding's " + std::to_string(embed.shape(0)) +
+                                  " rows");
+  for (const FusedDecoderLayer* layer : layers) {
+    if (layer->pre.hidden != hidden)
+      throw std::invalid_argument("decode_greedy: a layer's hidden size is not the head's");
+    for (const pm::DecodeStepInputs& in : steps.in)
+      layer->check(in, steps.cos_table.shape(1), num_threads, attention_threads);
+  }
+  nb::gil_scoped_release no_gil;
+  const int64_t* ids = token_ids.data();
+  for (int64_t s = 0; s < num_steps; ++s) {
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(x.data() + r * hidden, embed.data() + ids[r] * hidden, hidden * sizeof(float));
+    for (const FusedDecoderLayer* layer : layers)
+      layer->run(ws, steps.in[s], x.data(), x.data(), num_threads, attention_threads);
+    pm::lm_head(head.w, x.data(), logits.data(), rows, pm::best_isa(), num_threads);
+    int64_t* out = tokens.data() + s * rows;
+    pm::parallel_units(rows, num_threads, [&](int64_t r, int) {
+      out[r] = first_argmax(logits.data() + r * vocab, vocab);
+    });
+    ids = out;
+  }
 }
 
 using StridedKv = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu>;
@@ -570,6 +671,22 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         "out may be one tensor); the bits of each layer's decode called in turn. With `head` "
         "(a FusedLmHead), logits [T, vocab] = the LM head on the final norm of out, the bits of "
         "rms_norm and linear called in turn.");
+  nb::class_<DecodeSteps>(m, "DecodeSteps",
+                          "DecodeStep for several steps of the same rows: positions, slots and "
+                          "context lengths [steps, T], one block table per row for all of them.")
+      .def(nb::init<Int64Rows, RowsIn, RowsIn, Int64Rows, Int32Rows, Int32Rows, float>(),
+           nb::arg("positions").noconvert(), nb::arg("cos_table").noconvert(),
+           nb::arg("sin_table").noconvert(), nb::arg("slots").noconvert(),
+           nb::arg("block_tables").noconvert(), nb::arg("context_lens").noconvert(),
+           nb::arg("scale"));
+  m.def("decode_greedy", &decode_greedy, nb::arg("workspace"), nb::arg("steps"),
+        nb::arg("layers"), nb::arg("head"), nb::arg("embed").noconvert(),
+        nb::arg("token_ids").noconvert(), nb::arg("x").noconvert(), nb::arg("logits").noconvert(),
+        nb::arg("tokens").noconvert(), nb::arg("num_threads") = 1,
+        nb::arg("attention_threads") = 1,
+        "Greedy decode steps in one call: tokens [steps, T] = each step's argmax of its logits, "
+        "the embedding of token_ids [T] feeding the first step and each step's tokens the next; "
+        "each step the bits of decode_layers with its head and numpy's argmax.");
   m.def(
       "read_sum",
       [](const nb::ndarray<const float, nb::device::cpu, nb::c_contig>& a, int num_threads) {

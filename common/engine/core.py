@@ -24,9 +24,9 @@ from common.kv_cache import KVCache
 from common.model.loader import load_model
 from common.protocol import LoadReport, TokenLogprobs
 from common.roles import Role
-from common.sampling import SampledRow, Sampler
+from common.sampling import SampledRow, Sampler, takes_raw_argmax
 from common.sampling_params import SamplingParams
-from common.scheduling.batching import EngineScheduler, Phase, Sequence
+from common.scheduling.batching import Batch, EngineScheduler, Phase, Sequence
 from common.telemetry.engine_counts import EngineHistograms, engine_counters
 from common.telemetry.metrics import ITERATION_TOKENS
 from common.tokenizer import Tokenizer
@@ -96,6 +96,7 @@ class LLMEngine:
         max_preemptions: int = 2,
         starvation_s: float = 1.0,
         device: str = "auto",
+        num_scheduler_steps: int = 1,
     ) -> LLMEngine:
         """`device`: auto | cpu | cuda[:N] (common/device.py; auto: CUDA when there is one)."""
         return cls(
@@ -103,7 +104,11 @@ class LLMEngine:
                 model_path=str(model_path),
                 cache=CacheConfig(block_size, num_blocks, enable_prefix_caching),
                 scheduler=SchedulerConfig(
-                    max_num_batched_tokens, max_num_seqs, max_preemptions, starvation_s
+                    max_num_batched_tokens,
+                    max_num_seqs,
+                    max_preemptions,
+                    starvation_s,
+                    num_scheduler_steps,
                 ),
                 attention_backend=attention_backend,
                 device=device,
@@ -158,11 +163,53 @@ class LLMEngine:
             return []
         reqs = [self.requests[s.req_id] for s in batch.seqs]
         self.histograms.observe(ITERATION_TOKENS, batch.num_tokens)
+        num_steps = self._greedy_steps(batch, reqs)
+        if num_steps > 1:
+            return self._step_greedy(batch, reqs, num_steps)
         inputs = self.runner.prepare(batch, {r.req_id: r.token_ids for r in reqs})
         rows = forward_and_sample(self.runner, self.sampler, inputs, reqs, batch.phase)
         outputs = [self._append(req, row) for req, row in zip(reqs, rows, strict=True)]
         finished = {o.req_id for o in outputs if o.finished}
         self.scheduler.update(batch, finished)
+        for req_id in finished:
+            del self.requests[req_id]
+        return outputs
+
+    def _greedy_steps(self, batch: Batch, reqs: list[Request]) -> int:
+        """How many decode iterations this batch runs in one call (`num_scheduler_steps`): more
+        than one only for a decode batch whose every row is greedy and needs nothing but the
+        argmax of its logits (`takes_raw_argmax`), on a runner that takes it, and no more than
+        any row may still generate; the scheduler commits them (`extend_decode`)."""
+        wanted = self.config.scheduler.num_scheduler_steps
+        if wanted <= 1 or batch.phase is not Phase.DECODE:
+            return 1
+        for req in reqs:
+            if not takes_raw_argmax(req.params, req.grammar):
+                return 1
+            wanted = min(wanted, req.tokens_left)
+        if wanted <= 1 or not self.runner.takes_greedy_steps(len(reqs)):
+            return 1
+        return self.scheduler.extend_decode(batch, wanted)
+
+    def _step_greedy(
+        self, batch: Batch, reqs: list[Request], num_steps: int
+    ) -> list[RequestOutput]:
+        """`step` over `num_steps` committed iterations: each request's tokens in one output, up
+        to the one that finishes it (the steps after that one are dropped with its blocks)."""
+        token_ids = {r.req_id: r.token_ids for r in reqs}
+        steps = self.runner.greedy_steps(batch, token_ids, num_steps)  # [step][row]
+        for _ in steps[1:]:  # the first was observed with the batch
+            self.histograms.observe(ITERATION_TOKENS, batch.num_tokens)
+        outputs = []
+        for row, req in enumerate(reqs):
+            out = self._append(req, SampledRow(steps[0][row]))
+            for tokens in steps[1:]:
+                if out.finished:
+                    break
+                out = out.then(self._append(req, SampledRow(tokens[row])))
+            outputs.append(out)
+        finished = {o.req_id for o in outputs if o.finished}
+        self.scheduler.update(batch, finished, num_steps)
         for req_id in finished:
             del self.requests[req_id]
         return outputs

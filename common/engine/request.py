@@ -39,6 +39,16 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the same request's `later` one as one output (several decode
+        iterations of one call: their tokens, text and logprobs in order, the later end)."""
+        self.new_token_ids += later.new_token_ids
+        self.new_text += later.new_text
+        self.logprobs += later.logprobs
+        self.finish_reason, self.error = later.finish_reason, later.error
+        self.num_output_tokens = later.num_output_tokens
+        return self
+
 
 def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
     """The one check of a prompt's token ids (router, mesh engines, `LLMEngine`): `ValueError`
@@ -191,6 +201,15 @@ class Request:
         """`all_token_ids` without the copy: what a step reads of it (a decode step: one token)
         costs that much, not the whole context's length every step."""
         return TokenIds(self.prompt_token_ids, self.output_token_ids)
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens it may still generate before its length ends it (max_tokens or the context)."""
+        generated = len(self.output_token_ids)
+        return min(
+            self.params.max_tokens - generated,
+            self.max_model_len - len(self.prompt_token_ids) - generated,
+        )
 
     @property
     def prompt_logprobs_wanted(self) -> int | None:

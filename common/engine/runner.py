@@ -19,7 +19,7 @@ from common.block_manager import BlockManager
 from common.kv_cache import KVCache
 from common.logprobs import token_logprobs
 from common.model.fused_decode import FusedDecode
-from common.model.linear import pack_generation
+from common.model.linear import POST_ATTENTION_MAX_ROWS, pack_generation
 from common.model.llama import LlamaForCausalLM
 from common.protocol import TokenLogprobs
 from common.scheduling.batching import Batch, Phase
@@ -220,6 +220,9 @@ class ModelRunner(Generic[Inputs]):
             or not FusedDecode.takes(x)
         ):
             return None
+        return self._current_fused()
+
+    def _current_fused(self) -> FusedDecode | None:
         fused = self._fused
         if fused is None or not fused.current(self.kv_cache):
             generation = pack_generation()
@@ -228,6 +231,52 @@ class ModelRunner(Generic[Inputs]):
             fused = self._fused = FusedDecode.build(self.model, self.kv_cache, self.backend)
             self._fused_refused_at = None if fused is not None else generation
         return fused
+
+    def takes_greedy_steps(self, num_rows: int) -> bool:
+        """Whether a decode batch of `num_rows` greedy rows can run several steps in one call
+        (`greedy_steps`): the fused layers and LM head of a local decode on the CPU."""
+        if (
+            not self.fuse_decode
+            or not self.LOCAL_ATTEND
+            or self.on_device
+            or self.graphs is not None
+            or not 0 < num_rows <= POST_ATTENTION_MAX_ROWS
+            or self.model.model.embed_tokens.weight.dtype != torch.float32
+        ):
+            return False
+        fused = self._current_fused()
+        return fused is not None and fused.greedy
+
+    @torch.inference_mode()
+    def greedy_steps(
+        self, batch: Batch, token_ids: Mapping[str, Sequence[int]], num_steps: int
+    ) -> list[list[int]]:
+        """`num_steps` decode steps of a batch of greedy rows in one call (`takes_greedy_steps`
+        first; the blocks must hold every step's token): each step's token per sequence, the
+        argmax of its logits as `run` and the sampler would make them, [step][sequence]. The
+        first step's input is each sequence's last token; its KV slots and those after it come
+        from its block table."""
+        seqs = batch.seqs
+        size = self.blocks.block_size
+        tables = [self.blocks.block_table(s.req_id) for s in seqs]
+        starts = [s.num_tokens - 1 for s in seqs]  # the first step's input positions
+        positions = [p + step for step in range(num_steps) for p in starts]  # [S, N] row-major
+        slots = [
+            t[p // size] * size + p % size
+            for p, t in zip(positions, tables * num_steps, strict=True)
+        ]  # fmt: skip
+        n = len(seqs)
+        fused = self._current_fused()
+        assert fused is not None, "takes_greedy_steps first"
+        tokens = fused.run_greedy(
+            int_tensor([token_ids[s.req_id][p] for s, p in zip(seqs, starts, strict=True)]),
+            int_tensor(positions).view(num_steps, n),
+            int_tensor(slots).view(num_steps, n),
+            pad_block_tables(tables),
+            int_tensor([p + 1 for p in positions], torch.int32).view(num_steps, n),
+        )
+        self.hidden = None
+        return tokens.tolist()
 
     @torch.inference_mode()
     def prompt_logprobs(

@@ -149,6 +149,11 @@ class FusedDecode:
             layers.append(fused)
         return cls(model, kv_cache, layers, backend, _fused_head(model))
 
+    @property
+    def greedy(self) -> bool:
+        """Whether `run_greedy` applies: the LM head is fused, and this build has the call."""
+        return self.head is not None and hasattr(_EXT, "decode_greedy")
+
     def current(self, kv_cache: KVCache) -> bool:
         """Whether these layers still hold what a step over `kv_cache` needs: False once any
         projection was packed again since `build`, or for another cache."""
@@ -201,6 +206,39 @@ class FusedDecode:
         logits = torch.empty(x.shape[0], self.model.lm_head.out_features, dtype=_F32)
         self.run(x, *step, logits=logits)
         return logits
+
+    def run_greedy(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Greedy decode steps in one call (only where `head` is set): token ids [S, T] int64,
+        step s's row the argmax of its logits, the embedding of `token_ids` [T] feeding step 0
+        and each step's tokens the next. Step s's positions, slots and context lengths are row s
+        of `positions`, `slot_mapping` [S, T] and `context_lens` [S, T]; `block_tables` [T,
+        max_blocks] holds every step's blocks. Each step is `run_logits` and the sampler's
+        greedy argmax (numpy's: the first maximum, or the first NaN)."""
+        assert self.head is not None, "no fused LM head: greedy steps need it"
+        num_steps, rows = positions.shape
+        steps = _EXT.DecodeSteps(
+            to_dlpack(_dense(positions, _I64)), to_dlpack(self.cos), to_dlpack(self.sin),
+            to_dlpack(_dense(slot_mapping, _I64)), to_dlpack(_dense(block_tables, _I32)),
+            to_dlpack(_dense(context_lens, _I32)), self.model.scale,
+        )  # fmt: skip
+        hidden = self.model.model.embed_tokens.weight
+        x = torch.empty(rows, hidden.shape[1], dtype=_F32)
+        logits = torch.empty(rows, self.model.lm_head.out_features, dtype=_F32)
+        tokens = torch.empty(num_steps, rows, dtype=_I64)
+        threads = torch.get_num_threads()
+        _EXT.decode_greedy(
+            self.backend.workspace, steps, self.layers, self.head, to_dlpack(hidden.detach()),
+            to_dlpack(_dense(token_ids, _I64)), to_dlpack(x), to_dlpack(logits),
+            to_dlpack(tokens), threads, self.backend.num_threads or threads,
+        )  # fmt: skip
+        return tokens
 
 
 def _dense(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -189,12 +189,43 @@ class EngineScheduler:
             self._rest.append(decode)
         return first if first.seqs else None
 
-    def update(self, batch: Batch, finished: set[str]) -> None:
-        """After a forward: every sequence in it computed its input and gained one token."""
+    def extend_decode(self, batch: Batch, num_steps: int) -> int:
+        """Commit up to `num_steps - 1` more decode-only iterations for this decode batch, to run
+        with it in one forward call (vLLM's `num_scheduler_steps`); returns how many iterations
+        the batch now runs (1: its own alone). Only where nothing else is owed an iteration in
+        between: the batch holds every running sequence, no prompt, resume or hand-off waits
+        (it would wait all of them for its prefill), the current plan has no batch left, and
+        the free blocks hold every step's token (`MixedBatchPolicy.max_decode_steps`, checked
+        against the blocks themselves before anything is committed)."""
+        policy = self.policy
+        if (
+            num_steps <= 1
+            or batch.phase is not Phase.DECODE
+            or self._rest
+            or policy.has_waiting
+            or len(batch.seqs) != len(policy.running)
+        ):
+            return 1
+        extra = min(num_steps - 1, policy.max_decode_steps())
+        if extra <= 0:
+            return 1
+        blocks = self.blocks
+        lens = {s.req_id: policy.num_tokens(s.req_id) + extra for s in batch.seqs}
+        need = sum(blocks.blocks_needed(n) - len(blocks.block_table(r)) for r, n in lens.items())
+        if need > blocks.num_free_blocks:  # the counts disagree (module docstring): no extension
+            return 1
+        policy.advance(extra)
+        for req_id, num_tokens in lens.items():
+            blocks.grow(req_id, num_tokens)
+        return 1 + extra
+
+    def update(self, batch: Batch, finished: set[str], num_steps: int = 1) -> None:
+        """After a forward of `num_steps` iterations (`extend_decode`): every sequence in it
+        computed its input and gained one token an iteration."""
         for seq in batch.seqs:
-            seq.num_computed = seq.num_tokens
+            seq.num_computed = seq.num_tokens + num_steps - 1
             self.blocks.mark_computed(seq.req_id, seq.num_computed)
-            seq.num_tokens += 1
+            seq.num_tokens += num_steps
         for req_id in finished:
             self.remove(req_id)
 
