@@ -2,6 +2,7 @@
 
     python bench/engine.py [--model PATH|PRESET] [--batches 1 8 32] [--repeats 5] [--no-unpacked]
                            [--no-onednn] [--weight-dtypes float32 bfloat16 int8] [--stages]
+                           [--scheduler-steps 8] [--weight-dtype-repeats 9]
 
 Two more sides are the same engine with other projections (common/model/linear.py):
 `engine_unpacked` on plain `F.linear` (MKL), what the packing alone gives, and `engine_onednn` on
@@ -24,8 +25,12 @@ alternating with the C read probe (`readsum`, as bench/attention.py runs it) in 
 dtype's tokens/s, the projection weights' bytes a token reads (every packed panel and scale, the
 LM head's too), their GB/s and its ratio to the probe, and tokens/s over float32's. At batch 1 a
 step reads each weight once, so tokens/s x bytes <= the read bandwidth: fewer bytes per weight
-is the only way past float32's rate. The rows name the kernels' pool spin they ran with
-(`kernel_pool_spin_us`, csrc/thread_pool.h). `--batches` with no sizes runs this part alone.
+is the only way past float32's rate. These engines decode up to `--scheduler-steps` greedy
+iterations a call (the engine's `num_scheduler_steps`: the step's Python, paid once per call, is
+what keeps a small step off the bound), each beside the same engine at one a call, alternating:
+both rates and the steps' gain (`steps_over_single`). The rows name the kernels' pool spin
+they ran with (`kernel_pool_spin_us`, csrc/thread_pool.h). `--batches` with no sizes runs this
+part alone.
 `--stages` adds, beside each dtype's engine and alternating with it, the same engine with its
 decode layers' stages called one by one (`ModelRunner.fuse_decode` off): the fused layers' gain
 in one run.
@@ -313,18 +318,26 @@ def batch_row(batch: int, rates: dict[str, float], breakdown: dict) -> tuple[dic
 
 
 STAGES = "_stages"  # the suffix of a weight dtype's engine with its layers' stages one by one
+SINGLE = "_single_step"  # ... and of the one that decodes one iteration a call
+DEFAULT_SCHEDULER_STEPS = 8
 
 
-def weight_dtype_engines(path: str, dtypes: list[str], stages: bool) -> dict[str, LLMEngine]:
+def weight_dtype_engines(
+    path: str, dtypes: list[str], stages: bool, scheduler_steps: int = 1
+) -> dict[str, LLMEngine]:
     """One batch-1 engine per projection weight dtype (a build without its panels falls back,
-    with a logged note, and the row says which dtype it ran); with `stages`, beside each one the
-    same engine with its decode layers' stages one by one instead of the fused layers."""
+    with a logged note, and the row says which dtype it ran), decoding up to `scheduler_steps`
+    greedy iterations a call; beside each, with `scheduler_steps` > 1, the same engine at one a
+    call, and with `stages` the same engine with its decode layers' stages one by one instead
+    of the fused layers (one iteration a call: the steps need the fused layers)."""
     sides = {}
+    suffixes = [""] + [SINGLE] * (scheduler_steps > 1) + [STAGES] * stages
     for weight_dtype in dtypes:
-        for suffix in ("", STAGES)[: 1 + stages]:
-            engine = LLMEngine.from_path(path, num_blocks=256)
+        for suffix in suffixes:
+            steps = scheduler_steps if not suffix else 1
+            engine = LLMEngine.from_path(path, num_blocks=256, num_scheduler_steps=steps)
             pack_linears(engine.model, weight_dtype=weight_dtype)
-            engine.runner.fuse_decode = not suffix
+            engine.runner.fuse_decode = suffix != STAGES
             sides[weight_dtype + suffix] = engine
     return sides
 
@@ -335,15 +348,18 @@ def weight_dtype_rows(
     repeats: int,
     probe_bytes: int = READ_PROBE_BYTES,
     stages: bool = False,
+    scheduler_steps: int = 1,
 ) -> tuple[dict, list[str]]:
     """Batch-1 decode per weight dtype beside the read probe (over `probe_bytes`), alternating
-    every repeat: median tok/s, bytes per token, GB/s, its share of the probe, and tok/s over
-    float32's; with `stages`, each dtype's tok/s with its layers' stages one by one and the
-    fused layers' tok/s over that (`fused_over_stages`)."""
+    every repeat: median tok/s (up to `scheduler_steps` iterations a call), bytes per token,
+    GB/s, its share of the probe, and tok/s over float32's; with `scheduler_steps` > 1, each
+    dtype's tok/s at one iteration a call and the steps' gain over it (`steps_over_single`);
+    with `stages`, each dtype's tok/s with its layers' stages one by one and the fused layers'
+    tok/s over that (`fused_over_stages`)."""
     import phasemesh_attention_kernel as kernel
     from phasemesh_attention_kernel import read_sum
 
-    sides = weight_dtype_engines(path, dtypes, stages)
+    sides = weight_dtype_engines(path, dtypes, stages, scheduler_steps)
     prompts = prompts_for(1, next(iter(sides.values())).model_config.vocab_size)
     threads = torch.get_num_threads()
     probe_buffer = torch.ones(probe_bytes // 4)
@@ -358,7 +374,10 @@ def weight_dtype_rows(
         best = min(_timed(lambda: read_sum(probe_buffer, threads)) for _ in range(3))
         probe.append(probe_bytes / best / 1e9)
     probe_gbps = statistics.median(probe)
-    rows: dict[str, Any] = {"read_probe_gbps": round(probe_gbps, 2)}
+    rows: dict[str, Any] = {
+        "read_probe_gbps": round(probe_gbps, 2),
+        "scheduler_steps": scheduler_steps,
+    }
     if hasattr(kernel, "pool_spin_us"):  # the kernels' workers spin this long between calls
         rows["kernel_pool_spin_us"] = kernel.pool_spin_us()
     lines = [f"read probe (readsum, {threads} threads): {probe_gbps:.1f} GB/s"]
@@ -380,6 +399,11 @@ def weight_dtype_rows(
         if base:
             row["over_float32"] = round(tok_s / base, 2)
             line += f"  x{tok_s / base:.2f} float32"
+        if name + SINGLE in rates:
+            single = statistics.median(rates[name + SINGLE])
+            row |= {"single_step_tok_s": round(single, 1),
+                    "steps_over_single": round(tok_s / single, 3)}  # fmt: skip
+            line += f"  (one step a call {single:.1f} tok/s: x{tok_s / single:.3f})"
         if name + STAGES in rates:
             staged = statistics.median(rates[name + STAGES])
             row |= {"stages_tok_s": round(staged, 1), "fused_over_stages": round(tok_s / staged, 3)}
@@ -416,6 +440,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--weight-dtype-repeats", type=int, default=9,
+        help="repeats of the batch-1 weight-dtype rows (each a few seconds: their medians move "
+        "with the machine's read bandwidth, so they take more than the batch rows)",
+    )  # fmt: skip
     parser.add_argument("--no-unpacked", action="store_true", help="skip the F.linear engine")
     parser.add_argument("--no-onednn", action="store_true", help="skip the oneDNN engine")
     parser.add_argument(
@@ -425,6 +454,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--stages", action="store_true",
         help="beside each weight dtype's engine, one with its decode layers' stages one by one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scheduler-steps", type=int, default=DEFAULT_SCHEDULER_STEPS,
+        help="greedy decode iterations per call of the weight-dtype engines (the engine's "
+        "num_scheduler_steps); above 1, each also runs at one a call beside it",
     )  # fmt: skip
     parser.add_argument(
         "--device", default="cpu",
@@ -513,8 +547,9 @@ def main() -> None:
         results["targets_met"] |= llama_met
     if args.weight_dtypes:
         results["weight_dtypes_batch_1"], lines = weight_dtype_rows(
-            path, args.weight_dtypes, args.repeats, stages=args.stages
-        )
+            path, args.weight_dtypes, args.weight_dtype_repeats, stages=args.stages,
+            scheduler_steps=args.scheduler_steps,
+        )  # fmt: skip
         print("\n".join(lines))
         targets, met = weight_dtype_targets(results["weight_dtypes_batch_1"])
         results["targets"] |= targets

@@ -43,7 +43,8 @@ SMOKE_RUNS = {
         "--probe-s 20 --settle-s 60 --startup-s 10 --seeds 0"
     ).split(),
     "engine": (
-        "bench/engine.py --model tiny --batches 1 --repeats 1 --no-unpacked --no-onednn"
+        "bench/engine.py --model tiny --batches 1 --repeats 1 --weight-dtype-repeats 1 "
+        "--no-unpacked --no-onednn"
     ).split(),
     "seesaw": "bench/seesaw.py --requests 4 --rounds 1 --modes seesaw pp --max-len 64".split(),
     "structured": "bench/structured.py --batches 8 --vocabs 2048 --steps 8 --repeats 1".split(),
@@ -149,7 +150,8 @@ def test_engine_bench_runs_llamacpps_side() -> None:
     if not (folder / "model.safetensors").is_file():
         pytest.skip(f"SmolLM2 is not prepared at {folder} (make model)")
     result = run_bench(["bench/engine.py", "--model", "smollm2", "--batches", "1", "--repeats",
-                        "1", "--no-unpacked", "--no-onednn"])  # fmt: skip
+                        "1", "--weight-dtype-repeats", "1", "--no-unpacked",
+                        "--no-onednn"])  # fmt: skip
     assert_figures_and_targets(result)
     assert "skipped" not in result["llamacpp"], result["llamacpp"]
     assert result["llamacpp"]["batches"]["1"]

@@ -61,7 +61,7 @@ def test_the_engine_bench_outlives_llamacpps_worker(
     monkeypatch.setattr(llamacpp, "describe_gguf", lambda path: {"stand_in": path.name})
 
     result = run_bench(["bench/engine.py", "--model", "tiny", "--batches", "1", "--repeats", "1",
-                        "--no-unpacked", "--no-onednn"])  # fmt: skip
+                        "--weight-dtype-repeats", "1", "--no-unpacked", "--no-onednn"])  # fmt: skip
 
     failed = result["llamacpp"]["failed"]
     assert why in failed and last_words in failed, failed

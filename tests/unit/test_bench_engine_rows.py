@@ -30,12 +30,13 @@ def test_weight_dtype_rows_and_their_targets(tiny_model_path, monkeypatch):
     monkeypatch.setattr(engine, "MAX_PAIR_ATTEMPTS", 50)
 
     rows, lines = weight_dtype_rows(
-        str(tiny_model_path), ["float32", "int8"], 1, 8 << 20, stages=True
+        str(tiny_model_path), ["float32", "int8"], 1, 8 << 20, stages=True, scheduler_steps=4
     )
-    assert rows["read_probe_gbps"] > 0 and len(lines) == 3
-    for name in ("float32", "int8"):  # each dtype beside its stages' engine (`stages=True`)
+    assert rows["read_probe_gbps"] > 0 and len(lines) == 3 and rows["scheduler_steps"] == 4
+    for name in ("float32", "int8"):  # each dtype beside its stages' and its single steps' engines
         assert {"stages_tok_s", "fused_over_stages"} <= set(rows[name])
-    assert "int8_stages" not in rows  # a side of its dtype's row, not a row of its own
+        assert {"single_step_tok_s", "steps_over_single"} <= set(rows[name])
+    assert "int8_stages" not in rows and "int8_single_step" not in rows  # sides, not rows
     for name in ("float32", "int8"):
         assert {"tok_s", "weight_mb_per_token", "gbps", "over_read_probe", "over_float32"} <= set(
             rows[name]
@@ -49,6 +50,18 @@ def test_weight_dtype_rows_and_their_targets(tiny_model_path, monkeypatch):
         "float32_over_read_probe", "int8_over_read_probe", "int8_over_float32"
     }  # fmt: skip
     assert all(isinstance(v, bool) for v in met.values())
+
+
+def test_the_weight_dtype_engines_decode_several_steps_a_call_beside_one(tiny_model_path):
+    """`--scheduler-steps`: each dtype's engine takes that many greedy iterations a call, its
+    single-step side one, its stages' side one (the steps need the fused layers)."""
+    from bench.engine import weight_dtype_engines
+
+    sides = weight_dtype_engines(str(tiny_model_path), ["int8"], True, scheduler_steps=4)
+    steps = {name: e.config.scheduler.num_scheduler_steps for name, e in sides.items()}
+    assert steps == {"int8": 4, "int8_single_step": 1, "int8_stages": 1}
+    assert not sides["int8_stages"].runner.fuse_decode and sides["int8"].runner.fuse_decode
+    assert set(weight_dtype_engines(str(tiny_model_path), ["int8"], False)) == {"int8"}
 
 
 def test_a_pair_with_no_step_time_runs_again() -> None:
