@@ -31,6 +31,9 @@ class EngineArgs(_Args):
     max_num_seqs: int = Field(default=64, ge=1)
     max_preemptions: int = Field(default=2, ge=0)  # the mixed policy's preemption cap
     starvation_s: float = Field(default=1.0, ge=0)  # and its aging (common/scheduling/mixed.py)
+    # Greedy decode iterations per engine call while nothing else waits (vLLM's name; docs/
+    # serving.md#decode-steps-per-call): tokens then stream that many at a time.
+    num_scheduler_steps: int = Field(default=1, ge=1)
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # docs/prefix_caching.md
     # Where the engine computes (common/device.py): auto (CUDA when the Router's replica sees a
