@@ -165,12 +165,13 @@ class LLMEngine:
         self.histograms.observe(ITERATION_TOKENS, batch.num_tokens)
         num_steps = self._greedy_steps(batch, reqs)
         if num_steps > 1:
-            return self._step_greedy(batch, reqs, num_steps)
-        inputs = self.runner.prepare(batch, {r.req_id: r.token_ids for r in reqs})
-        rows = forward_and_sample(self.runner, self.sampler, inputs, reqs, batch.phase)
-        outputs = [self._append(req, row) for req, row in zip(reqs, rows, strict=True)]
+            outputs = self._run_greedy_steps(batch, reqs, num_steps)
+        else:
+            inputs = self.runner.prepare(batch, {r.req_id: r.token_ids for r in reqs})
+            rows = forward_and_sample(self.runner, self.sampler, inputs, reqs, batch.phase)
+            outputs = [self._append(req, row) for req, row in zip(reqs, rows, strict=True)]
         finished = {o.req_id for o in outputs if o.finished}
-        self.scheduler.update(batch, finished)
+        self.scheduler.update(batch, finished, num_steps)
         for req_id in finished:
             del self.requests[req_id]
         return outputs
@@ -191,10 +192,10 @@ class LLMEngine:
             return 1
         return self.scheduler.extend_decode(batch, wanted)
 
-    def _step_greedy(
+    def _run_greedy_steps(
         self, batch: Batch, reqs: list[Request], num_steps: int
     ) -> list[RequestOutput]:
-        """`step` over `num_steps` committed iterations: each request's tokens in one output, up
+        """`num_steps` committed iterations in one call: each request's tokens in one output, up
         to the one that finishes it (the steps after that one are dropped with its blocks)."""
         token_ids = {r.req_id: r.token_ids for r in reqs}
         steps = self.runner.greedy_steps(batch, token_ids, num_steps)  # [step][row]
@@ -208,10 +209,6 @@ class LLMEngine:
                     break
                 out = out.then(self._append(req, SampledRow(tokens[row])))
             outputs.append(out)
-        finished = {o.req_id for o in outputs if o.finished}
-        self.scheduler.update(batch, finished, num_steps)
-        for req_id in finished:
-            del self.requests[req_id]
         return outputs
 
     def load_report(self, engine_id: str) -> LoadReport:

@@ -139,9 +139,7 @@ class ModelRunner(Generic[Inputs]):
         req_ids = [s.req_id for s in batch.seqs]
         positions = [s.num_tokens - 1 for s in batch.seqs]
         tables = [self.blocks.block_table(r) for r in req_ids]
-        size = self.blocks.block_size
-        # BlockManager.slots' formula for one token (its block's first slot plus the offset).
-        slots = [t[p // size] * size + p % size for t, p in zip(tables, positions, strict=True)]
+        slots = token_slots(tables, positions, self.blocks.block_size)
         n = len(req_ids)
         ids = [token_ids[r][p] for r, p in zip(req_ids, positions, strict=True)]
         inputs = StepInputs(
@@ -257,14 +255,10 @@ class ModelRunner(Generic[Inputs]):
         first step's input is each sequence's last token; its KV slots and those after it come
         from its block table."""
         seqs = batch.seqs
-        size = self.blocks.block_size
         tables = [self.blocks.block_table(s.req_id) for s in seqs]
         starts = [s.num_tokens - 1 for s in seqs]  # the first step's input positions
         positions = [p + step for step in range(num_steps) for p in starts]  # [S, N] row-major
-        slots = [
-            t[p // size] * size + p % size
-            for p, t in zip(positions, tables * num_steps, strict=True)
-        ]  # fmt: skip
+        slots = token_slots(tables * num_steps, positions, self.blocks.block_size)
         n = len(seqs)
         fused = self._current_fused()
         assert fused is not None, "takes_greedy_steps first"
@@ -346,6 +340,15 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Ten
     if not values:  # frombuffer refuses an empty buffer
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)
+
+
+def token_slots(tables: list[list[int]], positions: list[int], block_size: int) -> list[int]:
+    """Each position's flat KV slot through its block table (`BlockManager.slots`' formula for
+    one token: its block's first slot plus the offset), position i through tables[i]."""
+    return [
+        t[p // block_size] * block_size + p % block_size
+        for t, p in zip(tables, positions, strict=True)
+    ]
 
 
 def pad_block_tables(tables: list[list[int]]) -> torch.Tensor:
