@@ -169,7 +169,9 @@ def test_extend_decode_commits_only_what_the_blocks_hold(tiny_model_path):
 
 def test_bad_steps_raise_before_any_write(tiny_model_path):
     """A position outside the RoPE tables, a slot outside the cache, a token id outside the
-    embedding, shapes that disagree: ValueError, and the KV cache is untouched."""
+    embedding, shapes that disagree: ValueError, and the KV cache is untouched. A block id
+    outside the cache is found as attention reads it, as in one step: ValueError too (the
+    engine's step then fails as a single step's would)."""
     engine = LLMEngine.from_path(tiny_model_path, num_blocks=8)
     engine.generate([[5, 6, 7]], _greedy(2))  # builds the fused layers
     fused = engine.runner._fused
@@ -190,6 +192,8 @@ def test_bad_steps_raise_before_any_write(tiny_model_path):
     with pytest.raises(ValueError, match="context_lens"):
         fused.run_greedy(ids, pos, slots, tables, lens[:1])
     assert torch.equal(engine.runner.kv_cache.key, key)
+    with pytest.raises(ValueError, match="block id"):  # checked as attention reads: mid-call
+        fused.run_greedy(ids, pos, slots, tables + 8, lens)
     tokens = fused.run_greedy(ids, pos, slots, tables, lens)
     assert tokens.shape == (2, 2) and tokens.dtype == torch.int64
 
