@@ -2,7 +2,7 @@
 
     python bench/serve.py [--preset tiny|small|smollm2] [--quick] [--batches 1 8 32] [--tokens 256]
                           [--paths inprocess local mesh] [--modes stream plain]
-                          [--mesh-args '{"token_engine_threads": 1}']
+                          [--mesh-args '{"token_engine_threads": 1}'] [--scheduler-steps 1]
 
 For each batch size, `batch` requests go together (greedy, `ignore_eos`, `--tokens` new tokens
 each, the same prompts on every path) to:
@@ -13,6 +13,9 @@ each, the same prompts on every path) to:
   official client; bench/serve_server.py says why not by default);
 - `mesh`: `serve run deploy/local.yaml` (a prompt engine, a token engine, 2 attention shards), the
   same way; `--mesh-args` (JSON) changes its `mesh:` args.
+
+`--scheduler-steps N` runs the in-process and `local` engines at up to N greedy decode
+iterations a call (docs/serving.md#decode-steps-per-call): tokens then stream N at a time.
 
 Each batch goes streamed and, in the same server, plain (`--modes`; reported as `<path>_plain`).
 A path's figures are its best of 3 runs of each batch (`local`'s of 5), after a warm-up batch:
@@ -79,10 +82,16 @@ TARGETS = {
 }
 
 
-def engine_runner(preset: str, tokens: int) -> Callable[[list[list[int]]], float]:
+def engine_args(steps: int = 1) -> dict[str, int]:
+    """The engines' options, in process and `local` alike: ENGINE_ARGS at `steps` greedy decode
+    iterations a call (`num_scheduler_steps`)."""
+    return ENGINE_ARGS | {"num_scheduler_steps": steps}
+
+
+def engine_runner(preset: str, tokens: int, steps: int = 1) -> Callable[[list[list[int]]], float]:
     """One `LLMEngine`, warmed up: a function that generates `tokens` tokens for each prompt
     (token ids only: no front end) and gives the batch's tok/s."""
-    engine = LLMEngine.from_path(default_model_path(preset), **ENGINE_ARGS)  # type: ignore[arg-type]
+    engine = LLMEngine.from_path(default_model_path(preset), **engine_args(steps))  # type: ignore[arg-type]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     engine.generate(prompts_for(2, model_vocab(preset), seed=99), params)
 
@@ -94,10 +103,12 @@ def engine_runner(preset: str, tokens: int) -> Callable[[list[list[int]]], float
     return run
 
 
-def in_process(preset: str, batches: list[int], tokens: int) -> dict[int, dict[str, float]]:
+def in_process(
+    preset: str, batches: list[int], tokens: int, steps: int = 1
+) -> dict[int, dict[str, float]]:
     """The in-process engine's best tok/s of `REPEATS` runs of each batch (the best of a few: a
     shared machine's noise only slows runs)."""
-    run, vocab = engine_runner(preset, tokens), model_vocab(preset)
+    run, vocab = engine_runner(preset, tokens, steps), model_vocab(preset)
     return {b: {"tok_s": max(run(prompts_for(b, vocab)) for _ in range(REPEATS))} for b in batches}
 
 
@@ -106,13 +117,14 @@ def served_paths(
 ) -> dict[str, dict[int, dict[str, float]]]:
     """`local` and `mesh` as asked, each mode's figures as `<path>` (streamed), `<path>_plain`."""
     app_args = {"model": args.preset, "served_model_name": args.preset}
-    configs = {"local": ("single.yaml", {"engine": ENGINE_ARGS | {"num_threads": threads}}),
+    local_engine = engine_args(args.scheduler_steps) | {"num_threads": threads}
+    configs = {"local": ("single.yaml", {"engine": local_engine}),
                "mesh": ("local.yaml", {"mesh": mesh_args(args)})}  # fmt: skip
     results: dict[str, Any] = {}
     for path in (p for p in ("local", "mesh") if p in args.paths):
         config, extra = configs[path]
         # `local` against the engine beside its idle served runtime, run by run (issue 54).
-        beside = (engine_runner(args.preset, tokens)
+        beside = (engine_runner(args.preset, tokens, args.scheduler_steps)
                   if path == "local" and "inprocess" in args.paths else None)  # fmt: skip
         by_mode = served(REPO / "deploy" / config, app_args | extra, args.preset, batches, tokens,
                          tuple(args.modes), args.client, beside)  # fmt: skip
@@ -220,6 +232,11 @@ def parse_args() -> argparse.Namespace:
         default=CLIENTS[0],
         help="what reads the served responses (default: aiohttp, raw SSE lines)",
     )
+    parser.add_argument(
+        "--scheduler-steps", type=int, default=1,
+        help="greedy decode iterations per engine call, in process and `local` alike (the "
+        "engine's num_scheduler_steps; the mesh's engines take one)",
+    )  # fmt: skip
     parser.add_argument("--mesh-args", type=json.loads, default={},
                         help="JSON: deploy/local.yaml's mesh args to change")  # fmt: skip
     args = parser.parse_args()
@@ -229,6 +246,8 @@ def parse_args() -> argparse.Namespace:
         mesh_options(mesh_args(args))
     except ValueError as exc:
         parser.error(f"--mesh-args: {exc}")
+    if args.scheduler_steps < 1:
+        parser.error("--scheduler-steps: at least 1")
     return args
 
 
@@ -250,13 +269,15 @@ def main() -> None:
     freeze_startup_heap()
     results: dict[str, Any] = {"preset": args.preset, "cpu": cpu_variant(), "tokens": tokens,
                                "torch_threads": threads, "mesh_args": args.mesh_args,
-                               "client": args.client,
+                               "client": args.client, "scheduler_steps": args.scheduler_steps,
                                "load_avg_start": os.getloadavg()}  # fmt: skip
     if "inprocess" in args.paths:
-        results["inprocess"] = in_process(args.preset, batches, tokens)
+        results["inprocess"] = in_process(args.preset, batches, tokens, args.scheduler_steps)
     results.update(served_paths(args, batches, tokens, threads))
     if "inprocess" in args.paths:  # again: a shared machine's load moves while the servers run
-        end = results["inprocess_end"] = in_process(args.preset, batches, tokens)
+        end = results["inprocess_end"] = in_process(
+            args.preset, batches, tokens, args.scheduler_steps
+        )
         best = {b: max(f["tok_s"], end[b]["tok_s"]) for b, f in results["inprocess"].items()}
         results["inprocess_tok_s_best"] = best
         add_ratios(results, best)

@@ -52,6 +52,23 @@ def test_a_path_the_bench_does_not_have_is_refused_before_anything_runs(
     assert "invalid choice: 'mesh_processes'" in capsys.readouterr().err
 
 
+def test_scheduler_steps_reach_both_engines_and_below_one_are_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--scheduler-steps`: the in-process engine's options and `local`'s `engine:` args alike
+    (which the app validates as `EngineArgs`); 0 is refused before anything runs."""
+    from services.app_args import EngineArgs
+
+    monkeypatch.setattr("sys.argv", ["serve.py", "--scheduler-steps", "4"])
+    assert serve.parse_args().scheduler_steps == 4
+    assert EngineArgs(**serve.engine_args(4)).num_scheduler_steps == 4
+    assert serve.engine_args()["num_scheduler_steps"] == 1
+    with pytest.raises(SystemExit) as exit_info:
+        parse(monkeypatch, "--scheduler-steps", "0")
+    assert exit_info.value.code == 2
+    assert "--scheduler-steps: at least 1" in capsys.readouterr().err
+
+
 def test_ratios_are_against_the_engine_and_targets_judge_their_own_path_and_mode() -> None:
     """Each served figure's ratio is its tok/s over the in-process engine's at its batch; the
     targets read the streamed runs (`""`) or the plain ones (`"_plain"`), the mesh's only on
