@@ -475,21 +475,6 @@ struct DecodeSteps {
   }
 };
 
-// The first index of the row's largest value, or of its first NaN: numpy's argmax, which the
-// sampler's greedy rows take. One pass for the maximum and whether a NaN is there, one for the
-// index.
-int64_t first_argmax(const float* row, int64_t n) {
-  float best = row[0];
-  bool nan = false;
-  for (int64_t i = 0; i < n; ++i) {
-    best = row[i] > best ? row[i] : best;
-    nan |= row[i] != row[i];
-  }
-  for (int64_t i = 0; i < n; ++i)
-    if (nan ? row[i] != row[i] : row[i] == best) return i;
-  return 0;
-}
-
 using TokensOut = nb::ndarray<int64_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
 
 // Greedy decode steps in one call: for each step s, x = the embedding rows of the step's input
@@ -532,7 +517,7 @@ void decode_greedy(pm::Workspace& ws, const DecodeSteps& steps,
     pm::lm_head(head.w, x.data(), logits.data(), rows, pm::best_isa(), num_threads);
     int64_t* out = tokens.data() + s * rows;
     pm::parallel_units(rows, num_threads, [&](int64_t r, int) {
-      out[r] = first_argmax(logits.data() + r * vocab, vocab);
+      out[r] = pm::best_isa().first_argmax(logits.data() + r * vocab, vocab);
     });
     ids = out;
   }
@@ -742,6 +727,20 @@ NB_MODULE(phasemesh_attention_kernel, m) {
         "A decoder layer after attention: out = sum + mlp(rms_norm(sum)), sum = x + attn @ Wo.T, "
         "on packed panels (scales for int8 ones); the bits of linear, add_rms_norm, "
         "linear_silu_and_mul and linear called in turn.");
+  m.def(
+      "first_argmax",
+      [](const RowsIn& logits, const std::string& isa) {
+        if (logits.shape(1) == 0) throw std::invalid_argument("first_argmax: empty rows");
+        const pm::IsaKernels& kernels = gemm_isa(isa);
+        std::vector<int64_t> out(logits.shape(0));
+        for (size_t r = 0; r < out.size(); ++r)
+          out[r] = kernels.first_argmax(logits.data() + r * logits.shape(1),
+                                        static_cast<int64_t>(logits.shape(1)));
+        return out;
+      },
+      nb::arg("logits").noconvert(), nb::arg("isa") = "auto",
+      "Each row's first index of its largest value, or of its first NaN (numpy's argmax): what "
+      "decode_greedy takes for its tokens.");
   m.def(
       "linear_panel_width",
       [](const std::string& isa) { return gemm_isa(isa).linear_panel_width; },

@@ -91,6 +91,9 @@ using SiluAndMulFn = void (*)(const float* x, float* out, int64_t rows, int64_t 
 // last pair's high half zero. The layout LinearArgs::x_pairs takes.
 using RoundBf16PairsFn = void (*)(const float* x, int64_t rows, int64_t in, int64_t x_stride,
                                   uint32_t* out);
+// The first index of the row's largest value, or of its first NaN (numpy's argmax, which the
+// sampler's greedy rows take); n >= 1.
+using FirstArgmaxFn = int64_t (*)(const float* row, int64_t n);
 
 // The two entry points every ISA translation unit provides.
 struct IsaKernels {
@@ -105,6 +108,7 @@ struct IsaKernels {
   // work holds at least that many, or its tiles would run on fewer FMA chains.
   int (*linear_tile_panels)(int64_t rows);
   RoundBf16PairsFn round_bf16_pairs;
+  FirstArgmaxFn first_argmax;
 };
 
 namespace isa_generic { extern const IsaKernels kernels; }

@@ -535,6 +535,43 @@ void silu_and_mul(const float* x, float* out, int64_t rows, int64_t inter, int64
 
 #include "linear_kernel.h"  // the projections' GEMM (inside this unnamed namespace too)
 
+// FirstArgmaxFn: one vector pass for each lane's maximum and whether a NaN is there (a NaN never
+// replaces a lane's maximum: x > m is false), then one for the first index that holds the
+// maximum (or a NaN), a block of lanes at a time. -0 and +0 compare equal, so either's first
+// index is the first maximal one, as numpy's `>` scan finds it.
+int64_t first_argmax(const float* row, int64_t n) {
+  VecF lane_max = VecF{} + row[0];
+  VecI lane_nan = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const VecF x = load(row + i);
+    lane_max = x > lane_max ? x : lane_max;
+    lane_nan |= x != x;
+  }
+  float best = row[0];
+  bool nan = false;
+  for (int l = 0; l < kLanes; ++l) {
+    best = lane_max[l] > best ? lane_max[l] : best;
+    nan |= lane_nan[l] != 0;
+  }
+  for (; i < n; ++i) {
+    best = row[i] > best ? row[i] : best;
+    nan |= row[i] != row[i];
+  }
+  const VecF target = VecF{} + best;
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    const VecF x = load(row + k);
+    const VecI hit = nan ? x != x : x == target;
+    int any = 0;
+    for (int l = 0; l < kLanes; ++l) any |= hit[l];
+    if (any) break;
+  }
+  for (; k < n; ++k)
+    if (nan ? row[k] != row[k] : row[k] == best) return k;
+  return 0;
+}
+
 }  // namespace
 
 // The prefetches' locality hints by PrefetchTo: 3 (T0) into L1, 2 (T1) into L2.
@@ -546,4 +583,5 @@ const IsaKernels kernels = {PM_ISA_NAME,
                             linear_panels,
                             kPanelWidth,
                             call_tile_panels,
-                            round_bf16_pairs};
+                            round_bf16_pairs,
+                            first_argmax};

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from torch.utils.dlpack import to_dlpack
 
 from common.config import SchedulerConfig
 from common.engine.core import LLMEngine
@@ -196,6 +197,40 @@ def test_bad_steps_raise_before_any_write(tiny_model_path):
         fused.run_greedy(ids, pos, slots, tables + 8, lens)
     tokens = fused.run_greedy(ids, pos, slots, tables, lens)
     assert tokens.shape == (2, 2) and tokens.dtype == torch.int64
+
+
+def _argmax_rows() -> torch.Tensor:
+    """Rows whose argmax is easy to get wrong: ties (the first wins), -0 against +0, infinities,
+    NaNs (the first NaN wins, as numpy's), a maximum in the first and the last element, lengths
+    that are no multiple of any ISA's lanes."""
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(12, 203, generator=gen)
+    rows[1, [7, 150]] = 9.0  # a tie: 7
+    rows[2] = -1.0
+    rows[2, [30, 31]] = torch.tensor([-0.0, 0.0])  # the first of the two zeros: 30
+    rows[3, 190] = float("inf")
+    rows[4, [5, 100]] = float("nan")  # 5
+    rows[5, 180] = float("nan")
+    rows[5, 3] = float("inf")  # a NaN after the maximum: still the NaN
+    rows[6, 0] = 50.0
+    rows[7, 202] = 50.0
+    rows[8] = float("-inf")  # all equal: 0
+    rows[9] = float("nan")
+    return rows
+
+
+def test_the_argmax_is_numpys_on_every_isa():
+    """`first_argmax` (what `decode_greedy` takes its tokens from) against numpy's argmax, which
+    the sampler's greedy rows take, on every ISA this CPU runs, at row lengths from 1 up."""
+    from common.attention.cpu_kernel import supported_isas
+
+    ext = fused_decode._EXT
+    rows = _argmax_rows()
+    for isa in supported_isas():
+        for n in (1, 3, 4, 15, 16, 17, 64, 203):
+            part = rows[:, :n].contiguous()
+            got = ext.first_argmax(to_dlpack(part), isa)
+            assert got == part.numpy().argmax(axis=-1).tolist(), (isa, n)
 
 
 def test_num_scheduler_steps_below_one_is_refused():
