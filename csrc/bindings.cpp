@@ -40,7 +40,8 @@ void expect_shape(const char* name, const Array& a, std::vector<int64_t> shape) 
                               "]");
 }
 
-bool is_bf16(const AnyArray& a, const char* name) {
+template <typename Array>
+bool is_bf16(const Array& a, const char* name) {
   if (a.dtype() == kBfloat16) return true;
   if (a.dtype() == nb::dtype<float>()) return false;
   throw std::invalid_argument(std::string(name) + " must be float32 or bfloat16");
@@ -298,6 +299,8 @@ void post_attention(const RowsIn& x, const RowsIn& attn, const Panels& o_panels,
 }
 
 using CacheLayer = nb::ndarray<float, nb::ndim<4>, nb::device::cpu, nb::c_contig>;
+// A fused layer's cache: float32 or bfloat16 (the pair one dtype).
+using AnyCacheLayer = nb::ndarray<nb::ndim<4>, nb::device::cpu, nb::c_contig>;
 using Int64Vector = nb::ndarray<const int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
 
 // One decode step's inputs shared by every layer (pm::DecodeStepInputs), checked once per step;
@@ -336,7 +339,7 @@ struct FusedDecoderLayer {
   VectorIn input_norm, post_norm;
   Panels qkv_panels, o_panels, gate_up_panels, down_panels;
   std::optional<Scales> qkv_scales, o_scales, gate_up_scales, down_scales;
-  CacheLayer key_cache, value_cache;
+  AnyCacheLayer key_cache, value_cache;
   pm::PreAttentionWeights pre{};
   pm::PostAttentionWeights post{};
   pm::KvLayer kv{};
@@ -346,7 +349,7 @@ struct FusedDecoderLayer {
                     int64_t num_heads, int64_t num_kv_heads, Panels o_, std::optional<Scales> o_s,
                     VectorIn post_norm_, float post_eps, Panels gate_up_,
                     std::optional<Scales> gate_up_s, Panels down_, std::optional<Scales> down_s,
-                    CacheLayer key_, CacheLayer value_, const std::string& isa)
+                    AnyCacheLayer key_, AnyCacheLayer value_, const std::string& isa)
       : input_norm(input_norm_), post_norm(post_norm_), qkv_panels(qkv_), o_panels(o_),
         gate_up_panels(gate_up_), down_panels(down_), qkv_scales(qkv_s), o_scales(o_s),
         gate_up_scales(gate_up_s), down_scales(down_s), key_cache(key_), value_cache(value_) {
@@ -367,8 +370,12 @@ struct FusedDecoderLayer {
     post = post_attention_weights("FusedDecoderLayer", hidden, num_heads * head_dim, o_panels,
                                   o_scales, post_norm, post_eps, gate_up_panels, gate_up_scales,
                                   down_panels, down_scales);
+    const bool bf16 = is_bf16(key_cache, "key_cache");
+    if (is_bf16(value_cache, "value_cache") != bf16)
+      throw std::invalid_argument("FusedDecoderLayer: key_cache and value_cache differ in dtype");
     kv = {key_cache.data(), value_cache.data(), static_cast<int64_t>(key_cache.shape(0)),
-          static_cast<int64_t>(key_cache.shape(3))};
+          static_cast<int64_t>(key_cache.shape(3)),
+          bf16 ? pm::KvDtype::kBfloat16 : pm::KvDtype::kFloat32};
     attention = &pm::select_isa(isa, head_dim, kv.block_size);
   }
 
@@ -630,11 +637,12 @@ NB_MODULE(phasemesh_attention_kernel, m) {
            nb::arg("scale"));
   nb::class_<FusedDecoderLayer>(
       m, "FusedDecoderLayer",
-      "A decoder layer's packed weights and float32 KV caches, for a decode step's layer in one "
-      "call (common/model/fused_decode.py).")
+      "A decoder layer's packed weights and KV caches (float32, or bfloat16: each new k/v rounded "
+      "as tensor.to(torch.bfloat16) rounds it), for a decode step's layer in one call "
+      "(common/model/fused_decode.py).")
       .def(nb::init<VectorIn, float, Panels, std::optional<Scales>, int64_t, int64_t, Panels,
                     std::optional<Scales>, VectorIn, float, Panels, std::optional<Scales>, Panels,
-                    std::optional<Scales>, CacheLayer, CacheLayer, const std::string&>(),
+                    std::optional<Scales>, AnyCacheLayer, AnyCacheLayer, const std::string&>(),
            nb::arg("input_norm").noconvert(), nb::arg("input_eps"),
            nb::arg("qkv_panels").noconvert(), nb::arg("qkv_scales").noconvert().none(),
            nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("o_panels").noconvert(),
@@ -643,6 +651,8 @@ NB_MODULE(phasemesh_attention_kernel, m) {
            nb::arg("gate_up_scales").noconvert().none(), nb::arg("down_panels").noconvert(),
            nb::arg("down_scales").noconvert().none(), nb::arg("key_cache").noconvert(),
            nb::arg("value_cache").noconvert(), nb::arg("isa") = "auto");
+  // What this build's FusedDecoderLayer takes besides float32 caches (fused_decode.py asks).
+  m.attr("fused_bfloat16_kv") = true;
   nb::class_<FusedLmHead>(m, "FusedLmHead",
                           "The final RMSNorm and the LM head's packed weight, for decode_layers.")
       .def(nb::init<VectorIn, float, Panels, std::optional<Scales>, int64_t>(),

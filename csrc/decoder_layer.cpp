@@ -69,13 +69,20 @@ void decoder_layer_decode(const PreAttentionWeights& pre, const PostAttentionWei
   rotary_inplace(qkv, rows, width, pre.num_heads + pre.num_kv_heads, D, step.positions,
                  step.cos_table, step.sin_table);
   // The new k/v (strided views of qkv's rows) into the cache, then attention over it.
-  write_kv(kv.key_cache, kv.value_cache, qkv + q_width, qkv + q_width + kv_width, step.slots,
-           rows, pre.num_kv_heads, D, kv.block_size, {width, D, width, D});
+  const KvRowStrides strides{width, D, width, D};
+  if (kv.dtype == KvDtype::kBfloat16)
+    write_kv_bf16(static_cast<uint16_t*>(kv.key_cache), static_cast<uint16_t*>(kv.value_cache),
+                  qkv + q_width, qkv + q_width + kv_width, step.slots, rows, pre.num_kv_heads, D,
+                  kv.block_size, strides);
+  else
+    write_kv(static_cast<float*>(kv.key_cache), static_cast<float*>(kv.value_cache),
+             qkv + q_width, qkv + q_width + kv_width, step.slots, rows, pre.num_kv_heads, D,
+             kv.block_size, strides);
   for (int64_t r = 0; r < rows; ++r)  // the kernel takes q rows back to back
     std::copy(qkv + r * width, qkv + r * width + q_width, q + r * q_width);
   DecodeProblem p{};
   p.q = q, p.q_is_bf16 = false;
-  p.key_cache = kv.key_cache, p.value_cache = kv.value_cache, p.kv_dtype = KvDtype::kFloat32;
+  p.key_cache = kv.key_cache, p.value_cache = kv.value_cache, p.kv_dtype = kv.dtype;
   p.block_tables = step.block_tables, p.context_lens = step.context_lens, p.token_starts = nullptr;
   p.out = attn, p.lse = lse, p.scale = step.scale;
   p.num_seqs = rows, p.num_q_heads = pre.num_heads, p.head_dim = D;

@@ -62,11 +62,13 @@ struct LmHeadWeights {
   int64_t hidden, vocab;
 };
 
-// One layer's float32 paged caches (layout: paged_attention.h).
+// One layer's paged caches (layout: paged_attention.h), float32 or bfloat16 (then each new k/v
+// is rounded as torch's `.to(torch.bfloat16)` rounds it: write_kv_bf16).
 struct KvLayer {
-  float* key_cache;
-  float* value_cache;
+  void* key_cache;
+  void* value_cache;
   int64_t num_blocks, block_size;
+  KvDtype dtype;
 };
 
 // out [rows, hidden] = sum + mlp(rms_norm(sum)), sum = x + attn @ Wo.T; the bits of linear,

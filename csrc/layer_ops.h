@@ -33,6 +33,11 @@ struct KvRowStrides {
 void write_kv(float* key_cache, float* value_cache, const float* k, const float* v,
               const int64_t* slots, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
               int64_t block_size, const KvRowStrides& strides);
+// write_kv into bfloat16 caches: each value rounded to the nearest bfloat16, ties to even, a NaN
+// to the quiet NaN 0x7FC0 (c10::BFloat16's conversion, what `tensor.to(torch.bfloat16)` does).
+void write_kv_bf16(uint16_t* key_cache, uint16_t* value_cache, const float* k, const float* v,
+                   const int64_t* slots, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
+                   int64_t block_size, const KvRowStrides& strides);
 
 // How the projections multiply bfloat16 weights, for the whole process (torch's
 // set_float32_matmul_precision has the same two words): kHighest widens them to float32 and keeps

@@ -11,10 +11,11 @@ LM head is on float32-output panels too (`FusedLmHead`), the same call ends with
 and the LM head (`run_logits`): the logits have the bits of `compute_logits`.
 
 It applies (`FusedDecode.build`, then `FusedDecode.takes` per step) to a local decode step of a
-float32 model on the CPU: the kernel attention backend on float32 KV caches, every projection
+float32 model on the CPU: the kernel attention backend on float32 or bfloat16 KV caches (a
+bfloat16 cache's new k/v rounded as `KVCache.write` rounds them), every projection
 on the extension's panels (any weight dtype) with float32 outputs, at most
 `POST_ATTENTION_MAX_ROWS` rows. Anything else (no extension or an older build, the torch
-backend, bfloat16 KV, oneDNN or unpacked weights, prefill, a larger step) runs the layers'
+backend, oneDNN or unpacked weights, prefill, a larger step) runs the layers'
 stages one by one, which stay the reference.
 
 Faults: shapes, positions, slots and block ids are checked before anything is written, and a
@@ -48,6 +49,12 @@ _F32, _I32, _I64 = torch.float32, torch.int32, torch.int64
 def available() -> bool:
     """True when this build of the extension has the fused layer."""
     return hasattr(_EXT, "decode_layers")
+
+
+def _kv_dtypes() -> tuple[torch.dtype, ...]:
+    """The KV cache dtypes this build's fused layers take (bfloat16 caches: each new k/v rounded
+    as `KVCache.write` rounds it)."""
+    return (_F32, torch.bfloat16) if getattr(_EXT, "fused_bfloat16_kv", False) else (_F32,)
 
 
 def _on_float32_panels(*projections: PackedLinear) -> bool:
@@ -134,7 +141,7 @@ class FusedDecode:
             not available()
             or not isinstance(backend, CpuKernelAttention)
             or kv_cache.on_device
-            or kv_cache.key.dtype != _F32
+            or kv_cache.key.dtype not in _kv_dtypes()
             or model.model.rotary.cos.dtype != _F32
             or model.model.embed_tokens.weight.dtype != _F32
         ):

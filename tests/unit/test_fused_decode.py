@@ -31,12 +31,11 @@ BLOCK_SIZE = 16
 MAX_CONTEXT = 70  # tokens per row, the new one included: a few blocks, a partial last one
 
 
-def _cache(model, num_blocks: int, seed: int) -> KVCache:  # type: ignore[no-untyped-def]
-    """A float32 cache of random contents (what earlier steps wrote)."""
+def _cache(model, num_blocks: int, seed: int, dtype: torch.dtype = torch.float32) -> KVCache:  # type: ignore[no-untyped-def]
+    """A cache of random contents (what earlier steps wrote)."""
     c = model.config
     kv = KVCache(
-        c.num_hidden_layers, num_blocks, BLOCK_SIZE, c.num_key_value_heads, c.head_dim,
-        torch.float32,
+        c.num_hidden_layers, num_blocks, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     kv.key.copy_(torch.randn(kv.key.shape, generator=gen))
@@ -66,22 +65,36 @@ def _decode_step(rows: int, vocab: int, seed: int) -> tuple[StepInputs, int]:
     return inputs, rows * width
 
 
-def _runner(model, num_blocks: int, seed: int, fuse: bool, threads: int | None = None):  # type: ignore[no-untyped-def]
-    runner = ModelRunner(model, _cache(model, num_blocks, seed), None, CpuKernelAttention(threads))  # type: ignore[arg-type]
+def _runner(
+    model,
+    num_blocks: int,
+    seed: int,
+    fuse: bool,
+    threads: int | None = None,  # type: ignore[no-untyped-def]
+    kv_dtype: torch.dtype = torch.float32,
+):
+    cache = _cache(model, num_blocks, seed, kv_dtype)
+    runner = ModelRunner(model, cache, None, CpuKernelAttention(threads))  # type: ignore[arg-type]
     runner.fuse_decode = fuse
     return runner
 
 
-@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16", "int8"])
-def test_a_fused_step_has_the_stages_bits(tiny_model_path, weight_dtype):
+@pytest.mark.parametrize(
+    "weight_dtype, kv_dtype",
+    [("float32", torch.float32), ("bfloat16", torch.float32), ("int8", torch.float32),
+     ("float32", torch.bfloat16), ("int8", torch.bfloat16)],
+)  # fmt: skip
+def test_a_fused_step_has_the_stages_bits(tiny_model_path, weight_dtype, kv_dtype):
     """Rows 1, 2, 3 and the most the fused layers take: the hidden states, the logits and every
-    layer's caches equal the stages' bit for bit (two threads: the GEMMs and attention split)."""
+    layer's caches equal the stages' bit for bit (two threads: the GEMMs and attention split),
+    on float32 caches and on bfloat16 ones (the new k/v rounded as `KVCache.write` rounds)."""
     model = load_model(tiny_model_path, weight_dtype=weight_dtype)
     with torch.inference_mode():
         for rows in (1, 2, 3, POST_ATTENTION_MAX_ROWS):
             inputs, num_blocks = _decode_step(rows, model.config.vocab_size, seed=rows)
-            fused = _runner(model, num_blocks, seed=rows, fuse=True, threads=2)
-            stages = _runner(model, num_blocks, seed=rows, fuse=False, threads=2)
+            fused = _runner(model, num_blocks, seed=rows, fuse=True, threads=2, kv_dtype=kv_dtype)
+            stages = _runner(model, num_blocks, seed=rows, fuse=False, threads=2,
+                             kv_dtype=kv_dtype)  # fmt: skip
             got = fused.forward(inputs, keep_hidden=True)
             assert fused._fused is not None  # it did run fused
             want = stages.forward(inputs, keep_hidden=True)
@@ -127,8 +140,9 @@ def test_a_repack_rebuilds_the_fused_layers(tiny_model_path):
 
 
 def test_steps_it_does_not_take_run_the_stages(tiny_model_path):
-    """More rows than it takes, a prefill, the torch attention backend, bfloat16 KV or weights
-    off the kernel's panels: the stages run (and give their own results)."""
+    """More rows than it takes, a prefill, the torch attention backend, float16 KV or weights
+    off the kernel's panels: the stages run (and give their own results). bfloat16 KV it
+    takes."""
     model = load_model(tiny_model_path)
     inputs, num_blocks = _decode_step(POST_ATTENTION_MAX_ROWS + 1, model.config.vocab_size, 0)
     runner = _runner(model, num_blocks, seed=0, fuse=True)
@@ -140,9 +154,12 @@ def test_steps_it_does_not_take_run_the_stages(tiny_model_path):
     assert runner.fused_decode(one, x[:1]) is None
     assert FusedDecode.build(model, runner.kv_cache, TorchPagedAttention()) is None
     c = model.config
-    bf16 = KVCache(c.num_hidden_layers, 4, BLOCK_SIZE, c.num_key_value_heads, c.head_dim,
-                   torch.bfloat16)  # fmt: skip
-    assert FusedDecode.build(model, bf16, runner.backend) is None
+    caches = {
+        dtype: KVCache(c.num_hidden_layers, 4, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype)
+        for dtype in (torch.bfloat16, torch.float16)
+    }
+    assert FusedDecode.build(model, caches[torch.float16], runner.backend) is None
+    assert FusedDecode.build(model, caches[torch.bfloat16], runner.backend) is not None
     pack_linears(model, backend="onednn")
     assert FusedDecode.build(model, runner.kv_cache, runner.backend) is None
     one.phase = Phase.DECODE
@@ -204,6 +221,23 @@ def test_one_layer_call_refuses_mismatched_shapes(tiny_model_path):
             extension().decode_layers(
                 ws, step, fused.layers[:1], to_dlpack(x), to_dlpack(x.clone()), 1, 1
             )
+
+
+def test_a_layer_refuses_caches_of_two_dtypes_or_another(tiny_model_path):
+    """K and V caches of different dtypes, or a dtype the kernel does not read: ValueError when
+    the layer is built, not a misread cache later."""
+    model = load_model(tiny_model_path)
+    c = model.config
+    caches = {dtype: KVCache(1, 4, BLOCK_SIZE, c.num_key_value_heads, c.head_dim, dtype)
+              for dtype in (torch.float32, torch.bfloat16, torch.float16)}  # fmt: skip
+    layer = model.layers[0]
+    for key, value, match in (
+        (torch.bfloat16, torch.float32, "differ in dtype"),
+        (torch.float16, torch.float16, "float32 or bfloat16"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            fused_decode._fused_layer(layer, caches[key].key_layers[0],
+                                      caches[value].value_layers[0], "auto")  # fmt: skip
 
 
 @kernel_gate("csrc extension without the fused LM head", built=HEAD_BUILT)
