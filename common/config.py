@@ -146,6 +146,9 @@ def _dtype_name(raw: str | None) -> str:
     return "bfloat16" if raw == "bfloat16" else "float32"
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # CacheConfig.kv_cache_dtype
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: `num_blocks` blocks of `block_size` tokens per layer."""
@@ -154,10 +157,17 @@ class CacheConfig:
     num_blocks: int = 1024
     # Reuse the K/V of full blocks of earlier prompts' shared prefixes (docs/prefix_caching.md).
     enable_prefix_caching: bool = True
+    # The cache's element type (vLLM's `kv_cache_dtype`): `auto` is the model's; `bfloat16` under
+    # a float32 model holds twice the tokens in the same bytes and halves decode attention's
+    # reads, each k/v rounded to bfloat16 as it is written (CPU engines).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")  # fmt: skip
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
 

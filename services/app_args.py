@@ -36,6 +36,8 @@ class EngineArgs(_Args):
     num_scheduler_steps: int = Field(default=1, ge=1)
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # docs/prefix_caching.md
+    # The KV cache's dtype: auto (the model's), float32 or bfloat16 (docs/serving.md#the-kv-cache).
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Where the engine computes (common/device.py): auto (CUDA when the Router's replica sees a
     # GPU: give it `num_gpus` in its ray_actor_options), cpu, cuda or cuda:N.
     device: str = Field(default="auto", pattern=DEVICE_PATTERN)

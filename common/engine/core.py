@@ -55,6 +55,10 @@ class LLMEngine:
             c.num_blocks, c.block_size, c.enable_prefix_caching, cache_namespace=folder.name
         )
         mc = self.model_config
+        kv_dtype = mc.dtype if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
+        if kv_dtype != mc.dtype and self.device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype {kv_dtype} under a {mc.dtype} model runs on the "
+                             f"CPU only; on {self.device} use auto")  # fmt: skip
         graphs = self.device.type == "cuda" if decode_graphs is None else decode_graphs
         kv = KVCache(
             mc.num_hidden_layers,
@@ -62,7 +66,7 @@ class LLMEngine:
             c.block_size,
             mc.num_key_value_heads,
             mc.head_dim,
-            getattr(torch, mc.dtype),
+            getattr(torch, kv_dtype),
             self.device,
         )
         backend = select_backend(config.attention_backend, self.device)
@@ -77,7 +81,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.histograms = EngineHistograms()  # tokens per forward (`load_report`)
         log.info("engine ready", attention=backend.name, kv_blocks=c.num_blocks,
-                 device=str(self.device))  # fmt: skip
+                 kv_dtype=kv_dtype, device=str(self.device))  # fmt: skip
         if self.max_model_len < self.model_config.max_position_embeddings:
             log.warning("the KV cache holds less than the model's context: requests are capped",
                         max_model_len=self.max_model_len,
@@ -97,12 +101,14 @@ class LLMEngine:
         starvation_s: float = 1.0,
         device: str = "auto",
         num_scheduler_steps: int = 1,
+        kv_cache_dtype: str = "auto",
     ) -> LLMEngine:
-        """`device`: auto | cpu | cuda[:N] (common/device.py; auto: CUDA when there is one)."""
+        """`device`: auto | cpu | cuda[:N] (common/device.py; auto: CUDA when there is one);
+        `kv_cache_dtype`: auto (the model's) | float32 | bfloat16 (`CacheConfig`)."""
         return cls(
             EngineConfig(
                 model_path=str(model_path),
-                cache=CacheConfig(block_size, num_blocks, enable_prefix_caching),
+                cache=CacheConfig(block_size, num_blocks, enable_prefix_caching, kv_cache_dtype),
                 scheduler=SchedulerConfig(
                     max_num_batched_tokens,
                     max_num_seqs,
