@@ -39,9 +39,10 @@ With `--model smollm2` and llama.cpp's environment built (bench/llamacpp_env.sh)
 in every batch's repeats too (bench/llamacpp.py): SmolLM2's F32, BF16 and shipped Q4_1 GGUF files,
 one sequence per prompt, beside PhaseMesh engines with bfloat16 projection panels at both matmul
 precisions (`highest`: activations float32; `medium`: rounded to bfloat16 in the projections, as
-llama.cpp's BF16 computes); each batch's row has PhaseMesh's tok/s over llama.cpp's at equal bits
-per weight (float32 over F32, each bfloat16 side over BF16), and the leading greedy tokens each
-pair shares. `--no-llamacpp` skips it; without the
+llama.cpp's BF16 computes) and the float32 engine on a bfloat16 KV cache (`engine_kv16`:
+llama.cpp's KV cache is 16-bit, f16, by default); each batch's row has PhaseMesh's tok/s over
+llama.cpp's at equal bits per weight (each float32 side over F32, each bfloat16 side over BF16),
+and the leading greedy tokens each pair shares. `--no-llamacpp` skips it; without the
 environment or on another model it is skipped and the JSON says why; a worker that dies leaves
 `llamacpp.failed` (its last output), its targets unjudged, and PhaseMesh's figures.
 
@@ -265,10 +266,13 @@ def engines(
     path: str, unpacked: bool, onednn: bool, bfloat16: bool = False
 ) -> dict[str, LLMEngine]:
     """The engine, and the alternates asked for: on plain `F.linear`, on oneDNN's packing (a
-    float32 model, where the kernel GEMM is the default), on bfloat16 projection panels (two
-    engines: one runs at matmul precision "medium", `SIDE_PRECISION`)."""
+    float32 model, where the kernel GEMM is the default), and with llama.cpp's sides
+    (`bfloat16`) on a bfloat16 KV cache (`engine_kv16`: llama.cpp's KV is 16-bit too) and on
+    bfloat16 projection panels (two engines: one runs at matmul precision "medium",
+    `SIDE_PRECISION`)."""
     sides = {"engine": LLMEngine.from_path(path, num_blocks=2048)}
     if bfloat16:
+        sides["engine_kv16"] = LLMEngine.from_path(path, num_blocks=2048, kv_cache_dtype="bfloat16")
         for name in ("engine_bfloat16", "engine_bfloat16_medium"):
             sides[name] = LLMEngine.from_path(path, num_blocks=2048)
             pack_linears(sides[name].model, weight_dtype="bfloat16")

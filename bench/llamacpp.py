@@ -52,11 +52,14 @@ REPO = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("PHASEMESH_LLAMACPP_VENV", REPO / ".venv-llamacpp"))
 WORKER = REPO / "bench" / "llamacpp_worker.py"
 GGUF_TYPES = ("F32", "BF16", "Q4_1")
-# Each PhaseMesh side and the llama.cpp file of the same bits per weight.
-EQUAL_BITS = {"engine": "F32", "engine_bfloat16": "BF16", "engine_bfloat16_medium": "BF16"}
+# Each PhaseMesh side and the llama.cpp file of the same bits per weight. `engine_kv16`: float32
+# weights on a bfloat16 KV cache, the KV's bits of llama.cpp's (f16 by default) too.
+EQUAL_BITS = {"engine": "F32", "engine_kv16": "F32", "engine_bfloat16": "BF16",
+              "engine_bfloat16_medium": "BF16"}  # fmt: skip
 # What each side is, in its printed line and its targets' names (`over_llamacpp_<name>_batch_N`).
 SIDE_NAMES = {
     "engine": ("float32", "f32"),
+    "engine_kv16": ("float32 with 16-bit KV", "f32_kv16"),
     "engine_bfloat16": ("bfloat16", "bf16"),
     "engine_bfloat16_medium": ("bfloat16 medium", "bf16_medium"),
 }

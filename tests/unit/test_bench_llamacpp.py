@@ -19,12 +19,13 @@ def test_the_side_says_why_it_is_skipped(tiny_model_path: Path, monkeypatch, tmp
 
 
 def test_rows_and_targets_at_equal_bits_per_weight() -> None:
-    rates = {"engine": 90.0, "engine_bfloat16": 150.0, "engine_bfloat16_medium": 170.0,
-             "llamacpp_F32": 60.0, "llamacpp_BF16": 160.0, "llamacpp_Q4_1": 200.0,
-             "transformers": 30.0}  # fmt: skip
+    rates = {"engine": 90.0, "engine_kv16": 100.0, "engine_bfloat16": 150.0,
+             "engine_bfloat16_medium": 170.0, "llamacpp_F32": 60.0, "llamacpp_BF16": 160.0,
+             "llamacpp_Q4_1": 200.0, "transformers": 30.0}  # fmt: skip
     row, line = llamacpp.batch_row(1, rates)
     assert row["engine_over_F32"] == 1.5 and row["engine_bfloat16_over_BF16"] == 0.94
     assert row["engine_bfloat16_medium_over_BF16"] == 1.06
+    assert row["engine_kv16_over_F32"] == 1.67 and "float32 with 16-bit KV x1.67 F32" in line
     assert row["Q4_1_tok_s"] == 200.0 and not any("Q4_1" in k and "over" in k for k in row)
     assert "float32 x1.50 F32" in line and "bfloat16 x0.94 BF16" in line
     assert "bfloat16 medium x1.06 BF16" in line
@@ -35,15 +36,16 @@ def test_rows_and_targets_at_equal_bits_per_weight() -> None:
     )
     assert wanted == {
         "over_llamacpp_f32_batch_1": ">= 1.0", "over_llamacpp_bf16_batch_1": ">= 1.0",
-        "over_llamacpp_bf16_medium_batch_1": ">= 1.0",
+        "over_llamacpp_bf16_medium_batch_1": ">= 1.0", "over_llamacpp_f32_kv16_batch_1": ">= 1.0",
         "over_llamacpp_f32_batch_32": ">= 2.0", "over_llamacpp_bf16_batch_32": ">= 2.0",
         "over_llamacpp_bf16_medium_batch_32": ">= 2.0",
+        "over_llamacpp_f32_kv16_batch_32": ">= 2.0",
     }  # fmt: skip
     assert met == {
         "over_llamacpp_f32_batch_1": True, "over_llamacpp_bf16_batch_1": False,
-        "over_llamacpp_bf16_medium_batch_1": True,
+        "over_llamacpp_bf16_medium_batch_1": True, "over_llamacpp_f32_kv16_batch_1": True,
         "over_llamacpp_f32_batch_32": True, "over_llamacpp_bf16_batch_32": False,
-        "over_llamacpp_bf16_medium_batch_32": True,
+        "over_llamacpp_bf16_medium_batch_32": True, "over_llamacpp_f32_kv16_batch_32": False,
     }  # fmt: skip
     assert set(llamacpp.unjudged([1, 32])[0]) == set(wanted)
 
