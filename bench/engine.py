@@ -361,9 +361,29 @@ def weight_dtype_rows(
     with `stages`, each dtype's tok/s with its layers' stages one by one and the fused layers'
     tok/s over that (`fused_over_stages`)."""
     import phasemesh_attention_kernel as kernel
-    from phasemesh_attention_kernel import read_sum
 
     sides = weight_dtype_engines(path, dtypes, stages, scheduler_steps)
+    rates, probe_gbps = rates_beside_probe(sides, repeats, probe_bytes)
+    rows: dict[str, Any] = {
+        "read_probe_gbps": round(probe_gbps, 2),
+        "scheduler_steps": scheduler_steps,
+    }
+    if hasattr(kernel, "pool_spin_us"):  # the kernels' workers spin this long between calls
+        rows["kernel_pool_spin_us"] = kernel.pool_spin_us()
+    lines = [f"read probe (readsum, {torch.get_num_threads()} threads): {probe_gbps:.1f} GB/s"]
+    for name in dtypes:
+        rows[name], line = weight_dtype_row(name, sides[name], rates, probe_gbps)
+        lines.append(line)
+    return rows, lines
+
+
+def rates_beside_probe(
+    sides: dict[str, LLMEngine], repeats: int, probe_bytes: int
+) -> tuple[dict[str, float], float]:
+    """Each side's median batch-1 tok/s and the read probe's median GB/s (the best of 3 reads
+    of `probe_bytes` after every repeat of the sides), after one untimed generation a side."""
+    from phasemesh_attention_kernel import read_sum
+
     prompts = prompts_for(1, next(iter(sides.values())).model_config.vocab_size)
     threads = torch.get_num_threads()
     probe_buffer = torch.ones(probe_bytes // 4)
@@ -377,44 +397,42 @@ def weight_dtype_rows(
             rates[name].append(1 / step_seconds(name, run, prompts))
         best = min(_timed(lambda: read_sum(probe_buffer, threads)) for _ in range(3))
         probe.append(probe_bytes / best / 1e9)
-    probe_gbps = statistics.median(probe)
-    rows: dict[str, Any] = {
-        "read_probe_gbps": round(probe_gbps, 2),
-        "scheduler_steps": scheduler_steps,
+    return {k: statistics.median(v) for k, v in rates.items()}, statistics.median(probe)
+
+
+# The sides a dtype's row is compared with, by suffix: (its tok/s key, the ratio's key, the
+# printed words, formatted with its tok/s and the ratio).
+BESIDE = {
+    SINGLE: ("single_step_tok_s", "steps_over_single", "one step a call {:.1f} tok/s: x{:.3f}"),
+    STAGES: ("stages_tok_s", "fused_over_stages", "stages {:.1f} tok/s: fused x{:.3f}"),
+}
+
+
+def weight_dtype_row(
+    name: str, engine: LLMEngine, rates: dict[str, float], probe_gbps: float
+) -> tuple[dict, str]:
+    """One weight dtype's JSON row and printed line from the run's median rates."""
+    tok_s, nbytes = rates[name], packed_weight_bytes(engine.model)
+    gbps = tok_s * nbytes / 1e9
+    packed = {m.weight_dtype for m in engine.model.modules() if isinstance(m, PackedLinear)}
+    row = {
+        "tok_s": round(tok_s, 1),
+        "weight_mb_per_token": round(nbytes / 1e6, 1),
+        "gbps": round(gbps, 2),
+        "over_read_probe": round(gbps / probe_gbps, 3),
+        "packed_as": sorted(packed),
     }
-    if hasattr(kernel, "pool_spin_us"):  # the kernels' workers spin this long between calls
-        rows["kernel_pool_spin_us"] = kernel.pool_spin_us()
-    lines = [f"read probe (readsum, {threads} threads): {probe_gbps:.1f} GB/s"]
-    base = statistics.median(rates["float32"]) if "float32" in rates else None
-    for name in dtypes:
-        engine, tok_s = sides[name], statistics.median(rates[name])
-        nbytes = packed_weight_bytes(engine.model)
-        gbps = tok_s * nbytes / 1e9
-        packed = {m.weight_dtype for m in engine.model.modules() if isinstance(m, PackedLinear)}
-        row = {
-            "tok_s": round(tok_s, 1),
-            "weight_mb_per_token": round(nbytes / 1e6, 1),
-            "gbps": round(gbps, 2),
-            "over_read_probe": round(gbps / probe_gbps, 3),
-            "packed_as": sorted(packed),
-        }
-        line = f"weights {name:9s}: {tok_s:7.1f} tok/s  {nbytes / 1e6:6.1f} MB/token  "
-        line += f"{gbps:5.1f} GB/s ({gbps / probe_gbps:.2f} of the probe)"
-        if base:
-            row["over_float32"] = round(tok_s / base, 2)
-            line += f"  x{tok_s / base:.2f} float32"
-        if name + SINGLE in rates:
-            single = statistics.median(rates[name + SINGLE])
-            row |= {"single_step_tok_s": round(single, 1),
-                    "steps_over_single": round(tok_s / single, 3)}  # fmt: skip
-            line += f"  (one step a call {single:.1f} tok/s: x{tok_s / single:.3f})"
-        if name + STAGES in rates:
-            staged = statistics.median(rates[name + STAGES])
-            row |= {"stages_tok_s": round(staged, 1), "fused_over_stages": round(tok_s / staged, 3)}
-            line += f"  (stages {staged:.1f} tok/s: fused x{tok_s / staged:.3f})"
-        rows[name] = row
-        lines.append(line)
-    return rows, lines
+    line = f"weights {name:9s}: {tok_s:7.1f} tok/s  {nbytes / 1e6:6.1f} MB/token  "
+    line += f"{gbps:5.1f} GB/s ({gbps / probe_gbps:.2f} of the probe)"
+    if "float32" in rates:
+        row["over_float32"] = round(tok_s / rates["float32"], 2)
+        line += f"  x{tok_s / rates['float32']:.2f} float32"
+    for suffix, (rate_key, ratio_key, words) in BESIDE.items():
+        if name + suffix in rates:
+            other = rates[name + suffix]
+            row |= {rate_key: round(other, 1), ratio_key: round(tok_s / other, 3)}
+            line += f"  ({words.format(other, tok_s / other)})"
+    return row, line
 
 
 def _timed(fn: Callable[[], object]) -> float:

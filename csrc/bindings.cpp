@@ -303,6 +303,14 @@ using CacheLayer = nb::ndarray<float, nb::ndim<4>, nb::device::cpu, nb::c_contig
 using AnyCacheLayer = nb::ndarray<nb::ndim<4>, nb::device::cpu, nb::c_contig>;
 using Int64Vector = nb::ndarray<const int64_t, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
 
+// Every position in [0, max_pos), the rows of the RoPE tables.
+void check_positions(const char* who, const int64_t* positions, int64_t count, int64_t max_pos) {
+  for (int64_t i = 0; i < count; ++i)
+    if (positions[i] < 0 || positions[i] >= max_pos)
+      throw std::invalid_argument(std::string(who) + ": position " + std::to_string(positions[i]) +
+                                  " outside the tables' " + std::to_string(max_pos) + " rows");
+}
+
 // One decode step's inputs shared by every layer (pm::DecodeStepInputs), checked once per step;
 // the arrays are held so that their memory outlives the step's layer calls.
 struct DecodeStep {
@@ -322,10 +330,7 @@ struct DecodeStep {
     expect_rows("context_lens", 1, context_lens.shape(0), 1, rows);
     if (block_tables.shape(0) != static_cast<size_t>(rows))
       throw std::invalid_argument("DecodeStep: block_tables needs one row per position");
-    for (int64_t r = 0; r < rows; ++r)
-      if (positions.data()[r] < 0 || positions.data()[r] >= max_pos)
-        throw std::invalid_argument("DecodeStep: position " + std::to_string(positions.data()[r]) +
-                                    " outside the tables' " + std::to_string(max_pos) + " rows");
+    check_positions("DecodeStep", positions.data(), rows, max_pos);
     in = {rows,         positions.data(),    cos_table.data(),
           sin_table.data(), slots.data(),    block_tables.data(),
           context_lens.data(), static_cast<int64_t>(block_tables.shape(1)), scale};
@@ -420,6 +425,18 @@ struct FusedLmHead {
   }
 };
 
+// A checked step: x through every layer into out (x may be out), then, with a head, its logits.
+void run_step(pm::Workspace& ws, const pm::DecodeStepInputs& step,
+              const std::vector<const FusedDecoderLayer*>& layers, const float* x, float* out,
+              const FusedLmHead* head, float* logits, int num_threads, int attention_threads) {
+  const float* in = x;
+  for (const FusedDecoderLayer* layer : layers) {
+    layer->run(ws, step, in, out, num_threads, attention_threads);
+    in = out;
+  }
+  if (head) pm::lm_head(head->w, in, logits, step.rows, pm::best_isa(), num_threads);
+}
+
 // Every layer of a decode step in one call: x [T, hidden] through layers[0], layers[1], ... into
 // out (x and out may be one tensor: a layer reads its input whole before it writes its output);
 // with `head`, then logits [T, vocab] = the LM head on the final norm of out.
@@ -439,12 +456,8 @@ void decode_layers(pm::Workspace& ws, const DecodeStep& step,
     expect_rows("logits", logits->shape(0), logits->shape(1), step.in.rows, head->w.vocab);
   }
   nb::gil_scoped_release no_gil;
-  const float* in = x.data();
-  for (const FusedDecoderLayer* layer : layers) {
-    layer->run(ws, step.in, in, out.data(), num_threads, attention_threads);
-    in = out.data();
-  }
-  if (head) pm::lm_head(head->w, in, logits->data(), step.in.rows, pm::best_isa(), num_threads);
+  run_step(ws, step.in, layers, x.data(), out.data(), head, head ? logits->data() : nullptr,
+           num_threads, attention_threads);
 }
 
 using Int64Rows = nb::ndarray<const int64_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
@@ -471,10 +484,7 @@ struct DecodeSteps {
     expect_rows("context_lens", context_lens.shape(0), context_lens.shape(1), steps, rows);
     if (block_tables.shape(0) != static_cast<size_t>(rows))
       throw std::invalid_argument("DecodeSteps: block_tables needs one row per sequence");
-    for (int64_t i = 0; i < steps * rows; ++i)
-      if (positions.data()[i] < 0 || positions.data()[i] >= max_pos)
-        throw std::invalid_argument("DecodeSteps: position " + std::to_string(positions.data()[i]) +
-                                    " outside the tables' " + std::to_string(max_pos) + " rows");
+    check_positions("DecodeSteps", positions.data(), steps * rows, max_pos);
     for (int64_t s = 0; s < steps; ++s)
       in.push_back({rows, positions.data() + s * rows, cos_table.data(), sin_table.data(),
                     slots.data() + s * rows, block_tables.data(), context_lens.data() + s * rows,
@@ -519,9 +529,8 @@ void decode_greedy(pm::Workspace& ws, const DecodeSteps& steps,
   for (int64_t s = 0; s < num_steps; ++s) {
     for (int64_t r = 0; r < rows; ++r)
       std::memcpy(x.data() + r * hidden, embed.data() + ids[r] * hidden, hidden * sizeof(float));
-    for (const FusedDecoderLayer* layer : layers)
-      layer->run(ws, steps.in[s], x.data(), x.data(), num_threads, attention_threads);
-    pm::lm_head(head.w, x.data(), logits.data(), rows, pm::best_isa(), num_threads);
+    run_step(ws, steps.in[s], layers, x.data(), x.data(), &head, logits.data(), num_threads,
+             attention_threads);
     int64_t* out = tokens.data() + s * rows;
     pm::parallel_units(rows, num_threads, [&](int64_t r, int) {
       out[r] = pm::best_isa().first_argmax(logits.data() + r * vocab, vocab);

@@ -211,16 +211,15 @@ class ModelRunner(Generic[Inputs]):
         not a decode step, a runner whose `attend` is not the local one (`LOCAL_ATTEND`), or what
         `FusedDecode` does not take (built on the first decode step, again after a repack or for
         another cache; a refusal is tried again only after a repack)."""
-        if (
-            not self.fuse_decode
-            or inputs.phase is not Phase.DECODE
-            or not self.LOCAL_ATTEND
-            or not FusedDecode.takes(x)
-        ):
+        if inputs.phase is not Phase.DECODE or not FusedDecode.takes(x):
             return None
         return self._current_fused()
 
     def _current_fused(self) -> FusedDecode | None:
+        """The fused layers of this runner's local decode steps, built or rebuilt as needed; None
+        where fusing is off, attention is not local, or `FusedDecode.build` refuses."""
+        if not self.fuse_decode or not self.LOCAL_ATTEND:
+            return None
         fused = self._fused
         if fused is None or not fused.current(self.kv_cache):
             generation = pack_generation()
@@ -232,15 +231,9 @@ class ModelRunner(Generic[Inputs]):
 
     def takes_greedy_steps(self, num_rows: int) -> bool:
         """Whether a decode batch of `num_rows` greedy rows can run several steps in one call
-        (`greedy_steps`): the fused layers and LM head of a local decode on the CPU."""
-        if (
-            not self.fuse_decode
-            or not self.LOCAL_ATTEND
-            or self.on_device
-            or self.graphs is not None
-            or not 0 < num_rows <= POST_ATTENTION_MAX_ROWS
-            or self.model.model.embed_tokens.weight.dtype != torch.float32
-        ):
+        (`greedy_steps`): the fused layers and LM head of a local decode (which `FusedDecode`
+        builds for a float32 model on the CPU only), not replayed from graphs."""
+        if self.graphs is not None or not 0 < num_rows <= POST_ATTENTION_MAX_ROWS:
             return False
         fused = self._current_fused()
         return fused is not None and fused.greedy
