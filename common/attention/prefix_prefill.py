@@ -41,7 +41,13 @@ def prefix_prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens -> out [T, Hq, D]. `starts[i]`: cached
-    tokens before sequence i's new ones; its context must be in the cache already (written)."""
+    tokens before sequence i's new ones; its context must be in the cache already (written).
+    A cache of a narrower dtype than k/v (a bfloat16 KV cache under a float32 model): this
+    step's k/v are attended to as the cache holds them, rounded, as every decode step and every
+    prefix hit reads them, so a prompt prefilled again (a recompute, a replayed request)
+    continues as it did."""
+    if key_cache.dtype != k.dtype:
+        k, v = k.to(key_cache.dtype).to(k.dtype), v.to(value_cache.dtype).to(v.dtype)
     if not any(starts):
         return causal_attention(q, k, v, inputs_seq_lens, scale)
     out = torch.empty_like(q)

@@ -89,6 +89,18 @@ def test_a_cached_prefix_and_a_batch_over_the_fused_rows(tiny_model_path):
     assert [len(o) for o in outputs] == [GREEDY.max_tokens] * len(wide)
 
 
+def test_preempted_and_recomputed_requests_continue_as_they_did(tiny_model_path):
+    """A cache too small for every request: preempted requests are prefilled again from their
+    tokens and continue with the tokens a roomy cache gives (the prefill attends to its own k/v
+    rounded as the cache holds them, as the decode steps before it did)."""
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, detokenize=False)
+    tight = LLMEngine.from_path(tiny_model_path, num_blocks=10, kv_cache_dtype="bfloat16")
+    roomy = LLMEngine.from_path(tiny_model_path, num_blocks=256, kv_cache_dtype="bfloat16")
+    prompts = _prompts(tight.model_config.vocab_size, 3, seed=4)
+    assert tight.generate(prompts, params) == roomy.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+
+
 def test_a_kv_cache_dtype_it_does_not_know_is_refused():
     from pydantic import ValidationError
 
