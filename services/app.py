@@ -346,11 +346,25 @@ class ServedOffline:
         await self.handle.cancel.remote(job_id)
 
 
+# The offline group scales to zero: no replica while no batch job runs (an idle Ray worker costs
+# a process's memory and its core's wake-ups, 100 a second, whether or not it has work), one
+# started by a job's first call (Serve's cold start: a call that finds no replica asks for one at
+# once), gone OFFLINE_IDLE_S after its last call ended. A batch waits those seconds of start-up
+# once; it has a day (`completion_window`). At most one replica: a job's cancel must reach the
+# replica running it.
+OFFLINE_IDLE_S = 60.0
+OFFLINE_AUTOSCALING: dict[str, Any] = {
+    "min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 1,
+    "upscale_delay_s": 0.0, "downscale_delay_s": OFFLINE_IDLE_S,
+}  # fmt: skip
+
+
 @serve.deployment(name=OFFLINE_DEPLOYMENT, ray_actor_options={"num_cpus": 0},
-                  health_check_period_s=10, graceful_shutdown_timeout_s=5)  # fmt: skip
+                  autoscaling_config=OFFLINE_AUTOSCALING, health_check_period_s=10,
+                  graceful_shutdown_timeout_s=5)  # fmt: skip
 class OfflineGroupDeployment:
     """Seesaw's offline group (services/offline/): one replica owning its k worker processes,
-    which the Router's Batch API runs plain greedy batches on."""
+    which the Router's Batch API runs plain greedy batches on; none while no job runs."""
 
     def __init__(self, args: dict[str, Any]) -> None:
         parsed = AppArgs.model_validate(args)

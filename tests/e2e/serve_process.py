@@ -39,6 +39,7 @@ from services.serve_cli import QUIET_RUNTIME_ENV
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CLI = Path(sys.executable).with_name("serve")
 Ingress = Literal["direct", "direct_thread", "proxy"]
+OFFLINE_TITLE = "ray::ServeReplica:phasemesh:OfflineGroup"  # the offline group's replica
 DIRECT_INGRESS_PORTS = 100  # the range Serve allocates Router replicas' HTTP ports from
 # Direct ingress on one machine, as `make run` sets it: the app's code on the replica's own event
 # loop, uvicorn's (not Serve's user-code thread: no thread hop per chunk, as Ray's
@@ -467,3 +468,9 @@ def session_pids(session_id: int) -> list[int]:
         if int(fields[3]) == session_id and fields[0] != "Z":
             found.append(int(entry.name))
     return found
+
+
+def maps_torch_and_ucxx(pid: int) -> tuple[bool, bool]:
+    """Whether the process `pid` has libtorch, and libucxx, mapped (/proc/<pid>/maps)."""
+    mapped = Path(f"/proc/{pid}/maps").read_text()
+    return "libtorch" in mapped, "libucxx" in mapped

@@ -24,13 +24,14 @@ import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.serve_server import ray_pid
 from common.engine.core import LLMEngine
 from common.model.default import default_model_path
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from services.engine.worker import IDLE_REPORT_INTERVAL_S
 from tests.e2e.greedy_check import assert_text_greedy_close
-from tests.e2e.serve_process import ServeRun
+from tests.e2e.serve_process import OFFLINE_TITLE, ServeRun, maps_torch_and_ucxx
 from tests.reference_logprobs import (
     MESH_LOGPROB_ATOL,
     expected_token_logprobs,
@@ -460,6 +461,12 @@ def test_a_greedy_completions_batch_runs_on_seesaws_offline_group(
         online = client.completions.create(**body)
         assert record["response"]["body"]["choices"][0]["text"] == online.choices[0].text
     assert "offline job done" in server.log_tail(200_000)
+    # Its replica, started by a job (the group scales to zero), computes nothing itself: its
+    # worker processes do. It never loaded torch or UCX.
+    assert server.pid is not None
+    offline = ray_pid(server.pid, OFFLINE_TITLE)
+    assert offline is not None
+    assert maps_torch_and_ucxx(offline) == (False, False)
 
 
 class GetWeather(pydantic.BaseModel):
