@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 ENV_PREFIX = "PHASEMESH_"
 
@@ -146,7 +146,8 @@ def _dtype_name(raw: str | None) -> str:
     return "bfloat16" if raw == "bfloat16" else "float32"
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # CacheConfig.kv_cache_dtype
+KvCacheDtype = Literal["auto", "float32", "bfloat16"]  # CacheConfig.kv_cache_dtype
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ class CacheConfig:
     # The cache's element type (vLLM's `kv_cache_dtype`): `auto` is the model's; `bfloat16` under
     # a float32 model holds twice the tokens in the same bytes and halves decode attention's
     # reads, each k/v rounded to bfloat16 as it is written (CPU engines).
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: KvCacheDtype = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

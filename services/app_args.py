@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 import msgspec
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
 
-from common.config import env
+from common.config import KvCacheDtype, env
 from common.mesh_options import DEVICE_PATTERN, MeshOptions, mesh_options
 from common.model.default import PRESETS, default_model_path
 from services.offline.options import OfflineOptions
@@ -37,7 +37,7 @@ class EngineArgs(_Args):
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # docs/prefix_caching.md
     # The KV cache's dtype: auto (the model's), float32 or bfloat16 (docs/serving.md#the-kv-cache).
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    kv_cache_dtype: KvCacheDtype = "auto"
     # Where the engine computes (common/device.py): auto (CUDA when the Router's replica sees a
     # GPU: give it `num_gpus` in its ray_actor_options), cpu, cuda or cuda:N.
     device: str = Field(default="auto", pattern=DEVICE_PATTERN)

@@ -46,7 +46,7 @@ def prefix_prefill_attention(
     step's k/v are attended to as the cache holds them, rounded, as every decode step and every
     prefix hit reads them, so a prompt prefilled again (a recompute, a replayed request)
     continues as it did."""
-    if key_cache.dtype != k.dtype:
+    if key_cache.element_size() < k.element_size():
         k, v = k.to(key_cache.dtype).to(k.dtype), v.to(value_cache.dtype).to(v.dtype)
     if not any(starts):
         return causal_attention(q, k, v, inputs_seq_lens, scale)

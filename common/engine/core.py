@@ -15,7 +15,14 @@ import torch
 
 from common.attention import select_backend
 from common.block_manager import BlockManager
-from common.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, cache_dir
+from common.config import (
+    CacheConfig,
+    EngineConfig,
+    KvCacheDtype,
+    ModelConfig,
+    SchedulerConfig,
+    cache_dir,
+)
 from common.device import resolve_device
 from common.engine.grammars import EngineGrammars
 from common.engine.request import FinishReason, Request, RequestOutput, check_prompt
@@ -101,7 +108,7 @@ class LLMEngine:
         starvation_s: float = 1.0,
         device: str = "auto",
         num_scheduler_steps: int = 1,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: KvCacheDtype = "auto",
     ) -> LLMEngine:
         """`device`: auto | cpu | cuda[:N] (common/device.py; auto: CUDA when there is one);
         `kv_cache_dtype`: auto (the model's) | float32 | bfloat16 (`CacheConfig`)."""
