@@ -124,3 +124,59 @@ def replacement_environ(server: ServeRun, deployment: str, killed: int) -> dict[
             return {p[0]: p[1] for p in pairs if len(p) == 2}
         assert time.monotonic() < deadline, f"no {deployment} replica replaced {killed}"
         time.sleep(0.5)
+
+
+def test_a_batch_whose_offline_replica_is_killed_mid_job_runs_online(server: ServeRun) -> None:
+    """The offline group's replica, which a batch job starts (the deployment scales to zero),
+    SIGKILLed while its workers run the job: the router's call to it fails, the batch runs
+    through the online API instead, every line answered with the online API's greedy text; and no
+    worker of the killed group is left behind."""
+    import json
+
+    bodies = [{"model": MODEL, "prompt": f"killed offline {i} is", "max_tokens": 48,
+               "temperature": 0} for i in range(6)]  # fmt: skip
+    rows = [{"custom_id": f"k{i}", "method": "POST", "url": "/v1/completions", "body": b}
+            for i, b in enumerate(bodies)]  # fmt: skip
+    assert server.pid is not None
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0,
+                       timeout=120) as client:  # fmt: skip
+        data = "\n".join(json.dumps(r) for r in rows).encode()
+        batch = client.batches.create(
+            input_file_id=client.files.create(file=("k.jsonl", data), purpose="batch").id,
+            endpoint="/v1/completions", completion_window="24h",
+        )  # fmt: skip
+        replica, workers = offline_replica_with_workers(server.pid, timeout_s=180)
+        os.kill(replica, signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while (batch := client.batches.retrieve(batch.id)).status != "completed":
+            assert batch.status in ("validating", "in_progress", "finalizing"), batch.status
+            assert time.monotonic() < deadline, batch.status
+            time.sleep(0.5)
+        assert batch.request_counts.completed == len(rows) and batch.output_file_id is not None
+        out = [json.loads(line) for line in
+               client.files.content(batch.output_file_id).text.splitlines() if line]  # fmt: skip
+        for record, body in zip(sorted(out, key=lambda r: r["custom_id"]), bodies, strict=True):
+            online = client.completions.create(**body)
+            assert record["response"]["body"]["choices"][0]["text"] == online.choices[0].text
+    assert "offline job failed; the batch runs online" in server.log_tail(400_000)
+    deadline = time.monotonic() + 30
+    while (left := [p for p in workers if Path(f"/proc/{p}").exists()]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    assert not left, f"the killed replica's offline workers {left} outlived it"
+
+
+def offline_replica_with_workers(root: int, timeout_s: float) -> tuple[int, list[int]]:
+    """The offline group's replica once its job's worker processes run, and those workers (the
+    processes multiprocessing's fork server, a child of the replica, forked)."""
+    from tests.e2e.serve_process import descendants, replica_pids_below
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for replica in replica_pids_below(root, "OfflineGroup"):
+            workers = [w for child in descendants(replica) for w in descendants(child)]
+            if workers:
+                return replica, workers
+        time.sleep(0.1)
+    raise TimeoutError(f"no offline replica with workers within {timeout_s} s")
