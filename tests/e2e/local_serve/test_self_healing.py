@@ -24,7 +24,7 @@ from common.model.default import default_model_path
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from tests.e2e.greedy_check import assert_text_greedy_close
-from tests.e2e.serve_process import ServeRun, replica_pid
+from tests.e2e.serve_process import ServeRun, descendants, replica_pid, replica_pids_below
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -138,6 +138,13 @@ def test_a_batch_whose_offline_replica_is_killed_mid_job_runs_online(server: Ser
     rows = [{"custom_id": f"k{i}", "method": "POST", "url": "/v1/completions", "body": b}
             for i, b in enumerate(bodies)]  # fmt: skip
     assert server.pid is not None
+    # A replica an earlier job started (it stays a minute after its last call) would take this
+    # job at once, maybe before any kill: wait until it scaled to zero, so that the replica with
+    # workers found below is the one this job started, its call already on it.
+    deadline = time.monotonic() + 300
+    while replica_pids_below(server.pid, "OfflineGroup"):
+        assert time.monotonic() < deadline, "the offline group did not scale to zero when idle"
+        time.sleep(1)
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="-", max_retries=0,
                        timeout=120) as client:  # fmt: skip
         data = "\n".join(json.dumps(r) for r in rows).encode()
@@ -170,8 +177,6 @@ def test_a_batch_whose_offline_replica_is_killed_mid_job_runs_online(server: Ser
 def offline_replica_with_workers(root: int, timeout_s: float) -> tuple[int, list[int]]:
     """The offline group's replica once its job's worker processes run, and those workers (the
     processes multiprocessing's fork server, a child of the replica, forked)."""
-    from tests.e2e.serve_process import descendants, replica_pids_below
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for replica in replica_pids_below(root, "OfflineGroup"):
