@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from collections.abc import Iterator
 
@@ -33,8 +34,16 @@ def test_cycles_dead_at_the_call_are_collected_not_frozen(unfreeze_after: None) 
 
 def test_live_objects_are_frozen_out_of_full_collections(unfreeze_after: None) -> None:
     survivor = _Node()
-    frozen = freeze_startup_heap()
-    assert frozen == gc.get_freeze_count() > 0
+    # NOTE: a frozen object another thread of this process frees (reference counting still
+    # frees them) leaves the count: no thread switch between the two reads, so both see one heap.
+    switch_s = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        frozen = freeze_startup_heap()
+        count = gc.get_freeze_count()
+    finally:
+        sys.setswitchinterval(switch_s)
+    assert frozen == count > 0
     # NOTE: `gc.get_objects()` lists only what collections can see: frozen objects are not in it.
     assert all(obj is not survivor for obj in gc.get_objects())
     gc.unfreeze()
