@@ -13,12 +13,18 @@ Measures, in one run (the machine is shared, so only same-run ratios mean anythi
 - torch's best path on the same data gathered contiguously: the faster of
   scaled_dot_product_attention and matmul -> softmax(float32) -> matmul with GQA by reshaping q.
 Every buffer is allocated and touched before timing and reused (a first touch is slow, and
-allocations over 32 MiB fault again on every call). Each figure is the median of
-`--repeats` calls after two warm-up rounds, timed round-robin with the copy probes at the same
-thread count, so each case's ceiling is measured under the same load as the kernel. Nothing is
-timed from cache: the calls rotate over as many KV sets as it takes to cover twice the last-level
-cache, and the probes' buffers are twice its size too (last-level caches range from tens to
-hundreds of MiB, and a run that fits in one reads far faster than memory allows).
+allocations over 32 MiB fault again on every call), on huge pages where the machine grants them,
+as the engine's KV pool is (common/host_memory.py; the JSON's `huge_pages` says whether it did).
+Nothing is timed from cache: each case has as many KV sets as it takes to cover the probes'
+buffers, themselves twice the last-level cache or more (last-level caches range from tens to
+hundreds of MiB, and a run that fits in one reads far faster than memory allows). A sample of a
+path is one pass over all the sets, a call each, as a decode step calls each layer's attention in
+turn: it reads the bytes the read probe reads in one call. (Single calls of a few milliseconds,
+against a probe call of ten or more, took the ramp of cores coming back from other work and the
+host's bandwidth of that moment alone: the same build's bfloat16 GQA ratios swung 0.52-0.83 run
+to run; docs/benchmarks/kernels.md.) Each figure is the median of `--repeats` samples after two
+warm-up rounds, timed round-robin with the copy probes at the same thread count, so each case's
+ceiling is measured under the same load as the kernel.
 The last line is one JSON object with the figures, the ratios kernel/memory-bandwidth (the
 copy ceiling above), kernel/read-probe, kernel/torch-best and paged/contiguous, `targets` and
 `targets_met` (each target against its worst case).
@@ -62,16 +68,9 @@ from common.attention.cpu_kernel import (  # noqa: E402
     prefetch_target,
     supported_isas,
 )
+from common.host_memory import huge_page_bytes, huge_page_zeros  # noqa: E402
 
 BLOCK_SIZE = 16  # the engine's default (`--block-size` to measure others)
-# NOTE: huge pages were tried for the paged caches, whose scattered 4-8 KiB tiles each cost a TLB
-# miss: an mmap'd, MADV_HUGEPAGE'd copy (THP is `madvise` here) got no huge page on these VMs
-# (AnonHugePages stayed 0 kB after writing it) and read as fast as the plain one (2 threads, GQA
-# b1 x 32768 bf16: 0.772 against 0.768 of the read probe). On a later VM huge pages were granted
-# (THP_MEM_ALLOC_ENABLE=1: torch's CPU allocator madvises them, AnonHugePages grew by every
-# buffer) and changed nothing (2 alternations each: kernel 15.6-23.6 GB/s at 1 thread against
-# 18.1-21.9 without, min kernel / read probe at 2 threads 0.74 / 0.62 against 0.75 / 0.79): the
-# scattered tiles' page walks are not what holds the kernel.
 MIN_PROBE_BYTES = 256 << 20
 TARGETS = {"kernel_over_mem_2t": 0.70, "over_torch_gqa": 2.0, "over_torch_mha": 1.5}
 TARGETS["paged_over_contig"] = 0.85
@@ -163,8 +162,9 @@ class MemoryProbes:
 
     def __init__(self, num_bytes: int) -> None:
         self.num_bytes = num_bytes
-        self.src = torch.ones(num_bytes // 4)
-        self.dst = torch.zeros(num_bytes // 4)  # torch.zeros writes it: touched before timing
+        # On huge pages, as the KV sets: the same kind of memory as what they are compared with.
+        self.src = huge_page_zeros((num_bytes // 4,), torch.float32).fill_(1.0)
+        self.dst = huge_page_zeros((num_bytes // 4,), torch.float32)  # written: touched
 
     def fns(self, threads: int) -> dict[str, Callable[[int], object]]:
         from phasemesh_attention_kernel import copy, read_sum  # the kernel module's C probes
@@ -213,6 +213,11 @@ def to_paged(x: torch.Tensor, transpose: bool, block_size: int) -> torch.Tensor:
     return blocks.reshape(-1, heads, *blocks.shape[3:]).contiguous()
 
 
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` on huge pages, as the engine allocates its KV pool (common/host_memory.py)."""
+    return huge_page_zeros(t.shape, t.dtype).copy_(t)
+
+
 def make_kv_set(
     shape: Shape, dtype: torch.dtype, gen: torch.Generator, block_size: int = BLOCK_SIZE
 ) -> KvSet:
@@ -226,16 +231,18 @@ def make_kv_set(
     perm = torch.randperm(num_blocks, generator=gen)
     key_cache, value_cache = torch.empty_like(contig_k), torch.empty_like(contig_v)
     key_cache[perm], value_cache[perm] = contig_k, contig_v  # block i now lives at perm[i]
-    return KvSet(
-        k, v, key_cache, value_cache, perm.to(torch.int32)[order.long()], contig_k, contig_v, order
-    )
+    return copy_of(
+        KvSet(k, v, key_cache, value_cache, perm.to(torch.int32)[order.long()], contig_k,
+              contig_v, order)
+    )  # fmt: skip
 
 
 def copy_of(kv: KvSet) -> KvSet:
-    """Another set for the rotation: the same values in memory of its own. What keeps a call's
+    """Another set for the rotation: the same values in memory of its own, every tensor on huge
+    pages (torch's inputs too: each path reads the same kind of memory). What keeps a call's
     data out of cache is where its set lies, not what it holds, and copying is far cheaper than
     drawing and laying out new values."""
-    return KvSet(*(getattr(kv, f.name).clone() for f in fields(kv)))
+    return KvSet(*(on_huge_pages(getattr(kv, f.name)) for f in fields(kv)))
 
 
 def torch_sdpa(q: torch.Tensor, kv: KvSet) -> torch.Tensor:
@@ -255,8 +262,9 @@ def time_case(
     shape: Shape, dtype: torch.dtype, threads: int, sets: list[KvSet], probes: MemoryProbes,
     repeats: int,
 ) -> dict[str, float]:  # fmt: skip
-    """Seconds per call: kernel (paged, contiguous), the two torch paths, and the memory probes
-    (interleaved with them, so the ceiling is measured under the same load)."""
+    """Seconds per call: kernel (paged, contiguous), the two torch paths (each timed over a pass
+    of calls, one per set), and the memory probes (interleaved with them, so the ceiling is
+    measured under the same load)."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(threads)
     q = torch.randn(shape.batch, shape.num_q_heads, shape.head_dim, generator=gen).to(dtype)
@@ -266,28 +274,33 @@ def time_case(
     kernel = CpuKernelAttention(num_threads=threads)
     scale = 1.0 / math.sqrt(shape.head_dim)
 
-    def paged(i: int) -> None:
-        s = sets[i % len(sets)]
-        kernel.decode(q, s.key_cache, s.value_cache, s.block_tables, lens, scale, out=out, lse=lse)
+    # A sample of a path is a pass over every set, a call each (as a decode step calls each
+    # layer's attention in turn): it reads the bytes the read probe reads in one call.
+    def paged(_: int) -> None:
+        for s in sets:
+            kernel.decode(
+                q, s.key_cache, s.value_cache, s.block_tables, lens, scale, out=out, lse=lse
+            )
 
-    def contiguous(i: int) -> None:
-        s = sets[i % len(sets)]
-        kernel.decode(
-            q, s.contig_key_cache, s.contig_value_cache, s.contig_block_tables, lens, scale,
-            out=out, lse=lse,
-        )  # fmt: skip
+    def contiguous(_: int) -> None:
+        for s in sets:
+            kernel.decode(
+                q, s.contig_key_cache, s.contig_value_cache, s.contig_block_tables, lens, scale,
+                out=out, lse=lse,
+            )  # fmt: skip
 
+    def sdpa(_: int) -> None:
+        for s in sets:
+            torch_sdpa(q, s)
+
+    def matmul(_: int) -> None:
+        for s in sets:
+            torch_matmul(q, s)
+
+    paths = {"kernel": paged, "contig": contiguous, "sdpa": sdpa, "matmul": matmul}
     with torch.inference_mode():
-        return interleaved_medians(
-            {
-                "kernel": paged,
-                "contig": contiguous,
-                "sdpa": lambda i: torch_sdpa(q, sets[i % len(sets)]),
-                "matmul": lambda i: torch_matmul(q, sets[i % len(sets)]),
-                **probes.fns(threads),
-            },
-            repeats,
-        )
+        seconds = interleaved_medians({**paths, **probes.fns(threads)}, repeats)
+    return {name: t / len(sets) if name in paths else t for name, t in seconds.items()}
 
 
 def case_figures(
@@ -390,6 +403,8 @@ def main() -> None:
              "block_size": args.block_size}  # fmt: skip
     setup["llc_mib"] = last_level_cache_bytes() >> 20
     setup["rotation_mib"] = rotation >> 20
+    # Whether this machine granted the buffers huge pages (they fall back to 4 KiB pages).
+    setup["huge_pages"] = huge_page_bytes(probes.src) > 0
     setup["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "default")
     print(json.dumps({**setup, "memory": memory, "summary": summary, "targets": TARGETS,
                       "targets_met": targets_met(summary), "cases": cases}))  # fmt: skip

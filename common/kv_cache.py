@@ -11,6 +11,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from common.attention.cpu_kernel import extension
+from common.host_memory import huge_page_zeros
 
 _EXT = extension()
 
@@ -32,15 +33,16 @@ class KVCache:
         self.block_size = block_size
         self.device = device or torch.device("cpu")
         self.on_device = self.device.type != "cpu"
-        # NOTE: torch.zeros touches every page now; a first touch mid-decode would stall its step.
-        self.key = torch.zeros(
-            num_layers, num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype,
-            device=self.device,
-        )  # fmt: skip
-        self.value = torch.zeros(
-            num_layers, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
-            device=self.device,
-        )  # fmt: skip
+        key_shape = (num_layers, num_blocks, num_kv_heads, head_dim, block_size)
+        value_shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        # NOTE: every page is touched now (a first touch mid-decode would stall its step); on the
+        # CPU on huge pages, where the kernel walks tiles in block-table order (host_memory.py).
+        if self.on_device:
+            self.key = torch.zeros(key_shape, dtype=dtype, device=self.device)
+            self.value = torch.zeros(value_shape, dtype=dtype, device=self.device)
+        else:
+            self.key = huge_page_zeros(key_shape, dtype)
+            self.value = huge_page_zeros(value_shape, dtype)
         # Each layer's views, made once: indexing a 5-D tensor costs a microsecond or so, paid
         # several times per layer per step otherwise.
         self.key_layers: list[torch.Tensor] = list(self.key.unbind(0))
