@@ -51,6 +51,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 import torch  # noqa: E402
 from torch.utils.dlpack import to_dlpack  # noqa: E402
 
+if sys.path[0] == str(Path(__file__).resolve().parent):  # run as a script: the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from common.host_memory import huge_page_zeros  # noqa: E402
+
 BLOCK_SIZE = 16
 ROTATION_BYTES = 256 << 20
 SHAPES = {  # batch, context, q heads, kv heads, head_dim (bench/attention.py's shapes)
@@ -102,8 +106,10 @@ def kv_sets(
     num_blocks = batch * context // BLOCK_SIZE
     sets = []
     for _ in range(max(1, math.ceil(rotation_bytes / kv_bytes))):
+        # On huge pages, as the engine's KV pool (common/host_memory.py).
         k = torch.randn(num_blocks, num_kv_heads, head_dim, BLOCK_SIZE, generator=gen).to(dtype)
         v = torch.randn(num_blocks, num_kv_heads, BLOCK_SIZE, head_dim, generator=gen).to(dtype)
+        k, v = (huge_page_zeros(x.shape, x.dtype).copy_(x) for x in (k, v))
         table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(batch, -1)
         sets.append((k, v, table))
     return sets

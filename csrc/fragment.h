@@ -12,12 +12,10 @@
 namespace pm {
 
 constexpr int kMaxLanes = 16;  // widest SIMD vector in floats (AVX-512)
-// Tokens per online-softmax step: a few blocks share one max/rescale and one pass over V, and
-// their tiles are read side by side (8 blocks of 16: eight streams of lines in flight).
+// Tokens per online-softmax step, float32 and bfloat16 alike: a few blocks share one
+// max/rescale and one pass over V, and their tiles are read side by side (8 blocks of 16: eight
+// streams of lines in flight). See the NOTE on step sizes in fragment_kernel.h.
 constexpr int kStepSlots = 128;
-// bfloat16 steps take half the tokens (4 blocks of 16: 16 KiB of K, as a float32 step of 128
-// tokens reads 64): see the NOTE on step sizes in fragment_kernel.h.
-constexpr int kStepSlotsBf16 = kStepSlots / 2;
 constexpr int kMaxStepBlocks = kStepSlots / 4;  // block_size is a multiple of 4 (the narrowest ISA)
 
 enum class KvDtype { kFloat32, kBfloat16 };

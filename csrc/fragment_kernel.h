@@ -41,8 +41,11 @@
 // probe differs by machine: the paged layout's scattered tiles on one, the core's own work per
 // K/V value (4 FMAs and the widening) and its line fill buffers on the other.
 //
-// NOTE: step size. bfloat16 steps are 64 tokens (4 blocks of 16), float32 ones 128: each
-// measured against the other size (bench/attention_ab.py), neither gained by changing.
+// NOTE: step size. Steps are 128 tokens (8 blocks of 16) in either dtype. bfloat16 steps of 64
+// tokens, with the first lines of the step after next's tiles prefetched to L2 to make up the
+// shorter distance, ran slower on a KV pool on huge pages (host_memory.py) and on 4 KiB pages alike
+// (bench/attention_ab.py, docs/benchmarks/kernels.md); with 128-token steps that far prefetch
+// gains nothing, as it never did for float32, and is gone.
 
 typedef float VecF __attribute__((vector_size(PM_LANES * 4)));
 typedef int32_t VecI __attribute__((vector_size(PM_LANES * 4)));
@@ -466,34 +469,11 @@ Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int6
   return step;
 }
 
-// The first lines of each K and V tile of the step after next, to L2 (T1): the L2's stream
-// prefetcher then fetches the rest of the tile's page on its own. The tiles of the next step
-// come to L1 or L2 line by line during this one (score_rows, accumulate_rows), one step ahead: with
-// bfloat16's 64-token steps that is ~32 KiB in flight per thread, short of what hides a
-// scattered tile's latency. bfloat16 gains from it in paired A/B runs (bench/attention_ab.py,
-// docs/benchmarks/kernels.md); float32 (128-token steps: twice the bytes one step ahead) does not,
-// so it does not take them. Two lines a tile: four gained less, one was mixed.
-template <typename KV>
-inline void prefetch_far_step(const FragmentArgs& a, const KV* keys, const KV* values, int64_t b,
-                              int blocks_per_step) {
-  constexpr int kLines = 2;
-  for (int j = 0; j < blocks_per_step; ++j) {
-    const int64_t far = b + 2 * blocks_per_step + j;
-    if (far >= a.block_end) return;
-    const int64_t offset = walk_offset(a, far);
-    for (int line = 0; line < kLines; ++line) {
-      __builtin_prefetch(reinterpret_cast<const char*>(keys + offset) + 64 * line, 0, 2);
-      __builtin_prefetch(reinterpret_cast<const char*>(values + offset) + 64 * line, 0, 2);
-    }
-  }
-}
-
 // kHint: the locality hint of the prefetches that bring the next tiles (3: into L1, 2: into L2).
 template <typename KV, int kHint>
 void attend(const FragmentArgs& a, const FragmentState& st) {
   const int G = a.group_size, D = a.head_dim, B = a.block_size;
-  constexpr int kSlots = sizeof(KV) == 2 ? kStepSlotsBf16 : kStepSlots;
-  const int blocks_per_step = B >= kSlots ? 1 : kSlots / B;
+  const int blocks_per_step = B >= kStepSlots ? 1 : kStepSlots / B;
   const int max_stride = blocks_per_step * B;
   float* alpha = st.scratch + G * max_stride;  // [G]
   float* lane_sums = alpha + G;                // [G][kLanes]
@@ -503,7 +483,6 @@ void attend(const FragmentArgs& a, const FragmentState& st) {
   const KV* keys = static_cast<const KV*>(a.key_cache);
   const KV* values = static_cast<const KV*>(a.value_cache);
   for (int64_t b = a.block_begin; b < a.block_end; b += blocks_per_step) {
-    if constexpr (sizeof(KV) == 2) prefetch_far_step(a, keys, values, b, blocks_per_step);
     const Step<KV> step = make_step(a, keys, values, b, blocks_per_step);
     const int stride = step.num_blocks * B;
     score_step<kHint>(a.q, step, G, D, B, st.scratch, stride);
