@@ -134,7 +134,7 @@ def timed_calls(
             args_in = [to_dlpack(x) for x in (q, k, v, table, lens)]
             start = clock()
             kernels[tag].decode(*args_in, None, to_dlpack(out), to_dlpack(lse), 0.088, 0, -1,
-                                args.threads, "auto")  # fmt: skip
+                                args.threads, args.isa)  # fmt: skip
             times[tag].append(clock() - start)
         start = clock()
         mods["a"].read_sum(mods["a"].probe, args.threads)
@@ -192,6 +192,9 @@ def main() -> None:
         help="KV bytes the calls rotate over; below the LLC (and with --batch) times from cache",
     )
     parser.add_argument("--batch", type=int, default=0, help="override every shape's batch")
+    parser.add_argument("--isa", default="auto",
+                        help="the kernel ISA both builds run (auto: the best this CPU has; "
+                             "avx2 on an AVX-512 machine times the AVX2 path)")  # fmt: skip
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="attention_ab_"))
     try:
@@ -215,7 +218,7 @@ def run(work: Path, args: argparse.Namespace) -> None:
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     policy = os.environ["OMP_WAIT_POLICY"]
-    print(json.dumps({"threads": args.threads, "clock": args.clock, "load": load,
+    print(json.dumps({"threads": args.threads, "clock": args.clock, "isa": args.isa, "load": load,
                       "omp_wait_policy": policy, "cases": rows}))  # fmt: skip
 
 

@@ -41,11 +41,17 @@
 // probe differs by machine: the paged layout's scattered tiles on one, the core's own work per
 // K/V value (4 FMAs and the widening) and its line fill buffers on the other.
 //
-// NOTE: step size. Steps are 128 tokens (8 blocks of 16) in either dtype. bfloat16 steps of 64
-// tokens, with the first lines of the step after next's tiles prefetched to L2 to make up the
-// shorter distance, ran slower on a KV pool on huge pages (host_memory.py) and on 4 KiB pages alike
-// (bench/attention_ab.py, docs/benchmarks/kernels.md); with 128-token steps that far prefetch
-// gains nothing, as it never did for float32, and is gone.
+// NOTE: step size. Steps are 128 tokens (8 blocks of 16) in either dtype, 64 on AVX2
+// (fragment_avx2.cpp says why). On AVX-512, bfloat16 steps of 64 tokens, with the first lines
+// of the step after next's tiles prefetched to L2 to make up the shorter distance, ran slower on
+// a KV pool on huge pages (host_memory.py) and on 4 KiB pages alike (bench/attention_ab.py,
+// docs/benchmarks/kernels.md); that far prefetch gained nothing with 128-token steps, as it
+// never did for float32, nor on AVX2's 64-token bfloat16 steps, and is gone.
+
+// Tokens a step: kStepSlots unless the ISA's unit sets fewer (fragment_avx2.cpp says why).
+#ifndef PM_STEP_SLOTS
+#define PM_STEP_SLOTS kStepSlots
+#endif
 
 typedef float VecF __attribute__((vector_size(PM_LANES * 4)));
 typedef int32_t VecI __attribute__((vector_size(PM_LANES * 4)));
@@ -55,6 +61,8 @@ typedef uint16_t VecH __attribute__((vector_size(PM_LANES * 2)));
 namespace {
 
 constexpr int kLanes = PM_LANES;
+constexpr int kSteps = PM_STEP_SLOTS;
+static_assert(kSteps <= kStepSlots, "the scratch holds kStepSlots scores a row");
 constexpr float kMinusInf = -__builtin_inff();
 
 inline VecF splat(float x) { return VecF{} + x; }
@@ -473,7 +481,7 @@ Step<KV> make_step(const FragmentArgs& a, const KV* keys, const KV* values, int6
 template <typename KV, int kHint>
 void attend(const FragmentArgs& a, const FragmentState& st) {
   const int G = a.group_size, D = a.head_dim, B = a.block_size;
-  const int blocks_per_step = B >= kStepSlots ? 1 : kStepSlots / B;
+  const int blocks_per_step = B >= kSteps ? 1 : kSteps / B;
   const int max_stride = blocks_per_step * B;
   float* alpha = st.scratch + G * max_stride;  // [G]
   float* lane_sums = alpha + G;                // [G][kLanes]
