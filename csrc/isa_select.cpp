@@ -35,8 +35,8 @@ bool fits(const IsaKernels& k, int64_t head_dim, int64_t block_size) {
 // L2 (T1), on every shape and dtype measured, head sizes 64 and 128, including steps whose K and
 // V fit L1 several times over; on Zen 5 bfloat16 read slower that way and on Emerald Rapids
 // neither gained beyond noise (bench/attention_ab.py; docs/benchmarks/kernels.md, "Kernel design
-// experiments"). So it is a property of the core's miss handling, not of the step's size. Zen 3
-// (also family 19h) is taken to be Zen 4's kind, unmeasured.
+// experiments"). So it is a property of the core's miss handling, not of the step's size. On
+// Zen 3 (also family 19h, the AVX2 path) L1 and L2 read alike in paired runs: L2 as Zen 4.
 PrefetchTo attention_prefetch_target() {
 #if defined(__x86_64__) || defined(__i386__)
   if (__builtin_cpu_is("amdfam19h")) return PrefetchTo::kL2;  // Zen 3 and Zen 4
