@@ -148,12 +148,16 @@ def idle_cores(root: int) -> dict[str, float]:
     `server_idle_tree_cores`, the server's own processes' alone (what a shared machine's other
     work does not inflate)."""
     pids = server_pids(root)
-    box_before, tree_before = box_busy_s(), sum(map(process_cpu_s, pids))
-    start = time.perf_counter()
+    # NOTE: the box's window holds the tree's: box read first and last. Reading ~40 processes'
+    # /proc takes a while, and on a loaded machine this process can wait far longer between two
+    # reads; the tree's CPU of that wait fell outside the box's window when the box was read
+    # first at the end, and the tree could read above the whole box.
+    start, box_before = time.perf_counter(), box_busy_s()
+    tree_before = sum(map(process_cpu_s, pids))
     time.sleep(IDLE_S)
-    span = time.perf_counter() - start
-    box = (box_busy_s() - box_before) / span
-    tree = (sum(map(process_cpu_s, pids)) - tree_before) / span  # an exited one reads 0: >= 0
+    tree_after = sum(map(process_cpu_s, pids))  # an exited one reads 0: the tree reads less
+    box_after, span = box_busy_s(), time.perf_counter() - start
+    box, tree = (box_after - box_before) / span, (tree_after - tree_before) / span
     # NOTE: /proc/stat counts in clock ticks: a box busy throughout can read a hair over its cores.
     return {"server_idle_box_cores": min(box, float(os.cpu_count() or 1)),
             "server_idle_tree_cores": max(tree, 0.0)}  # fmt: skip
