@@ -100,7 +100,11 @@ def test_a_served_path_records_each_mode_and_a_failed_batch_leaves_no_served_pro
         # The idle server's whole machine: Ray's runtime is never fully asleep (nor more than
         # the box).
         assert 0 < figures["server_idle_box_cores"] <= (os.cpu_count() or 1)
-        # Its own processes' share of that (a clock tick's rounding apart).
-        assert 0 < figures["server_idle_tree_cores"] <= figures["server_idle_box_cores"] + 0.05
+        # Its own processes' cores. NOTE: not bounded by the box's: the box is /proc/stat,
+        # sampled at the scheduler's tick (CONFIG_TICK_CPU_ACCOUNTING), the tree each process's
+        # exact run time, and an idle Ray runtime is thousands of runs a second shorter than a
+        # tick, on cores that stop ticking when idle: the tick sees less of them than ran, and
+        # the tree can read above the box (as 40 processes waking every 2 ms for 10 us do).
+        assert 0 < figures["server_idle_tree_cores"] <= (os.cpu_count() or 1)
     assert "tbt_ms_p50" in by_mode["stream"][1] and "latency_ms_p50" in by_mode["plain"][1]
     assert wait_gone(set().union(*trees)) == set()
