@@ -30,16 +30,16 @@
 //
 // NOTE: tried and left out, each slower or within noise in paired A/B runs, the figures in
 // docs/benchmarks/kernels.md ("Kernel design experiments"): scoring or accumulating bfloat16 with
-// vdpbf16ps (it also rounds q or the probabilities to bfloat16, so the output would depend on
-// the work partition), wider bfloat16 steps, a V widening from one load on Emerald Rapids (not
+// vdpbf16ps (it also rounds q or the probabilities to bfloat16, so the output would depend on the
+// work partition), bfloat16 steps of 256 tokens, a V widening from one load on Emerald Rapids (not
 // load_pair's shift and mask, which has no shuffle and gained on Zen 5), and K scored two rows a
 // load by load_pair (each half of a vector one row, against q pairs: twice the accumulators per
-// tile, so half the tiles side by side; slower from memory), and bfloat16 on AMX tiles (exact
-// with q and the probabilities split in three bfloat16 parts; slower, even timed as if the cache
-// were laid out in the tiles' pair rows: for decode's few query rows a tile load and multiply
-// cost more than the FMAs they replace). What holds GQA below the read
-// probe differs by machine: the paged layout's scattered tiles on one, the core's own work per
-// K/V value (4 FMAs and the widening) and its line fill buffers on the other.
+// tile, so half the tiles side by side; slower from memory), and bfloat16 on AMX tiles (exact with
+// q and the probabilities split in three bfloat16 parts; slower, even timed as if the cache were
+// laid out in the tiles' pair rows: for decode's few query rows a tile load and multiply cost more
+// than the FMAs they replace). What holds GQA below the read probe differs by machine: the paged
+// layout's scattered tiles on one, the core's own work per K/V value (4 FMAs and the widening) and
+// its line fill buffers on the other.
 //
 // NOTE: step size. Steps are 128 tokens (8 blocks of 16) in either dtype, 64 on AVX2
 // (fragment_avx2.cpp says why). On AVX-512, bfloat16 steps of 64 tokens, with the first lines
