@@ -32,7 +32,10 @@ A served path also reports, over 10 s with the server up and idle before its bat
 `server_idle_box_cores`: the whole machine's busy cores (Ray's runtime and the idle replicas,
 what the served engines share their cores with, plus whatever else a shared machine runs), and
 `server_idle_tree_cores`: the server's own processes' (every process of the `serve run`'s
-session; `bench/idle_cost.py` splits it up).
+session; `bench/idle_cost.py` splits it up). The box comes from /proc/stat, which kernels that
+account CPU by the tick (`CONFIG_TICK_CPU_ACCOUNTING`) sample every tick: an idle runtime's runs,
+thousands a second and far shorter than a tick, read low or high there; the tree is each
+process's exact run time, and can read above the box.
 
 The last line is one JSON object with `targets` and `targets_met` (streamed requests; plain
 ones in `targets_met_plain`).
