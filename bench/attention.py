@@ -19,12 +19,11 @@ Nothing is timed from cache: each case has as many KV sets as it takes to cover 
 buffers, themselves twice the last-level cache or more (last-level caches range from tens to
 hundreds of MiB, and a run that fits in one reads far faster than memory allows). A sample of a
 path is one pass over all the sets, a call each, as a decode step calls each layer's attention in
-turn: it reads the bytes the read probe reads in one call. (Single calls of a few milliseconds,
-against a probe call of ten or more, took the ramp of cores coming back from other work and the
-host's bandwidth of that moment alone: the same build's bfloat16 GQA ratios swung 0.52-0.83 run
-to run; docs/benchmarks/kernels.md.) Each figure is the median of `--repeats` samples after two
-warm-up rounds, timed round-robin with the copy probes at the same thread count, so each case's
-ceiling is measured under the same load as the kernel.
+turn: it reads the bytes the read probe reads in one call. (A single call of a few milliseconds,
+against a far longer probe call, took alone the ramp of cores coming back from other work and the
+host's bandwidth of that moment; docs/benchmarks/kernels.md has the runs.) Each figure is the
+median of `--repeats` samples after two warm-up rounds, timed round-robin with the copy probes at
+the same thread count, so each case's ceiling is measured under the same load as the kernel.
 The last line is one JSON object with the figures, the ratios kernel/memory-bandwidth (the
 copy ceiling above), kernel/read-probe, kernel/torch-best and paged/contiguous, `targets` and
 `targets_met` (each target against its worst case).
@@ -68,7 +67,7 @@ from common.attention.cpu_kernel import (  # noqa: E402
     prefetch_target,
     supported_isas,
 )
-from common.host_memory import huge_page_bytes, huge_page_zeros  # noqa: E402
+from common.host_memory import huge_page_bytes, huge_page_copy, huge_page_zeros  # noqa: E402
 
 BLOCK_SIZE = 16  # the engine's default (`--block-size` to measure others)
 MIN_PROBE_BYTES = 256 << 20
@@ -213,11 +212,6 @@ def to_paged(x: torch.Tensor, transpose: bool, block_size: int) -> torch.Tensor:
     return blocks.reshape(-1, heads, *blocks.shape[3:]).contiguous()
 
 
-def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` on huge pages, as the engine allocates its KV pool (common/host_memory.py)."""
-    return huge_page_zeros(t.shape, t.dtype).copy_(t)
-
-
 def make_kv_set(
     shape: Shape, dtype: torch.dtype, gen: torch.Generator, block_size: int = BLOCK_SIZE
 ) -> KvSet:
@@ -242,7 +236,7 @@ def copy_of(kv: KvSet) -> KvSet:
     pages (torch's inputs too: each path reads the same kind of memory). What keeps a call's
     data out of cache is where its set lies, not what it holds, and copying is far cheaper than
     drawing and laying out new values."""
-    return KvSet(*(on_huge_pages(getattr(kv, f.name)) for f in fields(kv)))
+    return KvSet(*(huge_page_copy(getattr(kv, f.name)) for f in fields(kv)))
 
 
 def torch_sdpa(q: torch.Tensor, kv: KvSet) -> torch.Tensor:

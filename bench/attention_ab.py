@@ -53,7 +53,7 @@ from torch.utils.dlpack import to_dlpack  # noqa: E402
 
 if sys.path[0] == str(Path(__file__).resolve().parent):  # run as a script: the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
-from common.host_memory import huge_page_zeros  # noqa: E402
+from common.host_memory import huge_page_copy  # noqa: E402
 
 BLOCK_SIZE = 16
 ROTATION_BYTES = 256 << 20
@@ -109,7 +109,7 @@ def kv_sets(
         # On huge pages, as the engine's KV pool (common/host_memory.py).
         k = torch.randn(num_blocks, num_kv_heads, head_dim, BLOCK_SIZE, generator=gen).to(dtype)
         v = torch.randn(num_blocks, num_kv_heads, BLOCK_SIZE, head_dim, generator=gen).to(dtype)
-        k, v = (huge_page_zeros(x.shape, x.dtype).copy_(x) for x in (k, v))
+        k, v = huge_page_copy(k), huge_page_copy(v)
         table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(batch, -1)
         sets.append((k, v, table))
     return sets

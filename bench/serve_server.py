@@ -148,10 +148,9 @@ def idle_cores(root: int) -> dict[str, float]:
     `server_idle_tree_cores`, the server's own processes' alone (what a shared machine's other
     work does not inflate)."""
     pids = server_pids(root)
-    # NOTE: the box's window holds the tree's: box read first and last. Reading ~40 processes'
-    # /proc takes a while, and on a loaded machine this process can wait far longer between two
-    # reads; the tree's CPU of that wait fell outside the box's window when the box was read
-    # first at the end, and the tree could read above the whole box.
+    # The box's window holds the tree's (box read first and last), so that no CPU the tree used
+    # while ~40 processes' /proc files were read falls outside the box's. The two still differ:
+    # /proc/stat samples at the tick, a process's times are exact (bench/serve.py says more).
     start, box_before = time.perf_counter(), box_busy_s()
     tree_before = sum(map(process_cpu_s, pids))
     time.sleep(IDLE_S)

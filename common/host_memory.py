@@ -45,6 +45,8 @@ def huge_pages_available() -> bool:
 def huge_page_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor whose pages are all touched, on 2 MiB pages where the
     kernel has them (see the module docstring)."""
+    if any(size < 0 for size in shape):
+        raise ValueError(f"negative dimension in shape {tuple(shape)}")
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
@@ -66,6 +68,11 @@ def huge_page_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> 
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
+def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor, on huge pages as `huge_page_zeros` makes them."""
+    return huge_page_zeros(tensor.shape, tensor.dtype).copy_(tensor)
+
+
 def huge_page_bytes(tensor: torch.Tensor) -> int:
     """Bytes of huge pages backing the mapping that holds `tensor`'s first element, as
     /proc/self/smaps reports them (0 on 4 KiB pages, or where smaps cannot be read)."""
@@ -85,4 +92,10 @@ def huge_page_bytes(tensor: torch.Tensor) -> int:
     return 0
 
 
-__all__ = ["HUGE_PAGE", "huge_page_bytes", "huge_page_zeros", "huge_pages_available"]
+__all__ = [
+    "HUGE_PAGE",
+    "huge_page_bytes",
+    "huge_page_copy",
+    "huge_page_zeros",
+    "huge_pages_available",
+]

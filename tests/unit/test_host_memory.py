@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from common import host_memory
-from common.host_memory import HUGE_PAGE, huge_page_bytes, huge_page_zeros, huge_pages_available
+from common.host_memory import (
+    HUGE_PAGE,
+    huge_page_bytes,
+    huge_page_copy,
+    huge_page_zeros,
+    huge_pages_available,
+)
 from common.kv_cache import KVCache
 
 _THP_SETTING = host_memory._THP_ENABLED.read_text() if host_memory._THP_ENABLED.exists() else ""
@@ -41,6 +47,18 @@ def test_the_memory_lives_as_long_as_a_view_of_it():
 
 def test_an_empty_shape_is_an_empty_tensor():
     assert huge_page_zeros((0, 16), torch.float32).shape == (0, 16)
+
+
+def test_a_negative_dimension_is_refused_as_torch_refuses_it():
+    with pytest.raises(ValueError, match="negative dimension"):
+        huge_page_zeros((-1, 16), torch.float32)
+
+
+def test_a_copy_holds_the_values_contiguous_and_aligned():
+    source = torch.arange(3 * HUGE_PAGE // 4, dtype=torch.float32).view(-1, 3).t()  # strided
+    copy = huge_page_copy(source)
+    assert copy.is_contiguous() and copy.data_ptr() % HUGE_PAGE == 0
+    assert torch.equal(copy, source)
 
 
 @needs_thp
